@@ -1,0 +1,40 @@
+# Everything a fresh machine needs, in two commands: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The install is strict-editable (setuptools links each file), so it is redone
+# whenever the set of package files changes, not on every edit.
+PKG_FILES := $(shell find gpusteward collectors streams rules -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.proto' \) 2>/dev/null | sort)
+STAMP := $(VENV)/.installed-$(shell echo "$(PKG_FILES)" | cat - pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: install system-deps demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]' --config-settings editable_mode=strict
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+install: $(STAMP)
+
+# Debian packages the integration tests start for real (Prometheus, Alertmanager).
+system-deps:
+	@bash .ci/system-deps
+
+demo: install
+	$(BIN)/gpusteward demo
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/mypy tests benchmarks
+
+test: install system-deps lint
+	$(BIN)/pytest
+
+bench: install
+	$(BIN)/python -P benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""The fleet simulator: deterministic scenarios that publish what real collectors publish."""

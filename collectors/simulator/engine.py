@@ -1,0 +1,412 @@
+"""The simulated fleet: a small scheduler, workloads with utilisation profiles, faults.
+
+It publishes exactly what the real collectors publish (one NodeSample per
+node per tick with per-pod attribution, pod and node allocation events,
+queue events, urgent hardware events) and keeps its own ground truth: which
+pod was placed where and when, the idle stretches it injected, the faults,
+and the cordons it received. Tests compare the pipeline's findings with it.
+
+Time is simulated: every tick advances ``sample_interval_s`` of event time
+and waits ``sample_interval_s / acceleration`` of wall time (no wait at
+acceleration 0). A cordon asked for by the remediation executor takes effect
+at the next tick: the scheduler places nothing new on a cordoned node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid as uuidlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from gpusteward.collectors.publisher import Publisher
+from gpusteward.collectors.simulator.scenario import Phase, Scenario, WorkloadGroup
+from gpusteward.schema import (
+    DeviceSample,
+    HwEvent,
+    NodeInventory,
+    NodeSample,
+    PodAllocation,
+    PodRef,
+    QueueEvent,
+    Taint,
+)
+
+IDLE_TRUTH_PCT = 5.0
+"""A phase whose activity never reaches this (percent) is injected idleness."""
+
+GIB = 1 << 30
+
+
+class IdlePeriod(msgspec.Struct):
+    """An injected idle stretch of a pod that held a device."""
+
+    namespace: str
+    pod: str
+    kind: str
+    node: str
+    device: str
+    pod_started_at: float
+    start: float
+    end: float
+
+
+class PodRecord(msgspec.Struct):
+    namespace: str
+    pod: str
+    kind: str
+    node: str
+    devices: list[str]
+    started_at: float
+    ended_at: float | None
+    idle: bool
+    """True if any of its phases is injected idleness."""
+
+
+class FaultRecord(msgspec.Struct):
+    kind: str
+    node: str
+    device: str
+    ts: float
+
+
+class CordonRecord(msgspec.Struct):
+    node: str
+    ts: float
+    reason: str
+
+
+class GroundTruth(msgspec.Struct):
+    """What the simulator did, for tests and the demo summary."""
+
+    scenario: str
+    seed: int
+    start_ts: float
+    end_ts: float
+    sample_interval_s: float
+    pods: list[PodRecord] = []
+    idle_periods: list[IdlePeriod] = []
+    faults: list[FaultRecord] = []
+    cordons: list[CordonRecord] = []
+    pending: list[str] = []
+    notified: list[str] = []
+
+
+def _uuid(seed: int, *parts: object) -> str:
+    return str(uuidlib.uuid5(uuidlib.NAMESPACE_DNS, "/".join(map(str, (seed, *parts)))))
+
+
+@dataclass
+class SimGpu:
+    uuid: str
+    index: int
+    model: str
+    mem_total: int
+    holder: Workload | None = None
+    dbe: int = 0
+    last_util: float = 0.0
+
+
+@dataclass
+class SimNode:
+    name: str
+    gpus: list[SimGpu]
+    spot: bool
+    cordoned: bool = False
+
+    def free(self) -> list[SimGpu]:
+        return [g for g in self.gpus if g.holder is None]
+
+
+@dataclass
+class Workload:
+    name: str
+    namespace: str
+    uid: str
+    spec: WorkloadGroup
+    arrive: float
+    duration: float | None
+    mem_bytes: int
+    timeline: list[tuple[float, float | None, Phase]]
+    """Phases as (offset from start, length or None, phase); cycled when ``spec.repeat``."""
+    rng: random.Random
+    node: SimNode | None = None
+    devices: list[SimGpu] = field(default_factory=list)
+    started_at: float | None = None
+    ended_at: float | None = None
+
+    @property
+    def ref(self) -> PodRef:
+        return PodRef(namespace=self.namespace, name=self.name, uid=self.uid)
+
+    def phase_at(self, since_start: float) -> Phase:
+        cycle = self.timeline[-1][0] + (self.timeline[-1][1] or 0.0)
+        if self.spec.repeat and cycle > 0:
+            since_start %= cycle
+        for offset, length, phase in self.timeline:
+            if length is None or since_start < offset + length:
+                return phase
+        return self.timeline[-1][2]
+
+    def utilisation(self, since_start: float) -> float:
+        low, high = self.phase_at(since_start).util
+        return round(self.rng.uniform(low, high), 1)
+
+
+def _draw(rng: random.Random, bounds: tuple[float, float]) -> float:
+    return rng.uniform(*bounds) if bounds[0] != bounds[1] else bounds[0]
+
+
+class SimulatedCluster:
+    """The fleet of one scenario, stepped tick by tick."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.start = scenario.start_ts
+        self.end = scenario.start_ts + scenario.duration_s
+        self.now = self.start
+        self.nodes: dict[str, SimNode] = {}
+        for group in scenario.nodes:
+            for i in range(1, group.count + 1):
+                name = f"{group.prefix}-{i}"
+                gpus = [
+                    SimGpu("GPU-" + _uuid(scenario.seed, name, g), g, group.gpu_model,
+                           int(group.mem_gib * GIB))
+                    for g in range(group.gpus)
+                ]
+                self.nodes[name] = SimNode(name, gpus, group.spot)
+        self.workloads = self._make_workloads()
+        self.queue: list[Workload] = []
+        self.running: list[Workload] = []
+        self.finished: list[Workload] = []
+        self.truth = GroundTruth(
+            scenario=scenario.name, seed=scenario.seed, start_ts=self.start, end_ts=self.end,
+            sample_interval_s=scenario.sample_interval_s,
+        )
+        self._cordon_requests: list[tuple[str, str]] = []
+        self.on_tick: Callable[[SimulatedCluster], None] | None = None
+
+    def _make_workloads(self) -> list[Workload]:
+        scenario = self.scenario
+        users = scenario.users
+        made: list[Workload] = []
+        next_user = 0
+        for spec in scenario.workloads:
+            for _ in range(spec.count):
+                user = users[next_user % len(users)]
+                next_user += 1
+                name = f"{spec.group}-{user}"
+                rng = random.Random(f"{scenario.seed}:{name}")
+                timeline: list[tuple[float, float | None, Phase]] = []
+                offset = 0.0
+                for phase in spec.phases:
+                    length = _draw(rng, phase.for_s) if phase.for_s else None
+                    timeline.append((offset, length, phase))
+                    offset += length or 0.0
+                made.append(Workload(
+                    name=name, namespace=f"ml-{user}", uid=_uuid(scenario.seed, "pod", name),
+                    spec=spec, arrive=self.start + _draw(rng, spec.arrive_s),
+                    duration=_draw(rng, spec.duration_s) if spec.duration_s else None,
+                    mem_bytes=int(_draw(rng, spec.mem_gib) * GIB), timeline=timeline, rng=rng,
+                ))
+        made.sort(key=lambda w: (w.arrive, w.name))
+        return made
+
+    # -- control surface used by the remediation backend -------------------------------------
+
+    def request_cordon(self, node: str, reason: str) -> bool:
+        """Cordon ``node`` at the next tick; False if there is no such node."""
+        if node not in self.nodes:
+            return False
+        self._cordon_requests.append((node, reason))
+        return True
+
+    def notify(self, pod: PodRef, message: str) -> None:
+        self.truth.notified.append(f"{pod.namespace}/{pod.name}")
+
+    # -- one tick ----------------------------------------------------------------------------
+
+    async def step(self, publisher: Publisher) -> None:
+        now = self.now
+        for name, reason in self._cordon_requests:
+            node = self.nodes[name]
+            if not node.cordoned:
+                node.cordoned = True
+                self.truth.cordons.append(CordonRecord(name, now, reason))
+                await publisher.allocation(self._inventory(node))
+        self._cordon_requests.clear()
+        await self._finish(publisher, now)
+        await self._arrive(publisher, now)
+        await self._inject_faults(publisher, now)
+        await self._schedule(publisher, now)
+        for node in self.nodes.values():
+            await publisher.sample(self._sample(node, now))
+        if self.on_tick:
+            self.on_tick(self)
+
+    async def _finish(self, publisher: Publisher, now: float) -> None:
+        for workload in list(self.running):
+            if workload.duration is None or workload.started_at is None:
+                continue
+            if workload.started_at + workload.duration > now:
+                continue
+            workload.ended_at = now
+            for gpu in workload.devices:
+                gpu.holder = None
+            self.running.remove(workload)
+            self.finished.append(workload)
+            await publisher.allocation(self._pod_event(workload, "finished", now))
+
+    async def _arrive(self, publisher: Publisher, now: float) -> None:
+        while self.workloads and self.workloads[0].arrive <= now:
+            workload = self.workloads.pop(0)
+            self.queue.append(workload)
+            await publisher.queue(self._queue_event(workload, "pending", now))
+
+    async def _inject_faults(self, publisher: Publisher, now: float) -> None:
+        for fault in self.scenario.faults:
+            fault_ts = self.start + fault.at_s
+            if not now - self.scenario.sample_interval_s < fault_ts <= now:
+                continue
+            gpu = self.nodes[fault.node].gpus[fault.gpu]
+            gpu.dbe += 1
+            self.truth.faults.append(FaultRecord(fault.kind, fault.node, gpu.uuid, now))
+            await publisher.hw_event(HwEvent(
+                ts=now, node=fault.node, kind="ecc_dbe", uuid=gpu.uuid, count=gpu.dbe,
+                detail="volatile double-bit ECC error", source="simulator",
+            ))
+
+    async def _schedule(self, publisher: Publisher, now: float) -> None:
+        for workload in list(self.queue):
+            for node in self.nodes.values():
+                free = node.free()
+                if node.cordoned or len(free) < workload.spec.gpus:
+                    continue
+                workload.node, workload.devices = node, free[: workload.spec.gpus]
+                workload.started_at = now
+                for gpu in workload.devices:
+                    gpu.holder = workload
+                self.queue.remove(workload)
+                self.running.append(workload)
+                await publisher.queue(self._queue_event(workload, "admitted", now))
+                await publisher.allocation(self._pod_event(workload, "running", now))
+                break
+
+    # -- payloads ----------------------------------------------------------------------------
+
+    def _inventory(self, node: SimNode) -> NodeInventory:
+        return NodeInventory(
+            ts=self.now, node=node.name, gpu_product=node.gpus[0].model,
+            gpu_count=len(node.gpus), allocatable={"nvidia.com/gpu": len(node.gpus)},
+            unschedulable=node.cordoned, spot=node.spot,
+            taints=[Taint("node.kubernetes.io/unschedulable", "NoSchedule")] if node.cordoned
+            else [],
+        )
+
+    def _pod_event(self, workload: Workload, phase: str, now: float) -> PodAllocation:
+        assert workload.node is not None
+        return PodAllocation(
+            ts=now, node=workload.node.name, pod=workload.ref, phase=phase,  # type: ignore[arg-type]
+            gpus=workload.spec.gpus, device_ids=[g.uuid for g in workload.devices],
+            started_at=workload.started_at, workload_kind=workload.spec.kind,
+            owner_kind="Notebook" if workload.spec.kind == "notebook" else "Job",
+            owner_name=workload.name, queue=self.scenario.cluster_queue,
+        )
+
+    def _queue_event(self, workload: Workload, state: str, now: float) -> QueueEvent:
+        return QueueEvent(
+            ts=now, name=workload.name, namespace=workload.namespace,
+            cluster_queue=self.scenario.cluster_queue, state=state,  # type: ignore[arg-type]
+            created_at=workload.arrive, admitted_at=workload.started_at, gpus=workload.spec.gpus,
+        )
+
+    def _sample(self, node: SimNode, now: float) -> NodeSample:
+        devices = []
+        for gpu in node.gpus:
+            holder = gpu.holder
+            if holder is not None and holder.started_at is not None:
+                util = holder.utilisation(now - holder.started_at)
+                mem = holder.mem_bytes
+            else:
+                util, mem = 0.0, 0
+            gpu.last_util = util
+            devices.append(DeviceSample(
+                uuid=gpu.uuid, index=gpu.index, model=gpu.model, util_pct=util,
+                mem_used_bytes=mem, mem_total_bytes=gpu.mem_total,
+                temp_c=round(32 + util * 0.4, 1), power_w=round(60 + util * 3.3, 1),
+                sm_clock_mhz=1410 if util > 0 else 210, clock_event_reasons=0 if util else 1,
+                ecc_sbe_volatile=0, ecc_dbe_volatile=gpu.dbe, pcie_replay=0, nvlink_errors=0,
+                pod=holder.ref if holder is not None else None,
+            ))
+        return NodeSample(ts=now, node=node.name, source="simulator", devices=devices)
+
+    # -- the whole run -----------------------------------------------------------------------
+
+    async def run(self, publisher: Publisher, stop: asyncio.Event | None = None) -> GroundTruth:
+        """Step through the scenario, pacing by its acceleration; return the ground truth."""
+        for node in self.nodes.values():
+            await publisher.allocation(self._inventory(node))
+        interval = self.scenario.sample_interval_s
+        acceleration = self.scenario.acceleration
+        wall_start = time.monotonic()
+        ticks = int(self.scenario.duration_s // interval)
+        for tick in range(ticks + 1):
+            if stop is not None and stop.is_set():
+                break
+            self.now = self.start + tick * interval
+            await self.step(publisher)
+            if acceleration > 0:
+                due = wall_start + (tick + 1) * interval / acceleration
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+            elif tick % 50 == 0:
+                await asyncio.sleep(0)
+        await publisher.flush()
+        return self.finish_truth()
+
+    def finish_truth(self) -> GroundTruth:
+        """Close the books: every placed pod, its idle stretches, what is still pending."""
+        truth = self.truth
+        truth.end_ts = self.now
+        placed = self.running + self.finished
+        truth.pods, truth.idle_periods = [], []
+        for workload in sorted(placed, key=lambda w: w.name):
+            assert workload.node is not None and workload.started_at is not None
+            end = workload.ended_at if workload.ended_at is not None else self.now
+            periods = list(self._idle_periods(workload, end))
+            truth.idle_periods.extend(periods)
+            truth.pods.append(PodRecord(
+                namespace=workload.namespace, pod=workload.name, kind=workload.spec.kind,
+                node=workload.node.name, devices=[g.uuid for g in workload.devices],
+                started_at=workload.started_at, ended_at=workload.ended_at,
+                idle=any(p.util[1] < IDLE_TRUTH_PCT for p in workload.spec.phases),
+            ))
+        truth.pending = sorted(f"{w.namespace}/{w.name}" for w in self.queue)
+        return truth
+
+    def _idle_periods(self, workload: Workload, end: float) -> list[IdlePeriod]:
+        assert workload.node is not None and workload.started_at is not None
+        start = workload.started_at
+        out: list[IdlePeriod] = []
+        cycle = workload.timeline[-1][0] + (workload.timeline[-1][1] or 0.0)
+        base = 0.0
+        while start + base < end:
+            for offset, length, phase in workload.timeline:
+                if phase.util[1] >= IDLE_TRUTH_PCT:
+                    continue
+                a = start + base + offset
+                b = end if length is None else min(end, a + length)
+                if a < b:
+                    for gpu in workload.devices:
+                        out.append(IdlePeriod(
+                            namespace=workload.namespace, pod=workload.name,
+                            kind=workload.spec.kind, node=workload.node.name, device=gpu.uuid,
+                            pod_started_at=start, start=a, end=b,
+                        ))
+            if not workload.spec.repeat or cycle <= 0:
+                break
+            base += cycle
+        return out

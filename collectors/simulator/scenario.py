@@ -1,0 +1,119 @@
+"""Scenario files: the fleet, its workloads and the faults to inject, in YAML.
+
+A scenario is data, not code: nodes (GPU model, count, MIG layout, spot),
+users, workload groups (kind, GPUs, arrival, duration, a utilisation profile
+made of phases) and faults. Ranges ``[lo, hi]`` are drawn once per workload
+(durations) or per sample (utilisation) from the seeded generator, so one
+seed always gives the same run.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+Range = tuple[float, float]
+
+
+class NodeGroup(BaseModel):
+    """``count`` identical nodes named ``{prefix}-1`` ... ``{prefix}-{count}``."""
+
+    prefix: str
+    count: int = Field(ge=1)
+    gpu_model: str = "NVIDIA A100-SXM4-80GB"
+    gpus: int = Field(1, ge=1, le=16)
+    mem_gib: float = 80.0
+    mig_layout: list[str] = Field(
+        default_factory=list,
+        description="MIG profiles per GPU (e.g. [3g.40gb, 3g.40gb]); empty for whole GPUs.",
+    )
+    spot: bool = False
+
+
+class Phase(BaseModel):
+    """A stretch of a workload's life with one activity level."""
+
+    for_s: Range | None = Field(
+        None, description="How long the phase lasts (seconds); None = until the pod ends."
+    )
+    util: Range = Field(description="Activity range in percent, drawn per sample.")
+
+
+class WorkloadGroup(BaseModel):
+    """``count`` workloads of one shape, handed to users round-robin."""
+
+    group: str
+    count: int = Field(1, ge=1)
+    kind: Literal["notebook", "batch", "inference"] = "batch"
+    gpus: int = Field(1, ge=1)
+    arrive_s: Range = (0.0, 0.0)
+    duration_s: Range | None = Field(None, description="None = runs until the scenario ends.")
+    mem_gib: Range = (10.0, 40.0)
+    phases: list[Phase] = Field(min_length=1)
+    repeat: bool = Field(False, description="Cycle through the phases instead of ending idle.")
+
+
+class Fault(BaseModel):
+    kind: Literal["ecc_dbe"]
+    node: str
+    gpu: int = 0
+    at_s: float = Field(ge=0)
+
+
+class Scenario(BaseModel):
+    """A whole simulated fleet story."""
+
+    name: str
+    seed: int = 1
+    start_ts: float = Field(
+        1_763_683_200.0, description="Event time of t=0 (Unix seconds); fixed for reproducibility."
+    )
+    duration_s: float = Field(gt=0)
+    sample_interval_s: float = Field(30.0, gt=0)
+    acceleration: float = Field(
+        360.0, ge=0, description="Simulated seconds per wall second; 0 runs as fast as possible."
+    )
+    cluster_queue: str = "default"
+    nodes: list[NodeGroup] = Field(min_length=1)
+    users: list[str] = Field(min_length=1)
+    workloads: list[WorkloadGroup] = Field(default_factory=list)
+    faults: list[Fault] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _faults_name_real_nodes(self) -> Scenario:
+        names = {f"{g.prefix}-{i}" for g in self.nodes for i in range(1, g.count + 1)}
+        for fault in self.faults:
+            if fault.node not in names:
+                raise ValueError(f"fault on unknown node {fault.node!r}")
+        return self
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be used; the message names the file and field."""
+
+
+def builtin_names() -> list[str]:
+    folder = resources.files(__package__).joinpath("scenarios")
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load(name_or_path: str) -> Scenario:
+    """A built-in scenario by name, or a scenario file by path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        text, origin = path.read_text(), str(path)
+    else:
+        resource = resources.files(__package__).joinpath("scenarios", f"{name_or_path}.yaml")
+        if not resource.is_file():
+            raise ScenarioError(
+                f"no scenario {name_or_path!r}; built-in ones: {', '.join(builtin_names())}"
+            )
+        text, origin = resource.read_text(), f"built-in scenario {name_or_path}"
+    try:
+        return Scenario.model_validate(yaml.safe_load(text))
+    except ValidationError as error:
+        raise ScenarioError(f"{origin}: {error}") from error

@@ -1,0 +1,1 @@
+"""gpusteward: steward of a Kubernetes GPU fleet, as a stream of events."""

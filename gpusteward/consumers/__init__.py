@@ -1,0 +1,1 @@
+"""Consumers of the output topics: alerting and remediation."""

@@ -1,0 +1,93 @@
+"""Alerting: findings become notifications.
+
+A consumer of the findings topic hands each finding to its sinks once per
+(id, state): a redelivered firing finding is not announced twice. The first
+sink prints to the console; Alertmanager and webhooks plug in the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Protocol
+
+import msgspec
+from rich.console import Console
+
+from gpusteward import kafka, topics
+from gpusteward.schema import Finding
+from gpusteward.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class AlertSink(Protocol):
+    async def deliver(self, finding: Finding) -> None: ...
+
+
+def _clock(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M")
+
+
+class ConsoleSink:
+    """Prints each finding as one line."""
+
+    STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console()
+
+    async def deliver(self, finding: Finding) -> None:
+        if finding.state == "resolved":
+            self.console.print(f"[green]RESOLVED[/] {_clock(finding.ts)} {finding.kind}: "
+                               f"{finding.summary}")
+            return
+        style = self.STYLE[finding.severity]
+        self.console.print(f"[{style}]FIRING {finding.severity}[/] {_clock(finding.ts)} "
+                           f"{finding.kind}: {finding.summary}")
+
+
+class FindingsConsumer:
+    """Reads the findings topic and delivers each (id, state) once to every sink."""
+
+    def __init__(self, settings: Settings, sinks: Sequence[AlertSink],
+                 group_id: str = "gpusteward-alerts",
+                 on_finding: Callable[[Finding], None] | None = None) -> None:
+        self.settings = settings
+        self.sinks = list(sinks)
+        self.group_id = group_id
+        self.on_finding = on_finding
+        self.seen: set[tuple[str, str]] = set()
+        self._decode = msgspec.json.Decoder(Finding).decode
+
+    async def run(self, stop: asyncio.Event) -> None:
+        consumer = kafka.consumer(self.settings, topics.FINDINGS.name(self.settings),
+                                  group_id=self.group_id)
+        await consumer.start()
+        try:
+            while not stop.is_set():
+                batch = await consumer.getmany(timeout_ms=200)
+                for messages in batch.values():
+                    for message in messages:
+                        await self._handle(message.value)
+                if batch:
+                    await consumer.commit()
+        finally:
+            await consumer.stop()
+
+    async def _handle(self, raw: bytes | None) -> None:
+        try:
+            finding = self._decode(raw or b"")
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            log.warning("skipping undecodable finding: %s", error)
+            return
+        key = (finding.id, finding.state)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        if self.on_finding:
+            self.on_finding(finding)
+        for sink in self.sinks:
+            await sink.deliver(finding)

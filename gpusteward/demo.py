@@ -1,0 +1,219 @@
+"""``gpusteward demo``: the whole loop on one laptop.
+
+It starts the embedded broker, the stream worker (a separate process, as in
+production), the simulator on a scenario, the console alert sink and the
+remediation executor against the simulated cluster; it shows a live view
+and ends by itself with a summary checked against the simulator's ground
+truth. Ctrl-C stops everything; every child process is stopped on the way
+out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from gpusteward import kafka
+from gpusteward.broker import EmbeddedBroker
+from gpusteward.collectors.publisher import KafkaPublisher
+from gpusteward.collectors.simulator import scenario as scenarios
+from gpusteward.collectors.simulator.engine import GroundTruth, SimulatedCluster
+from gpusteward.consumers.alerts import FindingsConsumer
+from gpusteward.consumers.remediation import Executor, SimulatorBackend
+from gpusteward.schema import Action, ActionResult, Finding
+from gpusteward.settings import Settings
+
+
+def start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]:
+    """The stream worker as its own process, in its own session (stopped by us, not Ctrl-C)."""
+    env = dict(os.environ)
+    env["GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS"] = settings.kafka.bootstrap_servers
+    env["GPUSTEWARD_KAFKA__FETCH_MAX_WAIT_MS"] = str(settings.kafka.fetch_max_wait_ms)
+    env["GPUSTEWARD_KAFKA__NODE_PARTITIONS"] = str(settings.kafka.node_partitions)
+    datadir = tempfile.mkdtemp(prefix="gpusteward-worker-")
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-P", "-m", "gpusteward.cli", "worker", "--datadir", datadir],
+            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@dataclass
+class DemoState:
+    """What the live view and the summary show."""
+
+    findings: list[Finding] = field(default_factory=list)
+    results: list[tuple[Action, ActionResult]] = field(default_factory=list)
+    last_event: float = field(default_factory=time.monotonic)
+
+    def on_finding(self, finding: Finding) -> None:
+        self.findings.append(finding)
+        self.last_event = time.monotonic()
+
+    def on_result(self, action: Action, result: ActionResult) -> None:
+        self.results.append((action, result))
+        self.last_event = time.monotonic()
+
+
+def _clock(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%H:%M")
+
+
+def render(cluster: SimulatedCluster, state: DemoState) -> Group:
+    elapsed = (cluster.now - cluster.start) / 3600
+    fleet = Table(title=f"fleet at {_clock(cluster.now)} UTC (+{elapsed:.1f} h simulated)")
+    for column in ("node", "GPU", "holder", "util %", "state"):
+        fleet.add_column(column)
+    allocated = busy = 0
+    for node in cluster.nodes.values():
+        for gpu in node.gpus:
+            holder = gpu.holder
+            allocated += holder is not None
+            busy += holder is not None and gpu.last_util >= 5
+            flags = []
+            if node.cordoned:
+                flags.append("[red]cordoned[/]")
+            if gpu.dbe:
+                flags.append("[red]ECC DBE[/]")
+            fleet.add_row(node.name, str(gpu.index),
+                          f"{holder.namespace}/{holder.name}" if holder else "-",
+                          f"{gpu.last_util:.0f}", " ".join(flags))
+    total = sum(len(n.gpus) for n in cluster.nodes.values())
+    header = (f"GPUs: {total} | allocated {allocated} | busy {busy} | "
+              f"pending pods {len(cluster.queue)}")
+    findings = Table(title="findings (latest)")
+    for column in ("time", "state", "kind", "summary"):
+        findings.add_column(column)
+    for finding in state.findings[-8:]:
+        findings.add_row(_clock(finding.ts), finding.state, finding.kind, finding.summary)
+    actions = Table(title="actions (latest)")
+    for column in ("verb", "target", "outcome"):
+        actions.add_column(column)
+    for action, result in state.results[-6:]:
+        target = action.target.node or (f"{action.target.pod.namespace}/{action.target.pod.name}"
+                                        if action.target.pod else "")
+        actions.add_row(action.verb, target, result.outcome)
+    return Group(header, fleet, findings, actions)
+
+
+def summarize(console: Console, truth: GroundTruth, state: DemoState) -> bool:
+    """Print what was found and done, checked against the ground truth; True if they agree."""
+    idle_pods = sorted({f"{f.subject.pod.namespace}/{f.subject.pod.name}"
+                        for f in state.findings
+                        if f.kind == "idle_holder" and f.state == "firing" and f.subject.pod})
+    cordoned = sorted({a.target.node or "" for a, r in state.results
+                       if a.verb == "cordon" and r.outcome == "executed"})
+    faulty = sorted({f.node for f in truth.faults})
+    console.rule("summary")
+    console.print(f"scenario {truth.scenario} (seed {truth.seed}), "
+                  f"{(truth.end_ts - truth.start_ts) / 3600:.1f} h simulated")
+    console.print(f"idle GPU holders found ({len(idle_pods)}): {', '.join(idle_pods) or '-'}")
+    console.print(f"nodes cordoned ({len(cordoned)}): {', '.join(cordoned) or '-'}")
+    console.print(f"pods still pending: {', '.join(truth.pending) or '-'}")
+    console.print(f"findings: {len(state.findings)}, actions decided: {len(state.results)}")
+    expected_idle = sorted(_expected_idle_pods(truth))
+    agree = idle_pods == expected_idle and cordoned == faulty
+    if agree:
+        console.print("[green]matches the simulator's ground truth: every injected idle holder "
+                      "and faulty GPU found, no false alarm[/]")
+    else:
+        console.print(f"[red]differs from ground truth: idle {expected_idle}, faulty {faulty}[/]")
+    return agree
+
+
+def _expected_idle_pods(truth: GroundTruth, window_s: float = 1800, grace_s: float = 600
+                        ) -> set[str]:
+    """Pods whose injected idleness, counted after the grace, lasted a whole window."""
+    found = set()
+    for period in truth.idle_periods:
+        counted_from = max(period.start, period.pod_started_at + grace_s)
+        if period.end - counted_from >= window_s + truth.sample_interval_s:
+            found.add(f"{period.namespace}/{period.pod}")
+    return found
+
+
+async def _run(settings: Settings, cluster: SimulatedCluster, console: Console,
+               live_view: bool, log_dir: Path) -> tuple[GroundTruth, DemoState]:
+    await kafka.ensure_topics(settings)
+    worker = start_worker(settings, log_dir / "worker.log")
+    state = DemoState()
+    stop = asyncio.Event()
+    publisher = KafkaPublisher(settings)
+    await publisher.start()
+    alerts = FindingsConsumer(settings, [], group_id="gpusteward-demo-alerts",
+                              on_finding=state.on_finding)
+    executor = Executor(settings, SimulatorBackend(cluster), execute=True,
+                        group_id="gpusteward-demo-remediation", on_result=state.on_result)
+    consumers = [asyncio.create_task(alerts.run(stop)), asyncio.create_task(executor.run(stop))]
+    try:
+        live = Live(render(cluster, state), console=console, refresh_per_second=4,
+                    transient=False) if live_view else contextlib.nullcontext()
+        with live:
+            def refresh(c: SimulatedCluster) -> None:
+                if isinstance(live, Live):
+                    live.update(render(c, state))
+            cluster.on_tick = refresh
+            truth = await cluster.run(publisher)
+            # Let the worker and the consumers drain what the last ticks produced.
+            quiet_since = time.monotonic()
+            while time.monotonic() - quiet_since < 60:
+                await asyncio.sleep(0.5)
+                if time.monotonic() - state.last_event > 4:
+                    break
+                if worker.poll() is not None:
+                    raise RuntimeError(f"the worker exited early; see {log_dir / 'worker.log'}")
+            refresh(cluster)
+        return truth, state
+    finally:
+        stop.set()
+        await asyncio.gather(*consumers, return_exceptions=True)
+        await publisher.stop()
+        stop_process(worker)
+
+
+def run_demo(scenario_name: str = "eight-a100", duration_s: float = 60.0,
+             live_view: bool = True, seed: int | None = None) -> int:
+    """Run the demo; the exit status is 0 when the summary matches the ground truth."""
+    console = Console()
+    scenario = scenarios.load(scenario_name)
+    scenario = scenario.model_copy(update={
+        "acceleration": scenario.duration_s / duration_s if duration_s > 0 else 0.0,
+        **({"seed": seed} if seed is not None else {}),
+    })
+    cluster = SimulatedCluster(scenario)
+    log_dir = Path(tempfile.mkdtemp(prefix="gpusteward-demo-"))
+    console.print(f"starting the embedded broker, the worker and the simulator "
+                  f"(logs in {log_dir})")
+    with EmbeddedBroker(log_path=log_dir / "broker.log") as broker:
+        settings = broker.settings()
+        try:
+            truth, state = asyncio.run(_run(settings, cluster, console, live_view, log_dir))
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted: everything stopped[/]")
+            return 130
+    return 0 if summarize(console, truth, state) else 1

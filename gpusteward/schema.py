@@ -1,0 +1,298 @@
+"""The payload contract of every gpusteward topic.
+
+One module holds every message type so that producers, the stream worker,
+the consumers and downstream teams read the same definitions. Payloads are
+msgspec Structs encoded as JSON: decoding a Struct costs well under a
+microsecond, against several for a Faust ``Record``, and the JSON Schema
+files downstream consumers need are generated from these classes
+(``gpusteward schema export DIR``).
+
+Conventions:
+
+- every message carries ``schema`` (the contract version, bumped on an
+  incompatible change) and ``ts``, its event time in Unix seconds (float);
+- optional readings are ``None`` when the source does not report them
+  ("not supported" on a device is an absent value, never an error);
+- percentages are 0-100, memory in bytes, power in watts, clocks in MHz.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class PodRef(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A pod, as attributed to a device or named by an action."""
+
+    namespace: str
+    name: str
+    uid: str | None = None
+    container: str | None = None
+
+
+class DeviceSample(msgspec.Struct, omit_defaults=True):
+    """One reading of one GPU or one MIG device."""
+
+    uuid: str
+    """``GPU-...`` for a whole GPU, ``MIG-...`` for a MIG device."""
+    index: int
+    """The GPU's index (minor number); for a MIG device, its parent's."""
+    model: str
+    """Product name as the driver reports it, e.g. ``NVIDIA A100-SXM4-80GB``."""
+    kind: Literal["gpu", "mig"] = "gpu"
+    parent_uuid: str | None = None
+    """The parent GPU of a MIG device."""
+    mig_profile: str | None = None
+    """GPU-instance profile name of a MIG device, e.g. ``3g.40gb``."""
+    gpu_instance_id: int | None = None
+    util_pct: float | None = None
+    """GPU utilisation (NVML / DCGM_FI_DEV_GPU_UTIL); not reported for MIG devices."""
+    engine_active_pct: float | None = None
+    """Graphics-engine active share (DCGM_FI_PROF_GR_ENGINE_ACTIVE x 100); the MIG measure."""
+    mem_used_bytes: int | None = None
+    mem_total_bytes: int | None = None
+    temp_c: float | None = None
+    power_w: float | None = None
+    sm_clock_mhz: int | None = None
+    clock_event_reasons: int | None = None
+    """NVML clock-event (throttle) reason bitmask."""
+    ecc_sbe_volatile: int | None = None
+    ecc_dbe_volatile: int | None = None
+    remapped_rows_correctable: int | None = None
+    remapped_rows_uncorrectable: int | None = None
+    remap_pending: bool | None = None
+    remap_failure: bool | None = None
+    pcie_replay: int | None = None
+    nvlink_errors: int | None = None
+    recovery_action: int | None = None
+    """NVML GPU recovery action (0 none, 1 GPU reset, 2 node reboot, ...)."""
+    pod: PodRef | None = None
+    """The pod holding this device, when the collector could attribute it."""
+
+
+class NodeSample(msgspec.Struct, omit_defaults=True):
+    """All devices of one node at one tick. Topic ``samples``, key = node."""
+
+    ts: float
+    node: str
+    source: str
+    """Which collector produced it: simulator, nvml, dcgm, prometheus."""
+    devices: list[DeviceSample]
+    schema: int = SCHEMA_VERSION
+
+
+HwEventKind = Literal[
+    "xid", "ecc_sbe", "ecc_dbe", "gpu_lost", "remap_failure", "throttle_start", "throttle_stop"
+]
+
+
+class HwEvent(msgspec.Struct, omit_defaults=True):
+    """An urgent hardware event, sent at once outside the tick. Key = node."""
+
+    ts: float
+    node: str
+    kind: HwEventKind
+    uuid: str | None = None
+    xid: int | None = None
+    count: int | None = None
+    detail: str = ""
+    source: str = ""
+    schema: int = SCHEMA_VERSION
+
+
+class Taint(msgspec.Struct, frozen=True, omit_defaults=True):
+    key: str
+    effect: str
+    value: str | None = None
+
+
+PodPhase = Literal["pending", "bound", "running", "finished", "deleted"]
+
+
+class PodAllocation(msgspec.Struct, tag="pod", omit_defaults=True):
+    """A pod's hold on GPUs or MIG devices of a node. Topic ``allocations``, key = node."""
+
+    ts: float
+    node: str
+    pod: PodRef
+    phase: PodPhase
+    gpus: int = 0
+    """Whole GPUs requested (``nvidia.com/gpu``)."""
+    mig: dict[str, int] = {}
+    """MIG devices requested, by profile name (``nvidia.com/mig-3g.40gb`` -> ``3g.40gb``)."""
+    device_ids: list[str] = []
+    """The device UUIDs the kubelet assigned, when known."""
+    started_at: float | None = None
+    owner_kind: str | None = None
+    owner_name: str | None = None
+    workload_kind: str | None = None
+    """notebook, batch or inference, from labels or the owner chain."""
+    queue: str | None = None
+    priority_class: str | None = None
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+    spot_tolerant: bool = False
+    schema: int = SCHEMA_VERSION
+
+
+class NodeInventory(msgspec.Struct, tag="node", omit_defaults=True):
+    """A node's GPU inventory and schedulability. Topic ``allocations``, key = node."""
+
+    ts: float
+    node: str
+    gpu_product: str | None = None
+    gpu_count: int = 0
+    mig_strategy: str | None = None
+    mig_config: str | None = None
+    allocatable: dict[str, int] = {}
+    labels: dict[str, str] = {}
+    taints: list[Taint] = []
+    unschedulable: bool = False
+    spot: bool = False
+    deleted: bool = False
+    schema: int = SCHEMA_VERSION
+
+
+AllocationEvent = PodAllocation | NodeInventory
+
+WorkloadState = Literal["pending", "admitted", "evicted", "requeued", "finished", "deleted"]
+
+
+class QueueEvent(msgspec.Struct, omit_defaults=True):
+    """A queued workload (Kueue Workload or a pending pod). Topic ``queue``, key = cluster queue."""
+
+    ts: float
+    name: str
+    namespace: str
+    cluster_queue: str
+    state: WorkloadState
+    queue: str | None = None
+    created_at: float | None = None
+    admitted_at: float | None = None
+    gpus: int = 0
+    mig: dict[str, int] = {}
+    priority: int | None = None
+    schema: int = SCHEMA_VERSION
+
+
+class NodeSummary(msgspec.Struct, omit_defaults=True):
+    """Free capacity and health of a node for fleet-wide rules. Compacted, key = node."""
+
+    ts: float
+    node: str
+    gpu_model: str | None
+    gpus_total: int
+    gpus_free: int
+    mig_free: dict[str, int] = {}
+    healthy: bool = True
+    cordoned: bool = False
+    spot: bool = False
+    schema: int = SCHEMA_VERSION
+
+
+Severity = Literal["info", "warning", "critical"]
+FindingState = Literal["firing", "resolved"]
+
+
+class Subject(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a finding or action is about; any of the parts may be absent."""
+
+    node: str | None = None
+    device: str | None = None
+    pod: PodRef | None = None
+    queue: str | None = None
+
+
+class Evidence(msgspec.Struct, omit_defaults=True):
+    """The window of observations that made a rule fire."""
+
+    window_start: float
+    window_end: float
+    samples: int = 0
+    values: dict[str, float] = {}
+
+
+class Finding(msgspec.Struct, omit_defaults=True):
+    """A detected problem. Topic ``findings``, key = fingerprint.
+
+    ``fingerprint`` names the problem (rule + subject) and is stable across
+    episodes; ``id`` names one episode (fingerprint + window start) and is the
+    same on every redelivery, so consumers deduplicate on it.
+    """
+
+    id: str
+    fingerprint: str
+    kind: str
+    severity: Severity
+    state: FindingState
+    subject: Subject
+    summary: str
+    starts_at: float
+    ts: float
+    ends_at: float | None = None
+    evidence: Evidence | None = None
+    runbook: str = ""
+    labels: dict[str, str] = {}
+    schema: int = SCHEMA_VERSION
+
+
+ActionVerb = Literal["notify_owner", "cordon", "taint", "drain", "requeue", "set_mig_config"]
+
+
+class Action(msgspec.Struct, omit_defaults=True):
+    """A remediation the pipeline asks for. Topic ``actions``, key = subject.
+
+    ``idempotency_key`` is deterministic (finding id + verb): executing the
+    same key twice must have the effect of executing it once.
+    """
+
+    idempotency_key: str
+    verb: ActionVerb
+    target: Subject
+    reason: str
+    rule: str
+    finding_ids: list[str]
+    ts: float
+    dry_run: bool = False
+    """Set when the rule's policy wants only a dry run: no executor carries it out."""
+    params: dict[str, str] = {}
+    schema: int = SCHEMA_VERSION
+
+
+Outcome = Literal["executed", "dry_run", "skipped", "refused", "failed"]
+
+
+class ActionResult(msgspec.Struct, omit_defaults=True):
+    """The audit record of one decision on one action. Key = idempotency key."""
+
+    idempotency_key: str
+    verb: ActionVerb
+    target: Subject
+    outcome: Outcome
+    detail: str
+    actor: str
+    ts: float
+    error: str | None = None
+    schema: int = SCHEMA_VERSION
+
+
+class DeadLetter(msgspec.Struct, omit_defaults=True):
+    """A record that could not be processed, kept whole with the reason."""
+
+    source_topic: str
+    partition: int
+    offset: int
+    error: str
+    ts: float
+    key: bytes | None = None
+    value: bytes | None = None
+    schema: int = SCHEMA_VERSION
+
+
+def json_schema(struct: Any) -> dict[str, Any]:
+    """The JSON Schema of one payload type (with its referenced definitions)."""
+    return msgspec.json.schema(struct)

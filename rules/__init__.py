@@ -1,0 +1,33 @@
+"""Detection rules: pure functions of state and events, no I/O and no clocks.
+
+Each rule lives in its own module with a typed settings model whose field
+descriptions are its documentation. Rules are registered here by name;
+:func:`settings_model` raises an error listing the valid names for an
+unknown one.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from gpusteward.rules import ecc, idle
+
+REGISTRY: dict[str, type[BaseModel]] = {
+    idle.KIND: idle.IdleSettings,
+    ecc.KIND: ecc.EccSettings,
+}
+
+
+class UnknownRuleError(KeyError):
+    """A rule name that is not registered."""
+
+    def __str__(self) -> str:
+        return f"unknown rule {self.args[0]!r}; valid rules: {', '.join(sorted(REGISTRY))}"
+
+
+def settings_model(name: str) -> type[BaseModel]:
+    """The settings model of the rule called ``name``."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise UnknownRuleError(name) from None

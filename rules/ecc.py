@@ -1,0 +1,91 @@
+"""ECC double-bit errors: an uncorrectable memory error makes a GPU unsafe for new work.
+
+The volatile DBE counter counts since the driver loaded, so any value above
+zero means the GPU has had an uncorrectable error since its last reset. An
+episode opens on the first observation (a sample or an urgent hardware
+event) and closes when a sample reads zero again (the GPU was reset). One
+episode gives one finding and one cordon action, however many samples
+repeat the count.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from pydantic import BaseModel, Field
+
+from gpusteward.schema import Action, Evidence, Finding, Subject
+from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
+
+KIND = "ecc_dbe"
+
+RUNBOOK = (
+    "An uncorrectable (double-bit) ECC error hit this GPU. The node is cordoned so no new work "
+    "lands there. Drain the running pods, reset the GPU (or reboot the node) and check "
+    "remapped rows; if the error recurs after a reset, open an RMA."
+)
+
+
+class EccSettings(BaseModel):
+    """Settings of the ECC double-bit rule."""
+
+    cordon: bool = Field(
+        True,
+        description="Ask to cordon the node when a DBE is seen. Whether the cordon is carried "
+        "out is the remediation executor's decision (dry-run by default).",
+    )
+
+
+class EccTrack(msgspec.Struct):
+    """Per-device state of the rule."""
+
+    last_sample_ts: float | None = None
+    open_id: str | None = None
+    open_fingerprint: str | None = None
+    open_since: float | None = None
+
+
+def observe(
+    track: EccTrack,
+    *,
+    node: str,
+    uuid: str,
+    dbe_count: int | None,
+    ts: float,
+    settings: EccSettings,
+    from_sample: bool = True,
+) -> list[Finding | Action]:
+    """Fold one DBE reading into ``track``; ``from_sample`` is False for an urgent event."""
+    if from_sample:
+        if track.last_sample_ts is not None and ts <= track.last_sample_ts:
+            return []
+        track.last_sample_ts = ts
+    if dbe_count is None:
+        return []
+    subject = Subject(node=node, device=uuid)
+    if dbe_count == 0:
+        if track.open_id is None or not from_sample or ts <= (track.open_since or 0):
+            return []
+        assert track.open_fingerprint and track.open_since is not None
+        closing = resolved(track.open_id, track.open_fingerprint, KIND, subject,
+                           f"{uuid} on {node}: DBE counter back to 0 (GPU reset)",
+                           track.open_since, ts)
+        track.open_id = track.open_fingerprint = track.open_since = None
+        return [closing]
+    if track.open_id is not None:
+        return []
+    fp = fingerprint(KIND, node, uuid)
+    fid = finding_id(fp, ts)
+    finding = Finding(
+        id=fid, fingerprint=fp, kind=KIND, severity="critical", state="firing",
+        subject=subject,
+        summary=f"uncorrectable ECC error on {uuid} ({node}): {dbe_count} volatile DBE",
+        starts_at=ts, ts=ts,
+        evidence=Evidence(window_start=ts, window_end=ts, samples=1,
+                          values={"ecc_dbe_volatile": float(dbe_count)}),
+        runbook=RUNBOOK,
+    )
+    track.open_id, track.open_fingerprint, track.open_since = fid, fp, ts
+    out: list[Finding | Action] = [finding]
+    if settings.cordon:
+        out.append(action_for(finding, "cordon", Subject(node=node), finding.summary))
+    return out

@@ -1,0 +1,205 @@
+"""The Faust stream worker.
+
+One agent reads the three node-keyed topics (samples, hardware events,
+allocations). They have the same partition count and the same key, so
+Faust's assignor gives a worker the same partition number of each: the join
+is local, with no repartition hop. Per-node state is a Faust table backed by
+a changelog topic; a restarted worker recovers it before it processes.
+
+Values are read as raw bytes and decoded with msgspec (far cheaper than
+Faust records). A record that does not decode goes to the dead-letter topic
+with the reason and its position, and the worker carries on.
+
+Processing is at-least-once: after a crash the last records may be
+processed again, which republishes findings and actions with the same ids
+and idempotency keys; consumers deduplicate on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import faust
+import msgspec
+from faust.transport.drivers import aiokafka as faust_aiokafka
+
+from gpusteward import topics
+from gpusteward.schema import AllocationEvent, DeadLetter, Finding, HwEvent, NodeSample, NodeSummary
+from gpusteward.settings import Settings
+from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings
+
+log = logging.getLogger(__name__)
+
+APP_ID = "gpusteward-worker"
+
+
+def _transport_with_fetch_wait(fetch_max_wait_ms: int) -> type[faust_aiokafka.Transport]:
+    """Faust's aiokafka transport with a configurable fetch wait.
+
+    The driver hard-codes ``fetch_max_wait_ms=1500``; the embedded broker holds
+    every fetch for up to half of it, which would put 750 ms on every hop.
+    """
+
+    class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+        def _create_worker_consumer(self, transport: Any) -> Any:
+            consumer = super()._create_worker_consumer(transport)
+            consumer._fetch_max_wait_ms = fetch_max_wait_ms
+            return consumer
+
+    class Consumer(faust_aiokafka.Consumer):
+        def _new_consumer_thread(self) -> Any:
+            return ConsumerThread(self, loop=self.loop, beacon=self.beacon)
+
+    class Transport(faust_aiokafka.Transport):
+        pass
+
+    Transport.Consumer = Consumer  # type: ignore[misc]
+    return Transport
+
+
+class WorkerApp(faust.App):  # type: ignore[misc]
+    """A Faust app whose transport honours gpusteward's Kafka settings."""
+
+    gpusteward_settings: Settings
+
+    def _new_transport(self) -> Any:
+        transport = _transport_with_fetch_wait(self.gpusteward_settings.kafka.fetch_max_wait_ms)
+        return transport(self.conf.broker_consumer, self)
+
+
+def _broker_url(settings: Settings) -> list[str]:
+    return [f"kafka://{server.strip()}" for server in settings.kafka.bootstrap_servers.split(",")]
+
+
+def create_app(
+    settings: Settings,
+    rules: RuleSettings | None = None,
+    *,
+    app_id: str = APP_ID,
+    datadir: str | None = None,
+    web_port: int | None = None,
+) -> WorkerApp:
+    """The worker app with its topics, table and agent wired."""
+    kafka = settings.kafka
+    app = WorkerApp(
+        app_id,
+        broker=_broker_url(settings),
+        store="memory://",
+        topic_partitions=kafka.node_partitions,
+        topic_replication_factor=kafka.replication_factor,
+        consumer_auto_offset_reset="earliest",
+        broker_rebalance_timeout=kafka.rebalance_timeout_s,
+        broker_session_timeout=10.0,
+        broker_heartbeat_interval=1.0,
+        broker_commit_every=1000,
+        broker_commit_interval=0.5,
+        producer_linger=0.005,
+        web_enabled=web_port is not None,
+        web_port=web_port or 6066,
+        datadir=datadir or f"/tmp/{app_id}-data",
+        table_cleanup_interval=3600.0,
+        stream_wait_empty=False,
+        key_serializer="raw",
+        value_serializer="raw",
+    )
+    app.gpusteward_settings = settings
+    join = NodeJoin(rules)
+
+    def raw_topic(spec: topics.TopicSpec) -> Any:
+        return app.topic(
+            spec.name(settings), key_type=bytes, value_type=bytes,
+            key_serializer="raw", value_serializer="raw",
+            partitions=spec.partition_count(settings),
+        )
+
+    samples_name = topics.SAMPLES.name(settings)
+    hw_name = topics.HW_EVENTS.name(settings)
+    alloc_name = topics.ALLOCATIONS.name(settings)
+    node_topics = app.topic(
+        samples_name, hw_name, alloc_name, key_type=bytes, value_type=bytes,
+        key_serializer="raw", value_serializer="raw", partitions=kafka.node_partitions,
+    )
+    findings = raw_topic(topics.FINDINGS)
+    actions = raw_topic(topics.ACTIONS)
+    summaries = raw_topic(topics.NODE_SUMMARIES)
+    deadletter = raw_topic(topics.DEADLETTER)
+
+    # Values are msgpack-encoded NodeState bytes: the changelog carries exactly these.
+    state_table = app.Table(
+        "node-state", partitions=kafka.node_partitions, key_type=bytes, value_type=bytes,
+    )
+    encode_state = msgspec.msgpack.Encoder().encode
+    decode_state = msgspec.msgpack.Decoder(NodeState).decode
+
+    decode_sample = msgspec.json.Decoder(NodeSample).decode
+    decode_hw = msgspec.json.Decoder(HwEvent).decode
+    decode_alloc = msgspec.json.Decoder(AllocationEvent).decode  # type: ignore[arg-type]
+    encode = msgspec.json.Encoder().encode
+
+    async def publish(outputs: list[Output]) -> None:
+        for output in outputs:
+            value = encode(output)
+            if isinstance(output, NodeSummary):
+                await summaries.send(key=output.node.encode(), value=value)
+            elif isinstance(output, Finding):
+                await findings.send(key=output.fingerprint.encode(), value=value)
+            else:
+                target = output.target
+                key = target.node or (f"{target.pod.namespace}/{target.pod.name}"
+                                      if target.pod else "")
+                await actions.send(key=key.encode(), value=value)
+
+    async def to_deadletter(event: Any, error: Exception) -> None:
+        message = event.message
+        reason = f"{type(error).__name__}: {str(error)[:500]}"
+        log.warning("dead-lettered %s[%d]@%d: %s", message.topic, message.partition,
+                    message.offset, reason)
+        record = DeadLetter(
+            source_topic=message.topic, partition=message.partition, offset=message.offset,
+            error=reason, ts=time.time(), key=message.key, value=message.value,
+        )
+        await deadletter.send(key=message.topic.encode(), value=encode(record))
+
+    @app.agent(node_topics, name="node-join")
+    async def node_join(stream: Any) -> AsyncIterator[None]:
+        async for event in stream.events():
+            topic = event.message.topic
+            try:
+                if topic == samples_name:
+                    record: Any = decode_sample(event.value)
+                    handler = join.on_sample
+                elif topic == hw_name:
+                    record = decode_hw(event.value)
+                    handler = join.on_hw_event
+                else:
+                    record = decode_alloc(event.value)
+                    handler = join.on_allocation
+            except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                await to_deadletter(event, error)
+                continue
+            node = record.node.encode()
+            stored = state_table.get(node)
+            state = decode_state(stored) if stored is not None else NodeState()
+            outputs = handler(state, record)
+            state_table[node] = encode_state(state)
+            await publish(outputs)
+            yield None
+
+    return app
+
+
+def run_worker(settings: Settings, loglevel: str = "warn", web_port: int | None = None) -> None:
+    """Run the worker in the foreground until SIGINT/SIGTERM (``gpusteward worker``)."""
+    import asyncio
+
+    from faust.worker import Worker
+
+    from gpusteward.kafka import ensure_topics
+
+    asyncio.run(ensure_topics(settings))
+    app = create_app(settings, web_port=web_port)
+    worker = Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+    worker.execute_from_commandline()
