@@ -25,10 +25,13 @@ system-deps:
 demo: install
 	$(BIN)/gpusteward demo
 
+# mypy runs inside the editable link tree, where `gpusteward` has all its
+# mapped subpackages (from the repository root, ./gpusteward would shadow them).
+LINKTREE = $(firstword $(wildcard build/__editable__.gpusteward-*))
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy
-	$(BIN)/mypy tests benchmarks
+	cd $(LINKTREE) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p gpusteward
+	cd $(LINKTREE) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml $(CURDIR)/tests $(CURDIR)/benchmarks
 
 test: install system-deps lint
 	$(BIN)/pytest

@@ -57,7 +57,7 @@ class EmbeddedBroker:
 
     def start(self, timeout_s: float = 30.0) -> None:
         url = f"tcp://127.0.0.1:{self.port}"
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
             [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
              "--storage-engine", "memory://tansu/"],

@@ -13,8 +13,8 @@ from __future__ import annotations
 import msgspec
 from pydantic import BaseModel, Field
 
-from gpusteward.schema import Action, Evidence, Finding, Subject
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
+from gpusteward.schema import Action, Evidence, Finding, Subject
 
 KIND = "ecc_dbe"
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import msgspec
 from pydantic import BaseModel, Field
 
-from gpusteward.schema import Action, DeviceSample, Evidence, Finding, PodRef, Subject
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
+from gpusteward.schema import Action, DeviceSample, Evidence, Finding, PodRef, Subject
 
 KIND = "idle_holder"
 

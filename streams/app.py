@@ -56,11 +56,11 @@ def _transport_with_fetch_wait(fetch_max_wait_ms: int) -> type[faust_aiokafka.Tr
     class Transport(faust_aiokafka.Transport):
         pass
 
-    Transport.Consumer = Consumer  # type: ignore[misc]
+    Transport.Consumer = Consumer
     return Transport
 
 
-class WorkerApp(faust.App):  # type: ignore[misc]
+class WorkerApp(faust.App):
     """A Faust app whose transport honours gpusteward's Kafka settings."""
 
     gpusteward_settings: Settings
@@ -136,7 +136,7 @@ def create_app(
 
     decode_sample = msgspec.json.Decoder(NodeSample).decode
     decode_hw = msgspec.json.Decoder(HwEvent).decode
-    decode_alloc = msgspec.json.Decoder(AllocationEvent).decode  # type: ignore[arg-type]
+    decode_alloc = msgspec.json.Decoder(AllocationEvent).decode
     encode = msgspec.json.Encoder().encode
 
     async def publish(outputs: list[Output]) -> None:
@@ -168,6 +168,7 @@ def create_app(
         async for event in stream.events():
             topic = event.message.topic
             try:
+                handler: Any
                 if topic == samples_name:
                     record: Any = decode_sample(event.value)
                     handler = join.on_sample

@@ -98,7 +98,8 @@ class ScenarioError(ValueError):
 
 def builtin_names() -> list[str]:
     folder = resources.files(__package__).joinpath("scenarios")
-    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+    names = (p.name for p in folder.iterdir())
+    return sorted(n.removesuffix(".yaml") for n in names if n.endswith(".yaml"))
 
 
 def load(name_or_path: str) -> Scenario:

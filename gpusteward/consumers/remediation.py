@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
@@ -28,17 +28,21 @@ from gpusteward import kafka, topics
 from gpusteward.schema import Action, ActionResult, Outcome
 from gpusteward.settings import Settings
 
+if TYPE_CHECKING:
+    from gpusteward.collectors.simulator.engine import SimulatedCluster
+
 log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-    """Carries out verbs on a cluster. Each method returns (outcome, detail)."""
+    """Carries out verbs on a cluster.
+
+    A backend implements a verb as an async method of the verb's name
+    (``cordon``, ``notify_owner``, ...) that takes the action and returns
+    (outcome, detail); a verb it lacks is refused.
+    """
 
     name: str
-
-    async def cordon(self, action: Action) -> tuple[Outcome, str]: ...
-
-    async def notify_owner(self, action: Action) -> tuple[Outcome, str]: ...
 
 
 class SimulatorBackend:
@@ -46,7 +50,7 @@ class SimulatorBackend:
 
     name = "simulator"
 
-    def __init__(self, cluster: SimulatedClusterLike) -> None:
+    def __init__(self, cluster: SimulatedCluster) -> None:
         self.cluster = cluster
 
     async def cordon(self, action: Action) -> tuple[Outcome, str]:
@@ -65,19 +69,6 @@ class SimulatorBackend:
             return "failed", "notify_owner needs a pod"
         self.cluster.notify(pod, action.reason)
         return "executed", f"notified the owner of {pod.namespace}/{pod.name}"
-
-
-class SimulatedClusterLike(Protocol):
-    nodes: dict[str, _SimNodeLike]
-
-    def request_cordon(self, node: str, reason: str) -> bool: ...
-
-    def notify(self, pod: object, message: str) -> None: ...
-
-
-class _SimNodeLike(Protocol):
-    name: str
-    cordoned: bool
 
 
 def describe(action: Action) -> str:

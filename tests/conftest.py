@@ -1,0 +1,40 @@
+"""Shared fixtures: one embedded broker per test session, fresh topics per test.
+
+Tests that need the broker ask for ``settings``: it points at the session's
+broker with a topic prefix of the test's own, so no test sees another's data.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpusteward.broker import EmbeddedBroker
+from gpusteward.settings import Settings
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+_prefixes = itertools.count(1)
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]:
+    log = tmp_path_factory.mktemp("broker") / "tansu.log"
+    with EmbeddedBroker(log_path=log) as running:
+        yield running
+
+
+@pytest.fixture
+def settings(broker: EmbeddedBroker) -> Settings:
+    """Settings on the session broker with this test's own topic prefix."""
+    base = broker.settings()
+    return base.model_copy(update={"topic_prefix": f"t{next(_prefixes)}"})
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"{SHARED_DATA} is not present")
+    return SHARED_DATA
