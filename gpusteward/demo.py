@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -33,34 +29,9 @@ from gpusteward.collectors.simulator import scenario as scenarios
 from gpusteward.collectors.simulator.engine import GroundTruth, SimulatedCluster
 from gpusteward.consumers.alerts import FindingsConsumer
 from gpusteward.consumers.remediation import Executor, SimulatorBackend
+from gpusteward.pipeline import WorkerProcess
 from gpusteward.schema import Action, ActionResult, Finding
 from gpusteward.settings import Settings
-
-
-def start_worker(settings: Settings, log_path: Path) -> subprocess.Popen[bytes]:
-    """The stream worker as its own process, in its own session (stopped by us, not Ctrl-C)."""
-    env = dict(os.environ)
-    env["GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS"] = settings.kafka.bootstrap_servers
-    env["GPUSTEWARD_KAFKA__FETCH_MAX_WAIT_MS"] = str(settings.kafka.fetch_max_wait_ms)
-    env["GPUSTEWARD_KAFKA__NODE_PARTITIONS"] = str(settings.kafka.node_partitions)
-    datadir = tempfile.mkdtemp(prefix="gpusteward-worker-")
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-P", "-m", "gpusteward.cli", "worker", "--datadir", datadir],
-            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-
-def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 @dataclass
@@ -160,15 +131,15 @@ def _expected_idle_pods(truth: GroundTruth, window_s: float = 1800, grace_s: flo
 async def _run(settings: Settings, cluster: SimulatedCluster, console: Console,
                live_view: bool, log_dir: Path) -> tuple[GroundTruth, DemoState]:
     await kafka.ensure_topics(settings)
-    worker = start_worker(settings, log_dir / "worker.log")
+    worker = WorkerProcess(settings, log_dir / "worker.log")
+    worker.start()
     state = DemoState()
     stop = asyncio.Event()
     publisher = KafkaPublisher(settings)
     await publisher.start()
-    alerts = FindingsConsumer(settings, [], group_id="gpusteward-demo-alerts",
-                              on_finding=state.on_finding)
+    alerts = FindingsConsumer(settings, [], on_finding=state.on_finding)
     executor = Executor(settings, SimulatorBackend(cluster), execute=True,
-                        group_id="gpusteward-demo-remediation", on_result=state.on_result)
+                        on_result=state.on_result)
     consumers = [asyncio.create_task(alerts.run(stop)), asyncio.create_task(executor.run(stop))]
     try:
         live = Live(render(cluster, state), console=console, refresh_per_second=4,
@@ -185,7 +156,7 @@ async def _run(settings: Settings, cluster: SimulatedCluster, console: Console,
                 await asyncio.sleep(0.5)
                 if time.monotonic() - state.last_event > 4:
                     break
-                if worker.poll() is not None:
+                if not worker.alive:
                     raise RuntimeError(f"the worker exited early; see {log_dir / 'worker.log'}")
             refresh(cluster)
         return truth, state
@@ -193,7 +164,7 @@ async def _run(settings: Settings, cluster: SimulatedCluster, console: Console,
         stop.set()
         await asyncio.gather(*consumers, return_exceptions=True)
         await publisher.stop()
-        stop_process(worker)
+        worker.stop()
 
 
 def run_demo(scenario_name: str = "eight-a100", duration_s: float = 60.0,

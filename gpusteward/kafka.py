@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections.abc import Iterable
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError
 
@@ -97,18 +97,17 @@ def consumer(
     return AIOKafkaConsumer(*topic_names, **settings.kafka.aiokafka_config(), **options)
 
 
-async def read_all(settings: Settings, topic: str) -> list[tuple[bytes | None, bytes | None]]:
-    """Every record (key, value) of ``topic`` from its start to its current end.
+async def read_all(settings: Settings, topic: str, quiet_ms: int = 300) -> list[ConsumerRecord]:
+    """Every record of ``topic`` from its start until no more arrive for ``quiet_ms``.
 
-    Used to rebuild small derived state on start, such as the executor's
-    set of completed idempotency keys from the audit topic.
+    Used to rebuild small derived state on start (the executor's completed
+    idempotency keys) and by tests. It does not trust ListOffsets: the
+    embedded broker reports a high watermark that can trail the last batch.
     """
-    from aiokafka import TopicPartition
-
-    reader = consumer(settings, group_id=None, enable_auto_commit=False)
+    reader = consumer(settings, group_id=None)
     await reader.start()
     try:
-        partitions = reader.partitions_for_topic(topic) or set()
+        partitions = reader.partitions_for_topic(topic)
         if not partitions:
             await reader._client.force_metadata_update()
             partitions = reader.partitions_for_topic(topic) or set()
@@ -117,18 +116,44 @@ async def read_all(settings: Settings, topic: str) -> list[tuple[bytes | None, b
             return []
         reader.assign(assigned)
         await reader.seek_to_beginning(*assigned)
-        end = await reader.end_offsets(assigned)
-        records: list[tuple[bytes | None, bytes | None]] = []
-        remaining = {tp for tp in assigned if end[tp] > 0}
-        while remaining:
-            batch = await reader.getmany(timeout_ms=500)
-            for tp, messages in batch.items():
-                records.extend((m.key, m.value) for m in messages)
-                if messages and messages[-1].offset + 1 >= end[tp]:
-                    remaining.discard(tp)
-            for tp in list(remaining):
-                if await reader.position(tp) >= end[tp]:
-                    remaining.discard(tp)
-        return records
+        records: list[ConsumerRecord] = []
+        while True:
+            batch = await reader.getmany(timeout_ms=quiet_ms)
+            if not batch:
+                return records
+            for messages in batch.values():
+                records.extend(messages)
     finally:
         await reader.stop()
+
+
+async def committed(settings: Settings, group_id: str,
+                    partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+    """The offsets ``group_id`` has committed (-1 where it has none)."""
+    admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
+    await admin.start()
+    try:
+        wanted = list(partitions)
+        offsets = await admin.list_consumer_group_offsets(group_id, partitions=wanted)
+        return {tp: offsets[tp].offset if tp in offsets else -1 for tp in wanted}
+    finally:
+        await admin.close()
+
+
+async def wait_consumed(settings: Settings, group_id: str, topic_names: Iterable[str],
+                        timeout_s: float = 120.0) -> None:
+    """Wait until ``group_id`` has committed past every record now in ``topic_names``."""
+    ends: dict[TopicPartition, int] = {}
+    for name in topic_names:
+        for record in await read_all(settings, name):
+            tp = TopicPartition(record.topic, record.partition)
+            ends[tp] = max(ends.get(tp, 0), record.offset + 1)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        done = await committed(settings, group_id, ends)
+        behind = {tp: ends[tp] - done[tp] for tp in ends if done[tp] < ends[tp]}
+        if not behind:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"{group_id} still behind after {timeout_s}s: {behind}")
+        await asyncio.sleep(0.25)

@@ -33,7 +33,9 @@ from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings
 
 log = logging.getLogger(__name__)
 
-APP_ID = "gpusteward-worker"
+def worker_group(settings: Settings) -> str:
+    """The worker's Faust app id, which is also its consumer group."""
+    return f"{settings.topic_prefix}-worker"
 
 
 def _transport_with_fetch_wait(fetch_max_wait_ms: int) -> type[faust_aiokafka.Transport]:
@@ -78,11 +80,17 @@ def create_app(
     settings: Settings,
     rules: RuleSettings | None = None,
     *,
-    app_id: str = APP_ID,
+    app_id: str | None = None,
     datadir: str | None = None,
     web_port: int | None = None,
 ) -> WorkerApp:
-    """The worker app with its topics, table and agent wired."""
+    """The worker app with its topics, table and agent wired.
+
+    Its id (the consumer group, and the prefix of its changelog topics) is
+    ``<topic prefix>-worker`` unless given, so two pipelines on one cluster
+    never share a group.
+    """
+    app_id = app_id or worker_group(settings)
     kafka = settings.kafka
     app = WorkerApp(
         app_id,
@@ -190,17 +198,3 @@ def create_app(
             yield None
 
     return app
-
-
-def run_worker(settings: Settings, loglevel: str = "warn", web_port: int | None = None) -> None:
-    """Run the worker in the foreground until SIGINT/SIGTERM (``gpusteward worker``)."""
-    import asyncio
-
-    from faust.worker import Worker
-
-    from gpusteward.kafka import ensure_topics
-
-    asyncio.run(ensure_topics(settings))
-    app = create_app(settings, web_port=web_port)
-    worker = Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
-    worker.execute_from_commandline()

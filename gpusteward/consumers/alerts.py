@@ -53,11 +53,11 @@ class FindingsConsumer:
     """Reads the findings topic and delivers each (id, state) once to every sink."""
 
     def __init__(self, settings: Settings, sinks: Sequence[AlertSink],
-                 group_id: str = "gpusteward-alerts",
+                 group_id: str | None = None,
                  on_finding: Callable[[Finding], None] | None = None) -> None:
         self.settings = settings
         self.sinks = list(sinks)
-        self.group_id = group_id
+        self.group_id = group_id or f"{settings.topic_prefix}-alerts"
         self.on_finding = on_finding
         self.seen: set[tuple[str, str]] = set()
         self._decode = msgspec.json.Decoder(Finding).decode

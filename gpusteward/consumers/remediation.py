@@ -86,12 +86,12 @@ class Executor:
     """Consumes actions, decides, acts through a backend and audits every decision."""
 
     def __init__(self, settings: Settings, backend: Backend, *, execute: bool = False,
-                 group_id: str = "gpusteward-remediation", actor: str = "gpusteward-executor",
+                 group_id: str | None = None, actor: str = "gpusteward-executor",
                  on_result: Callable[[Action, ActionResult], None] | None = None) -> None:
         self.settings = settings
         self.backend = backend
         self.execute = execute
-        self.group_id = group_id
+        self.group_id = group_id or f"{settings.topic_prefix}-remediation"
         self.actor = f"{actor}/{backend.name}"
         self.on_result = on_result
         self.executed_keys: set[str] = set()
@@ -102,9 +102,9 @@ class Executor:
     async def load_history(self) -> None:
         """Remember every idempotency key the audit topic records as executed."""
         decode = msgspec.json.Decoder(ActionResult).decode
-        for _key, value in await kafka.read_all(self.settings, self._audit_topic):
+        for record in await kafka.read_all(self.settings, self._audit_topic):
             try:
-                result = decode(value or b"")
+                result = decode(record.value or b"")
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
             if result.outcome == "executed":
