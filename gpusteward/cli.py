@@ -172,6 +172,18 @@ def schema_export(directory: Annotated[Path, typer.Argument(help="Output directo
         typer.echo(str(path))
 
 
+@schema_app.command("docs")
+def schema_docs(
+    out: Annotated[Path, typer.Option(help="Where to write the page.")] = Path("docs/topics.md"),
+) -> None:
+    """Regenerate docs/topics.md from the topic registry and the schema."""
+    from gpusteward.topicdoc import render
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render())
+    typer.echo(str(out))
+
+
 def main() -> None:
     app()
 

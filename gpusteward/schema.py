@@ -12,7 +12,9 @@ Conventions:
 - every message carries ``schema`` (the contract version, bumped on an
   incompatible change) and ``ts``, its event time in Unix seconds (float);
 - optional readings are ``None`` when the source does not report them
-  ("not supported" on a device is an absent value, never an error);
+  ("not supported" on a device is an absent value, never an error); device
+  readings that are ``None`` are left out of the JSON to keep samples small,
+  while top-level messages always carry every field, ``schema`` included;
 - percentages are 0-100, memory in bytes, power in watts, clocks in MHz.
 """
 
@@ -74,7 +76,7 @@ class DeviceSample(msgspec.Struct, omit_defaults=True):
     """The pod holding this device, when the collector could attribute it."""
 
 
-class NodeSample(msgspec.Struct, omit_defaults=True):
+class NodeSample(msgspec.Struct):
     """All devices of one node at one tick. Topic ``samples``, key = node."""
 
     ts: float
@@ -90,7 +92,7 @@ HwEventKind = Literal[
 ]
 
 
-class HwEvent(msgspec.Struct, omit_defaults=True):
+class HwEvent(msgspec.Struct):
     """An urgent hardware event, sent at once outside the tick. Key = node."""
 
     ts: float
@@ -113,7 +115,7 @@ class Taint(msgspec.Struct, frozen=True, omit_defaults=True):
 PodPhase = Literal["pending", "bound", "running", "finished", "deleted"]
 
 
-class PodAllocation(msgspec.Struct, tag="pod", omit_defaults=True):
+class PodAllocation(msgspec.Struct, tag="pod"):
     """A pod's hold on GPUs or MIG devices of a node. Topic ``allocations``, key = node."""
 
     ts: float
@@ -139,7 +141,7 @@ class PodAllocation(msgspec.Struct, tag="pod", omit_defaults=True):
     schema: int = SCHEMA_VERSION
 
 
-class NodeInventory(msgspec.Struct, tag="node", omit_defaults=True):
+class NodeInventory(msgspec.Struct, tag="node"):
     """A node's GPU inventory and schedulability. Topic ``allocations``, key = node."""
 
     ts: float
@@ -162,7 +164,7 @@ AllocationEvent = PodAllocation | NodeInventory
 WorkloadState = Literal["pending", "admitted", "evicted", "requeued", "finished", "deleted"]
 
 
-class QueueEvent(msgspec.Struct, omit_defaults=True):
+class QueueEvent(msgspec.Struct):
     """A queued workload (Kueue Workload or a pending pod). Topic ``queue``, key = cluster queue."""
 
     ts: float
@@ -179,7 +181,7 @@ class QueueEvent(msgspec.Struct, omit_defaults=True):
     schema: int = SCHEMA_VERSION
 
 
-class NodeSummary(msgspec.Struct, omit_defaults=True):
+class NodeSummary(msgspec.Struct):
     """Free capacity and health of a node for fleet-wide rules. Compacted, key = node."""
 
     ts: float
@@ -216,7 +218,7 @@ class Evidence(msgspec.Struct, omit_defaults=True):
     values: dict[str, float] = {}
 
 
-class Finding(msgspec.Struct, omit_defaults=True):
+class Finding(msgspec.Struct):
     """A detected problem. Topic ``findings``, key = fingerprint.
 
     ``fingerprint`` names the problem (rule + subject) and is stable across
@@ -243,7 +245,7 @@ class Finding(msgspec.Struct, omit_defaults=True):
 ActionVerb = Literal["notify_owner", "cordon", "taint", "drain", "requeue", "set_mig_config"]
 
 
-class Action(msgspec.Struct, omit_defaults=True):
+class Action(msgspec.Struct):
     """A remediation the pipeline asks for. Topic ``actions``, key = subject.
 
     ``idempotency_key`` is deterministic (finding id + verb): executing the
@@ -266,7 +268,7 @@ class Action(msgspec.Struct, omit_defaults=True):
 Outcome = Literal["executed", "dry_run", "skipped", "refused", "failed"]
 
 
-class ActionResult(msgspec.Struct, omit_defaults=True):
+class ActionResult(msgspec.Struct):
     """The audit record of one decision on one action. Key = idempotency key."""
 
     idempotency_key: str
@@ -280,7 +282,7 @@ class ActionResult(msgspec.Struct, omit_defaults=True):
     schema: int = SCHEMA_VERSION
 
 
-class DeadLetter(msgspec.Struct, omit_defaults=True):
+class DeadLetter(msgspec.Struct):
     """A record that could not be processed, kept whole with the reason."""
 
     source_topic: str

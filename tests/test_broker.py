@@ -1,0 +1,54 @@
+"""The embedded broker: answers metadata, creates the topics, stops cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+
+from gpusteward import kafka, topics
+from gpusteward.broker import free_port
+from gpusteward.settings import KafkaSettings, Settings
+
+
+def test_topics_are_created_once(settings: Settings) -> None:
+    async def main() -> tuple[list[str], list[str], list[str]]:
+        first = await kafka.ensure_topics(settings)
+        second = await kafka.ensure_topics(settings)
+        admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
+        await admin.start()
+        try:
+            return first, second, await admin.list_topics()
+        finally:
+            await admin.close()
+
+    first, second, existing = asyncio.run(main())
+    names = {spec.name(settings) for spec in topics.ALL}
+    assert set(first) == names and second == [] and names <= set(existing)
+
+
+def test_gpusteward_broker_command_serves_and_stops_on_sigterm() -> None:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-P", "-m", "gpusteward.cli", "broker",
+                                "--port", str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert f"127.0.0.1:{port}" in line
+        settings = Settings(kafka=KafkaSettings(bootstrap_servers=f"127.0.0.1:{port}"))
+        asyncio.run(kafka.wait_for_broker(settings, timeout_s=5))
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+        # The broker child went with it: nothing listens on the port any more.
+        time.sleep(0.2)
+        with pytest.raises(TimeoutError):
+            asyncio.run(kafka.wait_for_broker(settings, timeout_s=1))
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
