@@ -45,7 +45,7 @@ class Run:
 
 
 async def _read(settings: Settings, spec: topics.TopicSpec, kind: type) -> list:
-    decode = msgspec.json.Decoder(kind).decode
+    decode = msgspec.json.Decoder(kind).decode  # type: ignore[var-annotated]
     return [decode(r.value) for r in await kafka.read_all(settings, spec.name(settings))]
 
 

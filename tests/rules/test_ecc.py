@@ -38,9 +38,11 @@ def test_reset_to_zero_resolves_and_a_new_error_is_a_new_episode() -> None:
     track = ecc.EccTrack()
     first = observe(track, 1, 20)[0]
     (closing,) = observe(track, 0, 50)
-    assert isinstance(closing, Finding) and closing.state == "resolved" and closing.id == first.id
     again = observe(track, 1, 80)[0]
-    assert isinstance(again, Finding) and again.id != first.id
+    assert isinstance(first, Finding) and isinstance(closing, Finding)
+    assert isinstance(again, Finding)
+    assert closing.state == "resolved" and closing.id == first.id
+    assert again.id != first.id
 
 
 def test_cordon_can_be_turned_off() -> None:

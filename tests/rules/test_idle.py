@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,6 +13,7 @@ from gpusteward.schema import Action, DeviceSample, Finding, PodRef
 POD = PodRef(namespace="ml-alice", name="nb-alice", uid="u1")
 SETTINGS = idle.IdleSettings()
 START = 1_000_000.0
+HOLDER = idle.Holder(POD, START)
 
 
 def sample(util: float | None, kind: str = "gpu", engine: float | None = None) -> DeviceSample:
@@ -19,7 +22,7 @@ def sample(util: float | None, kind: str = "gpu", engine: float | None = None) -
 
 
 def feed(track: idle.IdleTrack, readings: list[tuple[float, float | None]],
-         holder: idle.Holder | None = idle.Holder(POD, START)) -> list[Finding | Action]:
+         holder: idle.Holder | None = HOLDER) -> list[Finding | Action]:
     out: list[Finding | Action] = []
     for ts, util in readings:
         out += idle.observe(track, node="n1", sample=sample(util), holder=holder, ts=ts,
@@ -49,7 +52,7 @@ def test_fires_once_after_grace_plus_window_with_notify_action() -> None:
 
 def test_busy_again_resolves_the_same_episode() -> None:
     track = idle.IdleTrack()
-    out = feed(track, every(30, START, START + 3000, 0.5) + [(START + 3030, 60.0)])
+    out = feed(track, [*every(30, START, START + 3000, 0.5), (START + 3030, 60.0)])
     firing = [o for o in out if isinstance(o, Finding) and o.state == "firing"]
     resolved = [o for o in out if isinstance(o, Finding) and o.state == "resolved"]
     assert len(firing) == 1 and len(resolved) == 1
@@ -115,8 +118,8 @@ def test_never_fires_unless_idle_for_the_whole_window(raw: list[tuple[int, float
         if last is None or ts > last:
             accepted.append((ts, util))
             last = ts
-        for out in idle.observe(track, node="n1", sample=sample(util), holder=idle.Holder(POD, START),
-                                ts=ts, settings=SETTINGS):
+        for out in idle.observe(track, node="n1", sample=sample(util), holder=HOLDER, ts=ts,
+                                settings=SETTINGS):
             if isinstance(out, Finding) and out.state == "firing":
                 start, end = out.starts_at, out.ts
                 assert end - start >= SETTINGS.window_s
@@ -124,4 +127,4 @@ def test_never_fires_unless_idle_for_the_whole_window(raw: list[tuple[int, float
                 inside = [(t, u) for t, u in accepted if start <= t <= end]
                 assert all(u < SETTINGS.threshold_pct for _, u in inside)
                 times = [t for t, _ in inside]
-                assert all(b - a <= SETTINGS.max_gap_s for a, b in zip(times, times[1:]))
+                assert all(b - a <= SETTINGS.max_gap_s for a, b in itertools.pairwise(times))
