@@ -141,6 +141,18 @@ def create_app(
     )
     encode_state = msgspec.msgpack.Encoder().encode
     decode_state = msgspec.msgpack.Decoder(NodeState).decode
+    checkpoint_s = join.settings.checkpoint_interval_s
+    # Decoded states of this worker's nodes, with the event time of their last checkpoint.
+    # Rebuilt from the table after every rebalance, when the table is the truth.
+    live: dict[bytes, tuple[NodeState, float]] = {}
+
+    @app.on_partitions_revoked.connect
+    async def forget_on_revoke(sender: Any, revoked: Any, **kwargs: Any) -> None:
+        live.clear()
+
+    @app.on_partitions_assigned.connect
+    async def forget_on_assign(sender: Any, assigned: Any, **kwargs: Any) -> None:
+        live.clear()
 
     decode_sample = msgspec.json.Decoder(NodeSample).decode
     decode_hw = msgspec.json.Decoder(HwEvent).decode
@@ -190,10 +202,20 @@ def create_app(
                 await to_deadletter(event, error)
                 continue
             node = record.node.encode()
-            stored = state_table.get(node)
-            state = decode_state(stored) if stored is not None else NodeState()
+            entry = live.get(node)
+            if entry is None:
+                stored = state_table.get(node)
+                entry = (decode_state(stored) if stored is not None else NodeState(), -1.0)
+            state, checkpointed_at = entry
             outputs = handler(state, record)
-            state_table[node] = encode_state(state)
+            # Write the changelog when the state matters for recovery (the rule emitted
+            # something, the allocations changed) and otherwise every checkpoint_s of event
+            # time. A worker that crashes between checkpoints recovers a state at most that
+            # old; re-processing then republishes the same ids, which consumers deduplicate.
+            if outputs or handler is not join.on_sample or record.ts - checkpointed_at >= checkpoint_s:
+                state_table[node] = encode_state(state)
+                checkpointed_at = record.ts
+            live[node] = (state, checkpointed_at)
             await publish(outputs)
             yield None
 

@@ -72,6 +72,11 @@ class RuleSettings:
     ecc: ecc.EccSettings = field(default_factory=ecc.EccSettings)
     summary_interval_s: float = 60.0
     """Event-time seconds between two summaries of an unchanged node."""
+    checkpoint_interval_s: float = 30.0
+    """Event-time seconds between two changelog writes of a node whose samples changed
+    nothing that matters; anything a rule emits is written at once. Lower means less
+    re-learning after a crash, higher means less changelog traffic (one record per node
+    per interval instead of one per sample)."""
 
 
 def _pod_key(pod: PodRef) -> str:

@@ -275,6 +275,8 @@ class SimulatedCluster:
             gpu = self.nodes[fault.node].gpus[fault.gpu]
             gpu.dbe += 1
             self.truth.faults.append(FaultRecord(fault.kind, fault.node, gpu.uuid, now))
+            if not fault.urgent_event:
+                continue
             await publisher.hw_event(HwEvent(
                 ts=now, node=fault.node, kind="ecc_dbe", uuid=gpu.uuid, count=gpu.dbe,
                 detail="volatile double-bit ECC error", source="simulator",

@@ -62,6 +62,10 @@ class Fault(BaseModel):
     node: str
     gpu: int = 0
     at_s: float = Field(ge=0)
+    urgent_event: bool = Field(
+        True, description="Also send the urgent hardware event, as NVML's event listener does; "
+        "False leaves only the next sample to carry it.",
+    )
 
 
 class Scenario(BaseModel):

@@ -1,0 +1,165 @@
+"""Stream worker throughput and DBE-to-cordon latency on the embedded broker.
+
+Throughput: the simulator first publishes one minute of a 10,000-GPU fleet
+(1,250 nodes x 8 GPUs at 1 Hz = 75,000 node samples); then one worker
+process starts and the rate at which its committed offsets advance gives
+GPU-samples per second (start-up and table recovery excluded).
+
+Latency: a warm worker, the simulator feeding the same fleet live at 1 Hz,
+and double-bit ECC errors injected on 30 nodes, carried by the samples only
+(no urgent event). For each, the delay from handing the sample to the
+producer to the cordon action arriving on the actions topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from aiokafka import TopicPartition
+from figures import Figure
+
+from gpusteward import kafka, topics
+from gpusteward.broker import EmbeddedBroker
+from gpusteward.collectors.publisher import KafkaPublisher
+from gpusteward.collectors.simulator.engine import SimulatedCluster
+from gpusteward.collectors.simulator.scenario import Scenario
+from gpusteward.pipeline import WorkerProcess
+from gpusteward.schema import Action, NodeSample
+from gpusteward.settings import Settings
+from gpusteward.streams.app import worker_group
+
+NODES, GPUS = 1250, 8
+FAULTS = 30
+
+
+def fleet(duration_s: float, acceleration: float, faults: int = 0) -> Scenario:
+    return Scenario.model_validate({
+        "name": "fleet-10k", "seed": 3, "duration_s": duration_s, "sample_interval_s": 1.0,
+        "acceleration": acceleration,
+        "nodes": [{"prefix": "h100", "count": NODES, "gpus": GPUS,
+                   "gpu_model": "NVIDIA H100 80GB HBM3"}],
+        "users": [f"user{i:03d}" for i in range(200)],
+        "workloads": [
+            {"group": "train", "count": 600, "gpus": 8, "phases": [{"util": [80, 99]}]},
+            {"group": "infer", "count": 500, "gpus": 2, "kind": "inference",
+             "phases": [{"util": [10, 60]}]},
+            {"group": "nb", "count": 1500, "kind": "notebook",
+             "phases": [{"for_s": [5, 30], "util": [20, 60]}, {"util": [0, 2]}]},
+        ],
+        "faults": [{"kind": "ecc_dbe", "node": f"h100-{10 + 40 * i}", "at_s": 8 + 2 * i,
+                    "urgent_event": False} for i in range(faults)],
+    })
+
+
+class TimedPublisher(KafkaPublisher):
+    """Notes when the first sample showing a DBE on a node is handed to the producer."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.dbe_sent: dict[str, float] = {}
+
+    async def sample(self, sample: NodeSample) -> None:
+        await super().sample(sample)
+        if sample.node not in self.dbe_sent and any(d.ecc_dbe_volatile for d in sample.devices):
+            self.dbe_sent[sample.node] = time.monotonic()
+
+
+async def throughput(settings: Settings, log: Path) -> list[Figure]:
+    await kafka.ensure_topics(settings)
+    publisher = KafkaPublisher(settings)
+    await publisher.start()
+    started = time.monotonic()
+    await SimulatedCluster(fleet(59, 0.0)).run(publisher)
+    publish_s = time.monotonic() - started
+    await publisher.stop()
+    samples = topics.SAMPLES.name(settings)
+    ends: dict[TopicPartition, int] = {}
+    for record in await kafka.read_all(settings, samples):
+        tp = TopicPartition(record.topic, record.partition)
+        ends[tp] = max(ends.get(tp, 0), record.offset + 1)
+    total = sum(ends.values())
+    group = worker_group(settings)
+    with WorkerProcess(settings, log):
+        first: tuple[float, int] | None = None
+        while True:
+            await asyncio.sleep(0.2)
+            done = sum(max(0, o) for o in (await kafka.committed(settings, group, ends)).values())
+            now = time.monotonic()
+            if first is None and done > 0:
+                first = (now, done)
+            if done >= total:
+                break
+    assert first is not None
+    seconds = now - first[0]
+    rate = (total - first[1]) * GPUS / seconds
+    return [
+        Figure("worker throughput (1 process)", rate, "GPU-samples/s"),
+        Figure("worker throughput (1 process)", rate / GPUS, "node samples/s"),
+        Figure("simulator publish rate", total * GPUS / publish_s, "GPU-samples/s"),
+    ]
+
+
+async def latency(settings: Settings, log: Path) -> list[Figure]:
+    await kafka.ensure_topics(settings)
+    arrived: dict[str, float] = {}
+    import msgspec
+
+    decode = msgspec.json.Decoder(Action).decode
+    reader = kafka.consumer(settings, topics.ACTIONS.name(settings), group_id=None,
+                            auto_offset_reset="latest")
+    await reader.start()
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        while not stop.is_set():
+            batch = await reader.getmany(timeout_ms=100)
+            now = time.monotonic()
+            for messages in batch.values():
+                for message in messages:
+                    action = decode(message.value)
+                    if action.verb == "cordon" and action.target.node:
+                        arrived.setdefault(action.target.node, now)
+
+    watching = asyncio.create_task(watch())
+    publisher = TimedPublisher(settings)
+    await publisher.start()
+    with WorkerProcess(settings, log):
+        # Warm up: a few seconds of live fleet so the worker has joined and caught up.
+        await SimulatedCluster(fleet(5, 1.0)).run(publisher)
+        await kafka.wait_consumed(settings, worker_group(settings),
+                                  [topics.SAMPLES.name(settings)], timeout_s=120)
+        live = fleet(8 + 2 * FAULTS + 5, 1.0, faults=FAULTS)
+        live = live.model_copy(update={"start_ts": live.start_ts + 10})
+        await SimulatedCluster(live).run(publisher)
+        deadline = time.monotonic() + 30
+        while len(arrived) < FAULTS and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+    stop.set()
+    await watching
+    await reader.stop()
+    await publisher.stop()
+    delays = sorted((arrived[n] - publisher.dbe_sent[n]) * 1000
+                    for n in publisher.dbe_sent if n in arrived)
+    missing = len(publisher.dbe_sent) - len(delays)
+    return [
+        Figure("DBE sample -> cordon action, p50", statistics.median(delays), "ms"),
+        Figure("DBE sample -> cordon action, p99",
+               delays[min(len(delays) - 1, int(len(delays) * 0.99))], "ms"),
+        Figure("DBE faults measured (missing)", float(len(delays)), f"({missing} missing)"),
+        Figure("consumer fetch wait", float(settings.kafka.fetch_max_wait_ms), "ms"),
+    ]
+
+
+def run() -> list[Figure]:
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-worker-"))
+    with EmbeddedBroker(log_path=log_dir / "broker.log") as broker:
+        base = broker.settings()
+        figures = asyncio.run(throughput(base.model_copy(update={"topic_prefix": "bench-tp"}),
+                                         log_dir / "worker-tp.log"))
+        figures += asyncio.run(latency(base.model_copy(update={"topic_prefix": "bench-lat"}),
+                                       log_dir / "worker-lat.log"))
+    return figures
