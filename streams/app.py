@@ -212,7 +212,8 @@ def create_app(
             # something, the allocations changed) and otherwise every checkpoint_s of event
             # time. A worker that crashes between checkpoints recovers a state at most that
             # old; re-processing then republishes the same ids, which consumers deduplicate.
-            if outputs or handler is not join.on_sample or record.ts - checkpointed_at >= checkpoint_s:
+            due = record.ts - checkpointed_at >= checkpoint_s
+            if outputs or due or handler is not join.on_sample:
                 state_table[node] = encode_state(state)
                 checkpointed_at = record.ts
             live[node] = (state, checkpointed_at)
