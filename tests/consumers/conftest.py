@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from gpusteward.consumers.kube_backend import KubeSettings
+from tests.consumers.kube_double import KubeDouble
+
 ALERTMANAGER = "/usr/bin/prometheus-alertmanager"
 
 CONFIG = """\
@@ -77,3 +80,17 @@ def alertmanager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             process.kill()
             process.wait()
         log.close()
+
+
+@pytest.fixture
+def kube(tmp_path: Path) -> Iterator[KubeDouble]:
+    """A fresh Kubernetes API double for one test."""
+    with KubeDouble(tmp_path) as double:
+        yield double
+
+
+@pytest.fixture
+def kube_settings(kube: KubeDouble) -> KubeSettings:
+    """Backend settings on the double, with short waits so PDB retries take milliseconds."""
+    return KubeSettings(kubeconfig=str(kube.kubeconfig), eviction_backoff_s=0.01,
+                        eviction_backoff_max_s=0.05, drain_timeout_s=0.5, requeue_timeout_s=2)
