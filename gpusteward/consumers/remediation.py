@@ -50,6 +50,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from rich.console import Console
+from rich.markup import escape
 
 from gpusteward import kafka, topics
 from gpusteward.rules.findings import finding_id, fingerprint
@@ -188,6 +190,22 @@ def describe(action: Action) -> str:
         "set_mig_config": f"set nvidia.com/mig.config={params.get('config', '?')} on node {where}",
     }
     return f"would {verbs.get(action.verb, f'{action.verb} {where}')} because: {action.reason}"
+
+
+class ReviewPrinter:
+    """Prints one readable line per decision, for operators reviewing before enabling a rule."""
+
+    STYLE = {"executed": "bold green", "dry_run": "cyan", "skipped": "dim",
+             "refused": "bold yellow", "failed": "bold red"}
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console(highlight=False)
+
+    def __call__(self, action: Action, result: ActionResult) -> None:
+        self.console.print(
+            f"[{self.STYLE[result.outcome]}]{result.outcome.upper():8}[/] "
+            f"{action.verb:14} {_where(action.target):30} [dim]rule={action.rule}[/] "
+            f"{escape(result.detail)}")
 
 
 def _matches(name: str | None, patterns: set[str]) -> bool:
