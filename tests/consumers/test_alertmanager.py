@@ -9,9 +9,14 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+import msgspec
+
+from gpusteward import kafka, topics
 from gpusteward.consumers.alertmanager import AlertmanagerSink
+from gpusteward.consumers.alerts import FindingsConsumer
 from gpusteward.rules.findings import resolved
 from gpusteward.schema import Evidence, Finding, PodRef, Subject
+from gpusteward.settings import Settings
 
 
 def firing(fp: str, *, node: str = "gpu-node-1", severity: str = "critical") -> Finding:
@@ -135,3 +140,41 @@ def test_an_unreachable_alertmanager_keeps_the_alert_for_the_next_refresh(
 
     asyncio.run(main())
     assert len(active_alerts(alertmanager, "fp-retry")) == 1
+
+
+def test_findings_consumer_feeds_alertmanager_from_the_topic(alertmanager: str,
+                                                             settings: Settings) -> None:
+    fired = firing("fp-topic")
+
+    async def main() -> None:
+        await kafka.ensure_topics(settings)
+        producer = kafka.producer(settings)
+        await producer.start()
+        await producer.send_and_wait(topics.FINDINGS.name(settings), msgspec.json.encode(fired),
+                                     key=fired.fingerprint.encode())
+        await producer.send_and_wait(topics.FINDINGS.name(settings), msgspec.json.encode(fired),
+                                     key=fired.fingerprint.encode())  # a redelivery
+        stop = asyncio.Event()
+        seen: list[Finding] = []
+        consumer = FindingsConsumer(settings, [AlertmanagerSink(alertmanager)],
+                                    group_id="am-test", on_finding=seen.append)
+        task = asyncio.create_task(consumer.run(stop))
+        for _ in range(200):
+            if active_alerts(alertmanager, "fp-topic"):
+                break
+            await asyncio.sleep(0.05)
+        assert len(active_alerts(alertmanager, "fp-topic")) == 1
+        await producer.send_and_wait(topics.FINDINGS.name(settings),
+                                     msgspec.json.encode(ending(fired)),
+                                     key=fired.fingerprint.encode())
+        for _ in range(200):
+            if not active_alerts(alertmanager, "fp-topic"):
+                break
+            await asyncio.sleep(0.05)
+        stop.set()
+        await task
+        await producer.stop()
+        assert [f.state for f in seen] == ["firing", "resolved"]
+
+    asyncio.run(main())
+    assert active_alerts(alertmanager, "fp-topic") == []
