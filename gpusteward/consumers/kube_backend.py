@@ -75,8 +75,10 @@ class KubeSettings(BaseModel):
         "~/.kube/config.")
     context: str | None = Field(None, description="Kubeconfig context; None uses the current.")
     drain_timeout_s: float = Field(
-        300.0, gt=0, description="How long a drain keeps retrying evictions blocked by a "
-        "PodDisruptionBudget before it reports the pods left, seconds.")
+        240.0, gt=0, description="How long a drain keeps retrying evictions blocked by a "
+        "PodDisruptionBudget before it reports the pods left, seconds. Below the Kafka "
+        "consumer's max poll interval (5 min), so a long drain does not cost the executor its "
+        "partition.")
     eviction_backoff_s: float = Field(
         2.0, gt=0, description="First wait after a 429 on an eviction; doubles up to "
         "eviction_backoff_max_s. kubectl drain waits 5 s between tries.")
