@@ -105,28 +105,68 @@ def simulate(
 
 
 @app.command()
-def alerts(bootstrap: Bootstrap = None) -> None:
-    """Print findings to the console as they arrive."""
-    from gpusteward.consumers.alerts import ConsoleSink, FindingsConsumer
+def alerts(
+    bootstrap: Bootstrap = None,
+    alertmanager: Annotated[str | None, typer.Option(
+        envvar="GPUSTEWARD_ALERTMANAGER_URL", help="Alertmanager base URL to post alerts to.")
+    ] = None,
+    webhook: Annotated[str | None, typer.Option(
+        envvar="GPUSTEWARD_WEBHOOK_URL", help="Slack-compatible webhook URL.")] = None,
+) -> None:
+    """Print findings to the console as they arrive (and post them to Alertmanager/webhook)."""
+    from gpusteward.consumers.alertmanager import AlertmanagerSink
+    from gpusteward.consumers.alerts import AlertSink, ConsoleSink, FindingsConsumer
+    from gpusteward.consumers.webhook import WebhookSink
 
     settings = _settings(bootstrap)
-    _run_until_interrupted(settings, lambda stop: FindingsConsumer(settings, [ConsoleSink()]
-                                                                   ).run(stop))
+    sinks: list[AlertSink] = [ConsoleSink()]
+    sinks += [AlertmanagerSink(alertmanager)] if alertmanager else []
+    sinks += [WebhookSink(webhook)] if webhook else []
+    _run_until_interrupted(settings, lambda stop: FindingsConsumer(settings, sinks).run(stop))
 
 
 @app.command()
 def act(
     bootstrap: Bootstrap = None,
     execute: Annotated[bool, typer.Option(
-        "--execute/--dry-run", help="Carry actions out (default: only say what would happen).")
+        "--execute/--dry-run", help="Carry actions of enabled rules out (default: only say "
+        "what would happen).")] = False,
+    backend: Annotated[str, typer.Option(
+        help="kubernetes (the cluster of --kubeconfig or the in-cluster account) or none.")
+    ] = "none",
+    kubeconfig: Annotated[str | None, typer.Option(help="Kubeconfig for --backend kubernetes.")
+                          ] = None,
+    enable_rule: Annotated[list[str] | None, typer.Option(
+        "--enable-rule", help="A rule whose actions --execute carries out (repeat; '*' = all); "
+        "adds to GPUSTEWARD_REMEDIATION__ENABLED_RULES.")] = None,
+    reset_breaker: Annotated[bool, typer.Option(
+        "--reset-breaker", help="Record a circuit-breaker reset on the audit topic and exit.")
     ] = False,
+    operator: Annotated[str, typer.Option(help="Who resets the breaker (for the audit).")
+                        ] = "operator",
 ) -> None:
-    """Run the remediation executor; dry-run unless --execute."""
-    from gpusteward.consumers.remediation import Executor, NoBackend
+    """Run the remediation executor: one line per action saying what it did or would do."""
+    from gpusteward.consumers import remediation
 
     settings = _settings(bootstrap)
-    _logging("info")
-    executor = Executor(settings, NoBackend(), execute=execute)
+    if reset_breaker:
+        record = asyncio.run(remediation.reset_breaker(settings, operator))
+        typer.echo(f"circuit breaker reset recorded ({record.idempotency_key})")
+        return
+    policy = remediation.RemediationSettings()
+    policy.enabled_rules |= set(enable_rule or [])
+    chosen: remediation.Backend
+    if backend == "kubernetes":
+        from gpusteward.consumers.kube_backend import KubernetesBackend, KubeSettings
+
+        chosen = KubernetesBackend(KubeSettings(kubeconfig=kubeconfig,
+                                                deny_namespaces=policy.deny_namespaces))
+    elif backend == "none":
+        chosen = remediation.NoBackend()
+    else:
+        raise typer.BadParameter(f"unknown backend {backend!r}: kubernetes or none")
+    executor = remediation.Executor(settings, chosen, execute=execute, remediation=policy,
+                                    on_result=remediation.ReviewPrinter())
     _run_until_interrupted(settings, executor.run)
 
 

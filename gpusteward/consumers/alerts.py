@@ -2,7 +2,10 @@
 
 A consumer of the findings topic hands each finding to its sinks once per
 (id, state): a redelivered firing finding is not announced twice. The first
-sink prints to the console; Alertmanager and webhooks plug in the same way.
+sink prints to the console; Alertmanager (``alertmanager.py``) and webhooks
+(``webhook.py``) plug in the same way. A sink may also have ``refresh()``,
+called about every poll to re-send what must be kept alive or retried, and
+``close()``, called when the consumer stops.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
 from rich.console import Console
@@ -25,6 +28,15 @@ log = logging.getLogger(__name__)
 
 class AlertSink(Protocol):
     async def deliver(self, finding: Finding) -> None: ...
+
+
+@runtime_checkable
+class RefreshingSink(Protocol):
+    """A sink that keeps state alive (Alertmanager) or retries (webhook) between findings."""
+
+    async def refresh(self, force: bool = False) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 def _clock(ts: float) -> str:
@@ -74,8 +86,14 @@ class FindingsConsumer:
                         await self._handle(message.value)
                 if batch:
                     await consumer.commit()
+                for sink in self.sinks:
+                    if isinstance(sink, RefreshingSink):
+                        await sink.refresh()
         finally:
             await consumer.stop()
+            for sink in self.sinks:
+                if isinstance(sink, RefreshingSink):
+                    await sink.close()
 
     async def _handle(self, raw: bytes | None) -> None:
         try:

@@ -1,0 +1,199 @@
+"""Alertmanager sink: findings become Alertmanager v2 alerts.
+
+Alertmanager identifies an alert by its label set, so a finding's labels are
+built from what names the problem (kind, fingerprint, subject) and are kept
+exactly as first sent: the resolved record of an episode carries severity
+``info`` in the findings topic, and sending that would open a second alert
+instead of ending the first. A resolved finding ends its alert by re-posting
+the firing labels with ``endsAt`` set to the finding's end.
+
+Firing alerts are posted with ``endsAt`` a few resend intervals ahead (as
+Prometheus does), and :meth:`AlertmanagerSink.refresh` re-posts them before
+that passes; if this process dies, its alerts resolve by themselves when
+``endsAt`` passes instead of firing forever. A failed post is not lost: the
+alert stays pending and the next refresh posts it again. When a resolved
+finding arrives for an episode this process never saw fire (it restarted),
+the sink asks Alertmanager for the active alerts with that fingerprint and
+ends those.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+
+from gpusteward.schema import Finding
+
+log = logging.getLogger(__name__)
+
+
+def rfc3339(ts: float) -> str:
+    """Unix seconds as the RFC 3339 UTC timestamp Alertmanager expects."""
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def alert_labels(finding: Finding) -> dict[str, str]:
+    """The identifying labels of a finding's alert."""
+    labels = {
+        "alertname": f"GpuSteward{''.join(p.title() for p in finding.kind.split('_'))}",
+        "kind": finding.kind,
+        "severity": finding.severity,
+        "fingerprint": finding.fingerprint,
+        "source": "gpusteward",
+    }
+    subject = finding.subject
+    if subject.node:
+        labels["node"] = subject.node
+    if subject.device:
+        labels["device"] = subject.device
+    if subject.pod:
+        labels["namespace"] = subject.pod.namespace
+        labels["pod"] = subject.pod.name
+    if subject.queue:
+        labels["queue"] = subject.queue
+    # A rule's own labels never override the identifying ones.
+    return {**finding.labels, **labels}
+
+
+def alert_annotations(finding: Finding) -> dict[str, str]:
+    annotations = {"summary": finding.summary, "finding_id": finding.id}
+    if finding.runbook:
+        annotations["runbook"] = finding.runbook
+    if finding.evidence and finding.evidence.values:
+        annotations["evidence"] = ", ".join(
+            f"{name}={value:g}" for name, value in sorted(finding.evidence.values.items()))
+    return annotations
+
+
+class AlertmanagerError(Exception):
+    """Alertmanager refused or could not be reached."""
+
+
+class AlertmanagerSink:
+    """Posts findings to an Alertmanager's ``/api/v2/alerts`` and keeps firing ones alive."""
+
+    def __init__(self, url: str, *, resend_interval_s: float = 60.0,
+                 lifetime_intervals: float = 4.0, generator_url: str = "",
+                 timeout_s: float = 10.0, clock: Any = time.time) -> None:
+        """``url`` is the Alertmanager base URL (``http://alertmanager:9093``).
+
+        ``resend_interval_s``: how often firing alerts are re-posted, seconds;
+        ``lifetime_intervals``: ``endsAt`` of a firing alert is this many
+        intervals ahead, so a few lost posts do not resolve it (Prometheus
+        uses 4); ``generator_url``: a link to where the finding can be seen
+        (a dashboard); the fingerprint is appended as ``?fingerprint=``.
+        """
+        self.url = url.rstrip("/")
+        self.resend_interval_s = resend_interval_s
+        self.lifetime_s = resend_interval_s * lifetime_intervals
+        self.generator_url = generator_url
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.clock = clock
+        self.firing: dict[str, dict[str, Any]] = {}
+        """Alerts kept alive, by finding fingerprint."""
+        self.pending_resolved: dict[str, list[dict[str, Any]]] = {}
+        """Resolved alerts not yet accepted by Alertmanager, by fingerprint."""
+        self._last_post = 0.0
+        self._session: aiohttp.ClientSession | None = None
+
+    async def deliver(self, finding: Finding) -> None:
+        if finding.state == "firing":
+            alert = {
+                "labels": alert_labels(finding),
+                "annotations": alert_annotations(finding),
+                "startsAt": rfc3339(finding.starts_at),
+                "generatorURL": self._generator(finding),
+            }
+            self.firing[finding.fingerprint] = alert
+            self.pending_resolved.pop(finding.fingerprint, None)
+            await self._post_quietly([self._alive(alert)])
+            return
+        ends_at = finding.ends_at if finding.ends_at is not None else finding.ts
+        known = self.firing.pop(finding.fingerprint, None)
+        if known is not None:
+            ended = [{**known, "endsAt": rfc3339(ends_at)}]
+        else:
+            ended = await self._active_alerts_for(finding, ends_at)
+        self.pending_resolved[finding.fingerprint] = ended
+        if await self._post_quietly(ended):
+            self.pending_resolved.pop(finding.fingerprint, None)
+
+    async def refresh(self, force: bool = False) -> None:
+        """Re-post firing alerts (and unsent resolutions) when a resend interval has passed."""
+        now = self.clock()
+        if not force and now - self._last_post < self.resend_interval_s:
+            return
+        alerts = [self._alive(a) for a in self.firing.values()]
+        for ended in self.pending_resolved.values():
+            alerts.extend(ended)
+        if not alerts:
+            self._last_post = now
+            return
+        if await self._post_quietly(alerts):
+            self.pending_resolved.clear()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _alive(self, alert: dict[str, Any]) -> dict[str, Any]:
+        return {**alert, "endsAt": rfc3339(self.clock() + self.lifetime_s)}
+
+    def _generator(self, finding: Finding) -> str:
+        if not self.generator_url:
+            return ""
+        joiner = "&" if "?" in self.generator_url else "?"
+        return f"{self.generator_url}{joiner}fingerprint={finding.fingerprint}"
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        return self._session
+
+    async def post(self, alerts: list[dict[str, Any]]) -> None:
+        """POST ``alerts``; raise :class:`AlertmanagerError` unless Alertmanager accepts them."""
+        try:
+            async with self._client().post(f"{self.url}/api/v2/alerts", json=alerts) as response:
+                if response.status != 200:
+                    body = (await response.text())[:300]
+                    raise AlertmanagerError(f"Alertmanager answered {response.status}: {body}")
+        except aiohttp.ClientError as error:
+            raise AlertmanagerError(f"cannot reach Alertmanager at {self.url}: {error}") from error
+        self._last_post = self.clock()
+
+    async def _post_quietly(self, alerts: list[dict[str, Any]]) -> bool:
+        """Post; on failure log and return False (the next refresh posts again)."""
+        if not alerts:
+            return True
+        try:
+            await self.post(alerts)
+        except (AlertmanagerError, TimeoutError) as error:
+            log.warning("%s; %d alert(s) will be re-sent on the next refresh", error, len(alerts))
+            return False
+        return True
+
+    async def _active_alerts_for(self, finding: Finding, ends_at: float) -> list[dict[str, Any]]:
+        """Alertmanager's active alerts for ``finding``'s fingerprint, ended at ``ends_at``."""
+        params = {"filter": f'fingerprint="{finding.fingerprint}"', "silenced": "true",
+                  "inhibited": "true"}
+        try:
+            async with self._client().get(f"{self.url}/api/v2/alerts", params=params) as response:
+                if response.status != 200:
+                    raise AlertmanagerError(f"Alertmanager answered {response.status}")
+                active = await response.json()
+        except (aiohttp.ClientError, AlertmanagerError, TimeoutError) as error:
+            log.warning("cannot look up alerts to resolve %s: %s", finding.fingerprint, error)
+            # Fall back to the finding's own labels: right unless severity changed.
+            return [{"labels": alert_labels(finding), "annotations": alert_annotations(finding),
+                     "startsAt": rfc3339(finding.starts_at), "endsAt": rfc3339(ends_at),
+                     "generatorURL": self._generator(finding)}]
+        return [{"labels": a["labels"], "annotations": a.get("annotations", {}),
+                 "startsAt": a["startsAt"], "endsAt": rfc3339(ends_at),
+                 "generatorURL": a.get("generatorURL", "")}
+                for a in active]
+
