@@ -252,6 +252,8 @@ class _Gpm:
     previous: Any
     current: Any
     primed: bool = False
+    request: Any = None
+    """The metrics request, kept: it holds room for every GPM metric (about 19 KB)."""
 
 
 @dataclass
@@ -751,9 +753,11 @@ class NvmlCollector:
             return None
         value: float | None = None
         if buffers.primed:
-            request = pynvml.c_nvmlGpmMetricsGet_t()
-            request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
-            request.numMetrics = 1
+            request = buffers.request
+            if request is None:
+                request = buffers.request = pynvml.c_nvmlGpmMetricsGet_t()
+                request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+                request.numMetrics = 1
             request.sample1 = buffers.previous
             request.sample2 = buffers.current
             request.metrics[0].metricId = pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL
