@@ -11,6 +11,7 @@ scales.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
 
 GPUS = 8
 TICKS = 200
-ROUNDS = 3
+ROUNDS = 5
 
 
 class _Discard:
@@ -64,8 +65,8 @@ def _measure(description: dict[str, Any]) -> tuple[float, float, float]:
     calls_before = fake.calls
     collector.read()
     calls = fake.calls - calls_before
-    # Best of a few rounds: the machine is shared, and the minimum is the cost itself.
-    read_s = min(_timed(collector.read) for _ in range(ROUNDS))
+    # Median of a few rounds: the machine is shared and single rounds swing by 2x.
+    read_s = statistics.median(_timed(collector.read) for _ in range(ROUNDS))
 
     async def ticks() -> float:
         rounds = []
@@ -74,7 +75,7 @@ def _measure(description: dict[str, Any]) -> tuple[float, float, float]:
             for _ in range(TICKS):
                 await collector.tick()
             rounds.append((time.perf_counter() - begin) / TICKS)
-        return min(rounds)
+        return statistics.median(rounds)
 
     tick_s = asyncio.run(ticks())
     collector.close()

@@ -196,6 +196,9 @@ class NvmlSettings(BaseModel):
                                 "samples go out unattributed, not credited to a pod maybe gone.")
     extra_gpu_resources: list[str] = Field(
         [], description="Resource names counted besides nvidia.com/gpu and nvidia.com/mig-*.")
+    fake_nvml: str | None = Field(
+        None, description="Path of a fake-NVML YAML description (tests/data/nvml/*.yaml) to "
+                          "sample instead of the driver: for demos and tests. None: real NVML.")
 
     def resolved_node_name(self) -> str:
         return self.node_name or os.environ.get("NODE_NAME") or socket.gethostname()
@@ -396,7 +399,15 @@ class NvmlCollector:
         try:
             next_tick = loop.time()
             while not stop.is_set():
-                await self.tick()
+                try:
+                    await self.tick()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    # A DaemonSet collector outlives a bad tick (a publisher hiccup, a
+                    # driver error outside any one GPU); the counter makes it visible.
+                    log.exception("NVML tick failed")
+                    self._count_error("tick", e)
                 next_tick += self.interval_s
                 delay = next_tick - loop.time()
                 if delay < 0:  # fell behind: skip the missed ticks, keep the cadence
@@ -867,15 +878,20 @@ async def run_nvml_collector(
 ) -> None:
     """Run the NVML collector until ``stop`` is set.
 
-    ``nvml`` defaults to the real ``pynvml`` module; ``registry`` receives the
-    collector's metrics (a fresh one when None). Raises :class:`NvmlUnavailable`
-    when NVML cannot be initialised here (no driver or library).
+    ``nvml`` defaults to ``settings.fake_nvml`` when that is set, else to the
+    real ``pynvml`` module; ``registry`` receives the collector's metrics (a
+    fresh one when None). Raises :class:`NvmlUnavailable` when NVML cannot be
+    initialised here (no driver or library).
     """
     pod_resources = None
     if settings.pod_resources_socket:
         pod_resources = PodResourcesClient(settings.pod_resources_socket,
                                            timeout_s=settings.pod_resources_timeout_s,
                                            extra_resources=settings.extra_gpu_resources)
+    if nvml is None and settings.fake_nvml:
+        from gpusteward.collectors.nvml_fake import FakeNvml
+
+        nvml = FakeNvml.from_yaml(settings.fake_nvml)
     collector = NvmlCollector(
         nvml if nvml is not None else pynvml, settings.resolved_node_name(), publisher,
         pod_resources=pod_resources, interval_s=settings.interval_s,

@@ -140,9 +140,10 @@ def test_old_driver_without_new_symbols_falls_back(fake_nvml, publisher):
 def test_xid_79_mid_run_is_published_at_once_and_the_gpu_is_lost(fake_nvml, publisher):
     fake = fake_nvml("faults")
 
+    collector = _collector(fake, publisher, interval_s=30.0)  # the test ticks by hand
+
     async def scenario() -> float:
         stop = asyncio.Event()
-        collector = _collector(fake, publisher, interval_s=30.0)  # no second tick in this test
         task = asyncio.create_task(collector.run(stop))
         await publisher.wait_for(lambda p: len(p.samples) == 1)
         await asyncio.sleep(0.1)  # let the listener register
@@ -150,6 +151,7 @@ def test_xid_79_mid_run_is_published_at_once_and_the_gpu_is_lost(fake_nvml, publ
         fake.step()  # Xid 79 on GPU 2, which falls off the bus
         await publisher.wait_for(lambda p: bool(p.events_of("xid") and p.events_of("gpu_lost")))
         latency = time.monotonic() - started
+        await collector.tick()  # the tick finds the GPU gone too: no second gpu_lost
         stop.set()
         await asyncio.wait_for(task, 5)
         return latency
@@ -161,7 +163,9 @@ def test_xid_79_mid_run_is_published_at_once_and_the_gpu_is_lost(fake_nvml, publ
     (lost,) = publisher.events_of("gpu_lost")
     assert lost.uuid == xid.uuid
     assert latency < 1.0  # from the event, not from the next tick 30 s later
-    assert len(publisher.samples) == 1
+    first, second = publisher.samples
+    assert len(first.devices) == 3
+    assert [d.index for d in second.devices] == [0, 1]  # the others are still sampled
 
 
 def test_a_lost_gpu_is_reported_once_and_the_others_are_still_sampled(fake_nvml, publisher):
@@ -314,3 +318,67 @@ def test_fake_raises_pynvml_own_exception_classes(fake_nvml):
 ])
 def test_profile_name(text, profile):
     assert profile_name(text) == profile
+
+
+def test_the_nvml_protocol_is_pynvml_and_the_fake_implements_it():
+    """The collector calls nothing the real module lacks, with arguments it accepts."""
+    import inspect
+
+    from gpusteward.collectors.nvml import Nvml
+
+    calls = [name for name in vars(Nvml) if name.startswith("nvml")]
+    assert len(calls) > 30
+    for name in calls:
+        ours = inspect.signature(getattr(Nvml, name)).parameters
+        real = inspect.signature(getattr(pynvml, name)).parameters
+        fake = inspect.signature(getattr(FakeNvml, name)).parameters
+        required = [p for p in real.values() if p.default is inspect.Parameter.empty]
+        assert len(ours) - 1 >= len(required), name
+        assert len(ours) - 1 <= len(real), name
+        assert list(fake)[1:] == list(ours)[1:], name
+
+
+def test_fake_nvml_setting_runs_the_collector_on_a_yaml_description(nvml_data, publisher):
+    from gpusteward.collectors.nvml import NvmlSettings, run_nvml_collector
+
+    settings = NvmlSettings(node_name="demo-node", interval_s=0.02, event_wait_ms=50,
+                            pod_resources_socket=None,
+                            fake_nvml=str(nvml_data / "mixed-node.yaml"))
+    registry = CollectorRegistry()
+
+    async def scenario():
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_nvml_collector(settings, publisher, stop,
+                                                      registry=registry))
+        await publisher.wait_for(lambda p: len(p.samples) >= 2)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(scenario())
+    assert publisher.samples[0].node == "demo-node" and len(publisher.samples[0].devices) == 4
+    assert (registry.get_sample_value("gpusteward_nvml_samples_published_total") or 0) >= 2
+
+
+def test_a_failing_publisher_does_not_stop_the_collector(fake_nvml, publisher):
+    failures: list[object] = []
+
+    class Flaky(type(publisher)):  # type: ignore[misc]
+        async def sample(self, sample):
+            if not failures:
+                failures.append(sample)
+                raise ConnectionError("broker away")
+            await super().sample(sample)
+
+    flaky = Flaky()
+    collector = _collector(fake_nvml("mixed-node"), flaky, interval_s=0.02)
+
+    async def scenario():
+        stop = asyncio.Event()
+        task = asyncio.create_task(collector.run(stop))
+        await flaky.wait_for(lambda p: len(p.samples) >= 2)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(scenario())
+    assert len(failures) == 1
+    assert _metric(collector, "gpusteward_nvml_source_errors_total", where="tick") == 1
