@@ -352,9 +352,9 @@ class NvmlCollector:
         """Initialise NVML and enumerate the GPUs (blocking; call once)."""
         try:
             self.nvml.nvmlInit()
+            count = self.nvml.nvmlDeviceGetCount()
         except pynvml.NVMLError as e:
-            raise NvmlUnavailable(f"nvmlInit failed: {e}") from e
-        count = self.nvml.nvmlDeviceGetCount()
+            raise NvmlUnavailable(f"NVML cannot be used here: {type(e).__name__}: {e}") from e
         for index in range(count):
             handle = self.nvml.nvmlDeviceGetHandleByIndex(index)
             try:

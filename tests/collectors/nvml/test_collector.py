@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pynvml
@@ -162,7 +163,7 @@ def test_xid_79_mid_run_is_published_at_once_and_the_gpu_is_lost(fake_nvml, publ
         79, "GPU-a2a2a2a2-0000-4000-8000-000000000002", "node-a", "nvml")
     (lost,) = publisher.events_of("gpu_lost")
     assert lost.uuid == xid.uuid
-    assert latency < 1.0  # from the event, not from the next tick 30 s later
+    assert latency < 3.0  # from the event, not from the next tick 30 s later
     first, second = publisher.samples
     assert len(first.devices) == 3
     assert [d.index for d in second.devices] == [0, 1]  # the others are still sampled
@@ -279,7 +280,9 @@ def test_run_stops_promptly_and_shuts_nvml_down(fake_nvml, publisher):
         await asyncio.wait_for(task, 5)
         return time.monotonic() - started
 
-    assert asyncio.run(scenario()) < 1.0
+    assert asyncio.run(scenario()) < 2.0
+    # The listener's wait is bounded: its thread has ended, not been left behind.
+    assert not [t for t in threading.enumerate() if t.name == "nvml-events"]
     assert not fake.initialised  # nvmlShutdown was called
 
 
