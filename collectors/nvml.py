@@ -345,6 +345,7 @@ class NvmlCollector:
         self._owners_at: float | None = None
         self._owners_tried: float | None = None
         self._listener: _EventListener | None = None
+        self._lost_at_start: list[tuple[int, str]] = []
 
     # --- lifecycle ---------------------------------------------------------
 
@@ -356,14 +357,17 @@ class NvmlCollector:
         except pynvml.NVMLError as e:
             raise NvmlUnavailable(f"NVML cannot be used here: {type(e).__name__}: {e}") from e
         for index in range(count):
-            handle = self.nvml.nvmlDeviceGetHandleByIndex(index)
             try:
+                handle = self.nvml.nvmlDeviceGetHandleByIndex(index)
                 uuid = self.nvml.nvmlDeviceGetUUID(handle)
                 model = self.nvml.nvmlDeviceGetName(handle)
             except pynvml.NVMLError as e:
-                # A GPU already gone at start: nothing to name it by; say so and go on.
+                # A GPU already gone at start has no uuid to name it by: report it by
+                # index (gpu_lost on the first tick) and monitor the others.
                 log.error("GPU %d cannot be read at start (%s); it is not monitored", index, e)
                 self.metrics.source_errors.labels("enumerate").inc()
+                if isinstance(e, _UNAVAILABLE):
+                    self._lost_at_start.append((index, f"{type(e).__name__}: {e}"))
                 continue
             self.gpus.append(_Gpu(index=index, handle=handle, uuid=uuid, model=model))
         log.info("NVML: %d GPU(s) on %s, driver %s", len(self.gpus), self.node_name,
@@ -437,6 +441,11 @@ class NvmlCollector:
         await self._refresh_owners(now)
         owners = self._current_owners(now)
         by_uuid = {gpu.uuid: gpu for gpu in self.gpus}
+        for index, why in self._lost_at_start:
+            await self._emit(HwEvent(ts=now, node=self.node_name, kind="gpu_lost",
+                                     detail=f"GPU {index} unreadable at start: {why}",
+                                     source=SOURCE))
+        self._lost_at_start = []
         for uuid, why in reading.unavailable.items():
             if uuid not in self._lost:
                 self._lost.add(uuid)

@@ -385,3 +385,15 @@ def test_a_failing_publisher_does_not_stop_the_collector(fake_nvml, publisher):
     asyncio.run(scenario())
     assert len(failures) == 1
     assert _metric(collector, "gpusteward_nvml_source_errors_total", where="tick") == 1
+
+
+def test_a_gpu_already_lost_at_start_is_reported_by_index(publisher):
+    fake = FakeNvml({"gpus": [
+        {"uuid": "GPU-0", "name": "NVIDIA L4"},
+        {"uuid": "GPU-1", "name": "NVIDIA L4", "lost": True},
+    ]})
+    collector = _collector(fake, publisher)
+    first, second = asyncio.run(_ticks(collector, 2))
+    assert [d.uuid for d in first.devices] == ["GPU-0"] == [d.uuid for d in second.devices]
+    (lost,) = publisher.events_of("gpu_lost")
+    assert lost.uuid is None and "GPU 1" in lost.detail and "GpuIsLost" in lost.detail
