@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PKG_FILES := $(shell find gpusteward collectors streams rules -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.proto' \) 2>/dev/null | sort)
 STAMP := $(VENV)/.installed-$(shell echo "$(PKG_FILES)" | cat - pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install system-deps demo test lint bench clean
+.PHONY: install system-deps demo test lint bench clean podresources-proto
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,3 +41,11 @@ bench: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Regenerates the kubelet PodResources stubs from collectors/podresources/api.proto.
+# protoc writes `from podresources import api_pb2`; the sed makes it package-relative.
+podresources-proto: install
+	$(BIN)/python -P -m grpc_tools.protoc -I collectors \
+		--python_out=collectors --pyi_out=collectors \
+		--grpc_python_out=collectors collectors/podresources/api.proto
+	sed -i 's/^from podresources import api_pb2 as/from . import api_pb2 as/' collectors/podresources/api_pb2_grpc.py

@@ -1,0 +1,101 @@
+"""NVML collector sampling cost per GPU per tick, on the fake NVML.
+
+Two nodes: eight whole H100s (NVLink, every reading supported) and eight
+H100s each split into seven 1g.10gb MIG devices (GPM engine activity read
+per MIG device). The figures are the collector's own cost (Python, struct
+handling, event bookkeeping) plus the fake's; on a real node each NVML call
+adds the driver's time, so the NVML-calls-per-GPU figure says how that cost
+scales.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from figures import Figure
+from prometheus_client import CollectorRegistry
+
+from gpusteward.collectors.nvml import NvmlCollector
+from gpusteward.collectors.nvml_fake import FakeNvml
+from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
+
+GPUS = 8
+TICKS = 200
+ROUNDS = 5
+
+
+class _Discard:
+    async def sample(self, sample: NodeSample) -> None: ...
+    async def hw_event(self, event: HwEvent) -> None: ...
+    async def allocation(self, event: AllocationEvent) -> None: ...
+    async def queue(self, event: QueueEvent) -> None: ...
+    async def flush(self) -> None: ...
+
+
+def _whole_node() -> dict[str, Any]:
+    return {"gpus": [{
+        "uuid": f"GPU-00000000-0000-4000-8000-{i:012d}", "name": "NVIDIA H100 80GB HBM3",
+        "util_gpu": 50, "mem_used": "40 GiB", "nvlink": {"crc_flit": 1}, "gpm": True,
+    } for i in range(GPUS)]}
+
+
+def _mig_node() -> dict[str, Any]:
+    return {"gpus": [{
+        "uuid": f"GPU-00000000-0000-4000-8000-{i:012d}", "name": "NVIDIA H100 80GB HBM3",
+        "nvlink": {"crc_flit": 1}, "gpm": True,
+        "mig": {"enabled": True, "devices": [{
+            "uuid": f"MIG-00000000-0000-4000-8000-{i:06d}{j:06d}", "profile": "1g.10gb",
+            "profile_id": 19, "gpu_instance_id": 7 + j, "mem_total": "9.75 GiB",
+            "engine_active": 10.0 * j,
+        } for j in range(7)]},
+    } for i in range(GPUS)]}
+
+
+def _measure(description: dict[str, Any]) -> tuple[float, float, float]:
+    """(µs per GPU for the reading pass, NVML calls per GPU, µs per GPU for a whole tick)."""
+    fake = FakeNvml(description)
+    collector = NvmlCollector(fake, "bench", _Discard(), registry=CollectorRegistry())
+    collector.open()
+    for _ in range(5):  # warm caches: MIG descriptions, GPM buffers
+        collector.read()
+    calls_before = fake.calls
+    collector.read()
+    calls = fake.calls - calls_before
+    # Median of a few rounds: the machine is shared and single rounds swing by 2x.
+    read_s = statistics.median(_timed(collector.read) for _ in range(ROUNDS))
+
+    async def ticks() -> float:
+        rounds = []
+        for _ in range(ROUNDS):
+            begin = time.perf_counter()
+            for _ in range(TICKS):
+                await collector.tick()
+            rounds.append((time.perf_counter() - begin) / TICKS)
+        return statistics.median(rounds)
+
+    tick_s = asyncio.run(ticks())
+    collector.close()
+    return read_s / GPUS * 1e6, calls / GPUS, tick_s / GPUS * 1e6
+
+
+def _timed(read: Callable[[], object]) -> float:
+    begin = time.perf_counter()
+    for _ in range(TICKS):
+        read()
+    return (time.perf_counter() - begin) / TICKS
+
+
+def run() -> list[Figure]:
+    figures: list[Figure] = []
+    for label, description in (("8x H100", _whole_node()), ("8x H100, 7 MIG each", _mig_node())):
+        read_us, calls, tick_us = _measure(description)
+        figures += [
+            Figure(f"read, {label}", read_us, "µs per GPU per tick"),
+            Figure(f"tick incl. publish, {label}", tick_us, "µs per GPU per tick"),
+            Figure(f"NVML calls, {label}", calls, "calls per GPU per tick"),
+        ]
+    return figures

@@ -1,0 +1,572 @@
+"""A fake NVML, driven by a YAML description of devices, MIG layouts and faults.
+
+It stands in for the ``pynvml`` module (nvidia-ml-py) wherever no GPU is
+present: tests, the benchmark and ``make demo``-style runs. It answers the
+calls :class:`gpusteward.collectors.nvml.Nvml` names with the same names,
+signatures, return shapes and exceptions as ``pynvml``: failures are
+pynvml's own ``NVMLError`` subclasses (``NVMLError_NotSupported``,
+``NVMLError_GpuIsLost``, ``NVMLError_Timeout``...), and struct returns are
+pynvml's own ctypes structures where the collector reads them field by
+field (memory, utilisation, field values, profile info). So the collector
+runs the very code path it runs on a real node.
+
+What it models, and on purpose no more:
+
+- GPUs with their readings, and calls listed under ``unsupported`` raise
+  ``NVMLError_NotSupported``; a MIG-enabled GPU refuses utilisation, and
+  remapped rows while it has MIG devices, as NVML documents;
+- MIG devices (uuid, GPU-instance profile name and id, instance ids, memory,
+  graphics-engine activity through the GPM calls); a MIG handle answers
+  only what NVML answers per instance;
+- events (XID, double-bit ECC, recovery action, GPU unavailable) queued by
+  faults and delivered by ``nvmlEventSetWait``, which really blocks up to
+  its timeout so the collector's listener thread behaves as on a GPU;
+- faults scheduled by ``step`` in the YAML (``FakeNvml.step()`` applies the
+  next step) or injected directly (``xid()``, ``ecc_dbe()``, ``lose()``).
+
+The YAML format is documented by ``tests/data/nvml/*.yaml``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import yaml
+
+# Calls a MIG device handle answers; NVML reports the rest at GPU level.
+_MIG_HANDLE_CALLS = frozenset({
+    "nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetMemoryInfo",
+    "nvmlDeviceGetGpuInstanceId", "nvmlDeviceGetComputeInstanceId",
+})
+
+_NVLINK_FIELDS = {
+    pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL: "crc_flit",
+    pynvml.NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL: "crc_data",
+    pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL: "replay",
+    pynvml.NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL: "recovery",
+}
+
+
+def _error(code: int) -> pynvml.NVMLError:
+    # NVMLError(code) returns the matching subclass (NVMLError_GpuIsLost for 15, ...).
+    return pynvml.NVMLError(code)
+
+
+@dataclass
+class FakeMig:
+    uuid: str
+    profile: str
+    """GPU-instance profile name, e.g. ``3g.40gb``."""
+    profile_id: int
+    gpu_instance_id: int
+    compute_instance_id: int = 0
+    mem_total: int = 40 << 30
+    mem_used: int = 0
+    engine_active: float | None = None
+    """Graphics-engine active percent served through GPM; None: no GPM sample."""
+
+
+@dataclass
+class FakeGpu:
+    index: int
+    uuid: str
+    name: str
+    util_gpu: int = 0
+    util_memory: int = 0
+    mem_total: int = 80 << 30
+    mem_reserved: int = 512 << 20
+    mem_used: int = 0
+    temp: int = 35
+    power_mw: int = 70_000
+    sm_clock: int = 1410
+    clocks_event_reasons: int = 0
+    ecc_sbe: int = 0
+    ecc_dbe: int = 0
+    remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)
+    pcie_replay: int = 0
+    nvlink: dict[str, int] | None = None
+    """Error totals by counter (crc_flit, crc_data, replay, recovery); None: no NVLink."""
+    recovery_action: int | None = 0
+    gpm: bool = False
+    """Whether the GPU supports GPM (Hopper and newer): engine activity of MIG devices."""
+    mig_enabled: bool = False
+    mig: list[FakeMig] = field(default_factory=list)
+    unsupported: set[str] = field(default_factory=set)
+    supported_events: int = pynvml.nvmlEventTypeAll
+    lost: bool = False
+
+
+@dataclass(eq=False)
+class _Handle:
+    """A device handle; NVML hands out the same handle for a device every time."""
+
+    gpu: FakeGpu
+    mig: FakeMig | None = None
+
+
+@dataclass
+class _EventSet:
+    registered: dict[str, int] = field(default_factory=dict)
+    """GPU uuid -> event mask."""
+    freed: bool = False
+
+
+@dataclass
+class FakeEventData:
+    """Shaped like pynvml's ``c_nvmlEventData_t``."""
+
+    device: Any
+    eventType: int
+    eventData: int
+    gpuInstanceId: int = 0xFFFFFFFF
+    computeInstanceId: int = 0xFFFFFFFF
+
+
+@dataclass
+class FakeGpuInstanceInfo:
+    """Shaped like pynvml's ``c_nvmlGpuInstanceInfo_t`` (the fields the collector reads)."""
+
+    device: Any
+    id: int
+    profileId: int
+
+
+class FakeNvml:
+    """The pynvml calls the collector makes, answered from a YAML description."""
+
+    def __init__(self, description: Mapping[str, Any]) -> None:
+        self.driver_version = str(description.get("driver_version", "550.54.15"))
+        self.gpus = [_gpu(i, spec) for i, spec in enumerate(description.get("gpus", []))]
+        self._faults: list[dict[str, Any]] = list(description.get("faults", []))
+        self.current_step = 0
+        self.initialised = False
+        self.calls = 0
+        self._events: deque[FakeEventData] = deque()
+        self._event_ready = threading.Condition()
+        self._event_sets: list[_EventSet] = []
+        self._gpm_samples: dict[int, tuple[ctypes.c_uint64, float | None]] = {}
+        self._handles: dict[str, _Handle] = {}
+
+    def _handle(self, gpu: FakeGpu, mig: FakeMig | None = None) -> _Handle:
+        key = mig.uuid if mig else gpu.uuid
+        handle = self._handles.get(key)
+        if handle is None or handle.gpu is not gpu or handle.mig is not mig:
+            handle = self._handles[key] = _Handle(gpu, mig)
+        return handle
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> FakeNvml:
+        with open(path) as f:
+            return cls(yaml.safe_load(f))
+
+    # --- faults ---------------------------------------------------------
+
+    def gpu(self, ref: int | str) -> FakeGpu:
+        """A GPU by index or uuid."""
+        for gpu in self.gpus:
+            if ref in (gpu.index, gpu.uuid):
+                return gpu
+        raise KeyError(f"no fake GPU {ref!r}")
+
+    def step(self) -> list[dict[str, Any]]:
+        """Advance to the next step and apply the faults the YAML schedules for it."""
+        self.current_step += 1
+        due = [f for f in self._faults if f.get("step") == self.current_step]
+        for fault in due:
+            self.apply(fault)
+        return due
+
+    def apply(self, fault: Mapping[str, Any]) -> None:
+        """Apply one fault entry (the same keys as under ``faults:`` in the YAML)."""
+        gpu = self.gpu(fault["gpu"])
+        if "set" in fault:
+            for name, value in fault["set"].items():
+                if not hasattr(gpu, name):
+                    raise KeyError(f"fake GPU has no reading {name!r}")
+                setattr(gpu, name, tuple(value) if name == "remapped_rows" else value)
+        if "xid" in fault:
+            self.xid(gpu.uuid, int(fault["xid"]), fault.get("gpu_instance_id"))
+        if "dbe" in fault:
+            self.ecc_dbe(gpu.uuid, int(fault["dbe"]), event=fault.get("event", True))
+        if "recovery_action" in fault:
+            gpu.recovery_action = int(fault["recovery_action"])
+            self._queue(gpu, pynvml.nvmlEventTypeGpuRecoveryAction, gpu.recovery_action)
+        if fault.get("lost"):
+            self.lose(gpu.uuid)
+
+    def xid(self, gpu: int | str, xid: int, gpu_instance_id: int | None = None) -> None:
+        """An XID critical error, delivered to listeners as NVML does."""
+        target = self.gpu(gpu)
+        gi = 0xFFFFFFFF if gpu_instance_id is None else gpu_instance_id
+        self._queue(target, pynvml.nvmlEventTypeXidCriticalError, xid, gi)
+
+    def ecc_dbe(self, gpu: int | str, count: int = 1, *, event: bool = True) -> None:
+        """Volatile double-bit ECC errors; with ``event`` the DBE event fires too."""
+        target = self.gpu(gpu)
+        target.ecc_dbe += count
+        if event:
+            self._queue(target, pynvml.nvmlEventTypeDoubleBitEccError, 0)
+
+    def lose(self, gpu: int | str) -> None:
+        """The GPU falls off the bus: from now on every call on it raises GpuIsLost."""
+        target = self.gpu(gpu)
+        target.lost = True
+        self._queue(target, pynvml.nvmlEventTypeGpuUnavailableError, 0)
+
+    def _queue(self, gpu: FakeGpu, event_type: int, data: int, gi: int = 0xFFFFFFFF) -> None:
+        with self._event_ready:
+            self._events.append(FakeEventData(self._handle(gpu), event_type, data, gi))
+            self._event_ready.notify_all()
+
+    # --- the pynvml surface ----------------------------------------------
+
+    def _check(self, call: str, handle: Any = None) -> FakeGpu | None:
+        self.calls += 1
+        if not self.initialised:
+            raise _error(pynvml.NVML_ERROR_UNINITIALIZED)
+        if handle is None:
+            return None
+        if not isinstance(handle, _Handle):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if handle.gpu.lost:
+            raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if handle.mig is not None and call not in _MIG_HANDLE_CALLS:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if call in handle.gpu.unsupported:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return handle.gpu
+
+    def nvmlInit(self) -> None:
+        self.calls += 1
+        self.initialised = True
+
+    def nvmlShutdown(self) -> None:
+        self._check("nvmlShutdown")
+        self.initialised = False
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._check("nvmlSystemGetDriverVersion")
+        return self.driver_version
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._check("nvmlDeviceGetCount")
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
+        self._check("nvmlDeviceGetHandleByIndex")
+        if not 0 <= index < len(self.gpus):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        # NVML hands out handles of lost GPUs too; calls on them then fail.
+        return self._handle(self.gpus[index])
+
+    def nvmlDeviceGetUUID(self, handle: _Handle) -> str:
+        gpu = self._check("nvmlDeviceGetUUID", handle)
+        assert gpu is not None
+        return handle.mig.uuid if handle.mig else gpu.uuid
+
+    def nvmlDeviceGetName(self, handle: _Handle) -> str:
+        gpu = self._check("nvmlDeviceGetName", handle)
+        assert gpu is not None
+        return f"{gpu.name} MIG {handle.mig.profile}" if handle.mig else gpu.name
+
+    def nvmlDeviceGetMigMode(self, handle: _Handle) -> list[int]:
+        gpu = self._check("nvmlDeviceGetMigMode", handle)
+        assert gpu is not None
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if gpu.mig_enabled else pynvml.NVML_DEVICE_MIG_DISABLE
+        return [mode, mode]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: _Handle) -> int:
+        gpu = self._check("nvmlDeviceGetMaxMigDeviceCount", handle)
+        assert gpu is not None
+        return 7 if gpu.mig_enabled else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: _Handle, index: int) -> _Handle:
+        gpu = self._check("nvmlDeviceGetMigDeviceHandleByIndex", handle)
+        assert gpu is not None
+        if not gpu.mig_enabled or not 0 <= index < 7:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if index >= len(gpu.mig):
+            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+        return self._handle(gpu, gpu.mig[index])
+
+    def nvmlDeviceGetGpuInstanceId(self, handle: _Handle) -> int:
+        self._check("nvmlDeviceGetGpuInstanceId", handle)
+        if handle.mig is None:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return handle.mig.gpu_instance_id
+
+    def nvmlDeviceGetComputeInstanceId(self, handle: _Handle) -> int:
+        self._check("nvmlDeviceGetComputeInstanceId", handle)
+        if handle.mig is None:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return handle.mig.compute_instance_id
+
+    def _mig_by_gi(self, gpu: FakeGpu, gpu_instance_id: int) -> FakeMig:
+        for mig in gpu.mig:
+            if mig.gpu_instance_id == gpu_instance_id:
+                return mig
+        raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+
+    def nvmlDeviceGetGpuInstanceById(self, handle: _Handle, gpu_instance_id: int) -> _Handle:
+        gpu = self._check("nvmlDeviceGetGpuInstanceById", handle)
+        assert gpu is not None
+        return _Handle(gpu, self._mig_by_gi(gpu, gpu_instance_id))
+
+    def nvmlGpuInstanceGetInfo(self, gpu_instance: _Handle) -> FakeGpuInstanceInfo:
+        self._check("nvmlGpuInstanceGetInfo")
+        assert gpu_instance.mig is not None
+        return FakeGpuInstanceInfo(self._handle(gpu_instance.gpu), gpu_instance.mig.gpu_instance_id,
+                                   gpu_instance.mig.profile_id)
+
+    def nvmlDeviceGetGpuInstanceProfileInfoById(self, handle: _Handle, profile_id: int) -> Any:
+        gpu = self._check("nvmlDeviceGetGpuInstanceProfileInfoById", handle)
+        assert gpu is not None
+        for mig in gpu.mig:
+            if mig.profile_id == profile_id:
+                info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
+                info.id = profile_id
+                info.name = f"MIG {mig.profile}".encode()
+                info.memorySizeMB = mig.mem_total >> 20
+                return info
+        raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: _Handle) -> Any:
+        gpu = self._check("nvmlDeviceGetUtilizationRates", handle)
+        assert gpu is not None
+        if gpu.mig_enabled:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        util = pynvml.c_nvmlUtilization_t()
+        util.gpu, util.memory = gpu.util_gpu, gpu.util_memory
+        return util
+
+    def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> Any:
+        gpu = self._check("nvmlDeviceGetMemoryInfo", handle)
+        assert gpu is not None
+        total, used, reserved = ((handle.mig.mem_total, handle.mig.mem_used, 0) if handle.mig
+                                 else (gpu.mem_total, gpu.mem_used, gpu.mem_reserved))
+        if version:
+            mem = pynvml.c_nvmlMemory_v2_t()
+            mem.version, mem.reserved = version, reserved
+            mem.used = used
+        else:
+            mem = pynvml.c_nvmlMemory_t()
+            mem.used = used + reserved  # v1 counts reserved memory as used
+        mem.total = total
+        mem.free = total - used - reserved
+        return mem
+
+    def nvmlDeviceGetTemperatureV(self, handle: _Handle, sensor: int) -> int:
+        gpu = self._check("nvmlDeviceGetTemperatureV", handle)
+        assert gpu is not None
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.temp
+
+    def nvmlDeviceGetTemperature(self, handle: _Handle, sensor: int) -> int:
+        gpu = self._check("nvmlDeviceGetTemperature", handle)
+        assert gpu is not None
+        return gpu.temp
+
+    def nvmlDeviceGetPowerUsage(self, handle: _Handle) -> int:
+        gpu = self._check("nvmlDeviceGetPowerUsage", handle)
+        assert gpu is not None
+        return gpu.power_mw
+
+    def nvmlDeviceGetClockInfo(self, handle: _Handle, clock_type: int) -> int:
+        gpu = self._check("nvmlDeviceGetClockInfo", handle)
+        assert gpu is not None
+        if clock_type != pynvml.NVML_CLOCK_SM:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu.sm_clock
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: _Handle) -> int:
+        gpu = self._check("nvmlDeviceGetCurrentClocksEventReasons", handle)
+        assert gpu is not None
+        return gpu.clocks_event_reasons
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: _Handle) -> int:
+        gpu = self._check("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
+        assert gpu is not None
+        return gpu.clocks_event_reasons
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: _Handle, error_type: int,
+                                    counter_type: int) -> int:
+        gpu = self._check("nvmlDeviceGetTotalEccErrors", handle)
+        assert gpu is not None
+        if counter_type != pynvml.NVML_VOLATILE_ECC:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
+            return gpu.ecc_dbe
+        return gpu.ecc_sbe
+
+    def nvmlDeviceGetRemappedRows(self, handle: _Handle) -> tuple[int, int, int, int]:
+        gpu = self._check("nvmlDeviceGetRemappedRows", handle)
+        assert gpu is not None
+        if gpu.mig_enabled and gpu.mig:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu.remapped_rows
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle: _Handle) -> int:
+        gpu = self._check("nvmlDeviceGetPcieReplayCounter", handle)
+        assert gpu is not None
+        return gpu.pcie_replay
+
+    def nvmlDeviceGetFieldValues(self, handle: _Handle, field_ids: list[int]) -> Any:
+        gpu = self._check("nvmlDeviceGetFieldValues", handle)
+        assert gpu is not None
+        values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        for slot, field_id in zip(values, field_ids, strict=True):
+            slot.fieldId = field_id
+            slot.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+            reading: int | None = None
+            if field_id in _NVLINK_FIELDS and gpu.nvlink is not None:
+                reading = gpu.nvlink.get(_NVLINK_FIELDS[field_id], 0)
+            elif field_id == pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION:
+                reading = gpu.recovery_action
+                slot.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+            if reading is None:
+                slot.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+            elif slot.valueType == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+                slot.value.uiVal = reading
+            else:
+                slot.value.ullVal = reading
+        return values
+
+    # events
+
+    def nvmlEventSetCreate(self) -> _EventSet:
+        self._check("nvmlEventSetCreate")
+        event_set = _EventSet()
+        self._event_sets.append(event_set)
+        return event_set
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle: _Handle) -> int:
+        gpu = self._check("nvmlDeviceGetSupportedEventTypes", handle)
+        assert gpu is not None
+        return gpu.supported_events
+
+    def nvmlDeviceRegisterEvents(self, handle: _Handle, event_types: int,
+                                 event_set: _EventSet) -> None:
+        gpu = self._check("nvmlDeviceRegisterEvents", handle)
+        assert gpu is not None
+        if event_types & ~gpu.supported_events:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        event_set.registered[gpu.uuid] = event_set.registered.get(gpu.uuid, 0) | event_types
+
+    def nvmlEventSetWait(self, event_set: _EventSet, timeoutms: int) -> FakeEventData:
+        self._check("nvmlEventSetWait")
+        with self._event_ready:
+            deadline_s = timeoutms / 1000
+            while True:
+                for event in list(self._events):
+                    mask = event_set.registered.get(event.device.gpu.uuid, 0)
+                    if mask & event.eventType:
+                        self._events.remove(event)
+                        return event
+                if event_set.freed or not self._event_ready.wait(deadline_s):
+                    raise _error(pynvml.NVML_ERROR_TIMEOUT)
+                deadline_s = 0.001  # woken: look again, but never wait past one timeout
+
+    def nvmlEventSetFree(self, event_set: _EventSet) -> None:
+        self._check("nvmlEventSetFree")
+        event_set.freed = True
+
+    # GPM (Hopper+): graphics-engine activity of MIG devices
+
+    def nvmlGpmQueryDeviceSupport(self, handle: _Handle) -> Any:
+        gpu = self._check("nvmlGpmQueryDeviceSupport", handle)
+        assert gpu is not None
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = int(gpu.gpm)
+        return support
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        self._check("nvmlGpmSampleAlloc")
+        # A real pointer, so it fits c_nvmlGpmMetricsGet_t.sample1/2; its address names it.
+        backing = ctypes.c_uint64(0)
+        sample = ctypes.cast(ctypes.pointer(backing), pynvml.c_nvmlGpmSample_t)
+        self._gpm_samples[_address(sample)] = (backing, None)
+        return sample
+
+    def nvmlGpmSampleFree(self, sample: Any) -> None:
+        self._check("nvmlGpmSampleFree")
+        self._gpm_samples.pop(_address(sample), None)
+
+    def nvmlGpmMigSampleGet(self, handle: _Handle, gpu_instance_id: int, sample: Any) -> Any:
+        gpu = self._check("nvmlGpmMigSampleGet", handle)
+        assert gpu is not None
+        if not gpu.gpm:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        mig = self._mig_by_gi(gpu, gpu_instance_id)
+        backing, _ = self._gpm_samples[_address(sample)]
+        self._gpm_samples[_address(sample)] = (backing, mig.engine_active)
+        return sample
+
+    def nvmlGpmMetricsGet(self, metrics_get: Any) -> Any:
+        self._check("nvmlGpmMetricsGet")
+        first = self._gpm_samples.get(_address(metrics_get.sample1))
+        second = self._gpm_samples.get(_address(metrics_get.sample2))
+        if first is None or second is None:
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        for i in range(metrics_get.numMetrics):
+            metric = metrics_get.metrics[i]
+            if metric.metricId == pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL and second[1] is not None:
+                metric.nvmlReturn = pynvml.NVML_SUCCESS
+                metric.value = second[1]
+            else:
+                metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return metrics_get
+
+
+def _address(pointer: Any) -> int:
+    return ctypes.cast(pointer, ctypes.c_void_p).value or 0
+
+
+_GIB = re.compile(r"^(\d+(?:\.\d+)?)\s*GiB$")
+
+
+def _bytes(value: Any) -> int:
+    """``80 GiB`` or a plain number of bytes."""
+    if isinstance(value, str):
+        match = _GIB.match(value.strip())
+        if not match:
+            raise ValueError(f"memory size {value!r}: write bytes or 'N GiB'")
+        return int(float(match.group(1)) * (1 << 30))
+    return int(value)
+
+
+def _gpu(index: int, spec: Mapping[str, Any]) -> FakeGpu:
+    known = set(FakeGpu.__dataclass_fields__) - {"index", "mig", "mig_enabled"}
+    unknown = set(spec) - known - {"mig"}
+    if unknown:
+        raise ValueError(f"fake GPU {index}: unknown keys {sorted(unknown)}")
+    values = {k: v for k, v in spec.items() if k in known}
+    for key in ("mem_total", "mem_used", "mem_reserved"):
+        if key in values:
+            values[key] = _bytes(values[key])
+    if "remapped_rows" in values:
+        values["remapped_rows"] = tuple(values["remapped_rows"])
+    gpu = FakeGpu(index=index, unsupported=set(spec.get("unsupported", ())),
+                  **{k: v for k, v in values.items() if k != "unsupported"})
+    mig = spec.get("mig")
+    if mig is not None:
+        gpu.mig_enabled = bool(mig.get("enabled", True))
+        gpu.mig = [_mig(d) for d in mig.get("devices", ())]
+    return gpu
+
+
+def _mig(spec: Mapping[str, Any]) -> FakeMig:
+    values = dict(spec)
+    for key in ("mem_total", "mem_used"):
+        if key in values:
+            values[key] = _bytes(values[key])
+    return FakeMig(**values)

@@ -1,0 +1,57 @@
+"""The NVML collector on real hardware (marker ``gpu``): real pynvml, real driver.
+
+Skipped where NVML cannot be initialised (no library, no driver, no GPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pynvml
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gpusteward.collectors.nvml import NvmlCollector
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def gpu_count() -> Iterator[int]:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:  # LibraryNotFound, DriverNotLoaded, ...
+        pytest.skip(f"no usable NVIDIA driver here: {e}")
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+    if count == 0:
+        pytest.skip("NVML finds no GPU")
+    yield count
+
+
+def test_real_gpus_are_sampled(gpu_count, publisher):
+    async def scenario():
+        stop = asyncio.Event()
+        collector = NvmlCollector(pynvml, "gpu-test", publisher, registry=CollectorRegistry(),
+                                  interval_s=0.2, event_wait_ms=200)
+        task = asyncio.create_task(collector.run(stop))
+        await publisher.wait_for(lambda p: len(p.samples) >= 3, timeout_s=30)
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(scenario())
+    sample = publisher.samples[-1]
+    gpus = [d for d in sample.devices if d.kind == "gpu"]
+    assert len(gpus) == gpu_count
+    for gpu in gpus:
+        assert gpu.uuid.startswith("GPU-")
+        assert gpu.mem_total_bytes and gpu.mem_total_bytes > 1 << 30
+        assert gpu.temp_c is not None and 0 < gpu.temp_c < 120
+        assert gpu.sm_clock_mhz is not None
+    for mig in (d for d in sample.devices if d.kind == "mig"):
+        assert mig.uuid.startswith("MIG-") and mig.parent_uuid in {g.uuid for g in gpus}
+        assert mig.mig_profile and "g." in mig.mig_profile
+    assert not [e for e in publisher.events if e.kind == "gpu_lost"]
