@@ -7,6 +7,8 @@ like and a process serves only its own series on ``/metrics``.
 
 from __future__ import annotations
 
+from wsgiref.simple_server import WSGIServer
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 
@@ -55,7 +57,7 @@ class CollectorMetrics:
             "Bytes of records waiting for delivery.", registry=self.registry,
         )
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> object:
+    def serve(self, port: int, addr: str = "0.0.0.0") -> WSGIServer:
         """Serve ``/metrics`` on ``addr:port`` from a background thread; returns the server.
 
         Call ``shutdown()`` on the returned server to stop it.
