@@ -130,6 +130,7 @@ class KafkaPublisher:
             log.info("delivering %d records (%d bytes) left from an earlier run",
                      self._spool.records, self._spool.size_bytes)
         self._sender = asyncio.create_task(self._deliver_forever(), name="publisher-sender")
+        self._sender.add_done_callback(self._sender_ended)
         self._wake.set()
         self._update_gauges()
 
@@ -141,8 +142,9 @@ class KafkaPublisher:
         loses it, and says so.
         """
         timeout = 2 * self._delivery_timeout_s if drain_timeout_s is None else drain_timeout_s
-        with contextlib.suppress(TimeoutError):
-            await self.flush(timeout)
+        if self._sender is not None and not self._sender.done():
+            with contextlib.suppress(TimeoutError):
+                await self.flush(timeout)
         if self._sender is not None:
             self._sender.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -175,7 +177,7 @@ class KafkaPublisher:
         async with asyncio.timeout(timeout_s):
             while self._spool.records:
                 if self._sender is None or self._sender.done():
-                    raise RuntimeError("the publisher is not started")
+                    raise RuntimeError("the publisher is not running (not started, or its sender failed)")
                 self._progress.clear()
                 await self._progress.wait()
 
@@ -191,12 +193,18 @@ class KafkaPublisher:
 
     # -- inside ------------------------------------------------------------------------------
 
+    def _sender_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("the publisher's sender failed; records are no longer delivered",
+                      exc_info=task.exception())
+        self._progress.set()  # wake anyone waiting on it, so they see it has ended
+
     def _topic_label(self, topic: str) -> str:
         return topic.removeprefix(self._prefix)
 
     async def _enqueue(self, topic: str, key: str, value: msgspec.Struct) -> None:
         # Pace a fast producer by the broker while it keeps up (see module doc).
-        while (self._healthy and self._sender is not None
+        while (self._healthy and self._sender is not None and not self._sender.done()
                and self._spool.records >= 4 * self._batch_max):
             self._progress.clear()
             await self._progress.wait()
@@ -266,12 +274,11 @@ class KafkaPublisher:
         unhealthy are counted as they come), so the full scan runs once per
         outage, not once per retry.
         """
-        pending = self._spool.peek(self._spool.records)
-        for record in pending:
-            if record.seq > self._buffered_upto:
-                self.metrics.records_buffered.labels(self._topic_label(record.topic)).inc()
-        if pending:
-            self._buffered_upto = max(self._buffered_upto, pending[-1].seq)
+        for topic, count in self._spool.topics_after(self._buffered_upto).items():
+            self.metrics.records_buffered.labels(self._topic_label(topic)).inc(count)
+        tail = self._spool.last_seq()
+        if tail is not None:
+            self._buffered_upto = max(self._buffered_upto, tail)
 
     async def _ensure_producer(self) -> bool:
         """Start the producer if it is not; False (logged once per outage) when Kafka is away."""

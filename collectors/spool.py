@@ -15,7 +15,7 @@ hours and a collector restart, and come out in the order they went in.
 from __future__ import annotations
 
 import sqlite3
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -56,6 +56,14 @@ class Spool(Protocol):
         """Remove every record with ``seq <= upto_seq``."""
         ...
 
+    def topics_after(self, seq: int) -> Counter[str]:
+        """How many records with a seq above ``seq`` each topic has."""
+        ...
+
+    def last_seq(self) -> int | None:
+        """The seq of the newest record held, None when empty."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -94,6 +102,12 @@ class MemorySpool:
     def ack(self, upto_seq: int) -> None:
         while self._queue and self._queue[0].seq <= upto_seq:
             self._bytes -= self._queue.popleft().size
+
+    def topics_after(self, seq: int) -> Counter[str]:
+        return Counter(record.topic for record in self._queue if record.seq > seq)
+
+    def last_seq(self) -> int | None:
+        return self._queue[-1].seq if self._queue else None
 
     def close(self) -> None:
         self._queue.clear()
@@ -166,6 +180,15 @@ class DiskSpool:
         self._db.execute("DELETE FROM records WHERE seq <= ?", (upto_seq,))
         self._records -= int(count)
         self._bytes -= int(total)
+
+    def topics_after(self, seq: int) -> Counter[str]:
+        rows = self._db.execute(
+            "SELECT topic, COUNT(*) FROM records WHERE seq > ? GROUP BY topic", (seq,))
+        return Counter({topic: int(count) for topic, count in rows})
+
+    def last_seq(self) -> int | None:
+        (seq,) = self._db.execute("SELECT MAX(seq) FROM records").fetchone()
+        return None if seq is None else int(seq)
 
     def close(self) -> None:
         self._db.close()
