@@ -177,7 +177,8 @@ class KafkaPublisher:
         async with asyncio.timeout(timeout_s):
             while self._spool.records:
                 if self._sender is None or self._sender.done():
-                    raise RuntimeError("the publisher is not running (not started, or its sender failed)")
+                    raise RuntimeError(
+                        "the publisher is not running (not started, or its sender failed)")
                 self._progress.clear()
                 await self._progress.wait()
 
