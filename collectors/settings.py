@@ -89,7 +89,7 @@ class CollectSettings(BaseSettings):
         256 * 1024 * 1024, ge=1024,
         description=(
             "Most bytes of records held while Kafka is unreachable; beyond it the oldest are "
-            "dropped (counted and logged). 256 MiB holds about a day of one 8-GPU node at 1 Hz."
+            "dropped (counted and logged). 256 MiB hold about 21 h of an 8-GPU node at 1 Hz."
         ),
     )
     compression: Compression = Field(
