@@ -111,7 +111,8 @@ def test_samples_are_delivered_in_order_per_node(settings: Settings, compression
     assert metrics.registry.get_sample_value("gpusteward_collect_buffer_records") == 0
 
 
-def test_unreachable_kafka_buffers_on_disk_and_drops_oldest_when_full(tmp_path: Path) -> None:
+def test_unreachable_kafka_buffers_on_disk_and_drops_oldest_when_full(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     unreachable = Settings(kafka=KafkaSettings(bootstrap_servers=f"127.0.0.1:{free_port()}"))
     record_size = len(b"node-a") + len(msgspec.json.encode(sample("node-a", 10)))
     collect = CollectSettings(node_name="node-a", buffer_dir=tmp_path, delivery_timeout_s=0.5,
@@ -137,6 +138,9 @@ def test_unreachable_kafka_buffers_on_disk_and_drops_oldest_when_full(tmp_path: 
     assert sent(metrics, "gpusteward_collect_records_dropped_total") == 40 - kept
     assert (metrics.registry.get_sample_value("gpusteward_collect_delivery_failures_total")
             or 0) >= 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert sum("dropping the oldest" in m for m in warnings) == 1, "one line per outage"
+    assert any("stopping with" in m and "kept on disk" in m for m in warnings)
     spool = DiskSpool(tmp_path, collect.buffer_max_bytes)
     left = [msgspec.json.decode(r.value, type=NodeSample).ts for r in spool.peek(100)]
     spool.close()
