@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -312,8 +313,15 @@ class DcgmSource:
 
     source = "dcgm"
 
-    def __init__(self, url: str, node: str, session: aiohttp.ClientSession,
+    def __init__(self, url: str, node: str | None, session: aiohttp.ClientSession,
                  timeout_s: float = 5.0) -> None:
+        """``node`` None: name the sample after the page's ``Hostname`` label.
+
+        dcgm-exporter sets that label from its own ``NODE_NAME`` (the GPU
+        Operator fills it with the pod's node), so it is the right key when
+        this collector was not told its node: the host name of a pod
+        without host networking is the pod's name, not the node's.
+        """
         self.url = url
         self.node = node
         self._session = session
@@ -339,13 +347,20 @@ class DcgmSource:
     def parse(self, text: str, ts: float) -> tuple[NodeSample, list[HwEvent]]:
         """One NodeSample (and the XID changes) from a page; all or nothing."""
         series = parse_page(text)
-        samples = node_samples(series, ts, self.source, node=self.node)
-        sample = samples.get(self.node)
+        node = self.node
+        if node is None:
+            named = {node_of(item.labels) for item in series} - {None}
+            if len(named) != 1:
+                raise SourceError("parse", f"{self.url}: expected one Hostname label, found "
+                                  f"{sorted(n or '' for n in named)}; set the node name")
+            node = named.pop()
+        samples = node_samples(series, ts, self.source, node=node)
+        sample = samples.get(node or "")
         if sample is None or not sample.devices:
             raise SourceError("empty", f"{self.url} reports no GPU series")
         # Only a page that made a sample moves the XID state on, so an event is never
         # consumed by a tick whose sample was refused.
-        return sample, self._xids.events(series, ts, self.source, node=self.node)
+        return sample, self._xids.events(series, ts, self.source, node=node)
 
     async def collect(self) -> tuple[list[NodeSample], list[HwEvent]]:
         text = await self.fetch()
@@ -356,8 +371,13 @@ class DcgmSource:
 async def run_dcgm_collector(settings: CollectSettings, publisher: Publisher,
                              stop: asyncio.Event, metrics: CollectorMetrics | None = None,
                              ) -> None:
-    """Scrape this node's dcgm-exporter every ``settings.interval_s`` until ``stop``."""
+    """Scrape this node's dcgm-exporter every ``settings.interval_s`` until ``stop``.
+
+    The node name is the configured one when it was set (flag, environment
+    or ``NODE_NAME``), else dcgm-exporter's ``Hostname`` label.
+    """
+    explicit = "node_name" in settings.model_fields_set or bool(os.environ.get("NODE_NAME"))
     async with aiohttp.ClientSession() as session:
-        source = DcgmSource(settings.dcgm_url, settings.node_name, session,
-                            timeout_s=settings.scrape_timeout_s)
+        source = DcgmSource(settings.dcgm_url, settings.node_name if explicit else None,
+                            session, timeout_s=settings.scrape_timeout_s)
         await run_source(source, publisher, stop, settings.interval_s, metrics)

@@ -32,8 +32,9 @@ class CollectSettings(BaseSettings):
     node_name: str = Field(
         default_factory=default_node_name,
         description=(
-            "Kubernetes node name, the key of every record. Defaults to $NODE_NAME, then the "
-            "host name; it must match the node name the allocation watcher sees."
+            "Kubernetes node name, the key of every record; it must match the node name the "
+            "allocation watcher sees. Defaults to $NODE_NAME; without it the dcgm source uses "
+            "dcgm-exporter's Hostname label, the others the host name."
         ),
     )
     interval_s: float = Field(

@@ -12,6 +12,7 @@ import pytest
 from gpusteward.broker import free_port
 from gpusteward.collectors import dcgm
 from gpusteward.collectors.metrics import CollectorMetrics
+from gpusteward.collectors.settings import CollectSettings
 from gpusteward.collectors.source import SourceError, run_source
 from gpusteward.schema import DeviceSample, NodeSample, PodRef
 
@@ -22,7 +23,7 @@ TRAINER = PodRef(namespace="ml-training", name="llama-ft-worker-0", container="t
 VLLM = PodRef(namespace="inference", name="vllm-infer-7c9d8b6f5-qx2lm", container="vllm")
 
 
-async def collect_once(url: str, node: str = "node-a"):
+async def collect_once(url: str, node: str | None = "node-a"):
     async with aiohttp.ClientSession() as session:
         return await dcgm.DcgmSource(url, node, session, timeout_s=2).collect()
 
@@ -195,3 +196,25 @@ def test_unreachable_exporter_is_counted_and_retried(exporter_factory, recorder,
     asyncio.run(scenario())
     assert recorder.samples[0].node == "node-a"
     assert errors(metrics, "unreachable") >= 3
+
+
+def test_node_name_comes_from_the_page_unless_configured(exporter, recorder, monkeypatch) -> None:
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    monkeypatch.delenv("GPUSTEWARD_COLLECT__NODE_NAME", raising=False)
+
+    async def first_sample(settings: CollectSettings) -> NodeSample:
+        stop = asyncio.Event()
+        task = asyncio.create_task(dcgm.run_dcgm_collector(settings, recorder, stop))
+        async with asyncio.timeout(10):
+            while not recorder.samples:  # noqa: ASYNC110 - the recorder has no event
+                await asyncio.sleep(0.02)
+        stop.set()
+        await task
+        return recorder.samples.pop()
+
+    unset = CollectSettings(dcgm_url=exporter.url, interval_s=0.05)
+    assert asyncio.run(first_sample(unset)).node == "gpu-node-07", "dcgm-exporter's Hostname"
+    configured = CollectSettings(dcgm_url=exporter.url, interval_s=0.05, node_name="n-1")
+    assert asyncio.run(first_sample(configured)).node == "n-1"
+    monkeypatch.setenv("NODE_NAME", "n-2")
+    assert asyncio.run(first_sample(CollectSettings(dcgm_url=exporter.url))).node == "n-2"
