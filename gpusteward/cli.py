@@ -10,12 +10,14 @@ from typing import Annotated
 import msgspec
 import typer
 
+from gpusteward.collectors.cli import collect_app
 from gpusteward.settings import Settings
 
 app = typer.Typer(help="Steward of a Kubernetes GPU fleet, as a stream of events.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 schema_app = typer.Typer(help="The payload contract.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
+app.add_typer(collect_app, name="collect")
 
 Bootstrap = Annotated[
     str | None,

@@ -1,0 +1,66 @@
+"""A collector's own Prometheus metrics: what it sent, held back, dropped, failed to read.
+
+Each collector process gets one :class:`CollectorMetrics` with its own
+``CollectorRegistry`` (never the global one), so tests build as many as they
+like and a process serves only its own series on ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class CollectorMetrics:
+    """The counters and gauges of one collector process."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.records_sent = Counter(
+            "gpusteward_collect_records_sent_total",
+            "Records the broker acknowledged, by topic.",
+            ["topic"], registry=self.registry,
+        )
+        self.records_buffered = Counter(
+            "gpusteward_collect_records_buffered_total",
+            "Records held back because a delivery attempt failed (counted once each).",
+            ["topic"], registry=self.registry,
+        )
+        self.records_dropped = Counter(
+            "gpusteward_collect_records_dropped_total",
+            "Records dropped, oldest first, because the buffer was full.",
+            ["topic"], registry=self.registry,
+        )
+        self.delivery_failures = Counter(
+            "gpusteward_collect_delivery_failures_total",
+            "Delivery attempts (flights) that failed or timed out.",
+            registry=self.registry,
+        )
+        self.source_errors = Counter(
+            "gpusteward_collect_source_errors_total",
+            "Reads of a source that produced nothing publishable, by source and reason.",
+            ["source", "reason"], registry=self.registry,
+        )
+        self.scrape_seconds = Histogram(
+            "gpusteward_collect_scrape_duration_seconds",
+            "Time to read and parse one source answer.",
+            ["source"], registry=self.registry,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.buffer_records = Gauge(
+            "gpusteward_collect_buffer_records",
+            "Records waiting for delivery.", registry=self.registry,
+        )
+        self.buffer_bytes = Gauge(
+            "gpusteward_collect_buffer_bytes",
+            "Bytes of records waiting for delivery.", registry=self.registry,
+        )
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> WSGIServer:
+        """Serve ``/metrics`` on ``addr:port`` from a background thread; returns the server.
+
+        Call ``shutdown()`` on the returned server to stop it.
+        """
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        return server

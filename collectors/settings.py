@@ -1,0 +1,116 @@
+"""Settings of the ``gpusteward collect`` processes (NVML, dcgm-exporter, Prometheus).
+
+A separate model from :class:`gpusteward.settings.Settings` (which holds the
+Kafka connection): the collectors run as a DaemonSet with their own knobs,
+read from the environment with the ``GPUSTEWARD_COLLECT__`` prefix
+(``GPUSTEWARD_COLLECT__INTERVAL_S=5``); command-line flags override them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Compression = Literal["auto", "lz4", "gzip", "zstd", "snappy", "none"]
+
+
+def default_node_name() -> str:
+    """``NODE_NAME`` (set from the downward API in the DaemonSet), else the host name."""
+    return os.environ.get("NODE_NAME") or socket.gethostname()
+
+
+class CollectSettings(BaseSettings):
+    """What a collector reads, how often, and how it publishes."""
+
+    model_config = SettingsConfigDict(env_prefix="GPUSTEWARD_COLLECT__", extra="ignore")
+
+    node_name: str = Field(
+        default_factory=default_node_name,
+        description=(
+            "Kubernetes node name, the key of every record; it must match the node name the "
+            "allocation watcher sees. Defaults to $NODE_NAME; without it the dcgm source uses "
+            "dcgm-exporter's Hostname label, the others the host name."
+        ),
+    )
+    interval_s: float = Field(
+        10.0, gt=0, le=3600,
+        description=(
+            "Seconds between two samples. 10 s matches dcgm-exporter's default collection "
+            "interval (30 s in older releases); sampling faster only repeats its values."
+        ),
+    )
+    dcgm_url: str = Field(
+        "http://127.0.0.1:9400/metrics",
+        description="dcgm-exporter's /metrics; 9400 is its default port (hostPort on the node).",
+    )
+    scrape_timeout_s: float = Field(
+        5.0, gt=0, description="Longest wait for one dcgm-exporter or Prometheus answer, seconds."
+    )
+    prometheus_url: str = Field(
+        "http://127.0.0.1:9090",
+        description="Base URL of the Prometheus that scrapes dcgm-exporter.",
+    )
+    prometheus_nodes: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Nodes (dcgm-exporter's Hostname label) the Prometheus source asks for; empty means "
+            "every node Prometheus knows, for one central collector per cluster."
+        ),
+    )
+    pod_labels: Literal["auto", "exported", "plain"] = Field(
+        "auto",
+        description=(
+            "Which pod labels the Prometheus source trusts. 'exported': only exported_pod/... "
+            "(ServiceMonitor with honorLabels: false); 'plain': pod/... as dcgm-exporter wrote "
+            "them (honorLabels: true); 'auto': exported_* when present, else pod/... unless "
+            "it names the exporter's own pod."
+        ),
+    )
+    metrics_port: int = Field(
+        9401, ge=0, le=65535,
+        description=(
+            "Port of the collector's own /metrics (0: do not serve). Not 9400, which is "
+            "dcgm-exporter's on the same node."
+        ),
+    )
+    metrics_addr: str = Field("0.0.0.0", description="Address the collector's /metrics binds.")
+    buffer_dir: Path | None = Field(
+        None,
+        description=(
+            "Directory of the on-disk queue that holds records while Kafka is unreachable "
+            "(and across restarts). None keeps them in memory only: lost on restart."
+        ),
+    )
+    buffer_max_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024,
+        description=(
+            "Most bytes of records held while Kafka is unreachable; beyond it the oldest are "
+            "dropped (counted and logged). 256 MiB hold about 21 h of an 8-GPU node at 1 Hz."
+        ),
+    )
+    compression: Compression = Field(
+        "auto",
+        description="Kafka batch compression; 'auto' is lz4 when cramjam is installed, else gzip.",
+    )
+    batch_max_records: int = Field(
+        500, ge=1, description="Most records sent in one delivery attempt (one flight)."
+    )
+    delivery_timeout_s: float = Field(
+        5.0, gt=0,
+        description=(
+            "Longest wait for the broker to acknowledge a flight before it counts as failed and "
+            "stays queued; short, so a hung broker is noticed within a few ticks."
+        ),
+    )
+    retry_backoff_max_s: float = Field(
+        5.0, gt=0,
+        description=(
+            "Cap of the exponential back-off between delivery attempts, seconds. Low so delivery "
+            "resumes within seconds of the broker's return."
+        ),
+    )

@@ -1,0 +1,159 @@
+"""The Prometheus source against a real Prometheus scraping the dcgm-exporter page.
+
+The scrape job is set up as the dcgm-exporter Helm chart and the GPU
+Operator's ServiceMonitor do it (``honor_labels: false``, target labels
+pod/namespace/container of the exporter's own pod), so the workload pod
+labels arrive as ``exported_*`` and the idle MIG instance carries the
+exporter's pod: the case that must not become a false attribution.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpusteward.broker import free_port
+from gpusteward.collectors import dcgm
+from gpusteward.collectors.prometheus import PrometheusSource, build_query, pod_resolver
+from gpusteward.collectors.source import SourceError
+from gpusteward.schema import PodRef
+
+GPU0 = "GPU-3f2a9c4e-8b71-4d2e-9a65-1c7e0b5d2f18"
+GPU1 = "GPU-9c04e1b7-2a6d-4f83-b5e0-7d19a3c8e642"
+TRAINER = PodRef(namespace="ml-training", name="llama-ft-worker-0", container="trainer")
+VLLM = PodRef(namespace="inference", name="vllm-infer-7c9d8b6f5-qx2lm", container="vllm")
+EXPORTER_POD = {"namespace": "gpu-operator", "pod": "nvidia-dcgm-exporter-x7k2p",
+                "container": "nvidia-dcgm-exporter"}
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+
+
+def _query(url: str, promql: str) -> list[dict[str, Any]]:
+    address = f"{url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
+    with urllib.request.urlopen(address, timeout=2) as answer:
+        return json.load(answer)["data"]["result"]
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, exporter) -> Iterator[str]:
+    """A real Prometheus on a free loopback port that has scraped the exporter once."""
+    if not Path(PROMETHEUS).exists():
+        pytest.skip(f"{PROMETHEUS} is absent (Debian package 'prometheus'; .ci/system-deps)")
+    port = free_port()
+    target = exporter.url.removeprefix("http://").removesuffix("/metrics")
+    config = tmp_path / "prometheus.yml"
+    config.write_text(json.dumps({  # JSON is YAML
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{
+            "job_name": "dcgm-exporter", "honor_labels": False,
+            "static_configs": [{"targets": [target], "labels": EXPORTER_POD}],
+        }],
+    }))
+    log = tmp_path / "prometheus.log"
+    with log.open("wb") as log_file:
+        process = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"prometheus exited: {log.read_text()[-2000:]}")
+            try:
+                if _query(url, "DCGM_FI_DEV_XID_ERRORS"):
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"no scrape within 30 s: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.e2e
+def test_samples_from_a_real_prometheus_with_exported_labels(prometheus: str) -> None:
+    raw = _query(prometheus, 'DCGM_FI_DEV_FB_USED{GPU_I_ID="1"}')
+    assert raw[0]["metric"]["exported_pod"] == VLLM.name, "the scrape renamed the pod labels"
+
+    samples, events = asyncio.run(PrometheusSource(prometheus).collect())
+    assert [s.node for s in samples] == ["gpu-node-07"]
+    sample = samples[0]
+    assert sample.source == "prometheus"
+    assert abs(sample.ts - time.time()) < 60
+    devices = {d.uuid: d for d in sample.devices}
+    assert list(devices) == [GPU0, f"MIG-{GPU1}/1", f"MIG-{GPU1}/2"]
+    assert devices[GPU0].util_pct == 97.0
+    assert devices[GPU0].pod == TRAINER
+    assert devices[f"MIG-{GPU1}/1"].pod == VLLM
+    assert devices[f"MIG-{GPU1}/1"].engine_active_pct == pytest.approx(87.4512)
+    assert devices[f"MIG-{GPU1}/2"].pod is None, "the exporter's own pod holds no GPU"
+    assert [(e.node, e.uuid, e.xid) for e in events] == [
+        ("gpu-node-07", f"MIG-{GPU1}/1", 31)]
+
+    only_this = asyncio.run(PrometheusSource(prometheus, nodes=["gpu-node-07"]).collect())[0]
+    assert [s.node for s in only_this] == ["gpu-node-07"]
+    with pytest.raises(SourceError) as raised:
+        asyncio.run(PrometheusSource(prometheus, nodes=["gpu-node-99"]).collect())
+    assert raised.value.reason == "empty"
+
+    exported = asyncio.run(PrometheusSource(prometheus, pod_labels="exported").collect())[0][0]
+    assert [d.pod for d in exported.devices] == [TRAINER, VLLM, None]
+
+
+def test_unreachable_prometheus_is_a_source_error() -> None:
+    source = PrometheusSource(f"http://127.0.0.1:{free_port()}", timeout_s=1)
+    with pytest.raises(SourceError) as raised:
+        asyncio.run(source.collect())
+    assert raised.value.reason == "unreachable"
+
+
+def _series(**labels: str) -> dcgm.Series:
+    base = {"UUID": GPU0, "gpu": "0", "Hostname": "n"}
+    return dcgm.Series("DCGM_FI_DEV_GPU_UTIL", {**base, **labels}, 1.0)
+
+
+def test_auto_pod_labels_never_attribute_the_exporter_pod() -> None:
+    # A node whose GPUs are all idle: no exported_* anywhere, only the target's labels.
+    idle = [_series(**EXPORTER_POD)]
+    assert pod_resolver(idle, "auto")(idle[0].labels) is None
+    assert pod_resolver(idle, "plain")(idle[0].labels) is not None, "plain trusts the labels"
+
+    # The target's pod, learnt from a series that also has exported_*, is never a holder.
+    busy = _series(**EXPORTER_POD, exported_pod="p", exported_namespace="ns")
+    other_target = _series(namespace="monitoring", pod="dcgm-0")
+    resolve = pod_resolver([busy, other_target, _series(namespace="monitoring", pod="dcgm-0",
+                                                        exported_pod="q",
+                                                        exported_namespace="ns")], "auto")
+    assert resolve(busy.labels) == PodRef(namespace="ns", name="p")
+    assert resolve(other_target.labels) is None
+
+    # honorLabels: true — dcgm-exporter's own labels are the workload's.
+    honoured = _series(namespace="ml", pod="train-0", container="main")
+    assert pod_resolver([honoured], "auto")(honoured.labels) == PodRef(
+        namespace="ml", name="train-0", container="main")
+
+
+def test_query_selects_nodes_by_either_hostname_spelling() -> None:
+    query = build_query(["gpu-node.07"])
+    assert 'Hostname=~"gpu\\\\-node\\\\.07"' in query
+    assert 'hostname=~"gpu\\\\-node\\\\.07"' in query
+    assert " or " in query
+    assert "DCGM_FI_PROF_GR_ENGINE_ACTIVE" in build_query()
