@@ -98,3 +98,22 @@ def test_environment_variables_configure_real_kafka(monkeypatch):
         24, 3, 250)
     assert kafka.sasl_password is not None
     assert kafka.sasl_password.get_secret_value() == "s3cret"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="streams/app.py (lead-owned) does not yet pass "
+           "broker_credentials=settings.kafka.faust_credentials() to faust.App; until it "
+           "does, the stream worker connects in PLAINTEXT whatever the settings say",
+)
+def test_stream_worker_uses_the_kafka_credentials(tmp_path):
+    from gpusteward.streams import app as worker_app
+
+    settings = Settings(kafka=KafkaSettings(
+        security_protocol="SASL_PLAINTEXT", sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="gpusteward", sasl_password="s3cret",
+    ))
+    faust_app = worker_app.create_app(settings, datadir=str(tmp_path))
+    credentials = faust_app.conf.broker_credentials
+    assert isinstance(credentials, faust.SASLCredentials)
+    assert credentials.username == "gpusteward"
