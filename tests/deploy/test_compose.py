@@ -21,14 +21,16 @@ import jsonschema
 import pytest
 import yaml
 
+pytestmark = pytest.mark.deploy
+
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
 
 
 @pytest.fixture(scope="module")
 def compose_schema() -> dict[str, Any]:
-    # Read as a file: importing check_jsonschema pulls a click newer than the
-    # one typer and faust settle on.
+    # Read as a data file: only the schema is needed, and check_jsonschema's
+    # CLI module does not import with every click version typer allows.
     try:
         dist = distribution("check-jsonschema")
     except PackageNotFoundError:

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
+pytestmark = pytest.mark.deploy
+
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy/base/dashboards/gpusteward.json"
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.deploy
+
 REPO = Path(__file__).resolve().parents[2]
 
 

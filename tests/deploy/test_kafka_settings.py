@@ -12,6 +12,8 @@ from pydantic import ValidationError
 
 from gpusteward.settings import KafkaSettings, Settings
 
+pytestmark = pytest.mark.deploy
+
 
 def test_plaintext_is_the_default_and_has_no_credentials():
     kafka = KafkaSettings()

@@ -22,6 +22,8 @@ import yaml
 
 from gpusteward.settings import Settings
 
+pytestmark = pytest.mark.deploy
+
 KUBERNETES_VERSION = "1.37.0"
 CRD_SCHEMAS = Path(__file__).parent / "schemas"
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}

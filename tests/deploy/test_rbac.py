@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+pytestmark = pytest.mark.deploy
+
 WATCHER = "gpusteward-watcher"
 REMEDIATION = "gpusteward-remediation"
 

@@ -7,8 +7,12 @@ kafka.node_partitions), cleanup policy and retention must be the ones
 
 from __future__ import annotations
 
+import pytest
+
 from gpusteward import topics
 from gpusteward.settings import Settings
+
+pytestmark = pytest.mark.deploy
 
 FAUST_CHANGELOG = "gpusteward-worker-node-state-changelog"
 
