@@ -8,9 +8,9 @@ it is.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -21,15 +21,27 @@ class KafkaSettings(BaseModel):
         "127.0.0.1:9092",
         description="Comma-separated host:port list. The default is the embedded broker.",
     )
-    security_protocol: str = Field(
-        "PLAINTEXT", description="PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL."
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT",
+        description=(
+            "PLAINTEXT for the embedded broker and local compose; SASL_SSL (SCRAM over TLS) "
+            "on a shared cluster."
+        ),
     )
-    sasl_mechanism: str | None = Field(
-        None, description="SCRAM-SHA-512, SCRAM-SHA-256 or PLAIN; None when not using SASL."
+    sasl_mechanism: Literal["SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN"] | None = Field(
+        None, description="SASL mechanism; None when not using SASL."
     )
-    sasl_username: str | None = None
-    sasl_password: SecretStr | None = None
-    ssl_cafile: str | None = Field(None, description="CA bundle for TLS; None uses the system's.")
+    sasl_username: str | None = Field(None, description="SASL user; required with SASL.")
+    sasl_password: SecretStr | None = Field(
+        None, description="SASL password, from a Secret; required with SASL."
+    )
+    ssl_cafile: str | None = Field(
+        None,
+        description=(
+            "CA bundle (PEM) that signed the brokers' certificates, e.g. Strimzi's cluster CA; "
+            "None trusts the system's CAs."
+        ),
+    )
     fetch_max_wait_ms: int = Field(
         20,
         ge=1,
@@ -60,6 +72,54 @@ class KafkaSettings(BaseModel):
         ),
     )
 
+    @model_validator(mode="after")
+    def _sasl_is_complete(self) -> KafkaSettings:
+        # Caught here, at start, rather than as an opaque authentication failure later.
+        if self.security_protocol.startswith("SASL_"):
+            missing = [
+                name
+                for name in ("sasl_mechanism", "sasl_username", "sasl_password")
+                if getattr(self, name) is None
+            ]
+            if missing:
+                raise ValueError(
+                    f"security_protocol {self.security_protocol} needs "
+                    + ", ".join(f"kafka.{name}" for name in missing)
+                )
+        elif self.sasl_mechanism is not None:
+            raise ValueError(
+                f"kafka.sasl_mechanism is set but security_protocol is {self.security_protocol}; "
+                "use SASL_SSL or SASL_PLAINTEXT"
+            )
+        return self
+
+    def faust_credentials(self) -> Any:
+        """The same connection security as a Faust ``broker_credentials`` value.
+
+        None for PLAINTEXT. Faust builds its aiokafka clients from this
+        object, not from keyword arguments, so the worker passes it to
+        ``faust.App(broker_credentials=...)``.
+        """
+        import faust
+
+        if self.security_protocol == "PLAINTEXT":
+            return None
+        ssl_context = self._ssl_context() if self.security_protocol.endswith("SSL") else None
+        if self.security_protocol == "SSL":
+            return faust.SSLCredentials(ssl_context)
+        password = self.sasl_password.get_secret_value() if self.sasl_password else None
+        return faust.SASLCredentials(
+            username=self.sasl_username,
+            password=password,
+            ssl_context=ssl_context,
+            mechanism=self.sasl_mechanism,
+        )
+
+    def _ssl_context(self) -> Any:
+        from aiokafka.helpers import create_ssl_context
+
+        return create_ssl_context(cafile=self.ssl_cafile)
+
     def aiokafka_config(self) -> dict[str, Any]:
         """Connection keyword arguments for aiokafka producers, consumers and admin clients."""
         config: dict[str, Any] = {
@@ -72,9 +132,7 @@ class KafkaSettings(BaseModel):
             if self.sasl_password is not None:
                 config["sasl_plain_password"] = self.sasl_password.get_secret_value()
         if self.security_protocol in ("SSL", "SASL_SSL"):
-            from aiokafka.helpers import create_ssl_context
-
-            config["ssl_context"] = create_ssl_context(cafile=self.ssl_cafile)
+            config["ssl_context"] = self._ssl_context()
         return config
 
 

@@ -1,0 +1,1 @@
+"""Checks of deploy/, docker-compose.yml and the Dockerfile."""

@@ -1,0 +1,309 @@
+"""The rendered overlays are valid Kubernetes and have the production shape.
+
+Core objects are validated against the Kubernetes 1.37 OpenAPI schemas in
+strict mode (unknown fields rejected), from the PyPI package
+`kubernetes-validate`. Custom resources (KafkaTopic, KafkaUser, PodMonitor)
+are not in those schemas; they are checked against the hand-written subsets
+in schemas/, each naming the CRD version it follows.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from gpusteward.settings import Settings
+
+pytestmark = pytest.mark.deploy
+
+KUBERNETES_VERSION = "1.37.0"
+CRD_SCHEMAS = Path(__file__).parent / "schemas"
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+
+
+def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    spec = workload["spec"]
+    if workload["kind"] == "CronJob":
+        spec = spec["jobTemplate"]["spec"]
+    pod: dict[str, Any] = spec["template"]["spec"]
+    return pod
+
+
+def crd_schema(obj: dict[str, Any]) -> dict[str, Any] | None:
+    group_version = obj["apiVersion"].replace("/", "-")
+    path = CRD_SCHEMAS / f"{obj['kind'].lower()}.{group_version}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def validate(obj: dict[str, Any]) -> None:
+    schema = crd_schema(obj)
+    if schema is not None:
+        jsonschema.Draft7Validator(schema).validate(obj)
+        return
+    kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def test_every_object_validates(rendered):
+    failures = []
+    for obj in rendered:
+        try:
+            validate(obj)
+        except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as error:
+            failures.append(f"{obj['kind']}/{obj['metadata']['name']}: {error.message[:300]}")
+        except kubernetes_validate.SchemaNotFoundError as error:
+            failures.append(f"no schema for {obj['kind']} {obj['apiVersion']}: {error.message}")
+    assert not failures, "\n".join(failures)
+
+
+def test_validation_rejects_a_misspelt_field(render):
+    # A control: strict validation must fail on what kubectl apply would reject.
+    deployment = copy.deepcopy(render("production").named("Deployment", "gpusteward-watcher"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(deployment)
+    topic = copy.deepcopy(render("production").kind("KafkaTopic")[0])
+    topic["spec"]["partition"] = 3
+    with pytest.raises(jsonschema.ValidationError):
+        validate(topic)
+
+
+def test_namespaced_objects_name_their_namespace(rendered):
+    # An object without one lands in whatever namespace kubectl's context has.
+    missing = [
+        f"{o['kind']}/{o['metadata']['name']}"
+        for o in rendered
+        if o["kind"] not in CLUSTER_SCOPED and not o["metadata"].get("namespace")
+    ]
+    assert not missing
+
+
+def test_references_resolve(rendered):
+    """Every ConfigMap, Secret-less volume, PVC and ServiceAccount a pod names is rendered."""
+    names = {(o["kind"], o["metadata"]["name"]) for o in rendered}
+    problems = []
+    for workload in rendered.workloads():
+        pod = rendered.pod_spec(workload)
+        where = f"{workload['kind']}/{workload['metadata']['name']}"
+        account = pod.get("serviceAccountName")
+        if account and ("ServiceAccount", account) not in names:
+            problems.append(f"{where}: ServiceAccount {account}")
+        claim_templates = workload["spec"].get("volumeClaimTemplates", [])
+        templates = {t["metadata"]["name"] for t in claim_templates}
+        for volume in pod.get("volumes", []):
+            if "configMap" in volume and ("ConfigMap", volume["configMap"]["name"]) not in names:
+                problems.append(f"{where}: ConfigMap {volume['configMap']['name']}")
+            claim = volume.get("persistentVolumeClaim", {}).get("claimName")
+            if claim and ("PersistentVolumeClaim", claim) not in names:
+                problems.append(f"{where}: PVC {claim}")
+        declared = {v["name"] for v in pod.get("volumes", [])} | templates
+        for container in pod["containers"]:
+            for source in container.get("envFrom", []):
+                ref = source.get("configMapRef")
+                if ref and ("ConfigMap", ref["name"]) not in names:
+                    problems.append(f"{where}: envFrom ConfigMap {ref['name']}")
+            for mount in container.get("volumeMounts", []):
+                if mount["name"] not in declared:
+                    problems.append(f"{where}: mount of undeclared volume {mount['name']}")
+    assert not problems, "\n".join(problems)
+
+
+def _gpusteward_workloads(rendered):
+    return [
+        w for w in rendered.workloads()
+        if w["metadata"]["labels"].get("app.kubernetes.io/name") == "gpusteward"
+    ]
+
+
+def test_every_gpusteward_workload_exists(rendered):
+    components = {
+        w["metadata"]["labels"]["app.kubernetes.io/component"]: w["kind"]
+        for w in _gpusteward_workloads(rendered)
+    }
+    expected = {
+        "collector": "DaemonSet", "watcher": "Deployment", "worker": "StatefulSet",
+        "alerts": "Deployment", "remediation": "Deployment", "report": "CronJob",
+    }
+    assert {k: components.get(k) for k in expected} == expected
+
+
+def test_security_context_is_restricted(rendered):
+    """Non-root, read-only root, no capabilities, RuntimeDefault seccomp, no escalation.
+
+    One exception, by design: the NVML collector runs as uid 0 (with every
+    capability dropped) to connect to the kubelet's root-owned socket.
+    """
+    problems = []
+    for workload in _gpusteward_workloads(rendered):
+        pod = rendered.pod_spec(workload)
+        where = workload["metadata"]["name"]
+        pod_security = pod.get("securityContext", {})
+        if pod_security.get("seccompProfile", {}).get("type") != "RuntimeDefault":
+            problems.append(f"{where}: seccomp")
+        nvml = workload["kind"] == "DaemonSet" and "nvml" in pod["containers"][0]["args"]
+        if nvml:
+            if pod_security.get("runAsUser") != 0:
+                problems.append(f"{where}: the NVML collector is expected to run as uid 0")
+        elif not (pod_security.get("runAsNonRoot") and pod_security.get("runAsUser", 0) > 0):
+            problems.append(f"{where}: not non-root")
+        for container in pod["containers"]:
+            ctx = container.get("securityContext", {})
+            if ctx.get("allowPrivilegeEscalation") is not False:
+                problems.append(f"{where}: allowPrivilegeEscalation")
+            if ctx.get("readOnlyRootFilesystem") is not True:
+                problems.append(f"{where}: readOnlyRootFilesystem")
+            if ctx.get("capabilities", {}).get("drop") != ["ALL"] or ctx["capabilities"].get("add"):
+                problems.append(f"{where}: capabilities")
+            if ctx.get("privileged"):
+                problems.append(f"{where}: privileged")
+            resources = container.get("resources", {})
+            for part in ("requests", "limits"):
+                if not {"cpu", "memory"} <= set(resources.get(part, {})):
+                    problems.append(f"{where}: {part} for cpu and memory")
+    assert not problems, "\n".join(problems)
+
+
+def test_only_the_api_clients_mount_a_token(rendered):
+    mounting = {
+        w["metadata"]["labels"]["app.kubernetes.io/component"]
+        for w in _gpusteward_workloads(rendered)
+        if rendered.pod_spec(w).get("automountServiceAccountToken", True)
+    }
+    assert mounting == {"watcher", "remediation"}
+
+
+def test_nvml_collector_runs_on_gpu_nodes_with_the_pod_resources_socket(render):
+    collector = render("production").component("collector")
+    pod = pod_spec(collector)
+    assert collector["kind"] == "DaemonSet"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {t["key"] for t in pod["tolerations"]} == {"nvidia.com/gpu"}
+    (socket,) = [v for v in pod["volumes"] if "hostPath" in v]
+    assert socket["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
+    container = pod["containers"][0]
+    assert container["args"] == ["collect", "nvml"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == socket["name"]]
+    assert mount["readOnly"] is True
+    assert mount["mountPath"] == "/var/lib/kubelet/pod-resources"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["GPUSTEWARD_COLLECT__METRICS_PORT"] == "9400"
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"metrics": 9400}
+
+
+def test_dcgm_component_swaps_the_collector_for_a_restricted_scraper(render):
+    rendered = render("production+dcgm+execute")
+    collector = rendered.component("collector")
+    pod = rendered.pod_spec(collector)
+    container = pod["containers"][0]
+    assert container["args"][:3] == ["collect", "dcgm", "--url"]
+    assert not [v for v in pod["volumes"] if "hostPath" in v]
+    assert "runtimeClassName" not in pod
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert not [e for e in container["env"] if e["name"].startswith("NVIDIA_")]
+    service = rendered.named("Service", "gpusteward-dcgm-exporter-local")
+    assert service["spec"]["internalTrafficPolicy"] == "Local"
+    assert f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc:9400" in (
+        container["args"][3]
+    )
+
+
+def test_remediation_is_dry_run_unless_the_component_is_added(render):
+    for variant in ("dev", "production"):
+        args = pod_spec(render(variant).component("remediation"))["containers"][0]["args"]
+        assert args == ["act", "--dry-run"], variant
+    args = pod_spec(
+        render("production+dcgm+execute").component("remediation"))["containers"][0]["args"]
+    assert args == ["act", "--execute"]
+
+
+def test_worker_is_a_statefulset_with_a_data_volume(render):
+    worker = render("production").component("worker")
+    assert worker["kind"] == "StatefulSet"
+    assert worker["spec"]["replicas"] == 3
+    settings = Settings()
+    assert worker["spec"]["replicas"] <= settings.kafka.node_partitions
+    (template,) = worker["spec"]["volumeClaimTemplates"]
+    container = pod_spec(worker)["containers"][0]
+    datadir = container["args"][container["args"].index("--datadir") + 1]
+    assert {"name": template["metadata"]["name"], "mountPath": datadir} in [
+        {"name": m["name"], "mountPath": m["mountPath"]} for m in container["volumeMounts"]
+    ]
+    pdb = render("production").named("PodDisruptionBudget", "gpusteward-worker")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= (
+        worker["spec"]["selector"]["matchLabels"].items())
+
+
+def test_report_cronjob_writes_to_a_volume(render):
+    report = render("production").component("report")
+    assert report["kind"] == "CronJob"
+    container = pod_spec(report)["containers"][0]
+    command = " ".join(container["command"])
+    assert "gpusteward report --week" in command and "--out /reports" in command
+    assert any(m["mountPath"] == "/reports" for m in container["volumeMounts"])
+
+
+def _env(rendered, workload) -> dict[str, str]:
+    """The environment a container of ``workload`` sees from its ConfigMaps and values."""
+    container = pod_spec(workload)["containers"][0]
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(rendered.named("ConfigMap", source["configMapRef"]["name"])["data"])
+    env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
+    return env
+
+
+def test_policy_configmap_is_mounted_where_the_setting_points(rendered):
+    for component in ("worker", "remediation", "alerts"):
+        workload = rendered.component(component)
+        pod = rendered.pod_spec(workload)
+        env = _env(rendered, workload)
+        path = env["GPUSTEWARD_POLICY_FILE"]
+        assert path == "/etc/gpusteward/policy.yaml"
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == path]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        policy_map = rendered.named("ConfigMap", volume["configMap"]["name"])
+        policy = yaml.safe_load(policy_map["data"][mount["subPath"]])
+        assert policy["idle"] == {"threshold_pct": 5, "window_s": 1800, "grace_s": 600}
+        assert policy["ecc_dbe"] == {"cordon": True}
+
+
+def test_production_kafka_settings_load_as_sasl_scram_over_tls(render, monkeypatch):
+    """The rendered environment, plus the Secret's values, is a valid Settings."""
+    rendered = render("production")
+    worker = rendered.component("worker")
+    container = pod_spec(worker)["containers"][0]
+    env = _env(rendered, worker)
+    secret_refs = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    assert {r["name"] for r in secret_refs.values()} == {"gpusteward-kafka"}
+    assert {n: r["key"] for n, r in secret_refs.items()} == {
+        "GPUSTEWARD_KAFKA__SASL_USERNAME": "username",
+        "GPUSTEWARD_KAFKA__SASL_PASSWORD": "password",
+    }
+    (tls,) = [v for v in pod_spec(worker)["volumes"]
+              if v.get("secret", {}).get("secretName") == "gpusteward-kafka"]
+    (tls_mount,) = [m for m in container["volumeMounts"] if m["name"] == tls["name"]]
+    assert env["GPUSTEWARD_KAFKA__SSL_CAFILE"] == f"{tls_mount['mountPath']}/ca.crt"
+
+    for name in list(os.environ):
+        if name.startswith("GPUSTEWARD_"):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("GPUSTEWARD_KAFKA__SASL_USERNAME", "gpusteward")
+    monkeypatch.setenv("GPUSTEWARD_KAFKA__SASL_PASSWORD", "from-the-secret")
+    kafka = Settings().kafka
+    assert kafka.security_protocol == "SASL_SSL"
+    assert kafka.sasl_mechanism == "SCRAM-SHA-512"
+    assert kafka.replication_factor == 3
+    assert kafka.bootstrap_servers.endswith(":9093")
+    assert kafka.fetch_max_wait_ms >= 100

@@ -1,0 +1,88 @@
+"""The rendered RBAC grants exactly what each component needs, nothing more.
+
+Computed from the rendered Roles, ClusterRoles and their bindings, per
+ServiceAccount, as (API group, resource, verb) triples: a wildcard, an extra
+verb, a new binding or a grant to another account fails here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.deploy
+
+WATCHER = "gpusteward-watcher"
+REMEDIATION = "gpusteward-remediation"
+
+EXPECTED: dict[str, set[tuple[str, str, str]]] = {
+    # Reads what it publishes: pods, nodes and Kueue workloads.
+    WATCHER: {
+        (group, resource, verb)
+        for group, resource in (("", "pods"), ("", "nodes"), ("kueue.x-k8s.io", "workloads"))
+        for verb in ("get", "list", "watch")
+    },
+    # Cordon/taint, evict, deactivate/requeue. No events, no delete, no reads.
+    REMEDIATION: {
+        ("", "nodes", "patch"),
+        ("", "pods/eviction", "create"),
+        ("kueue.x-k8s.io", "workloads", "patch"),
+    },
+}
+
+
+def grants(rendered: Any) -> dict[str, set[tuple[str, str, str]]]:
+    """ServiceAccount name -> every (group, resource, verb) its bindings grant."""
+    roles = {
+        (role["kind"], role["metadata"].get("namespace"), role["metadata"]["name"]): role
+        for role in rendered.kind("Role") + rendered.kind("ClusterRole")
+    }
+    granted: dict[str, set[tuple[str, str, str]]] = {}
+    for binding in rendered.kind("RoleBinding") + rendered.kind("ClusterRoleBinding"):
+        ref = binding["roleRef"]
+        scope = binding["metadata"].get("namespace") if ref["kind"] == "Role" else None
+        role = roles[(ref["kind"], scope, ref["name"])]
+        triples = {
+            (group, resource, verb)
+            for rule in role["rules"]
+            for group in rule.get("apiGroups", [])
+            for resource in rule.get("resources", [])
+            for verb in rule["verbs"]
+        }
+        for rule in role["rules"]:
+            assert "resourceNames" not in rule and "nonResourceURLs" not in rule, rule
+        for subject in binding["subjects"]:
+            assert subject["kind"] == "ServiceAccount", subject
+            assert subject["namespace"] == "gpusteward", subject
+            granted.setdefault(subject["name"], set()).update(triples)
+    return granted
+
+
+def test_rbac_grants_exactly_the_listed_verbs(rendered):
+    assert grants(rendered) == EXPECTED
+
+
+def test_no_wildcards_and_no_unbound_roles(rendered):
+    bound = {b["roleRef"]["name"] for b in rendered.kind("RoleBinding")
+             + rendered.kind("ClusterRoleBinding")}
+    for role in rendered.kind("Role") + rendered.kind("ClusterRole"):
+        assert role["metadata"]["name"] in bound, f"unbound {role['metadata']['name']}"
+        for rule in role["rules"]:
+            for field in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule.get(field, []), rule
+
+
+def test_bound_accounts_are_the_ones_the_workloads_run_as(rendered):
+    accounts = {
+        w["metadata"]["labels"]["app.kubernetes.io/component"]:
+            rendered.pod_spec(w).get("serviceAccountName")
+        for w in rendered.workloads()
+        if w["metadata"]["labels"].get("app.kubernetes.io/name") == "gpusteward"
+    }
+    assert accounts["watcher"] == WATCHER
+    assert accounts["remediation"] == REMEDIATION
+    # Everyone else runs under an account with no grants at all.
+    others = {a for c, a in accounts.items() if c not in ("watcher", "remediation")}
+    assert others and not others & set(grants(rendered))
+    assert None not in others

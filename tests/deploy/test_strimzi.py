@@ -1,0 +1,61 @@
+"""The Strimzi KafkaTopic objects match the topic registry (gpusteward/topics.py).
+
+Names with the default prefix, partitions (node-keyed topics share
+kafka.node_partitions), cleanup policy and retention must be the ones
+`ensure_topics` would create, so the two ways of creating topics cannot drift.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpusteward import topics
+from gpusteward.settings import Settings
+
+pytestmark = pytest.mark.deploy
+
+FAUST_CHANGELOG = "gpusteward-worker-node-state-changelog"
+
+
+def test_kafka_topics_match_the_registry(render):
+    rendered = render("production")
+    settings = Settings()
+    declared = {t["spec"]["topicName"]: t for t in rendered.kind("KafkaTopic")}
+    expected = {spec.name(settings): spec for spec in topics.ALL}
+    assert set(declared) == set(expected) | {FAUST_CHANGELOG}
+    for name, spec in expected.items():
+        topic = declared[name]
+        assert topic["metadata"]["name"] == name
+        assert topic["spec"]["partitions"] == spec.partition_count(settings), name
+        config = {k: str(v) for k, v in topic["spec"]["config"].items()}
+        assert config == spec.config(), name
+
+
+def test_changelog_is_compacted_and_co_partitioned(render):
+    rendered = render("production")
+    (changelog,) = [t for t in rendered.kind("KafkaTopic")
+                    if t["spec"]["topicName"] == FAUST_CHANGELOG]
+    assert changelog["spec"]["config"] == {"cleanup.policy": "compact"}
+    assert changelog["spec"]["partitions"] == Settings().kafka.node_partitions
+
+
+def test_topics_are_replicated_and_belong_to_one_cluster(render):
+    rendered = render("production")
+    kafka_objects = rendered.kind("KafkaTopic") + rendered.kind("KafkaUser")
+    assert {t["metadata"]["labels"]["strimzi.io/cluster"] for t in kafka_objects} == {"kafka"}
+    assert {t["metadata"]["namespace"] for t in kafka_objects} == {"kafka"}
+    assert {t["spec"]["replicas"] for t in rendered.kind("KafkaTopic")} == {3}
+    # Workers create topics with the same replication the KafkaTopics declare.
+    kafka_env = next(c for c in rendered.kind("ConfigMap")
+                     if c["metadata"]["name"].startswith("gpusteward-kafka"))
+    assert kafka_env["data"]["GPUSTEWARD_KAFKA__REPLICATION_FACTOR"] == "3"
+
+
+def test_kafka_user_reaches_only_gpusteward_topics_and_groups(render):
+    (user,) = render("production").kind("KafkaUser")
+    assert user["spec"]["authentication"]["type"] == "scram-sha-512"
+    resources = {(acl["resource"]["type"], acl["resource"]["name"], acl["resource"]["patternType"])
+                 for acl in user["spec"]["authorization"]["acls"]}
+    assert resources == {("topic", "gpusteward", "prefix"), ("group", "gpusteward", "prefix")}
+    for acl in user["spec"]["authorization"]["acls"]:
+        assert "All" not in acl["operations"] and "Delete" not in acl["operations"]
