@@ -14,6 +14,7 @@ producer to the cordon action arriving on the actions topic.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import tempfile
 import time
@@ -113,6 +114,7 @@ async def latency(settings: Settings, log: Path) -> list[Figure]:
                             auto_offset_reset="latest")
     await reader.start()
     stop = asyncio.Event()
+    all_arrived = asyncio.Event()
 
     async def watch() -> None:
         while not stop.is_set():
@@ -123,6 +125,8 @@ async def latency(settings: Settings, log: Path) -> list[Figure]:
                     action = decode(message.value)
                     if action.verb == "cordon" and action.target.node:
                         arrived.setdefault(action.target.node, now)
+                        if len(arrived) >= FAULTS:
+                            all_arrived.set()
 
     watching = asyncio.create_task(watch())
     publisher = TimedPublisher(settings)
@@ -135,9 +139,8 @@ async def latency(settings: Settings, log: Path) -> list[Figure]:
         live = fleet(8 + 2 * FAULTS + 5, 1.0, faults=FAULTS)
         live = live.model_copy(update={"start_ts": live.start_ts + 10})
         await SimulatedCluster(live).run(publisher)
-        deadline = time.monotonic() + 30
-        while len(arrived) < FAULTS and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(all_arrived.wait(), timeout=30)
     stop.set()
     await watching
     await reader.stop()

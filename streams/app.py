@@ -95,6 +95,7 @@ def create_app(
     app = WorkerApp(
         app_id,
         broker=_broker_url(settings),
+        broker_credentials=kafka.faust_credentials(),
         store="memory://",
         topic_partitions=kafka.node_partitions,
         topic_replication_factor=kafka.replication_factor,

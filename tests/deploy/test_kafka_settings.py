@@ -102,12 +102,6 @@ def test_environment_variables_configure_real_kafka(monkeypatch):
     assert kafka.sasl_password.get_secret_value() == "s3cret"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="streams/app.py (lead-owned) does not yet pass "
-           "broker_credentials=settings.kafka.faust_credentials() to faust.App; until it "
-           "does, the stream worker connects in PLAINTEXT whatever the settings say",
-)
 def test_stream_worker_uses_the_kafka_credentials(tmp_path):
     from gpusteward.streams import app as worker_app
 
