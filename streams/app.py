@@ -147,13 +147,11 @@ def create_app(
     # Rebuilt from the table after every rebalance, when the table is the truth.
     live: dict[bytes, tuple[NodeState, float]] = {}
 
-    @app.on_partitions_revoked.connect
-    async def forget_on_revoke(sender: Any, revoked: Any, **kwargs: Any) -> None:
+    async def forget_live_states(sender: Any, *args: Any, **kwargs: Any) -> None:
         live.clear()
 
-    @app.on_partitions_assigned.connect
-    async def forget_on_assign(sender: Any, assigned: Any, **kwargs: Any) -> None:
-        live.clear()
+    app.on_partitions_revoked.connect(forget_live_states)
+    app.on_partitions_assigned.connect(forget_live_states)
 
     decode_sample = msgspec.json.Decoder(NodeSample).decode
     decode_hw = msgspec.json.Decoder(HwEvent).decode
