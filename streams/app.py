@@ -147,11 +147,12 @@ def create_app(
     # Rebuilt from the table after every rebalance, when the table is the truth.
     live: dict[bytes, tuple[NodeState, float]] = {}
 
-    async def forget_live_states(sender: Any, *args: Any, **kwargs: Any) -> None:
+    def forget_live_states(sender: Any, *args: Any, **kwargs: Any) -> None:
         live.clear()
 
-    app.on_partitions_revoked.connect(forget_live_states)
-    app.on_partitions_assigned.connect(forget_live_states)
+    # mode's signal type asks for a positional-only sender that no def can spell here.
+    app.on_partitions_revoked.connect(forget_live_states)  # type: ignore[arg-type]
+    app.on_partitions_assigned.connect(forget_live_states)  # type: ignore[arg-type]
 
     decode_sample = msgspec.json.Decoder(NodeSample).decode
     decode_hw = msgspec.json.Decoder(HwEvent).decode

@@ -100,7 +100,7 @@ def test_dcgm_collector_process_publishes_and_serves_metrics(
             process.wait()
 
     records = asyncio.run(kafka.read_all(settings, topics.SAMPLES.name(settings)))
-    samples = [msgspec.json.decode(value or b"", type=NodeSample) for _, value in records]
+    samples = [msgspec.json.decode(r.value or b"", type=NodeSample) for r in records]
     assert len(samples) >= 3
     assert {s.node for s in samples} == {"gpu-node-07"}
     assert all(len(s.devices) == 3 for s in samples)

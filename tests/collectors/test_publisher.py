@@ -100,7 +100,8 @@ def test_samples_are_delivered_in_order_per_node(settings: Settings, compression
     records = asyncio.run(scenario())
     decoder = msgspec.json.Decoder(NodeSample)
     received: dict[str, list[float]] = {}
-    for key, value in records:
+    for record in records:
+        key, value = record.key, record.value
         assert value is not None
         decoded = decoder.decode(value)
         assert key == decoded.node.encode()

@@ -58,7 +58,8 @@ class Tee:
 
 async def received_per_node(settings: Settings) -> dict[str, list[float]]:
     received: dict[str, list[float]] = {node: [] for node in NODES}
-    for key, value in await kafka.read_all(settings, topics.SAMPLES.name(settings)):
+    for record in await kafka.read_all(settings, topics.SAMPLES.name(settings)):
+        key, value = record.key, record.value
         assert value is not None
         sample = msgspec.json.decode(value, type=NodeSample)
         assert key == sample.node.encode()
