@@ -8,6 +8,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from aiokafka import ConsumerRecord
 
 from gpusteward import kafka, topics
 from gpusteward.broker import free_port
@@ -83,7 +84,7 @@ def test_samples_are_delivered_in_order_per_node(settings: Settings, compression
     metrics = CollectorMetrics()
     collect = CollectSettings(node_name="x", compression=compression, batch_max_records=7)
 
-    async def scenario() -> list[tuple[bytes | None, bytes | None]]:
+    async def scenario() -> list[ConsumerRecord]:
         await kafka.ensure_topics(settings, [topics.SAMPLES, topics.HW_EVENTS])
         publisher = KafkaPublisher(settings, collect=collect, metrics=metrics)
         await publisher.start()
