@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import statistics
 import tempfile
 import time
@@ -84,24 +85,33 @@ async def throughput(settings: Settings, log: Path) -> list[Figure]:
         ends[tp] = max(ends.get(tp, 0), record.offset + 1)
     total = sum(ends.values())
     group = worker_group(settings)
-    with WorkerProcess(settings, log):
-        first: tuple[float, int] | None = None
+    with WorkerProcess(settings, log) as worker:
+        assert worker.process is not None
+        first: tuple[float, int, float] | None = None
         while True:
             await asyncio.sleep(0.2)
             done = sum(max(0, o) for o in (await kafka.committed(settings, group, ends)).values())
-            now = time.monotonic()
+            now, cpu = time.monotonic(), cpu_seconds(worker.process.pid)
             if first is None and done > 0:
-                first = (now, done)
+                first = (now, done, cpu)
             if done >= total:
                 break
     assert first is not None
-    seconds = now - first[0]
-    rate = (total - first[1]) * GPUS / seconds
+    processed = total - first[1]
+    rate = processed * GPUS / (now - first[0])
+    cpu_per_record = (cpu - first[2]) / processed
     return [
         Figure("worker throughput (1 process)", rate, "GPU-samples/s"),
-        Figure("worker throughput (1 process)", rate / GPUS, "node samples/s"),
+        Figure("worker CPU per node sample (8 GPUs)", cpu_per_record * 1e6, "µs"),
+        Figure("worker capacity at one busy core", GPUS / cpu_per_record, "GPU-samples/s"),
         Figure("simulator publish rate", total * GPUS / publish_s, "GPU-samples/s"),
     ]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def latency(settings: Settings, log: Path) -> list[Figure]:

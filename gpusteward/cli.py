@@ -61,8 +61,11 @@ def worker(
     faust_app = worker_app.create_app(settings, datadir=datadir)
     from faust.worker import Worker
 
-    Worker(faust_app, loglevel=loglevel, quiet=True, redirect_stdouts=False
-           ).execute_from_commandline()
+    faust_worker = Worker(faust_app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+    # Faust's terminal spinner turns the root logger to DEBUG so that it can spin on every
+    # record: every library debug call then builds a log record on the hot path.
+    faust_worker.spinner = None
+    faust_worker.execute_from_commandline()
 
 
 async def _ensure(settings: Settings) -> None:
