@@ -10,12 +10,15 @@ from typing import Annotated
 import msgspec
 import typer
 
+from gpusteward.report import commands as report_commands
 from gpusteward.settings import Settings
 
 app = typer.Typer(help="Steward of a Kubernetes GPU fleet, as a stream of events.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 schema_app = typer.Typer(help="The payload contract.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
+app.command("report")(report_commands.report)
+app.command("replay")(report_commands.replay)
 
 Bootstrap = Annotated[
     str | None,
