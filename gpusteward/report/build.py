@@ -41,7 +41,8 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     geometries = mig_geometry.load() if geometries is None else geometries
     advance = step or (lambda _name: None)
     advance(STEPS[0])
-    frame = compute.prepare(store.scan(directory, week.start, week.end), settings, geometries)
+    frame = compute.prepare(store.scan(directory, week.start, week.end, compute.COLUMNS),
+                            settings, geometries)
     advance(STEPS[1])
     teams = compute.team_table(frame)
     daily = compute.daily_table(frame)
@@ -95,7 +96,8 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
         "mig": {
             "pools": [{
                 "pool": p.pool.name, "model": p.pool.model, "gpus": p.pool.gpus,
-                "gpus_used": p.gpus_used, "demand_share": p.demand_share,
+                "gpus_used": p.gpus_used, "mig_gpus": p.mig_gpus,
+                "demand_share": p.demand_share,
                 "served_share": p.served_share, "unserved": p.unserved,
                 "instances": layout.instance_count(p.gpu_layouts),
             } for p in plan.pools],

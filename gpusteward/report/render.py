@@ -58,7 +58,8 @@ QUEUE_COLUMNS = [("cluster_queue", "queue"), ("admitted", "admitted"),
 FAULT_COLUMNS = [("day", "day"), ("xid_events", "XID events"),
                  ("ecc_dbe_errors", "new DBE errors"),
                  ("throttled_device_minutes", "throttled device-minutes")]
-POOL_COLUMNS = [("pool", "pool"), ("gpus", "GPUs"), ("gpus_used", "MIG GPUs needed"),
+POOL_COLUMNS = [("pool", "pool"), ("gpus", "GPUs"), ("gpus_used", "GPUs needed"),
+                ("mig_gpus", "of which MIG"),
                 ("demand_share", "demand (instance-weeks)"), ("served_share", "served")]
 HTML_ADVICE_ROWS = 40
 """The HTML shows the largest savings; Markdown and JSON carry every recommendation."""

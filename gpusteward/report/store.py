@@ -109,11 +109,18 @@ def files(directory: Path, start: float, end: float) -> list[Path]:
     return found
 
 
-def scan(directory: Path, start: float, end: float) -> pl.LazyFrame:
-    """Rollups with ``start <= ts < end``, one row per (device, minute)."""
+def scan(directory: Path, start: float, end: float, columns: list[str] | None = None
+         ) -> pl.LazyFrame:
+    """Rollups with ``start <= ts < end``, one row per (device, minute).
+
+    Name the ``columns`` you need: the de-duplication has to read every column
+    it keeps, so a narrow scan is several times faster.
+    """
+    wanted = list(SCHEMA) if columns is None else list(dict.fromkeys(["ts", "uuid", *columns]))
     paths = files(directory, start, end)
     if not paths:
-        return pl.LazyFrame(schema=SCHEMA)
-    return (pl.scan_parquet(paths, schema=SCHEMA)
+        return pl.LazyFrame(schema={c: SCHEMA[c] for c in wanted})
+    return (pl.scan_parquet(paths, schema=SCHEMA).select(wanted)
             .filter((pl.col("ts") >= start) & (pl.col("ts") < end))
-            .unique(subset=["uuid", "ts"], keep="any"))
+            # Several times faster than unique(subset=...) on polars 2.1, same rows kept.
+            .filter(pl.struct("uuid", "ts").is_first_distinct()))

@@ -102,6 +102,13 @@ class Geometry:
                                 ) from None
 
     @property
+    def full_profile(self) -> Profile | None:
+        """The one-instance-per-GPU profile (``7g.80gb``): the same as a GPU with MIG off."""
+        return next((p for p in self.base_profiles
+                     if p.compute_slices == self.total_compute_slices
+                     and p.memory_slices == self.total_memory_slices), None)
+
+    @property
     def base_profiles(self) -> tuple[Profile, ...]:
         return tuple(p for p in self.profiles if p.base)
 

@@ -106,9 +106,17 @@ class PoolAdvice:
     """node -> per GPU index, its layout (None: MIG disabled)."""
     changes: list[NodeChange] = field(default_factory=list)
 
+    whole_gpu: str | None = None
+    """The full-GPU profile; a GPU planned as one such instance runs with MIG off."""
+
     @property
     def gpus_used(self) -> int:
         return len(self.gpu_layouts)
+
+    @property
+    def mig_gpus(self) -> int:
+        """GPUs the plan partitions (the others it uses serve whole-GPU work, MIG off)."""
+        return sum(1 for layout in self.gpu_layouts if not _whole(layout, self.whole_gpu))
 
 
 @dataclass
@@ -203,19 +211,30 @@ def solve_pool(geometry: Geometry, gpus: int, demand: Sequence[Demand],
                        integrality=integrality, bounds=bounds, options=options)
     if first_solve.status != 0:
         raise RuntimeError(f"MIG layout search failed: {first_solve.message}")
-    best = -first_solve.fun
+    # The served share of the integral placements, recomputed exactly: the solver's own
+    # objective carries its feasibility tolerance, and holding to it can be infeasible.
+    first_u = np.rint(first_solve.x[n_x:n_x + n_u]).astype(int)
+    count: Counter[str] = Counter()
+    for k, (p, _) in enumerate(pairs):
+        count[p] += first_u[k]
+    best = sum(sum(d.share for d in by_smallest[p][:count[p]]) for p in by_smallest)
     # Hold the best served share (less a rounding tolerance) and use the fewest GPUs.
     keep = lil_matrix((1, n))
     for j, share in enumerate(shares):
         keep[0, offset + j] = share
-    # Each kept GPU earns less than 1/gpus and at most `gpus` are kept, so the bonus never
-    # outweighs one GPU: the count stays minimal, and ties go to the plan that keeps most.
-    fewest = np.concatenate([np.ones(n_x), np.zeros(n_u + n_z),
-                             np.full(n_x, -1.0 / (gpus + 1))])
+    # Ties on GPUs are broken by two small terms that together stay below one GPU, so
+    # the GPU count stays minimal: a bonus per GPU kept as it is today (at most `gpus`
+    # of them, under 1/2 in all) and a cost per compute slice a workload gets beyond its
+    # smallest profile (under 1/2 in all), so spare slices stay free for new work.
+    extra = [geometry.profile(q).compute_slices - geometry.profile(p).compute_slices
+             for p, q in pairs]
+    worst = max(1, geometry.total_compute_slices * len(workloads))
+    fewest = np.concatenate([np.ones(n_x), np.array(extra, dtype=float) / (2 * worst + 2),
+                             np.zeros(n_z), np.full(n_x, -1.0 / (2 * gpus + 2))])
     second_solve = milp(
         fewest,
         constraints=[LinearConstraint(matrix.tocsr(), lower, upper),
-                     LinearConstraint(keep.tocsr(), best - 1e-7 * (1 + best), np.inf)],
+                     LinearConstraint(keep.tocsr(), best - 1e-6 * (1 + best), np.inf)],
         integrality=integrality, bounds=bounds, options=options,
     )
     if second_solve.status != 0:
@@ -264,24 +283,35 @@ def advise(geometries: Mapping[str, Geometry], pools: Sequence[Pool],
         wanted = demand.get(pool.name, ())
         today = [t for node in pool.nodes for t in current.get(node, ())]
         gpu_layouts, served = solve_pool(geometry, pool.gpus, wanted, today)
+        full = geometry.full_profile
         advice = PoolAdvice(
             pool=pool, gpu_layouts=gpu_layouts, served=served,
+            whole_gpu=full.name if full else None,
             unserved=sorted(d.workload for d in wanted if d.workload not in served),
             demand_share=sum(d.share for d in wanted),
             served_share=sum(d.share for d in wanted if d.workload in served),
         )
-        advice.node_layouts = _assign(pool, gpu_layouts, current)
+        # A GPU that is one full-size instance is a GPU with MIG off: plan it so, and
+        # read today's such GPUs so, or the plan would churn them for nothing.
+        partitioned = [g for g in gpu_layouts if not _whole(g, advice.whole_gpu)]
+        today_by_node = {node: [None if t is None or _whole(t, advice.whole_gpu) else t
+                                for t in current.get(node, ())] for node in pool.nodes}
+        advice.node_layouts = _assign(pool, partitioned, today_by_node)
         for node, per_gpu in advice.node_layouts.items():
             name, entries = _node_config(per_gpu)
             configs.setdefault(name, entries)
             labels[node] = name
-            change = _change(node, current.get(node, ()), per_gpu,
+            change = _change(node, today_by_node[node], per_gpu,
                              current_labels.get(node), name)
             if change.gpus_changed:
                 advice.changes.append(change)
         advices.append(advice)
     return Advice(pools=advices, mig_parted={"version": "v1", "mig-configs": configs},
                   labels=labels)
+
+
+def _whole(layout: Layout, full: str | None) -> bool:
+    return full is not None and _key(layout) == ((full, 1),)
 
 
 def _key(layout: Layout | None) -> tuple[tuple[str, int], ...]:
@@ -301,9 +331,15 @@ def _assign(pool: Pool, gpu_layouts: list[dict[str, int]],
         if key and remaining[key] > 0:
             placed[(node, i)] = key
             remaining[key] -= 1
-    # Fill the rest node by node so that a node's GPUs tend to share a layout.
+    # The rest go first to GPUs partitioned today (they change anyway unless reused),
+    # then to whole GPUs, node by node so that a node's GPUs tend to share a layout.
     leftovers = sorted(remaining.elements())
-    for slot in slots:
+
+    def partitioned_today(slot: tuple[str, int]) -> bool:
+        today = list(current.get(slot[0], ()))
+        return slot[1] < len(today) and bool(_key(today[slot[1]]))
+
+    for slot in sorted(slots, key=lambda slot: not partitioned_today(slot)):
         if slot not in placed and leftovers:
             placed[slot] = leftovers.pop(0)
     return {node: [dict(placed[(node, i)]) if (node, i) in placed else None

@@ -7,7 +7,7 @@ from collections import Counter
 from functools import cache
 
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gpusteward.rules.mig import geometry, layout
@@ -77,6 +77,8 @@ def check(model: str, gpus: int, demand: list[Demand]) -> None:
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(demand=demand_strategy("A30-24GB", 4), gpus=st.integers(1, 3))
+@example(demand=[Demand("w0", "1g.6gb", 0.2), Demand("w1", "1g.6gb", 0.3),
+                 Demand("w2", "4g.24gb", 0.3)], gpus=1)  # once infeasible: solver tolerance
 def test_a30_layouts_are_valid_and_optimal(demand: list[Demand], gpus: int) -> None:
     check("A30-24GB", gpus, demand)
 
@@ -125,9 +127,9 @@ def test_todays_layout_is_kept_where_it_already_serves() -> None:
                            current_labels={"n1": "custom"})
     assert advice.pools[0].node_layouts["n1"] == [None, {"1g.10gb": 7}]
     assert advice.changes == []
-    moved = layout.advise(GEOMETRIES, [pool], demand, current={"n1": [{"7g.80gb": 1}, None]})
+    moved = layout.advise(GEOMETRIES, [pool], demand, current={"n1": [{"3g.40gb": 2}, None]})
     change = moved.changes[0]
-    assert change.gpus_changed == [0] and change.instances_removed == {"7g.80gb": 1}
+    assert change.gpus_changed == [0] and change.instances_removed == {"3g.40gb": 2}
     findings = layout.advice_findings(moved, ts=100.0, window_start=0.0)
     assert len(findings) == 1 and findings[0].kind == layout.KIND
 
@@ -139,3 +141,18 @@ def test_smallest_fitting_profile() -> None:
     assert layout.smallest_fitting(geo, 15 * gib, 0.1).name == "1g.20gb"  # type: ignore[union-attr]
     assert layout.smallest_fitting(geo, 15 * gib, 0.3).name == "3g.40gb"  # type: ignore[union-attr]
     assert layout.smallest_fitting(geo, 90 * gib, 0.3) is None
+
+
+def test_whole_gpu_demand_runs_with_mig_off() -> None:
+    pool = Pool("h100", "H100-80GB", ("n1",), 2)
+    demand = {"h100": [Demand("big", "7g.80gb", 1.0), Demand("small", "2g.20gb", 1.0)]}
+    # GPU 0 runs whole today (one full-size instance is the same as MIG off); GPU 1 is
+    # partitioned into 1g slices, which cannot hold a 2g workload: the one change needed.
+    advice = layout.advise(GEOMETRIES, [pool], demand,
+                           current={"n1": [{"7g.80gb": 1}, {"1g.10gb": 7}]})
+    plan = advice.pools[0]
+    assert plan.gpus_used == 2 and plan.mig_gpus == 1
+    entries = advice.mig_parted["mig-configs"][advice.labels["n1"]]
+    assert {"devices": [0], "mig-enabled": False} in entries
+    assert [e["devices"] for e in entries if e["mig-enabled"]] == [[1]]
+    assert [c.gpus_changed for c in advice.changes] == [[1]]
