@@ -120,9 +120,10 @@ def recommend(need: pl.DataFrame, settings: ReportSettings,
             if profile is not None and profile.compute_slices < geometry.total_compute_slices:
                 share = profile.compute_slices / geometry.total_compute_slices
                 saved_hours = hours * (1 - share)
+                count = max(1, round(held))
                 out.append(Recommendation(
-                    name, team, "mig_profile", f"{row['devices']} x {row['gpu_model']}",
-                    f"{row['devices']} x {profile.name}", saved_hours * hourly, saved_hours,
+                    name, team, "mig_profile", f"{count} x {row['gpu_model']}",
+                    f"{count} x {profile.name}", saved_hours * hourly, saved_hours,
                     points, f"peak memory {row['device_mem_needed'] / GIB:.1f} GiB and "
                     f"p{settings.percentile:g} activity "
                     f"{row['device_compute_needed'] * 100:.0f}% per GPU incl. headroom"))
