@@ -34,10 +34,13 @@ class Report:
 
 
 def build(directory: Path, week: compute.Week, settings: ReportSettings,
-          queue: pl.DataFrame | None = None,
+          queue: pl.DataFrame | Path | None = None,
           geometries: Mapping[str, mig_geometry.Geometry] | None = None,
           step: Step | None = None) -> Report:
-    """The report for ``week`` from the rollup store at ``directory``."""
+    """The report for ``week`` from the rollup store at ``directory``.
+
+    ``queue`` is the week's queue events, or the folder of their store.
+    """
     geometries = mig_geometry.load() if geometries is None else geometries
     advance = step or (lambda _name: None)
     advance(STEPS[0])
@@ -49,6 +52,8 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     workloads = compute.workload_table(frame)
     faults = compute.fault_table(frame)
     fragmentation = compute.fragmentation_table(frame, settings.fragmentation_shape_gpus)
+    if isinstance(queue, Path):
+        queue = store.scan_queue(queue, week.start, week.end)
     queues = compute.queue_table(queue, settings)
     advance(STEPS[2])
     need = recommend.needs(frame, settings)

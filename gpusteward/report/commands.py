@@ -24,6 +24,9 @@ def report(
     rollups: Annotated[Path | None, typer.Option(
         help="Rollup store folder (default: GPUSTEWARD_REPORT__ROLLUP_DIR or ./rollups).")
     ] = None,
+    queue: Annotated[Path | None, typer.Option(
+        help="Queue-event store folder (default: GPUSTEWARD_REPORT__QUEUE_DIR or "
+             "./queue-events; skipped when absent).")] = None,
 ) -> None:
     """Write the weekly right-sizing report from the Parquet rollup store."""
     from rich.console import Console
@@ -48,7 +51,9 @@ def report(
         def step(name: str) -> None:
             progress.update(task, advance=1, description=f"report {chosen.label}: {name}")
 
-        result = build.build(directory, chosen, settings, step=step)
+        queue_dir = queue or settings.queue_dir
+        result = build.build(directory, chosen, settings,
+                             queue=queue_dir if queue_dir.is_dir() else None, step=step)
     for path in render.write(result, out):
         typer.echo(str(path))
     totals = result.data["totals"]
@@ -64,6 +69,11 @@ def replay(
     rollups: Annotated[Path | None, typer.Option(
         help="Write per-minute rollups into this store (default: the settings' rollup_dir).")
     ] = None,
+    queue: Annotated[Path | None, typer.Option(
+        help="Also write the openb trace's queue events (last 7 days, moved to --week) into "
+             "this store (default: the settings' queue_dir).")] = None,
+    openb: Annotated[bool, typer.Option(
+        "--openb/--no-openb", help="Replay the openb trace's queue events too.")] = True,
     publish: Annotated[bool, typer.Option(
         "--publish/--no-publish", help="Also publish samples and allocations to Kafka.")
     ] = False,
@@ -94,6 +104,16 @@ def replay(
     written = store.write(directory, store.frame(out))
     typer.echo(f"{len(out)} rollups of {len(allocations)} pods into {len(written)} file(s) "
                f"under {directory}")
+    events = []
+    if openb:
+        queue_start = start if start is not None else compute.week_of(time.time()).start
+        try:
+            events = trace_io.openb_queue_events(traces, queue_start)
+        except trace_io.TraceError as error:
+            raise typer.BadParameter(str(error), param_hint="--traces") from error
+        queue_dir = queue or settings.queue_dir
+        store.write(queue_dir, store.queue_frame(events), store.QUEUE_SCHEMA)
+        typer.echo(f"{len(events)} openb queue events under {queue_dir}")
     if publish:
         from gpusteward.cli import _ensure, _settings
         from gpusteward.collectors.publisher import KafkaPublisher
@@ -105,6 +125,8 @@ def replay(
             publisher = KafkaPublisher(kafka_settings)
             await publisher.start()
             try:
+                for event in events:
+                    await publisher.queue(event)
                 return await trace_io.replay_genai(publisher, traces, options)
             finally:
                 await publisher.stop()

@@ -49,6 +49,9 @@ class ReportSettings(BaseSettings):
     rollup_dir: Path = Field(
         Path("rollups"),
         description="Folder of the Parquet rollup store (one sub-folder per day).")
+    queue_dir: Path = Field(
+        Path("queue-events"),
+        description="Folder of the queue-event store (same layout) for the wait-time section.")
     retention_days: int = Field(
         35, ge=1, description="Days of rollups kept; 35 covers a month-on-month comparison "
         "of full weeks.")

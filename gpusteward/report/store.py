@@ -18,11 +18,12 @@ import uuid
 from collections.abc import Iterable
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import polars as pl
 
-from gpusteward.schema import Rollup
+from gpusteward.schema import QueueEvent, Rollup
 
 log = logging.getLogger(__name__)
 
@@ -40,24 +41,41 @@ SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
 }
 """Column types of the store; the Rollup fields less ``schema``."""
 
+QUEUE_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
+    "ts": pl.Float64, "name": pl.String, "namespace": pl.String, "cluster_queue": pl.String,
+    "state": pl.String, "queue": pl.String, "created_at": pl.Float64,
+    "admitted_at": pl.Float64, "gpus": pl.Int32, "priority": pl.Int32,
+}
+"""Column types of the queue-event store (same layout, its own folder); QueueEvent less
+``schema`` and ``mig``."""
+
 
 def frame(rollups: Iterable[Rollup]) -> pl.DataFrame:
     """Rollups as a DataFrame with the store's schema."""
-    rows = [msgspec.structs.asdict(r) for r in rollups]
-    for row in rows:
-        row.pop("schema", None)
-    return pl.DataFrame(rows, schema=SCHEMA, orient="row" if not rows else None)
+    return _frame(rollups, SCHEMA)
+
+
+def queue_frame(events: Iterable[QueueEvent]) -> pl.DataFrame:
+    """Queue events as a DataFrame with the queue store's schema."""
+    return _frame(events, QUEUE_SCHEMA)
+
+
+def _frame(items: Iterable[msgspec.Struct], schema: dict[str, Any]) -> pl.DataFrame:
+    rows = [{k: v for k, v in msgspec.structs.asdict(item).items() if k in schema}
+            for item in items]
+    return pl.DataFrame(rows, schema=schema)
 
 
 def _day(ts: float) -> date:
     return datetime.fromtimestamp(ts, UTC).date()
 
 
-def write(directory: Path, rows: pl.DataFrame) -> list[Path]:
+def write(directory: Path, rows: pl.DataFrame, schema: dict[str, Any] | None = None
+          ) -> list[Path]:
     """Write ``rows`` into their day folders, one new file per day; return the files."""
     if rows.is_empty():
         return []
-    rows = rows.select([pl.col(c).cast(t) for c, t in SCHEMA.items()])
+    rows = rows.select([pl.col(c).cast(t) for c, t in (schema or SCHEMA).items()])
     days = rows.with_columns(
         (pl.col("ts") * 1000).cast(pl.Int64).cast(pl.Datetime("ms", "UTC")).dt.date()
         .alias("_day"))
@@ -124,3 +142,13 @@ def scan(directory: Path, start: float, end: float, columns: list[str] | None = 
             .filter((pl.col("ts") >= start) & (pl.col("ts") < end))
             # Several times faster than unique(subset=...) on polars 2.1, same rows kept.
             .filter(pl.struct("uuid", "ts").is_first_distinct()))
+
+
+def scan_queue(directory: Path, start: float, end: float) -> pl.DataFrame:
+    """Queue events with ``start <= ts < end``, each (workload, state, ts) once."""
+    paths = files(directory, start, end)
+    if not paths:
+        return pl.DataFrame(schema=QUEUE_SCHEMA)
+    return (pl.scan_parquet(paths, schema=QUEUE_SCHEMA)
+            .filter((pl.col("ts") >= start) & (pl.col("ts") < end))
+            .unique(subset=["namespace", "name", "state", "ts"], keep="any").collect())

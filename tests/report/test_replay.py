@@ -112,3 +112,26 @@ def test_replay_through_a_publisher(shared_data: Path) -> None:
 def test_missing_trace_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(traces.TraceError, match="cannot read the GenAI trace"):
         traces.genai_records(tmp_path)
+
+
+def test_openb_queue_waits_in_the_report(shared_data: Path, tmp_path: Path) -> None:
+    events = traces.openb_queue_events(shared_data / "traces", WEEK.start)
+    store.write(tmp_path / "queue", store.queue_frame(events), store.QUEUE_SCHEMA)
+    pods = pl.read_csv(shared_data / "traces" / "alibaba-gpu-v2023" /
+                       "openb_pod_list_default.csv")
+    window_start = pods["creation_time"].max() - 7 * 86400  # type: ignore[operator]
+    recent = pods.filter(pl.col("creation_time") >= window_start)
+    admitted = recent.filter((pl.col("pod_phase") != "Pending")
+                             & (pl.col("scheduled_time") >= pl.col("creation_time")))
+    assert sum(e.state == "pending" for e in events) == recent.height
+    settings = ReportSettings(queue_slo_s={"LS": 60.0})
+    report = build.build(tmp_path / "empty", WEEK, settings, queue=tmp_path / "queue")
+    rows = {r["cluster_queue"]: r for r in report.data["queues"]}
+    # The window is moved onto the report's week; admissions after its end fall outside.
+    inside = admitted.filter(pl.col("scheduled_time") < window_start + 7 * 86400)
+    assert sum(r["admitted"] for r in rows.values()) == inside.height
+    ls = inside.filter(pl.col("qos") == "LS").with_columns(
+        (pl.col("scheduled_time") - pl.col("creation_time")).alias("wait"))
+    assert rows["LS"]["wait_p95_s"] == pytest.approx(ls["wait"].quantile(0.95, "linear"))
+    assert rows["LS"]["within_slo_pct"] == pytest.approx(
+        100 * (ls["wait"] <= 60).mean())  # type: ignore[operator]
