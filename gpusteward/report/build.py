@@ -44,7 +44,8 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     geometries = mig_geometry.load() if geometries is None else geometries
     advance = step or (lambda _name: None)
     advance(STEPS[0])
-    frame = compute.prepare(store.scan(directory, week.start, week.end, compute.COLUMNS),
+    frame = compute.prepare(store.scan(directory, week.start, week.end, compute.COLUMNS,
+                                       categorical=True),
                             settings, geometries)
     advance(STEPS[1])
     teams = compute.team_table(frame)
