@@ -167,10 +167,16 @@ def solve_pool(geometry: Geometry, gpus: int, demand: Sequence[Demand],
         by_smallest.setdefault(d.profile, []).append(d)
     pairs = [(p, q.name) for p in sorted(by_smallest) for q in profiles
              if fits(q, geometry.profile(p))]
-    workloads = [d for p in sorted(by_smallest) for d in by_smallest[p]]
+    # Workloads of one smallest profile and one share are interchangeable: one column
+    # each, bounded by their number, keeps the program small when many run all week.
+    buckets: list[tuple[str, float, int]] = []
+    for p in sorted(by_smallest):
+        for share, count in sorted(Counter(d.share for d in by_smallest[p]).items(),
+                                   reverse=True):
+            buckets.append((p, share, count))
 
-    # Columns: x (GPUs per layout), u (placements), z (served), k (GPUs kept as today).
-    n_x, n_u, n_z = len(layouts), len(pairs), len(workloads)
+    # Columns: x (GPUs per layout), u (placements), z (served per bucket), k (GPUs kept).
+    n_x, n_u, n_z = len(layouts), len(pairs), len(buckets)
     n = n_x + n_u + n_z + n_x
     rows: list[tuple[dict[int, float], float, float]] = []
     rows.append(({i: 1.0 for i in range(n_x)}, 0.0, float(gpus)))
@@ -183,11 +189,11 @@ def solve_pool(geometry: Geometry, gpus: int, demand: Sequence[Demand],
                 row[c] = -float(layout[q])
         rows.append((row, -np.inf, 0.0))
     offset = n_x + n_u
-    for p, members in ((p, by_smallest[p]) for p in sorted(by_smallest)):
+    for p in sorted(by_smallest):
         row = {n_x + k: 1.0 for k, (pp, _) in enumerate(pairs) if pp == p}
-        first = workloads.index(members[0])
-        for j in range(len(members)):
-            row[offset + first + j] = -1.0
+        for j, (bp, _, _) in enumerate(buckets):
+            if bp == p:
+                row[offset + j] = -1.0
         rows.append((row, 0.0, 0.0))
     kept = n_x + n_u + n_z
     for c in range(n_x):
@@ -202,8 +208,9 @@ def solve_pool(geometry: Geometry, gpus: int, demand: Sequence[Demand],
     upper = np.array([row[2] for row in rows])
     integrality = np.concatenate([np.ones(n_x + n_u), np.zeros(n_z + n_x)])
     bounds = Bounds(np.zeros(n), np.concatenate([
-        np.full(n_x + n_u, np.inf), np.ones(n_z), np.array(today_counts, dtype=float)]))
-    shares = np.array([d.share for d in workloads])
+        np.full(n_x + n_u, np.inf), np.array([float(b[2]) for b in buckets]),
+        np.array(today_counts, dtype=float)]))
+    shares = np.array([b[1] for b in buckets])
     options = {"mip_rel_gap": 0.0, "presolve": True}
 
     serve = np.concatenate([np.zeros(n_x + n_u), -shares, np.zeros(n_x)])
@@ -228,7 +235,7 @@ def solve_pool(geometry: Geometry, gpus: int, demand: Sequence[Demand],
     # smallest profile (under 1/2 in all), so spare slices stay free for new work.
     extra = [geometry.profile(q).compute_slices - geometry.profile(p).compute_slices
              for p, q in pairs]
-    worst = max(1, geometry.total_compute_slices * len(workloads))
+    worst = max(1, geometry.total_compute_slices * len(demand))
     fewest = np.concatenate([np.ones(n_x), np.array(extra, dtype=float) / (2 * worst + 2),
                              np.zeros(n_z), np.full(n_x, -1.0 / (2 * gpus + 2))])
     second_solve = milp(
