@@ -171,9 +171,9 @@ def solve_pool(geometry: Geometry, gpus: int, demand: Sequence[Demand],
     # each, bounded by their number, keeps the program small when many run all week.
     buckets: list[tuple[str, float, int]] = []
     for p in sorted(by_smallest):
-        for share, count in sorted(Counter(d.share for d in by_smallest[p]).items(),
-                                   reverse=True):
-            buckets.append((p, share, count))
+        for share, size in sorted(Counter(d.share for d in by_smallest[p]).items(),
+                                  reverse=True):
+            buckets.append((p, share, size))
 
     # Columns: x (GPUs per layout), u (placements), z (served per bucket), k (GPUs kept).
     n_x, n_u, n_z = len(layouts), len(pairs), len(buckets)
