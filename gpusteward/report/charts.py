@@ -47,12 +47,18 @@ def _frame(title: str, y_max: float, unit: str) -> list[str]:
     return parts
 
 
-def _legend(names: Sequence[str]) -> list[str]:
+def _legend(names: Sequence[str], target: str | None = None) -> list[str]:
+    """Colour keys for ``names``; ``target`` is keyed as the dashed line it is drawn as."""
     parts = []
     x = LEFT
-    for i, name in enumerate(names):
-        color = PALETTE[i % len(PALETTE)]
-        parts.append(f'<rect x="{x}" y="{HEIGHT - 16}" width="10" height="10" fill="{color}"/>')
+    for i, name in enumerate([*names, *([target] if target else [])]):
+        if name == target and i == len(names):
+            parts.append(f'<line x1="{x}" x2="{x + 10}" y1="{HEIGHT - 11}" y2="{HEIGHT - 11}" '
+                         'stroke="#000" stroke-width="2" stroke-dasharray="4 2"/>')
+        else:
+            color = PALETTE[i % len(PALETTE)]
+            parts.append(f'<rect x="{x}" y="{HEIGHT - 16}" width="10" height="10" '
+                         f'fill="{color}"/>')
         parts.append(f'<text x="{x + 14}" y="{HEIGHT - 7}" font-size="11">{escape(name)}</text>')
         x += 24 + 7 * len(name)
     return parts
@@ -92,8 +98,7 @@ def bars(title: str, categories: Sequence[str], series: dict[str, Sequence[float
         label = category if len(category) <= 18 else category[:17] + "…"
         parts.append(f'<text x="{x0 + group_w * 0.4:.1f}" y="{TOP + plot_h + 14}" '
                      f'font-size="10" text-anchor="middle">{escape(label)}</text>')
-    names = list(series) + (["target"] if marks else [])
-    parts.extend(_legend(names))
+    parts.extend(_legend(list(series), "target" if marks else None))
     parts.append("</svg>")
     return "".join(parts)
 
