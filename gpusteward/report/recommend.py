@@ -58,34 +58,40 @@ def workload_name(namespace: str | None, owner_kind: str | None, owner_name: str
 
 def needs(frame: pl.DataFrame, settings: ReportSettings) -> pl.DataFrame:
     """Per workload: minutes of data, the GPUs it holds, and what it needs (with headroom)."""
-    held = frame.filter(pl.col("allocated"))
+    # One 64-bit hash stands for the four workload columns: grouping 10 M rows by two
+    # numbers is several times faster than by four categoricals and a float.
+    held = frame.filter(pl.col("allocated")).with_columns(
+        pl.struct(WORKLOAD).hash(seed=0).alias("wid"),
+        pl.col("util_mean").fill_null(0), pl.col("mem_used_max").fill_null(0),
+        (pl.col("kind") == "mig").alias("mig"))
     q = settings.percentile / 100
     mq = settings.memory_percentile / 100
     grow = 1 + settings.headroom_pct / 100
-    per_minute = held.group_by([*WORKLOAD, "ts"]).agg(
-        (pl.col("util_mean").fill_null(0) / 100 * pl.col("gpu_fraction")).sum().alias("used"),
-        pl.col("gpu_fraction").sum().alias("held"),
+    # GPU-hours per minute times 60 is GPU-equivalents in use and held that minute.
+    per_minute = held.group_by("wid", "ts").agg(
+        (pl.col("used_hours").sum() * 60).alias("used"),
+        (pl.col("gpu_hours").sum() * 60).alias("held"),
     )
-    demand = per_minute.group_by(WORKLOAD).agg(
+    demand = per_minute.group_by("wid").agg(
         pl.len().alias("points"),
         (pl.col("used").quantile(q, "linear") * grow).alias("gpus_needed"),
         pl.col("held").mean().alias("gpus_held"),
     )
-    per_device = held.group_by(WORKLOAD).agg(
-        (pl.col("util_mean").fill_null(0).quantile(q, "linear") * grow / 100)
+    per_device = held.group_by("wid").agg(
+        *[pl.col(c).first() for c in WORKLOAD],
+        (pl.col("util_mean").quantile(q, "linear") * grow / 100)
         .alias("device_compute_needed"),
-        (pl.col("mem_used_max").fill_null(0).quantile(mq, "linear") * grow)
-        .alias("device_mem_needed"),
-        (pl.col("kind") == "mig").any().alias("uses_mig"),
+        (pl.col("mem_used_max").quantile(mq, "linear") * grow).alias("device_mem_needed"),
+        pl.col("mig").any().alias("uses_mig"),
         pl.col("gpu_model").mode().first().alias("gpu_model"),
-        pl.col("node").mode().first().alias("node"),
         pl.col("mem_total_bytes").max().alias("device_mem_total"),
         pl.col("gpu_hours").sum().alias("gpu_hours"),
         pl.col("uuid").n_unique().alias("devices"),
         pl.len().alias("device_minutes"),
         pl.col("hourly_usd").mean().alias("hourly_usd"),
     )
-    return demand.join(per_device, on=WORKLOAD, nulls_equal=True).sort(WORKLOAD)
+    return (demand.join(per_device, on="wid").drop("wid")
+            .select(*WORKLOAD, pl.exclude(WORKLOAD)).sort(WORKLOAD))
 
 
 def recommend(need: pl.DataFrame, settings: ReportSettings,
