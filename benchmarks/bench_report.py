@@ -90,7 +90,7 @@ def _mig(gpus: int = 1000, workloads: int = 10_000) -> list[Figure]:
     return [
         Figure(f"MIG layouts for {gpus} GPUs, {workloads} workloads ({label})", elapsed, "s"),
         Figure("MIG demand served", 100 * served / wanted, "%"),
-        Figure("MIG GPUs used", sum(p.gpus_used for p in advice.pools), "GPUs"),
+        Figure("GPUs the plan uses", sum(p.gpus_used for p in advice.pools), "GPUs"),
     ]
 
 
