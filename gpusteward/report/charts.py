@@ -82,7 +82,7 @@ def bars(title: str, categories: Sequence[str], series: dict[str, Sequence[float
     plot_h = HEIGHT - TOP - BOTTOM
     group_w = plot_w / len(categories)
     bar_w = group_w * 0.8 / len(series)
-    for c, category in enumerate(categories):
+    for c, category in enumerate(str(name) for name in categories):
         x0 = LEFT + c * group_w + group_w * 0.1
         for s, (name, vs) in enumerate(series.items()):
             h = plot_h * vs[c] / y_max

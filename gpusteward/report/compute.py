@@ -113,6 +113,9 @@ def prepare(rows: pl.DataFrame | pl.LazyFrame, settings: ReportSettings,
         (pl.col("gpu_fraction").cast(pl.Float64) / 60
          * pl.col("util_mean").fill_null(0).cast(pl.Float64) / 100).alias("used_hours"),
         (pl.col("util_max").fill_null(0) < idle).alias("idle_minute"),
+        # Rollups from other producers may lack a team: fall back as the fold does.
+        pl.coalesce(pl.col("team").cast(pl.String), pl.col("namespace").cast(pl.String),
+                    pl.lit("unattributed")).alias("team"),
         (pl.col("ts") * 1000).cast(pl.Int64).cast(pl.Datetime("ms", "UTC")).dt.date()
         .alias("day"),
     ).drop("pod", "queue", "model").with_columns(
