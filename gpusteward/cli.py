@@ -11,6 +11,7 @@ import msgspec
 import typer
 
 from gpusteward.collectors.cli import collect_app
+from gpusteward.report import commands as report_commands
 from gpusteward.settings import Settings
 
 app = typer.Typer(help="Steward of a Kubernetes GPU fleet, as a stream of events.",
@@ -18,6 +19,8 @@ app = typer.Typer(help="Steward of a Kubernetes GPU fleet, as a stream of events
 schema_app = typer.Typer(help="The payload contract.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
 app.add_typer(collect_app, name="collect")
+app.command("report")(report_commands.report)
+app.command("replay")(report_commands.replay)
 
 Bootstrap = Annotated[
     str | None,

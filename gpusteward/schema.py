@@ -298,3 +298,47 @@ class DeadLetter(msgspec.Struct):
 def json_schema(struct: Any) -> dict[str, Any]:
     """The JSON Schema of one payload type (with its referenced definitions)."""
     return msgspec.json.schema(struct)
+
+
+class Rollup(msgspec.Struct, omit_defaults=True):
+    """One device over one minute of event time. Topic ``rollups``, key = node.
+
+    Flat on purpose: one rollup is one row of the Parquet store the weekly
+    report reads. ``util_*`` is the device's activity measure (GPU
+    utilisation, or graphics-engine activity on a MIG device).
+    """
+
+    ts: float
+    """Start of the minute, Unix seconds (a multiple of 60)."""
+    node: str
+    uuid: str
+    model: str
+    samples: int
+    kind: Literal["gpu", "mig"] = "gpu"
+    index: int = 0
+    parent_uuid: str | None = None
+    mig_profile: str | None = None
+    gpu_fraction: float = 1.0
+    """Share of a whole GPU the device is (compute slices / total for MIG): GPU-hours weight."""
+    util_min: float | None = None
+    util_mean: float | None = None
+    util_max: float | None = None
+    mem_used_mean: float | None = None
+    mem_used_max: int | None = None
+    mem_total_bytes: int | None = None
+    power_mean: float | None = None
+    power_max: float | None = None
+    temp_max: float | None = None
+    throttled_samples: int = 0
+    """Samples with a thermal or power-brake clock-event reason set."""
+    ecc_dbe_new: int = 0
+    """Double-bit ECC errors that appeared during the minute."""
+    xid_count: int = 0
+    namespace: str | None = None
+    pod: str | None = None
+    owner_kind: str | None = None
+    owner_name: str | None = None
+    team: str | None = None
+    workload_kind: str | None = None
+    queue: str | None = None
+    schema: int = SCHEMA_VERSION

@@ -94,7 +94,13 @@ DEADLETTER = TopicSpec(
     partitions=1, retention_ms=30 * DAY_MS,
 )
 
+ROLLUPS = TopicSpec(
+    "rollups.v1", "node name", schema.Rollup,
+    "Per device per minute: min/mean/max utilisation, memory, power, faults, attributed pod.",
+    node_keyed=True, retention_ms=3 * DAY_MS,
+)
+
 ALL: tuple[TopicSpec, ...] = (
     SAMPLES, HW_EVENTS, ALLOCATIONS, QUEUE, NODE_SUMMARIES,
-    FINDINGS, ACTIONS, ACTION_RESULTS, DEADLETTER,
+    FINDINGS, ACTIONS, ACTION_RESULTS, DEADLETTER, ROLLUPS,
 )

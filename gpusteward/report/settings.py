@@ -1,0 +1,102 @@
+"""Settings of the rollup sink, the weekly report and its recommendations.
+
+Read from the environment with the ``GPUSTEWARD_REPORT__`` prefix (the same
+spelling a nested ``report`` group of the root settings would have), e.g.
+``GPUSTEWARD_REPORT__ROLLUP_DIR=/data/rollups`` or
+``GPUSTEWARD_REPORT__GPU_MODELS='{"H100-80GB": {"hourly_usd": 3.2, ...}}'``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GpuModel(BaseModel):
+    """What a GPU model costs and can do, for cost figures and model advice."""
+
+    hourly_usd: float = Field(gt=0, description="Price of one GPU for one hour, USD.")
+    memory_gib: float = Field(gt=0, description="Memory of one GPU, GiB.")
+    relative_compute: float = Field(
+        gt=0, description="Dense throughput relative to an A100 (1.0); used to scale "
+        "utilisation when judging whether a workload fits another model.")
+
+
+def _default_models() -> dict[str, GpuModel]:
+    # On-demand list prices per GPU-hour of the big clouds in 2025-2026, rounded; set
+    # your own negotiated prices. Compute ratios are dense BF16 relative to an A100.
+    return {
+        "H200-141GB": GpuModel(hourly_usd=4.5, memory_gib=141, relative_compute=3.2),
+        "H100-80GB": GpuModel(hourly_usd=3.5, memory_gib=80, relative_compute=3.2),
+        "A100-80GB": GpuModel(hourly_usd=2.2, memory_gib=80, relative_compute=1.0),
+        "A100-SXM4-40GB": GpuModel(hourly_usd=1.6, memory_gib=40, relative_compute=1.0),
+        "L40S-48GB": GpuModel(hourly_usd=1.2, memory_gib=48, relative_compute=1.2),
+        "A30-24GB": GpuModel(hourly_usd=0.9, memory_gib=24, relative_compute=0.53),
+        "L4-24GB": GpuModel(hourly_usd=0.7, memory_gib=24, relative_compute=0.39),
+        "T4-16GB": GpuModel(hourly_usd=0.35, memory_gib=16, relative_compute=0.21),
+    }
+
+
+class ReportSettings(BaseSettings):
+    """Rollup storage, GPU prices and right-sizing policy."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="GPUSTEWARD_REPORT__", env_nested_delimiter="__", extra="ignore"
+    )
+
+    rollup_dir: Path = Field(
+        Path("rollups"),
+        description="Folder of the Parquet rollup store (one sub-folder per day).")
+    queue_dir: Path = Field(
+        Path("queue-events"),
+        description="Folder of the queue-event store (same layout) for the wait-time section.")
+    retention_days: int = Field(
+        35, ge=1, description="Days of rollups kept; 35 covers a month-on-month comparison "
+        "of full weeks.")
+    flush_rows: int = Field(
+        50_000, ge=1, description="The sink writes a file once it holds this many rows "
+        "(50 minutes of 1,000 GPUs: files of a few MB).")
+    flush_interval_s: float = Field(
+        300.0, gt=0, description="... or once this many seconds passed since the last write, "
+        "so a small fleet's data is not held back long.")
+    lateness_s: float = Field(
+        60.0, ge=0, description="Seconds of event time a minute stays open after it ends for "
+        "late samples, before its rollup is emitted.")
+    gpu_models: dict[str, GpuModel] = Field(
+        default_factory=_default_models,
+        description="Price and capacity per GPU model, keyed like mig_profiles.yaml.")
+    default_hourly_usd: float = Field(
+        2.0, gt=0, description="Price used for a model missing from gpu_models.")
+    team_labels: list[str] = Field(
+        default_factory=lambda: ["team", "gpusteward.io/team", "app.kubernetes.io/part-of"],
+        description="Pod labels naming the owning team, first match wins; else the namespace.")
+    idle_threshold_pct: float = Field(
+        5.0, ge=0, le=100, description="A device-minute whose peak activity stays below this "
+        "(percent) is idle; the same threshold as the idle-holder rule.")
+    percentile: float = Field(
+        95.0, gt=0, le=100, description="Percentile of per-minute demand a recommendation "
+        "covers (krr uses p95 for CPU).")
+    memory_percentile: float = Field(
+        100.0, gt=0, le=100, description="Percentile of per-minute peak memory covered: "
+        "100 = the week's peak, because running out of GPU memory kills the job.")
+    headroom_pct: float = Field(
+        15.0, ge=0, description="Added on top of the percentile, percent (krr's memory buffer).")
+    min_points: int = Field(
+        60, ge=1, description="Minutes of data a workload needs before it gets a "
+        "recommendation: fewer is not evidence.")
+    target_util_pct: float = Field(
+        80.0, gt=0, le=100, description="Busiest acceptable utilisation on a cheaper model, "
+        "after scaling by relative compute.")
+    queue_slo_s: dict[str, float] = Field(
+        default_factory=dict, description="Wait-time SLO per cluster queue, seconds.")
+    default_queue_slo_s: float = Field(
+        3600.0, gt=0, description="SLO for a queue missing from queue_slo_s (1 h).")
+    fragmentation_shape_gpus: int = Field(
+        4, ge=1, description="Request size (whole GPUs on one node) the fragmentation chart "
+        "measures: the share of free GPUs that cannot host such a request.")
+
+    def hourly_usd(self, model: str) -> float:
+        found = self.gpu_models.get(model)
+        return found.hourly_usd if found else self.default_hourly_usd

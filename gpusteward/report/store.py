@@ -1,0 +1,157 @@
+"""The Parquet rollup store: one folder per UTC day, files written atomically.
+
+Layout: ``DIR/day=2026-11-16/part-<first minute>-<random>.parquet``. A file
+is written under a dot-prefixed temporary name in its day folder and then
+renamed with :func:`os.replace`, which is atomic on one filesystem, so a
+reader sees a whole file or none; readers ignore dot files. Retention
+removes whole day folders. Delivery into the store is at-least-once (the
+sink commits offsets after a write), so readers drop repeated
+(device, minute) rows: :func:`scan` keeps one (redelivered rollups are equal).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterable
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import polars as pl
+
+from gpusteward.schema import QueueEvent, Rollup
+
+log = logging.getLogger(__name__)
+
+SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
+    "ts": pl.Float64, "node": pl.String, "uuid": pl.String, "model": pl.String,
+    "samples": pl.Int32, "kind": pl.String, "index": pl.Int16,
+    "parent_uuid": pl.String, "mig_profile": pl.String, "gpu_fraction": pl.Float32,
+    "util_min": pl.Float32, "util_mean": pl.Float32, "util_max": pl.Float32,
+    "mem_used_mean": pl.Float64, "mem_used_max": pl.Int64, "mem_total_bytes": pl.Int64,
+    "power_mean": pl.Float32, "power_max": pl.Float32, "temp_max": pl.Float32,
+    "throttled_samples": pl.Int32, "ecc_dbe_new": pl.Int32, "xid_count": pl.Int32,
+    "namespace": pl.String, "pod": pl.String, "owner_kind": pl.String,
+    "owner_name": pl.String, "team": pl.String, "workload_kind": pl.String,
+    "queue": pl.String,
+}
+"""Column types of the store; the Rollup fields less ``schema``."""
+
+QUEUE_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
+    "ts": pl.Float64, "name": pl.String, "namespace": pl.String, "cluster_queue": pl.String,
+    "state": pl.String, "queue": pl.String, "created_at": pl.Float64,
+    "admitted_at": pl.Float64, "gpus": pl.Int32, "priority": pl.Int32,
+}
+"""Column types of the queue-event store (same layout, its own folder); QueueEvent less
+``schema`` and ``mig``."""
+
+
+def frame(rollups: Iterable[Rollup]) -> pl.DataFrame:
+    """Rollups as a DataFrame with the store's schema."""
+    return _frame(rollups, SCHEMA)
+
+
+def queue_frame(events: Iterable[QueueEvent]) -> pl.DataFrame:
+    """Queue events as a DataFrame with the queue store's schema."""
+    return _frame(events, QUEUE_SCHEMA)
+
+
+def _frame(items: Iterable[msgspec.Struct], schema: dict[str, Any]) -> pl.DataFrame:
+    rows = [{k: v for k, v in msgspec.structs.asdict(item).items() if k in schema}
+            for item in items]
+    return pl.DataFrame(rows, schema=schema)
+
+
+def _day(ts: float) -> date:
+    return datetime.fromtimestamp(ts, UTC).date()
+
+
+def write(directory: Path, rows: pl.DataFrame, schema: dict[str, Any] | None = None
+          ) -> list[Path]:
+    """Write ``rows`` into their day folders, one new file per day; return the files."""
+    if rows.is_empty():
+        return []
+    rows = rows.select([pl.col(c).cast(t) for c, t in (schema or SCHEMA).items()])
+    days = rows.with_columns(
+        (pl.col("ts") * 1000).cast(pl.Int64).cast(pl.Datetime("ms", "UTC")).dt.date()
+        .alias("_day"))
+    written: list[Path] = []
+    for (day,), part in days.partition_by("_day", as_dict=True, maintain_order=True).items():
+        folder = directory / f"day={day.isoformat()}"
+        folder.mkdir(parents=True, exist_ok=True)
+        first = int(part["ts"].min())  # type: ignore[arg-type]
+        name = f"part-{first}-{uuid.uuid4().hex[:12]}.parquet"
+        temporary = folder / f".{name}.tmp"
+        try:
+            part.drop("_day").write_parquet(temporary, compression="zstd", statistics=True)
+            os.replace(temporary, folder / name)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        written.append(folder / name)
+    return written
+
+
+def apply_retention(directory: Path, keep_days: int, now: float) -> list[Path]:
+    """Remove day folders older than ``keep_days`` before the day of ``now``."""
+    oldest = _day(now) - timedelta(days=keep_days - 1)
+    removed: list[Path] = []
+    for folder in sorted(directory.glob("day=*")):
+        try:
+            day = date.fromisoformat(folder.name.removeprefix("day="))
+        except ValueError:
+            log.warning("not a day folder, left alone: %s", folder)
+            continue
+        if day < oldest:
+            shutil.rmtree(folder)
+            removed.append(folder)
+    return removed
+
+
+def files(directory: Path, start: float, end: float) -> list[Path]:
+    """The Parquet files of the days that overlap [start, end)."""
+    first, last = _day(start), _day(end - 1e-6)
+    found: list[Path] = []
+    for folder in sorted(directory.glob("day=*")):
+        try:
+            day = date.fromisoformat(folder.name.removeprefix("day="))
+        except ValueError:
+            continue
+        if first <= day <= last:
+            found.extend(sorted(p for p in folder.glob("*.parquet")
+                                if not p.name.startswith(".")))
+    return found
+
+
+def scan(directory: Path, start: float, end: float, columns: list[str] | None = None,
+         categorical: bool = False) -> pl.LazyFrame:
+    """Rollups with ``start <= ts < end``, one row per (device, minute).
+
+    Name the ``columns`` you need: the de-duplication has to read every column
+    it keeps, so a narrow scan is several times faster. ``categorical`` reads the
+    text columns as categoricals: at 10 M rows that halves the memory.
+    """
+    wanted = list(SCHEMA) if columns is None else list(dict.fromkeys(["ts", "uuid", *columns]))
+    types = {c: pl.Categorical if categorical and SCHEMA[c] == pl.String else SCHEMA[c]
+             for c in wanted}
+    paths = files(directory, start, end)
+    if not paths:
+        return pl.LazyFrame(schema=types)
+    return (pl.scan_parquet(paths, schema=SCHEMA).select(wanted).cast(types)  # type: ignore[arg-type]
+            .filter((pl.col("ts") >= start) & (pl.col("ts") < end))
+            # Several times faster than unique(subset=...) on polars 2.1, same rows kept.
+            .filter(pl.struct("uuid", "ts").is_first_distinct()))
+
+
+def scan_queue(directory: Path, start: float, end: float) -> pl.DataFrame:
+    """Queue events with ``start <= ts < end``, each (workload, state, ts) once."""
+    paths = files(directory, start, end)
+    if not paths:
+        return pl.DataFrame(schema=QUEUE_SCHEMA)
+    return (pl.scan_parquet(paths, schema=QUEUE_SCHEMA)
+            .filter((pl.col("ts") >= start) & (pl.col("ts") < end))
+            .unique(subset=["namespace", "name", "state", "ts"], keep="any").collect())
