@@ -55,5 +55,5 @@ def test_sink_writes_what_it_reads_and_dead_letters_the_rest(settings: Settings,
     assert frame["util_mean"].to_list() == [float(i) for i in range(10)]
     assert frame.schema["util_mean"] == pl.Float32
     assert len(dead) == 1
-    letter = msgspec.json.decode(dead[0][1] or b"", type=DeadLetter)
+    letter = msgspec.json.decode(dead[0].value or b"", type=DeadLetter)
     assert letter.value == b"{not json" and letter.source_topic.endswith("rollups.v1")
