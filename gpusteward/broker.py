@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from gpusteward.children import die_with_parent
 from gpusteward.kafka import wait_for_broker
 from gpusteward.settings import KafkaSettings, Settings
 
@@ -64,7 +65,7 @@ class EmbeddedBroker:
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             # Its own process group, so a Ctrl-C meant for the parent reaches it only
             # through stop(), after the clients that use it have shut down.
-            start_new_session=True,
+            start_new_session=True, preexec_fn=die_with_parent,
         )
         settings = Settings(kafka=KafkaSettings(bootstrap_servers=self.bootstrap))
         try:

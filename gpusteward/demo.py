@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -86,8 +87,8 @@ def render(cluster: SimulatedCluster, state: DemoState) -> Group:
     for column in ("verb", "target", "outcome"):
         actions.add_column(column)
     for action, result in state.results[-6:]:
-        target = action.target.node or (f"{action.target.pod.namespace}/{action.target.pod.name}"
-                                        if action.target.pod else "")
+        pod = action.target.pod
+        target = f"{pod.namespace}/{pod.name}" if pod else (action.target.node or "")
         actions.add_row(action.verb, target, result.outcome)
     return Group(header, fleet, findings, actions)
 
@@ -180,11 +181,15 @@ def run_demo(scenario_name: str = "eight-a100", duration_s: float = 60.0,
     log_dir = Path(tempfile.mkdtemp(prefix="gpusteward-demo-"))
     console.print(f"starting the embedded broker, the worker and the simulator "
                   f"(logs in {log_dir})")
-    with EmbeddedBroker(log_path=log_dir / "broker.log") as broker:
-        settings = broker.settings()
-        try:
+    # SIGTERM (a supervisor, `kill`) takes the same orderly way out as Ctrl-C.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        with EmbeddedBroker(log_path=log_dir / "broker.log") as broker:
+            settings = broker.settings()
             truth, state = asyncio.run(_run(settings, cluster, console, live_view, log_dir))
-        except KeyboardInterrupt:
-            console.print("[yellow]interrupted: everything stopped[/]")
-            return 130
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: everything stopped[/]")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0 if summarize(console, truth, state) else 1

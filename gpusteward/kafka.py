@@ -55,22 +55,36 @@ async def ensure_topics(
 async def wait_for_broker(settings: Settings, timeout_s: float = 30.0) -> None:
     """Return once the broker answers a metadata request; raise TimeoutError otherwise."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    last_error: Exception | None = None
+    # Refused connections are expected while a broker starts: keep them out of the log.
+    client_log = logging.getLogger("aiokafka")
+    previous_level = client_log.level
+    client_log.setLevel(logging.CRITICAL)
+    try:
+        error = await _poll_metadata(settings, deadline)
+    finally:
+        client_log.setLevel(previous_level)
+    if error is not None:
+        raise TimeoutError(
+            f"Kafka at {settings.kafka.bootstrap_servers} did not answer within {timeout_s}s: "
+            f"{error}"
+        )
+
+
+async def _poll_metadata(settings: Settings, deadline: float) -> Exception | None:
+    """None once the broker answers; the last error if the deadline passes first."""
+    last_error: Exception = TimeoutError("no answer")
     while asyncio.get_running_loop().time() < deadline:
         admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config(), request_timeout_ms=2000)
         try:
             await admin.start()
             await admin.list_topics()
-            return
+            return None
         except (KafkaConnectionError, KafkaError, OSError) as error:
             last_error = error
             await asyncio.sleep(0.1)
         finally:
             await admin.close()
-    raise TimeoutError(
-        f"Kafka at {settings.kafka.bootstrap_servers} did not answer within {timeout_s}s: "
-        f"{last_error}"
-    )
+    return last_error
 
 
 def producer(settings: Settings, **overrides: object) -> AIOKafkaProducer:

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from types import TracebackType
 
+from gpusteward.children import die_with_parent
 from gpusteward.settings import Settings
 
 
@@ -48,7 +49,7 @@ class WorkerProcess:
                 [sys.executable, "-P", "-m", "gpusteward.cli", "worker", "--datadir", datadir,
                  "--loglevel", self.loglevel],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=die_with_parent,
             )
 
     @property
