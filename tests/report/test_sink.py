@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import polars as pl
 import pytest
+from aiokafka import ConsumerRecord
 
 from gpusteward import kafka, topics
 from gpusteward.consumers.rollups import RollupSink
@@ -26,7 +27,7 @@ def test_sink_writes_what_it_reads_and_dead_letters_the_rest(settings: Settings,
     rollups = [Rollup(ts=T0 + 60 * i, node=f"n{i % 3}", uuid=f"GPU-{i % 3}", model="m",
                       samples=4, util_mean=float(i)) for i in range(10)]
 
-    async def main() -> tuple[RollupSink, list[tuple[bytes | None, bytes | None]]]:
+    async def main() -> tuple[RollupSink, list[ConsumerRecord]]:
         await kafka.ensure_topics(settings)
         producer = kafka.producer(settings)
         await producer.start()
