@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from gpusteward.children import die_with_parent
+from gpusteward.children import die_with_parent, stop_child
 from gpusteward.kafka import wait_for_broker
 from gpusteward.settings import KafkaSettings, Settings
 
@@ -78,14 +78,7 @@ class EmbeddedBroker:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_child(process, timeout_s)
 
     def freeze(self) -> None:
         """Stop the broker process (SIGSTOP) without killing it: a broker that hangs."""

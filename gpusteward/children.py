@@ -10,7 +10,9 @@ is left running.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
+import subprocess
 import sys
 
 _PR_SET_PDEATHSIG = 1
@@ -20,3 +22,15 @@ def die_with_parent() -> None:
     """``preexec_fn`` for Popen: SIGTERM this child when its parent exits (Linux only)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def stop_child(process: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
+    """SIGTERM a child started in its own session; SIGKILL its group if it lingers."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

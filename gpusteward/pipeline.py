@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from types import TracebackType
 
-from gpusteward.children import die_with_parent
+from gpusteward.children import die_with_parent, stop_child
 from gpusteward.settings import Settings
 
 
@@ -64,14 +64,7 @@ class WorkerProcess:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_child(process, timeout_s)
 
     def __enter__(self) -> WorkerProcess:
         self.start()
