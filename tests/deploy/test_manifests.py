@@ -220,7 +220,7 @@ def test_remediation_is_dry_run_unless_the_component_is_added(render):
         assert args == ["act", "--dry-run"], variant
     args = pod_spec(
         render("production+dcgm+execute").component("remediation"))["containers"][0]["args"]
-    assert args == ["act", "--execute"]
+    assert args == ["act", "--execute", "--backend", "kubernetes"]
 
 
 def test_worker_is_a_statefulset_with_a_data_volume(render):
