@@ -11,6 +11,7 @@ import msgspec
 import typer
 
 from gpusteward.collectors.cli import collect_app
+from gpusteward.rulescli import rules_app
 from gpusteward.settings import Settings
 
 app = typer.Typer(help="Steward of a Kubernetes GPU fleet, as a stream of events.",
@@ -18,6 +19,7 @@ app = typer.Typer(help="Steward of a Kubernetes GPU fleet, as a stream of events
 schema_app = typer.Typer(help="The payload contract.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
 app.add_typer(collect_app, name="collect")
+app.add_typer(rules_app, name="rules")
 
 Bootstrap = Annotated[
     str | None,
