@@ -30,10 +30,11 @@ reading already holds them.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules import xid as xid_rule
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
@@ -165,16 +166,22 @@ class ThermalSettings(BaseModel):
     )
     default_slowdown_c: float = Field(
         90.0, description="Slowdown temperature for a model not listed in slowdown_c.")
-    _by_model: dict[str, float] = PrivateAttr(default_factory=dict)
+
+    @functools.cached_property
+    def threshold_by_model(self) -> dict[str, float]:
+        """Model name -> slowdown temperature, filled as models are seen (a plain instance
+        attribute: pydantic's private attributes are slow on this per-sample path)."""
+        return {}
 
     def threshold_for(self, model: str) -> float:
         """The slowdown temperature of ``model`` (cached per model name)."""
-        cached = self._by_model.get(model)
+        table = self.threshold_by_model
+        cached = table.get(model)
         if cached is None:
             matches = [k for k in self.slowdown_c if k in model]
             cached = self.slowdown_c[max(matches, key=len)] if matches \
                 else self.default_slowdown_c
-            self._by_model[model] = cached
+            table[model] = cached
         return cached
 
 

@@ -121,7 +121,7 @@ class XidClassPolicy(BaseModel):
                             "also the quiet time after the last XID that closes the episode.")
 
 
-def _default_classes() -> dict[str, XidClassPolicy]:
+def _default_classes() -> dict[ActionClass, XidClassPolicy]:
     return {
         "none": XidClassPolicy(enabled=False),
         "follow_other_xid": XidClassPolicy(enabled=False),
