@@ -86,9 +86,10 @@ def list_rules() -> None:
     console = Console()
     for name, model in sorted(REGISTRY.items()):
         console.print(f"[bold]{name}[/]: {(model.__doc__ or '').strip().splitlines()[0]}")
+        defaults = model().model_dump(mode="json")
         for field, info in model.model_fields.items():
-            console.print(f"  {field} = {_short(info.get_default(call_default_factory=True))}"
-                          f": {info.description or ''}", highlight=False)
+            console.print(f"  {field} = {_short(defaults[field])}: {info.description or ''}",
+                          highlight=False)
 
 
 @rules_app.command()

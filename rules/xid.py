@@ -178,10 +178,28 @@ class XidEpisode(msgspec.Struct):
 class XidTrack(msgspec.Struct, omit_defaults=True):
     """Per-GPU state: recent XIDs (ts, xid, class, fatal) and open episodes by class."""
 
-    recent: list[tuple[float, int, str, bool]] = []
+    recent: list[tuple[float, int, str, bool]] = []  # Occurrence
     open: dict[str, XidEpisode] = {}
     closed_until: dict[str, float] = {}
     """Per class, the end of the last closed episode: older late events cannot reopen it."""
+
+
+Occurrence = tuple[float, int, str, bool]
+
+
+def _densest(occurrences: list[Occurrence], ts: float, window_s: float) -> list[Occurrence]:
+    """The fullest window of ``window_s`` that holds the event at ``ts``.
+
+    Events can arrive out of order, so the window that crosses a threshold may end after
+    ``ts``: try every window (end - window_s, end] with an end from ts to ts + window_s.
+    """
+    ends = sorted({r[0] for r in occurrences if ts <= r[0] < ts + window_s})
+    best: list[Occurrence] = []
+    for end in ends:
+        inside = [r for r in occurrences if end - window_s < r[0] <= end]
+        if len(inside) > len(best):
+            best = inside
+    return sorted(best)
 
 
 def _verb_for(cls: str) -> tuple[Literal["cordon", "taint", "drain"] | None, dict[str, str]]:
@@ -213,21 +231,19 @@ def observe_event(track: XidTrack, *, node: str, uuid: str, xid: int, ts: float,
         episode.last_ts = max(episode.last_ts, ts)
     elif (policy is not None and policy.enabled
           and ts > track.closed_until.get(cls, float("-inf"))):
-        in_window = [r for r in track.recent
-                     if r[2] == cls and ts - policy.window_s < r[0] <= ts]
+        in_window = _densest([r for r in track.recent if r[2] == cls], ts, policy.window_s)
         if len(in_window) >= policy.min_count:
             out += _open(track, cls, node, uuid, subject, in_window, ts)
     if fatal and settings.rma_count and RMA_KIND not in track.open \
             and ts > track.closed_until.get(RMA_KIND, float("-inf")):
-        fatal_window = [r for r in track.recent
-                        if r[3] and ts - settings.rma_window_s < r[0] <= ts]
+        fatal_window = _densest([r for r in track.recent if r[3]], ts, settings.rma_window_s)
         if len(fatal_window) >= settings.rma_count:
             out += _open_rma(track, node, uuid, subject, fatal_window, ts, settings)
     return out
 
 
 def _open(track: XidTrack, cls: str, node: str, uuid: str, subject: Subject,
-          window: list[tuple[float, int, str, bool]], ts: float) -> list[Finding | Action]:
+          window: list[Occurrence], ts: float) -> list[Finding | Action]:
     start = min(r[0] for r in window)
     xids = sorted({r[1] for r in window})
     fp = fingerprint(KIND, node, uuid, cls)
@@ -238,7 +254,8 @@ def _open(track: XidTrack, cls: str, node: str, uuid: str, subject: Subject,
         id=fid, fingerprint=fp, kind=KIND, severity=severity, state="firing", subject=subject,
         summary=f"Xid {names} ({cls}) on {uuid} ({node}): {len(window)} in the window",
         starts_at=start, ts=ts,
-        evidence=Evidence(window_start=start, window_end=ts, samples=len(window),
+        evidence=Evidence(window_start=start, window_end=max(ts, window[-1][0]),
+                          samples=len(window),
                           values={"count": float(len(window)), "last_xid": float(window[-1][1])}),
         runbook=RUNBOOKS.get(cls, ""),
         labels={"action_class": cls, "xids": names},
@@ -254,7 +271,7 @@ def _open(track: XidTrack, cls: str, node: str, uuid: str, subject: Subject,
 
 
 def _open_rma(track: XidTrack, node: str, uuid: str, subject: Subject,
-              window: list[tuple[float, int, str, bool]], ts: float,
+              window: list[Occurrence], ts: float,
               settings: XidSettings) -> list[Finding | Action]:
     start = min(r[0] for r in window)
     fp = fingerprint(RMA_KIND, node, uuid)
@@ -266,8 +283,8 @@ def _open_rma(track: XidTrack, node: str, uuid: str, subject: Subject,
         summary=f"{len(window)} fatal XIDs ({names}) on {uuid} ({node}) within "
         f"{settings.rma_window_s / 3600:g} h: RMA candidate",
         starts_at=start, ts=ts,
-        evidence=Evidence(window_start=start, window_end=ts, samples=len(window),
-                          values={"fatal_xids": float(len(window))}),
+        evidence=Evidence(window_start=start, window_end=max(ts, window[-1][0]),
+                          samples=len(window), values={"fatal_xids": float(len(window))}),
         runbook=RMA_RUNBOOK, labels={"action_class": "drain_and_rma", "xids": names},
     )
     track.open[RMA_KIND] = XidEpisode(fid, fp, start, ts)
