@@ -296,7 +296,8 @@ def _climb(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts
         id=track.open_id, fingerprint=track.open_fingerprint, kind=KIND,
         severity=severity,  # type: ignore[arg-type]
         state="firing", subject=subject, summary=summary, starts_at=track.open_since, ts=ts,
-        evidence=Evidence(window_start=track.open_since, window_end=ts,
+        # The evidence is the unbroken idle run, which a gap may have restarted since.
+        evidence=Evidence(window_start=max(track.open_since, track.below_since), window_end=ts,
                           samples=track.below_samples,
                           values={"max_activity_pct": track.below_max_pct,
                                   "threshold_pct": eff.threshold_pct,

@@ -175,55 +175,97 @@ def test_per_model_threshold_longest_match_wins() -> None:
 
 # --- properties ---------------------------------------------------------------------------
 
-ticks = st.lists(st.tuples(st.integers(0, 120), st.booleans()), min_size=1, max_size=200)
+# Runs of samples, hot or not, arriving in order, twice each, with a late one every few,
+# or after a gap longer than max_gap_s.
+SEGMENTS = st.lists(st.tuples(st.integers(1, 40), st.booleans(),
+                              st.sampled_from(["forward", "dup", "late", "gap"])),
+                    min_size=1, max_size=10)
+reached: set[str] = set()
+
+
+def _ticks(segments: list[tuple[int, bool, str]]) -> list[tuple[int, bool]]:
+    tick, out = 0, []
+    for count, hot, pattern in segments:
+        for i in range(count):
+            tick += 6 if pattern == "gap" and i == 0 else 1
+            out.append((tick, hot))
+            if pattern == "dup":
+                out.append((tick, hot))
+            elif pattern == "late" and i % 3 == 2:
+                out.append((tick - 2, not hot))
+    return out
 
 
 @settings(max_examples=150, deadline=None)
-@given(ticks)
-def test_thermal_never_fires_unless_hot_for_the_whole_window(raw: list[tuple[int, bool]]) -> None:
+@given(SEGMENTS)
+def test_thermal_never_fires_unless_hot_for_the_whole_window(
+        segments: list[tuple[int, bool, str]]) -> None:
     """Every firing window holds only hot accepted samples, no long gap, and spans window_s;
-    with duplicates and out-of-order samples mixed in."""
+    every resolution follows clear_s without a hot sample; with duplicates and out-of-order
+    samples mixed in."""
     s = SETTINGS.thermal
     track = hardware.HwTrack()
     accepted: list[tuple[float, bool]] = []
     last: float | None = None
-    for tick, hot in raw:
+    for tick, hot in _ticks(segments):
         ts = T0 + tick * 30.0
         if last is None or ts > last:
             accepted.append((ts, hot))
             last = ts
         for out in feed(track, [(ts, dev(temp_c=95.0 if hot else 60.0))]):
-            if isinstance(out, Finding) and out.state == "firing":
+            assert isinstance(out, Finding)
+            reached.add(out.state)
+            if out.state == "firing":
                 start, end = out.starts_at, out.ts
                 assert end - start >= s.window_s
                 inside = [(t, h) for t, h in accepted if start <= t <= end]
                 assert all(h for _, h in inside)
                 times = [t for t, _ in inside]
                 assert all(b - a <= s.max_gap_s for a, b in itertools.pairwise(times))
+            else:
+                cool = [t for t, h in accepted if ts - s.clear_s <= t <= ts]
+                assert all(not h for t, h in accepted if t in cool)
+
+
+def test_the_thermal_property_saw_episodes_open_and_close() -> None:
+    test_thermal_never_fires_unless_hot_for_the_whole_window()
+    assert reached == {"firing", "resolved"}
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 60)), min_size=1, max_size=150))
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 60)), min_size=1, max_size=150),
+       st.lists(st.integers(-3, 3), max_size=150))
 def test_counter_fires_only_when_the_window_holds_the_threshold(
-        raw: list[tuple[int, int]]) -> None:
+        raw: list[tuple[int, int]], jitter: list[int]) -> None:
     """A burst finding at ts means the accepted increments in (ts - window, ts] reach the
-    threshold; at most one episode is open at a time, and resolution follows a quiet window."""
+    threshold; at most one episode is open at a time, and it resolves only after a quiet
+    window. Delivery is jittered: late and duplicate samples (carrying the counter value of
+    their own time) are mixed in."""
     s = SETTINGS.sbe
+    # The GPU's true cumulative counter by tick, from the increments at each tick.
+    by_tick: dict[int, int] = {}
+    for tick, inc in raw:
+        by_tick[tick] = by_tick.get(tick, 0) + inc
+    counter, value_at = 0, {}
+    for tick in sorted(by_tick):
+        counter += by_tick[tick]
+        value_at[tick] = counter
+    ticks_ = sorted(value_at)
+    delivered = [ticks_[max(0, min(len(ticks_) - 1, i + (jitter[i] if i < len(jitter) else 0)))]
+                 for i in range(len(ticks_))]
     track = hardware.HwTrack()
-    counter, last, last_counter = 0, None, 0
+    last: int | None = None
     increments: list[tuple[float, int]] = []
     open_id: str | None = None
-    for tick, inc in sorted(raw, key=lambda r: r[0]):
-        counter += inc
+    for tick in delivered:
         ts = T0 + tick * 60.0
-        if last is None or ts > last:
-            # The rule reads a cumulative counter: an accepted sample adds what it grew since
-            # the last accepted one (a same-time duplicate's growth lands on the next).
-            if last is not None and counter > last_counter:
-                increments.append((ts, counter - last_counter))
-            last, last_counter = ts, counter
-        out = feed(track, [(ts, dev(ecc_sbe_volatile=counter))])
+        if last is None or tick > last:
+            if last is not None and value_at[tick] > value_at[last]:
+                increments.append((ts, value_at[tick] - value_at[last]))
+            last = tick
+        out = feed(track, [(ts, dev(ecc_sbe_volatile=value_at[tick]))])
         for finding in (o for o in out if isinstance(o, Finding)):
+            reached.add("counter-" + finding.state)
             if finding.state == "firing":
                 assert open_id is None
                 open_id = finding.id
@@ -244,3 +286,8 @@ def test_duplicated_and_shuffled_samples_of_one_burst_give_one_finding(
     rnd.shuffle(noisy)
     noisy.sort(key=lambda r: r[0])  # arrival mostly in order, duplicates interleaved
     assert len(firing(feed(hardware.HwTrack(), noisy))) == 1
+
+
+def test_the_counter_property_saw_bursts_open_and_close() -> None:
+    test_counter_fires_only_when_the_window_holds_the_threshold()
+    assert {"counter-firing", "counter-resolved"} <= reached

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from gpusteward.rules import idle
 from gpusteward.schema import Action, DeviceSample, Finding, PodRef
 
@@ -85,3 +90,77 @@ def test_busy_again_after_the_warning_resolves_the_episode() -> None:
     states = [(f.state, f.severity) for f in out if isinstance(f, Finding)]
     assert states == [("firing", "info"), ("firing", "warning"), ("resolved", "info")]
     assert track.stage == 0
+
+
+FAST = idle.IdleSettings(warn_after_s=600, reclaim_after_s=600)
+reached: set[float] = set()
+
+
+# Runs of samples, each with one activity level and one way of arriving: in order, each
+# twice (duplicates), with a late sample every few (out of order), or after a long gap.
+SEGMENTS = st.lists(st.tuples(st.integers(1, 150), st.sampled_from([0.0, 0.0, 0.0, 3.0, 60.0]),
+                              st.sampled_from(["forward", "dup", "late", "gap"])),
+                    min_size=1, max_size=12)
+
+
+def _moves(segments: list[tuple[int, float, str]]) -> list[tuple[int, float]]:
+    moves: list[tuple[int, float]] = []
+    for count, util, pattern in segments:
+        for i in range(count):
+            if pattern == "gap" and i == 0:
+                moves.append((12, util))
+            elif pattern == "late" and i % 4 == 3:
+                moves += [(1, util), (-2, 60.0), (2, util)]
+            else:
+                moves.append((1, util))
+                if pattern == "dup":
+                    moves.append((0, util))
+    return moves
+
+
+@settings(max_examples=150, deadline=None)
+@given(SEGMENTS)
+def test_every_ladder_step_rests_on_an_unbroken_idle_run(
+        segments: list[tuple[int, float, str]]) -> None:
+    """Each firing finding (first notice and each later step) has an evidence window of only
+    idle samples with no long gap, at least as long as that step's wait; out-of-order and
+    duplicate samples mixed in. Steps come in order, at most one of each per episode."""
+    moves = _moves(segments)
+    holder = idle.Holder(POD, START, "notebook")
+    track = idle.IdleTrack()
+    accepted: list[tuple[float, float]] = []
+    last: float | None = None
+    steps: list[float] = []
+    tick = 0
+    for move, util in moves:
+        tick = max(0, tick + move)
+        ts = START + tick * 30.0
+        if last is None or ts > last:
+            accepted.append((ts, util))
+            last = ts
+        sample = DeviceSample(uuid="GPU-1", index=0, model="A100", util_pct=util)
+        for out in idle.observe(track, node="n1", sample=sample, holder=holder, ts=ts,
+                                settings=FAST):
+            if not isinstance(out, Finding):
+                continue
+            if out.state == "resolved":
+                steps = []
+                continue
+            assert out.evidence is not None
+            step = out.evidence.values["ladder_step"]
+            steps.append(step)
+            reached.add(step)
+            assert steps == [1.0, 2.0, 3.0][:len(steps)]
+            start, end = out.evidence.window_start, out.ts
+            wait = FAST.window_s if step == 1 else FAST.warn_after_s
+            assert end - start >= wait
+            inside = [(t, u) for t, u in accepted if start <= t <= end]
+            assert all(u < FAST.threshold_pct for _, u in inside)
+            times = [t for t, _ in inside]
+            assert all(b - a <= FAST.max_gap_s for a, b in itertools.pairwise(times))
+
+
+def test_the_ladder_property_reached_every_step() -> None:
+    """The property above is only worth something if its examples climb the whole ladder."""
+    test_every_ladder_step_rests_on_an_unbroken_idle_run()
+    assert reached == {1.0, 2.0, 3.0}
