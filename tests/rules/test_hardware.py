@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gpusteward.rules import hardware
@@ -198,6 +198,7 @@ def _ticks(segments: list[tuple[int, bool, str]]) -> list[tuple[int, bool]]:
 
 @settings(max_examples=150, deadline=None)
 @given(SEGMENTS)
+@example([(15, True, "dup"), (3, True, "late"), (10, False, "forward")])
 def test_thermal_never_fires_unless_hot_for_the_whole_window(
         segments: list[tuple[int, bool, str]]) -> None:
     """Every firing window holds only hot accepted samples, no long gap, and spans window_s;
@@ -235,6 +236,8 @@ def test_the_thermal_property_saw_episodes_open_and_close() -> None:
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 60)), min_size=1, max_size=150),
        st.lists(st.integers(-3, 3), max_size=150))
+# A burst, a late and a duplicate sample inside it, then a quiet hour: open and close.
+@example([(i, 50) for i in range(5)] + [(30, 0), (61, 0), (70, 0)], [0, 0, 1, -1, 0, 0, 0, 0])
 def test_counter_fires_only_when_the_window_holds_the_threshold(
         raw: list[tuple[int, int]], jitter: list[int]) -> None:
     """A burst finding at ts means the accepted increments in (ts - window, ts] reach the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gpusteward.rules import idle
@@ -120,6 +120,7 @@ def _moves(segments: list[tuple[int, float, str]]) -> list[tuple[int, float]]:
 
 @settings(max_examples=150, deadline=None)
 @given(SEGMENTS)
+@example([(100, 0.0, "late"), (60, 0.0, "dup")])
 def test_every_ladder_step_rests_on_an_unbroken_idle_run(
         segments: list[tuple[int, float, str]]) -> None:
     """Each firing finding (first notice and each later step) has an evidence window of only
