@@ -23,6 +23,7 @@ REGISTRY: dict[str, type[BaseModel]] = {
     hardware.REMAP_PENDING_KIND: hardware.RemapPendingSettings,
     hardware.GPU_LOST_KIND: hardware.GpuLostSettings,
     hardware.THERMAL_KIND: hardware.ThermalSettings,
+    hardware.RECOVERY_KIND: hardware.RecoveryActionSettings,
     xid.KIND: xid.XidSettings,
 }
 

@@ -16,6 +16,10 @@ same id). Repeated samples inside an episode emit nothing.
   reads false.
 - **GPU lost** (``gpu_lost``, from the urgent event): drain the node (a GPU
   off the bus needs a host restart); closes when the GPU reports again.
+- **GPU recovery action** (``gpu_recovery_action``): the driver's own
+  verdict (NVML field 230, the same news as Xid 154): GPU reset, drain and
+  reset or bus reset -> taint for a reset; node or system reboot -> drain.
+  Open while the field reads non-zero, closed when it reads 0 (none).
 - **Thermal slowdown** (``thermal_slowdown``): the GPU is at or above its
   model's slowdown temperature, or its clock-event reasons carry a thermal
   bit (SW 0x20, HW 0x40), at every sample for ``window_s``; closes after
@@ -47,6 +51,15 @@ REMAP_FAILURE_KIND = "remap_failure"
 REMAP_PENDING_KIND = "remap_pending"
 GPU_LOST_KIND = "gpu_lost"
 THERMAL_KIND = "thermal_slowdown"
+RECOVERY_KIND = "gpu_recovery_action"
+
+RECOVERY_ACTIONS: dict[int, tuple[str, ActionVerb | None]] = {
+    1: ("GPU reset required", "taint"), 2: ("node reboot required", "drain"),
+    3: ("drain peer-to-peer work", None), 4: ("drain and reset", "taint"),
+    5: ("recover the IMEX domain", None), 6: ("bus reset", "taint"),
+    7: ("system reboot", "drain"),
+}
+"""NVML ``NVML_GPU_RECOVERY_ACTION_*`` values -> (meaning, the node action they ask for)."""
 
 THERMAL_REASONS = 0x20 | 0x40
 """NVML clock-event reasons SwThermalSlowdown | HwThermalSlowdown."""
@@ -70,6 +83,10 @@ RUNBOOKS = {
     "(`nvidia-smi -r -i <index>`) when its pods are done, then remove the taint.",
     GPU_LOST_KIND: "The GPU fell off the bus (NVML cannot reach it; Xid 79). The node is drained. "
     "Reboot it; if the GPU is still missing, check power and seating and open an RMA.",
+    RECOVERY_KIND: "The driver says this GPU needs a recovery action (NVML GPU recovery action, "
+    "also logged as Xid 154). A reset: the node is tainted gpusteward.io/gpu-reset-required; "
+    "stop the GPU's pods and run `nvidia-smi -r -i <index>`. A reboot: the node is drained; "
+    "reboot it. The finding resolves when the driver reports no action needed.",
     THERMAL_KIND: "The GPU has been thermally throttled for the whole window: it runs at reduced "
     "clocks, so every job on it is slow. Check the node's fans, airflow and inlet temperature, "
     "and the GPU's `nvidia-smi -q -d TEMPERATURE,PERFORMANCE`.",
@@ -141,6 +158,15 @@ class GpuLostSettings(BaseModel):
                         "(NVIDIA: restart the host).")
 
 
+class RecoveryActionSettings(BaseModel):
+    """Settings of the GPU recovery-action rule (NVML field 230 / Xid 154)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    act: bool = Field(True, description="Ask for the node action the driver's recovery action "
+                      "implies (taint for a reset, drain for a reboot); false: finding only.")
+
+
 DEFAULT_SLOWDOWN_C = {"A100": 89.0, "H100": 89.0, "H200": 89.0, "A30": 89.0, "L4": 90.0,
                       "T4": 93.0, "A10": 91.0}
 
@@ -194,6 +220,7 @@ class HardwareSettings(BaseModel):
     remap_failure: RemapFailureSettings = Field(default_factory=RemapFailureSettings)
     remap_pending: RemapPendingSettings = Field(default_factory=RemapPendingSettings)
     gpu_lost: GpuLostSettings = Field(default_factory=GpuLostSettings)
+    recovery: RecoveryActionSettings = Field(default_factory=RecoveryActionSettings)
     thermal: ThermalSettings = Field(default_factory=ThermalSettings)
     xid: xid_rule.XidSettings = Field(default_factory=xid_rule.XidSettings)
 
@@ -230,13 +257,15 @@ class HwTrack(msgspec.Struct, omit_defaults=True):
     remap_failure: Episode | None = None
     remap_pending: Episode | None = None
     lost: Episode | None = None
+    recovery: Episode | None = None
+    recovery_value: int = 0
     thermal: ThermalTrack = msgspec.field(default_factory=ThermalTrack)
     xid: xid_rule.XidTrack = msgspec.field(default_factory=xid_rule.XidTrack)
 
     def unhealthy(self) -> bool:
         """True while an episode that takes the GPU out of service is open."""
         return (self.remap_failure is not None or self.lost is not None
-                or any(c != "restart_app" for c in self.xid.open))
+                or self.recovery is not None or any(c != "restart_app" for c in self.xid.open))
 
 
 Out = list[Finding | Action]
@@ -359,6 +388,31 @@ def _flag(episode: Episode | None, flag: bool, kind: str, node: str, uuid: str, 
     return episode
 
 
+def _recovery(track: HwTrack, value: int, node: str, uuid: str, ts: float,
+              settings: RecoveryActionSettings, out: Out) -> None:
+    track.recovery_value = value
+    if track.recovery is not None:
+        # The action changed (or cleared): close the episode; a new non-zero one reopens.
+        out.append(_close(track.recovery, RECOVERY_KIND, node, uuid, ts,
+                          "the driver reports no recovery action needed" if value == 0
+                          else f"recovery action changed to {value}"))
+        track.recovery = None
+    if value == 0:
+        return
+    meaning, verb = RECOVERY_ACTIONS.get(value, (f"recovery action {value}", None))
+    finding = _finding(RECOVERY_KIND, "critical" if verb else "warning", node, uuid, ts, ts,
+                       f"{uuid} ({node}): the driver asks for {meaning}", 1,
+                       {"recovery_action": float(value)})
+    # Keep episodes of different actions apart: the id carries the value.
+    finding.fingerprint = fingerprint(RECOVERY_KIND, node, uuid, str(value))
+    finding.id = finding_id(finding.fingerprint, ts)
+    out.append(finding)
+    track.recovery = Episode(finding.id, finding.fingerprint, ts)
+    if settings.act and verb is not None:
+        params = dict(xid_rule.RESET_TAINT) if verb == "taint" else None
+        out.append(_act(finding, verb, node, params))
+
+
 def observe_sample(track: HwTrack, *, node: str, device: DeviceSample, ts: float,
                    settings: HardwareSettings) -> Out:
     """Fold one device sample into ``track``; return the findings and actions it causes."""
@@ -385,6 +439,9 @@ def observe_sample(track: HwTrack, *, node: str, device: DeviceSample, ts: float
     if flag is not None and flag != (track.remap_pending is not None):
         track.remap_pending = _flag(track.remap_pending, flag, REMAP_PENDING_KIND, node, uuid,
                                     ts, out, act=settings.remap_pending.taint)
+    value = device.recovery_action
+    if value is not None and value != track.recovery_value:
+        _recovery(track, value, node, uuid, ts, settings.recovery, out)
     thermal = track.thermal
     temp = device.temp_c
     if (thermal.open is not None or thermal.hot_since is not None

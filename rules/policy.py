@@ -42,6 +42,7 @@ _HARDWARE_FIELDS = {
     hardware.SBE_KIND: "sbe", hardware.PCIE_KIND: "pcie", hardware.NVLINK_KIND: "nvlink",
     hardware.REMAP_FAILURE_KIND: "remap_failure", hardware.REMAP_PENDING_KIND: "remap_pending",
     hardware.GPU_LOST_KIND: "gpu_lost", hardware.THERMAL_KIND: "thermal", xid.KIND: "xid",
+    hardware.RECOVERY_KIND: "recovery",
 }
 
 

@@ -294,3 +294,18 @@ def test_duplicated_and_shuffled_samples_of_one_burst_give_one_finding(
 def test_the_counter_property_saw_bursts_open_and_close() -> None:
     test_counter_fires_only_when_the_window_holds_the_threshold()
     assert {"counter-firing", "counter-resolved"} <= reached
+
+
+def test_driver_recovery_action_asks_for_its_node_action_and_clears() -> None:
+    track = hardware.HwTrack()
+    out = feed(track, [(T0, dev(recovery_action=0)), (T0 + 30, dev(recovery_action=1)),
+                       (T0 + 60, dev(recovery_action=1))])
+    (reset,) = firing(out)
+    assert reset.kind == "gpu_recovery_action" and reset.severity == "critical"
+    assert [(a.verb, a.params["key"]) for a in out if isinstance(a, Action)] == [
+        ("taint", "gpusteward.io/gpu-reset-required")]
+    out = feed(track, [(T0 + 90, dev(recovery_action=2))])
+    assert [f.state for f in out if isinstance(f, Finding)] == ["resolved", "firing"]
+    assert [a.verb for a in out if isinstance(a, Action)] == ["drain"]
+    (closing,) = resolved(feed(track, [(T0 + 120, dev(recovery_action=0))]))
+    assert closing.state == "resolved" and track.recovery is None
