@@ -136,8 +136,11 @@ class NodeJoin:
             out += ecc.observe(dev.ecc, node=node, uuid=device.uuid,
                                dbe_count=device.ecc_dbe_volatile, ts=ts,
                                settings=ecc_settings)
-            out += hardware.observe_sample(dev.hw, node=node, device=device, ts=ts,
-                                           settings=hw_settings)
+            if device.kind == "gpu":
+                # Hardware health belongs to the physical GPU: a MIG device repeating its
+                # parent's temperature or counters would open a second episode.
+                out += hardware.observe_sample(dev.hw, node=node, device=device, ts=ts,
+                                               settings=hw_settings)
         if state.gpu_model is None and sample.devices:
             state.gpu_model = sample.devices[0].model
             state.gpu_count = state.gpu_count or sum(d.kind == "gpu" for d in sample.devices)

@@ -107,3 +107,20 @@ def test_namespace_overrides_apply_to_the_idle_rule() -> None:
         out += join.on_sample(state, sample(T0 + i * 30, util=0.0))
     (fired,) = [f for f in findings(out) if f.kind == "idle_holder"]
     assert fired.ts == T0 + 600 and fired.subject.pod == POD
+
+
+def test_mig_devices_repeating_the_parents_readings_do_not_double_episodes() -> None:
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    out = []
+    model = "NVIDIA H100 80GB HBM3"
+    for i in range(15):
+        devices = [
+            DeviceSample(uuid="GPU-0", index=0, model=model, temp_c=95.0,
+                         clock_event_reasons=0x40),
+            DeviceSample(uuid="MIG-0-1", index=0, model=model, kind="mig", parent_uuid="GPU-0",
+                         temp_c=95.0, clock_event_reasons=0x40),
+        ]
+        out += join.on_sample(state, NodeSample(ts=T0 + i * 30, node="n1", source="dcgm",
+                                                devices=devices))
+    assert [(f.kind, f.subject.device) for f in findings(out)] == [
+        ("thermal_slowdown", "GPU-0")]
