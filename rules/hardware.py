@@ -301,23 +301,26 @@ def _counter(track: CounterTrack, value: int, kind: str, node: str, uuid: str, t
     last = track.last
     track.last = value
     if last is not None and value > last:
-        track.increments.append((ts, value - last))
         track.last_increment_ts = ts
+        if track.open is not None:
+            return  # the episode goes on; only the time of the last increase matters now
+        # Below the threshold every kept increase is >= 1, so fewer than `threshold` are kept.
+        track.increments.append((ts, value - last))
         horizon = ts - settings.window_s
         if track.increments[0][0] <= horizon:
             track.increments = [i for i in track.increments if i[0] > horizon]
-        if track.open is None:
-            total = sum(i[1] for i in track.increments)
-            if total >= settings.threshold:
-                start = track.increments[0][0]
-                finding = _finding(
-                    kind, "warning", node, uuid, start, ts,
-                    f"{kind.replace('_', ' ')} on {uuid} ({node}): {total} in "
-                    f"{ts - start:.0f} s (threshold {settings.threshold} per "
-                    f"{settings.window_s:g} s)", len(track.increments),
-                    {"increase": float(total), "threshold": float(settings.threshold)})
-                track.open = Episode(finding.id, finding.fingerprint, start)
-                out.append(finding)
+        total = sum(i[1] for i in track.increments)
+        if total >= settings.threshold:
+            start = track.increments[0][0]
+            finding = _finding(
+                kind, "warning", node, uuid, start, ts,
+                f"{kind.replace('_', ' ')} on {uuid} ({node}): {total} in "
+                f"{ts - start:.0f} s (threshold {settings.threshold} per "
+                f"{settings.window_s:g} s)", len(track.increments),
+                {"increase": float(total), "threshold": float(settings.threshold)})
+            track.open = Episode(finding.id, finding.fingerprint, start)
+            track.increments = []
+            out.append(finding)
         return
     if last is not None and value < last:
         track.increments = []  # the GPU was reset: a new baseline

@@ -48,6 +48,9 @@ ActionClass = Literal[
     "follow_other_xid",
 ]
 
+MAX_RECENT = 256
+"""Most XIDs remembered per GPU."""
+
 RESET_TAINT = {"key": "gpusteward.io/gpu-reset-required", "effect": "NoSchedule"}
 
 RUNBOOKS: dict[str, str] = {
@@ -216,14 +219,21 @@ def observe_event(track: XidTrack, *, node: str, uuid: str, xid: int, ts: float,
                   settings: XidSettings) -> list[Finding | Action]:
     """Fold one XID event into ``track``; return the findings and actions it causes."""
     cls, fatal = settings.classify(xid)
+    policy = settings.classes.get(cls)
+    if not fatal and (policy is None or not policy.enabled):
+        return []  # ignored, and kept out of the history so a storm of it pushes nothing out
     if any(r[0] == ts and r[1] == xid for r in track.recent):
         return []  # a redelivered event
-    policy = settings.classes.get(cls)
     keep_s = max(settings.rma_window_s,
                  *(p.window_s for p in settings.classes.values()))
     newest = max(ts, max((r[0] for r in track.recent), default=ts))
     track.recent = [r for r in track.recent if r[0] > newest - keep_s]
     track.recent.append((ts, xid, cls, fatal))
+    if len(track.recent) > MAX_RECENT:
+        # An XID storm: keep the newest; counts stay at least MAX_RECENT, above any threshold
+        # worth setting, and the state (which rides the changelog) stays small.
+        track.recent.sort()
+        del track.recent[:-MAX_RECENT]
     out: list[Finding | Action] = []
     subject = Subject(node=node, device=uuid)
     episode = track.open.get(cls)

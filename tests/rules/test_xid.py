@@ -134,3 +134,12 @@ def test_order_and_duplicates_do_not_change_the_episodes(
     assert len(set(classes(twice))) == len(classes(twice))
     # Order can move when a threshold is crossed, never whether: the same classes fire.
     assert classes(once) == classes(twice)
+
+
+def test_an_xid_storm_keeps_the_state_small_and_still_escalates() -> None:
+    track = xid.XidTrack()
+    noise = [(T0 + i, 43) for i in range(2000)]  # ignored class: not even remembered
+    storm = [(T0 + 5000 + i * 0.5, 13) for i in range(2000)]
+    out = events(track, noise + storm)
+    assert len(track.recent) <= xid.MAX_RECENT
+    assert [f.labels["action_class"] for f in firing(out)] == ["restart_app"]
