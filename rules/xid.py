@@ -244,7 +244,10 @@ def observe_event(track: XidTrack, *, node: str, uuid: str, xid: int, ts: float,
         in_window = _densest([r for r in track.recent if r[2] == cls], ts, policy.window_s)
         if len(in_window) >= policy.min_count:
             out += _open(track, cls, node, uuid, subject, in_window, ts)
-    if fatal and settings.rma_count and RMA_KIND not in track.open \
+    rma = track.open.get(RMA_KIND)
+    if fatal and rma is not None:
+        rma.last_ts = max(rma.last_ts, ts)  # still failing: the RMA episode goes on
+    if fatal and settings.rma_count and rma is None \
             and ts > track.closed_until.get(RMA_KIND, float("-inf")):
         fatal_window = _densest([r for r in track.recent if r[3]], ts, settings.rma_window_s)
         if len(fatal_window) >= settings.rma_count:

@@ -143,3 +143,13 @@ def test_an_xid_storm_keeps_the_state_small_and_still_escalates() -> None:
     out = events(track, noise + storm)
     assert len(track.recent) <= xid.MAX_RECENT
     assert [f.labels["action_class"] for f in firing(out)] == ["restart_app"]
+
+
+def test_rma_episode_lasts_while_fatal_xids_keep_coming() -> None:
+    track = xid.XidTrack()
+    events(track, [(T0 + i * 3600, 46) for i in range(5)])
+    assert xid.RMA_KIND in track.open
+    events(track, [(T0 + 20 * 3600, 46)])
+    assert xid.expire(track, node="n1", uuid="GPU-1", ts=T0 + 30 * 3600, settings=SETTINGS) == []
+    closing = xid.expire(track, node="n1", uuid="GPU-1", ts=T0 + 45 * 3600, settings=SETTINGS)
+    assert sorted(f.kind for f in closing if isinstance(f, Finding)) == ["xid", "xid_rma"]
