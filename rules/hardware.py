@@ -297,9 +297,13 @@ def _close(episode: Episode, kind: str, node: str, uuid: str, ts: float, why: st
 
 
 def _counter(track: CounterTrack, value: int, kind: str, node: str, uuid: str, ts: float,
-             settings: CounterBurstSettings, out: Out) -> None:
+             settings: CounterBurstSettings, out: Out, since_last: float | None) -> None:
     last = track.last
     track.last = value
+    if since_last is not None and since_last > settings.window_s and track.open is None:
+        # Samples stopped for longer than the window: the increase may be spread over all of
+        # it, so it is no evidence of a burst. It becomes the new baseline.
+        last = None
     if last is not None and value > last:
         track.last_increment_ts = ts
         if track.open is not None:
@@ -425,15 +429,16 @@ def observe_sample(track: HwTrack, *, node: str, device: DeviceSample, ts: float
     track.last_ts = ts
     out: Out = []
     uuid = device.uuid
+    since_last = None if last_ts is None else ts - last_ts
     value = device.ecc_sbe_volatile
     if value is not None and (value != track.sbe.last or track.sbe.open is not None):
-        _counter(track.sbe, value, SBE_KIND, node, uuid, ts, settings.sbe, out)
+        _counter(track.sbe, value, SBE_KIND, node, uuid, ts, settings.sbe, out, since_last)
     value = device.pcie_replay
     if value is not None and (value != track.pcie.last or track.pcie.open is not None):
-        _counter(track.pcie, value, PCIE_KIND, node, uuid, ts, settings.pcie, out)
+        _counter(track.pcie, value, PCIE_KIND, node, uuid, ts, settings.pcie, out, since_last)
     value = device.nvlink_errors
     if value is not None and (value != track.nvlink.last or track.nvlink.open is not None):
-        _counter(track.nvlink, value, NVLINK_KIND, node, uuid, ts, settings.nvlink, out)
+        _counter(track.nvlink, value, NVLINK_KIND, node, uuid, ts, settings.nvlink, out, since_last)
     flag = device.remap_failure
     if flag is not None and flag != (track.remap_failure is not None):
         track.remap_failure = _flag(track.remap_failure, flag, REMAP_FAILURE_KIND, node, uuid,

@@ -309,3 +309,9 @@ def test_driver_recovery_action_asks_for_its_node_action_and_clears() -> None:
     assert [a.verb for a in out if isinstance(a, Action)] == ["drain"]
     (closing,) = resolved(feed(track, [(T0 + 120, dev(recovery_action=0))]))
     assert closing.state == "resolved" and track.recovery is None
+
+
+def test_a_counter_jump_across_a_long_gap_is_not_a_burst() -> None:
+    readings = [(T0, dev(ecc_sbe_volatile=0)), (T0 + 7200, dev(ecc_sbe_volatile=500)),
+                (T0 + 7230, dev(ecc_sbe_volatile=510))]
+    assert feed(hardware.HwTrack(), readings) == []
