@@ -12,6 +12,7 @@ import typer
 
 from gpusteward.collectors.cli import collect_app
 from gpusteward.report import commands as report_commands
+from gpusteward.rulescli import rules_app
 from gpusteward.settings import Settings
 
 app = typer.Typer(help="Steward of a Kubernetes GPU fleet, as a stream of events.",
@@ -21,6 +22,7 @@ app.add_typer(schema_app, name="schema")
 app.add_typer(collect_app, name="collect")
 app.command("report")(report_commands.report)
 app.command("replay")(report_commands.replay)
+app.add_typer(rules_app, name="rules")
 
 Bootstrap = Annotated[
     str | None,

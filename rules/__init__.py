@@ -1,20 +1,30 @@
 """Detection rules: pure functions of state and events, no I/O and no clocks.
 
 Each rule lives in its own module with a typed settings model whose field
-descriptions are its documentation. Rules are registered here by name;
-:func:`settings_model` raises an error listing the valid names for an
-unknown one.
+descriptions are its documentation. Rules are registered here by name (the
+name is also the ``kind`` of the findings they emit and the key of their
+section in the policy file); :func:`settings_model` raises an error listing
+the valid names for an unknown one.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel
 
-from gpusteward.rules import ecc, idle
+from gpusteward.rules import ecc, hardware, idle, xid
 
 REGISTRY: dict[str, type[BaseModel]] = {
     idle.KIND: idle.IdleSettings,
     ecc.KIND: ecc.EccSettings,
+    hardware.SBE_KIND: hardware.SbeRateSettings,
+    hardware.PCIE_KIND: hardware.PcieReplaySettings,
+    hardware.NVLINK_KIND: hardware.NvlinkErrorSettings,
+    hardware.REMAP_FAILURE_KIND: hardware.RemapFailureSettings,
+    hardware.REMAP_PENDING_KIND: hardware.RemapPendingSettings,
+    hardware.GPU_LOST_KIND: hardware.GpuLostSettings,
+    hardware.THERMAL_KIND: hardware.ThermalSettings,
+    hardware.RECOVERY_KIND: hardware.RecoveryActionSettings,
+    xid.KIND: xid.XidSettings,
 }
 
 

@@ -11,7 +11,7 @@ repeat the count.
 from __future__ import annotations
 
 import msgspec
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
 from gpusteward.schema import Action, Evidence, Finding, Subject
@@ -27,6 +27,8 @@ RUNBOOK = (
 
 class EccSettings(BaseModel):
     """Settings of the ECC double-bit rule."""
+
+    model_config = ConfigDict(extra="forbid")
 
     cordon: bool = Field(
         True,

@@ -5,6 +5,14 @@ The rule fires when the device's activity stays below ``threshold_pct`` for
 and the end of the pod's start-up grace. MIG devices are judged by their
 graphics-engine activity (GPU utilisation is not reported for them).
 
+Defaults differ per workload kind (``kinds``: notebook, batch, inference),
+and pods can be exempted by namespace, label or annotation. An open episode
+climbs a ladder while the device stays idle: the first finding notifies the
+owner; ``warn_after_s`` later the finding is re-issued at severity warning
+with a second notice; ``reclaim_after_s`` after that the rule asks to
+reclaim the GPU (verb ``requeue`` on the pod, a dry run unless
+``reclaim_execute``). Each step has its own idempotency key.
+
 The idle run is tracked per device from the samples alone, so an allocation
 event that arrives after the first idle samples does not delay detection.
 Samples at or before the last one seen (duplicates, late arrivals) are
@@ -14,8 +22,11 @@ with no observations is not evidence of idleness.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import msgspec
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
 from gpusteward.schema import Action, DeviceSample, Evidence, Finding, PodRef, Subject
@@ -29,8 +40,48 @@ RUNBOOK = (
 )
 
 
+class IdleKindSettings(BaseModel):
+    """Overrides of the idle settings for one workload kind; unset fields keep the rule's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    threshold_pct: float | None = Field(None, ge=0, le=100, description="See threshold_pct.")
+    window_s: float | None = Field(None, gt=0, description="See window_s.")
+    grace_s: float | None = Field(None, ge=0, description="See grace_s.")
+    warn_after_s: float | None = Field(None, gt=0, description="See warn_after_s.")
+    reclaim_after_s: float | None = Field(
+        None, gt=0, description="See reclaim_after_s; 0 is not allowed, use reclaim: false.")
+    reclaim: bool | None = Field(None, description="See reclaim.")
+
+
+def _default_kinds() -> dict[str, IdleKindSettings]:
+    return {
+        "notebook": IdleKindSettings(),
+        # A batch pod idle for long is usually stuck (a hung collective, a dead data loader):
+        # reclaim sooner.
+        "batch": IdleKindSettings(warn_after_s=3600, reclaim_after_s=3600),
+        # Serving pods idle at night are doing their job (waiting for traffic): flag, warn
+        # late, never reclaim (scale-to-zero belongs to the autoscaler).
+        "inference": IdleKindSettings(window_s=4 * 3600, reclaim=False),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Effective:
+    """The idle settings that apply to one workload kind, resolved."""
+
+    threshold_pct: float
+    window_s: float
+    grace_s: float
+    warn_after_s: float
+    reclaim_after_s: float
+    reclaim: bool
+
+
 class IdleSettings(BaseModel):
     """Settings of the idle-holder rule."""
+
+    model_config = ConfigDict(extra="forbid")
 
     threshold_pct: float = Field(
         5.0, ge=0, le=100,
@@ -52,6 +103,75 @@ class IdleSettings(BaseModel):
         description="A gap between two samples longer than this (seconds) restarts the idle "
         "run: no observations means no evidence.",
     )
+    warn_after_s: float = Field(
+        4 * 3600, gt=0,
+        description="Seconds after the first notice, still idle, before the finding is raised "
+        "to severity warning and the owner is told again (4 h: a working day's chance to act).",
+    )
+    reclaim_after_s: float = Field(
+        8 * 3600, gt=0,
+        description="Seconds after the warning, still idle, before the rule asks to reclaim "
+        "the GPU (verb requeue on the pod).",
+    )
+    reclaim: bool = Field(True, description="Ask to reclaim at the last step of the ladder.")
+    reclaim_execute: bool = Field(
+        False, description="False marks the reclaim action dry_run: it is audited, never "
+        "carried out. Set true only where owners have agreed to it.",
+    )
+    kinds: dict[str, IdleKindSettings] = Field(
+        default_factory=_default_kinds,
+        description="Overrides per workload kind (notebook, batch, inference, from the pod's "
+        "labels or owner chain); a pod of another or unknown kind uses the rule's values.",
+    )
+    exempt_namespaces: list[str] = Field(
+        default_factory=list, description="Namespaces whose pods are never flagged.")
+    exempt_labels: dict[str, str] = Field(
+        default_factory=lambda: {"gpusteward.io/idle-exempt": "true"},
+        description="Pod labels that exempt a pod (key: value; value '*' matches any value).",
+    )
+    exempt_annotations: dict[str, str] = Field(
+        default_factory=dict,
+        description="Pod annotations that exempt a pod (key: value; '*' matches any value).",
+    )
+
+    @functools.cached_property
+    def effective_by_kind(self) -> dict[str | None, Effective]:
+        """:meth:`effective` of every kind, computed once: a plain instance attribute, since
+        pydantic's private attributes cost about a microsecond per access on this hot path."""
+        return {kind: self._resolve(kind) for kind in (None, *self.kinds)}
+
+    def effective(self, kind: str | None) -> Effective:
+        """The settings for workload ``kind`` (runs on every sample)."""
+        table = self.effective_by_kind
+        found = table.get(kind)
+        return found if found is not None else table[None]
+
+    def _resolve(self, kind: str | None) -> Effective:
+        over = self.kinds.get(kind) if kind is not None else None
+        over = over or IdleKindSettings()
+        return Effective(
+            threshold_pct=_pick(over.threshold_pct, self.threshold_pct),
+            window_s=_pick(over.window_s, self.window_s),
+            grace_s=_pick(over.grace_s, self.grace_s),
+            warn_after_s=_pick(over.warn_after_s, self.warn_after_s),
+            reclaim_after_s=_pick(over.reclaim_after_s, self.reclaim_after_s),
+            reclaim=self.reclaim if over.reclaim is None else over.reclaim,
+        )
+
+    def exempt(self, holder: Holder) -> bool:
+        """True when the holder's namespace, labels or annotations exempt it."""
+        if holder.pod.namespace in self.exempt_namespaces:
+            return True
+        for wanted, have in ((self.exempt_labels, holder.labels),
+                             (self.exempt_annotations, holder.annotations)):
+            for key, value in wanted.items():
+                if key in have and value in ("*", have[key]):
+                    return True
+        return False
+
+
+def _pick(override: float | None, base: float) -> float:
+    return base if override is None else override
 
 
 class Holder(msgspec.Struct, frozen=True):
@@ -60,6 +180,8 @@ class Holder(msgspec.Struct, frozen=True):
     pod: PodRef
     started_at: float
     workload_kind: str | None = None
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
 
 
 class IdleTrack(msgspec.Struct):
@@ -73,6 +195,9 @@ class IdleTrack(msgspec.Struct):
     open_fingerprint: str | None = None
     open_since: float | None = None
     open_pod: PodRef | None = None
+    stage: int = 0
+    """Ladder step of the open episode: 1 notified, 2 warned, 3 reclaim asked."""
+    stage_ts: float | None = None
 
 
 def activity_pct(sample: DeviceSample) -> float | None:
@@ -103,8 +228,9 @@ def observe(
     track.last_ts = ts
     if activity is None:
         return []
+    eff = settings.effective(holder.workload_kind if holder is not None else None)
     out: list[Finding | Action] = []
-    if activity >= settings.threshold_pct:
+    if activity >= eff.threshold_pct:
         track.below_since, track.below_samples, track.below_max_pct = None, 0, 0.0
         if track.open_id is not None:
             out.append(_close(track, node, sample.uuid, ts, "the pod is using the GPU again"))
@@ -113,34 +239,81 @@ def observe(
         track.below_since, track.below_samples, track.below_max_pct = ts, 0, 0.0
     track.below_samples += 1
     track.below_max_pct = max(track.below_max_pct, activity)
-    if holder is None or track.open_id is not None:
+    if holder is None:
         return out
-    counted_from = max(track.below_since, holder.started_at + settings.grace_s)
-    if ts - counted_from < settings.window_s:
+    if track.open_id is not None:
+        return _climb(track, node, sample, holder, ts, settings, eff)
+    counted_from = max(track.below_since, holder.started_at + eff.grace_s)
+    if ts - counted_from < eff.window_s or settings.exempt(holder):
         return out
     fp = fingerprint(KIND, node, sample.uuid, holder.pod.namespace, holder.pod.name)
     fid = finding_id(fp, counted_from)
     subject = _subject(node, sample.uuid, holder.pod)
     idle_min = (ts - counted_from) / 60
     finding = Finding(
-        id=fid, fingerprint=fp, kind=KIND, severity="warning", state="firing",
+        id=fid, fingerprint=fp, kind=KIND, severity="info", state="firing",
         subject=subject,
         summary=f"{holder.pod.namespace}/{holder.pod.name} has held {sample.uuid} on {node} "
-        f"for {idle_min:.0f} min below {settings.threshold_pct:g} % activity",
+        f"for {idle_min:.0f} min below {eff.threshold_pct:g} % activity",
         starts_at=counted_from, ts=ts,
         evidence=Evidence(
             window_start=counted_from, window_end=ts, samples=track.below_samples,
             values={"max_activity_pct": track.below_max_pct,
-                    "threshold_pct": settings.threshold_pct},
+                    "threshold_pct": eff.threshold_pct, "ladder_step": 1.0},
         ),
         runbook=RUNBOOK,
         labels={"workload_kind": holder.workload_kind or "unknown", "model": sample.model},
     )
     track.open_id, track.open_fingerprint = fid, fp
     track.open_since, track.open_pod = counted_from, holder.pod
+    track.stage, track.stage_ts = 1, ts
     out.append(finding)
     out.append(action_for(finding, "notify_owner", subject, finding.summary))
     return out
+
+
+def _climb(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts: float,
+           settings: IdleSettings, eff: Effective) -> list[Finding | Action]:
+    """The next ladder step of an open episode, once its wait has passed with no break."""
+    stage_ts = track.stage_ts
+    if stage_ts is None or track.stage >= 3 or track.below_since is None:
+        return []
+    if track.stage == 1:
+        wait, step, severity = eff.warn_after_s, "warn", "warning"
+    elif eff.reclaim:
+        wait, step, severity = eff.reclaim_after_s, "reclaim", "warning"
+    else:
+        return []
+    # A gap since the last step restarted the idle run: the wait counts from its new start.
+    if ts - max(stage_ts, track.below_since) < wait:
+        return []
+    assert track.open_id and track.open_fingerprint and track.open_since is not None
+    subject = _subject(node, sample.uuid, holder.pod)
+    idle_h = (ts - track.open_since) / 3600
+    summary = (f"{holder.pod.namespace}/{holder.pod.name} has held {sample.uuid} on {node} "
+               f"idle for {idle_h:.1f} h" + (": reclaiming it" if step == "reclaim" else ""))
+    finding = Finding(
+        id=track.open_id, fingerprint=track.open_fingerprint, kind=KIND,
+        severity=severity,  # type: ignore[arg-type]
+        state="firing", subject=subject, summary=summary, starts_at=track.open_since, ts=ts,
+        # The evidence is the unbroken idle run, which a gap may have restarted since.
+        evidence=Evidence(window_start=max(track.open_since, track.below_since), window_end=ts,
+                          samples=track.below_samples,
+                          values={"max_activity_pct": track.below_max_pct,
+                                  "threshold_pct": eff.threshold_pct,
+                                  "ladder_step": float(track.stage + 1)}),
+        runbook=RUNBOOK,
+        labels={"workload_kind": holder.workload_kind or "unknown", "model": sample.model},
+    )
+    track.stage, track.stage_ts = track.stage + 1, ts
+    if step == "warn":
+        action = action_for(finding, "notify_owner", subject, summary)
+        action.idempotency_key = f"{finding.id}/notify_owner/warn"
+    else:
+        action = action_for(finding, "requeue", subject, summary)
+        action.dry_run = not settings.reclaim_execute
+        action.params = {"reason": "idle-reclaim"}
+    return [finding, action]
 
 
 def release(track: IdleTrack, *, node: str, uuid: str, ts: float) -> list[Finding | Action]:
@@ -159,4 +332,5 @@ def _close(track: IdleTrack, node: str, uuid: str, ts: float, why: str) -> Findi
     )
     track.open_id = track.open_fingerprint = None
     track.open_since = track.open_pod = None
+    track.stage, track.stage_ts = 0, None
     return finding

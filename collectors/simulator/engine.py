@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from gpusteward.collectors.publisher import Publisher
-from gpusteward.collectors.simulator.scenario import Phase, Scenario, WorkloadGroup
+from gpusteward.collectors.simulator.scenario import Fault, Phase, Scenario, WorkloadGroup
 from gpusteward.schema import (
     DeviceSample,
     HwEvent,
@@ -38,6 +38,11 @@ from gpusteward.schema import (
 
 IDLE_TRUTH_PCT = 5.0
 """A phase whose activity never reaches this (percent) is injected idleness."""
+
+HOT_TEMP_C = 94.0
+"""Temperature of a GPU under a thermal fault: above every model's slowdown threshold."""
+THERMAL_REASONS = 0x20 | 0x40
+"""NVML clock-event bits SwThermalSlowdown | HwThermalSlowdown."""
 
 GIB = 1 << 30
 
@@ -68,10 +73,17 @@ class PodRecord(msgspec.Struct):
 
 
 class FaultRecord(msgspec.Struct):
+    """An injected fault: one record per fault (an xid fault: one per event sent)."""
+
     kind: str
     node: str
     device: str
     ts: float
+    end: float | None = None
+    """When a burst or thermal fault stopped (None: it lasted to the end, or was instant)."""
+    xid: int | None = None
+    count: int = 0
+    """Counter increase per sample of a burst fault."""
 
 
 class CordonRecord(msgspec.Struct):
@@ -109,6 +121,12 @@ class SimGpu:
     holder: Workload | None = None
     dbe: int = 0
     last_util: float = 0.0
+    sbe: int = 0
+    pcie_replay: int = 0
+    nvlink_errors: int = 0
+    hot: bool = False
+    lost: bool = False
+    remap_failure: bool = False
 
 
 @dataclass
@@ -268,19 +286,70 @@ class SimulatedCluster:
             await publisher.queue(self._queue_event(workload, "pending", now))
 
     async def _inject_faults(self, publisher: Publisher, now: float) -> None:
+        interval = self.scenario.sample_interval_s
+        for node in self.nodes.values():
+            for sim_gpu in node.gpus:
+                sim_gpu.hot = False  # thermal faults active at this tick set it again
         for fault in self.scenario.faults:
             fault_ts = self.start + fault.at_s
-            if not now - self.scenario.sample_interval_s < fault_ts <= now:
-                continue
             gpu = self.nodes[fault.node].gpus[fault.gpu]
-            gpu.dbe += 1
-            self.truth.faults.append(FaultRecord(fault.kind, fault.node, gpu.uuid, now))
-            if not fault.urgent_event:
-                continue
-            await publisher.hw_event(HwEvent(
-                ts=now, node=fault.node, kind="ecc_dbe", uuid=gpu.uuid, count=gpu.dbe,
-                detail="volatile double-bit ECC error", source="simulator",
-            ))
+            starts_now = now - interval < fault_ts <= now
+            if fault.kind == "ecc_dbe":
+                if not starts_now:
+                    continue
+                gpu.dbe += 1
+                self.truth.faults.append(FaultRecord(fault.kind, fault.node, gpu.uuid, now))
+                if not fault.urgent_event:
+                    continue
+                await publisher.hw_event(HwEvent(
+                    ts=now, node=fault.node, kind="ecc_dbe", uuid=gpu.uuid, count=gpu.dbe,
+                    detail="volatile double-bit ECC error", source="simulator",
+                ))
+            elif fault.kind == "xid":
+                await self._xid(publisher, fault, gpu, now, interval)
+            elif fault.kind in ("gpu_lost", "remap_failure"):
+                if not starts_now:
+                    continue
+                if fault.kind == "gpu_lost":
+                    gpu.lost = True
+                else:
+                    gpu.remap_failure = True
+                self.truth.faults.append(FaultRecord(fault.kind, fault.node, gpu.uuid, now))
+                if fault.urgent_event:
+                    await publisher.hw_event(HwEvent(
+                        ts=now, node=fault.node, kind=fault.kind,
+                        uuid=gpu.uuid, detail=f"simulated {fault.kind}", source="simulator"))
+            else:
+                self._ongoing(fault, gpu, fault_ts, now)
+
+    async def _xid(self, publisher: Publisher, fault: Fault, gpu: SimGpu, now: float,
+                   interval: float) -> None:
+        assert fault.xid is not None
+        for n in range(fault.count):
+            event_ts = self.start + fault.at_s + n * fault.every_s
+            if now - interval < event_ts <= now:
+                self.truth.faults.append(FaultRecord("xid", fault.node, gpu.uuid, event_ts,
+                                                     xid=fault.xid))
+                await publisher.hw_event(HwEvent(
+                    ts=event_ts, node=fault.node, kind="xid", uuid=gpu.uuid, xid=fault.xid,
+                    detail=f"Xid {fault.xid} (simulated)", source="simulator"))
+
+    def _ongoing(self, fault: Fault, gpu: SimGpu, fault_ts: float, now: float) -> None:
+        """A burst or thermal fault: applies to every sample in [at_s, at_s + for_s)."""
+        active = fault_ts <= now < fault_ts + fault.for_s
+        if fault.kind == "thermal":
+            gpu.hot = gpu.hot or active
+        elif active:
+            if fault.kind == "sbe_burst":
+                gpu.sbe += fault.count
+            elif fault.kind == "pcie_replay":
+                gpu.pcie_replay += fault.count
+            else:
+                gpu.nvlink_errors += fault.count
+        if active and not any(r.kind == fault.kind and r.device == gpu.uuid
+                              and r.ts == fault_ts for r in self.truth.faults):
+            self.truth.faults.append(FaultRecord(fault.kind, fault.node, gpu.uuid, fault_ts,
+                                                 end=fault_ts + fault.for_s, count=fault.count))
 
     async def _schedule(self, publisher: Publisher, now: float) -> None:
         for workload in list(self.queue):
@@ -329,6 +398,8 @@ class SimulatedCluster:
     def _sample(self, node: SimNode, now: float) -> NodeSample:
         devices = []
         for gpu in node.gpus:
+            if gpu.lost:
+                continue  # as the NVML collector does: a lost GPU leaves the sample
             holder = gpu.holder
             if holder is not None and holder.started_at is not None:
                 util = holder.utilisation(now - holder.started_at)
@@ -336,13 +407,17 @@ class SimulatedCluster:
             else:
                 util, mem = 0.0, 0
             gpu.last_util = util
+            temp, reasons = round(32 + util * 0.4, 1), 0 if util else 1
+            if gpu.hot:
+                temp, reasons = HOT_TEMP_C, reasons | THERMAL_REASONS
             devices.append(DeviceSample(
                 uuid=gpu.uuid, index=gpu.index, model=gpu.model, util_pct=util,
                 mem_used_bytes=mem, mem_total_bytes=gpu.mem_total,
-                temp_c=round(32 + util * 0.4, 1), power_w=round(60 + util * 3.3, 1),
-                sm_clock_mhz=1410 if util > 0 else 210, clock_event_reasons=0 if util else 1,
-                ecc_sbe_volatile=0, ecc_dbe_volatile=gpu.dbe, pcie_replay=0, nvlink_errors=0,
-                pod=holder.ref if holder is not None else None,
+                temp_c=temp, power_w=round(60 + util * 3.3, 1),
+                sm_clock_mhz=1410 if util > 0 else 210, clock_event_reasons=reasons,
+                ecc_sbe_volatile=gpu.sbe, ecc_dbe_volatile=gpu.dbe, pcie_replay=gpu.pcie_replay,
+                nvlink_errors=gpu.nvlink_errors, remap_failure=gpu.remap_failure,
+                remap_pending=False, pod=holder.ref if holder is not None else None,
             ))
         return NodeSample(ts=now, node=node.name, source="simulator", devices=devices)
 

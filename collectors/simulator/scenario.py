@@ -57,8 +57,23 @@ class WorkloadGroup(BaseModel):
     repeat: bool = Field(False, description="Cycle through the phases instead of ending idle.")
 
 
+FaultKind = Literal[
+    "ecc_dbe", "xid", "sbe_burst", "pcie_replay", "nvlink_errors", "thermal", "gpu_lost",
+    "remap_failure",
+]
+
+
 class Fault(BaseModel):
-    kind: Literal["ecc_dbe"]
+    """A hardware fault injected into one GPU.
+
+    ``ecc_dbe``, ``gpu_lost`` and ``remap_failure`` happen once at ``at_s`` (with the urgent
+    event the NVML collector would send) and last to the end; ``xid`` sends ``count`` XID
+    events ``every_s`` apart; ``sbe_burst``, ``pcie_replay`` and ``nvlink_errors`` add
+    ``count`` to the device's counter at every sample for ``for_s``; ``thermal`` holds the
+    GPU above its slowdown temperature, with the thermal clock-event bits, for ``for_s``.
+    """
+
+    kind: FaultKind
     node: str
     gpu: int = 0
     at_s: float = Field(ge=0)
@@ -66,6 +81,16 @@ class Fault(BaseModel):
         True, description="Also send the urgent hardware event, as NVML's event listener does; "
         "False leaves only the next sample to carry it.",
     )
+    xid: int | None = Field(None, description="The XID number of an xid fault.")
+    count: int = Field(1, ge=1, description="XID events to send, or counter increase per sample.")
+    every_s: float = Field(60.0, gt=0, description="Seconds between repeated XID events.")
+    for_s: float = Field(0.0, ge=0, description="How long a burst or thermal fault lasts.")
+
+    @model_validator(mode="after")
+    def _xid_has_a_number(self) -> Fault:
+        if self.kind == "xid" and self.xid is None:
+            raise ValueError("an xid fault needs its xid number")
+        return self
 
 
 class Scenario(BaseModel):

@@ -1,0 +1,493 @@
+"""Hardware faults read from device samples and urgent events, one finding per episode.
+
+The families here share one shape: a condition on one GPU opens an episode
+(one firing finding, with the window of evidence, and at most one action
+per verb) and a later observation closes it (one resolved finding with the
+same id). Repeated samples inside an episode emit nothing.
+
+- **Error-counter bursts** (``ecc_sbe_rate``, ``pcie_replay``,
+  ``nvlink_errors``): the counters are cumulative since the driver loaded;
+  an episode opens when their increments within ``window_s`` reach
+  ``threshold`` and closes after ``window_s`` with no increment. A counter
+  that goes down was reset with the GPU: it is the new baseline.
+- **Row remapping** (``remap_failure``: cordon, critical; ``remap_pending``:
+  taint the node ``gpusteward.io/gpu-reset-required`` since a reset makes
+  the remap take effect): open while the flag reads true, close when it
+  reads false.
+- **GPU lost** (``gpu_lost``, from the urgent event): drain the node (a GPU
+  off the bus needs a host restart); closes when the GPU reports again.
+- **GPU recovery action** (``gpu_recovery_action``): the driver's own
+  verdict (NVML field 230, the same news as Xid 154): GPU reset, drain and
+  reset or bus reset -> taint for a reset; node or system reboot -> drain.
+  Open while the field reads non-zero, closed when it reads 0 (none).
+- **Thermal slowdown** (``thermal_slowdown``): the GPU is at or above its
+  model's slowdown temperature, or its clock-event reasons carry a thermal
+  bit (SW 0x20, HW 0x40), at every sample for ``window_s``; closes after
+  ``clear_s`` without either.
+
+Everything runs per device on every sample, so :func:`observe_sample` takes
+a fast path when nothing is open and no counter moved: a few comparisons.
+Samples at or before the last one seen for the device are ignored
+(duplicates, late arrivals): the counters are cumulative and the newest
+reading already holds them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpusteward.rules import xid as xid_rule
+from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
+from gpusteward.schema import Action, ActionVerb, DeviceSample, Evidence, Finding, Subject
+
+SBE_KIND = "ecc_sbe_rate"
+PCIE_KIND = "pcie_replay"
+NVLINK_KIND = "nvlink_errors"
+REMAP_FAILURE_KIND = "remap_failure"
+REMAP_PENDING_KIND = "remap_pending"
+GPU_LOST_KIND = "gpu_lost"
+THERMAL_KIND = "thermal_slowdown"
+RECOVERY_KIND = "gpu_recovery_action"
+
+RECOVERY_ACTIONS: dict[int, tuple[str, ActionVerb | None]] = {
+    1: ("GPU reset required", "taint"), 2: ("node reboot required", "drain"),
+    3: ("drain peer-to-peer work", None), 4: ("drain and reset", "taint"),
+    5: ("recover the IMEX domain", None), 6: ("bus reset", "taint"),
+    7: ("system reboot", "drain"),
+}
+"""NVML ``NVML_GPU_RECOVERY_ACTION_*`` values -> (meaning, the node action they ask for)."""
+
+THERMAL_REASONS = 0x20 | 0x40
+"""NVML clock-event reasons SwThermalSlowdown | HwThermalSlowdown."""
+
+RUNBOOKS = {
+    SBE_KIND: "Correctable (single-bit) ECC errors are arriving fast on this GPU. They do not "
+    "corrupt data, but a burst often precedes row remapping or an uncorrectable error. Check "
+    "`nvidia-smi -q -d ECC,ROW_REMAPPER`; plan a GPU reset at the next idle moment and watch "
+    "whether the rate comes back.",
+    PCIE_KIND: "PCIe replays (link-level retransmissions) are bursting: the link to this GPU is "
+    "marginal. Expect slower transfers and Xid 32/79 later. Check `nvidia-smi -q -d PCIE` link "
+    "width and generation, reseat the card or riser at the next maintenance window.",
+    NVLINK_KIND: "NVLink errors are bursting on this GPU; multi-GPU jobs will slow down or fail "
+    "(Xid 74). Check `nvidia-smi nvlink -e`; reset the GPU, and if the errors return, the "
+    "remote end or the baseboard needs service.",
+    REMAP_FAILURE_KIND: "Row remapping failed: the GPU ran out of spare rows for an "
+    "uncorrectable memory error. The node is cordoned. Drain it and open an RMA; the GPU cannot "
+    "be repaired in the field.",
+    REMAP_PENDING_KIND: "A memory row is marked for remapping and takes effect only after a GPU "
+    "reset. The node is tainted gpusteward.io/gpu-reset-required:NoSchedule. Reset the GPU "
+    "(`nvidia-smi -r -i <index>`) when its pods are done, then remove the taint.",
+    GPU_LOST_KIND: "The GPU fell off the bus (NVML cannot reach it; Xid 79). The node is drained. "
+    "Reboot it; if the GPU is still missing, check power and seating and open an RMA.",
+    RECOVERY_KIND: "The driver says this GPU needs a recovery action (NVML GPU recovery action, "
+    "also logged as Xid 154). A reset: the node is tainted gpusteward.io/gpu-reset-required; "
+    "stop the GPU's pods and run `nvidia-smi -r -i <index>`. A reboot: the node is drained; "
+    "reboot it. The finding resolves when the driver reports no action needed.",
+    THERMAL_KIND: "The GPU has been thermally throttled for the whole window: it runs at reduced "
+    "clocks, so every job on it is slow. Check the node's fans, airflow and inlet temperature, "
+    "and the GPU's `nvidia-smi -q -d TEMPERATURE,PERFORMANCE`.",
+}
+
+
+class CounterBurstSettings(BaseModel):
+    """A burst of a cumulative error counter on one GPU."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    threshold: int = Field(100, ge=1, description="Counter increments within window_s that "
+                           "open an episode.")
+    window_s: float = Field(3600, gt=0, description="Sliding window, seconds of event time; "
+                            "also the quiet time with no increment that closes the episode.")
+
+
+class SbeRateSettings(CounterBurstSettings):
+    """Settings of the single-bit ECC rate rule (``ecc_sbe_volatile``)."""
+
+    threshold: int = Field(100, ge=1, description="Correctable ECC errors within window_s that "
+                           "open an episode (100 per hour: far above the background rate of a "
+                           "healthy GPU, which is near zero).")
+    window_s: float = Field(3600, gt=0, description="Sliding window, seconds (1 h).")
+
+
+class PcieReplaySettings(CounterBurstSettings):
+    """Settings of the PCIe replay burst rule (``pcie_replay``)."""
+
+    threshold: int = Field(100, ge=1, description="PCIe replays within window_s that open an "
+                           "episode (a healthy link replays rarely; a hundred in five minutes "
+                           "is a marginal link).")
+    window_s: float = Field(300, gt=0, description="Sliding window, seconds (5 min).")
+
+
+class NvlinkErrorSettings(CounterBurstSettings):
+    """Settings of the NVLink error burst rule (``nvlink_errors``)."""
+
+    threshold: int = Field(10, ge=1, description="NVLink errors (CRC, replay, recovery summed "
+                           "by the collector) within window_s that open an episode.")
+    window_s: float = Field(300, gt=0, description="Sliding window, seconds (5 min).")
+
+
+class RemapFailureSettings(BaseModel):
+    """Settings of the row-remap failure rule."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cordon: bool = Field(True, description="Ask to cordon the node on a remap failure (the GPU "
+                         "needs an RMA; no new work should land there).")
+
+
+class RemapPendingSettings(BaseModel):
+    """Settings of the pending row-remap rule."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    taint: bool = Field(True, description="Ask to taint the node "
+                        "gpusteward.io/gpu-reset-required:NoSchedule while a remap waits for "
+                        "a GPU reset.")
+
+
+class GpuLostSettings(BaseModel):
+    """Settings of the GPU-lost rule."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    drain: bool = Field(True, description="Ask to drain the node when a GPU falls off the bus "
+                        "(NVIDIA: restart the host).")
+
+
+class RecoveryActionSettings(BaseModel):
+    """Settings of the GPU recovery-action rule (NVML field 230 / Xid 154)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    act: bool = Field(True, description="Ask for the node action the driver's recovery action "
+                      "implies (taint for a reset, drain for a reboot); false: finding only.")
+
+
+DEFAULT_SLOWDOWN_C = {"A100": 89.0, "H100": 89.0, "H200": 89.0, "A30": 89.0, "L4": 90.0,
+                      "T4": 93.0, "A10": 91.0}
+
+
+class ThermalSettings(BaseModel):
+    """Settings of the sustained thermal slowdown rule."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    window_s: float = Field(300, gt=0, description="Seconds the GPU must stay thermally "
+                            "throttled, at every sample, before the rule fires (5 min: a "
+                            "transient spike under a burst of load does not count).")
+    clear_s: float = Field(120, ge=0, description="Seconds without thermal throttling that close "
+                           "an open episode (hysteresis: a GPU hovering at its limit gives one "
+                           "episode, not one per crossing).")
+    max_gap_s: float = Field(120, gt=0, description="A gap between samples longer than this "
+                             "restarts the run: no observations means no evidence.")
+    slowdown_c: dict[str, float] = Field(
+        default_factory=lambda: dict(DEFAULT_SLOWDOWN_C),
+        description="Slowdown temperature (°C) per GPU model, matched as a substring of the "
+        "model name (longest match wins). Typical `nvidia-smi -q` 'GPU Slowdown Temp' values; "
+        "set yours from nvmlDeviceGetTemperatureThreshold(SLOWDOWN).",
+    )
+    default_slowdown_c: float = Field(
+        90.0, description="Slowdown temperature for a model not listed in slowdown_c.")
+
+    @functools.cached_property
+    def threshold_by_model(self) -> dict[str, float]:
+        """Model name -> slowdown temperature, filled as models are seen (a plain instance
+        attribute: pydantic's private attributes are slow on this per-sample path)."""
+        return {}
+
+    def threshold_for(self, model: str) -> float:
+        """The slowdown temperature of ``model`` (cached per model name)."""
+        table = self.threshold_by_model
+        cached = table.get(model)
+        if cached is None:
+            matches = [k for k in self.slowdown_c if k in model]
+            cached = self.slowdown_c[max(matches, key=len)] if matches \
+                else self.default_slowdown_c
+            table[model] = cached
+        return cached
+
+
+class HardwareSettings(BaseModel):
+    """The hardware rules' settings, grouped for the node join (each is its own rule)."""
+
+    sbe: SbeRateSettings = Field(default_factory=SbeRateSettings)
+    pcie: PcieReplaySettings = Field(default_factory=PcieReplaySettings)
+    nvlink: NvlinkErrorSettings = Field(default_factory=NvlinkErrorSettings)
+    remap_failure: RemapFailureSettings = Field(default_factory=RemapFailureSettings)
+    remap_pending: RemapPendingSettings = Field(default_factory=RemapPendingSettings)
+    gpu_lost: GpuLostSettings = Field(default_factory=GpuLostSettings)
+    recovery: RecoveryActionSettings = Field(default_factory=RecoveryActionSettings)
+    thermal: ThermalSettings = Field(default_factory=ThermalSettings)
+    xid: xid_rule.XidSettings = Field(default_factory=xid_rule.XidSettings)
+
+
+class Episode(msgspec.Struct):
+    id: str
+    fingerprint: str
+    since: float
+
+
+class CounterTrack(msgspec.Struct, omit_defaults=True):
+    last: int | None = None
+    increments: list[tuple[float, int]] = []
+    last_increment_ts: float | None = None
+    open: Episode | None = None
+
+
+class ThermalTrack(msgspec.Struct, omit_defaults=True):
+    hot_since: float | None = None
+    hot_samples: int = 0
+    max_temp_c: float = 0.0
+    reasons: int = 0
+    cool_since: float | None = None
+    open: Episode | None = None
+
+
+class HwTrack(msgspec.Struct, omit_defaults=True):
+    """Per-device state of every hardware rule but ECC DBE (its own module)."""
+
+    last_ts: float | None = None
+    sbe: CounterTrack = msgspec.field(default_factory=CounterTrack)
+    pcie: CounterTrack = msgspec.field(default_factory=CounterTrack)
+    nvlink: CounterTrack = msgspec.field(default_factory=CounterTrack)
+    remap_failure: Episode | None = None
+    remap_pending: Episode | None = None
+    lost: Episode | None = None
+    recovery: Episode | None = None
+    recovery_value: int = 0
+    thermal: ThermalTrack = msgspec.field(default_factory=ThermalTrack)
+    xid: xid_rule.XidTrack = msgspec.field(default_factory=xid_rule.XidTrack)
+
+    def unhealthy(self) -> bool:
+        """True while an episode that takes the GPU out of service is open."""
+        return (self.remap_failure is not None or self.lost is not None
+                or self.recovery is not None or any(c != "restart_app" for c in self.xid.open))
+
+
+Out = list[Finding | Action]
+
+
+def _finding(kind: str, severity: Literal["info", "warning", "critical"], node: str, uuid: str,
+             start: float, ts: float, summary: str, samples: int,
+             values: dict[str, float]) -> Finding:
+    fp = fingerprint(kind, node, uuid)
+    return Finding(
+        id=finding_id(fp, start), fingerprint=fp, kind=kind, severity=severity, state="firing",
+        subject=Subject(node=node, device=uuid), summary=summary, starts_at=start, ts=ts,
+        evidence=Evidence(window_start=start, window_end=ts, samples=samples, values=values),
+        runbook=RUNBOOKS[kind],
+    )
+
+
+def _act(finding: Finding, verb: ActionVerb, node: str,
+         params: dict[str, str] | None = None) -> Action:
+    action = action_for(finding, verb, Subject(node=node), finding.summary)
+    if params:
+        action.params = params
+    return action
+
+
+def _close(episode: Episode, kind: str, node: str, uuid: str, ts: float, why: str) -> Finding:
+    return resolved(episode.id, episode.fingerprint, kind, Subject(node=node, device=uuid),
+                    f"{uuid} on {node}: {why}", episode.since, ts)
+
+
+def _counter(track: CounterTrack, value: int, kind: str, node: str, uuid: str, ts: float,
+             settings: CounterBurstSettings, out: Out, since_last: float | None) -> None:
+    last = track.last
+    track.last = value
+    if since_last is not None and since_last > settings.window_s and track.open is None:
+        # Samples stopped for longer than the window: the increase may be spread over all of
+        # it, so it is no evidence of a burst. It becomes the new baseline.
+        last = None
+    if last is not None and value > last:
+        track.last_increment_ts = ts
+        if track.open is not None:
+            return  # the episode goes on; only the time of the last increase matters now
+        # Below the threshold every kept increase is >= 1, so fewer than `threshold` are kept.
+        track.increments.append((ts, value - last))
+        horizon = ts - settings.window_s
+        if track.increments[0][0] <= horizon:
+            track.increments = [i for i in track.increments if i[0] > horizon]
+        total = sum(i[1] for i in track.increments)
+        if total >= settings.threshold:
+            start = track.increments[0][0]
+            finding = _finding(
+                kind, "warning", node, uuid, start, ts,
+                f"{kind.replace('_', ' ')} on {uuid} ({node}): {total} in "
+                f"{ts - start:.0f} s (threshold {settings.threshold} per "
+                f"{settings.window_s:g} s)", len(track.increments),
+                {"increase": float(total), "threshold": float(settings.threshold)})
+            track.open = Episode(finding.id, finding.fingerprint, start)
+            track.increments = []
+            out.append(finding)
+        return
+    if last is not None and value < last:
+        track.increments = []  # the GPU was reset: a new baseline
+    if track.open is not None and (track.last_increment_ts is None
+                                   or ts - track.last_increment_ts >= settings.window_s):
+        out.append(_close(track.open, kind, node, uuid, ts,
+                          f"no {kind.replace('_', ' ')} increase for {settings.window_s:g} s"))
+        track.open = None
+        track.increments = []
+
+
+def _thermal(track: ThermalTrack, device: DeviceSample, node: str, ts: float, gap: bool,
+             settings: ThermalSettings, out: Out) -> None:
+    temp, reasons = device.temp_c, device.clock_event_reasons
+    if temp is None and reasons is None:
+        return
+    hot_reasons = (reasons or 0) & THERMAL_REASONS
+    hot = bool(hot_reasons) or (temp is not None and temp >= settings.threshold_for(device.model))
+    if not hot:
+        track.hot_since = None
+        if track.open is not None:
+            if track.cool_since is None:
+                track.cool_since = ts
+            if ts - track.cool_since >= settings.clear_s:
+                out.append(_close(track.open, THERMAL_KIND, node, device.uuid, ts,
+                                  "no thermal slowdown any more"))
+                track.open = track.cool_since = None
+        return
+    track.cool_since = None
+    if track.hot_since is None or gap:
+        track.hot_since, track.hot_samples, track.max_temp_c, track.reasons = ts, 0, 0.0, 0
+    track.hot_samples += 1
+    track.reasons |= hot_reasons
+    if temp is not None:
+        track.max_temp_c = max(track.max_temp_c, temp)
+    if track.open is None and ts - track.hot_since >= settings.window_s:
+        threshold = settings.threshold_for(device.model)
+        finding = _finding(
+            THERMAL_KIND, "warning", node, device.uuid, track.hot_since, ts,
+            f"{device.uuid} ({node}) thermally throttled for {(ts - track.hot_since) / 60:.0f} min "
+            f"(max {track.max_temp_c:g} °C, slowdown at {threshold:g} °C, reasons "
+            f"{track.reasons:#x})", track.hot_samples,
+            {"max_temp_c": track.max_temp_c, "slowdown_c": threshold,
+             "thermal_reasons": float(track.reasons)})
+        track.open = Episode(finding.id, finding.fingerprint, track.hot_since)
+        out.append(finding)
+
+
+def _flag(episode: Episode | None, flag: bool, kind: str, node: str, uuid: str, ts: float,
+          out: Out, *, act: bool) -> Episode | None:
+    if flag and episode is None:
+        severity: Literal["warning", "critical"] = ("critical" if kind == REMAP_FAILURE_KIND
+                                                    else "warning")
+        what = ("row remapping failed" if kind == REMAP_FAILURE_KIND
+                else "a row remap is pending a GPU reset")
+        finding = _finding(kind, severity, node, uuid, ts, ts, f"{uuid} ({node}): {what}", 1,
+                           {kind: 1.0})
+        out.append(finding)
+        if act:
+            if kind == REMAP_FAILURE_KIND:
+                out.append(_act(finding, "cordon", node))
+            else:
+                out.append(_act(finding, "taint", node, dict(xid_rule.RESET_TAINT)))
+        return Episode(finding.id, finding.fingerprint, ts)
+    if not flag and episode is not None:
+        out.append(_close(episode, kind, node, uuid, ts, "the flag cleared (GPU reset)"))
+        return None
+    return episode
+
+
+def _recovery(track: HwTrack, value: int, node: str, uuid: str, ts: float,
+              settings: RecoveryActionSettings, out: Out) -> None:
+    track.recovery_value = value
+    if track.recovery is not None:
+        # The action changed (or cleared): close the episode; a new non-zero one reopens.
+        out.append(_close(track.recovery, RECOVERY_KIND, node, uuid, ts,
+                          "the driver reports no recovery action needed" if value == 0
+                          else f"recovery action changed to {value}"))
+        track.recovery = None
+    if value == 0:
+        return
+    meaning, verb = RECOVERY_ACTIONS.get(value, (f"recovery action {value}", None))
+    finding = _finding(RECOVERY_KIND, "critical" if verb else "warning", node, uuid, ts, ts,
+                       f"{uuid} ({node}): the driver asks for {meaning}", 1,
+                       {"recovery_action": float(value)})
+    # Keep episodes of different actions apart: the id carries the value.
+    finding.fingerprint = fingerprint(RECOVERY_KIND, node, uuid, str(value))
+    finding.id = finding_id(finding.fingerprint, ts)
+    out.append(finding)
+    track.recovery = Episode(finding.id, finding.fingerprint, ts)
+    if settings.act and verb is not None:
+        params = dict(xid_rule.RESET_TAINT) if verb == "taint" else None
+        out.append(_act(finding, verb, node, params))
+
+
+def observe_sample(track: HwTrack, *, node: str, device: DeviceSample, ts: float,
+                   settings: HardwareSettings) -> Out:
+    """Fold one device sample into ``track``; return the findings and actions it causes."""
+    last_ts = track.last_ts
+    if last_ts is not None and ts <= last_ts:
+        return []
+    track.last_ts = ts
+    out: Out = []
+    uuid = device.uuid
+    since_last = None if last_ts is None else ts - last_ts
+    value = device.ecc_sbe_volatile
+    if value is not None and (value != track.sbe.last or track.sbe.open is not None):
+        _counter(track.sbe, value, SBE_KIND, node, uuid, ts, settings.sbe, out, since_last)
+    value = device.pcie_replay
+    if value is not None and (value != track.pcie.last or track.pcie.open is not None):
+        _counter(track.pcie, value, PCIE_KIND, node, uuid, ts, settings.pcie, out, since_last)
+    value = device.nvlink_errors
+    if value is not None and (value != track.nvlink.last or track.nvlink.open is not None):
+        _counter(track.nvlink, value, NVLINK_KIND, node, uuid, ts, settings.nvlink, out, since_last)
+    flag = device.remap_failure
+    if flag is not None and flag != (track.remap_failure is not None):
+        track.remap_failure = _flag(track.remap_failure, flag, REMAP_FAILURE_KIND, node, uuid,
+                                    ts, out, act=settings.remap_failure.cordon)
+    flag = device.remap_pending
+    if flag is not None and flag != (track.remap_pending is not None):
+        track.remap_pending = _flag(track.remap_pending, flag, REMAP_PENDING_KIND, node, uuid,
+                                    ts, out, act=settings.remap_pending.taint)
+    value = device.recovery_action
+    if value is not None and value != track.recovery_value:
+        _recovery(track, value, node, uuid, ts, settings.recovery, out)
+    thermal = track.thermal
+    temp = device.temp_c
+    if (thermal.open is not None or thermal.hot_since is not None
+            or (device.clock_event_reasons or 0) & THERMAL_REASONS
+            or (temp is not None and temp >= settings.thermal.threshold_for(device.model))):
+        gap = last_ts is not None and ts - last_ts > settings.thermal.max_gap_s
+        _thermal(thermal, device, node, ts, gap, settings.thermal, out)
+    if track.lost is not None and (device.temp_c is not None or device.util_pct is not None
+                                   or device.mem_used_bytes is not None):
+        out.append(_close(track.lost, GPU_LOST_KIND, node, uuid, ts, "the GPU reports again"))
+        track.lost = None
+    if track.xid.open:
+        out += xid_rule.expire(track.xid, node=node, uuid=uuid, ts=ts, settings=settings.xid)
+    return out
+
+
+def observe_lost(track: HwTrack, *, node: str, uuid: str, ts: float, detail: str,
+                 settings: HardwareSettings) -> Out:
+    """A GPU-lost event: open an episode (drain the node) unless one is open."""
+    if track.lost is not None or (track.last_ts is not None and ts <= track.last_ts):
+        # A sample after the event showed the GPU alive: the event is stale.
+        return []
+    finding = _finding(GPU_LOST_KIND, "critical", node, uuid, ts, ts,
+                       f"{uuid} ({node}) fell off the bus: {detail or 'GPU unavailable'}", 1,
+                       {"gpu_lost": 1.0})
+    track.lost = Episode(finding.id, finding.fingerprint, ts)
+    out: Out = [finding]
+    if settings.gpu_lost.drain:
+        out.append(_act(finding, "drain", node))
+    return out
+
+
+def observe_remap_failure_event(track: HwTrack, *, node: str, uuid: str, ts: float,
+                                settings: HardwareSettings) -> Out:
+    """The urgent remap-failure event: open the episode now, without waiting for the tick."""
+    out: Out = []
+    if track.last_ts is not None and ts <= track.last_ts:
+        return out
+    track.remap_failure = _flag(track.remap_failure, True, REMAP_FAILURE_KIND, node, uuid, ts,
+                                out, act=settings.remap_failure.cordon)
+    return out

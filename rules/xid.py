@@ -1,0 +1,328 @@
+"""XID errors: classified by NVIDIA's catalog into action classes, acted on by class.
+
+The catalog (``xid_catalog.yaml``, shipped with the package, a copy of the
+project's reference data) maps each XID to an ``action_class``: what a
+fleet does about it. This rule counts the XIDs of each class per GPU in a
+sliding event-time window and opens one episode per (GPU, class) when the
+class's repeat threshold is reached:
+
+==================  ==========================================  ==============
+class               action                                      default
+==================  ==========================================  ==============
+restart_app         finding only (the workload restarts itself)  5 in 24 h
+reset_gpu           taint ``gpusteward.io/gpu-reset-required``   1
+reboot_node         drain the node                               1
+drain_and_rma       cordon, critical, RMA runbook                1
+follow_workflow     cordon (fatal, needs NVIDIA's workflow)      1
+none, follow_other  nothing                                      off
+==================  ==========================================  ==============
+
+On top of that, fatal XIDs (the catalog's ``fatal_nvsentinel: FATAL``)
+repeating on one GPU despite the per-class actions (default 5 in 24 h)
+open an ``xid_rma`` episode: cordon and escalate to the vendor.
+
+An episode stays open while XIDs of its class keep coming and closes after
+a quiet window with none (checked on the device's samples). Events are
+deduplicated on (time, XID); a late event older than the end of the last
+closed episode of its class cannot reopen it.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from typing import Literal
+
+import msgspec
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
+from gpusteward.schema import Action, Evidence, Finding, Subject
+
+KIND = "xid"
+RMA_KIND = "xid_rma"
+
+ActionClass = Literal[
+    "none", "restart_app", "reset_gpu", "reboot_node", "drain_and_rma", "follow_workflow",
+    "follow_other_xid",
+]
+
+MAX_RECENT = 256
+"""Most XIDs remembered per GPU."""
+
+RESET_TAINT = {"key": "gpusteward.io/gpu-reset-required", "effect": "NoSchedule"}
+
+RUNBOOKS: dict[str, str] = {
+    "restart_app": "Workloads on this GPU keep hitting an application-class XID. One is a "
+    "program bug; a repeat on the same GPU across workloads points at the hardware: check "
+    "`nvidia-smi -q -d ECC,PAGE_RETIREMENT,ROW_REMAPPER` and PCIe replay counters, and move the "
+    "workload to another GPU to compare.",
+    "reset_gpu": "The GPU needs a reset before it can be trusted (NVIDIA bucket RESET_GPU). The "
+    "node is tainted gpusteward.io/gpu-reset-required:NoSchedule. Stop the pods on the GPU, run "
+    "`nvidia-smi -r -i <index>` (or reboot the node), check the XID clears, then remove the taint.",
+    "reboot_node": "The GPU is unreachable or needs a host restart (NVIDIA bucket RESTART_BM). "
+    "The node is drained: reboot it, check `nvidia-smi` lists every GPU, then uncordon. If it "
+    "recurs after a reboot, open an RMA.",
+    "drain_and_rma": "An XID that should never appear on this hardware (NVIDIA bucket "
+    "CONTACT_SUPPORT). The node is cordoned: drain it, collect `nvidia-bug-report.sh` and open a "
+    "support case / RMA with the vendor.",
+    "follow_workflow": "A fatal XID whose handling depends on details (NVIDIA WORKFLOW_* "
+    "bucket, e.g. Xid 48 DBE or Xid 74 NVLink). The node is cordoned: follow NVIDIA's workflow "
+    "for this XID in the XID catalog; usually a GPU reset, an RMA if it recurs.",
+}
+
+RMA_RUNBOOK = (
+    "Fatal XIDs keep recurring on this GPU despite resets: treat it as failing hardware. The "
+    "node is cordoned. Drain it, run NVIDIA field diagnostics (`dcgmi diag -r 3`), collect "
+    "`nvidia-bug-report.sh` and open an RMA with the vendor."
+)
+
+
+class XidInfo(msgspec.Struct, frozen=True):
+    """One catalog entry, as far as the rule needs it."""
+
+    xid: int
+    mnemonic: str
+    action_class: ActionClass
+    fatal: bool
+
+
+@functools.cache
+def catalog() -> dict[int, XidInfo]:
+    """The shipped XID catalog by XID number (ranges expanded), read once per process."""
+    text = resources.files(__package__).joinpath("xid_catalog.yaml").read_text()
+    return parse_catalog(text)
+
+
+def parse_catalog(text: str) -> dict[int, XidInfo]:
+    """Parse catalog YAML (the reference data's format) into :class:`XidInfo` by number."""
+    out: dict[int, XidInfo] = {}
+    for entry in yaml.safe_load(text)["xids"]:
+        if "xid_range" in entry:
+            low, high = entry["xid_range"]
+            numbers = range(int(low), int(high) + 1)
+            mnemonic = "/".join(entry.get("mnemonics", []))
+        else:
+            numbers = range(int(entry["xid"]), int(entry["xid"]) + 1)
+            mnemonic = entry.get("mnemonic", "")
+        for number in numbers:
+            out[number] = XidInfo(number, mnemonic, entry["action_class"],
+                                  entry.get("fatal_nvsentinel") == "FATAL")
+    return out
+
+
+class XidClassPolicy(BaseModel):
+    """When XIDs of one action class open an episode."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="False ignores XIDs of this class entirely.")
+    min_count: int = Field(1, ge=1, description="XIDs of the class on one GPU within window_s "
+                           "that open an episode (1 acts on the first).")
+    window_s: float = Field(86400, gt=0, description="Counting window, seconds of event time; "
+                            "also the quiet time after the last XID that closes the episode.")
+
+
+def _default_classes() -> dict[ActionClass, XidClassPolicy]:
+    return {
+        "none": XidClassPolicy(enabled=False),
+        "follow_other_xid": XidClassPolicy(enabled=False),
+        "restart_app": XidClassPolicy(min_count=5, window_s=86400),
+        "reset_gpu": XidClassPolicy(),
+        "reboot_node": XidClassPolicy(),
+        "drain_and_rma": XidClassPolicy(),
+        "follow_workflow": XidClassPolicy(),
+    }
+
+
+class XidSettings(BaseModel):
+    """Settings of the XID rule."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    classes: dict[ActionClass, XidClassPolicy] = Field(
+        default_factory=_default_classes,
+        description="Repeat threshold per action class. Defaults: act on the first fatal XID "
+        "(reset_gpu, reboot_node, drain_and_rma, follow_workflow); application-class XIDs only "
+        "when 5 hit one GPU within 24 h (one is a program bug, five suggest the GPU); 'none' and "
+        "'follow_other_xid' (45, 154: they accompany another XID) are ignored.",
+    )
+    reclassify: dict[int, ActionClass] = Field(
+        default_factory=dict,
+        description="Per-XID override of the catalog's action class, e.g. {13: none} to ignore "
+        "graphics exceptions on a fleet of experimental code.",
+    )
+    unknown_class: ActionClass = Field(
+        "none", description="Action class of an XID the catalog does not list. 'none': the "
+        "catalog holds every XID that matters for remediation.",
+    )
+    rma_count: int = Field(
+        5, ge=1, description="Fatal XIDs on one GPU within rma_window_s that escalate to RMA "
+        "(cordon, critical): the GPU keeps failing despite resets.",
+    )
+    rma_window_s: float = Field(86400, gt=0, description="Window of rma_count, seconds.")
+    cordon_on_rma: bool = Field(True, description="Ask to cordon the node on an RMA escalation.")
+
+    def classify(self, xid: int) -> tuple[ActionClass, bool]:
+        """The action class and fatality of ``xid`` under these settings."""
+        info = catalog().get(xid)
+        cls: ActionClass = info.action_class if info else self.unknown_class
+        return self.reclassify.get(xid, cls), bool(info and info.fatal)
+
+
+class XidEpisode(msgspec.Struct):
+    id: str
+    fingerprint: str
+    since: float
+    last_ts: float
+
+
+class XidTrack(msgspec.Struct, omit_defaults=True):
+    """Per-GPU state: recent XIDs (ts, xid, class, fatal) and open episodes by class."""
+
+    recent: list[tuple[float, int, str, bool]] = []  # Occurrence
+    open: dict[str, XidEpisode] = {}
+    closed_until: dict[str, float] = {}
+    """Per class, the end of the last closed episode: older late events cannot reopen it."""
+
+
+Occurrence = tuple[float, int, str, bool]
+
+
+def _densest(occurrences: list[Occurrence], ts: float, window_s: float) -> list[Occurrence]:
+    """The fullest window of ``window_s`` that holds the event at ``ts``.
+
+    Events can arrive out of order, so the window that crosses a threshold may end after
+    ``ts``: try every window (end - window_s, end] with an end from ts to ts + window_s.
+    """
+    ends = sorted({r[0] for r in occurrences if ts <= r[0] < ts + window_s})
+    best: list[Occurrence] = []
+    for end in ends:
+        inside = [r for r in occurrences if end - window_s < r[0] <= end]
+        if len(inside) > len(best):
+            best = inside
+    return sorted(best)
+
+
+def _verb_for(cls: str) -> tuple[Literal["cordon", "taint", "drain"] | None, dict[str, str]]:
+    if cls == "reset_gpu":
+        return "taint", dict(RESET_TAINT)
+    if cls == "reboot_node":
+        return "drain", {}
+    if cls in ("drain_and_rma", "follow_workflow"):
+        return "cordon", {}
+    return None, {}
+
+
+def observe_event(track: XidTrack, *, node: str, uuid: str, xid: int, ts: float,
+                  settings: XidSettings) -> list[Finding | Action]:
+    """Fold one XID event into ``track``; return the findings and actions it causes."""
+    cls, fatal = settings.classify(xid)
+    policy = settings.classes.get(cls)
+    if not fatal and (policy is None or not policy.enabled):
+        return []  # ignored, and kept out of the history so a storm of it pushes nothing out
+    if any(r[0] == ts and r[1] == xid for r in track.recent):
+        return []  # a redelivered event
+    keep_s = max(settings.rma_window_s,
+                 *(p.window_s for p in settings.classes.values()))
+    newest = max(ts, max((r[0] for r in track.recent), default=ts))
+    track.recent = [r for r in track.recent if r[0] > newest - keep_s]
+    track.recent.append((ts, xid, cls, fatal))
+    if len(track.recent) > MAX_RECENT:
+        # An XID storm: keep the newest; counts stay at least MAX_RECENT, above any threshold
+        # worth setting, and the state (which rides the changelog) stays small.
+        track.recent.sort()
+        del track.recent[:-MAX_RECENT]
+    out: list[Finding | Action] = []
+    subject = Subject(node=node, device=uuid)
+    episode = track.open.get(cls)
+    if episode is not None:
+        episode.last_ts = max(episode.last_ts, ts)
+    elif (policy is not None and policy.enabled
+          and ts > track.closed_until.get(cls, float("-inf"))):
+        in_window = _densest([r for r in track.recent if r[2] == cls], ts, policy.window_s)
+        if len(in_window) >= policy.min_count:
+            out += _open(track, cls, node, uuid, subject, in_window, ts)
+    rma = track.open.get(RMA_KIND)
+    if fatal and rma is not None:
+        rma.last_ts = max(rma.last_ts, ts)  # still failing: the RMA episode goes on
+    if fatal and settings.rma_count and rma is None \
+            and ts > track.closed_until.get(RMA_KIND, float("-inf")):
+        fatal_window = _densest([r for r in track.recent if r[3]], ts, settings.rma_window_s)
+        if len(fatal_window) >= settings.rma_count:
+            out += _open_rma(track, node, uuid, subject, fatal_window, ts, settings)
+    return out
+
+
+def _open(track: XidTrack, cls: str, node: str, uuid: str, subject: Subject,
+          window: list[Occurrence], ts: float) -> list[Finding | Action]:
+    start = min(r[0] for r in window)
+    xids = sorted({r[1] for r in window})
+    fp = fingerprint(KIND, node, uuid, cls)
+    fid = finding_id(fp, start)
+    names = ", ".join(str(x) for x in xids)
+    severity: Literal["warning", "critical"] = "warning" if cls == "restart_app" else "critical"
+    finding = Finding(
+        id=fid, fingerprint=fp, kind=KIND, severity=severity, state="firing", subject=subject,
+        summary=f"Xid {names} ({cls}) on {uuid} ({node}): {len(window)} in the window",
+        starts_at=start, ts=ts,
+        evidence=Evidence(window_start=start, window_end=max(ts, window[-1][0]),
+                          samples=len(window),
+                          values={"count": float(len(window)), "last_xid": float(window[-1][1])}),
+        runbook=RUNBOOKS.get(cls, ""),
+        labels={"action_class": cls, "xids": names},
+    )
+    track.open[cls] = XidEpisode(fid, fp, start, ts)
+    out: list[Finding | Action] = [finding]
+    verb, params = _verb_for(cls)
+    if verb is not None:
+        action = action_for(finding, verb, Subject(node=node), finding.summary)
+        action.params = params
+        out.append(action)
+    return out
+
+
+def _open_rma(track: XidTrack, node: str, uuid: str, subject: Subject,
+              window: list[Occurrence], ts: float,
+              settings: XidSettings) -> list[Finding | Action]:
+    start = min(r[0] for r in window)
+    fp = fingerprint(RMA_KIND, node, uuid)
+    fid = finding_id(fp, start)
+    names = ", ".join(str(x) for x in sorted({r[1] for r in window}))
+    finding = Finding(
+        id=fid, fingerprint=fp, kind=RMA_KIND, severity="critical", state="firing",
+        subject=subject,
+        summary=f"{len(window)} fatal XIDs ({names}) on {uuid} ({node}) within "
+        f"{settings.rma_window_s / 3600:g} h: RMA candidate",
+        starts_at=start, ts=ts,
+        evidence=Evidence(window_start=start, window_end=max(ts, window[-1][0]),
+                          samples=len(window), values={"fatal_xids": float(len(window))}),
+        runbook=RMA_RUNBOOK, labels={"action_class": "drain_and_rma", "xids": names},
+    )
+    track.open[RMA_KIND] = XidEpisode(fid, fp, start, ts)
+    out: list[Finding | Action] = [finding]
+    if settings.cordon_on_rma:
+        out.append(action_for(finding, "cordon", Subject(node=node), finding.summary))
+    return out
+
+
+def expire(track: XidTrack, *, node: str, uuid: str, ts: float,
+           settings: XidSettings) -> list[Finding | Action]:
+    """Close the episodes with no XID of their class for their window (called on samples)."""
+    out: list[Finding | Action] = []
+    for cls, episode in list(track.open.items()):
+        if cls == RMA_KIND:
+            quiet_s = settings.rma_window_s
+        else:
+            policy = settings.classes.get(cls)  # type: ignore[call-overload]
+            quiet_s = policy.window_s if policy is not None else settings.rma_window_s
+        if ts - episode.last_ts < quiet_s:
+            continue
+        del track.open[cls]
+        track.closed_until[cls] = ts
+        kind = RMA_KIND if cls == RMA_KIND else KIND
+        out.append(resolved(episode.id, episode.fingerprint, kind, Subject(node=node, device=uuid),
+                            f"{uuid} on {node}: no {cls} XID for {quiet_s / 3600:g} h",
+                            episode.since, ts))
+    return out

@@ -1,0 +1,317 @@
+"""The hardware-fault rules on hand-made sample sequences: counters, remap, GPU lost, thermal."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from gpusteward.rules import hardware
+from gpusteward.schema import Action, DeviceSample, Finding
+
+T0 = 1_000_000.0
+SETTINGS = hardware.HardwareSettings()
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def dev(**fields: Any) -> DeviceSample:
+    base: dict[str, Any] = {"uuid": "GPU-1", "index": 0, "model": H100, "temp_c": 50.0,
+                            "clock_event_reasons": 0, "ecc_sbe_volatile": 0, "pcie_replay": 0,
+                            "nvlink_errors": 0, "remap_pending": False, "remap_failure": False,
+                            "util_pct": 50.0}
+    base.update(fields)
+    return DeviceSample(**base)
+
+
+def feed(track: hardware.HwTrack, readings: list[tuple[float, DeviceSample]],
+         s: hardware.HardwareSettings = SETTINGS) -> list[Finding | Action]:
+    out: list[Finding | Action] = []
+    for ts, sample in readings:
+        out += hardware.observe_sample(track, node="n1", device=sample, ts=ts, settings=s)
+    return out
+
+
+def firing(out: list[Finding | Action], kind: str | None = None) -> list[Finding]:
+    return [o for o in out if isinstance(o, Finding) and o.state == "firing"
+            and (kind is None or o.kind == kind)]
+
+
+def resolved(out: list[Finding | Action]) -> list[Finding]:
+    return [o for o in out if isinstance(o, Finding) and o.state == "resolved"]
+
+
+def test_healthy_gpu_gives_nothing() -> None:
+    assert feed(hardware.HwTrack(), [(T0 + i * 30, dev()) for i in range(200)]) == []
+
+
+def test_sbe_burst_opens_one_episode_and_quiet_closes_it() -> None:
+    track = hardware.HwTrack()
+    # 40 SBE per 30 s sample: the threshold (100 per hour) is crossed at the 3rd increase.
+    readings = [(T0 + i * 30, dev(ecc_sbe_volatile=40 * i)) for i in range(20)]
+    out = feed(track, readings)
+    (finding,) = firing(out)
+    assert finding.kind == "ecc_sbe_rate" and finding.severity == "warning"
+    assert finding.ts == T0 + 90 and finding.starts_at == T0 + 30
+    assert finding.evidence is not None and finding.evidence.values["increase"] == 120
+    assert finding.runbook
+    assert not [o for o in out if isinstance(o, Action)]
+    # No increase for the whole window closes the episode, once.
+    quiet = [(T0 + 600 + i * 60, dev(ecc_sbe_volatile=760)) for i in range(70)]
+    out = feed(track, quiet)
+    (closing,) = resolved(out)
+    assert closing.id == finding.id and closing.ends_at == T0 + 600 + 60 * 60
+
+
+def test_slow_sbe_trickle_never_fires() -> None:
+    # 99 per hour forever: always just under the threshold.
+    readings = [(T0 + i * 3600 / 99, dev(ecc_sbe_volatile=i)) for i in range(1000)]
+    assert feed(hardware.HwTrack(), readings) == []
+
+
+def test_counter_reset_is_a_new_baseline_not_a_burst() -> None:
+    readings = [(T0, dev(ecc_sbe_volatile=5000)), (T0 + 30, dev(ecc_sbe_volatile=0)),
+                (T0 + 60, dev(ecc_sbe_volatile=10))]
+    assert feed(hardware.HwTrack(), readings) == []
+
+
+def test_pcie_and_nvlink_bursts() -> None:
+    track = hardware.HwTrack()
+    out = feed(track, [(T0 + i * 10, dev(pcie_replay=30 * i, nvlink_errors=3 * i))
+                       for i in range(10)])
+    assert {f.kind for f in firing(out)} == {"pcie_replay", "nvlink_errors"}
+    assert len(firing(out)) == 2
+
+
+def test_remap_failure_cordons_once_and_clears_on_reset() -> None:
+    track = hardware.HwTrack()
+    out = feed(track, [(T0 + i * 30, dev(remap_failure=True)) for i in range(10)])
+    (finding,) = firing(out)
+    assert finding.kind == "remap_failure" and finding.severity == "critical"
+    (action,) = [o for o in out if isinstance(o, Action)]
+    assert action.verb == "cordon" and action.target.node == "n1"
+    (closing,) = resolved(feed(track, [(T0 + 400, dev(remap_failure=False))]))
+    assert closing.id == finding.id
+
+
+def test_remap_failure_event_then_samples_give_one_episode() -> None:
+    track = hardware.HwTrack()
+    out = hardware.observe_remap_failure_event(track, node="n1", uuid="GPU-1", ts=T0,
+                                               settings=SETTINGS)
+    out += feed(track, [(T0 + i * 30, dev(remap_failure=True)) for i in range(5)])
+    assert len(firing(out)) == 1
+
+
+def test_remap_pending_taints_for_a_gpu_reset() -> None:
+    out = feed(hardware.HwTrack(), [(T0 + i * 30, dev(remap_pending=True)) for i in range(5)])
+    (finding,) = firing(out)
+    assert finding.kind == "remap_pending"
+    (action,) = [o for o in out if isinstance(o, Action)]
+    assert action.verb == "taint"
+    assert action.params == {"key": "gpusteward.io/gpu-reset-required", "effect": "NoSchedule"}
+
+
+def test_gpu_lost_drains_once_and_resolves_when_the_gpu_answers() -> None:
+    track = hardware.HwTrack()
+    feed(track, [(T0, dev())])
+    out = hardware.observe_lost(track, node="n1", uuid="GPU-1", ts=T0 + 10, detail="Xid 79",
+                                settings=SETTINGS)
+    out += hardware.observe_lost(track, node="n1", uuid="GPU-1", ts=T0 + 20, detail="again",
+                                 settings=SETTINGS)
+    (finding,) = firing(out)
+    assert finding.kind == "gpu_lost" and finding.severity == "critical"
+    assert [a.verb for a in out if isinstance(a, Action)] == ["drain"]
+    (closing,) = resolved(feed(track, [(T0 + 900, dev())]))
+    assert closing.id == finding.id
+
+
+def test_stale_gpu_lost_event_is_ignored() -> None:
+    track = hardware.HwTrack()
+    feed(track, [(T0 + 60, dev())])
+    assert hardware.observe_lost(track, node="n1", uuid="GPU-1", ts=T0, detail="",
+                                 settings=SETTINGS) == []
+
+
+def test_thermal_fires_after_five_minutes_above_the_models_slowdown_temperature() -> None:
+    threshold = SETTINGS.thermal.threshold_for(H100)
+    assert threshold == 89.0
+    track = hardware.HwTrack()
+    out = feed(track, [(T0 + i * 30, dev(temp_c=threshold + 1)) for i in range(12)])
+    (finding,) = firing(out)
+    assert finding.kind == "thermal_slowdown"
+    assert finding.starts_at == T0 and finding.ts == T0 + 300
+    assert finding.evidence is not None and finding.evidence.samples == 11
+
+
+def test_thermal_reason_bits_count_but_power_brake_does_not() -> None:
+    hw_thermal = [(T0 + i * 30, dev(clock_event_reasons=0x40)) for i in range(12)]
+    assert len(firing(feed(hardware.HwTrack(), hw_thermal))) == 1
+    power = [(T0 + i * 30, dev(clock_event_reasons=0x80 | 0x04)) for i in range(30)]
+    assert feed(hardware.HwTrack(), power) == []
+
+
+def test_short_thermal_spike_does_not_fire() -> None:
+    spike = [(T0 + i * 30, dev(temp_c=95.0 if 3 <= i < 12 else 60.0)) for i in range(40)]
+    assert feed(hardware.HwTrack(), spike) == []
+
+
+def test_hovering_at_the_limit_is_one_episode() -> None:
+    track = hardware.HwTrack()
+    readings = [(T0 + i * 30, dev(temp_c=95.0)) for i in range(20)]
+    # Dips shorter than clear_s do not end the episode.
+    readings += [(T0 + 600 + i * 30, dev(temp_c=95.0 if i % 3 else 80.0)) for i in range(40)]
+    readings += [(T0 + 1800 + i * 30, dev(temp_c=60.0)) for i in range(10)]
+    out = feed(track, readings)
+    assert len(firing(out)) == 1 and len(resolved(out)) == 1
+
+
+def test_per_model_threshold_longest_match_wins() -> None:
+    thermal = hardware.ThermalSettings(slowdown_c={"A10": 91.0, "A100": 85.0})
+    assert thermal.threshold_for("NVIDIA A100-SXM4-80GB") == 85.0
+    assert thermal.threshold_for("NVIDIA A10") == 91.0
+    assert thermal.threshold_for("Tesla V100") == thermal.default_slowdown_c
+
+
+# --- properties ---------------------------------------------------------------------------
+
+# Runs of samples, hot or not, arriving in order, twice each, with a late one every few,
+# or after a gap longer than max_gap_s.
+SEGMENTS = st.lists(st.tuples(st.integers(1, 40), st.booleans(),
+                              st.sampled_from(["forward", "dup", "late", "gap"])),
+                    min_size=1, max_size=10)
+reached: set[str] = set()
+
+
+def _ticks(segments: list[tuple[int, bool, str]]) -> list[tuple[int, bool]]:
+    tick, out = 0, []
+    for count, hot, pattern in segments:
+        for i in range(count):
+            tick += 6 if pattern == "gap" and i == 0 else 1
+            out.append((tick, hot))
+            if pattern == "dup":
+                out.append((tick, hot))
+            elif pattern == "late" and i % 3 == 2:
+                out.append((tick - 2, not hot))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(SEGMENTS)
+@example([(15, True, "dup"), (3, True, "late"), (10, False, "forward")])
+def test_thermal_never_fires_unless_hot_for_the_whole_window(
+        segments: list[tuple[int, bool, str]]) -> None:
+    """Every firing window holds only hot accepted samples, no long gap, and spans window_s;
+    every resolution follows clear_s without a hot sample; with duplicates and out-of-order
+    samples mixed in."""
+    s = SETTINGS.thermal
+    track = hardware.HwTrack()
+    accepted: list[tuple[float, bool]] = []
+    last: float | None = None
+    for tick, hot in _ticks(segments):
+        ts = T0 + tick * 30.0
+        if last is None or ts > last:
+            accepted.append((ts, hot))
+            last = ts
+        for out in feed(track, [(ts, dev(temp_c=95.0 if hot else 60.0))]):
+            assert isinstance(out, Finding)
+            reached.add(out.state)
+            if out.state == "firing":
+                start, end = out.starts_at, out.ts
+                assert end - start >= s.window_s
+                inside = [(t, h) for t, h in accepted if start <= t <= end]
+                assert all(h for _, h in inside)
+                times = [t for t, _ in inside]
+                assert all(b - a <= s.max_gap_s for a, b in itertools.pairwise(times))
+            else:
+                cool = [t for t, h in accepted if ts - s.clear_s <= t <= ts]
+                assert all(not h for t, h in accepted if t in cool)
+
+
+def test_the_thermal_property_saw_episodes_open_and_close() -> None:
+    test_thermal_never_fires_unless_hot_for_the_whole_window()
+    assert reached == {"firing", "resolved"}
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 60)), min_size=1, max_size=150),
+       st.lists(st.integers(-3, 3), max_size=150))
+# A burst, a late and a duplicate sample inside it, then a quiet hour: open and close.
+@example([(i, 50) for i in range(5)] + [(30, 0), (61, 0), (70, 0)], [0, 0, 1, -1, 0, 0, 0, 0])
+def test_counter_fires_only_when_the_window_holds_the_threshold(
+        raw: list[tuple[int, int]], jitter: list[int]) -> None:
+    """A burst finding at ts means the accepted increments in (ts - window, ts] reach the
+    threshold; at most one episode is open at a time, and it resolves only after a quiet
+    window. Delivery is jittered: late and duplicate samples (carrying the counter value of
+    their own time) are mixed in."""
+    s = SETTINGS.sbe
+    # The GPU's true cumulative counter by tick, from the increments at each tick.
+    by_tick: dict[int, int] = {}
+    for tick, inc in raw:
+        by_tick[tick] = by_tick.get(tick, 0) + inc
+    counter, value_at = 0, {}
+    for tick in sorted(by_tick):
+        counter += by_tick[tick]
+        value_at[tick] = counter
+    ticks_ = sorted(value_at)
+    delivered = [ticks_[max(0, min(len(ticks_) - 1, i + (jitter[i] if i < len(jitter) else 0)))]
+                 for i in range(len(ticks_))]
+    track = hardware.HwTrack()
+    last: int | None = None
+    increments: list[tuple[float, int]] = []
+    open_id: str | None = None
+    for tick in delivered:
+        ts = T0 + tick * 60.0
+        if last is None or tick > last:
+            if last is not None and value_at[tick] > value_at[last]:
+                increments.append((ts, value_at[tick] - value_at[last]))
+            last = tick
+        out = feed(track, [(ts, dev(ecc_sbe_volatile=value_at[tick]))])
+        for finding in (o for o in out if isinstance(o, Finding)):
+            reached.add("counter-" + finding.state)
+            if finding.state == "firing":
+                assert open_id is None
+                open_id = finding.id
+                assert sum(i for t, i in increments if ts - s.window_s < t <= ts) >= s.threshold
+            else:
+                assert finding.id == open_id
+                assert all(t <= ts - s.window_s for t, _ in increments)
+                open_id = None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=60), st.randoms())
+def test_duplicated_and_shuffled_samples_of_one_burst_give_one_finding(
+        ticks_: list[int], rnd: Any) -> None:
+    """One SBE burst delivered with duplicates and local reordering: exactly one finding."""
+    readings = [(T0 + i * 30.0, dev(ecc_sbe_volatile=50 * i)) for i in range(10)]
+    noisy = readings + [readings[t % len(readings)] for t in ticks_]
+    rnd.shuffle(noisy)
+    noisy.sort(key=lambda r: r[0])  # arrival mostly in order, duplicates interleaved
+    assert len(firing(feed(hardware.HwTrack(), noisy))) == 1
+
+
+def test_the_counter_property_saw_bursts_open_and_close() -> None:
+    test_counter_fires_only_when_the_window_holds_the_threshold()
+    assert {"counter-firing", "counter-resolved"} <= reached
+
+
+def test_driver_recovery_action_asks_for_its_node_action_and_clears() -> None:
+    track = hardware.HwTrack()
+    out = feed(track, [(T0, dev(recovery_action=0)), (T0 + 30, dev(recovery_action=1)),
+                       (T0 + 60, dev(recovery_action=1))])
+    (reset,) = firing(out)
+    assert reset.kind == "gpu_recovery_action" and reset.severity == "critical"
+    assert [(a.verb, a.params["key"]) for a in out if isinstance(a, Action)] == [
+        ("taint", "gpusteward.io/gpu-reset-required")]
+    out = feed(track, [(T0 + 90, dev(recovery_action=2))])
+    assert [f.state for f in out if isinstance(f, Finding)] == ["resolved", "firing"]
+    assert [a.verb for a in out if isinstance(a, Action)] == ["drain"]
+    (closing,) = resolved(feed(track, [(T0 + 120, dev(recovery_action=0))]))
+    assert closing.state == "resolved" and track.recovery is None
+
+
+def test_a_counter_jump_across_a_long_gap_is_not_a_burst() -> None:
+    readings = [(T0, dev(ecc_sbe_volatile=0)), (T0 + 7200, dev(ecc_sbe_volatile=500)),
+                (T0 + 7230, dev(ecc_sbe_volatile=510))]
+    assert feed(hardware.HwTrack(), readings) == []

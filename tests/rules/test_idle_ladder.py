@@ -1,0 +1,167 @@
+"""The idle rule's per-kind defaults, exemptions and escalation ladder."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from gpusteward.rules import idle
+from gpusteward.schema import Action, DeviceSample, Finding, PodRef
+
+POD = PodRef(namespace="ml-alice", name="nb-alice", uid="u1")
+START = 1_000_000.0
+SETTINGS = idle.IdleSettings()
+
+
+def run(holder: idle.Holder, hours: float, s: idle.IdleSettings = SETTINGS,
+        util: float = 0.0, start: float = START) -> list[Finding | Action]:
+    track = idle.IdleTrack()
+    out: list[Finding | Action] = []
+    sample = DeviceSample(uuid="GPU-1", index=0, model="A100", util_pct=util)
+    for i in range(int(hours * 3600 / 60) + 1):
+        out += idle.observe(track, node="n1", sample=sample, holder=holder, ts=start + i * 60,
+                            settings=s)
+    return out
+
+
+def test_ladder_notifies_then_warns_then_asks_a_dry_run_reclaim() -> None:
+    out = run(idle.Holder(POD, START, "notebook"), 14)
+    findings = [o for o in out if isinstance(o, Finding)]
+    acts = [o for o in out if isinstance(o, Action)]
+    assert [f.severity for f in findings] == ["info", "warning", "warning"]
+    assert len({f.id for f in findings}) == 1
+    assert [a.verb for a in acts] == ["notify_owner", "notify_owner", "requeue"]
+    assert len({a.idempotency_key for a in acts}) == 3
+    first = START + SETTINGS.grace_s + SETTINGS.window_s
+    assert [f.ts for f in findings] == [
+        first, first + SETTINGS.warn_after_s,
+        first + SETTINGS.warn_after_s + SETTINGS.reclaim_after_s]
+    reclaim = acts[-1]
+    assert reclaim.dry_run and reclaim.target.pod == POD
+    assert [f.evidence.values["ladder_step"] for f in findings if f.evidence] == [1, 2, 3]
+
+
+def test_reclaim_executes_only_when_asked() -> None:
+    s = idle.IdleSettings(reclaim_execute=True)
+    acts = [o for o in run(idle.Holder(POD, START, "notebook"), 14, s) if isinstance(o, Action)]
+    assert acts[-1].verb == "requeue" and not acts[-1].dry_run
+
+
+def test_batch_climbs_faster_and_inference_is_never_reclaimed() -> None:
+    batch = [o.verb for o in run(idle.Holder(POD, START, "batch"), 3) if isinstance(o, Action)]
+    assert batch == ["notify_owner", "notify_owner", "requeue"]
+    serving = run(idle.Holder(POD, START, "inference"), 30)
+    acts = [o.verb for o in serving if isinstance(o, Action)]
+    assert acts == ["notify_owner", "notify_owner"]
+    first = next(o for o in serving if isinstance(o, Finding))
+    assert first.ts == START + SETTINGS.grace_s + 4 * 3600
+
+
+def test_unknown_kind_uses_the_rules_values() -> None:
+    (first, *_) = [o for o in run(idle.Holder(POD, START, "weird"), 1) if isinstance(o, Finding)]
+    assert first.ts == START + SETTINGS.grace_s + SETTINGS.window_s
+
+
+def test_exemptions_by_namespace_label_and_annotation() -> None:
+    s = idle.IdleSettings(exempt_namespaces=["ml-alice"])
+    assert run(idle.Holder(POD, START), 3, s) == []
+    labelled = idle.Holder(POD, START, labels={"gpusteward.io/idle-exempt": "true"})
+    assert run(labelled, 3) == []
+    s = idle.IdleSettings(exempt_annotations={"owner.example.com/keep": "*"})
+    annotated = idle.Holder(POD, START, annotations={"owner.example.com/keep": "until friday"})
+    assert run(annotated, 3, s) == []
+    other = idle.Holder(POD, START, labels={"gpusteward.io/idle-exempt": "false"})
+    assert run(other, 3) != []
+
+
+def test_busy_again_after_the_warning_resolves_the_episode() -> None:
+    track = idle.IdleTrack()
+    holder = idle.Holder(POD, START, "notebook")
+    out: list[Finding | Action] = []
+    for i in range((6 * 60) + 1):
+        sample = DeviceSample(uuid="GPU-1", index=0, model="A100", util_pct=0.0)
+        out += idle.observe(track, node="n1", sample=sample, holder=holder,
+                            ts=START + i * 60, settings=SETTINGS)
+    busy = DeviceSample(uuid="GPU-1", index=0, model="A100", util_pct=80.0)
+    out += idle.observe(track, node="n1", sample=busy, holder=holder, ts=START + 6 * 3600 + 60,
+                        settings=SETTINGS)
+    states = [(f.state, f.severity) for f in out if isinstance(f, Finding)]
+    assert states == [("firing", "info"), ("firing", "warning"), ("resolved", "info")]
+    assert track.stage == 0
+
+
+FAST = idle.IdleSettings(warn_after_s=600, reclaim_after_s=600)
+reached: set[float] = set()
+
+
+# Runs of samples, each with one activity level and one way of arriving: in order, each
+# twice (duplicates), with a late sample every few (out of order), or after a long gap.
+SEGMENTS = st.lists(st.tuples(st.integers(1, 150), st.sampled_from([0.0, 0.0, 0.0, 3.0, 60.0]),
+                              st.sampled_from(["forward", "dup", "late", "gap"])),
+                    min_size=1, max_size=12)
+
+
+def _moves(segments: list[tuple[int, float, str]]) -> list[tuple[int, float]]:
+    moves: list[tuple[int, float]] = []
+    for count, util, pattern in segments:
+        for i in range(count):
+            if pattern == "gap" and i == 0:
+                moves.append((12, util))
+            elif pattern == "late" and i % 4 == 3:
+                moves += [(1, util), (-2, 60.0), (2, util)]
+            else:
+                moves.append((1, util))
+                if pattern == "dup":
+                    moves.append((0, util))
+    return moves
+
+
+@settings(max_examples=150, deadline=None)
+@given(SEGMENTS)
+@example([(100, 0.0, "late"), (60, 0.0, "dup")])
+def test_every_ladder_step_rests_on_an_unbroken_idle_run(
+        segments: list[tuple[int, float, str]]) -> None:
+    """Each firing finding (first notice and each later step) has an evidence window of only
+    idle samples with no long gap, at least as long as that step's wait; out-of-order and
+    duplicate samples mixed in. Steps come in order, at most one of each per episode."""
+    moves = _moves(segments)
+    holder = idle.Holder(POD, START, "notebook")
+    track = idle.IdleTrack()
+    accepted: list[tuple[float, float]] = []
+    last: float | None = None
+    steps: list[float] = []
+    tick = 0
+    for move, util in moves:
+        tick = max(0, tick + move)
+        ts = START + tick * 30.0
+        if last is None or ts > last:
+            accepted.append((ts, util))
+            last = ts
+        sample = DeviceSample(uuid="GPU-1", index=0, model="A100", util_pct=util)
+        for out in idle.observe(track, node="n1", sample=sample, holder=holder, ts=ts,
+                                settings=FAST):
+            if not isinstance(out, Finding):
+                continue
+            if out.state == "resolved":
+                steps = []
+                continue
+            assert out.evidence is not None
+            step = out.evidence.values["ladder_step"]
+            steps.append(step)
+            reached.add(step)
+            assert steps == [1.0, 2.0, 3.0][:len(steps)]
+            start, end = out.evidence.window_start, out.ts
+            wait = FAST.window_s if step == 1 else FAST.warn_after_s
+            assert end - start >= wait
+            inside = [(t, u) for t, u in accepted if start <= t <= end]
+            assert all(u < FAST.threshold_pct for _, u in inside)
+            times = [t for t, _ in inside]
+            assert all(b - a <= FAST.max_gap_s for a, b in itertools.pairwise(times))
+
+
+def test_the_ladder_property_reached_every_step() -> None:
+    """The property above is only worth something if its examples climb the whole ladder."""
+    test_every_ladder_step_rests_on_an_unbroken_idle_run()
+    assert reached == {1.0, 2.0, 3.0}

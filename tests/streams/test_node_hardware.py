@@ -1,0 +1,126 @@
+"""The node join running the hardware rules and the policy, without a broker."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gpusteward.rules import policy
+from gpusteward.schema import (
+    Action,
+    DeviceSample,
+    Finding,
+    HwEvent,
+    NodeInventory,
+    NodeSample,
+    NodeSummary,
+    PodAllocation,
+    PodRef,
+)
+from gpusteward.streams.node import NodeJoin, NodeState, RuleSettings
+
+T0 = 1_000_000.0
+POD = PodRef(namespace="ml-a", name="train-a", uid="uid-a")
+POLICY = policy.parse_policy("""\
+node_pool_label: example.com/pool
+node_pools:
+  hot-room: {thermal_slowdown: {window_s: 900}}
+namespaces:
+  ml-a: {idle_holder: {window_s: 600, grace_s: 0}}
+""")
+
+
+def sample(ts: float, temp: float = 50.0, util: float = 50.0) -> NodeSample:
+    return NodeSample(ts=ts, node="n1", source="test", devices=[
+        DeviceSample(uuid=f"GPU-{g}", index=g, model="NVIDIA H100 80GB HBM3", util_pct=util,
+                     temp_c=temp if g == 0 else 50.0, clock_event_reasons=0, ecc_sbe_volatile=0,
+                     ecc_dbe_volatile=0, pcie_replay=0, nvlink_errors=0, remap_failure=False,
+                     remap_pending=False)
+        for g in range(2)])
+
+
+def findings(out: list) -> list[Finding]:
+    return [o for o in out if isinstance(o, Finding)]
+
+
+def test_xid_event_taints_and_marks_the_node_unhealthy() -> None:
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    join.on_sample(state, sample(T0))
+    out = join.on_hw_event(state, HwEvent(ts=T0 + 5, node="n1", kind="xid", uuid="GPU-1",
+                                          xid=119))
+    (finding,) = findings(out)
+    assert finding.subject.device == "GPU-1" and finding.labels["action_class"] == "reset_gpu"
+    (action,) = [o for o in out if isinstance(o, Action)]
+    assert action.verb == "taint"
+    (summary,) = [o for o in out if isinstance(o, NodeSummary)]
+    assert not summary.healthy
+    assert join.on_hw_event(state, HwEvent(ts=T0 + 5, node="n1", kind="xid", uuid="GPU-1",
+                                           xid=119)) == []
+
+
+def test_gpu_lost_without_uuid_still_drains() -> None:
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    out = join.on_hw_event(state, HwEvent(ts=T0, node="n1", kind="gpu_lost",
+                                          detail="GPU 3 unreadable at start"))
+    assert [o.verb for o in out if isinstance(o, Action)] == ["drain"]
+
+
+def test_thermal_episode_survives_the_changelog_and_closes_once() -> None:
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    out = []
+    for i in range(15):
+        out += join.on_sample(state, sample(T0 + i * 30, temp=95.0))
+    (fired,) = findings(out)
+    assert fired.kind == "thermal_slowdown" and fired.subject.device == "GPU-0"
+    # The worker crashes and a new one decodes the state from the changelog.
+    encoded = msgspec.msgpack.encode(state)
+    state = msgspec.msgpack.Decoder(NodeState).decode(encoded)
+    join = NodeJoin(RuleSettings(policy=POLICY))
+    out = []
+    for i in range(15, 40):
+        out += join.on_sample(state, sample(T0 + i * 30, temp=95.0))
+    assert findings(out) == []
+    for i in range(40, 50):
+        out += join.on_sample(state, sample(T0 + i * 30, temp=60.0))
+    (closed,) = findings(out)
+    assert closed.state == "resolved" and closed.id == fired.id
+
+
+def test_node_pool_overrides_apply_from_the_inventory_label() -> None:
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    join.on_allocation(state, NodeInventory(ts=T0, node="n1", labels={
+        "example.com/pool": "hot-room"}))
+    assert state.pool == "hot-room"
+    out = []
+    for i in range(40):
+        out += join.on_sample(state, sample(T0 + i * 30, temp=95.0))
+    (fired,) = findings(out)
+    assert fired.ts == T0 + 900
+
+
+def test_namespace_overrides_apply_to_the_idle_rule() -> None:
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    join.on_allocation(state, PodAllocation(
+        ts=T0, node="n1", pod=POD, phase="running", gpus=1, device_ids=["GPU-1"],
+        started_at=T0, workload_kind="batch"))
+    out = []
+    for i in range(25):
+        out += join.on_sample(state, sample(T0 + i * 30, util=0.0))
+    (fired,) = [f for f in findings(out) if f.kind == "idle_holder"]
+    assert fired.ts == T0 + 600 and fired.subject.pod == POD
+
+
+def test_mig_devices_repeating_the_parents_readings_do_not_double_episodes() -> None:
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    out = []
+    model = "NVIDIA H100 80GB HBM3"
+    for i in range(15):
+        devices = [
+            DeviceSample(uuid="GPU-0", index=0, model=model, temp_c=95.0,
+                         clock_event_reasons=0x40),
+            DeviceSample(uuid="MIG-0-1", index=0, model=model, kind="mig", parent_uuid="GPU-0",
+                         temp_c=95.0, clock_event_reasons=0x40),
+        ]
+        out += join.on_sample(state, NodeSample(ts=T0 + i * 30, node="n1", source="dcgm",
+                                                devices=devices))
+    assert [(f.kind, f.subject.device) for f in findings(out)] == [
+        ("thermal_slowdown", "GPU-0")]
