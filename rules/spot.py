@@ -187,8 +187,8 @@ def _finding(track: SpotNodeTrack, node: str, fp: str, ts: float,
 
 
 def _requeue_all(track: SpotNodeTrack, finding: Finding, node: str,
-                 settings: SpotSettings) -> list[Action]:
-    out: list[Action] = []
+                 settings: SpotSettings) -> list[Finding | Action]:
+    out: list[Finding | Action] = []
     for key, pod in sorted(track.pods.items()):
         if key in track.requeued or not _restartable(pod, settings):
             continue

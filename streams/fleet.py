@@ -1,0 +1,286 @@
+"""The fleet agent: fragmentation, stranded demand, queue SLOs and spot interruptions.
+
+Two Faust agents, added to the worker app by :func:`register_fleet_agent`:
+
+- ``fleet`` reads the node summaries and the queue events. Both topics have
+  one partition, and Faust's assignor gives the same partition number of
+  every subscribed topic to one worker, so exactly one worker in the group
+  sees the whole fleet and the whole queue: the rules that compare nodes
+  with each other and with pending demand (FGD fragmentation, stranded
+  demand, queue SLOs) need that global view. Its state (the latest summary
+  per node, the queue rules' state, the open episodes) is one msgpack value
+  in a one-partition table backed by a changelog; it is written when a rule
+  emits something and otherwise every ``checkpoint_interval_s`` of event
+  time, so a restarted worker resumes from it and re-learns at most that
+  much from the replayed topics (and republishes the same ids, which
+  consumers deduplicate).
+- ``fleet-spot`` reads the allocation topic. Spot requeue is global in
+  intent but local in data: a termination taint on node N requeues the pods
+  on node N, and both the node's inventory and its pods' events are keyed
+  by N and land in N's partition. So the agent is partitioned like the node
+  join, each worker handling the nodes of its partitions, and the table it
+  keeps (one value per node) has the allocation topic's partition count.
+  Reading all allocation partitions on the single fleet agent instead would
+  put every pod event of the fleet through one consumer for a per-node
+  rule, and Faust has no way to subscribe one agent to all partitions of a
+  topic outside the group's assignment anyway.
+
+The logic lives in :class:`FleetEvaluator` and :class:`SpotJoin`, which do no
+I/O and are tested without a broker. Fleet rules are evaluated on the event
+time carried by the records (the latest seen), at most every
+``evaluate_interval_s``: evaluating FGD on every one of 1,250 summaries a
+minute would be wasted work, since the measure changes slowly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import faust
+import msgspec
+
+from gpusteward import topics
+from gpusteward.rules import fragmentation as frag
+from gpusteward.rules import queue as queue_rules
+from gpusteward.rules import spot as spot_rules
+from gpusteward.schema import (
+    Action,
+    AllocationEvent,
+    DeadLetter,
+    Finding,
+    NodeInventory,
+    NodeSummary,
+    QueueEvent,
+)
+from gpusteward.settings import Settings
+
+log = logging.getLogger(__name__)
+
+FleetOutput = Finding | Action
+
+
+@dataclass
+class FleetRuleSettings:
+    """The settings of the rules the fleet agents run."""
+
+    fragmentation: frag.FragmentationSettings = field(
+        default_factory=frag.FragmentationSettings)
+    queue: queue_rules.QueueSloSettings = field(default_factory=queue_rules.QueueSloSettings)
+    spot: spot_rules.SpotSettings = field(default_factory=spot_rules.SpotSettings)
+    evaluate_interval_s: float = 30.0
+    """Event-time seconds between two evaluations of the fleet-wide rules: fragmentation
+    and queue SLOs move on the scale of minutes, and 30 s keeps detection within one
+    sample interval of the usual collectors."""
+    node_stale_s: float = 600.0
+    """A node whose last summary is older than this (event-time seconds) has left the fleet:
+    ten summary intervals of the node join's default."""
+    checkpoint_interval_s: float = 30.0
+    """Event-time seconds between two changelog writes of the fleet state when nothing
+    was emitted."""
+
+
+class FleetState(msgspec.Struct):
+    """Everything the fleet agent knows."""
+
+    nodes: dict[str, NodeSummary] = {}
+    queue: queue_rules.QueueState = msgspec.field(default_factory=queue_rules.QueueState)
+    stranded: frag.StrandedTrack = msgspec.field(default_factory=frag.StrandedTrack)
+    fragmentation: frag.FragmentationTrack = msgspec.field(
+        default_factory=frag.FragmentationTrack)
+    shape_counts: dict[str, int] = {}
+    """Observed request shapes ('<gpus>x<milli>'), one count per workload that queued."""
+    clock: float | None = None
+    last_evaluation: float | None = None
+
+
+class FleetEvaluator:
+    """Folds node summaries and queue events into :class:`FleetState` and runs the rules."""
+
+    def __init__(self, settings: FleetRuleSettings | None = None) -> None:
+        self.settings = settings or FleetRuleSettings()
+
+    def on_summary(self, state: FleetState, summary: NodeSummary) -> list[FleetOutput]:
+        known = state.nodes.get(summary.node)
+        if known is None or summary.ts > known.ts:
+            state.nodes[summary.node] = summary
+        return self._advance(state, summary.ts)
+
+    def on_queue(self, state: FleetState, event: QueueEvent) -> list[FleetOutput]:
+        key = queue_rules.workload_key(event)
+        was_waiting = key in state.queue.waiting
+        out: list[FleetOutput] = list(queue_rules.on_event(state.queue, event,
+                                                           self.settings.queue))
+        if not was_waiting and key in state.queue.waiting and event.gpus > 0:
+            shape = f"{event.gpus}x{frag.WHOLE}"
+            state.shape_counts[shape] = state.shape_counts.get(shape, 0) + 1
+        return out + self._advance(state, event.ts)
+
+    def _advance(self, state: FleetState, ts: float) -> list[FleetOutput]:
+        if state.clock is None or ts > state.clock:
+            state.clock = ts
+        due = (state.last_evaluation is None
+               or state.clock - state.last_evaluation >= self.settings.evaluate_interval_s)
+        return self.evaluate(state, state.clock) if due else []
+
+    def shapes(self, state: FleetState) -> dict[frag.Shape, float]:
+        """The request shapes' popularity: observed ones, else the configured defaults."""
+        counts: dict[str, float] = (dict(state.shape_counts) if state.shape_counts
+                                    else self.settings.fragmentation.default_shapes)
+        total = sum(counts.values())
+        return {frag.parse_shape(k): v / total for k, v in counts.items()}
+
+    def fragmentation(self, state: FleetState) -> frag.FragmentationReport:
+        return frag.cluster_fragmentation(
+            (frag.free_milli(s) for s in state.nodes.values()), self.shapes(state))
+
+    def evaluate(self, state: FleetState, now: float) -> list[FleetOutput]:
+        """Run the fleet-wide rules at event time ``now``."""
+        state.last_evaluation = now
+        horizon = now - self.settings.node_stale_s
+        for node in [n for n, s in state.nodes.items() if s.ts < horizon]:
+            del state.nodes[node]
+        out: list[FleetOutput] = []
+        out += queue_rules.tick(state.queue, now, self.settings.queue)
+        if state.nodes:
+            out += frag.observe_fleet(state.fragmentation, self.fragmentation(state), ts=now,
+                                      settings=self.settings.fragmentation)
+        pending = {
+            key: frag.Demand(key=key, queue=w.queue, gpus=w.gpus, mig=w.mig)
+            for key, w in state.queue.waiting.items()
+        }
+        out += frag.observe_stranded(state.stranded, pending, list(state.nodes.values()),
+                                     ts=now, settings=self.settings.fragmentation)
+        return out
+
+
+class SpotJoin:
+    """Folds one node's allocation events into its spot track."""
+
+    def __init__(self, settings: spot_rules.SpotSettings | None = None) -> None:
+        self.settings = settings or spot_rules.SpotSettings()
+
+    def on_allocation(self, track: spot_rules.SpotNodeTrack,
+                      event: AllocationEvent) -> list[FleetOutput]:
+        if isinstance(event, NodeInventory):
+            out = spot_rules.on_inventory(track, event, self.settings)
+            # Inventories arrive every few minutes: a good moment to forget old pods.
+            spot_rules.forget_finished_pods(track, event.ts - 3600)
+            return out
+        return spot_rules.on_pod(track, event, self.settings)
+
+
+def fleet_group(settings: Settings) -> str:
+    """The consumer group the fleet agents run in: the worker's (they are in its app)."""
+    return f"{settings.topic_prefix}-worker"
+
+
+def register_fleet_agent(app: faust.App, settings: Settings,
+                         rules: FleetRuleSettings | None = None) -> None:
+    """Add the ``fleet`` and ``fleet-spot`` agents and their tables to the worker ``app``."""
+    evaluator = FleetEvaluator(rules)
+    spot_join = SpotJoin(evaluator.settings.spot)
+    checkpoint_s = evaluator.settings.checkpoint_interval_s
+    kafka = settings.kafka
+
+    def raw_topic(*names: str, partitions: int) -> Any:
+        return app.topic(*names, key_type=bytes, value_type=bytes, key_serializer="raw",
+                         value_serializer="raw", partitions=partitions)
+
+    summaries_name = topics.NODE_SUMMARIES.name(settings)
+    queue_name = topics.QUEUE.name(settings)
+    fleet_topics = raw_topic(summaries_name, queue_name, partitions=1)
+    allocations = raw_topic(topics.ALLOCATIONS.name(settings),
+                            partitions=topics.ALLOCATIONS.partition_count(settings))
+    findings = raw_topic(topics.FINDINGS.name(settings), partitions=1)
+    actions = raw_topic(topics.ACTIONS.name(settings), partitions=1)
+    deadletter = raw_topic(topics.DEADLETTER.name(settings), partitions=1)
+
+    fleet_table = app.Table("fleet-state", partitions=1, key_type=bytes, value_type=bytes)
+    spot_table = app.Table("fleet-spot", partitions=kafka.node_partitions,
+                           key_type=bytes, value_type=bytes)
+    encode_fleet = msgspec.msgpack.Encoder().encode
+    decode_fleet = msgspec.msgpack.Decoder(FleetState).decode
+    decode_track = msgspec.msgpack.Decoder(spot_rules.SpotNodeTrack).decode
+    decode_summary = msgspec.json.Decoder(NodeSummary).decode
+    decode_queue = msgspec.json.Decoder(QueueEvent).decode
+    decode_alloc = msgspec.json.Decoder(AllocationEvent).decode
+    encode = msgspec.json.Encoder().encode
+    state_key = b"fleet"
+    # The decoded fleet state and the event time of its last checkpoint; dropped on every
+    # rebalance, when the table becomes the truth again.
+    live: dict[bytes, tuple[FleetState, float]] = {}
+
+    def forget_live_state(sender: Any, *args: Any, **kwargs: Any) -> None:
+        live.clear()
+
+    app.on_partitions_revoked.connect(forget_live_state)  # type: ignore[arg-type]
+    app.on_partitions_assigned.connect(forget_live_state)  # type: ignore[arg-type]
+
+    async def publish(outputs: list[FleetOutput]) -> None:
+        for output in outputs:
+            value = encode(output)
+            if isinstance(output, Finding):
+                await findings.send(key=output.fingerprint.encode(), value=value)
+            else:
+                target = output.target
+                key = target.node or (f"{target.pod.namespace}/{target.pod.name}"
+                                      if target.pod else target.queue or "")
+                await actions.send(key=key.encode(), value=value)
+
+    async def to_deadletter(event: Any, error: Exception) -> None:
+        message = event.message
+        reason = f"{type(error).__name__}: {str(error)[:500]}"
+        log.warning("dead-lettered %s[%d]@%d: %s", message.topic, message.partition,
+                    message.offset, reason)
+        record = DeadLetter(source_topic=message.topic, partition=message.partition,
+                            offset=message.offset, error=reason, ts=time.time(),
+                            key=message.key, value=message.value)
+        await deadletter.send(key=message.topic.encode(), value=encode(record))
+
+    @app.agent(fleet_topics, name="fleet")
+    async def fleet(stream: Any) -> AsyncIterator[None]:
+        async for event in stream.events():
+            try:
+                record: NodeSummary | QueueEvent
+                if event.message.topic == summaries_name:
+                    record = decode_summary(event.value)
+                else:
+                    record = decode_queue(event.value)
+            except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                await to_deadletter(event, error)
+                continue
+            entry = live.get(state_key)
+            if entry is None:
+                stored = fleet_table.get(state_key)
+                entry = (decode_fleet(stored) if stored is not None else FleetState(), -1.0)
+            state, checkpointed_at = entry
+            if isinstance(record, NodeSummary):
+                outputs = evaluator.on_summary(state, record)
+            else:
+                outputs = evaluator.on_queue(state, record)
+            if outputs or record.ts - checkpointed_at >= checkpoint_s:
+                fleet_table[state_key] = encode_fleet(state)
+                checkpointed_at = record.ts
+            live[state_key] = (state, checkpointed_at)
+            await publish(outputs)
+            yield None
+
+    @app.agent(allocations, name="fleet-spot")
+    async def fleet_spot(stream: Any) -> AsyncIterator[None]:
+        async for event in stream.events():
+            try:
+                alloc = decode_alloc(event.value)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                # The node join dead-letters the same record; once is enough.
+                continue
+            node = alloc.node.encode()
+            stored = spot_table.get(node)
+            track = decode_track(stored) if stored is not None else spot_rules.SpotNodeTrack()
+            outputs = spot_join.on_allocation(track, alloc)
+            spot_table[node] = encode_fleet(track)
+            await publish(outputs)
+            yield None
