@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from gpusteward.rules import fragmentation as frag
 from gpusteward.rules import queue as queue_rules
-from gpusteward.schema import NodeSummary, QueueEvent
-from gpusteward.streams.fleet import FleetEvaluator, FleetState
+from gpusteward.schema import Finding, NodeSummary, QueueEvent
+from gpusteward.streams.fleet import FleetEvaluator, FleetOutput, FleetState
+
+
+def findings(outputs: list[FleetOutput]) -> list[Finding]:
+    return [o for o in outputs if isinstance(o, Finding)]
 
 
 def summary(node: str, ts: float, free: int, total: int = 8) -> NodeSummary:
@@ -21,7 +25,7 @@ def test_stranded_ddp_job_and_fragmented_fleet() -> None:
     for t in range(0, 1200, 60):
         for i in range(4):
             out += evaluator.on_summary(state, summary(f"n{i}", t, free=3))
-    kinds = [f.kind for f in out if f.state == "firing"]
+    kinds = [f.kind for f in findings(out) if f.state == "firing"]
     assert kinds.count(frag.STRANDED_KIND) == 1
     assert kinds.count(frag.KIND) == 1
     report = evaluator.fragmentation(state)
@@ -30,7 +34,7 @@ def test_stranded_ddp_job_and_fragmented_fleet() -> None:
     closing = evaluator.on_queue(state, QueueEvent(ts=1300, name="ddp", namespace="ml",
                                                    cluster_queue="research", state="deleted"))
     closing += evaluator.on_summary(state, summary("n0", 1330, free=3))
-    assert [(f.kind, f.state) for f in closing if f.kind == frag.STRANDED_KIND] == [
+    assert [(f.kind, f.state) for f in findings(closing) if f.kind == frag.STRANDED_KIND] == [
         (frag.STRANDED_KIND, "resolved")]
 
 
@@ -52,6 +56,6 @@ def test_queue_wait_breach_through_the_evaluator() -> None:
     out = []
     for t in range(0, 900, 30):
         out += evaluator.on_summary(state, summary("n0", t, free=0))
-    (breach,) = [f for f in out if f.kind == queue_rules.WAIT_KIND]
+    (breach,) = [f for f in findings(out) if f.kind == queue_rules.WAIT_KIND]
     assert 600 < breach.ts <= 630
     assert state.shape_counts == {"1x1000": 1}
