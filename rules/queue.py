@@ -16,7 +16,8 @@ an event-time clock the caller advances:
 
 SLOs are per queue: the first pattern (regular expression, searched in the
 cluster-queue name) that matches gives the target, else the default. Events
-for a workload at or before the last one applied for it are ignored, so
+for a workload at or before the last one applied for it (by time, then by
+lifecycle order for events of the same time) are ignored, so
 duplicates and late arrivals never reopen or close an episode; a workload that
 left the queue is remembered for ``window_s``, and events older than that
 for a workload no longer known are ignored as too late.
@@ -55,6 +56,10 @@ PROJECTED_RUNBOOK = (
 )
 
 _OPEN_STATES = ("pending", "evicted", "requeued")
+_STATE_ORDER = {"pending": 0, "requeued": 0, "admitted": 1, "evicted": 2, "finished": 3,
+                "deleted": 4}
+"""A workload's states in lifecycle order: of two events with the same time (a pending
+workload admitted within the same second), the later state is the newer event."""
 
 
 class QueueSloSettings(BaseModel):
@@ -116,8 +121,8 @@ class QueueState(msgspec.Struct):
     """Everything the queue rules know."""
 
     waiting: dict[str, Waiting] = {}
-    last_event_ts: dict[str, float] = {}
-    """Per workload, the event time of the last event applied."""
+    last_event: dict[str, tuple[float, int]] = {}
+    """Per workload, the event time and lifecycle rank of the last event applied."""
     forgotten_before: float = -math.inf
     """Workloads whose last event is older than this were forgotten; events older than this
     for a workload not known are too late to judge and are ignored."""
@@ -136,10 +141,11 @@ def _workload_subject(key: str, queue: str) -> Subject:
 def on_event(state: QueueState, event: QueueEvent, settings: QueueSloSettings) -> list[Finding]:
     """Apply one queue event; close the workload's episode when it leaves the queue."""
     key = workload_key(event)
-    last = state.last_event_ts.get(key)
-    if event.ts <= (last if last is not None else state.forgotten_before):
+    position = (event.ts, _STATE_ORDER[event.state])
+    last = state.last_event.get(key)
+    if last is None and event.ts <= state.forgotten_before or last is not None and position <= last:
         return []
-    state.last_event_ts[key] = event.ts
+    state.last_event[key] = position
     queue = event.cluster_queue
     track = state.queues.setdefault(queue, QueueTrack(first_seen=event.ts))
     waiting = state.waiting.get(key)
@@ -153,6 +159,9 @@ def on_event(state: QueueState, event: QueueEvent, settings: QueueSloSettings) -
         return []
     out: list[Finding] = []
     if waiting is not None:
+        # The clock may not have ticked past the SLO while the workload waited (a quiet
+        # queue, a worker catching up): its wait is known now, so judge it now.
+        out += _judge_wait(key, waiting, event.ts, settings)
         del state.waiting[key]
         if event.state == "admitted":
             admitted_at = event.admitted_at or event.ts
@@ -179,30 +188,36 @@ def tick(state: QueueState, now: float, settings: QueueSloSettings) -> list[Find
     # duplicate of an earlier pending event cannot bring it back; then it is forgotten.
     horizon = now - settings.window_s
     state.forgotten_before = max(state.forgotten_before, horizon)
-    for key in [k for k, ts in state.last_event_ts.items()
+    for key in [k for k, (ts, _) in state.last_event.items()
                 if ts < horizon and k not in state.waiting]:
-        del state.last_event_ts[key]
+        del state.last_event[key]
     for key, waiting in state.waiting.items():
-        slo = settings.slo_for(waiting.queue)
-        waited = now - waiting.pending_since
-        if waiting.open_id is not None or waited <= slo:
-            continue
-        fp = fingerprint(WAIT_KIND, key)
-        waiting.open_id = finding_id(fp, waiting.pending_since)
-        out.append(Finding(
-            id=waiting.open_id, fingerprint=fp, kind=WAIT_KIND,
-            severity="warning", state="firing", subject=_workload_subject(key, waiting.queue),
-            summary=f"{key} has waited {waited / 60:.0f} min in {waiting.queue} "
-            f"(SLO {slo / 60:.0f} min)",
-            starts_at=waiting.pending_since, ts=now,
-            evidence=Evidence(window_start=waiting.pending_since, window_end=now,
-                              values={"wait_s": waited, "slo_s": slo,
-                                      "gpus": float(waiting.gpus)}),
-            runbook=WAIT_RUNBOOK, labels={"queue": waiting.queue},
-        ))
+        out += _judge_wait(key, waiting, now, settings)
     for queue, track in state.queues.items():
         out += _queue_level(state, queue, track, now, settings)
     return out
+
+
+def _judge_wait(key: str, waiting: Waiting, now: float,
+                settings: QueueSloSettings) -> list[Finding]:
+    """The breach finding of a workload that has waited past its SLO at ``now``, once."""
+    slo = settings.slo_for(waiting.queue)
+    waited = now - waiting.pending_since
+    if waiting.open_id is not None or waited <= slo:
+        return []
+    fp = fingerprint(WAIT_KIND, key)
+    waiting.open_id = finding_id(fp, waiting.pending_since)
+    return [Finding(
+        id=waiting.open_id, fingerprint=fp, kind=WAIT_KIND,
+        severity="warning", state="firing", subject=_workload_subject(key, waiting.queue),
+        summary=f"{key} has waited {waited / 60:.0f} min in {waiting.queue} "
+        f"(SLO {slo / 60:.0f} min)",
+        starts_at=waiting.pending_since, ts=now,
+        evidence=Evidence(window_start=waiting.pending_since, window_end=now,
+                          values={"wait_s": waited, "slo_s": slo,
+                                  "gpus": float(waiting.gpus)}),
+        runbook=WAIT_RUNBOOK, labels={"queue": waiting.queue},
+    )]
 
 
 def _queue_level(state: QueueState, queue: str, track: QueueTrack, now: float,

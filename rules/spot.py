@@ -18,9 +18,10 @@ is deliberately not a termination key.
 
 State is per node (its pods from allocation events and the open episode),
 so the rule runs where the node's allocation events are: on the worker that
-owns the node's partition. Events at or before the last one applied for the
-node (inventory) or the pod are ignored, so duplicates and late arrivals
-never reopen or close an episode.
+owns the node's partition. Pod events at or before the last one applied for
+the pod (by time, then lifecycle order) and inventories older than the last
+are ignored, so duplicates and late arrivals never reopen or close an
+episode.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ RUNBOOK = (
     "the listed non-restartable pods by hand if their state matters. Nothing to fix on the "
     "node itself."
 )
+
+
+_PHASE_ORDER = {"pending": 0, "bound": 1, "running": 2, "finished": 3, "deleted": 4}
+"""Pod phases in lifecycle order, to order two events of a pod with the same time."""
 
 
 class SpotSettings(BaseModel):
@@ -88,7 +93,8 @@ class SpotNodeTrack(msgspec.Struct):
     """Per-node state of the rule."""
 
     pods: dict[str, SpotPod] = {}
-    pod_event_ts: dict[str, float] = {}
+    pod_event: dict[str, tuple[float, int]] = {}
+    """Per pod, the time and lifecycle rank of the last event applied."""
     inventory_ts: float | None = None
     spot: bool = False
     open_id: str | None = None
@@ -109,7 +115,9 @@ def _termination_taint(event: NodeInventory, settings: SpotSettings) -> str | No
 def on_inventory(track: SpotNodeTrack, event: NodeInventory,
                  settings: SpotSettings) -> list[Finding | Action]:
     """A node inventory: open an episode on a termination taint, close it when it is gone."""
-    if track.inventory_ts is not None and event.ts <= track.inventory_ts:
+    # An inventory carries the node's whole state, so one with the same time as the last is
+    # applied too: a duplicate changes nothing, a second change in the same second is news.
+    if track.inventory_ts is not None and event.ts < track.inventory_ts:
         return []
     track.inventory_ts = event.ts
     track.spot = event.spot
@@ -138,10 +146,11 @@ def on_pod(track: SpotNodeTrack, event: PodAllocation,
            settings: SpotSettings) -> list[Finding | Action]:
     """A pod event on the node; a restartable pod arriving during an episode is requeued."""
     key = _pod_key(event.pod)
-    last = track.pod_event_ts.get(key)
-    if last is not None and event.ts <= last:
+    position = (event.ts, _PHASE_ORDER[event.phase])
+    last = track.pod_event.get(key)
+    if last is not None and position <= last:
         return []
-    track.pod_event_ts[key] = event.ts
+    track.pod_event[key] = position
     if event.phase in ("finished", "deleted"):
         track.pods.pop(key, None)
         return []
@@ -157,8 +166,9 @@ def on_pod(track: SpotNodeTrack, event: PodAllocation,
 
 def forget_finished_pods(track: SpotNodeTrack, before: float) -> None:
     """Drop the duplicate guards of pods gone before ``before`` (keeps the state small)."""
-    for key in [k for k, ts in track.pod_event_ts.items() if ts < before and k not in track.pods]:
-        del track.pod_event_ts[key]
+    for key in [k for k, (ts, _) in track.pod_event.items()
+                if ts < before and k not in track.pods]:
+        del track.pod_event[key]
 
 
 def _restartable(pod: SpotPod, settings: SpotSettings) -> bool:

@@ -42,6 +42,7 @@ from typing import Any
 
 import faust
 import msgspec
+from faust.types import TP
 
 from gpusteward import topics
 from gpusteward.rules import fragmentation as frag
@@ -94,6 +95,9 @@ class FleetState(msgspec.Struct):
     shape_counts: dict[str, int] = {}
     """Observed request shapes ('<gpus>x<milli>'), one count per workload that queued."""
     clock: float | None = None
+    """Event time the fleet rules have been evaluated up to; never goes back."""
+    summary_clock: float | None = None
+    queue_clock: float | None = None
     last_evaluation: float | None = None
 
 
@@ -103,13 +107,18 @@ class FleetEvaluator:
     def __init__(self, settings: FleetRuleSettings | None = None) -> None:
         self.settings = settings or FleetRuleSettings()
 
-    def on_summary(self, state: FleetState, summary: NodeSummary) -> list[FleetOutput]:
+    def on_summary(self, state: FleetState, summary: NodeSummary, *,
+                   queue_caught_up: bool = True) -> list[FleetOutput]:
+        """Fold a node summary in. ``queue_caught_up``: every queue event published so far
+        has been applied, so the queue state is true up to the summaries' time too."""
         known = state.nodes.get(summary.node)
         if known is None or summary.ts > known.ts:
             state.nodes[summary.node] = summary
-        return self._advance(state, summary.ts)
+        state.summary_clock = max(summary.ts, state.summary_clock or summary.ts)
+        return self._advance(state, queue_caught_up)
 
-    def on_queue(self, state: FleetState, event: QueueEvent) -> list[FleetOutput]:
+    def on_queue(self, state: FleetState, event: QueueEvent, *,
+                 queue_caught_up: bool = True) -> list[FleetOutput]:
         key = queue_rules.workload_key(event)
         was_waiting = key in state.queue.waiting
         out: list[FleetOutput] = list(queue_rules.on_event(state.queue, event,
@@ -117,11 +126,20 @@ class FleetEvaluator:
         if not was_waiting and key in state.queue.waiting and event.gpus > 0:
             shape = f"{event.gpus}x{frag.WHOLE}"
             state.shape_counts[shape] = state.shape_counts.get(shape, 0) + 1
-        return out + self._advance(state, event.ts)
+        state.queue_clock = max(event.ts, state.queue_clock or event.ts)
+        return out + self._advance(state, queue_caught_up)
 
-    def _advance(self, state: FleetState, ts: float) -> list[FleetOutput]:
-        if state.clock is None or ts > state.clock:
-            state.clock = ts
+    def _advance(self, state: FleetState, queue_caught_up: bool) -> list[FleetOutput]:
+        # The queue rules may only judge a time the queue stream has been read up to: with
+        # the queue behind (a worker catching up), a workload that looks pending may have
+        # been admitted in a record not read yet. So the clock follows the queue's event
+        # time, and moves on with the summaries' only when the queue is caught up.
+        clocks = [c for c in (state.queue_clock, state.summary_clock if queue_caught_up
+                              else None) if c is not None]
+        if not clocks:
+            return []
+        if state.clock is None or max(clocks) > state.clock:
+            state.clock = max(clocks)
         due = (state.last_evaluation is None
                or state.clock - state.last_evaluation >= self.settings.evaluate_interval_s)
         return self.evaluate(state, state.clock) if due else []
@@ -241,6 +259,16 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                             key=message.key, value=message.value)
         await deadletter.send(key=message.topic.encode(), value=encode(record))
 
+    queue_tp = TP(queue_name, 0)
+    # Offset of the last queue event applied (-1: none yet; on a restart the table's state
+    # already holds what was applied before, and the first record read sets it).
+    queue_offset = [-1]
+
+    def queue_caught_up() -> bool:
+        """True when every queue event published so far has been applied."""
+        highwater = app.consumer.highwater(queue_tp)
+        return highwater is not None and queue_offset[0] + 1 >= highwater
+
     @app.agent(fleet_topics, name="fleet")
     async def fleet(stream: Any) -> AsyncIterator[None]:
         async for event in stream.events():
@@ -259,9 +287,10 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                 entry = (decode_fleet(stored) if stored is not None else FleetState(), -1.0)
             state, checkpointed_at = entry
             if isinstance(record, NodeSummary):
-                outputs = evaluator.on_summary(state, record)
+                outputs = evaluator.on_summary(state, record, queue_caught_up=queue_caught_up())
             else:
-                outputs = evaluator.on_queue(state, record)
+                queue_offset[0] = event.message.offset
+                outputs = evaluator.on_queue(state, record, queue_caught_up=queue_caught_up())
             if outputs or record.ts - checkpointed_at >= checkpoint_s:
                 fleet_table[state_key] = encode_fleet(state)
                 checkpointed_at = record.ts

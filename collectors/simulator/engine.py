@@ -65,6 +65,8 @@ class PodRecord(msgspec.Struct):
     ended_at: float | None
     idle: bool
     """True if any of its phases is injected idleness."""
+    queued_at: float | None = None
+    """When it arrived in the queue."""
 
 
 class FaultRecord(msgspec.Struct):
@@ -72,6 +74,17 @@ class FaultRecord(msgspec.Struct):
     node: str
     device: str
     ts: float
+
+
+class InterruptionRecord(msgspec.Struct):
+    """A spot node told it is being reclaimed, and the pods it held then."""
+
+    node: str
+    ts: float
+    taint: str
+    pods: dict[str, str]
+    """namespace/name -> owner kind of every pod on the node at the taint."""
+    reclaimed_at: float | None = None
 
 
 class CordonRecord(msgspec.Struct):
@@ -94,6 +107,9 @@ class GroundTruth(msgspec.Struct):
     cordons: list[CordonRecord] = []
     pending: list[str] = []
     notified: list[str] = []
+    interruptions: list[InterruptionRecord] = []
+    pending_since: dict[str, float] = {}
+    """namespace/name -> arrival of every workload still pending at the end."""
 
 
 def _uuid(seed: int, *parts: object) -> str:
@@ -117,6 +133,9 @@ class SimNode:
     gpus: list[SimGpu]
     spot: bool
     cordoned: bool = False
+    taints: list[Taint] = field(default_factory=list)
+    gone: bool = False
+    """Reclaimed (spot): no samples, no scheduling."""
 
     def free(self) -> list[SimGpu]:
         return [g for g in self.gpus if g.holder is None]
@@ -242,9 +261,11 @@ class SimulatedCluster:
         await self._finish(publisher, now)
         await self._arrive(publisher, now)
         await self._inject_faults(publisher, now)
+        await self._reclaim_spot_nodes(publisher, now)
         await self._schedule(publisher, now)
         for node in self.nodes.values():
-            await publisher.sample(self._sample(node, now))
+            if not node.gone:
+                await publisher.sample(self._sample(node, now))
         if self.on_tick:
             self.on_tick(self)
 
@@ -272,6 +293,9 @@ class SimulatedCluster:
             fault_ts = self.start + fault.at_s
             if not now - self.scenario.sample_interval_s < fault_ts <= now:
                 continue
+            if fault.kind == "spot_termination":
+                await self._spot_notice(publisher, fault.node, fault.taint, now)
+                continue
             gpu = self.nodes[fault.node].gpus[fault.gpu]
             gpu.dbe += 1
             self.truth.faults.append(FaultRecord(fault.kind, fault.node, gpu.uuid, now))
@@ -282,11 +306,41 @@ class SimulatedCluster:
                 detail="volatile double-bit ECC error", source="simulator",
             ))
 
+    async def _spot_notice(self, publisher: Publisher, name: str, taint: str, now: float) -> None:
+        node = self.nodes[name]
+        node.taints.append(Taint(taint, "NoSchedule", "simulated-interruption"))
+        pods = {f"{w.namespace}/{w.name}": self._owner_kind(w)
+                for w in self.running if w.node is node}
+        self.truth.interruptions.append(InterruptionRecord(name, now, taint, pods))
+        await publisher.allocation(self._inventory(node))
+
+    async def _reclaim_spot_nodes(self, publisher: Publisher, now: float) -> None:
+        """The cloud takes a tainted spot node back: its pods die, the node leaves."""
+        for record in self.truth.interruptions:
+            fault = next(f for f in self.scenario.faults
+                         if f.kind == "spot_termination" and f.node == record.node)
+            node = self.nodes[record.node]
+            if node.gone or now < record.ts + fault.reclaim_after_s:
+                continue
+            node.gone, record.reclaimed_at = True, now
+            for workload in [w for w in self.running if w.node is node]:
+                workload.ended_at = now
+                for gpu in workload.devices:
+                    gpu.holder = None
+                self.running.remove(workload)
+                self.finished.append(workload)
+                await publisher.allocation(self._pod_event(workload, "deleted", now))
+            await publisher.allocation(self._inventory(node))
+
+    @staticmethod
+    def _owner_kind(workload: Workload) -> str:
+        return "Notebook" if workload.spec.kind == "notebook" else "Job"
+
     async def _schedule(self, publisher: Publisher, now: float) -> None:
         for workload in list(self.queue):
             for node in self.nodes.values():
                 free = node.free()
-                if node.cordoned or len(free) < workload.spec.gpus:
+                if node.cordoned or node.taints or node.gone or len(free) < workload.spec.gpus:
                     continue
                 workload.node, workload.devices = node, free[: workload.spec.gpus]
                 workload.started_at = now
@@ -304,9 +358,9 @@ class SimulatedCluster:
         return NodeInventory(
             ts=self.now, node=node.name, gpu_product=node.gpus[0].model,
             gpu_count=len(node.gpus), allocatable={"nvidia.com/gpu": len(node.gpus)},
-            unschedulable=node.cordoned, spot=node.spot,
-            taints=[Taint("node.kubernetes.io/unschedulable", "NoSchedule")] if node.cordoned
-            else [],
+            unschedulable=node.cordoned, spot=node.spot, deleted=node.gone,
+            taints=([Taint("node.kubernetes.io/unschedulable", "NoSchedule")] if node.cordoned
+                    else []) + node.taints,
         )
 
     def _pod_event(self, workload: Workload, phase: str, now: float) -> PodAllocation:
@@ -315,7 +369,7 @@ class SimulatedCluster:
             ts=now, node=workload.node.name, pod=workload.ref, phase=phase,  # type: ignore[arg-type]
             gpus=workload.spec.gpus, device_ids=[g.uuid for g in workload.devices],
             started_at=workload.started_at, workload_kind=workload.spec.kind,
-            owner_kind="Notebook" if workload.spec.kind == "notebook" else "Job",
+            owner_kind=self._owner_kind(workload),
             owner_name=workload.name, queue=self.scenario.cluster_queue,
         )
 
@@ -385,8 +439,10 @@ class SimulatedCluster:
                 node=workload.node.name, devices=[g.uuid for g in workload.devices],
                 started_at=workload.started_at, ended_at=workload.ended_at,
                 idle=any(p.util[1] < IDLE_TRUTH_PCT for p in workload.spec.phases),
+                queued_at=workload.arrive,
             ))
         truth.pending = sorted(f"{w.namespace}/{w.name}" for w in self.queue)
+        truth.pending_since = {f"{w.namespace}/{w.name}": w.arrive for w in self.queue}
         return truth
 
     def _idle_periods(self, workload: Workload, end: float) -> list[IdlePeriod]:

@@ -58,10 +58,19 @@ class WorkloadGroup(BaseModel):
 
 
 class Fault(BaseModel):
-    kind: Literal["ecc_dbe"]
+    kind: Literal["ecc_dbe", "spot_termination"]
     node: str
     gpu: int = 0
     at_s: float = Field(ge=0)
+    taint: str = Field(
+        "aws-node-termination-handler/spot-itn",
+        description="spot_termination: the taint key put on the node at ``at_s``.",
+    )
+    reclaim_after_s: float = Field(
+        120.0, ge=0,
+        description="spot_termination: seconds from the taint until the node and its pods go "
+        "(AWS gives two minutes).",
+    )
     urgent_event: bool = Field(
         True, description="Also send the urgent hardware event, as NVML's event listener does; "
         "False leaves only the next sample to carry it.",

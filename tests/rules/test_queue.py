@@ -165,3 +165,26 @@ def test_shuffled_and_duplicated_events_keep_episodes_sound(
             else:
                 assert f.id in open_ids
                 open_ids.remove(f.id)
+
+
+def test_admission_in_the_same_second_as_pending_counts() -> None:
+    """Events of one time are ordered by lifecycle: pending then admitted, whatever arrives
+    first, and the late pending cannot reopen the workload."""
+    for order in (("pending", "admitted"), ("admitted", "pending")):
+        state = q.QueueState()
+        for status in order:
+            q.on_event(state, ev("a", status, 30, created=29), SETTINGS)  # type: ignore[arg-type]
+        assert state.waiting == {}
+        assert q.tick(state, 5000, SETTINGS) == []
+
+
+def test_breach_judged_at_admission_when_the_clock_never_ticked_past_it() -> None:
+    state = q.QueueState()
+    q.on_event(state, ev("a", "pending", 0, created=0), SETTINGS)
+    firing, closed = q.on_event(state, ev("a", "admitted", 900), SETTINGS)
+    assert (firing.state, closed.state) == ("firing", "resolved")
+    assert firing.id == closed.id and firing.ts == 900
+    assert firing.evidence and firing.evidence.values["wait_s"] == 900
+    state = q.QueueState()
+    q.on_event(state, ev("b", "pending", 0, created=0), SETTINGS)
+    assert q.on_event(state, ev("b", "admitted", 600), SETTINGS) == []

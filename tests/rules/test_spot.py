@@ -113,3 +113,10 @@ def test_episodes_open_and_close_in_step_with_the_taint(
                 assert open_id is not None and item.finding_ids == [open_id]
                 assert item.idempotency_key not in requeued
                 requeued.add(item.idempotency_key)
+
+
+def test_pod_finished_in_the_same_second_it_started_is_gone() -> None:
+    track = spot.SpotNodeTrack()
+    spot.on_pod(track, pod("quick", 5, phase="finished"), SETTINGS)
+    spot.on_pod(track, pod("quick", 5), SETTINGS)  # the earlier running event, late
+    assert spot.on_inventory(track, inv(10, ITN), SETTINGS)[1:] == []

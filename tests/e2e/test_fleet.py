@@ -1,0 +1,178 @@
+"""The fleet families end to end on the embedded broker, against the simulator's truth.
+
+Each scenario is published by the simulator as fast as it goes; a real
+worker process (the node join plus the fleet agents) consumes it; then the
+findings and actions topics are read whole and compared with what the
+simulator did: every expected finding present, nothing else of the family.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gpusteward import kafka, topics
+from gpusteward.broker import EmbeddedBroker
+from gpusteward.collectors.publisher import KafkaPublisher
+from gpusteward.collectors.simulator import scenario as scenarios
+from gpusteward.collectors.simulator.engine import GroundTruth, SimulatedCluster
+from gpusteward.pipeline import settings_env
+from gpusteward.rules import fragmentation as frag
+from gpusteward.rules import queue as queue_rules
+from gpusteward.rules import spot as spot_rules
+from gpusteward.schema import Action, Finding
+from gpusteward.settings import Settings
+from gpusteward.streams.fleet import fleet_group
+
+pytestmark = pytest.mark.e2e
+
+WORKER = Path(__file__).with_name("fleet_worker.py")
+QUEUE = queue_rules.QueueSloSettings()
+
+
+@dataclass
+class Run:
+    truth: GroundTruth
+    findings: list[Finding]
+    actions: list[Action]
+
+
+async def _read(settings: Settings, spec: topics.TopicSpec, kind: type) -> list:
+    decode = msgspec.json.Decoder(kind).decode  # type: ignore[var-annotated]
+    return [decode(r.value) for r in await kafka.read_all(settings, spec.name(settings))]
+
+
+async def run_scenario(settings: Settings, name: str, log: Path) -> Run:
+    await kafka.ensure_topics(settings)
+    spec = scenarios.load(name).model_copy(update={"acceleration": 0.0})
+    cluster = SimulatedCluster(spec)
+    publisher = KafkaPublisher(settings)
+    await publisher.start()
+    env = {**os.environ, **settings_env(settings)}
+    with open(log, "ab") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-P", str(WORKER), tempfile.mkdtemp(prefix="fleet-worker-")],
+            env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        truth = await cluster.run(publisher)
+        group = fleet_group(settings)
+        node_topics = [t.name(settings) for t in (topics.SAMPLES, topics.ALLOCATIONS)]
+        await kafka.wait_consumed(settings, group, node_topics, timeout_s=180)
+        fleet_topics = [t.name(settings) for t in (topics.NODE_SUMMARIES, topics.QUEUE)]
+        await kafka.wait_consumed(settings, group, fleet_topics, timeout_s=120)
+        assert worker.poll() is None, log.read_text()[-3000:]
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+        await publisher.stop()
+    return Run(truth=truth, findings=await _read(settings, topics.FINDINGS, Finding),
+               actions=await _read(settings, topics.ACTIONS, Action))
+
+
+def _fresh(broker: EmbeddedBroker, name: str) -> Settings:
+    return broker.settings().model_copy(update={"topic_prefix": name})
+
+
+@pytest.fixture(scope="module")
+def spot_run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    log = tmp_path_factory.mktemp("spot") / "worker.log"
+    return asyncio.run(run_scenario(_fresh(broker, "e2e-spot"), "spot-batch", log))
+
+
+@pytest.fixture(scope="module")
+def queue_run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    log = tmp_path_factory.mktemp("queue") / "worker.log"
+    return asyncio.run(run_scenario(_fresh(broker, "e2e-queue"), "queue-pressure", log))
+
+
+def _firing(run: Run, kind: str) -> list[Finding]:
+    return [f for f in run.findings if f.kind == kind and f.state == "firing"]
+
+
+def test_each_reclaimed_spot_node_gets_one_finding(spot_run: Run) -> None:
+    interruptions = spot_run.truth.interruptions
+    assert len(interruptions) == 2
+    firing = _firing(spot_run, spot_rules.KIND)
+    assert sorted(f.subject.node or "" for f in firing) == sorted(i.node for i in interruptions)
+    assert len({f.id for f in firing}) == len(firing)
+    for record in interruptions:
+        (finding,) = [f for f in firing if f.subject.node == record.node]
+        assert finding.starts_at == record.ts
+        assert finding.labels["taint"] == record.taint
+        assert record.reclaimed_at is not None and finding.ts < record.reclaimed_at
+
+
+def test_restartable_pods_requeued_before_the_node_goes_and_nothing_else(spot_run: Run) -> None:
+    expected = {(i.node, pod) for i in spot_run.truth.interruptions
+                for pod, owner in i.pods.items() if owner == "Job"}
+    assert expected, "the scenario has batch jobs on the reclaimed nodes"
+    assert any(owner == "Notebook" for i in spot_run.truth.interruptions
+               for owner in i.pods.values()), "and a notebook, which must not be requeued"
+    requeues = [a for a in spot_run.actions if a.verb == "requeue"]
+    got = {(a.target.node, f"{a.target.pod.namespace}/{a.target.pod.name}")
+           for a in requeues if a.target.pod}
+    assert got == expected
+    assert len({a.idempotency_key for a in requeues}) == len(expected)
+    reclaimed = {i.node: i.reclaimed_at for i in spot_run.truth.interruptions}
+    for action in requeues:
+        assert action.target.node is not None
+        assert action.ts < (reclaimed[action.target.node] or 0)
+
+
+def _waits(truth: GroundTruth) -> dict[str, float]:
+    waits = {f"{p.namespace}/{p.pod}": p.started_at - (p.queued_at or p.started_at)
+             for p in truth.pods}
+    waits.update({key: truth.end_ts - since for key, since in truth.pending_since.items()})
+    return waits
+
+
+def test_every_workload_past_its_slo_found_once_and_no_other(queue_run: Run) -> None:
+    slo = QUEUE.slo_for("prod-training")
+    assert slo == 600
+    waits = _waits(queue_run.truth)
+    # Detection runs on the summaries' clock (a summary per node per minute at most, fleet
+    # evaluation every 30 s): a wait more than two minutes past the SLO must be found, one
+    # within the SLO must never be.
+    must = {key for key, wait in waits.items() if wait > slo + 120}
+    never = {key for key, wait in waits.items() if wait <= slo}
+    assert len(must) >= 8 and never
+    assert len(must) + len(never) == len(waits), "no wait falls in the ambiguous margin"
+    firing = _firing(queue_run, queue_rules.WAIT_KIND)
+    found = [f"{f.subject.pod.namespace}/{f.subject.pod.name}" for f in firing if f.subject.pod]
+    assert sorted(found) == sorted(must)
+    for finding in firing:
+        assert finding.evidence is not None and finding.evidence.values["wait_s"] > slo
+
+
+def test_queue_p95_breach_reported(queue_run: Run) -> None:
+    (p95,) = _firing(queue_run, queue_rules.P95_KIND)
+    assert p95.subject.queue == "prod-training"
+    assert p95.evidence is not None
+    assert 600 < p95.evidence.values["p95_wait_s"] <= max(_waits(queue_run.truth).values())
+
+
+def test_unplaceable_ddp_job_is_stranded_and_nothing_else(queue_run: Run) -> None:
+    firing = _firing(queue_run, frag.STRANDED_KIND)
+    stranded = {f"{f.subject.pod.namespace}/{f.subject.pod.name}" for f in firing
+                if f.subject.pod}
+    assert stranded == set(queue_run.truth.pending_since) == {"ml-wes/ddp-wes"}
+    (finding,) = firing
+    assert finding.evidence is not None
+    assert finding.evidence.values["requested_gpus"] == 3
+    assert finding.evidence.values["fleet_free_gpus"] >= 3
+    assert finding.evidence.values["largest_node_free_gpus"] <= 2
