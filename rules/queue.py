@@ -143,7 +143,8 @@ def on_event(state: QueueState, event: QueueEvent, settings: QueueSloSettings) -
     key = workload_key(event)
     position = (event.ts, _STATE_ORDER[event.state])
     last = state.last_event.get(key)
-    if last is None and event.ts <= state.forgotten_before or last is not None and position <= last:
+    stale = event.ts <= state.forgotten_before if last is None else position <= last
+    if stale:
         return []
     state.last_event[key] = position
     queue = event.cluster_queue

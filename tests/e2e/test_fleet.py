@@ -51,19 +51,23 @@ async def _read(settings: Settings, spec: topics.TopicSpec, kind: type) -> list:
     return [decode(r.value) for r in await kafka.read_all(settings, spec.name(settings))]
 
 
+def start_worker(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, **settings_env(settings)}
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-P", str(WORKER), tempfile.mkdtemp(prefix="fleet-worker-")],
+            env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
 async def run_scenario(settings: Settings, name: str, log: Path) -> Run:
     await kafka.ensure_topics(settings)
     spec = scenarios.load(name).model_copy(update={"acceleration": 0.0})
     cluster = SimulatedCluster(spec)
     publisher = KafkaPublisher(settings)
     await publisher.start()
-    env = {**os.environ, **settings_env(settings)}
-    with open(log, "ab") as out:
-        worker = subprocess.Popen(
-            [sys.executable, "-P", str(WORKER), tempfile.mkdtemp(prefix="fleet-worker-")],
-            env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    worker = start_worker(settings, log)
     try:
         truth = await cluster.run(publisher)
         group = fleet_group(settings)
@@ -71,7 +75,7 @@ async def run_scenario(settings: Settings, name: str, log: Path) -> Run:
         await kafka.wait_consumed(settings, group, node_topics, timeout_s=180)
         fleet_topics = [t.name(settings) for t in (topics.NODE_SUMMARIES, topics.QUEUE)]
         await kafka.wait_consumed(settings, group, fleet_topics, timeout_s=120)
-        assert worker.poll() is None, log.read_text()[-3000:]
+        assert worker.poll() is None, f"the worker died; its log is {log}"
     finally:
         worker.send_signal(signal.SIGTERM)
         try:
