@@ -173,7 +173,7 @@ def test_admission_in_the_same_second_as_pending_counts() -> None:
     for order in (("pending", "admitted"), ("admitted", "pending")):
         state = q.QueueState()
         for status in order:
-            q.on_event(state, ev("a", status, 30, created=29), SETTINGS)  # type: ignore[arg-type]
+            q.on_event(state, ev("a", status, 30, created=29), SETTINGS)
         assert state.waiting == {}
         assert q.tick(state, 5000, SETTINGS) == []
 
