@@ -119,17 +119,23 @@ def _prefix_sums(values: Sequence[int]) -> list[int]:
     return [0, *itertools.accumulate(values)]
 
 
-def node_fragmentation(free_milli: Sequence[int], shapes: Mapping[Shape, float]) -> float:
-    """Popularity-weighted fragment (milli) of one node's free per-GPU shares."""
+def node_fragments(free_milli: Sequence[int], shapes: Iterable[Shape]) -> list[int]:
+    """The fragment (milli) of one node's free per-GPU shares for each shape, in order."""
     ordered = sorted(free_milli)
     prefix = _prefix_sums(ordered)
     total = prefix[-1]
-    fragment = 0.0
-    for shape, weight in shapes.items():
+    fragments = []
+    for shape in shapes:
         unusable = bisect.bisect_left(ordered, shape.milli)
         fits = len(ordered) - unusable >= shape.gpus
-        fragment += weight * (prefix[unusable] if fits else total)
-    return fragment
+        fragments.append(prefix[unusable] if fits else total)
+    return fragments
+
+
+def node_fragmentation(free_milli: Sequence[int], shapes: Mapping[Shape, float]) -> float:
+    """Popularity-weighted fragment (milli) of one node's free per-GPU shares."""
+    fragments = node_fragments(free_milli, shapes)
+    return sum(w * f for w, f in zip(shapes.values(), fragments, strict=True))
 
 
 class FragmentationReport(msgspec.Struct):
@@ -153,15 +159,17 @@ def cluster_fragmentation(nodes: Iterable[Sequence[int]],
     for free in nodes:
         key = tuple(sorted(free))
         counts[key] = counts.get(key, 0) + 1
-    fragmented = 0.0
+    names = [f"{s.gpus}x{s.milli}" for s in shapes]
+    weights = list(shapes.values())
+    per_shape = [0.0] * len(names)
     unallocated = 0
-    by_shape = {f"{s.gpus}x{s.milli}": 0.0 for s in shapes}
     for free, n in counts.items():
-        fragmented += n * node_fragmentation(free, shapes)
         unallocated += n * sum(free)
-        for shape in shapes:
-            by_shape[f"{shape.gpus}x{shape.milli}"] += n * node_fragmentation(free, {shape: 1.0})
-    return FragmentationReport(fragmented, unallocated, sum(counts.values()), by_shape)
+        for i, fragment in enumerate(node_fragments(free, shapes)):
+            per_shape[i] += n * fragment
+    fragmented = sum(w * f for w, f in zip(weights, per_shape, strict=True))
+    return FragmentationReport(fragmented, unallocated, sum(counts.values()),
+                               dict(zip(names, per_shape, strict=True)))
 
 
 def free_milli(summary: NodeSummary) -> list[int]:
@@ -252,24 +260,33 @@ class StrandedTrack(msgspec.Struct):
     episodes: dict[str, StrandedEpisode] = {}
 
 
-def stranded_reason(demand: Demand, summaries: Iterable[NodeSummary]) -> dict[str, float] | None:
+class FreeView:
+    """The schedulable free capacity of the fleet, summed once per evaluation."""
+
+    def __init__(self, summaries: Iterable[NodeSummary]) -> None:
+        self.usable = [s for s in summaries if s.healthy and not s.cordoned]
+        self.largest = max((s.gpus_free for s in self.usable), default=0)
+        self.total = sum(s.gpus_free for s in self.usable)
+        self.mig_nodes = [s.mig_free for s in self.usable if s.mig_free]
+        self.mig_total = sum(sum(free.values()) for free in self.mig_nodes)
+
+
+def stranded_reason(demand: Demand, fleet: FreeView | Iterable[NodeSummary]
+                    ) -> dict[str, float] | None:
     """Why ``demand`` is stranded (the figures for the evidence), or None when it is not."""
-    usable = [s for s in summaries if s.healthy and not s.cordoned]
+    view = fleet if isinstance(fleet, FreeView) else FreeView(fleet)
     if demand.mig:
-        if any(all(s.mig_free.get(p, 0) >= n for p, n in demand.mig.items()) for s in usable):
+        if any(all(free.get(p, 0) >= n for p, n in demand.mig.items())
+               for free in view.mig_nodes):
             return None
-        free_slices = sum(sum(s.mig_free.values()) for s in usable)
         wanted = sum(demand.mig.values())
-        if free_slices < wanted:
+        if view.mig_total < wanted:
             return None
-        return {"free_mig_devices": float(free_slices), "requested_mig_devices": float(wanted)}
-    if demand.gpus <= 0:
+        return {"free_mig_devices": float(view.mig_total),
+                "requested_mig_devices": float(wanted)}
+    if demand.gpus <= 0 or view.largest >= demand.gpus or view.total < demand.gpus:
         return None
-    largest = max((s.gpus_free for s in usable), default=0)
-    total = sum(s.gpus_free for s in usable)
-    if largest >= demand.gpus or total < demand.gpus:
-        return None
-    return {"fleet_free_gpus": float(total), "largest_node_free_gpus": float(largest),
+    return {"fleet_free_gpus": float(view.total), "largest_node_free_gpus": float(view.largest),
             "requested_gpus": float(demand.gpus)}
 
 
@@ -281,11 +298,12 @@ def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
     A workload that left the queue, or that is no longer stranded, closes its episode.
     """
     out: list[Finding] = []
+    view = FreeView(summaries)
     for key in list(track.episodes):
         if key not in pending:
             out += _close_stranded(track, key, ts, "the workload left the queue")
     for key, demand in pending.items():
-        reason = stranded_reason(demand, summaries)
+        reason = stranded_reason(demand, view)
         if reason is None:
             if key in track.episodes:
                 out += _close_stranded(track, key, ts, "the workload fits a node again")
