@@ -59,3 +59,19 @@ def test_queue_wait_breach_through_the_evaluator() -> None:
     (breach,) = [f for f in findings(out) if f.kind == queue_rules.WAIT_KIND]
     assert 600 < breach.ts <= 630
     assert state.shape_counts == {"1x1000": 1}
+
+
+def test_summaries_move_the_clock_only_when_the_queue_is_caught_up() -> None:
+    """A worker behind on the queue topic must not judge waits on the summaries' later time:
+    the admission it has not read yet would make the breach a false one."""
+    evaluator = FleetEvaluator()
+    state = FleetState()
+    evaluator.on_queue(state, QueueEvent(ts=0, name="api", namespace="serve",
+                                         cluster_queue="prod", state="pending", created_at=0,
+                                         gpus=1))
+    behind = []
+    for t in range(0, 3600, 60):
+        behind += evaluator.on_summary(state, summary("n0", t, free=0), queue_caught_up=False)
+    assert findings(behind) == [] and state.clock == 0
+    caught_up = evaluator.on_summary(state, summary("n0", 3600, free=0))
+    assert [f.kind for f in findings(caught_up)] == [queue_rules.WAIT_KIND]
