@@ -117,6 +117,16 @@ def _uuid(seed: int, *parts: object) -> str:
 
 
 @dataclass
+class SimMig:
+    """A MIG device of a partitioned GPU (the node group's ``mig_layout``)."""
+
+    uuid: str
+    profile: str
+    gpu_instance_id: int
+    holder: Workload | None = None
+
+
+@dataclass
 class SimGpu:
     uuid: str
     index: int
@@ -125,6 +135,8 @@ class SimGpu:
     holder: Workload | None = None
     dbe: int = 0
     last_util: float = 0.0
+    mig: list[SimMig] = field(default_factory=list)
+    """Its MIG devices; a partitioned GPU is never handed out whole."""
 
 
 @dataclass
@@ -138,7 +150,10 @@ class SimNode:
     """Reclaimed (spot): no samples, no scheduling."""
 
     def free(self) -> list[SimGpu]:
-        return [g for g in self.gpus if g.holder is None]
+        return [g for g in self.gpus if g.holder is None and not g.mig]
+
+    def free_mig(self, profile: str) -> list[SimMig]:
+        return [m for g in self.gpus for m in g.mig if m.holder is None and m.profile == profile]
 
 
 @dataclass
@@ -154,7 +169,7 @@ class Workload:
     """Phases as (offset from start, length or None, phase); cycled when ``spec.repeat``."""
     rng: random.Random
     node: SimNode | None = None
-    devices: list[SimGpu] = field(default_factory=list)
+    devices: list[SimGpu | SimMig] = field(default_factory=list)
     started_at: float | None = None
     ended_at: float | None = None
 
@@ -194,7 +209,9 @@ class SimulatedCluster:
                 name = f"{group.prefix}-{i}"
                 gpus = [
                     SimGpu("GPU-" + _uuid(scenario.seed, name, g), g, group.gpu_model,
-                           int(group.mem_gib * GIB))
+                           int(group.mem_gib * GIB),
+                           mig=[SimMig("MIG-" + _uuid(scenario.seed, name, g, i), profile, i + 1)
+                                for i, profile in enumerate(group.mig_layout)])
                     for g in range(group.gpus)
                 ]
                 self.nodes[name] = SimNode(name, gpus, group.spot)
@@ -339,10 +356,10 @@ class SimulatedCluster:
     async def _schedule(self, publisher: Publisher, now: float) -> None:
         for workload in list(self.queue):
             for node in self.nodes.values():
-                free = node.free()
-                if node.cordoned or node.taints or node.gone or len(free) < workload.spec.gpus:
+                devices = self._fit(node, workload.spec)
+                if node.cordoned or node.taints or node.gone or devices is None:
                     continue
-                workload.node, workload.devices = node, free[: workload.spec.gpus]
+                workload.node, workload.devices = node, devices
                 workload.started_at = now
                 for gpu in workload.devices:
                     gpu.holder = workload
@@ -352,12 +369,34 @@ class SimulatedCluster:
                 await publisher.allocation(self._pod_event(workload, "running", now))
                 break
 
+    @staticmethod
+    def _fit(node: SimNode, spec: WorkloadGroup) -> list[SimGpu | SimMig] | None:
+        """The devices of ``node`` the workload would get, or None if it does not fit."""
+        if spec.mig:
+            taken: list[SimGpu | SimMig] = []
+            for profile, count in sorted(spec.mig.items()):
+                free_mig = node.free_mig(profile)
+                if len(free_mig) < count:
+                    return None
+                taken += free_mig[:count]
+            return taken
+        free = node.free()
+        return list(free[: spec.gpus]) if len(free) >= spec.gpus else None
+
     # -- payloads ----------------------------------------------------------------------------
 
     def _inventory(self, node: SimNode) -> NodeInventory:
+        # As the device plugin's mixed strategy advertises them: partitioned GPUs only as
+        # their MIG devices, by profile.
+        whole = sum(1 for g in node.gpus if not g.mig)
+        allocatable = {"nvidia.com/gpu": whole}
+        for mig in (m for g in node.gpus for m in g.mig):
+            resource = f"nvidia.com/mig-{mig.profile}"
+            allocatable[resource] = allocatable.get(resource, 0) + 1
         return NodeInventory(
             ts=self.now, node=node.name, gpu_product=node.gpus[0].model,
-            gpu_count=len(node.gpus), allocatable={"nvidia.com/gpu": len(node.gpus)},
+            gpu_count=whole, allocatable=allocatable,
+            mig_strategy="mixed" if whole < len(node.gpus) else None,
             unschedulable=node.cordoned, spot=node.spot, deleted=node.gone,
             taints=([Taint("node.kubernetes.io/unschedulable", "NoSchedule")] if node.cordoned
                     else []) + node.taints,
@@ -367,7 +406,8 @@ class SimulatedCluster:
         assert workload.node is not None
         return PodAllocation(
             ts=now, node=workload.node.name, pod=workload.ref, phase=phase,  # type: ignore[arg-type]
-            gpus=workload.spec.gpus, device_ids=[g.uuid for g in workload.devices],
+            gpus=0 if workload.spec.mig else workload.spec.gpus, mig=dict(workload.spec.mig),
+            device_ids=[g.uuid for g in workload.devices],
             started_at=workload.started_at, workload_kind=workload.spec.kind,
             owner_kind=self._owner_kind(workload),
             owner_name=workload.name, queue=self.scenario.cluster_queue,
@@ -377,12 +417,16 @@ class SimulatedCluster:
         return QueueEvent(
             ts=now, name=workload.name, namespace=workload.namespace,
             cluster_queue=self.scenario.cluster_queue, state=state,  # type: ignore[arg-type]
-            created_at=workload.arrive, admitted_at=workload.started_at, gpus=workload.spec.gpus,
+            created_at=workload.arrive, admitted_at=workload.started_at,
+            gpus=0 if workload.spec.mig else workload.spec.gpus, mig=dict(workload.spec.mig),
         )
 
     def _sample(self, node: SimNode, now: float) -> NodeSample:
         devices = []
         for gpu in node.gpus:
+            if gpu.mig:
+                devices += [self._mig_sample(gpu, mig, now) for mig in gpu.mig]
+                continue
             holder = gpu.holder
             if holder is not None and holder.started_at is not None:
                 util = holder.utilisation(now - holder.started_at)
@@ -399,6 +443,21 @@ class SimulatedCluster:
                 pod=holder.ref if holder is not None else None,
             ))
         return NodeSample(ts=now, node=node.name, source="simulator", devices=devices)
+
+    @staticmethod
+    def _mig_sample(gpu: SimGpu, mig: SimMig, now: float) -> DeviceSample:
+        """A MIG device reads engine activity, not GPU utilisation (not reported on MIG)."""
+        holder = mig.holder
+        if holder is not None and holder.started_at is not None:
+            activity, mem = holder.utilisation(now - holder.started_at), holder.mem_bytes
+        else:
+            activity, mem = 0.0, 0
+        return DeviceSample(
+            uuid=mig.uuid, index=gpu.index, model=gpu.model, kind="mig", parent_uuid=gpu.uuid,
+            mig_profile=mig.profile, gpu_instance_id=mig.gpu_instance_id,
+            engine_active_pct=activity, mem_used_bytes=mem,
+            pod=holder.ref if holder is not None else None,
+        )
 
     # -- the whole run -----------------------------------------------------------------------
 

@@ -50,6 +50,11 @@ class WorkloadGroup(BaseModel):
     count: int = Field(1, ge=1)
     kind: Literal["notebook", "batch", "inference"] = "batch"
     gpus: int = Field(1, ge=1)
+    mig: dict[str, int] = Field(
+        default_factory=dict,
+        description="MIG devices requested by profile (e.g. {1g.10gb: 1}); when set the "
+        "workload asks for these instead of whole GPUs and runs on MIG nodes only.",
+    )
     arrive_s: Range = (0.0, 0.0)
     duration_s: Range | None = Field(None, description="None = runs until the scenario ends.")
     mem_gib: Range = (10.0, 40.0)

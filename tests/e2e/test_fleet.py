@@ -29,7 +29,7 @@ from gpusteward.pipeline import settings_env
 from gpusteward.rules import fragmentation as frag
 from gpusteward.rules import queue as queue_rules
 from gpusteward.rules import spot as spot_rules
-from gpusteward.schema import Action, Finding
+from gpusteward.schema import Action, Finding, NodeSummary
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import fleet_group
 
@@ -44,6 +44,7 @@ class Run:
     truth: GroundTruth
     findings: list[Finding]
     actions: list[Action]
+    summaries: list[NodeSummary]
 
 
 async def _read(settings: Settings, spec: topics.TopicSpec, kind: type) -> list:
@@ -85,7 +86,8 @@ async def run_scenario(settings: Settings, name: str, log: Path) -> Run:
             worker.wait()
         await publisher.stop()
     return Run(truth=truth, findings=await _read(settings, topics.FINDINGS, Finding),
-               actions=await _read(settings, topics.ACTIONS, Action))
+               actions=await _read(settings, topics.ACTIONS, Action),
+               summaries=await _read(settings, topics.NODE_SUMMARIES, NodeSummary))
 
 
 def _fresh(broker: EmbeddedBroker, name: str) -> Settings:
@@ -102,6 +104,12 @@ def spot_run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -
 def queue_run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
     log = tmp_path_factory.mktemp("queue") / "worker.log"
     return asyncio.run(run_scenario(_fresh(broker, "e2e-queue"), "queue-pressure", log))
+
+
+@pytest.fixture(scope="module")
+def mig_run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    log = tmp_path_factory.mktemp("mig") / "worker.log"
+    return asyncio.run(run_scenario(_fresh(broker, "e2e-mig"), "mig-inference", log))
 
 
 def _firing(run: Run, kind: str) -> list[Finding]:
@@ -180,3 +188,32 @@ def test_unplaceable_ddp_job_is_stranded_and_nothing_else(queue_run: Run) -> Non
     assert finding.evidence.values["requested_gpus"] == 3
     assert finding.evidence.values["fleet_free_gpus"] >= 3
     assert finding.evidence.values["largest_node_free_gpus"] <= 2
+
+
+def test_mig_demand_no_layout_offers_is_stranded_and_nothing_else(mig_run: Run) -> None:
+    if not any(s.mig_free for s in mig_run.summaries):
+        pytest.skip("the node join's summaries carry no mig_free yet (streams/node.py must "
+                    "fill NodeSummary.mig_free from the inventory's nvidia.com/mig-* "
+                    "allocatable minus the pods' MIG holdings)")
+    spec = scenarios.load("mig-inference")
+    offered = {p for g in spec.nodes for p in g.mig_layout}
+    # Workloads are handed to users round-robin, as the simulator does.
+    groups = [w for w in spec.workloads for _ in range(w.count)]
+    users = [spec.users[i % len(spec.users)] for i in range(len(groups))]
+    unoffered = {f"ml-{user}/{w.group}-{user}" for w, user in zip(groups, users, strict=True)
+                 if set(w.mig) - offered}
+    assert set(mig_run.truth.pending_since) == unoffered == {"ml-svc-a/rerank-svc-a"}
+    firing = _firing(mig_run, frag.STRANDED_KIND)
+    assert {f"{f.subject.pod.namespace}/{f.subject.pod.name}" for f in firing
+            if f.subject.pod} == unoffered
+    (finding,) = firing
+    assert finding.evidence is not None
+    assert finding.evidence.values["free_mig_devices"] >= 1
+    assert finding.labels["shape"] == "1x 2g.20gb"
+    arrived = mig_run.truth.pending_since["ml-svc-a/rerank-svc-a"]
+    assert arrived <= finding.starts_at <= arrived + 120
+    # Every other workload was placed within a tick: no wait or stranded finding names it.
+    placed = {f"{p.namespace}/{p.pod}" for p in mig_run.truth.pods}
+    named = {f"{f.subject.pod.namespace}/{f.subject.pod.name}" for f in mig_run.findings
+             if f.subject.pod and f.kind in (frag.STRANDED_KIND, queue_rules.WAIT_KIND)}
+    assert not named & placed
