@@ -9,11 +9,12 @@ Two Faust agents, added to the worker app by :func:`register_fleet_agent`:
   with each other and with pending demand (FGD fragmentation, stranded
   demand, queue SLOs) need that global view. Its state (the latest summary
   per node, the queue rules' state, the open episodes) is one msgpack value
-  in a one-partition table backed by a changelog; it is written when a rule
-  emits something and otherwise every ``checkpoint_interval_s`` of event
-  time, so a restarted worker resumes from it and re-learns at most that
-  much from the replayed topics (and republishes the same ids, which
-  consumers deduplicate).
+  in a one-partition table backed by a changelog; it is written on every
+  queue event and whenever a rule emits something, and otherwise every
+  ``checkpoint_interval_s`` of event time, so a restarted worker resumes
+  with every queue event it applied and at most that much of summaries to
+  re-learn (re-processing republishes the same ids, which consumers
+  deduplicate).
 - ``fleet-spot`` reads the allocation topic. Spot requeue is global in
   intent but local in data: a termination taint on node N requeues the pods
   on node N, and both the node's inventory and its pods' events are keyed
@@ -99,6 +100,9 @@ class FleetState(msgspec.Struct):
     summary_clock: float | None = None
     queue_clock: float | None = None
     last_evaluation: float | None = None
+    queue_offset: int = -1
+    """Offset of the last queue record applied; checkpointed with the rest so that a
+    restarted worker knows whether it has read the queue as far as the state says."""
 
 
 class FleetEvaluator:
@@ -260,14 +264,11 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         await deadletter.send(key=message.topic.encode(), value=encode(record))
 
     queue_tp = TP(queue_name, 0)
-    # Offset of the last queue event applied (-1: none yet; on a restart the table's state
-    # already holds what was applied before, and the first record read sets it).
-    queue_offset = [-1]
 
-    def queue_caught_up() -> bool:
+    def queue_caught_up(state: FleetState) -> bool:
         """True when every queue event published so far has been applied."""
         highwater = app.consumer.highwater(queue_tp)
-        return highwater is not None and queue_offset[0] + 1 >= highwater
+        return highwater is not None and state.queue_offset + 1 >= highwater
 
     @app.agent(fleet_topics, name="fleet")
     async def fleet(stream: Any) -> AsyncIterator[None]:
@@ -287,11 +288,17 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                 entry = (decode_fleet(stored) if stored is not None else FleetState(), -1.0)
             state, checkpointed_at = entry
             if isinstance(record, NodeSummary):
-                outputs = evaluator.on_summary(state, record, queue_caught_up=queue_caught_up())
+                outputs = evaluator.on_summary(state, record,
+                                               queue_caught_up=queue_caught_up(state))
             else:
-                queue_offset[0] = event.message.offset
-                outputs = evaluator.on_queue(state, record, queue_caught_up=queue_caught_up())
-            if outputs or record.ts - checkpointed_at >= checkpoint_s:
+                state.queue_offset = max(state.queue_offset, event.message.offset)
+                outputs = evaluator.on_queue(state, record,
+                                             queue_caught_up=queue_caught_up(state))
+            # Queue events are written at once (a lost admission would leave a phantom pending
+            # workload after a restart); summaries only every checkpoint_s, since the next
+            # summary of a node replaces a lost one.
+            is_queue = isinstance(record, QueueEvent)
+            if outputs or is_queue or record.ts - checkpointed_at >= checkpoint_s:
                 fleet_table[state_key] = encode_fleet(state)
                 checkpointed_at = record.ts
             live[state_key] = (state, checkpointed_at)
