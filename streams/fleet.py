@@ -7,9 +7,10 @@ Two Faust agents, added to the worker app by :func:`register_fleet_agent`:
   every subscribed topic to one worker, so exactly one worker in the group
   sees the whole fleet and the whole queue: the rules that compare nodes
   with each other and with pending demand (FGD fragmentation, stranded
-  demand, queue SLOs) need that global view. Its state (the latest summary
-  per node, the queue rules' state, the open episodes) is one msgpack value
-  in a one-partition table backed by a changelog; it is written on every
+  demand, queue SLOs) need that global view. The latest summary per node is
+  a one-partition table (one changelog record per summary), and the rest of
+  its state (the queue rules' state, the open episodes) one msgpack value in
+  another; that value is written on every
   queue event and whenever a rule emits something, and otherwise every
   ``checkpoint_interval_s`` of event time, so a restarted worker resumes
   with every queue event it applied and at most that much of summaries to
@@ -89,6 +90,10 @@ class FleetState(msgspec.Struct):
     """Everything the fleet agent knows."""
 
     nodes: dict[str, NodeSummary] = {}
+    """The latest summary per node. Kept in a table of its own (one record per node), not
+    in the checkpointed value, which stays small however large the fleet."""
+    departed: list[str] = []
+    """Nodes dropped as stale since the caller last looked (to delete from that table)."""
     queue: queue_rules.QueueState = msgspec.field(default_factory=queue_rules.QueueState)
     stranded: frag.StrandedTrack = msgspec.field(default_factory=frag.StrandedTrack)
     fragmentation: frag.FragmentationTrack = msgspec.field(
@@ -165,6 +170,7 @@ class FleetEvaluator:
         horizon = now - self.settings.node_stale_s
         for node in [n for n, s in state.nodes.items() if s.ts < horizon]:
             del state.nodes[node]
+            state.departed.append(node)
         out: list[FleetOutput] = []
         out += queue_rules.tick(state.queue, now, self.settings.queue)
         if state.nodes:
@@ -222,6 +228,7 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     deadletter = raw_topic(topics.DEADLETTER.name(settings), partitions=1)
 
     fleet_table = app.Table("fleet-state", partitions=1, key_type=bytes, value_type=bytes)
+    nodes_table = app.Table("fleet-nodes", partitions=1, key_type=bytes, value_type=bytes)
     spot_table = app.Table("fleet-spot", partitions=kafka.node_partitions,
                            key_type=bytes, value_type=bytes)
     encode_fleet = msgspec.msgpack.Encoder().encode
@@ -285,11 +292,16 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             entry = live.get(state_key)
             if entry is None:
                 stored = fleet_table.get(state_key)
-                entry = (decode_fleet(stored) if stored is not None else FleetState(), -1.0)
+                loaded = decode_fleet(stored) if stored is not None else FleetState()
+                loaded.nodes = {key.decode(): decode_summary(value)
+                                for key, value in nodes_table.items()}
+                entry = (loaded, -1.0)
             state, checkpointed_at = entry
             if isinstance(record, NodeSummary):
                 outputs = evaluator.on_summary(state, record,
                                                queue_caught_up=queue_caught_up(state))
+                if state.nodes.get(record.node) is record:
+                    nodes_table[record.node.encode()] = event.value
             else:
                 state.queue_offset = max(state.queue_offset, event.message.offset)
                 outputs = evaluator.on_queue(state, record,
@@ -298,8 +310,11 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             # workload after a restart); summaries only every checkpoint_s, since the next
             # summary of a node replaces a lost one.
             is_queue = isinstance(record, QueueEvent)
+            for node in state.departed:
+                nodes_table.pop(node.encode(), None)
+            state.departed = []
             if outputs or is_queue or record.ts - checkpointed_at >= checkpoint_s:
-                fleet_table[state_key] = encode_fleet(state)
+                fleet_table[state_key] = encode_fleet(msgspec.structs.replace(state, nodes={}))
                 checkpointed_at = record.ts
             live[state_key] = (state, checkpointed_at)
             await publish(outputs)

@@ -62,15 +62,35 @@ def start_worker(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
         )
 
 
-async def run_scenario(settings: Settings, name: str, log: Path) -> Run:
+def _stop(worker: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    if worker.poll() is not None:
+        return
+    worker.send_signal(sig)
+    try:
+        worker.wait(15)
+    except subprocess.TimeoutExpired:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+
+
+async def run_scenario(settings: Settings, name: str, log: Path, *,
+                       acceleration: float = 0.0, crash_after_s: float | None = None) -> Run:
+    """Run scenario ``name`` through a fleet worker; with ``crash_after_s``, SIGKILL the
+    worker that many wall seconds in and start a fresh one, which recovers from the
+    changelogs and the committed offsets."""
     await kafka.ensure_topics(settings)
-    spec = scenarios.load(name).model_copy(update={"acceleration": 0.0})
+    spec = scenarios.load(name).model_copy(update={"acceleration": acceleration})
     cluster = SimulatedCluster(spec)
     publisher = KafkaPublisher(settings)
     await publisher.start()
     worker = start_worker(settings, log)
     try:
-        truth = await cluster.run(publisher)
+        simulating = asyncio.create_task(cluster.run(publisher))
+        if crash_after_s is not None:
+            await asyncio.sleep(crash_after_s)
+            _stop(worker, signal.SIGKILL)
+            worker = start_worker(settings, log)
+        truth = await simulating
         group = fleet_group(settings)
         node_topics = [t.name(settings) for t in (topics.SAMPLES, topics.ALLOCATIONS)]
         await kafka.wait_consumed(settings, group, node_topics, timeout_s=180)
@@ -78,12 +98,7 @@ async def run_scenario(settings: Settings, name: str, log: Path) -> Run:
         await kafka.wait_consumed(settings, group, fleet_topics, timeout_s=120)
         assert worker.poll() is None, f"the worker died; its log is {log}"
     finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+        _stop(worker)
         await publisher.stop()
     return Run(truth=truth, findings=await _read(settings, topics.FINDINGS, Finding),
                actions=await _read(settings, topics.ACTIONS, Action),
@@ -144,6 +159,25 @@ def test_restartable_pods_requeued_before_the_node_goes_and_nothing_else(spot_ru
     for action in requeues:
         assert action.target.node is not None
         assert action.ts < (reclaimed[action.target.node] or 0)
+
+
+def test_spot_requeues_once_per_pod_across_a_worker_crash(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    # 7,200 simulated seconds in about 16 s; the crash falls between the two reclaims.
+    run = asyncio.run(run_scenario(_fresh(broker, "e2e-spot-crash"), "spot-batch",
+                                   tmp_path / "worker.log", acceleration=450.0,
+                                   crash_after_s=6.0))
+    expected = {(i.node, pod) for i in run.truth.interruptions
+                for pod, owner in i.pods.items() if owner == "Job"}
+    requeues = [a for a in run.actions if a.verb == "requeue"]
+    got = {(a.target.node, f"{a.target.pod.namespace}/{a.target.pod.name}")
+           for a in requeues if a.target.pod}
+    assert got == expected
+    # Redelivery may republish, but never under a new key: executors deduplicate on it.
+    assert len({a.idempotency_key for a in requeues}) == len(expected)
+    firing = _firing(run, spot_rules.KIND)
+    assert len({f.id for f in firing}) == len(run.truth.interruptions)
 
 
 def _waits(truth: GroundTruth) -> dict[str, float]:
