@@ -8,14 +8,13 @@ Two Faust agents, added to the worker app by :func:`register_fleet_agent`:
   sees the whole fleet and the whole queue: the rules that compare nodes
   with each other and with pending demand (FGD fragmentation, stranded
   demand, queue SLOs) need that global view. The latest summary per node is
-  a one-partition table (one changelog record per summary), and the rest of
-  its state (the queue rules' state, the open episodes) one msgpack value in
-  another; that value is written on every
-  queue event and whenever a rule emits something, and otherwise every
-  ``checkpoint_interval_s`` of event time, so a restarted worker resumes
-  with every queue event it applied and at most that much of summaries to
-  re-learn (re-processing republishes the same ids, which consumers
-  deduplicate).
+  a one-partition table (one changelog record per summary); the rest of its
+  state (the queue rules' state, the open episodes) is one msgpack value in
+  another, written on every queue event and whenever a rule emits
+  something, and otherwise every ``checkpoint_interval_s`` of event time.
+  A restarted worker resumes with every queue event it applied and at most
+  that much of summaries to re-learn (re-processing republishes the same
+  ids, which consumers deduplicate).
 - ``fleet-spot`` reads the allocation topic. Spot requeue is global in
   intent but local in data: a termination taint on node N requeues the pods
   on node N, and both the node's inventory and its pods' events are keyed
@@ -202,7 +201,11 @@ class SpotJoin:
 
 
 def fleet_group(settings: Settings) -> str:
-    """The consumer group the fleet agents run in: the worker's (they are in its app)."""
+    """The consumer group the fleet agents run in: the worker's, since they are in its app.
+
+    The same as ``streams.app.worker_group``, which cannot be imported here: the app
+    module imports this one to register the agents.
+    """
     return f"{settings.topic_prefix}-worker"
 
 
@@ -231,7 +234,7 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     nodes_table = app.Table("fleet-nodes", partitions=1, key_type=bytes, value_type=bytes)
     spot_table = app.Table("fleet-spot", partitions=kafka.node_partitions,
                            key_type=bytes, value_type=bytes)
-    encode_fleet = msgspec.msgpack.Encoder().encode
+    encode_msgpack = msgspec.msgpack.Encoder().encode
     decode_fleet = msgspec.msgpack.Decoder(FleetState).decode
     decode_track = msgspec.msgpack.Decoder(spot_rules.SpotNodeTrack).decode
     decode_summary = msgspec.json.Decoder(NodeSummary).decode
@@ -314,7 +317,7 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                 nodes_table.pop(node.encode(), None)
             state.departed = []
             if outputs or is_queue or record.ts - checkpointed_at >= checkpoint_s:
-                fleet_table[state_key] = encode_fleet(msgspec.structs.replace(state, nodes={}))
+                fleet_table[state_key] = encode_msgpack(msgspec.structs.replace(state, nodes={}))
                 checkpointed_at = record.ts
             live[state_key] = (state, checkpointed_at)
             await publish(outputs)
@@ -332,6 +335,6 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             stored = spot_table.get(node)
             track = decode_track(stored) if stored is not None else spot_rules.SpotNodeTrack()
             outputs = spot_join.on_allocation(track, alloc)
-            spot_table[node] = encode_fleet(track)
+            spot_table[node] = encode_msgpack(track)
             await publish(outputs)
             yield None

@@ -312,3 +312,26 @@ def test_fleet_fragmentation_fires_after_the_window_and_resolves() -> None:
     assert firing.labels["blocking_shapes"] == "8x1000"
     (closed,) = frag.observe_fleet(track, good, ts=1300, settings=SETTINGS)
     assert closed.state == "resolved" and closed.id == firing.id
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=60))
+def test_fleet_finding_only_after_a_whole_window_above_threshold(steps: list[bool]) -> None:
+    track = frag.FragmentationTrack()
+    shapes = {Shape(8): 1.0}
+    bad = frag.cluster_fragmentation([[1000, 1000, 0, 0, 0, 0, 0, 0]] * 4, shapes)
+    good = frag.cluster_fragmentation([[1000] * 8] * 4, shapes)
+    history: list[tuple[float, bool]] = []
+    open_id = None
+    for i, fragmented in enumerate(steps):
+        ts = i * 60.0
+        history.append((ts, fragmented))
+        for finding in frag.observe_fleet(track, bad if fragmented else good, ts=ts,
+                                          settings=SETTINGS):
+            if finding.state == "firing":
+                assert open_id is None
+                open_id = finding.id
+                assert all(f for t, f in history if finding.starts_at <= t <= ts)
+                assert ts - finding.starts_at >= SETTINGS.window_s
+            else:
+                assert finding.id == open_id
+                open_id = None
