@@ -269,6 +269,10 @@ class FreeView:
         self.total = sum(s.gpus_free for s in self.usable)
         self.mig_nodes = [s.mig_free for s in self.usable if s.mig_free]
         self.mig_total = sum(sum(free.values()) for free in self.mig_nodes)
+        self.mig_by_profile: dict[str, int] = {}
+        for free in self.mig_nodes:
+            for profile, count in free.items():
+                self.mig_by_profile[profile] = self.mig_by_profile.get(profile, 0) + count
 
 
 def stranded_reason(demand: Demand, fleet: FreeView | Iterable[NodeSummary]
@@ -283,7 +287,8 @@ def stranded_reason(demand: Demand, fleet: FreeView | Iterable[NodeSummary]
         if view.mig_total < wanted:
             return None
         return {"free_mig_devices": float(view.mig_total),
-                "requested_mig_devices": float(wanted)}
+                "requested_mig_devices": float(wanted),
+                **{f"free_mig_{p}": float(n) for p, n in sorted(view.mig_by_profile.items())}}
     if demand.gpus <= 0 or view.largest >= demand.gpus or view.total < demand.gpus:
         return None
     return {"fleet_free_gpus": float(view.total), "largest_node_free_gpus": float(view.largest),
@@ -317,6 +322,13 @@ def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
         namespace, _, name = key.partition("/")
         shape = (", ".join(f"{n}x {p}" for p, n in sorted(demand.mig.items())) if demand.mig
                  else f"{demand.gpus} GPUs on one node")
+        labels = {"shape": shape, "namespace": namespace, "name": name}
+        if demand.mig:
+            # MIG layout advice: the free slices are there, in the wrong profiles.
+            free = ", ".join(f"{k.removeprefix('free_mig_')} x{v:g}" for k, v in reason.items()
+                             if k.startswith("free_mig_") and k != "free_mig_devices")
+            labels["advice"] = (f"repartition a MIG node with idle slices ({free}) to offer "
+                                f"{shape}")
         out.append(Finding(
             id=episode.open_id, fingerprint=fp, kind=STRANDED_KIND, severity="warning",
             state="firing", subject=_stranded_subject(key, demand.queue),
@@ -325,8 +337,7 @@ def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
             starts_at=episode.since, ts=ts,
             evidence=Evidence(window_start=episode.since, window_end=ts,
                               samples=episode.evaluations, values=reason),
-            runbook=STRANDED_RUNBOOK,
-            labels={"shape": shape, "namespace": namespace, "name": name},
+            runbook=STRANDED_RUNBOOK, labels=labels,
         ))
     return out
 

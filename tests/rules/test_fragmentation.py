@@ -267,8 +267,18 @@ def test_not_stranded_when_a_node_fits_or_the_fleet_is_short() -> None:
 def test_mig_demand_stranded_by_the_wrong_profiles() -> None:
     fleet = [_summary("a", 0, mig_free={"1g.10gb": 4}), _summary("b", 0, mig_free={"2g.20gb": 1})]
     demand = Demand("ml/infer", "prod", mig={"3g.40gb": 1})
-    assert frag.stranded_reason(demand, fleet) == {"free_mig_devices": 5.0,
-                                                   "requested_mig_devices": 1.0}
+    assert frag.stranded_reason(demand, fleet) == {
+        "free_mig_devices": 5.0, "requested_mig_devices": 1.0,
+        "free_mig_1g.10gb": 4.0, "free_mig_2g.20gb": 1.0}
+    track = frag.StrandedTrack()
+    pending = {"ml/infer": demand}
+    out = []
+    for t in range(0, 400, 60):
+        out += frag.observe_stranded(track, pending, fleet, ts=t, settings=SETTINGS)
+    (finding,) = out
+    assert finding.labels["shape"] == "1x 3g.40gb"
+    assert finding.labels["advice"] == (
+        "repartition a MIG node with idle slices (1g.10gb x4, 2g.20gb x1) to offer 1x 3g.40gb")
     ok = Demand("ml/small", "prod", mig={"1g.10gb": 2})
     assert frag.stranded_reason(ok, fleet) is None
 
