@@ -12,6 +12,9 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from gpusteward.rules import ecc, hardware, idle, xid
+from gpusteward.rules import fragmentation as fleet_fragmentation
+from gpusteward.rules import queue as fleet_queue
+from gpusteward.rules import spot as fleet_spot
 
 REGISTRY: dict[str, type[BaseModel]] = {
     idle.KIND: idle.IdleSettings,
@@ -26,6 +29,10 @@ REGISTRY: dict[str, type[BaseModel]] = {
     hardware.RECOVERY_KIND: hardware.RecoveryActionSettings,
     xid.KIND: xid.XidSettings,
 }
+# Fleet-wide rules (the fleet agent in streams/fleet.py).
+REGISTRY[fleet_fragmentation.KIND] = fleet_fragmentation.FragmentationSettings
+REGISTRY[fleet_queue.WAIT_KIND] = fleet_queue.QueueSloSettings
+REGISTRY[fleet_spot.KIND] = fleet_spot.SpotSettings
 
 
 class UnknownRuleError(KeyError):

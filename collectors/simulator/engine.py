@@ -70,6 +70,8 @@ class PodRecord(msgspec.Struct):
     ended_at: float | None
     idle: bool
     """True if any of its phases is injected idleness."""
+    queued_at: float | None = None
+    """When it arrived in the queue."""
 
 
 class FaultRecord(msgspec.Struct):
@@ -84,6 +86,17 @@ class FaultRecord(msgspec.Struct):
     xid: int | None = None
     count: int = 0
     """Counter increase per sample of a burst fault."""
+
+
+class InterruptionRecord(msgspec.Struct):
+    """A spot node told it is being reclaimed, and the pods it held then."""
+
+    node: str
+    ts: float
+    taint: str
+    pods: dict[str, str]
+    """namespace/name -> owner kind of every pod on the node at the taint."""
+    reclaimed_at: float | None = None
 
 
 class CordonRecord(msgspec.Struct):
@@ -106,10 +119,23 @@ class GroundTruth(msgspec.Struct):
     cordons: list[CordonRecord] = []
     pending: list[str] = []
     notified: list[str] = []
+    interruptions: list[InterruptionRecord] = []
+    pending_since: dict[str, float] = {}
+    """namespace/name -> arrival of every workload still pending at the end."""
 
 
 def _uuid(seed: int, *parts: object) -> str:
     return str(uuidlib.uuid5(uuidlib.NAMESPACE_DNS, "/".join(map(str, (seed, *parts)))))
+
+
+@dataclass
+class SimMig:
+    """A MIG device of a partitioned GPU (the node group's ``mig_layout``)."""
+
+    uuid: str
+    profile: str
+    gpu_instance_id: int
+    holder: Workload | None = None
 
 
 @dataclass
@@ -127,6 +153,8 @@ class SimGpu:
     hot: bool = False
     lost: bool = False
     remap_failure: bool = False
+    mig: list[SimMig] = field(default_factory=list)
+    """Its MIG devices; a partitioned GPU is never handed out whole."""
 
 
 @dataclass
@@ -135,9 +163,15 @@ class SimNode:
     gpus: list[SimGpu]
     spot: bool
     cordoned: bool = False
+    taints: list[Taint] = field(default_factory=list)
+    gone: bool = False
+    """Reclaimed (spot): no samples, no scheduling."""
 
     def free(self) -> list[SimGpu]:
-        return [g for g in self.gpus if g.holder is None]
+        return [g for g in self.gpus if g.holder is None and not g.mig]
+
+    def free_mig(self, profile: str) -> list[SimMig]:
+        return [m for g in self.gpus for m in g.mig if m.holder is None and m.profile == profile]
 
 
 @dataclass
@@ -153,7 +187,7 @@ class Workload:
     """Phases as (offset from start, length or None, phase); cycled when ``spec.repeat``."""
     rng: random.Random
     node: SimNode | None = None
-    devices: list[SimGpu] = field(default_factory=list)
+    devices: list[SimGpu | SimMig] = field(default_factory=list)
     started_at: float | None = None
     ended_at: float | None = None
 
@@ -193,7 +227,9 @@ class SimulatedCluster:
                 name = f"{group.prefix}-{i}"
                 gpus = [
                     SimGpu("GPU-" + _uuid(scenario.seed, name, g), g, group.gpu_model,
-                           int(group.mem_gib * GIB))
+                           int(group.mem_gib * GIB),
+                           mig=[SimMig("MIG-" + _uuid(scenario.seed, name, g, i), profile, i + 1)
+                                for i, profile in enumerate(group.mig_layout)])
                     for g in range(group.gpus)
                 ]
                 self.nodes[name] = SimNode(name, gpus, group.spot)
@@ -260,9 +296,11 @@ class SimulatedCluster:
         await self._finish(publisher, now)
         await self._arrive(publisher, now)
         await self._inject_faults(publisher, now)
+        await self._reclaim_spot_nodes(publisher, now)
         await self._schedule(publisher, now)
         for node in self.nodes.values():
-            await publisher.sample(self._sample(node, now))
+            if not node.gone:
+                await publisher.sample(self._sample(node, now))
         if self.on_tick:
             self.on_tick(self)
 
@@ -292,8 +330,12 @@ class SimulatedCluster:
                 sim_gpu.hot = False  # thermal faults active at this tick set it again
         for fault in self.scenario.faults:
             fault_ts = self.start + fault.at_s
-            gpu = self.nodes[fault.node].gpus[fault.gpu]
             starts_now = now - interval < fault_ts <= now
+            if fault.kind == "spot_termination":
+                if starts_now:
+                    await self._spot_notice(publisher, fault.node, fault.taint, now)
+                continue
+            gpu = self.nodes[fault.node].gpus[fault.gpu]
             if fault.kind == "ecc_dbe":
                 if not starts_now:
                     continue
@@ -351,13 +393,43 @@ class SimulatedCluster:
             self.truth.faults.append(FaultRecord(fault.kind, fault.node, gpu.uuid, fault_ts,
                                                  end=fault_ts + fault.for_s, count=fault.count))
 
+    async def _spot_notice(self, publisher: Publisher, name: str, taint: str, now: float) -> None:
+        node = self.nodes[name]
+        node.taints.append(Taint(taint, "NoSchedule", "simulated-interruption"))
+        pods = {f"{w.namespace}/{w.name}": self._owner_kind(w)
+                for w in self.running if w.node is node}
+        self.truth.interruptions.append(InterruptionRecord(name, now, taint, pods))
+        await publisher.allocation(self._inventory(node))
+
+    async def _reclaim_spot_nodes(self, publisher: Publisher, now: float) -> None:
+        """The cloud takes a tainted spot node back: its pods die, the node leaves."""
+        for record in self.truth.interruptions:
+            fault = next(f for f in self.scenario.faults
+                         if f.kind == "spot_termination" and f.node == record.node)
+            node = self.nodes[record.node]
+            if node.gone or now < record.ts + fault.reclaim_after_s:
+                continue
+            node.gone, record.reclaimed_at = True, now
+            for workload in [w for w in self.running if w.node is node]:
+                workload.ended_at = now
+                for gpu in workload.devices:
+                    gpu.holder = None
+                self.running.remove(workload)
+                self.finished.append(workload)
+                await publisher.allocation(self._pod_event(workload, "deleted", now))
+            await publisher.allocation(self._inventory(node))
+
+    @staticmethod
+    def _owner_kind(workload: Workload) -> str:
+        return "Notebook" if workload.spec.kind == "notebook" else "Job"
+
     async def _schedule(self, publisher: Publisher, now: float) -> None:
         for workload in list(self.queue):
             for node in self.nodes.values():
-                free = node.free()
-                if node.cordoned or len(free) < workload.spec.gpus:
+                devices = self._fit(node, workload.spec)
+                if node.cordoned or node.taints or node.gone or devices is None:
                     continue
-                workload.node, workload.devices = node, free[: workload.spec.gpus]
+                workload.node, workload.devices = node, devices
                 workload.started_at = now
                 for gpu in workload.devices:
                     gpu.holder = workload
@@ -367,24 +439,47 @@ class SimulatedCluster:
                 await publisher.allocation(self._pod_event(workload, "running", now))
                 break
 
+    @staticmethod
+    def _fit(node: SimNode, spec: WorkloadGroup) -> list[SimGpu | SimMig] | None:
+        """The devices of ``node`` the workload would get, or None if it does not fit."""
+        if spec.mig:
+            taken: list[SimGpu | SimMig] = []
+            for profile, count in sorted(spec.mig.items()):
+                free_mig = node.free_mig(profile)
+                if len(free_mig) < count:
+                    return None
+                taken += free_mig[:count]
+            return taken
+        free = node.free()
+        return list(free[: spec.gpus]) if len(free) >= spec.gpus else None
+
     # -- payloads ----------------------------------------------------------------------------
 
     def _inventory(self, node: SimNode) -> NodeInventory:
+        # As the device plugin's mixed strategy advertises them: partitioned GPUs only as
+        # their MIG devices, by profile.
+        whole = sum(1 for g in node.gpus if not g.mig)
+        allocatable = {"nvidia.com/gpu": whole}
+        for mig in (m for g in node.gpus for m in g.mig):
+            resource = f"nvidia.com/mig-{mig.profile}"
+            allocatable[resource] = allocatable.get(resource, 0) + 1
         return NodeInventory(
             ts=self.now, node=node.name, gpu_product=node.gpus[0].model,
-            gpu_count=len(node.gpus), allocatable={"nvidia.com/gpu": len(node.gpus)},
-            unschedulable=node.cordoned, spot=node.spot,
-            taints=[Taint("node.kubernetes.io/unschedulable", "NoSchedule")] if node.cordoned
-            else [],
+            gpu_count=whole, allocatable=allocatable,
+            mig_strategy="mixed" if whole < len(node.gpus) else None,
+            unschedulable=node.cordoned, spot=node.spot, deleted=node.gone,
+            taints=([Taint("node.kubernetes.io/unschedulable", "NoSchedule")] if node.cordoned
+                    else []) + node.taints,
         )
 
     def _pod_event(self, workload: Workload, phase: str, now: float) -> PodAllocation:
         assert workload.node is not None
         return PodAllocation(
             ts=now, node=workload.node.name, pod=workload.ref, phase=phase,  # type: ignore[arg-type]
-            gpus=workload.spec.gpus, device_ids=[g.uuid for g in workload.devices],
+            gpus=0 if workload.spec.mig else workload.spec.gpus, mig=dict(workload.spec.mig),
+            device_ids=[g.uuid for g in workload.devices],
             started_at=workload.started_at, workload_kind=workload.spec.kind,
-            owner_kind="Notebook" if workload.spec.kind == "notebook" else "Job",
+            owner_kind=self._owner_kind(workload),
             owner_name=workload.name, queue=self.scenario.cluster_queue,
         )
 
@@ -392,7 +487,8 @@ class SimulatedCluster:
         return QueueEvent(
             ts=now, name=workload.name, namespace=workload.namespace,
             cluster_queue=self.scenario.cluster_queue, state=state,  # type: ignore[arg-type]
-            created_at=workload.arrive, admitted_at=workload.started_at, gpus=workload.spec.gpus,
+            created_at=workload.arrive, admitted_at=workload.started_at,
+            gpus=0 if workload.spec.mig else workload.spec.gpus, mig=dict(workload.spec.mig),
         )
 
     def _sample(self, node: SimNode, now: float) -> NodeSample:
@@ -400,6 +496,9 @@ class SimulatedCluster:
         for gpu in node.gpus:
             if gpu.lost:
                 continue  # as the NVML collector does: a lost GPU leaves the sample
+            if gpu.mig:
+                devices += [self._mig_sample(gpu, mig, now) for mig in gpu.mig]
+                continue
             holder = gpu.holder
             if holder is not None and holder.started_at is not None:
                 util = holder.utilisation(now - holder.started_at)
@@ -420,6 +519,21 @@ class SimulatedCluster:
                 remap_pending=False, pod=holder.ref if holder is not None else None,
             ))
         return NodeSample(ts=now, node=node.name, source="simulator", devices=devices)
+
+    @staticmethod
+    def _mig_sample(gpu: SimGpu, mig: SimMig, now: float) -> DeviceSample:
+        """A MIG device reads engine activity, not GPU utilisation (not reported on MIG)."""
+        holder = mig.holder
+        if holder is not None and holder.started_at is not None:
+            activity, mem = holder.utilisation(now - holder.started_at), holder.mem_bytes
+        else:
+            activity, mem = 0.0, 0
+        return DeviceSample(
+            uuid=mig.uuid, index=gpu.index, model=gpu.model, kind="mig", parent_uuid=gpu.uuid,
+            mig_profile=mig.profile, gpu_instance_id=mig.gpu_instance_id,
+            engine_active_pct=activity, mem_used_bytes=mem,
+            pod=holder.ref if holder is not None else None,
+        )
 
     # -- the whole run -----------------------------------------------------------------------
 
@@ -460,8 +574,10 @@ class SimulatedCluster:
                 node=workload.node.name, devices=[g.uuid for g in workload.devices],
                 started_at=workload.started_at, ended_at=workload.ended_at,
                 idle=any(p.util[1] < IDLE_TRUTH_PCT for p in workload.spec.phases),
+                queued_at=workload.arrive,
             ))
         truth.pending = sorted(f"{w.namespace}/{w.name}" for w in self.queue)
+        truth.pending_since = {f"{w.namespace}/{w.name}": w.arrive for w in self.queue}
         return truth
 
     def _idle_periods(self, workload: Workload, end: float) -> list[IdlePeriod]:

@@ -50,6 +50,11 @@ class WorkloadGroup(BaseModel):
     count: int = Field(1, ge=1)
     kind: Literal["notebook", "batch", "inference"] = "batch"
     gpus: int = Field(1, ge=1)
+    mig: dict[str, int] = Field(
+        default_factory=dict,
+        description="MIG devices requested by profile (e.g. {1g.10gb: 1}); when set the "
+        "workload asks for these instead of whole GPUs and runs on MIG nodes only.",
+    )
     arrive_s: Range = (0.0, 0.0)
     duration_s: Range | None = Field(None, description="None = runs until the scenario ends.")
     mem_gib: Range = (10.0, 40.0)
@@ -59,12 +64,12 @@ class WorkloadGroup(BaseModel):
 
 FaultKind = Literal[
     "ecc_dbe", "xid", "sbe_burst", "pcie_replay", "nvlink_errors", "thermal", "gpu_lost",
-    "remap_failure",
+    "remap_failure", "spot_termination",
 ]
 
 
 class Fault(BaseModel):
-    """A hardware fault injected into one GPU.
+    """A fault injected into one GPU or node.
 
     ``ecc_dbe``, ``gpu_lost`` and ``remap_failure`` happen once at ``at_s`` (with the urgent
     event the NVML collector would send) and last to the end; ``xid`` sends ``count`` XID
@@ -77,6 +82,15 @@ class Fault(BaseModel):
     node: str
     gpu: int = 0
     at_s: float = Field(ge=0)
+    taint: str = Field(
+        "aws-node-termination-handler/spot-itn",
+        description="spot_termination: the taint key put on the node at ``at_s``.",
+    )
+    reclaim_after_s: float = Field(
+        120.0, ge=0,
+        description="spot_termination: seconds from the taint until the node and its pods go "
+        "(AWS gives two minutes).",
+    )
     urgent_event: bool = Field(
         True, description="Also send the urgent hardware event, as NVML's event listener does; "
         "False leaves only the next sample to carry it.",

@@ -1,0 +1,356 @@
+"""Fragmentation and stranded capacity: free GPUs in shapes pending work cannot use.
+
+Two measures over the fleet's free capacity, both pure functions:
+
+- **FGD fragmentation** (Weng et al., "Beware of Fragmentation", USENIX ATC
+  2023). A node's free GPU capacity is a list of per-GPU free shares in milli
+  (1000 = a whole free GPU). A task shape ``(gpus, milli)`` asks for ``gpus``
+  GPUs with ``milli`` each (``gpus == 1`` and ``milli < 1000`` for a
+  GPU-sharing task). A GPU is *usable* by the shape when its free share is at
+  least ``milli``; the shape *fits* the node when at least ``gpus`` GPUs are
+  usable. The fragment of the node for the shape is its whole free capacity
+  when the shape does not fit, and the free capacity of the unusable GPUs
+  when it does. Node fragmentation is the popularity-weighted sum of the
+  fragments over the observed shapes; cluster fragmentation is the sum over
+  nodes, and the ratio is fragmented / unallocated capacity. The paper also
+  counts GPUs as fragments when a task's CPU request does not fit; node
+  summaries carry no CPU, so this measure is GPU-only, and shapes asking for
+  no GPU are left out of the popularity.
+- **Stranded demand** (:class:`StrandedTrack`): a pending workload that fits
+  the fleet's total free GPUs but no single node, or a pending MIG workload
+  that fits no node while free MIG slices of other profiles sit unused. It
+  fires only when the condition held for the whole window, so a workload
+  the scheduler is about to place never raises it.
+
+The FGD computation sorts each node's free shares once and answers every
+shape with a bisection, and caches per distinct free vector: a fleet of
+identical nodes costs a handful of evaluations, not one per node.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+
+import msgspec
+from pydantic import BaseModel, Field
+
+from gpusteward.rules.findings import finding_id, fingerprint, resolved
+from gpusteward.schema import Evidence, Finding, NodeSummary, PodRef, Subject
+
+KIND = "fragmentation"
+STRANDED_KIND = "stranded_capacity"
+WHOLE = 1000
+"""Milli of one whole GPU."""
+
+RUNBOOK = (
+    "Free GPUs are scattered in pieces the observed request shapes cannot use. Look at the "
+    "blocking shapes in the labels: consolidate small jobs (bin-pack with a MostAllocated "
+    "scoring strategy or FGD scheduling), drain the nodes with the fewest allocated GPUs, "
+    "or repartition MIG GPUs towards the profiles that are asked for."
+)
+STRANDED_RUNBOOK = (
+    "The pending workload would fit in the fleet's free GPUs added together, but not on any "
+    "single node (or, for MIG, not in any node's free slices). Consolidate or preempt small "
+    "holders on one node, change the MIG layout of a node towards the requested profile, "
+    "or split the workload if it can run across nodes."
+)
+
+
+class Shape(msgspec.Struct, frozen=True, order=True):
+    """A request shape: ``gpus`` GPUs with ``milli`` thousandths of each."""
+
+    gpus: int
+    milli: int = WHOLE
+
+
+class FragmentationSettings(BaseModel):
+    """Settings of the fleet fragmentation rule."""
+
+    ratio_threshold: float = Field(
+        0.5, gt=0, le=1,
+        description="Fragmentation ratio (fragmented / unallocated GPU capacity, 0-1) at or "
+        "above which the fleet counts as fragmented. 0.5: half the free capacity unusable "
+        "by the typical request is where FGD's evaluation shows jobs starting to queue.",
+    )
+    min_free_gpus: float = Field(
+        2.0, ge=0,
+        description="Free GPUs (whole-GPU equivalents) below which fragmentation is not "
+        "reported: a nearly full fleet is fragmented by definition and that is not news.",
+    )
+    window_s: float = Field(
+        900, gt=0,
+        description="Seconds the ratio must stay at or above the threshold before the rule "
+        "fires (15 min: longer than a scheduling burst).",
+    )
+    stranded_window_s: float = Field(
+        300, gt=0,
+        description="Seconds a pending workload must stay stranded (fits the fleet's total "
+        "free capacity but no node) before a finding: 5 min lets the scheduler act first.",
+    )
+    default_shapes: dict[str, float] = Field(
+        default_factory=lambda: {"1x1000": 1.0},
+        description="Request shapes ('<gpus>x<milli>') and their popularity used until "
+        "workloads have been observed. One whole GPU is the commonest request.",
+    )
+
+
+def parse_shape(text: str) -> Shape:
+    """``'2x1000'`` -> Shape(2, 1000); raises ValueError naming the bad text."""
+    try:
+        gpus, milli = (int(part) for part in text.split("x"))
+    except ValueError as error:
+        raise ValueError(f"bad shape {text!r}: expected '<gpus>x<milli>'") from error
+    return Shape(gpus, milli)
+
+
+def popularity(shapes: Iterable[Shape]) -> dict[Shape, float]:
+    """The share of each shape among observed requests; GPU-less requests are left out."""
+    counts: dict[Shape, int] = {}
+    for shape in shapes:
+        if shape.gpus > 0 and shape.milli > 0:
+            counts[shape] = counts.get(shape, 0) + 1
+    total = sum(counts.values())
+    return {shape: n / total for shape, n in counts.items()} if total else {}
+
+
+def _prefix_sums(values: Sequence[int]) -> list[int]:
+    return [0, *itertools.accumulate(values)]
+
+
+def node_fragments(free_milli: Sequence[int], shapes: Iterable[Shape]) -> list[int]:
+    """The fragment (milli) of one node's free per-GPU shares for each shape, in order."""
+    ordered = sorted(free_milli)
+    prefix = _prefix_sums(ordered)
+    total = prefix[-1]
+    fragments = []
+    for shape in shapes:
+        unusable = bisect.bisect_left(ordered, shape.milli)
+        fits = len(ordered) - unusable >= shape.gpus
+        fragments.append(prefix[unusable] if fits else total)
+    return fragments
+
+
+def node_fragmentation(free_milli: Sequence[int], shapes: Mapping[Shape, float]) -> float:
+    """Popularity-weighted fragment (milli) of one node's free per-GPU shares."""
+    fragments = node_fragments(free_milli, shapes)
+    return sum(w * f for w, f in zip(shapes.values(), fragments, strict=True))
+
+
+class FragmentationReport(msgspec.Struct):
+    """Cluster fragmentation in milli, and per-shape fragments for the blocking shapes."""
+
+    fragmented_milli: float
+    unallocated_milli: int
+    nodes: int
+    by_shape: dict[str, float] = {}
+    """Fragment (milli) each shape alone sees, unweighted: the shapes free capacity fails."""
+
+    @property
+    def ratio(self) -> float:
+        return self.fragmented_milli / self.unallocated_milli if self.unallocated_milli else 0.0
+
+
+def cluster_fragmentation(nodes: Iterable[Sequence[int]],
+                          shapes: Mapping[Shape, float]) -> FragmentationReport:
+    """FGD fragmentation of a set of nodes, each given by its per-GPU free milli."""
+    counts: dict[tuple[int, ...], int] = {}
+    for free in nodes:
+        key = tuple(sorted(free))
+        counts[key] = counts.get(key, 0) + 1
+    names = [f"{s.gpus}x{s.milli}" for s in shapes]
+    weights = list(shapes.values())
+    per_shape = [0.0] * len(names)
+    unallocated = 0
+    for free, n in counts.items():
+        unallocated += n * sum(free)
+        for i, fragment in enumerate(node_fragments(free, shapes)):
+            per_shape[i] += n * fragment
+    fragmented = sum(w * f for w, f in zip(weights, per_shape, strict=True))
+    return FragmentationReport(fragmented, unallocated, sum(counts.values()),
+                               dict(zip(names, per_shape, strict=True)))
+
+
+def free_milli(summary: NodeSummary) -> list[int]:
+    """A node summary's free capacity as per-GPU milli: free whole GPUs, the rest taken.
+
+    Cordoned and unhealthy nodes offer nothing: the scheduler will not use them.
+    """
+    if summary.cordoned or not summary.healthy:
+        return [0] * summary.gpus_total
+    free = min(summary.gpus_free, summary.gpus_total)
+    return [WHOLE] * free + [0] * (summary.gpus_total - free)
+
+
+class FragmentationTrack(msgspec.Struct):
+    """Fleet-level state of the fragmentation rule."""
+
+    above_since: float | None = None
+    evaluations: int = 0
+    max_ratio: float = 0.0
+    open_id: str | None = None
+    open_since: float | None = None
+
+
+def observe_fleet(track: FragmentationTrack, report: FragmentationReport, *, ts: float,
+                  settings: FragmentationSettings) -> list[Finding]:
+    """Fold one fleet evaluation into ``track``; fire after ``window_s`` above threshold."""
+    fp = fingerprint(KIND, "fleet")
+    subject = Subject()
+    free_gpus = report.unallocated_milli / WHOLE
+    above = report.ratio >= settings.ratio_threshold and free_gpus >= settings.min_free_gpus
+    if not above:
+        track.above_since, track.evaluations, track.max_ratio = None, 0, 0.0
+        if track.open_id is None or track.open_since is None:
+            return []
+        closing = resolved(track.open_id, fp, KIND, subject,
+                           f"fragmentation ratio back to {report.ratio:.2f}",
+                           track.open_since, ts)
+        track.open_id = track.open_since = None
+        return [closing]
+    if track.above_since is None:
+        track.above_since = ts
+    track.evaluations += 1
+    track.max_ratio = max(track.max_ratio, report.ratio)
+    if track.open_id is not None or ts - track.above_since < settings.window_s:
+        return []
+    track.open_id, track.open_since = finding_id(fp, track.above_since), track.above_since
+    blocking = sorted(report.by_shape.items(), key=lambda kv: -kv[1])
+    return [Finding(
+        id=track.open_id, fingerprint=fp, kind=KIND, severity="warning", state="firing",
+        subject=subject,
+        summary=f"{report.ratio:.0%} of the fleet's {free_gpus:.1f} free GPUs are fragments "
+        f"the observed request shapes cannot use",
+        starts_at=track.above_since, ts=ts,
+        evidence=Evidence(
+            window_start=track.above_since, window_end=ts, samples=track.evaluations,
+            values={"ratio": report.ratio, "max_ratio": track.max_ratio,
+                    "fragmented_gpus": report.fragmented_milli / WHOLE,
+                    "unallocated_gpus": free_gpus, "nodes": float(report.nodes)},
+        ),
+        runbook=RUNBOOK,
+        labels={"blocking_shapes": ",".join(name for name, frag in blocking[:3] if frag > 0)},
+    )]
+
+
+# -- stranded demand ---------------------------------------------------------------------------
+
+
+class Demand(msgspec.Struct, frozen=True):
+    """A pending workload's request: whole GPUs on one node, or MIG devices by profile."""
+
+    key: str
+    """namespace/name of the workload."""
+    queue: str
+    gpus: int = 0
+    mig: dict[str, int] = {}
+
+
+class StrandedEpisode(msgspec.Struct):
+    since: float
+    queue: str
+    evaluations: int = 0
+    open_id: str | None = None
+
+
+class StrandedTrack(msgspec.Struct):
+    """Per pending workload, since when it has been stranded."""
+
+    episodes: dict[str, StrandedEpisode] = {}
+
+
+class FreeView:
+    """The schedulable free capacity of the fleet, summed once per evaluation."""
+
+    def __init__(self, summaries: Iterable[NodeSummary]) -> None:
+        self.usable = [s for s in summaries if s.healthy and not s.cordoned]
+        self.largest = max((s.gpus_free for s in self.usable), default=0)
+        self.total = sum(s.gpus_free for s in self.usable)
+        self.mig_nodes = [s.mig_free for s in self.usable if s.mig_free]
+        self.mig_total = sum(sum(free.values()) for free in self.mig_nodes)
+        self.mig_by_profile: dict[str, int] = {}
+        for free in self.mig_nodes:
+            for profile, count in free.items():
+                self.mig_by_profile[profile] = self.mig_by_profile.get(profile, 0) + count
+
+
+def stranded_reason(demand: Demand, fleet: FreeView | Iterable[NodeSummary]
+                    ) -> dict[str, float] | None:
+    """Why ``demand`` is stranded (the figures for the evidence), or None when it is not."""
+    view = fleet if isinstance(fleet, FreeView) else FreeView(fleet)
+    if demand.mig:
+        if any(all(free.get(p, 0) >= n for p, n in demand.mig.items())
+               for free in view.mig_nodes):
+            return None
+        wanted = sum(demand.mig.values())
+        if view.mig_total < wanted:
+            return None
+        return {"free_mig_devices": float(view.mig_total),
+                "requested_mig_devices": float(wanted),
+                **{f"free_mig_{p}": float(n) for p, n in sorted(view.mig_by_profile.items())}}
+    if demand.gpus <= 0 or view.largest >= demand.gpus or view.total < demand.gpus:
+        return None
+    return {"fleet_free_gpus": float(view.total), "largest_node_free_gpus": float(view.largest),
+            "requested_gpus": float(demand.gpus)}
+
+
+def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
+                     summaries: Sequence[NodeSummary], *, ts: float,
+                     settings: FragmentationSettings) -> list[Finding]:
+    """Evaluate every pending workload against the fleet's free capacity at ``ts``.
+
+    A workload that left the queue, or that is no longer stranded, closes its episode.
+    """
+    out: list[Finding] = []
+    view = FreeView(summaries)
+    for key in list(track.episodes):
+        if key not in pending:
+            out += _close_stranded(track, key, ts, "the workload left the queue")
+    for key, demand in pending.items():
+        reason = stranded_reason(demand, view)
+        if reason is None:
+            if key in track.episodes:
+                out += _close_stranded(track, key, ts, "the workload fits a node again")
+            continue
+        episode = track.episodes.setdefault(key, StrandedEpisode(since=ts, queue=demand.queue))
+        episode.evaluations += 1
+        if episode.open_id is not None or ts - episode.since < settings.stranded_window_s:
+            continue
+        fp = fingerprint(STRANDED_KIND, key)
+        episode.open_id = finding_id(fp, episode.since)
+        namespace, _, name = key.partition("/")
+        shape = (", ".join(f"{n}x {p}" for p, n in sorted(demand.mig.items())) if demand.mig
+                 else f"{demand.gpus} GPUs on one node")
+        labels = {"shape": shape, "namespace": namespace, "name": name}
+        if demand.mig:
+            # MIG layout advice: the free slices are there, in the wrong profiles.
+            free = ", ".join(f"{k.removeprefix('free_mig_')} x{v:g}" for k, v in reason.items()
+                             if k.startswith("free_mig_") and k != "free_mig_devices")
+            labels["advice"] = (f"repartition a MIG node with idle slices ({free}) to offer "
+                                f"{shape}")
+        out.append(Finding(
+            id=episode.open_id, fingerprint=fp, kind=STRANDED_KIND, severity="warning",
+            state="firing", subject=_stranded_subject(key, demand.queue),
+            summary=f"{key} waits for {shape}: the fleet has the capacity free, but no "
+            f"node has it in that shape",
+            starts_at=episode.since, ts=ts,
+            evidence=Evidence(window_start=episode.since, window_end=ts,
+                              samples=episode.evaluations, values=reason),
+            runbook=STRANDED_RUNBOOK, labels=labels,
+        ))
+    return out
+
+
+def _stranded_subject(key: str, queue: str) -> Subject:
+    namespace, _, name = key.partition("/")
+    return Subject(queue=queue, pod=PodRef(namespace=namespace, name=name))
+
+
+def _close_stranded(track: StrandedTrack, key: str, ts: float, why: str) -> list[Finding]:
+    episode = track.episodes.pop(key)
+    if episode.open_id is None:
+        return []
+    fp = fingerprint(STRANDED_KIND, key)
+    return [resolved(episode.open_id, fp, STRANDED_KIND, _stranded_subject(key, episode.queue),
+                     f"{key}: {why}", episode.since, ts)]

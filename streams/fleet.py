@@ -1,0 +1,340 @@
+"""The fleet agent: fragmentation, stranded demand, queue SLOs and spot interruptions.
+
+Two Faust agents, added to the worker app by :func:`register_fleet_agent`:
+
+- ``fleet`` reads the node summaries and the queue events. Both topics have
+  one partition, and Faust's assignor gives the same partition number of
+  every subscribed topic to one worker, so exactly one worker in the group
+  sees the whole fleet and the whole queue: the rules that compare nodes
+  with each other and with pending demand (FGD fragmentation, stranded
+  demand, queue SLOs) need that global view. The latest summary per node is
+  a one-partition table (one changelog record per summary); the rest of its
+  state (the queue rules' state, the open episodes) is one msgpack value in
+  another, written on every queue event and whenever a rule emits
+  something, and otherwise every ``checkpoint_interval_s`` of event time.
+  A restarted worker resumes with every queue event it applied and at most
+  that much of summaries to re-learn (re-processing republishes the same
+  ids, which consumers deduplicate).
+- ``fleet-spot`` reads the allocation topic. Spot requeue is global in
+  intent but local in data: a termination taint on node N requeues the pods
+  on node N, and both the node's inventory and its pods' events are keyed
+  by N and land in N's partition. So the agent is partitioned like the node
+  join, each worker handling the nodes of its partitions, and the table it
+  keeps (one value per node) has the allocation topic's partition count.
+  Reading all allocation partitions on the single fleet agent instead would
+  put every pod event of the fleet through one consumer for a per-node
+  rule, and Faust has no way to subscribe one agent to all partitions of a
+  topic outside the group's assignment anyway.
+
+The logic lives in :class:`FleetEvaluator` and :class:`SpotJoin`, which do no
+I/O and are tested without a broker. Fleet rules are evaluated on the event
+time carried by the records (the latest seen), at most every
+``evaluate_interval_s``: evaluating FGD on every one of 1,250 summaries a
+minute would be wasted work, since the measure changes slowly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import faust
+import msgspec
+from faust.types import TP
+
+from gpusteward import topics
+from gpusteward.rules import fragmentation as frag
+from gpusteward.rules import queue as queue_rules
+from gpusteward.rules import spot as spot_rules
+from gpusteward.schema import (
+    Action,
+    AllocationEvent,
+    DeadLetter,
+    Finding,
+    NodeInventory,
+    NodeSummary,
+    QueueEvent,
+)
+from gpusteward.settings import Settings
+
+log = logging.getLogger(__name__)
+
+FleetOutput = Finding | Action
+
+
+@dataclass
+class FleetRuleSettings:
+    """The settings of the rules the fleet agents run."""
+
+    fragmentation: frag.FragmentationSettings = field(
+        default_factory=frag.FragmentationSettings)
+    queue: queue_rules.QueueSloSettings = field(default_factory=queue_rules.QueueSloSettings)
+    spot: spot_rules.SpotSettings = field(default_factory=spot_rules.SpotSettings)
+    evaluate_interval_s: float = 30.0
+    """Event-time seconds between two evaluations of the fleet-wide rules: fragmentation
+    and queue SLOs move on the scale of minutes, and 30 s keeps detection within one
+    sample interval of the usual collectors."""
+    node_stale_s: float = 600.0
+    """A node whose last summary is older than this (event-time seconds) has left the fleet:
+    ten summary intervals of the node join's default."""
+    checkpoint_interval_s: float = 30.0
+    """Event-time seconds between two changelog writes of the fleet state when nothing
+    was emitted."""
+
+
+class FleetState(msgspec.Struct):
+    """Everything the fleet agent knows."""
+
+    nodes: dict[str, NodeSummary] = {}
+    """The latest summary per node. Kept in a table of its own (one record per node), not
+    in the checkpointed value, which stays small however large the fleet."""
+    departed: list[str] = []
+    """Nodes dropped as stale since the caller last looked (to delete from that table)."""
+    queue: queue_rules.QueueState = msgspec.field(default_factory=queue_rules.QueueState)
+    stranded: frag.StrandedTrack = msgspec.field(default_factory=frag.StrandedTrack)
+    fragmentation: frag.FragmentationTrack = msgspec.field(
+        default_factory=frag.FragmentationTrack)
+    shape_counts: dict[str, int] = {}
+    """Observed request shapes ('<gpus>x<milli>'), one count per workload that queued."""
+    clock: float | None = None
+    """Event time the fleet rules have been evaluated up to; never goes back."""
+    summary_clock: float | None = None
+    queue_clock: float | None = None
+    last_evaluation: float | None = None
+    queue_offset: int = -1
+    """Offset of the last queue record applied; checkpointed with the rest so that a
+    restarted worker knows whether it has read the queue as far as the state says."""
+
+
+class FleetEvaluator:
+    """Folds node summaries and queue events into :class:`FleetState` and runs the rules."""
+
+    def __init__(self, settings: FleetRuleSettings | None = None) -> None:
+        self.settings = settings or FleetRuleSettings()
+
+    def on_summary(self, state: FleetState, summary: NodeSummary, *,
+                   queue_caught_up: bool = True) -> list[FleetOutput]:
+        """Fold a node summary in. ``queue_caught_up``: every queue event published so far
+        has been applied, so the queue state is true up to the summaries' time too."""
+        known = state.nodes.get(summary.node)
+        if known is None or summary.ts > known.ts:
+            state.nodes[summary.node] = summary
+        state.summary_clock = max(summary.ts, state.summary_clock or summary.ts)
+        return self._advance(state, queue_caught_up)
+
+    def on_queue(self, state: FleetState, event: QueueEvent, *,
+                 queue_caught_up: bool = True) -> list[FleetOutput]:
+        key = queue_rules.workload_key(event)
+        was_waiting = key in state.queue.waiting
+        out: list[FleetOutput] = list(queue_rules.on_event(state.queue, event,
+                                                           self.settings.queue))
+        if not was_waiting and key in state.queue.waiting and event.gpus > 0:
+            shape = f"{event.gpus}x{frag.WHOLE}"
+            state.shape_counts[shape] = state.shape_counts.get(shape, 0) + 1
+        state.queue_clock = max(event.ts, state.queue_clock or event.ts)
+        return out + self._advance(state, queue_caught_up)
+
+    def _advance(self, state: FleetState, queue_caught_up: bool) -> list[FleetOutput]:
+        # The queue rules may only judge a time the queue stream has been read up to: with
+        # the queue behind (a worker catching up), a workload that looks pending may have
+        # been admitted in a record not read yet. So the clock follows the queue's event
+        # time, and moves on with the summaries' only when the queue is caught up.
+        clocks = [c for c in (state.queue_clock, state.summary_clock if queue_caught_up
+                              else None) if c is not None]
+        if not clocks:
+            return []
+        if state.clock is None or max(clocks) > state.clock:
+            state.clock = max(clocks)
+        due = (state.last_evaluation is None
+               or state.clock - state.last_evaluation >= self.settings.evaluate_interval_s)
+        return self.evaluate(state, state.clock) if due else []
+
+    def shapes(self, state: FleetState) -> dict[frag.Shape, float]:
+        """The request shapes' popularity: observed ones, else the configured defaults."""
+        counts: dict[str, float] = (dict(state.shape_counts) if state.shape_counts
+                                    else self.settings.fragmentation.default_shapes)
+        total = sum(counts.values())
+        return {frag.parse_shape(k): v / total for k, v in counts.items()}
+
+    def fragmentation(self, state: FleetState) -> frag.FragmentationReport:
+        return frag.cluster_fragmentation(
+            (frag.free_milli(s) for s in state.nodes.values()), self.shapes(state))
+
+    def evaluate(self, state: FleetState, now: float) -> list[FleetOutput]:
+        """Run the fleet-wide rules at event time ``now``."""
+        state.last_evaluation = now
+        horizon = now - self.settings.node_stale_s
+        for node in [n for n, s in state.nodes.items() if s.ts < horizon]:
+            del state.nodes[node]
+            state.departed.append(node)
+        out: list[FleetOutput] = []
+        out += queue_rules.tick(state.queue, now, self.settings.queue)
+        if state.nodes:
+            out += frag.observe_fleet(state.fragmentation, self.fragmentation(state), ts=now,
+                                      settings=self.settings.fragmentation)
+        pending = {
+            key: frag.Demand(key=key, queue=w.queue, gpus=w.gpus, mig=w.mig)
+            for key, w in state.queue.waiting.items()
+        }
+        out += frag.observe_stranded(state.stranded, pending, list(state.nodes.values()),
+                                     ts=now, settings=self.settings.fragmentation)
+        return out
+
+
+class SpotJoin:
+    """Folds one node's allocation events into its spot track."""
+
+    def __init__(self, settings: spot_rules.SpotSettings | None = None) -> None:
+        self.settings = settings or spot_rules.SpotSettings()
+
+    def on_allocation(self, track: spot_rules.SpotNodeTrack,
+                      event: AllocationEvent) -> list[FleetOutput]:
+        if isinstance(event, NodeInventory):
+            out = spot_rules.on_inventory(track, event, self.settings)
+            # Inventories arrive every few minutes: a good moment to forget old pods.
+            spot_rules.forget_finished_pods(track, event.ts - 3600)
+            return out
+        return spot_rules.on_pod(track, event, self.settings)
+
+
+def fleet_group(settings: Settings) -> str:
+    """The consumer group the fleet agents run in: the worker's, since they are in its app.
+
+    The same as ``streams.app.worker_group``, which cannot be imported here: the app
+    module imports this one to register the agents.
+    """
+    return f"{settings.topic_prefix}-worker"
+
+
+def register_fleet_agent(app: faust.App, settings: Settings,
+                         rules: FleetRuleSettings | None = None) -> None:
+    """Add the ``fleet`` and ``fleet-spot`` agents and their tables to the worker ``app``."""
+    evaluator = FleetEvaluator(rules)
+    spot_join = SpotJoin(evaluator.settings.spot)
+    checkpoint_s = evaluator.settings.checkpoint_interval_s
+    kafka = settings.kafka
+
+    def raw_topic(*names: str, partitions: int) -> Any:
+        return app.topic(*names, key_type=bytes, value_type=bytes, key_serializer="raw",
+                         value_serializer="raw", partitions=partitions)
+
+    summaries_name = topics.NODE_SUMMARIES.name(settings)
+    queue_name = topics.QUEUE.name(settings)
+    fleet_topics = raw_topic(summaries_name, queue_name, partitions=1)
+    allocations = raw_topic(topics.ALLOCATIONS.name(settings),
+                            partitions=topics.ALLOCATIONS.partition_count(settings))
+    findings = raw_topic(topics.FINDINGS.name(settings), partitions=1)
+    actions = raw_topic(topics.ACTIONS.name(settings), partitions=1)
+    deadletter = raw_topic(topics.DEADLETTER.name(settings), partitions=1)
+
+    fleet_table = app.Table("fleet-state", partitions=1, key_type=bytes, value_type=bytes)
+    nodes_table = app.Table("fleet-nodes", partitions=1, key_type=bytes, value_type=bytes)
+    spot_table = app.Table("fleet-spot", partitions=kafka.node_partitions,
+                           key_type=bytes, value_type=bytes)
+    encode_msgpack = msgspec.msgpack.Encoder().encode
+    decode_fleet = msgspec.msgpack.Decoder(FleetState).decode
+    decode_track = msgspec.msgpack.Decoder(spot_rules.SpotNodeTrack).decode
+    decode_summary = msgspec.json.Decoder(NodeSummary).decode
+    decode_queue = msgspec.json.Decoder(QueueEvent).decode
+    decode_alloc = msgspec.json.Decoder(AllocationEvent).decode
+    encode = msgspec.json.Encoder().encode
+    state_key = b"fleet"
+    # The decoded fleet state and the event time of its last checkpoint; dropped on every
+    # rebalance, when the table becomes the truth again.
+    live: dict[bytes, tuple[FleetState, float]] = {}
+
+    def forget_live_state(sender: Any, *args: Any, **kwargs: Any) -> None:
+        live.clear()
+
+    app.on_partitions_revoked.connect(forget_live_state)  # type: ignore[arg-type]
+    app.on_partitions_assigned.connect(forget_live_state)  # type: ignore[arg-type]
+
+    async def publish(outputs: list[FleetOutput]) -> None:
+        for output in outputs:
+            value = encode(output)
+            if isinstance(output, Finding):
+                await findings.send(key=output.fingerprint.encode(), value=value)
+            else:
+                target = output.target
+                key = target.node or (f"{target.pod.namespace}/{target.pod.name}"
+                                      if target.pod else target.queue or "")
+                await actions.send(key=key.encode(), value=value)
+
+    async def to_deadletter(event: Any, error: Exception) -> None:
+        message = event.message
+        reason = f"{type(error).__name__}: {str(error)[:500]}"
+        log.warning("dead-lettered %s[%d]@%d: %s", message.topic, message.partition,
+                    message.offset, reason)
+        record = DeadLetter(source_topic=message.topic, partition=message.partition,
+                            offset=message.offset, error=reason, ts=time.time(),
+                            key=message.key, value=message.value)
+        await deadletter.send(key=message.topic.encode(), value=encode(record))
+
+    queue_tp = TP(queue_name, 0)
+
+    def queue_caught_up(state: FleetState) -> bool:
+        """True when every queue event published so far has been applied."""
+        highwater = app.consumer.highwater(queue_tp)
+        return highwater is not None and state.queue_offset + 1 >= highwater
+
+    @app.agent(fleet_topics, name="fleet")
+    async def fleet(stream: Any) -> AsyncIterator[None]:
+        async for event in stream.events():
+            try:
+                record: NodeSummary | QueueEvent
+                if event.message.topic == summaries_name:
+                    record = decode_summary(event.value)
+                else:
+                    record = decode_queue(event.value)
+            except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                await to_deadletter(event, error)
+                continue
+            entry = live.get(state_key)
+            if entry is None:
+                stored = fleet_table.get(state_key)
+                loaded = decode_fleet(stored) if stored is not None else FleetState()
+                loaded.nodes = {key.decode(): decode_summary(value)
+                                for key, value in nodes_table.items()}
+                entry = (loaded, -1.0)
+            state, checkpointed_at = entry
+            if isinstance(record, NodeSummary):
+                outputs = evaluator.on_summary(state, record,
+                                               queue_caught_up=queue_caught_up(state))
+                if state.nodes.get(record.node) is record:
+                    nodes_table[record.node.encode()] = event.value
+            else:
+                state.queue_offset = max(state.queue_offset, event.message.offset)
+                outputs = evaluator.on_queue(state, record,
+                                             queue_caught_up=queue_caught_up(state))
+            # Queue events are written at once (a lost admission would leave a phantom pending
+            # workload after a restart); summaries only every checkpoint_s, since the next
+            # summary of a node replaces a lost one.
+            is_queue = isinstance(record, QueueEvent)
+            for node in state.departed:
+                nodes_table.pop(node.encode(), None)
+            state.departed = []
+            if outputs or is_queue or record.ts - checkpointed_at >= checkpoint_s:
+                fleet_table[state_key] = encode_msgpack(msgspec.structs.replace(state, nodes={}))
+                checkpointed_at = record.ts
+            live[state_key] = (state, checkpointed_at)
+            await publish(outputs)
+            yield None
+
+    @app.agent(allocations, name="fleet-spot")
+    async def fleet_spot(stream: Any) -> AsyncIterator[None]:
+        async for event in stream.events():
+            try:
+                alloc = decode_alloc(event.value)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                # The node join dead-letters the same record; once is enough.
+                continue
+            node = alloc.node.encode()
+            stored = spot_table.get(node)
+            track = decode_track(stored) if stored is not None else spot_rules.SpotNodeTrack()
+            outputs = spot_join.on_allocation(track, alloc)
+            spot_table[node] = encode_msgpack(track)
+            await publish(outputs)
+            yield None

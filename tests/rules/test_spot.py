@@ -1,0 +1,122 @@
+"""Spot interruptions: termination taints -> one finding and requeue actions per pod."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpusteward.rules import spot
+from gpusteward.schema import (
+    Action,
+    Finding,
+    NodeInventory,
+    PodAllocation,
+    PodPhase,
+    PodRef,
+    Taint,
+)
+
+SETTINGS = spot.SpotSettings()
+ITN = Taint("aws-node-termination-handler/spot-itn", "NoSchedule", "evt-1")
+
+
+def inv(ts: float, *taints: Taint, spot_node: bool = True, deleted: bool = False
+        ) -> NodeInventory:
+    return NodeInventory(ts=ts, node="spot-1", gpu_count=8, spot=spot_node,
+                         taints=list(taints), deleted=deleted)
+
+
+def pod(name: str, ts: float, owner: str | None = "Job", phase: PodPhase = "running"
+        ) -> PodAllocation:
+    return PodAllocation(ts=ts, node="spot-1", pod=PodRef("ml", name, uid=f"uid-{name}"),
+                         phase=phase, gpus=1, owner_kind=owner, owner_name=f"{name}-owner",
+                         queue="batch")
+
+
+def test_termination_taint_requeues_restartable_pods_only() -> None:
+    track = spot.SpotNodeTrack()
+    for event in (pod("train", 1), pod("nb", 2, owner="Notebook"),
+                  pod("wl", 3, owner="Workload")):
+        assert spot.on_pod(track, event, SETTINGS) == []
+    out = spot.on_inventory(track, inv(10, ITN), SETTINGS)
+    finding, *actions = out
+    assert isinstance(finding, Finding)
+    assert finding.kind == spot.KIND and finding.severity == "critical"
+    assert finding.subject.node == "spot-1" and finding.runbook
+    assert finding.labels["not_requeued"] == "ml/nb"
+    assert finding.evidence and finding.evidence.values["restartable_pods"] == 2
+    assert all(isinstance(a, Action) and a.verb == "requeue" for a in actions)
+    names = sorted(a.target.pod.name for a in actions if isinstance(a, Action) and a.target.pod)
+    assert names == ["train", "wl"]
+    keys = {a.idempotency_key for a in actions if isinstance(a, Action)}
+    assert len(keys) == 2 and all(k.startswith(finding.id) for k in keys)
+    wl = next(a for a in actions if isinstance(a, Action) and a.target.pod
+              and a.target.pod.name == "wl")
+    assert wl.params["workload"] == "ml/wl-owner" and wl.target.queue == "batch"
+
+
+def test_repeated_inventory_does_not_repeat_and_removal_resolves() -> None:
+    track = spot.SpotNodeTrack()
+    spot.on_pod(track, pod("train", 1), SETTINGS)
+    first = spot.on_inventory(track, inv(10, ITN), SETTINGS)
+    assert spot.on_inventory(track, inv(20, ITN), SETTINGS) == []
+    assert spot.on_inventory(track, inv(10, ITN), SETTINGS) == []  # duplicate
+    (closed,) = spot.on_inventory(track, inv(30), SETTINGS)
+    assert isinstance(closed, Finding) and closed.state == "resolved"
+    assert closed.id == first[0].id  # type: ignore[union-attr]
+    # A stale tainted inventory arriving late does not reopen.
+    assert spot.on_inventory(track, inv(25, ITN), SETTINGS) == []
+
+
+def test_pod_arriving_during_the_episode_is_requeued() -> None:
+    track = spot.SpotNodeTrack()
+    spot.on_inventory(track, inv(10, ITN), SETTINGS)
+    (action,) = spot.on_pod(track, pod("late", 20), SETTINGS)
+    assert isinstance(action, Action) and action.target.pod
+    assert action.target.pod.name == "late"
+    assert spot.on_pod(track, pod("late", 21), SETTINGS) == []
+
+
+def test_placement_taints_and_on_demand_nodes_are_left_alone() -> None:
+    aks = Taint("kubernetes.azure.com/scalesetpriority", "NoSchedule", "spot")
+    track = spot.SpotNodeTrack()
+    spot.on_pod(track, pod("train", 1), SETTINGS)
+    assert spot.on_inventory(track, inv(10, aks), SETTINGS) == []
+    assert spot.on_inventory(track, inv(20, ITN, spot_node=False), SETTINGS) == []
+    anywhere = spot.SpotSettings(spot_only=False)
+    assert spot.on_inventory(spot.SpotNodeTrack(), inv(20, ITN, spot_node=False), anywhere)
+
+
+@given(st.lists(st.tuples(st.integers(0, 20), st.booleans(), st.booleans()), max_size=40))
+def test_episodes_open_and_close_in_step_with_the_taint(
+    steps: list[tuple[int, bool, bool]]
+) -> None:
+    """Whatever the order and duplicates: one firing per episode, resolves only an open one,
+    and each pod is requeued at most once per episode."""
+    track = spot.SpotNodeTrack()
+    spot.on_pod(track, pod("train", 0), SETTINGS)
+    open_id: str | None = None
+    requeued: set[str] = set()
+    for ts, tainted, is_pod in steps:
+        if is_pod:
+            out = spot.on_pod(track, pod(f"p{ts % 3}", ts + 0.5), SETTINGS)
+        else:
+            out = spot.on_inventory(track, inv(ts, *([ITN] if tainted else [])), SETTINGS)
+        for item in out:
+            if isinstance(item, Finding) and item.state == "firing":
+                assert open_id is None
+                open_id, requeued = item.id, set()
+            elif isinstance(item, Finding):
+                assert item.id == open_id
+                open_id = None
+            else:
+                assert open_id is not None and item.finding_ids == [open_id]
+                assert item.idempotency_key not in requeued
+                requeued.add(item.idempotency_key)
+
+
+def test_pod_finished_in_the_same_second_it_started_is_gone() -> None:
+    track = spot.SpotNodeTrack()
+    spot.on_pod(track, pod("quick", 5, phase="finished"), SETTINGS)
+    spot.on_pod(track, pod("quick", 5), SETTINGS)  # the earlier running event, late
+    assert spot.on_inventory(track, inv(10, ITN), SETTINGS)[1:] == []

@@ -1,0 +1,77 @@
+"""The fleet agent's logic without a broker: summaries and queue events in, findings out."""
+
+from __future__ import annotations
+
+from gpusteward.rules import fragmentation as frag
+from gpusteward.rules import queue as queue_rules
+from gpusteward.schema import Finding, NodeSummary, QueueEvent
+from gpusteward.streams.fleet import FleetEvaluator, FleetOutput, FleetState
+
+
+def findings(outputs: list[FleetOutput]) -> list[Finding]:
+    return [o for o in outputs if isinstance(o, Finding)]
+
+
+def summary(node: str, ts: float, free: int, total: int = 8) -> NodeSummary:
+    return NodeSummary(ts=ts, node=node, gpu_model="H100", gpus_total=total, gpus_free=free)
+
+
+def test_stranded_ddp_job_and_fragmented_fleet() -> None:
+    evaluator = FleetEvaluator()
+    state = FleetState()
+    out = evaluator.on_queue(state, QueueEvent(ts=0, name="ddp", namespace="ml",
+                                               cluster_queue="research", state="pending",
+                                               created_at=0, gpus=8))
+    for t in range(0, 1200, 60):
+        for i in range(4):
+            out += evaluator.on_summary(state, summary(f"n{i}", t, free=3))
+    kinds = [f.kind for f in findings(out) if f.state == "firing"]
+    assert kinds.count(frag.STRANDED_KIND) == 1
+    assert kinds.count(frag.KIND) == 1
+    report = evaluator.fragmentation(state)
+    # The only shape observed is 8 GPUs: every free GPU is a fragment.
+    assert report.ratio == 1.0 and report.unallocated_milli == 12_000
+    closing = evaluator.on_queue(state, QueueEvent(ts=1300, name="ddp", namespace="ml",
+                                                   cluster_queue="research", state="deleted"))
+    closing += evaluator.on_summary(state, summary("n0", 1330, free=3))
+    assert [(f.kind, f.state) for f in findings(closing) if f.kind == frag.STRANDED_KIND] == [
+        (frag.STRANDED_KIND, "resolved")]
+
+
+def test_stale_nodes_leave_the_fleet() -> None:
+    evaluator = FleetEvaluator()
+    state = FleetState()
+    evaluator.on_summary(state, summary("gone", 0, free=8))
+    for t in range(0, 1000, 30):
+        evaluator.on_summary(state, summary("stays", t, free=1))
+    assert set(state.nodes) == {"stays"}
+
+
+def test_queue_wait_breach_through_the_evaluator() -> None:
+    evaluator = FleetEvaluator()
+    state = FleetState()
+    evaluator.on_queue(state, QueueEvent(ts=0, name="api", namespace="serve",
+                                         cluster_queue="prod", state="pending", created_at=0,
+                                         gpus=1))
+    out = []
+    for t in range(0, 900, 30):
+        out += evaluator.on_summary(state, summary("n0", t, free=0))
+    (breach,) = [f for f in findings(out) if f.kind == queue_rules.WAIT_KIND]
+    assert 600 < breach.ts <= 630
+    assert state.shape_counts == {"1x1000": 1}
+
+
+def test_summaries_move_the_clock_only_when_the_queue_is_caught_up() -> None:
+    """A worker behind on the queue topic must not judge waits on the summaries' later time:
+    the admission it has not read yet would make the breach a false one."""
+    evaluator = FleetEvaluator()
+    state = FleetState()
+    evaluator.on_queue(state, QueueEvent(ts=0, name="api", namespace="serve",
+                                         cluster_queue="prod", state="pending", created_at=0,
+                                         gpus=1))
+    behind = []
+    for t in range(0, 3600, 60):
+        behind += evaluator.on_summary(state, summary("n0", t, free=0), queue_caught_up=False)
+    assert findings(behind) == [] and state.clock == 0
+    caught_up = evaluator.on_summary(state, summary("n0", 3600, free=0))
+    assert [f.kind for f in findings(caught_up)] == [queue_rules.WAIT_KIND]
