@@ -248,4 +248,5 @@ def create_app(
             live[node] = (state, checkpointed_at)
             await publish(outputs)
 
+    register_fleet_agent(app, settings)
     return app

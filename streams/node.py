@@ -70,6 +70,8 @@ class NodeState(msgspec.Struct):
     gpu_count: int = 0
     cordoned: bool = False
     spot: bool = False
+    mig_allocatable: dict[str, int] = {}
+    """MIG devices the node offers, by profile (from ``nvidia.com/mig-*`` allocatable)."""
     pool: str | None = None
     """The node's pool: the value of the policy's node-pool label on the node."""
     last_summary_ts: float | None = None
@@ -192,6 +194,10 @@ class NodeJoin:
         state.cordoned = event.unschedulable
         state.spot = event.spot
         state.pool = event.labels.get(self.policy.node_pool_label)
+        prefix = "nvidia.com/mig-"
+        state.mig_allocatable = {key.removeprefix(prefix): count
+                                 for key, count in event.allocatable.items()
+                                 if key.startswith(prefix)}
         state.summary_dirty = True
         return self._maybe_summary(state, event.node, event.ts)
 
@@ -240,8 +246,13 @@ class NodeJoin:
         used = sum(h.gpus for h in state.pods.values())
         healthy = all(d.ecc.open_id is None and not d.hw.unhealthy()
                       for d in state.devices.values())
+        mig_free = dict(state.mig_allocatable)
+        for holding in state.pods.values():
+            for profile, count in holding.mig.items():
+                mig_free[profile] = mig_free.get(profile, 0) - count
         return [NodeSummary(
             ts=ts, node=node, gpu_model=state.gpu_model, gpus_total=state.gpu_count,
             gpus_free=max(0, state.gpu_count - used), healthy=healthy,
             cordoned=state.cordoned, spot=state.spot,
+            mig_free={profile: n for profile, n in mig_free.items() if n > 0},
         )]
