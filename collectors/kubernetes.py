@@ -405,7 +405,11 @@ def quantity(value: object) -> int:
 
 
 def mig_profile(resource: str) -> str | None:
-    """``nvidia.com/mig-1g.10gb`` -> ``1g.10gb``; ``nvidia.com/mig-1g.10gb.me`` -> ``1g.10gb+me``."""
+    """The MIG profile of a resource name, or None when it is not a MIG resource.
+
+    ``nvidia.com/mig-1g.10gb`` -> ``1g.10gb``; ``nvidia.com/mig-1g.10gb.me`` ->
+    ``1g.10gb+me`` (the device plugin writes a profile's ``+`` as ``.``).
+    """
     if not resource.startswith(MIG_PREFIX):
         return None
     name = resource[len(MIG_PREFIX):]
@@ -791,6 +795,9 @@ class KubeWatcher:
         self.synced = asyncio.Event()
         """Set once every started reflector's first list has been published."""
         self.published = 0
+        """Events handed to the publisher."""
+        self.processed = 0
+        """Deltas translated (and their events published)."""
         self.kueue_version: str | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -907,8 +914,11 @@ class KubeWatcher:
 
     async def _await_synced(self, reflector: Reflector, queue: asyncio.Queue[list[Delta]],
                             stop: asyncio.Event) -> None:
-        while not reflector.synced.is_set() and not stop.is_set():
-            await asyncio.sleep(0.01)
+        # The first list may take long (or retry forever while the API is down): wait in
+        # short slices so a stop request is honoured.
+        while not stop.is_set():
+            if await asyncio.to_thread(reflector.synced.wait, 0.2):
+                break
         await self._drain(queue)
 
     async def _drain(self, queue: asyncio.Queue[list[Delta]]) -> None:
@@ -926,6 +936,7 @@ class KubeWatcher:
                         else:
                             await self.publisher.allocation(event)
                         self.published += 1
+                    self.processed += 1
                 if queue.empty():
                     await self.publisher.flush()
             finally:

@@ -67,7 +67,6 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -353,7 +352,8 @@ class KubeApiServer:
         resource = _BY_KIND[(group, kind)]
         return copy.deepcopy(self._store.objects[self._key(resource, namespace, name)])
 
-    def list(self, kind: str, group: str = "") -> list[Obj]:
+    def objects(self, kind: str, group: str = "") -> list[Obj]:
+        """Copies of every stored object of a kind."""
         resource = _BY_KIND[(group, kind)]
         with self._cond:
             return [copy.deepcopy(o) for k, o in self._store.objects.items()
@@ -632,8 +632,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self, method: str, path: str, query: dict[str, str], request: RecordedRequest
                ) -> tuple[int, bytes | None]:
         api = self.api
-        if path in ("/api", "/apis", "/version") or path.startswith("/apis/") and (
-                path.count("/") == 2):
+        if path in ("/api", "/apis", "/version") or (path.startswith("/apis/") and (
+                path.count("/") == 2)):
             return self._discovery(path)
         match = _PATH.match(path)
         if match is None:
