@@ -466,16 +466,18 @@ class KubeApiServer:
 
     @staticmethod
     def _cordon_taint(node: Obj) -> None:
+        """What the node lifecycle controller does on (un)cordon, in the same write."""
         spec = node.setdefault("spec", {})
-        taints = [t for t in spec.get("taints", [])
-                  if t.get("key") != "node.kubernetes.io/unschedulable"]
-        if spec.get("unschedulable"):
-            taints.append({"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule",
-                           "timeAdded": now_rfc3339()})
-        if taints:
-            spec["taints"] = taints
-        else:
-            spec.pop("taints", None)
+        key = "node.kubernetes.io/unschedulable"
+        taints = spec.get("taints", [])
+        has = any(t.get("key") == key for t in taints)
+        if spec.get("unschedulable") and not has:
+            spec["taints"] = [*taints, {"key": key, "effect": "NoSchedule",
+                                        "timeAdded": now_rfc3339()}]
+        elif not spec.get("unschedulable") and has:
+            spec["taints"] = [t for t in taints if t.get("key") != key]
+            if not spec["taints"]:
+                del spec["taints"]
 
     def _delete(self, resource: Resource, namespace: str, name: str) -> Obj:
         key = self._key(resource, namespace, name)
@@ -561,7 +563,7 @@ class KubeApiServer:
         api_version = f"{resource.group}/{version}" if resource.group else version
         head = msgspec.json.encode({"kind": f"{resource.kind}List", "apiVersion": api_version,
                                     "metadata": meta})
-        body = b",".join(msgspec.json.encode(o) for o in page)
+        body = b",".join(msgspec.json.encode(_as_version(o, resource, version)) for o in page)
         return head[:-1] + b',"items":[' + body + b"]}"
 
     # -- HTTP ----------------------------------------------------------------------------
@@ -632,6 +634,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self, method: str, path: str, query: dict[str, str], request: RecordedRequest
                ) -> tuple[int, bytes | None]:
         api = self.api
+        path = path.rstrip("/") or "/"
         if path in ("/api", "/apis", "/version") or (path.startswith("/apis/") and (
                 path.count("/") == 2)):
             return self._discovery(path)
@@ -664,7 +667,7 @@ class _Handler(BaseHTTPRequestHandler):
             if current is None:
                 raise ApiError(404, "NotFound", f"{resource.plural} \"{name}\" not found")
             if method == "GET":
-                return 200, msgspec.json.encode(current)
+                return 200, msgspec.json.encode(_as_version(current, resource, version))
             if method == "DELETE":
                 return 200, msgspec.json.encode(api._delete(resource, ns, name))
             if method == "PUT":
@@ -782,6 +785,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+
+def _as_version(obj: Obj, resource: Resource, version: str) -> Obj:
+    """The object as served at ``version`` (one store serves every version of a group)."""
+    api_version = f"{resource.group}/{version}" if resource.group else version
+    return obj if obj.get("apiVersion") == api_version else {**obj, "apiVersion": api_version}
 
 
 def _rv(change: _Change) -> int:
