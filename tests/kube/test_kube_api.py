@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes import client, config
@@ -23,13 +24,13 @@ def api_client(kube_api: KubeApiServer, kubeconfig: Path) -> client.ApiClient:
 
 def test_eviction_respects_pod_disruption_budgets(kube_api: KubeApiServer,
                                                   api_client: client.ApiClient) -> None:
-    core = client.CoreV1Api(api_client)
+    core: Any = client.CoreV1Api(api_client)
     body = client.V1Eviction(metadata=client.V1ObjectMeta(name="llm-api-6d9f7c8b5d-q7w2x",
                                                           namespace="serving"))
     with pytest.raises(ApiException) as blocked:
         core.create_namespaced_pod_eviction("llm-api-6d9f7c8b5d-q7w2x", "serving", body)
     assert blocked.value.status == 429
-    assert "disruption budget" in json.loads(blocked.value.body)["message"]
+    assert "disruption budget" in json.loads(blocked.value.body or "{}")["message"]
     assert kube_api.get("Pod", "llm-api-6d9f7c8b5d-q7w2x", "serving")
 
     kube_api.patch("PodDisruptionBudget", "llm-api", {"status": {"disruptionsAllowed": 1}},
@@ -56,7 +57,7 @@ def test_two_budgets_selecting_a_pod_is_a_server_error(kube_api: KubeApiServer,
     second["metadata"] = {"name": "llm-api-2", "namespace": "serving"}
     kube_api.create(second)
     with pytest.raises(ApiException) as error:
-        client.CoreV1Api(api_client).create_namespaced_pod_eviction(
+        client.CoreV1Api(api_client).create_namespaced_pod_eviction(  # type: ignore[arg-type]
             "llm-api-6d9f7c8b5d-q7w2x", "serving", {"apiVersion": "policy/v1",
                                                     "kind": "Eviction", "metadata": {
                                                         "name": "llm-api-6d9f7c8b5d-q7w2x",
@@ -66,7 +67,7 @@ def test_two_budgets_selecting_a_pod_is_a_server_error(kube_api: KubeApiServer,
 
 def test_node_patches_cordon_label_and_taint(kube_api: KubeApiServer,
                                              api_client: client.ApiClient) -> None:
-    core = client.CoreV1Api(api_client)
+    core: Any = client.CoreV1Api(api_client)
     core.patch_node("a100-spot-1", {"spec": {"unschedulable": True}})
     node = kube_api.get("Node", "a100-spot-1")
     assert node["spec"]["unschedulable"] is True
@@ -95,7 +96,7 @@ def test_node_patches_cordon_label_and_taint(kube_api: KubeApiServer,
 
 def test_stale_resource_version_conflicts(kube_api: KubeApiServer,
                                           api_client: client.ApiClient) -> None:
-    core = client.CoreV1Api(api_client)
+    core: Any = client.CoreV1Api(api_client)
     node = core.read_node("cpu-1")
     kube_api.patch("Node", "cpu-1", {"metadata": {"labels": {"touched": "yes"}}})
     node.spec.unschedulable = True
@@ -109,7 +110,7 @@ def test_stale_resource_version_conflicts(kube_api: KubeApiServer,
 
 def test_kueue_workload_deactivation_and_events(kube_api: KubeApiServer,
                                                 api_client: client.ApiClient) -> None:
-    custom = client.CustomObjectsApi(api_client)
+    custom: Any = client.CustomObjectsApi(api_client)
     custom.patch_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", "team-a", "workloads",
                                           "job-train-llm-9a8b7", {"spec": {"active": False}})
     assert kube_api.get("Workload", "job-train-llm-9a8b7", "team-a",
@@ -119,7 +120,7 @@ def test_kueue_workload_deactivation_and_events(kube_api: KubeApiServer,
     assert (served_v1beta1["apiVersion"], served_v1beta1["spec"]["active"]) == (
         "kueue.x-k8s.io/v1beta1", False)
 
-    core = client.CoreV1Api(api_client)
+    core: Any = client.CoreV1Api(api_client)
     core.create_namespaced_event("team-a", client.CoreV1Event(
         metadata=client.V1ObjectMeta(generate_name="gpusteward-"),
         involved_object=client.V1ObjectReference(kind="Workload", name="job-train-llm-9a8b7",
@@ -134,7 +135,7 @@ def test_kueue_workload_deactivation_and_events(kube_api: KubeApiServer,
 
 def test_delete_pod_and_missing_objects(kube_api: KubeApiServer,
                                         api_client: client.ApiClient) -> None:
-    core = client.CoreV1Api(api_client)
+    core: Any = client.CoreV1Api(api_client)
     core.delete_namespaced_pod("alice-nb-0", "team-b")
     with pytest.raises(ApiException) as missing:
         core.read_namespaced_pod("alice-nb-0", "team-b")
@@ -143,7 +144,7 @@ def test_delete_pod_and_missing_objects(kube_api: KubeApiServer,
 
 def test_paged_list_with_selectors(kube_api: KubeApiServer,
                                    api_client: client.ApiClient) -> None:
-    core = client.CoreV1Api(api_client)
+    core: Any = client.CoreV1Api(api_client)
     first = core.list_pod_for_all_namespaces(limit=3)
     assert len(first.items) == 3 and first.metadata._continue
     rest = core.list_pod_for_all_namespaces(limit=100, _continue=first.metadata._continue)
@@ -168,7 +169,7 @@ def test_paged_list_with_selectors(kube_api: KubeApiServer,
 
 
 def test_watch_protocol(kube_api: KubeApiServer, api_client: client.ApiClient) -> None:
-    core = client.CoreV1Api(api_client)
+    core: Any = client.CoreV1Api(api_client)
 
     def watch(rv: str, timeout: int = 1) -> list[dict[str, object]]:
         response = core.list_node(watch=True, resource_version=rv, timeout_seconds=timeout,
@@ -195,7 +196,7 @@ def test_kueue_absent_is_404(tmp_path: Path) -> None:
         api.create(gpu_pod("p"))
         api_client = config.new_client_from_config(
             config_file=str(api.write_kubeconfig(tmp_path / "kubeconfig")))
-        custom = client.CustomObjectsApi(api_client)
+        custom: Any = client.CustomObjectsApi(api_client)
         with pytest.raises(ApiException) as missing:
             custom.list_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "workloads")
         assert missing.value.status == 404
