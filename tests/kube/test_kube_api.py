@@ -57,11 +57,11 @@ def test_two_budgets_selecting_a_pod_is_a_server_error(kube_api: KubeApiServer,
     second["metadata"] = {"name": "llm-api-2", "namespace": "serving"}
     kube_api.create(second)
     with pytest.raises(ApiException) as error:
-        client.CoreV1Api(api_client).create_namespaced_pod_eviction(  # type: ignore[arg-type]
-            "llm-api-6d9f7c8b5d-q7w2x", "serving", {"apiVersion": "policy/v1",
-                                                    "kind": "Eviction", "metadata": {
-                                                        "name": "llm-api-6d9f7c8b5d-q7w2x",
-                                                        "namespace": "serving"}})
+        core: Any = client.CoreV1Api(api_client)
+        # A plain dict body, as some callers send it.
+        core.create_namespaced_pod_eviction("llm-api-6d9f7c8b5d-q7w2x", "serving", {
+            "apiVersion": "policy/v1", "kind": "Eviction",
+            "metadata": {"name": "llm-api-6d9f7c8b5d-q7w2x", "namespace": "serving"}})
     assert error.value.status == 500
 
 
