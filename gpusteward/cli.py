@@ -10,12 +10,14 @@ from typing import Annotated
 import msgspec
 import typer
 
+from gpusteward.collectors.kube_cli import watch as kube_watch
 from gpusteward.settings import Settings
 
 app = typer.Typer(help="Steward of a Kubernetes GPU fleet, as a stream of events.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 schema_app = typer.Typer(help="The payload contract.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
+app.command(name="watch")(kube_watch)
 
 Bootstrap = Annotated[
     str | None,
