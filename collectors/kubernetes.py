@@ -59,6 +59,7 @@ import logging
 import random
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -309,10 +310,12 @@ class Reflector:
         deltas += [Delta(self.resource, "DELETED", key, None)
                    for key in self.known.keys() - seen.keys()]
         self.known = seen
-        self.resource_version = list_rv
         self._next_resync = time.monotonic() + settings.resync_period_s
+        # Counted and delivered before the resourceVersion moves on, so that an observer
+        # that sees the new resourceVersion also sees these deltas as outstanding.
         self.stats.deltas += len(deltas)
         self._deliver(deltas)
+        self.resource_version = list_rv
         self.synced.set()
 
     def watch(self) -> None:
@@ -489,6 +492,11 @@ def workload_kind(labels: dict[str, str], owner_kind: str | None, label: str) ->
     return None
 
 
+def _interned(labels: dict[str, str]) -> dict[str, str]:
+    """A copy with interned keys: thousands of pods share a handful of label keys."""
+    return {sys.intern(k): v for k, v in labels.items()}
+
+
 def spot_tolerant(spec: Obj) -> bool:
     for toleration in spec.get("tolerations") or []:
         key = toleration.get("key")
@@ -598,7 +606,7 @@ class Translator:
             ts=ts, node=meta["name"], gpu_product=labels.get(LABEL_PRODUCT),
             gpu_count=0 if single else capacity.get(GPU, quantity(labels.get(LABEL_COUNT, 0))),
             mig_strategy=labels.get(LABEL_MIG_STRATEGY), mig_config=labels.get(LABEL_MIG_CONFIG),
-            allocatable=allocatable, labels=dict(labels),
+            allocatable=allocatable, labels=_interned(labels),
             taints=[Taint(t["key"], t.get("effect", ""), t.get("value"))
                     for t in spec.get("taints") or []],
             unschedulable=bool(spec.get("unschedulable")),
@@ -684,7 +692,8 @@ class Translator:
             workload_kind=workload_kind(labels, owner_kind, self.settings.workload_kind_label),
             queue=labels.get(LABEL_LOCAL_QUEUE) or labels.get(LABEL_QUEUE),
             priority_class=spec.get("priorityClassName"),
-            labels=dict(labels), annotations=annotations, spot_tolerant=spot_tolerant(spec),
+            labels=_interned(labels), annotations=annotations,
+            spot_tolerant=spot_tolerant(spec),
         )
 
     def _pending_pod(self, pod: Obj, resources: dict[str, int], ts: float,
@@ -927,17 +936,21 @@ class KubeWatcher:
 
     async def _consume(self, queue: asyncio.Queue[list[Delta]]) -> None:
         while True:
-            deltas = await queue.get()
-            try:
-                for delta in deltas:
-                    for event in self.translator.apply(delta, self.clock()):
-                        if isinstance(event, QueueEvent):
-                            await self.publisher.queue(event)
-                        else:
-                            await self.publisher.allocation(event)
-                        self.published += 1
-                    self.processed += 1
-                if queue.empty():
-                    await self.publisher.flush()
-            finally:
-                queue.task_done()
+            # A helper per batch, so that no local keeps the last batch (up to a whole
+            # relist of decoded objects) alive while waiting for the next one.
+            await self._publish(await queue.get(), queue)
+
+    async def _publish(self, deltas: list[Delta], queue: asyncio.Queue[list[Delta]]) -> None:
+        try:
+            for delta in deltas:
+                for event in self.translator.apply(delta, self.clock()):
+                    if isinstance(event, QueueEvent):
+                        await self.publisher.queue(event)
+                    else:
+                        await self.publisher.allocation(event)
+                    self.published += 1
+                self.processed += 1
+            if queue.empty():
+                await self.publisher.flush()
+        finally:
+            queue.task_done()
