@@ -266,10 +266,12 @@ def _selects(selector: Obj | None, labels: dict[str, str]) -> bool:
 class KubeApiServer:
     """The API-server double; see the module docstring for what it serves."""
 
-    def __init__(self, *, kueue: bool = True, bookmark_interval_s: float = 1.0,
-                 port: int = 0) -> None:
+    def __init__(self, *, kueue: bool = True, kueue_versions: tuple[str, ...] = (
+                 "v1beta1", "v1beta2"), bookmark_interval_s: float = 1.0, port: int = 0) -> None:
         self.kueue = kueue
         """Whether the Kueue API group is served (False: as if Kueue were not installed)."""
+        self.kueue_versions = kueue_versions
+        """Kueue versions served (Kueue before 0.15 serves only v1beta1)."""
         self.bookmark_interval_s = bookmark_interval_s
         self.requests: list[RecordedRequest] = []
         self.record_requests = True
@@ -519,7 +521,7 @@ class KubeApiServer:
     def _resource(self, group: str, version: str, plural: str) -> Resource:
         resource = _BY_PLURAL.get((group, plural))
         if resource is None or version not in resource.versions or (
-                group == KUEUE_GROUP and not self.kueue):
+                group == KUEUE_GROUP and (not self.kueue or version not in self.kueue_versions)):
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
         return resource
 
@@ -694,7 +696,10 @@ class _Handler(BaseHTTPRequestHandler):
             return 200, msgspec.json.encode({"kind": "APIVersions", "versions": ["v1"]})
         groups: dict[str, tuple[str, ...]] = {}
         for resource in RESOURCES:
-            if resource.group and (resource.group != KUEUE_GROUP or self.api.kueue):
+            if resource.group == KUEUE_GROUP:
+                if self.api.kueue:
+                    groups[resource.group] = self.api.kueue_versions
+            elif resource.group:
                 groups[resource.group] = resource.versions
         if path == "/apis":
             return 200, msgspec.json.encode({"kind": "APIGroupList", "apiVersion": "v1",

@@ -362,3 +362,23 @@ def test_node_cordoned_and_relabelled_with_a_new_mig_config(
     assert {r.content_type for r in patches} <= {"application/strategic-merge-patch+json",
                                                  "application/merge-patch+json",
                                                  "application/json-patch+json"}
+
+
+def test_kueue_v1beta1_only_server(tmp_path: Any) -> None:
+    """Kueue before 0.15 serves only v1beta1, with spec.priorityClassName."""
+    with KubeApiServer(kueue_versions=("v1beta1",), bookmark_interval_s=0.05) as api:
+        old = workload("wl")
+        old["apiVersion"] = "kueue.x-k8s.io/v1beta1"
+        old["spec"]["priorityClassName"] = "batch-high"
+        old["spec"]["priorityClassSource"] = "kueue.x-k8s.io/workloadpriorityclass"
+        api.create(old)
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        watcher = RunningWatcher(api, kubeconfig, KubeWatchSettings(
+            kubeconfig=str(kubeconfig))).start()
+        try:
+            assert watcher.watcher.kueue_version == "v1beta1"
+            [event] = watcher.events
+            assert (event.name, event.state, event.priority_class, event.cluster_queue) == (
+                "wl", "pending", "batch-high", "team-a-lq")
+        finally:
+            watcher.stop()
