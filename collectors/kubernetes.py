@@ -536,6 +536,8 @@ class _PodMemo:
     last: PodAllocation | None = None
     queued: QueueEvent | None = None
     """The open pending-pod queue event, while the pod waits for a node."""
+    resources: dict[str, int] = field(default_factory=dict)
+    """The pod's GPU and MIG requests as the API states them (before the node's MIG view)."""
 
 
 Emitted = AllocationEvent | QueueEvent
@@ -579,13 +581,29 @@ class Translator:
         assert delta.obj is not None
         event = self.node_inventory(delta.obj, ts)
         labels = event.labels
-        self.nodes[name] = NodeView(labels.get(LABEL_MIG_STRATEGY),
-                                    single_strategy_profile(labels))
+        view = NodeView(labels.get(LABEL_MIG_STRATEGY), single_strategy_profile(labels))
+        previous_view = self.nodes.get(name)
+        self.nodes[name] = view
         last = self.node_events.get(name)
         self.node_events[name] = event
-        if last is not None and msgspec.structs.replace(last, ts=ts) == event:
-            return []
-        return [event]
+        out: list[Emitted] = []
+        if last is None or msgspec.structs.replace(last, ts=ts) != event:
+            out.append(event)
+        if previous_view != view:
+            out += self._reinterpret_pods(name, ts)
+        return out
+
+    def _reinterpret_pods(self, node: str, ts: float) -> list[Emitted]:
+        """Pods seen before their node, or across a MIG strategy change, in the node's view."""
+        out: list[Emitted] = []
+        for memo in self.pods.values():
+            if memo.last is None or memo.last.node != node:
+                continue
+            gpus, mig = self._gpus_and_mig(memo.resources, node)
+            if (gpus, mig) != (memo.last.gpus, memo.last.mig):
+                memo.last = msgspec.structs.replace(memo.last, ts=ts, gpus=gpus, mig=mig)
+                out.append(memo.last)
+        return out
 
     def node_inventory(self, node: Obj, ts: float) -> NodeInventory:
         meta, spec = node["metadata"], node.get("spec") or {}
@@ -639,6 +657,7 @@ class Translator:
             return []  # not a GPU pod: nothing of it concerns the fleet
         if memo is None:
             memo = self.pods[delta.key] = _PodMemo()
+        memo.resources = resources
         status = pod.get("status") or {}
         phase = status.get("phase", "Pending")
         node = spec.get("nodeName")
@@ -678,7 +697,8 @@ class Translator:
         labels: dict[str, str] = meta.get("labels") or {}
         owner_kind, owner_name = top_owner(meta)
         gpus, mig = self._gpus_and_mig(resources, node)
-        our_phase: PodPhase = {"Running": "running", "Succeeded": "finished",
+        # Unknown (the node stopped reporting) still holds the devices as far as the API knows.
+        our_phase: PodPhase = {"Running": "running", "Unknown": "running", "Succeeded": "finished",
                                "Failed": "finished"}.get(phase, "bound")  # type: ignore[assignment]
         annotations = {k: v for k, v in (meta.get("annotations") or {}).items()
                        if k not in DROPPED_ANNOTATIONS}

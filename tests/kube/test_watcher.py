@@ -382,3 +382,19 @@ def test_kueue_v1beta1_only_server(tmp_path: Any) -> None:
                 "wl", "pending", "batch-high", "team-a-lq")
         finally:
             watcher.stop()
+
+
+def test_pod_seen_before_its_single_strategy_node_is_reinterpreted(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    kube_api.create(gpu_pod("early", node="late-node", phase="Running",
+                            resources={"nvidia.com/gpu": "3"}))
+    watcher = start_watcher()
+    kube_api.create(gpu_node("late-node", labels={
+        "nvidia.com/mig.strategy": "single",
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb"},
+        resources={"nvidia.com/gpu": "56"}))
+    assert [brief(e) for e in watcher.new_events(0)] == [
+        ("pod", "late-node", "team-a/early", "running", 3, {}),
+        ("node", "late-node", False, None, False),
+        ("pod", "late-node", "team-a/early", "running", 0, {"1g.10gb": 3}),
+    ]
