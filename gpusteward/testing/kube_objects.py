@@ -8,10 +8,7 @@ live in ``tests/data/kube/``.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from gpusteward.collectors.simulator.engine import SimulatedCluster
+from typing import Any
 
 Obj = dict[str, Any]
 
@@ -93,40 +90,3 @@ def rfc3339(ts: float) -> str:
 
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
-
-def placement_objects(cluster: SimulatedCluster) -> list[Obj]:
-    """The Nodes and Pods a real cluster would hold for a simulator's current placement.
-
-    Used to check that the watcher, reading these through the API, reports what
-    the simulator's own allocation feed reports for the same placement, and to
-    run the pipeline against the API double instead of that feed.
-    """
-    objects: list[Obj] = []
-    for node in cluster.nodes.values():
-        product = node.gpus[0].model.replace(" ", "-") if node.gpus else None
-        labels = {"nvidia.com/gpu.count": str(len(node.gpus)),
-                  "nvidia.com/mig.strategy": "none"}
-        if product:
-            labels["nvidia.com/gpu.product"] = product
-        if node.spot:
-            labels["karpenter.sh/capacity-type"] = "spot"
-        built = gpu_node(node.name, len(node.gpus), labels=labels)
-        if node.cordoned:
-            built["spec"]["unschedulable"] = True
-        objects.append(built)
-    owners = {"notebook": ("StatefulSet", "notebook-name"), "batch": ("Job", "job-name"),
-              "inference": ("ReplicaSet", "pod-template-hash")}
-    for workload in cluster.running + cluster.finished:
-        assert workload.node is not None and workload.started_at is not None
-        kind, label = owners[workload.spec.kind]
-        owner_name = f"{workload.name}-5d8f9c" if kind == "ReplicaSet" else workload.name
-        pod = gpu_pod(workload.name, workload.namespace, node=workload.node.name,
-                      resources={"nvidia.com/gpu": str(workload.spec.gpus)},
-                      labels={label: "5d8f9c" if kind == "ReplicaSet" else workload.name},
-                      owner=(kind, owner_name), uid=workload.uid, phase="Running",
-                      created=rfc3339(workload.arrive))
-        start(pod, rfc3339(workload.started_at))
-        if workload.ended_at is not None:
-            pod["status"]["phase"] = "Succeeded"
-        objects.append(pod)
-    return objects
