@@ -321,11 +321,17 @@ class Reflector:
     def watch(self) -> None:
         """One watch request from the current resourceVersion, until it ends or resync is due."""
         settings = self._settings
-        response = self._list_call(
-            watch=True, resource_version=self.resource_version, allow_watch_bookmarks=True,
-            timeout_seconds=settings.watch_timeout_s, _preload_content=False,
-            _request_timeout=(settings.request_timeout_s,
-                              settings.watch_timeout_s + settings.request_timeout_s))
+        try:
+            response = self._list_call(
+                watch=True, resource_version=self.resource_version, allow_watch_bookmarks=True,
+                timeout_seconds=settings.watch_timeout_s, _preload_content=False,
+                _request_timeout=(settings.request_timeout_s,
+                                  settings.watch_timeout_s + settings.request_timeout_s))
+        except Exception as e:
+            # Most servers say 410 in an ERROR event, some (and proxies) as the HTTP status.
+            if getattr(e, "status", None) == 410:
+                raise Gone() from e
+            raise
         self._response = response
         self.stats.watches += 1
         try:

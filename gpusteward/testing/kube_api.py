@@ -272,6 +272,9 @@ class KubeApiServer:
         """Whether the Kueue API group is served (False: as if Kueue were not installed)."""
         self.kueue_versions = kueue_versions
         """Kueue versions served (Kueue before 0.15 serves only v1beta1)."""
+        self.gone_as_http_status = False
+        """Answer a watch from a compacted resourceVersion with HTTP 410 instead of an
+        ``ERROR`` event in a 200 stream (what some proxies and older servers do)."""
         self.bookmark_interval_s = bookmark_interval_s
         self.requests: list[RecordedRequest] = []
         self.record_requests = True
@@ -723,6 +726,10 @@ class _Handler(BaseHTTPRequestHandler):
         timeout = float(query.get("timeoutSeconds") or 1800)
         deadline = time.monotonic() + timeout
         bookmarks = query.get("allowWatchBookmarks") in ("1", "true", "True")
+        requested = query.get("resourceVersion", "")
+        if api.gone_as_http_status and requested not in ("", "0") and (
+                int(requested) < store.compacted_rv):
+            raise ApiError(410, "Expired", f"too old resource version: {requested}")
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Transfer-Encoding", "chunked")

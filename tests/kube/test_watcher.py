@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from kubernetes import client
 
 from gpusteward.collectors.kubernetes import KubeWatchSettings
@@ -150,8 +151,12 @@ def test_deletions_during_a_dropped_watch_are_resumed_not_relisted(
     assert kube_api.watch_count() > watches_before
 
 
+@pytest.mark.parametrize("gone_as_http_status", [False, True],
+                         ids=["error-event", "http-status"])
 def test_410_gone_relists_and_emits_only_the_difference(
-        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+        kube_api: KubeApiServer, start_watcher: WatcherFactory,
+        gone_as_http_status: bool) -> None:
+    kube_api.gone_as_http_status = gone_as_http_status
     kube_api.create(gpu_node("n1"))
     kube_api.create(gpu_node("n2"))
     for name in ("keep", "gone", "grow"):
