@@ -98,7 +98,12 @@ async def _main(kube: KubeWatchSettings, bootstrap: str | None, stdout: bool) ->
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    client = api_client(kube)
+    from kubernetes.config import ConfigException
+
+    try:
+        client = api_client(kube)
+    except (ConfigException, OSError) as e:
+        raise typer.BadParameter(f"cannot load the Kubernetes configuration: {e}") from e
     if stdout:
         await KubeWatcher(client, StdoutPublisher(), kube).run(stop)
         return
