@@ -757,23 +757,37 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             next_bookmark = time.monotonic() + api.bookmark_interval_s
             while True:
+                expired = False
+                pending = []
                 with api._cond:
                     while True:
                         if api._drop_generation != generation or api._closed:
                             self._abort()
                             return
+                        if since < store.compacted_rv:
+                            # Compacted under a watch that had not caught up: etcd cancels
+                            # such a watcher and the apiserver ends the stream with 410.
+                            expired = True
+                            break
                         position = bisect_right(store.history, since, key=_rv)
                         pending = store.history[position:]
                         now = time.monotonic()
                         if pending or now >= deadline or (bookmarks and now >= next_bookmark):
                             break
                         api._cond.wait(min(deadline, next_bookmark) - now)
+                    if expired:
+                        gone = ApiError(410, "Expired", f"too old resource version: {since} "
+                                        f"({store.compacted_rv})").status()
                     lines = [_event(c.type, c.obj, api_version) for c in pending
                              if c.resource is resource
                              and api._matching(resource, namespace, query, c.obj)]
                     if pending:
                         since = pending[-1].rv
                     latest = store.rv
+                if expired:
+                    self._chunk(msgspec.json.encode({"type": "ERROR", "object": gone}) + b"\n")
+                    self._chunk(b"")
+                    return
                 if lines:
                     self._chunk(b"".join(lines))
                 now = time.monotonic()

@@ -204,3 +204,15 @@ def test_kueue_absent_is_404(tmp_path: Path) -> None:
         assert "kueue.x-k8s.io" not in {g.name for g in groups.groups}
         with pytest.raises(ValueError):
             api.create(workload("w") | {"apiVersion": "example.com/v1"})
+
+
+def test_open_watch_behind_a_compaction_ends_with_410(kube_api: KubeApiServer,
+                                                      api_client: client.ApiClient) -> None:
+    core: Any = client.CoreV1Api(api_client)
+    response = core.list_node(watch=True, resource_version=str(kube_api.resource_version),
+                              timeout_seconds=10, _preload_content=False)
+    with kube_api._cond:  # the change and the compaction before the watch can send it
+        kube_api.create(gpu_node("missed"))
+        kube_api.compact()
+    events = [json.loads(line) for line in response.data.splitlines() if line.strip()]
+    assert [(e["type"], e["object"].get("code")) for e in events] == [("ERROR", 410)]
