@@ -15,8 +15,10 @@ What it serves (``/api/v1`` and ``/apis/<group>/<version>``):
   lines ``{"type", "object"}``; ``resourceVersion`` to resume; none or ``0``
   starts with synthetic ``ADDED`` events; ``allowWatchBookmarks``;
   ``timeoutSeconds``; an ``ERROR`` event with a 410 Status when the
-  resourceVersion is older than the last compaction), ``GET`` of one object,
-  discovery of ``/apis/<group>`` (404 for Kueue when it is not "installed");
+  resourceVersion is older than the last compaction, or when an open watch
+  falls behind one; HTTP 410 instead with ``gone_as_http_status``), ``GET``
+  of one object, discovery of ``/apis/<group>`` (404 for Kueue when
+  ``kueue=False``; ``kueue_versions`` picks the served versions);
 - ``POST`` create (Events, any kind), ``PUT`` replace (409 on a stale
   ``metadata.resourceVersion``), ``DELETE``;
 - ``PATCH`` with ``application/merge-patch+json``,
@@ -29,7 +31,9 @@ What it serves (``/api/v1`` and ``/apis/<group>/<version>``):
   selects the pod allows no disruption, 500 when several select it, else the
   PDB's ``status.disruptionsAllowed`` goes down by one and the pod is deleted.
 
-Deliberate simplifications: deletion is immediate (no graceful
+Selectors filter watch events on the object's new state (a real watch cache
+also sends DELETED when an object stops matching). Deliberate
+simplifications: deletion is immediate (no graceful
 ``deletionTimestamp`` phase); cordoning adds the
 ``node.kubernetes.io/unschedulable`` taint in the same write (the node
 lifecycle controller does it a moment later in a real cluster); one object
