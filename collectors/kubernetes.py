@@ -850,22 +850,12 @@ class KubeWatcher:
 
     def discover_kueue(self) -> str | None:
         """The preferred Kueue API version the server serves, or None without Kueue."""
-        from kubernetes.client.exceptions import ApiException
+        from kubernetes import client
 
-        try:
-            response = self.client.call_api(
-                *self.client.param_serialize(method="GET", resource_path=f"/apis/{KUEUE_GROUP}",
-                                             auth_settings=["BearerToken"]),
-                _request_timeout=self.settings.request_timeout_s)
-            response.read()
-            if response.status == 404:
-                return None
-            group = _decoder.decode(response.data)
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
-        served = {v["version"] for v in group.get("versions") or []}
+        groups = client.ApisApi(self.client).get_api_versions(
+            _request_timeout=self.settings.request_timeout_s)
+        served = {v.version for g in groups.groups or [] if g.name == KUEUE_GROUP
+                  for v in g.versions or []}
         return next((v for v in self.settings.kueue_versions if v in served), None)
 
     def _kueue_calls(self, version: str) -> dict[str, ListCall]:
