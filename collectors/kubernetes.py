@@ -836,6 +836,7 @@ class KubeWatcher:
         self.kueue_version: str | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._consumer: asyncio.Task[None]
 
     def _list_calls(self) -> dict[str, ListCall]:
         from kubernetes import client
@@ -871,6 +872,10 @@ class KubeWatcher:
         return {"localqueues": lister("localqueues"), "workloads": lister("workloads")}
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Watch and publish until ``stop`` is set; a publisher error ends it (and is raised).
+
+        A watcher runs once: make a new one to watch again.
+        """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[list[Delta]] = asyncio.Queue()
 
@@ -888,7 +893,7 @@ class KubeWatcher:
             thread.start()
             return reflector
 
-        consumer = asyncio.create_task(self._consume(queue))
+        consumer = self._consumer = asyncio.create_task(self._consume(queue))
         try:
             # Order matters for the first pass: pods need their node's MIG strategy and
             # workloads their LocalQueue's ClusterQueue.
@@ -900,27 +905,34 @@ class KubeWatcher:
             await self._drain(queue)
             self.synced.set()
             kueue_check = loop.time() + self.settings.resync_period_s
-            while not stop.is_set():
-                try:
-                    await asyncio.wait_for(stop.wait(), timeout=1.0)
-                except TimeoutError:
-                    pass
-                if ("workloads" in self.settings.resources and self.kueue_version is None
-                        and loop.time() >= kueue_check):
-                    kueue_check = loop.time() + self.settings.resync_period_s
-                    await self._start_kueue(start, queue, stop)
+            stopped = asyncio.ensure_future(stop.wait())
+            try:
+                while not stop.is_set():
+                    await asyncio.wait({consumer, stopped}, timeout=1.0,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    if consumer.done():
+                        consumer.result()  # the publisher failed: raise its error
+                    if ("workloads" in self.settings.resources and self.kueue_version is None
+                            and loop.time() >= kueue_check):
+                        kueue_check = loop.time() + self.settings.resync_period_s
+                        await self._start_kueue(start, queue, stop)
+            finally:
+                stopped.cancel()
         finally:
             self._stop.set()
             for reflector in self.reflectors.values():
                 reflector.stop()
             for thread in self._threads:
                 await asyncio.to_thread(thread.join, 5.0)
-            await self._drain(queue)
+            failed = consumer.done()  # it only ends by itself when the publisher raised
+            if not failed:
+                await self._drain(queue)
             consumer.cancel()
             # The consumer's own CancelledError is expected; a cancellation of run() itself
             # still propagates out of gather.
             await asyncio.gather(consumer, return_exceptions=True)
-            await self.publisher.flush()
+            if not failed:
+                await self.publisher.flush()
 
     async def _start_kueue(self, start: Callable[[str, ListCall], Reflector],
                            queue: asyncio.Queue[list[Delta]], stop: asyncio.Event) -> None:
@@ -947,8 +959,12 @@ class KubeWatcher:
         await self._drain(queue)
 
     async def _drain(self, queue: asyncio.Queue[list[Delta]]) -> None:
-        """Wait until every delta delivered so far is published."""
-        await queue.join()
+        """Wait until every delta delivered so far is published (raise if publishing failed)."""
+        joined = asyncio.ensure_future(queue.join())
+        await asyncio.wait({joined, self._consumer}, return_when=asyncio.FIRST_COMPLETED)
+        if not joined.done():
+            joined.cancel()
+            self._consumer.result()
 
     async def _consume(self, queue: asyncio.Queue[list[Delta]]) -> None:
         while True:

@@ -403,3 +403,33 @@ def test_pod_seen_before_its_single_strategy_node_is_reinterpreted(
         ("node", "late-node", False, None, False),
         ("pod", "late-node", "team-a/early", "running", 0, {"1g.10gb": 3}),
     ]
+
+
+def test_a_publisher_error_ends_the_watcher_with_that_error(
+        kube_api: KubeApiServer, kubeconfig: Any) -> None:
+    import asyncio
+
+    from gpusteward.collectors.kubernetes import KubeWatcher, api_client
+
+    from .conftest import RecordingPublisher
+
+    class Broken(RecordingPublisher):
+        async def allocation(self, event: Any) -> None:
+            if isinstance(event, PodAllocation):
+                raise ConnectionError("kafka is gone")
+            await super().allocation(event)
+
+    kube_api.create(gpu_node("n1"))
+    settings = KubeWatchSettings(kubeconfig=str(kubeconfig), resources=["nodes", "pods"])
+    watcher = KubeWatcher(api_client(settings), Broken(), settings)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(watcher.run(stop))
+        await asyncio.wait_for(watcher.synced.wait(), 10)
+        kube_api.create(gpu_pod("p", node="n1", phase="Running"))
+        await asyncio.wait_for(task, 10)
+
+    with pytest.raises(ConnectionError, match="kafka is gone"):
+        asyncio.run(main())
+    assert not any(t.is_alive() for t in watcher._threads)
