@@ -13,6 +13,7 @@ import typer
 from gpusteward.collectors.cli import collect_app
 from gpusteward.report import commands as report_commands
 from gpusteward.rulescli import rules_app
+from gpusteward.collectors.kube_cli import watch as kube_watch
 from gpusteward.settings import Settings
 
 app = typer.Typer(help="Steward of a Kubernetes GPU fleet, as a stream of events.",
@@ -23,6 +24,7 @@ app.add_typer(collect_app, name="collect")
 app.command("report")(report_commands.report)
 app.command("replay")(report_commands.replay)
 app.add_typer(rules_app, name="rules")
+app.command(name="watch")(kube_watch)
 
 Bootstrap = Annotated[
     str | None,

@@ -157,6 +157,14 @@ class NodeInventory(msgspec.Struct, tag="node"):
     spot: bool = False
     deleted: bool = False
     schema: int = SCHEMA_VERSION
+    capacity: dict[str, int] = {}
+    """GPU and MIG capacity (``nvidia.com/gpu``, ``nvidia.com/mig-*``), as ``allocatable``."""
+    gpu_memory_mib: int | None = None
+    """GPU Operator label ``nvidia.com/gpu.memory`` (of a MIG device under ``single``)."""
+    mig_capable: bool | None = None
+    """GPU Operator label ``nvidia.com/mig.capable``; None when not labelled."""
+    mig_config_state: str | None = None
+    """``nvidia.com/mig.config.state``: pending, rebooting, success or failed (mig-manager)."""
 
 
 AllocationEvent = PodAllocation | NodeInventory
@@ -179,6 +187,14 @@ class QueueEvent(msgspec.Struct):
     mig: dict[str, int] = {}
     priority: int | None = None
     schema: int = SCHEMA_VERSION
+    kind: Literal["workload", "pod"] | None = None
+    """What waits: a Kueue Workload or a GPU pod without a node; None when unknown."""
+    uid: str | None = None
+    priority_class: str | None = None
+    reason: str | None = None
+    """Reason of the condition that decided ``state`` (e.g. ``Preempted/InClusterQueue``)."""
+    active: bool = True
+    """A Kueue Workload's ``spec.active``; False once deactivated (stopped)."""
 
 
 class NodeSummary(msgspec.Struct):

@@ -28,6 +28,7 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 from gpusteward import topics
 from gpusteward.schema import AllocationEvent, DeadLetter, Finding, HwEvent, NodeSample, NodeSummary
 from gpusteward.settings import Settings
+from gpusteward.streams.fleet import register_fleet_agent
 from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,125 @@
+"""``gpusteward watch``: the Kubernetes watcher as a process.
+
+Kept out of ``gpusteward/cli.py`` so the watcher's options live next to the
+watcher; ``cli.py`` registers this command in one line. Settings come from
+``GPUSTEWARD_KUBE__*`` environment variables (e.g.
+``GPUSTEWARD_KUBE__RESYNC_PERIOD_S=300``) and flags override them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from typing import Annotated, Any
+
+import msgspec
+import typer
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gpusteward.collectors.kubernetes import KubeWatchSettings
+from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
+
+
+class KubeWatchEnvSettings(BaseSettings, KubeWatchSettings):
+    """:class:`KubeWatchSettings` read from ``GPUSTEWARD_KUBE__*`` variables."""
+
+    model_config = SettingsConfigDict(env_prefix="GPUSTEWARD_KUBE__", extra="ignore")
+
+
+class StdoutPublisher:
+    """Writes every event as one JSON line, for trying the watcher without Kafka."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.json.Encoder()
+
+    def _write(self, topic: str, key: str, value: msgspec.Struct) -> None:
+        sys.stdout.write(f"{topic}\t{key}\t{self._encoder.encode(value).decode()}\n")
+
+    async def sample(self, sample: NodeSample) -> None:
+        self._write("samples", sample.node, sample)
+
+    async def hw_event(self, event: HwEvent) -> None:
+        self._write("hw-events", event.node, event)
+
+    async def allocation(self, event: AllocationEvent) -> None:
+        self._write("allocations", event.node, event)
+
+    async def queue(self, event: QueueEvent) -> None:
+        self._write("queue", event.cluster_queue, event)
+
+    async def flush(self) -> None:
+        sys.stdout.flush()
+
+
+def watch(
+    kubeconfig: Annotated[str | None, typer.Option(
+        help="Kubeconfig file (default: in-cluster when in a pod, else ~/.kube/config).")
+    ] = None,
+    context: Annotated[str | None, typer.Option(help="Kubeconfig context.")] = None,
+    resync: Annotated[float | None, typer.Option(
+        help="Seconds between full relists diffed against what was published.")] = None,
+    resources: Annotated[str | None, typer.Option(
+        help="Comma-separated subset of nodes,pods,workloads.")] = None,
+    bootstrap: Annotated[str | None, typer.Option(
+        "--bootstrap", envvar="GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS",
+        help="Kafka bootstrap servers (host:port,...).")] = None,
+    stdout: Annotated[bool, typer.Option(
+        "--stdout", help="Print events as JSON lines instead of publishing to Kafka.")] = False,
+    loglevel: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Watch pods, nodes and Kueue workloads; publish allocation, inventory and queue events."""
+    logging.basicConfig(level=loglevel.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides: dict[str, Any] = {}
+    if kubeconfig is not None:
+        overrides["kubeconfig"] = kubeconfig
+    if context is not None:
+        overrides["context"] = context
+    if resync is not None:
+        overrides["resync_period_s"] = resync
+    if resources is not None:
+        overrides["resources"] = [r.strip() for r in resources.split(",") if r.strip()]
+    try:
+        settings = KubeWatchSettings.model_validate(
+            {**KubeWatchEnvSettings().model_dump(), **overrides})
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    asyncio.run(_main(settings, bootstrap, stdout))
+
+
+async def _main(kube: KubeWatchSettings, bootstrap: str | None, stdout: bool) -> None:
+    from gpusteward.collectors.kubernetes import KubeWatcher, api_client
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    from kubernetes.config import ConfigException
+
+    try:
+        client = api_client(kube)
+    except (ConfigException, OSError) as e:
+        raise typer.BadParameter(f"cannot load the Kubernetes configuration: {e}") from e
+    if stdout:
+        await KubeWatcher(client, StdoutPublisher(), kube).run(stop)
+        return
+    from gpusteward import kafka
+    from gpusteward.collectors.publisher import KafkaPublisher
+    from gpusteward.settings import Settings
+
+    settings = Settings()
+    if bootstrap:
+        settings = settings.model_copy(update={"kafka": settings.kafka.model_copy(
+            update={"bootstrap_servers": bootstrap})})
+    await kafka.wait_for_broker(settings)
+    await kafka.ensure_topics(settings)
+    publisher = KafkaPublisher(settings)
+    await publisher.start()
+    try:
+        await KubeWatcher(client, publisher, kube).run(stop)
+    finally:
+        await publisher.stop()

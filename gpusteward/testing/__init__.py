@@ -1,0 +1,1 @@
+"""Test doubles of the systems gpusteward talks to, importable by every test suite."""
