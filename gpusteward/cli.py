@@ -11,9 +11,9 @@ import msgspec
 import typer
 
 from gpusteward.collectors.cli import collect_app
+from gpusteward.collectors.kube_cli import watch as kube_watch
 from gpusteward.report import commands as report_commands
 from gpusteward.rulescli import rules_app
-from gpusteward.collectors.kube_cli import watch as kube_watch
 from gpusteward.settings import Settings
 
 app = typer.Typer(help="Steward of a Kubernetes GPU fleet, as a stream of events.",

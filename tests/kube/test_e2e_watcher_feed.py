@@ -10,7 +10,6 @@ simulator's feed (the demo's own check against the ground truth).
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import msgspec
@@ -21,26 +20,26 @@ from gpusteward.collectors.kubernetes import KubeWatcher, KubeWatchSettings, api
 from gpusteward.collectors.publisher import KafkaPublisher
 from gpusteward.collectors.simulator import scenario as scenarios
 from gpusteward.collectors.simulator.engine import SimulatedCluster
-from gpusteward.demo import _expected_idle_pods, start_worker, stop_process
+from gpusteward.demo import _expected_idle_pods
+from gpusteward.pipeline import WorkerProcess
 from gpusteward.schema import Finding
 from gpusteward.settings import Settings
+from gpusteward.streams.app import worker_group
 from gpusteward.testing.kube_api import KubeApiServer
 from gpusteward.testing.kube_mirror import KubeMirrorPublisher
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
-def test_worker_finds_the_same_on_the_watcher_feed(settings: Settings, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    # The worker process reads its settings from the environment, this test's prefix included.
-    monkeypatch.setenv("GPUSTEWARD_TOPIC_PREFIX", settings.topic_prefix)
+def test_worker_finds_the_same_on_the_watcher_feed(settings: Settings, tmp_path: Path) -> None:
     spec = scenarios.load("eight-a100").model_copy(update={"duration_s": 4 * 3600,
                                                            "acceleration": 720.0})
     cluster = SimulatedCluster(spec)
 
     async def main() -> list[Finding]:
         await kafka.ensure_topics(settings)
-        worker = start_worker(settings, tmp_path / "worker.log")
+        worker = WorkerProcess(settings, tmp_path / "worker.log")
+        worker.start()
         publisher = KafkaPublisher(settings)
         await publisher.start()
         stop = asyncio.Event()
@@ -55,21 +54,15 @@ def test_worker_finds_the_same_on_the_watcher_feed(settings: Settings, tmp_path:
                 stop.set()
                 await watching
             await publisher.flush()
-            findings_topic = topics.FINDINGS.name(settings)
-            seen: list[Finding] = []
-            deadline = time.monotonic() + 90
-            while time.monotonic() < deadline:
-                records = await kafka.read_all(settings, findings_topic)
-                decoded = [msgspec.json.decode(v or b"", type=Finding) for _, v in records]
-                if decoded and len(decoded) == len(seen):
-                    break
-                seen = decoded
-                assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
-                await asyncio.sleep(3)
-            return seen
+            node_topics = [t.name(settings) for t in (topics.SAMPLES, topics.HW_EVENTS,
+                                                       topics.ALLOCATIONS)]
+            await kafka.wait_consumed(settings, worker_group(settings), node_topics, 120)
+            assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
+            records = await kafka.read_all(settings, topics.FINDINGS.name(settings))
+            return [msgspec.json.decode(r.value or b"", type=Finding) for r in records]
         finally:
             await publisher.stop()
-            stop_process(worker)
+            worker.stop()
 
     findings = asyncio.run(main())
     truth = cluster.finish_truth()
