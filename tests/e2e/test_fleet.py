@@ -9,11 +9,6 @@ simulator did: every expected finding present, nothing else of the family.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +20,7 @@ from gpusteward.broker import EmbeddedBroker
 from gpusteward.collectors.publisher import KafkaPublisher
 from gpusteward.collectors.simulator import scenario as scenarios
 from gpusteward.collectors.simulator.engine import GroundTruth, SimulatedCluster
-from gpusteward.pipeline import settings_env
+from gpusteward.pipeline import WorkerProcess
 from gpusteward.rules import fragmentation as frag
 from gpusteward.rules import queue as queue_rules
 from gpusteward.rules import spot as spot_rules
@@ -35,7 +30,6 @@ from gpusteward.streams.fleet import fleet_group
 
 pytestmark = pytest.mark.e2e
 
-WORKER = Path(__file__).with_name("fleet_worker.py")
 QUEUE = queue_rules.QueueSloSettings()
 
 
@@ -52,27 +46,6 @@ async def _read(settings: Settings, spec: topics.TopicSpec, kind: type) -> list:
     return [decode(r.value) for r in await kafka.read_all(settings, spec.name(settings))]
 
 
-def start_worker(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, **settings_env(settings)}
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-P", str(WORKER), tempfile.mkdtemp(prefix="fleet-worker-")],
-            env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-
-def _stop(worker: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
-    if worker.poll() is not None:
-        return
-    worker.send_signal(sig)
-    try:
-        worker.wait(15)
-    except subprocess.TimeoutExpired:
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait()
-
-
 async def run_scenario(settings: Settings, name: str, log: Path, *,
                        acceleration: float = 0.0, crash_after_s: float | None = None) -> Run:
     """Run scenario ``name`` through a fleet worker; with ``crash_after_s``, SIGKILL the
@@ -83,22 +56,23 @@ async def run_scenario(settings: Settings, name: str, log: Path, *,
     cluster = SimulatedCluster(spec)
     publisher = KafkaPublisher(settings)
     await publisher.start()
-    worker = start_worker(settings, log)
+    worker = WorkerProcess(settings, log)
+    worker.start()
     try:
         simulating = asyncio.create_task(cluster.run(publisher))
         if crash_after_s is not None:
             await asyncio.sleep(crash_after_s)
-            _stop(worker, signal.SIGKILL)
-            worker = start_worker(settings, log)
+            worker.kill()
+            worker.start()
         truth = await simulating
         group = fleet_group(settings)
         node_topics = [t.name(settings) for t in (topics.SAMPLES, topics.ALLOCATIONS)]
         await kafka.wait_consumed(settings, group, node_topics, timeout_s=180)
         fleet_topics = [t.name(settings) for t in (topics.NODE_SUMMARIES, topics.QUEUE)]
         await kafka.wait_consumed(settings, group, fleet_topics, timeout_s=120)
-        assert worker.poll() is None, f"the worker died; its log is {log}"
+        assert worker.alive, f"the worker died; its log is {log}"
     finally:
-        _stop(worker)
+        worker.stop()
         await publisher.stop()
     return Run(truth=truth, findings=await _read(settings, topics.FINDINGS, Finding),
                actions=await _read(settings, topics.ACTIONS, Action),
