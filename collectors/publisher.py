@@ -167,7 +167,7 @@ class KafkaPublisher:
         await self._enqueue(self._hw, event.node, event)
 
     async def allocation(self, event: AllocationEvent) -> None:
-        await self._enqueue(self._allocations, event.node, event)
+        await self._enqueue(self._allocations, topics.allocation_key(event), event)
 
     async def queue(self, event: QueueEvent) -> None:
         await self._enqueue(self._queue, event.cluster_queue, event)

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError
+from aiokafka.partitioner import DefaultPartitioner
 
 from gpusteward import topics
 from gpusteward.settings import Settings
@@ -87,9 +88,24 @@ async def _poll_metadata(settings: Settings, deadline: float) -> Exception | Non
     return last_error
 
 
+def node_partitioner(key: bytes | None, all_partitions: list[int],
+                     available: list[int]) -> int:
+    """Kafka's default partitioner applied to the node part of a key.
+
+    A key ``node/anything`` lands where the key ``node`` lands, so per-entity
+    keys (one pod of a node on the compacted allocations topic) stay
+    co-partitioned with the node-keyed samples. Node names never hold a
+    ``/`` (they are DNS subdomains), and keys without one hash as they are.
+    """
+    if key is not None:
+        key = key.split(b"/", 1)[0]
+    return int(DefaultPartitioner()(key, all_partitions, available))
+
+
 def producer(settings: Settings, **overrides: object) -> AIOKafkaProducer:
     """A producer with leader acks and a short linger; no idempotence (see module doc)."""
-    options: dict[str, object] = {"acks": 1, "linger_ms": 5, "enable_idempotence": False}
+    options: dict[str, object] = {"acks": 1, "linger_ms": 5, "enable_idempotence": False,
+                                  "partitioner": node_partitioner}
     options.update(overrides)
     return AIOKafkaProducer(**settings.kafka.aiokafka_config(), **options)
 

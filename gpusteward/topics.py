@@ -58,9 +58,11 @@ HW_EVENTS = TopicSpec(
     node_keyed=True,
 )
 ALLOCATIONS = TopicSpec(
-    "allocations.v1", "node name", schema.PodAllocation | schema.NodeInventory,
-    "Pod GPU/MIG holdings (tag `pod`) and node inventory (tag `node`).",
-    node_keyed=True, compacted=False,
+    "allocations.v1", "node name for node inventory, `node/pod/<uid>` for a pod",
+    schema.PodAllocation | schema.NodeInventory,
+    "Pod GPU/MIG holdings (tag `pod`) and node inventory (tag `node`). Compacted: the last "
+    "record of every pod and node is kept. Partitioned by the node part of the key.",
+    node_keyed=True, compacted=True,
 )
 QUEUE = TopicSpec(
     "queue.v1", "cluster queue", schema.QueueEvent,
@@ -99,6 +101,14 @@ ROLLUPS = TopicSpec(
     "Per device per minute: min/mean/max utilisation, memory, power, faults, attributed pod.",
     node_keyed=True, retention_ms=3 * DAY_MS,
 )
+
+def allocation_key(event: schema.PodAllocation | schema.NodeInventory) -> str:
+    """The compaction key of an allocation event; its node part picks the partition."""
+    if isinstance(event, schema.NodeInventory):
+        return event.node
+    pod = event.pod
+    return f"{event.node}/pod/{pod.uid or f'{pod.namespace}/{pod.name}'}"
+
 
 ALL: tuple[TopicSpec, ...] = (
     SAMPLES, HW_EVENTS, ALLOCATIONS, QUEUE, NODE_SUMMARIES,

@@ -55,3 +55,22 @@ def test_node_keyed_topics_are_co_partitioned() -> None:
     counts = {s.partition_count(settings) for s in (topics.SAMPLES, topics.HW_EVENTS,
                                                    topics.ALLOCATIONS)}
     assert counts == {settings.kafka.node_partitions}
+
+
+def test_pod_keys_are_partitioned_with_their_node() -> None:
+    from gpusteward.kafka import node_partitioner
+    from gpusteward.schema import NodeInventory, PodAllocation
+
+    partitions = list(range(8))
+    nodes = [f"gpu-node-{i}" for i in range(50)]
+    for node in nodes:
+        pod = PodAllocation(ts=1, node=node, pod=PodRef(namespace="ns", name="p", uid="u1"),
+                            phase="running")
+        key = topics.allocation_key(pod)
+        assert key == f"{node}/pod/u1"
+        assert topics.allocation_key(NodeInventory(ts=1, node=node)) == node
+        assert (node_partitioner(key.encode(), partitions, partitions)
+                == node_partitioner(node.encode(), partitions, partitions))
+    spread = {node_partitioner(n.encode(), partitions, partitions) for n in nodes}
+    assert len(spread) > 4, "nodes still spread over the partitions"
+    assert topics.ALLOCATIONS.config() == {"cleanup.policy": "compact"}
