@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import faust
 import msgspec
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from gpusteward import topics
+from gpusteward.rules import fragmentation as frag
+from gpusteward.rules import policy as policies
+from gpusteward.rules import queue as queue_rules
+from gpusteward.rules import spot as spot_rules
 from gpusteward.schema import AllocationEvent, DeadLetter, Finding, HwEvent, NodeSample, NodeSummary
 from gpusteward.settings import Settings
-from gpusteward.streams.fleet import register_fleet_agent
+from gpusteward.streams.fleet import FleetRuleSettings, register_fleet_agent
 from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings
 
 log = logging.getLogger(__name__)
@@ -145,7 +149,8 @@ def create_app(
         Monitor=LeanMonitor,
     )
     app.gpusteward_settings = settings
-    join = NodeJoin(rules)
+    policy = rules.policy if rules is not None and rules.policy else policies.policy_from_env()
+    join = NodeJoin(rules, policy=policy)
 
     def raw_topic(spec: topics.TopicSpec) -> Any:
         return app.topic(
@@ -249,5 +254,15 @@ def create_app(
             live[node] = (state, checkpointed_at)
             await publish(outputs)
 
-    register_fleet_agent(app, settings)
+    register_fleet_agent(app, settings, fleet_settings(policy))
     return app
+
+
+def fleet_settings(policy: policies.Policy) -> FleetRuleSettings:
+    """The fleet rules' settings from the policy file (fleet-wide: no per-namespace layer)."""
+    fleet_wide = policy.resolve().rules
+    return FleetRuleSettings(
+        fragmentation=cast(frag.FragmentationSettings, fleet_wide[frag.KIND]),
+        queue=cast(queue_rules.QueueSloSettings, fleet_wide[queue_rules.WAIT_KIND]),
+        spot=cast(spot_rules.SpotSettings, fleet_wide[spot_rules.KIND]),
+    )

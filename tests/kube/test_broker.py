@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from aiokafka import ConsumerRecord
 
 from gpusteward import kafka, topics
 from gpusteward.collectors.kubernetes import KubeWatcher, KubeWatchSettings, api_client
@@ -25,7 +26,7 @@ def test_watcher_publishes_to_kafka_keyed_for_the_join(settings: Settings,
         api.load_dir(FIXTURES)
         kube = KubeWatchSettings(kubeconfig=str(api.write_kubeconfig(tmp_path / "kc")))
 
-        async def main() -> tuple[list[tuple[bytes | None, bytes | None]], ...]:
+        async def main() -> tuple[list[ConsumerRecord], ...]:
             await kafka.ensure_topics(settings)
             publisher = KafkaPublisher(settings)
             await publisher.start()
@@ -44,13 +45,21 @@ def test_watcher_publishes_to_kafka_keyed_for_the_join(settings: Settings,
         allocations, queue = asyncio.run(main())
 
     decoder = msgspec.json.Decoder(AllocationEvent)
-    decoded = [(key, decoder.decode(value or b"")) for key, value in allocations]
+    decoded = [(r.key, decoder.decode(r.value or b"")) for r in allocations]
     assert len(decoded) == 12
-    assert all(key == e.node.encode() for key, e in decoded)
+    # Compaction keys: the node for its inventory, node/pod/<uid> for a pod; the node part
+    # picks the partition, so a node's pods share its samples' partition.
+    assert all(key == e.node.encode() for key, e in decoded if isinstance(e, NodeInventory))
+    assert all(key is not None and key.startswith(e.node.encode() + b"/pod/")
+               for key, e in decoded if not isinstance(e, NodeInventory))
+    partitions: dict[str, set[int]] = {e.node: set() for _, e in decoded}
+    for record, (_, e) in zip(allocations, decoded, strict=True):
+        partitions[e.node].add(record.partition)
+    assert all(len(p) == 1 for p in partitions.values())
     assert sum(isinstance(e, NodeInventory) for _, e in decoded) == 6
     assert sum(isinstance(e, PodAllocation) for _, e in decoded) == 6
-    queue_events = [(key, msgspec.json.decode(value or b"", type=QueueEvent))
-                    for key, value in queue]
+    queue_events = [(r.key, msgspec.json.decode(r.value or b"", type=QueueEvent))
+                    for r in queue]
     assert [(key, e.name, e.state) for key, e in queue_events] == [
         (b"gpu-cq", "eval-1-qq8zt", "pending"),
         (b"gpu-cq", "job-eval-2-3f1c2", "pending"),
