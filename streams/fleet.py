@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,7 +280,7 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         return highwater is not None and state.queue_offset + 1 >= highwater
 
     @app.agent(fleet_topics, name="fleet")
-    async def fleet(stream: Any) -> AsyncIterator[None]:
+    async def fleet(stream: Any) -> None:
         async for event in stream.events():
             try:
                 record: NodeSummary | QueueEvent
@@ -321,10 +320,9 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                 checkpointed_at = record.ts
             live[state_key] = (state, checkpointed_at)
             await publish(outputs)
-            yield None
 
     @app.agent(allocations, name="fleet-spot")
-    async def fleet_spot(stream: Any) -> AsyncIterator[None]:
+    async def fleet_spot(stream: Any) -> None:
         async for event in stream.events():
             try:
                 alloc = decode_alloc(event.value)
@@ -337,4 +335,3 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             outputs = spot_join.on_allocation(track, alloc)
             spot_table[node] = encode_msgpack(track)
             await publish(outputs)
-            yield None
