@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -44,6 +44,9 @@ from gpusteward.consumers.remediation import Executor, SimulatorBackend
 from gpusteward.pipeline import WorkerProcess
 from gpusteward.schema import Action, ActionResult, Finding
 from gpusteward.settings import Settings
+
+if TYPE_CHECKING:
+    from gpusteward.collectors.kubernetes import KubeWatcher
 
 Feed = Literal["simulator", "kubernetes"]
 """Where the allocation and queue events come from: the simulator itself, or the
@@ -184,6 +187,7 @@ class KubernetesFeed:
         self.publisher: Publisher = KubeMirrorPublisher(publisher, self.api, cluster)
         self._stop = asyncio.Event()
         self._client: Any = None
+        self.watcher: KubeWatcher
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> KubernetesFeed:
