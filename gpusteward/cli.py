@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 import typer
@@ -202,11 +202,15 @@ def demo(
                         ] = "eight-a100",
     seed: Annotated[int | None, typer.Option(help="Override the scenario's seed.")] = None,
     live: Annotated[bool, typer.Option("--live/--no-live", help="Show the live view.")] = True,
+    feed: Annotated[Literal["simulator", "kubernetes"], typer.Option(
+        help="Where allocation and queue events come from: the simulator itself, or the "
+        "Kubernetes watcher on an API-server double the simulated fleet is mirrored into."
+    )] = "simulator",
 ) -> None:
     """Run the whole pipeline on an embedded broker and a simulated fleet."""
     from gpusteward.demo import run_demo
 
-    raise typer.Exit(run_demo(scenario, duration, live_view=live, seed=seed))
+    raise typer.Exit(run_demo(scenario, duration, live_view=live, seed=seed, feed=feed))
 
 
 @schema_app.command("export")

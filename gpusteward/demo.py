@@ -6,6 +6,16 @@ remediation executor against the simulated cluster; it shows a live view
 and ends by itself with a summary checked against the simulator's ground
 truth. Ctrl-C stops everything; every child process is stopped on the way
 out.
+
+With ``feed="kubernetes"`` the simulator's allocation and queue events are
+not published directly: the fleet is mirrored into the Kubernetes API-server
+double (:mod:`gpusteward.testing.kube_mirror`) and the real watcher
+publishes them, read from the API as in production. Samples and hardware
+events still come from the simulator, as the node collectors would publish
+them. The summary must match the same ground truth: the watcher's feed has
+to be as good as the simulator's own. A cordon the executor applies to the
+simulated cluster reaches the double as ``spec.unschedulable``, so the
+watcher reports it as it would a real one.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -25,7 +36,7 @@ from rich.table import Table
 
 from gpusteward import kafka
 from gpusteward.broker import EmbeddedBroker
-from gpusteward.collectors.publisher import KafkaPublisher
+from gpusteward.collectors.publisher import KafkaPublisher, Publisher
 from gpusteward.collectors.simulator import scenario as scenarios
 from gpusteward.collectors.simulator.engine import GroundTruth, SimulatedCluster
 from gpusteward.consumers.alerts import FindingsConsumer
@@ -33,6 +44,13 @@ from gpusteward.consumers.remediation import Executor, SimulatorBackend
 from gpusteward.pipeline import WorkerProcess
 from gpusteward.schema import Action, ActionResult, Finding
 from gpusteward.settings import Settings
+
+if TYPE_CHECKING:
+    from gpusteward.collectors.kubernetes import KubeWatcher
+
+Feed = Literal["simulator", "kubernetes"]
+"""Where the allocation and queue events come from: the simulator itself, or the
+Kubernetes watcher on the API-server double the simulator's fleet is mirrored into."""
 
 
 @dataclass
@@ -129,8 +147,116 @@ def _expected_idle_pods(truth: GroundTruth, window_s: float = 1800, grace_s: flo
     return found
 
 
+class SimulatorFeed:
+    """The simulator publishes its own allocation and queue events."""
+
+    def __init__(self, publisher: Publisher) -> None:
+        self.publisher = publisher
+
+    async def __aenter__(self) -> SimulatorFeed:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        pass
+
+    def check(self) -> None:
+        """Raise if the feed has failed (this one cannot)."""
+
+    async def settle(self, timeout_s: float = 30.0) -> None:
+        """Return once everything the simulator wrote is published (it is already)."""
+
+
+class KubernetesFeed:
+    """The fleet mirrored into the API-server double; the real watcher publishes its events.
+
+    The double serves HTTP from its own thread and the watcher's reflectors
+    run in theirs; leaving the ``async with`` (normally, on an error or on
+    Ctrl-C) stops the watcher, joins its threads and shuts the double down.
+    """
+
+    def __init__(self, publisher: Publisher, cluster: SimulatedCluster, log_dir: Path) -> None:
+        from gpusteward.testing.kube_api import KubeApiServer
+        from gpusteward.testing.kube_mirror import KubeMirrorPublisher
+
+        self.cluster = cluster
+        self.log_dir = log_dir
+        self.inner = publisher
+        # Bookmarks move every reflector to the newest resourceVersion, which settle() needs.
+        self.api = KubeApiServer(bookmark_interval_s=0.2)
+        self.api.record_requests = False  # a demo run makes thousands; nobody reads them
+        self.publisher: Publisher = KubeMirrorPublisher(publisher, self.api, cluster)
+        self._stop = asyncio.Event()
+        self._client: Any = None
+        self.watcher: KubeWatcher
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> KubernetesFeed:
+        from gpusteward.collectors.kubernetes import KubeWatcher, KubeWatchSettings, api_client
+
+        self.api.start()
+        try:
+            kubeconfig = self.api.write_kubeconfig(self.log_dir / "kubeconfig")
+            kube = KubeWatchSettings(kubeconfig=str(kubeconfig))
+            self._client = api_client(kube)
+            cluster = self.cluster
+            # Event times are the simulation's, as the simulator's own feed stamps them.
+            self.watcher = KubeWatcher(self._client, self.inner, kube, clock=lambda: cluster.now)
+            self._task = asyncio.create_task(self.watcher.run(self._stop))
+            synced = asyncio.ensure_future(self.watcher.synced.wait())
+            try:
+                await asyncio.wait({synced, self._task}, timeout=30,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                synced.cancel()
+            self.check()
+            if not self.watcher.synced.is_set():
+                raise RuntimeError("the Kubernetes watcher did not list the API double in 30 s")
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
+        self._stop.set()
+        try:
+            if self._task is not None:
+                await self._task  # raises the watcher's error, if it failed
+        finally:
+            if self._client is not None:
+                self._client.close()
+            self.api.stop()
+
+    def check(self) -> None:
+        """Raise the watcher's error if it has stopped on its own."""
+        if self._task is not None and self._task.done():
+            self._task.result()
+            raise RuntimeError("the Kubernetes watcher stopped on its own")
+
+    def settled(self) -> bool:
+        """Every change in the double seen by every reflector and published."""
+        latest = self.api.resource_version
+        reflectors = list(self.watcher.reflectors.values())
+        delivered = sum(r.stats.deltas for r in reflectors)
+        return all(int(r.resource_version or 0) >= latest for r in reflectors) and (
+            delivered == self.watcher.processed)
+
+    async def settle(self, timeout_s: float = 30.0) -> None:
+        """Wait until the watcher has published everything written into the double."""
+        deadline = time.monotonic() + timeout_s
+        while not self.settled():
+            self.check()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Kubernetes watcher did not catch up in {timeout_s} s")
+            await asyncio.sleep(0.05)
+        await self.inner.flush()
+
+
 async def _run(settings: Settings, cluster: SimulatedCluster, console: Console,
-               live_view: bool, log_dir: Path) -> tuple[GroundTruth, DemoState]:
+               live_view: bool, log_dir: Path, feed: Feed = "simulator"
+               ) -> tuple[GroundTruth, DemoState]:
     await kafka.ensure_topics(settings)
     worker = WorkerProcess(settings, log_dir / "worker.log")
     worker.start()
@@ -142,24 +268,31 @@ async def _run(settings: Settings, cluster: SimulatedCluster, console: Console,
     executor = Executor(settings, SimulatorBackend(cluster), execute=True,
                         on_result=state.on_result)
     consumers = [asyncio.create_task(alerts.run(stop)), asyncio.create_task(executor.run(stop))]
+    allocations = (KubernetesFeed(publisher, cluster, log_dir) if feed == "kubernetes"
+                   else SimulatorFeed(publisher))
     try:
-        live = Live(render(cluster, state), console=console, refresh_per_second=4,
-                    transient=False) if live_view else contextlib.nullcontext()
-        with live:
-            def refresh(c: SimulatedCluster) -> None:
-                if isinstance(live, Live):
-                    live.update(render(c, state))
-            cluster.on_tick = refresh
-            truth = await cluster.run(publisher)
-            # Let the worker and the consumers drain what the last ticks produced.
-            quiet_since = time.monotonic()
-            while time.monotonic() - quiet_since < 60:
-                await asyncio.sleep(0.5)
-                if time.monotonic() - state.last_event > 4:
-                    break
-                if not worker.alive:
-                    raise RuntimeError(f"the worker exited early; see {log_dir / 'worker.log'}")
-            refresh(cluster)
+        async with allocations:
+            live = Live(render(cluster, state), console=console, refresh_per_second=4,
+                        transient=False) if live_view else contextlib.nullcontext()
+            with live:
+                def refresh(c: SimulatedCluster) -> None:
+                    if isinstance(live, Live):
+                        live.update(render(c, state))
+                    allocations.check()
+                cluster.on_tick = refresh
+                truth = await cluster.run(allocations.publisher)
+                await allocations.settle()
+                # Let the worker and the consumers drain what the last ticks produced.
+                quiet_since = time.monotonic()
+                while time.monotonic() - quiet_since < 60:
+                    await asyncio.sleep(0.5)
+                    if time.monotonic() - state.last_event > 4:
+                        break
+                    if not worker.alive:
+                        raise RuntimeError(
+                            f"the worker exited early; see {log_dir / 'worker.log'}")
+                    allocations.check()
+                refresh(cluster)
         return truth, state
     finally:
         stop.set()
@@ -169,7 +302,7 @@ async def _run(settings: Settings, cluster: SimulatedCluster, console: Console,
 
 
 def run_demo(scenario_name: str = "eight-a100", duration_s: float = 60.0,
-             live_view: bool = True, seed: int | None = None) -> int:
+             live_view: bool = True, seed: int | None = None, feed: Feed = "simulator") -> int:
     """Run the demo; the exit status is 0 when the summary matches the ground truth."""
     console = Console()
     scenario = scenarios.load(scenario_name)
@@ -179,14 +312,17 @@ def run_demo(scenario_name: str = "eight-a100", duration_s: float = 60.0,
     })
     cluster = SimulatedCluster(scenario)
     log_dir = Path(tempfile.mkdtemp(prefix="gpusteward-demo-"))
-    console.print(f"starting the embedded broker, the worker and the simulator "
+    via = (" (allocations through the Kubernetes watcher on the API-server double)"
+           if feed == "kubernetes" else "")
+    console.print(f"starting the embedded broker, the worker and the simulator{via} "
                   f"(logs in {log_dir})")
     # SIGTERM (a supervisor, `kill`) takes the same orderly way out as Ctrl-C.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         with EmbeddedBroker(log_path=log_dir / "broker.log") as broker:
             settings = broker.settings()
-            truth, state = asyncio.run(_run(settings, cluster, console, live_view, log_dir))
+            truth, state = asyncio.run(_run(settings, cluster, console, live_view, log_dir,
+                                            feed))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: everything stopped[/]")
         return 130
