@@ -243,12 +243,14 @@ def create_app(
                 entry = (decode_state(stored) if stored is not None else NodeState(), -1.0)
             state, checkpointed_at = entry
             outputs = handler(state, record)
-            # Write the changelog when the state matters for recovery (the rule emitted
-            # something, the allocations changed) and otherwise every checkpoint_s of event
-            # time. A worker that crashes between checkpoints recovers a state at most that
-            # old; re-processing then republishes the same ids, which consumers deduplicate.
+            # Write the changelog when the state matters for recovery (a rule emitted a
+            # finding or action, the allocations changed) and otherwise every checkpoint_s of
+            # event time. A worker that crashes between checkpoints recovers a state at most
+            # that old; re-processing then republishes the same ids, which consumers
+            # deduplicate. A node summary alone does not count: the next one replaces it.
             due = record.ts - checkpointed_at >= checkpoint_s
-            if outputs or due or not isinstance(record, NodeSample):
+            decisive = any(not isinstance(output, NodeSummary) for output in outputs)
+            if decisive or due or not isinstance(record, NodeSample):
                 state_table[node] = encode_state(state)
                 checkpointed_at = record.ts
             live[node] = (state, checkpointed_at)
