@@ -34,7 +34,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from gpusteward import kafka
+from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
 from gpusteward.collectors.publisher import KafkaPublisher, Publisher
 from gpusteward.collectors.simulator import scenario as scenarios
@@ -44,6 +44,7 @@ from gpusteward.consumers.remediation import Executor, SimulatorBackend
 from gpusteward.pipeline import WorkerProcess
 from gpusteward.schema import Action, ActionResult, Finding
 from gpusteward.settings import Settings
+from gpusteward.streams.app import worker_group
 
 if TYPE_CHECKING:
     from gpusteward.collectors.kubernetes import KubeWatcher
@@ -59,15 +60,12 @@ class DemoState:
 
     findings: list[Finding] = field(default_factory=list)
     results: list[tuple[Action, ActionResult]] = field(default_factory=list)
-    last_event: float = field(default_factory=time.monotonic)
 
     def on_finding(self, finding: Finding) -> None:
         self.findings.append(finding)
-        self.last_event = time.monotonic()
 
     def on_result(self, action: Action, result: ActionResult) -> None:
         self.results.append((action, result))
-        self.last_event = time.monotonic()
 
 
 def _clock(ts: float) -> str:
@@ -282,16 +280,17 @@ async def _run(settings: Settings, cluster: SimulatedCluster, console: Console,
                 cluster.on_tick = refresh
                 truth = await cluster.run(allocations.publisher)
                 await allocations.settle()
-                # Let the worker and the consumers drain what the last ticks produced.
-                quiet_since = time.monotonic()
-                while time.monotonic() - quiet_since < 60:
-                    await asyncio.sleep(0.5)
-                    if time.monotonic() - state.last_event > 4:
-                        break
+                # Drain: the worker through everything published, then the consumers
+                # through everything the worker produced.
+                drained = asyncio.create_task(_drain(settings, alerts, executor))
+                while not drained.done():
+                    await asyncio.wait([drained], timeout=0.5)
                     if not worker.alive:
+                        drained.cancel()
                         raise RuntimeError(
                             f"the worker exited early; see {log_dir / 'worker.log'}")
                     allocations.check()
+                await drained
                 refresh(cluster)
         return truth, state
     finally:
@@ -299,6 +298,17 @@ async def _run(settings: Settings, cluster: SimulatedCluster, console: Console,
         await asyncio.gather(*consumers, return_exceptions=True)
         await publisher.stop()
         worker.stop()
+
+
+async def _drain(settings: Settings, alerts: FindingsConsumer, executor: Executor,
+                 timeout_s: float = 180.0) -> None:
+    node_topics = [spec.name(settings) for spec in (topics.SAMPLES, topics.HW_EVENTS,
+                                                    topics.ALLOCATIONS)]
+    await kafka.wait_consumed(settings, worker_group(settings), node_topics, timeout_s)
+    await kafka.wait_consumed(settings, alerts.group_id, [topics.FINDINGS.name(settings)],
+                              timeout_s)
+    await kafka.wait_consumed(settings, executor.group_id, [topics.ACTIONS.name(settings)],
+                              timeout_s)
 
 
 def run_demo(scenario_name: str = "eight-a100", duration_s: float = 60.0,
