@@ -246,7 +246,8 @@ class FleetEvaluator:
             advice = mig_observed.advise(self.geometries, state.nodes.values(), state.mig,
                                          now=slot, window_s=window_s)
             out: list[FleetOutput] = list(mig_layout.advice_findings(
-                advice, ts=slot, window_start=slot - window_s))
+                advice, ts=slot, window_start=slot - window_s,
+                period=_period(window_s), source="the weekly report"))
         except (mig_geometry.GeometryError, RuntimeError) as error:
             # A failed search must not stop the fleet rules: say so, try next interval.
             log.warning("MIG layout advice at %.0f failed: %s", slot, error)
@@ -254,6 +255,14 @@ class FleetEvaluator:
         mig_observed.restart_interval(state.mig, slot, state.nodes.values(),
                                       forget_before=slot - window_s)
         return out
+
+
+def _period(seconds: float) -> str:
+    """What a share of a window of ``seconds`` is a share of, in words."""
+    for name, length in (("week", 7 * 86400.0), ("day", 86400.0), ("hour", 3600.0)):
+        if seconds == length:
+            return name
+    return f"{seconds / 3600:g}h-window"
 
 
 class SpotJoin:

@@ -14,10 +14,13 @@ guess is said here once:
   out: a queue event does not say which GPU model a workload wants, and a
   GPU the plan does not partition runs with MIG off, which is what whole-GPU
   work needs anyway.
-- Pool: the nodes of one GPU model (as the report does). A requested profile
-  goes to the pool whose nodes offered it during the interval, else to the
-  first pool (by name) whose model has it at all; none: it cannot be served
-  anywhere and is left out.
+- Pool: the nodes of one GPU model (as the report does; split by GPU count
+  per node where that differs, since a plan gives every node of a pool the
+  same number of GPUs). A requested profile
+  goes to the largest pool whose nodes offered it during the interval, else
+  to the largest pool whose model has it at all (most room to re-partition);
+  none: it cannot be served anywhere and is left out. A workload is not
+  split across pools by what it actually ran on, which the queue does not say.
 - Layouts today: a summary lists only the MIG devices still free, so a
   node's instances are taken as the most of each profile it showed free at
   once since the last advice, packed onto its GPUs first-fit. A node whose
@@ -114,18 +117,24 @@ def share(workload: MigWorkload, start: float, end: float) -> float:
 
 def pools(geometries: Mapping[str, Geometry], summaries: Iterable[NodeSummary]
           ) -> list[layout.Pool]:
-    """One pool per MIG-capable GPU model, its nodes sorted, named by the geometry's model."""
-    members: dict[str, list[NodeSummary]] = {}
+    """One pool per MIG-capable GPU model, named by the geometry's model, nodes sorted.
+
+    A pool plans the same number of GPUs on each node, so a model whose nodes differ in
+    GPU count is split into one pool per count, named ``<model>/<n>gpu``.
+    """
+    members: dict[tuple[str, int], list[str]] = {}
     for summary in summaries:
         if not summary.gpu_model or summary.gpus_total <= 0:
             continue
         found = mig_geometry.find(geometries, summary.gpu_model)
         if found is not None:
-            members.setdefault(found.model, []).append(summary)
-    return [layout.Pool(name=model, model=model,
-                        nodes=tuple(sorted(s.node for s in group)),
-                        gpus_per_node=max(s.gpus_total for s in group))
-            for model, group in sorted(members.items())]
+            members.setdefault((found.model, summary.gpus_total), []).append(summary.node)
+    counts: dict[str, int] = {}
+    for model, _ in members:
+        counts[model] = counts.get(model, 0) + 1
+    return [layout.Pool(name=model if counts[model] == 1 else f"{model}/{gpus}gpu",
+                        model=model, nodes=tuple(sorted(nodes)), gpus_per_node=gpus)
+            for (model, gpus), nodes in sorted(members.items())]
 
 
 def gpu_layouts(geometry: Geometry, instances: Mapping[str, int], gpus: int
@@ -176,8 +185,10 @@ def demand(geometries: Mapping[str, Geometry], pool_list: Iterable[layout.Pool],
 
 def _pool_for(geometries: Mapping[str, Geometry], pool_list: list[layout.Pool],
               offered: Mapping[str, set[str]], profile: str) -> str | None:
-    able = [p.name for p in pool_list if _has(geometries[p.model], profile)]
-    return next((p for p in able if profile in offered[p]), able[0] if able else None)
+    able = sorted((p for p in pool_list if _has(geometries[p.model], profile)),
+                  key=lambda p: (-p.gpus, p.name))
+    return next((p.name for p in able if profile in offered[p.name]),
+                able[0].name if able else None)
 
 
 def _has(geometry: Geometry, profile: str) -> bool:
