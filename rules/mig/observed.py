@@ -29,6 +29,8 @@ guess is said here once:
   a change for a node that already has the planned layout. The node's
   ``nvidia.com/mig.config`` label is not in the summaries either, so changes
   carry no "before" config name.
+- A pool with no MIG demand in the window gets no advice (not "switch MIG
+  off"): the queue may simply not report the MIG requests.
 
 The state is a msgspec struct that the fleet agent checkpoints with the rest
 of its state; it holds one entry per MIG-requesting workload of the window
@@ -203,8 +205,11 @@ def advise(geometries: Mapping[str, Geometry], summaries: Iterable[NodeSummary],
            observation: MigObservation, now: float, window_s: float) -> layout.Advice:
     """The layout advice for the fleet the summaries describe and the window's demand."""
     summaries = list(summaries)
-    pool_list = pools(geometries, summaries)
-    wanted = demand(geometries, pool_list, observation, now, window_s)
+    every_pool = pools(geometries, summaries)
+    wanted = demand(geometries, every_pool, observation, now, window_s)
+    # A pool nobody asked MIG devices of is left alone: "switch MIG off" on the strength
+    # of a queue that may not report MIG requests at all would be a false alarm.
+    pool_list = [p for p in every_pool if wanted.get(p.name)]
     current: dict[str, list[Layout | None]] = {}
     for pool in pool_list:
         geometry = geometries[pool.model]

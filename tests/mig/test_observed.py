@@ -129,6 +129,7 @@ def test_stranded_profile_gets_a_layout_change() -> None:
     assert finding.kind == layout.KIND and finding.severity == "info"
     assert finding.labels["pool"] == "A100-80GB/2gpu"
     assert {k.removeprefix("node.") for k in finding.labels if k.startswith("node.")} == changed
+    assert finding.evidence is not None
     assert finding.evidence.values["demand_share"] == pytest.approx(10.75)
     # The finding carries the configs to apply: each relabelled node's config, as
     # mig-parted entries that hold the reranker's profile somewhere.
