@@ -313,11 +313,14 @@ def register_fleet_agent(app: faust.App, settings: Settings,
 
     fleet_table = app.Table("fleet-state", partitions=1, key_type=bytes, value_type=bytes)
     nodes_table = app.Table("fleet-nodes", partitions=1, key_type=bytes, value_type=bytes)
+    mig_table = app.Table("fleet-mig-workloads", partitions=1, key_type=bytes,
+                          value_type=bytes)
     spot_table = app.Table("fleet-spot", partitions=kafka.node_partitions,
                            key_type=bytes, value_type=bytes)
     encode_msgpack = msgspec.msgpack.Encoder().encode
     decode_fleet = msgspec.msgpack.Decoder(FleetState).decode
     decode_track = msgspec.msgpack.Decoder(spot_rules.SpotNodeTrack).decode
+    decode_mig_workload = msgspec.msgpack.Decoder(mig_observed.MigWorkload).decode
     decode_summary = msgspec.json.Decoder(NodeSummary).decode
     decode_queue = msgspec.json.Decoder(QueueEvent).decode
     decode_alloc = msgspec.json.Decoder(AllocationEvent).decode
@@ -379,6 +382,8 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                 loaded = decode_fleet(stored) if stored is not None else FleetState()
                 loaded.nodes = {key.decode(): decode_summary(value)
                                 for key, value in nodes_table.items()}
+                loaded.mig.workloads = {key.decode(): decode_mig_workload(value)
+                                        for key, value in mig_table.items()}
                 entry = (loaded, -1.0)
             state, checkpointed_at = entry
             if isinstance(record, NodeSummary):
@@ -403,8 +408,16 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             for node in state.departed:
                 nodes_table.pop(node.encode(), None)
             state.departed = []
+            for key in state.mig.touched:
+                workload = state.mig.workloads.get(key)
+                if workload is None:
+                    mig_table.pop(key.encode(), None)
+                else:
+                    mig_table[key.encode()] = encode_msgpack(workload)
+            state.mig.touched = []
             if outputs or is_queue or record.ts - checkpointed_at >= checkpoint_s:
-                fleet_table[state_key] = encode_msgpack(msgspec.structs.replace(state, nodes={}))
+                fleet_table[state_key] = encode_msgpack(msgspec.structs.replace(
+                    state, nodes={}, mig=msgspec.structs.replace(state.mig, workloads={})))
                 checkpointed_at = record.ts
             live[state_key] = (state, checkpointed_at)
             await publish(outputs)

@@ -53,8 +53,12 @@ _ACTIVE = ("pending", "admitted", "evicted", "requeued")
 """States in which a workload still wants its devices (an evicted one is requeued)."""
 
 
-class MigWorkload(msgspec.Struct):
-    """A workload that asked for MIG devices: what, and when it wanted them."""
+class MigWorkload(msgspec.Struct, array_like=True):
+    """A workload that asked for MIG devices: what, and when it wanted them.
+
+    Encoded as an array: the checkpoint holds one per MIG workload of the window and is
+    written on every queue event, so field names would be a third of its size.
+    """
 
     profiles: dict[str, int]
     since: float
@@ -70,6 +74,10 @@ class MigObservation(msgspec.Struct):
     """node -> profile -> the most free devices of it seen at once since the last advice."""
     last_slot: float | None = None
     """Start of the advice interval last advised (or the first one seen)."""
+    touched: list[str] = []
+    """Workloads whose entry changed or was dropped since the caller last looked: the
+    fleet agent keeps workloads in a table of their own (one record per workload), not in
+    its checkpoint, which is written on every queue event."""
 
 
 def on_queue(observation: MigObservation, key: str, event: QueueEvent) -> None:
@@ -78,17 +86,24 @@ def on_queue(observation: MigObservation, key: str, event: QueueEvent) -> None:
     known = observation.workloads.get(key)
     if event.state in _ACTIVE:
         if known is None:
-            if profiles:
-                observation.workloads[key] = MigWorkload(profiles=profiles, since=event.ts)
+            if not profiles:
+                return
+            observation.workloads[key] = MigWorkload(profiles=profiles, since=event.ts)
         else:
+            before = msgspec.structs.astuple(known)
             # Back in the queue after finishing (a re-run under the same name): the gap
             # counts as wanted, a slight over-estimate of its share.
             known.until = None
             known.since = min(known.since, event.ts)
             if profiles:
                 known.profiles = profiles
+            if msgspec.structs.astuple(known) == before:
+                return
     elif known is not None and known.until is None:
         known.until = max(known.since, event.ts)
+    else:
+        return
+    observation.touched.append(key)
 
 
 def on_summary(observation: MigObservation, summary: NodeSummary) -> None:
@@ -107,6 +122,7 @@ def restart_interval(observation: MigObservation, slot: float,
     for key in [k for k, w in observation.workloads.items()
                 if w.until is not None and w.until < forget_before]:
         del observation.workloads[key]
+        observation.touched.append(key)
 
 
 def share(workload: MigWorkload, start: float, end: float) -> float:

@@ -32,14 +32,17 @@ def test_workload_lifecycle_and_share() -> None:
     observed.on_queue(seen, "svc/chat", event("chat", "admitted", 160, {"1g.10gb": 1}))
     observed.on_queue(seen, "svc/train", event("train", "pending", 100, gpus=8))
     assert seen.workloads == {"svc/chat": MigWorkload({"1g.10gb": 1}, since=100)}
+    # Admission changes nothing of the entry: only the first event touched it.
+    assert seen.touched == ["svc/chat"]
     # Still wanted: counts up to now.
     assert observed.share(seen.workloads["svc/chat"], 0, 200) == pytest.approx(0.5)
     observed.on_queue(seen, "svc/chat", event("chat", "finished", 150 + 100, {"1g.10gb": 1}))
     assert seen.workloads["svc/chat"].until == 250
+    assert seen.touched == ["svc/chat", "svc/chat"]
     assert observed.share(seen.workloads["svc/chat"], 0, 1000) == pytest.approx(0.15)
     assert observed.share(seen.workloads["svc/chat"], 300, 1000) == 0.0
     observed.restart_interval(seen, 1000, [], forget_before=300)
-    assert seen.workloads == {}
+    assert seen.workloads == {} and seen.touched[-1] == "svc/chat"
 
 
 def test_layouts_packed_from_free_devices() -> None:

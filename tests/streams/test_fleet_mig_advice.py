@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from gpusteward.rules.mig import layout
+from gpusteward.rules.mig.observed import MigWorkload
 from gpusteward.schema import Finding, NodeSummary, QueueEvent
 from gpusteward.streams.fleet import FleetEvaluator, FleetOutput, FleetRuleSettings, FleetState
 
@@ -83,13 +84,22 @@ def test_restarted_worker_republishes_the_same_id() -> None:
     start = 100 * HOUR
     stream = records(start)
     crossing = next(i for i, r in enumerate(stream) if r.ts >= start + HOUR)
+    # The checkpoint and the MIG workload table as the agent writes them (nodes and MIG
+    # workloads live in tables of their own, written as they change).
+    table: dict[str, bytes] = {}
     for record in stream[:crossing]:
         run(ev, state, record)
-    # The checkpoint as the agent writes it (nodes live in their own table).
-    encoded = msgspec.msgpack.encode(msgspec.structs.replace(state, nodes={}))
+        for key in state.mig.touched:
+            table[key] = msgspec.msgpack.encode(state.mig.workloads[key])
+        state.mig.touched = []
+    encoded = msgspec.msgpack.encode(msgspec.structs.replace(
+        state, nodes={}, mig=msgspec.structs.replace(state.mig, workloads={})))
     first = advice(run(ev, state, stream[crossing]))
     restored = msgspec.msgpack.decode(encoded, type=FleetState)
     restored.nodes = dict(state.nodes)
+    restored.mig.workloads = {k: msgspec.msgpack.decode(v, type=MigWorkload)
+                              for k, v in table.items()}
+    assert len(restored.mig.workloads) == 7
     again = advice(run(evaluator(), restored, stream[crossing]))
     assert [f.id for f in first] == [f.id for f in again] and len(first) == 1
     # The next interval is another episode, with another id.
