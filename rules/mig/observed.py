@@ -26,7 +26,12 @@ guess is said here once:
   once since the last advice, packed onto its GPUs first-fit. A node whose
   MIG devices were all in use at every summary of the interval looks less
   partitioned than it is (possibly not at all), and the advice may then list
-  a change for a node that already has the planned layout. The node's
+  a change for a node that already has the planned layout. Its GPU count
+  suffers too: under the device plugin's ``mixed`` strategy a partitioned
+  GPU is not counted in ``gpus_total``, so a fully partitioned node counts
+  the GPUs its seen instances need, and is left out when none were seen.
+  Both would be exact if the summary carried the node's MIG allocatable
+  (the node join has it) and not only what is free. The node's
   ``nvidia.com/mig.config`` label is not in the summaries either, so changes
   carry no "before" config name.
 - A pool with no MIG demand in the window gets no advice (not "switch MIG
@@ -133,20 +138,30 @@ def share(workload: MigWorkload, start: float, end: float) -> float:
     return max(0.0, stop - max(start, workload.since)) / (end - start)
 
 
-def pools(geometries: Mapping[str, Geometry], summaries: Iterable[NodeSummary]
-          ) -> list[layout.Pool]:
+def pools(geometries: Mapping[str, Geometry], summaries: Iterable[NodeSummary],
+          instances: Mapping[str, Mapping[str, int]] | None = None) -> list[layout.Pool]:
     """One pool per MIG-capable GPU model, named by the geometry's model, nodes sorted.
 
-    A pool plans the same number of GPUs on each node, so a model whose nodes differ in
-    GPU count is split into one pool per count, named ``<model>/<n>gpu``.
+    A node's GPUs: its summary's count, or the GPUs its ``instances`` need if more.
+    Under the device plugin's ``mixed`` strategy a partitioned GPU is not an
+    ``nvidia.com/gpu``, so a fully partitioned node reports none; one whose instances
+    were never seen free is then left out. A pool plans the same number of GPUs on
+    each node, so a model whose nodes differ in GPU count is split into one pool per
+    count, named ``<model>/<n>gpu``.
     """
+    instances = instances or {}
     members: dict[tuple[str, int], list[str]] = {}
     for summary in summaries:
-        if not summary.gpu_model or summary.gpus_total <= 0:
+        if not summary.gpu_model:
             continue
         found = mig_geometry.find(geometries, summary.gpu_model)
-        if found is not None:
-            members.setdefault((found.model, summary.gpus_total), []).append(summary.node)
+        if found is None:
+            continue
+        held = instances.get(summary.node, {})
+        gpus = max(summary.gpus_total,
+                   sum(1 for g in gpu_layouts(found, held, sum(held.values())) if g))
+        if gpus > 0:
+            members.setdefault((found.model, gpus), []).append(summary.node)
     counts: dict[str, int] = {}
     for model, _ in members:
         counts[model] = counts.get(model, 0) + 1
@@ -221,7 +236,7 @@ def advise(geometries: Mapping[str, Geometry], summaries: Iterable[NodeSummary],
            observation: MigObservation, now: float, window_s: float) -> layout.Advice:
     """The layout advice for the fleet the summaries describe and the window's demand."""
     summaries = list(summaries)
-    every_pool = pools(geometries, summaries)
+    every_pool = pools(geometries, summaries, observation.instances)
     wanted = demand(geometries, every_pool, observation, now, window_s)
     # A pool nobody asked MIG devices of is left alone: "switch MIG off" on the strength
     # of a queue that may not report MIG requests at all would be a false alarm.

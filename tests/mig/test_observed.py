@@ -73,6 +73,11 @@ def test_pools_by_model_skip_gpus_without_mig() -> None:
     assert observed.pools(GEOMETRIES, summaries) == [
         layout.Pool("A100-80GB", "A100-80GB", ("a1", "a2"), 4),
         layout.Pool("H100-80GB", "H100-80GB", ("h1",), 8)]
+    # A fully partitioned node reports no whole GPUs: its instances seen say how many.
+    seen = {"a9": {"1g.10gb": 9}, "a8": {}}
+    assert observed.pools(GEOMETRIES, [summary("a9", 0, {}, gpus=0),
+                                       summary("a8", 0, {}, gpus=0)], seen) == [
+        layout.Pool("A100-80GB", "A100-80GB", ("a9",), 2)]
     # Nodes of one model with different GPU counts: one pool per count.
     assert observed.pools(GEOMETRIES, [*summaries, summary("a3", 0, {}, gpus=1)])[:2] == [
         layout.Pool("A100-80GB/1gpu", "A100-80GB", ("a3",), 1),
