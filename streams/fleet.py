@@ -219,12 +219,12 @@ class FleetEvaluator:
                                      ts=now, settings=self.settings.fragmentation)
         return out
 
-
     def mig_advice_due(self, state: FleetState) -> float | None:
         """The start of an advice interval the clock has entered and nobody advised yet.
 
-        The first interval seen only starts the observation: its demand and layouts are
-        partial. Cheap, to call after every record; :meth:`mig_advice` is the costly part.
+        The first interval seen only starts the observation (recorded in ``state``): its
+        demand and layouts are partial. Cheap, to call after every record;
+        :meth:`mig_advice` is the costly part.
         """
         if state.clock is None:
             return None
