@@ -26,6 +26,13 @@ Two Faust agents, added to the worker app by :func:`register_fleet_agent`:
   rule, and Faust has no way to subscribe one agent to all partitions of a
   topic outside the group's assignment anyway.
 
+The ``fleet`` agent also advises MIG layouts: every ``mig_advice_interval_s``
+of event time it plans each GPU-model pool's layouts for the MIG demand the
+queue showed over a trailing window (:mod:`gpusteward.rules.mig.observed`
+says what is derived and what has to be guessed) and publishes one info
+finding per pool whose plan changes a node. The search runs in a thread,
+once an interval; the per-record cost is a few dictionary updates.
+
 The logic lives in :class:`FleetEvaluator` and :class:`SpotJoin`, which do no
 I/O and are tested without a broker. Fleet rules are evaluated on the event
 time carried by the records (the latest seen), at most every
@@ -35,6 +42,7 @@ minute would be wasted work, since the measure changes slowly.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -48,6 +56,9 @@ from gpusteward import topics
 from gpusteward.rules import fragmentation as frag
 from gpusteward.rules import queue as queue_rules
 from gpusteward.rules import spot as spot_rules
+from gpusteward.rules.mig import geometry as mig_geometry
+from gpusteward.rules.mig import layout as mig_layout
+from gpusteward.rules.mig import observed as mig_observed
 from gpusteward.schema import (
     Action,
     AllocationEvent,
@@ -82,6 +93,13 @@ class FleetRuleSettings:
     checkpoint_interval_s: float = 30.0
     """Event-time seconds between two changelog writes of the fleet state when nothing
     was emitted."""
+    mig_advice_interval_s: float = 6 * 3600.0
+    """Event-time seconds between two MIG layout advices (intervals aligned on the epoch).
+    A relabel drains a node's MIG pods, so nobody acts on advice more often than a few
+    times a day; the search costs up to seconds on a large fleet, paid once an interval."""
+    mig_advice_window_s: float = 7 * 86400.0
+    """Trailing event-time window of queue demand the MIG advice weighs, as the weekly
+    report does: a workload's weight is the part of it spent pending or admitted."""
 
 
 class FleetState(msgspec.Struct):
@@ -106,13 +124,25 @@ class FleetState(msgspec.Struct):
     queue_offset: int = -1
     """Offset of the last queue record applied; checkpointed with the rest so that a
     restarted worker knows whether it has read the queue as far as the state says."""
+    mig: mig_observed.MigObservation = msgspec.field(
+        default_factory=mig_observed.MigObservation)
+    """MIG demand and layouts seen, for the periodic layout advice."""
 
 
 class FleetEvaluator:
     """Folds node summaries and queue events into :class:`FleetState` and runs the rules."""
 
-    def __init__(self, settings: FleetRuleSettings | None = None) -> None:
+    def __init__(self, settings: FleetRuleSettings | None = None,
+                 geometries: dict[str, mig_geometry.Geometry] | None = None) -> None:
         self.settings = settings or FleetRuleSettings()
+        self._geometries = geometries
+
+    @property
+    def geometries(self) -> dict[str, mig_geometry.Geometry]:
+        """The shipped MIG geometries, read on first use (the advice is their only user)."""
+        if self._geometries is None:
+            self._geometries = mig_geometry.load()
+        return self._geometries
 
     def on_summary(self, state: FleetState, summary: NodeSummary, *,
                    queue_caught_up: bool = True) -> list[FleetOutput]:
@@ -121,6 +151,7 @@ class FleetEvaluator:
         known = state.nodes.get(summary.node)
         if known is None or summary.ts > known.ts:
             state.nodes[summary.node] = summary
+        mig_observed.on_summary(state.mig, summary)
         state.summary_clock = max(summary.ts, state.summary_clock or summary.ts)
         return self._advance(state, queue_caught_up)
 
@@ -128,8 +159,13 @@ class FleetEvaluator:
                  queue_caught_up: bool = True) -> list[FleetOutput]:
         key = queue_rules.workload_key(event)
         was_waiting = key in state.queue.waiting
+        last = state.queue.last_event.get(key)
         out: list[FleetOutput] = list(queue_rules.on_event(state.queue, event,
                                                            self.settings.queue))
+        if state.queue.last_event.get(key) != last:
+            # Only events the queue rules applied: a late duplicate of a pending event must
+            # not bring a finished workload's demand back.
+            mig_observed.on_queue(state.mig, key, event)
         if not was_waiting and key in state.queue.waiting and event.gpus > 0:
             shape = f"{event.gpus}x{frag.WHOLE}"
             state.shape_counts[shape] = state.shape_counts.get(shape, 0) + 1
@@ -182,6 +218,51 @@ class FleetEvaluator:
                                      ts=now, settings=self.settings.fragmentation)
         return out
 
+    def mig_advice_due(self, state: FleetState) -> float | None:
+        """The start of an advice interval the clock has entered and nobody advised yet.
+
+        The first interval seen only starts the observation (recorded in ``state``): its
+        demand and layouts are partial. Cheap, to call after every record;
+        :meth:`mig_advice` is the costly part.
+        """
+        if state.clock is None:
+            return None
+        slot = mig_observed.slot_of(state.clock, self.settings.mig_advice_interval_s)
+        if state.mig.last_slot is None:
+            state.mig.last_slot = slot
+            return None
+        return slot if slot > state.mig.last_slot else None
+
+    def mig_advice(self, state: FleetState, slot: float) -> list[FleetOutput]:
+        """The MIG layout advice at the start of interval ``slot``, as findings.
+
+        Their time is ``slot`` and their id derives from the window's start, so a worker
+        that re-runs the same interval (a restart) publishes the same ids. The interval's
+        observed layouts are then re-learnt from scratch (see :mod:`..rules.mig.observed`).
+        """
+        window_s = self.settings.mig_advice_window_s
+        try:
+            advice = mig_observed.advise(self.geometries, state.nodes.values(), state.mig,
+                                         now=slot, window_s=window_s)
+            out: list[FleetOutput] = list(mig_layout.advice_findings(
+                advice, ts=slot, window_start=slot - window_s,
+                period=_period(window_s), source="the weekly report"))
+        except (mig_geometry.GeometryError, RuntimeError) as error:
+            # A failed search must not stop the fleet rules: say so, try next interval.
+            log.warning("MIG layout advice at %.0f failed: %s", slot, error)
+            out = []
+        mig_observed.restart_interval(state.mig, slot, state.nodes.values(),
+                                      forget_before=slot - window_s)
+        return out
+
+
+def _period(seconds: float) -> str:
+    """What a share of a window of ``seconds`` is a share of, in words."""
+    for name, length in (("week", 7 * 86400.0), ("day", 86400.0), ("hour", 3600.0)):
+        if seconds == length:
+            return name
+    return f"{seconds / 3600:g}h-window"
+
 
 class SpotJoin:
     """Folds one node's allocation events into its spot track."""
@@ -231,11 +312,14 @@ def register_fleet_agent(app: faust.App, settings: Settings,
 
     fleet_table = app.Table("fleet-state", partitions=1, key_type=bytes, value_type=bytes)
     nodes_table = app.Table("fleet-nodes", partitions=1, key_type=bytes, value_type=bytes)
+    mig_table = app.Table("fleet-mig-workloads", partitions=1, key_type=bytes,
+                          value_type=bytes)
     spot_table = app.Table("fleet-spot", partitions=kafka.node_partitions,
                            key_type=bytes, value_type=bytes)
     encode_msgpack = msgspec.msgpack.Encoder().encode
     decode_fleet = msgspec.msgpack.Decoder(FleetState).decode
     decode_track = msgspec.msgpack.Decoder(spot_rules.SpotNodeTrack).decode
+    decode_mig_workload = msgspec.msgpack.Decoder(mig_observed.MigWorkload).decode
     decode_summary = msgspec.json.Decoder(NodeSummary).decode
     decode_queue = msgspec.json.Decoder(QueueEvent).decode
     decode_alloc = msgspec.json.Decoder(AllocationEvent).decode
@@ -297,6 +381,8 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                 loaded = decode_fleet(stored) if stored is not None else FleetState()
                 loaded.nodes = {key.decode(): decode_summary(value)
                                 for key, value in nodes_table.items()}
+                loaded.mig.workloads = {key.decode(): decode_mig_workload(value)
+                                        for key, value in mig_table.items()}
                 entry = (loaded, -1.0)
             state, checkpointed_at = entry
             if isinstance(record, NodeSummary):
@@ -308,6 +394,12 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                 state.queue_offset = max(state.queue_offset, event.message.offset)
                 outputs = evaluator.on_queue(state, record,
                                              queue_caught_up=queue_caught_up(state))
+            slot = evaluator.mig_advice_due(state)
+            if slot is not None:
+                # Seconds of solver time on a large fleet: off the event loop, so the
+                # consumer keeps heart-beating. Nothing else touches this state meanwhile:
+                # this agent awaits it before taking the next record.
+                outputs += await asyncio.to_thread(evaluator.mig_advice, state, slot)
             # Queue events are written at once (a lost admission would leave a phantom pending
             # workload after a restart); summaries only every checkpoint_s, since the next
             # summary of a node replaces a lost one.
@@ -315,8 +407,16 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             for node in state.departed:
                 nodes_table.pop(node.encode(), None)
             state.departed = []
+            for key in state.mig.touched:
+                workload = state.mig.workloads.get(key)
+                if workload is None:
+                    mig_table.pop(key.encode(), None)
+                else:
+                    mig_table[key.encode()] = encode_msgpack(workload)
+            state.mig.touched = []
             if outputs or is_queue or record.ts - checkpointed_at >= checkpoint_s:
-                fleet_table[state_key] = encode_msgpack(msgspec.structs.replace(state, nodes={}))
+                fleet_table[state_key] = encode_msgpack(msgspec.structs.replace(
+                    state, nodes={}, mig=msgspec.structs.replace(state.mig, workloads={})))
                 checkpointed_at = record.ts
             live[state_key] = (state, checkpointed_at)
             await publish(outputs)

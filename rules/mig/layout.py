@@ -41,6 +41,7 @@ fleet agent can call it periodically and publish :func:`advice_findings`.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -399,29 +400,46 @@ def _change(node: str, before: Sequence[Layout | None], after: Sequence[dict[str
                       instances_added=dict(added))
 
 
-def advice_findings(advice: Advice, ts: float, window_start: float) -> list[Finding]:
-    """One info finding per pool whose plan changes a node, for the findings topic."""
+def advice_findings(advice: Advice, ts: float, window_start: float, *,
+                    period: str = "week", source: str = "the weekly report") -> list[Finding]:
+    """One info finding per pool whose plan changes a node, for the findings topic.
+
+    ``period`` names what a share is a share of (the summary counts GPU-instance-
+    ``period``s); ``source`` is where the runbook sends the reader for the whole config.
+    Labels: ``pool``, ``node.<name>`` -> its planned config name (the first 20 changed
+    nodes), and ``config.<name>`` -> that config's mig-parted entries as JSON, so the
+    finding alone says what to apply.
+    """
     findings: list[Finding] = []
+    configs = advice.mig_parted.get("mig-configs", {})
     for pool in advice.pools:
         if not pool.changes:
             continue
         print_ = fingerprint(KIND, pool.pool.name)
-        nodes = [c.node for c in pool.changes]
+        shown = pool.changes[:20]
+        names = sorted({c.config_after for c in shown})
         findings.append(Finding(
             id=finding_id(print_, window_start), fingerprint=print_, kind=KIND,
             severity="info", state="firing", subject=Subject(node=None),
             summary=(f"pool {pool.pool.name}: a MIG layout on {pool.gpus_used} of "
                      f"{pool.pool.gpus} GPUs serves {pool.served_share:.1f} of "
-                     f"{pool.demand_share:.1f} GPU-instance-weeks; relabel "
-                     f"{len(nodes)} node(s)"),
+                     f"{pool.demand_share:.1f} GPU-instance-{period}s; relabel "
+                     f"{len(pool.changes)} node(s)"),
             starts_at=window_start, ts=ts,
             evidence=Evidence(window_start=window_start, window_end=ts,
                               values={"gpus_used": float(pool.gpus_used),
+                                      "gpus": float(pool.pool.gpus),
                                       "served_share": pool.served_share,
-                                      "demand_share": pool.demand_share}),
-            labels={"pool": pool.pool.name, **{f"node.{c.node}": c.config_after
-                                                for c in pool.changes[:20]}},
-            runbook="Apply the mig-parted config from the weekly report, then set "
+                                      "demand_share": pool.demand_share,
+                                      "nodes_changed": float(len(pool.changes)),
+                                      "gpus_changed": float(sum(len(c.gpus_changed)
+                                                                for c in pool.changes))}),
+            labels={"pool": pool.pool.name,
+                    **{f"node.{c.node}": c.config_after for c in shown},
+                    **{f"config.{name}": json.dumps(configs[name], sort_keys=True,
+                                                    separators=(",", ":"))
+                       for name in names if name in configs}},
+            runbook=f"Apply the mig-parted config (labels config.*, or {source}), then set "
                     f"{CONFIG_LABEL} on the listed nodes after draining their MIG pods.",
         ))
     return findings

@@ -1,0 +1,123 @@
+"""The fleet agent's periodic MIG layout advice, through the evaluator (no broker)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gpusteward.rules.mig import layout
+from gpusteward.rules.mig.observed import MigWorkload
+from gpusteward.schema import Finding, NodeSummary, QueueEvent
+from gpusteward.streams.fleet import FleetEvaluator, FleetOutput, FleetRuleSettings, FleetState
+
+HOUR = 3600.0
+A100 = "NVIDIA A100-SXM4-80GB"
+
+
+def summary(node: str, ts: float, free: dict[str, int], gpus: int = 2) -> NodeSummary:
+    return NodeSummary(ts=ts, node=node, gpu_model=A100, gpus_total=gpus, gpus_free=gpus,
+                       mig_free=free)
+
+
+def request(name: str, ts: float, profile: str, state: str = "admitted") -> QueueEvent:
+    return msgspec.convert({"ts": ts, "name": name, "namespace": "svc",
+                            "cluster_queue": "prod-inference", "state": state,
+                            "created_at": ts, "mig": {profile: 1}}, QueueEvent)
+
+
+def evaluator() -> FleetEvaluator:
+    return FleetEvaluator(FleetRuleSettings(mig_advice_interval_s=HOUR,
+                                            mig_advice_window_s=HOUR))
+
+
+def run(ev: FleetEvaluator, state: FleetState, record: NodeSummary | QueueEvent
+        ) -> list[FleetOutput]:
+    """What the agent does per record: fold it in, then advise when an interval is due."""
+    out = (ev.on_summary(state, record) if isinstance(record, NodeSummary)
+           else ev.on_queue(state, record))
+    slot = ev.mig_advice_due(state)
+    if slot is not None:
+        out += ev.mig_advice(state, slot)
+    return out
+
+
+def advice(outputs: list[FleetOutput]) -> list[Finding]:
+    return [o for o in outputs if isinstance(o, Finding) and o.kind == layout.KIND]
+
+
+def records(start: float) -> list[NodeSummary | QueueEvent]:
+    """The mig-inference picture over one hour: two all-1g.10gb nodes with room to spare,
+    a reranker asking for 2g.20gb from a quarter past."""
+    out: list[NodeSummary | QueueEvent] = []
+    out += [request(f"chat-{i}", start + 10, "1g.10gb") for i in range(6)]
+    out.append(request("rerank", start + HOUR / 4, "2g.20gb", state="pending"))
+    for t in range(60, int(HOUR) + 120, 60):
+        out += [summary("a100-1g-1", start + t, {"1g.10gb": 8}),
+                summary("a100-1g-2", start + t, {"1g.10gb": 14})]
+    return sorted(out, key=lambda r: r.ts)
+
+
+def test_advice_once_per_interval_with_a_stable_id() -> None:
+    ev, state = evaluator(), FleetState()
+    start = 100 * HOUR
+    outputs = [(r, run(ev, state, r)) for r in records(start)]
+    emitted = [(r.ts, f) for r, out in outputs for f in advice(out)]
+    # The first interval only starts the observation; the first record past its end
+    # brings the advice for the pool, once, at the interval's boundary.
+    assert [ts for ts, _ in emitted] == [start + HOUR]
+    finding = emitted[0][1]
+    assert finding.ts == start + HOUR and finding.labels["pool"] == "A100-80GB"
+    assert finding.evidence is not None
+    assert finding.evidence.values["served_share"] == finding.evidence.values["demand_share"]
+    # Six chats from 10 s in, the reranker for three quarters of the hour.
+    assert abs(finding.evidence.values["demand_share"] - (6 * 3590 / 3600 + 0.75)) < 1e-9
+    assert "GPU-instance-hours" in finding.summary
+    assert any(v.find("2g.20gb") >= 0 for k, v in finding.labels.items()
+               if k.startswith("config."))
+    # Nothing more within the next interval.
+    later = [run(ev, state, summary("a100-1g-2", start + HOUR + t, {"1g.10gb": 14}))
+             for t in range(120, 3600, 600)]
+    assert not any(advice(out) for out in later)
+
+
+def test_restarted_worker_republishes_the_same_id() -> None:
+    ev, state = evaluator(), FleetState()
+    start = 100 * HOUR
+    stream = records(start)
+    crossing = next(i for i, r in enumerate(stream) if r.ts >= start + HOUR)
+    # The checkpoint and the MIG workload table as the agent writes them (nodes and MIG
+    # workloads live in tables of their own, written as they change).
+    table: dict[str, bytes] = {}
+    for record in stream[:crossing]:
+        run(ev, state, record)
+        for key in state.mig.touched:
+            table[key] = msgspec.msgpack.encode(state.mig.workloads[key])
+        state.mig.touched = []
+    encoded = msgspec.msgpack.encode(msgspec.structs.replace(
+        state, nodes={}, mig=msgspec.structs.replace(state.mig, workloads={})))
+    first = advice(run(ev, state, stream[crossing]))
+    restored = msgspec.msgpack.decode(encoded, type=FleetState)
+    restored.nodes = dict(state.nodes)
+    restored.mig.workloads = {k: msgspec.msgpack.decode(v, type=MigWorkload)
+                              for k, v in table.items()}
+    assert len(restored.mig.workloads) == 7
+    again = advice(run(evaluator(), restored, stream[crossing]))
+    assert [f.id for f in first] == [f.id for f in again] and len(first) == 1
+    # The next interval is another episode, with another id.
+    for record in records(start + HOUR):
+        nxt = advice(run(ev, state, record))
+        if nxt:
+            assert nxt[0].id != first[0].id
+            break
+    else:
+        raise AssertionError("no advice in the second interval")
+
+
+def test_no_demand_no_advice() -> None:
+    ev, state = evaluator(), FleetState()
+    out: list[FleetOutput] = []
+    for t in range(0, int(3 * HOUR), 300):
+        out += run(ev, state, summary("a1", t, {"1g.10gb": 14}))
+    # Nothing asks for MIG: no advice, rather than advice to switch MIG off on the
+    # strength of a queue that may not report MIG requests at all.
+    assert advice(out) == []
+    assert state.mig.last_slot == 2 * HOUR
