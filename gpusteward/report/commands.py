@@ -164,7 +164,6 @@ class PipelineReplay:
 
     findings: list[Finding]
     samples: int
-    pods: int
     seconds: float
 
     def idle_periods(self) -> dict[tuple[str, float], set[str]]:
@@ -253,9 +252,7 @@ async def replay_through_pipeline(settings: Settings, traces: Path, options: Gen
     decode = msgspec.json.Decoder(Finding).decode
     findings = [decode(r.value)
                 for r in await kafka.read_all(settings, topics.FINDINGS.name(settings))]
-    pods = len({f.subject.pod.name for f in findings if f.subject.pod})
-    return PipelineReplay(findings=findings, samples=sent, pods=pods,
-                          seconds=time.monotonic() - began)
+    return PipelineReplay(findings=findings, samples=sent, seconds=time.monotonic() - began)
 
 
 def _check_through_pipeline(traces: Path, options: GenAiOptions) -> int:
