@@ -237,9 +237,9 @@ def offline_idle_periods(directory: Path, options: GenAiOptions | None = None,
     Independent of the stream worker (it shares none of its code), so the two can check
     each other. Per pod, over its rows in time order: a row with a duty cycle at or above
     the threshold is busy and ends any idle period; an idle row starts a run when none is
-    going or when more than ``max_gap_s`` passed since the pod's previous row (a row
-    without a duty cycle is still a row: it shows the pod was observed, and otherwise
-    counts for nothing). A run counts from the later of its first row and the pod's first
+    going or when more than ``max_gap_s`` passed since the pod's previous row with a duty
+    cycle (a row without one is no observation: it neither extends a run nor hides a
+    gap). A run counts from the later of its first row and the pod's first
     row plus ``grace_s``, and becomes an idle period at its first row ``window_s`` or more
     after that. Between two busy rows there is at most one period: a gap restarts the run
     but does not end a period already found.
@@ -261,11 +261,11 @@ def offline_idle_periods(directory: Path, options: GenAiOptions | None = None,
         trace.lazy()
         .with_columns(pl.col("ts") + shift)
         .sort("container_ip", "ts")
+        .with_columns(pod_start=pl.col("ts").min().over(by_pod))
+        .filter(pl.col("duty_pct").is_not_null())
         .with_columns(
-            pod_start=pl.col("ts").min().over(by_pod),
             gap=(pl.col("ts").diff().over(by_pod) > definition.max_gap_s).fill_null(False),
         )
-        .filter(pl.col("duty_pct").is_not_null())
         .with_columns(busy=pl.col("duty_pct") >= definition.threshold_pct)
         .with_columns(
             # Stretch: the rows from one busy row to the next; run: split again at gaps.

@@ -224,10 +224,12 @@ def observe(
     if track.last_ts is not None and ts <= track.last_ts:
         return []
     activity = activity_pct(sample)
+    if activity is None:
+        # No reading is no observation: it must neither extend an idle run nor hide the gap
+        # before the next real reading.
+        return []
     gap = track.last_ts is not None and ts - track.last_ts > settings.max_gap_s
     track.last_ts = ts
-    if activity is None:
-        return []
     eff = settings.effective(holder.workload_kind if holder is not None else None)
     out: list[Finding | Action] = []
     if activity >= eff.threshold_pct:

@@ -77,12 +77,12 @@ def test_a_gap_inside_a_period_does_not_open_a_second_one(tmp_path: Path) -> Non
     assert periods(write_trace(tmp_path, rows)) == [("a", T0 + 600, T0 + 2400)]
 
 
-def test_a_row_without_duty_counts_as_observed_and_hides_a_gap(tmp_path: Path) -> None:
-    # The idle rule's definition: a sample without a reading still moves the last-seen time,
-    # so the gap before it is forgotten and the run goes on across it.
+def test_a_row_without_duty_is_no_observation_and_does_not_hide_a_gap(tmp_path: Path) -> None:
+    # 460 s between the last reading before it and the first after it: more than max_gap_s,
+    # so the run restarts at T0 + 1660 and is 1340 s long when the trace ends.
     rows = [*series("a", T0, T0 + 1200, 0.0), ("a", T0 + 1600, None),
             *series("a", T0 + 1660, T0 + 3000, 0.0)]
-    assert periods(write_trace(tmp_path, rows)) == [("a", T0 + 600, T0 + 2440)]
+    assert periods(write_trace(tmp_path, rows)) == []
 
 
 def test_pods_are_independent_and_placed(tmp_path: Path) -> None:

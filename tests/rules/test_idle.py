@@ -84,6 +84,19 @@ def test_gap_longer_than_max_gap_restarts_the_window() -> None:
     assert feed(idle.IdleTrack(), readings) == []
 
 
+def test_a_sample_without_a_reading_does_not_bridge_a_gap() -> None:
+    readings = [*every(30, START + 600, START + 1500, 0.0), (START + 1700, None),
+                *every(30, START + 1760, START + 3000, 0.0)]
+    # 1500 -> 1760 is 260 s without a reading, under max_gap_s: the run goes on ...
+    assert [o.state for o in feed(idle.IdleTrack(), readings) if isinstance(o, Finding)] == [
+        "firing"]
+    readings = [*every(30, START + 600, START + 1500, 0.0), (START + 1700, None),
+                *every(30, START + 1860, START + 3000, 0.0)]
+    # ... while 1500 -> 1860 is 360 s: the run restarts at 1860, and the empty sample at
+    # 1700 must not hide that.
+    assert feed(idle.IdleTrack(), readings) == []
+
+
 def test_mig_device_uses_engine_activity_not_gpu_util() -> None:
     track = idle.IdleTrack()
     out: list[Finding | Action] = []
