@@ -68,7 +68,7 @@ async def run_pipeline(settings: Settings, log_dir: Path, *, acceleration: float
     executing = asyncio.create_task(executor.run(stop))
     publisher = KafkaPublisher(settings)
     await publisher.start()
-    worker = WorkerProcess(settings, log_dir / "worker.log")
+    worker = WorkerProcess(settings, log_dir / "worker.log", loglevel="info")
     worker.start()
     try:
         if poison is not None:
