@@ -310,12 +310,17 @@ class SimulatedCluster:
                 continue
             if workload.started_at + workload.duration > now:
                 continue
-            workload.ended_at = now
-            for gpu in workload.devices:
-                gpu.holder = None
-            self.running.remove(workload)
-            self.finished.append(workload)
-            await publisher.allocation(self._pod_event(workload, "finished", now))
+            await self._end(publisher, workload, "finished", now)
+
+    async def _end(self, publisher: Publisher, workload: Workload, phase: str,
+                   now: float) -> None:
+        """A running pod ends (finished, or deleted with its node): its GPUs are free."""
+        workload.ended_at = now
+        for gpu in workload.devices:
+            gpu.holder = None
+        self.running.remove(workload)
+        self.finished.append(workload)
+        await publisher.allocation(self._pod_event(workload, phase, now))
 
     async def _arrive(self, publisher: Publisher, now: float) -> None:
         while self.workloads and self.workloads[0].arrive <= now:
@@ -411,12 +416,7 @@ class SimulatedCluster:
                 continue
             node.gone, record.reclaimed_at = True, now
             for workload in [w for w in self.running if w.node is node]:
-                workload.ended_at = now
-                for gpu in workload.devices:
-                    gpu.holder = None
-                self.running.remove(workload)
-                self.finished.append(workload)
-                await publisher.allocation(self._pod_event(workload, "deleted", now))
+                await self._end(publisher, workload, "deleted", now)
             await publisher.allocation(self._inventory(node))
 
     @staticmethod
