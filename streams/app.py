@@ -17,8 +17,6 @@ and idempotency keys; consumers deduplicate on them.
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any, cast
 
 import faust
@@ -30,12 +28,12 @@ from gpusteward.rules import fragmentation as frag
 from gpusteward.rules import policy as policies
 from gpusteward.rules import queue as queue_rules
 from gpusteward.rules import spot as spot_rules
-from gpusteward.schema import AllocationEvent, DeadLetter, Finding, HwEvent, NodeSample, NodeSummary
+from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import FleetRuleSettings, register_fleet_agent
-from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings
+from gpusteward.streams.node import NodeJoin, NodeState, RuleSettings
+from gpusteward.streams.outputs import OutputTopics
 
-log = logging.getLogger(__name__)
 
 def worker_group(settings: Settings) -> str:
     """The worker's Faust app id, which is also its consumer group."""
@@ -152,13 +150,6 @@ def create_app(
     policy = rules.policy if rules is not None and rules.policy else policies.policy_from_env()
     join = NodeJoin(rules, policy=policy)
 
-    def raw_topic(spec: topics.TopicSpec) -> Any:
-        return app.topic(
-            spec.name(settings), key_type=bytes, value_type=bytes,
-            key_serializer="raw", value_serializer="raw",
-            partitions=spec.partition_count(settings),
-        )
-
     samples_name = topics.SAMPLES.name(settings)
     hw_name = topics.HW_EVENTS.name(settings)
     alloc_name = topics.ALLOCATIONS.name(settings)
@@ -166,10 +157,7 @@ def create_app(
         samples_name, hw_name, alloc_name, key_type=bytes, value_type=bytes,
         key_serializer="raw", value_serializer="raw", partitions=kafka.node_partitions,
     )
-    findings = raw_topic(topics.FINDINGS)
-    actions = raw_topic(topics.ACTIONS)
-    summaries = raw_topic(topics.NODE_SUMMARIES)
-    deadletter = raw_topic(topics.DEADLETTER)
+    outputs_to = OutputTopics(app, settings)
 
     # Values are msgpack-encoded NodeState bytes: the changelog carries exactly these.
     state_table = app.Table(
@@ -192,31 +180,6 @@ def create_app(
     decode_sample = msgspec.json.Decoder(NodeSample).decode
     decode_hw = msgspec.json.Decoder(HwEvent).decode
     decode_alloc = msgspec.json.Decoder(AllocationEvent).decode
-    encode = msgspec.json.Encoder().encode
-
-    async def publish(outputs: list[Output]) -> None:
-        for output in outputs:
-            value = encode(output)
-            if isinstance(output, NodeSummary):
-                await summaries.send(key=output.node.encode(), value=value)
-            elif isinstance(output, Finding):
-                await findings.send(key=output.fingerprint.encode(), value=value)
-            else:
-                target = output.target
-                key = target.node or (f"{target.pod.namespace}/{target.pod.name}"
-                                      if target.pod else "")
-                await actions.send(key=key.encode(), value=value)
-
-    async def to_deadletter(event: Any, error: Exception) -> None:
-        message = event.message
-        reason = f"{type(error).__name__}: {str(error)[:500]}"
-        log.warning("dead-lettered %s[%d]@%d: %s", message.topic, message.partition,
-                    message.offset, reason)
-        record = DeadLetter(
-            source_topic=message.topic, partition=message.partition, offset=message.offset,
-            error=reason, ts=time.time(), key=message.key, value=message.value,
-        )
-        await deadletter.send(key=message.topic.encode(), value=encode(record))
 
     @app.agent(node_topics, name="node-join")
     async def node_join(stream: Any) -> None:
@@ -234,7 +197,7 @@ def create_app(
                     record = decode_alloc(event.value)
                     handler = join.on_allocation
             except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                await to_deadletter(event, error)
+                await outputs_to.dead_letter(event, error)
                 continue
             node = record.node.encode()
             entry = live.get(node)
@@ -254,7 +217,7 @@ def create_app(
                 state_table[node] = encode_state(state)
                 checkpointed_at = record.ts
             live[node] = (state, checkpointed_at)
-            await publish(outputs)
+            await outputs_to.publish(outputs)
 
     register_fleet_agent(app, settings, fleet_settings(policy))
     return app

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,13 +61,13 @@ from gpusteward.rules.mig import observed as mig_observed
 from gpusteward.schema import (
     Action,
     AllocationEvent,
-    DeadLetter,
     Finding,
     NodeInventory,
     NodeSummary,
     QueueEvent,
 )
 from gpusteward.settings import Settings
+from gpusteward.streams.outputs import OutputTopics, raw_topic
 
 log = logging.getLogger(__name__)
 
@@ -297,18 +296,12 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     checkpoint_s = evaluator.settings.checkpoint_interval_s
     kafka = settings.kafka
 
-    def raw_topic(*names: str, partitions: int) -> Any:
-        return app.topic(*names, key_type=bytes, value_type=bytes, key_serializer="raw",
-                         value_serializer="raw", partitions=partitions)
-
     summaries_name = topics.NODE_SUMMARIES.name(settings)
     queue_name = topics.QUEUE.name(settings)
-    fleet_topics = raw_topic(summaries_name, queue_name, partitions=1)
-    allocations = raw_topic(topics.ALLOCATIONS.name(settings),
+    fleet_topics = raw_topic(app, summaries_name, queue_name, partitions=1)
+    allocations = raw_topic(app, topics.ALLOCATIONS.name(settings),
                             partitions=topics.ALLOCATIONS.partition_count(settings))
-    findings = raw_topic(topics.FINDINGS.name(settings), partitions=1)
-    actions = raw_topic(topics.ACTIONS.name(settings), partitions=1)
-    deadletter = raw_topic(topics.DEADLETTER.name(settings), partitions=1)
+    outputs_to = OutputTopics(app, settings)
 
     fleet_table = app.Table("fleet-state", partitions=1, key_type=bytes, value_type=bytes)
     nodes_table = app.Table("fleet-nodes", partitions=1, key_type=bytes, value_type=bytes)
@@ -323,7 +316,6 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     decode_summary = msgspec.json.Decoder(NodeSummary).decode
     decode_queue = msgspec.json.Decoder(QueueEvent).decode
     decode_alloc = msgspec.json.Decoder(AllocationEvent).decode
-    encode = msgspec.json.Encoder().encode
     state_key = b"fleet"
     # The decoded fleet state and the event time of its last checkpoint; dropped on every
     # rebalance, when the table becomes the truth again.
@@ -334,27 +326,6 @@ def register_fleet_agent(app: faust.App, settings: Settings,
 
     app.on_partitions_revoked.connect(forget_live_state)  # type: ignore[arg-type]
     app.on_partitions_assigned.connect(forget_live_state)  # type: ignore[arg-type]
-
-    async def publish(outputs: list[FleetOutput]) -> None:
-        for output in outputs:
-            value = encode(output)
-            if isinstance(output, Finding):
-                await findings.send(key=output.fingerprint.encode(), value=value)
-            else:
-                target = output.target
-                key = target.node or (f"{target.pod.namespace}/{target.pod.name}"
-                                      if target.pod else target.queue or "")
-                await actions.send(key=key.encode(), value=value)
-
-    async def to_deadletter(event: Any, error: Exception) -> None:
-        message = event.message
-        reason = f"{type(error).__name__}: {str(error)[:500]}"
-        log.warning("dead-lettered %s[%d]@%d: %s", message.topic, message.partition,
-                    message.offset, reason)
-        record = DeadLetter(source_topic=message.topic, partition=message.partition,
-                            offset=message.offset, error=reason, ts=time.time(),
-                            key=message.key, value=message.value)
-        await deadletter.send(key=message.topic.encode(), value=encode(record))
 
     queue_tp = TP(queue_name, 0)
 
@@ -373,7 +344,7 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                 else:
                     record = decode_queue(event.value)
             except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                await to_deadletter(event, error)
+                await outputs_to.dead_letter(event, error)
                 continue
             entry = live.get(state_key)
             if entry is None:
@@ -419,7 +390,7 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                     state, nodes={}, mig=msgspec.structs.replace(state.mig, workloads={})))
                 checkpointed_at = record.ts
             live[state_key] = (state, checkpointed_at)
-            await publish(outputs)
+            await outputs_to.publish(outputs)
 
     @app.agent(allocations, name="fleet-spot")
     async def fleet_spot(stream: Any) -> None:
@@ -434,4 +405,4 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             track = decode_track(stored) if stored is not None else spot_rules.SpotNodeTrack()
             outputs = spot_join.on_allocation(track, alloc)
             spot_table[node] = encode_msgpack(track)
-            await publish(outputs)
+            await outputs_to.publish(outputs)
