@@ -331,9 +331,8 @@ class NvmlCollector:
         # Read by the tick thread only.
         self._mig_info: dict[str, _MigInfo] = {}
         self._gpm: dict[str, _Gpm] = {}
-        self._mem_v2 = True
-        self._temperature_v = True
-        self._event_reasons = True
+        self._missing_symbols: set[tuple[str, tuple[str, ...]]] = set()
+        """Newer NVML calls this driver lacks (NVMLError_FunctionNotFound once seen)."""
         self._logged: set[tuple[str, str]] = set()
         # Event loop state: what was last seen, to turn changes into events.
         self._dbe: dict[str, int] = {}
@@ -599,10 +598,18 @@ class NvmlCollector:
             self._logged.add(key)
             log.warning("NVML collector: %s failed: %s (further ones only counted)", where, error)
 
-    def _get(self, call: str, *args: Any) -> Any:
-        """One NVML call; None where the reading does not exist here."""
+    def _get(self, call: str, *args: Any, symbol_required: bool = False, **kwargs: Any) -> Any:
+        """One NVML call; None where the reading does not exist here.
+
+        With ``symbol_required``, a driver without the call raises
+        NVMLError_FunctionNotFound instead, so the caller can fall back to an older one.
+        """
         try:
-            return getattr(self.nvml, call)(*args)
+            return getattr(self.nvml, call)(*args, **kwargs)
+        except pynvml.NVMLError_FunctionNotFound:
+            if symbol_required:
+                raise
+            return None
         except _UNAVAILABLE as e:
             raise _GpuUnavailable(f"{call}: {type(e).__name__}: {e}") from e
         except _ABSENT:
@@ -611,51 +618,28 @@ class NvmlCollector:
             self._count_error(call, e)
             return None
 
-    def _memory(self, handle: Any) -> Any:
-        if self._mem_v2:
+    def _newest(self, newer: str, older: str, *args: Any, **newer_kwargs: Any) -> Any:
+        """``newer`` while this driver has it, else the ``older`` call it replaces."""
+        key = (newer, tuple(sorted(newer_kwargs)))
+        if key not in self._missing_symbols:
             try:
-                return self.nvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+                return self._get(newer, *args, symbol_required=True, **newer_kwargs)
             except pynvml.NVMLError_FunctionNotFound:
-                self._mem_v2 = False  # driver older than the v2 symbol
-            except _UNAVAILABLE as e:
-                raise _GpuUnavailable(f"nvmlDeviceGetMemoryInfo: {e}") from e
-            except _ABSENT:
-                return None
-            except pynvml.NVMLError as e:
-                self._count_error("nvmlDeviceGetMemoryInfo", e)
-                return None
-        return self._get("nvmlDeviceGetMemoryInfo", handle)
+                self._missing_symbols.add(key)  # a driver older than the symbol
+        return self._get(older, *args)
+
+    def _memory(self, handle: Any) -> Any:
+        return self._newest("nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo", handle,
+                            version=pynvml.nvmlMemory_v2)
 
     def _temperature(self, handle: Any) -> int | None:
-        if self._temperature_v:
-            try:
-                return int(self.nvml.nvmlDeviceGetTemperatureV(handle, pynvml.NVML_TEMPERATURE_GPU))
-            except pynvml.NVMLError_FunctionNotFound:
-                self._temperature_v = False
-            except _UNAVAILABLE as e:
-                raise _GpuUnavailable(f"nvmlDeviceGetTemperatureV: {e}") from e
-            except _ABSENT:
-                return None
-            except pynvml.NVMLError as e:
-                self._count_error("nvmlDeviceGetTemperatureV", e)
-                return None
-        value = self._get("nvmlDeviceGetTemperature", handle, pynvml.NVML_TEMPERATURE_GPU)
+        value = self._newest("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature", handle,
+                             pynvml.NVML_TEMPERATURE_GPU)
         return None if value is None else int(value)
 
     def _clock_reasons(self, handle: Any) -> int | None:
-        if self._event_reasons:
-            try:
-                return int(self.nvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
-            except pynvml.NVMLError_FunctionNotFound:
-                self._event_reasons = False
-            except _UNAVAILABLE as e:
-                raise _GpuUnavailable(f"nvmlDeviceGetCurrentClocksEventReasons: {e}") from e
-            except _ABSENT:
-                return None
-            except pynvml.NVMLError as e:
-                self._count_error("nvmlDeviceGetCurrentClocksEventReasons", e)
-                return None
-        value = self._get("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
+        value = self._newest("nvmlDeviceGetCurrentClocksEventReasons",
+                             "nvmlDeviceGetCurrentClocksThrottleReasons", handle)
         return None if value is None else int(value)
 
     def _fields(self, handle: Any) -> tuple[int | None, int | None]:
