@@ -103,16 +103,22 @@ def genai_pods(trace: pl.DataFrame, options: GenAiOptions) -> dict[str, TracePod
     return pods
 
 
-def genai_records(directory: Path, options: GenAiOptions | None = None
-                  ) -> tuple[list[PodAllocation], Iterator[NodeSample]]:
-    """The pods' allocation events and, lazily in time order, the nodes' samples."""
-    options = options or GenAiOptions()
+def _load(directory: Path, options: GenAiOptions
+          ) -> tuple[pl.DataFrame, float, dict[str, TracePod]]:
+    """The joined trace, the shift that moves it to ``options.start``, and its pods."""
     trace = read_genai(directory)
     if trace.is_empty():
         raise TraceError(f"the GenAI trace in {directory} has no rows")
     first_ts: float = trace.select(pl.col("ts").min()).item()
     shift = 0.0 if options.start is None else options.start - first_ts
-    pods = genai_pods(trace, options)
+    return trace, shift, genai_pods(trace, options)
+
+
+def genai_records(directory: Path, options: GenAiOptions | None = None
+                  ) -> tuple[list[PodAllocation], Iterator[NodeSample]]:
+    """The pods' allocation events and, lazily in time order, the nodes' samples."""
+    options = options or GenAiOptions()
+    trace, shift, pods = _load(directory, options)
     first_seen = dict(trace.group_by("container_ip").agg(pl.col("ts").min()).iter_rows())
     allocations = [
         PodAllocation(
@@ -250,12 +256,7 @@ def offline_idle_periods(directory: Path, options: GenAiOptions | None = None,
     """
     options = options or GenAiOptions()
     definition = definition or IdleDefinition()
-    trace = read_genai(directory)
-    if trace.is_empty():
-        raise TraceError(f"the GenAI trace in {directory} has no rows")
-    first_ts: float = trace.select(pl.col("ts").min()).item()
-    shift = 0.0 if options.start is None else options.start - first_ts
-    pods = genai_pods(trace, options)
+    trace, shift, pods = _load(directory, options)
     by_pod = pl.col("container_ip")
     rows = (
         trace.lazy()
