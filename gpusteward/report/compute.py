@@ -122,15 +122,23 @@ def prepare(rows: pl.DataFrame | pl.LazyFrame, settings: ReportSettings,
         [pl.col(c).cast(pl.Categorical) for c in strings]).collect()
 
 
+def _hours_and_costs() -> list[pl.Expr]:
+    """Allocated, used and idle GPU-hours with their cost, for any grouping."""
+    cost = pl.col("gpu_hours") * pl.col("hourly_usd")
+    idle = pl.col("idle_minute")
+    return [
+        pl.col("gpu_hours").sum().alias("allocated_gpu_hours"),
+        pl.col("used_hours").sum().alias("used_gpu_hours"),
+        pl.col("gpu_hours").filter(idle).sum().alias("idle_gpu_hours"),
+        cost.sum().alias("allocated_cost_usd"),
+        cost.filter(idle).sum().alias("idle_cost_usd"),
+    ]
+
+
 def team_table(frame: pl.DataFrame) -> pl.DataFrame:
     held = frame.filter(pl.col("allocated"))
     return (held.group_by("team").agg(
-        pl.col("gpu_hours").sum().alias("allocated_gpu_hours"),
-        pl.col("used_hours").sum().alias("used_gpu_hours"),
-        pl.col("gpu_hours").filter(pl.col("idle_minute")).sum().alias("idle_gpu_hours"),
-        (pl.col("gpu_hours") * pl.col("hourly_usd")).sum().alias("allocated_cost_usd"),
-        (pl.col("gpu_hours") * pl.col("hourly_usd")).filter(pl.col("idle_minute")).sum()
-        .alias("idle_cost_usd"),
+        *_hours_and_costs(),
     ).with_columns((pl.col("used_gpu_hours") / pl.col("allocated_gpu_hours") * 100)
                    .alias("efficiency_pct"))
         .sort("allocated_gpu_hours", descending=True))
@@ -151,12 +159,7 @@ def workload_table(frame: pl.DataFrame) -> pl.DataFrame:
         pl.col("uuid").n_unique().alias("devices"),
         pl.len().alias("device_minutes"),
         pl.col("ts").n_unique().alias("minutes"),
-        pl.col("gpu_hours").sum().alias("allocated_gpu_hours"),
-        pl.col("used_hours").sum().alias("used_gpu_hours"),
-        pl.col("gpu_hours").filter(pl.col("idle_minute")).sum().alias("idle_gpu_hours"),
-        (pl.col("gpu_hours") * pl.col("hourly_usd")).sum().alias("allocated_cost_usd"),
-        (pl.col("gpu_hours") * pl.col("hourly_usd")).filter(pl.col("idle_minute")).sum()
-        .alias("idle_cost_usd"),
+        *_hours_and_costs(),
         *[pl.col("util_mean").quantile(q / 100, "linear").alias(f"util_p{q}")
           for q in (5, 25, 50, 75, 95)],
         pl.col("mem_used_max").max().alias("mem_peak_bytes"),
