@@ -14,6 +14,12 @@ COPY gpusteward ./gpusteward
 COPY collectors ./collectors
 COPY streams ./streams
 COPY rules ./rules
+COPY alerting ./alerting
+COPY remediation ./remediation
+COPY reports ./reports
+# The simulated world ships too (compose's demo profile runs the simulator);
+# production code never imports it.
+COPY sandbox ./sandbox
 RUN pip install . && rm -rf /src
 
 # A fixed numeric uid, so Kubernetes' runAsNonRoot can check it and volumes can

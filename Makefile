@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The install is strict-editable (setuptools links each file), so it is redone
 # whenever the set of package files changes, not on every edit.
-PKG_FILES := $(shell find gpusteward collectors streams rules -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.proto' \) 2>/dev/null | sort)
+ROOMS := gpusteward collectors streams rules alerting remediation reports sandbox
+PKG_FILES := $(shell find $(ROOMS) -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.proto' \) 2>/dev/null | sort)
 STAMP := $(VENV)/.installed-$(shell echo "$(PKG_FILES)" | cat - pyproject.toml | cksum | cut -d' ' -f1)
 
 .PHONY: install system-deps demo test lint bench clean podresources-proto

@@ -29,8 +29,8 @@ from typing import Any
 from figures import Figure
 
 from gpusteward.collectors import kubernetes as kube
-from gpusteward.testing.kube_api import KubeApiServer
-from gpusteward.testing.kube_objects import gpu_node, gpu_pod
+from gpusteward.sandbox.kube_api import KubeApiServer
+from gpusteward.sandbox.kube_objects import gpu_node, gpu_pod
 
 NODES = 1_250
 GPUS_PER_NODE = 8

@@ -20,7 +20,7 @@ from figures import Figure
 from prometheus_client import CollectorRegistry
 
 from gpusteward.collectors.nvml import NvmlCollector
-from gpusteward.collectors.nvml_fake import FakeNvml
+from gpusteward.sandbox.nvml_fake import FakeNvml
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
 
 GPUS = 8

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from figures import Figure
 
-from gpusteward.consumers.alertmanager import AlertmanagerSink
-from gpusteward.consumers.kube_backend import KubernetesBackend, KubeSettings
-from gpusteward.consumers.remediation import Executor, NoBackend, RemediationSettings
+from gpusteward.alerting.alertmanager import AlertmanagerSink
+from gpusteward.remediation.executor import Executor, NoBackend, RemediationSettings
+from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
 from gpusteward.schema import Action, Finding, Outcome, Subject
 from gpusteward.settings import Settings
 

@@ -23,14 +23,15 @@ from pathlib import Path
 
 from figures import Figure
 
-from gpusteward.report import build, compute, render
-from gpusteward.report.settings import ReportSettings
+from gpusteward.reports import build, compute, render
+from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry, layout
 
 GENERATE = """
 import sys, time
 from pathlib import Path
-from gpusteward.report import store, synthetic
+from gpusteward.reports import store
+from gpusteward.sandbox import rollups as synthetic
 folder, gpus, start = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 began = time.perf_counter()
 rows = synthetic.week_of_rollups(start, gpus=gpus, workloads=gpus // 2, teams=12, seed=1)

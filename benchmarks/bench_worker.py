@@ -30,9 +30,9 @@ from figures import Figure
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
 from gpusteward.collectors.publisher import KafkaPublisher
-from gpusteward.collectors.simulator.engine import SimulatedCluster
-from gpusteward.collectors.simulator.scenario import Scenario
-from gpusteward.pipeline import WorkerProcess
+from gpusteward.sandbox.pipeline import WorkerProcess
+from gpusteward.sandbox.simulator.engine import SimulatedCluster
+from gpusteward.sandbox.simulator.scenario import Scenario
 from gpusteward.schema import Action, NodeSample
 from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group

@@ -12,7 +12,7 @@ Why it is shaped so:
 - NVML comes in as a constructor argument typed by the :class:`Nvml`
   Protocol, the subset of ``pynvml`` used here. Production passes the
   ``pynvml`` module itself; tests and the benchmark pass
-  :class:`gpusteward.collectors.nvml_fake.FakeNvml`, which raises pynvml's own
+  :class:`gpusteward.sandbox.nvml_fake.FakeNvml`, which raises pynvml's own
   exception classes, so both run this very code.
 - "Not supported" (and its relatives: a missing symbol on an old driver, no
   such link, no permission) is a normal answer: the reading is ``None``.
@@ -196,10 +196,6 @@ class NvmlSettings(BaseModel):
                                 "samples go out unattributed, not credited to a pod maybe gone.")
     extra_gpu_resources: list[str] = Field(
         [], description="Resource names counted besides nvidia.com/gpu and nvidia.com/mig-*.")
-    fake_nvml: str | None = Field(
-        None, description="Path of a fake-NVML YAML description (tests/data/nvml/*.yaml) to "
-                          "sample instead of the driver: for demos and tests. None: real NVML.")
-
     def resolved_node_name(self) -> str:
         return self.node_name or os.environ.get("NODE_NAME") or socket.gethostname()
 
@@ -871,9 +867,9 @@ async def run_nvml_collector(
 ) -> None:
     """Run the NVML collector until ``stop`` is set.
 
-    ``nvml`` defaults to ``settings.fake_nvml`` when that is set, else to the
-    real ``pynvml`` module; ``registry`` receives the collector's metrics (a
-    fresh one when None). Raises :class:`NvmlUnavailable` when NVML cannot be
+    ``nvml`` defaults to the real ``pynvml`` module (the CLI passes the
+    sandbox's fake when ``fake_nvml`` is set); ``registry`` receives the
+    collector's metrics (a fresh one when None). Raises :class:`NvmlUnavailable` when NVML cannot be
     initialised here (no driver or library).
     """
     pod_resources = None
@@ -881,10 +877,6 @@ async def run_nvml_collector(
         pod_resources = PodResourcesClient(settings.pod_resources_socket,
                                            timeout_s=settings.pod_resources_timeout_s,
                                            extra_resources=settings.extra_gpu_resources)
-    if nvml is None and settings.fake_nvml:
-        from gpusteward.collectors.nvml_fake import FakeNvml
-
-        nvml = FakeNvml.from_yaml(settings.fake_nvml)
     collector = NvmlCollector(
         nvml if nvml is not None else pynvml, settings.resolved_node_name(), publisher,
         pod_resources=pod_resources, interval_s=settings.interval_s,

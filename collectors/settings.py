@@ -44,6 +44,9 @@ class CollectSettings(BaseSettings):
             "interval (30 s in older releases); sampling faster only repeats its values."
         ),
     )
+    fake_nvml: str | None = Field(
+        None, description="Path of a fake-NVML YAML description (tests/data/nvml/*.yaml) to "
+                          "sample instead of the driver: for demos and tests. None: real NVML.")
     dcgm_url: str = Field(
         "http://127.0.0.1:9400/metrics",
         description="dcgm-exporter's /metrics; 9400 is its default port (hostPort on the node).",

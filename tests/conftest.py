@@ -1,4 +1,4 @@
-"""Shared fixtures: one embedded broker per test session, fresh topics per test.
+"""Shared fixtures: one embedded broker per test session, fresh topics per test, an API double.
 
 Tests that need the broker ask for ``settings``: it points at the session's
 broker with a topic prefix of the test's own, so no test sees another's data.
@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 
 from gpusteward.broker import EmbeddedBroker
+from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.settings import Settings
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+KUBE_FIXTURES = Path(__file__).resolve().parent / "data" / "kube"
 _prefixes = itertools.count(1)
 
 
@@ -38,3 +40,21 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} is not present")
     return SHARED_DATA
+
+
+@pytest.fixture
+def kube_api() -> Iterator[KubeApiServer]:
+    """An empty API-server double with fast bookmarks."""
+    with KubeApiServer(bookmark_interval_s=0.05) as api:
+        yield api
+
+
+@pytest.fixture
+def kube_api_loaded(kube_api: KubeApiServer) -> KubeApiServer:
+    kube_api.load_dir(KUBE_FIXTURES)
+    return kube_api
+
+
+@pytest.fixture
+def kubeconfig(kube_api: KubeApiServer, tmp_path: Path) -> Path:
+    return kube_api.write_kubeconfig(tmp_path / "kubeconfig")

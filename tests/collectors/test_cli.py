@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from gpusteward import kafka, topics
 from gpusteward.broker import free_port
 from gpusteward.cli import app
-from gpusteward.collectors import cli as collect_cli
+from gpusteward.cli import collect as collect_cli
 from gpusteward.collectors.settings import CollectSettings
 from gpusteward.schema import NodeSample
 from gpusteward.settings import Settings

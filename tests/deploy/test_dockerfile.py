@@ -81,8 +81,10 @@ def test_pip_install_dot_ships_the_entry_point_and_data(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     (wheel,) = tmp_path.glob("gpusteward-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for needed in ("gpusteward/cli.py", "gpusteward/streams/app.py", "gpusteward/rules/idle.py",
-                   "gpusteward/collectors/simulator/scenarios/eight-a100.yaml"):
+    for needed in ("gpusteward/cli/__init__.py", "gpusteward/streams/app.py",
+                   "gpusteward/rules/idle.py", "gpusteward/alerting/consumer.py",
+                   "gpusteward/remediation/executor.py", "gpusteward/reports/build.py",
+                   "gpusteward/sandbox/simulator/scenarios/eight-a100.yaml"):
         assert needed in names, needed
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
     assert "gpusteward = gpusteward.cli:main" in zipfile.ZipFile(wheel).read(

@@ -24,10 +24,11 @@ import msgspec
 import pytest
 from rich.console import Console
 
-from gpusteward import demo, kafka, topics
-from gpusteward.collectors.simulator import scenario as scenarios
-from gpusteward.collectors.simulator.engine import SimulatedCluster
-from gpusteward.pipeline import WorkerProcess
+from gpusteward import kafka, topics
+from gpusteward.sandbox import demo
+from gpusteward.sandbox.pipeline import WorkerProcess
+from gpusteward.sandbox.simulator import scenario as scenarios
+from gpusteward.sandbox.simulator.engine import SimulatedCluster
 from gpusteward.schema import AllocationEvent, NodeInventory, QueueEvent
 from gpusteward.settings import Settings
 

@@ -21,10 +21,10 @@ import pytest
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
 from gpusteward.collectors.publisher import KafkaPublisher
-from gpusteward.collectors.simulator import scenario as scenarios
-from gpusteward.collectors.simulator.engine import FaultRecord, GroundTruth, SimulatedCluster
-from gpusteward.pipeline import WorkerProcess
 from gpusteward.rules import hardware
+from gpusteward.sandbox.pipeline import WorkerProcess
+from gpusteward.sandbox.simulator import scenario as scenarios
+from gpusteward.sandbox.simulator.engine import FaultRecord, GroundTruth, SimulatedCluster
 from gpusteward.schema import Action, Finding
 from gpusteward.streams.app import worker_group
 

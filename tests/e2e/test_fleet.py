@@ -18,12 +18,12 @@ import pytest
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
 from gpusteward.collectors.publisher import KafkaPublisher
-from gpusteward.collectors.simulator import scenario as scenarios
-from gpusteward.collectors.simulator.engine import GroundTruth, SimulatedCluster
-from gpusteward.pipeline import WorkerProcess
 from gpusteward.rules import fragmentation as frag
 from gpusteward.rules import queue as queue_rules
 from gpusteward.rules import spot as spot_rules
+from gpusteward.sandbox.pipeline import WorkerProcess
+from gpusteward.sandbox.simulator import scenario as scenarios
+from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
 from gpusteward.schema import Action, Finding, NodeSummary
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import fleet_group

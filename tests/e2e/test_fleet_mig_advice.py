@@ -21,10 +21,10 @@ import pytest
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
 from gpusteward.collectors.publisher import KafkaPublisher
-from gpusteward.collectors.simulator import scenario as scenarios
-from gpusteward.collectors.simulator.engine import SimulatedCluster
-from gpusteward.pipeline import WorkerProcess
 from gpusteward.rules.mig import layout
+from gpusteward.sandbox.pipeline import WorkerProcess
+from gpusteward.sandbox.simulator import scenario as scenarios
+from gpusteward.sandbox.simulator.engine import SimulatedCluster
 from gpusteward.schema import Finding
 from gpusteward.streams.fleet import FleetRuleSettings, fleet_group
 

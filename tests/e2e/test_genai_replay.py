@@ -16,11 +16,11 @@ import pytest
 from typer.testing import CliRunner
 
 from gpusteward.cli import app
-from gpusteward.collectors import traces
-from gpusteward.report import compute
-from gpusteward.report.commands import PipelineReplay, replay_through_pipeline
+from gpusteward.cli.sandbox import PipelineReplay, replay_through_pipeline
+from gpusteward.reports import compute
+from gpusteward.sandbox import traces
 from gpusteward.settings import Settings
-from tests.report.test_idle_offline import series, write_trace
+from tests.reports.test_idle_offline import series, write_trace
 
 pytestmark = pytest.mark.e2e
 

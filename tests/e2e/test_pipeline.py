@@ -19,11 +19,12 @@ import pytest
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
 from gpusteward.collectors.publisher import KafkaPublisher
-from gpusteward.collectors.simulator import scenario as scenarios
-from gpusteward.collectors.simulator.engine import GroundTruth, SimulatedCluster
-from gpusteward.consumers.remediation import Executor, SimulatorBackend
-from gpusteward.pipeline import WorkerProcess
+from gpusteward.remediation.executor import Executor
 from gpusteward.rules.idle import IdleSettings
+from gpusteward.sandbox.backend import SimulatorBackend
+from gpusteward.sandbox.pipeline import WorkerProcess
+from gpusteward.sandbox.simulator import scenario as scenarios
+from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
 from gpusteward.schema import Action, ActionResult, DeadLetter, Finding
 from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group

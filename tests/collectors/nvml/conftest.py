@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusteward.collectors.nvml_fake import FakeNvml
+from gpusteward.sandbox.nvml_fake import FakeNvml
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "nvml"

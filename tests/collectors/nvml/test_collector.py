@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gpusteward.collectors.nvml import NvmlCollector, NvmlUnavailable, profile_name
-from gpusteward.collectors.nvml_fake import FakeNvml
+from gpusteward.sandbox.nvml_fake import FakeNvml
 
 GIB = 1 << 30
 

@@ -1,0 +1,1 @@
+"""Alerting: findings to the console, Alertmanager and chat webhooks."""

@@ -1,0 +1,173 @@
+"""The ``gpusteward`` command: one entry point for every process and tool."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+import typer
+
+from gpusteward.cli import report as report_commands
+from gpusteward.cli import sandbox as sandbox_commands
+from gpusteward.cli.collect import collect_app
+from gpusteward.cli.common import Bootstrap, ensure_topics, kafka_settings
+from gpusteward.cli.rules import rules_app
+from gpusteward.cli.watch import watch as kube_watch
+from gpusteward.settings import Settings
+
+app = typer.Typer(help="Steward of a Kubernetes GPU fleet, as a stream of events.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+schema_app = typer.Typer(help="The payload contract.", no_args_is_help=True)
+app.add_typer(schema_app, name="schema")
+app.add_typer(collect_app, name="collect")
+app.command("report")(report_commands.report)
+app.command("replay")(sandbox_commands.replay)
+app.command("simulate")(sandbox_commands.simulate)
+app.command("demo")(sandbox_commands.demo)
+app.add_typer(rules_app, name="rules")
+app.command(name="watch")(kube_watch)
+
+
+@app.command()
+def broker(port: Annotated[int, typer.Option(help="TCP port on 127.0.0.1.")] = 9092) -> None:
+    """Run the embedded Kafka-compatible broker (memory-only) until Ctrl-C."""
+    from gpusteward.broker import serve_forever
+
+    serve_forever(port)
+
+
+@app.command()
+def worker(
+    bootstrap: Bootstrap = None,
+    datadir: Annotated[str | None, typer.Option(help="Faust data directory.")] = None,
+    loglevel: Annotated[str, typer.Option(help="crit, error, warn, info or debug.")] = "warn",
+) -> None:
+    """Run the stream worker: the node join and its rules."""
+    from gpusteward.streams import app as worker_app
+
+    settings = kafka_settings(bootstrap)
+    asyncio.run(ensure_topics(settings))
+    faust_app = worker_app.create_app(settings, datadir=datadir)
+    from faust.worker import Worker
+
+    faust_worker = Worker(faust_app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+    # Faust's terminal spinner turns the root logger to DEBUG so that it can spin on every
+    # record: every library debug call then builds a log record on the hot path.
+    faust_worker.spinner = None
+    faust_worker.execute_from_commandline()
+
+
+
+@app.command()
+def alerts(
+    bootstrap: Bootstrap = None,
+    alertmanager: Annotated[str | None, typer.Option(
+        envvar="GPUSTEWARD_ALERTMANAGER_URL", help="Alertmanager base URL to post alerts to.")
+    ] = None,
+    webhook: Annotated[str | None, typer.Option(
+        envvar="GPUSTEWARD_WEBHOOK_URL", help="Slack-compatible webhook URL.")] = None,
+) -> None:
+    """Print findings to the console as they arrive (and post them to Alertmanager/webhook)."""
+    from gpusteward.alerting.alertmanager import AlertmanagerSink
+    from gpusteward.alerting.consumer import AlertSink, ConsoleSink, FindingsConsumer
+    from gpusteward.alerting.webhook import WebhookSink
+
+    settings = kafka_settings(bootstrap)
+    sinks: list[AlertSink] = [ConsoleSink()]
+    sinks += [AlertmanagerSink(alertmanager)] if alertmanager else []
+    sinks += [WebhookSink(webhook)] if webhook else []
+    _run_until_interrupted(settings, lambda stop: FindingsConsumer(settings, sinks).run(stop))
+
+
+@app.command()
+def act(
+    bootstrap: Bootstrap = None,
+    execute: Annotated[bool, typer.Option(
+        "--execute/--dry-run", help="Carry actions of enabled rules out (default: only say "
+        "what would happen).")] = False,
+    backend: Annotated[str, typer.Option(
+        help="kubernetes (the cluster of --kubeconfig or the in-cluster account) or none.")
+    ] = "none",
+    kubeconfig: Annotated[str | None, typer.Option(help="Kubeconfig for --backend kubernetes.")
+                          ] = None,
+    enable_rule: Annotated[list[str] | None, typer.Option(
+        "--enable-rule", help="A rule whose actions --execute carries out (repeat; '*' = all); "
+        "adds to GPUSTEWARD_REMEDIATION__ENABLED_RULES.")] = None,
+    reset_breaker: Annotated[bool, typer.Option(
+        "--reset-breaker", help="Record a circuit-breaker reset on the audit topic and exit.")
+    ] = False,
+    operator: Annotated[str, typer.Option(help="Who resets the breaker (for the audit).")
+                        ] = "operator",
+) -> None:
+    """Run the remediation executor: one line per action saying what it did or would do."""
+    from gpusteward.remediation import executor as remediation
+
+    settings = kafka_settings(bootstrap)
+    if reset_breaker:
+        record = asyncio.run(remediation.reset_breaker(settings, operator))
+        typer.echo(f"circuit breaker reset recorded ({record.idempotency_key})")
+        return
+    policy = remediation.RemediationSettings()
+    policy.enabled_rules |= set(enable_rule or [])
+    chosen: remediation.Backend
+    if backend == "kubernetes":
+        from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
+
+        chosen = KubernetesBackend(KubeSettings(kubeconfig=kubeconfig,
+                                                deny_namespaces=policy.deny_namespaces))
+    elif backend == "none":
+        chosen = remediation.NoBackend()
+    else:
+        raise typer.BadParameter(f"unknown backend {backend!r}: kubernetes or none")
+    executor = remediation.Executor(settings, chosen, execute=execute, remediation=policy,
+                                    on_result=remediation.ReviewPrinter())
+    _run_until_interrupted(settings, executor.run)
+
+
+def _run_until_interrupted(settings: Settings, run: object) -> None:
+    async def main() -> None:
+        await ensure_topics(settings)
+        stop = asyncio.Event()
+        await run(stop)  # type: ignore[operator]
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+
+
+@schema_app.command("export")
+def schema_export(directory: Annotated[Path, typer.Argument(help="Output directory.")]) -> None:
+    """Write the JSON Schema of every topic's payload into DIRECTORY."""
+    from gpusteward import topics
+    from gpusteward.schema import json_schema
+
+    directory.mkdir(parents=True, exist_ok=True)
+    settings = Settings()
+    for spec in topics.ALL:
+        path = directory / f"{spec.name(settings)}.schema.json"
+        document = {"$id": path.name, "description": spec.doc, **json_schema(spec.value)}
+        path.write_bytes(msgspec.json.format(msgspec.json.encode(document)) + b"\n")
+        typer.echo(str(path))
+
+
+@schema_app.command("docs")
+def schema_docs(
+    out: Annotated[Path, typer.Option(help="Where to write the page.")] = Path("docs/topics.md"),
+) -> None:
+    """Regenerate docs/topics.md from the topic registry and the schema."""
+    from gpusteward.topicdoc import render
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render())
+    typer.echo(str(out))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The ``gpusteward report`` command: the weekly report from the rollup store.
+
+Heavy imports (polars, scipy) happen inside the command, so the CLI starts
+fast for every other command.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def report(
+    week: Annotated[str | None, typer.Option(
+        help="ISO week, e.g. 2026-W47 (default: the last complete week).")] = None,
+    out: Annotated[Path, typer.Option(help="Folder for report.html, .md, .json and "
+                                           "mig-parted.yaml.")] = Path("report"),
+    rollups: Annotated[Path | None, typer.Option(
+        help="Rollup store folder (default: GPUSTEWARD_REPORT__ROLLUP_DIR or ./rollups).")
+    ] = None,
+    queue: Annotated[Path | None, typer.Option(
+        help="Queue-event store folder (default: GPUSTEWARD_REPORT__QUEUE_DIR or "
+             "./queue-events; skipped when absent).")] = None,
+) -> None:
+    """Write the weekly right-sizing report from the Parquet rollup store."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from gpusteward.reports import build, compute, render
+    from gpusteward.reports.settings import ReportSettings
+
+    settings = ReportSettings()
+    directory = rollups or settings.rollup_dir
+    try:
+        chosen = compute.parse_week(week) if week else compute.week_of(time.time() - 7 * 86400)
+    except compute.WeekError as error:
+        raise typer.BadParameter(str(error), param_hint="--week") from error
+    if not directory.is_dir():
+        raise typer.BadParameter(f"{directory} is not a folder", param_hint="--rollups")
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        task = progress.add_task(f"report {chosen.label}", total=len(build.STEPS))
+
+        def step(name: str) -> None:
+            progress.update(task, advance=1, description=f"report {chosen.label}: {name}")
+
+        queue_dir = queue or settings.queue_dir
+        result = build.build(directory, chosen, settings,
+                             queue=queue_dir if queue_dir.is_dir() else None, step=step)
+    for path in render.write(result, out):
+        typer.echo(str(path))
+    totals = result.data["totals"]
+    if not totals["device_minutes"]:
+        console.print(f"[yellow]no rollups for {chosen.label} in {directory}[/]")

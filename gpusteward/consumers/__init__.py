@@ -1,1 +1,0 @@
-"""Consumers of the output topics: alerting and remediation."""

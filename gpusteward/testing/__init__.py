@@ -1,1 +1,0 @@
-"""Test doubles of the systems gpusteward talks to, importable by every test suite."""

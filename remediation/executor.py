@@ -1,0 +1,505 @@
+"""Remediation: actions become changes to the cluster, carefully.
+
+The executor reads the actions topic and, for each action, decides and
+records one outcome on the audit topic (``action-results``):
+
+- ``dry_run``: the executor is not in execute mode (the default), the
+  action's rule is not enabled for execution (:class:`RemediationSettings`
+  ``enabled_rules``), or the action asked only for a dry run; the audit says
+  what would have happened;
+- ``skipped``: the idempotency key was already executed (a redelivery), or
+  the backend found the effect already in place (the node was cordoned);
+- ``refused``: a guard said no: the target is on a deny-list, MIG relabels
+  are not allowed by policy, the backend lacks the verb, or the circuit
+  breaker is open;
+- ``executed`` / ``failed``: the backend carried it out, or could not.
+
+Guards, in the order they are checked: idempotency, deny-lists, the MIG
+policy, dry-run, the circuit breaker, then the backend. The breaker counts
+distinct nodes disrupted (cordon, taint, drain, MIG relabel) in a sliding
+window and refuses a new node once the window holds ``breaker_max_nodes``
+nodes or ``breaker_max_fraction`` of the GPU nodes. When it trips it stays
+open, refusing every node-disrupting action, until an operator resets it
+(``gpusteward act --reset-breaker``); it publishes a ``remediation_breaker``
+finding so someone is told.
+
+State survives restarts through the audit topic alone: on start the executor
+reads it and rebuilds the executed idempotency keys, the nodes disrupted in
+the current window and the breaker's state. Breaker transitions are audit
+records of their own (idempotency key ``breaker/trip/...`` or
+``breaker/reset/...``, verb ``cordon``), so downstream readers of the topic
+see them as ordinary results. While running, the executor follows the audit
+topic for resets written by the CLI.
+
+Malformed action records go to the dead-letter topic with the reason.
+Backends are pluggable; the simulator backend acts on the fleet simulator
+and is a sandbox (nothing real changes), so per-rule enablement does not
+gate it; the Kubernetes backend lives in ``kubernetes.py``, the simulator's in
+:mod:`gpusteward.sandbox.backend`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from rich.console import Console
+from rich.markup import escape
+
+from gpusteward import kafka, topics
+from gpusteward.rules.findings import finding_id, fingerprint
+from gpusteward.schema import Action, ActionResult, DeadLetter, Finding, Outcome, Subject
+from gpusteward.settings import Settings
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaProducer
+
+log = logging.getLogger(__name__)
+
+ALL_RULES = "*"
+NODE_DISRUPTING = frozenset({"cordon", "taint", "drain", "set_mig_config"})
+"""Verbs that take capacity away from a node: what the circuit breaker counts."""
+BREAKER_KIND = "remediation_breaker"
+BREAKER_TRIP_PREFIX = "breaker/trip/"
+BREAKER_RESET_PREFIX = "breaker/reset/"
+
+
+class RemediationSettings(BaseSettings):
+    """Guards of the remediation executor.
+
+    Read from ``GPUSTEWARD_REMEDIATION__*`` (e.g.
+    ``GPUSTEWARD_REMEDIATION__ENABLED_RULES='["ecc_dbe"]'``); CLI flags override.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="GPUSTEWARD_REMEDIATION__",
+                                      env_nested_delimiter="__", extra="ignore")
+
+    enabled_rules: set[str] = Field(
+        default_factory=set,
+        description="Rules whose actions are carried out in execute mode; every other rule's "
+        "actions are only dry-run. Empty by default so that switching to --execute changes "
+        "nothing until rules are enabled one by one. '*' enables all.",
+    )
+    breaker_window_s: float = Field(
+        600.0, gt=0, description="Sliding window of the circuit breaker, seconds (10 min).")
+    breaker_max_fraction: float = Field(
+        0.10, gt=0, le=1,
+        description="Most GPU nodes disrupted per window, as a fraction of the GPU nodes "
+        "(rounded up, so a small fleet may still lose one node). 10 %: a real fault hits few "
+        "nodes at once; half the fleet at once is a bad driver, a bad rule or bad data.",
+    )
+    breaker_max_nodes: int = Field(
+        20, ge=1, description="Most nodes disrupted per window whatever the fleet size.")
+    fleet_gpu_nodes: int | None = Field(
+        None, ge=1,
+        description="GPU nodes in the fleet for the fractional limit; None asks the backend "
+        "(the Kubernetes backend lists nodes) and, when it cannot tell, uses only the "
+        "absolute limit.",
+    )
+    deny_namespaces: set[str] = Field(
+        default_factory=lambda: {"kube-system"},
+        description="Namespaces (glob patterns) whose pods are never acted on; drains leave "
+        "their pods in place.",
+    )
+    deny_nodes: set[str] = Field(
+        default_factory=set, description="Nodes (glob patterns) that are never acted on.")
+    allow_mig_config: bool = Field(
+        False, description="Whether set_mig_config may relabel nodes (it restarts the GPU "
+        "Operator's MIG manager on the node and evicts its GPU pods).")
+
+
+class Backend(Protocol):
+    """Carries out verbs on a cluster.
+
+    A backend implements a verb as an async method of the verb's name
+    (``cordon``, ``notify_owner``, ...) that takes the action and returns
+    (outcome, detail); a verb it lacks is refused. It may also offer
+    ``async gpu_node_count() -> int | None`` for the breaker's fractional
+    limit, and set ``sandbox = True`` when nothing it does is real.
+    """
+
+    name: str
+
+
+class NoBackend:
+    """No cluster connected: every verb is refused (useful with ``--dry-run`` reviews)."""
+
+    name = "none"
+
+
+def _where(target: Subject) -> str:
+    if target.node:
+        return target.node
+    if target.pod:
+        return f"{target.pod.namespace}/{target.pod.name}"
+    return target.queue or "?"
+
+
+def describe(action: Action) -> str:
+    """What an action would do, in words, for dry runs and reviews."""
+    where = _where(action.target)
+    params = action.params
+    verbs = {
+        "cordon": f"cordon node {where} (spec.unschedulable=true)",
+        "taint": f"taint node {where} with {params.get('key', 'gpusteward.io/unhealthy')}:"
+                 f"{params.get('effect', 'NoSchedule')}",
+        "drain": f"drain node {where}: cordon it, then evict its pods through the Eviction API "
+                 "(PodDisruptionBudgets respected; DaemonSet and mirror pods left)",
+        "requeue": f"requeue {where}: deactivate and reactivate its Kueue workload, or delete "
+                   "the pod of a plain Job so its controller recreates it",
+        "notify_owner": f"notify the owner of {where} (a Kubernetes Event and an annotation)",
+        "set_mig_config": f"set nvidia.com/mig.config={params.get('config', '?')} on node {where}",
+    }
+    return f"would {verbs.get(action.verb, f'{action.verb} {where}')} because: {action.reason}"
+
+
+class ReviewPrinter:
+    """Prints one readable line per decision, for operators reviewing before enabling a rule."""
+
+    STYLE = {"executed": "bold green", "dry_run": "cyan", "skipped": "dim",
+             "refused": "bold yellow", "failed": "bold red"}
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console(highlight=False)
+
+    def __call__(self, action: Action, result: ActionResult) -> None:
+        self.console.print(
+            f"[{self.STYLE[result.outcome]}]{result.outcome.upper():8}[/] "
+            f"{action.verb:14} {_where(action.target):30} [dim]rule={action.rule}[/] "
+            f"{escape(result.detail)}")
+
+
+def _matches(name: str | None, patterns: set[str]) -> bool:
+    return name is not None and any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+class CircuitBreaker:
+    """Counts distinct nodes disrupted per window; trips open and stays open until reset."""
+
+    def __init__(self, settings: RemediationSettings) -> None:
+        self.settings = settings
+        self.disrupted: dict[str, float] = {}
+        """Node -> when it was last disrupted, within the window."""
+        self.tripped_at: float | None = None
+        self.trip_reason = ""
+
+    @property
+    def open(self) -> bool:
+        return self.tripped_at is not None
+
+    def limit(self, gpu_nodes: int | None) -> int:
+        """Most distinct nodes per window for a fleet of ``gpu_nodes`` GPU nodes."""
+        if gpu_nodes is None:
+            return self.settings.breaker_max_nodes
+        by_fraction = math.ceil(self.settings.breaker_max_fraction * gpu_nodes)
+        return max(1, min(self.settings.breaker_max_nodes, by_fraction))
+
+    def _expire(self, now: float) -> None:
+        horizon = now - self.settings.breaker_window_s
+        self.disrupted = {n: ts for n, ts in self.disrupted.items() if ts > horizon}
+
+    def admits(self, node: str, now: float, gpu_nodes: int | None) -> tuple[bool, str]:
+        """Whether disrupting ``node`` now is allowed; trips the breaker when it is not."""
+        if self.open:
+            return False, f"circuit breaker open since {time.ctime(self.tripped_at)}: " \
+                          f"{self.trip_reason}; reset with `gpusteward act --reset-breaker`"
+        self._expire(now)
+        if node in self.disrupted:
+            return True, ""
+        limit = self.limit(gpu_nodes)
+        if len(self.disrupted) + 1 > limit:
+            fleet = f" of {gpu_nodes} GPU nodes" if gpu_nodes else ""
+            self.trip(now, f"{len(self.disrupted)} nodes{fleet} already disrupted in the last "
+                           f"{self.settings.breaker_window_s:g} s (limit {limit}); refused {node}")
+            return False, f"circuit breaker tripped: {self.trip_reason}"
+        return True, ""
+
+    def record(self, node: str, ts: float) -> None:
+        self.disrupted[node] = max(ts, self.disrupted.get(node, 0.0))
+
+    def trip(self, now: float, reason: str) -> None:
+        self.tripped_at, self.trip_reason = now, reason
+
+    def reset(self) -> None:
+        self.tripped_at, self.trip_reason = None, ""
+        self.disrupted.clear()
+
+
+class Executor:
+    """Consumes actions, decides, acts through a backend and audits every decision."""
+
+    def __init__(self, settings: Settings, backend: Backend, *, execute: bool = False,
+                 group_id: str | None = None, actor: str = "gpusteward-executor",
+                 on_result: Callable[[Action, ActionResult], None] | None = None,
+                 remediation: RemediationSettings | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.execute = execute
+        self.group_id = group_id or f"{settings.topic_prefix}-remediation"
+        self.actor = f"{actor}/{backend.name}"
+        self.on_result = on_result
+        self.remediation = remediation if remediation is not None else RemediationSettings()
+        self.clock = clock
+        self.breaker = CircuitBreaker(self.remediation)
+        self.executed_keys: set[str] = set()
+        self.sandbox = bool(getattr(backend, "sandbox", False))
+        self._decode = msgspec.json.Decoder(Action).decode
+        self._decode_result = msgspec.json.Decoder(ActionResult).decode
+        self._encode = msgspec.json.Encoder().encode
+        self._audit_topic = topics.ACTION_RESULTS.name(settings)
+        self._pending_findings: list[Finding] = []
+        self._fleet_cache: tuple[float, int | None] | None = None
+
+    # -- state from the audit topic -------------------------------------------------------
+
+    async def load_history(self) -> None:
+        """Rebuild executed keys, the breaker window and breaker state from the audit topic."""
+        for record in await kafka.read_all(self.settings, self._audit_topic):
+            try:
+                result = self._decode_result(record.value or b"")
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            self.apply_audit(result)
+
+    def apply_audit(self, result: ActionResult) -> None:
+        """Fold one audit record (ours or another executor's) into the executor's state."""
+        key = result.idempotency_key
+        if key.startswith(BREAKER_TRIP_PREFIX):
+            self.breaker.trip(result.ts, result.detail)
+        elif key.startswith(BREAKER_RESET_PREFIX):
+            self.breaker.reset()
+        elif result.outcome == "executed":
+            self.executed_keys.add(key)
+            if result.verb in NODE_DISRUPTING and result.target.node:
+                self.breaker.record(result.target.node, result.ts)
+
+    # -- deciding --------------------------------------------------------------------------
+
+    def _rule_enabled(self, rule: str) -> bool:
+        enabled = self.remediation.enabled_rules
+        return self.sandbox or ALL_RULES in enabled or rule in enabled
+
+    async def _gpu_nodes(self) -> int | None:
+        if self.remediation.fleet_gpu_nodes is not None:
+            return self.remediation.fleet_gpu_nodes
+        count = getattr(self.backend, "gpu_node_count", None)
+        if count is None:
+            return None
+        now = self.clock()
+        if self._fleet_cache is None or now - self._fleet_cache[0] > 60:
+            try:
+                self._fleet_cache = (now, await count())
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the absolute limit still holds
+                log.warning("cannot count GPU nodes (%s); using the absolute breaker limit",
+                            error)
+                self._fleet_cache = (now, None)
+        return self._fleet_cache[1]
+
+    def _guard(self, action: Action) -> str | None:
+        """Why a guard refuses ``action``, or None."""
+        target = action.target
+        if _matches(target.node, self.remediation.deny_nodes):
+            return f"node {target.node} is on the deny-list"
+        if target.pod and _matches(target.pod.namespace, self.remediation.deny_namespaces):
+            return f"namespace {target.pod.namespace} is on the deny-list"
+        if action.verb == "set_mig_config" and not self.remediation.allow_mig_config:
+            return "MIG relabels are not allowed by policy (allow_mig_config is off)"
+        if action.verb in NODE_DISRUPTING and not target.node:
+            return f"{action.verb} needs a node"
+        return None
+
+    async def decide(self, action: Action) -> ActionResult:
+        """The outcome for one action; carries it out when it should."""
+        outcome: Outcome
+        now = self.clock()
+        refusal = self._guard(action)
+        if action.idempotency_key in self.executed_keys:
+            outcome, detail = "skipped", "already executed (redelivered action)"
+        elif refusal:
+            outcome, detail = "refused", refusal
+        elif not self.execute:
+            outcome, detail = "dry_run", f"{describe(action)} [executor in dry-run mode]"
+        elif action.dry_run:
+            outcome, detail = "dry_run", f"{describe(action)} [the rule asked for a dry run]"
+        elif not self._rule_enabled(action.rule):
+            outcome, detail = "dry_run", (f"{describe(action)} [rule {action.rule} is not "
+                                          f"enabled; --enable-rule {action.rule} to act]")
+        else:
+            outcome, detail = await self._act(action, now)
+        if outcome == "executed":
+            self.executed_keys.add(action.idempotency_key)
+            if action.verb in NODE_DISRUPTING and action.target.node:
+                self.breaker.record(action.target.node, now)
+        return ActionResult(
+            idempotency_key=action.idempotency_key, verb=action.verb, target=action.target,
+            outcome=outcome, detail=detail, actor=self.actor, ts=now,
+        )
+
+    async def _act(self, action: Action, now: float) -> tuple[Outcome, str]:
+        handler = getattr(self.backend, action.verb, None)
+        if handler is None:
+            return "refused", f"backend {self.backend.name} cannot {action.verb}"
+        if action.verb in NODE_DISRUPTING:
+            was_open = self.breaker.open
+            admitted, why = self.breaker.admits(action.target.node or "", now,
+                                                await self._gpu_nodes())
+            if not admitted:
+                if not was_open:
+                    self._pending_findings.append(self._breaker_finding("firing", now))
+                return "refused", why
+        try:
+            outcome, detail = await handler(action)
+            return outcome, detail
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # a backend failure is audited, not fatal
+            return "failed", f"{type(error).__name__}: {str(error)[:300]}"
+
+    def _breaker_finding(self, state: str, now: float) -> Finding:
+        fp = fingerprint(BREAKER_KIND, self.settings.topic_prefix)
+        opened = self.breaker.tripped_at if self.breaker.tripped_at is not None else now
+        return Finding(
+            id=finding_id(fp, opened), fingerprint=fp, kind=BREAKER_KIND,
+            severity="critical" if state == "firing" else "info",
+            state=state,  # type: ignore[arg-type]
+            subject=Subject(), starts_at=opened, ts=now,
+            ends_at=now if state == "resolved" else None,
+            summary=(f"remediation circuit breaker tripped: {self.breaker.trip_reason}"
+                     if state == "firing" else "remediation circuit breaker reset"),
+            runbook="Node-disrupting remediation is stopped. Check why so many nodes were "
+                    "flagged at once (a driver roll-out, a bad rule, bad telemetry), then run "
+                    "`gpusteward act --reset-breaker`.",
+        )
+
+    def breaker_record(self, kind: str, detail: str, now: float) -> ActionResult:
+        """The audit record of a breaker transition (``trip`` or ``reset``)."""
+        return ActionResult(
+            idempotency_key=f"breaker/{kind}/{round(now * 1000)}", verb="cordon",
+            target=Subject(), outcome="refused" if kind == "trip" else "executed",
+            detail=detail, actor=self.actor, ts=now,
+        )
+
+    # -- running ---------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.load_history()
+        consumer = kafka.consumer(self.settings, topics.ACTIONS.name(self.settings),
+                                  group_id=self.group_id)
+        audit = await self._follow_audit()
+        producer = kafka.producer(self.settings)
+        await producer.start()
+        await consumer.start()
+        try:
+            while not stop.is_set():
+                await self._read_resets(audit)
+                batch = await consumer.getmany(timeout_ms=200)
+                for tp, messages in batch.items():
+                    for message in messages:
+                        await self._handle(producer, message.value, key=message.key,
+                                           partition=tp.partition, offset=message.offset,
+                                           topic=tp.topic)
+                if batch:
+                    # The audit records are on the broker before the offsets move on.
+                    await producer.flush()
+                    await consumer.commit()
+        finally:
+            await consumer.stop()
+            await audit.stop()
+            await producer.stop()
+
+    async def _follow_audit(self) -> Any:
+        """A reader positioned at the audit topic's end, to see resets written elsewhere."""
+        from aiokafka import TopicPartition
+
+        reader = kafka.consumer(self.settings, group_id=None)
+        await reader.start()
+        partitions = reader.partitions_for_topic(self._audit_topic)
+        if not partitions:
+            await reader._client.force_metadata_update()
+            partitions = reader.partitions_for_topic(self._audit_topic) or {0}
+        assigned = [TopicPartition(self._audit_topic, p) for p in sorted(partitions)]
+        reader.assign(assigned)
+        await reader.seek_to_end(*assigned)
+        return reader
+
+    async def _read_resets(self, audit: Any) -> None:
+        batch = await audit.getmany(timeout_ms=0)
+        for messages in batch.values():
+            for message in messages:
+                try:
+                    result = self._decode_result(message.value or b"")
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                if result.idempotency_key.startswith(BREAKER_RESET_PREFIX) and self.breaker.open:
+                    log.warning("circuit breaker reset: %s", result.detail)
+                    self.breaker.reset()
+
+    async def _handle(self, producer: AIOKafkaProducer, raw: bytes | None, *,
+                      key: bytes | None = None, partition: int = -1, offset: int = -1,
+                      topic: str | None = None) -> ActionResult | None:
+        try:
+            action = self._decode(raw or b"")
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            source = topic or topics.ACTIONS.name(self.settings)
+            log.warning("undecodable action at %s[%d]@%d goes to the dead-letter topic: %s",
+                        source, partition, offset, error)
+            letter = DeadLetter(source_topic=source, partition=partition, offset=offset,
+                                error=f"undecodable action: {error}", ts=self.clock(),
+                                key=key, value=raw)
+            await producer.send(topics.DEADLETTER.name(self.settings), self._encode(letter),
+                                key=source.encode())
+            return None
+        was_open = self.breaker.open
+        result = await self.decide(action)
+        log.info("%s %s: %s", result.outcome, action.idempotency_key, result.detail)
+        if self.breaker.open and not was_open:
+            trip = self.breaker_record("trip", self.breaker.trip_reason, result.ts)
+            await producer.send(self._audit_topic, self._encode(trip),
+                                key=trip.idempotency_key.encode())
+        await producer.send(self._audit_topic, self._encode(result),
+                            key=action.idempotency_key.encode())
+        for finding in self._pending_findings:
+            await producer.send(topics.FINDINGS.name(self.settings), self._encode(finding),
+                                key=finding.fingerprint.encode())
+        self._pending_findings.clear()
+        if self.on_result:
+            self.on_result(action, result)
+        return result
+
+
+async def reset_breaker(settings: Settings, operator: str, reason: str = "") -> ActionResult:
+    """Record a breaker reset on the audit topic and resolve the breaker finding.
+
+    Running executors follow the audit topic and close their breaker when
+    they read it; executors that start later read it with the history.
+    """
+    executor = Executor(settings, NoBackend(), actor=f"{operator}")
+    await executor.load_history()
+    now = time.time()
+    was_open = executor.breaker.open
+    record = executor.breaker_record("reset", f"reset by {operator}"
+                                     + (f": {reason}" if reason else ""), now)
+    producer = kafka.producer(settings)
+    await producer.start()
+    try:
+        await producer.send_and_wait(executor._audit_topic, executor._encode(record),
+                                     key=record.idempotency_key.encode())
+        if was_open:
+            closing = executor._breaker_finding("resolved", now)
+            await producer.send_and_wait(topics.FINDINGS.name(settings),
+                                         executor._encode(closing),
+                                         key=closing.fingerprint.encode())
+    finally:
+        await producer.stop()
+    return record

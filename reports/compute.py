@@ -1,0 +1,223 @@
+"""The weekly report's numbers, computed with polars from the rollup store.
+
+Every figure is a plain aggregation over the (device, minute) rows, so a
+reader can recompute any of them from the Parquet files (the tests do):
+
+- GPU-hours weigh each device-minute by ``gpu_fraction`` (1 for a whole GPU,
+  compute slices / total for a MIG device) and divide by 60;
+- *allocated* counts device-minutes with an attributed pod, *used* weighs
+  them by mean activity (``util_mean`` / 100), *idle* counts those whose peak
+  activity stayed below the idle threshold;
+- cost is GPU-hours times the model's hourly price from the settings;
+- a workload is (namespace, owner kind, owner name): the pods of one
+  Deployment, Job or notebook count together.
+
+Minutes without an activity reading count as allocated and not used: the
+report does not guess.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
+
+import polars as pl
+
+from gpusteward.reports.settings import ReportSettings
+from gpusteward.rules.mig import geometry as mig_geometry
+
+WORKLOAD = ["team", "namespace", "owner_kind", "owner_name"]
+COLUMNS = ["ts", "node", "index", "uuid", "model", "kind", "parent_uuid", "mig_profile",
+           "gpu_fraction", "util_mean", "util_max", "mem_used_max", "mem_total_bytes",
+           "throttled_samples", "ecc_dbe_new", "xid_count", "namespace", "pod", "owner_kind",
+           "owner_name", "team", "queue"]
+
+
+class WeekError(ValueError):
+    """A week that is not written as ISO ``YYYY-Www``."""
+
+
+@dataclass(frozen=True)
+class Week:
+    """An ISO week, Monday 00:00 UTC to the next Monday."""
+
+    label: str
+    start: float
+    end: float
+
+    @property
+    def minutes(self) -> int:
+        return round((self.end - self.start) / 60)
+
+    @property
+    def days(self) -> list[date]:
+        first = datetime.fromtimestamp(self.start, UTC).date()
+        return [first + timedelta(days=i) for i in range(7)]
+
+
+def parse_week(label: str) -> Week:
+    match = re.fullmatch(r"(\d{4})-W(\d{2})", label)
+    if not match:
+        raise WeekError(f"week {label!r} is not written YYYY-Www, e.g. 2026-W47")
+    try:
+        monday = date.fromisocalendar(int(match.group(1)), int(match.group(2)), 1)
+    except ValueError as error:
+        raise WeekError(f"week {label!r} does not exist: {error}") from error
+    start = datetime(monday.year, monday.month, monday.day, tzinfo=UTC).timestamp()
+    return Week(label=label, start=start, end=start + 7 * 86400)
+
+
+def week_of(ts: float) -> Week:
+    year, number, _ = datetime.fromtimestamp(ts, UTC).isocalendar()
+    return parse_week(f"{year}-W{number:02d}")
+
+
+def canonical_models(models: list[str], settings: ReportSettings,
+                     geometries: Mapping[str, mig_geometry.Geometry]) -> dict[str, str]:
+    """Driver product names mapped to the keys of the price table and MIG geometries."""
+    priced = {mig_geometry._squash(name): name for name in settings.gpu_models}
+    mapping: dict[str, str] = {}
+    for model in models:
+        found = mig_geometry.find(geometries, model)
+        if found is not None:
+            mapping[model] = found.model
+        else:
+            mapping[model] = priced.get(mig_geometry._squash(model), model)
+    return mapping
+
+
+def prepare(rows: pl.DataFrame | pl.LazyFrame, settings: ReportSettings,
+            geometries: Mapping[str, mig_geometry.Geometry]) -> pl.DataFrame:
+    """The week's rows with the columns the report needs, models canonical, prices attached.
+
+    At 10 M rows memory is the cost that matters: strings become categoricals, the
+    pod name becomes a flag, and everything is derived in one pass.
+    """
+    frame = rows.lazy().select(COLUMNS).collect()
+    models = frame["model"].cast(pl.String).unique().to_list()
+    mapping = canonical_models([m for m in models if m is not None], settings, geometries)
+    prices = {m: settings.hourly_usd(c) for m, c in mapping.items()}
+    idle = settings.idle_threshold_pct
+    strings = ["node", "uuid", "kind", "parent_uuid", "mig_profile", "namespace", "owner_kind",
+               "owner_name", "team", "gpu_model"]
+    model = pl.col("model").cast(pl.String)
+    return frame.lazy().with_columns(
+        model.replace_strict(mapping, default=model).alias("gpu_model"),
+        model.replace_strict(prices, default=settings.default_hourly_usd,
+                                       return_dtype=pl.Float64).alias("hourly_usd"),
+        pl.col("pod").is_not_null().alias("allocated"),
+        (pl.col("gpu_fraction").cast(pl.Float64) / 60).alias("gpu_hours"),
+        (pl.col("gpu_fraction").cast(pl.Float64) / 60
+         * pl.col("util_mean").fill_null(0).cast(pl.Float64) / 100).alias("used_hours"),
+        (pl.col("util_max").fill_null(0) < idle).alias("idle_minute"),
+        # Rollups from other producers may lack a team: fall back as the fold does.
+        pl.coalesce(pl.col("team").cast(pl.String), pl.col("namespace").cast(pl.String),
+                    pl.lit("unattributed")).alias("team"),
+        (pl.col("ts") * 1000).cast(pl.Int64).cast(pl.Datetime("ms", "UTC")).dt.date()
+        .alias("day"),
+    ).drop("pod", "queue", "model").with_columns(
+        [pl.col(c).cast(pl.Categorical) for c in strings]).collect()
+
+
+def _hours_and_costs() -> list[pl.Expr]:
+    """Allocated, used and idle GPU-hours with their cost, for any grouping."""
+    cost = pl.col("gpu_hours") * pl.col("hourly_usd")
+    idle = pl.col("idle_minute")
+    return [
+        pl.col("gpu_hours").sum().alias("allocated_gpu_hours"),
+        pl.col("used_hours").sum().alias("used_gpu_hours"),
+        pl.col("gpu_hours").filter(idle).sum().alias("idle_gpu_hours"),
+        cost.sum().alias("allocated_cost_usd"),
+        cost.filter(idle).sum().alias("idle_cost_usd"),
+    ]
+
+
+def team_table(frame: pl.DataFrame) -> pl.DataFrame:
+    held = frame.filter(pl.col("allocated"))
+    return (held.group_by("team").agg(
+        *_hours_and_costs(),
+    ).with_columns((pl.col("used_gpu_hours") / pl.col("allocated_gpu_hours") * 100)
+                   .alias("efficiency_pct"))
+        .sort("allocated_gpu_hours", descending=True))
+
+
+def daily_table(frame: pl.DataFrame) -> pl.DataFrame:
+    return (frame.filter(pl.col("allocated"))
+            .group_by("day", "team").agg(
+                pl.col("gpu_hours").sum().alias("allocated_gpu_hours"),
+                pl.col("used_hours").sum().alias("used_gpu_hours"))
+            .sort("day", "team"))
+
+
+def workload_table(frame: pl.DataFrame) -> pl.DataFrame:
+    held = frame.filter(pl.col("allocated"))
+    return (held.group_by(WORKLOAD).agg(
+        pl.col("gpu_model").mode().first().alias("gpu_model"),
+        pl.col("uuid").n_unique().alias("devices"),
+        pl.len().alias("device_minutes"),
+        pl.col("ts").n_unique().alias("minutes"),
+        *_hours_and_costs(),
+        *[pl.col("util_mean").quantile(q / 100, "linear").alias(f"util_p{q}")
+          for q in (5, 25, 50, 75, 95)],
+        pl.col("mem_used_max").max().alias("mem_peak_bytes"),
+    ).sort("allocated_gpu_hours", descending=True))
+
+
+def fault_table(frame: pl.DataFrame) -> pl.DataFrame:
+    return (frame.group_by("day").agg(
+        pl.col("xid_count").sum().alias("xid_events"),
+        pl.col("ecc_dbe_new").sum().alias("ecc_dbe_errors"),
+        (pl.col("throttled_samples") > 0).sum().alias("throttled_device_minutes"),
+    ).sort("day"))
+
+
+def fragmentation_table(frame: pl.DataFrame, shape_gpus: int) -> pl.DataFrame:
+    """Per hour: free whole GPUs and the share of them no ``shape_gpus``-GPU request fits."""
+    per_node = (frame.filter(pl.col("kind") == "gpu")
+                .group_by("ts", "node").agg((~pl.col("allocated")).sum().alias("free")))
+    per_minute = per_node.group_by("ts").agg(
+        pl.col("free").sum().alias("free"),
+        ((pl.col("free") // shape_gpus) * shape_gpus).sum().alias("usable"))
+    return (per_minute.with_columns(
+        (pl.col("ts") * 1000).cast(pl.Int64).cast(pl.Datetime("ms", "UTC"))
+        .dt.truncate("1h").alias("hour"))
+        .group_by("hour").agg(
+            pl.col("free").mean().alias("free_gpus"),
+            (1 - pl.col("usable").sum() / pl.col("free").sum()).fill_nan(0.0)
+            .alias("stranded_share"))
+        .sort("hour"))
+
+
+def queue_table(queue: pl.DataFrame | None, settings: ReportSettings) -> pl.DataFrame:
+    """Per cluster queue: admissions, p50/p95 wait, the SLO and the share within it."""
+    schema = {"cluster_queue": pl.String, "admitted": pl.UInt32, "wait_p50_s": pl.Float64,
+              "wait_p95_s": pl.Float64, "slo_s": pl.Float64, "within_slo_pct": pl.Float64}
+    if queue is None or queue.is_empty():
+        return pl.DataFrame(schema=schema)
+    admitted = (queue.filter((pl.col("state") == "admitted")
+                             & pl.col("admitted_at").is_not_null()
+                             & pl.col("created_at").is_not_null())
+                .unique(subset=["namespace", "name"], keep="first")
+                .with_columns((pl.col("admitted_at") - pl.col("created_at")).alias("wait_s")))
+    slos = settings.queue_slo_s
+    return (admitted.with_columns(
+        pl.col("cluster_queue").replace_strict(slos, default=settings.default_queue_slo_s,
+                                               return_dtype=pl.Float64).alias("slo_s"))
+        .group_by("cluster_queue").agg(
+            pl.len().cast(pl.UInt32).alias("admitted"),
+            pl.col("wait_s").quantile(0.5, "linear").alias("wait_p50_s"),
+            pl.col("wait_s").quantile(0.95, "linear").alias("wait_p95_s"),
+            pl.col("slo_s").first(),
+            ((pl.col("wait_s") <= pl.col("slo_s")).mean() * 100).alias("within_slo_pct"))
+        .sort("cluster_queue").select(list(schema)).cast(schema))  # type: ignore[arg-type]
+
+
+def records(frame: pl.DataFrame) -> list[dict[str, Any]]:
+    """Rows as JSON-ready dicts (dates and datetimes as ISO strings)."""
+    out = frame.with_columns(
+        [pl.col(c).dt.to_string() for c, t in frame.schema.items()
+         if t in (pl.Date,) or isinstance(t, pl.Datetime)])
+    return out.to_dicts()

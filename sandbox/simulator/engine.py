@@ -1,0 +1,605 @@
+"""The simulated fleet: a small scheduler, workloads with utilisation profiles, faults.
+
+It publishes exactly what the real collectors publish (one NodeSample per
+node per tick with per-pod attribution, pod and node allocation events,
+queue events, urgent hardware events) and keeps its own ground truth: which
+pod was placed where and when, the idle stretches it injected, the faults,
+and the cordons it received. Tests compare the pipeline's findings with it.
+
+Time is simulated: every tick advances ``sample_interval_s`` of event time
+and waits ``sample_interval_s / acceleration`` of wall time (no wait at
+acceleration 0). A cordon asked for by the remediation executor takes effect
+at the next tick: the scheduler places nothing new on a cordoned node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid as uuidlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from gpusteward.collectors.publisher import Publisher
+from gpusteward.sandbox.simulator.scenario import Fault, Phase, Scenario, WorkloadGroup
+from gpusteward.schema import (
+    DeviceSample,
+    HwEvent,
+    NodeInventory,
+    NodeSample,
+    PodAllocation,
+    PodRef,
+    QueueEvent,
+    Taint,
+)
+
+IDLE_TRUTH_PCT = 5.0
+"""A phase whose activity never reaches this (percent) is injected idleness."""
+
+HOT_TEMP_C = 94.0
+"""Temperature of a GPU under a thermal fault: above every model's slowdown threshold."""
+THERMAL_REASONS = 0x20 | 0x40
+"""NVML clock-event bits SwThermalSlowdown | HwThermalSlowdown."""
+
+GIB = 1 << 30
+
+
+class IdlePeriod(msgspec.Struct):
+    """An injected idle stretch of a pod that held a device."""
+
+    namespace: str
+    pod: str
+    kind: str
+    node: str
+    device: str
+    pod_started_at: float
+    start: float
+    end: float
+
+
+class PodRecord(msgspec.Struct):
+    namespace: str
+    pod: str
+    kind: str
+    node: str
+    devices: list[str]
+    started_at: float
+    ended_at: float | None
+    idle: bool
+    """True if any of its phases is injected idleness."""
+    queued_at: float | None = None
+    """When it arrived in the queue."""
+
+
+class FaultRecord(msgspec.Struct):
+    """An injected fault: one record per fault (an xid fault: one per event sent)."""
+
+    kind: str
+    node: str
+    device: str
+    ts: float
+    end: float | None = None
+    """When a burst or thermal fault stopped (None: it lasted to the end, or was instant)."""
+    xid: int | None = None
+    count: int = 0
+    """Counter increase per sample of a burst fault."""
+
+
+class InterruptionRecord(msgspec.Struct):
+    """A spot node told it is being reclaimed, and the pods it held then."""
+
+    node: str
+    ts: float
+    taint: str
+    pods: dict[str, str]
+    """namespace/name -> owner kind of every pod on the node at the taint."""
+    reclaimed_at: float | None = None
+
+
+class CordonRecord(msgspec.Struct):
+    node: str
+    ts: float
+    reason: str
+
+
+class GroundTruth(msgspec.Struct):
+    """What the simulator did, for tests and the demo summary."""
+
+    scenario: str
+    seed: int
+    start_ts: float
+    end_ts: float
+    sample_interval_s: float
+    pods: list[PodRecord] = []
+    idle_periods: list[IdlePeriod] = []
+    faults: list[FaultRecord] = []
+    cordons: list[CordonRecord] = []
+    pending: list[str] = []
+    notified: list[str] = []
+    interruptions: list[InterruptionRecord] = []
+    pending_since: dict[str, float] = {}
+    """namespace/name -> arrival of every workload still pending at the end."""
+
+
+def _uuid(seed: int, *parts: object) -> str:
+    return str(uuidlib.uuid5(uuidlib.NAMESPACE_DNS, "/".join(map(str, (seed, *parts)))))
+
+
+@dataclass
+class SimMig:
+    """A MIG device of a partitioned GPU (the node group's ``mig_layout``)."""
+
+    uuid: str
+    profile: str
+    gpu_instance_id: int
+    holder: Workload | None = None
+
+
+@dataclass
+class SimGpu:
+    uuid: str
+    index: int
+    model: str
+    mem_total: int
+    holder: Workload | None = None
+    dbe: int = 0
+    last_util: float = 0.0
+    sbe: int = 0
+    pcie_replay: int = 0
+    nvlink_errors: int = 0
+    hot: bool = False
+    lost: bool = False
+    remap_failure: bool = False
+    mig: list[SimMig] = field(default_factory=list)
+    """Its MIG devices; a partitioned GPU is never handed out whole."""
+
+
+@dataclass
+class SimNode:
+    name: str
+    gpus: list[SimGpu]
+    spot: bool
+    cordoned: bool = False
+    taints: list[Taint] = field(default_factory=list)
+    gone: bool = False
+    """Reclaimed (spot): no samples, no scheduling."""
+
+    def free(self) -> list[SimGpu]:
+        return [g for g in self.gpus if g.holder is None and not g.mig]
+
+    def free_mig(self, profile: str) -> list[SimMig]:
+        return [m for g in self.gpus for m in g.mig if m.holder is None and m.profile == profile]
+
+
+@dataclass
+class Workload:
+    name: str
+    namespace: str
+    uid: str
+    spec: WorkloadGroup
+    arrive: float
+    duration: float | None
+    mem_bytes: int
+    timeline: list[tuple[float, float | None, Phase]]
+    """Phases as (offset from start, length or None, phase); cycled when ``spec.repeat``."""
+    rng: random.Random
+    node: SimNode | None = None
+    devices: list[SimGpu | SimMig] = field(default_factory=list)
+    started_at: float | None = None
+    ended_at: float | None = None
+
+    @property
+    def ref(self) -> PodRef:
+        return PodRef(namespace=self.namespace, name=self.name, uid=self.uid)
+
+    def phase_at(self, since_start: float) -> Phase:
+        cycle = self.timeline[-1][0] + (self.timeline[-1][1] or 0.0)
+        if self.spec.repeat and cycle > 0:
+            since_start %= cycle
+        for offset, length, phase in self.timeline:
+            if length is None or since_start < offset + length:
+                return phase
+        return self.timeline[-1][2]
+
+    def utilisation(self, since_start: float) -> float:
+        low, high = self.phase_at(since_start).util
+        return round(self.rng.uniform(low, high), 1)
+
+
+def _draw(rng: random.Random, bounds: tuple[float, float]) -> float:
+    return rng.uniform(*bounds) if bounds[0] != bounds[1] else bounds[0]
+
+
+class SimulatedCluster:
+    """The fleet of one scenario, stepped tick by tick."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.start = scenario.start_ts
+        self.end = scenario.start_ts + scenario.duration_s
+        self.now = self.start
+        self.nodes: dict[str, SimNode] = {}
+        for group in scenario.nodes:
+            for i in range(1, group.count + 1):
+                name = f"{group.prefix}-{i}"
+                gpus = [
+                    SimGpu("GPU-" + _uuid(scenario.seed, name, g), g, group.gpu_model,
+                           int(group.mem_gib * GIB),
+                           mig=[SimMig("MIG-" + _uuid(scenario.seed, name, g, i), profile, i + 1)
+                                for i, profile in enumerate(group.mig_layout)])
+                    for g in range(group.gpus)
+                ]
+                self.nodes[name] = SimNode(name, gpus, group.spot)
+        self.workloads = self._make_workloads()
+        self.queue: list[Workload] = []
+        self.running: list[Workload] = []
+        self.finished: list[Workload] = []
+        self.truth = GroundTruth(
+            scenario=scenario.name, seed=scenario.seed, start_ts=self.start, end_ts=self.end,
+            sample_interval_s=scenario.sample_interval_s,
+        )
+        self._cordon_requests: list[tuple[str, str]] = []
+        self.on_tick: Callable[[SimulatedCluster], None] | None = None
+
+    def _make_workloads(self) -> list[Workload]:
+        scenario = self.scenario
+        users = scenario.users
+        made: list[Workload] = []
+        next_user = 0
+        for spec in scenario.workloads:
+            for _ in range(spec.count):
+                user = users[next_user % len(users)]
+                next_user += 1
+                name = f"{spec.group}-{user}"
+                rng = random.Random(f"{scenario.seed}:{name}")
+                timeline: list[tuple[float, float | None, Phase]] = []
+                offset = 0.0
+                for phase in spec.phases:
+                    length = _draw(rng, phase.for_s) if phase.for_s else None
+                    timeline.append((offset, length, phase))
+                    offset += length or 0.0
+                made.append(Workload(
+                    name=name, namespace=f"ml-{user}", uid=_uuid(scenario.seed, "pod", name),
+                    spec=spec, arrive=self.start + _draw(rng, spec.arrive_s),
+                    duration=_draw(rng, spec.duration_s) if spec.duration_s else None,
+                    mem_bytes=int(_draw(rng, spec.mem_gib) * GIB), timeline=timeline, rng=rng,
+                ))
+        made.sort(key=lambda w: (w.arrive, w.name))
+        return made
+
+    # -- control surface used by the remediation backend -------------------------------------
+
+    def request_cordon(self, node: str, reason: str) -> bool:
+        """Cordon ``node`` at the next tick; False if there is no such node."""
+        if node not in self.nodes:
+            return False
+        self._cordon_requests.append((node, reason))
+        return True
+
+    def notify(self, pod: PodRef, message: str) -> None:
+        self.truth.notified.append(f"{pod.namespace}/{pod.name}")
+
+    # -- one tick ----------------------------------------------------------------------------
+
+    async def step(self, publisher: Publisher) -> None:
+        now = self.now
+        for name, reason in self._cordon_requests:
+            node = self.nodes[name]
+            if not node.cordoned:
+                node.cordoned = True
+                self.truth.cordons.append(CordonRecord(name, now, reason))
+                await publisher.allocation(self._inventory(node))
+        self._cordon_requests.clear()
+        await self._finish(publisher, now)
+        await self._arrive(publisher, now)
+        await self._inject_faults(publisher, now)
+        await self._reclaim_spot_nodes(publisher, now)
+        await self._schedule(publisher, now)
+        for node in self.nodes.values():
+            if not node.gone:
+                await publisher.sample(self._sample(node, now))
+        if self.on_tick:
+            self.on_tick(self)
+
+    async def _finish(self, publisher: Publisher, now: float) -> None:
+        for workload in list(self.running):
+            if workload.duration is None or workload.started_at is None:
+                continue
+            if workload.started_at + workload.duration > now:
+                continue
+            await self._end(publisher, workload, "finished", now)
+
+    async def _end(self, publisher: Publisher, workload: Workload, phase: str,
+                   now: float) -> None:
+        """A running pod ends (finished, or deleted with its node): its GPUs are free."""
+        workload.ended_at = now
+        for gpu in workload.devices:
+            gpu.holder = None
+        self.running.remove(workload)
+        self.finished.append(workload)
+        await publisher.allocation(self._pod_event(workload, phase, now))
+
+    async def _arrive(self, publisher: Publisher, now: float) -> None:
+        while self.workloads and self.workloads[0].arrive <= now:
+            workload = self.workloads.pop(0)
+            self.queue.append(workload)
+            await publisher.queue(self._queue_event(workload, "pending", now))
+
+    async def _inject_faults(self, publisher: Publisher, now: float) -> None:
+        interval = self.scenario.sample_interval_s
+        for node in self.nodes.values():
+            for sim_gpu in node.gpus:
+                sim_gpu.hot = False  # thermal faults active at this tick set it again
+        for fault in self.scenario.faults:
+            fault_ts = self.start + fault.at_s
+            starts_now = now - interval < fault_ts <= now
+            if fault.kind == "spot_termination":
+                if starts_now:
+                    await self._spot_notice(publisher, fault.node, fault.taint, now)
+                continue
+            gpu = self.nodes[fault.node].gpus[fault.gpu]
+            if fault.kind == "ecc_dbe":
+                if not starts_now:
+                    continue
+                gpu.dbe += 1
+                self.truth.faults.append(FaultRecord(fault.kind, fault.node, gpu.uuid, now))
+                if not fault.urgent_event:
+                    continue
+                await publisher.hw_event(HwEvent(
+                    ts=now, node=fault.node, kind="ecc_dbe", uuid=gpu.uuid, count=gpu.dbe,
+                    detail="volatile double-bit ECC error", source="simulator",
+                ))
+            elif fault.kind == "xid":
+                await self._xid(publisher, fault, gpu, now, interval)
+            elif fault.kind in ("gpu_lost", "remap_failure"):
+                if not starts_now:
+                    continue
+                if fault.kind == "gpu_lost":
+                    gpu.lost = True
+                else:
+                    gpu.remap_failure = True
+                self.truth.faults.append(FaultRecord(fault.kind, fault.node, gpu.uuid, now))
+                if fault.urgent_event:
+                    await publisher.hw_event(HwEvent(
+                        ts=now, node=fault.node, kind=fault.kind,
+                        uuid=gpu.uuid, detail=f"simulated {fault.kind}", source="simulator"))
+            else:
+                self._ongoing(fault, gpu, fault_ts, now)
+
+    async def _xid(self, publisher: Publisher, fault: Fault, gpu: SimGpu, now: float,
+                   interval: float) -> None:
+        assert fault.xid is not None
+        for n in range(fault.count):
+            event_ts = self.start + fault.at_s + n * fault.every_s
+            if now - interval < event_ts <= now:
+                self.truth.faults.append(FaultRecord("xid", fault.node, gpu.uuid, event_ts,
+                                                     xid=fault.xid))
+                await publisher.hw_event(HwEvent(
+                    ts=event_ts, node=fault.node, kind="xid", uuid=gpu.uuid, xid=fault.xid,
+                    detail=f"Xid {fault.xid} (simulated)", source="simulator"))
+
+    def _ongoing(self, fault: Fault, gpu: SimGpu, fault_ts: float, now: float) -> None:
+        """A burst or thermal fault: applies to every sample in [at_s, at_s + for_s)."""
+        active = fault_ts <= now < fault_ts + fault.for_s
+        if fault.kind == "thermal":
+            gpu.hot = gpu.hot or active
+        elif active:
+            if fault.kind == "sbe_burst":
+                gpu.sbe += fault.count
+            elif fault.kind == "pcie_replay":
+                gpu.pcie_replay += fault.count
+            else:
+                gpu.nvlink_errors += fault.count
+        if active and not any(r.kind == fault.kind and r.device == gpu.uuid
+                              and r.ts == fault_ts for r in self.truth.faults):
+            self.truth.faults.append(FaultRecord(fault.kind, fault.node, gpu.uuid, fault_ts,
+                                                 end=fault_ts + fault.for_s, count=fault.count))
+
+    async def _spot_notice(self, publisher: Publisher, name: str, taint: str, now: float) -> None:
+        node = self.nodes[name]
+        node.taints.append(Taint(taint, "NoSchedule", "simulated-interruption"))
+        pods = {f"{w.namespace}/{w.name}": self._owner_kind(w)
+                for w in self.running if w.node is node}
+        self.truth.interruptions.append(InterruptionRecord(name, now, taint, pods))
+        await publisher.allocation(self._inventory(node))
+
+    async def _reclaim_spot_nodes(self, publisher: Publisher, now: float) -> None:
+        """The cloud takes a tainted spot node back: its pods die, the node leaves."""
+        for record in self.truth.interruptions:
+            fault = next(f for f in self.scenario.faults
+                         if f.kind == "spot_termination" and f.node == record.node)
+            node = self.nodes[record.node]
+            if node.gone or now < record.ts + fault.reclaim_after_s:
+                continue
+            node.gone, record.reclaimed_at = True, now
+            for workload in [w for w in self.running if w.node is node]:
+                await self._end(publisher, workload, "deleted", now)
+            await publisher.allocation(self._inventory(node))
+
+    @staticmethod
+    def _owner_kind(workload: Workload) -> str:
+        return "Notebook" if workload.spec.kind == "notebook" else "Job"
+
+    async def _schedule(self, publisher: Publisher, now: float) -> None:
+        for workload in list(self.queue):
+            for node in self.nodes.values():
+                devices = self._fit(node, workload.spec)
+                if node.cordoned or node.taints or node.gone or devices is None:
+                    continue
+                workload.node, workload.devices = node, devices
+                workload.started_at = now
+                for gpu in workload.devices:
+                    gpu.holder = workload
+                self.queue.remove(workload)
+                self.running.append(workload)
+                await publisher.queue(self._queue_event(workload, "admitted", now))
+                await publisher.allocation(self._pod_event(workload, "running", now))
+                break
+
+    @staticmethod
+    def _fit(node: SimNode, spec: WorkloadGroup) -> list[SimGpu | SimMig] | None:
+        """The devices of ``node`` the workload would get, or None if it does not fit."""
+        if spec.mig:
+            taken: list[SimGpu | SimMig] = []
+            for profile, count in sorted(spec.mig.items()):
+                free_mig = node.free_mig(profile)
+                if len(free_mig) < count:
+                    return None
+                taken += free_mig[:count]
+            return taken
+        free = node.free()
+        return list(free[: spec.gpus]) if len(free) >= spec.gpus else None
+
+    # -- payloads ----------------------------------------------------------------------------
+
+    def _inventory(self, node: SimNode) -> NodeInventory:
+        # As the device plugin's mixed strategy advertises them: partitioned GPUs only as
+        # their MIG devices, by profile.
+        whole = sum(1 for g in node.gpus if not g.mig)
+        allocatable = {"nvidia.com/gpu": whole}
+        for mig in (m for g in node.gpus for m in g.mig):
+            resource = f"nvidia.com/mig-{mig.profile}"
+            allocatable[resource] = allocatable.get(resource, 0) + 1
+        return NodeInventory(
+            ts=self.now, node=node.name, gpu_product=node.gpus[0].model,
+            gpu_count=whole, allocatable=allocatable,
+            mig_strategy="mixed" if whole < len(node.gpus) else None,
+            unschedulable=node.cordoned, spot=node.spot, deleted=node.gone,
+            taints=([Taint("node.kubernetes.io/unschedulable", "NoSchedule")] if node.cordoned
+                    else []) + node.taints,
+        )
+
+    def _pod_event(self, workload: Workload, phase: str, now: float) -> PodAllocation:
+        assert workload.node is not None
+        return PodAllocation(
+            ts=now, node=workload.node.name, pod=workload.ref, phase=phase,  # type: ignore[arg-type]
+            gpus=0 if workload.spec.mig else workload.spec.gpus, mig=dict(workload.spec.mig),
+            device_ids=[g.uuid for g in workload.devices],
+            started_at=workload.started_at, workload_kind=workload.spec.kind,
+            owner_kind=self._owner_kind(workload),
+            owner_name=workload.name, queue=self.scenario.cluster_queue,
+        )
+
+    def _queue_event(self, workload: Workload, state: str, now: float) -> QueueEvent:
+        return QueueEvent(
+            ts=now, name=workload.name, namespace=workload.namespace,
+            cluster_queue=self.scenario.cluster_queue, state=state,  # type: ignore[arg-type]
+            created_at=workload.arrive, admitted_at=workload.started_at,
+            gpus=0 if workload.spec.mig else workload.spec.gpus, mig=dict(workload.spec.mig),
+        )
+
+    def _sample(self, node: SimNode, now: float) -> NodeSample:
+        devices = []
+        for gpu in node.gpus:
+            if gpu.lost:
+                continue  # as the NVML collector does: a lost GPU leaves the sample
+            if gpu.mig:
+                devices += [self._mig_sample(gpu, mig, now) for mig in gpu.mig]
+                continue
+            holder = gpu.holder
+            if holder is not None and holder.started_at is not None:
+                util = holder.utilisation(now - holder.started_at)
+                mem = holder.mem_bytes
+            else:
+                util, mem = 0.0, 0
+            gpu.last_util = util
+            temp, reasons = round(32 + util * 0.4, 1), 0 if util else 1
+            if gpu.hot:
+                temp, reasons = HOT_TEMP_C, reasons | THERMAL_REASONS
+            devices.append(DeviceSample(
+                uuid=gpu.uuid, index=gpu.index, model=gpu.model, util_pct=util,
+                mem_used_bytes=mem, mem_total_bytes=gpu.mem_total,
+                temp_c=temp, power_w=round(60 + util * 3.3, 1),
+                sm_clock_mhz=1410 if util > 0 else 210, clock_event_reasons=reasons,
+                ecc_sbe_volatile=gpu.sbe, ecc_dbe_volatile=gpu.dbe, pcie_replay=gpu.pcie_replay,
+                nvlink_errors=gpu.nvlink_errors, remap_failure=gpu.remap_failure,
+                remap_pending=False, pod=holder.ref if holder is not None else None,
+            ))
+        return NodeSample(ts=now, node=node.name, source="simulator", devices=devices)
+
+    @staticmethod
+    def _mig_sample(gpu: SimGpu, mig: SimMig, now: float) -> DeviceSample:
+        """A MIG device reads engine activity, not GPU utilisation (not reported on MIG)."""
+        holder = mig.holder
+        if holder is not None and holder.started_at is not None:
+            activity, mem = holder.utilisation(now - holder.started_at), holder.mem_bytes
+        else:
+            activity, mem = 0.0, 0
+        return DeviceSample(
+            uuid=mig.uuid, index=gpu.index, model=gpu.model, kind="mig", parent_uuid=gpu.uuid,
+            mig_profile=mig.profile, gpu_instance_id=mig.gpu_instance_id,
+            engine_active_pct=activity, mem_used_bytes=mem,
+            pod=holder.ref if holder is not None else None,
+        )
+
+    # -- the whole run -----------------------------------------------------------------------
+
+    async def run(self, publisher: Publisher, stop: asyncio.Event | None = None) -> GroundTruth:
+        """Step through the scenario, pacing by its acceleration; return the ground truth."""
+        for node in self.nodes.values():
+            await publisher.allocation(self._inventory(node))
+        interval = self.scenario.sample_interval_s
+        acceleration = self.scenario.acceleration
+        wall_start = time.monotonic()
+        ticks = int(self.scenario.duration_s // interval)
+        for tick in range(ticks + 1):
+            if stop is not None and stop.is_set():
+                break
+            self.now = self.start + tick * interval
+            await self.step(publisher)
+            if acceleration > 0:
+                due = wall_start + (tick + 1) * interval / acceleration
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+            elif tick % 50 == 0:
+                await asyncio.sleep(0)
+        await publisher.flush()
+        return self.finish_truth()
+
+    def finish_truth(self) -> GroundTruth:
+        """Close the books: every placed pod, its idle stretches, what is still pending."""
+        truth = self.truth
+        truth.end_ts = self.now
+        placed = self.running + self.finished
+        truth.pods, truth.idle_periods = [], []
+        for workload in sorted(placed, key=lambda w: w.name):
+            assert workload.node is not None and workload.started_at is not None
+            end = workload.ended_at if workload.ended_at is not None else self.now
+            periods = list(self._idle_periods(workload, end))
+            truth.idle_periods.extend(periods)
+            truth.pods.append(PodRecord(
+                namespace=workload.namespace, pod=workload.name, kind=workload.spec.kind,
+                node=workload.node.name, devices=[g.uuid for g in workload.devices],
+                started_at=workload.started_at, ended_at=workload.ended_at,
+                idle=any(p.util[1] < IDLE_TRUTH_PCT for p in workload.spec.phases),
+                queued_at=workload.arrive,
+            ))
+        truth.pending = sorted(f"{w.namespace}/{w.name}" for w in self.queue)
+        truth.pending_since = {f"{w.namespace}/{w.name}": w.arrive for w in self.queue}
+        return truth
+
+    def _idle_periods(self, workload: Workload, end: float) -> list[IdlePeriod]:
+        assert workload.node is not None and workload.started_at is not None
+        start = workload.started_at
+        out: list[IdlePeriod] = []
+        cycle = workload.timeline[-1][0] + (workload.timeline[-1][1] or 0.0)
+        base = 0.0
+        while start + base < end:
+            for offset, length, phase in workload.timeline:
+                if phase.util[1] >= IDLE_TRUTH_PCT:
+                    continue
+                a = start + base + offset
+                b = end if length is None else min(end, a + length)
+                if a < b:
+                    for gpu in workload.devices:
+                        out.append(IdlePeriod(
+                            namespace=workload.namespace, pod=workload.name,
+                            kind=workload.spec.kind, node=workload.node.name, device=gpu.uuid,
+                            pod_started_at=start, start=a, end=b,
+                        ))
+            if not workload.spec.repeat or cycle <= 0:
+                break
+            base += cycle
+        return out

@@ -1,0 +1,180 @@
+"""The Alertmanager sink against a real Alertmanager, read back through its v2 API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.parse
+import urllib.request
+from typing import Any
+
+import msgspec
+
+from gpusteward import kafka, topics
+from gpusteward.alerting.alertmanager import AlertmanagerSink
+from gpusteward.alerting.consumer import FindingsConsumer
+from gpusteward.rules.findings import resolved
+from gpusteward.schema import Evidence, Finding, PodRef, Subject
+from gpusteward.settings import Settings
+
+
+def firing(fp: str, *, node: str = "gpu-node-1", severity: str = "critical") -> Finding:
+    return Finding(
+        id=f"{fp}-1000", fingerprint=fp, kind="ecc_dbe", severity=severity,  # type: ignore[arg-type]
+        state="firing", subject=Subject(node=node, device="GPU-1234",
+                                        pod=PodRef(namespace="ml-alice", name="train-0")),
+        summary=f"uncorrectable ECC error on GPU-1234 ({node})",
+        starts_at=time.time() - 60, ts=time.time() - 60,
+        evidence=Evidence(window_start=0, window_end=1, values={"ecc_dbe_volatile": 2}),
+        runbook="drain and reset the GPU",
+    )
+
+
+def ending(finding: Finding) -> Finding:
+    # The rules' resolved record: same id and fingerprint, severity info.
+    return resolved(finding.id, finding.fingerprint, finding.kind, finding.subject,
+                    "DBE counter back to 0", finding.starts_at, time.time())
+
+
+def active_alerts(url: str, fingerprint: str) -> list[dict[str, Any]]:
+    query = urllib.parse.urlencode({"filter": f'fingerprint="{fingerprint}"'})
+    with urllib.request.urlopen(f"{url}/api/v2/alerts?{query}", timeout=5) as response:
+        return json.loads(response.read())
+
+
+def ends_at(alert: dict[str, Any]) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(alert["endsAt"].replace("Z", "+00:00")).timestamp()
+
+
+def test_firing_finding_becomes_an_alert_with_labels_and_annotations(alertmanager: str) -> None:
+    sink = AlertmanagerSink(alertmanager, generator_url="http://grafana/d/gpusteward")
+    finding = firing("fp-labels")
+
+    async def main() -> None:
+        await sink.deliver(finding)
+        await sink.close()
+
+    asyncio.run(main())
+    [alert] = active_alerts(alertmanager, "fp-labels")
+    assert alert["labels"] == {
+        "alertname": "GpuStewardEccDbe", "kind": "ecc_dbe", "severity": "critical",
+        "fingerprint": "fp-labels", "source": "gpusteward", "node": "gpu-node-1",
+        "device": "GPU-1234", "namespace": "ml-alice", "pod": "train-0",
+    }
+    assert alert["annotations"]["summary"] == finding.summary
+    assert alert["annotations"]["runbook"] == "drain and reset the GPU"
+    assert alert["annotations"]["evidence"] == "ecc_dbe_volatile=2"
+    assert alert["generatorURL"] == "http://grafana/d/gpusteward?fingerprint=fp-labels"
+    assert alert["status"]["state"] == "active"
+    assert abs(ends_at(alert) - (time.time() + 240)) < 30
+
+
+def test_resolved_finding_ends_the_alert_even_with_another_severity(alertmanager: str) -> None:
+    sink = AlertmanagerSink(alertmanager)
+    finding = firing("fp-resolve")
+
+    async def main() -> None:
+        await sink.deliver(finding)
+        assert len(active_alerts(alertmanager, "fp-resolve")) == 1
+        await sink.deliver(ending(finding))
+        await sink.close()
+
+    asyncio.run(main())
+    assert active_alerts(alertmanager, "fp-resolve") == []
+    assert sink.firing == {} and sink.pending_resolved == {}
+
+
+def test_a_restarted_sink_still_ends_the_alert_it_did_not_open(alertmanager: str) -> None:
+    finding = firing("fp-restart", severity="warning")
+
+    async def main() -> None:
+        first = AlertmanagerSink(alertmanager)
+        await first.deliver(finding)
+        await first.close()
+        assert len(active_alerts(alertmanager, "fp-restart")) == 1
+        after_restart = AlertmanagerSink(alertmanager)
+        await after_restart.deliver(ending(finding))
+        await after_restart.close()
+
+    asyncio.run(main())
+    assert active_alerts(alertmanager, "fp-restart") == []
+
+
+def test_firing_alerts_are_resent_before_they_expire(alertmanager: str) -> None:
+    offset = [0.0]
+    sink = AlertmanagerSink(alertmanager, resend_interval_s=60,
+                            clock=lambda: time.time() + offset[0])
+
+    async def main() -> tuple[float, float, float]:
+        await sink.deliver(firing("fp-resend"))
+        first = ends_at(active_alerts(alertmanager, "fp-resend")[0])
+        offset[0] = 30  # within the interval: nothing is re-sent
+        await sink.refresh()
+        unchanged = ends_at(active_alerts(alertmanager, "fp-resend")[0])
+        offset[0] = 61
+        await sink.refresh()
+        later = ends_at(active_alerts(alertmanager, "fp-resend")[0])
+        await sink.close()
+        return first, unchanged, later
+
+    first, unchanged, later = asyncio.run(main())
+    assert unchanged == first
+    # Re-sent one interval later: endsAt moved on by about that much, long before it passed.
+    assert 55 < later - first < 70
+
+
+def test_an_unreachable_alertmanager_keeps_the_alert_for_the_next_refresh(
+        alertmanager: str) -> None:
+    sink = AlertmanagerSink("http://127.0.0.1:9", timeout_s=2)
+    finding = firing("fp-retry")
+
+    async def main() -> None:
+        await sink.deliver(finding)  # connection refused: logged, kept
+        assert "fp-retry" in sink.firing
+        sink.url = alertmanager  # Alertmanager is back
+        await sink.refresh(force=True)
+        await sink.close()
+
+    asyncio.run(main())
+    assert len(active_alerts(alertmanager, "fp-retry")) == 1
+
+
+def test_findings_consumer_feeds_alertmanager_from_the_topic(alertmanager: str,
+                                                             settings: Settings) -> None:
+    fired = firing("fp-topic")
+
+    async def main() -> None:
+        await kafka.ensure_topics(settings)
+        producer = kafka.producer(settings)
+        await producer.start()
+        await producer.send_and_wait(topics.FINDINGS.name(settings), msgspec.json.encode(fired),
+                                     key=fired.fingerprint.encode())
+        await producer.send_and_wait(topics.FINDINGS.name(settings), msgspec.json.encode(fired),
+                                     key=fired.fingerprint.encode())  # a redelivery
+        stop = asyncio.Event()
+        seen: list[Finding] = []
+        consumer = FindingsConsumer(settings, [AlertmanagerSink(alertmanager)],
+                                    group_id="am-test", on_finding=seen.append)
+        task = asyncio.create_task(consumer.run(stop))
+        for _ in range(200):
+            if active_alerts(alertmanager, "fp-topic"):
+                break
+            await asyncio.sleep(0.05)
+        assert len(active_alerts(alertmanager, "fp-topic")) == 1
+        await producer.send_and_wait(topics.FINDINGS.name(settings),
+                                     msgspec.json.encode(ending(fired)),
+                                     key=fired.fingerprint.encode())
+        for _ in range(200):
+            if not active_alerts(alertmanager, "fp-topic"):
+                break
+            await asyncio.sleep(0.05)
+        stop.set()
+        await task
+        await producer.stop()
+        assert [f.state for f in seen] == ["firing", "resolved"]
+
+    asyncio.run(main())
+    assert active_alerts(alertmanager, "fp-topic") == []

@@ -1,0 +1,232 @@
+"""The remediation executor's guards: dry-run per rule, deny-lists, MIG policy, the breaker,
+idempotency across redelivery and restart, the audit trail and the dead-letter topic."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+import msgspec
+
+from gpusteward import kafka, topics
+from gpusteward.remediation.executor import (
+    Executor,
+    NoBackend,
+    RemediationSettings,
+    describe,
+    reset_breaker,
+)
+from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
+from gpusteward.schema import Action, ActionResult, ActionVerb, DeadLetter, Finding, PodRef, Subject
+from gpusteward.settings import Settings
+from tests.remediation.kube_double import KubeDouble, node, pod
+
+ENABLED = RemediationSettings(enabled_rules={"ecc_dbe"})
+
+
+def dbe_cordon(node_name: str, verb: ActionVerb = "cordon", rule: str = "ecc_dbe",
+               **params: str) -> Action:
+    return Action(idempotency_key=f"{node_name}-dbe/{verb}", verb=verb,
+                  target=Subject(node=node_name), reason=f"uncorrectable ECC error on {node_name}",
+                  rule=rule, finding_ids=[f"{node_name}-dbe"], ts=1000.0, params=params)
+
+
+def decide_all(executor: Executor, actions: Iterable[Action]) -> list[ActionResult]:
+    async def main() -> list[ActionResult]:
+        return [await executor.decide(a) for a in actions]
+    return asyncio.run(main())
+
+
+def fleet(kube: KubeDouble, size: int) -> list[str]:
+    names = [f"gpu-{i:02d}" for i in range(size)]
+    kube.state.add(*(node(n) for n in names))
+    return names
+
+
+def test_dry_run_is_the_default_and_execution_is_per_rule(
+        kube: KubeDouble, kube_settings: KubeSettings, settings: Settings) -> None:
+    fleet(kube, 4)
+    backend = KubernetesBackend(kube_settings)
+    dry = Executor(settings, backend)  # no execute, no enabled rules
+    executing_nothing_enabled = Executor(settings, backend, execute=True,
+                                         remediation=RemediationSettings())
+    executing = Executor(settings, backend, execute=True, remediation=ENABLED)
+    [a] = decide_all(dry, [dbe_cordon("gpu-00")])
+    [b] = decide_all(executing_nothing_enabled, [dbe_cordon("gpu-01")])
+    [c, d] = decide_all(executing, [dbe_cordon("gpu-02"),
+                                    dbe_cordon("gpu-03", rule="idle_holder")])
+    assert (a.outcome, b.outcome, c.outcome, d.outcome) == ("dry_run", "dry_run", "executed",
+                                                            "dry_run")
+    assert "executor in dry-run mode" in a.detail
+    assert "rule ecc_dbe is not enabled; --enable-rule ecc_dbe" in b.detail
+    assert a.detail.startswith("would cordon node gpu-00 (spec.unschedulable=true) because: "
+                               "uncorrectable ECC error on gpu-00")
+    assert kube.state.cordoned() == ["gpu-02"]
+
+
+def test_deny_lists_and_mig_policy_refuse(
+        kube: KubeDouble, kube_settings: KubeSettings, settings: Settings) -> None:
+    fleet(kube, 3)
+    kube.state.add(pod("kube-system", "coredns-1", "gpu-00"))
+    policy = RemediationSettings(enabled_rules={"*"}, deny_nodes={"gpu-0[1]"})
+    executor = Executor(settings, KubernetesBackend(kube_settings), execute=True,
+                        remediation=policy)
+    results = decide_all(executor, [
+        dbe_cordon("gpu-01"),
+        Action(idempotency_key="k/notify", verb="notify_owner",
+               target=Subject(pod=PodRef("kube-system", "coredns-1")), reason="idle",
+               rule="idle_holder", finding_ids=["k"], ts=1.0),
+        dbe_cordon("gpu-02", verb="set_mig_config", config="all-1g.10gb"),
+    ])
+    assert [r.outcome for r in results] == ["refused"] * 3
+    assert [r.detail for r in results] == [
+        "node gpu-01 is on the deny-list", "namespace kube-system is on the deny-list",
+        "MIG relabels are not allowed by policy (allow_mig_config is off)"]
+    assert kube.state.cordoned() == [] and kube.state.events == []
+    allowed = Executor(settings, KubernetesBackend(kube_settings), execute=True,
+                       remediation=RemediationSettings(enabled_rules={"*"},
+                                                       allow_mig_config=True))
+    [relabel] = decide_all(allowed, [dbe_cordon("gpu-02", verb="set_mig_config",
+                                                config="all-1g.10gb")])
+    assert relabel.outcome == "executed"
+
+
+def test_a_storm_on_half_the_fleet_cordons_no_more_than_the_breaker_allows(
+        kube: KubeDouble, kube_settings: KubeSettings, settings: Settings) -> None:
+    names = fleet(kube, 40)
+    storm = [dbe_cordon(n) for n in names[:20]]  # half the fleet reports DBE at once
+    executor = Executor(settings, KubernetesBackend(kube_settings), execute=True,
+                        remediation=ENABLED)
+    results = decide_all(executor, storm)
+    # 10 % of 40 GPU nodes (counted through the API) = 4 per window.
+    assert [r.outcome for r in results] == ["executed"] * 4 + ["refused"] * 16
+    assert kube.state.cordoned() == names[:4]
+    assert "circuit breaker tripped: 4 nodes of 40 GPU nodes already disrupted" in \
+        results[4].detail
+    assert all("circuit breaker open" in r.detail for r in results[5:])
+    # Open until reset: even an action on an already-cordoned node's drain is refused.
+    [later] = decide_all(executor, [dbe_cordon(names[30])])
+    assert later.outcome == "refused"
+
+
+def test_the_absolute_limit_holds_on_a_big_fleet(
+        kube: KubeDouble, kube_settings: KubeSettings, settings: Settings) -> None:
+    policy = RemediationSettings(enabled_rules={"*"}, breaker_max_nodes=3,
+                                 fleet_gpu_nodes=1250)
+    names = fleet(kube, 6)
+    executor = Executor(settings, KubernetesBackend(kube_settings), execute=True,
+                        remediation=policy)
+    results = decide_all(executor, [dbe_cordon(n) for n in names])
+    assert [r.outcome for r in results].count("executed") == 3
+    # A second verb on a node already disrupted in the window is not a new node.
+    fresh = Executor(settings, KubernetesBackend(kube_settings), execute=True,
+                     remediation=policy)
+    again = decide_all(fresh, [dbe_cordon(names[0], verb="taint"), dbe_cordon(names[0],
+                                                                                verb="drain")])
+    assert [r.outcome for r in again] == ["executed", "executed"]
+
+
+def test_a_redelivered_action_changes_nothing(
+        kube: KubeDouble, kube_settings: KubeSettings, settings: Settings) -> None:
+    fleet(kube, 10)
+    executor = Executor(settings, KubernetesBackend(kube_settings), execute=True,
+                        remediation=ENABLED)
+    first, again = decide_all(executor, [dbe_cordon("gpu-00"), dbe_cordon("gpu-00")])
+    assert (first.outcome, again.outcome) == ("executed", "skipped")
+    assert again.detail == "already executed (redelivered action)"
+    writes = [r for r in kube.state.requests if r[0] != "GET"]
+    assert len(writes) == 1
+
+
+def test_describe_says_what_each_verb_would_do() -> None:
+    texts = {verb: describe(dbe_cordon("gpu-1", verb=verb, config="all-3g.40gb"))
+             for verb in ("cordon", "taint", "drain", "set_mig_config")}
+    assert "evict its pods through the Eviction API" in texts["drain"]
+    assert "gpusteward.io/unhealthy:NoSchedule" in texts["taint"]
+    assert "nvidia.com/mig.config=all-3g.40gb" in texts["set_mig_config"]
+
+
+# -- on the broker: the audit trail, restarts, the dead-letter topic ---------------------------
+
+
+async def publish(settings: Settings, topic: str, values: Iterable[bytes]) -> None:
+    producer = kafka.producer(settings)
+    await producer.start()
+    try:
+        for value in values:
+            await producer.send_and_wait(topic, value, key=b"k")
+    finally:
+        await producer.stop()
+
+
+async def run_until(executor: Executor, settings: Settings, values: list[bytes],
+                    expected: int) -> list[ActionResult]:
+    """Publish ``values`` as actions; run ``executor`` until it decided ``expected`` of them."""
+    results: list[ActionResult] = []
+    executor.on_result = lambda _action, result: results.append(result)
+    stop = asyncio.Event()
+    task = asyncio.create_task(executor.run(stop))
+    await publish(settings, topics.ACTIONS.name(settings), values)
+    for _ in range(300):
+        if len(results) >= expected and (expected or _ > 30):
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # let the batch's audit records flush and the offsets commit
+    stop.set()
+    await task
+    return results
+
+
+def decode_all(settings: Settings, topic: str, kind: type) -> list:
+    records = asyncio.run(kafka.read_all(settings, topic))
+    return [msgspec.json.decode(r.value or b"", type=kind) for r in records]
+
+
+def test_breaker_state_and_executed_keys_survive_a_restart_until_reset(
+        kube: KubeDouble, kube_settings: KubeSettings, settings: Settings) -> None:
+    asyncio.run(kafka.ensure_topics(settings))
+    names = fleet(kube, 20)
+    encode = msgspec.json.encode
+    policy = RemediationSettings(enabled_rules={"ecc_dbe"})  # 10 % of 20 = 2
+
+    def executor(group: str) -> Executor:
+        return Executor(settings, KubernetesBackend(kube_settings), execute=True,
+                        group_id=group, remediation=policy)
+
+    storm = [encode(dbe_cordon(n)) for n in names[:10]]
+    first = asyncio.run(run_until(executor("g1"), settings, [*storm, b"{not json"], 10))
+    assert [r.outcome for r in first].count("executed") == 2
+    assert kube.state.cordoned() == names[:2]
+
+    audit = decode_all(settings, topics.ACTION_RESULTS.name(settings), ActionResult)
+    assert sorted(r.outcome for r in audit if not r.idempotency_key.startswith("breaker/")) == \
+        ["executed"] * 2 + ["refused"] * 8
+    assert len([r for r in audit if r.idempotency_key.startswith("breaker/trip/")]) == 1
+    [breaker] = decode_all(settings, topics.FINDINGS.name(settings), Finding)
+    assert (breaker.kind, breaker.state, breaker.severity) == (
+        "remediation_breaker", "firing", "critical")
+    [letter] = decode_all(settings, topics.DEADLETTER.name(settings), DeadLetter)
+    assert letter.value == b"{not json" and "undecodable action" in letter.error
+    assert letter.source_topic == topics.ACTIONS.name(settings) and letter.offset == 10
+
+    # A restart (another group reads the whole topic again): the breaker is still open and
+    # the executed cordons are not repeated.
+    writes_before = len([r for r in kube.state.requests if r[0] != "GET"])
+    again = asyncio.run(run_until(executor("g2"), settings, [encode(dbe_cordon(names[15]))],
+                                  11))
+    assert sorted(r.outcome for r in again) == ["refused"] * 9 + ["skipped"] * 2
+    assert len([r for r in kube.state.requests if r[0] != "GET"]) == writes_before
+
+    # An explicit reset closes it: the next executor cordons again and the finding resolves.
+    asyncio.run(reset_breaker(settings, "alice", "driver roll-out finished"))
+    after = asyncio.run(run_until(executor("g3"), settings, [encode(dbe_cordon(names[16]))],
+                                  12))
+    assert [r.outcome for r in after].count("executed") == 2  # limit 2 again after the reset
+    states = [f.state for f in decode_all(settings, topics.FINDINGS.name(settings), Finding)]
+    assert states[:2] == ["firing", "resolved"]
+
+
+def test_no_backend_refuses_and_dry_run_only_describes(settings: Settings) -> None:
+    executor = Executor(settings, NoBackend(), execute=True, remediation=ENABLED)
+    [result] = decide_all(executor, [dbe_cordon("gpu-1")])
+    assert (result.outcome, result.detail) == ("refused", "backend none cannot cordon")

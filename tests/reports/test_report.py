@@ -1,0 +1,142 @@
+"""The report's numbers equal direct polars computations on the same Parquet files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from gpusteward.reports import build, compute, render, store
+from gpusteward.reports.settings import ReportSettings
+from gpusteward.sandbox import rollups as synthetic
+from gpusteward.schema import Rollup
+
+WEEK = compute.parse_week("2026-W47")
+PRICES = {"NVIDIA H100 80GB HBM3": 3.5, "NVIDIA A100-SXM4-80GB": 2.2}
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, build.Report, pl.DataFrame]:
+    directory = tmp_path_factory.mktemp("rollups")
+    rows = synthetic.week_of_rollups(WEEK.start, gpus=24, workloads=10, teams=3, seed=3)
+    store.write(directory, rows)
+    # A row of the week before and a redelivered copy of one row: neither may count.
+    store.write(directory, rows.head(1).with_columns(pl.col("ts") - 86400))
+    store.write(directory, rows.slice(500, 1))
+    report = build.build(directory, WEEK, ReportSettings())
+    raw = pl.read_parquet(store.files(directory, WEEK.start - 86400, WEEK.end))
+    week = raw.filter(pl.col("ts") >= WEEK.start).unique(subset=["uuid", "ts"])
+    return directory, report, week
+
+
+def test_week_parsing() -> None:
+    assert compute.parse_week("2026-W47").start == 1_763_337_600.0 + 52 * 7 * 86400
+    with pytest.raises(compute.WeekError, match="YYYY-Www"):
+        compute.parse_week("2026-47")
+    with pytest.raises(compute.WeekError, match="does not exist"):
+        compute.parse_week("2026-W60")
+
+
+def test_totals_equal_direct_computation(built: tuple[Path, build.Report, pl.DataFrame]) -> None:
+    _, report, week = built
+    held = week.filter(pl.col("pod").is_not_null())
+    idle = held.filter(pl.col("util_max") < 5)
+    totals = report.data["totals"]
+    assert totals["device_minutes"] == week.height == 24 * 7 * 1440
+    assert totals["allocated_gpu_hours"] == pytest.approx(held.height / 60)
+    assert totals["used_gpu_hours"] == pytest.approx(
+        held.select((pl.col("util_mean").cast(pl.Float64) / 100 / 60).sum()).item())
+    assert totals["idle_gpu_hours"] == pytest.approx(idle.height / 60)
+    price = pl.col("model").replace_strict(PRICES, return_dtype=pl.Float64)
+    assert totals["idle_cost_usd"] == pytest.approx(idle.select((price / 60).sum()).item())
+    assert totals["allocated_cost_usd"] == pytest.approx(held.select((price / 60).sum()).item())
+
+
+def test_team_and_day_tables_equal_direct_computation(
+        built: tuple[Path, build.Report, pl.DataFrame]) -> None:
+    _, report, week = built
+    held = week.filter(pl.col("pod").is_not_null())
+    expected = {team: (group.height / 60,
+                       group.filter(pl.col("util_max") < 5).height / 60)
+                for (team,), group in held.group_by("team")}
+    got = {r["team"]: (r["allocated_gpu_hours"], r["idle_gpu_hours"])
+           for r in report.data["teams"]}
+    assert got.keys() == expected.keys()
+    for team, (allocated, idle) in expected.items():
+        assert got[team] == pytest.approx((allocated, idle))
+    by_day: dict[str, float] = {}
+    for row in report.data["daily"]:
+        by_day[row["day"]] = by_day.get(row["day"], 0.0) + row["allocated_gpu_hours"]
+    assert sorted(by_day) == [d.isoformat() for d in WEEK.days]
+    assert sum(by_day.values()) == pytest.approx(held.height / 60)
+
+
+def test_workload_percentiles_faults_and_fragmentation(
+        built: tuple[Path, build.Report, pl.DataFrame]) -> None:
+    _, report, week = built
+    held = week.filter(pl.col("pod").is_not_null())
+    first = report.data["workloads"][0]
+    mine = held.filter(pl.col("owner_name") == first["owner_name"])
+    assert first["util_p50"] == pytest.approx(mine["util_mean"].quantile(0.5, "linear"))
+    assert first["devices"] == mine["uuid"].n_unique()
+    assert sum(r["xid_events"] for r in report.data["faults"]) == week["xid_count"].sum()
+    assert sum(r["ecc_dbe_errors"] for r in report.data["faults"]) == week["ecc_dbe_new"].sum()
+    # Fragmentation of the first hour, by hand: per minute and node, free GPUs.
+    hour = week.filter(pl.col("ts") < WEEK.start + 3600)
+    free: dict[float, tuple[int, int]] = {}
+    for (ts, _node), group in hour.group_by("ts", "node"):
+        n = group["pod"].null_count()
+        total, usable = free.get(ts, (0, 0))
+        free[ts] = (total + n, usable + n // 4 * 4)
+    stranded = 1 - sum(u for _, u in free.values()) / sum(t for t, _ in free.values())
+    assert report.data["fragmentation"][0]["stranded_share"] == pytest.approx(stranded)
+
+
+def test_three_formats_carry_the_same_numbers(
+        built: tuple[Path, build.Report, pl.DataFrame], tmp_path: Path) -> None:
+    _, report, _ = built
+    paths = {p.name: p for p in render.write(report, tmp_path)}
+    assert set(paths) == {"report.html", "report.md", "report.json", "mig-parted.yaml"}
+    data = json.loads(paths["report.json"].read_text())
+    assert data["totals"] == report.data["totals"]
+    markdown = paths["report.md"].read_text()
+    html = paths["report.html"].read_text()
+    for team in report.data["teams"]:
+        cell = f"{team['allocated_gpu_hours']:,.1f}"
+        assert f"| {team['team']} | {cell} |" in markdown
+        assert f"<td>{cell}</td>" in html
+    assert html.count("<svg") == 7 and "<script" not in html and "http://" not in \
+        html.replace("http://www.w3.org/2000/svg", "")
+
+
+def _rows(owner: str, devices: int, minutes: int, util: float, mem_gib: float,
+          start: float) -> list[Rollup]:
+    return [Rollup(ts=start + m * 60, node="n1", uuid=f"GPU-{owner}-{d}", index=d,
+                   model="NVIDIA H100 80GB HBM3", samples=4, util_mean=util, util_max=util,
+                   mem_used_max=int(mem_gib * GIB), mem_total_bytes=80 * GIB,
+                   namespace="ml", pod=f"{owner}-{d}", owner_kind="Job", owner_name=owner,
+                   team="t")
+            for m in range(minutes) for d in range(devices)]
+
+
+def test_recommendations_follow_percentile_headroom_and_minimum_points(tmp_path: Path) -> None:
+    rows = (_rows("wide", 4, 120, 10.0, 6.0, WEEK.start)       # 4 GPUs, 0.4 GPU busy
+            + _rows("small", 1, 120, 10.0, 6.0, WEEK.start)    # fits a 1g.10gb
+            + _rows("short", 1, 30, 10.0, 6.0, WEEK.start))    # too few minutes
+    store.write(tmp_path, store.frame(rows))
+    report = build.build(tmp_path, WEEK, ReportSettings(min_points=60))
+    advice = {(r["workload"], r["kind"]): r for r in report.data["recommendations"]}
+    fewer = advice[("ml/job/wide", "fewer_gpus")]
+    assert (fewer["current"], fewer["recommended"]) == ("4.0 GPUs", "1 GPUs")
+    # 3 of 4 GPUs for 2 hours at the H100 price.
+    assert fewer["saving_usd"] == pytest.approx(3 * 2 * 3.5)
+    mig = advice[("ml/job/small", "mig_profile")]
+    assert mig["recommended"] == "1 x 1g.10gb"
+    assert mig["saving_usd"] == pytest.approx(2 * 3.5 * 6 / 7)
+    assert not any(w == "ml/job/short" for w, _ in advice)
+    pools = {p["pool"]: p for p in report.data["mig"]["pools"]}
+    assert pools["H100-80GB"]["gpus"] == 6
+    assert pools["H100-80GB"]["instances"].get("1g.10gb", 0) >= 5

@@ -1,0 +1,60 @@
+"""The rollup sink on the embedded broker: topic in, Parquet out, bad records dead-lettered."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+import polars as pl
+import pytest
+from aiokafka import ConsumerRecord
+
+from gpusteward import kafka, topics
+from gpusteward.reports import store
+from gpusteward.reports.settings import ReportSettings
+from gpusteward.reports.sink import RollupSink
+from gpusteward.schema import DeadLetter, Rollup
+from gpusteward.settings import Settings
+
+T0 = 1_763_337_600.0
+
+
+@pytest.mark.e2e
+def test_sink_writes_what_it_reads_and_dead_letters_the_rest(settings: Settings,
+                                                             tmp_path: Path) -> None:
+    report = ReportSettings(flush_rows=4, flush_interval_s=0.5, retention_days=30)
+    rollups = [Rollup(ts=T0 + 60 * i, node=f"n{i % 3}", uuid=f"GPU-{i % 3}", model="m",
+                      samples=4, util_mean=float(i)) for i in range(10)]
+
+    async def main() -> tuple[RollupSink, list[ConsumerRecord]]:
+        await kafka.ensure_topics(settings)
+        producer = kafka.producer(settings)
+        await producer.start()
+        topic = topics.ROLLUPS.name(settings)
+        for rollup in rollups[:5]:
+            await producer.send(topic, msgspec.json.encode(rollup), key=rollup.node.encode())
+        await producer.send(topic, b"{not json", key=b"n0")
+        for rollup in rollups[5:]:
+            await producer.send(topic, msgspec.json.encode(rollup), key=rollup.node.encode())
+        await producer.flush()
+        await producer.stop()
+        sink = RollupSink(settings, report, directory=tmp_path)
+        stop = asyncio.Event()
+        task = asyncio.create_task(sink.run(stop))
+        for _ in range(300):
+            if sink.rows_written + len(sink.buffer) >= 10 and sink.dead_lettered == 1:
+                break
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        return sink, await kafka.read_all(settings, topics.DEADLETTER.name(settings))
+
+    sink, dead = asyncio.run(main())
+    assert sink.rows_written == 10 and sink.buffer == []
+    frame = store.scan(tmp_path, T0, T0 + 86400).collect().sort("ts")
+    assert frame["util_mean"].to_list() == [float(i) for i in range(10)]
+    assert frame.schema["util_mean"] == pl.Float32
+    assert len(dead) == 1
+    letter = msgspec.json.decode(dead[0].value or b"", type=DeadLetter)
+    assert letter.value == b"{not json" and letter.source_topic.endswith("rollups.v1")
