@@ -341,17 +341,19 @@ def test_the_nvml_protocol_is_pynvml_and_the_fake_implements_it():
         assert list(fake)[1:] == list(ours)[1:], name
 
 
-def test_fake_nvml_setting_runs_the_collector_on_a_yaml_description(nvml_data, publisher):
+def test_run_nvml_collector_samples_the_nvml_it_is_given(nvml_data, fake_nvml, publisher):
+    # The CLI passes the sandbox's fake when `fake_nvml` is set (the collector itself
+    # never loads the sandbox); here the fake is passed directly.
     from gpusteward.collectors.nvml import NvmlSettings, run_nvml_collector
 
     settings = NvmlSettings(node_name="demo-node", interval_s=0.02, event_wait_ms=50,
-                            pod_resources_socket=None,
-                            fake_nvml=str(nvml_data / "mixed-node.yaml"))
+                            pod_resources_socket=None)
     registry = CollectorRegistry()
 
     async def scenario():
         stop = asyncio.Event()
         task = asyncio.create_task(run_nvml_collector(settings, publisher, stop,
+                                                      nvml=fake_nvml("mixed-node"),
                                                       registry=registry))
         await publisher.wait_for(lambda p: len(p.samples) >= 2)
         stop.set()
