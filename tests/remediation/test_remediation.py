@@ -1,5 +1,6 @@
 """The remediation executor's guards: dry-run per rule, deny-lists, MIG policy, the breaker,
-idempotency across redelivery and restart, the audit trail and the dead-letter topic.
+idempotency across redelivery and restart, retries of temporary errors, the audit trail and
+the dead-letter topic.
 
 The decisions need no broker (the executor decides before it publishes): those tests use
 plain settings and the API double; one test runs the whole loop on the broker.
@@ -188,12 +189,14 @@ def decode_all(settings: Settings, topic: str, kind: type) -> list:
     return [msgspec.json.decode(r.value or b"", type=kind) for r in records]
 
 
-def test_breaker_state_and_executed_keys_survive_a_restart_until_reset(
+def test_the_loop_audits_retries_and_keeps_breaker_and_keys_across_a_restart_until_reset(
         kube: KubeApiServer, kube_settings: KubeSettings, settings: Settings) -> None:
     asyncio.run(kafka.ensure_topics(settings))
     names = fleet(kube, 20)
     encode = msgspec.json.encode
-    policy = RemediationSettings(enabled_rules={"ecc_dbe"})  # 10 % of 20 = 2
+    # 10 % of 20 = 2; short backoff: the first cordon meets one 503 and is tried again.
+    policy = RemediationSettings(enabled_rules={"ecc_dbe"}, retry_backoff_s=0.01)
+    kube.fail("PATCH", 1, status=503, path="/nodes/")
 
     def executor(group: str) -> Executor:
         return Executor(settings, KubernetesBackend(kube_settings), execute=True,
@@ -206,7 +209,14 @@ def test_breaker_state_and_executed_keys_survive_a_restart_until_reset(
 
     audit = decode_all(settings, topics.ACTION_RESULTS.name(settings), ActionResult)
     assert sorted(r.outcome for r in audit if not r.idempotency_key.startswith("breaker/")) == \
-        ["executed"] * 2 + ["refused"] * 8
+        ["executed"] * 2 + ["refused"] * 8 + ["retrying"]
+    [retried] = [r for r in audit if r.outcome == "retrying"]
+    assert (retried.idempotency_key, retried.attempt) == (f"{names[0]}-dbe/cordon", 1)
+    assert retried.error and retried.error.startswith("ServerError: 503 ServiceUnavailable")
+    [final] = [r for r in audit if r.idempotency_key == retried.idempotency_key
+               and r.outcome != "retrying"]
+    assert (final.outcome, final.attempt, final.error) == ("executed", 2, None)
+    assert audit.index(retried) < audit.index(final)
     assert len([r for r in audit if r.idempotency_key.startswith("breaker/trip/")]) == 1
     [breaker] = decode_all(settings, topics.FINDINGS.name(settings), Finding)
     assert (breaker.kind, breaker.state, breaker.severity) == (
