@@ -71,6 +71,7 @@ import msgspec
 from pydantic import BaseModel, Field
 
 from gpusteward.collectors.publisher import Publisher
+from gpusteward.errors import TemporaryError
 from gpusteward.schema import (
     AllocationEvent,
     NodeInventory,
@@ -182,11 +183,11 @@ class Delta:
     """The object; None for a deletion found by a relist (the object is gone)."""
 
 
-class Gone(Exception):
+class Gone(TemporaryError):
     """The resourceVersion is too old (410): relist."""
 
 
-class WatchError(Exception):
+class WatchError(TemporaryError):
     """The server ended a watch with an error other than 410."""
 
 

@@ -60,6 +60,7 @@ from gpusteward.collectors.attribution import (
     PodResourcesError,
 )
 from gpusteward.collectors.publisher import Publisher
+from gpusteward.errors import PermanentError, TemporaryError
 from gpusteward.schema import DeviceSample, HwEvent, NodeSample
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class Nvml(Protocol):
     def nvmlGpmMetricsGet(self, metrics_get: Any) -> Any: ...
 
 
-class NvmlUnavailable(Exception):
+class NvmlUnavailable(PermanentError):
     """NVML cannot be used on this machine (no driver, no library, version mismatch)."""
 
 
@@ -223,7 +224,7 @@ class CollectorMetrics:
             registry=registry)
 
 
-class _GpuUnavailable(Exception):
+class _GpuUnavailable(TemporaryError):
     """Raised inside a tick when the GPU being read has gone."""
 
 

@@ -14,12 +14,13 @@ from typing import Protocol
 
 from gpusteward.collectors.metrics import CollectorMetrics
 from gpusteward.collectors.publisher import Publisher
+from gpusteward.errors import TemporaryError
 from gpusteward.schema import HwEvent, NodeSample
 
 log = logging.getLogger(__name__)
 
 
-class SourceError(Exception):
+class SourceError(TemporaryError):
     """A read of a source that produced nothing publishable this tick.
 
     ``reason`` is a short stable word (unreachable, http_status, truncated,

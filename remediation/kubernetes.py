@@ -36,6 +36,13 @@ What each verb does, and the API permissions it needs:
   Operator's MIG manager applies (patch nodes); the executor only lets it
   through when policy allows.
 - the breaker's fleet size: list nodes.
+
+Every API call goes through :meth:`KubernetesBackend._call`, which turns the
+client's exceptions into :mod:`gpusteward.errors`: 404, 409 and 422 are
+permanent (``NotFound``, ``Conflict``, ``Invalid``); 429, 5xx, timeouts and
+refused connections are temporary, with the server's ``Retry-After`` as the
+delay. A verb lets temporary errors out, and the executor tries the whole
+verb again after a backoff; that is safe because each verb reads first.
 """
 
 from __future__ import annotations
@@ -52,7 +59,21 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from pydantic import BaseModel, Field
+from urllib3.exceptions import HTTPError as TransportError
+from urllib3.exceptions import MaxRetryError
+from urllib3.exceptions import TimeoutError as TransportTimeout
 
+from gpusteward.errors import (
+    ApiError,
+    ApiTimeout,
+    ApiUnreachable,
+    Conflict,
+    NotFound,
+    PermanentError,
+    TooManyRequests,
+    api_error,
+    cut,
+)
 from gpusteward.schema import Action, Outcome, PodRef
 
 log = logging.getLogger(__name__)
@@ -98,12 +119,16 @@ class KubeSettings(BaseModel):
     request_timeout_s: float = Field(30.0, gt=0, description="Per API request, seconds.")
 
 
-def _status_reason(error: ApiException) -> str:
-    try:
-        body = json.loads(error.body or "{}")
-        return str(body.get("message") or error.reason)[:300]
-    except ValueError:
-        return str(error.reason)[:300]
+def _mapped(error: Exception) -> ApiError:
+    """The :mod:`gpusteward.errors` error for an exception of the client or its transport."""
+    if isinstance(error, ApiException):
+        headers = error.headers or {}
+        return api_error(error.status or 0, error.body, reason=str(error.reason or ""),
+                         retry_after_header=headers.get("Retry-After"))
+    cause = error.reason if isinstance(error, MaxRetryError) else error
+    if isinstance(cause, TransportTimeout):
+        return ApiTimeout(0, "Timeout", cut(str(cause)))
+    return ApiUnreachable(0, "Unreachable", cut(str(cause)))
 
 
 class KubernetesBackend:
@@ -133,9 +158,12 @@ class KubernetesBackend:
                                                  context=self.settings.context)
 
     async def _call(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """One API call in a worker thread, with the request timeout."""
+        """One API call in a worker thread, with the request timeout; errors mapped."""
         kwargs.setdefault("_request_timeout", self.settings.request_timeout_s)
-        return await asyncio.to_thread(function, *args, **kwargs)
+        try:
+            return await asyncio.to_thread(function, *args, **kwargs)
+        except (ApiException, TransportError, OSError) as error:
+            raise _mapped(error) from error
 
     async def _json(self, function: Callable[..., Any], *args: Any, **kwargs: Any
                     ) -> dict[str, Any]:
@@ -198,10 +226,8 @@ class KubernetesBackend:
             try:
                 await self._patch_node(node, {"metadata": {"resourceVersion": version},
                                               "spec": {"taints": taints}})
-            except ApiException as error:
-                if error.status == 409:  # someone changed the node meanwhile: read again
-                    continue
-                raise
+            except Conflict:  # someone changed the node meanwhile: read again
+                continue
             return "executed", f"tainted {node} with {key}={value}:{effect}"
         return "failed", f"{node} kept changing under the taint patch (5 conflicts)"
 
@@ -253,12 +279,12 @@ class KubernetesBackend:
         try:
             await self._call(self.core.create_namespaced_pod_eviction, name, namespace, body,
                              _preload_content=False)
-        except ApiException as error:
-            if error.status == 404:
-                return "gone", "already gone"
-            if error.status == 429:
-                return "blocked", _status_reason(error)
-            return "error", f"{error.status}: {_status_reason(error)}"
+        except NotFound:
+            return "gone", "already gone"
+        except TooManyRequests as error:  # a PodDisruptionBudget forbids it now
+            return "blocked", error.message
+        except ApiError as error:
+            return "error", str(error)
         return "evicted", ""
 
     async def drain(self, action: Action) -> tuple[Outcome, str]:
@@ -334,10 +360,8 @@ class KubernetesBackend:
         if workload is None and pod_ref is not None:
             try:
                 pod = await self._pod(pod_ref)
-            except ApiException as error:
-                if error.status == 404:
-                    return "skipped", f"pod {pod_ref.namespace}/{pod_ref.name} is already gone"
-                raise
+            except NotFound:
+                return "skipped", f"pod {pod_ref.namespace}/{pod_ref.name} is already gone"
             labels = pod["metadata"].get("labels") or {}
             annotations = pod["metadata"].get("annotations") or {}
             workload = (annotations.get("kueue.x-k8s.io/workload")
@@ -380,10 +404,8 @@ class KubernetesBackend:
         try:
             await self._call(self.core.delete_namespaced_pod, ref.name, ref.namespace,
                              _preload_content=False)
-        except ApiException as error:
-            if error.status == 404:
-                return "skipped", f"pod {ref.namespace}/{ref.name} is already gone"
-            raise
+        except NotFound:
+            return "skipped", f"pod {ref.namespace}/{ref.name} is already gone"
         return "executed", (f"deleted pod {ref.namespace}/{ref.name}; Job "
                             f"{controller.get('name')} recreates it elsewhere")
 
@@ -393,10 +415,8 @@ class KubernetesBackend:
             return "failed", "notify_owner needs a pod"
         try:
             pod = await self._pod(ref)
-        except ApiException as error:
-            if error.status == 404:
-                return "skipped", f"pod {ref.namespace}/{ref.name} is gone"
-            raise
+        except NotFound:
+            return "skipped", f"pod {ref.namespace}/{ref.name} is gone"
         annotations = pod["metadata"].get("annotations") or {}
         notice = action.reason[:1000]
         if annotations.get(NOTICE_ANNOTATION) == notice:
@@ -425,7 +445,7 @@ class KubernetesBackend:
 
 def _require(value: str | None, message: str) -> str:
     if not value:
-        raise ValueError(message)
+        raise PermanentError(message)
     return value
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from gpusteward.errors import ConfigError
 from gpusteward.rules import ecc, hardware, idle, xid
 from gpusteward.rules import fragmentation as fleet_fragmentation
 from gpusteward.rules import queue as fleet_queue
@@ -35,7 +36,7 @@ REGISTRY[fleet_queue.WAIT_KIND] = fleet_queue.QueueSloSettings
 REGISTRY[fleet_spot.KIND] = fleet_spot.SpotSettings
 
 
-class UnknownRuleError(KeyError):
+class UnknownRuleError(ConfigError, KeyError):
     """A rule name that is not registered."""
 
     def __str__(self) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gpusteward.errors import ConfigError
 from gpusteward.rules import REGISTRY, ecc, hardware, idle, xid
 
 POLICY_ENV = "GPUSTEWARD_POLICY_FILE"
@@ -94,7 +95,7 @@ class PolicyIssue:
     message: str
 
 
-class PolicyError(ValueError):
+class PolicyError(ConfigError, ValueError):
     """A policy file that cannot be used; ``issues`` locates every problem found."""
 
     def __init__(self, origin: str, issues: list[PolicyIssue]) -> None:

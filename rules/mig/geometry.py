@@ -27,13 +27,15 @@ from typing import Any
 
 import yaml
 
+from gpusteward.errors import PermanentError
+
 Layout = Mapping[str, int]
 """Instances on one GPU: profile name -> count. Zero counts are ignored."""
 
 _NAME = re.compile(r"^(?P<g>\d+)g\.(?P<gb>\d+)gb(?P<suffix>.*)$")
 
 
-class GeometryError(ValueError):
+class GeometryError(PermanentError, ValueError):
     """A profile file or a layout that does not make sense."""
 
 

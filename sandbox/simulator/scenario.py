@@ -16,6 +16,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from gpusteward.errors import ConfigError
+
 Range = tuple[float, float]
 
 
@@ -135,7 +137,7 @@ class Scenario(BaseModel):
         return self
 
 
-class ScenarioError(ValueError):
+class ScenarioError(ConfigError, ValueError):
     """A scenario file that cannot be used; the message names the file and field."""
 
 

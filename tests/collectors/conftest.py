@@ -65,10 +65,13 @@ class FakeExporter:
             self._server = None
 
 
+RESEARCH = Path(__file__).resolve().parents[1] / "data" / "research"
+
+
 @pytest.fixture
-def dcgm_page(shared_data: Path) -> str:
+def dcgm_page() -> str:
     """The dcgm-exporter page of one node with two H100s, one MIG-partitioned."""
-    return (shared_data / "dcgm_exporter_metrics.txt").read_text()
+    return (RESEARCH / "dcgm_exporter_metrics.txt").read_text()
 
 
 @pytest.fixture
