@@ -114,7 +114,8 @@ class KubeSettings(BaseModel):
         60.0, gt=0, description="How long requeue waits for Kueue to evict a deactivated "
         "workload before reactivating it, seconds.")
     notebook_version: str = Field(
-        "v1", description="Kubeflow Notebook API version (kubeflow.org/v1 since Kubeflow 1.3).")
+        "v1", description="Kubeflow Notebook API version (v1 is served by current Kubeflow "
+        "releases, beside the older v1beta1).")
     kueue_version: str = Field(
         "v1beta1", description="Kueue API version: v1beta1 is served by every Kueue release "
         "(deprecated from 0.15, where v1beta2 is the storage version).")
