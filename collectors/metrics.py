@@ -42,6 +42,12 @@ class CollectorMetrics:
             "Reads of a source that produced nothing publishable, by source and reason.",
             ["source", "reason"], registry=self.registry,
         )
+        self.missing_field_families = Counter(
+            "gpusteward_collect_missing_field_families_total",
+            "Source answers that lacked every metric of a field family some rule reads "
+            "(e.g. ECC counters switched off in dcgm-exporter), by source and family.",
+            ["source", "family"], registry=self.registry,
+        )
         self.scrape_seconds = Histogram(
             "gpusteward_collect_scrape_duration_seconds",
             "Time to read and parse one source answer.",

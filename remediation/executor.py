@@ -67,6 +67,7 @@ from rich.markup import escape
 from gpusteward import kafka, topics
 from gpusteward.errors import TemporaryError, cut
 from gpusteward.rules.findings import finding_id, fingerprint
+from gpusteward.rules.idle import RECLAIM_REASON
 from gpusteward.schema import Action, ActionResult, DeadLetter, Finding, Outcome, Subject
 from gpusteward.settings import Settings
 
@@ -179,7 +180,11 @@ def describe(action: Action) -> str:
         "drain": f"drain node {where}: cordon it, then evict its pods through the Eviction API "
                  "(PodDisruptionBudgets respected; DaemonSet and mirror pods left)",
         "requeue": f"requeue {where}: deactivate and reactivate its Kueue workload, or delete "
-                   "the pod of a plain Job so its controller recreates it",
+                   "the pod of a plain Job so its controller recreates it"
+                   if params.get("reason") != RECLAIM_REASON else
+                   f"reclaim the GPUs of {where} through its owner (stop a Kubeflow Notebook, "
+                   "scale a Deployment or StatefulSet to 0, requeue a Job or Kueue workload; "
+                   "undo with `gpusteward act --restore KIND/NAMESPACE/NAME`)",
         "notify_owner": f"notify the owner of {where} (a Kubernetes Event and an annotation)",
         "set_mig_config": f"set nvidia.com/mig.config={params.get('config', '?')} on node {where}",
     }
@@ -563,6 +568,40 @@ class Executor:
         if self.on_result:
             self.on_result(action, result)
         return result
+
+
+RESTORE_PREFIX = "restore/"
+
+
+async def restore(settings: Settings, backend: Any, target: str, operator: str) -> ActionResult:
+    """Undo a reclaim on ``target`` (``KIND/NAMESPACE/NAME``) and audit it.
+
+    An operator's command, not an action from the topic: it bypasses the
+    executor's guards (the owner asked for the GPUs back) but is recorded on the
+    audit topic like any decision, keyed ``restore/KIND/NAMESPACE/NAME/<ms>``.
+    The schema has no restore verb, so the record carries ``requeue``, the verb
+    whose reclaim it undoes.
+    """
+    parts = target.split("/")
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"--restore takes KIND/NAMESPACE/NAME, not {target!r}")
+    outcome, detail = await backend.restore(*parts)
+    now = time.time()
+    record = ActionResult(
+        idempotency_key=f"{RESTORE_PREFIX}{target}/{round(now * 1000)}", verb="requeue",
+        # Subject has no field for a Deployment or a Notebook: the key and detail name it.
+        target=Subject(), outcome=outcome,
+        detail=f"restore {target} by {operator}: {detail}",
+        actor=f"{operator}/{backend.name}", ts=now)
+    producer = kafka.producer(settings)
+    await producer.start()
+    try:
+        await producer.send_and_wait(topics.ACTION_RESULTS.name(settings),
+                                     msgspec.json.encode(record),
+                                     key=record.idempotency_key.encode())
+    finally:
+        await producer.stop()
+    return record
 
 
 async def reset_breaker(settings: Settings, operator: str, reason: str = "") -> ActionResult:

@@ -270,8 +270,10 @@ def test_policy_configmap_is_mounted_where_the_setting_points(rendered):
         (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
         policy_map = rendered.named("ConfigMap", volume["configMap"]["name"])
         policy = yaml.safe_load(policy_map["data"][mount["subPath"]])
-        assert policy["idle"] == {"threshold_pct": 5, "window_s": 1800, "grace_s": 600}
-        assert policy["ecc_dbe"] == {"cordon": True}
+        # The shipped file's shape (tests/deploy/test_config_files.py checks it loads and
+        # equals rules/policy.yaml).
+        assert policy["rules"]["idle_holder"]["window_s"] == 1800
+        assert policy["rules"]["ecc_dbe"] == {"cordon": True}
 
 
 def test_production_kafka_settings_load_as_sasl_scram_over_tls(render, monkeypatch):
