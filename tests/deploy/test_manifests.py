@@ -20,6 +20,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.deploy.conftest import REPO
+
 from gpusteward.settings import Settings
 
 pytestmark = pytest.mark.deploy
@@ -269,9 +271,8 @@ def test_policy_configmap_is_mounted_where_the_setting_points(rendered):
         (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == path]
         (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
         policy_map = rendered.named("ConfigMap", volume["configMap"]["name"])
-        policy = yaml.safe_load(policy_map["data"][mount["subPath"]])
-        assert policy["idle"] == {"threshold_pct": 5, "window_s": 1800, "grace_s": 600}
-        assert policy["ecc_dbe"] == {"cordon": True}
+        shipped = (REPO / "rules" / "policy.yaml").read_text()
+        assert policy_map["data"][mount["subPath"]] == shipped
 
 
 def test_production_kafka_settings_load_as_sasl_scram_over_tls(render, monkeypatch):
