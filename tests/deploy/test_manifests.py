@@ -18,11 +18,9 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
-
-from tests.deploy.conftest import REPO
 
 from gpusteward.settings import Settings
+from tests.deploy.conftest import REPO
 
 pytestmark = pytest.mark.deploy
 
