@@ -437,6 +437,18 @@ class KubeApiServer:
         """The newest resourceVersion."""
         return self._store.rv
 
+    def latest_change(self, plural: str) -> int:
+        """The resourceVersion of the newest change to a resource (``pods``), 0 for none.
+
+        A watcher that has seen it has seen everything of that resource, without
+        waiting for a bookmark to move it past changes to other resources.
+        """
+        with self._cond:
+            for change in reversed(self._store.history):
+                if change.resource.plural == plural:
+                    return change.rv
+        return 0
+
     def get(self, kind: str, name: str, namespace: str = "", group: str = "") -> Obj:
         """A copy of the current object; KeyError when absent."""
         resource = _BY_KIND[(group, kind)]
