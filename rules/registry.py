@@ -193,6 +193,19 @@ class Registry(Mapping[str, Rule]):
         finally:
             self.unregister(rule.name)
 
+    @contextmanager
+    def preserved(self) -> Iterator[Registry]:
+        """The registry as it is now, put back after the block whatever it adds or removes
+        (every test starts from the shipped rules)."""
+        saved = list(self._rules.values())
+        try:
+            yield self
+        finally:
+            self._rules.clear()
+            self._by_kind.clear()
+            for rule in saved:
+                self.register(rule)
+
     @property
     def kinds(self) -> Mapping[str, Rule]:
         """Every finding kind the registered rules emit -> the rule that emits it."""
