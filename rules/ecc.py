@@ -94,9 +94,17 @@ def observe(
     return out
 
 
-def observe_sample(track: EccTrack, node: str, device: DeviceSample, holder: object,
-                   ts: float, settings: EccSettings) -> list[Finding | Action]:
-    """The registry's sample hook: the sample's volatile DBE count."""
+def observe_sample(track: EccTrack, node: str, device: DeviceSample, ts: float,
+                   settings: EccSettings, holder: object = None) -> list[Finding | Action]:
+    """The registry's sample hook: the sample's volatile DBE count. A zero count with no
+    episode open, the reading of almost every sample, returns at once."""
+    last = track.last_sample_ts
+    if last is not None and ts <= last:
+        return []
+    dbe = device.ecc_dbe_volatile
+    if not dbe and track.open_id is None:
+        track.last_sample_ts = ts
+        return []
     return observe(track, node=node, uuid=device.uuid, dbe_count=device.ecc_dbe_volatile,
                    ts=ts, settings=settings)
 

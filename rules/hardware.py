@@ -437,9 +437,10 @@ def _recovery(track: HwTrack, value: int, node: str, uuid: str, ts: float,
         out.append(_act(finding, verb, node, params))
 
 
-def observe_sample(track: HwTrack, *, node: str, device: DeviceSample, ts: float,
-                   settings: HardwareSettings) -> Out:
-    """Fold one device sample into ``track``; return the findings and actions it causes."""
+def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
+                   settings: HardwareSettings, holder: object = None) -> Out:
+    """Fold one device sample into ``track``; return the findings and actions it causes.
+    (``holder``, unused, makes it the registry's sample hook as it is.)"""
     last_ts = track.last_ts
     if last_ts is not None and ts <= last_ts:
         return []
@@ -510,11 +511,6 @@ def observe_remap_failure_event(track: HwTrack, *, node: str, uuid: str, ts: flo
     return out
 
 
-def _on_sample(track: HwTrack, node: str, device: DeviceSample, holder: object, ts: float,
-               settings: HardwareSettings) -> Out:
-    return observe_sample(track, node=node, device=device, ts=ts, settings=settings)
-
-
 def _on_xid(track: HwTrack, event: HwEvent, uuid: str, settings: HardwareSettings) -> Out:
     if event.xid is None:
         return []
@@ -539,7 +535,7 @@ def _unhealthy(track: HwTrack) -> bool:
 
 RUNNER = DeviceRunner(
     state="hw", state_type=HwTrack, settings_from=HardwareSettings.from_rules,
-    on_sample=_on_sample, gpu_only=True,
+    on_sample=observe_sample, gpu_only=True,
     events={"xid": _on_xid, "gpu_lost": _on_lost, "remap_failure": _on_remap_failure},
     # A GPU lost before the collector could read its UUID is still a node problem.
     events_without_uuid=frozenset({"gpu_lost"}), unhealthy=_unhealthy,

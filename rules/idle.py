@@ -216,14 +216,14 @@ def observe(
     track: IdleTrack,
     node: str,
     sample: DeviceSample,
-    holder: Holder | None,
     ts: float,
     settings: IdleSettings,
+    holder: Holder | None,
 ) -> list[Finding | Action]:
     """Fold one device sample into ``track``; return the findings and actions it causes.
 
     The node join calls it positionally (the registry's sample hook: track, node, sample,
-    holder, ts, settings), so it needs no wrapper on the hot path."""
+    ts, settings, holder), so it needs no wrapper on the hot path."""
     if track.last_ts is not None and ts <= track.last_ts:
         return []
     activity = activity_pct(sample)

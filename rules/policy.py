@@ -38,7 +38,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpusteward.rules import REGISTRY
-from gpusteward.rules.registry import DeviceRunner, EventHook, Registry, UnknownRuleError
+from gpusteward.rules.registry import (
+    DeviceRunner,
+    EventHook,
+    Registry,
+    SampleHook,
+    UnknownRuleError,
+)
 
 DEFAULT_POOL_LABEL = "gpusteward.io/node-pool"
 SettingsT = TypeVar("SettingsT", bound=BaseModel)
@@ -69,10 +75,11 @@ class Resolved:
     """Rule name -> its effective settings."""
     device: tuple[tuple[DeviceRunner, Any], ...]
     """Every distinct device runner of the registry, in its order, with its settings."""
+    samples: tuple[tuple[SampleHook, str, bool, DeviceRunner, Any], ...]
+    """The runners with a sample hook, unpacked for the node join's per-device loop:
+    (hook, state name, gpu only, runner, settings)."""
     events: Mapping[str, tuple[tuple[DeviceRunner, EventHook, Any], ...]]
     """Hardware-event kind -> the runners that take it, their hook and settings."""
-    version: int
-    """The registry's version these were built from."""
 
     @classmethod
     def from_rules(cls, rules: Mapping[str, BaseModel], registry: Registry) -> Resolved:
@@ -82,9 +89,10 @@ class Resolved:
         for runner, settings in device:
             for kind, hook in runner.events.items():
                 events.setdefault(kind, []).append((runner, hook, settings))
-        return cls(rules=dict(rules), device=device,
-                   events={kind: tuple(hooks) for kind, hooks in events.items()},
-                   version=registry.version)
+        samples = tuple((runner.on_sample, runner.state, runner.gpu_only, runner, settings)
+                        for runner, settings in device if runner.on_sample is not None)
+        return cls(rules=dict(rules), device=device, samples=samples,
+                   events={kind: tuple(hooks) for kind, hooks in events.items()})
 
     def __getitem__(self, name: str) -> BaseModel:
         """The settings of the rule called ``name``."""
@@ -153,6 +161,13 @@ class Policy:
     _cache: dict[tuple[str | None, str | None, str | None], Resolved] = field(
         default_factory=dict, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        # Resolutions hold what the registry listed: forget them when it changes.
+        self.registry.watch(self._forget_resolutions)
+
+    def _forget_resolutions(self) -> None:
+        self._cache.clear()
+
     def resolve(self, namespace: str | None = None, queue: str | None = None,
                 node_pool: str | None = None) -> Resolved:
         """The effective settings of every rule for this namespace, queue and node pool.
@@ -161,7 +176,7 @@ class Policy:
         GPU or node, also the queue and namespace layers for rules about a workload.
         """
         cached = self._cache.get((namespace, queue, node_pool))
-        if cached is not None and cached.version == self.registry.version:
+        if cached is not None:
             return cached
         pool = self.node_pools.get(node_pool or "")
         workload = [self.queues.get(queue or ""), self.namespaces.get(namespace or "")]

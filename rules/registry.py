@@ -24,6 +24,7 @@ one explicitly, name by name, and tests may register a rule of their own
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,8 +42,9 @@ ALL_RULES = "*"
 """The ``--enable-rule`` name that stands for every rule."""
 
 Out = list[Finding | Action]
-SampleHook = Callable[[Any, str, DeviceSample, Any, float, Any], Out]
-"""``(track, node, device sample, holder or None, ts, settings) -> outputs``."""
+SampleHook = Callable[[Any, str, DeviceSample, float, Any, Any], Out]
+"""``(track, node, device sample, ts, settings, holder or None) -> outputs``, called
+positionally, so a rule's own observe function can be the hook with no wrapper."""
 EventHook = Callable[[Any, HwEvent, str, Any], Out]
 """``(track, event, device uuid, settings) -> outputs``."""
 ReleaseHook = Callable[[Any, str, str, float], Out]
@@ -142,7 +144,8 @@ class Registry(Mapping[str, Rule]):
         self._rules: dict[str, Rule] = {}
         self._by_kind: dict[str, Rule] = {}
         self.version = 0
-        """Bumped on every change, so caches built from the registry know they are stale."""
+        """Bumped on every change."""
+        self._watchers: list[weakref.WeakMethod[Callable[[], None]]] = []
         for rule in rules:
             self.register(rule)
 
@@ -165,6 +168,22 @@ class Registry(Mapping[str, Rule]):
 
     __hash__ = object.__hash__
 
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call the bound method ``callback`` on every change while its object lives: how a
+        cache built from the registry (a policy's resolutions) forgets what is stale with no
+        check on every lookup."""
+        self._watchers.append(weakref.WeakMethod(callback))
+
+    def _changed(self) -> None:
+        self.version += 1
+        alive = []
+        for ref in self._watchers:
+            callback = ref()
+            if callback is not None:
+                callback()
+                alive.append(ref)
+        self._watchers = alive
+
     def register(self, rule: Rule) -> Rule:
         """Add ``rule``; its name and kinds must be new."""
         taken = [k for k in rule.emits if k in self._by_kind]
@@ -173,7 +192,7 @@ class Registry(Mapping[str, Rule]):
                              f"{', '.join(taken or [rule.name])}")
         self._rules[rule.name] = rule
         self._by_kind.update(dict.fromkeys(rule.emits, rule))
-        self.version += 1
+        self._changed()
         return rule
 
     def unregister(self, name: str) -> Rule:
@@ -181,7 +200,7 @@ class Registry(Mapping[str, Rule]):
         del self._rules[name]
         for kind in rule.emits:
             self._by_kind.pop(kind, None)
-        self.version += 1
+        self._changed()
         return rule
 
     @contextmanager

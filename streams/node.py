@@ -143,7 +143,7 @@ class NodeJoin:
         holders = self._holders_by_device(state)
         resolve = self.policy.resolve
         pool = state.pool
-        node_steps = resolve(None, None, pool).device
+        node_steps = resolve(None, None, pool).samples
         node, ts = sample.node, sample.ts
         for device in sample.devices:
             dev = state.devices.get(device.uuid)
@@ -151,24 +151,22 @@ class NodeJoin:
                 dev = state.devices[device.uuid] = DeviceState()
             holding = self._holding(state, dev, device, holders, ts)
             if holding is not None:
-                steps = resolve(holding.pod.namespace, holding.queue, pool).device
+                steps = resolve(holding.pod.namespace, holding.queue, pool).samples
                 holder: idle.Holder | None = idle.Holder(
                     holding.pod, holding.started_at, holding.workload_kind, holding.labels,
                     holding.annotations)
             elif device.pod is not None and dev.attributed_since is not None:
                 # Attributed by the collector but no allocation seen yet: count from first sight.
-                steps = resolve(device.pod.namespace, None, pool).device
+                steps = resolve(device.pod.namespace, None, pool).samples
                 holder = idle.Holder(device.pod, dev.attributed_since)
             else:
                 steps, holder = node_steps, None
             gpu = device.kind == "gpu"
-            for runner, settings in steps:
-                hook = runner.on_sample
-                if hook is None or (runner.gpu_only and not gpu):
+            for hook, name, gpu_only, runner, settings in steps:
+                if gpu_only and not gpu:
                     continue
-                name = runner.state
                 track = getattr(dev, name) if name in _TYPED_TRACKS else _extra_track(dev, runner)
-                out += hook(track, node, device, holder, ts, settings)
+                out += hook(track, node, device, ts, settings, holder)
         if state.gpu_model is None and sample.devices:
             state.gpu_model = sample.devices[0].model
             state.gpu_count = state.gpu_count or sum(d.kind == "gpu" for d in sample.devices)

@@ -22,7 +22,7 @@ from gpusteward.cli import app
 from gpusteward.remediation.executor import Executor, RemediationSettings, known_rules
 from gpusteward.rules import REGISTRY, Rule, UnknownRuleError
 from gpusteward.rules.findings import action_for, finding_id, fingerprint
-from gpusteward.rules.policy import PolicyError, parse_policy
+from gpusteward.rules.policy import Policy, PolicyError, parse_policy
 from gpusteward.rules.registry import DeviceRunner, own_settings
 from gpusteward.schema import Action, ActionResult, DeviceSample, Finding, NodeSample, Subject
 from gpusteward.settings import Settings
@@ -46,8 +46,8 @@ class ToyTrack(msgspec.Struct):
     fired: bool = False
 
 
-def observe(track: ToyTrack, node: str, device: DeviceSample, holder: object, ts: float,
-            settings: ToySettings) -> list[Finding | Action]:
+def observe(track: ToyTrack, node: str, device: DeviceSample, ts: float,
+            settings: ToySettings, holder: object) -> list[Finding | Action]:
     hot = device.temp_c is not None and device.temp_c >= settings.hot_c
     track.hot_run = track.hot_run + 1 if hot else 0
     if track.fired or track.hot_run < settings.samples:
@@ -89,7 +89,11 @@ def test_the_node_join_runs_a_registered_rule_and_keeps_its_state() -> None:
 def test_the_policy_configures_it_with_located_errors() -> None:
     with pytest.raises(PolicyError, match="unknown rule; valid rules: "):
         parse_policy("rules: {toy_hot: {samples: 2}}")
+    defaults = Policy()
+    assert KIND not in defaults.resolve().rules
     REGISTRY.register(TOY)
+    # A policy made before the rule was registered forgets its cached resolutions.
+    assert defaults.resolve().of(KIND, ToySettings) == ToySettings()
     policy = parse_policy("rules:\n  toy_hot: {samples: 2}\nnode_pools:\n"
                           "  hot-room: {toy_hot: {hot_c: 70}}\n")
     assert policy.resolve().of(KIND, ToySettings) == ToySettings(samples=2)
@@ -117,8 +121,8 @@ def test_enable_rule_accepts_it_and_enables_every_kind_it_emits() -> None:
         async def cordon(self, action: Action) -> tuple[str, str]:
             return "executed", f"cordoned {action.target.node}"
 
-    _, page = observe(ToyTrack(hot_run=5), "n1", sample(0, 99.0).devices[0], None, 10.0,
-                      ToySettings())
+    _, page = observe(ToyTrack(hot_run=5), "n1", sample(0, 99.0).devices[0], 10.0,
+                      ToySettings(), None)
     assert isinstance(page, Action)
 
     async def decide(remediation: RemediationSettings) -> ActionResult:
