@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 from pydantic import BaseModel
 
 from gpusteward.schema import Action, DeviceSample, Finding, HwEvent
@@ -117,6 +118,17 @@ class Rule:
             return self.summary
         doc = (self.settings.__doc__ or "") if self.settings is not None else ""
         return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def state_in(tracks: dict[str, Any], name: str, state_type: type) -> Any:
+    """The state called ``name`` in ``tracks``, created, or turned back into ``state_type``
+    when it was decoded from a changelog as plain data: how the node join and the fleet
+    agent keep the state of a rule they have no typed field for."""
+    track = tracks.get(name)
+    if type(track) is not state_type:
+        track = state_type() if track is None else msgspec.convert(track, state_type)
+        tracks[name] = track
+    return track
 
 
 def own_settings(name: str) -> Callable[[Mapping[str, BaseModel]], BaseModel]:

@@ -67,7 +67,7 @@ from gpusteward.rules.mig import geometry as mig_geometry
 from gpusteward.rules.mig import layout as mig_layout
 from gpusteward.rules.mig import observed as mig_observed
 from gpusteward.rules.policy import Policy
-from gpusteward.rules.registry import FleetRunner
+from gpusteward.rules.registry import FleetRunner, state_in
 from gpusteward.schema import (
     Action,
     AllocationEvent,
@@ -141,12 +141,7 @@ def _track(state: FleetState, runner: FleetRunner) -> Any:
     name = runner.state
     if name in _TYPED_TRACKS:
         return getattr(state, name)
-    track = state.tracks.get(name)
-    if type(track) is not runner.state_type:
-        track = (runner.state_type() if track is None
-                 else msgspec.convert(track, runner.state_type))
-        state.tracks[name] = track
-    return track
+    return state_in(state.tracks, name, runner.state_type)
 
 
 class FleetEvaluator:
@@ -159,7 +154,7 @@ class FleetEvaluator:
         policy = self.settings.policy or Policy(registry=registry)
         registry = policy.registry
         self.rules = policy.resolve()
-        self.queue = self.rules.of(queue_rules.WAIT_KIND, queue_rules.QueueSloSettings)
+        self.queue_settings = self.rules.of(queue_rules.WAIT_KIND, queue_rules.QueueSloSettings)
         self.mig_advice_settings = self.rules.of(mig_advice.KIND, mig_advice.MigAdviceSettings)
         self._runners = [(runner, self.rules[rule.name]) for rule in registry.in_scope("fleet")
                          for runner in rule.fleet]
@@ -189,7 +184,8 @@ class FleetEvaluator:
         key = queue_rules.workload_key(event)
         was_waiting = key in state.queue.waiting
         last = state.queue.last_event.get(key)
-        out: list[FleetOutput] = list(queue_rules.on_event(state.queue, event, self.queue))
+        out: list[FleetOutput] = list(queue_rules.on_event(state.queue, event,
+                                                           self.queue_settings))
         if state.queue.last_event.get(key) != last:
             # Only events the queue rules applied: a late duplicate of a pending event must
             # not bring a finished workload's demand back.

@@ -28,7 +28,7 @@ import msgspec
 
 from gpusteward.rules import ecc, hardware, idle
 from gpusteward.rules import policy as policies
-from gpusteward.rules.registry import DeviceRunner
+from gpusteward.rules.registry import DeviceRunner, state_in
 from gpusteward.schema import (
     Action,
     AllocationEvent,
@@ -74,20 +74,11 @@ _TYPED_TRACKS = frozenset({"idle", "ecc", "hw"})
 """Runner state names that are typed fields of :class:`DeviceState`."""
 
 
-def _extra_track(dev: DeviceState, runner: DeviceRunner) -> Any:
-    """The state of a runner kept in ``dev.tracks``, created or re-typed as needed."""
-    track = dev.tracks.get(runner.state)
-    if type(track) is not runner.state_type:
-        track = (runner.state_type() if track is None
-                 else msgspec.convert(track, runner.state_type))
-        dev.tracks[runner.state] = track
-    return track
-
-
 def track_of(dev: DeviceState, runner: DeviceRunner) -> Any:
     """The state ``runner`` keeps for the device."""
     name = runner.state
-    return getattr(dev, name) if name in _TYPED_TRACKS else _extra_track(dev, runner)
+    return (getattr(dev, name) if name in _TYPED_TRACKS
+            else state_in(dev.tracks, name, runner.state_type))
 
 
 class NodeState(msgspec.Struct):
@@ -165,7 +156,8 @@ class NodeJoin:
             for hook, name, gpu_only, runner, settings in steps:
                 if gpu_only and not gpu:
                     continue
-                track = getattr(dev, name) if name in _TYPED_TRACKS else _extra_track(dev, runner)
+                track = (getattr(dev, name) if name in _TYPED_TRACKS
+                         else state_in(dev.tracks, name, runner.state_type))
                 out += hook(track, node, device, ts, settings, holder)
         if state.gpu_model is None and sample.devices:
             state.gpu_model = sample.devices[0].model

@@ -1,12 +1,12 @@
 """A rule registered at test time reaches the node join, the policy and ``--enable-rule``.
 
-The toy rule below is what a new rule is: one module (here, this file's top
+The toy rules below are what a new rule is: one module (here, this file's top
 half: settings, state, a sample hook) and one registry entry. Nothing else
 in the tree names it, and yet the node join runs it (its state riding the
 node's changelog encoding), a policy file configures it with located
 errors, ``rules list`` shows it and enabling it lets the executor carry out
-the actions of every kind it emits. The shared ``fresh_registry`` fixture
-takes it out again after each test.
+the actions of every kind it emits; the fleet agent runs a fleet-wide one.
+The shared ``fresh_registry`` fixture takes them out again after each test.
 """
 
 from __future__ import annotations
@@ -22,10 +22,20 @@ from gpusteward.cli import app
 from gpusteward.remediation.executor import Executor, RemediationSettings, known_rules
 from gpusteward.rules import REGISTRY, Rule, UnknownRuleError
 from gpusteward.rules.findings import action_for, finding_id, fingerprint
+from gpusteward.rules.fragmentation import FleetView
 from gpusteward.rules.policy import Policy, PolicyError, parse_policy
-from gpusteward.rules.registry import DeviceRunner, own_settings
-from gpusteward.schema import Action, ActionResult, DeviceSample, Finding, NodeSample, Subject
+from gpusteward.rules.registry import DeviceRunner, FleetRunner, own_settings
+from gpusteward.schema import (
+    Action,
+    ActionResult,
+    DeviceSample,
+    Finding,
+    NodeSample,
+    NodeSummary,
+    Subject,
+)
 from gpusteward.settings import Settings
+from gpusteward.streams.fleet import FleetEvaluator, FleetState
 from gpusteward.streams.node import NodeJoin, NodeState
 
 KIND = "toy_hot"
@@ -147,3 +157,37 @@ def test_each_test_starts_from_the_shipped_rules() -> None:
     with REGISTRY.registered(TOY):
         assert REGISTRY.owner_of(PAGE_KIND) is TOY
     assert KIND not in REGISTRY
+
+
+class EmptyFleetSettings(BaseModel):
+    """Settings of the toy fleet rule: a fleet with no free GPU."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_free_gpus: int = Field(1, ge=0, description="Free GPUs below which it fires (count).")
+
+
+class EmptyFleetTrack(msgspec.Struct):
+    evaluations: int = 0
+
+
+def evaluate_empty(track: EmptyFleetTrack, fleet: FleetView, now: float,
+                   settings: EmptyFleetSettings) -> list[Finding]:
+    track.evaluations += 1
+    free = sum(node.gpus_free for node in fleet.nodes)
+    if free >= settings.min_free_gpus:
+        return []
+    fp = fingerprint("toy_full", "fleet")
+    return [Finding(id=finding_id(fp, now), fingerprint=fp, kind="toy_full", severity="info",
+                    state="firing", subject=Subject(), summary=f"{free} GPUs free",
+                    starts_at=now, ts=now)]
+
+
+def test_the_fleet_agent_runs_a_registered_fleet_rule() -> None:
+    REGISTRY.register(Rule("toy_full", EmptyFleetSettings, "fleet", fleet=(
+        FleetRunner("toy_full", EmptyFleetTrack, evaluate_empty),)))
+    evaluator, state = FleetEvaluator(), FleetState()
+    out = evaluator.on_summary(state, NodeSummary(ts=0.0, node="n1", gpu_model="H100",
+                                                  gpus_total=8, gpus_free=0))
+    assert [f.kind for f in out if isinstance(f, Finding)] == ["toy_full"]
+    assert state.tracks["toy_full"] == EmptyFleetTrack(evaluations=1)
