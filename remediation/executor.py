@@ -55,19 +55,21 @@ import fnmatch
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 from rich.markup import escape
 
 from gpusteward import kafka, topics
 from gpusteward.errors import TemporaryError, cut
+from gpusteward.rules import REGISTRY, REMEDIATION_BREAKER
 from gpusteward.rules.findings import finding_id, fingerprint
 from gpusteward.rules.idle import RECLAIM_REASON
+from gpusteward.rules.registry import ALL_RULES
 from gpusteward.schema import Action, ActionResult, DeadLetter, Finding, Outcome, Subject
 from gpusteward.settings import Settings
 
@@ -76,12 +78,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ALL_RULES = "*"
 NODE_DISRUPTING = frozenset({"cordon", "taint", "drain", "set_mig_config"})
 """Verbs that take capacity away from a node: what the circuit breaker counts."""
-BREAKER_KIND = "remediation_breaker"
+BREAKER_KIND = REMEDIATION_BREAKER
 BREAKER_TRIP_PREFIX = "breaker/trip/"
 BREAKER_RESET_PREFIX = "breaker/reset/"
+
+
+def known_rules(names: Iterable[str]) -> set[str]:
+    """``names`` as a set, each a registered rule, a finding kind one emits, or ``*``;
+    otherwise :class:`~gpusteward.rules.UnknownRuleError` (a ValueError) lists the valid."""
+    names = set(names)
+    REGISTRY.enabled_kinds(names)
+    return names
 
 
 class RemediationSettings(BaseSettings):
@@ -98,8 +107,20 @@ class RemediationSettings(BaseSettings):
         default_factory=set,
         description="Rules whose actions are carried out in execute mode; every other rule's "
         "actions are only dry-run. Empty by default so that switching to --execute changes "
-        "nothing until rules are enabled one by one. '*' enables all.",
+        "nothing until rules are enabled one by one. '*' enables all. A rule's name enables "
+        "every finding kind it emits (xid: also xid_rma); a kind's name enables that kind. "
+        "An unknown name is an error that lists the valid ones.",
     )
+
+    @field_validator("enabled_rules")
+    @classmethod
+    def _known_rules(cls, names: set[str]) -> set[str]:
+        return known_rules(names)
+
+    def enables(self, kind: str) -> bool:
+        """Whether the actions of findings of ``kind`` are carried out in execute mode."""
+        enabled = REGISTRY.enabled_kinds(self.enabled_rules)
+        return ALL_RULES in enabled or kind in enabled
     breaker_window_s: float = Field(
         600.0, gt=0, description="Sliding window of the circuit breaker, seconds (10 min).")
     breaker_max_fraction: float = Field(
@@ -325,8 +346,7 @@ class Executor:
     # -- deciding --------------------------------------------------------------------------
 
     def _rule_enabled(self, rule: str) -> bool:
-        enabled = self.remediation.enabled_rules
-        return self.sandbox or ALL_RULES in enabled or rule in enabled
+        return self.sandbox or self.remediation.enables(rule)
 
     async def _gpu_nodes(self) -> int | None:
         if self.remediation.fleet_gpu_nodes is not None:

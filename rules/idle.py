@@ -42,6 +42,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
+from gpusteward.rules.registry import DeviceRunner, own_settings
 from gpusteward.schema import Action, DeviceSample, Evidence, Finding, PodRef, Subject
 
 KIND = "idle_holder"
@@ -273,14 +274,16 @@ def _subject(node: str, uuid: str, pod: PodRef) -> Subject:
 
 def observe(
     track: IdleTrack,
-    *,
     node: str,
     sample: DeviceSample,
-    holder: Holder | None,
     ts: float,
     settings: IdleSettings,
+    holder: Holder | None,
 ) -> list[Finding | Action]:
-    """Fold one device sample into ``track``; return the findings and actions it causes."""
+    """Fold one device sample into ``track``; return the findings and actions it causes.
+
+    The node join calls it positionally (the registry's sample hook: track, node, sample,
+    ts, settings, holder), so it needs no wrapper on the hot path."""
     if track.last_ts is not None and ts <= track.last_ts:
         return []
     activity = activity_pct(sample)
@@ -414,7 +417,7 @@ def _ladder_finding(track: IdleTrack, node: str, sample: DeviceSample, holder: H
     )
 
 
-def release(track: IdleTrack, *, node: str, uuid: str, ts: float) -> list[Finding | Action]:
+def release(track: IdleTrack, node: str, uuid: str, ts: float) -> list[Finding | Action]:
     """The holder let the device go: close an open episode and forget the idle run."""
     track.below_since, track.below_samples, track.below_max_pct = None, 0, 0.0
     if track.open_id is None:
@@ -432,3 +435,8 @@ def _close(track: IdleTrack, node: str, uuid: str, ts: float, why: str) -> Findi
     track.open_since = track.open_pod = None
     track.stage, track.stage_ts = 0, None
     return finding
+
+
+RUNNER = DeviceRunner(state="idle", state_type=IdleTrack, settings_from=own_settings(KIND),
+                      on_sample=observe, on_release=release)
+"""How the node join runs the rule: on every device sample, and when a holder lets go."""

@@ -93,7 +93,8 @@ def act(
     kubeconfig: Annotated[str | None, typer.Option(help="Kubeconfig for --backend kubernetes.")
                           ] = None,
     enable_rule: Annotated[list[str] | None, typer.Option(
-        "--enable-rule", help="A rule whose actions --execute carries out (repeat; '*' = all); "
+        "--enable-rule", help="A rule (all the kinds it emits) or finding kind whose actions "
+        "--execute carries out (repeat; '*' = all); "
         "adds to GPUSTEWARD_REMEDIATION__ENABLED_RULES.")] = None,
     reset_breaker: Annotated[bool, typer.Option(
         "--reset-breaker", help="Record a circuit-breaker reset on the audit topic and exit.")
@@ -130,7 +131,10 @@ def act(
             raise typer.Exit(1)
         return
     policy = remediation.RemediationSettings()
-    policy.enabled_rules |= set(enable_rule or [])
+    try:
+        policy.enabled_rules |= remediation.known_rules(enable_rule or [])
+    except ValueError as error:  # an unknown rule: the message lists the valid ones
+        raise typer.BadParameter(str(error), param_hint="--enable-rule") from error
     chosen: remediation.Backend
     if backend == "kubernetes":
         from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings

@@ -196,7 +196,7 @@ class PipelineReplay:
 def _policy_env(path: Path) -> Iterator[None]:
     """GPUSTEWARD_POLICY_FILE set to ``path`` while the block runs: the worker child reads
     its policy from its environment, which it copies when it starts."""
-    from gpusteward.rules.policy import POLICY_ENV
+    from gpusteward.streams.policy_file import POLICY_ENV
 
     before = os.environ.get(POLICY_ENV)
     os.environ[POLICY_ENV] = str(path)

@@ -32,8 +32,8 @@ from gpusteward.cli.watch import KubeWatchEnvSettings
 from gpusteward.collectors.settings import CollectSettings
 from gpusteward.remediation.executor import RemediationSettings
 from gpusteward.reports.settings import ReportSettings
-from gpusteward.rules.policy import POLICY_ENV
 from gpusteward.settings import Settings
+from gpusteward.streams.policy_file import POLICY_ENV
 from tests.deploy.conftest import DEPLOY, REPO, Rendered
 
 pytestmark = pytest.mark.deploy
