@@ -59,7 +59,7 @@ from gpusteward.collectors.attribution import (
     PodResourcesClient,
     PodResourcesError,
 )
-from gpusteward.collectors.publisher import Publisher
+from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.errors import PermanentError, TemporaryError
 from gpusteward.schema import DeviceSample, HwEvent, NodeSample
 

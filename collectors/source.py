@@ -13,7 +13,7 @@ import logging
 from typing import Protocol
 
 from gpusteward.collectors.metrics import CollectorMetrics
-from gpusteward.collectors.publisher import Publisher
+from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.errors import TemporaryError
 from gpusteward.schema import HwEvent, NodeSample
 

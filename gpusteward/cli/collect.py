@@ -78,7 +78,7 @@ def run_collector(runner: Runner, collect: CollectSettings, settings: Settings,
                   with_metrics: bool = True) -> None:
     """Run ``runner(collect, publisher, stop[, metrics])`` until SIGTERM/SIGINT, then drain."""
     from gpusteward.collectors.metrics import CollectorMetrics
-    from gpusteward.collectors.publisher import KafkaPublisher
+    from gpusteward.collectors.transport.publisher import KafkaPublisher
 
     async def main() -> None:
         metrics = CollectorMetrics()
