@@ -31,6 +31,7 @@ def test_settings_come_from_the_environment_and_flags_override_them(monkeypatch)
     monkeypatch.setenv("GPUSTEWARD_COLLECT__INTERVAL_S", "3")
     monkeypatch.setenv("GPUSTEWARD_COLLECT__PROMETHEUS_NODES", '["a", "b"]')
     monkeypatch.setenv("GPUSTEWARD_COLLECT__BUFFER_DIR", "/var/lib/gpusteward")
+    monkeypatch.setenv("GPUSTEWARD_COLLECT__NVML__EVENT_WAIT_MS", "250")
 
     from_env = CollectSettings()
     assert from_env.node_name == "gpu-node-42"
@@ -38,6 +39,8 @@ def test_settings_come_from_the_environment_and_flags_override_them(monkeypatch)
     assert from_env.prometheus_nodes == ["a", "b"]
     assert from_env.buffer_dir == Path("/var/lib/gpusteward")
     assert from_env.metrics_port == 9401, "not dcgm-exporter's 9400"
+    assert from_env.nvml.event_wait_ms == 250
+    assert from_env.nvml.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
 
     flagged = collect_cli._settings(interval_s=0.5, node_name=None, dcgm_url="http://x/metrics")
     assert (flagged.interval_s, flagged.node_name) == (0.5, "gpu-node-42")
