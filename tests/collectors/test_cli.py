@@ -25,6 +25,8 @@ from gpusteward.collectors.settings import CollectSettings
 from gpusteward.schema import NodeSample
 from gpusteward.settings import Settings
 
+from .conftest import metric_value
+
 
 def test_settings_come_from_the_environment_and_flags_override_them(monkeypatch) -> None:
     monkeypatch.setenv("NODE_NAME", "gpu-node-42")
@@ -62,13 +64,6 @@ def test_nvml_without_its_module_is_a_clear_error() -> None:
     assert "NVML collector is not available" in result.output
 
 
-def _metric(text: str, line_start: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(line_start):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 @pytest.mark.e2e
 def test_dcgm_collector_process_publishes_and_serves_metrics(
         settings: Settings, exporter, tmp_path: Path) -> None:
@@ -91,7 +86,7 @@ def test_dcgm_collector_process_publishes_and_serves_metrics(
             assert time.monotonic() < deadline, "no samples sent within 30 s"
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-                    sent = _metric(r.read().decode(), sent_line)
+                    sent = metric_value(r.read().decode(), sent_line)
             except OSError:
                 pass
             time.sleep(0.2)

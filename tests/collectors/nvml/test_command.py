@@ -22,6 +22,7 @@ from gpusteward.broker import free_port
 from gpusteward.schema import NodeSample, PodRef
 from gpusteward.settings import Settings
 
+from ..conftest import metric_value
 from .conftest import KUBELET_LIST, MIG_1, MIG_PARENT, WHOLE, Kubelet, serve_kubelet
 
 
@@ -31,13 +32,6 @@ def _metrics(port: int) -> str:
             return str(answer.read().decode())
     except OSError:  # not serving yet
         return ""
-
-
-def _value(text: str, line_start: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(line_start):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 @pytest.mark.e2e
@@ -68,7 +62,7 @@ def test_collect_nvml_process_publishes_pod_attributed_samples(
             # read_all's quiet period pass.
             deadline = time.monotonic() + 30
             metrics = ""
-            while _value(metrics, sent) < 3:
+            while metric_value(metrics, sent) < 3:
                 if process.returncode is not None or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.2)
@@ -90,7 +84,7 @@ def test_collect_nvml_process_publishes_pod_attributed_samples(
 
     samples, metrics = asyncio.run(scenario())
     assert len(samples) >= 3
-    assert _value(metrics, collected) >= 3  # the shared collector metric names
+    assert metric_value(metrics, collected) >= 3  # the shared collector metric names
     assert {(s.node, s.source) for s in samples} == {("gpu-node-03", "nvml")}
     assert kubelet.calls >= 1
     last = samples[-1]
