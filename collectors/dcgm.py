@@ -47,9 +47,9 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpusteward.collectors.metrics import CollectorMetrics
-from gpusteward.collectors.publisher import Publisher
 from gpusteward.collectors.settings import CollectSettings
 from gpusteward.collectors.source import SourceError, run_source
+from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.schema import DeviceSample, HwEvent, NodeSample, PodRef
 
 log = logging.getLogger(__name__)

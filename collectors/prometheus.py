@@ -31,9 +31,9 @@ from urllib3.util.retry import Retry
 
 from gpusteward.collectors import dcgm
 from gpusteward.collectors.metrics import CollectorMetrics
-from gpusteward.collectors.publisher import Publisher
 from gpusteward.collectors.settings import CollectSettings
 from gpusteward.collectors.source import SourceError, run_source
+from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.schema import HwEvent, NodeSample, PodRef
 
 PodLabels = Literal["auto", "exported", "plain"]

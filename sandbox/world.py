@@ -25,7 +25,7 @@ publisher; everything downstream (worker, alert sink, executor, sinks,
 report) runs as the separate processes ``deploy/`` declares
 (:mod:`gpusteward.sandbox.deployment`).
 
-The world is a :class:`~gpusteward.collectors.publisher.Publisher` for the
+The world is a :class:`~gpusteward.collectors.transport.publisher.Publisher` for the
 simulator: what the simulator would have published becomes world state.
 """
 
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpusteward.collectors.attribution import PodResourcesClient
 from gpusteward.collectors.nvml import NvmlCollector
-from gpusteward.collectors.publisher import Publisher
+from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.rules.mig import geometry
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_mirror import KubeMirrorPublisher
@@ -70,10 +70,12 @@ class _CountingPublisher:
     def __init__(self, inner: Publisher) -> None:
         self.inner = inner
         self.hw_events = 0
+        self.samples = 0
         self._changed = asyncio.Condition()
 
     async def sample(self, sample: NodeSample) -> None:
         await self.inner.sample(sample)
+        self.samples += 1
 
     async def hw_event(self, event: HwEvent) -> None:
         await self.inner.hw_event(event)
@@ -152,8 +154,10 @@ class NodeGpus:
         await self.kubelet.start()
         self._task = asyncio.create_task(self.collector.run(self._stop),
                                          name=f"nvml-{self.name}")
+        # The collector's own first tick comes after NVML is open and its event listener
+        # runs: from then on a fault raised in the fake reaches the collector.
         deadline = time.monotonic() + 30
-        while not self.collector.gpus or self.collector._listener is None:
+        while not self.publisher.samples:
             if self._task.done():
                 self._task.result()
             if time.monotonic() > deadline:

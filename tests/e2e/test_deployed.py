@@ -26,7 +26,7 @@ import pytest
 
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
-from gpusteward.collectors.publisher import KafkaPublisher
+from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.sandbox import deployment
 from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster

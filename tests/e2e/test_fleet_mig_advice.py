@@ -20,7 +20,7 @@ import pytest
 
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
-from gpusteward.collectors.publisher import KafkaPublisher
+from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.rules.mig import layout
 from gpusteward.rules.mig.advice import MigAdviceSettings
 from gpusteward.sandbox.pipeline import WorkerProcess
