@@ -27,12 +27,13 @@ not load) reaches the demo and the tests, and breaks them when it is wrong.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -327,6 +328,21 @@ class Process:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+async def while_alive(processes: list[Process], waiting: Awaitable[None]) -> None:
+    """Await ``waiting``; fail at once, with its log, when a started process dies."""
+    task = asyncio.ensure_future(waiting)
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=0.5)
+            for process in processes:
+                if not process.alive:
+                    raise DeploymentError(f"{process.launch.component} exited "
+                                          f"({process.returncode}):\n{process.log_tail()}")
+        task.result()
+    finally:
+        task.cancel()
 
 
 def start(manifests: Manifests, components: list[str], local: Local

@@ -105,6 +105,23 @@ class CordonRecord(msgspec.Struct):
     reason: str
 
 
+class ReclaimRecord(msgspec.Struct):
+    """A running pod whose GPUs were taken back (its owner stopped or scaled to zero)."""
+
+    namespace: str
+    pod: str
+    node: str
+    ts: float
+    gpus: int
+    would_hold_until: float
+    """When it would have let its GPUs go otherwise: its end, or the scenario's."""
+    reason: str
+
+    @property
+    def gpu_hours_given_back(self) -> float:
+        return self.gpus * max(0.0, self.would_hold_until - self.ts) / 3600
+
+
 class GroundTruth(msgspec.Struct):
     """What the simulator did, for tests and the demo summary."""
 
@@ -122,6 +139,7 @@ class GroundTruth(msgspec.Struct):
     interruptions: list[InterruptionRecord] = []
     pending_since: dict[str, float] = {}
     """namespace/name -> arrival of every workload still pending at the end."""
+    reclaims: list[ReclaimRecord] = []
 
 
 def _uuid(seed: int, *parts: object) -> str:
@@ -242,6 +260,7 @@ class SimulatedCluster:
             sample_interval_s=scenario.sample_interval_s,
         )
         self._cordon_requests: list[tuple[str, str]] = []
+        self._reclaim_requests: list[tuple[str, str, str]] = []
         self.on_tick: Callable[[SimulatedCluster], None] | None = None
 
     def _make_workloads(self) -> list[Workload]:
@@ -279,6 +298,10 @@ class SimulatedCluster:
         self._cordon_requests.append((node, reason))
         return True
 
+    def request_reclaim(self, namespace: str, name: str, reason: str) -> None:
+        """End the running pod ``namespace/name`` at the next tick: its owner gave it up."""
+        self._reclaim_requests.append((namespace, name, reason))
+
     def notify(self, pod: PodRef, message: str) -> None:
         self.truth.notified.append(f"{pod.namespace}/{pod.name}")
 
@@ -293,6 +316,7 @@ class SimulatedCluster:
                 self.truth.cordons.append(CordonRecord(name, now, reason))
                 await publisher.allocation(self._inventory(node))
         self._cordon_requests.clear()
+        await self._reclaim(publisher, now)
         await self._finish(publisher, now)
         await self._arrive(publisher, now)
         await self._inject_faults(publisher, now)
@@ -303,6 +327,20 @@ class SimulatedCluster:
                 await publisher.sample(self._sample(node, now))
         if self.on_tick:
             self.on_tick(self)
+
+    async def _reclaim(self, publisher: Publisher, now: float) -> None:
+        requests, self._reclaim_requests = self._reclaim_requests, []
+        for namespace, name, reason in requests:
+            workload = next((w for w in self.running
+                             if (w.namespace, w.name) == (namespace, name)), None)
+            if workload is None or workload.node is None:
+                continue  # already gone: a repeated request
+            until = self.end if workload.duration is None or workload.started_at is None else \
+                min(self.end, workload.started_at + workload.duration)
+            self.truth.reclaims.append(ReclaimRecord(
+                namespace=namespace, pod=name, node=workload.node.name, ts=now,
+                gpus=len(workload.devices), would_hold_until=until, reason=reason))
+            await self._end(publisher, workload, "deleted", now)
 
     async def _finish(self, publisher: Publisher, now: float) -> None:
         for workload in list(self.running):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,21 +51,6 @@ class Run:
     alerts_log: str
 
 
-async def _while_alive(processes: list[deployment.Process], waiting: Awaitable[None]) -> None:
-    """Await ``waiting``; fail at once, with its log, when a deployed process dies."""
-    task = asyncio.ensure_future(waiting)
-    try:
-        while not task.done():
-            await asyncio.wait([task], timeout=0.5)
-            for process in processes:
-                if not process.alive:
-                    raise AssertionError(f"{process.launch.component} exited "
-                                         f"({process.returncode}):\n{process.log_tail()}")
-        task.result()
-    finally:
-        task.cancel()
-
-
 async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
     manifests = deployment.Manifests.from_overlay(OVERLAY)
     spec = scenarios.load("faulty-fleet").model_copy(update={"acceleration": 0.0})
@@ -79,19 +63,20 @@ async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
     await publisher.start()
     processes: list[deployment.Process] = []
     try:
-        async with World(cluster, publisher, workdir) as world:
-            assert world.kubeconfig == local.kubeconfig
-            processes = list(deployment.start(manifests, PROCESSES, local))
+        world = World(cluster, publisher, workdir)
+        assert world.kubeconfig == local.kubeconfig
+        processes = list(deployment.start(manifests, PROCESSES, local))
+        async with world:
             truth = await cluster.run(world)
             await world.settle()
             node_topics = [t.name(settings) for t in (topics.SAMPLES, topics.HW_EVENTS,
                                                       topics.ALLOCATIONS)]
-            await _while_alive(processes, kafka.wait_consumed(
+            await deployment.while_alive(processes, kafka.wait_consumed(
                 settings, worker_group(settings), node_topics, 180))
-            await _while_alive(processes, kafka.wait_consumed(
+            await deployment.while_alive(processes, kafka.wait_consumed(
                 settings, f"{settings.topic_prefix}-remediation",
                 [topics.ACTIONS.name(settings)], 120))
-            await _while_alive(processes, kafka.wait_consumed(
+            await deployment.while_alive(processes, kafka.wait_consumed(
                 settings, f"{settings.topic_prefix}-alerts", [topics.FINDINGS.name(settings)],
                 120))
             cordoned = {n["metadata"]["name"] for n in world.api.objects("Node")
