@@ -55,6 +55,8 @@ class Holding(msgspec.Struct):
     queue: str | None = None
     labels: dict[str, str] = {}
     annotations: dict[str, str] = {}
+    owner_kind: str | None = None
+    owner_name: str | None = None
 
 
 class DeviceState(msgspec.Struct):
@@ -121,6 +123,49 @@ def _pod_key(pod: PodRef) -> str:
     return pod.uid or f"{pod.namespace}/{pod.name}"
 
 
+class _Holders:
+    """The node's holdings indexed for one sample: by device id, and by pod identity.
+
+    A pod is known by uid where both sides have it and by namespace/name otherwise
+    (DESIGN.md, decision 4): the kubelet's PodResources API, and so the NVML collector's
+    attribution, carries no uid, while the watcher's allocations do. Built once per sample
+    from the handful of pods a node holds; the name index is built only when a uid-less
+    attribution asks for it.
+    """
+
+    __slots__ = ("_by_name", "_pods", "by_device")
+
+    def __init__(self, pods: dict[str, Holding]) -> None:
+        self._pods = pods
+        self._by_name: dict[tuple[str, str], Holding] | None = None
+        self.by_device = {uuid: h for h in pods.values() for uuid in h.devices}
+
+    def find(self, pod: PodRef) -> Holding | None:
+        """The holding of the attributed ``pod``; None when no allocation matches it.
+
+        A uid on both sides decides: a pod restarted under the same name (a new uid) is not
+        the old one. Without a uid on one side the name decides, and of two holdings with
+        one name (the old pod's end not seen yet) the later started is the live one, since
+        Kubernetes gives a name to one pod at a time.
+        """
+        if pod.uid is not None:
+            holding = self._pods.get(pod.uid)
+            if holding is not None:
+                return holding
+        if self._by_name is None:
+            by_name: dict[tuple[str, str], Holding] = {}
+            for holding in self._pods.values():
+                name = (holding.pod.namespace, holding.pod.name)
+                known = by_name.get(name)
+                if known is None or holding.started_at >= known.started_at:
+                    by_name[name] = holding
+            self._by_name = by_name
+        holding = self._by_name.get((pod.namespace, pod.name))
+        if holding is None or (pod.uid is not None and holding.pod.uid is not None):
+            return None  # both have uids and they differ: another pod of the same name
+        return holding
+
+
 class NodeJoin:
     """Folds records into :class:`NodeState` and runs the per-node rules."""
 
@@ -131,7 +176,7 @@ class NodeJoin:
 
     def on_sample(self, state: NodeState, sample: NodeSample) -> list[Output]:
         out: list[Output] = []
-        holders = self._holders_by_device(state)
+        holders = _Holders(state.pods)
         resolve = self.policy.resolve
         pool = state.pool
         node_steps = resolve(None, None, pool).samples
@@ -140,12 +185,12 @@ class NodeJoin:
             dev = state.devices.get(device.uuid)
             if dev is None:
                 dev = state.devices[device.uuid] = DeviceState()
-            holding = self._holding(state, dev, device, holders, ts)
+            holding = self._holding(dev, device, holders, ts)
             if holding is not None:
                 steps = resolve(holding.pod.namespace, holding.queue, pool).samples
                 holder: idle.Holder | None = idle.Holder(
                     holding.pod, holding.started_at, holding.workload_kind, holding.labels,
-                    holding.annotations)
+                    holding.annotations, holding.queue, holding.owner_kind, holding.owner_name)
             elif device.pod is not None and dev.attributed_since is not None:
                 # Attributed by the collector but no allocation seen yet: count from first sight.
                 steps = resolve(device.pod.namespace, None, pool).samples
@@ -224,23 +269,20 @@ class NodeJoin:
                 devices=list(event.device_ids), gpus=event.gpus, mig=dict(event.mig),
                 workload_kind=event.workload_kind, queue=event.queue,
                 labels=dict(event.labels), annotations=dict(event.annotations),
+                owner_kind=event.owner_kind, owner_name=event.owner_name,
             )
             state.summary_dirty = True
         return out + self._maybe_summary(state, event.node, event.ts)
 
     @staticmethod
-    def _holders_by_device(state: NodeState) -> dict[str, Holding]:
-        return {uuid: h for h in state.pods.values() for uuid in h.devices}
-
-    @staticmethod
-    def _holding(state: NodeState, dev: DeviceState, device: DeviceSample,
-                 holders: dict[str, Holding], ts: float) -> Holding | None:
+    def _holding(dev: DeviceState, device: DeviceSample, holders: _Holders,
+                 ts: float) -> Holding | None:
         """The allocation holding the device, by its device ids or the collector's attribution."""
         if device.pod != dev.attributed:
             dev.attributed, dev.attributed_since = device.pod, ts
-        holding = holders.get(device.uuid)
+        holding = holders.by_device.get(device.uuid)
         if holding is None and device.pod is not None:
-            holding = state.pods.get(_pod_key(device.pod))
+            holding = holders.find(device.pod)
         return holding
 
     def _maybe_summary(self, state: NodeState, node: str, ts: float) -> list[Output]:

@@ -14,7 +14,7 @@ from gpusteward.schema import (
     PodAllocation,
     PodRef,
 )
-from gpusteward.streams.node import NodeJoin, NodeState
+from gpusteward.streams.node import NodeJoin, NodeState, _Holders
 
 POD = PodRef(namespace="ml-a", name="nb-a", uid="uid-a")
 T0 = 1_000_000.0
@@ -92,3 +92,72 @@ def test_state_survives_the_changelog_encoding() -> None:
     for i in range(30, 100):
         out += join.on_sample(restored, node_sample(T0 + i * 30, 0.0))
     assert len(findings(out)) == 1
+
+
+# Identity: the watcher's allocations carry the pod's uid and no device ids; the kubelet's
+# PodResources attribution (the NVML collector's) carries namespace/name and no uid.
+
+def watched(pod: PodRef, phase: str, ts: float, kind: str = "notebook",
+            labels: dict[str, str] | None = None) -> PodAllocation:
+    return PodAllocation(ts=ts, node="n1", pod=pod, phase=phase, gpus=1,  # type: ignore[arg-type]
+                         started_at=ts, workload_kind=kind, queue="research",
+                         owner_kind="Notebook", owner_name=pod.name, labels=labels or {})
+
+
+def kubelet(pod: PodRef) -> PodRef:
+    return PodRef(namespace=pod.namespace, name=pod.name, container="main")
+
+
+def idle_run(join: NodeJoin, state: NodeState, attributed: PodRef | None, start: float,
+             ticks: int) -> list:
+    out = []
+    for i in range(ticks):
+        out += join.on_sample(state, node_sample(start + i * 30, 0.0, pod=attributed))
+    return out
+
+
+def test_uid_less_attribution_joins_the_watched_pod_by_name() -> None:
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, watched(POD, "running", T0))
+    (firing,) = findings(idle_run(join, state, kubelet(POD), T0, 100))
+    # The allocation's identity, kind, queue and owner reach the finding.
+    assert firing.subject.pod == POD
+    assert firing.labels["workload_kind"] == "notebook"
+    assert (firing.labels["queue"], firing.labels["owner"]) == ("research", "Notebook/nb-a")
+
+
+def test_uid_less_attribution_of_an_exempt_inference_pod_gives_no_finding() -> None:
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, watched(POD, "running", T0, kind="inference",
+                                      labels={"gpusteward.io/idle-exempt": "true"}))
+    # 40 minutes is past the default window: without the join this pod was flagged.
+    assert findings(idle_run(join, state, kubelet(POD), T0, 5 * 60 * 2)) == []
+
+
+def test_a_pod_restarted_under_the_same_name_is_another_pod() -> None:
+    join, state = NodeJoin(), NodeState()
+    old = POD
+    new = PodRef(namespace=POD.namespace, name=POD.name, uid="uid-a-2")
+    join.on_allocation(state, watched(old, "running", T0, kind="batch"))
+    join.on_allocation(state, watched(new, "running", T0 + 3000, kind="notebook"))
+    # Name only: the later-started pod is the live one (the old one's end not seen yet).
+    (firing,) = findings(idle_run(join, state, kubelet(POD), T0 + 3000, 90))
+    assert firing.subject.pod == new and firing.labels["workload_kind"] == "notebook"
+    # The old uid never matches the new pod of the same name.
+    holders = _Holders(state.pods)
+    assert holders.find(old) is not None and holders.find(old).pod == old  # type: ignore[union-attr]
+    join.on_allocation(state, watched(old, "finished", T0 + 6000))
+    assert _Holders(state.pods).find(old) is None
+    assert _Holders(state.pods).find(kubelet(POD)).pod == new  # type: ignore[union-attr]
+
+
+def test_uid_on_both_sides_decides_over_the_name() -> None:
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, watched(POD, "running", T0))
+    stranger = PodRef(namespace=POD.namespace, name=POD.name, uid="uid-other")
+    assert _Holders(state.pods).find(stranger) is None
+    # A uid-less allocation (a source without uids) is still found from a uid-ful sample.
+    anonymous = PodRef(namespace="ml-b", name="nb-b")
+    join.on_allocation(state, watched(anonymous, "running", T0))
+    found = _Holders(state.pods).find(PodRef(namespace="ml-b", name="nb-b", uid="uid-b"))
+    assert found is not None and found.pod == anonymous
