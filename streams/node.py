@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from gpusteward.rules import ecc, hardware, idle
+from gpusteward.rules import ecc, hardware, idle, rollup
 from gpusteward.rules import policy as policies
 from gpusteward.rules.registry import DeviceRunner, state_in
 from gpusteward.schema import (
@@ -40,6 +40,7 @@ from gpusteward.schema import (
     NodeSummary,
     PodAllocation,
     PodRef,
+    Rollup,
 )
 
 
@@ -57,6 +58,8 @@ class Holding(msgspec.Struct):
     annotations: dict[str, str] = {}
     owner_kind: str | None = None
     owner_name: str | None = None
+    who: rollup.Attribution | None = None
+    """The pod's columns in the rollups, made once from the fields above."""
 
 
 class DeviceState(msgspec.Struct):
@@ -98,9 +101,11 @@ class NodeState(msgspec.Struct):
     """The node's pool: the value of the policy's node-pool label on the node."""
     last_summary_ts: float | None = None
     summary_dirty: bool = True
+    rollups: rollup.RollupTrack = msgspec.field(default_factory=rollup.RollupTrack)
+    """The node's open per-device minutes."""
 
 
-Output = Finding | Action | NodeSummary
+Output = Finding | Action | NodeSummary | Rollup
 
 
 @dataclass
@@ -117,6 +122,12 @@ class RuleSettings:
     nothing that matters; anything a rule emits is written at once. Lower means less
     re-learning after a crash, higher means less changelog traffic (one record per node
     per interval instead of one per sample)."""
+    rollup_lateness_s: float = 60.0
+    """Event-time seconds a minute stays open after its end for late samples before its
+    rollup is published; a sample later than that is counted and dropped."""
+    team_labels: tuple[str, ...] = rollup.DEFAULT_TEAM_LABELS
+    """Pod labels naming the owning team in the rollups, first match wins; else the
+    namespace. The weekly report groups by the team the rollups carry."""
 
 
 def _pod_key(pod: PodRef) -> str:
@@ -173,6 +184,7 @@ class NodeJoin:
                  policy: policies.Policy | None = None) -> None:
         self.settings = settings or RuleSettings()
         self.policy = policy or self.settings.policy or policies.Policy()
+        self.fold = rollup.MinuteFold(self.settings.rollup_lateness_s)
 
     def on_sample(self, state: NodeState, sample: NodeSample) -> list[Output]:
         out: list[Output] = []
@@ -181,6 +193,10 @@ class NodeJoin:
         pool = state.pool
         node_steps = resolve(None, None, pool).samples
         node, ts = sample.node, sample.ts
+        fold, minutes = self.fold, state.rollups
+        bucket = fold.bucket(minutes, ts)
+        if bucket is None:
+            fold.late(minutes, len(sample.devices))
         for device in sample.devices:
             dev = state.devices.get(device.uuid)
             if dev is None:
@@ -197,6 +213,8 @@ class NodeJoin:
                 holder = idle.Holder(device.pod, dev.attributed_since)
             else:
                 steps, holder = node_steps, None
+            if bucket is not None:
+                fold.add(bucket, device, ts, self._who(holding, device.pod))
             gpu = device.kind == "gpu"
             for hook, name, gpu_only, runner, settings in steps:
                 if gpu_only and not gpu:
@@ -207,11 +225,14 @@ class NodeJoin:
         if state.gpu_model is None and sample.devices:
             state.gpu_model = sample.devices[0].model
             state.gpu_count = state.gpu_count or sum(d.kind == "gpu" for d in sample.devices)
+        out += fold.advance(minutes, node, ts)
         return out + self._maybe_summary(state, sample.node, sample.ts)
 
     def on_hw_event(self, state: NodeState, event: HwEvent) -> list[Output]:
         # Only the kinds some runner takes: throttle_start/stop and ecc_sbe are left to the
         # samples, since the thermal and SBE rules need the whole window of readings.
+        if event.kind == "xid" and event.uuid is not None:
+            self.fold.count_xid(state.rollups, event.uuid, event.ts)
         hooks = self.policy.resolve(None, None, state.pool).events.get(event.kind, ())
         uuid = event.uuid
         if uuid is None:
@@ -273,6 +294,20 @@ class NodeJoin:
             )
             state.summary_dirty = True
         return out + self._maybe_summary(state, event.node, event.ts)
+
+    def _who(self, holding: Holding | None, attributed: PodRef | None
+             ) -> rollup.Attribution | None:
+        """The rollup attribution of a device: its holding's, else the collector's pod."""
+        if holding is not None:
+            if holding.who is None:
+                holding.who = rollup.attribution(
+                    holding.pod, labels=holding.labels, owner_kind=holding.owner_kind,
+                    owner_name=holding.owner_name, workload_kind=holding.workload_kind,
+                    queue=holding.queue, team_labels=self.settings.team_labels)
+            return holding.who
+        if attributed is not None:
+            return rollup.attribution(attributed, team_labels=self.settings.team_labels)
+        return None
 
     @staticmethod
     def _holding(dev: DeviceState, device: DeviceSample, holders: _Holders,

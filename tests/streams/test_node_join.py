@@ -13,6 +13,7 @@ from gpusteward.schema import (
     NodeSummary,
     PodAllocation,
     PodRef,
+    Rollup,
 )
 from gpusteward.streams.node import NodeJoin, NodeState, _Holders
 
@@ -161,3 +162,26 @@ def test_uid_on_both_sides_decides_over_the_name() -> None:
     join.on_allocation(state, watched(anonymous, "running", T0))
     found = _Holders(state.pods).find(PodRef(namespace="ml-b", name="nb-b", uid="uid-b"))
     assert found is not None and found.pod == anonymous
+
+
+def test_rollups_per_device_per_minute_with_the_join_attribution() -> None:
+    """Uid-less attribution: the rollup still carries the watched pod's owner, team, queue."""
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, watched(POD, "running", T0, labels={"team": "vision"}))
+    out = []
+    minute = T0 - T0 % 60
+    for i in range(12):  # six minutes of 30 s samples
+        out += join.on_sample(state, node_sample(minute + i * 30, 10.0 * (i % 2), kubelet(POD)))
+    rollups = [o for o in out if isinstance(o, Rollup)]
+    # Minutes close one lateness (60 s) after their end: four of the six so far.
+    assert sorted({r.ts for r in rollups}) == [minute + 60 * m for m in range(4)]
+    held = [r for r in rollups if r.uuid == "GPU-1"]
+    assert len(held) == 4 and all(r.samples == 2 and r.util_mean == 5.0 for r in held)
+    first = held[0]
+    assert (first.pod, first.team, first.owner_kind, first.owner_name, first.queue,
+            first.workload_kind) == ("nb-a", "vision", "Notebook", "nb-a", "research", "notebook")
+    free = [r for r in rollups if r.uuid == "GPU-2"]
+    assert len(free) == 4 and all(r.pod is None and r.team is None for r in free)
+    # A redelivered sample changes nothing: no second rollup, no double count.
+    assert [o for o in join.on_sample(state, node_sample(minute + 330, 0.0, kubelet(POD)))
+            if isinstance(o, Rollup)] == []
