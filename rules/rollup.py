@@ -58,18 +58,37 @@ class Attribution(msgspec.Struct, frozen=True, array_like=True):
     owner_name: str | None = None
     workload_kind: str | None = None
     queue: str | None = None
+    allocated: bool = True
+    """False when made from the collector's attribution alone: no allocation matched yet."""
 
 
 def attribution(pod: PodRef, *, labels: Mapping[str, str] | None = None,
                 owner_kind: str | None = None, owner_name: str | None = None,
                 workload_kind: str | None = None, queue: str | None = None,
-                team_labels: Sequence[str] = DEFAULT_TEAM_LABELS) -> Attribution:
+                team_labels: Sequence[str] = DEFAULT_TEAM_LABELS,
+                allocated: bool = True) -> Attribution:
     """The attribution of ``pod``: its team from the first team label set (else its
     namespace), its owner (else the pod itself)."""
     labels = labels or {}
     team = next((labels[k] for k in team_labels if labels.get(k)), pod.namespace)
     return Attribution(pod.namespace, pod.name, team, owner_kind, owner_name or pod.name,
-                       workload_kind, queue)
+                       workload_kind, queue, allocated)
+
+
+def reattribute(track: RollupTrack, who: Attribution) -> None:
+    """Give the open minutes of ``who``'s pod, attributed by name alone so far, its
+    allocation's attribution.
+
+    Samples and allocations travel on different topics: a worker catching up on a
+    backlog may fold a pod's first samples before its allocation. Minutes still open
+    take the owner, team and queue then; minutes already emitted keep the namespace.
+    """
+    for bucket in track.minutes.values():
+        for minute in bucket.values():
+            held = minute.who
+            if (held is not None and not held.allocated and held.pod == who.pod
+                    and held.namespace == who.namespace):
+                minute.who = who
 
 
 class _Nobody(msgspec.Struct, frozen=True):

@@ -60,6 +60,10 @@ class Holding(msgspec.Struct):
     owner_name: str | None = None
     who: rollup.Attribution | None = None
     """The pod's columns in the rollups, made once from the fields above."""
+    ended_at: float | None = None
+    """When the pod finished or was deleted. The holding is kept until the node's samples
+    are past that time: samples travel on another topic, and a worker behind on them
+    reads a pod's end before its last samples."""
 
 
 class DeviceState(msgspec.Struct):
@@ -135,46 +139,54 @@ def _pod_key(pod: PodRef) -> str:
 
 
 class _Holders:
-    """The node's holdings indexed for one sample: by device id, and by pod identity.
+    """The node's holdings at one sample's time, by device id and by pod identity.
 
     A pod is known by uid where both sides have it and by namespace/name otherwise
     (DESIGN.md, decision 4): the kubelet's PodResources API, and so the NVML collector's
     attribution, carries no uid, while the watcher's allocations do. Built once per sample
-    from the handful of pods a node holds; the name index is built only when a uid-less
-    attribution asks for it.
+    from the handful of pods a node holds; a holding whose pod ended at or before the
+    sample does not hold anything at its time.
     """
 
-    __slots__ = ("_by_name", "_pods", "by_device")
+    __slots__ = ("_by_name", "by_device", "expired")
 
-    def __init__(self, pods: dict[str, Holding]) -> None:
-        self._pods = pods
-        self._by_name: dict[tuple[str, str], Holding] | None = None
-        self.by_device = {uuid: h for h in pods.values() for uuid in h.devices}
+    def __init__(self, pods: dict[str, Holding], ts: float, linger_s: float) -> None:
+        self.by_device: dict[str, Holding] = {}
+        self._by_name: dict[tuple[str, str], list[Holding]] = {}
+        self.expired: list[str] = []
+        """Ended holdings the node's samples are well past: safe to forget."""
+        for key, holding in pods.items():
+            ended_at = holding.ended_at
+            if ended_at is not None and ts >= ended_at:
+                if ts - ended_at > linger_s:
+                    self.expired.append(key)
+                continue
+            for uuid in holding.devices:
+                self.by_device[uuid] = holding
+            name = (holding.pod.namespace, holding.pod.name)
+            same = self._by_name.get(name)
+            if same is None:
+                self._by_name[name] = [holding]
+            else:
+                same.append(holding)
 
     def find(self, pod: PodRef) -> Holding | None:
         """The holding of the attributed ``pod``; None when no allocation matches it.
 
         A uid on both sides decides: a pod restarted under the same name (a new uid) is not
-        the old one. Without a uid on one side the name decides, and of two holdings with
-        one name (the old pod's end not seen yet) the later started is the live one, since
+        the old one. Without a uid on one side the name decides, and of two live holdings
+        with one name (the old pod's end not seen yet) the later started is the pod, since
         Kubernetes gives a name to one pod at a time.
         """
-        if pod.uid is not None:
-            holding = self._pods.get(pod.uid)
-            if holding is not None:
-                return holding
-        if self._by_name is None:
-            by_name: dict[tuple[str, str], Holding] = {}
-            for holding in self._pods.values():
-                name = (holding.pod.namespace, holding.pod.name)
-                known = by_name.get(name)
-                if known is None or holding.started_at >= known.started_at:
-                    by_name[name] = holding
-            self._by_name = by_name
-        holding = self._by_name.get((pod.namespace, pod.name))
-        if holding is None or (pod.uid is not None and holding.pod.uid is not None):
-            return None  # both have uids and they differ: another pod of the same name
-        return holding
+        found: Holding | None = None
+        for holding in self._by_name.get((pod.namespace, pod.name), ()):
+            if pod.uid is not None and holding.pod.uid is not None:
+                if holding.pod.uid == pod.uid:
+                    return holding
+                continue  # both have uids and they differ: another pod of the same name
+            if found is None or holding.started_at >= found.started_at:
+                found = holding
+        return found
 
 
 class NodeJoin:
@@ -188,7 +200,9 @@ class NodeJoin:
 
     def on_sample(self, state: NodeState, sample: NodeSample) -> list[Output]:
         out: list[Output] = []
-        holders = _Holders(state.pods)
+        holders = _Holders(state.pods, sample.ts, self.settings.rollup_lateness_s)
+        for key in holders.expired:
+            del state.pods[key]
         resolve = self.policy.resolve
         pool = state.pool
         node_steps = resolve(None, None, pool).samples
@@ -273,8 +287,9 @@ class NodeJoin:
         key = _pod_key(event.pod)
         out: list[Output] = []
         if event.phase in ("finished", "deleted"):
-            holding = state.pods.pop(key, None)
-            if holding is not None:
+            holding = state.pods.get(key)
+            if holding is not None and holding.ended_at is None:
+                holding.ended_at = event.ts
                 releases = [(runner, runner.on_release) for runner, _ in
                             self.policy.resolve(None, None, state.pool).device
                             if runner.on_release is not None]
@@ -285,13 +300,17 @@ class NodeJoin:
                             out += release(track_of(dev, runner), event.node, uuid, event.ts)
                 state.summary_dirty = True
         elif event.phase in ("bound", "running"):
-            state.pods[key] = Holding(
+            known = state.pods.get(key)
+            if known is not None and known.ended_at is not None and event.ts <= known.ended_at:
+                return []  # a repeat of the pod's start, read after its end
+            holding = state.pods[key] = Holding(
                 pod=event.pod, started_at=event.started_at or event.ts,
                 devices=list(event.device_ids), gpus=event.gpus, mig=dict(event.mig),
                 workload_kind=event.workload_kind, queue=event.queue,
                 labels=dict(event.labels), annotations=dict(event.annotations),
                 owner_kind=event.owner_kind, owner_name=event.owner_name,
             )
+            rollup.reattribute(state.rollups, self._holding_who(holding))
             state.summary_dirty = True
         return out + self._maybe_summary(state, event.node, event.ts)
 
@@ -299,15 +318,20 @@ class NodeJoin:
              ) -> rollup.Attribution | None:
         """The rollup attribution of a device: its holding's, else the collector's pod."""
         if holding is not None:
-            if holding.who is None:
-                holding.who = rollup.attribution(
-                    holding.pod, labels=holding.labels, owner_kind=holding.owner_kind,
-                    owner_name=holding.owner_name, workload_kind=holding.workload_kind,
-                    queue=holding.queue, team_labels=self.settings.team_labels)
-            return holding.who
+            return holding.who or self._holding_who(holding)
         if attributed is not None:
-            return rollup.attribution(attributed, team_labels=self.settings.team_labels)
+            return rollup.attribution(attributed, team_labels=self.settings.team_labels,
+                                      allocated=False)
         return None
+
+    def _holding_who(self, holding: Holding) -> rollup.Attribution:
+        """The holding's rollup attribution, made once and kept on it."""
+        if holding.who is None:
+            holding.who = rollup.attribution(
+                holding.pod, labels=holding.labels, owner_kind=holding.owner_kind,
+                owner_name=holding.owner_name, workload_kind=holding.workload_kind,
+                queue=holding.queue, team_labels=self.settings.team_labels)
+        return holding.who
 
     @staticmethod
     def _holding(dev: DeviceState, device: DeviceSample, holders: _Holders,
@@ -326,15 +350,16 @@ class NodeJoin:
         if not (state.summary_dirty or due):
             return []
         state.last_summary_ts, state.summary_dirty = ts, False
-        used = sum(h.gpus for h in state.pods.values())
+        holding = [h for h in state.pods.values() if h.ended_at is None]
+        used = sum(h.gpus for h in holding)
         checks = [(runner, runner.unhealthy) for runner, _ in
                   self.policy.resolve(None, None, state.pool).device
                   if runner.unhealthy is not None]
         healthy = not any(unhealthy(track_of(d, runner)) for d in state.devices.values()
                           for runner, unhealthy in checks)
         mig_free = dict(state.mig_allocatable)
-        for holding in state.pods.values():
-            for profile, count in holding.mig.items():
+        for held in holding:
+            for profile, count in held.mig.items():
                 mig_free[profile] = mig_free.get(profile, 0) - count
         return [NodeSummary(
             ts=ts, node=node, gpu_model=state.gpu_model, gpus_total=state.gpu_count,

@@ -145,22 +145,23 @@ def test_a_pod_restarted_under_the_same_name_is_another_pod() -> None:
     (firing,) = findings(idle_run(join, state, kubelet(POD), T0 + 3000, 90))
     assert firing.subject.pod == new and firing.labels["workload_kind"] == "notebook"
     # The old uid never matches the new pod of the same name.
-    holders = _Holders(state.pods)
+    holders = _Holders(state.pods, T0 + 6000, 60)
     assert holders.find(old) is not None and holders.find(old).pod == old  # type: ignore[union-attr]
     join.on_allocation(state, watched(old, "finished", T0 + 6000))
-    assert _Holders(state.pods).find(old) is None
-    assert _Holders(state.pods).find(kubelet(POD)).pod == new  # type: ignore[union-attr]
+    after = _Holders(state.pods, T0 + 6000, 60)
+    assert after.find(old) is None
+    assert after.find(kubelet(POD)).pod == new  # type: ignore[union-attr]
 
 
 def test_uid_on_both_sides_decides_over_the_name() -> None:
     join, state = NodeJoin(), NodeState()
     join.on_allocation(state, watched(POD, "running", T0))
     stranger = PodRef(namespace=POD.namespace, name=POD.name, uid="uid-other")
-    assert _Holders(state.pods).find(stranger) is None
+    assert _Holders(state.pods, T0, 60).find(stranger) is None
     # A uid-less allocation (a source without uids) is still found from a uid-ful sample.
     anonymous = PodRef(namespace="ml-b", name="nb-b")
     join.on_allocation(state, watched(anonymous, "running", T0))
-    found = _Holders(state.pods).find(PodRef(namespace="ml-b", name="nb-b", uid="uid-b"))
+    found = _Holders(state.pods, T0, 60).find(PodRef(namespace="ml-b", name="nb-b", uid="uid-b"))
     assert found is not None and found.pod == anonymous
 
 
@@ -185,3 +186,39 @@ def test_rollups_per_device_per_minute_with_the_join_attribution() -> None:
     # A redelivered sample changes nothing: no second rollup, no double count.
     assert [o for o in join.on_sample(state, node_sample(minute + 330, 0.0, kubelet(POD)))
             if isinstance(o, Rollup)] == []
+
+
+def test_an_allocation_folded_after_the_first_samples_attributes_their_open_minutes() -> None:
+    """A worker catching up on a backlog may read a pod's samples before its allocation."""
+    join, state = NodeJoin(), NodeState()
+    minute = T0 - T0 % 60
+    out = []
+    for i in range(3):
+        out += join.on_sample(state, node_sample(minute + i * 30, 50.0, kubelet(POD)))
+    join.on_allocation(state, watched(POD, "running", minute + 60, labels={"team": "vision"}))
+    for i in range(3, 8):
+        out += join.on_sample(state, node_sample(minute + i * 30, 50.0, kubelet(POD)))
+    held = [o for o in out if isinstance(o, Rollup) and o.uuid == "GPU-1"]
+    assert [r.ts for r in held] == [minute, minute + 60]
+    assert {(r.team, r.owner_kind) for r in held} == {("vision", "Notebook")}
+
+
+def test_a_pod_end_read_before_its_last_samples_keeps_them_attributed() -> None:
+    """A worker behind on samples reads the pod's end (another topic) first."""
+    join, state = NodeJoin(), NodeState()
+    minute = T0 - T0 % 60
+    join.on_allocation(state, watched(POD, "running", minute, labels={"team": "vision"}))
+    join.on_allocation(state, watched(POD, "finished", minute + 120))
+    out = []
+    for i in range(10):
+        util = 50.0 if i < 4 else 0.0
+        out += join.on_sample(state, node_sample(minute + i * 30, util,
+                                                 kubelet(POD) if i < 4 else None))
+    held = [o for o in out if isinstance(o, Rollup) and o.uuid == "GPU-1"]
+    assert [(r.ts, r.team, r.owner_kind) for r in held] == [
+        (minute, "vision", "Notebook"), (minute + 60, "vision", "Notebook"),
+        (minute + 120, None, None)]
+    # Once the samples are past the end (and its lateness), the holding is forgotten.
+    assert state.pods == {}
+    summary = [o for o in out if isinstance(o, NodeSummary)][-1]
+    assert summary.gpus_free == summary.gpus_total == 2  # the ended pod holds nothing
