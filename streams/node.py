@@ -228,7 +228,8 @@ class NodeJoin:
             else:
                 steps, holder = node_steps, None
             if bucket is not None:
-                fold.add(bucket, device, ts, self._who(holding, device.pod))
+                who = holding.who if holding is not None else None
+                fold.add(bucket, device, ts, who or self._who(holding, device.pod))
             gpu = device.kind == "gpu"
             for hook, name, gpu_only, runner, settings in steps:
                 if gpu_only and not gpu:
