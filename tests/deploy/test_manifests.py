@@ -130,7 +130,7 @@ def test_every_gpusteward_workload_exists(rendered):
     expected = {
         "collector": "DaemonSet", "watcher": "Deployment", "worker": "StatefulSet",
         "alerts": "Deployment", "remediation": "Deployment", "report": "CronJob",
-        "sinks": "Deployment",
+        "rollup-sink": "Deployment", "queue-sink": "Deployment",
     }
     assert {k: components.get(k) for k in expected} == expected
 
@@ -275,25 +275,32 @@ def _store_paths(rendered, workload, container) -> tuple[str, dict[str, str]]:
 
 def test_sinks_write_the_store_the_report_reads(rendered):
     """The rollup and queue sinks run as processes, on the volume the report CronJob reads."""
-    sinks = rendered.component("sinks")
-    containers = {tuple(c["args"]): c for c in pod_spec(sinks)["containers"]}
-    assert set(containers) == {("sink", "rollups"), ("sink", "queue")}
     report = rendered.component("report")
     (reader,) = pod_spec(report)["containers"]
     claim, folders = _store_paths(rendered, report, reader)
-    for container in containers.values():
-        assert _store_paths(rendered, sinks, container) == (claim, folders)
+    (reading,) = [m for m in reader["volumeMounts"] if folders["rollups"].startswith(
+        m["mountPath"] + "/")]
+    assert reading.get("readOnly") is True
+    sinks = {"rollup-sink": ["sink", "rollups"], "queue-sink": ["sink", "queue"]}
+    for component, args in sinks.items():
+        sink = rendered.component(component)
+        (container,) = pod_spec(sink)["containers"]
+        assert container["args"] == args
+        assert _store_paths(rendered, sink, container) == (claim, folders)
         (mount,) = [m for m in container["volumeMounts"] if folders["rollups"].startswith(
-            m["mountPath"])]
+            m["mountPath"] + "/")]
         assert not mount.get("readOnly")
-    # One writer at a time, and (ReadWriteOnce) the report on the writer's node.
-    assert sinks["spec"]["replicas"] == 1 and sinks["spec"]["strategy"]["type"] == "Recreate"
-    (term,) = pod_spec(report)["affinity"]["podAffinity"][
-        "requiredDuringSchedulingIgnoredDuringExecution"]
-    assert term["labelSelector"]["matchLabels"].items() <= (
-        sinks["spec"]["selector"]["matchLabels"].items())
+        # One writer at a time per store.
+        assert sink["spec"]["replicas"] == 1 and sink["spec"]["strategy"]["type"] == "Recreate"
+    # ReadWriteOnce: the queue sink and the report run on the rollup sink's node.
     volume = rendered.named("PersistentVolumeClaim", claim)
     assert volume["spec"]["accessModes"] == ["ReadWriteOnce"]
+    writer = rendered.component("rollup-sink")["spec"]["selector"]["matchLabels"]
+    for other in (report, rendered.component("queue-sink")):
+        (term,) = pod_spec(other)["affinity"]["podAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["labelSelector"]["matchLabels"].items() <= writer.items()
+        assert term["topologyKey"] == "kubernetes.io/hostname"
 
 
 def test_policy_configmap_is_mounted_where_the_setting_points(rendered):
