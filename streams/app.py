@@ -24,7 +24,7 @@ import msgspec
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from gpusteward import topics
-from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary
+from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary, Rollup
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import FleetSettings, register_fleet_agent
 from gpusteward.streams.node import NodeJoin, NodeState, RuleSettings
@@ -207,9 +207,11 @@ def create_app(
             # finding or action, the allocations changed) and otherwise every checkpoint_s of
             # event time. A worker that crashes between checkpoints recovers a state at most
             # that old; re-processing then republishes the same ids, which consumers
-            # deduplicate. A node summary alone does not count: the next one replaces it.
+            # deduplicate. A node summary alone does not count: the next one replaces it; nor
+            # does a rollup: one re-emitted after a crash has the same (device, minute) name,
+            # and the store keeps one per name.
             due = record.ts - checkpointed_at >= checkpoint_s
-            decisive = any(not isinstance(output, NodeSummary) for output in outputs)
+            decisive = any(not isinstance(output, NodeSummary | Rollup) for output in outputs)
             if decisive or due or not isinstance(record, NodeSample):
                 state_table[node] = encode_state(state)
                 checkpointed_at = record.ts

@@ -213,6 +213,11 @@ class Workload:
     def ref(self) -> PodRef:
         return PodRef(namespace=self.namespace, name=self.name, uid=self.uid)
 
+    @property
+    def kubelet_ref(self) -> PodRef:
+        """The pod as the kubelet's PodResources API names it: no uid."""
+        return PodRef(namespace=self.namespace, name=self.name)
+
     def phase_at(self, since_start: float) -> Phase:
         cycle = self.timeline[-1][0] + (self.timeline[-1][1] or 0.0)
         if self.spec.repeat and cycle > 0:
@@ -261,6 +266,7 @@ class SimulatedCluster:
         )
         self._cordon_requests: list[tuple[str, str]] = []
         self._reclaim_requests: list[tuple[str, str, str]] = []
+        self._by_uid = scenario.attribution == "uid"
         self.on_tick: Callable[[SimulatedCluster], None] | None = None
 
     def _make_workloads(self) -> list[Workload]:
@@ -515,10 +521,11 @@ class SimulatedCluster:
         return PodAllocation(
             ts=now, node=workload.node.name, pod=workload.ref, phase=phase,  # type: ignore[arg-type]
             gpus=0 if workload.spec.mig else workload.spec.gpus, mig=dict(workload.spec.mig),
-            device_ids=[g.uuid for g in workload.devices],
+            device_ids=[g.uuid for g in workload.devices] if self._by_uid else [],
             started_at=workload.started_at, workload_kind=workload.spec.kind,
             owner_kind=self._owner_kind(workload),
             owner_name=workload.name, queue=self.scenario.cluster_queue,
+            labels=dict(workload.spec.labels),
         )
 
     def _queue_event(self, workload: Workload, state: str, now: float) -> QueueEvent:
@@ -554,12 +561,16 @@ class SimulatedCluster:
                 sm_clock_mhz=1410 if util > 0 else 210, clock_event_reasons=reasons,
                 ecc_sbe_volatile=gpu.sbe, ecc_dbe_volatile=gpu.dbe, pcie_replay=gpu.pcie_replay,
                 nvlink_errors=gpu.nvlink_errors, remap_failure=gpu.remap_failure,
-                remap_pending=False, pod=holder.ref if holder is not None else None,
+                remap_pending=False, pod=self._attributed(holder),
             ))
         return NodeSample(ts=now, node=node.name, source="simulator", devices=devices)
 
-    @staticmethod
-    def _mig_sample(gpu: SimGpu, mig: SimMig, now: float) -> DeviceSample:
+    def _attributed(self, holder: Workload | None) -> PodRef | None:
+        if holder is None:
+            return None
+        return holder.ref if self._by_uid else holder.kubelet_ref
+
+    def _mig_sample(self, gpu: SimGpu, mig: SimMig, now: float) -> DeviceSample:
         """A MIG device reads engine activity, not GPU utilisation (not reported on MIG)."""
         holder = mig.holder
         if holder is not None and holder.started_at is not None:
@@ -569,8 +580,7 @@ class SimulatedCluster:
         return DeviceSample(
             uuid=mig.uuid, index=gpu.index, model=gpu.model, kind="mig", parent_uuid=gpu.uuid,
             mig_profile=mig.profile, gpu_instance_id=mig.gpu_instance_id,
-            engine_active_pct=activity, mem_used_bytes=mem,
-            pod=holder.ref if holder is not None else None,
+            engine_active_pct=activity, mem_used_bytes=mem, pod=self._attributed(holder),
         )
 
     # -- the whole run -----------------------------------------------------------------------
