@@ -123,7 +123,7 @@ def prepare(rows: pl.DataFrame | pl.LazyFrame, settings: ReportSettings,
         [pl.col(c).cast(pl.Categorical) for c in strings]).collect()
 
 
-def _hours_and_costs() -> list[pl.Expr]:
+def hours_and_costs() -> list[pl.Expr]:
     """Allocated, used and idle GPU-hours with their cost, for any grouping."""
     cost = pl.col("gpu_hours") * pl.col("hourly_usd")
     idle = pl.col("idle_minute")
@@ -134,62 +134,6 @@ def _hours_and_costs() -> list[pl.Expr]:
         cost.sum().alias("allocated_cost_usd"),
         cost.filter(idle).sum().alias("idle_cost_usd"),
     ]
-
-
-def team_table(frame: pl.DataFrame) -> pl.DataFrame:
-    held = frame.filter(pl.col("allocated"))
-    return (held.group_by("team").agg(
-        *_hours_and_costs(),
-    ).with_columns((pl.col("used_gpu_hours") / pl.col("allocated_gpu_hours") * 100)
-                   .alias("efficiency_pct"))
-        .sort("allocated_gpu_hours", descending=True))
-
-
-def daily_table(frame: pl.DataFrame) -> pl.DataFrame:
-    return (frame.filter(pl.col("allocated"))
-            .group_by("day", "team").agg(
-                pl.col("gpu_hours").sum().alias("allocated_gpu_hours"),
-                pl.col("used_hours").sum().alias("used_gpu_hours"))
-            .sort("day", "team"))
-
-
-def workload_table(frame: pl.DataFrame) -> pl.DataFrame:
-    held = frame.filter(pl.col("allocated"))
-    return (held.group_by(WORKLOAD).agg(
-        pl.col("gpu_model").mode().first().alias("gpu_model"),
-        pl.col("uuid").n_unique().alias("devices"),
-        pl.len().alias("device_minutes"),
-        pl.col("ts").n_unique().alias("minutes"),
-        *_hours_and_costs(),
-        *[pl.col("util_mean").quantile(q / 100, "linear").alias(f"util_p{q}")
-          for q in (5, 25, 50, 75, 95)],
-        pl.col("mem_used_max").max().alias("mem_peak_bytes"),
-    ).sort("allocated_gpu_hours", descending=True))
-
-
-def fault_table(frame: pl.DataFrame) -> pl.DataFrame:
-    return (frame.group_by("day").agg(
-        pl.col("xid_count").sum().alias("xid_events"),
-        pl.col("ecc_dbe_new").sum().alias("ecc_dbe_errors"),
-        (pl.col("throttled_samples") > 0).sum().alias("throttled_device_minutes"),
-    ).sort("day"))
-
-
-def fragmentation_table(frame: pl.DataFrame, shape_gpus: int) -> pl.DataFrame:
-    """Per hour: free whole GPUs and the share of them no ``shape_gpus``-GPU request fits."""
-    per_node = (frame.filter(pl.col("kind") == "gpu")
-                .group_by("ts", "node").agg((~pl.col("allocated")).sum().alias("free")))
-    per_minute = per_node.group_by("ts").agg(
-        pl.col("free").sum().alias("free"),
-        ((pl.col("free") // shape_gpus) * shape_gpus).sum().alias("usable"))
-    return (per_minute.with_columns(
-        (pl.col("ts") * 1000).cast(pl.Int64).cast(pl.Datetime("ms", "UTC"))
-        .dt.truncate("1h").alias("hour"))
-        .group_by("hour").agg(
-            pl.col("free").mean().alias("free_gpus"),
-            (1 - pl.col("usable").sum() / pl.col("free").sum()).fill_nan(0.0)
-            .alias("stranded_share"))
-        .sort("hour"))
 
 
 def queue_table(queue: pl.DataFrame | None, settings: ReportSettings) -> pl.DataFrame:
