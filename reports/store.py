@@ -185,16 +185,19 @@ def _bounds(day: date) -> tuple[float, float]:
 
 
 def slices(directory: Path, start: float, end: float, columns: list[str],
-           rows: int = 2_000_000) -> Iterator[pl.DataFrame]:
+           rows: int = 2_000_000, categorical: bool = True) -> Iterator[pl.DataFrame]:
     """The rollups of [start, end), a few hours at a time, one row per (device, minute).
 
     Each slice holds whole minutes, so every redelivered copy of a row lands in
     the slice of its original and is dropped there. A slice spans as many hours
     (a divisor of 24) as keep it near ``rows`` rows, judged by each day's row
     count; the sink writes in time order, so the row groups' ``ts`` statistics
-    let the scan skip the rest of the day.
+    let the scan skip the rest of the day. ``categorical`` reads the text columns
+    as categoricals, as :func:`scan` does.
     """
     wanted = list(dict.fromkeys(["ts", "uuid", *columns]))
+    types = {c: pl.Categorical if categorical and SCHEMA[c] == pl.String else SCHEMA[c]
+             for c in wanted}
     day, last = _day(start), _day(end - 1e-6)
     while day <= last:
         first, after = _bounds(day)
@@ -204,7 +207,7 @@ def slices(directory: Path, start: float, end: float, columns: list[str],
             continue
         _checked(paths, wanted)
         scan = pl.scan_parquet(paths, extra_columns="ignore").select(wanted).cast(
-            {c: SCHEMA[c] for c in wanted})
+            types)  # type: ignore[arg-type]
         per_day = int(pl.scan_parquet(paths).select(pl.len()).collect().item())
         hours = max([h for h in (1, 2, 3, 4, 6, 8, 12, 24) if per_day * h <= rows * 24],
                     default=1)
