@@ -17,6 +17,7 @@ benchmark to reuse.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,30 +125,34 @@ def week_of_rollups(start: float, gpus: int = 64, workloads: int = 40, teams: in
 
 
 def write_week(directory: Path, start: float, gpus: int, workloads: int, teams: int = 12,
-               seed: int = 1, hours_per_file: int = 6) -> int:
+               seed: int = 1, hours_per_file: int = 6) -> tuple[int, float]:
     """Write a synthetic week into the store at ``directory`` unless it is there already.
 
     A ``synthetic.json`` beside the day folders records what was written, and is
-    written last, so an interrupted run starts again. Returns the number of rows.
+    written last, so an interrupted run starts again. Returns the number of rows
+    and the seconds spent writing them (generating them not counted).
     """
     recipe = {"start": start, "gpus": gpus, "workloads": workloads, "teams": teams,
               "seed": seed, "schema": list(SCHEMA)}
     marker = directory / "synthetic.json"
     if marker.exists() and json.loads(marker.read_text()).get("recipe") == recipe:
-        return int(json.loads(marker.read_text())["rows"])
+        done = json.loads(marker.read_text())
+        return int(done["rows"]), float(done.get("write_s", "nan"))
     for old in directory.glob("day=*"):
         for path in old.iterdir():
             path.unlink()
         old.rmdir()
     directory.mkdir(parents=True, exist_ok=True)
-    rows, pending = 0, []
-    for hour in rollup_hours(start, gpus, workloads, teams, seed=seed):
-        pending.append(hour)
-        rows += hour.height
-        if len(pending) == hours_per_file:
+    rows, writing, pending = 0, 0.0, []
+    hours = list(range(7 * 24))
+    for hour, frame in zip(hours, rollup_hours(start, gpus, workloads, teams, seed=seed),
+                           strict=True):
+        pending.append(frame)
+        rows += frame.height
+        if len(pending) == hours_per_file or hour == hours[-1]:
+            began = time.perf_counter()
             store.write(directory, pl.concat(pending))
+            writing += time.perf_counter() - began
             pending = []
-    if pending:
-        store.write(directory, pl.concat(pending))
-    marker.write_text(json.dumps({"recipe": recipe, "rows": rows}))
-    return rows
+    marker.write_text(json.dumps({"recipe": recipe, "rows": rows, "write_s": writing}))
+    return rows, writing
