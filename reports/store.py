@@ -215,9 +215,26 @@ def slices(directory: Path, start: float, end: float, columns: list[str],
         while slice_start < min(after, end):
             slice_end = min(first + (int((slice_start - first) // 3600) + hours) * 3600,
                             after, end)
-            yield (scan.filter((pl.col("ts") >= slice_start) & (pl.col("ts") < slice_end))
-                   .filter(pl.struct("uuid", "ts").is_first_distinct()).collect())
+            rows_now = scan.filter((pl.col("ts") >= slice_start)
+                                   & (pl.col("ts") < slice_end)).collect()
+            yield _distinct(rows_now, slice_start)
             slice_start = slice_end
+
+
+def _distinct(rows: pl.DataFrame, start: float) -> pl.DataFrame:
+    """``rows`` with each (uuid, ts) once.
+
+    Counting distinct keys is a quarter of the cost of marking the first of each,
+    and a store rarely holds a redelivered row: count first. The count's key (the
+    uuid's category code and whole seconds since ``start``) is equal for equal
+    rows, so a redelivery is never missed; a rare false alarm costs the exact pass.
+    """
+    if rows.schema["uuid"] == pl.Categorical:
+        key = (pl.col("uuid").to_physical().cast(pl.UInt64) * (1 << 32)
+               + (pl.col("ts") - start).cast(pl.UInt64))
+        if rows.select(key.n_unique()).item() == rows.height:
+            return rows
+    return rows.filter(pl.struct("uuid", "ts").is_first_distinct())
 
 
 def scan(directory: Path, start: float, end: float, columns: list[str] | None = None,
