@@ -152,7 +152,7 @@ def _live_advice() -> list[Figure]:
 
     evaluator, state = fleet._fleet(random.Random(7))
     slot = fleet.observed.slot_of(fleet.START + fleet.WEEK,
-                                  evaluator.settings.mig_advice_interval_s)
+                                  evaluator.mig_advice_settings.interval_s)
     elapsed, _ = _timed(lambda: evaluator.mig_advice(state, slot))
     evaluator, state = fleet._fleet(random.Random(7))
     before, _ = _timed(lambda: evaluator.mig_advice(state, slot), _previous())
