@@ -35,7 +35,7 @@ def report(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from gpusteward.reports import build, compute, render
+    from gpusteward.reports import build, compute, render, store
     from gpusteward.reports.settings import ReportSettings
 
     settings = ReportSettings()
@@ -50,18 +50,31 @@ def report(
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
         task = progress.add_task(f"report {chosen.label}", total=len(build.STEPS))
+        reading = progress.add_task("rows read", total=None)
 
         def step(name: str) -> None:
             progress.update(task, advance=1, description=f"report {chosen.label}: {name}")
 
+        def rows(read: int, total: int) -> None:
+            progress.update(reading, completed=read, total=total,
+                            description=f"rows read: {read:,} of {total:,}")
+
         queue_dir = queue or settings.queue_dir
-        result = build.build(directory, chosen, settings,
-                             queue=queue_dir if queue_dir.is_dir() else None, step=step)
+        try:
+            result = build.build(directory, chosen, settings,
+                                 queue=queue_dir if queue_dir.is_dir() else None, step=step,
+                                 rows=rows)
+        except store.StoreError as error:
+            console.print(f"[red]{error}[/]")
+            raise typer.Exit(1) from error
     for path in render.write(result, out):
         typer.echo(str(path))
     totals = result.data["totals"]
     if not totals["device_minutes"]:
         console.print(f"[yellow]no rollups for {chosen.label} in {directory}[/]")
+    elif result.data["missing_days"]:
+        console.print(f"[yellow]no rollups for {', '.join(result.data['missing_days'])} in "
+                      f"{directory}: the report covers the other days[/]")
 
 
 def sink(
