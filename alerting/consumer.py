@@ -120,7 +120,8 @@ class FindingsConsumer:
             return
         self.seen.add(key)
         self.metrics.findings.labels(finding.kind, finding.severity, finding.state).inc()
-        self._open.observe(finding.id, finding.kind, finding.severity, finding.state)
+        self._open.observe(finding.id, finding.kind, finding.severity, finding.state,
+                           finding.ts)
         if self.on_finding:
             self.on_finding(finding)
         for sink in self.sinks:

@@ -92,13 +92,23 @@ class PipelineMetrics:
 
 
 class OpenFindings:
-    """The ``findings_open`` gauge kept from a stream of findings (idempotent on the id)."""
+    """The ``findings_open`` gauge kept from a stream of findings.
+
+    Idempotent on the id, and in event time: a record older than the newest seen for its
+    id changes nothing (the worker has been seen to publish a ``resolved`` stamped before
+    the ``firing`` it follows; ``gpusteward status`` folds the same way).
+    """
 
     def __init__(self, metrics: PipelineMetrics) -> None:
         self.metrics = metrics
         self.open: dict[str, tuple[str, str]] = {}
+        self.newest: dict[str, float] = {}
 
-    def observe(self, finding_id: str, kind: str, severity: str, state: str) -> None:
+    def observe(self, finding_id: str, kind: str, severity: str, state: str,
+                ts: float = 0.0) -> None:
+        if ts < self.newest.get(finding_id, ts):
+            return
+        self.newest[finding_id] = ts
         before = self.open.pop(finding_id, None)
         if before is not None:
             self.metrics.findings_open.labels(*before).dec()

@@ -58,6 +58,8 @@ def test_open_findings_follow_firing_and_resolved_once_per_id():
     gauge.observe("b", "idle_holder", "warning", "firing")
     gauge.observe("b", "idle_holder", "critical", "firing")  # escalated: moves severity
     gauge.observe("a", "xid", "critical", "resolved")
+    gauge.observe("c", "gpu_lost", "critical", "firing", ts=200.0)
+    gauge.observe("c", "gpu_lost", "info", "resolved", ts=100.0)  # older: changes nothing
 
     def value(kind: str, severity: str) -> float | None:
         return metrics.registry.get_sample_value(
@@ -66,6 +68,7 @@ def test_open_findings_follow_firing_and_resolved_once_per_id():
     assert value("xid", "critical") == 0
     assert value("idle_holder", "warning") == 0
     assert value("idle_holder", "critical") == 1
+    assert value("gpu_lost", "critical") == 1
 
 
 def test_metric_names_follow_the_conventions():
