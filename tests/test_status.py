@@ -122,3 +122,20 @@ def test_the_snapshot_round_trips_as_json():
     status = fleet().snapshot(NOW, {"g": {"t": 3}})
     again = msgspec.json.decode(msgspec.json.encode(status), type=FleetStatus)
     assert again == status
+
+
+def test_the_rich_view_shows_pools_findings_actions_breaker_and_lag():
+    from rich.console import Console
+
+    from gpusteward.cli.status import render
+
+    fold = fleet()
+    fold.finding(finding("a", "xid", "firing", Subject(node="n1", device="GPU-1"),
+                         severity="critical"))
+    fold.action(action("k1"))
+    fold.result(result(f"{BREAKER_TRIP_PREFIX}1", "refused", ts=500))
+    console = Console(record=True, width=200)
+    console.print(render(fold.snapshot(NOW, {"gpusteward-worker": {"samples": 42}})))
+    text = console.export_text()
+    for expected in ("H100", "n1/GPU-1", "xid", "pending", "breaker: OPEN", "42", "vision"):
+        assert expected in text, expected
