@@ -55,11 +55,11 @@ import fnmatch
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 from rich.markup import escape
@@ -67,7 +67,10 @@ from rich.markup import escape
 from gpusteward import kafka, topics
 from gpusteward.errors import TemporaryError, cut
 from gpusteward.metrics import PipelineMetrics, observe_lag, serve
+from gpusteward.rules import REGISTRY, REMEDIATION_BREAKER
 from gpusteward.rules.findings import finding_id, fingerprint
+from gpusteward.rules.idle import RECLAIM_REASON
+from gpusteward.rules.registry import ALL_RULES
 from gpusteward.schema import Action, ActionResult, DeadLetter, Finding, Outcome, Subject
 from gpusteward.settings import Settings
 
@@ -76,12 +79,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ALL_RULES = "*"
 NODE_DISRUPTING = frozenset({"cordon", "taint", "drain", "set_mig_config"})
 """Verbs that take capacity away from a node: what the circuit breaker counts."""
-BREAKER_KIND = "remediation_breaker"
+BREAKER_KIND = REMEDIATION_BREAKER
 BREAKER_TRIP_PREFIX = "breaker/trip/"
 BREAKER_RESET_PREFIX = "breaker/reset/"
+
+
+def known_rules(names: Iterable[str]) -> set[str]:
+    """``names`` as a set, each a registered rule, a finding kind one emits, or ``*``;
+    otherwise :class:`~gpusteward.rules.UnknownRuleError` (a ValueError) lists the valid."""
+    names = set(names)
+    REGISTRY.enabled_kinds(names)
+    return names
 
 
 class RemediationSettings(BaseSettings):
@@ -98,8 +108,20 @@ class RemediationSettings(BaseSettings):
         default_factory=set,
         description="Rules whose actions are carried out in execute mode; every other rule's "
         "actions are only dry-run. Empty by default so that switching to --execute changes "
-        "nothing until rules are enabled one by one. '*' enables all.",
+        "nothing until rules are enabled one by one. '*' enables all. A rule's name enables "
+        "every finding kind it emits (xid: also xid_rma); a kind's name enables that kind. "
+        "An unknown name is an error that lists the valid ones.",
     )
+
+    @field_validator("enabled_rules")
+    @classmethod
+    def _known_rules(cls, names: set[str]) -> set[str]:
+        return known_rules(names)
+
+    def enables(self, kind: str) -> bool:
+        """Whether the actions of findings of ``kind`` are carried out in execute mode."""
+        enabled = REGISTRY.enabled_kinds(self.enabled_rules)
+        return ALL_RULES in enabled or kind in enabled
     breaker_window_s: float = Field(
         600.0, gt=0, description="Sliding window of the circuit breaker, seconds (10 min).")
     breaker_max_fraction: float = Field(
@@ -180,7 +202,11 @@ def describe(action: Action) -> str:
         "drain": f"drain node {where}: cordon it, then evict its pods through the Eviction API "
                  "(PodDisruptionBudgets respected; DaemonSet and mirror pods left)",
         "requeue": f"requeue {where}: deactivate and reactivate its Kueue workload, or delete "
-                   "the pod of a plain Job so its controller recreates it",
+                   "the pod of a plain Job so its controller recreates it"
+                   if params.get("reason") != RECLAIM_REASON else
+                   f"reclaim the GPUs of {where} through its owner (stop a Kubeflow Notebook, "
+                   "scale a Deployment or StatefulSet to 0, requeue a Job or Kueue workload; "
+                   "undo with `gpusteward act --restore KIND/NAMESPACE/NAME`)",
         "notify_owner": f"notify the owner of {where} (a Kubernetes Event and an annotation)",
         "set_mig_config": f"set nvidia.com/mig.config={params.get('config', '?')} on node {where}",
     }
@@ -322,8 +348,7 @@ class Executor:
     # -- deciding --------------------------------------------------------------------------
 
     def _rule_enabled(self, rule: str) -> bool:
-        enabled = self.remediation.enabled_rules
-        return self.sandbox or ALL_RULES in enabled or rule in enabled
+        return self.sandbox or self.remediation.enables(rule)
 
     async def _gpu_nodes(self) -> int | None:
         if self.remediation.fleet_gpu_nodes is not None:
@@ -578,6 +603,40 @@ class Executor:
         if self.on_result:
             self.on_result(action, result)
         return result
+
+
+RESTORE_PREFIX = "restore/"
+
+
+async def restore(settings: Settings, backend: Any, target: str, operator: str) -> ActionResult:
+    """Undo a reclaim on ``target`` (``KIND/NAMESPACE/NAME``) and audit it.
+
+    An operator's command, not an action from the topic: it bypasses the
+    executor's guards (the owner asked for the GPUs back) but is recorded on the
+    audit topic like any decision, keyed ``restore/KIND/NAMESPACE/NAME/<ms>``.
+    The schema has no restore verb, so the record carries ``requeue``, the verb
+    whose reclaim it undoes.
+    """
+    parts = target.split("/")
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"--restore takes KIND/NAMESPACE/NAME, not {target!r}")
+    outcome, detail = await backend.restore(*parts)
+    now = time.time()
+    record = ActionResult(
+        idempotency_key=f"{RESTORE_PREFIX}{target}/{round(now * 1000)}", verb="requeue",
+        # Subject has no field for a Deployment or a Notebook: the key and detail name it.
+        target=Subject(), outcome=outcome,
+        detail=f"restore {target} by {operator}: {detail}",
+        actor=f"{operator}/{backend.name}", ts=now)
+    producer = kafka.producer(settings)
+    await producer.start()
+    try:
+        await producer.send_and_wait(topics.ACTION_RESULTS.name(settings),
+                                     msgspec.json.encode(record),
+                                     key=record.idempotency_key.encode())
+    finally:
+        await producer.stop()
+    return record
 
 
 async def reset_breaker(settings: Settings, operator: str, reason: str = "") -> ActionResult:

@@ -37,7 +37,7 @@ from rich.table import Table
 from gpusteward import kafka, topics
 from gpusteward.alerting.consumer import FindingsConsumer
 from gpusteward.broker import EmbeddedBroker
-from gpusteward.collectors.publisher import KafkaPublisher, Publisher
+from gpusteward.collectors.transport.publisher import KafkaPublisher, Publisher
 from gpusteward.remediation.executor import Executor
 from gpusteward.sandbox.backend import SimulatorBackend
 from gpusteward.sandbox.pipeline import WorkerProcess

@@ -7,7 +7,9 @@ is an HTTP server (``http.server`` in a thread, so the synchronous official
 ``kubernetes`` client reaches it through an ordinary kubeconfig) serving
 object JSON that follows the upstream API types.
 
-What it serves (``/api/v1`` and ``/apis/<group>/<version>``):
+What it serves (``/api/v1`` and ``/apis/<group>/<version>``): pods, nodes,
+events, PodDisruptionBudgets, Kueue's workloads and queues, ``apps/v1``
+Deployments, ReplicaSets and StatefulSets, and Kubeflow Notebooks; for each:
 
 - ``GET`` list (``limit``/``continue`` paging, ``labelSelector``,
   ``fieldSelector`` on ``metadata.name``, ``metadata.namespace``,
@@ -86,6 +88,7 @@ import msgspec
 Obj = dict[str, Any]
 
 KUEUE_GROUP = "kueue.x-k8s.io"
+NOTEBOOK_GROUP = "kubeflow.org"
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,12 @@ RESOURCES: tuple[Resource, ...] = (
     Resource(KUEUE_GROUP, "workloads", "Workload", True, ("v1beta1", "v1beta2")),
     Resource(KUEUE_GROUP, "localqueues", "LocalQueue", True, ("v1beta1", "v1beta2")),
     Resource(KUEUE_GROUP, "clusterqueues", "ClusterQueue", False, ("v1beta1", "v1beta2")),
+    # The owners an idle pod's reclaim acts on: Pod -> ReplicaSet -> Deployment,
+    # Pod -> StatefulSet (-> Kubeflow Notebook, whose controller owns the StatefulSet).
+    Resource("apps", "deployments", "Deployment", True, ("v1",)),
+    Resource("apps", "replicasets", "ReplicaSet", True, ("v1",)),
+    Resource("apps", "statefulsets", "StatefulSet", True, ("v1",)),
+    Resource(NOTEBOOK_GROUP, "notebooks", "Notebook", True, ("v1beta1", "v1")),
 )
 _BY_KIND = {(r.group, r.kind): r for r in RESOURCES}
 _BY_PLURAL = {(r.group, r.plural): r for r in RESOURCES}
@@ -427,6 +436,18 @@ class KubeApiServer:
     def resource_version(self) -> int:
         """The newest resourceVersion."""
         return self._store.rv
+
+    def latest_change(self, plural: str) -> int:
+        """The resourceVersion of the newest change to a resource (``pods``), 0 for none.
+
+        A watcher that has seen it has seen everything of that resource, without
+        waiting for a bookmark to move it past changes to other resources.
+        """
+        with self._cond:
+            for change in reversed(self._store.history):
+                if change.resource.plural == plural:
+                    return change.rv
+        return 0
 
     def get(self, kind: str, name: str, namespace: str = "", group: str = "") -> Obj:
         """A copy of the current object; KeyError when absent."""

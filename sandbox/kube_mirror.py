@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpusteward.collectors.publisher import Publisher
+from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_objects import gpu_node, gpu_pod, rfc3339
 from gpusteward.schema import (

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import polars as pl
 
-from gpusteward.collectors.publisher import Publisher
+from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.errors import ConfigError
 from gpusteward.schema import DeviceSample, NodeSample, PodAllocation, PodRef, QueueEvent
 

@@ -17,22 +17,19 @@ and idempotency keys; consumers deduplicate on them.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import faust
 import msgspec
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from gpusteward import topics
-from gpusteward.rules import fragmentation as frag
-from gpusteward.rules import policy as policies
-from gpusteward.rules import queue as queue_rules
-from gpusteward.rules import spot as spot_rules
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary
 from gpusteward.settings import Settings
-from gpusteward.streams.fleet import FleetRuleSettings, register_fleet_agent
+from gpusteward.streams.fleet import FleetSettings, register_fleet_agent
 from gpusteward.streams.node import NodeJoin, NodeState, RuleSettings
 from gpusteward.streams.outputs import OutputTopics
+from gpusteward.streams.policy_file import policy_from_env
 
 
 def worker_group(settings: Settings) -> str:
@@ -147,7 +144,7 @@ def create_app(
         Monitor=LeanMonitor,
     )
     app.gpusteward_settings = settings
-    policy = rules.policy if rules is not None and rules.policy else policies.policy_from_env()
+    policy = rules.policy if rules is not None and rules.policy else policy_from_env()
     join = NodeJoin(rules, policy=policy)
 
     samples_name = topics.SAMPLES.name(settings)
@@ -221,15 +218,5 @@ def create_app(
             await outputs_to.publish(outputs)
             outputs_to.processed(started)
 
-    register_fleet_agent(app, settings, fleet_settings(policy))
+    register_fleet_agent(app, settings, FleetSettings(policy=policy))
     return app
-
-
-def fleet_settings(policy: policies.Policy) -> FleetRuleSettings:
-    """The fleet rules' settings from the policy file (fleet-wide: no per-namespace layer)."""
-    fleet_wide = policy.resolve().rules
-    return FleetRuleSettings(
-        fragmentation=cast(frag.FragmentationSettings, fleet_wide[frag.KIND]),
-        queue=cast(queue_rules.QueueSloSettings, fleet_wide[queue_rules.WAIT_KIND]),
-        spot=cast(spot_rules.SpotSettings, fleet_wide[spot_rules.KIND]),
-    )

@@ -7,23 +7,28 @@ restarted worker resumes where the last one stopped. :class:`NodeJoin`
 folds one decoded record into a node's state and returns what to publish;
 it does no I/O, so it is tested without a broker.
 
-Rule settings come from the policy (:mod:`gpusteward.rules.policy`),
-resolved per node pool for the hardware rules and per (namespace, queue,
-node pool) for the idle rule; the policy caches each resolution, so a
-sample pays dict lookups, not validation. Per-device rule state is made of
-msgspec Structs inside :class:`DeviceState`, so it rides the changelog with
-the rest of the node's state.
+The join knows no rule by name: it runs every device runner of the rule
+registry (:mod:`gpusteward.rules`) that the policy's resolution lists, on
+each device sample, each hardware event its hooks take and each release of
+a device. Settings come from the policy (:mod:`gpusteward.rules.policy`),
+resolved per node pool, and per (namespace, queue, node pool) for a held
+device (a rule's registry entry says which layers reach it); the policy
+caches each resolution, so a sample pays dict lookups, not validation.
+Per-device rule state is made of msgspec Structs inside :class:`DeviceState`,
+so it rides the changelog with the rest of the node's state: the shipped
+rules' as typed fields, a rule registered beyond them in ``tracks``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
 from gpusteward.rules import ecc, hardware, idle
 from gpusteward.rules import policy as policies
-from gpusteward.rules import xid as xid_rule
+from gpusteward.rules.registry import DeviceRunner, state_in
 from gpusteward.schema import (
     Action,
     AllocationEvent,
@@ -59,6 +64,21 @@ class DeviceState(msgspec.Struct):
     attributed: PodRef | None = None
     """The pod the collector last attributed the device to."""
     attributed_since: float | None = None
+    tracks: dict[str, Any] = {}
+    """State of the rules whose runner names no field above, by the runner's state name.
+    Decoded from the changelog as plain data and turned back into the runner's type on
+    first use."""
+
+
+_TYPED_TRACKS = frozenset({"idle", "ecc", "hw"})
+"""Runner state names that are typed fields of :class:`DeviceState`."""
+
+
+def track_of(dev: DeviceState, runner: DeviceRunner) -> Any:
+    """The state ``runner`` keeps for the device."""
+    name = runner.state
+    return (getattr(dev, name) if name in _TYPED_TRACKS
+            else state_in(dev.tracks, name, runner.state_type))
 
 
 class NodeState(msgspec.Struct):
@@ -86,8 +106,8 @@ class RuleSettings:
     """The settings of the node join itself; the rules' own come from the policy."""
 
     policy: policies.Policy | None = None
-    """The rule policy; None loads the file named by GPUSTEWARD_POLICY_FILE, or the shipped
-    defaults when that is unset."""
+    """The rule policy; None: every rule's defaults. The worker passes the one named by
+    GPUSTEWARD_POLICY_FILE (:mod:`gpusteward.streams.policy_file`)."""
     summary_interval_s: float = 60.0
     """Event-time seconds between two summaries of an unchanged node."""
     checkpoint_interval_s: float = 30.0
@@ -107,15 +127,14 @@ class NodeJoin:
     def __init__(self, settings: RuleSettings | None = None,
                  policy: policies.Policy | None = None) -> None:
         self.settings = settings or RuleSettings()
-        self.policy = policy or self.settings.policy or policies.policy_from_env()
+        self.policy = policy or self.settings.policy or policies.Policy()
 
     def on_sample(self, state: NodeState, sample: NodeSample) -> list[Output]:
         out: list[Output] = []
         holders = self._holders_by_device(state)
         resolve = self.policy.resolve
         pool = state.pool
-        node_rules = resolve(None, None, pool)
-        hw_settings, ecc_settings = node_rules.hardware, node_rules.ecc
+        node_steps = resolve(None, None, pool).samples
         node, ts = sample.node, sample.ts
         for device in sample.devices:
             dev = state.devices.get(device.uuid)
@@ -123,61 +142,44 @@ class NodeJoin:
                 dev = state.devices[device.uuid] = DeviceState()
             holding = self._holding(state, dev, device, holders, ts)
             if holding is not None:
-                idle_settings = resolve(holding.pod.namespace, holding.queue, pool).idle
+                steps = resolve(holding.pod.namespace, holding.queue, pool).samples
                 holder: idle.Holder | None = idle.Holder(
                     holding.pod, holding.started_at, holding.workload_kind, holding.labels,
                     holding.annotations)
             elif device.pod is not None and dev.attributed_since is not None:
                 # Attributed by the collector but no allocation seen yet: count from first sight.
-                idle_settings = resolve(device.pod.namespace, None, pool).idle
+                steps = resolve(device.pod.namespace, None, pool).samples
                 holder = idle.Holder(device.pod, dev.attributed_since)
             else:
-                idle_settings, holder = node_rules.idle, None
-            out += idle.observe(dev.idle, node=node, sample=device, holder=holder,
-                                ts=ts, settings=idle_settings)
-            out += ecc.observe(dev.ecc, node=node, uuid=device.uuid,
-                               dbe_count=device.ecc_dbe_volatile, ts=ts,
-                               settings=ecc_settings)
-            if device.kind == "gpu":
-                # Hardware health belongs to the physical GPU: a MIG device repeating its
-                # parent's temperature or counters would open a second episode.
-                out += hardware.observe_sample(dev.hw, node=node, device=device, ts=ts,
-                                               settings=hw_settings)
+                steps, holder = node_steps, None
+            gpu = device.kind == "gpu"
+            for hook, name, gpu_only, runner, settings in steps:
+                if gpu_only and not gpu:
+                    continue
+                track = (getattr(dev, name) if name in _TYPED_TRACKS
+                         else state_in(dev.tracks, name, runner.state_type))
+                out += hook(track, node, device, ts, settings, holder)
         if state.gpu_model is None and sample.devices:
             state.gpu_model = sample.devices[0].model
             state.gpu_count = state.gpu_count or sum(d.kind == "gpu" for d in sample.devices)
         return out + self._maybe_summary(state, sample.node, sample.ts)
 
     def on_hw_event(self, state: NodeState, event: HwEvent) -> list[Output]:
-        # throttle_start/stop and ecc_sbe are left to the samples: the thermal and SBE rules
-        # need the whole window of readings, which the samples carry.
-        kind = event.kind
-        if kind not in ("ecc_dbe", "xid", "gpu_lost", "remap_failure"):
-            return []
-        # A GPU lost before the collector could read its UUID is still a node problem.
-        uuid = event.uuid or "GPU-unknown"
-        if kind != "gpu_lost" and event.uuid is None:
+        # Only the kinds some runner takes: throttle_start/stop and ecc_sbe are left to the
+        # samples, since the thermal and SBE rules need the whole window of readings.
+        hooks = self.policy.resolve(None, None, state.pool).events.get(event.kind, ())
+        uuid = event.uuid
+        if uuid is None:
+            hooks = tuple(h for h in hooks if event.kind in h[0].events_without_uuid)
+            uuid = "GPU-unknown"
+        if not hooks:
             return []
         dev = state.devices.get(uuid)
         if dev is None:
             dev = state.devices[uuid] = DeviceState()
-        rules = self.policy.resolve(None, None, state.pool)
         out: list[Output] = []
-        if kind == "ecc_dbe":
-            out += ecc.observe(dev.ecc, node=event.node, uuid=uuid,
-                               dbe_count=event.count if event.count is not None else 1,
-                               ts=event.ts, settings=rules.ecc, from_sample=False)
-        elif kind == "xid":
-            if event.xid is None:
-                return []
-            out += xid_rule.observe_event(dev.hw.xid, node=event.node, uuid=uuid, xid=event.xid,
-                                          ts=event.ts, settings=rules.hardware.xid)
-        elif kind == "gpu_lost":
-            out += hardware.observe_lost(dev.hw, node=event.node, uuid=uuid, ts=event.ts,
-                                         detail=event.detail, settings=rules.hardware)
-        else:
-            out += hardware.observe_remap_failure_event(dev.hw, node=event.node, uuid=uuid,
-                                                        ts=event.ts, settings=rules.hardware)
+        for runner, hook, settings in hooks:
+            out += hook(track_of(dev, runner), event, uuid, settings)
         if out:
             state.summary_dirty = True
             out += self._maybe_summary(state, event.node, event.ts)
@@ -207,10 +209,14 @@ class NodeJoin:
         if event.phase in ("finished", "deleted"):
             holding = state.pods.pop(key, None)
             if holding is not None:
+                releases = [(runner, runner.on_release) for runner, _ in
+                            self.policy.resolve(None, None, state.pool).device
+                            if runner.on_release is not None]
                 for uuid in holding.devices:
                     dev = state.devices.get(uuid)
                     if dev is not None:
-                        out += idle.release(dev.idle, node=event.node, uuid=uuid, ts=event.ts)
+                        for runner, release in releases:
+                            out += release(track_of(dev, runner), event.node, uuid, event.ts)
                 state.summary_dirty = True
         elif event.phase in ("bound", "running"):
             state.pods[key] = Holding(
@@ -244,8 +250,11 @@ class NodeJoin:
             return []
         state.last_summary_ts, state.summary_dirty = ts, False
         used = sum(h.gpus for h in state.pods.values())
-        healthy = all(d.ecc.open_id is None and not d.hw.unhealthy()
-                      for d in state.devices.values())
+        checks = [(runner, runner.unhealthy) for runner, _ in
+                  self.policy.resolve(None, None, state.pool).device
+                  if runner.unhealthy is not None]
+        healthy = not any(unhealthy(track_of(d, runner)) for d in state.devices.values()
+                          for runner, unhealthy in checks)
         mig_free = dict(state.mig_allocatable)
         for holding in state.pods.values():
             for profile, count in holding.mig.items():

@@ -47,7 +47,7 @@ def simulate(
                      ] = None,
 ) -> None:
     """Publish a simulated fleet's samples and allocation events."""
-    from gpusteward.collectors.publisher import KafkaPublisher
+    from gpusteward.collectors.transport.publisher import KafkaPublisher
     from gpusteward.sandbox.simulator import scenario as scenarios
     from gpusteward.sandbox.simulator.engine import SimulatedCluster
 
@@ -150,7 +150,7 @@ def replay(
         store.write(queue_dir, store.queue_frame(events), store.QUEUE_SCHEMA)
         typer.echo(f"{len(events)} openb queue events under {queue_dir}")
     if publish:
-        from gpusteward.collectors.publisher import KafkaPublisher
+        from gpusteward.collectors.transport.publisher import KafkaPublisher
 
         target = kafka_settings(bootstrap)
 
@@ -196,7 +196,7 @@ class PipelineReplay:
 def _policy_env(path: Path) -> Iterator[None]:
     """GPUSTEWARD_POLICY_FILE set to ``path`` while the block runs: the worker child reads
     its policy from its environment, which it copies when it starts."""
-    from gpusteward.rules.policy import POLICY_ENV
+    from gpusteward.streams.policy_file import POLICY_ENV
 
     before = os.environ.get(POLICY_ENV)
     os.environ[POLICY_ENV] = str(path)
@@ -235,7 +235,7 @@ async def replay_through_pipeline(settings: Settings, traces: Path, options: Gen
     import msgspec
 
     from gpusteward import kafka, topics
-    from gpusteward.collectors.publisher import KafkaPublisher
+    from gpusteward.collectors.transport.publisher import KafkaPublisher
     from gpusteward.sandbox import traces as trace_io
     from gpusteward.sandbox.pipeline import WorkerProcess
     from gpusteward.schema import Finding

@@ -51,6 +51,8 @@ class Profile:
     size: int
     memory_gib: float | None = None
     """Usable GiB as nvidia-smi reports it, when the research file knows it."""
+    gi_profile_id: int | None = None
+    """NVML's GPU-instance profile id (``nvidia-smi mig -lgip``), when the file knows it."""
 
     @property
     def media(self) -> bool:
@@ -226,7 +228,7 @@ def _geometry(model: str, spec: dict[str, Any]) -> Geometry:
             memory_slices=int(p["memory_slices"]), max_instances=int(p["max_instances"]),
             starts=tuple(int(s) for s in p["placement"]["starts"]),
             size=int(p["placement"]["size"]),
-            memory_gib=p.get("memory_gib_nvidia_smi"),
+            memory_gib=p.get("memory_gib_nvidia_smi"), gi_profile_id=p.get("gi_profile_id"),
         )
         for p in spec["profiles"]
     )

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gpusteward.collectors.publisher import Publisher
+from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.sandbox.simulator.scenario import Fault, Phase, Scenario, WorkloadGroup
 from gpusteward.schema import (
     DeviceSample,

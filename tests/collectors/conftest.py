@@ -18,6 +18,14 @@ from gpusteward.broker import free_port
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
 
 
+def metric_value(text: str, line_start: str) -> float:
+    """The value of the first line of a /metrics page that starts so; 0 when none does."""
+    for line in text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 class FakeExporter:
     """Serves ``body`` at any path; ``declared_length`` lies about Content-Length when set."""
 

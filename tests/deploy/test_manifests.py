@@ -18,9 +18,9 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
 
 from gpusteward.settings import Settings
+from tests.deploy.conftest import REPO
 
 pytestmark = pytest.mark.deploy
 
@@ -269,9 +269,9 @@ def test_policy_configmap_is_mounted_where_the_setting_points(rendered):
         (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == path]
         (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
         policy_map = rendered.named("ConfigMap", volume["configMap"]["name"])
-        policy = yaml.safe_load(policy_map["data"][mount["subPath"]])
-        assert policy["idle"] == {"threshold_pct": 5, "window_s": 1800, "grace_s": 600}
-        assert policy["ecc_dbe"] == {"cordon": True}
+        # What the worker reads is the shipped file (tests/deploy/test_config_files.py
+        # checks the copy in deploy/ loads and equals it).
+        assert policy_map["data"][mount["subPath"]] == (REPO / "rules" / "policy.yaml").read_text()
 
 
 def test_production_kafka_settings_load_as_sasl_scram_over_tls(render, monkeypatch):
