@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpusteward import kafka, topics
 from gpusteward.alerting.consumer import FindingsConsumer
 from gpusteward.broker import EmbeddedBroker
-from gpusteward.collectors.publisher import KafkaPublisher
+from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.remediation.executor import Executor, NoBackend
 from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.sandbox.simulator import scenario as scenarios
