@@ -16,6 +16,7 @@ injected, and the DBE node must be cordoned in the API, exactly once.
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 from collections import Counter
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
@@ -50,6 +52,8 @@ class Run:
     results: list[ActionResult]
     cordoned: set[str]
     alerts_log: str
+    metrics: dict[str, str]
+    """Component -> its /metrics page, scraped on the port its manifest declares."""
 
 
 async def _while_alive(processes: list[deployment.Process], waiting: Awaitable[None]) -> None:
@@ -96,6 +100,7 @@ async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
                 120))
             cordoned = {n["metadata"]["name"] for n in world.api.objects("Node")
                         if n["spec"].get("unschedulable")}
+            metrics = {process.launch.component: _scrape(process.launch) for process in processes}
     finally:
         for process in processes:
             process.stop()
@@ -111,7 +116,13 @@ async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
         [actions(r.value) for r in await kafka.read_all(settings, topics.ACTIONS.name(settings))],
         [results(r.value) for r in
          await kafka.read_all(settings, topics.ACTION_RESULTS.name(settings))],
-        cordoned, alerts_log)
+        cordoned, alerts_log, metrics)
+
+
+def _scrape(launch: deployment.Launch) -> str:
+    port = launch.env[deployment.METRICS_PORT]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        return str(answer.read().decode())
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +153,21 @@ def test_the_dbe_node_is_cordoned_through_the_api_exactly_once(run: Run) -> None
 def test_the_deployed_alert_sink_printed_every_firing_finding(run: Run) -> None:
     for finding in (f for f in run.findings if f.state == "firing"):
         assert finding.subject.node and finding.subject.node in run.alerts_log
+
+
+def test_every_deployed_process_serves_its_metrics(run: Run) -> None:
+    """The port and setting the manifests declare reach each process; the counts match."""
+    def total(component: str, name: str, **labels: str) -> float:
+        return sum(sample.value for family in text_string_to_metric_families(
+            run.metrics[component]) for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items())
+
+    assert set(run.metrics) == set(PROCESSES)
+    assert total("worker", "gpusteward_findings_total") == len(
+        [f for f in run.findings if f.kind != "remediation_breaker"])
+    decided = [r for r in run.results if not r.idempotency_key.startswith("breaker/")]
+    assert total("remediation", "gpusteward_actions_total") == len(decided)
+    assert total("remediation", "gpusteward_actions_total", verb="cordon",
+                 outcome="executed") == sum(1 for r in decided if r.verb == "cordon"
+                                            and r.outcome == "executed")
+    assert total("alerts", "gpusteward_records_in_total") == len(run.findings)
