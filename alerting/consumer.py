@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Protocol, runtime_checkable
@@ -20,6 +21,7 @@ import msgspec
 from rich.console import Console
 
 from gpusteward import kafka, topics
+from gpusteward.metrics import OpenFindings, PipelineMetrics, observe_lag, serve
 from gpusteward.schema import Finding
 from gpusteward.settings import Settings
 
@@ -73,23 +75,35 @@ class FindingsConsumer:
         self.on_finding = on_finding
         self.seen: set[tuple[str, str]] = set()
         self._decode = msgspec.json.Decoder(Finding).decode
+        self.metrics = PipelineMetrics()
+        self._open = OpenFindings(self.metrics)
 
     async def run(self, stop: asyncio.Event) -> None:
-        consumer = kafka.consumer(self.settings, topics.FINDINGS.name(self.settings),
-                                  group_id=self.group_id)
+        topic = topics.FINDINGS.name(self.settings)
+        consumer = kafka.consumer(self.settings, topic, group_id=self.group_id)
+        port = self.settings.metrics.port
+        server = serve(self.metrics.registry, port, self.settings.metrics.addr) if port else None
+        records_in = self.metrics.records_in.labels(topic)
+        processing = self.metrics.processing.labels("alerting")
         await consumer.start()
         try:
             while not stop.is_set():
                 batch = await consumer.getmany(timeout_ms=200)
                 for messages in batch.values():
                     for message in messages:
+                        started = time.perf_counter()
+                        records_in.inc()
                         await self._handle(message.value)
+                        processing.observe(time.perf_counter() - started)
                 if batch:
                     await consumer.commit()
+                await observe_lag(self.metrics, consumer, self.group_id)
                 for sink in self.sinks:
                     if isinstance(sink, RefreshingSink):
                         await sink.refresh()
         finally:
+            if server is not None:
+                server.stop()
             await consumer.stop()
             for sink in self.sinks:
                 if isinstance(sink, RefreshingSink):
@@ -105,6 +119,9 @@ class FindingsConsumer:
         if key in self.seen:
             return
         self.seen.add(key)
+        self.metrics.findings.labels(finding.kind, finding.severity, finding.state).inc()
+        self._open.observe(finding.id, finding.kind, finding.severity, finding.state,
+                           finding.ts)
         if self.on_finding:
             self.on_finding(finding)
         for sink in self.sinks:

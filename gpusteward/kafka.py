@@ -170,6 +170,34 @@ async def committed(settings: Settings, group_id: str,
         await admin.close()
 
 
+async def group_lag(settings: Settings, group_id: str,
+                    topic_names: Iterable[str]) -> dict[str, int]:
+    """Records in ``topic_names`` that ``group_id`` has not committed yet, per topic.
+
+    A partition with no commit counts from its start (groups read from the earliest
+    offset). The embedded broker's end offsets may trail the last batch (see
+    :func:`read_all`), so there the figure can be briefly low, never high.
+    """
+    reader = consumer(settings, group_id=None)
+    await reader.start()
+    try:
+        wanted: list[TopicPartition] = []
+        for name in topic_names:
+            partitions = reader.partitions_for_topic(name)
+            if not partitions:
+                await reader._client.force_metadata_update()
+                partitions = reader.partitions_for_topic(name) or set()
+            wanted += [TopicPartition(name, p) for p in sorted(partitions)]
+        ends = await reader.end_offsets(wanted) if wanted else {}
+    finally:
+        await reader.stop()
+    done = await committed(settings, group_id, wanted) if wanted else {}
+    lag: dict[str, int] = {}
+    for tp in wanted:
+        lag[tp.topic] = lag.get(tp.topic, 0) + max(0, ends[tp] - max(done[tp], 0))
+    return lag
+
+
 async def wait_consumed(settings: Settings, group_id: str, topic_names: Iterable[str],
                         timeout_s: float = 120.0) -> None:
     """Wait until ``group_id`` has committed past every record now in ``topic_names``."""

@@ -136,6 +136,20 @@ class KafkaSettings(BaseModel):
         return config
 
 
+class MetricsSettings(BaseModel):
+    """Where a pipeline process serves its own ``/metrics`` (:mod:`gpusteward.metrics`)."""
+
+    port: int = Field(
+        0, ge=0, le=65535,
+        description=(
+            "TCP port of the process's /metrics; 0 does not serve. Off by default because the "
+            "demo and the tests run several processes on one host; the manifests and compose "
+            "set 9464 (the OpenTelemetry exporters' port, free in every pod)."
+        ),
+    )
+    addr: str = Field("0.0.0.0", description="Address /metrics binds; 0.0.0.0 for a scraper.")
+
+
 class Settings(BaseSettings):
     """Root settings of a gpusteward process."""
 
@@ -144,6 +158,7 @@ class Settings(BaseSettings):
     )
 
     kafka: KafkaSettings = KafkaSettings()
+    metrics: MetricsSettings = MetricsSettings()
     topic_prefix: str = Field(
         "gpusteward",
         description="Prefix of every topic name; change it to run two pipelines on one cluster.",

@@ -66,6 +66,7 @@ from rich.markup import escape
 
 from gpusteward import kafka, topics
 from gpusteward.errors import TemporaryError, cut
+from gpusteward.metrics import PipelineMetrics, observe_lag, serve
 from gpusteward.rules import REGISTRY, REMEDIATION_BREAKER
 from gpusteward.rules.findings import finding_id, fingerprint
 from gpusteward.rules.idle import RECLAIM_REASON
@@ -319,6 +320,7 @@ class Executor:
         self._audit_topic = topics.ACTION_RESULTS.name(settings)
         self._pending_findings: list[Finding] = []
         self._fleet_cache: tuple[float, int | None] | None = None
+        self.metrics = PipelineMetrics()
 
     # -- state from the audit topic -------------------------------------------------------
 
@@ -505,6 +507,9 @@ class Executor:
                                   group_id=self.group_id)
         audit = await self._follow_audit()
         producer = kafka.producer(self.settings)
+        port = self.settings.metrics.port
+        server = serve(self.metrics.registry, port, self.settings.metrics.addr) if port else None
+        processing = self.metrics.processing.labels("remediation")
         await producer.start()
         await consumer.start()
         try:
@@ -513,14 +518,21 @@ class Executor:
                 batch = await consumer.getmany(timeout_ms=200)
                 for tp, messages in batch.items():
                     for message in messages:
+                        started = time.perf_counter()
+                        self.metrics.records_in.labels(tp.topic).inc()
                         await self._handle(producer, message.value, key=message.key,
                                            partition=tp.partition, offset=message.offset,
                                            topic=tp.topic)
+                        processing.observe(time.perf_counter() - started)
                 if batch:
                     # The audit records are on the broker before the offsets move on.
                     await producer.flush()
                     await consumer.commit()
+                await observe_lag(self.metrics, consumer, self.group_id)
+                self.metrics.breaker_open.labels(self.group_id).set(int(self.breaker.open))
         finally:
+            if server is not None:
+                server.stop()
             await consumer.stop()
             await audit.stop()
             await producer.stop()
@@ -566,14 +578,17 @@ class Executor:
                                 key=key, value=raw)
             await producer.send(topics.DEADLETTER.name(self.settings), self._encode(letter),
                                 key=source.encode())
+            self.metrics.dead_letters.labels(source, type(error).__name__).inc()
             return None
         was_open = self.breaker.open
 
         async def audit_attempt(record: ActionResult) -> None:
             await producer.send(self._audit_topic, self._encode(record),
                                 key=action.idempotency_key.encode())
+            self.metrics.actions.labels(record.verb, record.outcome).inc()
 
         result = await self.decide(action, audit_attempt)
+        self.metrics.actions.labels(result.verb, result.outcome).inc()
         log.info("%s %s: %s", result.outcome, action.idempotency_key, result.detail)
         if self.breaker.open and not was_open:
             trip = self.breaker_record("trip", self.breaker.trip_reason, result.ts)

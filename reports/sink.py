@@ -30,8 +30,10 @@ import polars as pl
 from aiokafka import AIOKafkaProducer
 
 from gpusteward import kafka, topics
-from gpusteward.reports import store
+from gpusteward.metrics import PipelineMetrics, observe_lag, serve
+from gpusteward.reports import compute, store
 from gpusteward.reports.settings import ReportSettings
+from gpusteward.rules.mig import geometry as mig_geometry
 from gpusteward.schema import DeadLetter, QueueEvent, Rollup
 from gpusteward.settings import Settings
 
@@ -66,19 +68,27 @@ class RollupSink:
         """Names of the records taken in the dedup window, with their event time."""
         self._decode = msgspec.json.Decoder(payload).decode
         self._encode = msgspec.json.Encoder().encode
+        self.metrics = PipelineMetrics()
+        self._prices: dict[str, float] = {}
+        self._geometries: dict[str, mig_geometry.Geometry] | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         topic = self.spec.name(self.settings)
         consumer = kafka.consumer(self.settings, topic, group_id=self.group_id)
         producer = kafka.producer(self.settings)
+        port = self.settings.metrics.port
+        server = serve(self.metrics.registry, port, self.settings.metrics.addr) if port else None
+        records_in = self.metrics.records_in.labels(topic)
         await consumer.start()
         await producer.start()
         last_flush = time.monotonic()
         try:
             while not stop.is_set():
                 batch = await consumer.getmany(timeout_ms=200)
+                await observe_lag(self.metrics, consumer, self.group_id)
                 for messages in batch.values():
                     for message in messages:
+                        records_in.inc()
                         try:
                             self._take(self._decode(message.value or b""))
                         except (msgspec.DecodeError, msgspec.ValidationError) as error:
@@ -99,6 +109,8 @@ class RollupSink:
                 await self._flush()
                 await consumer.commit()
         finally:
+            if server is not None:
+                server.stop()
             await producer.stop()
             await consumer.stop()
 
@@ -125,10 +137,43 @@ class RollupSink:
         self.files_written += len(written)
         self.rows_written += len(rows)
         self._forget_before(newest - self.dedup_window_s)
+        topic = self.spec.name(self.settings)
+        self.metrics.sink_rows.labels(topic).inc(len(rows))
+        self.metrics.sink_bytes.labels(topic).inc(sum(path.stat().st_size for path in written))
+        self._count_gpu_time(rows)
         removed = await asyncio.to_thread(store.apply_retention, self.directory,
                                           self.report.retention_days, newest)
         if removed:
             log.info("retention removed %s", ", ".join(p.name for p in removed))
+
+    def _count_gpu_time(self, rows: list[Any]) -> None:
+        """GPU-seconds allocated, busy and idle per pool and team, and the idle time's cost.
+
+        A rollup is one device-minute; a pod on it makes it allocated, and its peak
+        activity below the report's idle threshold makes it idle (the report's own test).
+        """
+        for row in rows:
+            if not isinstance(row, Rollup) or row.pod is None:
+                continue
+            seconds = 60.0 * row.gpu_fraction
+            team = row.team or row.namespace or "unknown"
+            idle = row.util_max is not None and row.util_max < self.report.idle_threshold_pct
+            self.metrics.gpu_seconds.labels(row.model, team, "allocated").inc(seconds)
+            self.metrics.gpu_seconds.labels(row.model, team, "idle" if idle else "busy"
+                                            ).inc(seconds)
+            if idle:
+                self.metrics.idle_cost.labels(row.model, team).inc(
+                    self._hourly_usd(row.model) * seconds / 3600)
+
+    def _hourly_usd(self, model: str) -> float:
+        """The report's price of ``model`` (driver names mapped as the report maps them)."""
+        price = self._prices.get(model)
+        if price is None:
+            if self._geometries is None:
+                self._geometries = mig_geometry.load()
+            canonical = compute.canonical_models([model], self.report, self._geometries)[model]
+            price = self._prices[model] = self.report.hourly_usd(canonical)
+        return price
 
     async def _dead_letter(self, producer: AIOKafkaProducer, topic: str, partition: int,
                            offset: int, key: bytes | None, value: bytes | None, error: str
@@ -138,6 +183,7 @@ class RollupSink:
         await producer.send_and_wait(
             topics.DEADLETTER.name(self.settings), self._encode(record), key=topic.encode())
         self.dead_lettered += 1
+        self.metrics.dead_letters.labels(topic, "DecodeError").inc()
 
 
 def queue_sink(settings: Settings, report: ReportSettings | None = None,

@@ -31,6 +31,7 @@ import asyncio
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Awaitable, Iterator, Mapping
@@ -47,6 +48,7 @@ from gpusteward.settings import Settings
 Obj = dict[str, Any]
 
 IMAGE = "gpusteward"
+METRICS_PORT = "GPUSTEWARD_METRICS__PORT"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob")
 
 
@@ -180,6 +182,10 @@ class Manifests:
         own = {name: _relocate(value, mounts)
                for name, value in self._env(container, local.node_name).items()}
         env = {**_host_env(), **own, **_overrides(local)}
+        if env.get(METRICS_PORT, "0") != "0":
+            # Every container shares this one host: each gets a free port for its /metrics
+            # (read it back from the launch's environment to scrape it).
+            env[METRICS_PORT] = str(_free_port())
         args = [_relocate(str(a), mounts) for a in container.spec.get("args", [])]
         command = [_relocate(str(c), mounts) for c in container.spec.get("command", [])]
         if command:
@@ -263,6 +269,12 @@ def _host_env() -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("GPUSTEWARD_")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def _overrides(local: Local) -> dict[str, str]:

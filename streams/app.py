@@ -182,6 +182,7 @@ def create_app(
     async def node_join(stream: Any) -> None:
         async for event in stream.events():
             topic = event.message.topic
+            started = outputs_to.consumed(topic)
             try:
                 handler: Any
                 if topic == samples_name:
@@ -217,6 +218,7 @@ def create_app(
                 checkpointed_at = record.ts
             live[node] = (state, checkpointed_at)
             await outputs_to.publish(outputs)
+            outputs_to.processed(started)
 
     register_fleet_agent(app, settings, FleetSettings(policy=policy))
     return app

@@ -17,6 +17,7 @@ import msgspec
 from gpusteward import topics
 from gpusteward.schema import Action, DeadLetter, Finding, NodeSummary, Rollup, Subject
 from gpusteward.settings import Settings
+from gpusteward.streams.metrics import worker_metrics
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,27 @@ class OutputTopics:
         self._rollups = topic(topics.ROLLUPS)
         self._deadletter = topic(topics.DEADLETTER)
         self._encode = msgspec.json.Encoder().encode
+        # The one writer counts what goes out; the agents count what comes in.
+        self.metrics = worker_metrics(app, settings)
+        self._sent = {name: self.metrics.records_out.labels(topic.get_topic_name())
+                      for name, topic in (("summaries", self._summaries),
+                                          ("findings", self._findings),
+                                          ("actions", self._actions),
+                                          ("rollups", self._rollups))}
+        self._read: dict[str, Any] = {}
+        self._processing = self.metrics.processing.labels("node_join")
+
+    def consumed(self, topic: str) -> float:
+        """Count a record read from ``topic``; returns the time to pass to :meth:`processed`."""
+        counter = self._read.get(topic)
+        if counter is None:
+            counter = self._read[topic] = self.metrics.records_in.labels(topic)
+        counter.inc()
+        return time.perf_counter()
+
+    def processed(self, started: float) -> None:
+        """Observe one record's handling time (decode, rules, publish) since ``started``."""
+        self._processing.observe(time.perf_counter() - started)
 
     async def publish(self, outputs: Sequence[Finding | Action | NodeSummary | Rollup]
                       ) -> None:
@@ -56,12 +78,17 @@ class OutputTopics:
             value = self._encode(output)
             if isinstance(output, NodeSummary):
                 await self._summaries.send(key=output.node.encode(), value=value)
+                self._sent["summaries"].inc()
             elif isinstance(output, Rollup):
                 await self._rollups.send(key=output.node.encode(), value=value)
+                self._sent["rollups"].inc()
             elif isinstance(output, Finding):
                 await self._findings.send(key=output.fingerprint.encode(), value=value)
+                self._sent["findings"].inc()
+                self.metrics.findings.labels(output.kind, output.severity, output.state).inc()
             else:
                 await self._actions.send(key=subject_key(output.target).encode(), value=value)
+                self._sent["actions"].inc()
 
     async def dead_letter(self, event: Any, error: Exception) -> None:
         """Keep a record that could not be processed, whole, with the reason and position."""
@@ -73,3 +100,4 @@ class OutputTopics:
                             offset=message.offset, error=reason, ts=time.time(),
                             key=message.key, value=message.value)
         await self._deadletter.send(key=message.topic.encode(), value=self._encode(record))
+        self.metrics.dead_letters.labels(message.topic, type(error).__name__).inc()

@@ -11,6 +11,7 @@ import typer
 
 from gpusteward.cli import report as report_commands
 from gpusteward.cli import sandbox as sandbox_commands
+from gpusteward.cli import status as status_commands
 from gpusteward.cli.collect import collect_app
 from gpusteward.cli.common import Bootstrap, ensure_topics, kafka_settings
 from gpusteward.cli.rules import rules_app
@@ -29,6 +30,7 @@ app.command("simulate")(sandbox_commands.simulate)
 app.command("demo")(sandbox_commands.demo)
 app.add_typer(rules_app, name="rules")
 app.command(name="watch")(kube_watch)
+app.command(name="status")(status_commands.status)
 
 
 @app.command()

@@ -100,6 +100,16 @@ def test_services_and_profiles(compose):
             assert dependency in services, f"{name} depends on unknown {dependency}"
 
 
+def test_prometheus_scrapes_every_pipeline_process(compose):
+    config = yaml.safe_load((REPO / "deploy/compose/prometheus.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "gpusteward"]
+    targets = {t for c in job["static_configs"] for t in c["targets"]}
+    port = compose["services"]["worker"]["environment"]["GPUSTEWARD_METRICS__PORT"]
+    assert targets == {f"{name}:{port}" for name in ("worker", "alerts", "remediation")}
+    for name in ("worker", "alerts", "remediation"):
+        assert compose["services"][name]["environment"]["GPUSTEWARD_METRICS__PORT"] == port
+
+
 def test_gpusteward_containers_are_locked_down(compose):
     for name, service in compose["services"].items():
         if service.get("image") != "gpusteward:dev":

@@ -351,3 +351,26 @@ def test_production_kafka_settings_load_as_sasl_scram_over_tls(render, monkeypat
     assert kafka.replication_factor == 3
     assert kafka.bootstrap_servers.endswith(":9093")
     assert kafka.fetch_max_wait_ms >= 100
+
+
+def test_every_long_running_process_is_scraped(render):
+    """Worker, alerting and remediation declare a `metrics` port that their settings serve
+    on, the PodMonitor scrapes that port name, and the network policy lets Prometheus in."""
+    rendered = render("production")
+    (kafka_config,) = [c for c in rendered.kind("ConfigMap")
+                       if c["metadata"]["name"].startswith("gpusteward-kafka")]
+    port = int(kafka_config["data"]["GPUSTEWARD_METRICS__PORT"])
+    for component in ("worker", "alerts", "remediation"):
+        pod = pod_spec(rendered.component(component))
+        (container,) = pod["containers"]
+        assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"metrics": port}
+        assert any(e["configMapRef"]["name"] == kafka_config["metadata"]["name"]
+                   for e in container["envFrom"] if "configMapRef" in e)
+    (monitor,) = rendered.kind("PodMonitor")
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    policy = rendered.named("NetworkPolicy", "gpusteward-metrics-scrape")
+    (expression,) = policy["spec"]["podSelector"]["matchExpressions"]
+    assert {"collector", "worker", "alerts", "remediation"} <= set(expression["values"])
+    assert {p["port"] for p in policy["spec"]["ingress"][0]["ports"]} >= {9400, port}
+    (rule,) = rendered.kind("PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == monitor["metadata"]["labels"]["release"]

@@ -21,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
@@ -59,6 +61,8 @@ class Run:
     alerts_log: str
     samples: list[NodeSample]
     report: dict
+    metrics: dict[str, str]
+    """Component -> its /metrics page, scraped on the port its manifest declares."""
 
 
 async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
@@ -99,6 +103,7 @@ async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
                 [topics.ROLLUPS.name(settings)], 120))
             cordoned = {n["metadata"]["name"] for n in world.api.objects("Node")
                         if n["spec"].get("unschedulable")}
+            metrics = {process.launch.component: _scrape(process.launch) for process in processes}
     finally:
         for process in processes:
             process.stop()
@@ -120,7 +125,13 @@ async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
         cordoned, alerts_log,
         [msgspec.json.decode(r.value, type=NodeSample)
          for r in await kafka.read_all(settings, topics.SAMPLES.name(settings))],
-        report)
+        report, metrics)
+
+
+def _scrape(launch: deployment.Launch) -> str:
+    port = launch.env[deployment.METRICS_PORT]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        return str(answer.read().decode())
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +209,19 @@ def test_the_report_cronjob_reports_the_gpu_hours_per_team_the_gpus_read(run: Ru
     for team, hours in expected.items():
         for measure, value in hours.items():
             assert got[team][measure] == pytest.approx(value, abs=1 / 60), (team, measure)
+def test_every_deployed_process_serves_its_metrics(run: Run) -> None:
+    """The port and setting the manifests declare reach each process; the counts match."""
+    def total(component: str, name: str, **labels: str) -> float:
+        return sum(sample.value for family in text_string_to_metric_families(
+            run.metrics[component]) for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items())
+
+    assert set(run.metrics) == set(PROCESSES)
+    assert total("worker", "gpusteward_findings_total") == len(
+        [f for f in run.findings if f.kind != "remediation_breaker"])
+    decided = [r for r in run.results if not r.idempotency_key.startswith("breaker/")]
+    assert total("remediation", "gpusteward_actions_total") == len(decided)
+    assert total("remediation", "gpusteward_actions_total", verb="cordon",
+                 outcome="executed") == sum(1 for r in decided if r.verb == "cordon"
+                                            and r.outcome == "executed")
+    assert total("alerts", "gpusteward_records_in_total") == len(run.findings)

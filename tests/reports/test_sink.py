@@ -24,8 +24,12 @@ T0 = 1_763_337_600.0
 def test_sink_writes_what_it_reads_and_dead_letters_the_rest(settings: Settings,
                                                              tmp_path: Path) -> None:
     report = ReportSettings(flush_rows=4, flush_interval_s=0.5, retention_days=30)
-    rollups = [Rollup(ts=T0 + 60 * i, node=f"n{i % 3}", uuid=f"GPU-{i % 3}", model="m",
-                      samples=4, util_mean=float(i)) for i in range(10)]
+    # Even minutes are held by team a's pod; of those, every other one is idle (peak < 5 %).
+    rollups = [Rollup(ts=T0 + 60 * i, node=f"n{i % 3}", uuid=f"GPU-{i % 3}", model="H100-80GB",
+                      samples=4, util_mean=float(i),
+                      util_max=2.0 if i % 4 == 0 else 50.0,
+                      pod="p" if i % 2 == 0 else None, namespace="ns" if i % 2 == 0 else None,
+                      team="a" if i % 2 == 0 else None) for i in range(10)]
 
     async def main() -> tuple[RollupSink, list[ConsumerRecord]]:
         await kafka.ensure_topics(settings)
@@ -58,6 +62,21 @@ def test_sink_writes_what_it_reads_and_dead_letters_the_rest(settings: Settings,
     assert len(dead) == 1
     letter = msgspec.json.decode(dead[0].value or b"", type=DeadLetter)
     assert letter.value == b"{not json" and letter.source_topic.endswith("rollups.v1")
+    registry, topic = sink.metrics.registry, topics.ROLLUPS.name(settings)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert value("gpusteward_records_in_total", topic=topic) == 11
+    assert value("gpusteward_dead_letters_total", topic=topic, reason="DecodeError") == 1
+    assert value("gpusteward_sink_written_rows_total", topic=topic) == 10
+    assert value("gpusteward_sink_written_bytes_total", topic=topic) == sum(
+        path.stat().st_size for path in tmp_path.rglob("*.parquet"))
+    seconds = {state: value("gpusteward_gpu_seconds_total", pool="H100-80GB", team="a",
+                            state=state) for state in ("allocated", "busy", "idle")}
+    assert seconds == {"allocated": 300.0, "busy": 120.0, "idle": 180.0}
+    cost = value("gpusteward_gpu_idle_cost_usd_total", pool="H100-80GB", team="a")
+    assert cost == pytest.approx(3.5 * 180 / 3600)
 
 
 @pytest.mark.e2e
