@@ -3,22 +3,29 @@
 Both the node join and the fleet agent publish the same payloads with the
 same keys (findings by fingerprint, actions by subject, summaries by node,
 dead letters by source topic), so they share this one writer.
+
+It is also where the agents' error policy lives: :meth:`OutputTopics.guarded`
+runs one record's processing and turns whatever that record breaks (the
+edge refusing it, a rule, the state encoder) into a dead letter, so that no
+single record can stop an agent. Faust would restart a crashed agent on the
+same record, forever.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import msgspec
 
-from gpusteward import topics
-from gpusteward.schema import Action, DeadLetter, Finding, NodeSummary, Subject
+from gpusteward import edge, topics
+from gpusteward.schema import Action, Finding, NodeSummary, Subject
 from gpusteward.settings import Settings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def raw_topic(app: Any, *names: str, partitions: int) -> Any:
@@ -48,6 +55,8 @@ class OutputTopics:
         self._summaries = topic(topics.NODE_SUMMARIES)
         self._deadletter = topic(topics.DEADLETTER)
         self._encode = msgspec.json.Encoder().encode
+        self._logged: set[tuple[str, str, str]] = set()
+        self.dead_lettered = 0
 
     async def publish(self, outputs: Sequence[Finding | Action | NodeSummary]) -> None:
         for output in outputs:
@@ -59,13 +68,35 @@ class OutputTopics:
             else:
                 await self._actions.send(key=subject_key(output.target).encode(), value=value)
 
-    async def dead_letter(self, event: Any, error: Exception) -> None:
-        """Keep a record that could not be processed, whole, with the reason and position."""
+    async def guarded(self, event: Any, agent: str,
+                      process: Callable[[Any], Awaitable[T]]) -> T | None:
+        """``process(event)``'s result, or None once the record is dead-lettered because it failed.
+
+        Any exception but cancellation counts: past the edge, a failure on one record is
+        that record's (a rule's bug shows in the reason, with the record to replay). The
+        caller restores what the record may have half-changed.
+        """
+        try:
+            return await process(event)
+        except Exception as error:  # CancelledError is a BaseException: it goes through
+            await self.dead_letter(event, error, agent)
+            return None
+
+    async def dead_letter(self, event: Any, error: BaseException, agent: str = "") -> None:
+        """Keep a record that could not be processed, with the reason and position.
+
+        The first refusal of each kind per topic is logged as a warning, the rest at debug
+        level: a flood of bad records must not become a flood of log lines too.
+        """
         message = event.message
-        reason = f"{type(error).__name__}: {str(error)[:500]}"
-        log.warning("dead-lettered %s[%d]@%d: %s", message.topic, message.partition,
-                    message.offset, reason)
-        record = DeadLetter(source_topic=message.topic, partition=message.partition,
-                            offset=message.offset, error=reason, ts=time.time(),
-                            key=message.key, value=message.value)
+        why = edge.reason(error, "" if isinstance(error, edge.Rejected) else agent)
+        kind = (message.topic, agent, why.split(None, 1)[0] if isinstance(error, edge.Rejected)
+                else type(error).__name__)
+        level = logging.DEBUG if kind in self._logged else logging.WARNING
+        self._logged.add(kind)
+        log.log(level, "dead-lettered %s[%d]@%d: %s", message.topic, message.partition,
+                message.offset, why)
+        self.dead_lettered += 1
+        record = edge.dead_letter(message.topic, message.partition, message.offset,
+                                  message.key, message.value, why)
         await self._deadletter.send(key=message.topic.encode(), value=self._encode(record))
