@@ -1,0 +1,180 @@
+"""Malformed records for every input topic of the worker, and a publisher that sends them.
+
+Shared by the poison test (a few of each, in ``make test``) and the chaos
+experiment (thousands, ``make chaos``). Each variant is one way a producer,
+a broker or an attacker can break a record; the worker must dead-letter
+every one of them with a reason and go on with the valid traffic beside it.
+Values are built from a valid record of the topic (so that exactly one thing
+is wrong with each) and keyed like real traffic, so they land in the
+partitions the worker is busy with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpusteward import kafka, topics
+from gpusteward.settings import Settings
+
+START = 1_763_683_200.0  # the faulty-fleet scenario's start
+NODES = [f"h100-{i}" for i in range(1, 7)]
+NON_UTF8_KEY = b"junk-\xff\xfe"
+
+
+def _valid(topic: topics.TopicSpec, node: str) -> tuple[bytes, dict[str, object]]:
+    """A valid record of ``topic`` as (key, JSON document), for a node of the fleet."""
+    ts = START + 60.0
+    if topic is topics.SAMPLES:
+        return node.encode(), {"ts": ts, "node": node, "source": "poison", "devices": [
+            {"uuid": "GPU-poison", "index": 0, "model": "NVIDIA H100 80GB HBM3",
+             "util_pct": 50.0, "ecc_sbe_volatile": 0}]}
+    if topic is topics.HW_EVENTS:
+        return node.encode(), {"ts": ts, "node": node, "kind": "ecc_sbe", "uuid": "GPU-poison",
+                               "count": 1}
+    if topic is topics.ALLOCATIONS:
+        return node.encode(), {"type": "node", "ts": ts, "node": node, "gpu_count": 4,
+                               "gpu_product": "NVIDIA H100 80GB HBM3", "spot": False}
+    if topic is topics.QUEUE:
+        return b"training", {"ts": ts, "name": "poison", "namespace": "ns", "gpus": 1,
+                             "cluster_queue": "training", "state": "pending"}
+    assert topic is topics.NODE_SUMMARIES
+    return node.encode(), {"ts": ts, "node": node, "gpu_model": "NVIDIA H100 80GB HBM3",
+                           "gpus_total": 4, "gpus_free": 0}
+
+
+# The one integer and one float field of each topic's template the numeric variants break.
+_INT_FIELD = {"samples": ("devices", "ecc_sbe_volatile"), "hw-events": ("count",),
+              "allocations": ("gpu_count",), "queue": ("gpus",),
+              "node-summaries": ("gpus_total",)}
+_FLOAT_FIELD = {"samples": ("devices", "util_pct"), "hw-events": ("ts",),
+                "allocations": ("ts",), "queue": ("ts",), "node-summaries": ("ts",)}
+
+
+def _set(doc: dict[str, object], path: tuple[str, ...], raw: str) -> bytes:
+    """``doc`` as JSON with the field at ``path`` (through the first device) set to ``raw``."""
+    marker = "__POISON__"
+    target: dict[str, object] = doc
+    for part in path[:-1]:
+        target = target[part][0]  # type: ignore[index]
+    target[path[-1]] = marker
+    return json.dumps(doc).replace(f'"{marker}"', raw).encode()
+
+
+Variant = Callable[[topics.TopicSpec, str, random.Random], tuple[bytes | None, bytes]]
+
+
+def _truncated(topic: topics.TopicSpec, node: str, rng: random.Random) -> tuple[bytes, bytes]:
+    key, doc = _valid(topic, node)
+    value = json.dumps(doc).encode()
+    return key, value[: rng.randrange(1, len(value) - 1)]
+
+
+def _wrong_types(topic: topics.TopicSpec, node: str, rng: random.Random) -> tuple[bytes, bytes]:
+    key, doc = _valid(topic, node)
+    doc["ts"] = "yesterday"
+    return key, json.dumps(doc).encode()
+
+
+def _huge_int(topic: topics.TopicSpec, node: str, rng: random.Random) -> tuple[bytes, bytes]:
+    key, doc = _valid(topic, node)
+    return key, _set(doc, _INT_FIELD[topic.suffix.split(".")[0]], str(2**70))
+
+
+def _nan(topic: topics.TopicSpec, node: str, rng: random.Random) -> tuple[bytes, bytes]:
+    key, doc = _valid(topic, node)
+    return key, _set(doc, _FLOAT_FIELD[topic.suffix.split(".")[0]], "NaN")
+
+
+def _infinite(topic: topics.TopicSpec, node: str, rng: random.Random) -> tuple[bytes, bytes]:
+    key, doc = _valid(topic, node)
+    return key, _set(doc, _FLOAT_FIELD[topic.suffix.split(".")[0]], "1e999")
+
+
+def _absurd_ts(topic: topics.TopicSpec, node: str, rng: random.Random) -> tuple[bytes, bytes]:
+    key, doc = _valid(topic, node)
+    doc["ts"] = 1e308
+    return key, json.dumps(doc).encode()
+
+
+def _empty(topic: topics.TopicSpec, node: str, rng: random.Random) -> tuple[bytes, bytes]:
+    return _valid(topic, node)[0], b""
+
+
+def _other_schema(topic: topics.TopicSpec, node: str, rng: random.Random) -> tuple[bytes, bytes]:
+    key = _valid(topic, node)[0]
+    other = topics.QUEUE if topic is not topics.QUEUE else topics.SAMPLES
+    return key, json.dumps(_valid(other, node)[1]).encode()
+
+
+def _unknown_version(topic: topics.TopicSpec, node: str,
+                     rng: random.Random) -> tuple[bytes, bytes]:
+    key, doc = _valid(topic, node)
+    doc["schema"] = 99
+    return key, json.dumps(doc).encode()
+
+
+def _deep(topic: topics.TopicSpec, node: str, rng: random.Random) -> tuple[bytes, bytes]:
+    key, doc = _valid(topic, node)
+    return key, _set(doc, ("extra",), "[" * 5000 + "]" * 5000)
+
+
+def _non_utf8_key(topic: topics.TopicSpec, node: str, rng: random.Random) -> tuple[bytes, bytes]:
+    return NON_UTF8_KEY, json.dumps(_valid(topic, node)[1]).encode()
+
+
+def _garbage(topic: topics.TopicSpec, node: str, rng: random.Random) -> tuple[bytes, bytes]:
+    # 1 MB less the record overhead: the producer's default request limit is 1 MiB.
+    return _valid(topic, node)[0], rng.randbytes(1_000_000)
+
+
+VARIANTS: dict[str, Variant] = {
+    "truncated": _truncated, "wrong_types": _wrong_types, "huge_int": _huge_int,
+    "nan": _nan, "infinite": _infinite, "absurd_ts": _absurd_ts, "empty": _empty,
+    "other_schema": _other_schema, "unknown_version": _unknown_version, "deep": _deep,
+    "non_utf8_key": _non_utf8_key, "garbage_1mb": _garbage,
+}
+INPUT_TOPICS = (topics.SAMPLES, topics.HW_EVENTS, topics.ALLOCATIONS, topics.QUEUE,
+                topics.NODE_SUMMARIES)
+
+
+@dataclass
+class PoisonSent:
+    """What the poison publisher sent: per topic name, the count of bad records."""
+
+    by_topic: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_topic.values())
+
+
+async def publish_poison(settings: Settings, per_variant: int, *, spread_s: float,
+                         garbage_per_topic: int | None = None, seed: int = 7) -> PoisonSent:
+    """Send ``per_variant`` records of every variant to every input topic, spread over about
+    ``spread_s`` seconds (interleaved with whatever else is being published).
+
+    ``garbage_per_topic``: how many of the 1 MB records (default ``per_variant``); a short
+    test sends fewer, since each costs a megabyte through the broker and the worker.
+    """
+    rng = random.Random(seed)
+    garbage = per_variant if garbage_per_topic is None else garbage_per_topic
+    plan = [(topic, name) for topic in INPUT_TOPICS for name in VARIANTS
+            for _ in range(garbage if name == "garbage_1mb" else per_variant)]
+    rng.shuffle(plan)
+    sent: dict[str, int] = {}
+    producer = kafka.producer(settings, max_request_size=1_100_000)
+    await producer.start()
+    try:
+        pause = spread_s / max(1, len(plan))
+        for topic, name in plan:
+            key, value = VARIANTS[name](topic, rng.choice(NODES), rng)
+            await producer.send_and_wait(topic.name(settings), value, key=key)
+            sent[topic.name(settings)] = sent.get(topic.name(settings), 0) + 1
+            await asyncio.sleep(pause)
+    finally:
+        await producer.stop()
+    return PoisonSent(sent)
