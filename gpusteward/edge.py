@@ -19,6 +19,7 @@ the dead-letter topic keeps, cut to fit a broker's message limit.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -161,3 +162,27 @@ def dead_letter(topic: str, partition: int, offset: int, key: bytes | None,
     return DeadLetter(source_topic=topic, partition=partition, offset=offset, error=error,
                       ts=time.time(), key=key, value=value, value_bytes=size,
                       truncated=truncated)
+
+
+class Refusals:
+    """Counts refused records and logs the first of each kind as a warning, later ones at
+    debug level: a flood of bad records must not become a flood of log lines too."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self.count = 0
+        self.by_kind: dict[str, int] = {}
+
+    def note(self, kind: str, message: str, *args: object) -> None:
+        """Count one refusal of ``kind`` (a short, bounded name) and log ``message % args``."""
+        self.count += 1
+        seen = self.by_kind.get(kind, 0)
+        self.by_kind[kind] = seen + 1
+        self.logger.log(logging.DEBUG if seen else logging.WARNING, message, *args)
+
+
+def kind_of(error: BaseException) -> str:
+    """A short name of a failure for counting: the refusal's first word, else the type."""
+    if isinstance(error, Rejected):
+        return str(error).split(None, 1)[0].rstrip(":") if str(error) else "rejected"
+    return type(error).__name__

@@ -7,9 +7,11 @@ Rows are buffered and written as one file per day folder when the buffer
 holds ``flush_rows`` rows, when ``flush_interval_s`` has passed, and on
 stop. Offsets are committed only after the file is in place, so a crash
 replays the unwritten records (at-least-once; the store's readers drop the
-repeats). A record that does not decode goes to the dead-letter topic with
-the reason, never silently away. Writing runs in a thread so the consumer
-keeps heart-beating while Parquet compresses.
+repeats). A record refused at the edge (:mod:`gpusteward.edge`: not the
+payload, out of bounds) goes to the dead-letter topic with the reason, never
+silently away: one such row would otherwise fail every Parquet write.
+Writing runs in a thread so the consumer keeps heart-beating while Parquet
+compresses.
 """
 
 from __future__ import annotations
@@ -23,12 +25,11 @@ from typing import Any
 
 import msgspec
 import polars as pl
-from aiokafka import AIOKafkaProducer
 
-from gpusteward import kafka, topics
+from gpusteward import edge, kafka, topics
 from gpusteward.reports import store
 from gpusteward.reports.settings import ReportSettings
-from gpusteward.schema import DeadLetter, QueueEvent, Rollup
+from gpusteward.schema import QueueEvent, Rollup
 from gpusteward.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,9 @@ class RollupSink:
         self.buffer: list[Any] = []
         self.files_written = 0
         self.rows_written = 0
-        self.dead_lettered = 0
-        self._decode = msgspec.json.Decoder(payload).decode
+        self.refusals = edge.Refusals(log)
+        """Records dead-lettered, by kind."""
+        self._decode = edge.Edge[Any](payload)
         self._encode = msgspec.json.Encoder().encode
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -69,13 +71,18 @@ class RollupSink:
                 for messages in batch.values():
                     for message in messages:
                         try:
-                            self.buffer.append(self._decode(message.value or b""))
-                        except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                            log.warning("record at %s[%d]@%d does not decode: %s", message.topic,
-                                        message.partition, message.offset, error)
-                            await self._dead_letter(producer, message.topic, message.partition,
-                                                    message.offset, message.key,
-                                                    message.value, str(error))
+                            self.buffer.append(self._decode(message.value, message.key))
+                        except edge.Rejected as error:
+                            self.refusals.note(edge.kind_of(error),
+                                               "record at %s[%d]@%d is refused: %s",
+                                               message.topic, message.partition,
+                                               message.offset, error)
+                            letter = edge.dead_letter(message.topic, message.partition,
+                                                      message.offset, message.key,
+                                                      message.value, str(error))
+                            await producer.send_and_wait(
+                                topics.DEADLETTER.name(self.settings), self._encode(letter),
+                                key=message.topic.encode())
                 due = time.monotonic() - last_flush >= self.report.flush_interval_s
                 flushed = False
                 if len(self.buffer) >= self.report.flush_rows or (due and self.buffer):
@@ -106,16 +113,6 @@ class RollupSink:
                                           self.report.retention_days, newest)
         if removed:
             log.info("retention removed %s", ", ".join(p.name for p in removed))
-
-    async def _dead_letter(self, producer: AIOKafkaProducer, topic: str, partition: int,
-                           offset: int, key: bytes | None, value: bytes | None, error: str
-                           ) -> None:
-        record = DeadLetter(source_topic=topic, partition=partition, offset=offset,
-                            error=error, ts=time.time(), key=key, value=value)
-        await producer.send_and_wait(
-            topics.DEADLETTER.name(self.settings), self._encode(record), key=topic.encode())
-        self.dead_lettered += 1
-
 
 def queue_sink(settings: Settings, report: ReportSettings | None = None,
                directory: Path | None = None) -> RollupSink:

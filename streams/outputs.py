@@ -55,8 +55,8 @@ class OutputTopics:
         self._summaries = topic(topics.NODE_SUMMARIES)
         self._deadletter = topic(topics.DEADLETTER)
         self._encode = msgspec.json.Encoder().encode
-        self._logged: set[tuple[str, str, str]] = set()
-        self.dead_lettered = 0
+        self.refusals = edge.Refusals(log)
+        """Records dead-lettered, by kind; the first of each kind is logged as a warning."""
 
     async def publish(self, outputs: Sequence[Finding | Action | NodeSummary]) -> None:
         for output in outputs:
@@ -83,20 +83,12 @@ class OutputTopics:
             return None
 
     async def dead_letter(self, event: Any, error: BaseException, agent: str = "") -> None:
-        """Keep a record that could not be processed, with the reason and position.
-
-        The first refusal of each kind per topic is logged as a warning, the rest at debug
-        level: a flood of bad records must not become a flood of log lines too.
-        """
+        """Keep a record that could not be processed, with the reason and position."""
         message = event.message
         why = edge.reason(error, "" if isinstance(error, edge.Rejected) else agent)
-        kind = (message.topic, agent, why.split(None, 1)[0] if isinstance(error, edge.Rejected)
-                else type(error).__name__)
-        level = logging.DEBUG if kind in self._logged else logging.WARNING
-        self._logged.add(kind)
-        log.log(level, "dead-lettered %s[%d]@%d: %s", message.topic, message.partition,
-                message.offset, why)
-        self.dead_lettered += 1
+        self.refusals.note(f"{message.topic} {agent} {edge.kind_of(error)}",
+                           "dead-lettered %s[%d]@%d: %s", message.topic, message.partition,
+                           message.offset, why)
         record = edge.dead_letter(message.topic, message.partition, message.offset,
                                   message.key, message.value, why)
         await self._deadletter.send(key=message.topic.encode(), value=self._encode(record))

@@ -43,7 +43,7 @@ def test_sink_writes_what_it_reads_and_dead_letters_the_rest(settings: Settings,
         stop = asyncio.Event()
         task = asyncio.create_task(sink.run(stop))
         for _ in range(300):
-            if sink.rows_written + len(sink.buffer) >= 10 and sink.dead_lettered == 1:
+            if sink.rows_written + len(sink.buffer) >= 10 and sink.refusals.count == 1:
                 break
             await asyncio.sleep(0.05)
         stop.set()
