@@ -46,6 +46,8 @@ Timestamp = Annotated[float, Meta(ge=0.0, le=TS_MAX, description="Unix seconds."
 Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 """A counter, an amount of bytes or of devices: non-negative, within int64."""
 Int64 = Annotated[int, Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
+Index = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
+"""A GPU's index (minor number); -1 when the source does not say."""
 Percent = Annotated[float, Meta(ge=0.0, le=100.0)]
 Celsius = Annotated[float, Meta(ge=-273.15, le=1000.0)]
 Watts = Annotated[float, Meta(ge=0.0, le=100_000.0)]
@@ -79,7 +81,7 @@ class DeviceSample(msgspec.Struct, omit_defaults=True):
 
     uuid: Name
     """``GPU-...`` for a whole GPU, ``MIG-...`` for a MIG device."""
-    index: Count
+    index: Index
     """The GPU's index (minor number); for a MIG device, its parent's."""
     model: Name
     """Product name as the driver reports it, e.g. ``NVIDIA A100-SXM4-80GB``."""
@@ -382,7 +384,7 @@ class Rollup(msgspec.Struct, omit_defaults=True):
     model: Name
     samples: Count
     kind: Literal["gpu", "mig"] = "gpu"
-    index: Count = 0
+    index: Index = 0
     parent_uuid: Name | None = None
     mig_profile: Name | None = None
     gpu_fraction: float = 1.0
