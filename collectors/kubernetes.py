@@ -70,6 +70,7 @@ from typing import Any, Literal
 import msgspec
 from pydantic import BaseModel, Field
 
+from gpusteward import edge
 from gpusteward.collectors.publisher import Publisher
 from gpusteward.errors import TemporaryError
 from gpusteward.schema import (
@@ -203,6 +204,8 @@ class ReflectorStats:
     gone: int = 0
     deltas: int = 0
     duplicates_skipped: int = 0
+    malformed: int = 0
+    """Objects or watch lines skipped as unreadable (no metadata, no name, no JSON)."""
 
 
 def object_key(obj: Obj) -> str:
@@ -240,6 +243,7 @@ class Reflector:
         self.stats = ReflectorStats()
         self._response: Any = None
         self._next_resync = 0.0
+        self.refusals = edge.Refusals(log)
 
     def run(self) -> None:
         delay = self._settings.backoff_initial_s
@@ -299,8 +303,12 @@ class Reflector:
         seen: dict[str, str] = {}
         deltas: list[Delta] = []
         for obj in items:
-            key = self._key_of(obj)
-            version = obj["metadata"].get("resourceVersion", "")
+            try:
+                key = self._key_of(obj)
+                version = str(obj["metadata"].get("resourceVersion", ""))
+            except (KeyError, TypeError, AttributeError) as e:
+                self._malformed(e, obj)
+                continue
             seen[key] = version
             previous = self.known.get(key)
             if previous == version:
@@ -339,13 +347,24 @@ class Reflector:
             for line in _lines(response):
                 if self._stop.is_set():
                     return
-                event = _decoder.decode(line)
-                self._on_event(event["type"], event["object"])
+                try:
+                    event = _decoder.decode(line)
+                    self._on_event(event["type"], event["object"])
+                except (msgspec.DecodeError, KeyError, TypeError, AttributeError) as e:
+                    # Skipped, not retried: the same watch would send it again. The next
+                    # relist (resync_period_s) brings the object's state back.
+                    self._malformed(e, line)
                 if time.monotonic() >= self._next_resync:
                     return
         finally:
             self._response = None
             response.release_conn()
+
+    def _malformed(self, error: BaseException, what: object) -> None:
+        """Count one unreadable object or line and log it (once per kind at warning level)."""
+        self.stats.malformed += 1
+        self.refusals.note(type(error).__name__, "%s: skipping a malformed object (%s): %.200r",
+                           self.resource, _brief(error), what)
 
     def _on_event(self, kind: str, obj: Obj) -> None:
         if kind == "ERROR":
@@ -826,6 +845,8 @@ class KubeWatcher:
         self.publisher = publisher
         self.settings = settings or KubeWatchSettings()
         self.clock = clock
+        self.refusals = edge.Refusals(log)
+        """Deltas skipped as untranslatable, by resource and kind of fault."""
         self.translator = Translator(self.settings)
         self.reflectors: dict[str, Reflector] = {}
         self.synced = asyncio.Event()
@@ -973,10 +994,22 @@ class KubeWatcher:
             # relist of decoded objects) alive while waiting for the next one.
             await self._publish(await queue.get(), queue)
 
+    def _translated(self, delta: Delta) -> list[Emitted]:
+        """The events of one delta, or none when its object cannot be read or translates
+        into something out of the schema's bounds (counted, logged once per kind): one
+        odd object must not stop the watcher, nor make the worker refuse its record."""
+        try:
+            return [edge.conforming(event) for event in self.translator.apply(delta, self.clock())]
+        except Exception as error:  # an object the translator cannot read is that object's
+            self.refusals.note(f"{delta.resource} {edge.kind_of(error)}",
+                               "skipping %s %s %s: %s", delta.resource, delta.type, delta.key,
+                               edge.reason(error))
+            return []
+
     async def _publish(self, deltas: list[Delta], queue: asyncio.Queue[list[Delta]]) -> None:
         try:
             for delta in deltas:
-                for event in self.translator.apply(delta, self.clock()):
+                for event in self._translated(delta):
                     if isinstance(event, QueueEvent):
                         await self.publisher.queue(event)
                     else:

@@ -186,3 +186,14 @@ def kind_of(error: BaseException) -> str:
     if isinstance(error, Rejected):
         return str(error).split(None, 1)[0].rstrip(":") if str(error) else "rejected"
     return type(error).__name__
+
+
+def conforming(record: T) -> T:
+    """``record`` (built in code, where msgspec checks no bounds) if it decodes as its own
+    type would from the wire; :class:`Rejected` otherwise. For producers that translate
+    foreign objects: what they publish must be what every consumer accepts."""
+    try:
+        msgspec.convert(msgspec.to_builtins(record), type(record))
+    except msgspec.ValidationError as error:
+        raise Rejected(f"invalid: {error}") from error
+    return record
