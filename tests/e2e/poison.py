@@ -1,9 +1,11 @@
 """Malformed records for every input topic of the worker, and a publisher that sends them.
 
 Shared by the poison test (a few of each, in ``make test``) and the chaos
-experiment (thousands, ``make chaos``). Each variant is one way a producer,
-a broker or an attacker can break a record; the worker must dead-letter
-every one of them with a reason and go on with the valid traffic beside it.
+experiment (thousands, ``make chaos``), which both run them beside the
+``faulty-fleet`` scenario through a real worker
+(:func:`run_beside_faulty_fleet`). Each variant is one way a producer, a
+broker or an attacker can break a record; the worker must dead-letter every
+one of them with a reason and go on with the valid traffic beside it.
 Values are built from a valid record of the topic (so that exactly one thing
 is wrong with each) and keyed like real traffic, so they land in the
 partitions the worker is busy with.
@@ -14,11 +16,21 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
 
 from gpusteward import kafka, topics
+from gpusteward.collectors.publisher import KafkaPublisher
+from gpusteward.sandbox.pipeline import WorkerProcess
+from gpusteward.sandbox.simulator import scenario as scenarios
+from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
+from gpusteward.schema import Action, DeadLetter, Finding
 from gpusteward.settings import Settings
+from gpusteward.streams.app import worker_group
 
 START = 1_763_683_200.0  # the faulty-fleet scenario's start
 NODES = [f"h100-{i}" for i in range(1, 7)]
@@ -178,3 +190,66 @@ async def publish_poison(settings: Settings, per_variant: int, *, spread_s: floa
     finally:
         await producer.stop()
     return PoisonSent(sent)
+
+
+@dataclass
+class PoisonRun:
+    """A faulty-fleet run with poison beside it: what was sent, what came out."""
+
+    truth: GroundTruth
+    sent: PoisonSent
+    dead: list[DeadLetter]
+    findings: list[Finding]
+    actions: list[Action]
+    catch_up_s: float
+    """Seconds from the publishers' end until the worker's group had committed every input."""
+
+
+async def _dead_letters(settings: Settings, expected: int, timeout_s: float = 20.0
+                        ) -> list[DeadLetter]:
+    """The dead-letter topic, read until it holds ``expected`` records or time is up (a dead
+    letter is sent before its record's offset is committed, not necessarily acknowledged)."""
+    decode = msgspec.json.Decoder(DeadLetter).decode
+    deadline = time.monotonic() + timeout_s
+    while True:
+        dead = [decode(r.value) for r in await kafka.read_all(
+            settings, topics.DEADLETTER.name(settings))]
+        if len(dead) >= expected or time.monotonic() > deadline:
+            return dead
+        await asyncio.sleep(0.5)
+
+
+async def run_beside_faulty_fleet(settings: Settings, log_dir: Path, per_variant: int, *,
+                                  garbage_per_topic: int, spread_s: float,
+                                  catch_up_timeout_s: float = 60.0) -> PoisonRun:
+    """Publish the faulty-fleet scenario and the poison at once to a fresh worker."""
+    await kafka.ensure_topics(settings)
+    spec = scenarios.load("faulty-fleet").model_copy(update={"acceleration": 0.0})
+    cluster = SimulatedCluster(spec)
+    publisher = KafkaPublisher(settings)
+    await publisher.start()
+    worker = WorkerProcess(settings, log_dir / "worker.log")
+    worker.start()
+    try:
+        # Poison starts first and is spread over the valid run.
+        poison = asyncio.create_task(publish_poison(
+            settings, per_variant, garbage_per_topic=garbage_per_topic, spread_s=spread_s))
+        truth = await cluster.run(publisher)
+        sent = await poison
+        stopped = time.monotonic()
+        names = [t.name(settings) for t in INPUT_TOPICS]
+        await kafka.wait_consumed(settings, worker_group(settings), names,
+                                  timeout_s=catch_up_timeout_s)
+        catch_up_s = time.monotonic() - stopped
+        assert worker.alive, "the worker died"
+    finally:
+        worker.stop()
+        await publisher.stop()
+    findings = msgspec.json.Decoder(Finding).decode
+    actions = msgspec.json.Decoder(Action).decode
+    return PoisonRun(
+        truth, sent, await _dead_letters(settings, sent.total),
+        [findings(r.value) for r in await kafka.read_all(settings, topics.FINDINGS.name(settings))],
+        [actions(r.value) for r in await kafka.read_all(settings, topics.ACTIONS.name(settings))],
+        catch_up_s,
+    )
