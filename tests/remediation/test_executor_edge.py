@@ -24,7 +24,7 @@ class RecordingProducer:
 def test_the_executor_dead_letters_an_action_whose_handling_raises() -> None:
     executor = Executor(Settings(), NoBackend())
 
-    async def decide(action: Any) -> Any:
+    async def decide(action: Any, on_attempt: Any = None) -> Any:
         raise KeyError("a bug in deciding")
 
     executor.decide = decide  # type: ignore[method-assign]
