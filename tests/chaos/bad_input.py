@@ -1,8 +1,8 @@
 """``make chaos`` (bad input): about 10,000 malformed records per input topic beside a run.
 
 The poison test of ``make test`` sends 20 of each variant; this experiment
-sends ``--per-variant`` (default 834: 12 variants make about 10,000 per
-topic, 20 of them 1 MB of garbage) over ``--spread`` seconds while the
+sends ``--per-variant`` (default 908: 11 variants make about 10,000 per
+topic, plus 20 records of 1 MB garbage) over ``--spread`` seconds while the
 ``faulty-fleet`` scenario runs through a real worker on a fresh embedded
 broker, then prints what came out against what went in: bad records sent
 and dead-lettered per topic, findings missed and false against the ground
@@ -35,7 +35,7 @@ from tests.e2e.test_faulty_fleet import _expected, _key  # noqa: E402
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--per-variant", type=int, default=834)
+    parser.add_argument("--per-variant", type=int, default=908)
     parser.add_argument("--garbage", type=int, default=20, help="1 MB records per topic")
     parser.add_argument("--spread", type=float, default=60.0, help="seconds to send them over")
     args = parser.parse_args()
