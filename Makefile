@@ -8,7 +8,7 @@ ROOMS := gpusteward collectors streams rules alerting remediation reports sandbo
 PKG_FILES := $(shell find $(ROOMS) -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.proto' \) 2>/dev/null | sort)
 STAMP := $(VENV)/.installed-$(shell echo "$(PKG_FILES)" | cat - pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install system-deps demo test lint bench clean podresources-proto
+.PHONY: install system-deps demo test lint bench chaos clean podresources-proto
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ test: install system-deps lint
 
 bench: install
 	$(BIN)/python -P benchmarks/run.py
+
+# Fault experiments too long for `make test`, each checked against the ground truth.
+chaos: install
+	$(BIN)/python -P tests/chaos/bad_input.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -6,6 +6,10 @@ sink prints to the console; Alertmanager (``alertmanager.py``) and webhooks
 (``webhook.py``) plug in the same way. A sink may also have ``refresh()``,
 called about every poll to re-send what must be kept alive or retried, and
 ``close()``, called when the consumer stops.
+
+A record that is not a valid finding (:mod:`gpusteward.edge` says why) is
+counted and skipped, logged once per kind of fault: it would fail again on
+every redelivery, and the worker that wrote it dead-letters its own inputs.
 """
 
 from __future__ import annotations
@@ -17,10 +21,9 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Protocol, runtime_checkable
 
-import msgspec
 from rich.console import Console
 
-from gpusteward import kafka, topics
+from gpusteward import edge, kafka, topics
 from gpusteward.metrics import OpenFindings, PipelineMetrics, observe_lag, serve
 from gpusteward.schema import Finding
 from gpusteward.settings import Settings
@@ -74,7 +77,9 @@ class FindingsConsumer:
         self.group_id = group_id or f"{settings.topic_prefix}-alerts"
         self.on_finding = on_finding
         self.seen: set[tuple[str, str]] = set()
-        self._decode = msgspec.json.Decoder(Finding).decode
+        self._decode = edge.Edge[Finding](Finding)
+        self.refusals = edge.Refusals(log)
+        """Records that were no valid finding."""
         self.metrics = PipelineMetrics()
         self._open = OpenFindings(self.metrics)
 
@@ -93,7 +98,7 @@ class FindingsConsumer:
                     for message in messages:
                         started = time.perf_counter()
                         records_in.inc()
-                        await self._handle(message.value)
+                        await self._handle(message.value, message.key)
                         processing.observe(time.perf_counter() - started)
                 if batch:
                     await consumer.commit()
@@ -109,11 +114,12 @@ class FindingsConsumer:
                 if isinstance(sink, RefreshingSink):
                     await sink.close()
 
-    async def _handle(self, raw: bytes | None) -> None:
+    async def _handle(self, raw: bytes | None, record_key: bytes | None = None) -> None:
         try:
-            finding = self._decode(raw or b"")
-        except (msgspec.DecodeError, msgspec.ValidationError) as error:
-            log.warning("skipping undecodable finding: %s", error)
+            finding = self._decode(raw, record_key)
+        except edge.Rejected as error:
+            self.refusals.note(edge.kind_of(error), "skipping a record that is no finding: %s",
+                               edge.reason(error))
             return
         key = (finding.id, finding.state)
         if key in self.seen:

@@ -11,8 +11,10 @@ over: the sink skips a record whose name it has seen in the last
 ``dedup_window_s`` of event time (a rollup is named by device and minute, a
 queue event by workload, state and time: the worker re-publishes the same
 names after a crash), and the store's readers keep one row per name, which
-covers a sink restarted in between. A record that does not decode goes to the dead-letter topic with
-the reason, never silently away. Writing runs in a thread so the consumer
+covers a sink restarted in between. A record refused at the edge
+(:mod:`gpusteward.edge`: not the payload, out of bounds) goes to the
+dead-letter topic with the reason, never silently away: one such row would
+otherwise fail every Parquet write. Writing runs in a thread so the consumer
 keeps heart-beating while Parquet compresses.
 """
 
@@ -29,12 +31,12 @@ import msgspec
 import polars as pl
 from aiokafka import AIOKafkaProducer
 
-from gpusteward import kafka, topics
+from gpusteward import edge, kafka, topics
 from gpusteward.metrics import PipelineMetrics, observe_lag, serve
 from gpusteward.reports import compute, store
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry as mig_geometry
-from gpusteward.schema import DeadLetter, QueueEvent, Rollup
+from gpusteward.schema import QueueEvent, Rollup
 from gpusteward.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,9 @@ class RollupSink:
         self.dedup_window_s = dedup_window_s
         self._seen: dict[Hashable, float] = {}
         """Names of the records taken in the dedup window, with their event time."""
-        self._decode = msgspec.json.Decoder(payload).decode
+        self.refusals = edge.Refusals(log)
+        """Records dead-lettered, by kind."""
+        self._decode = edge.Edge[Any](payload)
         self._encode = msgspec.json.Encoder().encode
         self.metrics = PipelineMetrics()
         self._prices: dict[str, float] = {}
@@ -90,13 +94,15 @@ class RollupSink:
                     for message in messages:
                         records_in.inc()
                         try:
-                            self._take(self._decode(message.value or b""))
-                        except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                            log.warning("record at %s[%d]@%d does not decode: %s", message.topic,
-                                        message.partition, message.offset, error)
+                            self._take(self._decode(message.value, message.key))
+                        except edge.Rejected as error:
+                            self.refusals.note(edge.kind_of(error),
+                                               "record at %s[%d]@%d is refused: %s",
+                                               message.topic, message.partition,
+                                               message.offset, error)
                             await self._dead_letter(producer, message.topic, message.partition,
                                                     message.offset, message.key,
-                                                    message.value, str(error))
+                                                    message.value, error)
                 due = time.monotonic() - last_flush >= self.report.flush_interval_s
                 flushed = False
                 if len(self.buffer) >= self.report.flush_rows or (due and self.buffer):
@@ -176,14 +182,13 @@ class RollupSink:
         return price
 
     async def _dead_letter(self, producer: AIOKafkaProducer, topic: str, partition: int,
-                           offset: int, key: bytes | None, value: bytes | None, error: str
-                           ) -> None:
-        record = DeadLetter(source_topic=topic, partition=partition, offset=offset,
-                            error=error, ts=time.time(), key=key, value=value)
+                           offset: int, key: bytes | None, value: bytes | None,
+                           error: edge.Rejected) -> None:
+        record = edge.dead_letter(topic, partition, offset, key, value, str(error))
         await producer.send_and_wait(
             topics.DEADLETTER.name(self.settings), self._encode(record), key=topic.encode())
         self.dead_lettered += 1
-        self.metrics.dead_letters.labels(topic, "DecodeError").inc()
+        self.metrics.dead_letters.labels(topic, edge.kind_of(error)).inc()
 
 
 def queue_sink(settings: Settings, report: ReportSettings | None = None,

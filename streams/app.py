@@ -7,8 +7,10 @@ is local, with no repartition hop. Per-node state is a Faust table backed by
 a changelog topic; a restarted worker recovers it before it processes.
 
 Values are read as raw bytes and decoded with msgspec (far cheaper than
-Faust records). A record that does not decode goes to the dead-letter topic
-with the reason and its position, and the worker carries on.
+Faust records) at the edge (:mod:`gpusteward.edge`: bounds, key, depth). A
+record refused there, or one that breaks anything further in, goes to the
+dead-letter topic with the reason and its position, and the worker carries
+on (:meth:`OutputTopics.guarded`).
 
 Processing is at-least-once: after a crash the last records may be
 processed again, which republishes findings and actions with the same ids
@@ -24,10 +26,11 @@ import msgspec
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from gpusteward import topics
+from gpusteward.edge import Edge
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary, Rollup
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import FleetSettings, register_fleet_agent
-from gpusteward.streams.node import NodeJoin, NodeState, RuleSettings
+from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings
 from gpusteward.streams.outputs import OutputTopics
 from gpusteward.streams.policy_file import policy_from_env
 
@@ -174,40 +177,29 @@ def create_app(
     app.on_partitions_revoked.connect(forget_live_states)  # type: ignore[arg-type]
     app.on_partitions_assigned.connect(forget_live_states)  # type: ignore[arg-type]
 
-    decode_sample = msgspec.json.Decoder(NodeSample).decode
-    decode_hw = msgspec.json.Decoder(HwEvent).decode
-    decode_alloc = msgspec.json.Decoder(AllocationEvent).decode
+    # Each topic's edge (bounds, key, depth: gpusteward.edge) and the join's handler for it.
+    by_topic: dict[str, tuple[Edge[Any], Any]] = {
+        samples_name: (Edge[NodeSample](NodeSample, key_of=_node), join.on_sample),
+        hw_name: (Edge[HwEvent](HwEvent, key_of=_node), join.on_hw_event),
+        alloc_name: (Edge[AllocationEvent](AllocationEvent, key_of=topics.allocation_key),
+                     join.on_allocation),
+    }
 
-    @app.agent(node_topics, name="node-join")
-    async def node_join(stream: Any) -> None:
-        async for event in stream.events():
-            topic = event.message.topic
-            started = outputs_to.consumed(topic)
-            try:
-                handler: Any
-                if topic == samples_name:
-                    record: Any = decode_sample(event.value)
-                    handler = join.on_sample
-                elif topic == hw_name:
-                    record = decode_hw(event.value)
-                    handler = join.on_hw_event
-                else:
-                    record = decode_alloc(event.value)
-                    handler = join.on_allocation
-            except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                await outputs_to.dead_letter(event, error)
-                continue
-            node = record.node.encode()
-            entry = live.get(node)
-            if entry is None:
-                stored = state_table.get(node)
-                entry = (decode_state(stored) if stored is not None else NodeState(), -1.0)
-            state, checkpointed_at = entry
-            outputs = handler(state, record)
+    async def apply(event: Any) -> list[Output]:
+        decode, handler = by_topic[event.message.topic]
+        record = decode(event.value, event.key)
+        node = record.node.encode()
+        entry = live.get(node)
+        if entry is None:
+            stored = state_table.get(node)
+            entry = (decode_state(stored) if stored is not None else NodeState(), -1.0)
+        state, checkpointed_at = entry
+        try:
+            outputs: list[Output] = handler(state, record)
             # Write the changelog when the state matters for recovery (a rule emitted a
-            # finding or action, the allocations changed) and otherwise every checkpoint_s of
-            # event time. A worker that crashes between checkpoints recovers a state at most
-            # that old; re-processing then republishes the same ids, which consumers
+            # finding or action, the allocations changed) and otherwise every checkpoint_s
+            # of event time. A worker that crashes between checkpoints recovers a state at
+            # most that old; re-processing then republishes the same ids, which consumers
             # deduplicate. A node summary alone does not count: the next one replaces it; nor
             # does a rollup: one re-emitted after a crash has the same (device, minute) name,
             # and the store keeps one per name.
@@ -216,9 +208,28 @@ def create_app(
             if decisive or due or not isinstance(record, NodeSample):
                 state_table[node] = encode_state(state)
                 checkpointed_at = record.ts
-            live[node] = (state, checkpointed_at)
-            await outputs_to.publish(outputs)
+        except Exception:
+            # The record may have half-changed the state: the node goes back to its last
+            # checkpoint, as after a crash (a copy per record to roll back to would cost
+            # more than the join itself).
+            live.pop(node, None)
+            raise
+        live[node] = (state, checkpointed_at)
+        return outputs
+
+    @app.agent(node_topics, name="node-join")
+    async def node_join(stream: Any) -> None:
+        async for event in stream.events():
+            started = outputs_to.consumed(event.message.topic)
+            outputs = await outputs_to.guarded(event, "node-join", apply)
+            if outputs:
+                await outputs_to.publish(outputs)
             outputs_to.processed(started)
 
     register_fleet_agent(app, settings, FleetSettings(policy=policy))
     return app
+
+
+def _node(record: NodeSample | HwEvent) -> str:
+    """The key a node's samples and hardware events are published under."""
+    return record.node

@@ -47,7 +47,7 @@ def test_sink_writes_what_it_reads_and_dead_letters_the_rest(settings: Settings,
         stop = asyncio.Event()
         task = asyncio.create_task(sink.run(stop))
         for _ in range(300):
-            if sink.rows_written + len(sink.buffer) >= 10 and sink.dead_lettered == 1:
+            if sink.rows_written + len(sink.buffer) >= 10 and sink.refusals.count == 1:
                 break
             await asyncio.sleep(0.05)
         stop.set()
@@ -68,7 +68,7 @@ def test_sink_writes_what_it_reads_and_dead_letters_the_rest(settings: Settings,
         return registry.get_sample_value(name, labels)
 
     assert value("gpusteward_records_in_total", topic=topic) == 11
-    assert value("gpusteward_dead_letters_total", topic=topic, reason="DecodeError") == 1
+    assert value("gpusteward_dead_letters_total", topic=topic, reason="malformed") == 1
     assert value("gpusteward_sink_written_rows_total", topic=topic) == 10
     assert value("gpusteward_sink_written_bytes_total", topic=topic) == sum(
         path.stat().st_size for path in tmp_path.rglob("*.parquet"))
