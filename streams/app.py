@@ -17,13 +17,16 @@ and idempotency keys; consumers deduplicate on them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, cast
 
 import faust
 import msgspec
+from aiokafka import AIOKafkaConsumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.types import TP
 
-from gpusteward import topics
+from gpusteward import kafka, topics
 from gpusteward.rules import fragmentation as frag
 from gpusteward.rules import policy as policies
 from gpusteward.rules import queue as queue_rules
@@ -40,18 +43,43 @@ def worker_group(settings: Settings) -> str:
     return f"{settings.topic_prefix}-worker"
 
 
-def _transport_with_fetch_wait(fetch_max_wait_ms: int) -> type[faust_aiokafka.Transport]:
-    """Faust's aiokafka transport with a configurable fetch wait.
+def _transport_for(settings: Settings) -> type[faust_aiokafka.Transport]:
+    """Faust's aiokafka transport with a configurable fetch wait and a true high watermark.
 
     The driver hard-codes ``fetch_max_wait_ms=1500``; the embedded broker holds
     every fetch for up to half of it, which would put 750 ms on every hop.
+
+    Table recovery reads each changelog partition up to its high watermark
+    and refuses to start when a standby has read past it (ConsistencyError).
+    The embedded broker reports the base offset of the last batch plus one,
+    so a worker that took over a dead one's partitions stopped recovery a
+    batch short (the latest node states missing) and crashed on the standby
+    check. The watermark Faust asks for is read instead
+    (:func:`gpusteward.kafka.true_end_offsets`), with a reader of its own so
+    the group consumer's assignment is untouched.
     """
 
     class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+        _end_reader: AIOKafkaConsumer | None = None
+
         def _create_worker_consumer(self, transport: Any) -> Any:
             consumer = super()._create_worker_consumer(transport)
-            consumer._fetch_max_wait_ms = fetch_max_wait_ms
+            consumer._fetch_max_wait_ms = settings.kafka.fetch_max_wait_ms
             return consumer
+
+        async def _highwaters(self, partitions: list[TP]) -> Mapping[TP, int]:
+            if self.consumer.in_transaction:  # never: the app uses no transactions
+                return await super()._highwaters(partitions)
+            if self._end_reader is None:
+                self._end_reader = kafka.consumer(settings, group_id=None)
+                await self._end_reader.start()
+            ends = await kafka.true_end_offsets(self._end_reader, partitions)
+            return {TP(tp.topic, tp.partition): end for tp, end in ends.items()}
+
+        async def on_thread_stop(self) -> None:
+            await super().on_thread_stop()
+            if self._end_reader is not None:
+                await self._end_reader.stop()
 
     class Consumer(faust_aiokafka.Consumer):
         def _new_consumer_thread(self) -> Any:
@@ -99,7 +127,7 @@ class WorkerApp(faust.App):
     gpusteward_settings: Settings
 
     def _new_transport(self) -> Any:
-        transport = _transport_with_fetch_wait(self.gpusteward_settings.kafka.fetch_max_wait_ms)
+        transport = _transport_for(self.gpusteward_settings)
         return transport(self.conf.broker_consumer, self)
 
 
@@ -141,6 +169,11 @@ def create_app(
         web_port=web_port or 6066,
         datadir=datadir or f"/tmp/{app_id}-data",
         table_cleanup_interval=3600.0,
+        # No standby replicas: with the memory store they buy nothing. A partition that
+        # becomes active is replayed from the start of its changelog anyway (the store
+        # persists no offset), and the store drops standby keys at every recovery's end,
+        # so standbys only made every worker read every other worker's changelogs.
+        table_standby_replicas=0,
         stream_wait_empty=False,
         key_serializer="raw",
         value_serializer="raw",
