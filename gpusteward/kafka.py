@@ -53,6 +53,16 @@ async def ensure_topics(
         await admin.close()
 
 
+async def list_topics(settings: Settings) -> list[str]:
+    """The names of the topics the broker has now."""
+    admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
+    await admin.start()
+    try:
+        return list(await admin.list_topics())
+    finally:
+        await admin.close()
+
+
 async def wait_for_broker(settings: Settings, timeout_s: float = 30.0) -> None:
     """Return once the broker answers a metadata request; raise TimeoutError otherwise."""
     deadline = asyncio.get_running_loop().time() + timeout_s
@@ -120,7 +130,7 @@ def consumer(
         "enable_auto_commit": False,
         "fetch_max_wait_ms": settings.kafka.fetch_max_wait_ms,
         "rebalance_timeout_ms": int(settings.kafka.rebalance_timeout_s * 1000),
-        "session_timeout_ms": 10_000,
+        "session_timeout_ms": int(settings.kafka.session_timeout_s * 1000),
         "heartbeat_interval_ms": 1_000,
     }
     options.update(overrides)

@@ -26,7 +26,8 @@ from aiokafka import AIOKafkaConsumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
 
-from gpusteward import kafka, topics
+from gpusteward import health, kafka, topics
+from gpusteward.health import Health
 from gpusteward.rules import fragmentation as frag
 from gpusteward.rules import policy as policies
 from gpusteward.rules import queue as queue_rules
@@ -122,13 +123,27 @@ class LeanMonitor(faust.Monitor):
 
 
 class WorkerApp(faust.App):
-    """A Faust app whose transport honours gpusteward's Kafka settings."""
+    """A Faust app whose transport honours gpusteward's Kafka settings.
+
+    It also keeps the worker's :class:`Health`: ready once a rebalance has
+    ended (partitions assigned, tables recovered, streams resumed), not ready
+    while one is under way, and live while its loop beats and its topics exist.
+    """
 
     gpusteward_settings: Settings
+    health: Health
 
     def _new_transport(self) -> Any:
         transport = _transport_for(self.gpusteward_settings)
         return transport(self.conf.broker_consumer, self)
+
+    def on_rebalance_start(self) -> None:
+        super().on_rebalance_start()
+        self.health.set_ready(False, "rebalancing")
+
+    def on_rebalance_end(self) -> None:
+        super().on_rebalance_end()
+        self.health.set_ready(True, "partitions assigned and tables recovered")
 
 
 def _broker_url(settings: Settings) -> list[str]:
@@ -160,8 +175,9 @@ def create_app(
         topic_replication_factor=kafka.replication_factor,
         consumer_auto_offset_reset="earliest",
         broker_rebalance_timeout=kafka.rebalance_timeout_s,
-        broker_session_timeout=10.0,
-        broker_heartbeat_interval=1.0,
+        broker_session_timeout=kafka.session_timeout_s,
+        consumer_group_instance_id=kafka.group_instance_id,
+        broker_heartbeat_interval=min(1.0, kafka.session_timeout_s / 4),
         broker_commit_every=1000,
         broker_commit_interval=0.5,
         producer_linger=0.005,
@@ -180,6 +196,8 @@ def create_app(
         Monitor=LeanMonitor,
     )
     app.gpusteward_settings = settings
+    app.health = Health()
+    _watch_health(app, settings)
     policy = rules.policy if rules is not None and rules.policy else policies.policy_from_env()
     join = NodeJoin(rules, policy=policy)
 
@@ -254,6 +272,27 @@ def create_app(
 
     register_fleet_agent(app, settings, fleet_settings(policy))
     return app
+
+
+def _watch_health(app: WorkerApp, settings: Settings) -> None:
+    """Beat while the loop turns; stop the worker, non-zero, when its topics disappear.
+
+    Faust retries UnknownTopicOrPartition forever (a broker restarted empty);
+    crashing the app makes ``gpusteward worker`` exit with an error, and its
+    supervisor's restart creates the topics and the group again.
+    """
+    inputs = [spec.name(settings) for spec in (topics.SAMPLES, topics.HW_EVENTS,
+                                                topics.ALLOCATIONS)]
+
+    @app.timer(1.0, on_leader=False)
+    async def beat() -> None:
+        app.health.beat()
+
+    @app.task
+    async def watch_topics() -> None:
+        reason = await health.watch_topics(app.health, inputs,
+                                           lambda: kafka.list_topics(settings))
+        await app.crash(RuntimeError(reason))
 
 
 def fleet_settings(policy: policies.Policy) -> FleetRuleSettings:
