@@ -16,6 +16,7 @@ experiment can print how far off it was:
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -113,3 +114,29 @@ async def resumed(survivors: Sequence[WorkerProcess], timeout_s: float = 60.0) -
             return time.monotonic() - started
         await asyncio.sleep(0.05)
     raise TimeoutError(f"survivors did not resume within {timeout_s}s")
+
+
+@dataclass
+class Usage:
+    """A process's CPU time and resident memory, read from /proc."""
+
+    cpu_s: float
+    rss_mb: float
+
+    @classmethod
+    def of(cls, worker: WorkerProcess) -> Usage:
+        pid = worker.process.pid if worker.process is not None else None
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            status = open(f"/proc/{pid}/status").read()
+        except (OSError, TypeError):
+            return cls(float("nan"), float("nan"))
+        ticks = os.sysconf("SC_CLK_TCK")
+        rss_kb = next(int(line.split()[1]) for line in status.splitlines()
+                      if line.startswith("VmRSS:"))
+        # Fields 14 and 15 of stat (utime, stime); index 11 and 12 after the name.
+        return cls((int(stat[11]) + int(stat[12])) / ticks, rss_kb / 1024)
+
+
+def cpu_pct(before: Usage, after: Usage, wall_s: float) -> float:
+    return 100.0 * (after.cpu_s - before.cpu_s) / wall_s if wall_s > 0 else float("nan")
