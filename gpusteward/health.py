@@ -94,10 +94,18 @@ class Health:
         return server
 
 
-async def heartbeat(health: Health, interval_s: float = 1.0) -> None:
-    """Beat every ``interval_s`` for as long as the running loop turns."""
+async def heartbeat(health: Health, interval_s: float = 1.0,
+                    ready: Callable[[], bool] | None = None) -> None:
+    """Beat every ``interval_s`` for as long as the running loop turns.
+
+    With ``ready``, readiness follows it at each beat (a publisher's ``healthy``:
+    records are reaching Kafka rather than piling up in its buffer).
+    """
     while True:
         health.beat()
+        if ready is not None:
+            ok = ready()
+            health.set_ready(ok, "" if ok else "records are not reaching Kafka")
         await asyncio.sleep(interval_s)
 
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
+from aiokafka import TopicPartition
 
 from gpusteward import kafka, topics
 from gpusteward.sandbox.pipeline import WorkerProcess
@@ -99,21 +100,30 @@ async def all_ready(workers: Sequence[WorkerProcess], timeout_s: float = 90.0) -
     raise TimeoutError(f"workers not all ready within {timeout_s}s")
 
 
-async def resumed(survivors: Sequence[WorkerProcess], timeout_s: float = 60.0) -> float:
-    """Seconds until the survivors have rebalanced (each seen not ready) and are ready again.
+async def resumed(settings: Settings, group: str, timeout_s: float = 60.0) -> float:
+    """Seconds until the group has committed progress on every partition that has samples.
 
-    Call it right after the fault: the group notices a dead member only after its
-    session times out, so the survivors go through one rebalance first.
+    Call it right after the fault. Samples arrive for every node at every tick, so a
+    partition whose committed offset does not move is one nobody is working on: the
+    dead worker's, until the group notices (a session timeout) and hands it over.
     """
     started = time.monotonic()
-    rebalanced: set[int] = set()
+    name = topics.SAMPLES.name(settings)
+    partitions = [TopicPartition(name, p) for p in range(settings.kafka.node_partitions)]
+    at_fault = await kafka.committed(settings, group, partitions)
+    reader = kafka.consumer(settings, group_id=None)
+    await reader.start()
+    try:
+        ends = await reader.end_offsets(partitions)
+    finally:
+        await reader.stop()
+    busy = [tp for tp in partitions if ends[tp] > 0]
     while time.monotonic() - started < timeout_s:
-        ready = await asyncio.gather(*(asyncio.to_thread(w.probe) for w in survivors))
-        rebalanced |= {i for i, ok in enumerate(ready) if not ok}
-        if len(rebalanced) == len(survivors) and all(ready):
+        now = await kafka.committed(settings, group, busy)
+        if all(now[tp] > at_fault[tp] for tp in busy):
             return time.monotonic() - started
-        await asyncio.sleep(0.05)
-    raise TimeoutError(f"survivors did not resume within {timeout_s}s")
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{group} made no progress on some partition within {timeout_s}s")
 
 
 @dataclass

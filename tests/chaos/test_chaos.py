@@ -142,12 +142,13 @@ def test_scale_out(tmp_path: Path) -> None:
             simulation = _simulation(publisher, acceleration=60.0)
             await asyncio.sleep(10)
             workers[0].kill()
-            after_kill = await harness.resumed(workers[1:3])
+            after_kill = await harness.resumed(settings, worker_group(settings))
             frozen_for = settings.kafka.session_timeout_s + 6
             workers[2].freeze()
+            stall = asyncio.create_task(harness.resumed(settings, worker_group(settings)))
             await asyncio.sleep(frozen_for)
             workers[2].thaw()
-            after_stall = await harness.resumed(workers[1:3])
+            after_stall = await stall
             workers[3].start()
             after_join = await harness.all_ready(workers[1:])
             truth = await simulation

@@ -241,12 +241,12 @@ def test_worker_is_a_statefulset_with_a_data_volume(render):
 
 
 def test_long_running_consumers_are_probed_on_their_health_port(render):
-    """The worker, alerts and remediation serve /livez and /readyz on GPUSTEWARD_HEALTH_PORT
-    (gpusteward.health); their probes must ask that port for those paths."""
+    """The worker, watcher, alerts and remediation serve /livez and /readyz on
+    GPUSTEWARD_HEALTH_PORT (gpusteward.health); their probes must ask that port for them."""
     from gpusteward.health import LIVE_PATH, READY_PATH
 
     rendered = render("production")
-    for component in ("worker", "alerts", "remediation"):
+    for component in ("worker", "watcher", "alerts", "remediation"):
         container = pod_spec(rendered.component(component))["containers"][0]
         env = {e["name"]: e for e in container.get("env", [])}
         port = int(env["GPUSTEWARD_HEALTH_PORT"]["value"])

@@ -51,7 +51,7 @@ async def _run(broker: EmbeddedBroker, log_dir: Path) -> tuple[harness.Score, fl
         await asyncio.sleep(KILL_AFTER_S)
         assert not simulation.done(), "the kill must land mid-run"
         workers[0].kill()
-        resume_s = await harness.resumed(workers[1:])
+        resume_s = await harness.resumed(settings, worker_group(settings))
         truth = await simulation
         finished = time.monotonic()
         await harness.drained(settings, worker_group(settings), timeout_s=60)
