@@ -264,17 +264,11 @@ def create_app(
             # deduplicate. A node summary alone does not count: the next one replaces it.
             due = record.ts - checkpointed_at >= checkpoint_s
             decisive = any(not isinstance(output, NodeSummary) for output in outputs)
-            await outputs_to.publish(outputs)
-            if decisive:
-                # The findings and actions must be on Kafka before the state that remembers
-                # them: a worker killed in between would otherwise leave a changelog whose
-                # open episode suppresses them when its successor re-processes the record
-                # (seen in the scale-out chaos run: a reset-class XID never reported).
-                await app.producer.flush()
             if decisive or due or not isinstance(record, NodeSample):
                 state_table[node] = encode_state(state)
                 checkpointed_at = record.ts
             live[node] = (state, checkpointed_at)
+            await outputs_to.publish(outputs)
 
     register_fleet_agent(app, settings, fleet_settings(policy))
     return app
