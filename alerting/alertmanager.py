@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from gpusteward.errors import GpustewardError
 from gpusteward.schema import Finding
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ def alert_annotations(finding: Finding) -> dict[str, str]:
     return annotations
 
 
-class AlertmanagerError(Exception):
+class AlertmanagerError(GpustewardError):
     """Alertmanager refused or could not be reached."""
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from figures import Figure
 
 from gpusteward.collectors import dcgm
-from gpusteward.collectors.spool import DiskSpool
+from gpusteward.collectors.transport.spool import DiskSpool
 
 PAGE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "dcgm_exporter_metrics.txt"
 

@@ -8,7 +8,7 @@ Figures:
 - relist after 410 Gone (one pod changed while disconnected): its duration,
   and the events it published (1: the unchanged 9,999 pods publish nothing);
 - memory the watcher holds per pod after the first sync (tracemalloc, counting
-  allocations made in collectors/kubernetes.py: the reflectors' resourceVersion
+  allocations made in collectors/kubernetes/: the reflectors' resourceVersion
   maps and the translator's last event per object; nodes included).
 
 Events go to a publisher that only counts them, so Kafka is not measured here.

@@ -28,8 +28,9 @@ import msgspec
 from figures import Figure
 
 from gpusteward.rules.mig import observed
+from gpusteward.rules.policy import parse_policy
 from gpusteward.schema import NodeSummary, QueueEvent
-from gpusteward.streams.fleet import FleetEvaluator, FleetRuleSettings, FleetState
+from gpusteward.streams.fleet import FleetEvaluator, FleetSettings, FleetState
 
 NODES, GPUS, MIG_NODES, WORKLOADS = 1250, 8, 250, 5000
 WEEK = 7 * 86400.0
@@ -39,7 +40,8 @@ MODELS = ["NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3"]
 
 
 def _fleet(rng: random.Random) -> tuple[FleetEvaluator, FleetState]:
-    evaluator = FleetEvaluator(FleetRuleSettings(mig_advice_window_s=WEEK))
+    evaluator = FleetEvaluator(FleetSettings(policy=parse_policy(
+        f"rules: {{mig_layout_advice: {{window_s: {WEEK}}}}}")))
     state = FleetState()
     # In event-time order, as the agent reads them: the queue rules drop events older
     # than their window behind the clock, and the MIG bookkeeping follows them.
@@ -73,7 +75,7 @@ def run() -> list[Figure]:
         observed.on_summary(state.mig, summary)
         observed.on_queue(state.mig, "inference/svc-0", event)
         per_record.append((time.perf_counter() - started) / 2 * 1e6)
-    slot = observed.slot_of(START + WEEK, evaluator.settings.mig_advice_interval_s)
+    slot = observed.slot_of(START + WEEK, evaluator.mig_advice_settings.interval_s)
     started = time.perf_counter()
     findings = evaluator.mig_advice(state, slot)
     advise_s = time.perf_counter() - started

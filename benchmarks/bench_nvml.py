@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 from figures import Figure
-from prometheus_client import CollectorRegistry
 
 from gpusteward.collectors.nvml import NvmlCollector
 from gpusteward.sandbox.nvml_fake import FakeNvml
@@ -58,15 +57,15 @@ def _mig_node() -> dict[str, Any]:
 def _measure(description: dict[str, Any]) -> tuple[float, float, float]:
     """(µs per GPU for the reading pass, NVML calls per GPU, µs per GPU for a whole tick)."""
     fake = FakeNvml(description)
-    collector = NvmlCollector(fake, "bench", _Discard(), registry=CollectorRegistry())
+    collector = NvmlCollector(fake, "bench", _Discard())
     collector.open()
     for _ in range(5):  # warm caches: MIG descriptions, GPM buffers
-        collector.read()
+        collector.reader.read()
     calls_before = fake.calls
-    collector.read()
+    collector.reader.read()
     calls = fake.calls - calls_before
     # Median of a few rounds: the machine is shared and single rounds swing by 2x.
-    read_s = statistics.median(_timed(collector.read) for _ in range(ROUNDS))
+    read_s = statistics.median(_timed(collector.reader.read) for _ in range(ROUNDS))
 
     async def ticks() -> float:
         rounds = []

@@ -2,7 +2,7 @@
 
 - dry-run decisions: pure executor cost per action (guards + describe), no I/O;
 - storm: 250 of 500 GPU nodes report DBE at once; cordons go through the real
-  ``kubernetes`` client to the local API double (tests/consumers/kube_double.py)
+  ``kubernetes`` client to the local API double (sandbox/kube_api.py)
   over loopback HTTP, so the figure is client + thread hop + HTTP, not a real
   API server's latency;
 - Alertmanager: posting 1,000 firing alerts in one refresh to a real
@@ -12,10 +12,8 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -26,20 +24,10 @@ from figures import Figure
 from gpusteward.alerting.alertmanager import AlertmanagerSink
 from gpusteward.remediation.executor import Executor, NoBackend, RemediationSettings
 from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
+from gpusteward.sandbox.kube_api import KubeApiServer
+from gpusteward.sandbox.kube_objects import gpu_node
 from gpusteward.schema import Action, Finding, Outcome, Subject
 from gpusteward.settings import Settings
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _double():  # type: ignore[no-untyped-def]
-    path = ROOT / "tests" / "consumers" / "kube_double.py"
-    spec = importlib.util.spec_from_file_location("kube_double", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kube_double"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _cordon(node: str, i: int) -> Action:
@@ -63,12 +51,11 @@ def dry_run_decisions(count: int = 20_000) -> Figure:
 
 
 def storm(nodes: int = 500) -> list[Figure]:
-    kube_double = _double()
-    with tempfile.TemporaryDirectory() as directory, \
-            kube_double.KubeDouble(Path(directory)) as kube:
+    with tempfile.TemporaryDirectory() as directory, KubeApiServer() as kube:
         names = [f"gpu-{i:03d}" for i in range(nodes)]
-        kube.state.add(*(kube_double.node(n) for n in names))
-        backend = KubernetesBackend(KubeSettings(kubeconfig=str(kube.kubeconfig)))
+        kube.load(gpu_node(n) for n in names)
+        kubeconfig = kube.write_kubeconfig(Path(directory) / "kubeconfig")
+        backend = KubernetesBackend(KubeSettings(kubeconfig=str(kubeconfig)))
         executor = Executor(Settings(), backend, execute=True,
                             remediation=RemediationSettings(enabled_rules={"ecc_dbe"}))
 
@@ -86,7 +73,7 @@ def storm(nodes: int = 500) -> list[Figure]:
                    outcomes.count("executed"), "nodes"),
             Figure("storm: actions refused by the breaker", outcomes.count("refused"),
                    "actions"),
-            Figure("storm: API writes", len([r for r in kube.state.requests if r[0] != "GET"]),
+            Figure("storm: API writes", len([r for r in kube.requests if r.method != "GET"]),
                    "requests"),
         ]
 

@@ -29,7 +29,7 @@ from figures import Figure
 
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
-from gpusteward.collectors.publisher import KafkaPublisher
+from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.sandbox.simulator.engine import SimulatedCluster
 from gpusteward.sandbox.simulator.scenario import Scenario

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from gpusteward.collectors.podresources import api_pb2, api_pb2_grpc
+from gpusteward.errors import TemporaryError
 from gpusteward.schema import PodRef
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ _OLD_MIG = re.compile(r"^MIG-(GPU-[0-9a-fA-F-]+)/([0-9]+)/([0-9]+)$")
 _GKE_SHARED = re.compile(r"^(.+)/vgpu[0-9]+$")
 
 
-class PodResourcesError(Exception):
+class PodResourcesError(TemporaryError):
     """The kubelet's PodResources service could not be read."""
 
 

@@ -14,6 +14,14 @@ device. This module has two layers:
   (cut short, unparseable) as a whole: a tick yields a complete sample or a
   counted :class:`SourceError`, never half a node.
 
+Stock dcgm-exporter leaves ECC, NVLink-error, row-remap-pending and
+clock-event counters off (its default counters file), so on a stock page the
+hardware rules would see nothing and say nothing. :class:`FieldCoverage`
+checks every answer for the field families the rules read
+(:data:`FIELD_FAMILIES`), logs each missing one once and counts the reads
+that lacked it; deploy/components/dcgm-exporter ships a counters file that
+enables them all.
+
 MIG: with dcgm-exporter's default ``-d f`` a MIG-enabled GPU is exported per
 GPU instance, labelled with the *parent* GPU's UUID plus ``GPU_I_ID`` and
 ``GPU_I_PROFILE``; the MIG device's own ``MIG-...`` UUID never appears. We
@@ -27,6 +35,7 @@ x 100) and no ``util_pct``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import time
@@ -38,10 +47,12 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpusteward.collectors.metrics import CollectorMetrics
-from gpusteward.collectors.publisher import Publisher
 from gpusteward.collectors.settings import CollectSettings
 from gpusteward.collectors.source import SourceError, run_source
+from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.schema import DeviceSample, HwEvent, NodeSample, PodRef
+
+log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 BODY_EXCERPT = 200
@@ -145,6 +156,71 @@ XID_FIELD = "DCGM_FI_DEV_XID_ERRORS"
 
 MAPPED_METRICS: tuple[str, ...] = (*FIELDS, *FB_FIELDS, *NVLINK_ERROR_FIELDS, XID_FIELD)
 """Every metric this module reads; the Prometheus source asks for exactly these."""
+
+
+@dataclass(frozen=True)
+class FieldFamily:
+    """DCGM fields that feed one reading a rule needs; present when any of its metrics is."""
+
+    name: str
+    metrics: tuple[str, ...]
+    readers: str
+    """The rules (or reports) that see nothing without it."""
+
+
+FIELD_FAMILIES: tuple[FieldFamily, ...] = (
+    FieldFamily("gpu_util", ("DCGM_FI_DEV_GPU_UTIL",), "idle_holder on whole GPUs"),
+    FieldFamily("gr_engine_active", ("DCGM_FI_PROF_GR_ENGINE_ACTIVE",),
+                "idle_holder on MIG devices"),
+    FieldFamily("framebuffer", ("DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE"),
+                "memory use in reports"),
+    FieldFamily("temperature", ("DCGM_FI_DEV_GPU_TEMP",), "thermal_slowdown"),
+    FieldFamily("clock_event_reasons", ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
+                                        "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"),
+                "thermal_slowdown"),
+    FieldFamily("ecc_sbe", ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",), "ecc_sbe_rate"),
+    FieldFamily("ecc_dbe", ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",), "ecc_dbe"),
+    FieldFamily("xid", (XID_FIELD,), "xid"),
+    FieldFamily("row_remap_failure", ("DCGM_FI_DEV_ROW_REMAP_FAILURE",), "remap_failure"),
+    FieldFamily("row_remap_pending", ("DCGM_FI_DEV_ROW_REMAP_PENDING",), "remap_pending"),
+    FieldFamily("nvlink_errors", NVLINK_ERROR_FIELDS, "nvlink_errors"),
+    FieldFamily("pcie_replay", ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER",), "pcie_replay"),
+)
+"""What the rules read, by family; every metric here is in :data:`MAPPED_METRICS`."""
+
+
+class FieldCoverage:
+    """Notices the field families a source's answers lack: logged once, counted every read.
+
+    A family is missing from an answer when none of its metrics has a series
+    in it: the exporter's counters file leaves it out, or the GPUs do not
+    support it (dcgm-exporter skips blank values). Either way the rules that
+    read it are blind, which must not be silent.
+    """
+
+    def __init__(self, source: str, metrics: CollectorMetrics | None = None) -> None:
+        self.source = source
+        self.metrics = metrics
+        self.missing: set[str] = set()
+        """Families the last checked answer lacked."""
+        self._logged: set[str] = set()
+
+    def check(self, names: Iterable[str]) -> list[FieldFamily]:
+        """Record one answer (the metric names of its series); return the families it lacks."""
+        present = set(names)
+        lacking = [f for f in FIELD_FAMILIES if present.isdisjoint(f.metrics)]
+        self.missing = {f.name for f in lacking}
+        for family in lacking:
+            if self.metrics is not None:
+                self.metrics.missing_field_families.labels(self.source, family.name).inc()
+            if family.name not in self._logged:
+                self._logged.add(family.name)
+                log.warning(
+                    "%s: no %s series (%s): %s sees nothing from this source. Enable the "
+                    "fields in dcgm-exporter's counters file (deploy/components/dcgm-exporter/"
+                    "dcgm-metrics.csv) or check that these GPUs support them",
+                    self.source, family.name, ", ".join(family.metrics), family.readers)
+        return lacking
 
 
 @dataclass
@@ -314,7 +390,7 @@ class DcgmSource:
     source = "dcgm"
 
     def __init__(self, url: str, node: str | None, session: aiohttp.ClientSession,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, metrics: CollectorMetrics | None = None) -> None:
         """``node`` None: name the sample after the page's ``Hostname`` label.
 
         dcgm-exporter sets that label from its own ``NODE_NAME`` (the GPU
@@ -327,6 +403,7 @@ class DcgmSource:
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._xids = XidTracker()
+        self.coverage = FieldCoverage(self.source, metrics)
 
     async def fetch(self) -> str:
         """The page's text; :class:`SourceError` if the exporter cannot be read."""
@@ -358,6 +435,7 @@ class DcgmSource:
         sample = samples.get(node or "")
         if sample is None or not sample.devices:
             raise SourceError("empty", f"{self.url} reports no GPU series")
+        self.coverage.check(item.name for item in series)
         # Only a page that made a sample moves the XID state on, so an event is never
         # consumed by a tick whose sample was refused.
         return sample, self._xids.events(series, ts, self.source, node=node)
@@ -379,5 +457,5 @@ async def run_dcgm_collector(settings: CollectSettings, publisher: Publisher,
     explicit = "node_name" in settings.model_fields_set or bool(os.environ.get("NODE_NAME"))
     async with aiohttp.ClientSession() as session:
         source = DcgmSource(settings.dcgm_url, settings.node_name if explicit else None,
-                            session, timeout_s=settings.scrape_timeout_s)
+                            session, timeout_s=settings.scrape_timeout_s, metrics=metrics)
         await run_source(source, publisher, stop, settings.interval_s, metrics)

@@ -39,12 +39,34 @@ class CollectorMetrics:
         )
         self.source_errors = Counter(
             "gpusteward_collect_source_errors_total",
-            "Reads of a source that produced nothing publishable, by source and reason.",
+            "Reads of a source that failed, by source and reason (for NVML: the call or step "
+            "that failed; 'not supported' is no error).",
             ["source", "reason"], registry=self.registry,
+        )
+        self.missing_field_families = Counter(
+            "gpusteward_collect_missing_field_families_total",
+            "Source answers that lacked every metric of a field family some rule reads "
+            "(e.g. ECC counters switched off in dcgm-exporter), by source and family.",
+            ["source", "family"], registry=self.registry,
+        )
+        self.samples = Counter(
+            "gpusteward_collect_samples_total",
+            "Node samples handed to the publisher, by source.",
+            ["source"], registry=self.registry,
+        )
+        self.device_readings = Counter(
+            "gpusteward_collect_device_readings_total",
+            "Device (GPU and MIG) readings in those samples, by source.",
+            ["source"], registry=self.registry,
+        )
+        self.hw_events = Counter(
+            "gpusteward_collect_hw_events_total",
+            "Hardware events handed to the publisher, by source and kind.",
+            ["source", "kind"], registry=self.registry,
         )
         self.scrape_seconds = Histogram(
             "gpusteward_collect_scrape_duration_seconds",
-            "Time to read and parse one source answer.",
+            "Time to read and parse one source answer (NVML: every device once).",
             ["source"], registry=self.registry,
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )

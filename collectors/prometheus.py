@@ -31,9 +31,9 @@ from urllib3.util.retry import Retry
 
 from gpusteward.collectors import dcgm
 from gpusteward.collectors.metrics import CollectorMetrics
-from gpusteward.collectors.publisher import Publisher
 from gpusteward.collectors.settings import CollectSettings
 from gpusteward.collectors.source import SourceError, run_source
+from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.schema import HwEvent, NodeSample, PodRef
 
 PodLabels = Literal["auto", "exported", "plain"]
@@ -115,7 +115,8 @@ class PrometheusSource:
     source = "prometheus"
 
     def __init__(self, url: str, nodes: Sequence[str] = (), pod_labels: PodLabels = "auto",
-                 timeout_s: float = 5.0, client: PrometheusConnect | None = None) -> None:
+                 timeout_s: float = 5.0, client: PrometheusConnect | None = None,
+                 metrics: CollectorMetrics | None = None) -> None:
         self.url = url
         self.nodes = tuple(nodes)
         self.pod_labels = pod_labels
@@ -125,6 +126,9 @@ class PrometheusSource:
             url, disable_ssl=True, retry=Retry(total=1, backoff_factor=0.1))
         self._query = build_query(self.nodes)
         self._xids = dcgm.XidTracker()
+        # Judged over the whole answer: a family any node reports is switched on in the
+        # exporters' counters file.
+        self.coverage = dcgm.FieldCoverage(self.source, metrics)
 
     async def _ask(self) -> list[dict[str, Any]]:
         try:
@@ -151,6 +155,7 @@ class PrometheusSource:
         samples = dcgm.node_samples(series, evaluated_at, self.source,
                                     pod_resolver=pod_resolver(series, self.pod_labels))
         events = self._xids.events(series, evaluated_at, self.source)
+        self.coverage.check(item.name for item in series)
         return [samples[node] for node in sorted(samples)], events
 
 
@@ -159,5 +164,5 @@ async def run_prometheus_collector(settings: CollectSettings, publisher: Publish
                                    metrics: CollectorMetrics | None = None) -> None:
     """Query Prometheus every ``settings.interval_s`` until ``stop``."""
     source = PrometheusSource(settings.prometheus_url, settings.prometheus_nodes,
-                              settings.pod_labels, settings.scrape_timeout_s)
+                              settings.pod_labels, settings.scrape_timeout_s, metrics=metrics)
     await run_source(source, publisher, stop, settings.interval_s, metrics)

@@ -4,6 +4,9 @@ A separate model from :class:`gpusteward.settings.Settings` (which holds the
 Kafka connection): the collectors run as a DaemonSet with their own knobs,
 read from the environment with the ``GPUSTEWARD_COLLECT__`` prefix
 (``GPUSTEWARD_COLLECT__INTERVAL_S=5``); command-line flags override them.
+What only the NVML collector needs is nested under ``nvml``
+(``GPUSTEWARD_COLLECT__NVML__EVENT_WAIT_MS=500``); the node name, the
+interval and the publishing settings are shared by every source.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gpusteward.collectors.attribution import DEFAULT_SOCKET
 
 Compression = Literal["auto", "lz4", "gzip", "zstd", "snappy", "none"]
 
@@ -24,10 +29,31 @@ def default_node_name() -> str:
     return os.environ.get("NODE_NAME") or socket.gethostname()
 
 
+class NvmlSettings(BaseModel):
+    """What only the NVML collector needs: its event wait and the kubelet's PodResources."""
+
+    event_wait_ms: int = Field(
+        1000, ge=10, le=60_000,
+        description="Longest one nvmlEventSetWait blocks, ms; bounds how long stopping takes.")
+    pod_resources_socket: str | None = Field(
+        DEFAULT_SOCKET, description="The kubelet PodResources socket; None (or empty): no pod "
+                                    "attribution (outside Kubernetes).")
+    pod_resources_timeout_s: float = Field(5.0, gt=0, description="Timeout of one List call, s.")
+    pod_resources_refresh_s: float = Field(
+        5.0, gt=0, description="Seconds between List calls: a new pod goes unattributed at most "
+                               "this long. dcgm-exporter lists on every scrape.")
+    pod_resources_max_age_s: float = Field(
+        30.0, gt=0, description="While List fails, the last answer is used this long, then "
+                                "samples go out unattributed, not credited to a pod maybe gone.")
+    extra_gpu_resources: list[str] = Field(
+        [], description="Resource names counted besides nvidia.com/gpu and nvidia.com/mig-*.")
+
+
 class CollectSettings(BaseSettings):
     """What a collector reads, how often, and how it publishes."""
 
-    model_config = SettingsConfigDict(env_prefix="GPUSTEWARD_COLLECT__", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="GPUSTEWARD_COLLECT__",
+                                      env_nested_delimiter="__", extra="ignore")
 
     node_name: str = Field(
         default_factory=default_node_name,
@@ -44,6 +70,8 @@ class CollectSettings(BaseSettings):
             "interval (30 s in older releases); sampling faster only repeats its values."
         ),
     )
+    nvml: NvmlSettings = Field(default_factory=NvmlSettings,
+                               description="The NVML collector's own settings.")
     fake_nvml: str | None = Field(
         None, description="Path of a fake-NVML YAML description (tests/data/nvml/*.yaml) to "
                           "sample instead of the driver: for demos and tests. None: real NVML.")

@@ -1,25 +1,28 @@
-"""The tick loop shared by the sources that read samples from elsewhere (dcgm, Prometheus).
+"""The tick loop shared by every sample source (NVML, dcgm-exporter, Prometheus).
 
 A source answers one question per tick, ``collect()``: the NodeSamples and
 hardware events it sees now, or a :class:`SourceError`. The loop owns the
-schedule, the error accounting and the publishing, so a source stays a
-small, testable reader.
+schedule, the error accounting, the metrics and the publishing, so a source
+stays a small, testable reader. A source with news that cannot wait for the
+tick (NVML's event thread) publishes that itself, beside the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Protocol
 
 from gpusteward.collectors.metrics import CollectorMetrics
-from gpusteward.collectors.publisher import Publisher
+from gpusteward.collectors.transport.publisher import Publisher
+from gpusteward.errors import TemporaryError
 from gpusteward.schema import HwEvent, NodeSample
 
 log = logging.getLogger(__name__)
 
 
-class SourceError(Exception):
+class SourceError(TemporaryError):
     """A read of a source that produced nothing publishable this tick.
 
     ``reason`` is a short stable word (unreachable, http_status, truncated,
@@ -41,22 +44,46 @@ class Source(Protocol):
     async def collect(self) -> tuple[list[NodeSample], list[HwEvent]]: ...
 
 
+async def collect_once(source: Source, publisher: Publisher,
+                       metrics: CollectorMetrics | None = None
+                       ) -> tuple[list[NodeSample], list[HwEvent]]:
+    """One tick: read ``source`` and publish what it saw; returns it.
+
+    Hardware events go out before the sample of the same tick: they are the
+    urgent path. A :class:`SourceError` from the read is raised unpublished.
+    """
+    started = time.perf_counter()
+    samples, events = await source.collect()
+    if metrics is not None:
+        metrics.scrape_seconds.labels(source.source).observe(time.perf_counter() - started)
+    for event in events:
+        await publisher.hw_event(event)
+        if metrics is not None:
+            metrics.hw_events.labels(source.source, event.kind).inc()
+    for sample in samples:
+        await publisher.sample(sample)
+        if metrics is not None:
+            metrics.samples.labels(source.source).inc()
+            metrics.device_readings.labels(source.source).inc(len(sample.devices))
+    return samples, events
+
+
 async def run_source(source: Source, publisher: Publisher, stop: asyncio.Event,
                      interval_s: float, metrics: CollectorMetrics | None = None) -> None:
     """Collect from ``source`` every ``interval_s`` until ``stop`` is set.
 
-    A failed read is logged, counted and retried at the next tick. Ticks keep
-    a fixed schedule: a slow read delays the next tick, it does not shift all
-    the following ones. Hardware events go out before the sample of the same
-    tick: they are the urgent path.
+    A failed read is logged, counted and retried at the next tick; so is a
+    tick that failed otherwise (a publisher hiccup, a driver error outside
+    any one device): a DaemonSet collector outlives a bad tick. Ticks keep a
+    fixed schedule: a slow read delays the next tick, it does not shift all
+    the following ones.
     """
     loop = asyncio.get_running_loop()
     next_tick = loop.time()
     failing = False
     while not stop.is_set():
-        started = loop.time()
         try:
-            samples, events = await source.collect()
+            await collect_once(source, publisher, metrics)
         except SourceError as error:
             if metrics is not None:
                 metrics.source_errors.labels(source.source, error.reason).inc()
@@ -66,16 +93,14 @@ async def run_source(source: Source, publisher: Publisher, stop: asyncio.Event,
                     "%s read failed (%s): %s; retrying next tick",
                     source.source, error.reason, error)
             failing = True
+        except Exception:
+            log.exception("%s tick failed; retrying next tick", source.source)
+            if metrics is not None:
+                metrics.source_errors.labels(source.source, "tick").inc()
         else:
             if failing:
                 log.warning("%s read works again", source.source)
             failing = False
-            if metrics is not None:
-                metrics.scrape_seconds.labels(source.source).observe(loop.time() - started)
-            for event in events:
-                await publisher.hw_event(event)
-            for sample in samples:
-                await publisher.sample(sample)
         next_tick = max(next_tick + interval_s, loop.time())
         try:
             await asyncio.wait_for(stop.wait(), timeout=next_tick - loop.time())

@@ -281,7 +281,9 @@ class Action(msgspec.Struct):
     schema: int = SCHEMA_VERSION
 
 
-Outcome = Literal["executed", "dry_run", "skipped", "refused", "failed"]
+Outcome = Literal["executed", "dry_run", "skipped", "refused", "failed", "retrying"]
+"""``retrying``: one attempt met a temporary error (a 503, a 429, a timeout) and another
+follows; the action's last record carries its final outcome."""
 
 
 class ActionResult(msgspec.Struct):
@@ -295,6 +297,9 @@ class ActionResult(msgspec.Struct):
     actor: str
     ts: float
     error: str | None = None
+    """The error of a ``retrying`` or ``failed`` attempt (its class and message, cut)."""
+    attempt: int = 1
+    """Which try of the backend call this record reports, from 1 (retries count up)."""
     schema: int = SCHEMA_VERSION
 
 

@@ -87,7 +87,7 @@ ACTIONS = TopicSpec(
 ACTION_RESULTS = TopicSpec(
     "action-results.v1", "idempotency key", schema.ActionResult,
     "The audit trail: every decision on every action "
-    "(executed, dry_run, skipped, refused, failed).",
+    "(executed, dry_run, skipped, refused, failed) and every retried attempt (retrying).",
     partitions=1, retention_ms=365 * DAY_MS,
 )
 DEADLETTER = TopicSpec(

@@ -12,10 +12,20 @@ records one outcome on the audit topic (``action-results``):
 - ``refused``: a guard said no: the target is on a deny-list, MIG relabels
   are not allowed by policy, the backend lacks the verb, or the circuit
   breaker is open;
-- ``executed`` / ``failed``: the backend carried it out, or could not.
+- ``executed`` / ``failed``: the backend carried it out, or could not;
+- ``retrying``: one attempt met a temporary error (an API 503 or 429, a
+  timeout, a refused connection: :class:`~gpusteward.errors.TemporaryError`)
+  and the executor tries again after a backoff (exponential from
+  ``retry_backoff_s``, never shorter than the server's ``Retry-After``), at
+  most ``retry_attempts`` tries and ``retry_budget_s`` seconds of waiting;
+  each such record carries its attempt number and the error, and the last
+  record of the action its final outcome. A permanent error (a 404, a 422,
+  any error that is not temporary) is a final ``failed`` at once.
 
 Guards, in the order they are checked: idempotency, deny-lists, the MIG
-policy, dry-run, the circuit breaker, then the backend. The breaker counts
+policy, dry-run, the circuit breaker, then the backend. The guards are pure
+(:meth:`Executor.verdict`); only the backend call and the fleet size are I/O.
+The breaker counts
 distinct nodes disrupted (cordon, taint, drain, MIG relabel) in a sliding
 window and refuses a new node once the window holds ``breaker_max_nodes``
 nodes or ``breaker_max_fraction`` of the GPU nodes. When it trips it stays
@@ -45,17 +55,21 @@ import fnmatch
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 from rich.markup import escape
 
 from gpusteward import kafka, topics
+from gpusteward.errors import TemporaryError, cut
+from gpusteward.rules import REGISTRY, REMEDIATION_BREAKER
 from gpusteward.rules.findings import finding_id, fingerprint
+from gpusteward.rules.idle import RECLAIM_REASON
+from gpusteward.rules.registry import ALL_RULES
 from gpusteward.schema import Action, ActionResult, DeadLetter, Finding, Outcome, Subject
 from gpusteward.settings import Settings
 
@@ -64,12 +78,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ALL_RULES = "*"
 NODE_DISRUPTING = frozenset({"cordon", "taint", "drain", "set_mig_config"})
 """Verbs that take capacity away from a node: what the circuit breaker counts."""
-BREAKER_KIND = "remediation_breaker"
+BREAKER_KIND = REMEDIATION_BREAKER
 BREAKER_TRIP_PREFIX = "breaker/trip/"
 BREAKER_RESET_PREFIX = "breaker/reset/"
+
+
+def known_rules(names: Iterable[str]) -> set[str]:
+    """``names`` as a set, each a registered rule, a finding kind one emits, or ``*``;
+    otherwise :class:`~gpusteward.rules.UnknownRuleError` (a ValueError) lists the valid."""
+    names = set(names)
+    REGISTRY.enabled_kinds(names)
+    return names
 
 
 class RemediationSettings(BaseSettings):
@@ -86,8 +107,20 @@ class RemediationSettings(BaseSettings):
         default_factory=set,
         description="Rules whose actions are carried out in execute mode; every other rule's "
         "actions are only dry-run. Empty by default so that switching to --execute changes "
-        "nothing until rules are enabled one by one. '*' enables all.",
+        "nothing until rules are enabled one by one. '*' enables all. A rule's name enables "
+        "every finding kind it emits (xid: also xid_rma); a kind's name enables that kind. "
+        "An unknown name is an error that lists the valid ones.",
     )
+
+    @field_validator("enabled_rules")
+    @classmethod
+    def _known_rules(cls, names: set[str]) -> set[str]:
+        return known_rules(names)
+
+    def enables(self, kind: str) -> bool:
+        """Whether the actions of findings of ``kind`` are carried out in execute mode."""
+        enabled = REGISTRY.enabled_kinds(self.enabled_rules)
+        return ALL_RULES in enabled or kind in enabled
     breaker_window_s: float = Field(
         600.0, gt=0, description="Sliding window of the circuit breaker, seconds (10 min).")
     breaker_max_fraction: float = Field(
@@ -114,6 +147,20 @@ class RemediationSettings(BaseSettings):
     allow_mig_config: bool = Field(
         False, description="Whether set_mig_config may relabel nodes (it restarts the GPU "
         "Operator's MIG manager on the node and evicts its GPU pods).")
+    retry_attempts: int = Field(
+        5, ge=1, description="Most tries of one action whose backend calls fail with a "
+        "temporary error (503, 429, timeout), the first included; 1 never retries. Five tries "
+        "with the default backoff wait 1+2+4+8 = 15 s, past an API-server restart or a "
+        "leader election.")
+    retry_backoff_s: float = Field(
+        1.0, gt=0, description="Wait after the first temporary error, seconds; doubles after "
+        "each try up to retry_backoff_max_s. A server's Retry-After, when longer, wins.")
+    retry_backoff_max_s: float = Field(
+        30.0, gt=0, description="Longest wait between two tries, seconds.")
+    retry_budget_s: float = Field(
+        60.0, gt=0, description="Most seconds spent waiting between the tries of one action; "
+        "a wait that would pass it ends the action as failed instead. Well below the Kafka "
+        "consumer's max poll interval (5 min), which a drain's own wait also spends.")
 
 
 class Backend(Protocol):
@@ -154,7 +201,11 @@ def describe(action: Action) -> str:
         "drain": f"drain node {where}: cordon it, then evict its pods through the Eviction API "
                  "(PodDisruptionBudgets respected; DaemonSet and mirror pods left)",
         "requeue": f"requeue {where}: deactivate and reactivate its Kueue workload, or delete "
-                   "the pod of a plain Job so its controller recreates it",
+                   "the pod of a plain Job so its controller recreates it"
+                   if params.get("reason") != RECLAIM_REASON else
+                   f"reclaim the GPUs of {where} through its owner (stop a Kubeflow Notebook, "
+                   "scale a Deployment or StatefulSet to 0, requeue a Job or Kueue workload; "
+                   "undo with `gpusteward act --restore KIND/NAMESPACE/NAME`)",
         "notify_owner": f"notify the owner of {where} (a Kubernetes Event and an annotation)",
         "set_mig_config": f"set nvidia.com/mig.config={params.get('config', '?')} on node {where}",
     }
@@ -165,7 +216,7 @@ class ReviewPrinter:
     """Prints one readable line per decision, for operators reviewing before enabling a rule."""
 
     STYLE = {"executed": "bold green", "dry_run": "cyan", "skipped": "dim",
-             "refused": "bold yellow", "failed": "bold red"}
+             "refused": "bold yellow", "failed": "bold red", "retrying": "yellow"}
 
     def __init__(self, console: Console | None = None) -> None:
         self.console = console or Console(highlight=False)
@@ -233,6 +284,14 @@ class CircuitBreaker:
         self.disrupted.clear()
 
 
+Attempt = Callable[[ActionResult], Awaitable[None]]
+"""Called with the audit record of each try that will be retried (outcome ``retrying``)."""
+
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {cut(str(error))}"
+
+
 class Executor:
     """Consumes actions, decides, acts through a backend and audits every decision."""
 
@@ -240,7 +299,8 @@ class Executor:
                  group_id: str | None = None, actor: str = "gpusteward-executor",
                  on_result: Callable[[Action, ActionResult], None] | None = None,
                  remediation: RemediationSettings | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> None:
         self.settings = settings
         self.backend = backend
         self.execute = execute
@@ -249,6 +309,7 @@ class Executor:
         self.on_result = on_result
         self.remediation = remediation if remediation is not None else RemediationSettings()
         self.clock = clock
+        self._sleep = sleep
         self.breaker = CircuitBreaker(self.remediation)
         self.executed_keys: set[str] = set()
         self.sandbox = bool(getattr(backend, "sandbox", False))
@@ -285,8 +346,7 @@ class Executor:
     # -- deciding --------------------------------------------------------------------------
 
     def _rule_enabled(self, rule: str) -> bool:
-        enabled = self.remediation.enabled_rules
-        return self.sandbox or ALL_RULES in enabled or rule in enabled
+        return self.sandbox or self.remediation.enables(rule)
 
     async def _gpu_nodes(self) -> int | None:
         if self.remediation.fleet_gpu_nodes is not None:
@@ -319,37 +379,59 @@ class Executor:
             return f"{action.verb} needs a node"
         return None
 
-    async def decide(self, action: Action) -> ActionResult:
-        """The outcome for one action; carries it out when it should."""
-        outcome: Outcome
-        now = self.clock()
+    def verdict(self, action: Action) -> tuple[Outcome, str] | None:
+        """The outcome the guards give ``action`` without the backend, or None to act.
+
+        Pure: the executed keys, the policy and the mode decide; no I/O.
+        """
         refusal = self._guard(action)
         if action.idempotency_key in self.executed_keys:
-            outcome, detail = "skipped", "already executed (redelivered action)"
-        elif refusal:
-            outcome, detail = "refused", refusal
-        elif not self.execute:
-            outcome, detail = "dry_run", f"{describe(action)} [executor in dry-run mode]"
-        elif action.dry_run:
-            outcome, detail = "dry_run", f"{describe(action)} [the rule asked for a dry run]"
-        elif not self._rule_enabled(action.rule):
-            outcome, detail = "dry_run", (f"{describe(action)} [rule {action.rule} is not "
-                                          f"enabled; --enable-rule {action.rule} to act]")
+            return "skipped", "already executed (redelivered action)"
+        if refusal:
+            return "refused", refusal
+        if not self.execute:
+            return "dry_run", f"{describe(action)} [executor in dry-run mode]"
+        if action.dry_run:
+            return "dry_run", f"{describe(action)} [the rule asked for a dry run]"
+        if not self._rule_enabled(action.rule):
+            return "dry_run", (f"{describe(action)} [rule {action.rule} is not enabled; "
+                               f"--enable-rule {action.rule} to act]")
+        return None
+
+    async def decide(self, action: Action, on_attempt: Attempt | None = None) -> ActionResult:
+        """The final outcome for one action; carries it out when it should.
+
+        Tries that meet a temporary error are retried; each is reported to
+        ``on_attempt`` (the audit topic, when running) before the wait.
+        """
+        now = self.clock()
+        error: str | None = None
+        attempt = 1
+        decided = self.verdict(action)
+        if decided is not None:
+            outcome, detail = decided
         else:
-            outcome, detail = await self._act(action, now)
+            outcome, detail, error, attempt = await self._act(action, now, on_attempt)
         if outcome == "executed":
             self.executed_keys.add(action.idempotency_key)
             if action.verb in NODE_DISRUPTING and action.target.node:
                 self.breaker.record(action.target.node, now)
+        return self._result(action, outcome, detail, now, error=error, attempt=attempt)
+
+    def _result(self, action: Action, outcome: Outcome, detail: str, ts: float, *,
+                error: str | None = None, attempt: int = 1) -> ActionResult:
         return ActionResult(
             idempotency_key=action.idempotency_key, verb=action.verb, target=action.target,
-            outcome=outcome, detail=detail, actor=self.actor, ts=now,
+            outcome=outcome, detail=detail, actor=self.actor, ts=ts, error=error,
+            attempt=attempt,
         )
 
-    async def _act(self, action: Action, now: float) -> tuple[Outcome, str]:
+    async def _act(self, action: Action, now: float, on_attempt: Attempt | None
+                   ) -> tuple[Outcome, str, str | None, int]:
+        """(outcome, detail, error, attempt) of carrying ``action`` out through the backend."""
         handler = getattr(self.backend, action.verb, None)
         if handler is None:
-            return "refused", f"backend {self.backend.name} cannot {action.verb}"
+            return "refused", f"backend {self.backend.name} cannot {action.verb}", None, 1
         if action.verb in NODE_DISRUPTING:
             was_open = self.breaker.open
             admitted, why = self.breaker.admits(action.target.node or "", now,
@@ -357,14 +439,39 @@ class Executor:
             if not admitted:
                 if not was_open:
                     self._pending_findings.append(self._breaker_finding("firing", now))
-                return "refused", why
-        try:
-            outcome, detail = await handler(action)
-            return outcome, detail
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # a backend failure is audited, not fatal
-            return "failed", f"{type(error).__name__}: {str(error)[:300]}"
+                return "refused", why, None, 1
+        policy = self.remediation
+        backoff, waited = policy.retry_backoff_s, 0.0
+        attempt = 1
+        while True:
+            try:
+                outcome, detail = await handler(action)
+                return outcome, detail, None, attempt
+            except asyncio.CancelledError:
+                raise
+            except TemporaryError as error:
+                why = _error_text(error)
+                delay = max(error.delay, backoff)
+                if attempt >= policy.retry_attempts:
+                    return "failed", f"gave up after {attempt} attempts: {why}", why, attempt
+                if waited + delay > policy.retry_budget_s:
+                    return "failed", (f"gave up after {attempt} attempt(s): a wait of "
+                                      f"{delay:g} s would pass the retry budget of "
+                                      f"{policy.retry_budget_s:g} s: {why}"), why, attempt
+                log.warning("%s attempt %d failed, retrying in %g s: %s",
+                            action.idempotency_key, attempt, delay, why)
+                if on_attempt is not None:
+                    await on_attempt(self._result(
+                        action, "retrying", f"attempt {attempt} of {policy.retry_attempts} "
+                        f"failed; retrying in {delay:g} s: {why}", self.clock(), error=why,
+                        attempt=attempt))
+                await self._sleep(delay)
+                waited += delay
+                backoff = min(backoff * 2, policy.retry_backoff_max_s)
+                attempt += 1
+            except Exception as error:  # permanent: audited as failed, not fatal
+                why = _error_text(error)
+                return "failed", why, why, attempt
 
     def _breaker_finding(self, state: str, now: float) -> Finding:
         fp = fingerprint(BREAKER_KIND, self.settings.topic_prefix)
@@ -461,7 +568,12 @@ class Executor:
                                 key=source.encode())
             return None
         was_open = self.breaker.open
-        result = await self.decide(action)
+
+        async def audit_attempt(record: ActionResult) -> None:
+            await producer.send(self._audit_topic, self._encode(record),
+                                key=action.idempotency_key.encode())
+
+        result = await self.decide(action, audit_attempt)
         log.info("%s %s: %s", result.outcome, action.idempotency_key, result.detail)
         if self.breaker.open and not was_open:
             trip = self.breaker_record("trip", self.breaker.trip_reason, result.ts)
@@ -476,6 +588,40 @@ class Executor:
         if self.on_result:
             self.on_result(action, result)
         return result
+
+
+RESTORE_PREFIX = "restore/"
+
+
+async def restore(settings: Settings, backend: Any, target: str, operator: str) -> ActionResult:
+    """Undo a reclaim on ``target`` (``KIND/NAMESPACE/NAME``) and audit it.
+
+    An operator's command, not an action from the topic: it bypasses the
+    executor's guards (the owner asked for the GPUs back) but is recorded on the
+    audit topic like any decision, keyed ``restore/KIND/NAMESPACE/NAME/<ms>``.
+    The schema has no restore verb, so the record carries ``requeue``, the verb
+    whose reclaim it undoes.
+    """
+    parts = target.split("/")
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"--restore takes KIND/NAMESPACE/NAME, not {target!r}")
+    outcome, detail = await backend.restore(*parts)
+    now = time.time()
+    record = ActionResult(
+        idempotency_key=f"{RESTORE_PREFIX}{target}/{round(now * 1000)}", verb="requeue",
+        # Subject has no field for a Deployment or a Notebook: the key and detail name it.
+        target=Subject(), outcome=outcome,
+        detail=f"restore {target} by {operator}: {detail}",
+        actor=f"{operator}/{backend.name}", ts=now)
+    producer = kafka.producer(settings)
+    await producer.start()
+    try:
+        await producer.send_and_wait(topics.ACTION_RESULTS.name(settings),
+                                     msgspec.json.encode(record),
+                                     key=record.idempotency_key.encode())
+    finally:
+        await producer.stop()
+    return record
 
 
 async def reset_breaker(settings: Settings, operator: str, reason: str = "") -> ActionResult:

@@ -30,12 +30,34 @@ What each verb does, and the API permissions it needs:
   then reactivated once Kueue has evicted it (get, patch workloads); the pod
   of a plain Job is deleted so the Job controller recreates it (delete
   pods); a pod without a controller is refused, deleting it would lose it;
+- ``requeue`` with ``params.reason`` ``idle-reclaim`` (the idle rule's last
+  ladder step) reclaims the GPUs of an idle pod by its owner, reversibly,
+  after reading the live pod again (get pods): a ``gpusteward.io/keep-until``
+  annotation still in force (capped by ``params.keep_until_max_s`` from
+  ``params.idle_since``) refuses it. A Kubeflow Notebook (Pod -> StatefulSet
+  -> Notebook) is stopped with its ``kubeflow-resource-stopped`` annotation
+  (get, patch notebooks.kubeflow.org); a Deployment (Pod -> ReplicaSet ->
+  Deployment; get replicasets) or a StatefulSet is scaled to zero with its
+  replicas kept in ``gpusteward.io/reclaimed-replicas``, in one patch with a
+  resourceVersion precondition (get, patch deployments/statefulsets); a Job's
+  pod or a Kueue workload is requeued as above; a pod without a controller
+  is deleted only when ``params.delete_bare_pod`` is true. Each reclaim
+  leaves a Warning Event on the object, saying how to undo it;
+  :meth:`KubernetesBackend.restore` (``gpusteward act --restore
+  KIND/NAMESPACE/NAME``) undoes the first two;
 - ``notify_owner``: a Warning Event on the pod (create events) and a
   ``gpusteward.io/notice`` annotation (patch pods);
 - ``set_mig_config``: the ``nvidia.com/mig.config`` label, which the GPU
   Operator's MIG manager applies (patch nodes); the executor only lets it
   through when policy allows.
 - the breaker's fleet size: list nodes.
+
+Every API call goes through :meth:`KubernetesBackend._call`, which turns the
+client's exceptions into :mod:`gpusteward.errors`: 404, 409 and 422 are
+permanent (``NotFound``, ``Conflict``, ``Invalid``); 429, 5xx, timeouts and
+refused connections are temporary, with the server's ``Retry-After`` as the
+delay. A verb lets temporary errors out, and the executor tries the whole
+verb again after a backoff; that is safe because each verb reads first.
 """
 
 from __future__ import annotations
@@ -52,7 +74,22 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from pydantic import BaseModel, Field
+from urllib3.exceptions import HTTPError as TransportError
+from urllib3.exceptions import MaxRetryError
+from urllib3.exceptions import TimeoutError as TransportTimeout
 
+from gpusteward.errors import (
+    ApiError,
+    ApiTimeout,
+    ApiUnreachable,
+    Conflict,
+    NotFound,
+    PermanentError,
+    TooManyRequests,
+    api_error,
+    cut,
+)
+from gpusteward.rules.idle import KEEP_UNTIL_ANNOTATION, RECLAIM_REASON, kept_until, rfc3339
 from gpusteward.schema import Action, Outcome, PodRef
 
 log = logging.getLogger(__name__)
@@ -63,6 +100,14 @@ NOTICE_ANNOTATION = "gpusteward.io/notice"
 CORDON_ANNOTATION = "gpusteward.io/cordon-reason"
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 KUEUE_GROUP = "kueue.x-k8s.io"
+NOTEBOOK_GROUP = "kubeflow.org"
+NOTEBOOK_STOPPED = "kubeflow-resource-stopped"
+"""Kubeflow's notebook controller scales a Notebook's StatefulSet to zero while it is set."""
+RECLAIMED_REPLICAS = "gpusteward.io/reclaimed-replicas"
+RECLAIMED_AT = "gpusteward.io/reclaimed-at"
+RECLAIMED_BECAUSE = "gpusteward.io/reclaim-reason"
+RESTORABLE = ("Notebook", "Deployment", "StatefulSet")
+"""Owner kinds a reclaim stops reversibly, and ``restore`` starts again."""
 STRATEGIC = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
 
@@ -89,6 +134,9 @@ class KubeSettings(BaseModel):
     requeue_timeout_s: float = Field(
         60.0, gt=0, description="How long requeue waits for Kueue to evict a deactivated "
         "workload before reactivating it, seconds.")
+    notebook_version: str = Field(
+        "v1", description="Kubeflow Notebook API version (v1 is served by current Kubeflow "
+        "releases, beside the older v1beta1).")
     kueue_version: str = Field(
         "v1beta1", description="Kueue API version: v1beta1 is served by every Kueue release "
         "(deprecated from 0.15, where v1beta2 is the storage version).")
@@ -98,12 +146,16 @@ class KubeSettings(BaseModel):
     request_timeout_s: float = Field(30.0, gt=0, description="Per API request, seconds.")
 
 
-def _status_reason(error: ApiException) -> str:
-    try:
-        body = json.loads(error.body or "{}")
-        return str(body.get("message") or error.reason)[:300]
-    except ValueError:
-        return str(error.reason)[:300]
+def _mapped(error: Exception) -> ApiError:
+    """The :mod:`gpusteward.errors` error for an exception of the client or its transport."""
+    if isinstance(error, ApiException):
+        headers = error.headers or {}
+        return api_error(error.status or 0, error.body, reason=str(error.reason or ""),
+                         retry_after_header=headers.get("Retry-After"))
+    cause = error.reason if isinstance(error, MaxRetryError) else error
+    if isinstance(cause, TransportTimeout):
+        return ApiTimeout(0, "Timeout", cut(str(cause)))
+    return ApiUnreachable(0, "Unreachable", cut(str(cause)))
 
 
 class KubernetesBackend:
@@ -119,6 +171,7 @@ class KubernetesBackend:
             api_client = self._load_client()
         self.api_client = api_client
         self.core = k8s.CoreV1Api(api_client)
+        self.apps = k8s.AppsV1Api(api_client)
         self.custom = k8s.CustomObjectsApi(api_client)
         self._sleep = sleep
 
@@ -133,9 +186,12 @@ class KubernetesBackend:
                                                  context=self.settings.context)
 
     async def _call(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """One API call in a worker thread, with the request timeout."""
+        """One API call in a worker thread, with the request timeout; errors mapped."""
         kwargs.setdefault("_request_timeout", self.settings.request_timeout_s)
-        return await asyncio.to_thread(function, *args, **kwargs)
+        try:
+            return await asyncio.to_thread(function, *args, **kwargs)
+        except (ApiException, TransportError, OSError) as error:
+            raise _mapped(error) from error
 
     async def _json(self, function: Callable[..., Any], *args: Any, **kwargs: Any
                     ) -> dict[str, Any]:
@@ -198,10 +254,8 @@ class KubernetesBackend:
             try:
                 await self._patch_node(node, {"metadata": {"resourceVersion": version},
                                               "spec": {"taints": taints}})
-            except ApiException as error:
-                if error.status == 409:  # someone changed the node meanwhile: read again
-                    continue
-                raise
+            except Conflict:  # someone changed the node meanwhile: read again
+                continue
             return "executed", f"tainted {node} with {key}={value}:{effect}"
         return "failed", f"{node} kept changing under the taint patch (5 conflicts)"
 
@@ -253,12 +307,12 @@ class KubernetesBackend:
         try:
             await self._call(self.core.create_namespaced_pod_eviction, name, namespace, body,
                              _preload_content=False)
-        except ApiException as error:
-            if error.status == 404:
-                return "gone", "already gone"
-            if error.status == 429:
-                return "blocked", _status_reason(error)
-            return "error", f"{error.status}: {_status_reason(error)}"
+        except NotFound:
+            return "gone", "already gone"
+        except TooManyRequests as error:  # a PodDisruptionBudget forbids it now
+            return "blocked", error.message
+        except ApiError as error:
+            return "error", str(error)
         return "evicted", ""
 
     async def drain(self, action: Action) -> tuple[Outcome, str]:
@@ -334,17 +388,22 @@ class KubernetesBackend:
         if workload is None and pod_ref is not None:
             try:
                 pod = await self._pod(pod_ref)
-            except ApiException as error:
-                if error.status == 404:
-                    return "skipped", f"pod {pod_ref.namespace}/{pod_ref.name} is already gone"
-                raise
+            except NotFound:
+                return "skipped", f"pod {pod_ref.namespace}/{pod_ref.name} is already gone"
             labels = pod["metadata"].get("labels") or {}
             annotations = pod["metadata"].get("annotations") or {}
             workload = (annotations.get("kueue.x-k8s.io/workload")
                         or labels.get("kueue.x-k8s.io/workload"))
+        if pod is not None and pod_ref is not None and (
+                action.params.get("reason") == RECLAIM_REASON):
+            kept = _keep_until_refusal(pod, action)
+            if kept:
+                return "refused", kept
         if workload:
             return await self._requeue_workload(namespace, workload)
         assert pod is not None and pod_ref is not None
+        if action.params.get("reason") == RECLAIM_REASON:
+            return await self._reclaim(pod, pod_ref, action)
         return await self._requeue_job_pod(pod, pod_ref)
 
     async def _requeue_workload(self, namespace: str, name: str) -> tuple[Outcome, str]:
@@ -380,12 +439,182 @@ class KubernetesBackend:
         try:
             await self._call(self.core.delete_namespaced_pod, ref.name, ref.namespace,
                              _preload_content=False)
-        except ApiException as error:
-            if error.status == 404:
-                return "skipped", f"pod {ref.namespace}/{ref.name} is already gone"
-            raise
+        except NotFound:
+            return "skipped", f"pod {ref.namespace}/{ref.name} is already gone"
         return "executed", (f"deleted pod {ref.namespace}/{ref.name}; Job "
                             f"{controller.get('name')} recreates it elsewhere")
+
+    # -- reclaim by owner kind, and restore ----------------------------------------------
+
+    async def _reclaim(self, pod: dict[str, Any], ref: PodRef, action: Action
+                       ) -> tuple[Outcome, str]:
+        """Give back an idle pod's GPUs through the object that owns it."""
+        controller = _controller(pod)
+        if controller is None:
+            if action.params.get("delete_bare_pod") != "true":
+                return "refused", (f"{ref.namespace}/{ref.name} has no controller: deleting it "
+                                   "cannot be undone, and policy does not allow it "
+                                   "(idle_holder.reclaim_bare_pods)")
+            try:
+                await self._call(self.core.delete_namespaced_pod, ref.name, ref.namespace,
+                                 _preload_content=False)
+            except NotFound:
+                return "skipped", f"pod {ref.namespace}/{ref.name} is already gone"
+            return "executed", (f"deleted bare pod {ref.namespace}/{ref.name} (policy allows "
+                                "deleting pods without a controller)")
+        kind, name = controller["kind"], controller["name"]
+        if kind == "Job":
+            return await self._requeue_job_pod(pod, ref)
+        if kind in ("ReplicaSet", "StatefulSet"):
+            owner = await self._json(self._read(kind), name, ref.namespace)
+            parent = _controller(owner)
+            if kind == "ReplicaSet":
+                if parent is None or parent["kind"] != "Deployment":
+                    return "refused", (f"{ref.namespace}/{ref.name} belongs to ReplicaSet {name}, "
+                                       "which no Deployment owns; scaling it down would be "
+                                       "undone by nothing and restored by no one")
+                kind, name = "Deployment", parent["name"]
+            elif parent is not None and parent["kind"] == "Notebook":
+                return await self._stop_notebook(ref.namespace, parent["name"], action.reason)
+            elif parent is not None:
+                return "refused", (f"StatefulSet {ref.namespace}/{name} is managed by "
+                                   f"{parent['kind']} {parent['name']}, which would undo a "
+                                   "scale-down")
+            return await self._scale_to_zero(kind, ref.namespace, name, action.reason)
+        return "refused", (f"{ref.namespace}/{ref.name} is owned by {kind} {name}: gpusteward "
+                           "reclaims Notebooks, Deployments, StatefulSets, Jobs and Kueue "
+                           "workloads only")
+
+    def _read(self, kind: str) -> Callable[..., Any]:
+        return {"ReplicaSet": self.apps.read_namespaced_replica_set,
+                "Deployment": self.apps.read_namespaced_deployment,
+                "StatefulSet": self.apps.read_namespaced_stateful_set}[kind]
+
+    def _patcher(self, kind: str) -> Callable[..., Any]:
+        return {"Deployment": self.apps.patch_namespaced_deployment,
+                "StatefulSet": self.apps.patch_namespaced_stateful_set}[kind]
+
+    async def _notebook(self, namespace: str, name: str) -> dict[str, Any]:
+        return await self._json(self.custom.get_namespaced_custom_object, NOTEBOOK_GROUP,
+                                self.settings.notebook_version, namespace, "notebooks", name)
+
+    async def _patch_notebook(self, namespace: str, name: str, body: dict[str, Any]) -> None:
+        await self._call(self.custom.patch_namespaced_custom_object, NOTEBOOK_GROUP,
+                         self.settings.notebook_version, namespace, "notebooks", name, body,
+                         _content_type=MERGE)
+
+    async def _stop_notebook(self, namespace: str, name: str, reason: str
+                             ) -> tuple[Outcome, str]:
+        notebook = await self._notebook(namespace, name)
+        if NOTEBOOK_STOPPED in (notebook["metadata"].get("annotations") or {}):
+            return "skipped", f"Notebook {namespace}/{name} is already stopped"
+        now = _now_rfc3339()
+        await self._patch_notebook(namespace, name, {"metadata": {"annotations": {
+            NOTEBOOK_STOPPED: now, RECLAIMED_AT: now, RECLAIMED_BECAUSE: reason[:250]}}})
+        undo = f"gpusteward act --restore Notebook/{namespace}/{name}"
+        await self._owner_event(notebook, "GpuStewardReclaimed",
+                                f"Stopped to give back its idle GPUs: {reason[:500]}. Start it "
+                                f"again from the Kubeflow dashboard or with `{undo}`.")
+        return "executed", (f"stopped Notebook {namespace}/{name} ({NOTEBOOK_STOPPED}); its "
+                            f"volumes are kept; undo with `{undo}`")
+
+    async def _scale_to_zero(self, kind: str, namespace: str, name: str, reason: str
+                             ) -> tuple[Outcome, str]:
+        for _attempt in range(5):
+            owner = await self._json(self._read(kind), name, namespace)
+            replicas = owner.get("spec", {}).get("replicas", 1)
+            if replicas == 0:
+                return "skipped", f"{kind} {namespace}/{name} is already scaled to 0"
+            now = _now_rfc3339()
+            # One patch, so the replicas to restore are never lost between two writes; the
+            # resourceVersion makes a concurrent scale a conflict, not a silent overwrite.
+            try:
+                await self._call(self._patcher(kind), name, namespace, {
+                    "metadata": {"resourceVersion": owner["metadata"].get("resourceVersion"),
+                                 "annotations": {RECLAIMED_REPLICAS: str(replicas),
+                                                 RECLAIMED_AT: now,
+                                                 RECLAIMED_BECAUSE: reason[:250]}},
+                    "spec": {"replicas": 0}}, _content_type=MERGE, _preload_content=False)
+            except Conflict:
+                continue
+            undo = f"gpusteward act --restore {kind}/{namespace}/{name}"
+            await self._owner_event(owner, "GpuStewardReclaimed",
+                                    f"Scaled from {replicas} to 0 to give back its idle GPUs: "
+                                    f"{reason[:500]}. Scale back with `{undo}`.")
+            return "executed", (f"scaled {kind} {namespace}/{name} from {replicas} to 0 "
+                                f"({RECLAIMED_REPLICAS}={replicas}); undo with `{undo}`")
+        return "failed", f"{kind} {namespace}/{name} kept changing under the scale-down"
+
+    async def restore(self, kind: str, namespace: str, name: str) -> tuple[Outcome, str]:
+        """Undo a reclaim: start a stopped Notebook, scale a Deployment/StatefulSet back."""
+        if kind not in RESTORABLE:
+            return "refused", f"cannot restore a {kind}: one of {', '.join(RESTORABLE)}"
+        try:
+            if kind == "Notebook":
+                return await self._restore_notebook(namespace, name)
+            return await self._restore_replicas(kind, namespace, name)
+        except NotFound:
+            return "failed", f"{kind} {namespace}/{name} does not exist"
+
+    async def _restore_notebook(self, namespace: str, name: str) -> tuple[Outcome, str]:
+        notebook = await self._notebook(namespace, name)
+        annotations = notebook["metadata"].get("annotations") or {}
+        if RECLAIMED_AT not in annotations:
+            return "refused", (f"Notebook {namespace}/{name} was not stopped by gpusteward "
+                               f"(no {RECLAIMED_AT}); start it from the Kubeflow dashboard")
+        started = NOTEBOOK_STOPPED in annotations
+        await self._patch_notebook(namespace, name, {"metadata": {"annotations": {
+            NOTEBOOK_STOPPED: None, RECLAIMED_AT: None, RECLAIMED_BECAUSE: None}}})
+        if not started:
+            return "skipped", (f"Notebook {namespace}/{name} was already started again; "
+                               "removed gpusteward's annotations")
+        await self._owner_event(notebook, "GpuStewardRestored", "Started again by gpusteward "
+                                "act --restore.")
+        return "executed", f"started Notebook {namespace}/{name} again"
+
+    async def _restore_replicas(self, kind: str, namespace: str, name: str
+                                ) -> tuple[Outcome, str]:
+        owner = await self._json(self._read(kind), name, namespace)
+        annotations = owner["metadata"].get("annotations") or {}
+        kept = annotations.get(RECLAIMED_REPLICAS)
+        if kept is None:
+            return "refused", (f"{kind} {namespace}/{name} has no {RECLAIMED_REPLICAS}: "
+                               "gpusteward did not scale it down")
+        replicas = owner.get("spec", {}).get("replicas", 1)
+        forget = {RECLAIMED_REPLICAS: None, RECLAIMED_AT: None, RECLAIMED_BECAUSE: None}
+        body: dict[str, Any] = {"metadata": {
+            "resourceVersion": owner["metadata"].get("resourceVersion"), "annotations": forget}}
+        if replicas == 0:
+            body["spec"] = {"replicas": int(kept)}
+        await self._call(self._patcher(kind), name, namespace, body, _content_type=MERGE,
+                         _preload_content=False)
+        if replicas != 0:
+            return "skipped", (f"{kind} {namespace}/{name} was already scaled to {replicas}; "
+                               f"removed {RECLAIMED_REPLICAS}")
+        await self._owner_event(owner, "GpuStewardRestored",
+                                f"Scaled back to {kept} by gpusteward act --restore.")
+        return "executed", f"scaled {kind} {namespace}/{name} back to {kept}"
+
+    async def _owner_event(self, obj: dict[str, Any], reason: str, message: str) -> None:
+        """A Warning Event on ``obj``, where its owner looks (kubectl describe)."""
+        meta = obj["metadata"]
+        await self._event(meta["namespace"], k8s.V1ObjectReference(
+            api_version=obj.get("apiVersion"), kind=obj.get("kind"), name=meta["name"],
+            namespace=meta["namespace"], uid=meta.get("uid")), reason, message)
+
+    async def _event(self, namespace: str, involved: k8s.V1ObjectReference, reason: str,
+                     message: str) -> None:
+        now = datetime.now(UTC)
+        event = k8s.CoreV1Event(
+            metadata=k8s.V1ObjectMeta(generate_name=f"{involved.name}.gpusteward-",
+                                      namespace=namespace),
+            involved_object=involved, reason=reason, message=message, type="Warning",
+            source=k8s.V1EventSource(component="gpusteward"),
+            first_timestamp=now, last_timestamp=now, count=1,
+            reporting_component="gpusteward", reporting_instance="gpusteward-executor",
+        )
+        await self._call(self.core.create_namespaced_event, namespace, event,
+                         _preload_content=False)
 
     async def notify_owner(self, action: Action) -> tuple[Outcome, str]:
         ref = action.target.pod
@@ -393,28 +622,16 @@ class KubernetesBackend:
             return "failed", "notify_owner needs a pod"
         try:
             pod = await self._pod(ref)
-        except ApiException as error:
-            if error.status == 404:
-                return "skipped", f"pod {ref.namespace}/{ref.name} is gone"
-            raise
+        except NotFound:
+            return "skipped", f"pod {ref.namespace}/{ref.name} is gone"
         annotations = pod["metadata"].get("annotations") or {}
         notice = action.reason[:1000]
         if annotations.get(NOTICE_ANNOTATION) == notice:
             return "skipped", f"{ref.namespace}/{ref.name} already carries this notice"
         now = _now_rfc3339()
-        event = k8s.CoreV1Event(
-            metadata=k8s.V1ObjectMeta(generate_name=f"{ref.name}.gpusteward-",
-                                      namespace=ref.namespace),
-            involved_object=k8s.V1ObjectReference(
-                api_version="v1", kind="Pod", name=ref.name, namespace=ref.namespace,
-                uid=pod["metadata"].get("uid")),
-            reason="GpuStewardNotice", message=notice, type="Warning",
-            source=k8s.V1EventSource(component="gpusteward"),
-            first_timestamp=datetime.now(UTC), last_timestamp=datetime.now(UTC), count=1,
-            reporting_component="gpusteward", reporting_instance="gpusteward-executor",
-        )
-        await self._call(self.core.create_namespaced_event, ref.namespace, event,
-                         _preload_content=False)
+        await self._event(ref.namespace, k8s.V1ObjectReference(
+            api_version="v1", kind="Pod", name=ref.name, namespace=ref.namespace,
+            uid=pod["metadata"].get("uid")), "GpuStewardNotice", notice)
         await self._call(self.core.patch_namespaced_pod, ref.name, ref.namespace,
                          {"metadata": {"annotations": {NOTICE_ANNOTATION: notice,
                                                        f"{NOTICE_ANNOTATION}-at": now}}},
@@ -423,9 +640,30 @@ class KubernetesBackend:
                             f"GpuStewardNotice and annotation {NOTICE_ANNOTATION}")
 
 
+def _controller(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The owner reference marked ``controller``, or None."""
+    owners = obj.get("metadata", {}).get("ownerReferences") or []
+    return next((o for o in owners if o.get("controller")), None)
+
+
+def _keep_until_refusal(pod: dict[str, Any], action: Action) -> str | None:
+    """Why the live pod's keep-until annotation forbids reclaiming it now, or None."""
+    annotations = pod["metadata"].get("annotations") or {}
+    try:
+        idle_since = float(action.params.get("idle_since", action.ts))
+        max_s = float(action.params.get("keep_until_max_s", 14 * 86400))
+    except ValueError:
+        idle_since, max_s = action.ts, 14 * 86400
+    until = kept_until(annotations, idle_since, max_s)
+    if until is None or until <= time.time():
+        return None
+    return (f"{pod['metadata'].get('namespace')}/{pod['metadata']['name']} is left alone until "
+            f"{rfc3339(until)} ({KEEP_UNTIL_ANNOTATION}: {annotations[KEEP_UNTIL_ANNOTATION]})")
+
+
 def _require(value: str | None, message: str) -> str:
     if not value:
-        raise ValueError(message)
+        raise PermanentError(message)
     return value
 
 

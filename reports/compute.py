@@ -26,6 +26,7 @@ from typing import Any
 
 import polars as pl
 
+from gpusteward.errors import ConfigError
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry as mig_geometry
 
@@ -36,7 +37,7 @@ COLUMNS = ["ts", "node", "index", "uuid", "model", "kind", "parent_uuid", "mig_p
            "owner_name", "team", "queue"]
 
 
-class WeekError(ValueError):
+class WeekError(ConfigError, ValueError):
     """A week that is not written as ISO ``YYYY-Www``."""
 
 

@@ -6,8 +6,12 @@ wait-time section reads (:func:`queue_sink`).
 Rows are buffered and written as one file per day folder when the buffer
 holds ``flush_rows`` rows, when ``flush_interval_s`` has passed, and on
 stop. Offsets are committed only after the file is in place, so a crash
-replays the unwritten records (at-least-once; the store's readers drop the
-repeats). A record that does not decode goes to the dead-letter topic with
+replays the unwritten records (at-least-once). Repeats are dropped twice
+over: the sink skips a record whose name it has seen in the last
+``dedup_window_s`` of event time (a rollup is named by device and minute, a
+queue event by workload, state and time: the worker re-publishes the same
+names after a crash), and the store's readers keep one row per name, which
+covers a sink restarted in between. A record that does not decode goes to the dead-letter topic with
 the reason, never silently away. Writing runs in a thread so the consumer
 keeps heart-beating while Parquet compresses.
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +45,9 @@ class RollupSink:
                  directory: Path | None = None, group_id: str = "gpusteward-rollup-sink",
                  spec: topics.TopicSpec = topics.ROLLUPS, payload: type[Any] = Rollup,
                  to_frame: Callable[[list[Any]], pl.DataFrame] = store.frame,
-                 schema: dict[str, Any] | None = None) -> None:
+                 schema: dict[str, Any] | None = None,
+                 name: Callable[[Any], Hashable] = lambda r: (r.uuid, r.ts),
+                 dedup_window_s: float = 3600.0) -> None:
         self.settings = settings
         self.report = report or ReportSettings()
         self.directory = directory or self.report.rollup_dir
@@ -53,6 +59,11 @@ class RollupSink:
         self.files_written = 0
         self.rows_written = 0
         self.dead_lettered = 0
+        self.duplicates = 0
+        self.name = name
+        self.dedup_window_s = dedup_window_s
+        self._seen: dict[Hashable, float] = {}
+        """Names of the records taken in the dedup window, with their event time."""
         self._decode = msgspec.json.Decoder(payload).decode
         self._encode = msgspec.json.Encoder().encode
 
@@ -69,7 +80,7 @@ class RollupSink:
                 for messages in batch.values():
                     for message in messages:
                         try:
-                            self.buffer.append(self._decode(message.value or b""))
+                            self._take(self._decode(message.value or b""))
                         except (msgspec.DecodeError, msgspec.ValidationError) as error:
                             log.warning("record at %s[%d]@%d does not decode: %s", message.topic,
                                         message.partition, message.offset, error)
@@ -91,6 +102,17 @@ class RollupSink:
             await producer.stop()
             await consumer.stop()
 
+    def _take(self, record: Any) -> None:
+        name = self.name(record)
+        if name in self._seen:
+            self.duplicates += 1
+            return
+        self._seen[name] = record.ts
+        self.buffer.append(record)
+
+    def _forget_before(self, ts: float) -> None:
+        self._seen = {name: seen for name, seen in self._seen.items() if seen >= ts}
+
     async def _flush(self) -> None:
         rows, self.buffer = self.buffer, []
         newest = max(r.ts for r in rows)
@@ -102,6 +124,7 @@ class RollupSink:
             raise
         self.files_written += len(written)
         self.rows_written += len(rows)
+        self._forget_before(newest - self.dedup_window_s)
         removed = await asyncio.to_thread(store.apply_retention, self.directory,
                                           self.report.retention_days, newest)
         if removed:
@@ -122,5 +145,13 @@ def queue_sink(settings: Settings, report: ReportSettings | None = None,
     """A sink of the queue topic into the queue-event store."""
     report = report or ReportSettings()
     return RollupSink(settings, report, directory=directory or report.queue_dir,
-                      group_id="gpusteward-queue-sink", spec=topics.QUEUE, payload=QueueEvent,
-                      to_frame=store.queue_frame, schema=store.QUEUE_SCHEMA)
+                      group_id=f"{settings.topic_prefix}-queue-sink", spec=topics.QUEUE,
+                      payload=QueueEvent, to_frame=store.queue_frame, schema=store.QUEUE_SCHEMA,
+                      name=lambda e: (e.namespace, e.name, e.state, e.ts))
+
+
+def rollup_sink(settings: Settings, report: ReportSettings | None = None,
+                directory: Path | None = None) -> RollupSink:
+    """A sink of the rollups topic into the rollup store."""
+    return RollupSink(settings, report, directory=directory,
+                      group_id=f"{settings.topic_prefix}-rollup-sink")

@@ -1,10 +1,12 @@
 """Detection rules: pure functions of state and events, no I/O and no clocks.
 
 Each rule lives in its own module with a typed settings model whose field
-descriptions are its documentation. Rules are registered here by name (the
-name is also the ``kind`` of the findings they emit and the key of their
-section in the policy file); :func:`settings_model` raises an error listing
-the valid names for an unknown one.
+descriptions are its documentation. Every rule is registered below by name,
+one entry each (:class:`~gpusteward.rules.registry.Rule`): its settings,
+scope, the kinds of finding it emits and how it runs. The node join, the
+fleet agent, the policy and ``--enable-rule`` all read this registry, so a
+new rule is its module plus one entry here. :func:`settings_model` raises an
+error listing the valid names for an unknown one.
 """
 
 from __future__ import annotations
@@ -15,36 +17,52 @@ from gpusteward.rules import ecc, hardware, idle, xid
 from gpusteward.rules import fragmentation as fleet_fragmentation
 from gpusteward.rules import queue as fleet_queue
 from gpusteward.rules import spot as fleet_spot
+from gpusteward.rules.mig import advice as mig_advice
+from gpusteward.rules.registry import Registry, Rule, UnknownRuleError
 
-REGISTRY: dict[str, type[BaseModel]] = {
-    idle.KIND: idle.IdleSettings,
-    ecc.KIND: ecc.EccSettings,
-    hardware.SBE_KIND: hardware.SbeRateSettings,
-    hardware.PCIE_KIND: hardware.PcieReplaySettings,
-    hardware.NVLINK_KIND: hardware.NvlinkErrorSettings,
-    hardware.REMAP_FAILURE_KIND: hardware.RemapFailureSettings,
-    hardware.REMAP_PENDING_KIND: hardware.RemapPendingSettings,
-    hardware.GPU_LOST_KIND: hardware.GpuLostSettings,
-    hardware.THERMAL_KIND: hardware.ThermalSettings,
-    hardware.RECOVERY_KIND: hardware.RecoveryActionSettings,
-    xid.KIND: xid.XidSettings,
-}
-# Fleet-wide rules (the fleet agent in streams/fleet.py).
-REGISTRY[fleet_fragmentation.KIND] = fleet_fragmentation.FragmentationSettings
-REGISTRY[fleet_queue.WAIT_KIND] = fleet_queue.QueueSloSettings
-REGISTRY[fleet_spot.KIND] = fleet_spot.SpotSettings
+__all__ = ["REGISTRY", "REMEDIATION_BREAKER", "Registry", "Rule", "UnknownRuleError",
+           "settings_model"]
 
+REMEDIATION_BREAKER = "remediation_breaker"
+"""The kind of the finding the remediation executor publishes when its circuit breaker trips."""
 
-class UnknownRuleError(KeyError):
-    """A rule name that is not registered."""
-
-    def __str__(self) -> str:
-        return f"unknown rule {self.args[0]!r}; valid rules: {', '.join(sorted(REGISTRY))}"
+REGISTRY = Registry([
+    # Per device, run by the node join on every device sample and hardware event.
+    Rule(idle.KIND, idle.IdleSettings, "device", layers="workload", device=idle.RUNNER),
+    Rule(ecc.KIND, ecc.EccSettings, "device", device=ecc.RUNNER),
+    Rule(hardware.SBE_KIND, hardware.SbeRateSettings, "device", device=hardware.RUNNER),
+    Rule(hardware.PCIE_KIND, hardware.PcieReplaySettings, "device", device=hardware.RUNNER),
+    Rule(hardware.NVLINK_KIND, hardware.NvlinkErrorSettings, "device", device=hardware.RUNNER),
+    Rule(hardware.REMAP_FAILURE_KIND, hardware.RemapFailureSettings, "device",
+         device=hardware.RUNNER),
+    Rule(hardware.REMAP_PENDING_KIND, hardware.RemapPendingSettings, "device",
+         device=hardware.RUNNER),
+    Rule(hardware.GPU_LOST_KIND, hardware.GpuLostSettings, "device", device=hardware.RUNNER),
+    Rule(hardware.THERMAL_KIND, hardware.ThermalSettings, "device", device=hardware.RUNNER),
+    Rule(hardware.RECOVERY_KIND, hardware.RecoveryActionSettings, "device",
+         device=hardware.RUNNER),
+    Rule(xid.KIND, xid.XidSettings, "device", kinds=(xid.RMA_KIND,), device=hardware.RUNNER),
+    # Per node, beside the node join (the fleet agent's ``fleet-spot``, partitioned by node).
+    Rule(fleet_spot.KIND, fleet_spot.SpotSettings, "node"),
+    # Fleet-wide, run by the fleet agent (streams/fleet.py).
+    Rule(fleet_queue.WAIT_KIND, fleet_queue.QueueSloSettings, "fleet",
+         kinds=(fleet_queue.P95_KIND, fleet_queue.PROJECTED_KIND), fleet=fleet_queue.RUNNERS),
+    Rule(fleet_fragmentation.KIND, fleet_fragmentation.FragmentationSettings, "fleet",
+         kinds=(fleet_fragmentation.STRANDED_KIND,), fleet=fleet_fragmentation.RUNNERS),
+    # Run by the fleet agent on its own cadence, in a thread (a solver search, not a check).
+    Rule(mig_advice.KIND, mig_advice.MigAdviceSettings, "fleet"),
+    # Emitted by the remediation executor, not a worker: a fleet-wide guard over every
+    # action, configured by RemediationSettings (GPUSTEWARD_REMEDIATION__*), so it has no
+    # policy section. Registered so that `rules list` names every kind the pipeline emits.
+    Rule(REMEDIATION_BREAKER, None, "fleet", owner="remediation",
+         summary="The remediation executor's circuit breaker tripped (too many nodes "
+         "disrupted in its window); settings: GPUSTEWARD_REMEDIATION__BREAKER_*."),
+])
 
 
 def settings_model(name: str) -> type[BaseModel]:
     """The settings model of the rule called ``name``."""
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise UnknownRuleError(name) from None
+    model = REGISTRY[name].settings
+    if model is None:
+        raise UnknownRuleError(name, REGISTRY.configurable(), "configurable rule")
+    return model

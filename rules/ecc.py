@@ -14,7 +14,8 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
-from gpusteward.schema import Action, Evidence, Finding, Subject
+from gpusteward.rules.registry import DeviceRunner, own_settings
+from gpusteward.schema import Action, DeviceSample, Evidence, Finding, HwEvent, Subject
 
 KIND = "ecc_dbe"
 
@@ -91,3 +92,36 @@ def observe(
     if settings.cordon:
         out.append(action_for(finding, "cordon", Subject(node=node), finding.summary))
     return out
+
+
+def observe_sample(track: EccTrack, node: str, device: DeviceSample, ts: float,
+                   settings: EccSettings, holder: object = None) -> list[Finding | Action]:
+    """The registry's sample hook: the sample's volatile DBE count. A zero count with no
+    episode open, the reading of almost every sample, returns at once."""
+    last = track.last_sample_ts
+    if last is not None and ts <= last:
+        return []
+    dbe = device.ecc_dbe_volatile
+    if not dbe and track.open_id is None:
+        track.last_sample_ts = ts
+        return []
+    return observe(track, node=node, uuid=device.uuid, dbe_count=device.ecc_dbe_volatile,
+                   ts=ts, settings=settings)
+
+
+def observe_dbe_event(track: EccTrack, event: HwEvent, uuid: str,
+                      settings: EccSettings) -> list[Finding | Action]:
+    """The urgent ``ecc_dbe`` event: one DBE unless it says how many."""
+    return observe(track, node=event.node, uuid=uuid,
+                   dbe_count=event.count if event.count is not None else 1, ts=event.ts,
+                   settings=settings, from_sample=False)
+
+
+def _unhealthy(track: EccTrack) -> bool:
+    return track.open_id is not None
+
+
+RUNNER = DeviceRunner(state="ecc", state_type=EccTrack, settings_from=own_settings(KIND),
+                      on_sample=observe_sample, events={"ecc_dbe": observe_dbe_event},
+                      unhealthy=_unhealthy)
+"""How the node join runs the rule: every device sample and the urgent DBE event."""

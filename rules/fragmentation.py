@@ -32,11 +32,13 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import msgspec
 from pydantic import BaseModel, Field
 
 from gpusteward.rules.findings import finding_id, fingerprint, resolved
+from gpusteward.rules.registry import FleetRunner
 from gpusteward.schema import Evidence, Finding, NodeSummary, PodRef, Subject
 
 KIND = "fragmentation"
@@ -354,3 +356,43 @@ def _close_stranded(track: StrandedTrack, key: str, ts: float, why: str) -> list
     fp = fingerprint(STRANDED_KIND, key)
     return [resolved(episode.open_id, fp, STRANDED_KIND, _stranded_subject(key, episode.queue),
                      f"{key}: {why}", episode.since, ts)]
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """What the fleet rules judge at one evaluation, built once per evaluation."""
+
+    nodes: Sequence[NodeSummary]
+    """The latest summary of every node in the fleet."""
+    pending: Mapping[str, Demand]
+    """Workloads waiting in the queue, by workload key."""
+    shape_counts: Mapping[str, int]
+    """Observed request shapes ('<gpus>x<milli>'), one count per workload that queued."""
+
+
+def shapes(shape_counts: Mapping[str, float], settings: FragmentationSettings
+           ) -> dict[Shape, float]:
+    """The request shapes' popularity: observed ones, else the configured defaults."""
+    counts = shape_counts or settings.default_shapes
+    total = sum(counts.values())
+    return {parse_shape(k): v / total for k, v in counts.items()}
+
+
+def _evaluate_fragmentation(track: FragmentationTrack, fleet: FleetView, now: float,
+                            settings: FragmentationSettings) -> list[Finding]:
+    if not fleet.nodes:
+        return []
+    report = cluster_fragmentation((free_milli(s) for s in fleet.nodes),
+                                   shapes(fleet.shape_counts, settings))
+    return observe_fleet(track, report, ts=now, settings=settings)
+
+
+def _evaluate_stranded(track: StrandedTrack, fleet: FleetView, now: float,
+                       settings: FragmentationSettings) -> list[Finding]:
+    return observe_stranded(track, fleet.pending, list(fleet.nodes), ts=now, settings=settings)
+
+
+RUNNERS = (FleetRunner("fragmentation", FragmentationTrack, _evaluate_fragmentation),
+           FleetRunner("stranded", StrandedTrack, _evaluate_stranded))
+"""The fleet agent's evaluations of the rule: the fleet's fragmentation, then each pending
+workload that fits the fleet's free capacity but no node."""

@@ -35,6 +35,7 @@ reading already holds them.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Literal
 
 import msgspec
@@ -42,7 +43,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules import xid as xid_rule
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
-from gpusteward.schema import Action, ActionVerb, DeviceSample, Evidence, Finding, Subject
+from gpusteward.rules.registry import DeviceRunner
+from gpusteward.schema import Action, ActionVerb, DeviceSample, Evidence, Finding, HwEvent, Subject
 
 SBE_KIND = "ecc_sbe_rate"
 PCIE_KIND = "pcie_replay"
@@ -212,7 +214,8 @@ class ThermalSettings(BaseModel):
 
 
 class HardwareSettings(BaseModel):
-    """The hardware rules' settings, grouped for the node join (each is its own rule)."""
+    """The hardware rules' settings, grouped for the family's one runner (each is its own rule
+    in the registry, with its own policy section)."""
 
     sbe: SbeRateSettings = Field(default_factory=SbeRateSettings)
     pcie: PcieReplaySettings = Field(default_factory=PcieReplaySettings)
@@ -223,6 +226,20 @@ class HardwareSettings(BaseModel):
     recovery: RecoveryActionSettings = Field(default_factory=RecoveryActionSettings)
     thermal: ThermalSettings = Field(default_factory=ThermalSettings)
     xid: xid_rule.XidSettings = Field(default_factory=xid_rule.XidSettings)
+
+    @classmethod
+    def from_rules(cls, rules: Mapping[str, BaseModel]) -> HardwareSettings:
+        """The group from every rule's resolved settings (already validated)."""
+        return cls.model_validate({attr: rules[name] for name, attr in _MEMBERS.items()})
+
+
+_MEMBERS = {
+    SBE_KIND: "sbe", PCIE_KIND: "pcie", NVLINK_KIND: "nvlink",
+    REMAP_FAILURE_KIND: "remap_failure", REMAP_PENDING_KIND: "remap_pending",
+    GPU_LOST_KIND: "gpu_lost", THERMAL_KIND: "thermal", xid_rule.KIND: "xid",
+    RECOVERY_KIND: "recovery",
+}
+"""Rule name -> field of :class:`HardwareSettings`: the rules this family's runner serves."""
 
 
 class Episode(msgspec.Struct):
@@ -422,9 +439,10 @@ def _recovery(track: HwTrack, value: int, node: str, uuid: str, ts: float,
         out.append(_act(finding, verb, node, params))
 
 
-def observe_sample(track: HwTrack, *, node: str, device: DeviceSample, ts: float,
-                   settings: HardwareSettings) -> Out:
-    """Fold one device sample into ``track``; return the findings and actions it causes."""
+def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
+                   settings: HardwareSettings, holder: object = None) -> Out:
+    """Fold one device sample into ``track``; return the findings and actions it causes.
+    (``holder``, unused, makes it the registry's sample hook as it is.)"""
     last_ts = track.last_ts
     if last_ts is not None and ts <= last_ts:
         return []
@@ -494,3 +512,38 @@ def observe_remap_failure_event(track: HwTrack, *, node: str, uuid: str, ts: flo
     track.remap_failure = _flag(track.remap_failure, True, REMAP_FAILURE_KIND, node, uuid, ts,
                                 out, act=settings.remap_failure.cordon)
     return out
+
+
+def _on_xid(track: HwTrack, event: HwEvent, uuid: str, settings: HardwareSettings) -> Out:
+    if event.xid is None:
+        return []
+    return xid_rule.observe_event(track.xid, node=event.node, uuid=uuid, xid=event.xid,
+                                  ts=event.ts, settings=settings.xid)
+
+
+def _on_lost(track: HwTrack, event: HwEvent, uuid: str, settings: HardwareSettings) -> Out:
+    return observe_lost(track, node=event.node, uuid=uuid, ts=event.ts, detail=event.detail,
+                        settings=settings)
+
+
+def _on_remap_failure(track: HwTrack, event: HwEvent, uuid: str,
+                      settings: HardwareSettings) -> Out:
+    return observe_remap_failure_event(track, node=event.node, uuid=uuid, ts=event.ts,
+                                       settings=settings)
+
+
+def _unhealthy(track: HwTrack) -> bool:
+    return track.unhealthy()
+
+
+RUNNER = DeviceRunner(
+    state="hw", state_type=HwTrack, settings_from=HardwareSettings.from_rules,
+    on_sample=observe_sample, gpu_only=True,
+    events={"xid": _on_xid, "gpu_lost": _on_lost, "remap_failure": _on_remap_failure},
+    # A GPU lost before the collector could read its UUID is still a node problem.
+    events_without_uuid=frozenset({"gpu_lost"}), unhealthy=_unhealthy,
+)
+"""The one runner of every rule in :data:`_MEMBERS`: one state per GPU, one call per sample.
+Hardware health belongs to the physical GPU: a MIG device repeating its parent's
+temperature or counters would open a second episode, hence ``gpu_only``. Throttle and SBE
+events are left to the samples: those rules need the whole window of readings."""

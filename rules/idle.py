@@ -10,8 +10,19 @@ and pods can be exempted by namespace, label or annotation. An open episode
 climbs a ladder while the device stays idle: the first finding notifies the
 owner; ``warn_after_s`` later the finding is re-issued at severity warning
 with a second notice; ``reclaim_after_s`` after that the rule asks to
-reclaim the GPU (verb ``requeue`` on the pod, a dry run unless
-``reclaim_execute``). Each step has its own idempotency key.
+reclaim the GPU (verb ``requeue`` on the pod with ``params.reason``
+``idle-reclaim``, a dry run unless ``reclaim_execute``; the Kubernetes
+backend reclaims per owner kind, reversibly). Each step has its own
+idempotency key.
+
+A pod annotated ``gpusteward.io/keep-until: <RFC 3339 time>`` is left alone
+until then, at most ``keep_until_max_s`` after its idle episode began: the
+finding is raised and says so, but the owner is not notified and the ladder
+does not climb while the hold lasts. The rule sees the annotation through the
+watcher's allocation events; since the owner may add it after the rule asked
+to reclaim, the reclaim action carries the episode start and the maximum, and
+the backend checks the live pod again before it acts (:func:`kept_until` is
+the one reading of the annotation both use).
 
 The idle run is tracked per device from the samples alone, so an allocation
 event that arrives after the first idle samples does not delay detection.
@@ -23,15 +34,23 @@ with no observations is not evidence of idleness.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
+from gpusteward.rules.registry import DeviceRunner, own_settings
 from gpusteward.schema import Action, DeviceSample, Evidence, Finding, PodRef, Subject
 
 KIND = "idle_holder"
+KEEP_UNTIL_ANNOTATION = "gpusteward.io/keep-until"
+"""Pod annotation: an RFC 3339 time until which the rule leaves an idle pod alone."""
+RECLAIM_REASON = "idle-reclaim"
+"""``params.reason`` of the ladder's reclaim action, which tells the backend to reclaim by
+owner kind rather than requeue."""
 
 RUNBOOK = (
     "The pod holds a GPU it has not used for the whole window. Ask the owner to release it "
@@ -118,6 +137,17 @@ class IdleSettings(BaseModel):
         False, description="False marks the reclaim action dry_run: it is audited, never "
         "carried out. Set true only where owners have agreed to it.",
     )
+    reclaim_bare_pods: bool = Field(
+        False, description="Whether reclaiming may delete a pod that no controller owns: the "
+        "one reclaim that cannot be undone (notebooks are stopped, Deployments and "
+        "StatefulSets scaled to zero, Jobs and Kueue workloads requeued).",
+    )
+    keep_until_max_s: float = Field(
+        14 * 86400, ge=0,
+        description="Longest hold a gpusteward.io/keep-until pod annotation buys, seconds "
+        "from the start of the idle episode (14 days: a conference trip or a holiday, not a "
+        "permanent reservation). 0 ignores the annotation.",
+    )
     kinds: dict[str, IdleKindSettings] = Field(
         default_factory=_default_kinds,
         description="Overrides per workload kind (notebook, batch, inference, from the pod's "
@@ -174,6 +204,35 @@ def _pick(override: float | None, base: float) -> float:
     return base if override is None else override
 
 
+def kept_until(annotations: Mapping[str, str], idle_since: float, max_s: float
+               ) -> float | None:
+    """Until when a ``gpusteward.io/keep-until`` annotation keeps the pod (Unix seconds).
+
+    Capped at ``idle_since + max_s``; None without the annotation, with an unreadable
+    time (no time zone counts as unreadable: it would be read in the reader's zone), or
+    when ``max_s`` is 0.
+    """
+    value = annotations.get(KEEP_UNTIL_ANNOTATION)
+    if not value or max_s <= 0:
+        return None
+    try:
+        until = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if until.tzinfo is None:
+        return None
+    return min(until.timestamp(), idle_since + max_s)
+
+
+def rfc3339(ts: float) -> str:
+    """Unix seconds as an RFC 3339 UTC time, for messages."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _held(until: float) -> str:
+    return f"left alone until {rfc3339(until)} ({KEEP_UNTIL_ANNOTATION})"
+
+
 class Holder(msgspec.Struct, frozen=True):
     """The pod that holds a device, and since when."""
 
@@ -182,6 +241,19 @@ class Holder(msgspec.Struct, frozen=True):
     workload_kind: str | None = None
     labels: dict[str, str] = {}
     annotations: dict[str, str] = {}
+    queue: str | None = None
+    owner_kind: str | None = None
+    owner_name: str | None = None
+
+
+def _finding_labels(holder: Holder, sample: DeviceSample) -> dict[str, str]:
+    """What the finding says about the holder, for routing and the owner's notice."""
+    labels = {"workload_kind": holder.workload_kind or "unknown", "model": sample.model}
+    if holder.queue:
+        labels["queue"] = holder.queue
+    if holder.owner_name:
+        labels["owner"] = f"{holder.owner_kind or 'Pod'}/{holder.owner_name}"
+    return labels
 
 
 class IdleTrack(msgspec.Struct):
@@ -198,6 +270,8 @@ class IdleTrack(msgspec.Struct):
     stage: int = 0
     """Ladder step of the open episode: 1 notified, 2 warned, 3 reclaim asked."""
     stage_ts: float | None = None
+    held_until: float | None = None
+    """The keep-until time last reported on the open episode, so a hold is said once."""
 
 
 def activity_pct(sample: DeviceSample) -> float | None:
@@ -213,14 +287,16 @@ def _subject(node: str, uuid: str, pod: PodRef) -> Subject:
 
 def observe(
     track: IdleTrack,
-    *,
     node: str,
     sample: DeviceSample,
-    holder: Holder | None,
     ts: float,
     settings: IdleSettings,
+    holder: Holder | None,
 ) -> list[Finding | Action]:
-    """Fold one device sample into ``track``; return the findings and actions it causes."""
+    """Fold one device sample into ``track``; return the findings and actions it causes.
+
+    The node join calls it positionally (the registry's sample hook: track, node, sample,
+    ts, settings, holder), so it needs no wrapper on the hot path."""
     if track.last_ts is not None and ts <= track.last_ts:
         return []
     activity = activity_pct(sample)
@@ -252,25 +328,33 @@ def observe(
     fid = finding_id(fp, counted_from)
     subject = _subject(node, sample.uuid, holder.pod)
     idle_min = (ts - counted_from) / 60
+    held = kept_until(holder.annotations, counted_from, settings.keep_until_max_s)
+    held = held if held is not None and held > ts else None
+    values = {"max_activity_pct": track.below_max_pct, "threshold_pct": eff.threshold_pct,
+              "ladder_step": 1.0}
+    if held is not None:
+        values["kept_until"] = held
     finding = Finding(
         id=fid, fingerprint=fp, kind=KIND, severity="info", state="firing",
         subject=subject,
         summary=f"{holder.pod.namespace}/{holder.pod.name} has held {sample.uuid} on {node} "
-        f"for {idle_min:.0f} min below {eff.threshold_pct:g} % activity",
+        f"for {idle_min:.0f} min below {eff.threshold_pct:g} % activity"
+        + (f"; {_held(held)}" if held is not None else ""),
         starts_at=counted_from, ts=ts,
         evidence=Evidence(
             window_start=counted_from, window_end=ts, samples=track.below_samples,
-            values={"max_activity_pct": track.below_max_pct,
-                    "threshold_pct": eff.threshold_pct, "ladder_step": 1.0},
+            values=values,
         ),
         runbook=RUNBOOK,
-        labels={"workload_kind": holder.workload_kind or "unknown", "model": sample.model},
+        labels=_finding_labels(holder, sample),
     )
     track.open_id, track.open_fingerprint = fid, fp
     track.open_since, track.open_pod = counted_from, holder.pod
     track.stage, track.stage_ts = 1, ts
+    track.held_until = held
     out.append(finding)
-    out.append(action_for(finding, "notify_owner", subject, finding.summary))
+    if held is None:  # the owner asked to be left alone: no notice while the hold lasts
+        out.append(action_for(finding, "notify_owner", subject, finding.summary))
     return out
 
 
@@ -286,27 +370,28 @@ def _climb(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts
         wait, step, severity = eff.reclaim_after_s, "reclaim", "warning"
     else:
         return []
+    assert track.open_id and track.open_fingerprint and track.open_since is not None
+    held = kept_until(holder.annotations, track.open_since, settings.keep_until_max_s)
+    idle_h = (ts - track.open_since) / 3600
+    summary = (f"{holder.pod.namespace}/{holder.pod.name} has held {sample.uuid} on {node} "
+               f"idle for {idle_h:.1f} h")
+    if held is not None and held > ts:
+        # Left alone while the hold lasts: no notice, no reclaim. The next step comes once
+        # it ends and its wait has passed; the finding says so once per hold.
+        if track.held_until == held:
+            return []
+        track.held_until = held
+        current = "info" if track.stage == 1 else "warning"
+        return [_ladder_finding(track, node, sample, holder, ts, eff, current,
+                                f"{summary}; {_held(held)}", track.stage, held)]
     # A gap since the last step restarted the idle run: the wait counts from its new start.
     if ts - max(stage_ts, track.below_since) < wait:
         return []
-    assert track.open_id and track.open_fingerprint and track.open_since is not None
-    subject = _subject(node, sample.uuid, holder.pod)
-    idle_h = (ts - track.open_since) / 3600
-    summary = (f"{holder.pod.namespace}/{holder.pod.name} has held {sample.uuid} on {node} "
-               f"idle for {idle_h:.1f} h" + (": reclaiming it" if step == "reclaim" else ""))
-    finding = Finding(
-        id=track.open_id, fingerprint=track.open_fingerprint, kind=KIND,
-        severity=severity,  # type: ignore[arg-type]
-        state="firing", subject=subject, summary=summary, starts_at=track.open_since, ts=ts,
-        # The evidence is the unbroken idle run, which a gap may have restarted since.
-        evidence=Evidence(window_start=max(track.open_since, track.below_since), window_end=ts,
-                          samples=track.below_samples,
-                          values={"max_activity_pct": track.below_max_pct,
-                                  "threshold_pct": eff.threshold_pct,
-                                  "ladder_step": float(track.stage + 1)}),
-        runbook=RUNBOOK,
-        labels={"workload_kind": holder.workload_kind or "unknown", "model": sample.model},
-    )
+    if step == "reclaim":
+        summary += ": reclaiming it"
+    finding = _ladder_finding(track, node, sample, holder, ts, eff, severity, summary,
+                              track.stage + 1, None)
+    subject = finding.subject
     track.stage, track.stage_ts = track.stage + 1, ts
     if step == "warn":
         action = action_for(finding, "notify_owner", subject, summary)
@@ -314,11 +399,38 @@ def _climb(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts
     else:
         action = action_for(finding, "requeue", subject, summary)
         action.dry_run = not settings.reclaim_execute
-        action.params = {"reason": "idle-reclaim"}
+        # What the backend needs to reclaim safely: the hold's cap, to check the live pod's
+        # keep-until again, and whether a bare pod may be deleted.
+        action.params = {"reason": RECLAIM_REASON, "idle_since": repr(track.open_since),
+                         "keep_until_max_s": repr(settings.keep_until_max_s),
+                         "delete_bare_pod": str(settings.reclaim_bare_pods).lower()}
     return [finding, action]
 
 
-def release(track: IdleTrack, *, node: str, uuid: str, ts: float) -> list[Finding | Action]:
+def _ladder_finding(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder,
+                    ts: float, eff: Effective, severity: str, summary: str, step: int,
+                    held: float | None) -> Finding:
+    """The open episode's finding, re-issued at ladder ``step``."""
+    assert track.open_id and track.open_fingerprint and track.open_since is not None
+    assert track.below_since is not None
+    values = {"max_activity_pct": track.below_max_pct, "threshold_pct": eff.threshold_pct,
+              "ladder_step": float(step)}
+    if held is not None:
+        values["kept_until"] = held
+    return Finding(
+        id=track.open_id, fingerprint=track.open_fingerprint, kind=KIND,
+        severity=severity,  # type: ignore[arg-type]
+        state="firing", subject=_subject(node, sample.uuid, holder.pod), summary=summary,
+        starts_at=track.open_since, ts=ts,
+        # The evidence is the unbroken idle run, which a gap may have restarted since.
+        evidence=Evidence(window_start=max(track.open_since, track.below_since), window_end=ts,
+                          samples=track.below_samples, values=values),
+        runbook=RUNBOOK,
+        labels=_finding_labels(holder, sample),
+    )
+
+
+def release(track: IdleTrack, node: str, uuid: str, ts: float) -> list[Finding | Action]:
     """The holder let the device go: close an open episode and forget the idle run."""
     track.below_since, track.below_samples, track.below_max_pct = None, 0, 0.0
     if track.open_id is None:
@@ -336,3 +448,8 @@ def _close(track: IdleTrack, node: str, uuid: str, ts: float, why: str) -> Findi
     track.open_since = track.open_pod = None
     track.stage, track.stage_ts = 0, None
     return finding
+
+
+RUNNER = DeviceRunner(state="idle", state_type=IdleTrack, settings_from=own_settings(KIND),
+                      on_sample=observe, on_release=release)
+"""How the node join runs the rule: on every device sample, and when a holder lets go."""

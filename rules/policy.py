@@ -10,9 +10,17 @@ A policy file has four sections besides ``node_pool_label``::
 Settings resolve in that order, later layers winning field by field (nested
 mappings such as ``kinds`` or ``slowdown_c`` merge key by key): defaults,
 then the node's pool, then the pod's queue, then its namespace, the most
-specific owner last. Rules about a GPU (hardware faults) see only the pool
-layer; the idle rule sees all of them. Resolved settings are cached per
-(namespace, queue, pool), so the stream worker pays a dict lookup per sample.
+specific owner last. Which layers reach a rule is said by its registry
+entry: rules about a GPU (hardware faults) see only the pool layer, the idle
+rule sees all of them. Resolved settings are cached per (namespace, queue,
+pool), so the stream worker pays a dict lookup per sample. Section names are
+checked against the registry: a rule's name is valid, the name of a finding
+kind it emits is refused with the rule to configure instead.
+
+This module is pure: it parses text it is given. Reading the file named by
+``GPUSTEWARD_POLICY_FILE`` is the worker's and the CLI's business
+(:mod:`gpusteward.streams.policy_file`); with no file, :class:`Policy` holds
+every rule's defaults, which are also what the shipped ``policy.yaml`` says.
 
 Errors name the file, the line and the field (``policy.yaml:12:
 rules.idle_holder.window_s: Input should be greater than 0``): the YAML is
@@ -22,28 +30,25 @@ location is walked down that tree.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gpusteward.rules import REGISTRY, ecc, hardware, idle, xid
+from gpusteward.errors import ConfigError
+from gpusteward.rules import REGISTRY
+from gpusteward.rules.registry import (
+    DeviceRunner,
+    EventHook,
+    Registry,
+    SampleHook,
+    UnknownRuleError,
+)
 
-POLICY_ENV = "GPUSTEWARD_POLICY_FILE"
 DEFAULT_POOL_LABEL = "gpusteward.io/node-pool"
-
-# Registry name -> field of HardwareSettings, for the rules the node join groups.
-_HARDWARE_FIELDS = {
-    hardware.SBE_KIND: "sbe", hardware.PCIE_KIND: "pcie", hardware.NVLINK_KIND: "nvlink",
-    hardware.REMAP_FAILURE_KIND: "remap_failure", hardware.REMAP_PENDING_KIND: "remap_pending",
-    hardware.GPU_LOST_KIND: "gpu_lost", hardware.THERMAL_KIND: "thermal", xid.KIND: "xid",
-    hardware.RECOVERY_KIND: "recovery",
-}
+SettingsT = TypeVar("SettingsT", bound=BaseModel)
 
 
 class PolicyFile(BaseModel):
@@ -64,21 +69,46 @@ class PolicyFile(BaseModel):
 
 @dataclass(frozen=True)
 class Resolved:
-    """The settings of every rule for one (namespace, queue, node pool)."""
+    """The settings of every rule for one (namespace, queue, node pool), and what the node
+    join runs with them: both derived from the registry, nothing per rule written here."""
 
     rules: Mapping[str, BaseModel]
-    idle: idle.IdleSettings
-    ecc: ecc.EccSettings
-    hardware: hardware.HardwareSettings
+    """Rule name -> its effective settings."""
+    device: tuple[tuple[DeviceRunner, Any], ...]
+    """Every distinct device runner of the registry, in its order, with its settings."""
+    samples: tuple[tuple[SampleHook, str, bool, DeviceRunner, Any], ...]
+    """The runners with a sample hook, unpacked for the node join's per-device loop:
+    (hook, state name, gpu only, runner, settings)."""
+    events: Mapping[str, tuple[tuple[DeviceRunner, EventHook, Any], ...]]
+    """Hardware-event kind -> the runners that take it, their hook and settings."""
 
     @classmethod
-    def from_rules(cls, rules: Mapping[str, BaseModel]) -> Resolved:
-        hw = hardware.HardwareSettings(
-            **{attr: rules[name] for name, attr in _HARDWARE_FIELDS.items()})
-        idle_settings, ecc_settings = rules[idle.KIND], rules[ecc.KIND]
-        assert isinstance(idle_settings, idle.IdleSettings)
-        assert isinstance(ecc_settings, ecc.EccSettings)
-        return cls(rules=dict(rules), idle=idle_settings, ecc=ecc_settings, hardware=hw)
+    def from_rules(cls, rules: Mapping[str, BaseModel], registry: Registry) -> Resolved:
+        device = tuple((runner, runner.settings_from(rules))
+                       for runner, _ in registry.device_runners())
+        events: dict[str, list[tuple[DeviceRunner, EventHook, Any]]] = {}
+        for runner, settings in device:
+            for kind, hook in runner.events.items():
+                events.setdefault(kind, []).append((runner, hook, settings))
+        samples = tuple((runner.on_sample, runner.state, runner.gpu_only, runner, settings)
+                        for runner, settings in device if runner.on_sample is not None)
+        return cls(rules=dict(rules), device=device, samples=samples,
+                   events={kind: tuple(hooks) for kind, hooks in events.items()})
+
+    def __getitem__(self, name: str) -> BaseModel:
+        """The settings of the rule called ``name``."""
+        try:
+            return self.rules[name]
+        except KeyError:
+            raise UnknownRuleError(name, self.rules) from None
+
+    def of(self, name: str, model: type[SettingsT]) -> SettingsT:
+        """The settings of the rule called ``name``, checked to be a ``model``."""
+        settings = self[name]
+        if not isinstance(settings, model):
+            raise TypeError(f"rule {name}: settings are {type(settings).__name__}, "
+                            f"not {model.__name__}")
+        return settings
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
         """Every rule's effective settings as plain data (for ``rules explain``)."""
@@ -94,7 +124,7 @@ class PolicyIssue:
     message: str
 
 
-class PolicyError(ValueError):
+class PolicyError(ConfigError, ValueError):
     """A policy file that cannot be used; ``issues`` locates every problem found."""
 
     def __init__(self, origin: str, issues: list[PolicyIssue]) -> None:
@@ -127,26 +157,42 @@ class Policy:
     node_pools: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     queues: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     namespaces: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    registry: Registry = field(default=REGISTRY, repr=False, compare=False)
+    """The rules this policy configures; the shared registry unless a test brings its own."""
     _cache: dict[tuple[str | None, str | None, str | None], Resolved] = field(
         default_factory=dict, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        # Resolutions hold what the registry listed: forget them when it changes.
+        self.registry.watch(self._forget_resolutions)
+
+    def _forget_resolutions(self) -> None:
+        self._cache.clear()
+
     def resolve(self, namespace: str | None = None, queue: str | None = None,
                 node_pool: str | None = None) -> Resolved:
-        """The effective settings of every rule for this namespace, queue and node pool."""
-        key = (namespace, queue, node_pool)
-        cached = self._cache.get(key)
+        """The effective settings of every rule for this namespace, queue and node pool.
+
+        A rule sees the layers its registry entry names: the pool layer for rules about a
+        GPU or node, also the queue and namespace layers for rules about a workload.
+        """
+        cached = self._cache.get((namespace, queue, node_pool))
         if cached is not None:
             return cached
-        layers = [self.node_pools.get(node_pool or ""), self.queues.get(queue or ""),
-                  self.namespaces.get(namespace or "")]
+        pool = self.node_pools.get(node_pool or "")
+        workload = [self.queues.get(queue or ""), self.namespaces.get(namespace or "")]
         models: dict[str, BaseModel] = {}
-        for name, model in REGISTRY.items():
+        for name, rule in self.registry.items():
+            model = rule.settings
+            if model is None:
+                continue
             data = _deep_merge(model().model_dump(), self.rules.get(name, {}))
-            for layer in layers:
+            for layer in [pool, *workload] if rule.layers == "workload" else [pool]:
                 if layer and name in layer:
                     data = _deep_merge(data, layer[name])
             models[name] = model.model_validate(data)
-        resolved = self._cache[key] = Resolved.from_rules(models)
+        resolved = Resolved.from_rules(models, self.registry)
+        self._cache[(namespace, queue, node_pool)] = resolved
         return resolved
 
 
@@ -191,7 +237,7 @@ def _issues(error: ValidationError, prefix: tuple[Any, ...],
     return out
 
 
-def parse_policy(text: str, origin: str = "<policy>") -> Policy:
+def parse_policy(text: str, origin: str = "<policy>", registry: Registry = REGISTRY) -> Policy:
     """A policy from YAML text; :class:`PolicyError` lists every problem with its line."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -209,25 +255,32 @@ def parse_policy(text: str, origin: str = "<policy>") -> Policy:
     issues: list[PolicyIssue] = []
     defaults: dict[str, dict[str, Any]] = {}
     for name, body in shape.rules.items():
-        if _check_rule(name, body, {}, ("rules", name), root, issues):
+        if _check_rule(registry, name, body, {}, ("rules", name), root, issues):
             defaults[name] = body
     for section in ("node_pools", "queues", "namespaces"):
         for owner, rules in getattr(shape, section).items():
             for name, body in rules.items():
-                _check_rule(name, body, defaults.get(name, {}), (section, owner, name), root,
-                            issues)
+                _check_rule(registry, name, body, defaults.get(name, {}),
+                            (section, owner, name), root, issues)
     if issues:
         raise PolicyError(origin, issues)
     return Policy(node_pool_label=shape.node_pool_label, rules=defaults,
-                  node_pools=shape.node_pools, queues=shape.queues, namespaces=shape.namespaces)
+                  node_pools=shape.node_pools, queues=shape.queues, namespaces=shape.namespaces,
+                  registry=registry)
 
 
-def _check_rule(name: str, body: dict[str, Any], base: dict[str, Any], loc: tuple[Any, ...],
-                root: yaml.Node | None, issues: list[PolicyIssue]) -> bool:
-    model = REGISTRY.get(name)
+def _check_rule(registry: Registry, name: str, body: dict[str, Any], base: dict[str, Any],
+                loc: tuple[Any, ...], root: yaml.Node | None, issues: list[PolicyIssue]) -> bool:
+    rule = registry.get(name) or registry.kinds.get(name)
+    model = rule.settings if rule is not None and rule.name == name else None
     if model is None:
-        issues.append(PolicyIssue(_line(root, loc), ".".join(loc),
-                                  f"unknown rule; valid rules: {', '.join(sorted(REGISTRY))}"))
+        if rule is None:
+            why = f"unknown rule; valid rules: {', '.join(sorted(registry.configurable()))}"
+        elif rule.name != name:
+            why = f"a finding kind of rule {rule.name}; configure it under {rule.name}"
+        else:
+            why = f"not configured by the policy: {rule.describe()}"
+        issues.append(PolicyIssue(_line(root, loc), ".".join(loc), why))
         return False
     try:
         model.model_validate(_deep_merge(_deep_merge(model().model_dump(), base), body))
@@ -237,29 +290,7 @@ def _check_rule(name: str, body: dict[str, Any], base: dict[str, Any], loc: tupl
     return True
 
 
-def shipped_policy_text() -> str:
-    """The policy file shipped with the package: every rule's defaults, documented."""
-    return resources.files(__package__).joinpath("policy.yaml").read_text()
-
-
-def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:
-    """The policy in ``path``, or the shipped defaults when ``path`` is None."""
-    if path is None:
-        return parse_policy(shipped_policy_text(), "policy.yaml (shipped)")
-    try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise PolicyError(str(path), [PolicyIssue(None, "", f"cannot read: {error}")]) from error
-    return parse_policy(text, str(path))
-
-
-def policy_from_env(environ: Mapping[str, str] | None = None) -> Policy:
-    """The policy named by ``GPUSTEWARD_POLICY_FILE``, or the shipped one when it is unset."""
-    environ = os.environ if environ is None else environ
-    return load_policy(environ.get(POLICY_ENV) or None)
-
-
-def render_defaults() -> str:
+def render_defaults(registry: Registry = REGISTRY) -> str:
     """A policy file with every rule's defaults, each field preceded by its description."""
     lines = [
         "# gpusteward rule policy: the defaults of every rule.",
@@ -274,7 +305,7 @@ def render_defaults() -> str:
         "",
         "rules:",
     ]
-    for name, model in sorted(REGISTRY.items()):
+    for name, model in sorted(registry.configurable().items()):
         lines.append(f"  # {(model.__doc__ or '').strip().splitlines()[0]}")
         lines.append(f"  {name}:")
         defaults = model().model_dump(mode="json")

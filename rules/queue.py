@@ -33,6 +33,7 @@ import msgspec
 from pydantic import BaseModel, Field
 
 from gpusteward.rules.findings import finding_id, fingerprint, resolved
+from gpusteward.rules.registry import FleetRunner
 from gpusteward.schema import Evidence, Finding, PodRef, QueueEvent, Subject
 
 WAIT_KIND = "queue_wait_slo"
@@ -280,3 +281,13 @@ def _queue_level(state: QueueState, queue: str, track: QueueTrack, now: float,
                             f"{queue}: backlog clears within SLO", track.projected_since, now))
         track.projected_since = track.projected_open_id = None
     return out
+
+
+def _evaluate(state: QueueState, fleet: object, now: float,
+              settings: QueueSloSettings) -> list[Finding]:
+    return tick(state, now, settings)
+
+
+RUNNERS = (FleetRunner("queue", QueueState, _evaluate),)
+"""The fleet agent's evaluation of the rule; queue events reach it through :func:`on_event`,
+which the agent calls for every event (the other fleet rules read the demand it keeps)."""

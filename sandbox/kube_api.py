@@ -7,7 +7,9 @@ is an HTTP server (``http.server`` in a thread, so the synchronous official
 ``kubernetes`` client reaches it through an ordinary kubeconfig) serving
 object JSON that follows the upstream API types.
 
-What it serves (``/api/v1`` and ``/apis/<group>/<version>``):
+What it serves (``/api/v1`` and ``/apis/<group>/<version>``): pods, nodes,
+events, PodDisruptionBudgets, Kueue's workloads and queues, ``apps/v1``
+Deployments, ReplicaSets and StatefulSets, and Kubeflow Notebooks; for each:
 
 - ``GET`` list (``limit``/``continue`` paging, ``labelSelector``,
   ``fieldSelector`` on ``metadata.name``, ``metadata.namespace``,
@@ -45,8 +47,13 @@ Test hooks: :meth:`KubeApiServer.create`, :meth:`~KubeApiServer.update`,
 watch event), :meth:`~KubeApiServer.drop_watches` (breaks every open watch
 connection mid-stream), :meth:`~KubeApiServer.outage` (a context in which
 every request fails with 503 and watches are dropped),
-:meth:`~KubeApiServer.compact` (older resourceVersions then get 410), and
-:attr:`~KubeApiServer.requests` (every request received, for assertions).
+:meth:`~KubeApiServer.compact` (older resourceVersions then get 410),
+:meth:`~KubeApiServer.fail` (the next N requests of a method answer an error
+status, optionally with ``Retry-After``, or hang and are dropped, so that a
+client's timeout fires), :meth:`~KubeApiServer.add_controller` (a function run
+after every write of a kind, standing in for the controller that reacts to it,
+such as :func:`kueue_deactivation`), and :attr:`~KubeApiServer.requests` (every
+request received, for assertions).
 
 Usage::
 
@@ -63,6 +70,7 @@ import copy
 import json
 import re
 import socket
+import sys
 import threading
 import time
 import uuid as uuidlib
@@ -81,6 +89,7 @@ import msgspec
 Obj = dict[str, Any]
 
 KUEUE_GROUP = "kueue.x-k8s.io"
+NOTEBOOK_GROUP = "kubeflow.org"
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,12 @@ RESOURCES: tuple[Resource, ...] = (
     Resource(KUEUE_GROUP, "workloads", "Workload", True, ("v1beta1", "v1beta2")),
     Resource(KUEUE_GROUP, "localqueues", "LocalQueue", True, ("v1beta1", "v1beta2")),
     Resource(KUEUE_GROUP, "clusterqueues", "ClusterQueue", False, ("v1beta1", "v1beta2")),
+    # The owners an idle pod's reclaim acts on: Pod -> ReplicaSet -> Deployment,
+    # Pod -> StatefulSet (-> Kubeflow Notebook, whose controller owns the StatefulSet).
+    Resource("apps", "deployments", "Deployment", True, ("v1",)),
+    Resource("apps", "replicasets", "ReplicaSet", True, ("v1",)),
+    Resource("apps", "statefulsets", "StatefulSet", True, ("v1",)),
+    Resource(NOTEBOOK_GROUP, "notebooks", "Notebook", True, ("v1beta1", "v1")),
 )
 _BY_KIND = {(r.group, r.kind): r for r in RESOURCES}
 _BY_PLURAL = {(r.group, r.plural): r for r in RESOURCES}
@@ -115,15 +130,80 @@ _PATH = re.compile(
 
 
 class ApiError(Exception):
-    """An error answered as a Kubernetes ``Status`` object."""
+    """An error answered as a Kubernetes ``Status`` object.
 
-    def __init__(self, code: int, reason: str, message: str) -> None:
+    The simulated server's answer, not an error of gpusteward's: the client side
+    sees it as the status it carries (``gpusteward.errors`` maps those).
+    """
+
+    def __init__(self, code: int, reason: str, message: str,
+                 retry_after: float | None = None) -> None:
         super().__init__(message)
         self.code, self.reason, self.message = code, reason, message
+        self.retry_after = retry_after
 
     def status(self) -> Obj:
         return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                 "message": self.message, "reason": self.reason, "code": self.code}
+
+
+_REASONS = {429: "TooManyRequests", 500: "InternalError", 502: "BadGateway",
+            503: "ServiceUnavailable", 504: "Timeout"}
+
+
+@dataclass
+class Fault:
+    """Failures the double answers instead of serving matching requests."""
+
+    method: str
+    """The HTTP method it applies to (``GET``, ``PATCH``, ...)."""
+    remaining: int
+    """Matching requests still to fail; the fault is spent at 0."""
+    status: int = 503
+    path: str = ""
+    """A regular expression searched in the request path; empty matches every path."""
+    retry_after: float | None = None
+    """Seconds sent as ``Retry-After``; None sends no header."""
+    hang_s: float = 0.0
+    """When above 0: hold the request this long, then drop the connection unanswered and
+    unserved (a client whose timeout is shorter sees a read timeout)."""
+
+
+Controller = Callable[["KubeApiServer", Obj | None, Obj], None]
+"""Runs after a write of the kind it watches, with the object before (None when created)
+and after; it may write through the server's test hooks, as a controller would."""
+
+
+def kueue_deactivation(api: KubeApiServer, before: Obj | None, after: Obj) -> None:
+    """What Kueue's workload controller does when ``spec.active`` changes.
+
+    Deactivating an admitted workload evicts it (its admission is released and an
+    ``Evicted`` condition with reason ``Deactivated`` is set); reactivating it drops
+    that condition and adds ``Requeued``/``Reactivated``, so it queues again.
+    """
+    was_active = (before or {}).get("spec", {}).get("active", True)
+    active = after.get("spec", {}).get("active", True)
+    meta = after["metadata"]
+    if was_active and not active and after.get("status", {}).get("admission"):
+        def evict(obj: Obj) -> None:
+            status = obj.setdefault("status", {})
+            status.pop("admission", None)
+            conditions = [c for c in status.get("conditions", [])
+                          if c["type"] not in ("Admitted", "QuotaReserved", "Evicted")]
+            status["conditions"] = [*conditions, {
+                "type": "Evicted", "status": "True", "reason": "Deactivated",
+                "lastTransitionTime": now_rfc3339()}]
+
+        api.mutate("Workload", meta["name"], evict, meta.get("namespace", ""), KUEUE_GROUP)
+    elif before is not None and not was_active and active:
+        def requeue(obj: Obj) -> None:
+            status = obj.setdefault("status", {})
+            conditions = [c for c in status.get("conditions", []) if c["type"] != "Evicted"]
+            status["conditions"] = [*conditions, {
+                "type": "Requeued", "status": "True", "reason": "Reactivated",
+                "lastTransitionTime": now_rfc3339()}]
+
+        api.mutate("Workload", meta["name"], requeue, meta.get("namespace", ""), KUEUE_GROUP)
 
 
 @dataclass
@@ -267,6 +347,16 @@ def _selects(selector: Obj | None, labels: dict[str, str]) -> bool:
     return True
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A client that drops its keep-alive connection (a process stopping, a pool closing)
+    is ordinary for a server; socketserver would print a traceback for each one."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class KubeApiServer:
     """The API-server double; see the module docstring for what it serves."""
 
@@ -286,8 +376,10 @@ class KubeApiServer:
         self._cond = threading.Condition()
         self._drop_generation = 0
         self._refusing = False
+        self._faults: list[Fault] = []
+        self._controllers: dict[tuple[str, str], list[Controller]] = {}
         self._continues: dict[str, tuple[int, list[Obj]]] = {}
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler_class())
+        self._server = _QuietServer(("127.0.0.1", port), self._handler_class())
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -356,6 +448,18 @@ class KubeApiServer:
         """The newest resourceVersion."""
         return self._store.rv
 
+    def latest_change(self, plural: str) -> int:
+        """The resourceVersion of the newest change to a resource (``pods``), 0 for none.
+
+        A watcher that has seen it has seen everything of that resource, without
+        waiting for a bookmark to move it past changes to other resources.
+        """
+        with self._cond:
+            for change in reversed(self._store.history):
+                if change.resource.plural == plural:
+                    return change.rv
+        return 0
+
     def get(self, kind: str, name: str, namespace: str = "", group: str = "") -> Obj:
         """A copy of the current object; KeyError when absent."""
         resource = _BY_KIND[(group, kind)]
@@ -421,6 +525,32 @@ class KubeApiServer:
             with self._cond:
                 self._refusing = False
 
+    def fail(self, method: str, count: int = 1, *, status: int = 503, path: str = "",
+             retry_after: float | None = None, hang_s: float = 0.0) -> Fault:
+        """Make the next ``count`` ``method`` requests (whose path matches ``path``) fail.
+
+        They answer ``status`` (with ``Retry-After`` when given) without being
+        served, or with ``hang_s`` are held and dropped unanswered. Faults added
+        earlier are used up first. Returns the fault, whose ``remaining`` counts down.
+        """
+        fault = Fault(method.upper(), count, status, path, retry_after, hang_s)
+        with self._cond:
+            self._faults.append(fault)
+        return fault
+
+    def _take_fault(self, method: str, path: str) -> Fault | None:
+        with self._cond:
+            for fault in self._faults:
+                if fault.remaining > 0 and fault.method == method and re.search(fault.path,
+                                                                                 path):
+                    fault.remaining -= 1
+                    return fault
+        return None
+
+    def add_controller(self, kind: str, controller: Controller, group: str = "") -> None:
+        """Run ``controller`` after every write of ``kind`` (see :data:`Controller`)."""
+        self._controllers.setdefault((group, kind), []).append(controller)
+
     def compact(self) -> int:
         """Forget history: a watch or continue from an older resourceVersion then gets 410."""
         with self._cond:
@@ -471,7 +601,10 @@ class KubeApiServer:
         self._store.objects[key] = obj
         self._store.history.append(_Change(self._store.rv, resource, event, obj))
         self._cond.notify_all()
-        return copy.deepcopy(obj)
+        written = copy.deepcopy(obj)
+        for controller in self._controllers.get((resource.group, resource.kind), ()):
+            controller(self, copy.deepcopy(current) if current else None, copy.deepcopy(obj))
+        return written
 
     @staticmethod
     def _cordon_taint(node: Obj) -> None:
@@ -608,9 +741,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_DELETE(self) -> None:
         self._dispatch("DELETE")
 
-    def _send(self, code: int, body: bytes) -> None:
+    def _send(self, code: int, body: bytes, retry_after: float | None = None) -> None:
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
+        if retry_after is not None:
+            self.send_header("Retry-After", f"{retry_after:g}")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -627,18 +762,30 @@ class _Handler(BaseHTTPRequestHandler):
         if api.record_requests:
             with api._cond:
                 api.requests.append(request)
+        retry_after: float | None = None
         try:
             if api._refusing:
                 raise ApiError(503, "ServiceUnavailable", "the double is in an outage")
+            fault = api._take_fault(method, parts.path)
+            if fault is not None and fault.hang_s > 0:
+                with api._cond:
+                    api._cond.wait_for(lambda: api._closed, timeout=fault.hang_s)
+                self._abort()
+                return
+            if fault is not None:
+                raise ApiError(fault.status, _REASONS.get(fault.status, "Failure"),
+                               f"injected failure of {method} {parts.path}",
+                               retry_after=fault.retry_after)
             code, body = self._route(method, parts.path, query, request)
         except ApiError as e:
             code, body = e.code, msgspec.json.encode(e.status())
+            retry_after = e.retry_after
         except (KeyError, ValueError, TypeError, IndexError) as e:
             code = 400
             body = msgspec.json.encode(ApiError(400, "BadRequest", repr(e)).status())
         request.status = code
         if body is not None:
-            self._send(code, body)
+            self._send(code, body, retry_after)
 
     def _route(self, method: str, path: str, query: dict[str, str], request: RecordedRequest
                ) -> tuple[int, bytes | None]:

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import polars as pl
 
-from gpusteward.collectors.publisher import Publisher
+from gpusteward.collectors.transport.publisher import Publisher
+from gpusteward.errors import ConfigError
 from gpusteward.schema import DeviceSample, NodeSample, PodAllocation, PodRef, QueueEvent
 
 GENAI = "alibaba-genai-v2026"
@@ -47,7 +48,7 @@ MEMORY_FILE = "pod_gpu_memory_used_bytes_anon.csv"
 GIB = 1 << 30
 
 
-class TraceError(ValueError):
+class TraceError(ConfigError, ValueError):
     """A trace folder or file that is missing or not in the expected shape."""
 
 

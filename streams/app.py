@@ -18,7 +18,7 @@ and idempotency keys; consumers deduplicate on them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import faust
 import msgspec
@@ -28,15 +28,12 @@ from faust.types import TP
 
 from gpusteward import health, kafka, topics
 from gpusteward.health import Health
-from gpusteward.rules import fragmentation as frag
-from gpusteward.rules import policy as policies
-from gpusteward.rules import queue as queue_rules
-from gpusteward.rules import spot as spot_rules
-from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary
+from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary, Rollup
 from gpusteward.settings import Settings
-from gpusteward.streams.fleet import FleetRuleSettings, register_fleet_agent
+from gpusteward.streams.fleet import FleetSettings, register_fleet_agent
 from gpusteward.streams.node import NodeJoin, NodeState, RuleSettings
 from gpusteward.streams.outputs import OutputTopics
+from gpusteward.streams.policy_file import policy_from_env
 
 
 def worker_group(settings: Settings) -> str:
@@ -198,7 +195,7 @@ def create_app(
     app.gpusteward_settings = settings
     app.health = Health()
     _watch_health(app, settings)
-    policy = rules.policy if rules is not None and rules.policy else policies.policy_from_env()
+    policy = rules.policy if rules is not None and rules.policy else policy_from_env()
     join = NodeJoin(rules, policy=policy)
 
     samples_name = topics.SAMPLES.name(settings)
@@ -261,16 +258,18 @@ def create_app(
             # finding or action, the allocations changed) and otherwise every checkpoint_s of
             # event time. A worker that crashes between checkpoints recovers a state at most
             # that old; re-processing then republishes the same ids, which consumers
-            # deduplicate. A node summary alone does not count: the next one replaces it.
+            # deduplicate. A node summary alone does not count: the next one replaces it; nor
+            # does a rollup: one re-emitted after a crash has the same (device, minute) name,
+            # and the store keeps one per name.
             due = record.ts - checkpointed_at >= checkpoint_s
-            decisive = any(not isinstance(output, NodeSummary) for output in outputs)
+            decisive = any(not isinstance(output, NodeSummary | Rollup) for output in outputs)
             if decisive or due or not isinstance(record, NodeSample):
                 state_table[node] = encode_state(state)
                 checkpointed_at = record.ts
             live[node] = (state, checkpointed_at)
             await outputs_to.publish(outputs)
 
-    register_fleet_agent(app, settings, fleet_settings(policy))
+    register_fleet_agent(app, settings, FleetSettings(policy=policy))
     return app
 
 
@@ -294,12 +293,3 @@ def _watch_health(app: WorkerApp, settings: Settings) -> None:
                                            lambda: kafka.list_topics(settings))
         await app.crash(RuntimeError(reason))
 
-
-def fleet_settings(policy: policies.Policy) -> FleetRuleSettings:
-    """The fleet rules' settings from the policy file (fleet-wide: no per-namespace layer)."""
-    fleet_wide = policy.resolve().rules
-    return FleetRuleSettings(
-        fragmentation=cast(frag.FragmentationSettings, fleet_wide[frag.KIND]),
-        queue=cast(queue_rules.QueueSloSettings, fleet_wide[queue_rules.WAIT_KIND]),
-        spot=cast(spot_rules.SpotSettings, fleet_wide[spot_rules.KIND]),
-    )

@@ -33,6 +33,12 @@ says what is derived and what has to be guessed) and publishes one info
 finding per pool whose plan changes a node. The search runs in a thread,
 once an interval; the per-record cost is a few dictionary updates.
 
+The fleet-wide rules are the registry's fleet runners (:mod:`gpusteward.rules`):
+every evaluation builds one view of the fleet (the nodes' latest summaries,
+the demand pending in the queue) and runs each runner on it; queue events
+feed the queue rule's state, which that view reads. Every rule's settings
+come from the policy by the rule's name.
+
 The logic lives in :class:`FleetEvaluator` and :class:`SpotJoin`, which do no
 I/O and are tested without a broker. Fleet rules are evaluated on the event
 time carried by the records (the latest seen), at most every
@@ -44,7 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import faust
@@ -52,12 +58,16 @@ import msgspec
 from faust.types import TP
 
 from gpusteward import topics
+from gpusteward.rules import REGISTRY, Registry
 from gpusteward.rules import fragmentation as frag
 from gpusteward.rules import queue as queue_rules
 from gpusteward.rules import spot as spot_rules
+from gpusteward.rules.mig import advice as mig_advice
 from gpusteward.rules.mig import geometry as mig_geometry
 from gpusteward.rules.mig import layout as mig_layout
 from gpusteward.rules.mig import observed as mig_observed
+from gpusteward.rules.policy import Policy
+from gpusteward.rules.registry import FleetRunner, state_in
 from gpusteward.schema import (
     Action,
     AllocationEvent,
@@ -75,13 +85,12 @@ FleetOutput = Finding | Action
 
 
 @dataclass
-class FleetRuleSettings:
-    """The settings of the rules the fleet agents run."""
+class FleetSettings:
+    """The fleet agents' own settings; the rules' come from the policy."""
 
-    fragmentation: frag.FragmentationSettings = field(
-        default_factory=frag.FragmentationSettings)
-    queue: queue_rules.QueueSloSettings = field(default_factory=queue_rules.QueueSloSettings)
-    spot: spot_rules.SpotSettings = field(default_factory=spot_rules.SpotSettings)
+    policy: Policy | None = None
+    """The rule policy, resolved fleet-wide (no pool, queue or namespace layer); None: every
+    rule's defaults."""
     evaluate_interval_s: float = 30.0
     """Event-time seconds between two evaluations of the fleet-wide rules: fragmentation
     and queue SLOs move on the scale of minutes, and 30 s keeps detection within one
@@ -92,13 +101,6 @@ class FleetRuleSettings:
     checkpoint_interval_s: float = 30.0
     """Event-time seconds between two changelog writes of the fleet state when nothing
     was emitted."""
-    mig_advice_interval_s: float = 6 * 3600.0
-    """Event-time seconds between two MIG layout advices (intervals aligned on the epoch).
-    A relabel drains a node's MIG pods, so nobody acts on advice more often than a few
-    times a day; the search costs up to seconds on a large fleet, paid once an interval."""
-    mig_advice_window_s: float = 7 * 86400.0
-    """Trailing event-time window of queue demand the MIG advice weighs, as the weekly
-    report does: a workload's weight is the part of it spent pending or admitted."""
 
 
 class FleetState(msgspec.Struct):
@@ -126,14 +128,37 @@ class FleetState(msgspec.Struct):
     mig: mig_observed.MigObservation = msgspec.field(
         default_factory=mig_observed.MigObservation)
     """MIG demand and layouts seen, for the periodic layout advice."""
+    tracks: dict[str, Any] = {}
+    """State of the fleet runners that name no field above, by the runner's state name
+    (plain data after a restart, turned back into the runner's type on first use)."""
+
+
+_TYPED_TRACKS = frozenset({"queue", "fragmentation", "stranded"})
+"""Fleet runner state names that are typed fields of :class:`FleetState`."""
+
+
+def _track(state: FleetState, runner: FleetRunner) -> Any:
+    name = runner.state
+    if name in _TYPED_TRACKS:
+        return getattr(state, name)
+    return state_in(state.tracks, name, runner.state_type)
 
 
 class FleetEvaluator:
     """Folds node summaries and queue events into :class:`FleetState` and runs the rules."""
 
-    def __init__(self, settings: FleetRuleSettings | None = None,
-                 geometries: dict[str, mig_geometry.Geometry] | None = None) -> None:
-        self.settings = settings or FleetRuleSettings()
+    def __init__(self, settings: FleetSettings | None = None,
+                 geometries: dict[str, mig_geometry.Geometry] | None = None,
+                 registry: Registry = REGISTRY) -> None:
+        self.settings = settings or FleetSettings()
+        policy = self.settings.policy or Policy(registry=registry)
+        registry = policy.registry
+        self.rules = policy.resolve()
+        self.queue_settings = self.rules.of(queue_rules.WAIT_KIND, queue_rules.QueueSloSettings)
+        self.mig_advice_settings = self.rules.of(mig_advice.KIND, mig_advice.MigAdviceSettings)
+        self._runners = [(runner, self.rules[rule.name]) for rule in registry.in_scope("fleet")
+                         for runner in rule.fleet]
+        """Every fleet runner of the registry, in its order, with its rule's settings."""
         self._geometries = geometries
 
     @property
@@ -160,7 +185,7 @@ class FleetEvaluator:
         was_waiting = key in state.queue.waiting
         last = state.queue.last_event.get(key)
         out: list[FleetOutput] = list(queue_rules.on_event(state.queue, event,
-                                                           self.settings.queue))
+                                                           self.queue_settings))
         if state.queue.last_event.get(key) != last:
             # Only events the queue rules applied: a late duplicate of a pending event must
             # not bring a finished workload's demand back.
@@ -186,35 +211,26 @@ class FleetEvaluator:
                or state.clock - state.last_evaluation >= self.settings.evaluate_interval_s)
         return self.evaluate(state, state.clock) if due else []
 
-    def shapes(self, state: FleetState) -> dict[frag.Shape, float]:
-        """The request shapes' popularity: observed ones, else the configured defaults."""
-        counts: dict[str, float] = (dict(state.shape_counts) if state.shape_counts
-                                    else self.settings.fragmentation.default_shapes)
-        total = sum(counts.values())
-        return {frag.parse_shape(k): v / total for k, v in counts.items()}
-
     def fragmentation(self, state: FleetState) -> frag.FragmentationReport:
-        return frag.cluster_fragmentation(
-            (frag.free_milli(s) for s in state.nodes.values()), self.shapes(state))
+        settings = self.rules.of(frag.KIND, frag.FragmentationSettings)
+        return frag.cluster_fragmentation((frag.free_milli(s) for s in state.nodes.values()),
+                                          frag.shapes(state.shape_counts, settings))
 
     def evaluate(self, state: FleetState, now: float) -> list[FleetOutput]:
-        """Run the fleet-wide rules at event time ``now``."""
+        """Run every fleet runner of the registry at event time ``now``."""
         state.last_evaluation = now
         horizon = now - self.settings.node_stale_s
         for node in [n for n, s in state.nodes.items() if s.ts < horizon]:
             del state.nodes[node]
             state.departed.append(node)
+        fleet = frag.FleetView(
+            nodes=list(state.nodes.values()),
+            pending={key: frag.Demand(key=key, queue=w.queue, gpus=w.gpus, mig=w.mig)
+                     for key, w in state.queue.waiting.items()},
+            shape_counts=state.shape_counts)
         out: list[FleetOutput] = []
-        out += queue_rules.tick(state.queue, now, self.settings.queue)
-        if state.nodes:
-            out += frag.observe_fleet(state.fragmentation, self.fragmentation(state), ts=now,
-                                      settings=self.settings.fragmentation)
-        pending = {
-            key: frag.Demand(key=key, queue=w.queue, gpus=w.gpus, mig=w.mig)
-            for key, w in state.queue.waiting.items()
-        }
-        out += frag.observe_stranded(state.stranded, pending, list(state.nodes.values()),
-                                     ts=now, settings=self.settings.fragmentation)
+        for runner, settings in self._runners:
+            out += runner.evaluate(_track(state, runner), fleet, now, settings)
         return out
 
     def mig_advice_due(self, state: FleetState) -> float | None:
@@ -226,7 +242,7 @@ class FleetEvaluator:
         """
         if state.clock is None:
             return None
-        slot = mig_observed.slot_of(state.clock, self.settings.mig_advice_interval_s)
+        slot = mig_observed.slot_of(state.clock, self.mig_advice_settings.interval_s)
         if state.mig.last_slot is None:
             state.mig.last_slot = slot
             return None
@@ -239,7 +255,7 @@ class FleetEvaluator:
         that re-runs the same interval (a restart) publishes the same ids. The interval's
         observed layouts are then re-learnt from scratch (see :mod:`..rules.mig.observed`).
         """
-        window_s = self.settings.mig_advice_window_s
+        window_s = self.mig_advice_settings.window_s
         try:
             advice = mig_observed.advise(self.geometries, state.nodes.values(), state.mig,
                                          now=slot, window_s=window_s)
@@ -289,10 +305,10 @@ def fleet_group(settings: Settings) -> str:
 
 
 def register_fleet_agent(app: faust.App, settings: Settings,
-                         rules: FleetRuleSettings | None = None) -> None:
+                         rules: FleetSettings | None = None) -> None:
     """Add the ``fleet`` and ``fleet-spot`` agents and their tables to the worker ``app``."""
     evaluator = FleetEvaluator(rules)
-    spot_join = SpotJoin(evaluator.settings.spot)
+    spot_join = SpotJoin(evaluator.rules.of(spot_rules.KIND, spot_rules.SpotSettings))
     checkpoint_s = evaluator.settings.checkpoint_interval_s
     kafka = settings.kafka
 

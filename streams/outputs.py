@@ -1,8 +1,8 @@
-"""What the worker's agents publish: findings, actions, node summaries, dead letters.
+"""What the worker's agents publish: findings, actions, node summaries, rollups, dead letters.
 
 Both the node join and the fleet agent publish the same payloads with the
-same keys (findings by fingerprint, actions by subject, summaries by node,
-dead letters by source topic), so they share this one writer.
+same keys (findings by fingerprint, actions by subject, summaries and
+rollups by node, dead letters by source topic), so they share this one writer.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from gpusteward import topics
-from gpusteward.schema import Action, DeadLetter, Finding, NodeSummary, Subject
+from gpusteward.schema import Action, DeadLetter, Finding, NodeSummary, Rollup, Subject
 from gpusteward.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -46,14 +46,18 @@ class OutputTopics:
         self._findings = topic(topics.FINDINGS)
         self._actions = topic(topics.ACTIONS)
         self._summaries = topic(topics.NODE_SUMMARIES)
+        self._rollups = topic(topics.ROLLUPS)
         self._deadletter = topic(topics.DEADLETTER)
         self._encode = msgspec.json.Encoder().encode
 
-    async def publish(self, outputs: Sequence[Finding | Action | NodeSummary]) -> None:
+    async def publish(self, outputs: Sequence[Finding | Action | NodeSummary | Rollup]
+                      ) -> None:
         for output in outputs:
             value = self._encode(output)
             if isinstance(output, NodeSummary):
                 await self._summaries.send(key=output.node.encode(), value=value)
+            elif isinstance(output, Rollup):
+                await self._rollups.send(key=output.node.encode(), value=value)
             elif isinstance(output, Finding):
                 await self._findings.send(key=output.fingerprint.encode(), value=value)
             else:

@@ -13,12 +13,20 @@ from pathlib import Path
 import pytest
 
 from gpusteward.broker import EmbeddedBroker
+from gpusteward.rules import REGISTRY
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.settings import Settings
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 KUBE_FIXTURES = Path(__file__).resolve().parent / "data" / "kube"
 _prefixes = itertools.count(1)
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry() -> Iterator[None]:
+    """Every test starts from the shipped rules: one that registers a rule loses it after."""
+    with REGISTRY.preserved():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -53,8 +53,8 @@ SANDBOX_IMPORTERS = {"gpusteward.cli.sandbox", "gpusteward.cli.collect"}
 PURE_FORBIDDEN = ("faust", "aiokafka", "kubernetes", "aiohttp", "grpc", "polars", "socket")
 """Rules do no I/O: no clients, no sockets, no data frames."""
 
-KUBE_CLIENT_USERS = {"gpusteward.collectors.kubernetes", "gpusteward.remediation.kubernetes",
-                     "gpusteward.cli.watch"}
+KUBE_CLIENT_USERS = {"gpusteward.collectors.kubernetes.watcher",
+                     "gpusteward.remediation.kubernetes", "gpusteward.cli.watch"}
 KUBE_WRITER = "gpusteward.remediation.kubernetes"
 WRITE_METHOD = re.compile(r"^(create|patch|replace|delete)_(namespaced_\w+|node\w*|cluster_\w+|"
                           r"collection_\w+)$")

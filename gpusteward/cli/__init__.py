@@ -23,6 +23,7 @@ schema_app = typer.Typer(help="The payload contract.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
 app.add_typer(collect_app, name="collect")
 app.command("report")(report_commands.report)
+app.command("sink")(report_commands.sink)
 app.command("replay")(sandbox_commands.replay)
 app.command("simulate")(sandbox_commands.simulate)
 app.command("demo")(sandbox_commands.demo)
@@ -95,13 +96,19 @@ def act(
     kubeconfig: Annotated[str | None, typer.Option(help="Kubeconfig for --backend kubernetes.")
                           ] = None,
     enable_rule: Annotated[list[str] | None, typer.Option(
-        "--enable-rule", help="A rule whose actions --execute carries out (repeat; '*' = all); "
+        "--enable-rule", help="A rule (all the kinds it emits) or finding kind whose actions "
+        "--execute carries out (repeat; '*' = all); "
         "adds to GPUSTEWARD_REMEDIATION__ENABLED_RULES.")] = None,
     reset_breaker: Annotated[bool, typer.Option(
         "--reset-breaker", help="Record a circuit-breaker reset on the audit topic and exit.")
     ] = False,
-    operator: Annotated[str, typer.Option(help="Who resets the breaker (for the audit).")
-                        ] = "operator",
+    restore: Annotated[str | None, typer.Option(
+        "--restore", metavar="KIND/NAMESPACE/NAME",
+        help="Undo a reclaim and exit: start a stopped Notebook, scale a Deployment or "
+        "StatefulSet back to its replicas before (needs --backend kubernetes; audited).")
+    ] = None,
+    operator: Annotated[str, typer.Option(help="Who resets the breaker or restores (for the "
+                                                "audit).")] = "operator",
 ) -> None:
     """Run the remediation executor: one line per action saying what it did or would do."""
     from gpusteward.remediation import executor as remediation
@@ -111,8 +118,26 @@ def act(
         record = asyncio.run(remediation.reset_breaker(settings, operator))
         typer.echo(f"circuit breaker reset recorded ({record.idempotency_key})")
         return
+    if restore is not None:
+        if backend != "kubernetes":
+            raise typer.BadParameter("--restore needs --backend kubernetes")
+        from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
+
+        try:
+            result = asyncio.run(remediation.restore(
+                settings, KubernetesBackend(KubeSettings(kubeconfig=kubeconfig)), restore,
+                operator))
+        except ValueError as error:
+            raise typer.BadParameter(str(error)) from error
+        typer.echo(f"{result.outcome.upper()}: {result.detail}")
+        if result.outcome not in ("executed", "skipped"):
+            raise typer.Exit(1)
+        return
     policy = remediation.RemediationSettings()
-    policy.enabled_rules |= set(enable_rule or [])
+    try:
+        policy.enabled_rules |= remediation.known_rules(enable_rule or [])
+    except ValueError as error:  # an unknown rule: the message lists the valid ones
+        raise typer.BadParameter(str(error), param_hint="--enable-rule") from error
     chosen: remediation.Backend
     if backend == "kubernetes":
         from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings

@@ -74,11 +74,10 @@ async def _ensure_topics_eventually(settings: Settings, stop: asyncio.Event) -> 
         delay = min(delay * 2, 60.0)
 
 
-def run_collector(runner: Runner, collect: CollectSettings, settings: Settings,
-                  with_metrics: bool = True) -> None:
-    """Run ``runner(collect, publisher, stop[, metrics])`` until SIGTERM/SIGINT, then drain."""
+def run_collector(runner: Runner, collect: CollectSettings, settings: Settings) -> None:
+    """Run ``runner(collect, publisher, stop, metrics)`` until SIGTERM/SIGINT, then drain."""
     from gpusteward.collectors.metrics import CollectorMetrics
-    from gpusteward.collectors.publisher import KafkaPublisher
+    from gpusteward.collectors.transport.publisher import KafkaPublisher
 
     async def main() -> None:
         metrics = CollectorMetrics()
@@ -94,10 +93,7 @@ def run_collector(runner: Runner, collect: CollectSettings, settings: Settings,
         log.info("collecting for node %s every %ss; /metrics on :%s", collect.node_name,
                  collect.interval_s, collect.metrics_port or "-")
         try:
-            if with_metrics:
-                await runner(collect, publisher, stop, metrics)
-            else:
-                await runner(collect, publisher, stop)
+            await runner(collect, publisher, stop, metrics)
         finally:
             stop.set()
             topics_task.cancel()
@@ -155,11 +151,18 @@ def prometheus(
 
 @collect_app.command()
 def nvml(
+    fake_nvml: Annotated[Path | None, typer.Option(
+        "--fake-nvml", help="Sample this fake-NVML YAML description instead of the driver "
+                            "(demos and tests).")] = None,
     node: Node = None, interval: Interval = None, metrics_port: MetricsPort = None,
     buffer_dir: BufferDir = None, buffer_max_bytes: BufferMaxBytes = None,
     bootstrap: Bootstrap = None, loglevel: LogLevel = "info",
 ) -> None:
-    """Read this node's GPUs through NVML, with kubelet pod attribution."""
+    """Read this node's GPUs through NVML, with kubelet pod attribution.
+
+    Its own settings come from GPUSTEWARD_COLLECT__NVML__* (the kubelet socket, the
+    event wait); GPUSTEWARD_COLLECT__FAKE_NVML samples a YAML-described fake node.
+    """
     try:
         from gpusteward.collectors.nvml import run_nvml_collector
     except ImportError as error:
@@ -168,10 +171,11 @@ def nvml(
 
     configure_logging(loglevel)
     collect = _settings(node_name=node, interval_s=interval, metrics_port=metrics_port,
-                        buffer_dir=buffer_dir, buffer_max_bytes=buffer_max_bytes)
+                        buffer_dir=buffer_dir, buffer_max_bytes=buffer_max_bytes,
+                        fake_nvml=None if fake_nvml is None else str(fake_nvml))
     runner: Runner = run_nvml_collector
     if collect.fake_nvml:  # the simulated world's GPUs (demo, tests): the sandbox's fake
         from gpusteward.sandbox.nvml_fake import FakeNvml
 
         runner = functools.partial(run_nvml_collector, nvml=FakeNvml.from_yaml(collect.fake_nvml))
-    run_collector(runner, collect, kafka_settings(bootstrap), with_metrics=False)
+    run_collector(runner, collect, kafka_settings(bootstrap))

@@ -1,4 +1,4 @@
-"""The ``gpusteward report`` command: the weekly report from the rollup store.
+"""The ``gpusteward report`` and ``sink`` commands: the rollup store, written and read.
 
 Heavy imports (polars, scipy) happen inside the command, so the CLI starts
 fast for every other command.
@@ -6,11 +6,17 @@ fast for every other command.
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from gpusteward.cli.common import Bootstrap, configure_logging, ensure_topics, kafka_settings
+
+SINKS = ("rollups", "queue")
 
 
 def report(
@@ -56,3 +62,41 @@ def report(
     totals = result.data["totals"]
     if not totals["device_minutes"]:
         console.print(f"[yellow]no rollups for {chosen.label} in {directory}[/]")
+
+
+def sink(
+    topic: Annotated[str, typer.Argument(
+        help="rollups (gpusteward.rollups.v1 into the rollup store) or queue "
+             "(gpusteward.queue.v1 into the queue-event store).")],
+    bootstrap: Bootstrap = None,
+    directory: Annotated[Path | None, typer.Option(
+        "--dir", help="Store folder (default: GPUSTEWARD_REPORT__ROLLUP_DIR or "
+                      "GPUSTEWARD_REPORT__QUEUE_DIR).")] = None,
+    loglevel: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """Run a sink: a topic into its Parquet store, until SIGTERM or Ctrl-C (then flush)."""
+    from gpusteward.reports import sink as sinks
+    from gpusteward.reports.settings import ReportSettings
+
+    if topic not in SINKS:
+        raise typer.BadParameter(f"unknown sink {topic!r}: {' or '.join(SINKS)}",
+                                 param_hint="TOPIC")
+    configure_logging(loglevel)
+    settings = kafka_settings(bootstrap)
+    report = ReportSettings()
+    make = sinks.rollup_sink if topic == "rollups" else sinks.queue_sink
+    running = make(settings, report, directory)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        # A pod is stopped with SIGTERM: flush the buffer and commit before going.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await ensure_topics(settings)
+        await running.run(stop)
+
+    asyncio.run(main())
+    typer.echo(f"{topic} sink: {running.rows_written} rows in {running.files_written} files "
+               f"under {running.directory}, {running.duplicates} repeats skipped, "
+               f"{running.dead_lettered} dead-lettered")

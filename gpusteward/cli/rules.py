@@ -1,7 +1,9 @@
 """``gpusteward rules``: check a policy file, explain effective settings, list the rules.
 
-Kept out of ``rules/`` so the rules stay free of the CLI framework; every
-command is a thin shell over :mod:`gpusteward.rules.policy`.
+Kept out of ``rules/`` so the rules stay free of the CLI framework and of
+file reading; every command is a thin shell over the registry
+(:mod:`gpusteward.rules`), :mod:`gpusteward.rules.policy` and the policy
+loader the worker uses (:mod:`gpusteward.streams.policy_file`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from rich.table import Table
 
 from gpusteward.rules import REGISTRY
 from gpusteward.rules import policy as policies
+from gpusteward.streams import policy_file
 
 rules_app = typer.Typer(help="Rule policy: check, explain, list.", no_args_is_help=True)
 
@@ -28,7 +31,8 @@ PolicyOption = Annotated[
 
 def _load(path: Path | None) -> policies.Policy:
     try:
-        return policies.load_policy(path) if path is not None else policies.policy_from_env()
+        return (policy_file.load_policy(path) if path is not None
+                else policy_file.policy_from_env())
     except policies.PolicyError as error:
         typer.echo(str(error), err=True)
         raise typer.Exit(2) from error
@@ -38,14 +42,15 @@ def _load(path: Path | None) -> policies.Policy:
 def check(file: Annotated[Path, typer.Argument(help="The policy file to check.")]) -> None:
     """Validate a policy file: exit 0 with a summary, or 1 with FILE:LINE: field: message."""
     try:
-        loaded = policies.load_policy(file)
+        loaded = policy_file.load_policy(file)
     except policies.PolicyError as error:
         for line in error.lines():
             typer.echo(line, err=True)
         raise typer.Exit(1) from error
     overrides = {section: len(getattr(loaded, section))
                  for section in ("node_pools", "queues", "namespaces")}
-    typer.echo(f"{file}: OK: {len(loaded.rules)} rule section(s) of {len(REGISTRY)} rules; "
+    typer.echo(f"{file}: OK: {len(loaded.rules)} rule section(s) of "
+               f"{len(REGISTRY.configurable())} rules; "
                f"overrides for {overrides['node_pools']} node pool(s), {overrides['queues']} "
                f"queue(s), {overrides['namespaces']} namespace(s); node pool label "
                f"{loaded.node_pool_label}")
@@ -65,7 +70,7 @@ def explain(
     effective = _load(policy_file).resolve(namespace, queue, node_pool).as_dict()
     if rule is not None:
         if rule not in effective:
-            typer.echo(f"unknown rule {rule!r}; valid rules: {', '.join(sorted(REGISTRY))}",
+            typer.echo(f"unknown rule {rule!r}; valid rules: {', '.join(sorted(effective))}",
                        err=True)
             raise typer.Exit(2)
         effective = {rule: effective[rule]}
@@ -82,12 +87,17 @@ def explain(
 
 @rules_app.command("list")
 def list_rules() -> None:
-    """Every registered rule and its fields, with their documentation."""
+    """Every registered rule: its scope, the finding kinds it emits, its fields."""
     console = Console()
-    for name, model in sorted(REGISTRY.items()):
-        console.print(f"[bold]{name}[/]: {(model.__doc__ or '').strip().splitlines()[0]}")
-        defaults = model().model_dump(mode="json")
-        for field, info in model.model_fields.items():
+    for name, rule in sorted(REGISTRY.items()):
+        owner = "" if rule.owner == "worker" else f", run by {rule.owner}"
+        console.print(f"[bold]{name}[/] ({rule.scope}{owner}): {rule.describe()}",
+                      highlight=False)
+        console.print(f"  emits: {', '.join(rule.emits)}", highlight=False)
+        if rule.settings is None:
+            continue
+        defaults = rule.settings().model_dump(mode="json")
+        for field, info in rule.settings.model_fields.items():
             console.print(f"  {field} = {_short(defaults[field])}: {info.description or ''}",
                           highlight=False)
 
@@ -95,7 +105,7 @@ def list_rules() -> None:
 @rules_app.command()
 def defaults() -> None:
     """Print the shipped policy file (every rule's defaults, documented)."""
-    typer.echo(policies.shipped_policy_text().rstrip())
+    typer.echo(policies.render_defaults().rstrip())
 
 
 def _short(value: Any) -> str:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 import typer
@@ -47,7 +47,7 @@ def simulate(
                      ] = None,
 ) -> None:
     """Publish a simulated fleet's samples and allocation events."""
-    from gpusteward.collectors.publisher import KafkaPublisher
+    from gpusteward.collectors.transport.publisher import KafkaPublisher
     from gpusteward.sandbox.simulator import scenario as scenarios
     from gpusteward.sandbox.simulator.engine import SimulatedCluster
 
@@ -78,15 +78,11 @@ def demo(
                         ] = "eight-a100",
     seed: Annotated[int | None, typer.Option(help="Override the scenario's seed.")] = None,
     live: Annotated[bool, typer.Option("--live/--no-live", help="Show the live view.")] = True,
-    feed: Annotated[Literal["simulator", "kubernetes"], typer.Option(
-        help="Where allocation and queue events come from: the simulator itself, or the "
-        "Kubernetes watcher on an API-server double the simulated fleet is mirrored into."
-    )] = "simulator",
 ) -> None:
-    """Run the whole pipeline on an embedded broker and a simulated fleet."""
+    """Run the system as deploy/ declares it on an embedded broker and a simulated fleet."""
     from gpusteward.sandbox.demo import run_demo
 
-    raise typer.Exit(run_demo(scenario, duration, live_view=live, seed=seed, feed=feed))
+    raise typer.Exit(run_demo(scenario, duration, live_view=live, seed=seed))
 
 
 
@@ -150,7 +146,7 @@ def replay(
         store.write(queue_dir, store.queue_frame(events), store.QUEUE_SCHEMA)
         typer.echo(f"{len(events)} openb queue events under {queue_dir}")
     if publish:
-        from gpusteward.collectors.publisher import KafkaPublisher
+        from gpusteward.collectors.transport.publisher import KafkaPublisher
 
         target = kafka_settings(bootstrap)
 
@@ -196,7 +192,7 @@ class PipelineReplay:
 def _policy_env(path: Path) -> Iterator[None]:
     """GPUSTEWARD_POLICY_FILE set to ``path`` while the block runs: the worker child reads
     its policy from its environment, which it copies when it starts."""
-    from gpusteward.rules.policy import POLICY_ENV
+    from gpusteward.streams.policy_file import POLICY_ENV
 
     before = os.environ.get(POLICY_ENV)
     os.environ[POLICY_ENV] = str(path)
@@ -235,7 +231,7 @@ async def replay_through_pipeline(settings: Settings, traces: Path, options: Gen
     import msgspec
 
     from gpusteward import kafka, topics
-    from gpusteward.collectors.publisher import KafkaPublisher
+    from gpusteward.collectors.transport.publisher import KafkaPublisher
     from gpusteward.sandbox import traces as trace_io
     from gpusteward.sandbox.pipeline import WorkerProcess
     from gpusteward.schema import Finding

@@ -108,7 +108,7 @@ async def _main(kube: KubeWatchSettings, bootstrap: str | None, stdout: bool) ->
         await KubeWatcher(client, StdoutPublisher(), kube).run(stop)
         return
     from gpusteward import health, kafka
-    from gpusteward.collectors.publisher import KafkaPublisher
+    from gpusteward.collectors.transport.publisher import KafkaPublisher
     from gpusteward.settings import Settings
 
     settings = Settings()

@@ -27,13 +27,15 @@ from typing import Any
 
 import yaml
 
+from gpusteward.errors import PermanentError
+
 Layout = Mapping[str, int]
 """Instances on one GPU: profile name -> count. Zero counts are ignored."""
 
 _NAME = re.compile(r"^(?P<g>\d+)g\.(?P<gb>\d+)gb(?P<suffix>.*)$")
 
 
-class GeometryError(ValueError):
+class GeometryError(PermanentError, ValueError):
     """A profile file or a layout that does not make sense."""
 
 
@@ -49,6 +51,8 @@ class Profile:
     size: int
     memory_gib: float | None = None
     """Usable GiB as nvidia-smi reports it, when the research file knows it."""
+    gi_profile_id: int | None = None
+    """NVML's GPU-instance profile id (``nvidia-smi mig -lgip``), when the file knows it."""
 
     @property
     def media(self) -> bool:
@@ -224,7 +228,7 @@ def _geometry(model: str, spec: dict[str, Any]) -> Geometry:
             memory_slices=int(p["memory_slices"]), max_instances=int(p["max_instances"]),
             starts=tuple(int(s) for s in p["placement"]["starts"]),
             size=int(p["placement"]["size"]),
-            memory_gib=p.get("memory_gib_nvidia_smi"),
+            memory_gib=p.get("memory_gib_nvidia_smi"), gi_profile_id=p.get("gi_profile_id"),
         )
         for p in spec["profiles"]
     )

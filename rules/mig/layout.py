@@ -53,10 +53,10 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_matrix
 
 from gpusteward.rules.findings import finding_id, fingerprint
+from gpusteward.rules.mig.advice import KIND
 from gpusteward.rules.mig.geometry import Geometry, GeometryError, Layout, Profile
 from gpusteward.schema import Evidence, Finding, Subject
 
-KIND = "mig_layout_advice"
 CONFIG_LABEL = "nvidia.com/mig.config"
 DISABLED = "all-disabled"
 """The GPU Operator's named config for MIG off; what a GPU outside every layout gets."""

@@ -16,6 +16,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from gpusteward.errors import ConfigError
+
 Range = tuple[float, float]
 
 
@@ -60,6 +62,9 @@ class WorkloadGroup(BaseModel):
     mem_gib: Range = (10.0, 40.0)
     phases: list[Phase] = Field(min_length=1)
     repeat: bool = Field(False, description="Cycle through the phases instead of ending idle.")
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="Pod labels (e.g. team, gpusteward.io/idle-exempt), "
+        "as the watcher reports them.")
 
 
 FaultKind = Literal[
@@ -121,6 +126,11 @@ class Scenario(BaseModel):
         360.0, ge=0, description="Simulated seconds per wall second; 0 runs as fast as possible."
     )
     cluster_queue: str = "default"
+    attribution: Literal["uid", "kubelet"] = Field(
+        "uid", description="How samples name the pod holding a device. kubelet: as the "
+        "kubelet's PodResources API (and so the NVML collector) does, by namespace/name with "
+        "no uid, while pod allocations carry no device ids, as the watcher's do: the join "
+        "must match them by name. uid: both sides carry the uid and the device ids.")
     nodes: list[NodeGroup] = Field(min_length=1)
     users: list[str] = Field(min_length=1)
     workloads: list[WorkloadGroup] = Field(default_factory=list)
@@ -135,7 +145,7 @@ class Scenario(BaseModel):
         return self
 
 
-class ScenarioError(ValueError):
+class ScenarioError(ConfigError, ValueError):
     """A scenario file that cannot be used; the message names the file and field."""
 
 

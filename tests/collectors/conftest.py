@@ -18,6 +18,14 @@ from gpusteward.broker import free_port
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
 
 
+def metric_value(text: str, line_start: str) -> float:
+    """The value of the first line of a /metrics page that starts so; 0 when none does."""
+    for line in text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 class FakeExporter:
     """Serves ``body`` at any path; ``declared_length`` lies about Content-Length when set."""
 
@@ -65,10 +73,13 @@ class FakeExporter:
             self._server = None
 
 
+RESEARCH = Path(__file__).resolve().parents[1] / "data" / "research"
+
+
 @pytest.fixture
-def dcgm_page(shared_data: Path) -> str:
+def dcgm_page() -> str:
     """The dcgm-exporter page of one node with two H100s, one MIG-partitioned."""
-    return (shared_data / "dcgm_exporter_metrics.txt").read_text()
+    return (RESEARCH / "dcgm_exporter_metrics.txt").read_text()
 
 
 @pytest.fixture

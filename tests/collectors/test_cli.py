@@ -25,12 +25,15 @@ from gpusteward.collectors.settings import CollectSettings
 from gpusteward.schema import NodeSample
 from gpusteward.settings import Settings
 
+from .conftest import metric_value
+
 
 def test_settings_come_from_the_environment_and_flags_override_them(monkeypatch) -> None:
     monkeypatch.setenv("NODE_NAME", "gpu-node-42")
     monkeypatch.setenv("GPUSTEWARD_COLLECT__INTERVAL_S", "3")
     monkeypatch.setenv("GPUSTEWARD_COLLECT__PROMETHEUS_NODES", '["a", "b"]')
     monkeypatch.setenv("GPUSTEWARD_COLLECT__BUFFER_DIR", "/var/lib/gpusteward")
+    monkeypatch.setenv("GPUSTEWARD_COLLECT__NVML__EVENT_WAIT_MS", "250")
 
     from_env = CollectSettings()
     assert from_env.node_name == "gpu-node-42"
@@ -38,6 +41,8 @@ def test_settings_come_from_the_environment_and_flags_override_them(monkeypatch)
     assert from_env.prometheus_nodes == ["a", "b"]
     assert from_env.buffer_dir == Path("/var/lib/gpusteward")
     assert from_env.metrics_port == 9401, "not dcgm-exporter's 9400"
+    assert from_env.nvml.event_wait_ms == 250
+    assert from_env.nvml.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
 
     flagged = collect_cli._settings(interval_s=0.5, node_name=None, dcgm_url="http://x/metrics")
     assert (flagged.interval_s, flagged.node_name) == (0.5, "gpu-node-42")
@@ -57,13 +62,6 @@ def test_nvml_without_its_module_is_a_clear_error() -> None:
     result = CliRunner().invoke(app, ["collect", "nvml"])
     assert result.exit_code == 2
     assert "NVML collector is not available" in result.output
-
-
-def _metric(text: str, line_start: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(line_start):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 @pytest.mark.e2e
@@ -88,7 +86,7 @@ def test_dcgm_collector_process_publishes_and_serves_metrics(
             assert time.monotonic() < deadline, "no samples sent within 30 s"
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-                    sent = _metric(r.read().decode(), sent_line)
+                    sent = metric_value(r.read().decode(), sent_line)
             except OSError:
                 pass
             time.sleep(0.2)

@@ -218,3 +218,51 @@ def test_node_name_comes_from_the_page_unless_configured(exporter, recorder, mon
     assert asyncio.run(first_sample(configured)).node == "n-1"
     monkeypatch.setenv("NODE_NAME", "n-2")
     assert asyncio.run(first_sample(CollectSettings(dcgm_url=exporter.url))).node == "n-2"
+
+
+STOCK_MISSING = {"clock_event_reasons", "ecc_sbe", "ecc_dbe", "row_remap_pending",
+                 "nvlink_errors"}
+"""Field families the rules read that stock dcgm-exporter's counters leave off."""
+
+
+def with_every_family(page: str) -> str:
+    """The page as dcgm-exporter serves it with deploy/'s counters file: one series more
+    per family the stock set lacks, on GPU 0."""
+    labels = next(line for line in page.splitlines()
+                  if line.startswith("DCGM_FI_DEV_GPU_TEMP{gpu=\"0\""))
+    labels = labels[len("DCGM_FI_DEV_GPU_TEMP"):labels.rindex("}") + 1]
+    added = [f"{family.metrics[0]}{labels} 0" for family in dcgm.FIELD_FAMILIES
+             if family.name in STOCK_MISSING]
+    return page + "\n".join(added) + "\n"
+
+
+def test_stock_page_missing_families_are_logged_once_and_counted(
+        exporter, caplog: pytest.LogCaptureFixture) -> None:
+    metrics = CollectorMetrics()
+
+    async def read(times: int) -> dcgm.DcgmSource:
+        async with aiohttp.ClientSession() as session:
+            source = dcgm.DcgmSource(exporter.url, "gpu-node-07", session, timeout_s=2,
+                                     metrics=metrics)
+            for _ in range(times):
+                await source.collect()
+            return source
+
+    with caplog.at_level("WARNING", logger="gpusteward.collectors.dcgm"):
+        source = asyncio.run(read(3))
+    assert source.coverage.missing == STOCK_MISSING
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == len(STOCK_MISSING), "once per family, not per read"
+    assert any("no ecc_dbe series (DCGM_FI_DEV_ECC_DBE_VOL_TOTAL): ecc_dbe sees nothing"
+               in message for message in warned)
+    for family in dcgm.FIELD_FAMILIES:
+        counted = metrics.registry.get_sample_value(
+            "gpusteward_collect_missing_field_families_total",
+            {"source": "dcgm", "family": family.name}) or 0
+        assert counted == (3 if family.name in STOCK_MISSING else 0), family.name
+
+    exporter.body = with_every_family(exporter.body)
+    caplog.clear()
+    source = asyncio.run(read(1))
+    assert source.coverage.missing == set()
+    assert not caplog.records

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -24,6 +25,7 @@ import pytest
 
 from gpusteward.broker import free_port
 from gpusteward.collectors import dcgm
+from gpusteward.collectors.metrics import CollectorMetrics
 from gpusteward.collectors.prometheus import PrometheusSource, build_query, pod_resolver
 from gpusteward.collectors.source import SourceError
 from gpusteward.schema import PodRef
@@ -157,3 +159,34 @@ def test_query_selects_nodes_by_either_hostname_spelling() -> None:
     assert 'hostname=~"gpu\\\\-node\\\\.07"' in query
     assert " or " in query
     assert "DCGM_FI_PROF_GR_ENGINE_ACTIVE" in build_query()
+
+
+class _AnsweringPrometheus:
+    """A PrometheusConnect stand-in answering every instant query with fixed series."""
+
+    def __init__(self, series: list[dcgm.Series]) -> None:
+        self.series = series
+
+    def custom_query(self, query: str, timeout: float | None = None) -> list[dict[str, Any]]:
+        wanted = set(re.search(r'__name__=~"([^"]+)"', query)[1].split("|"))  # type: ignore[index]
+        return [{"metric": {"__name__": s.name, **s.labels}, "value": [1.7e9, repr(s.value)]}
+                for s in self.series if s.name in wanted]
+
+
+def test_stock_exporters_behind_prometheus_are_reported_missing_families(
+        dcgm_page: str, caplog: pytest.LogCaptureFixture) -> None:
+    metrics = CollectorMetrics()
+    client = _AnsweringPrometheus(dcgm.parse_page(dcgm_page))
+    source = PrometheusSource("http://prometheus.invalid", client=client,
+                              metrics=metrics)
+    with caplog.at_level("WARNING", logger="gpusteward.collectors.dcgm"):
+        asyncio.run(source.collect())
+        asyncio.run(source.collect())
+    missing = {"clock_event_reasons", "ecc_sbe", "ecc_dbe", "row_remap_pending",
+               "nvlink_errors"}
+    assert source.coverage.missing == missing
+    assert len(caplog.records) == len(missing)
+    assert all(r.getMessage().startswith("prometheus: no ") for r in caplog.records)
+    assert metrics.registry.get_sample_value(
+        "gpusteward_collect_missing_field_families_total",
+        {"source": "prometheus", "family": "nvlink_errors"}) == 2

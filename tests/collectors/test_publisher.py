@@ -13,9 +13,9 @@ from aiokafka import ConsumerRecord
 from gpusteward import kafka, topics
 from gpusteward.broker import free_port
 from gpusteward.collectors.metrics import CollectorMetrics
-from gpusteward.collectors.publisher import KafkaPublisher, compression_type
 from gpusteward.collectors.settings import CollectSettings
-from gpusteward.collectors.spool import DiskSpool, MemorySpool, Spool
+from gpusteward.collectors.transport.publisher import KafkaPublisher, compression_type
+from gpusteward.collectors.transport.spool import DiskSpool, MemorySpool, Spool
 from gpusteward.schema import DeviceSample, HwEvent, NodeSample
 from gpusteward.settings import KafkaSettings, Settings
 

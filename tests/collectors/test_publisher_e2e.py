@@ -20,9 +20,9 @@ from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker, free_port
 from gpusteward.collectors.dcgm import DcgmSource
 from gpusteward.collectors.metrics import CollectorMetrics
-from gpusteward.collectors.publisher import KafkaPublisher
 from gpusteward.collectors.settings import CollectSettings
 from gpusteward.collectors.source import run_source
+from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
 from gpusteward.settings import Settings
 

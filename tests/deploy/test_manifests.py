@@ -18,9 +18,9 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
 
 from gpusteward.settings import Settings
+from tests.deploy.conftest import REPO
 
 pytestmark = pytest.mark.deploy
 
@@ -130,6 +130,7 @@ def test_every_gpusteward_workload_exists(rendered):
     expected = {
         "collector": "DaemonSet", "watcher": "Deployment", "worker": "StatefulSet",
         "alerts": "Deployment", "remediation": "Deployment", "report": "CronJob",
+        "rollup-sink": "Deployment", "queue-sink": "Deployment",
     }
     assert {k: components.get(k) for k in expected} == expected
 
@@ -269,14 +270,57 @@ def test_report_cronjob_writes_to_a_volume(render):
     assert any(m["mountPath"] == "/reports" for m in container["volumeMounts"])
 
 
-def _env(rendered, workload) -> dict[str, str]:
-    """The environment a container of ``workload`` sees from its ConfigMaps and values."""
-    container = pod_spec(workload)["containers"][0]
+def _env(rendered, workload, container: dict[str, Any] | None = None) -> dict[str, str]:
+    """The environment a container of ``workload`` (the first unless given) sees from its
+    ConfigMaps and values."""
+    container = container or pod_spec(workload)["containers"][0]
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         env.update(rendered.named("ConfigMap", source["configMapRef"]["name"])["data"])
     env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
     return env
+
+
+def _store_paths(rendered, workload, container) -> tuple[str, dict[str, str]]:
+    """The PVC that holds a container's rollup and queue stores, and the two folders."""
+    env = _env(rendered, workload, container)
+    folders = {"rollups": env["GPUSTEWARD_REPORT__ROLLUP_DIR"],
+               "queue": env["GPUSTEWARD_REPORT__QUEUE_DIR"]}
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
+              for v in pod_spec(workload)["volumes"] if "persistentVolumeClaim" in v}
+    (mount,) = [m for m in container["volumeMounts"]
+                if all(f.startswith(m["mountPath"].rstrip("/") + "/") for f in folders.values())]
+    return claims[mount["name"]], folders
+
+
+def test_sinks_write_the_store_the_report_reads(rendered):
+    """The rollup and queue sinks run as processes, on the volume the report CronJob reads."""
+    report = rendered.component("report")
+    (reader,) = pod_spec(report)["containers"]
+    claim, folders = _store_paths(rendered, report, reader)
+    (reading,) = [m for m in reader["volumeMounts"] if folders["rollups"].startswith(
+        m["mountPath"] + "/")]
+    assert reading.get("readOnly") is True
+    sinks = {"rollup-sink": ["sink", "rollups"], "queue-sink": ["sink", "queue"]}
+    for component, args in sinks.items():
+        sink = rendered.component(component)
+        (container,) = pod_spec(sink)["containers"]
+        assert container["args"] == args
+        assert _store_paths(rendered, sink, container) == (claim, folders)
+        (mount,) = [m for m in container["volumeMounts"] if folders["rollups"].startswith(
+            m["mountPath"] + "/")]
+        assert not mount.get("readOnly")
+        # One writer at a time per store.
+        assert sink["spec"]["replicas"] == 1 and sink["spec"]["strategy"]["type"] == "Recreate"
+    # ReadWriteOnce: the queue sink and the report run on the rollup sink's node.
+    volume = rendered.named("PersistentVolumeClaim", claim)
+    assert volume["spec"]["accessModes"] == ["ReadWriteOnce"]
+    writer = rendered.component("rollup-sink")["spec"]["selector"]["matchLabels"]
+    for other in (report, rendered.component("queue-sink")):
+        (term,) = pod_spec(other)["affinity"]["podAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["labelSelector"]["matchLabels"].items() <= writer.items()
+        assert term["topologyKey"] == "kubernetes.io/hostname"
 
 
 def test_policy_configmap_is_mounted_where_the_setting_points(rendered):
@@ -289,9 +333,9 @@ def test_policy_configmap_is_mounted_where_the_setting_points(rendered):
         (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == path]
         (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
         policy_map = rendered.named("ConfigMap", volume["configMap"]["name"])
-        policy = yaml.safe_load(policy_map["data"][mount["subPath"]])
-        assert policy["idle"] == {"threshold_pct": 5, "window_s": 1800, "grace_s": 600}
-        assert policy["ecc_dbe"] == {"cordon": True}
+        # What the worker reads is the shipped file (tests/deploy/test_config_files.py
+        # checks the copy in deploy/ loads and equals it).
+        assert policy_map["data"][mount["subPath"]] == (REPO / "rules" / "policy.yaml").read_text()
 
 
 def test_production_kafka_settings_load_as_sasl_scram_over_tls(render, monkeypatch):

@@ -61,12 +61,18 @@ def grants(rendered: Any) -> dict[str, set[tuple[str, str, str]]]:
 
 # What the remediation-execute component adds for an executor that acts: reads
 # before writes, pods of a node to drain, GPU-node count for the breaker, owner
-# notices, deleting a plain Job's pod to requeue it.
+# notices, deleting a plain Job's pod to requeue it, and reclaiming an idle
+# pod's GPUs through its owner (the owner chain read, Deployments/StatefulSets
+# scaled, Notebooks stopped; restored by `act --restore`).
 EXECUTE_EXTRA: set[tuple[str, str, str]] = {
     ("", "nodes", "get"), ("", "nodes", "list"),
     ("", "pods", "get"), ("", "pods", "list"), ("", "pods", "patch"), ("", "pods", "delete"),
     ("", "events", "create"),
     ("kueue.x-k8s.io", "workloads", "get"),
+    ("apps", "replicasets", "get"),
+    ("apps", "deployments", "get"), ("apps", "deployments", "patch"),
+    ("apps", "statefulsets", "get"), ("apps", "statefulsets", "patch"),
+    ("kubeflow.org", "notebooks", "get"), ("kubeflow.org", "notebooks", "patch"),
 }
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
-from gpusteward.collectors.publisher import KafkaPublisher
+from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.rules import hardware
 from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.sandbox.simulator import scenario as scenarios

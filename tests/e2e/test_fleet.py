@@ -17,7 +17,7 @@ import pytest
 
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
-from gpusteward.collectors.publisher import KafkaPublisher
+from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.rules import fragmentation as frag
 from gpusteward.rules import queue as queue_rules
 from gpusteward.rules import spot as spot_rules

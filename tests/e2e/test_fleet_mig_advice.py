@@ -20,13 +20,14 @@ import pytest
 
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
-from gpusteward.collectors.publisher import KafkaPublisher
+from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.rules.mig import layout
+from gpusteward.rules.mig.advice import MigAdviceSettings
 from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import SimulatedCluster
 from gpusteward.schema import Finding
-from gpusteward.streams.fleet import FleetRuleSettings, fleet_group
+from gpusteward.streams.fleet import fleet_group
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.e2e
 async def _run(broker: EmbeddedBroker, log: Path) -> list[Finding]:
     settings = broker.settings().model_copy(update={"topic_prefix": "e2e-mig-advice"})
     await kafka.ensure_topics(settings)
-    interval = FleetRuleSettings().mig_advice_interval_s
+    interval = MigAdviceSettings().interval_s
     spec = scenarios.load("mig-inference").model_copy(
         update={"acceleration": 0.0, "duration_s": interval + 600, "sample_interval_s": 60.0})
     cluster = SimulatedCluster(spec)
@@ -63,7 +64,7 @@ def test_advice_for_the_pool_that_strands_the_reranker(broker: EmbeddedBroker,
     findings = asyncio.run(_run(broker, tmp_path / "worker.log"))
     advice = [f for f in findings if f.kind == layout.KIND]
     spec = scenarios.load("mig-inference")
-    boundary = spec.start_ts + FleetRuleSettings().mig_advice_interval_s
+    boundary = spec.start_ts + MigAdviceSettings().interval_s
     # One advice, at the interval boundary, for the 2-GPU nodes' pool (the one-GPU
     # 3g.40gb node serves its embedders as it is).
     assert [(f.ts, f.labels["pool"]) for f in advice] == [(boundary, "A100-80GB/2gpu")]

@@ -18,7 +18,7 @@ import pytest
 
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
-from gpusteward.collectors.publisher import KafkaPublisher
+from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.remediation.executor import Executor
 from gpusteward.rules.idle import IdleSettings
 from gpusteward.sandbox.backend import SimulatorBackend

@@ -6,8 +6,9 @@ import asyncio
 from typing import Any
 
 from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
+from gpusteward.sandbox.kube_api import KUEUE_GROUP, KubeApiServer
 from gpusteward.schema import Action, ActionVerb, PodRef, Subject
-from tests.remediation.kube_double import KubeDouble, node, pdb, pod, workload
+from tests.remediation.cluster import admitted_workload, node, pdb, pod, pods, writes
 
 
 def action(verb: ActionVerb, *, node_name: str | None = None, pod_ref: PodRef | None = None,
@@ -21,45 +22,47 @@ def run(backend: KubernetesBackend, act: Action) -> tuple[str, str]:
     return asyncio.run(getattr(backend, act.verb)(act))
 
 
-def patches(kube: KubeDouble) -> list[tuple[str, str, str]]:
-    return [r for r in kube.state.requests if r[0] in ("PATCH", "POST", "DELETE")]
+def evictions(kube: KubeApiServer) -> list[tuple[str, str, int]]:
+    """(namespace, pod, HTTP status) of every eviction request."""
+    return [(r.path.split("/")[4], r.path.split("/")[6], r.status) for r in kube.requests
+            if r.path.endswith("/eviction")]
 
 
 def test_cordon_sets_unschedulable_with_a_strategic_merge_patch_once(
-        kube: KubeDouble, kube_settings: KubeSettings) -> None:
-    kube.state.add(node("gpu-1"))
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    kube.load(node("gpu-1"))
     backend = KubernetesBackend(kube_settings)
     assert run(backend, action("cordon", node_name="gpu-1"))[0] == "executed"
-    stored = kube.state.nodes["gpu-1"]
+    stored = kube.get("Node", "gpu-1")
     assert stored["spec"]["unschedulable"] is True
     assert stored["metadata"]["annotations"]["gpusteward.io/cordon-reason"] == "ECC DBE on GPU-1"
-    assert patches(kube) == [("PATCH", "/api/v1/nodes/gpu-1",
+    assert writes(kube) == [("PATCH", "/api/v1/nodes/gpu-1",
                               "application/strategic-merge-patch+json")]
     outcome, detail = run(backend, action("cordon", node_name="gpu-1"))
     assert (outcome, detail) == ("skipped", "gpu-1 is already cordoned")
-    assert len(patches(kube)) == 1
+    assert len(writes(kube)) == 1
 
 
 def test_taint_adds_a_gpusteward_taint_and_keeps_the_others(
-        kube: KubeDouble, kube_settings: KubeSettings) -> None:
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     existing = node("gpu-1")
     existing["spec"]["taints"] = [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]
-    kube.state.add(existing)
+    kube.load(existing)
     backend = KubernetesBackend(kube_settings)
     taint = action("taint", node_name="gpu-1", key="xid-79", effect="NoExecute")
     assert run(backend, taint)[0] == "executed"
-    taints = kube.state.nodes["gpu-1"]["spec"]["taints"]
+    taints = kube.get("Node", "gpu-1")["spec"]["taints"]
     assert [(t["key"], t["effect"]) for t in taints] == [
         ("nvidia.com/gpu", "NoSchedule"), ("gpusteward.io/xid-79", "NoExecute")]
     assert taints[1]["value"] == "ecc_dbe"
     assert run(backend, taint)[0] == "skipped"
     assert run(backend, action("taint", node_name="gpu-1", effect="PreferNoSchedule"))[0] == \
         "refused"
-    assert len(kube.state.nodes["gpu-1"]["spec"]["taints"]) == 2
+    assert len(kube.get("Node", "gpu-1")["spec"]["taints"]) == 2
 
 
-def drainable_node(kube: KubeDouble, budget_allowed: int) -> None:
-    kube.state.add(
+def drainable_node(kube: KubeApiServer, budget_allowed: int) -> None:
+    kube.load([
         node("gpu-1"),
         pod("ml-alice", "notebook-0", "gpu-1"),
         pod("ml-bob", "serve-0", "gpu-1", labels={"app": "serve"}),
@@ -70,118 +73,120 @@ def drainable_node(kube: KubeDouble, budget_allowed: int) -> None:
         pod("kube-system", "coredns-1", "gpu-1"),
         pod("ml-alice", "elsewhere", "gpu-2"),
         pdb("ml-bob", "serve-pdb", {"app": "serve"}, allowed=budget_allowed),
-    )
+    ])
 
 
 def test_drain_evicts_through_the_eviction_api_and_leaves_daemonset_and_mirror_pods(
-        kube: KubeDouble, kube_settings: KubeSettings) -> None:
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     drainable_node(kube, budget_allowed=1)
     outcome, detail = run(KubernetesBackend(kube_settings), action("drain", node_name="gpu-1"))
     assert outcome == "executed", detail
-    assert kube.state.nodes["gpu-1"]["spec"]["unschedulable"] is True
-    assert sorted((ns, name) for ns, name, code in kube.state.evictions if code == 201) == [
+    assert kube.get("Node", "gpu-1")["spec"]["unschedulable"] is True
+    assert sorted((ns, name) for ns, name, code in evictions(kube) if code == 201) == [
         ("ml-alice", "notebook-0"), ("ml-bob", "serve-0")]
-    left = {name for _, name in kube.state.pods}
+    left = {name for _, name in pods(kube)}
     assert left == {"dcgm-exporter-x", "static-proxy-gpu-1", "done-0", "coredns-1", "elsewhere"}
-    assert not [r for r in kube.state.requests if r[0] == "DELETE"]
+    assert not [r for r in kube.requests if r.method == "DELETE"]
     assert "DaemonSet pod" in detail and "mirror pod" in detail
 
 
 def test_a_pdb_that_blocks_an_eviction_is_retried_then_reported_never_forced(
-        kube: KubeDouble, kube_settings: KubeSettings) -> None:
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     drainable_node(kube, budget_allowed=0)
     outcome, detail = run(KubernetesBackend(kube_settings), action("drain", node_name="gpu-1"))
     assert outcome == "failed"
     assert "drain incomplete after 0.5 s" in detail
     assert "ml-bob/serve-0 blocked by a PodDisruptionBudget" in detail
     assert "violate the pod's disruption budget" in detail
-    blocked = [code for ns, name, code in kube.state.evictions if name == "serve-0"]
+    blocked = [code for ns, name, code in evictions(kube) if name == "serve-0"]
     assert len(blocked) >= 3 and set(blocked) == {429}  # retried with backoff, never forced
-    assert ("ml-bob", "serve-0") in kube.state.pods
-    assert ("ml-alice", "notebook-0") not in kube.state.pods
-    assert not [r for r in kube.state.requests if r[0] == "DELETE"]
+    assert ("ml-bob", "serve-0") in pods(kube)
+    assert ("ml-alice", "notebook-0") not in pods(kube)
+    assert not [r for r in kube.requests if r.method == "DELETE"]
 
 
 def test_a_drain_goes_on_once_the_pdb_allows_it(
-        kube: KubeDouble, kube_settings: KubeSettings) -> None:
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     drainable_node(kube, budget_allowed=0)
     waits: list[float] = []
 
     async def sleep(seconds: float) -> None:
         waits.append(seconds)
         if len(waits) == 2:  # the replacement replica became ready elsewhere
-            kube.state.pdbs[0]["status"]["disruptionsAllowed"] = 1
+            kube.patch("PodDisruptionBudget", "serve-pdb", {"status": {"disruptionsAllowed": 1}},
+                       namespace="ml-bob", group="policy")
 
     backend = KubernetesBackend(kube_settings, sleep=sleep)
     outcome, detail = run(backend, action("drain", node_name="gpu-1"))
     assert outcome == "executed", detail
-    assert ("ml-bob", "serve-0") not in kube.state.pods
+    assert ("ml-bob", "serve-0") not in pods(kube)
     assert waits == [0.01, 0.02]  # exponential backoff between 429s
 
 
 def test_requeue_deactivates_then_reactivates_a_kueue_workload(
-        kube: KubeDouble, kube_settings: KubeSettings) -> None:
-    kube.state.add(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    kube.load([
         pod("ml-dave", "train-0", "gpu-1", owner_kind="Job",
             annotations={"kueue.x-k8s.io/workload": "job-train-abc12"}),
-        workload("ml-dave", "job-train-abc12"),
-    )
+        admitted_workload("ml-dave", "job-train-abc12"),
+    ])
     outcome, detail = run(KubernetesBackend(kube_settings),
                           action("requeue", pod_ref=PodRef("ml-dave", "train-0")))
     assert outcome == "executed", detail
-    assert kube.state.workload_patches == [("job-train-abc12", False), ("job-train-abc12", True)]
-    stored = kube.state.workloads[("ml-dave", "job-train-abc12")]
+    assert [(r.path.rsplit("/", 1)[1], r.body["spec"]["active"]) for r in kube.requests
+            if r.method == "PATCH"] == [("job-train-abc12", False), ("job-train-abc12", True)]
+    stored = kube.get("Workload", "job-train-abc12", "ml-dave", group=KUEUE_GROUP)
     assert stored["spec"]["active"] is True
     assert {c["reason"] for c in stored["status"]["conditions"]} >= {"Reactivated"}
-    assert all(ct == "application/merge-patch+json" for m, p, ct in kube.state.requests
-               if m == "PATCH")
-    assert ("ml-dave", "train-0") in kube.state.pods  # Kueue, not us, stops the pods
+    assert all(r.content_type == "application/merge-patch+json" for r in kube.requests
+               if r.method == "PATCH")
+    assert ("ml-dave", "train-0") in pods(kube)  # Kueue, not us, stops the pods
 
 
 def test_requeue_of_a_plain_job_pod_deletes_it_and_a_bare_pod_is_refused(
-        kube: KubeDouble, kube_settings: KubeSettings) -> None:
-    kube.state.add(pod("ml-erin", "job-x-1", "gpu-1", owner_kind="Job", owner_name="job-x"),
-                   pod("ml-erin", "bare", "gpu-1", owner_kind=None))
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    kube.load([pod("ml-erin", "job-x-1", "gpu-1", owner_kind="Job", owner_name="job-x"),
+               pod("ml-erin", "bare", "gpu-1", owner_kind=None)])
     backend = KubernetesBackend(kube_settings)
     outcome, detail = run(backend, action("requeue", pod_ref=PodRef("ml-erin", "job-x-1")))
     assert outcome == "executed" and "Job job-x recreates it" in detail
-    assert ("ml-erin", "job-x-1") not in kube.state.pods
+    assert ("ml-erin", "job-x-1") not in pods(kube)
     outcome, _ = run(backend, action("requeue", pod_ref=PodRef("ml-erin", "bare")))
     assert outcome == "refused"
-    assert ("ml-erin", "bare") in kube.state.pods
+    assert ("ml-erin", "bare") in pods(kube)
     assert run(backend, action("requeue", pod_ref=PodRef("ml-erin", "job-x-1")))[0] == "skipped"
 
 
 def test_notify_owner_creates_an_event_and_annotates_the_pod_once(
-        kube: KubeDouble, kube_settings: KubeSettings) -> None:
-    kube.state.add(pod("ml-alice", "notebook-0", "gpu-1"))
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    kube.load(pod("ml-alice", "notebook-0", "gpu-1"))
     backend = KubernetesBackend(kube_settings)
     notify = action("notify_owner", pod_ref=PodRef("ml-alice", "notebook-0"))
     assert run(backend, notify)[0] == "executed"
-    [event] = kube.state.events
+    [event] = kube.objects("Event")
     assert event["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "name": "notebook-0",
                                        "namespace": "ml-alice", "uid": "uid-ml-alice-notebook-0"}
     assert (event["reason"], event["type"], event["message"]) == (
         "GpuStewardNotice", "Warning", "ECC DBE on GPU-1")
-    annotations = kube.state.pods[("ml-alice", "notebook-0")]["metadata"]["annotations"]
+    annotations = kube.get("Pod", "notebook-0", "ml-alice")["metadata"]["annotations"]
     assert annotations["gpusteward.io/notice"] == "ECC DBE on GPU-1"
     assert run(backend, notify)[0] == "skipped"
-    assert len(kube.state.events) == 1
+    assert len(kube.objects("Event")) == 1
 
 
-def test_set_mig_config_labels_the_node(kube: KubeDouble, kube_settings: KubeSettings) -> None:
-    kube.state.add(node("gpu-1", labels={"nvidia.com/mig.config": "all-disabled"}))
+def test_set_mig_config_labels_the_node(kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    kube.load(node("gpu-1", labels={"nvidia.com/mig.config": "all-disabled"}))
     backend = KubernetesBackend(kube_settings)
     relabel = action("set_mig_config", node_name="gpu-1", config="all-3g.40gb")
     outcome, detail = run(backend, relabel)
     assert outcome == "executed" and "was all-disabled" in detail
-    assert kube.state.nodes["gpu-1"]["metadata"]["labels"]["nvidia.com/mig.config"] == \
+    assert kube.get("Node", "gpu-1")["metadata"]["labels"]["nvidia.com/mig.config"] == \
         "all-3g.40gb"
     assert run(backend, relabel)[0] == "skipped"
 
 
 def test_gpu_node_count_counts_only_gpu_nodes(
-        kube: KubeDouble, kube_settings: KubeSettings) -> None:
-    kube.state.add(node("gpu-1"), node("gpu-2"), node("cpu-1", gpus=0))
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    kube.load([node("gpu-1"), node("gpu-2"), node("cpu-1", gpus=0)])
     count: Any = asyncio.run(KubernetesBackend(kube_settings).gpu_node_count())
     assert count == 2

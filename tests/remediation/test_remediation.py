@@ -1,5 +1,10 @@
 """The remediation executor's guards: dry-run per rule, deny-lists, MIG policy, the breaker,
-idempotency across redelivery and restart, the audit trail and the dead-letter topic."""
+idempotency across redelivery and restart, retries of temporary errors, the audit trail and
+the dead-letter topic.
+
+The decisions need no broker (the executor decides before it publishes): those tests use
+plain settings and the API double; one test runs the whole loop on the broker.
+"""
 
 from __future__ import annotations
 
@@ -17,11 +22,14 @@ from gpusteward.remediation.executor import (
     reset_breaker,
 )
 from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
+from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.schema import Action, ActionResult, ActionVerb, DeadLetter, Finding, PodRef, Subject
 from gpusteward.settings import Settings
-from tests.remediation.kube_double import KubeDouble, node, pod
+from tests.remediation.cluster import cordoned, node, pod, writes
 
 ENABLED = RemediationSettings(enabled_rules={"ecc_dbe"})
+OFFLINE = Settings()
+"""Settings for the decision tests: they never reach the broker these name."""
 
 
 def dbe_cordon(node_name: str, verb: ActionVerb = "cordon", rule: str = "ecc_dbe",
@@ -37,20 +45,20 @@ def decide_all(executor: Executor, actions: Iterable[Action]) -> list[ActionResu
     return asyncio.run(main())
 
 
-def fleet(kube: KubeDouble, size: int) -> list[str]:
+def fleet(kube: KubeApiServer, size: int) -> list[str]:
     names = [f"gpu-{i:02d}" for i in range(size)]
-    kube.state.add(*(node(n) for n in names))
+    kube.load(node(n) for n in names)
     return names
 
 
 def test_dry_run_is_the_default_and_execution_is_per_rule(
-        kube: KubeDouble, kube_settings: KubeSettings, settings: Settings) -> None:
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     fleet(kube, 4)
     backend = KubernetesBackend(kube_settings)
-    dry = Executor(settings, backend)  # no execute, no enabled rules
-    executing_nothing_enabled = Executor(settings, backend, execute=True,
+    dry = Executor(OFFLINE, backend)  # no execute, no enabled rules
+    executing_nothing_enabled = Executor(OFFLINE, backend, execute=True,
                                          remediation=RemediationSettings())
-    executing = Executor(settings, backend, execute=True, remediation=ENABLED)
+    executing = Executor(OFFLINE, backend, execute=True, remediation=ENABLED)
     [a] = decide_all(dry, [dbe_cordon("gpu-00")])
     [b] = decide_all(executing_nothing_enabled, [dbe_cordon("gpu-01")])
     [c, d] = decide_all(executing, [dbe_cordon("gpu-02"),
@@ -61,15 +69,15 @@ def test_dry_run_is_the_default_and_execution_is_per_rule(
     assert "rule ecc_dbe is not enabled; --enable-rule ecc_dbe" in b.detail
     assert a.detail.startswith("would cordon node gpu-00 (spec.unschedulable=true) because: "
                                "uncorrectable ECC error on gpu-00")
-    assert kube.state.cordoned() == ["gpu-02"]
+    assert cordoned(kube) == ["gpu-02"]
 
 
 def test_deny_lists_and_mig_policy_refuse(
-        kube: KubeDouble, kube_settings: KubeSettings, settings: Settings) -> None:
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     fleet(kube, 3)
-    kube.state.add(pod("kube-system", "coredns-1", "gpu-00"))
+    kube.create(pod("kube-system", "coredns-1", "gpu-00"))
     policy = RemediationSettings(enabled_rules={"*"}, deny_nodes={"gpu-0[1]"})
-    executor = Executor(settings, KubernetesBackend(kube_settings), execute=True,
+    executor = Executor(OFFLINE, KubernetesBackend(kube_settings), execute=True,
                         remediation=policy)
     results = decide_all(executor, [
         dbe_cordon("gpu-01"),
@@ -82,8 +90,8 @@ def test_deny_lists_and_mig_policy_refuse(
     assert [r.detail for r in results] == [
         "node gpu-01 is on the deny-list", "namespace kube-system is on the deny-list",
         "MIG relabels are not allowed by policy (allow_mig_config is off)"]
-    assert kube.state.cordoned() == [] and kube.state.events == []
-    allowed = Executor(settings, KubernetesBackend(kube_settings), execute=True,
+    assert cordoned(kube) == [] and kube.objects("Event") == []
+    allowed = Executor(OFFLINE, KubernetesBackend(kube_settings), execute=True,
                        remediation=RemediationSettings(enabled_rules={"*"},
                                                        allow_mig_config=True))
     [relabel] = decide_all(allowed, [dbe_cordon("gpu-02", verb="set_mig_config",
@@ -92,15 +100,15 @@ def test_deny_lists_and_mig_policy_refuse(
 
 
 def test_a_storm_on_half_the_fleet_cordons_no_more_than_the_breaker_allows(
-        kube: KubeDouble, kube_settings: KubeSettings, settings: Settings) -> None:
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     names = fleet(kube, 40)
     storm = [dbe_cordon(n) for n in names[:20]]  # half the fleet reports DBE at once
-    executor = Executor(settings, KubernetesBackend(kube_settings), execute=True,
+    executor = Executor(OFFLINE, KubernetesBackend(kube_settings), execute=True,
                         remediation=ENABLED)
     results = decide_all(executor, storm)
     # 10 % of 40 GPU nodes (counted through the API) = 4 per window.
     assert [r.outcome for r in results] == ["executed"] * 4 + ["refused"] * 16
-    assert kube.state.cordoned() == names[:4]
+    assert cordoned(kube) == names[:4]
     assert "circuit breaker tripped: 4 nodes of 40 GPU nodes already disrupted" in \
         results[4].detail
     assert all("circuit breaker open" in r.detail for r in results[5:])
@@ -110,16 +118,16 @@ def test_a_storm_on_half_the_fleet_cordons_no_more_than_the_breaker_allows(
 
 
 def test_the_absolute_limit_holds_on_a_big_fleet(
-        kube: KubeDouble, kube_settings: KubeSettings, settings: Settings) -> None:
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     policy = RemediationSettings(enabled_rules={"*"}, breaker_max_nodes=3,
                                  fleet_gpu_nodes=1250)
     names = fleet(kube, 6)
-    executor = Executor(settings, KubernetesBackend(kube_settings), execute=True,
+    executor = Executor(OFFLINE, KubernetesBackend(kube_settings), execute=True,
                         remediation=policy)
     results = decide_all(executor, [dbe_cordon(n) for n in names])
     assert [r.outcome for r in results].count("executed") == 3
     # A second verb on a node already disrupted in the window is not a new node.
-    fresh = Executor(settings, KubernetesBackend(kube_settings), execute=True,
+    fresh = Executor(OFFLINE, KubernetesBackend(kube_settings), execute=True,
                      remediation=policy)
     again = decide_all(fresh, [dbe_cordon(names[0], verb="taint"), dbe_cordon(names[0],
                                                                                 verb="drain")])
@@ -127,15 +135,14 @@ def test_the_absolute_limit_holds_on_a_big_fleet(
 
 
 def test_a_redelivered_action_changes_nothing(
-        kube: KubeDouble, kube_settings: KubeSettings, settings: Settings) -> None:
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     fleet(kube, 10)
-    executor = Executor(settings, KubernetesBackend(kube_settings), execute=True,
+    executor = Executor(OFFLINE, KubernetesBackend(kube_settings), execute=True,
                         remediation=ENABLED)
     first, again = decide_all(executor, [dbe_cordon("gpu-00"), dbe_cordon("gpu-00")])
     assert (first.outcome, again.outcome) == ("executed", "skipped")
     assert again.detail == "already executed (redelivered action)"
-    writes = [r for r in kube.state.requests if r[0] != "GET"]
-    assert len(writes) == 1
+    assert len(writes(kube)) == 1
 
 
 def test_describe_says_what_each_verb_would_do() -> None:
@@ -182,12 +189,14 @@ def decode_all(settings: Settings, topic: str, kind: type) -> list:
     return [msgspec.json.decode(r.value or b"", type=kind) for r in records]
 
 
-def test_breaker_state_and_executed_keys_survive_a_restart_until_reset(
-        kube: KubeDouble, kube_settings: KubeSettings, settings: Settings) -> None:
+def test_the_loop_audits_retries_and_keeps_breaker_and_keys_across_a_restart_until_reset(
+        kube: KubeApiServer, kube_settings: KubeSettings, settings: Settings) -> None:
     asyncio.run(kafka.ensure_topics(settings))
     names = fleet(kube, 20)
     encode = msgspec.json.encode
-    policy = RemediationSettings(enabled_rules={"ecc_dbe"})  # 10 % of 20 = 2
+    # 10 % of 20 = 2; short backoff: the first cordon meets one 503 and is tried again.
+    policy = RemediationSettings(enabled_rules={"ecc_dbe"}, retry_backoff_s=0.01)
+    kube.fail("PATCH", 1, status=503, path="/nodes/")
 
     def executor(group: str) -> Executor:
         return Executor(settings, KubernetesBackend(kube_settings), execute=True,
@@ -196,11 +205,18 @@ def test_breaker_state_and_executed_keys_survive_a_restart_until_reset(
     storm = [encode(dbe_cordon(n)) for n in names[:10]]
     first = asyncio.run(run_until(executor("g1"), settings, [*storm, b"{not json"], 10))
     assert [r.outcome for r in first].count("executed") == 2
-    assert kube.state.cordoned() == names[:2]
+    assert cordoned(kube) == names[:2]
 
     audit = decode_all(settings, topics.ACTION_RESULTS.name(settings), ActionResult)
     assert sorted(r.outcome for r in audit if not r.idempotency_key.startswith("breaker/")) == \
-        ["executed"] * 2 + ["refused"] * 8
+        ["executed"] * 2 + ["refused"] * 8 + ["retrying"]
+    [retried] = [r for r in audit if r.outcome == "retrying"]
+    assert (retried.idempotency_key, retried.attempt) == (f"{names[0]}-dbe/cordon", 1)
+    assert retried.error and retried.error.startswith("ServerError: 503 ServiceUnavailable")
+    [final] = [r for r in audit if r.idempotency_key == retried.idempotency_key
+               and r.outcome != "retrying"]
+    assert (final.outcome, final.attempt, final.error) == ("executed", 2, None)
+    assert audit.index(retried) < audit.index(final)
     assert len([r for r in audit if r.idempotency_key.startswith("breaker/trip/")]) == 1
     [breaker] = decode_all(settings, topics.FINDINGS.name(settings), Finding)
     assert (breaker.kind, breaker.state, breaker.severity) == (
@@ -211,11 +227,11 @@ def test_breaker_state_and_executed_keys_survive_a_restart_until_reset(
 
     # A restart (another group reads the whole topic again): the breaker is still open and
     # the executed cordons are not repeated.
-    writes_before = len([r for r in kube.state.requests if r[0] != "GET"])
+    writes_before = len(writes(kube))
     again = asyncio.run(run_until(executor("g2"), settings, [encode(dbe_cordon(names[15]))],
                                   11))
     assert sorted(r.outcome for r in again) == ["refused"] * 9 + ["skipped"] * 2
-    assert len([r for r in kube.state.requests if r[0] != "GET"]) == writes_before
+    assert len(writes(kube)) == writes_before
 
     # An explicit reset closes it: the next executor cordons again and the finding resolves.
     asyncio.run(reset_breaker(settings, "alice", "driver roll-out finished"))
@@ -226,7 +242,7 @@ def test_breaker_state_and_executed_keys_survive_a_restart_until_reset(
     assert states[:2] == ["firing", "resolved"]
 
 
-def test_no_backend_refuses_and_dry_run_only_describes(settings: Settings) -> None:
-    executor = Executor(settings, NoBackend(), execute=True, remediation=ENABLED)
+def test_no_backend_refuses_and_dry_run_only_describes() -> None:
+    executor = Executor(OFFLINE, NoBackend(), execute=True, remediation=ENABLED)
     [result] = decide_all(executor, [dbe_cordon("gpu-1")])
     assert (result.outcome, result.detail) == ("refused", "backend none cannot cordon")

@@ -8,6 +8,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from gpusteward.rules.idle import KIND as IDLE
+from gpusteward.rules.idle import IdleSettings
 from gpusteward.rules.policy import parse_policy
 from gpusteward.sandbox import traces
 
@@ -101,12 +103,13 @@ def test_moved_to_a_start_time(tmp_path: Path) -> None:
 def test_trace_policy_gives_inference_pods_the_base_definition() -> None:
     policy = parse_policy(traces.genai_idle_policy())
     definition = traces.IdleDefinition()
-    effective = policy.resolve("genai").idle.effective("inference")
+    effective = policy.resolve("genai").of(IDLE, IdleSettings).effective("inference")
     assert (effective.threshold_pct, effective.window_s, effective.grace_s) == (
         definition.threshold_pct, definition.window_s, definition.grace_s)
-    assert policy.resolve("genai").idle.max_gap_s == definition.max_gap_s
+    assert policy.resolve("genai").of(IDLE, IdleSettings).max_gap_s == definition.max_gap_s
     # Other namespaces keep the shipped 4 h window for serving pods.
-    assert policy.resolve("ml-serving").idle.effective("inference").window_s == 4 * 3600
+    serving = policy.resolve("ml-serving").of(IDLE, IdleSettings)
+    assert serving.effective("inference").window_s == 4 * 3600
 
 
 def test_empty_trace_is_a_clear_error(tmp_path: Path) -> None:

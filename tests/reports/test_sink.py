@@ -13,7 +13,7 @@ from aiokafka import ConsumerRecord
 from gpusteward import kafka, topics
 from gpusteward.reports import store
 from gpusteward.reports.settings import ReportSettings
-from gpusteward.reports.sink import RollupSink
+from gpusteward.reports.sink import RollupSink, rollup_sink
 from gpusteward.schema import DeadLetter, Rollup
 from gpusteward.settings import Settings
 
@@ -58,3 +58,38 @@ def test_sink_writes_what_it_reads_and_dead_letters_the_rest(settings: Settings,
     assert len(dead) == 1
     letter = msgspec.json.decode(dead[0].value or b"", type=DeadLetter)
     assert letter.value == b"{not json" and letter.source_topic.endswith("rollups.v1")
+
+
+@pytest.mark.e2e
+def test_redelivered_rollups_are_written_once(settings: Settings, tmp_path: Path) -> None:
+    """A worker re-publishes the minutes it had emitted before a crash: same names."""
+    report = ReportSettings(flush_rows=1000, flush_interval_s=0.3)
+    first = [Rollup(ts=T0 + 60 * i, node="n0", uuid="GPU-0", model="m", samples=6,
+                    util_mean=float(i)) for i in range(6)]
+    # The replay after the crash: the last three again, one of them only partly folded.
+    again = [first[3], msgspec.structs.replace(first[4], samples=2, util_mean=99.0), first[5]]
+
+    async def main() -> RollupSink:
+        await kafka.ensure_topics(settings)
+        producer = kafka.producer(settings)
+        await producer.start()
+        for rollup in first + again:
+            await producer.send(topics.ROLLUPS.name(settings), msgspec.json.encode(rollup),
+                                key=b"n0")
+        await producer.flush()
+        await producer.stop()
+        sink = rollup_sink(settings, report, directory=tmp_path)
+        stop = asyncio.Event()
+        task = asyncio.create_task(sink.run(stop))
+        for _ in range(300):
+            if sink.rows_written + sink.duplicates >= 9:
+                break
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        return sink
+
+    sink = asyncio.run(main())
+    assert (sink.rows_written, sink.duplicates) == (6, 3)
+    frame = store.scan(tmp_path, T0, T0 + 86400).collect().sort("ts")
+    assert frame["util_mean"].to_list() == [float(i) for i in range(6)]

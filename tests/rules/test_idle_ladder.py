@@ -165,3 +165,79 @@ def test_the_ladder_property_reached_every_step() -> None:
     """The property above is only worth something if its examples climb the whole ladder."""
     test_every_ladder_step_rests_on_an_unbroken_idle_run()
     assert reached == {1.0, 2.0, 3.0}
+
+
+def _kept(until: str, **settings: float) -> tuple[list[Finding], list[Action]]:
+    holder = idle.Holder(POD, START, "notebook", annotations={idle.KEEP_UNTIL_ANNOTATION: until})
+    out = run(holder, 40, idle.IdleSettings(**settings))
+    return ([o for o in out if isinstance(o, Finding)], [o for o in out if isinstance(o, Action)])
+
+
+def test_keep_until_holds_the_ladder_and_the_finding_says_so() -> None:
+    first = START + SETTINGS.grace_s + SETTINGS.window_s
+    hold_end = START + 20 * 3600
+    findings, acts = _kept(idle.rfc3339(hold_end))
+    # Raised, but no notice while the owner's hold lasts.
+    assert findings[0].ts == first
+    assert f"left alone until {idle.rfc3339(hold_end)} (gpusteward.io/keep-until)" in (
+        findings[0].summary)
+    assert findings[0].evidence and findings[0].evidence.values["kept_until"] == hold_end
+    # When it ends: the warning at once, the reclaim reclaim_after_s later.
+    assert [(a.verb, a.ts) for a in acts] == [
+        ("notify_owner", hold_end), ("requeue", hold_end + SETTINGS.reclaim_after_s)]
+    assert [f.severity for f in findings] == ["info", "warning", "warning"]
+
+
+def test_keep_until_added_after_the_first_notice_is_reported_once() -> None:
+    track = idle.IdleTrack()
+    sample = DeviceSample(uuid="GPU-1", index=0, model="A100", util_pct=0.0)
+    hold_end = START + 30 * 3600
+    out: list[Finding | Action] = []
+    for i in range(40 * 60 + 1):
+        ts = START + i * 60
+        # The owner reads the first notice and annotates the pod an hour later.
+        annotations = ({idle.KEEP_UNTIL_ANNOTATION: idle.rfc3339(hold_end)}
+                       if ts > START + 2 * 3600 else {})
+        holder = idle.Holder(POD, START, "notebook", annotations=annotations)
+        out += idle.observe(track, node="n1", sample=sample, holder=holder, ts=ts,
+                            settings=SETTINGS)
+    findings = [o for o in out if isinstance(o, Finding)]
+    acts = [o for o in out if isinstance(o, Action)]
+    held = [f for f in findings if "left alone" in f.summary]
+    assert len(held) == 1 and held[0].ts == START + 2 * 3600 + 60
+    assert [(a.verb, a.ts) for a in acts] == [
+        ("notify_owner", START + SETTINGS.grace_s + SETTINGS.window_s),
+        ("notify_owner", hold_end), ("requeue", hold_end + SETTINGS.reclaim_after_s)]
+
+
+def test_keep_until_is_capped_by_policy() -> None:
+    # The cap counts from the start of the idle episode (the finding's starts_at).
+    idle_since = START + SETTINGS.grace_s
+    first = idle_since + SETTINGS.window_s
+    findings, acts = _kept("2099-01-01T00:00:00Z", keep_until_max_s=10 * 3600)
+    assert findings[0].starts_at == idle_since
+    assert findings[0].evidence and findings[0].evidence.values["kept_until"] == (
+        idle_since + 36000)
+    assert [a.ts for a in acts] == [idle_since + 36000,
+                                    idle_since + 36000 + SETTINGS.reclaim_after_s]
+    # 0 ignores the annotation: the ordinary ladder.
+    _, acts = _kept("2099-01-01T00:00:00Z", keep_until_max_s=0)
+    assert [a.ts for a in acts] == [first, first + SETTINGS.warn_after_s,
+                                    first + SETTINGS.warn_after_s + SETTINGS.reclaim_after_s]
+
+
+def test_kept_until_reads_only_zoned_rfc3339_times() -> None:
+    assert idle.kept_until({"gpusteward.io/keep-until": "2026-11-30T12:00:00+01:00"}, 0,
+                           1e12) == 1796036400.0
+    for unreadable in ("2026-11-30T12:00:00", "next friday", ""):
+        assert idle.kept_until({"gpusteward.io/keep-until": unreadable}, 0, 1e12) is None
+    assert idle.kept_until({}, 0, 1e12) is None
+
+
+def test_reclaim_action_carries_what_the_backend_rechecks() -> None:
+    s = idle.IdleSettings(reclaim_execute=True, reclaim_bare_pods=True, keep_until_max_s=3600)
+    reclaim = [o for o in run(idle.Holder(POD, START, "notebook"), 14, s)
+               if isinstance(o, Action)][-1]
+    assert reclaim.params == {"reason": "idle-reclaim",
+                              "idle_since": repr(START + s.grace_s),
+                              "keep_until_max_s": "3600.0", "delete_bare_pod": "true"}

@@ -8,8 +8,13 @@ import pytest
 from typer.testing import CliRunner
 
 from gpusteward.cli import app
-from gpusteward.rules import REGISTRY, policy
+from gpusteward.rules import REGISTRY, hardware, idle, policy
 from gpusteward.rules.idle import IdleSettings
+from gpusteward.streams import policy_file
+
+IDLE = idle.KIND
+
+SHIPPED = Path(policy.__file__).with_name("policy.yaml")
 
 LAYERED = """\
 node_pool_label: cloud.google.com/gke-nodepool
@@ -47,25 +52,30 @@ namespaces:
 
 
 def test_shipped_policy_is_generated_from_the_models_and_holds_their_defaults() -> None:
-    assert policy.shipped_policy_text() == policy.render_defaults()
-    shipped = policy.load_policy(None)
-    assert set(shipped.rules) == set(REGISTRY)
-    for name, model in REGISTRY.items():
+    shipped = policy.parse_policy(SHIPPED.read_text(), "policy.yaml")
+    assert SHIPPED.read_text() == policy.render_defaults()
+    assert set(shipped.rules) == set(REGISTRY.configurable())
+    for name, model in REGISTRY.configurable().items():
         assert shipped.resolve().rules[name] == model()
+    # With no file, the worker runs on the same settings without reading one.
+    assert policy_file.load_policy(None).resolve().rules == shipped.resolve().rules
 
 
 def test_layers_apply_pool_then_queue_then_namespace() -> None:
     p = policy.parse_policy(LAYERED, "layered.yaml")
     assert p.node_pool_label == "cloud.google.com/gke-nodepool"
-    assert p.resolve().idle.window_s == 3600
-    assert p.resolve(node_pool="h100-spot").idle.window_s == 1200
-    assert p.resolve(queue="research", node_pool="h100-spot").idle.window_s == 600
-    both = p.resolve("ml-serving", "research", "h100-spot").idle
+    assert p.resolve().of(IDLE, IdleSettings).window_s == 3600
+    assert p.resolve(node_pool="h100-spot").of(IDLE, IdleSettings).window_s == 1200
+    assert p.resolve(queue="research", node_pool="h100-spot").of(IDLE, IdleSettings).window_s \
+        == 600
+    both = p.resolve("ml-serving", "research", "h100-spot").of(IDLE, IdleSettings)
     assert both.window_s == 7200 and both.grace_s == 60
     # Nested mappings merge key by key: the batch override keeps the other kinds' defaults.
-    assert p.resolve().idle.kinds["batch"].window_s == 900
-    assert p.resolve().idle.kinds["inference"] == IdleSettings().kinds["inference"]
-    thermal = p.resolve(node_pool="h100-spot").hardware.thermal
+    assert p.resolve().of(IDLE, IdleSettings).kinds["batch"].window_s == 900
+    assert p.resolve().of(IDLE, IdleSettings).kinds["inference"] == \
+        IdleSettings().kinds["inference"]
+    thermal = p.resolve(node_pool="h100-spot").of(hardware.THERMAL_KIND,
+                                                  hardware.ThermalSettings)
     assert thermal.threshold_for("NVIDIA H100 80GB HBM3") == 80
     assert thermal.threshold_for("NVIDIA A100-SXM4-80GB") == 89
 
@@ -100,11 +110,11 @@ def test_yaml_syntax_and_shape_errors_are_located() -> None:
 def test_env_names_the_policy_file(tmp_path: Path) -> None:
     path = tmp_path / "p.yaml"
     path.write_text(LAYERED)
-    assert policy.policy_from_env({"GPUSTEWARD_POLICY_FILE": str(path)}).node_pool_label == \
-        "cloud.google.com/gke-nodepool"
-    assert policy.policy_from_env({}).node_pool_label == policy.DEFAULT_POOL_LABEL
+    assert policy_file.policy_from_env({"GPUSTEWARD_POLICY_FILE": str(path)}
+                                       ).node_pool_label == "cloud.google.com/gke-nodepool"
+    assert policy_file.policy_from_env({}).node_pool_label == policy.DEFAULT_POOL_LABEL
     with pytest.raises(policy.PolicyError, match="cannot read"):
-        policy.load_policy(tmp_path / "missing.yaml")
+        policy_file.load_policy(tmp_path / "missing.yaml")
 
 
 def test_cli_check_and_explain(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from gpusteward.sandbox.kube_api import KubeApiServer
+from gpusteward.sandbox.kube_api import KubeApiServer, kueue_deactivation
 from gpusteward.sandbox.kube_objects import gpu_node, gpu_pod, workload
 from tests.collectors.kubernetes.conftest import FIXTURES
 
@@ -215,3 +215,62 @@ def test_open_watch_behind_a_compaction_ends_with_410(kube_api: KubeApiServer,
         kube_api.compact()
     events = [json.loads(line) for line in response.data.splitlines() if line.strip()]
     assert [(e["type"], e["object"].get("code")) for e in events] == [("ERROR", 410)]
+
+
+def test_injected_failures_answer_the_next_calls_then_serve_again(
+        kube_api: KubeApiServer, api_client: client.ApiClient) -> None:
+    core: Any = client.CoreV1Api(api_client)
+    fault = kube_api.fail("PATCH", 2, status=429, retry_after=3, path="/nodes/cpu-1$")
+    kube_api.fail("GET", status=503)
+    with pytest.raises(ApiException) as unavailable:
+        core.read_node("cpu-1")
+    assert unavailable.value.status == 503
+    for _ in range(2):
+        with pytest.raises(ApiException) as throttled:
+            core.patch_node("cpu-1", {"spec": {"unschedulable": True}})
+        assert throttled.value.status == 429
+        assert (throttled.value.headers or {})["Retry-After"] == "3"
+    assert fault.remaining == 0
+    assert kube_api.get("Node", "cpu-1")["spec"].get("unschedulable") is None  # not served
+    core.patch_node("cpu-1", {"spec": {"unschedulable": True}})
+    assert core.read_node("cpu-1").spec.unschedulable is True
+
+
+def test_a_hung_request_times_out_in_the_client_and_changes_nothing(
+        kube_api: KubeApiServer, api_client: client.ApiClient) -> None:
+    from urllib3.exceptions import ReadTimeoutError
+
+    core: Any = client.CoreV1Api(api_client)
+    kube_api.fail("PATCH", hang_s=2.0)
+    with pytest.raises(ReadTimeoutError):
+        core.patch_node("cpu-1", {"spec": {"unschedulable": True}}, _request_timeout=0.2)
+    assert kube_api.get("Node", "cpu-1")["spec"].get("unschedulable") is None
+
+
+def test_the_kueue_controller_hook_evicts_a_deactivated_workload(
+        kube_api: KubeApiServer, api_client: client.ApiClient) -> None:
+    custom: Any = client.CustomObjectsApi(api_client)
+
+    def admitted(name: str) -> dict[str, Any]:
+        return workload(name) | {"status": {
+            "admission": {"clusterQueue": "research"},
+            "conditions": [{"type": "Admitted", "status": "True", "reason": "Admitted"}]}}
+
+    def set_active(name: str, active: bool) -> dict[str, Any]:
+        custom.patch_namespaced_custom_object("kueue.x-k8s.io", "v1beta1", "team-a",
+                                              "workloads", name, {"spec": {"active": active}})
+        return kube_api.get("Workload", name, "team-a", group="kueue.x-k8s.io")
+
+    # Without the hook nothing reacts: the workload stays admitted while inactive.
+    kube_api.create(admitted("wl-0"))
+    assert set_active("wl-0", False)["status"]["admission"] == {"clusterQueue": "research"}
+
+    kube_api.add_controller("Workload", kueue_deactivation, group="kueue.x-k8s.io")
+    kube_api.create(admitted("wl-1"))
+    evicted = set_active("wl-1", False)
+    assert "admission" not in evicted["status"]
+    assert [(c["type"], c["reason"]) for c in evicted["status"]["conditions"]] == [
+        ("Evicted", "Deactivated")]
+    requeued = set_active("wl-1", True)
+    assert [(c["type"], c["reason"]) for c in requeued["status"]["conditions"]] == [
+        ("Requeued", "Reactivated")]

@@ -6,8 +6,9 @@ import msgspec
 
 from gpusteward.rules.mig import layout
 from gpusteward.rules.mig.observed import MigWorkload
+from gpusteward.rules.policy import parse_policy
 from gpusteward.schema import Finding, NodeSummary, QueueEvent
-from gpusteward.streams.fleet import FleetEvaluator, FleetOutput, FleetRuleSettings, FleetState
+from gpusteward.streams.fleet import FleetEvaluator, FleetOutput, FleetSettings, FleetState
 
 HOUR = 3600.0
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -25,8 +26,8 @@ def request(name: str, ts: float, profile: str, state: str = "admitted") -> Queu
 
 
 def evaluator() -> FleetEvaluator:
-    return FleetEvaluator(FleetRuleSettings(mig_advice_interval_s=HOUR,
-                                            mig_advice_window_s=HOUR))
+    return FleetEvaluator(FleetSettings(policy=parse_policy(
+        f"rules: {{mig_layout_advice: {{interval_s: {HOUR}, window_s: {HOUR}}}}}")))
 
 
 def run(ev: FleetEvaluator, state: FleetState, record: NodeSummary | QueueEvent

@@ -11,7 +11,7 @@ from aiokafka import ConsumerRecord
 
 from gpusteward import kafka, topics
 from gpusteward.collectors.kubernetes import KubeWatcher, KubeWatchSettings, api_client
-from gpusteward.collectors.publisher import KafkaPublisher
+from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.schema import AllocationEvent, NodeInventory, PodAllocation, QueueEvent
 from gpusteward.settings import Settings

@@ -17,7 +17,7 @@ import pytest
 
 from gpusteward import kafka, topics
 from gpusteward.collectors.kubernetes import KubeWatcher, KubeWatchSettings, api_client
-from gpusteward.collectors.publisher import KafkaPublisher
+from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.sandbox.demo import _expected_idle_pods
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_mirror import KubeMirrorPublisher

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpusteward.collectors import kubernetes as kube
+from gpusteward.collectors.kubernetes import translate as kube
+from gpusteward.collectors.kubernetes.reflector import Delta
 
 
 @pytest.mark.parametrize(("owner", "labels", "expected"), [
@@ -115,13 +116,13 @@ def test_translator_ignores_cpu_pods_and_reports_deletions_found_by_relist() -> 
     cpu = {"metadata": {"name": "c", "namespace": "n", "uid": "u1"},
            "spec": {"nodeName": "n1", "containers": [{"resources": {}}]},
            "status": {"phase": "Running"}}
-    assert translator.apply(kube.Delta("pods", "ADDED", "u1", cpu), 1.0) == []
-    assert translator.apply(kube.Delta("pods", "DELETED", "u1", None), 2.0) == []
+    assert translator.apply(Delta("pods", "ADDED", "u1", cpu), 1.0) == []
+    assert translator.apply(Delta("pods", "DELETED", "u1", None), 2.0) == []
     gpu = {"metadata": {"name": "g", "namespace": "n", "uid": "u2"},
            "spec": {"nodeName": "n1", "containers": [
                {"resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
            "status": {"phase": "Running"}}
-    [added] = translator.apply(kube.Delta("pods", "ADDED", "u2", gpu), 1.0)
-    [deleted] = translator.apply(kube.Delta("pods", "DELETED", "u2", None), 2.0)
+    [added] = translator.apply(Delta("pods", "ADDED", "u2", gpu), 1.0)
+    [deleted] = translator.apply(Delta("pods", "DELETED", "u2", None), 2.0)
     assert (deleted.phase, deleted.ts, deleted.node, deleted.pod) == (  # type: ignore[union-attr]
         "deleted", 2.0, "n1", added.pod)  # type: ignore[union-attr]

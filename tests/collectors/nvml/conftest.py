@@ -1,13 +1,18 @@
-"""NVML collector test fixtures: the fake NVML from tests/data/nvml, a recording publisher."""
+"""NVML collector test fixtures: the fake NVML from tests/data/nvml, a recording publisher,
+and a kubelet PodResources gRPC server on a unix socket."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from gpusteward.collectors.podresources import api_pb2, api_pb2_grpc
 from gpusteward.sandbox.nvml_fake import FakeNvml
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
 
@@ -64,3 +69,61 @@ def fake_nvml() -> Callable[[str], FakeNvml]:
 @pytest.fixture
 def publisher() -> RecordingPublisher:
     return RecordingPublisher()
+
+
+WHOLE = "GPU-11111111-2222-4333-8444-555555555555"
+MIG_PARENT = "GPU-66666666-7777-4888-9999-aaaaaaaaaaaa"
+MIG_1 = "MIG-aaaaaaaa-0000-4000-8000-000000000001"
+
+
+def kubelet_pod(namespace: str, name: str, *containers: api_pb2.ContainerResources
+                ) -> api_pb2.PodResources:
+    return api_pb2.PodResources(namespace=namespace, name=name, containers=list(containers))
+
+
+def container(name: str, resource: str, *device_ids: str) -> api_pb2.ContainerResources:
+    return api_pb2.ContainerResources(name=name, devices=[
+        api_pb2.ContainerDevices(resource_name=resource, device_ids=list(device_ids))])
+
+
+# What a kubelet on the mixed node (tests/data/nvml/mixed-node.yaml) answers: a whole GPU
+# to a training pod, MIG device 1 to a notebook under the mixed strategy, GPU instance 2
+# of GPU 1 to an inference pod in GKE's notation, and a non-NVIDIA device to a third pod.
+KUBELET_LIST = api_pb2.ListPodResourcesResponse(pod_resources=[
+    kubelet_pod("ml", "train-0", container("trainer", "nvidia.com/gpu", WHOLE),
+                api_pb2.ContainerResources(name="sidecar")),
+    kubelet_pod("research", "notebook-7", container("jupyter", "nvidia.com/mig-3g.40gb", MIG_1)),
+    kubelet_pod("serving", "llm-1", container("server", "nvidia.com/gpu", "nvidia1/gi2")),
+    kubelet_pod("infra", "fpga-job", container("main", "example.com/fpga", "GPU-not-really")),
+])
+
+
+class Kubelet(api_pb2_grpc.PodResourcesListerServicer):
+    """The kubelet's PodResourcesLister, serving a fixed List answer."""
+
+    def __init__(self, answer: api_pb2.ListPodResourcesResponse) -> None:
+        self.answer = answer
+        self.calls = 0
+        self.fail: grpc.StatusCode | None = None
+
+    async def List(self, request, context):  # the gRPC method name
+        self.calls += 1
+        if self.fail is not None:
+            await context.abort(self.fail, "kubelet says no")
+        return self.answer
+
+
+@pytest.fixture
+def socket_path() -> Iterator[Path]:
+    # A unix socket path must stay under ~107 bytes: pytest's tmp_path can be longer.
+    directory = Path(tempfile.mkdtemp(prefix="pr-"))
+    yield directory / "kubelet.sock"
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+async def serve_kubelet(kubelet: Kubelet, path: Path) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    api_pb2_grpc.add_PodResourcesListerServicer_to_server(kubelet, server)
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    return server

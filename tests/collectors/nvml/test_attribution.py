@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client import CollectorRegistry
 
 from gpusteward.collectors.attribution import (
     PodResourcesClient,
@@ -19,72 +14,26 @@ from gpusteward.collectors.attribution import (
     owners_from_response,
 )
 from gpusteward.collectors.nvml import NvmlCollector
-from gpusteward.collectors.podresources import api_pb2, api_pb2_grpc
+from gpusteward.collectors.podresources import api_pb2
 from gpusteward.schema import PodRef
 
-WHOLE = "GPU-11111111-2222-4333-8444-555555555555"
-MIG_PARENT = "GPU-66666666-7777-4888-9999-aaaaaaaaaaaa"
-MIG_1 = "MIG-aaaaaaaa-0000-4000-8000-000000000001"
-
-
-def _pod(namespace: str, name: str, *containers: api_pb2.ContainerResources
-         ) -> api_pb2.PodResources:
-    return api_pb2.PodResources(namespace=namespace, name=name, containers=list(containers))
-
-
-def _container(name: str, resource: str, *device_ids: str) -> api_pb2.ContainerResources:
-    return api_pb2.ContainerResources(name=name, devices=[
-        api_pb2.ContainerDevices(resource_name=resource, device_ids=list(device_ids))])
-
-
-# What a kubelet on the mixed node (tests/data/nvml/mixed-node.yaml) answers: a whole GPU
-# to a training pod, MIG device 1 to a notebook under the mixed strategy, GPU instance 2
-# of GPU 1 to an inference pod in GKE's notation, and a non-NVIDIA device to a third pod.
-KUBELET_LIST = api_pb2.ListPodResourcesResponse(pod_resources=[
-    _pod("ml", "train-0", _container("trainer", "nvidia.com/gpu", WHOLE),
-         api_pb2.ContainerResources(name="sidecar")),
-    _pod("research", "notebook-7", _container("jupyter", "nvidia.com/mig-3g.40gb", MIG_1)),
-    _pod("serving", "llm-1", _container("server", "nvidia.com/gpu", "nvidia1/gi2")),
-    _pod("infra", "fpga-job", _container("main", "example.com/fpga", "GPU-not-really")),
-])
-
-
-class Kubelet(api_pb2_grpc.PodResourcesListerServicer):
-    """The kubelet's PodResourcesLister, serving a fixed List answer."""
-
-    def __init__(self, answer: api_pb2.ListPodResourcesResponse) -> None:
-        self.answer = answer
-        self.calls = 0
-        self.fail: grpc.StatusCode | None = None
-
-    async def List(self, request, context):  # the gRPC method name
-        self.calls += 1
-        if self.fail is not None:
-            await context.abort(self.fail, "kubelet says no")
-        return self.answer
-
-
-@pytest.fixture
-def socket_path() -> Iterator[Path]:
-    # A unix socket path must stay under ~107 bytes: pytest's tmp_path can be longer.
-    directory = Path(tempfile.mkdtemp(prefix="pr-"))
-    yield directory / "kubelet.sock"
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-async def _serve(kubelet: Kubelet, path: Path) -> grpc.aio.Server:
-    server = grpc.aio.server()
-    api_pb2_grpc.add_PodResourcesListerServicer_to_server(kubelet, server)
-    server.add_insecure_port(f"unix://{path}")
-    await server.start()
-    return server
+from .conftest import (
+    KUBELET_LIST,
+    MIG_1,
+    MIG_PARENT,
+    WHOLE,
+    Kubelet,
+    container,
+    kubelet_pod,
+    serve_kubelet,
+)
 
 
 def test_client_reads_the_kubelet_over_its_unix_socket(socket_path):
     kubelet = Kubelet(KUBELET_LIST)
 
     async def scenario():
-        server = await _serve(kubelet, socket_path)
+        server = await serve_kubelet(kubelet, socket_path)
         client = PodResourcesClient(str(socket_path), timeout_s=2)
         try:
             return await client.owners()
@@ -106,9 +55,9 @@ def test_collector_attributes_gpus_and_mig_devices_to_pods(socket_path, fake_nvm
     kubelet = Kubelet(KUBELET_LIST)
 
     async def scenario():
-        server = await _serve(kubelet, socket_path)
+        server = await serve_kubelet(kubelet, socket_path)
         collector = NvmlCollector(
-            fake_nvml("mixed-node"), "node-a", publisher, registry=CollectorRegistry(),
+            fake_nvml("mixed-node"), "node-a", publisher,
             pod_resources=PodResourcesClient(str(socket_path), timeout_s=2))
         collector.open()
         try:
@@ -134,9 +83,9 @@ def test_a_failing_kubelet_keeps_sampling_then_drops_stale_attribution(
     now = [1000.0]
 
     async def scenario():
-        server = await _serve(kubelet, socket_path)
+        server = await serve_kubelet(kubelet, socket_path)
         collector = NvmlCollector(
-            fake_nvml("mixed-node"), "node-a", publisher, registry=CollectorRegistry(),
+            fake_nvml("mixed-node"), "node-a", publisher,
             pod_resources=PodResourcesClient(str(socket_path), timeout_s=2),
             pod_resources_refresh_s=5, pod_resources_max_age_s=30, clock=lambda: now[0])
         collector.open()
@@ -150,8 +99,9 @@ def test_a_failing_kubelet_keeps_sampling_then_drops_stale_attribution(
             kubelet.fail = None
             now[0] += 5
             recovered = await collector.tick()
-            errors = collector.registry.get_sample_value(
-                "gpusteward_nvml_source_errors_total", {"where": "pod_resources"})
+            errors = collector.metrics.registry.get_sample_value(
+                "gpusteward_collect_source_errors_total",
+                {"source": "nvml", "reason": "pod_resources"})
         finally:
             collector.close()
             assert collector.pod_resources is not None
@@ -196,8 +146,8 @@ def test_device_id_forms(device_id, key):
 
 def test_a_shared_gpu_goes_to_the_first_pod_in_a_stable_order():
     answer = api_pb2.ListPodResourcesResponse(pod_resources=[
-        _pod("b", "second", _container("c", "nvidia.com/gpu", f"{WHOLE}::1")),
-        _pod("a", "first", _container("c", "nvidia.com/gpu", f"{WHOLE}::0")),
+        kubelet_pod("b", "second", container("c", "nvidia.com/gpu", f"{WHOLE}::1")),
+        kubelet_pod("a", "first", container("c", "nvidia.com/gpu", f"{WHOLE}::0")),
     ])
     assert owners_from_response(answer).gpu(WHOLE, 0) == PodRef(
         namespace="a", name="first", container="c")

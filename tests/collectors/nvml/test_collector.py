@@ -8,9 +8,9 @@ import time
 
 import pynvml
 import pytest
-from prometheus_client import CollectorRegistry
 
-from gpusteward.collectors.nvml import NvmlCollector, NvmlUnavailable, profile_name
+from gpusteward.collectors.nvml import NvmlCollector, NvmlUnavailable
+from gpusteward.collectors.nvml.reader import profile_name
 from gpusteward.sandbox.nvml_fake import FakeNvml
 
 GIB = 1 << 30
@@ -19,7 +19,7 @@ GIB = 1 << 30
 def _collector(nvml, publisher, **kwargs) -> NvmlCollector:
     kwargs.setdefault("interval_s", 60.0)  # the tests drive ticks themselves
     kwargs.setdefault("event_wait_ms", 50)
-    return NvmlCollector(nvml, "node-a", publisher, registry=CollectorRegistry(), **kwargs)
+    return NvmlCollector(nvml, "node-a", publisher, **kwargs)
 
 
 async def _ticks(collector: NvmlCollector, n: int):
@@ -31,7 +31,7 @@ async def _ticks(collector: NvmlCollector, n: int):
 
 
 def _metric(collector: NvmlCollector, name: str, **labels: str) -> float:
-    value = collector.registry.get_sample_value(name, labels)
+    value = collector.metrics.registry.get_sample_value(name, {"source": "nvml", **labels})
     return 0.0 if value is None else value
 
 
@@ -63,8 +63,8 @@ def test_mig_node_reports_every_mig_device_with_profile_name_and_parent(fake_nvm
     # MIG-enabled GPUs: no utilisation, no remapped rows (NVML says NotSupported), still temp.
     assert all(g.util_pct is None and g.remapped_rows_correctable is None for g in gpus)
     assert h100.temp_c == 44.0 and h100.power_w == 310.0
-    assert _metric(collector, "gpusteward_nvml_source_errors_total",
-                   where="nvmlDeviceGetUtilizationRates") == 0
+    assert _metric(collector, "gpusteward_collect_source_errors_total",
+                   reason="nvmlDeviceGetUtilizationRates") == 0
 
 
 def test_mixed_node_reads_every_field_in_schema_units(fake_nvml, publisher):
@@ -93,8 +93,8 @@ def test_mixed_node_reads_every_field_in_schema_units(fake_nvml, publisher):
     assert whole.pod is None  # no PodResources client: nothing attributed
     assert parent.util_pct is None and parent.temp_c == 39.0
     assert parent.nvlink_errors is None  # no NVLink described: fields NotSupported
-    assert _metric(collector, "gpusteward_nvml_samples_published_total") == 1
-    assert _metric(collector, "gpusteward_nvml_device_samples_total") == 4
+    assert _metric(collector, "gpusteward_collect_samples_total") == 1
+    assert _metric(collector, "gpusteward_collect_device_readings_total") == 4
 
 
 def test_not_supported_readings_are_absent_not_errors(fake_nvml, publisher):
@@ -112,7 +112,8 @@ def test_not_supported_readings_are_absent_not_errors(fake_nvml, publisher):
         assert getattr(t4, absent) is None, absent
     # Absent fields are left out of the JSON payload entirely.
     assert "power_w" not in __import__("msgspec").json.encode(t4).decode()
-    errors = [s for m in collector.registry.collect() if m.name == "gpusteward_nvml_source_errors"
+    errors = [s for m in collector.metrics.registry.collect()
+              if m.name == "gpusteward_collect_source_errors"
               for s in m.samples if s.value]
     assert errors == []
 
@@ -192,7 +193,7 @@ def test_a_lost_gpu_is_reported_once_and_the_others_are_still_sampled(fake_nvml,
     (lost,) = publisher.events_of("gpu_lost")
     assert lost.uuid == lost_uuid and "GpuIsLost" in lost.detail
     assert len(after.devices) == 3  # answers again: sampled again
-    assert _metric(collector, "gpusteward_nvml_events_published_total", kind="gpu_lost") == 1
+    assert _metric(collector, "gpusteward_collect_hw_events_total", kind="gpu_lost") == 1
 
 
 def test_dbe_counter_increase_becomes_an_event_once(fake_nvml, publisher):
@@ -223,7 +224,7 @@ def test_dbe_counter_increase_becomes_an_event_once(fake_nvml, publisher):
     assert remap.uuid == "GPU-a1a1a1a1-0000-4000-8000-000000000001" and remap.count == 3
     last = publisher.samples[-1]
     assert [d.ecc_dbe_volatile for d in last.devices] == [1, 2]
-    assert _metric(collector, "gpusteward_nvml_events_published_total", kind="ecc_dbe") == 2
+    assert _metric(collector, "gpusteward_collect_hw_events_total", kind="ecc_dbe") == 2
 
 
 def test_xid_on_a_mig_instance_names_the_mig_device(fake_nvml, publisher):
@@ -341,25 +342,29 @@ def test_the_nvml_protocol_is_pynvml_and_the_fake_implements_it():
         assert list(fake)[1:] == list(ours)[1:], name
 
 
-def test_fake_nvml_setting_runs_the_collector_on_a_yaml_description(nvml_data, publisher):
-    from gpusteward.collectors.nvml import NvmlSettings, run_nvml_collector
+def test_collect_settings_run_the_collector_on_a_fake_nvml(nvml_data, publisher):
+    """The runner ``gpusteward collect nvml`` uses takes the one CollectSettings."""
+    from gpusteward.collectors.metrics import CollectorMetrics
+    from gpusteward.collectors.nvml import run_nvml_collector
+    from gpusteward.collectors.settings import CollectSettings, NvmlSettings
 
-    settings = NvmlSettings(node_name="demo-node", interval_s=0.02, event_wait_ms=50,
-                            pod_resources_socket=None,
-                            fake_nvml=str(nvml_data / "mixed-node.yaml"))
-    registry = CollectorRegistry()
+    settings = CollectSettings(node_name="demo-node", interval_s=0.02,
+                               nvml=NvmlSettings(event_wait_ms=50, pod_resources_socket=None))
+    metrics = CollectorMetrics()
 
     async def scenario():
         stop = asyncio.Event()
-        task = asyncio.create_task(run_nvml_collector(settings, publisher, stop,
-                                                      registry=registry))
+        task = asyncio.create_task(run_nvml_collector(
+            settings, publisher, stop, metrics,
+            nvml=FakeNvml.from_yaml(nvml_data / "mixed-node.yaml")))
         await publisher.wait_for(lambda p: len(p.samples) >= 2)
         stop.set()
         await asyncio.wait_for(task, 5)
 
     asyncio.run(scenario())
     assert publisher.samples[0].node == "demo-node" and len(publisher.samples[0].devices) == 4
-    assert (registry.get_sample_value("gpusteward_nvml_samples_published_total") or 0) >= 2
+    assert (metrics.registry.get_sample_value("gpusteward_collect_samples_total",
+                                              {"source": "nvml"}) or 0) >= 2
 
 
 def test_a_failing_publisher_does_not_stop_the_collector(fake_nvml, publisher):
@@ -384,7 +389,7 @@ def test_a_failing_publisher_does_not_stop_the_collector(fake_nvml, publisher):
 
     asyncio.run(scenario())
     assert len(failures) == 1
-    assert _metric(collector, "gpusteward_nvml_source_errors_total", where="tick") == 1
+    assert _metric(collector, "gpusteward_collect_source_errors_total", reason="tick") == 1
 
 
 def test_a_gpu_already_lost_at_start_is_reported_by_index(publisher):

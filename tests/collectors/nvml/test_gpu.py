@@ -10,7 +10,6 @@ from collections.abc import Iterator
 
 import pynvml
 import pytest
-from prometheus_client import CollectorRegistry
 
 from gpusteward.collectors.nvml import NvmlCollector
 
@@ -35,7 +34,7 @@ def gpu_count() -> Iterator[int]:
 def test_real_gpus_are_sampled(gpu_count, publisher):
     async def scenario():
         stop = asyncio.Event()
-        collector = NvmlCollector(pynvml, "gpu-test", publisher, registry=CollectorRegistry(),
+        collector = NvmlCollector(pynvml, "gpu-test", publisher,
                                   interval_s=0.2, event_wait_ms=200)
         task = asyncio.create_task(collector.run(stop))
         await publisher.wait_for(lambda p: len(p.samples) >= 3, timeout_s=30)

@@ -2,7 +2,7 @@
 
 Collectors call a :class:`Publisher`. :class:`KafkaPublisher` encodes the
 msgspec payloads as JSON and hands them to one sender task through a
-:class:`~gpusteward.collectors.spool.Spool`, an ordered queue bounded in
+:class:`~gpusteward.collectors.transport.spool.Spool`, an ordered queue bounded in
 bytes (in memory, or on disk with ``buffer_dir``):
 
 - the sender takes up to ``batch_max_records`` from the head, gives them to
@@ -40,7 +40,7 @@ from aiokafka import codec as aiokafka_codec
 from gpusteward import kafka, topics
 from gpusteward.collectors.metrics import CollectorMetrics
 from gpusteward.collectors.settings import CollectSettings, Compression
-from gpusteward.collectors.spool import DiskSpool, MemorySpool, Record, Spool
+from gpusteward.collectors.transport.spool import DiskSpool, MemorySpool, Record, Spool
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
 from gpusteward.settings import Settings
 

@@ -1,0 +1,263 @@
+"""List+watch of one Kubernetes resource, with the semantics of client-go's reflector.
+
+One :class:`Reflector` per resource runs in its own thread, because the
+official ``kubernetes`` client is synchronous: a paged list, then a watch
+from the list's resourceVersion with bookmarks; a broken stream resumes from
+the last resourceVersion seen; 410 Gone (as an HTTP status or as an
+``ERROR`` event) and every ``resync_period_s`` start a relist that is diffed
+against what was already delivered, so deletions missed while disconnected
+come out as deletions and unchanged objects come out not at all. It
+remembers the resourceVersion delivered per object and never delivers the
+same one twice. Errors back off exponentially, with jitter, up to a cap. It
+reads raw JSON (``_preload_content=False``): the client's model classes cost
+milliseconds per pod, which a 10,000-pod relist cannot afford.
+
+The reflector knows nothing of GPUs: it hands :class:`Delta` lists to a
+``deliver`` callback (the watcher's, which hops them onto the event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from gpusteward.collectors.kubernetes.settings import KubeWatchSettings
+from gpusteward.errors import TemporaryError
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+"""A Kubernetes object as decoded JSON."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One change of one object, as the reflector delivers it."""
+
+    resource: str
+    type: Literal["ADDED", "MODIFIED", "DELETED"]
+    key: str
+    obj: Obj | None
+    """The object; None for a deletion found by a relist (the object is gone)."""
+
+
+class Gone(TemporaryError):
+    """The resourceVersion is too old (410): relist."""
+
+
+class WatchError(TemporaryError):
+    """The server ended a watch with an error other than 410."""
+
+
+ListCall = Callable[..., Any]
+"""A client ``list_*`` method (or a partial of one) that accepts list and watch arguments."""
+
+
+@dataclass
+class ReflectorStats:
+    lists: int = 0
+    watches: int = 0
+    errors: int = 0
+    gone: int = 0
+    deltas: int = 0
+    duplicates_skipped: int = 0
+
+
+def object_key(obj: Obj) -> str:
+    """uid when present (a recreated pod is a different pod), else namespace/name."""
+    meta = obj["metadata"]
+    return meta.get("uid") or f"{meta.get('namespace', '')}/{meta['name']}"
+
+
+def node_key(obj: Obj) -> str:
+    """Nodes are keyed by name: the join and the topics know a node by its name only."""
+    return str(obj["metadata"]["name"])
+
+
+_decoder = msgspec.json.Decoder()
+
+
+class Reflector:
+    """List+watch of one resource in a thread; delivers :class:`Delta` lists in order."""
+
+    def __init__(self, resource: str, list_call: ListCall,
+                 deliver: Callable[[list[Delta]], None], settings: KubeWatchSettings,
+                 stop: threading.Event, *, key_of: Callable[[Obj], str] = object_key,
+                 sleep: Callable[[float], bool] | None = None) -> None:
+        self.resource = resource
+        self._key_of = key_of
+        self._list_call = list_call
+        self._deliver = deliver
+        self._settings = settings
+        self._stop = stop
+        self._sleep = sleep or stop.wait
+        self.known: dict[str, str] = {}
+        """key -> the resourceVersion last delivered."""
+        self.resource_version: str | None = None
+        self.synced = threading.Event()
+        self.stats = ReflectorStats()
+        self._response: Any = None
+        self._next_resync = 0.0
+
+    def run(self) -> None:
+        delay = self._settings.backoff_initial_s
+        while not self._stop.is_set():
+            try:
+                if self.resource_version is None or time.monotonic() >= self._next_resync:
+                    self.relist()
+                self.watch()
+                delay = self._settings.backoff_initial_s
+            except Gone:
+                self.stats.gone += 1
+                log.info("%s: resourceVersion %s expired, relisting", self.resource,
+                         self.resource_version)
+                self.resource_version = None
+            except Exception as e:
+                if self._stop.is_set():
+                    return
+                self.stats.errors += 1
+                pause = delay * random.uniform(0.8, 1.2)
+                log.warning("%s: %s; retrying in %.1f s", self.resource, brief_error(e), pause)
+                self._sleep(pause)
+                delay = min(delay * 2, self._settings.backoff_max_s)
+
+    def stop(self) -> None:
+        """Unblock a watch read at once (the stop event must be set first)."""
+        response = self._response
+        sock = getattr(getattr(response, "connection", None), "sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def relist(self) -> None:
+        """A full paged LIST diffed against what was delivered."""
+        settings = self._settings
+        items: list[Obj] = []
+        token: str | None = None
+        list_rv = ""
+        while True:
+            try:
+                response = self._list_call(
+                    limit=settings.page_size, _continue=token, _preload_content=False,
+                    _request_timeout=(settings.request_timeout_s, settings.request_timeout_s))
+            except Exception as e:
+                if getattr(e, "status", None) == 410:
+                    raise Gone() from e  # the continue token expired: start over
+                raise
+            page = _decoder.decode(_body(response))
+            items.extend(page.get("items") or [])
+            meta = page.get("metadata") or {}
+            list_rv = list_rv or meta.get("resourceVersion", "")
+            token = meta.get("continue") or None
+            if token is None:
+                break
+        self.stats.lists += 1
+        seen: dict[str, str] = {}
+        deltas: list[Delta] = []
+        for obj in items:
+            key = self._key_of(obj)
+            version = obj["metadata"].get("resourceVersion", "")
+            seen[key] = version
+            previous = self.known.get(key)
+            if previous == version:
+                self.stats.duplicates_skipped += 1
+                continue
+            deltas.append(Delta(self.resource, "ADDED" if previous is None else "MODIFIED",
+                                key, obj))
+        deltas += [Delta(self.resource, "DELETED", key, None)
+                   for key in self.known.keys() - seen.keys()]
+        self.known = seen
+        self._next_resync = time.monotonic() + settings.resync_period_s
+        # Counted and delivered before the resourceVersion moves on, so that an observer
+        # that sees the new resourceVersion also sees these deltas as outstanding.
+        self.stats.deltas += len(deltas)
+        self._deliver(deltas)
+        self.resource_version = list_rv
+        self.synced.set()
+
+    def watch(self) -> None:
+        """One watch request from the current resourceVersion, until it ends or resync is due."""
+        settings = self._settings
+        try:
+            response = self._list_call(
+                watch=True, resource_version=self.resource_version, allow_watch_bookmarks=True,
+                timeout_seconds=settings.watch_timeout_s, _preload_content=False,
+                _request_timeout=(settings.request_timeout_s,
+                                  settings.watch_timeout_s + settings.request_timeout_s))
+        except Exception as e:
+            # Most servers say 410 in an ERROR event, some (and proxies) as the HTTP status.
+            if getattr(e, "status", None) == 410:
+                raise Gone() from e
+            raise
+        self._response = response
+        self.stats.watches += 1
+        try:
+            for line in _lines(response):
+                if self._stop.is_set():
+                    return
+                event = _decoder.decode(line)
+                self._on_event(event["type"], event["object"])
+                if time.monotonic() >= self._next_resync:
+                    return
+        finally:
+            self._response = None
+            response.release_conn()
+
+    def _on_event(self, kind: str, obj: Obj) -> None:
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise Gone()
+            raise WatchError(f"{obj.get('code')} {obj.get('reason')}: "
+                             f"{str(obj.get('message'))[:200]}")
+        version = obj["metadata"]["resourceVersion"]
+        if kind == "BOOKMARK":
+            self.resource_version = version
+            return
+        key = self._key_of(obj)
+        if kind == "DELETED":
+            if self.known.pop(key, None) is None:
+                self.stats.duplicates_skipped += 1  # a relist already reported it gone
+            else:
+                self.stats.deltas += 1
+                self._deliver([Delta(self.resource, "DELETED", key, obj)])
+        elif self.known.get(key) == version:
+            self.stats.duplicates_skipped += 1
+        else:
+            typ: Literal["ADDED", "MODIFIED"] = "ADDED" if key not in self.known else "MODIFIED"
+            self.known[key] = version
+            self.stats.deltas += 1
+            self._deliver([Delta(self.resource, typ, key, obj)])
+        self.resource_version = version
+
+
+def _body(response: Any) -> bytes:
+    data = response.data
+    return data if isinstance(data, bytes) else bytes(data)
+
+
+def _lines(response: Any) -> Iterator[bytes]:
+    buffer = b""
+    for chunk in response.stream(amt=None, decode_content=False):
+        buffer += chunk
+        *complete, buffer = buffer.split(b"\n")
+        for line in complete:
+            if line.strip():
+                yield line
+    if buffer.strip():
+        yield buffer
+
+
+def brief_error(error: BaseException) -> str:
+    """An error as one log-sized line: API bodies can be kilobytes long."""
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= 300 else text[:300] + "..."

@@ -1,0 +1,51 @@
+"""What the Kubernetes watcher watches and how it talks to the API server.
+
+A model of its own so that the reflector (timeouts, paging, back-off), the
+translator (queue and workload-kind defaults) and the CLI (which reads it
+from ``GPUSTEWARD_KUBE__*``) share one definition without importing each
+other.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+ResourceName = Literal["pods", "nodes", "workloads"]
+
+
+class KubeWatchSettings(BaseModel):
+    """What the watcher watches and how it talks to the API server."""
+
+    kubeconfig: str | None = Field(
+        None, description="Kubeconfig file. None: in-cluster config when running in a pod "
+        "(KUBERNETES_SERVICE_HOST set), else the default kubeconfig (~/.kube/config).")
+    context: str | None = Field(None, description="Kubeconfig context; None: the current one.")
+    resources: list[ResourceName] = Field(
+        ["nodes", "pods", "workloads"],
+        description="Which resources to watch. Workloads are watched only where Kueue serves "
+        "them; the watcher runs without Kueue and picks it up when it appears.")
+    resync_period_s: float = Field(
+        600.0, gt=0, description="Seconds between two full relists diffed against what was "
+        "delivered. A relist costs one paged LIST; 10 min bounds how long a lost update "
+        "(a bug anywhere on the path) can stay wrong.")
+    watch_timeout_s: int = Field(
+        300, ge=1, description="Server-side timeoutSeconds of one watch request. The watch "
+        "is renewed from the last resourceVersion, so this only bounds a silent stall.")
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="Connect and read timeout of LIST requests, seconds; a watch's "
+        "read timeout is watch_timeout_s plus this.")
+    page_size: int = Field(
+        500, ge=1, description="Items per LIST page; 500 is client-go's default.")
+    backoff_initial_s: float = Field(0.5, gt=0, description="First retry delay after an error.")
+    backoff_max_s: float = Field(
+        30.0, gt=0, description="Retry delay cap; delays double per consecutive failure.")
+    kueue_versions: list[str] = Field(
+        ["v1beta2", "v1beta1"], description="Kueue API versions in order of preference; the "
+        "first one the server serves is used.")
+    default_cluster_queue: str = Field(
+        "default", description="Queue key of a pending pod that names no Kueue queue.")
+    workload_kind_label: str = Field(
+        "gpusteward.io/workload-kind", description="Pod label that states the workload kind "
+        "(notebook, batch, inference) and overrides the owner-based rule.")

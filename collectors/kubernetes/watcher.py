@@ -1,0 +1,221 @@
+"""The process-level Kubernetes watcher: reflectors in threads, translation on asyncio.
+
+:class:`KubeWatcher` starts one :class:`Reflector` per watched resource
+(nodes first, then pods, then Kueue's LocalQueues and Workloads, because
+pods need their node's MIG strategy and workloads their LocalQueue's
+ClusterQueue), hops their deltas onto the event loop, runs them through the
+:class:`Translator` and hands the events to a
+:class:`~gpusteward.collectors.transport.Publisher`. It is the one module
+of the collectors that calls the ``kubernetes`` client (read-only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpusteward.collectors.kubernetes.reflector import (
+    Delta,
+    ListCall,
+    Reflector,
+    brief_error,
+    node_key,
+    object_key,
+)
+from gpusteward.collectors.kubernetes.settings import KubeWatchSettings
+from gpusteward.collectors.kubernetes.translate import KUEUE_GROUP, Translator
+from gpusteward.collectors.transport.publisher import Publisher
+from gpusteward.schema import QueueEvent
+
+log = logging.getLogger(__name__)
+
+
+def api_client(settings: KubeWatchSettings) -> Any:
+    """A ``kubernetes`` ApiClient from a kubeconfig or the in-cluster service account."""
+    import os
+
+    from kubernetes import client, config
+
+    if settings.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        configuration = client.Configuration()
+        config.load_incluster_config(client_configuration=configuration)
+        return client.ApiClient(configuration)
+    return config.new_client_from_config(config_file=settings.kubeconfig,
+                                         context=settings.context)
+
+
+class KubeWatcher:
+    """Runs the reflectors and publishes what the translator makes of their deltas."""
+
+    def __init__(self, client: Any, publisher: Publisher,
+                 settings: KubeWatchSettings | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.client = client
+        self.publisher = publisher
+        self.settings = settings or KubeWatchSettings()
+        self.clock = clock
+        self.translator = Translator(self.settings)
+        self.reflectors: dict[str, Reflector] = {}
+        self.synced = asyncio.Event()
+        """Set once every started reflector's first list has been published."""
+        self.published = 0
+        """Events handed to the publisher."""
+        self.processed = 0
+        """Deltas translated (and their events published)."""
+        self.kueue_version: str | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._consumer: asyncio.Task[None]
+
+    def _list_calls(self) -> dict[str, ListCall]:
+        from kubernetes import client
+
+        core = client.CoreV1Api(self.client)
+        calls: dict[str, ListCall] = {}
+        if "nodes" in self.settings.resources:
+            calls["nodes"] = core.list_node
+        if "pods" in self.settings.resources:
+            calls["pods"] = core.list_pod_for_all_namespaces
+        return calls
+
+    def discover_kueue(self) -> str | None:
+        """The preferred Kueue API version the server serves, or None without Kueue."""
+        from kubernetes import client
+
+        groups = client.ApisApi(self.client).get_api_versions(
+            _request_timeout=self.settings.request_timeout_s)
+        served = {v.version for g in groups.groups or [] if g.name == KUEUE_GROUP
+                  for v in g.versions or []}
+        return next((v for v in self.settings.kueue_versions if v in served), None)
+
+    def _kueue_calls(self, version: str) -> dict[str, ListCall]:
+        from kubernetes import client
+
+        custom = client.CustomObjectsApi(self.client)
+
+        def lister(plural: str) -> ListCall:
+            def call(**kwargs: Any) -> Any:
+                return custom.list_cluster_custom_object(KUEUE_GROUP, version, plural, **kwargs)
+            return call
+
+        return {"localqueues": lister("localqueues"), "workloads": lister("workloads")}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Watch and publish until ``stop`` is set; a publisher error ends it (and is raised).
+
+        A watcher runs once: make a new one to watch again.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[list[Delta]] = asyncio.Queue()
+
+        def deliver(deltas: list[Delta]) -> None:
+            if deltas:
+                loop.call_soon_threadsafe(queue.put_nowait, deltas)
+
+        def start(name: str, call: ListCall) -> Reflector:
+            reflector = Reflector(name, call, deliver, self.settings, self._stop,
+                                  key_of=node_key if name == "nodes" else object_key)
+            self.reflectors[name] = reflector
+            thread = threading.Thread(target=reflector.run, name=f"reflector-{name}",
+                                      daemon=True)
+            self._threads.append(thread)
+            thread.start()
+            return reflector
+
+        consumer = self._consumer = asyncio.create_task(self._consume(queue))
+        try:
+            # Order matters for the first pass: pods need their node's MIG strategy and
+            # workloads their LocalQueue's ClusterQueue.
+            for name, call in self._list_calls().items():
+                reflector = start(name, call)
+                await self._await_synced(reflector, queue, stop)
+            if "workloads" in self.settings.resources:
+                await self._start_kueue(start, queue, stop)
+            await self._drain(queue)
+            self.synced.set()
+            kueue_check = loop.time() + self.settings.resync_period_s
+            stopped = asyncio.ensure_future(stop.wait())
+            try:
+                while not stop.is_set():
+                    await asyncio.wait({consumer, stopped}, timeout=1.0,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    if consumer.done():
+                        consumer.result()  # the publisher failed: raise its error
+                    if ("workloads" in self.settings.resources and self.kueue_version is None
+                            and loop.time() >= kueue_check):
+                        kueue_check = loop.time() + self.settings.resync_period_s
+                        await self._start_kueue(start, queue, stop)
+            finally:
+                stopped.cancel()
+        finally:
+            self._stop.set()
+            for reflector in self.reflectors.values():
+                reflector.stop()
+            for thread in self._threads:
+                await asyncio.to_thread(thread.join, 5.0)
+            failed = consumer.done()  # it only ends by itself when the publisher raised
+            if not failed:
+                await self._drain(queue)
+            consumer.cancel()
+            # The consumer's own CancelledError is expected; a cancellation of run() itself
+            # still propagates out of gather.
+            await asyncio.gather(consumer, return_exceptions=True)
+            if not failed:
+                await self.publisher.flush()
+
+    async def _start_kueue(self, start: Callable[[str, ListCall], Reflector],
+                           queue: asyncio.Queue[list[Delta]], stop: asyncio.Event) -> None:
+        try:
+            version = await asyncio.to_thread(self.discover_kueue)
+        except Exception as e:
+            log.warning("Kueue discovery failed (%s); retrying at the next resync", brief_error(e))
+            return
+        if version is None:
+            log.info("Kueue is not served; watching without workloads")
+            return
+        self.kueue_version = version
+        for name, call in self._kueue_calls(version).items():
+            reflector = start(name, call)
+            await self._await_synced(reflector, queue, stop)
+
+    async def _await_synced(self, reflector: Reflector, queue: asyncio.Queue[list[Delta]],
+                            stop: asyncio.Event) -> None:
+        # The first list may take long (or retry forever while the API is down): wait in
+        # short slices so a stop request is honoured.
+        while not stop.is_set():
+            if await asyncio.to_thread(reflector.synced.wait, 0.2):
+                break
+        await self._drain(queue)
+
+    async def _drain(self, queue: asyncio.Queue[list[Delta]]) -> None:
+        """Wait until every delta delivered so far is published (raise if publishing failed)."""
+        joined = asyncio.ensure_future(queue.join())
+        await asyncio.wait({joined, self._consumer}, return_when=asyncio.FIRST_COMPLETED)
+        if not joined.done():
+            joined.cancel()
+            self._consumer.result()
+
+    async def _consume(self, queue: asyncio.Queue[list[Delta]]) -> None:
+        while True:
+            # A helper per batch, so that no local keeps the last batch (up to a whole
+            # relist of decoded objects) alive while waiting for the next one.
+            await self._publish(await queue.get(), queue)
+
+    async def _publish(self, deltas: list[Delta], queue: asyncio.Queue[list[Delta]]) -> None:
+        try:
+            for delta in deltas:
+                for event in self.translator.apply(delta, self.clock()):
+                    if isinstance(event, QueueEvent):
+                        await self.publisher.queue(event)
+                    else:
+                        await self.publisher.allocation(event)
+                    self.published += 1
+                self.processed += 1
+            if queue.empty():
+                await self.publisher.flush()
+        finally:
+            queue.task_done()

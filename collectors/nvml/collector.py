@@ -1,0 +1,234 @@
+"""The NVML collector: a source on the shared tick loop, with hardware events outside it.
+
+One :class:`NvmlCollector` runs per node (a DaemonSet pod). Each tick of
+:func:`~gpusteward.collectors.source.run_source` calls :meth:`collect`,
+which reads every GPU and MIG device in a worker thread
+(:class:`~.reader.NvmlReader`), credits each device to the pod that holds
+it (the kubelet's PodResources API) and returns one :class:`NodeSample` for
+the node with the hardware events its counters imply; the loop publishes
+them, times them and counts them under the shared collector metric names.
+Beside the loop, the listener thread (:mod:`.events`) hands XIDs,
+double-bit ECC errors, recovery actions and "GPU unavailable" to the event
+loop, and they are published the moment NVML reports them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import pynvml
+
+from gpusteward.collectors.attribution import DeviceOwners, PodResourcesClient, PodResourcesError
+from gpusteward.collectors.metrics import CollectorMetrics
+from gpusteward.collectors.nvml.api import UNAVAILABLE, Nvml, NvmlUnavailable
+from gpusteward.collectors.nvml.events import SOURCE, EventListener, HardwareEvents, RawEvent
+from gpusteward.collectors.nvml.reader import NvmlReader
+from gpusteward.collectors.settings import CollectSettings
+from gpusteward.collectors.source import collect_once, run_source
+from gpusteward.collectors.transport.publisher import Publisher
+from gpusteward.schema import HwEvent, NodeSample
+
+log = logging.getLogger(__name__)
+
+
+class NvmlCollector:
+    """Samples every GPU and MIG device of a node and publishes them, with hardware events."""
+
+    source = SOURCE
+
+    def __init__(
+        self,
+        nvml: Nvml,
+        node_name: str,
+        publisher: Publisher,
+        *,
+        pod_resources: PodResourcesClient | None = None,
+        interval_s: float = 1.0,
+        event_wait_ms: int = 1000,
+        pod_resources_refresh_s: float = 5.0,
+        pod_resources_max_age_s: float = 30.0,
+        metrics: CollectorMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.nvml = nvml
+        self.node_name = node_name
+        self.publisher = publisher
+        self.pod_resources = pod_resources
+        self.interval_s = interval_s
+        self.event_wait_ms = event_wait_ms
+        self.refresh_s = pod_resources_refresh_s
+        self.max_age_s = pod_resources_max_age_s
+        self.metrics = metrics if metrics is not None else CollectorMetrics()
+        self.clock = clock
+        self.reader = NvmlReader(nvml, on_error=self._count_error)
+        self.hw = HardwareEvents(node_name)
+        self._logged: set[tuple[str, str]] = set()
+        self._owners = DeviceOwners()
+        self._owners_at: float | None = None
+        self._owners_tried: float | None = None
+        self._lost_at_start: list[tuple[int, str]] = []
+
+    # --- lifecycle ---------------------------------------------------------
+
+    def open(self) -> None:
+        """Initialise NVML and enumerate the GPUs (blocking; call once)."""
+        try:
+            self.nvml.nvmlInit()
+            unreadable = self.reader.open()
+        except pynvml.NVMLError as e:
+            raise NvmlUnavailable(f"NVML cannot be used here: {type(e).__name__}: {e}") from e
+        for index, error in unreadable:
+            log.error("GPU %d cannot be read at start (%s); it is not monitored", index, error)
+            self.metrics.source_errors.labels(SOURCE, "enumerate").inc()
+            if isinstance(error, UNAVAILABLE):  # reported as gpu_lost on the first tick
+                self._lost_at_start.append((index, f"{type(error).__name__}: {error}"))
+        log.info("NVML: %d GPU(s) on %s, driver %s", len(self.reader.gpus), self.node_name,
+                 self.reader.driver_version())
+
+    def close(self) -> None:
+        """Free GPM buffers and shut NVML down (blocking)."""
+        self.reader.close()
+        with contextlib.suppress(pynvml.NVMLError):
+            self.nvml.nvmlShutdown()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Sample every ``interval_s`` and publish events as they come, until ``stop`` is set."""
+        await asyncio.to_thread(self.open)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[RawEvent] = asyncio.Queue()
+        listener = EventListener(
+            self.nvml, self.reader.gpus, self.event_wait_ms,
+            deliver=lambda raw: loop.call_soon_threadsafe(events.put_nowait, raw),
+            on_error=self._count_error)
+        listener.start()
+        drain = asyncio.create_task(self._drain_events(events), name="nvml-events")
+        try:
+            await run_source(self, self.publisher, stop, self.interval_s, self.metrics)
+        finally:
+            drain.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await drain
+            await asyncio.to_thread(listener.stop, self.event_wait_ms / 1000 * 2 + 1)
+            while not events.empty():  # delivered before the listener stopped: still news
+                await self._on_event(events.get_nowait())
+            if self.pod_resources is not None:
+                await self.pod_resources.close()
+            await asyncio.to_thread(self.close)
+
+    # --- one tick ------------------------------------------------------------
+
+    async def collect(self) -> tuple[list[NodeSample], list[HwEvent]]:
+        """Read every device once: the node sample and the events the readings imply."""
+        reading = await asyncio.to_thread(self.reader.read)
+        now = self.clock()
+        await self._refresh_owners(now)
+        owners = self._current_owners(now)
+        events = [HwEvent(ts=now, node=self.node_name, kind="gpu_lost",
+                          detail=f"GPU {index} unreadable at start: {why}", source=SOURCE)
+                  for index, why in self._lost_at_start]
+        self._lost_at_start = []
+        by_uuid = {gpu.uuid: gpu for gpu in self.reader.gpus}
+        for uuid, why in reading.unavailable.items():
+            lost = self.hw.gpu_lost(uuid, f"GPU {by_uuid[uuid].index}: {why}", now)
+            if lost is not None:
+                events.append(lost)
+        self.hw.mig_by_instance = {}
+        for device in reading.devices:
+            if device.kind == "mig":
+                assert device.parent_uuid is not None
+                gi = device.gpu_instance_id
+                if gi is not None:
+                    self.hw.mig_by_instance[(device.parent_uuid, gi)] = device.uuid
+                device.pod = owners.mig(device.uuid, parent_uuid=device.parent_uuid,
+                                        parent_index=device.index, gpu_instance_id=gi)
+                continue
+            if self.hw.answers(device.uuid):
+                log.warning("GPU %s (%d) answers again", device.uuid, device.index)
+            device.pod = owners.gpu(device.uuid, device.index)
+            events += self.hw.from_counters(device, now)
+        sample = NodeSample(ts=now, node=self.node_name, source=SOURCE, devices=reading.devices)
+        return [sample], events
+
+    async def tick(self) -> NodeSample:
+        """One tick as the loop runs it, published: for tests and the benchmark."""
+        (sample,), _events = await collect_once(self, self.publisher, self.metrics)
+        return sample
+
+    def _count_error(self, where: str, error: BaseException) -> None:
+        self.metrics.source_errors.labels(SOURCE, where).inc()
+        key = (where, type(error).__name__)
+        if key not in self._logged:  # once per kind: a broken counter must not flood the log
+            self._logged.add(key)
+            log.warning("NVML collector: %s failed: %s (further ones only counted)", where, error)
+
+    # --- events from the listener ---------------------------------------------
+
+    async def _drain_events(self, events: asyncio.Queue[RawEvent]) -> None:
+        while True:
+            raw = await events.get()
+            try:
+                await self._on_event(raw)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("publishing an NVML event failed")
+                self.metrics.source_errors.labels(SOURCE, "publish_event").inc()
+
+    async def _on_event(self, raw: RawEvent) -> None:
+        event = self.hw.from_raw(raw, self.clock())
+        if event is not None:
+            await self.publisher.hw_event(event)
+            self.metrics.hw_events.labels(SOURCE, event.kind).inc()
+
+    # --- attribution -------------------------------------------------------------
+
+    async def _refresh_owners(self, now: float) -> None:
+        if self.pod_resources is None:
+            return
+        if self._owners_tried is not None and now - self._owners_tried < self.refresh_s:
+            return
+        self._owners_tried = now
+        try:
+            self._owners = await self.pod_resources.owners()
+            self._owners_at = now
+        except PodResourcesError as e:
+            self._count_error("pod_resources", e)
+
+    def _current_owners(self, now: float) -> DeviceOwners:
+        if self._owners_at is None or now - self._owners_at > self.max_age_s:
+            return DeviceOwners()
+        return self._owners
+
+
+async def run_nvml_collector(
+    settings: CollectSettings,
+    publisher: Publisher,
+    stop: asyncio.Event,
+    metrics: CollectorMetrics | None = None,
+    *,
+    nvml: Nvml | None = None,
+) -> None:
+    """Run the NVML collector until ``stop`` is set (the ``gpusteward collect nvml`` runner).
+
+    ``nvml`` defaults to the real ``pynvml`` module (the CLI passes the
+    sandbox's fake when ``fake_nvml`` is set); ``metrics`` receives the
+    collector's metrics (fresh ones when None). Raises :class:`NvmlUnavailable`
+    when NVML cannot be initialised here (no driver or library).
+    """
+    own = settings.nvml
+    pod_resources = None
+    if own.pod_resources_socket:
+        pod_resources = PodResourcesClient(own.pod_resources_socket,
+                                           timeout_s=own.pod_resources_timeout_s,
+                                           extra_resources=own.extra_gpu_resources)
+    collector = NvmlCollector(
+        nvml if nvml is not None else pynvml, settings.node_name, publisher,
+        pod_resources=pod_resources, interval_s=settings.interval_s,
+        event_wait_ms=own.event_wait_ms,
+        pod_resources_refresh_s=own.pod_resources_refresh_s,
+        pod_resources_max_age_s=own.pod_resources_max_age_s, metrics=metrics)
+    await collector.run(stop)

@@ -1,0 +1,351 @@
+"""Reading every GPU and MIG device of a node once, in a worker thread (blocking NVML calls).
+
+:class:`NvmlReader` owns the NVML handles and what is cached between ticks
+(MIG descriptions, GPM sample buffers, calls this driver lacks). The
+collector runs :meth:`NvmlReader.read` through ``asyncio.to_thread``, so a
+wedged driver cannot freeze the event loop that publishes; everything that
+decides events lives on the event loop, not here.
+
+- "Not supported" (and its relatives: a missing symbol on an old driver, no
+  such link, no permission) is a normal answer: the reading is ``None``.
+  NVML documents several (utilisation on MIG-enabled GPUs, remapped rows on
+  GPUs with MIG instances, ECC on boards without it). Newer calls fall back
+  to the older ones they replace on drivers that lack them.
+- A GPU that falls off the bus (``NVMLError_GpuIsLost`` and relatives) ends
+  its own reading only: it is listed in :attr:`Reading.unavailable` and the
+  other GPUs are read on.
+- MIG devices carry the GPU-instance profile *name* (``3g.40gb``; ids differ
+  between GPU models) and, on GPUs with GPM (Hopper and newer), the
+  graphics-engine activity: NVML has no utilisation for MIG devices, and
+  idleness on MIG is judged on engine activity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml
+
+from gpusteward.collectors.nvml.api import ABSENT, UNAVAILABLE, Nvml
+from gpusteward.errors import TemporaryError
+from gpusteward.schema import DeviceSample
+
+_NVLINK_FIELDS = (
+    pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL,
+    pynvml.NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL,
+    pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL,
+    pynvml.NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL,
+)
+_FIELDS = [*_NVLINK_FIELDS, pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION]
+_VALUE_MEMBER = {
+    pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
+}
+_PROFILE = re.compile(r"(\d+g\.\d+gb(?:\+[a-z]+)*)")
+
+
+class GpuUnavailable(TemporaryError):
+    """Raised inside a reading when the GPU being read has gone."""
+
+
+@dataclass
+class Gpu:
+    """A GPU found at start: its NVML handle and what names it."""
+
+    index: int
+    handle: Any
+    uuid: str
+    model: str
+    gpm: bool | None = None
+    """GPM support; None until asked."""
+
+
+@dataclass(frozen=True)
+class _MigInfo:
+    gpu_instance_id: int | None
+    compute_instance_id: int | None
+    profile: str | None
+
+
+@dataclass
+class _Gpm:
+    """Two GPM sample buffers of one MIG device; a metric needs two samples."""
+
+    previous: Any
+    current: Any
+    primed: bool = False
+    request: Any = None
+    """The metrics request, kept: it holds room for every GPM metric (about 19 KB)."""
+
+
+@dataclass
+class Reading:
+    """What one tick saw: device samples, and GPUs that could not be read."""
+
+    devices: list[DeviceSample] = field(default_factory=list)
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+
+
+def decode(value: Any) -> str:
+    """An NVML string (bytes from older bindings) as text."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def profile_name(text: str) -> str | None:
+    """The GPU-instance profile name in an NVML name: ``MIG 3g.40gb`` -> ``3g.40gb``.
+
+    A compute-instance name (``1c.3g.40gb``) yields its GPU-instance part.
+    """
+    match = _PROFILE.search(text)
+    return match.group(1) if match else None
+
+
+
+def _float(value: int | None) -> float | None:
+    return None if value is None else float(value)
+
+
+class NvmlReader:
+    """Reads every GPU and MIG device once per call; NVML errors other than "absent" go to
+    ``on_error(where, error)``."""
+
+    def __init__(self, nvml: Nvml, on_error: Callable[[str, BaseException], None]) -> None:
+        self.nvml = nvml
+        self.on_error = on_error
+        self.gpus: list[Gpu] = []
+        self._mig_info: dict[str, _MigInfo] = {}
+        self._gpm: dict[str, _Gpm] = {}
+        self._missing_symbols: set[tuple[str, tuple[str, ...]]] = set()
+        """Newer NVML calls this driver lacks (NVMLError_FunctionNotFound once seen)."""
+
+    def open(self) -> list[tuple[int, pynvml.NVMLError]]:
+        """Enumerate the GPUs (NVML initialised); returns those that cannot be read, by index.
+
+        A GPU already gone at start has no uuid to name it by: the caller reports it by
+        index and the others are monitored.
+        """
+        unreadable: list[tuple[int, pynvml.NVMLError]] = []
+        for index in range(self.nvml.nvmlDeviceGetCount()):
+            try:
+                handle = self.nvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = self.nvml.nvmlDeviceGetUUID(handle)
+                model = self.nvml.nvmlDeviceGetName(handle)
+            except pynvml.NVMLError as e:
+                unreadable.append((index, e))
+                continue
+            self.gpus.append(Gpu(index=index, handle=handle, uuid=uuid, model=model))
+        return unreadable
+
+    def driver_version(self) -> str:
+        try:
+            return decode(self.nvml.nvmlSystemGetDriverVersion())
+        except pynvml.NVMLError:
+            return "unknown"
+
+    def close(self) -> None:
+        """Free the GPM buffers (blocking)."""
+        for buffers in self._gpm.values():
+            for sample in (buffers.previous, buffers.current):
+                with contextlib.suppress(pynvml.NVMLError):
+                    self.nvml.nvmlGpmSampleFree(sample)
+        self._gpm.clear()
+
+    def read(self) -> Reading:
+        """Read every GPU and MIG device once (blocking NVML calls)."""
+        reading = Reading()
+        seen_mig: set[str] = set()
+        for gpu in self.gpus:
+            try:
+                reading.devices += self._read_gpu(gpu, seen_mig)
+            except GpuUnavailable as e:
+                reading.unavailable[gpu.uuid] = str(e)
+        for uuid in set(self._gpm) - seen_mig:  # MIG device gone (re-partitioned): free GPM buffers
+            buffers = self._gpm.pop(uuid)
+            for sample in (buffers.previous, buffers.current):
+                with contextlib.suppress(pynvml.NVMLError):
+                    self.nvml.nvmlGpmSampleFree(sample)
+        return reading
+
+
+    def _get(self, call: str, *args: Any, symbol_required: bool = False, **kwargs: Any) -> Any:
+        """One NVML call; None where the reading does not exist here.
+
+        With ``symbol_required``, a driver without the call raises
+        NVMLError_FunctionNotFound instead, so the caller can fall back to an older one.
+        """
+        try:
+            return getattr(self.nvml, call)(*args, **kwargs)
+        except pynvml.NVMLError_FunctionNotFound:
+            if symbol_required:
+                raise
+            return None
+        except UNAVAILABLE as e:
+            raise GpuUnavailable(f"{call}: {type(e).__name__}: {e}") from e
+        except ABSENT:
+            return None
+        except pynvml.NVMLError as e:
+            self.on_error(call, e)
+            return None
+
+    def _newest(self, newer: str, older: str, *args: Any, **newer_kwargs: Any) -> Any:
+        """``newer`` while this driver has it, else the ``older`` call it replaces."""
+        key = (newer, tuple(sorted(newer_kwargs)))
+        if key not in self._missing_symbols:
+            try:
+                return self._get(newer, *args, symbol_required=True, **newer_kwargs)
+            except pynvml.NVMLError_FunctionNotFound:
+                self._missing_symbols.add(key)  # a driver older than the symbol
+        return self._get(older, *args)
+
+    def _memory(self, handle: Any) -> Any:
+        return self._newest("nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo", handle,
+                            version=pynvml.nvmlMemory_v2)
+
+    def _temperature(self, handle: Any) -> int | None:
+        value = self._newest("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature", handle,
+                             pynvml.NVML_TEMPERATURE_GPU)
+        return None if value is None else int(value)
+
+    def _clock_reasons(self, handle: Any) -> int | None:
+        value = self._newest("nvmlDeviceGetCurrentClocksEventReasons",
+                             "nvmlDeviceGetCurrentClocksThrottleReasons", handle)
+        return None if value is None else int(value)
+
+    def _fields(self, handle: Any) -> tuple[int | None, int | None]:
+        """NVLink error total (CRC flit + CRC data + replay + recovery) and recovery action."""
+        values = self._get("nvmlDeviceGetFieldValues", handle, _FIELDS)
+        if values is None:
+            return None, None
+        read: dict[int, int] = {}
+        for value in values:
+            if value.nvmlReturn != pynvml.NVML_SUCCESS:
+                continue
+            member = _VALUE_MEMBER.get(value.valueType)
+            if member is not None:
+                read[value.fieldId] = int(getattr(value.value, member))
+        nvlink = [read[f] for f in _NVLINK_FIELDS if f in read]
+        return (sum(nvlink) if nvlink else None,
+                read.get(pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION))
+
+    def _read_gpu(self, gpu: Gpu, seen_mig: set[str]) -> list[DeviceSample]:
+        handle = gpu.handle
+        mig_mode = self._get("nvmlDeviceGetMigMode", handle)
+        mig_enabled = bool(mig_mode) and mig_mode[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+        util = self._get("nvmlDeviceGetUtilizationRates", handle)
+        memory = self._memory(handle)
+        power_mw = self._get("nvmlDeviceGetPowerUsage", handle)
+        sbe = self._get("nvmlDeviceGetTotalEccErrors", handle,
+                        pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC)
+        dbe = self._get("nvmlDeviceGetTotalEccErrors", handle,
+                        pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)
+        rows = self._get("nvmlDeviceGetRemappedRows", handle)
+        nvlink, recovery = self._fields(handle)
+        sample = DeviceSample(
+            uuid=gpu.uuid, index=gpu.index, model=gpu.model, kind="gpu",
+            util_pct=None if util is None else float(util.gpu),
+            mem_used_bytes=None if memory is None else int(memory.used),
+            mem_total_bytes=None if memory is None else int(memory.total),
+            temp_c=_float(self._temperature(handle)),
+            power_w=None if power_mw is None else power_mw / 1000,
+            sm_clock_mhz=self._get("nvmlDeviceGetClockInfo", handle, pynvml.NVML_CLOCK_SM),
+            clock_event_reasons=self._clock_reasons(handle),
+            ecc_sbe_volatile=sbe,
+            ecc_dbe_volatile=dbe,
+            remapped_rows_correctable=None if rows is None else int(rows[0]),
+            remapped_rows_uncorrectable=None if rows is None else int(rows[1]),
+            remap_pending=None if rows is None else bool(rows[2]),
+            remap_failure=None if rows is None else bool(rows[3]),
+            pcie_replay=self._get("nvmlDeviceGetPcieReplayCounter", handle),
+            nvlink_errors=nvlink,
+            recovery_action=recovery,
+        )
+        devices = [sample]
+        if mig_enabled:
+            devices += self._read_migs(gpu, seen_mig)
+        return devices
+
+    def _read_migs(self, gpu: Gpu, seen: set[str]) -> list[DeviceSample]:
+        devices: list[DeviceSample] = []
+        slots = self._get("nvmlDeviceGetMaxMigDeviceCount", gpu.handle) or 0
+        for slot in range(slots):
+            mig_handle = self._get("nvmlDeviceGetMigDeviceHandleByIndex", gpu.handle, slot)
+            if mig_handle is None:  # an empty slot
+                continue
+            uuid = self._get("nvmlDeviceGetUUID", mig_handle)
+            if uuid is None:
+                continue
+            seen.add(uuid)
+            info = self._mig_info.get(uuid)
+            if info is None:
+                info = self._mig_info[uuid] = self._describe_mig(gpu, mig_handle)
+            memory = self._memory(mig_handle)
+            devices.append(DeviceSample(
+                uuid=uuid, index=gpu.index, model=gpu.model, kind="mig", parent_uuid=gpu.uuid,
+                mig_profile=info.profile, gpu_instance_id=info.gpu_instance_id,
+                engine_active_pct=(None if info.gpu_instance_id is None
+                                   else self._engine_active(gpu, uuid, info.gpu_instance_id)),
+                mem_used_bytes=None if memory is None else int(memory.used),
+                mem_total_bytes=None if memory is None else int(memory.total),
+            ))
+        return devices
+
+    def _describe_mig(self, gpu: Gpu, mig_handle: Any) -> _MigInfo:
+        gi = self._get("nvmlDeviceGetGpuInstanceId", mig_handle)
+        ci = self._get("nvmlDeviceGetComputeInstanceId", mig_handle)
+        profile: str | None = None
+        # The profile name by the documented route: GPU instance -> profile id -> profile info.
+        instance = None if gi is None else self._get("nvmlDeviceGetGpuInstanceById",
+                                                      gpu.handle, gi)
+        if instance is not None:
+            info = self._get("nvmlGpuInstanceGetInfo", instance)
+            if info is not None:
+                profile_info = self._get("nvmlDeviceGetGpuInstanceProfileInfoById", gpu.handle,
+                                         info.profileId)
+                if profile_info is not None:
+                    profile = profile_name(decode(profile_info.name))
+        if profile is None:  # e.g. no privilege to open the instance: the device name has it
+            name = self._get("nvmlDeviceGetName", mig_handle)
+            profile = profile_name(decode(name)) if name is not None else None
+        return _MigInfo(gpu_instance_id=gi, compute_instance_id=ci, profile=profile)
+
+    def _engine_active(self, gpu: Gpu, uuid: str, gpu_instance_id: int) -> float | None:
+        if gpu.gpm is None:
+            support = self._get("nvmlGpmQueryDeviceSupport", gpu.handle)
+            gpu.gpm = bool(support is not None and support.isSupportedDevice)
+        if not gpu.gpm:
+            return None
+        buffers = self._gpm.get(uuid)
+        if buffers is None:
+            first = self._get("nvmlGpmSampleAlloc")
+            second = self._get("nvmlGpmSampleAlloc")
+            if first is None or second is None:
+                gpu.gpm = False
+                return None
+            buffers = self._gpm[uuid] = _Gpm(first, second)
+        if self._get("nvmlGpmMigSampleGet", gpu.handle, gpu_instance_id, buffers.current) is None:
+            return None
+        value: float | None = None
+        if buffers.primed:
+            request = buffers.request
+            if request is None:
+                request = buffers.request = pynvml.c_nvmlGpmMetricsGet_t()
+                request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+                request.numMetrics = 1
+            request.sample1 = buffers.previous
+            request.sample2 = buffers.current
+            request.metrics[0].metricId = pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL
+            answer = self._get("nvmlGpmMetricsGet", request)
+            if answer is not None and answer.metrics[0].nvmlReturn == pynvml.NVML_SUCCESS:
+                value = float(answer.metrics[0].value)
+        buffers.previous, buffers.current, buffers.primed = buffers.current, buffers.previous, True
+        return value

@@ -1,0 +1,81 @@
+"""A kubelet's PodResources API for a simulated node: a real gRPC server on a unix socket.
+
+The NVML collector learns which pod holds which device from the kubelet's
+``v1.PodResourcesLister`` (``List``), over gRPC on a unix socket. This server
+speaks that protocol for real (grpc.aio, the generated servicer), answering
+from the simulated world, so the collector's client, the socket, the
+protobuf messages and the device-id mapping all run as on a node. Like the
+real kubelet, the answer names pods by namespace and name only: there is no
+pod uid in the message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from gpusteward.collectors.podresources import api_pb2, api_pb2_grpc
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One device the device plugin gave to a pod's container."""
+
+    namespace: str
+    pod: str
+    container: str
+    resource: str
+    """``nvidia.com/gpu`` or ``nvidia.com/mig-<profile>`` (the mixed MIG strategy)."""
+    device_id: str
+    """The GPU or MIG uuid, as the NVIDIA device plugin reports it."""
+
+
+def list_response(assignments: Iterable[Assignment]) -> api_pb2.ListPodResourcesResponse:
+    """``List``'s answer: one PodResources per pod, one ContainerResources per container."""
+    pods: dict[tuple[str, str], dict[str, list[Assignment]]] = {}
+    for item in assignments:
+        pods.setdefault((item.namespace, item.pod), {}).setdefault(item.container, []
+                                                                    ).append(item)
+    answer = []
+    for (namespace, name), containers in sorted(pods.items()):
+        answer.append(api_pb2.PodResources(namespace=namespace, name=name, containers=[
+            api_pb2.ContainerResources(name=container, devices=[
+                api_pb2.ContainerDevices(resource_name=item.resource,
+                                         device_ids=[item.device_id]) for item in items])
+            for container, items in sorted(containers.items())]))
+    return api_pb2.ListPodResourcesResponse(pod_resources=answer)
+
+
+class _Lister(api_pb2_grpc.PodResourcesListerServicer):
+    def __init__(self, assignments: Callable[[], Iterable[Assignment]]) -> None:
+        self.assignments = assignments
+        self.calls = 0
+
+    async def List(self, request: Any, context: Any) -> api_pb2.ListPodResourcesResponse:
+        self.calls += 1
+        return list_response(self.assignments())
+
+
+class KubeletPodResources:
+    """``v1.PodResourcesLister`` on ``socket_path``, answering ``assignments()`` now."""
+
+    def __init__(self, socket_path: Path, assignments: Callable[[], Iterable[Assignment]]
+                 ) -> None:
+        self.socket_path = socket_path
+        self.lister = _Lister(assignments)
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = grpc.aio.server()
+        api_pb2_grpc.add_PodResourcesListerServicer_to_server(self.lister, self._server)
+        self._server.add_insecure_port(f"unix://{self.socket_path}")
+        await self._server.start()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=None)
+            self._server = None

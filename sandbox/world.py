@@ -1,0 +1,423 @@
+"""The simulated world as the production edges see it: GPUs, kubelets and an API server.
+
+The simulator decides what happens (who runs where, how busy each GPU is,
+which GPU fails); this module turns each decision into the state real
+sources read, and lets the production readers read it:
+
+- per node, a fake NVML (:class:`~gpusteward.sandbox.nvml_fake.FakeNvml`)
+  whose readings and faults follow the simulator, a real kubelet
+  PodResources gRPC server on a unix socket (pods by namespace and name, no
+  uid, as a kubelet answers), and the production
+  :class:`~gpusteward.collectors.nvml.NvmlCollector` reading both;
+- the Kubernetes API-server double holding the Nodes and Pods a real cluster
+  would hold, and the production
+  :class:`~gpusteward.collectors.kubernetes.KubeWatcher` listing and
+  watching it;
+- and back: what the deployed executor writes into the double (a cordon)
+  reaches the simulated cluster, which stops placing pods there.
+
+The collectors and the watcher run here, in-process, because their clocks
+must be the simulation's: the world runs hours of simulated time in
+seconds, and a collector in its own process would stamp samples with the
+wall clock. They run the production classes, through the production
+protocols (NVML calls, gRPC, list/watch over HTTP) and the production Kafka
+publisher; everything downstream (worker, alert sink, executor, sinks,
+report) runs as the separate processes ``deploy/`` declares
+(:mod:`gpusteward.sandbox.deployment`).
+
+The world is a :class:`~gpusteward.collectors.transport.publisher.Publisher` for the
+simulator: what the simulator would have published becomes world state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpusteward.collectors.attribution import PodResourcesClient
+from gpusteward.collectors.nvml import NvmlCollector
+from gpusteward.collectors.transport.publisher import Publisher
+from gpusteward.remediation.kubernetes import (
+    NOTEBOOK_STOPPED,
+    NOTICE_ANNOTATION,
+    RECLAIMED_BECAUSE,
+)
+from gpusteward.rules.mig import geometry
+from gpusteward.sandbox.kube_api import KubeApiServer
+from gpusteward.sandbox.kube_mirror import KubeMirrorPublisher
+from gpusteward.sandbox.kubelet import Assignment, KubeletPodResources
+from gpusteward.sandbox.nvml_fake import FakeGpu, FakeMig, FakeNvml
+from gpusteward.schema import (
+    AllocationEvent,
+    DeviceSample,
+    HwEvent,
+    NodeSample,
+    PodRef,
+    QueueEvent,
+)
+
+if TYPE_CHECKING:
+    from gpusteward.collectors.kubernetes import KubeWatcher
+    from gpusteward.sandbox.simulator.engine import SimNode, SimulatedCluster
+
+log = logging.getLogger(__name__)
+
+EVENT_DELIVERY_TIMEOUT_S = 10.0
+"""How long the world waits for the collector to publish an NVML event it raised."""
+
+class _CountingPublisher:
+    """Forwards a node collector's records; lets the world wait for its hardware events."""
+
+    def __init__(self, inner: Publisher) -> None:
+        self.inner = inner
+        self.hw_events = 0
+        self.samples = 0
+        self._changed = asyncio.Condition()
+
+    async def sample(self, sample: NodeSample) -> None:
+        await self.inner.sample(sample)
+        self.samples += 1
+
+    async def hw_event(self, event: HwEvent) -> None:
+        await self.inner.hw_event(event)
+        async with self._changed:
+            self.hw_events += 1
+            self._changed.notify_all()
+
+    async def allocation(self, event: AllocationEvent) -> None:
+        await self.inner.allocation(event)
+
+    async def queue(self, event: QueueEvent) -> None:
+        await self.inner.queue(event)
+
+    async def flush(self) -> None:
+        await self.inner.flush()
+
+    async def wait_for_events(self, count: int, timeout_s: float) -> None:
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(lambda: self.hw_events >= count),
+                                   timeout_s)
+
+
+def fake_gpu(gpu: Any) -> dict[str, Any]:
+    """A simulated GPU as the fake NVML's description (its YAML keys).
+
+    A MIG device's GPU-instance profile id comes from the MIG geometry file, so the
+    collector maps it back to the profile name as on a real GPU.
+    """
+    spec: dict[str, Any] = {"uuid": gpu.uuid, "name": gpu.model, "mem_total": gpu.mem_total,
+                            "nvlink": {"crc_flit": 0, "crc_data": 0, "replay": 0,
+                                       "recovery": 0}}
+    if gpu.mig:
+        found = geometry.find(geometry.load(), gpu.model)
+        if found is None:
+            raise ValueError(f"no MIG geometry for {gpu.model!r}")
+        spec["gpm"] = True  # the simulator reports MIG engine activity on every model
+        spec["mig"] = {"enabled": True, "devices": [
+            {"uuid": mig.uuid, "profile": mig.profile,
+             "profile_id": found.profile(mig.profile).gi_profile_id,
+             "gpu_instance_id": mig.gpu_instance_id} for mig in gpu.mig]}
+    return spec
+
+
+class NodeGpus:
+    """One simulated node's GPUs, its kubelet socket and the NVML collector reading them."""
+
+    def __init__(self, node: SimNode, socket_dir: Path, publisher: Publisher,
+                 cluster: SimulatedCluster) -> None:
+        self.name = node.name
+        self.nvml = FakeNvml({"gpus": [fake_gpu(gpu) for gpu in node.gpus]})
+        self.assignments: list[Assignment] = []
+        self.kubelet = KubeletPodResources(socket_dir / f"{node.name}.sock",
+                                           lambda: self.assignments)
+        self.publisher = _CountingPublisher(publisher)
+        self.cluster = cluster
+        self._started = False
+        self.collector = NvmlCollector(
+            self.nvml, node.name, self.publisher,
+            pod_resources=PodResourcesClient(str(self.kubelet.socket_path)),
+            # the world ticks the collector itself, once per simulated sample
+            interval_s=1e9, event_wait_ms=20,
+            # the kubelet is asked on every tick: pods change between two ticks
+            pod_resources_refresh_s=0.0,
+            pod_resources_max_age_s=cluster.scenario.sample_interval_s * 4,
+            clock=self._clock)
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def _clock(self) -> float:
+        # Before the world's first step the collector's own first tick is stamped one
+        # interval early, so it never shares a timestamp with a simulated sample.
+        now = self.cluster.now
+        return now if self._started else now - self.cluster.scenario.sample_interval_s
+
+    async def start(self) -> None:
+        await self.kubelet.start()
+        self._task = asyncio.create_task(self.collector.run(self._stop),
+                                         name=f"nvml-{self.name}")
+        # The collector's own first tick comes after NVML is open and its event listener
+        # runs: from then on a fault raised in the fake reaches the collector.
+        deadline = time.monotonic() + 30
+        while not self.publisher.samples:
+            if self._task.done():
+                self._task.result()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the NVML collector of {self.name} did not start")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.kubelet.stop()
+
+    def check(self) -> None:
+        if self._task is not None and self._task.done():
+            self._task.result()
+            raise RuntimeError(f"the NVML collector of {self.name} stopped on its own")
+
+    async def hw_event(self, event: HwEvent) -> None:
+        """A fault the simulator raises, as the GPU raises it through NVML."""
+        self._started = True
+        expect = self.publisher.hw_events
+        if event.kind == "xid" and event.uuid is not None and event.xid is not None:
+            self.nvml.xid(event.uuid, event.xid)
+        elif event.kind == "ecc_dbe" and event.uuid is not None:
+            gpu = self.nvml.gpu(event.uuid)
+            self.nvml.ecc_dbe(event.uuid, max(1, (event.count or 0) - gpu.ecc_dbe))
+        elif event.kind == "gpu_lost" and event.uuid is not None:
+            self.nvml.lose(event.uuid)
+        else:
+            # remap failures, throttling: no NVML event; the readings carry them and the
+            # collector's tick turns the change into the event
+            return
+        await self.publisher.wait_for_events(expect + 1, EVENT_DELIVERY_TIMEOUT_S)
+
+    async def sample(self, sample: NodeSample) -> None:
+        """The simulator's readings become the GPUs' state; the collector reads them."""
+        self._started = True
+        seen = {device.uuid: device for device in sample.devices}
+        assignments = []
+        for gpu in self.nvml.gpus:
+            device = seen.get(gpu.uuid)
+            if gpu.mig:
+                for mig in gpu.mig:
+                    mig_device = seen.get(mig.uuid)
+                    if mig_device is not None:
+                        _set_mig(mig, mig_device)
+                        assignments += _assignment(mig_device, f"nvidia.com/mig-{mig.profile}")
+                continue
+            if device is None:
+                # gone from the readings without an event: the GPU no longer answers
+                gpu.lost = True
+                continue
+            _set_gpu(gpu, device)
+            assignments += _assignment(device, "nvidia.com/gpu")
+        self.assignments = assignments
+        await self.collector.tick()
+
+
+def _assignment(device: DeviceSample, resource: str) -> list[Assignment]:
+    pod = device.pod
+    if pod is None:
+        return []
+    return [Assignment(pod.namespace, pod.name, "main", resource, device.uuid)]
+
+
+def _set_gpu(gpu: FakeGpu, device: DeviceSample) -> None:
+    gpu.util_gpu = round(device.util_pct or 0)
+    gpu.mem_used = device.mem_used_bytes or 0
+    if device.temp_c is not None:
+        gpu.temp = round(device.temp_c)
+    if device.power_w is not None:
+        gpu.power_mw = round(device.power_w * 1000)
+    if device.sm_clock_mhz is not None:
+        gpu.sm_clock = device.sm_clock_mhz
+    gpu.clocks_event_reasons = device.clock_event_reasons or 0
+    gpu.ecc_sbe = device.ecc_sbe_volatile or 0
+    gpu.ecc_dbe = device.ecc_dbe_volatile or 0
+    gpu.pcie_replay = device.pcie_replay or 0
+    if gpu.nvlink is not None:
+        gpu.nvlink = {**gpu.nvlink, "crc_flit": device.nvlink_errors or 0}
+    gpu.remapped_rows = (0, 0, 0, 1 if device.remap_failure else 0)
+
+
+def _set_mig(mig: FakeMig, device: DeviceSample) -> None:
+    mig.engine_active = device.engine_active_pct
+    mig.mem_used = device.mem_used_bytes or 0
+
+
+class World:
+    """The simulated cluster's GPUs, kubelets and API server, read by the production edges.
+
+    Use as ``async with World(cluster, publisher, workdir) as world:`` and pass
+    ``world`` to :meth:`SimulatedCluster.run` as its publisher.
+    """
+
+    def __init__(self, cluster: SimulatedCluster, publisher: Publisher, workdir: Path) -> None:
+        self.cluster = cluster
+        self.publisher = publisher
+        self.workdir = workdir
+        # unix socket paths must stay under 108 bytes: a short folder of their own
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="gsw-kubelet-"))
+        self.api = KubeApiServer(bookmark_interval_s=0.2)
+        self.api.record_requests = False  # a run makes thousands; nobody reads them
+        self.mirror = KubeMirrorPublisher(self, self.api, cluster)
+        self.nodes = {name: NodeGpus(node, self.socket_dir, publisher, cluster)
+                      for name, node in cluster.nodes.items()}
+        self.kubeconfig = self.api.write_kubeconfig(workdir / "kubeconfig")
+        """Written at once, so processes can be started before the world (and gRPC) is."""
+        self.watcher: KubeWatcher | None = None
+        self._client: Any = None
+        self._watch_stop = asyncio.Event()
+        self._watch_task: asyncio.Task[None] | None = None
+        self._seen_rv = 0
+        self._noticed: set[str] = set()
+        self._previous_tick = cluster.on_tick
+        cluster.on_tick = self._on_tick
+
+    # --- lifecycle ------------------------------------------------------------
+
+    async def __aenter__(self) -> World:
+        from gpusteward.collectors.kubernetes import KubeWatcher, KubeWatchSettings, api_client
+
+        self.api.start()
+        try:
+            for node in self.nodes.values():
+                await node.start()
+            kube = KubeWatchSettings(kubeconfig=str(self.kubeconfig))
+            self._client = api_client(kube)
+            cluster = self.cluster
+            self.watcher = KubeWatcher(self._client, self.publisher, kube,
+                                       clock=lambda: cluster.now)
+            self._watch_task = asyncio.create_task(self.watcher.run(self._watch_stop))
+            synced = asyncio.ensure_future(self.watcher.synced.wait())
+            try:
+                await asyncio.wait({synced, self._watch_task}, timeout=30,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                synced.cancel()
+            self.check()
+            if not self.watcher.synced.is_set():
+                raise RuntimeError("the Kubernetes watcher did not list the API double in 30 s")
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
+        self.cluster.on_tick = self._previous_tick
+        self._watch_stop.set()
+        try:
+            if self._watch_task is not None:
+                await self._watch_task  # raises the watcher's error, if it failed
+        finally:
+            for node in self.nodes.values():
+                await node.stop()
+            if self._client is not None:
+                self._client.close()
+            self.api.stop()
+
+    def check(self) -> None:
+        """Raise the error of a collector or the watcher that stopped on its own."""
+        for node in self.nodes.values():
+            node.check()
+        if self._watch_task is not None and self._watch_task.done():
+            self._watch_task.result()
+            raise RuntimeError("the Kubernetes watcher stopped on its own")
+
+    def settled(self) -> bool:
+        """Every change in the double seen by its reflector and published."""
+        assert self.watcher is not None
+        reflectors = self.watcher.reflectors
+        delivered = sum(r.stats.deltas for r in reflectors.values())
+        return all(int(r.resource_version or 0) >= self.api.latest_change(name)
+                   for name, r in reflectors.items()) and delivered == self.watcher.processed
+
+    async def settle(self, timeout_s: float = 30.0) -> None:
+        """Wait until the watcher has published everything written into the double."""
+        await self._caught_up(timeout_s)
+        await self.publisher.flush()
+
+    async def _caught_up(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.settled():
+            self.check()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Kubernetes watcher did not catch up in {timeout_s} s")
+            await asyncio.sleep(0.001)
+        self._seen_rv = self.api.resource_version
+
+    # --- what the cluster writes back ------------------------------------------
+
+    def _on_tick(self, cluster: SimulatedCluster) -> None:
+        """Carry what was written into the API back into the simulated cluster.
+
+        A cordoned Node takes no new pods; a stopped Notebook or a Deployment or
+        StatefulSet scaled to zero loses its pod (the simulated controllers act as the
+        real ones would), and the GPUs are free for whoever waits; an owner notice on a
+        pod is counted as told.
+        """
+        self.check()
+        for node in self.api.objects("Node"):
+            name = node["metadata"]["name"]
+            sim_node = cluster.nodes.get(name)
+            if sim_node is not None and node["spec"].get("unschedulable") and \
+                    not sim_node.cordoned:
+                cluster.request_cordon(name, "cordoned through the Kubernetes API")
+        running = {(w.namespace, w.name) for w in cluster.running}
+        for owner in self._given_up():
+            meta = owner["metadata"]
+            if (meta["namespace"], meta["name"]) in running:
+                why = (meta.get("annotations") or {}).get(RECLAIMED_BECAUSE, "reclaimed")
+                cluster.request_reclaim(meta["namespace"], meta["name"], why)
+        for pod in self.api.objects("Pod"):
+            meta = pod["metadata"]
+            if NOTICE_ANNOTATION in (meta.get("annotations") or {}):
+                key = f"{meta['namespace']}/{meta['name']}"
+                if key not in self._noticed:
+                    self._noticed.add(key)
+                    cluster.notify(PodRef(namespace=meta["namespace"], name=meta["name"]),
+                                   meta["annotations"][NOTICE_ANNOTATION])
+        if self._previous_tick is not None:
+            self._previous_tick(cluster)
+
+    def _given_up(self) -> list[dict[str, Any]]:
+        """Owners that no longer want their pod: stopped Notebooks, scaled to zero."""
+        stopped = [n for n in self.api.objects("Notebook", group="kubeflow.org")
+                   if NOTEBOOK_STOPPED in (n["metadata"].get("annotations") or {})]
+        scaled = [o for kind in ("Deployment", "StatefulSet")
+                  for o in self.api.objects(kind, group="apps")
+                  if o["spec"].get("replicas") == 0]
+        return stopped + scaled
+
+    # --- the simulator's Publisher: its decisions become world state -----------
+
+    async def sample(self, sample: NodeSample) -> None:
+        # The watcher stamps what it sees with the simulated clock: let it see this
+        # step's changes before the step's samples, as a real watcher sees a pod bound
+        # well before the GPU gets busy.
+        if self.api.resource_version != self._seen_rv:
+            await self._caught_up()
+        await self.nodes[sample.node].sample(sample)
+
+    async def hw_event(self, event: HwEvent) -> None:
+        await self.nodes[event.node].hw_event(event)
+
+    async def allocation(self, event: AllocationEvent) -> None:
+        await self.mirror.allocation(event)
+
+    async def queue(self, event: QueueEvent) -> None:
+        await self.mirror.queue(event)
+
+    async def flush(self) -> None:
+        await self.publisher.flush()

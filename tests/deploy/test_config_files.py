@@ -1,0 +1,225 @@
+"""Every policy and setting that deploy/ (and docker-compose.yml) hands a process loads.
+
+A process reads two kinds of configuration: the rule policy file
+(``GPUSTEWARD_POLICY_FILE``, checked with the real ``gpusteward rules check``)
+and ``GPUSTEWARD_*`` environment variables, read by pydantic settings models
+with ``extra="ignore"`` and by typer options. Ignoring unknown variables keeps
+one ConfigMap shareable between components, but it also means a misspelt or
+renamed variable is silently dropped: so every name must be one that some
+model or option reads, and each model must validate the values.
+
+The deployed policy is the shipped ``rules/policy.yaml``, byte for byte:
+kustomize reads no file outside its root, so deploy/base holds a copy, and
+this is the test that keeps it one source.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer.main
+import yaml
+from pydantic import BaseModel
+from pydantic_settings import BaseSettings
+from typer.testing import CliRunner
+
+from gpusteward.cli import app
+from gpusteward.cli.watch import KubeWatchEnvSettings
+from gpusteward.collectors.settings import CollectSettings
+from gpusteward.remediation.executor import RemediationSettings
+from gpusteward.reports.settings import ReportSettings
+from gpusteward.settings import Settings
+from gpusteward.streams.policy_file import POLICY_ENV
+from tests.deploy.conftest import DEPLOY, REPO, Rendered
+
+pytestmark = pytest.mark.deploy
+
+SHIPPED_POLICY = REPO / "rules" / "policy.yaml"
+DEPLOYED_POLICY = DEPLOY / "base" / "policy.yaml"
+COMPOSE = REPO / "docker-compose.yml"
+
+SETTINGS_MODELS: tuple[type[BaseSettings], ...] = (
+    Settings, CollectSettings, RemediationSettings, KubeWatchEnvSettings, ReportSettings)
+"""Every settings model a gpusteward process reads from the environment."""
+
+
+def _model_variables(model: type[BaseModel], prefix: str, delimiter: str | None) -> set[str]:
+    names = set()
+    for name, info in model.model_fields.items():
+        names.add(f"{prefix}{name}".upper())
+        annotation = info.annotation
+        if delimiter and isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            names |= _model_variables(annotation, f"{prefix}{name}{delimiter}", delimiter)
+    return names
+
+
+def _option_variables(command: Any) -> set[str]:
+    # Duck-typed: typer builds its commands on its own copy of click's classes.
+    names: set[str] = set()
+    for param in command.params:
+        envvar = param.envvar
+        names |= {envvar} if isinstance(envvar, str) else set(envvar or ())
+    for sub in getattr(command, "commands", {}).values():
+        names |= _option_variables(sub)
+    return names
+
+
+def known_variables() -> set[str]:
+    """Every GPUSTEWARD_* name some model or command-line option reads."""
+    names = {POLICY_ENV} | _option_variables(typer.main.get_command(app))
+    for model in SETTINGS_MODELS:
+        config = model.model_config
+        names |= _model_variables(model, config.get("env_prefix", ""),
+                                  config.get("env_nested_delimiter"))
+    return names
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    known = known_variables()
+    return sorted(n for n in env if n.startswith("GPUSTEWARD_") and n.upper() not in known)
+
+
+def load_every_model(env: Mapping[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validate ``env`` with every settings model, as a process started with it would."""
+    with monkeypatch.context() as patch:
+        for name in [n for n in os.environ if n.startswith("GPUSTEWARD_")]:
+            patch.delenv(name)
+        for name, value in env.items():
+            patch.setenv(name, value)
+        for model in SETTINGS_MODELS:
+            model()
+
+
+def rules_check(text: str, path: Path) -> tuple[int, str]:
+    """``gpusteward rules check`` on ``text`` written to ``path``: (exit code, output)."""
+    path.write_text(text)
+    result = CliRunner().invoke(app, ["rules", "check", str(path)])
+    return result.exit_code, result.output
+
+
+# -- the deployed policy ---------------------------------------------------------------
+
+
+def test_deployed_policy_is_the_shipped_policy():
+    assert DEPLOYED_POLICY.read_text() == SHIPPED_POLICY.read_text(), (
+        "deploy/base/policy.yaml differs from rules/policy.yaml: "
+        "cp rules/policy.yaml deploy/base/policy.yaml")
+
+
+def _mounted_policies(rendered: Rendered) -> Iterator[tuple[str, str]]:
+    """(where, text) of the policy file every gpusteward container is pointed at."""
+    for workload in rendered.workloads():
+        pod = rendered.pod_spec(workload)
+        for container in pod["containers"]:
+            env = container_env(rendered, container)
+            mounts = [m for m in container.get("volumeMounts", [])
+                      if m["mountPath"] == env.get(POLICY_ENV)]
+            if not mounts:
+                # The variable comes with the shared Kafka ConfigMap; the collector, the
+                # watcher and the report read no policy (the assertion below names those
+                # that must have it).
+                continue
+            (mount,) = mounts
+            (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+            data = rendered.named("ConfigMap", volume["configMap"]["name"])["data"]
+            yield f"{workload['metadata']['name']}/{container['name']}", data[mount["subPath"]]
+
+
+def test_every_mounted_policy_is_the_shipped_policy_and_loads(rendered, tmp_path):
+    mounted = dict(_mounted_policies(rendered))
+    assert {w.split("/")[0] for w in mounted} >= {
+        "gpusteward-worker", "gpusteward-alerts", "gpusteward-remediation"}
+    for where, text in mounted.items():
+        assert text == SHIPPED_POLICY.read_text(), f"{rendered.variant}: {where}"
+        code, output = rules_check(text, tmp_path / "policy.yaml")
+        assert code == 0, f"{rendered.variant}: {where}: {output}"
+
+
+def test_every_policy_file_under_deploy_loads(tmp_path):
+    files = sorted(DEPLOY.rglob("*policy*.yaml"))
+    assert DEPLOYED_POLICY in files
+    for path in files:
+        code, output = rules_check(path.read_text(), tmp_path / path.name)
+        assert code == 0, f"{path.relative_to(REPO)}: {output}"
+
+
+def test_rules_check_rejects_the_old_policy_format(tmp_path):
+    # The shape deploy/base/policy.yaml had before it became the shipped file:
+    # the worker refused to start on it. The check above must catch it.
+    old = "idle:\n  threshold_pct: 5\n  window_s: 1800\necc_dbe:\n  cordon: true\n"
+    code, output = rules_check(old, tmp_path / "policy.yaml")
+    assert code == 1
+    assert "idle: Extra inputs are not permitted" in output
+
+
+# -- environment settings --------------------------------------------------------------
+
+
+def container_env(rendered: Rendered, container: dict[str, Any]) -> dict[str, str]:
+    """The variables a container starts with; a Secret's value is a placeholder."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            env.update(rendered.named("ConfigMap", source["configMapRef"]["name"])["data"])
+    for entry in container.get("env", []):
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+        elif "secretKeyRef" in entry.get("valueFrom", {}):
+            env[entry["name"]] = "from-a-secret"
+        elif "fieldRef" in entry.get("valueFrom", {}):
+            env[entry["name"]] = "from-the-downward-api"
+    return env
+
+
+def _gpusteward_containers(rendered: Rendered) -> Iterator[tuple[str, dict[str, Any]]]:
+    for workload in rendered.workloads():
+        for container in rendered.pod_spec(workload)["containers"]:
+            image = container.get("image", "")
+            if "gpusteward" in image.split("/")[-1]:
+                yield f"{workload['metadata']['name']}/{container['name']}", container
+
+
+def test_every_setting_in_the_manifests_is_read_and_valid(rendered, monkeypatch):
+    containers = dict(_gpusteward_containers(rendered))
+    assert len(containers) >= 6, rendered.variant
+    for where, container in containers.items():
+        env = container_env(rendered, container)
+        assert not unknown_variables(env), f"{rendered.variant}: {where}: read by nothing"
+        load_every_model(env, monkeypatch)
+
+
+def _compose_services() -> dict[str, dict[str, Any]]:
+    services: dict[str, dict[str, Any]] = yaml.safe_load(COMPOSE.read_text())["services"]
+    return {n: s for n, s in services.items() if s.get("image", "").startswith("gpusteward")}
+
+
+def test_every_setting_in_docker_compose_is_read_and_valid(monkeypatch):
+    services = _compose_services()
+    assert {"worker", "alerts", "remediation", "collector"} <= set(services)
+    for name, service in services.items():
+        env = {k: str(v) for k, v in (service.get("environment") or {}).items()}
+        # ${VAR:-default} is Compose interpolation: what the process sees is the default.
+        env = {k: v.split(":-", 1)[1].rstrip("}") if v.startswith("${") else v
+               for k, v in env.items()}
+        assert not unknown_variables(env), f"compose {name}: read by nothing"
+        load_every_model(env, monkeypatch)
+        for volume in service.get("volumes", []):
+            source, target = volume.split(":")[:2]
+            if target == env.get(POLICY_ENV):
+                assert (REPO / source).resolve() == DEPLOYED_POLICY
+
+
+def test_a_misspelt_or_invalid_setting_is_caught(monkeypatch):
+    assert unknown_variables({"GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS": "kafka:9092",
+                              "GPUSTEWARD_COLLECT__INTERVAL_S": "5",
+                              "GPUSTEWARD_KUBE__RESYNC_PERIOD_S": "300",
+                              "GPUSTEWARD_ALERTMANAGER_URL": "http://am:9093"}) == []
+    assert unknown_variables({"GPUSTEWARD_COLLECT__INTERVALL_S": "5",
+                              "GPUSTEWARD_ALERTS__ALERTMANAGER_URL": "http://am:9093"}) == [
+        "GPUSTEWARD_ALERTS__ALERTMANAGER_URL", "GPUSTEWARD_COLLECT__INTERVALL_S"]
+    with pytest.raises(ValueError):
+        load_every_model({"GPUSTEWARD_COLLECT__INTERVAL_S": "0"}, monkeypatch)

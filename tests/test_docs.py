@@ -1,0 +1,71 @@
+"""README.md and docs/ stay true: every relative link reaches a file, every anchor a heading.
+
+The pages move often (the README is the front door, the detail lives in
+docs/); a link that a move broke fails here. Facts in the pages are kept true
+by the tests of the things they describe (docs/topics.md is generated and
+compared, the architecture by tests/test_architecture.py).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    found = set()
+    in_code = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if not in_code and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            found.add(re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", title)))
+    return found
+
+
+def broken_links(pages: list[Path]) -> list[str]:
+    return broken_links_in(ROOT, pages)
+
+
+def broken_links_in(root: Path, pages: list[Path]) -> list[str]:
+    bad = []
+    for page in pages:
+        text = re.sub(r"(?s)```.*?```", "", page.read_text())
+        for target in LINK.findall(text):
+            if re.match(r"^[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            path_part, _, anchor = target.partition("#")
+            linked = (page.parent / path_part).resolve() if path_part else page
+            if not linked.exists():
+                bad.append(f"{page.relative_to(root)}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+                bad.append(f"{page.relative_to(root)}: {target} (no such heading)")
+    return bad
+
+
+def test_every_link_in_readme_and_docs_resolves() -> None:
+    assert broken_links(PAGES) == []
+
+
+def test_readme_keeps_the_two_commands_and_one_benchmark_table() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "make demo" in readme and "make test" in readme
+    assert readme.count("| area | figure | value |") == 1
+    for page in PAGES[1:]:
+        assert "| area | figure | value |" not in page.read_text(), page.name
+
+
+def test_control_a_broken_link_and_anchor_are_caught(tmp_path: Path) -> None:
+    page = tmp_path / "a.md"
+    page.write_text("# Title, here\n\n[ok](#title-here) [ok](b.md#b) [x](c.md) [y](#nope)\n"
+                    "[z](b.md#none) [web](https://example.org)\n")
+    (tmp_path / "b.md").write_text("# B\n")
+    problems = [line.split(": ", 1)[1] for line in broken_links_in(tmp_path, [page])]
+    assert problems == ["c.md (no such file)", "#nope (no such heading)",
+                        "b.md#none (no such heading)"]
