@@ -40,8 +40,11 @@ test: install system-deps lint
 bench: install
 	$(BIN)/python -P benchmarks/run.py
 
-# Fault experiments too long for `make test`, each checked against the ground truth.
+# Chaos experiments (minutes each, so not in `make test`): workers and the broker killed,
+# frozen and restarted through a faulty-fleet run, and 10,000 malformed records per input
+# topic, each scored against the ground truth.
 chaos: install
+	GPUSTEWARD_CHAOS=1 $(BIN)/pytest -p no:cacheprovider -s -q --timeout 900 tests/chaos
 	$(BIN)/python -P tests/chaos/bad_input.py
 
 clean:

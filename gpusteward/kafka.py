@@ -53,6 +53,16 @@ async def ensure_topics(
         await admin.close()
 
 
+async def list_topics(settings: Settings) -> list[str]:
+    """The names of the topics the broker has now."""
+    admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
+    await admin.start()
+    try:
+        return list(await admin.list_topics())
+    finally:
+        await admin.close()
+
+
 async def wait_for_broker(settings: Settings, timeout_s: float = 30.0) -> None:
     """Return once the broker answers a metadata request; raise TimeoutError otherwise."""
     deadline = asyncio.get_running_loop().time() + timeout_s
@@ -120,7 +130,7 @@ def consumer(
         "enable_auto_commit": False,
         "fetch_max_wait_ms": settings.kafka.fetch_max_wait_ms,
         "rebalance_timeout_ms": int(settings.kafka.rebalance_timeout_s * 1000),
-        "session_timeout_ms": 10_000,
+        "session_timeout_ms": int(settings.kafka.session_timeout_s * 1000),
         "heartbeat_interval_ms": 1_000,
     }
     options.update(overrides)
@@ -155,6 +165,40 @@ async def read_all(settings: Settings, topic: str, quiet_ms: int = 300) -> list[
                 records.extend(messages)
     finally:
         await reader.stop()
+
+
+async def true_end_offsets(reader: AIOKafkaConsumer,
+                           partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+    """The offset after the last record of each partition, read rather than trusted.
+
+    The embedded broker answers ListOffsets(latest) with the base offset of
+    the last batch plus one, so a batch of ten records reports a high
+    watermark nine short. Fetching from one before the reported end returns
+    that batch (or, on Kafka, the last record) and the true end is after its
+    last record: on a real broker this is one small fetch that confirms the
+    answer. ``reader`` is a started consumer; its assignment is replaced.
+    """
+    # Faust's TP is a namedtuple of the same shape that aiokafka's asserts reject.
+    wanted = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
+    reported = await reader.end_offsets(wanted)
+    ends = dict(reported)
+    probe = [tp for tp in wanted if reported[tp] > 0]
+    if not probe:
+        return ends
+    reader.assign(probe)
+    for tp in probe:
+        reader.seek(tp, reported[tp] - 1)
+    pending = set(probe)
+    while pending:
+        batch = await reader.getmany(*pending, timeout_ms=500)
+        if not batch:
+            break  # nothing past the reported end (compacted away on Kafka): trust it
+        for tp, records in batch.items():
+            if records:
+                ends[tp] = max(ends[tp], records[-1].offset + 1)
+            # Stop at the first fetch: records after it were written after the question.
+            pending.discard(tp)
+    return ends
 
 
 async def committed(settings: Settings, group_id: str,

@@ -19,14 +19,18 @@ and idempotency keys; consumers deduplicate on them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import faust
 import msgspec
+from aiokafka import AIOKafkaConsumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.types import TP
 
-from gpusteward import topics
+from gpusteward import health, kafka, topics
 from gpusteward.edge import Edge
+from gpusteward.health import Health
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary, Rollup
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import FleetSettings, register_fleet_agent
@@ -40,18 +44,43 @@ def worker_group(settings: Settings) -> str:
     return f"{settings.topic_prefix}-worker"
 
 
-def _transport_with_fetch_wait(fetch_max_wait_ms: int) -> type[faust_aiokafka.Transport]:
-    """Faust's aiokafka transport with a configurable fetch wait.
+def _transport_for(settings: Settings) -> type[faust_aiokafka.Transport]:
+    """Faust's aiokafka transport with a configurable fetch wait and a true high watermark.
 
     The driver hard-codes ``fetch_max_wait_ms=1500``; the embedded broker holds
     every fetch for up to half of it, which would put 750 ms on every hop.
+
+    Table recovery reads each changelog partition up to its high watermark
+    and refuses to start when a standby has read past it (ConsistencyError).
+    The embedded broker reports the base offset of the last batch plus one,
+    so a worker that took over a dead one's partitions stopped recovery a
+    batch short (the latest node states missing) and crashed on the standby
+    check. The watermark Faust asks for is read instead
+    (:func:`gpusteward.kafka.true_end_offsets`), with a reader of its own so
+    the group consumer's assignment is untouched.
     """
 
     class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+        _end_reader: AIOKafkaConsumer | None = None
+
         def _create_worker_consumer(self, transport: Any) -> Any:
             consumer = super()._create_worker_consumer(transport)
-            consumer._fetch_max_wait_ms = fetch_max_wait_ms
+            consumer._fetch_max_wait_ms = settings.kafka.fetch_max_wait_ms
             return consumer
+
+        async def _highwaters(self, partitions: list[TP]) -> Mapping[TP, int]:
+            if self.consumer.in_transaction:  # never: the app uses no transactions
+                return await super()._highwaters(partitions)
+            if self._end_reader is None:
+                self._end_reader = kafka.consumer(settings, group_id=None)
+                await self._end_reader.start()
+            ends = await kafka.true_end_offsets(self._end_reader, partitions)
+            return {TP(tp.topic, tp.partition): end for tp, end in ends.items()}
+
+        async def on_thread_stop(self) -> None:
+            await super().on_thread_stop()
+            if self._end_reader is not None:
+                await self._end_reader.stop()
 
     class Consumer(faust_aiokafka.Consumer):
         def _new_consumer_thread(self) -> Any:
@@ -94,13 +123,27 @@ class LeanMonitor(faust.Monitor):
 
 
 class WorkerApp(faust.App):
-    """A Faust app whose transport honours gpusteward's Kafka settings."""
+    """A Faust app whose transport honours gpusteward's Kafka settings.
+
+    It also keeps the worker's :class:`Health`: ready once a rebalance has
+    ended (partitions assigned, tables recovered, streams resumed), not ready
+    while one is under way, and live while its loop beats and its topics exist.
+    """
 
     gpusteward_settings: Settings
+    health: Health
 
     def _new_transport(self) -> Any:
-        transport = _transport_with_fetch_wait(self.gpusteward_settings.kafka.fetch_max_wait_ms)
+        transport = _transport_for(self.gpusteward_settings)
         return transport(self.conf.broker_consumer, self)
+
+    def on_rebalance_start(self) -> None:
+        super().on_rebalance_start()
+        self.health.set_ready(False, "rebalancing")
+
+    def on_rebalance_end(self) -> None:
+        super().on_rebalance_end()
+        self.health.set_ready(True, "partitions assigned and tables recovered")
 
 
 def _broker_url(settings: Settings) -> list[str]:
@@ -132,8 +175,9 @@ def create_app(
         topic_replication_factor=kafka.replication_factor,
         consumer_auto_offset_reset="earliest",
         broker_rebalance_timeout=kafka.rebalance_timeout_s,
-        broker_session_timeout=10.0,
-        broker_heartbeat_interval=1.0,
+        broker_session_timeout=kafka.session_timeout_s,
+        consumer_group_instance_id=kafka.group_instance_id,
+        broker_heartbeat_interval=min(1.0, kafka.session_timeout_s / 4),
         broker_commit_every=1000,
         broker_commit_interval=0.5,
         producer_linger=0.005,
@@ -141,12 +185,19 @@ def create_app(
         web_port=web_port or 6066,
         datadir=datadir or f"/tmp/{app_id}-data",
         table_cleanup_interval=3600.0,
+        # No standby replicas: with the memory store they buy nothing. A partition that
+        # becomes active is replayed from the start of its changelog anyway (the store
+        # persists no offset), and the store drops standby keys at every recovery's end,
+        # so standbys only made every worker read every other worker's changelogs.
+        table_standby_replicas=0,
         stream_wait_empty=False,
         key_serializer="raw",
         value_serializer="raw",
         Monitor=LeanMonitor,
     )
     app.gpusteward_settings = settings
+    app.health = Health()
+    _watch_health(app, settings)
     policy = rules.policy if rules is not None and rules.policy else policy_from_env()
     join = NodeJoin(rules, policy=policy)
 
@@ -233,3 +284,23 @@ def create_app(
 def _node(record: NodeSample | HwEvent) -> str:
     """The key a node's samples and hardware events are published under."""
     return record.node
+def _watch_health(app: WorkerApp, settings: Settings) -> None:
+    """Beat while the loop turns; stop the worker, non-zero, when its topics disappear.
+
+    Faust retries UnknownTopicOrPartition forever (a broker restarted empty);
+    crashing the app makes ``gpusteward worker`` exit with an error, and its
+    supervisor's restart creates the topics and the group again.
+    """
+    inputs = [spec.name(settings) for spec in (topics.SAMPLES, topics.HW_EVENTS,
+                                                topics.ALLOCATIONS)]
+
+    @app.timer(1.0, on_leader=False)
+    async def beat() -> None:
+        app.health.beat()
+
+    @app.task
+    async def watch_topics() -> None:
+        reason = await health.watch_topics(app.health, inputs,
+                                           lambda: kafka.list_topics(settings))
+        await app.crash(RuntimeError(reason))
+

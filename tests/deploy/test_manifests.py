@@ -241,6 +241,26 @@ def test_worker_is_a_statefulset_with_a_data_volume(render):
         worker["spec"]["selector"]["matchLabels"].items())
 
 
+def test_long_running_consumers_are_probed_on_their_health_port(render):
+    """The worker, watcher, alerts and remediation serve /livez and /readyz on
+    GPUSTEWARD_HEALTH_PORT (gpusteward.health); their probes must ask that port for them."""
+    from gpusteward.health import LIVE_PATH, READY_PATH
+
+    rendered = render("production")
+    for component in ("worker", "watcher", "alerts", "remediation"):
+        container = pod_spec(rendered.component(component))["containers"][0]
+        env = {e["name"]: e for e in container.get("env", [])}
+        port = int(env["GPUSTEWARD_HEALTH_PORT"]["value"])
+        named = {p["name"]: p["containerPort"] for p in container["ports"]}
+        for probe, path in (("livenessProbe", LIVE_PATH), ("readinessProbe", READY_PATH)):
+            check = container[probe]["httpGet"]
+            assert check["path"] == path, (component, probe)
+            assert named.get(check["port"], check["port"]) == port, (component, probe)
+    worker = pod_spec(rendered.component("worker"))["containers"][0]
+    instance = {e["name"]: e for e in worker["env"]}["GPUSTEWARD_KAFKA__GROUP_INSTANCE_ID"]
+    assert instance["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
 def test_report_cronjob_writes_to_a_volume(render):
     report = render("production").component("report")
     assert report["kind"] == "CronJob"
@@ -363,7 +383,10 @@ def test_every_long_running_process_is_scraped(render):
     for component in ("worker", "alerts", "remediation"):
         pod = pod_spec(rendered.component(component))
         (container,) = pod["containers"]
-        assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"metrics": port}
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        health = int(env["GPUSTEWARD_HEALTH_PORT"])
+        assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+            "metrics": port, "health": health}
         assert any(e["configMapRef"]["name"] == kafka_config["metadata"]["name"]
                    for e in container["envFrom"] if "configMapRef" in e)
     (monitor,) = rendered.kind("PodMonitor")
