@@ -36,6 +36,38 @@ class PodRef(msgspec.Struct, frozen=True, omit_defaults=True):
     container: str | None = None
 
 
+class DeviceHolder(msgspec.Struct, omit_defaults=True):
+    """One pod's share of a device that several pods may use (time-slicing, MPS).
+
+    Filled by the NVML collector from the processes running on the device,
+    each mapped to its pod through the host's ``/proc/<pid>/cgroup``; listed
+    without readings by sources that see the pods but cannot split the
+    device's readings between them (see ``DeviceSample.attribution``).
+    """
+
+    pod: PodRef | None = None
+    """The pod, when the collector could name it (PodResources lists it on the device)."""
+    pod_uid: str | None = None
+    """The pod's uid from the processes' cgroup; the worker joins it to the pod's allocation
+    when ``pod`` is absent (several pods on the device, PodResources names no uid)."""
+    processes: int = 0
+    """Processes of the pod running on the device (compute and MPS clients)."""
+    activity_pct: float | None = None
+    """The pod's SM utilisation on the device (sum over its processes, 0-100, NVML
+    per-process samples); None when not reported (e.g. MIG devices) or not split."""
+    mem_used_bytes: int | None = None
+    """Framebuffer memory the pod's processes use on the device; None when not reported."""
+    mps: bool = False
+    """Its processes are MPS clients (they share one MPS server context)."""
+
+
+Attribution = Literal["device", "process", "shared"]
+"""How the pods of a device were found: ``device``, one pod holds the whole device and the
+readings are its own; ``process``, the readings of each holder are its own processes'
+(NVML per-process); ``shared``, several pods hold the device and the source cannot split its
+readings between them (dcgm-exporter without per-process metrics, Prometheus)."""
+
+
 class DeviceSample(msgspec.Struct, omit_defaults=True):
     """One reading of one GPU or one MIG device."""
 
@@ -73,7 +105,13 @@ class DeviceSample(msgspec.Struct, omit_defaults=True):
     recovery_action: int | None = None
     """NVML GPU recovery action (0 none, 1 GPU reset, 2 node reboot, ...)."""
     pod: PodRef | None = None
-    """The pod holding this device, when the collector could attribute it."""
+    """The pod holding this device, when the collector could attribute it (on a device
+    several pods hold, the first of ``holders`` with a name: kept for older consumers)."""
+    holders: list[DeviceHolder] = []
+    """Every pod with work on the device, each with its own activity and memory where the
+    source can split them (see ``attribution``); empty when not known."""
+    attribution: Attribution | None = None
+    """How ``pod`` and ``holders`` were found; None when the source attributes no pod."""
 
 
 class NodeSample(msgspec.Struct):
