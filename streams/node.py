@@ -17,6 +17,12 @@ caches each resolution, so a sample pays dict lookups, not validation.
 Per-device rule state is made of msgspec Structs inside :class:`DeviceState`,
 so it rides the changelog with the rest of the node's state: the shipped
 rules' as typed fields, a rule registered beyond them in ``tracks``.
+
+A device several pods hold (a sample listing several ``holders``) runs the
+runners that judge a holder (``per_holder``, e.g. idleness) once per holder,
+on that holder's share of the device and with state of its own
+(``DeviceState.shares``), so one busy pod neither hides nor is credited to
+another; the other runners run once on the device.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from gpusteward.rules.registry import DeviceRunner, state_in
 from gpusteward.schema import (
     Action,
     AllocationEvent,
+    DeviceHolder,
     DeviceSample,
     Finding,
     HwEvent,
@@ -68,6 +75,9 @@ class DeviceState(msgspec.Struct):
     """State of the rules whose runner names no field above, by the runner's state name.
     Decoded from the changelog as plain data and turned back into the runner's type on
     first use."""
+    shares: dict[str, DeviceState] = {}
+    """Per-holder state of a device several pods hold, by pod key (uid, or namespace/name):
+    the state of the ``per_holder`` runners for that holder's share."""
 
 
 _TYPED_TRACKS = frozenset({"idle", "ecc", "hw"})
@@ -121,6 +131,34 @@ def _pod_key(pod: PodRef) -> str:
     return pod.uid or f"{pod.namespace}/{pod.name}"
 
 
+def _share_holding(state: NodeState, share: DeviceHolder) -> tuple[str | None, Holding | None]:
+    """The key of a holder's share and its allocation: by uid (what per-process attribution
+    finds), else by namespace/name (what a source that cannot split names)."""
+    if share.pod_uid is not None or (share.pod is not None and share.pod.uid is not None):
+        uid = share.pod_uid or (share.pod.uid if share.pod is not None else None)
+        assert uid is not None
+        return uid, state.pods.get(uid)
+    if share.pod is None:
+        return None, None
+    for key, holding in state.pods.items():
+        if (holding.pod.namespace, holding.pod.name) == (share.pod.namespace, share.pod.name):
+            return key, holding
+    return _pod_key(share.pod), None
+
+
+def _share_view(device: DeviceSample, share: DeviceHolder) -> DeviceSample:
+    """The device as one of its holders used it: the holder's own activity and memory where
+    the source split them; where not, the device's readings, marked ``shared``."""
+    own_activity = device.attribution == "process" and share.activity_pct is not None
+    return msgspec.structs.replace(
+        device, pod=share.pod, holders=[share],
+        util_pct=share.activity_pct if own_activity else device.util_pct,
+        engine_active_pct=None if own_activity else device.engine_active_pct,
+        mem_used_bytes=(share.mem_used_bytes if share.mem_used_bytes is not None
+                        else device.mem_used_bytes),
+        attribution="process" if own_activity else "shared")
+
+
 class NodeJoin:
     """Folds records into :class:`NodeState` and runs the per-node rules."""
 
@@ -140,6 +178,9 @@ class NodeJoin:
             dev = state.devices.get(device.uuid)
             if dev is None:
                 dev = state.devices[device.uuid] = DeviceState()
+            shared = len(device.holders) > 1
+            if shared:
+                out += self._on_shares(state, dev, device, node, ts)
             holding = self._holding(state, dev, device, holders, ts)
             if holding is not None:
                 steps = resolve(holding.pod.namespace, holding.queue, pool).samples
@@ -154,7 +195,7 @@ class NodeJoin:
                 steps, holder = node_steps, None
             gpu = device.kind == "gpu"
             for hook, name, gpu_only, runner, settings in steps:
-                if gpu_only and not gpu:
+                if (gpu_only and not gpu) or (shared and runner.per_holder):
                     continue
                 track = (getattr(dev, name) if name in _TYPED_TRACKS
                          else state_in(dev.tracks, name, runner.state_type))
@@ -163,6 +204,34 @@ class NodeJoin:
             state.gpu_model = sample.devices[0].model
             state.gpu_count = state.gpu_count or sum(d.kind == "gpu" for d in sample.devices)
         return out + self._maybe_summary(state, sample.node, sample.ts)
+
+    def _on_shares(self, state: NodeState, dev: DeviceState, device: DeviceSample,
+                   node: str, ts: float) -> list[Output]:
+        """Run the per-holder runners once per holder of a shared device, on its share."""
+        out: list[Output] = []
+        pool = state.pool
+        for share in device.holders:
+            key, holding = _share_holding(state, share)
+            if key is None:
+                continue  # a holder with neither name nor uid: nothing to judge
+            own = dev.shares.get(key)
+            if own is None:
+                own = dev.shares[key] = DeviceState(attributed=share.pod, attributed_since=ts)
+            view = _share_view(device, share)
+            if holding is not None:
+                steps = self.policy.resolve(holding.pod.namespace, holding.queue, pool).samples
+                holder: idle.Holder | None = idle.Holder(
+                    holding.pod, holding.started_at, holding.workload_kind, holding.labels,
+                    holding.annotations)
+            elif share.pod is not None and own.attributed_since is not None:
+                steps = self.policy.resolve(share.pod.namespace, None, pool).samples
+                holder = idle.Holder(share.pod, own.attributed_since)
+            else:
+                steps, holder = self.policy.resolve(None, None, pool).samples, None
+            for hook, _name, _gpu_only, runner, settings in steps:
+                if runner.per_holder:
+                    out += hook(track_of(own, runner), node, view, ts, settings, holder)
+        return out
 
     def on_hw_event(self, state: NodeState, event: HwEvent) -> list[Output]:
         # Only the kinds some runner takes: throttle_start/stop and ecc_sbe are left to the
@@ -217,6 +286,13 @@ class NodeJoin:
                     if dev is not None:
                         for runner, release in releases:
                             out += release(track_of(dev, runner), event.node, uuid, event.ts)
+                for uuid, dev in state.devices.items():  # its shares of shared devices
+                    share = dev.shares.pop(key, None)
+                    if share is not None:
+                        for runner, release in releases:
+                            if runner.per_holder:
+                                out += release(track_of(share, runner), event.node, uuid,
+                                               event.ts)
                 state.summary_dirty = True
         elif event.phase in ("bound", "running"):
             state.pods[key] = Holding(
