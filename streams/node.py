@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from gpusteward.rules import ecc, hardware, idle
+from gpusteward.rules import ecc, hardware, idle, memory, memory_leak
 from gpusteward.rules import policy as policies
 from gpusteward.rules.registry import DeviceRunner, state_in
 from gpusteward.schema import (
@@ -68,6 +68,10 @@ class DeviceState(msgspec.Struct):
     idle: idle.IdleTrack = msgspec.field(default_factory=idle.IdleTrack)
     ecc: ecc.EccTrack = msgspec.field(default_factory=ecc.EccTrack)
     hw: hardware.HwTrack = msgspec.field(default_factory=hardware.HwTrack)
+    mem_low_free: memory.SustainTrack = msgspec.field(default_factory=memory.SustainTrack)
+    mem_high: memory.SustainTrack = msgspec.field(default_factory=memory.SustainTrack)
+    mem_leak: memory_leak.LeakTrack = msgspec.field(default_factory=memory_leak.LeakTrack)
+    mem_overcommit: memory.SustainTrack = msgspec.field(default_factory=memory.SustainTrack)
     attributed: PodRef | None = None
     """The pod the collector last attributed the device to."""
     attributed_since: float | None = None
@@ -80,7 +84,8 @@ class DeviceState(msgspec.Struct):
     the state of the ``per_holder`` runners for that holder's share."""
 
 
-_TYPED_TRACKS = frozenset({"idle", "ecc", "hw"})
+_TYPED_TRACKS = frozenset({"idle", "ecc", "hw", "mem_low_free", "mem_high", "mem_leak",
+                           "mem_overcommit"})
 """Runner state names that are typed fields of :class:`DeviceState`."""
 
 
