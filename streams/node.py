@@ -152,15 +152,14 @@ def _share_holding(state: NodeState, share: DeviceHolder) -> tuple[str | None, H
 
 
 def _share_view(device: DeviceSample, share: DeviceHolder) -> DeviceSample:
-    """The device as one of its holders used it: the holder's own activity and memory where
-    the source split them; where not, the device's readings, marked ``shared``."""
+    """The device as one of its holders used it: the holder's own activity where the source
+    split it, else the device's, marked ``shared``. Memory stays the device's (free memory is
+    shared); the holder's own is in the view's one ``holders`` entry."""
     own_activity = device.attribution == "process" and share.activity_pct is not None
     return msgspec.structs.replace(
         device, pod=share.pod, holders=[share],
         util_pct=share.activity_pct if own_activity else device.util_pct,
         engine_active_pct=None if own_activity else device.engine_active_pct,
-        mem_used_bytes=(share.mem_used_bytes if share.mem_used_bytes is not None
-                        else device.mem_used_bytes),
         attribution="process" if own_activity else "shared")
 
 

@@ -111,3 +111,22 @@ def test_shares_survive_the_changelog_encoding() -> None:
     for i in range(30, 80):
         out += join.on_sample(restored, by_process(T0 + i * 30, 85.0, 0.0))
     assert [f.subject.pod for f in findings(out)] == [IDLE]
+
+
+def test_the_leaking_pod_of_a_shared_gpu_is_the_one_named() -> None:
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, allocation(BUSY))
+    join.on_allocation(state, allocation(IDLE))
+    out: list = []
+    for i in range(45 * 4):  # 45 min at 15 s; the busy pod's memory grows 4 GiB/h
+        ts = T0 + i * 15
+        leaked = 10 * GIB + int(4 * GIB * (ts - T0) / 3600)
+        sample = by_process(ts, 60.0, 30.0)
+        busy, idle_holder = sample.devices[0].holders
+        busy.mem_used_bytes = leaked
+        sample.devices[0].mem_used_bytes = leaked + (idle_holder.mem_used_bytes or 0)
+        out += join.on_sample(state, sample)
+    leaks = [f for f in findings(out) if f.kind == "gpu_memory_leak"]
+    assert [(f.state, f.subject.pod) for f in leaks] == [("firing", BUSY)]
+    free = leaks[0].evidence.values["free_bytes"]  # type: ignore[union-attr]
+    assert free < 80 * GIB - 14 * GIB  # the device's free memory, not the holder's headroom
