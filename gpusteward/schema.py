@@ -203,6 +203,12 @@ class NodeInventory(msgspec.Struct, tag="node"):
     """GPU Operator label ``nvidia.com/mig.capable``; None when not labelled."""
     mig_config_state: str | None = None
     """``nvidia.com/mig.config.state``: pending, rebooting, success or failed (mig-manager)."""
+    gpu_replicas: int = 1
+    """Pods each physical GPU is advertised to (GPU Operator label ``nvidia.com/gpu.replicas``:
+    time-slicing or MPS replicas); 1 when not shared. ``gpu_count`` counts physical GPUs,
+    ``capacity`` the advertised replicas."""
+    gpu_sharing: str | None = None
+    """``nvidia.com/gpu.sharing-strategy``: ``time-slicing``, ``mps`` or ``none``."""
 
 
 AllocationEvent = PodAllocation | NodeInventory
@@ -248,6 +254,9 @@ class NodeSummary(msgspec.Struct):
     cordoned: bool = False
     spot: bool = False
     schema: int = SCHEMA_VERSION
+    gpu_replicas: int = 1
+    """Pods each GPU is shared by (time-slicing or MPS replicas); ``gpus_total`` and
+    ``gpus_free`` count physical GPUs, a GPU with any holder being not free."""
 
 
 Severity = Literal["info", "warning", "critical"]

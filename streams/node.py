@@ -103,6 +103,8 @@ class NodeState(msgspec.Struct):
     pods: dict[str, Holding] = {}
     gpu_model: str | None = None
     gpu_count: int = 0
+    gpu_replicas: int = 1
+    """Pods per physical GPU (time-slicing, MPS): a held replica takes no whole GPU."""
     cordoned: bool = False
     spot: bool = False
     mig_allocatable: dict[str, int] = {}
@@ -266,6 +268,7 @@ class NodeJoin:
     def _on_inventory(self, state: NodeState, event: NodeInventory) -> list[Output]:
         state.gpu_model = event.gpu_product or state.gpu_model
         state.gpu_count = event.gpu_count or state.gpu_count
+        state.gpu_replicas = event.gpu_replicas
         state.cordoned = event.unschedulable
         state.spot = event.spot
         state.pool = event.labels.get(self.policy.node_pool_label)
@@ -330,6 +333,12 @@ class NodeJoin:
             return []
         state.last_summary_ts, state.summary_dirty = ts, False
         used = sum(h.gpus for h in state.pods.values())
+        if state.gpu_replicas > 1:
+            # Replicas of shared GPUs: a physical GPU is used when any replica of it is held
+            # (by device ids; without them, as tightly packed as replicas allow).
+            held = {d.split("::", 1)[0] for h in state.pods.values() if h.gpus
+                    for d in h.devices}
+            used = len(held) if held else -(-used // state.gpu_replicas)
         checks = [(runner, runner.unhealthy) for runner, _ in
                   self.policy.resolve(None, None, state.pool).device
                   if runner.unhealthy is not None]
@@ -342,6 +351,6 @@ class NodeJoin:
         return [NodeSummary(
             ts=ts, node=node, gpu_model=state.gpu_model, gpus_total=state.gpu_count,
             gpus_free=max(0, state.gpu_count - used), healthy=healthy,
-            cordoned=state.cordoned, spot=state.spot,
+            cordoned=state.cordoned, spot=state.spot, gpu_replicas=state.gpu_replicas,
             mig_free={profile: n for profile, n in mig_free.items() if n > 0},
         )]

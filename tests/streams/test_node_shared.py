@@ -130,3 +130,20 @@ def test_the_leaking_pod_of_a_shared_gpu_is_the_one_named() -> None:
     assert [(f.state, f.subject.pod) for f in leaks] == [("firing", BUSY)]
     free = leaks[0].evidence.values["free_bytes"]  # type: ignore[union-attr]
     assert free < 80 * GIB - 14 * GIB  # the device's free memory, not the holder's headroom
+
+
+def test_summaries_count_physical_gpus_on_a_time_sliced_node() -> None:
+    from gpusteward.schema import NodeInventory, NodeSummary
+
+    join, state = NodeJoin(), NodeState()
+    out = join.on_allocation(state, NodeInventory(
+        ts=T0, node="n1", gpu_product="H100", gpu_count=2, gpu_replicas=4,
+        gpu_sharing="time-slicing", capacity={"nvidia.com/gpu": 8},
+        allocatable={"nvidia.com/gpu": 8}))
+    assert [(s.gpus_total, s.gpus_free, s.gpu_replicas) for s in out
+            if isinstance(s, NodeSummary)] == [(2, 2, 4)]
+    # Two notebooks on replicas of one GPU take one physical GPU, not two of eight.
+    join.on_allocation(state, allocation(BUSY, ts=T0 + 1))
+    out = join.on_allocation(state, allocation(IDLE, ts=T0 + 2))
+    (summary,) = [s for s in out if isinstance(s, NodeSummary)]
+    assert (summary.gpus_total, summary.gpus_free) == (2, 1)
