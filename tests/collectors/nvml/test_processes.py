@@ -183,3 +183,31 @@ def test_without_host_proc_a_shared_gpu_is_marked_shared(socket_path, fake_nvml,
     assert all(h.activity_pct is None for h in devices[SHARED].holders)
     assert (devices[EXCLUSIVE].attribution, devices[EXCLUSIVE].holders) == ("device", [])
     assert devices[MPS].attribution is None
+
+
+def test_mig_devices_split_memory_by_process_but_have_no_per_process_activity(publisher):
+    from gpusteward.sandbox.nvml_fake import FakeNvml
+
+    mig_uuid = "MIG-aaaaaaaa-0000-4000-8000-000000000001"
+    nvml = FakeNvml({"gpus": [{
+        "uuid": "GPU-66666666-7777-4888-9999-aaaaaaaaaaaa", "name": "NVIDIA H100 80GB HBM3",
+        "gpm": True,
+        # The parent's aggregate lists the instance's processes too: not read on MIG GPUs.
+        "processes": [{"pid": 4101, "mem_used": "8 GiB", "sm_util": 50}],
+        "mig": {"devices": [{
+            "uuid": mig_uuid, "profile": "3g.40gb", "profile_id": 9, "gpu_instance_id": 1,
+            "mem_total": "39.5 GiB", "mem_used": "12 GiB", "engine_active": 30.0,
+            "processes": [{"pid": 4101, "mem_used": "8 GiB"},
+                          {"pid": 4102, "mem_used": "4 GiB"}]}]}}]})
+    collector = NvmlCollector(nvml, "node-a", publisher, interval_s=60, event_wait_ms=50,
+                              proc_root=str(PROC))
+    collector.open()
+    try:
+        sample = asyncio.run(collector.tick())
+    finally:
+        collector.close()
+    devices = {d.uuid: d for d in sample.devices}
+    assert devices["GPU-66666666-7777-4888-9999-aaaaaaaaaaaa"].holders == []
+    mig = devices[mig_uuid]
+    assert [(h.pod_uid, h.mem_used_bytes, h.activity_pct) for h in mig.holders] == [
+        (UID(1), 8 * GIB, None), (UID(2), 4 * GIB, None)]
