@@ -84,9 +84,11 @@ def sustain(track: SustainTrack, *, kind: str, node: str, sample: DeviceSample, 
     """
     if holds is None or (track.last_ts is not None and ts <= track.last_ts):
         return []
+    if not holds and track.open is None:  # the common case, kept cheap: every sample of
+        track.last_ts, track.since, track.samples = ts, None, 0  # every device runs it
+        return []
     gap = track.last_ts is not None and ts - track.last_ts > max_gap_s
     track.last_ts = ts
-    subject = Subject(node=node, device=sample.uuid, pod=pod)
     if not holds:
         track.since, track.samples = None, 0
         episode = track.open
@@ -109,6 +111,7 @@ def sustain(track: SustainTrack, *, kind: str, node: str, sample: DeviceSample, 
     if track.open is not None or ts - track.since < window_s:
         return []
     fp = fingerprint(kind, node, sample.uuid)
+    subject = Subject(node=node, device=sample.uuid, pod=pod)
     summary, values = describe(track, ts)
     finding = Finding(
         id=finding_id(fp, track.since), fingerprint=fp, kind=kind,

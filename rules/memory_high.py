@@ -49,6 +49,11 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
     """The node join's sample hook (track, node, sample, ts, settings, holder)."""
     pct = used_pct(sample)
     threshold = settings.threshold_pct
+    if pct is not None and pct <= threshold and track.open is None:
+        # The fast path of almost every sample: no run, nothing open, nothing to build.
+        if track.last_ts is None or ts > track.last_ts:
+            track.last_ts, track.since, track.samples = ts, None, 0
+        return []
 
     def describe(run: SustainTrack, now: float) -> tuple[str, dict[str, float]]:
         return (f"{sample.uuid} on {node} has used more than {threshold:g} % of its memory for "

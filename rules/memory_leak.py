@@ -118,10 +118,12 @@ def observe(track: LeakTrack, node: str, sample: DeviceSample, ts: float,
     assert track.bucket_start is not None
     out: Out = []
     if ts - track.bucket_start >= settings.bucket_s and track.bucket_n:
-        track.points.append((track.bucket_start, track.bucket_used / track.bucket_n,
-                             track.bucket_activity / track.bucket_n))
+        points = track.points
+        points.append((track.bucket_start, track.bucket_used / track.bucket_n,
+                       track.bucket_activity / track.bucket_n))
         horizon = ts - settings.window_s - settings.bucket_s
-        track.points = [p for p in track.points if p[0] >= horizon]
+        while points[0][0] < horizon:
+            del points[0]
         track.bucket_start, track.bucket_n = ts, 0
         track.bucket_used = track.bucket_activity = 0.0
         out = _evaluate(track, node, sample, ts, settings, getattr(holder, "pod", None))
@@ -138,7 +140,11 @@ def _evaluate(track: LeakTrack, node: str, sample: DeviceSample, ts: float,
         settings.window_s - 2 * settings.bucket_s)
     trend = False
     growth = r2 = rise = 0.0
-    if covered:
+    # Cheap first: memory that did not grow from the window's first minute to its last has
+    # no upward trend worth fitting (the case of almost every device, every minute).
+    grew = covered and (points[-1][1] - points[0][1]) * 3600 / (
+        points[-1][0] - points[0][0]) >= settings.min_growth_bytes_per_h / 2
+    if grew:
         xs = [p[0] - points[0][0] for p in points]
         growth, r2 = fit(xs, [p[1] for p in points])
         activity_slope, _ = fit(xs, [p[2] for p in points])

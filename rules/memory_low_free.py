@@ -59,6 +59,10 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
         return []
     free = free_bytes(sample)
     floor = settings.floor_bytes
+    if free is not None and free >= floor and track.open is None:  # the fast path
+        if track.last_ts is None or ts > track.last_ts:
+            track.last_ts, track.since, track.samples = ts, None, 0
+        return []
 
     def describe(run: SustainTrack, now: float) -> tuple[str, dict[str, float]]:
         return (f"{sample.uuid} on {node} has had less than {floor / GIB:g} GiB free for "

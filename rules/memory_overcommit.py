@@ -61,19 +61,23 @@ def committed_bytes(sample: DeviceSample) -> int | None:
 def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
             settings: OvercommitSettings, holder: object) -> Out:
     """The node join's sample hook (track, node, sample, ts, settings, holder)."""
-    committed = committed_bytes(sample)
-    total = sample.mem_total_bytes
-    holds: bool | None = None
-    pct = 0.0
-    if len(sample.holders) >= settings.min_holders and committed is not None and total:
-        pct = 100.0 * committed / total
-        holds = pct > settings.threshold_pct
-    elif track.since is not None or track.open is not None:
-        holds = False  # no longer shared: the condition is gone
-    names = ", ".join(f"{h.pod.namespace}/{h.pod.name}" if h.pod else f"uid {h.pod_uid}"
-                      for h in sample.holders)
+    if len(sample.holders) < settings.min_holders:
+        if track.since is None and track.open is None:
+            return []  # not shared: the fast path of almost every device
+        holds: bool | None = False  # no longer shared: the condition is gone
+        pct = 0.0
+    else:
+        committed = committed_bytes(sample)
+        total = sample.mem_total_bytes
+        holds, pct = None, 0.0
+        if committed is not None and total:
+            pct = 100.0 * committed / total
+            holds = pct > settings.threshold_pct
 
     def describe(run: SustainTrack, now: float) -> tuple[str, dict[str, float]]:
+        total = sample.mem_total_bytes
+        names = ", ".join(f"{h.pod.namespace}/{h.pod.name}" if h.pod else f"uid {h.pod_uid}"
+                          for h in sample.holders)
         return (f"{len(sample.holders)} pods share {sample.uuid} on {node} and together use "
                 f"{run.peak:.0f} % of its {(total or 0) / GIB:.0f} GiB ({names})",
                 {"max_committed_pct": run.peak, "threshold_pct": settings.threshold_pct,
