@@ -121,8 +121,10 @@ def observe(track: LeakTrack, node: str, sample: DeviceSample, ts: float,
         points = track.points
         points.append((track.bucket_start, track.bucket_used / track.bucket_n,
                        track.bucket_activity / track.bucket_n))
-        horizon = ts - settings.window_s - settings.bucket_s
-        while points[0][0] < horizon:
+        # Keep one point at or before the window's start, so the fit covers the whole window
+        # whatever the spacing of the samples.
+        start = ts - settings.window_s
+        while len(points) > 1 and points[1][0] <= start:
             del points[0]
         track.bucket_start, track.bucket_n = ts, 0
         track.bucket_used = track.bucket_activity = 0.0
@@ -136,8 +138,7 @@ def observe(track: LeakTrack, node: str, sample: DeviceSample, ts: float,
 def _evaluate(track: LeakTrack, node: str, sample: DeviceSample, ts: float,
               settings: LeakSettings, holder_pod: PodRef | None) -> Out:
     points = track.points
-    covered = len(points) >= 3 and points[-1][0] - points[0][0] >= (
-        settings.window_s - 2 * settings.bucket_s)
+    covered = len(points) >= 3 and points[0][0] <= ts - settings.window_s
     trend = False
     growth = r2 = rise = 0.0
     # Cheap first: memory that did not grow from the window's first minute to its last has
