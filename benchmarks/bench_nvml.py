@@ -2,7 +2,10 @@
 
 Two nodes: eight whole H100s (NVLink, every reading supported) and eight
 H100s each split into seven 1g.10gb MIG devices (GPM engine activity read
-per MIG device). The figures are the collector's own cost (Python, struct
+per MIG device); and a third node of eight H100s each time-sliced between four
+pods, read with per-process attribution (compute processes, per-process
+utilisation, and each PID's cgroup under a fake host /proc in a temporary
+directory). The figures are the collector's own cost (Python, struct
 handling, event bookkeeping) plus the fake's; on a real node each NVML call
 adds the driver's time, so the NVML-calls-per-GPU figure says how that cost
 scales.
@@ -12,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from figures import Figure
@@ -23,6 +28,7 @@ from gpusteward.sandbox.nvml_fake import FakeNvml
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
 
 GPUS = 8
+PODS_PER_GPU = 4
 TICKS = 200
 ROUNDS = 5
 
@@ -54,10 +60,31 @@ def _mig_node() -> dict[str, Any]:
     } for i in range(GPUS)]}
 
 
-def _measure(description: dict[str, Any]) -> tuple[float, float, float]:
+def _shared_node(proc_root: Path) -> dict[str, Any]:
+    """Eight H100s, four pods each (one process per pod), and their cgroups under
+    ``proc_root`` in the containerd/systemd/cgroup v2 form."""
+    gpus = []
+    for i in range(GPUS):
+        processes = []
+        for j in range(PODS_PER_GPU):
+            pid = 10_000 + i * PODS_PER_GPU + j
+            uid = f"00000000-0000-4000-8000-{i:06d}{j:06d}"
+            (proc_root / str(pid)).mkdir(parents=True)
+            (proc_root / str(pid) / "cgroup").write_text(
+                "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod"
+                f"{uid.replace('-', '_')}.slice/cri-containerd-{pid:064d}.scope\n")
+            processes.append({"pid": pid, "mem_used": "10 GiB", "sm_util": 10 * j})
+        gpus.append({"uuid": f"GPU-00000000-0000-4000-8000-{i:012d}",
+                     "name": "NVIDIA H100 80GB HBM3", "util_gpu": 50, "mem_used": "40 GiB",
+                     "nvlink": {"crc_flit": 1}, "processes": processes})
+    return {"gpus": gpus}
+
+
+def _measure(description: dict[str, Any], proc_root: str | None = None
+             ) -> tuple[float, float, float]:
     """(µs per GPU for the reading pass, NVML calls per GPU, µs per GPU for a whole tick)."""
     fake = FakeNvml(description)
-    collector = NvmlCollector(fake, "bench", _Discard())
+    collector = NvmlCollector(fake, "bench", _Discard(), proc_root=proc_root)
     collector.open()
     for _ in range(5):  # warm caches: MIG descriptions, GPM buffers
         collector.reader.read()
@@ -90,11 +117,15 @@ def _timed(read: Callable[[], object]) -> float:
 
 def run() -> list[Figure]:
     figures: list[Figure] = []
-    for label, description in (("8x H100", _whole_node()), ("8x H100, 7 MIG each", _mig_node())):
-        read_us, calls, tick_us = _measure(description)
-        figures += [
-            Figure(f"read, {label}", read_us, "µs per GPU per tick"),
-            Figure(f"tick incl. publish, {label}", tick_us, "µs per GPU per tick"),
-            Figure(f"NVML calls, {label}", calls, "calls per GPU per tick"),
-        ]
+    with tempfile.TemporaryDirectory(prefix="bench-proc-") as proc:
+        shared = _shared_node(Path(proc))
+        for label, description, proc_root in (
+                ("8x H100", _whole_node(), None), ("8x H100, 7 MIG each", _mig_node(), None),
+                (f"8x H100, {PODS_PER_GPU} pods each, per-process", shared, proc)):
+            read_us, calls, tick_us = _measure(description, proc_root)
+            figures += [
+                Figure(f"read, {label}", read_us, "µs per GPU per tick"),
+                Figure(f"tick incl. publish, {label}", tick_us, "µs per GPU per tick"),
+                Figure(f"NVML calls, {label}", calls, "calls per GPU per tick"),
+            ]
     return figures

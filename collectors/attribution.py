@@ -17,22 +17,33 @@ NVML collector attributes a device to the same pod dcgm-exporter would:
 
 The messages carry no pod uid (dcgm-exporter gets it from the API server),
 so :class:`PodRef` has ``uid=None`` here. A device shared by several pods
-(time slicing) is attributed to the first in (namespace, name, container)
-order: the sample has room for one holder.
+(time slicing, MPS) keeps all of them (:meth:`DeviceOwners.gpu_holders`);
+the sample's single ``pod`` stays the first in (namespace, name, container)
+order for older consumers.
+
+Per-process attribution (:func:`attribute`) splits a shared device between
+its pods: NVML lists the host PIDs running on a device, and each PID's
+``/proc/<pid>/cgroup`` (read under the host's /proc, mounted read-only into
+the collector) names its pod uid and container id, in every form the
+kubelet's cgroup drivers and the runtimes write (:func:`container_of`).
+PodResources then checks the result: a pod named there is the one the
+device was given to; pods found only by uid are left for the worker to join
+by uid (PodResources carries no uid).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
 from gpusteward.collectors.podresources import api_pb2, api_pb2_grpc
 from gpusteward.errors import TemporaryError
-from gpusteward.schema import PodRef
+from gpusteward.schema import DeviceHolder, PodRef
 
 log = logging.getLogger(__name__)
 
@@ -51,26 +62,43 @@ class PodResourcesError(TemporaryError):
 
 @dataclass(frozen=True)
 class DeviceOwners:
-    """Device keys -> the pod holding the device, as the kubelet last reported them."""
+    """Device keys -> the pods holding the device, as the kubelet last reported them, in
+    (namespace, name, container) order."""
 
-    by_key: dict[str, PodRef] = field(default_factory=dict)
+    by_key: dict[str, list[PodRef]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.by_key)
 
+    def _first_of(self, *keys: str) -> list[PodRef]:
+        for key in keys:
+            found = self.by_key.get(key)
+            if found:
+                return found
+        return []
+
+    def gpu_holders(self, uuid: str, index: int) -> list[PodRef]:
+        """Every holder of a whole GPU (several under time-slicing or MPS)."""
+        return self._first_of(uuid, f"nvidia{index}", str(index))
+
+    def mig_holders(self, uuid: str, *, parent_uuid: str, parent_index: int,
+                    gpu_instance_id: int | None) -> list[PodRef]:
+        """Every holder of a MIG device."""
+        if gpu_instance_id is None:
+            return self._first_of(uuid)
+        return self._first_of(uuid, f"gi:{parent_index}-{gpu_instance_id}",
+                              f"gi:{parent_uuid}/{gpu_instance_id}")
+
     def gpu(self, uuid: str, index: int) -> PodRef | None:
-        """The holder of a whole GPU."""
-        return (self.by_key.get(uuid) or self.by_key.get(f"nvidia{index}")
-                or self.by_key.get(str(index)))
+        """The first holder of a whole GPU."""
+        return next(iter(self.gpu_holders(uuid, index)), None)
 
     def mig(self, uuid: str, *, parent_uuid: str, parent_index: int,
             gpu_instance_id: int | None) -> PodRef | None:
-        """The holder of a MIG device."""
-        if gpu_instance_id is None:
-            return self.by_key.get(uuid)
-        return (self.by_key.get(uuid)
-                or self.by_key.get(f"gi:{parent_index}-{gpu_instance_id}")
-                or self.by_key.get(f"gi:{parent_uuid}/{gpu_instance_id}"))
+        """The first holder of a MIG device."""
+        return next(iter(self.mig_holders(uuid, parent_uuid=parent_uuid,
+                                          parent_index=parent_index,
+                                          gpu_instance_id=gpu_instance_id)), None)
 
 
 def device_keys(device_id: str) -> list[str]:
@@ -105,12 +133,140 @@ def owners_from_response(response: api_pb2.ListPodResourcesResponse,
                     continue
                 for device_id in devices.device_ids:
                     held.append(((pod.namespace, pod.name, container.name), device_id))
-    by_key: dict[str, PodRef] = {}
+    by_key: dict[str, list[PodRef]] = {}
     for (namespace, name, container_name), device_id in sorted(held):
         ref = PodRef(namespace=namespace, name=name, container=container_name or None)
         for key in device_keys(device_id):
-            by_key.setdefault(key, ref)
+            holders = by_key.setdefault(key, [])
+            if ref not in holders:  # several replicas (::0, ::1) of one GPU to one pod
+                holders.append(ref)
     return DeviceOwners(by_key)
+
+
+# --- per-process attribution ------------------------------------------------------------
+
+# A pod's cgroup directory, in the kubelet's two cgroup-driver spellings: cgroupfs writes
+# ``pod<uid>`` (dashes), systemd ``kubepods-<qos>-pod<uid>.slice`` (dashes turned to
+# underscores, since a dash separates slice levels).
+_POD_DIR = re.compile(
+    r"(?:^|[/-])pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
+    r"(?:\.slice)?(?:/|$)")
+# The container's cgroup: a bare id (cgroupfs, containerd and CRI-O), or a systemd scope
+# named by the runtime (``cri-containerd-<id>.scope``, ``crio-<id>.scope``,
+# ``docker-<id>.scope``). ``crio-conmon-<id>.scope`` is CRI-O's monitor, not the container.
+_CONTAINER_DIR = re.compile(r"^(?:(cri-containerd|crio|docker)-)?([0-9a-f]{64})(?:\.scope)?$")
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerOf:
+    """Where a process runs, from its cgroup path."""
+
+    pod_uid: str
+    container_id: str | None
+    """The runtime's container id (64 hex digits); None for a process in the pod's own
+    cgroup (the pod sandbox)."""
+
+
+def container_of(cgroup_text: str) -> ContainerOf | None:
+    """The pod and container of a process, from the text of its ``/proc/<pid>/cgroup``.
+
+    Every line is ``hierarchy-id:controllers:path``: one ``0::path`` line under cgroup v2,
+    one per controller under v1 (all naming the same pod). None for a process outside any
+    pod (a host daemon, the driver's own threads).
+    """
+    for line in cgroup_text.splitlines():
+        path = line.split(":", 2)[-1].strip()
+        if "kubepods" not in path:
+            continue
+        pod = _POD_DIR.search(path)
+        if pod is None:
+            continue
+        container = _CONTAINER_DIR.match(path.rstrip("/").rsplit("/", 1)[-1])
+        return ContainerOf(pod_uid=pod.group(1).replace("_", "-"),
+                           container_id=container.group(2) if container else None)
+    return None
+
+
+class ProcCgroups:
+    """Reads ``<proc_root>/<pid>/cgroup``: the host's /proc, mounted into the collector."""
+
+    def __init__(self, proc_root: str | Path = "/proc") -> None:
+        self.root = Path(proc_root)
+
+    def container_of(self, pid: int) -> ContainerOf | None:
+        """None when the process is outside any pod, or gone, or not visible here."""
+        try:
+            text = (self.root / str(pid) / "cgroup").read_text()
+        except OSError:  # exited between NVML's answer and this read, or no host /proc
+            return None
+        return container_of(text)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessShare:
+    """One process on one device, as NVML reports it."""
+
+    pid: int
+    mem_used_bytes: int | None
+    """None: NVML does not report it here (NVML_VALUE_NOT_AVAILABLE)."""
+    sm_util_pct: float | None
+    """Mean SM utilisation of the process's samples since the last read; None when the
+    device gives no per-process samples (e.g. MIG devices)."""
+    mps: bool = False
+
+
+@dataclass
+class Attributed:
+    """The holders of one device, and the processes that could not be credited to a pod."""
+
+    holders: list[DeviceHolder]
+    outside_pods: int = 0
+    """Processes in no pod's cgroup (host processes), or gone before they were read."""
+    unallocated_pods: int = 0
+    """Pods found running on the device beyond those PodResources lists for it (a
+    container that sees every GPU, e.g. NVIDIA_VISIBLE_DEVICES=all)."""
+
+
+def _sum(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+def attribute(processes: Sequence[ProcessShare], candidates: Sequence[PodRef],
+              cgroups: ProcCgroups) -> Attributed:
+    """Split a device's processes between its pods, checked against PodResources.
+
+    ``candidates`` are the pods PodResources lists for the device. One candidate pod and
+    one pod found on the device: that is it, named (with its container when one container
+    holds the device). Otherwise the pods found go by uid (PodResources has none), for the
+    worker to join to their allocations.
+    """
+    by_uid: dict[str, list[ProcessShare]] = {}
+    outside = 0
+    for process in processes:
+        where = cgroups.container_of(process.pid)
+        if where is None:
+            outside += 1
+            continue
+        by_uid.setdefault(where.pod_uid, []).append(process)
+    named = list(dict.fromkeys(PodRef(namespace=c.namespace, name=c.name) for c in candidates))
+    holders: list[DeviceHolder] = []
+    for uid, own in sorted(by_uid.items()):
+        pod: PodRef | None = None
+        if len(named) == 1 and len(by_uid) == 1:
+            containers = {c.container for c in candidates}
+            container = containers.pop() if len(containers) == 1 else None
+            pod = PodRef(namespace=named[0].namespace, name=named[0].name, uid=uid,
+                         container=container)
+        sm = _sum(p.sm_util_pct for p in own)
+        holders.append(DeviceHolder(
+            pod=pod, pod_uid=None if pod is not None else uid, processes=len(own),
+            activity_pct=None if sm is None else min(100.0, float(sm)),
+            mem_used_bytes=(None if all(p.mem_used_bytes is None for p in own)
+                            else sum(p.mem_used_bytes or 0 for p in own)),
+            mps=any(p.mps for p in own)))
+    return Attributed(holders, outside_pods=outside,
+                      unallocated_pods=max(0, len(by_uid) - len(named)))
 
 
 class PodResourcesClient:

@@ -52,7 +52,7 @@ from gpusteward.collectors.metrics import CollectorMetrics
 from gpusteward.collectors.settings import CollectSettings
 from gpusteward.collectors.source import SourceError, run_source
 from gpusteward.collectors.transport.publisher import Publisher
-from gpusteward.schema import INT64_MAX, DeviceSample, HwEvent, NodeSample, PodRef
+from gpusteward.schema import INT64_MAX, DeviceHolder, DeviceSample, HwEvent, NodeSample, PodRef
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,9 @@ class _Device:
     index: int = -1
     model: str = ""
     mig_profile: str | None = None
-    pod: PodRef | None = None
+    pods: list[PodRef] = field(default_factory=list)
+    """Every pod a series of the device names: dcgm-exporter repeats a time-sliced GPU's
+    series once per pod, all with the same device readings."""
     values: dict[str, Any] = field(default_factory=dict)
     framebuffer: dict[str, float] = field(default_factory=dict)
     nvlink_errors: int | None = None
@@ -280,7 +282,13 @@ class _Device:
             gpu_instance_id=int(self.gpu_instance_id) if self.gpu_instance_id else None,
             mem_used_bytes=(_kept("mem_used_bytes", int(used * MIB), refusals)
                             if used is not None else None),
-            mem_total_bytes=total, nvlink_errors=self.nvlink_errors, pod=self.pod,
+            mem_total_bytes=total, nvlink_errors=self.nvlink_errors,
+            pod=self.pods[0] if self.pods else None,
+            # Several pods: their readings cannot be told apart here (no per-process metrics),
+            # so the sample says so, and the rules treat the device's readings as everyone's.
+            holders=[DeviceHolder(pod=pod) for pod in self.pods] if len(self.pods) > 1 else [],
+            attribution=(None if not self.pods else "device" if len(self.pods) == 1
+                         else "shared"),
             **values,
         )
 
@@ -327,8 +335,10 @@ def node_samples(series: Iterable[Series], ts: float, source: str,
         except ValueError as error:
             refusals.note(item.name, "skipping series %s of %s: %s", item.name, ident[0], error)
             continue
-        if device.pod is None:
-            device.pod = pod_resolver(item.labels)
+        pod = pod_resolver(item.labels)
+        if pod is not None and all((p.namespace, p.name) != (pod.namespace, pod.name)
+                                   for p in device.pods):
+            device.pods.append(pod)
     return {
         name: NodeSample(ts=ts, node=name, source=source, devices=[
             device.sample(refusals) for device in sorted(

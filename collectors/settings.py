@@ -45,6 +45,12 @@ class NvmlSettings(BaseModel):
     pod_resources_max_age_s: float = Field(
         30.0, gt=0, description="While List fails, the last answer is used this long, then "
                                 "samples go out unattributed, not credited to a pod maybe gone.")
+    proc_root: str | None = Field(
+        "/host/proc", description="Where the host's /proc is mounted (read-only) in the "
+        "collector: NVML names processes by host PID, and /proc/<pid>/cgroup names each one's "
+        "pod, so a GPU shared by several pods (time-slicing, MPS) is split between them. "
+        "None (or empty): no per-process attribution, devices go to pods by PodResources "
+        "alone. A path that does not exist attributes nothing by process.")
     extra_gpu_resources: list[str] = Field(
         [], description="Resource names counted besides nvidia.com/gpu and nvidia.com/mig-*.")
 

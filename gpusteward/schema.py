@@ -76,6 +76,38 @@ class PodRef(msgspec.Struct, frozen=True, omit_defaults=True):
     container: Name | None = None
 
 
+class DeviceHolder(msgspec.Struct, omit_defaults=True):
+    """One pod's share of a device that several pods may use (time-slicing, MPS).
+
+    Filled by the NVML collector from the processes running on the device,
+    each mapped to its pod through the host's ``/proc/<pid>/cgroup``; listed
+    without readings by sources that see the pods but cannot split the
+    device's readings between them (see ``DeviceSample.attribution``).
+    """
+
+    pod: PodRef | None = None
+    """The pod, when the collector could name it (PodResources lists it on the device)."""
+    pod_uid: Name | None = None
+    """The pod's uid from the processes' cgroup; the worker joins it to the pod's allocation
+    when ``pod`` is absent (several pods on the device, PodResources names no uid)."""
+    processes: Count = 0
+    """Processes of the pod running on the device (compute and MPS clients)."""
+    activity_pct: Percent | None = None
+    """The pod's SM utilisation on the device (sum over its processes, 0-100, NVML
+    per-process samples); None when not reported (e.g. MIG devices) or not split."""
+    mem_used_bytes: Count | None = None
+    """Framebuffer memory the pod's processes use on the device; None when not reported."""
+    mps: bool = False
+    """Its processes are MPS clients (they share one MPS server context)."""
+
+
+Attribution = Literal["device", "process", "shared"]
+"""How the pods of a device were found: ``device``, one pod holds the whole device and the
+readings are its own; ``process``, the readings of each holder are its own processes'
+(NVML per-process); ``shared``, several pods hold the device and the source cannot split its
+readings between them (dcgm-exporter without per-process metrics, Prometheus)."""
+
+
 class DeviceSample(msgspec.Struct, omit_defaults=True):
     """One reading of one GPU or one MIG device."""
 
@@ -113,7 +145,13 @@ class DeviceSample(msgspec.Struct, omit_defaults=True):
     recovery_action: Count | None = None
     """NVML GPU recovery action (0 none, 1 GPU reset, 2 node reboot, ...)."""
     pod: PodRef | None = None
-    """The pod holding this device, when the collector could attribute it."""
+    """The pod holding this device, when the collector could attribute it (on a device
+    several pods hold, the first of ``holders`` with a name: kept for older consumers)."""
+    holders: Annotated[list[DeviceHolder], Meta(max_length=1024)] = []
+    """Every pod with work on the device, each with its own activity and memory where the
+    source can split them (see ``attribution``); empty when not known."""
+    attribution: Attribution | None = None
+    """How ``pod`` and ``holders`` were found; None when the source attributes no pod."""
 
 
 class NodeSample(msgspec.Struct):
@@ -205,6 +243,12 @@ class NodeInventory(msgspec.Struct, tag="node"):
     """GPU Operator label ``nvidia.com/mig.capable``; None when not labelled."""
     mig_config_state: Name | None = None
     """``nvidia.com/mig.config.state``: pending, rebooting, success or failed (mig-manager)."""
+    gpu_replicas: Count = 1
+    """Pods each physical GPU is advertised to (GPU Operator label ``nvidia.com/gpu.replicas``:
+    time-slicing or MPS replicas); 1 when not shared. ``gpu_count`` counts physical GPUs,
+    ``capacity`` the advertised replicas."""
+    gpu_sharing: Name | None = None
+    """``nvidia.com/gpu.sharing-strategy``: ``time-slicing``, ``mps`` or ``none``."""
 
 
 AllocationEvent = PodAllocation | NodeInventory
@@ -250,6 +294,9 @@ class NodeSummary(msgspec.Struct):
     cordoned: bool = False
     spot: bool = False
     schema: Version = SCHEMA_VERSION
+    gpu_replicas: Count = 1
+    """Pods each GPU is shared by (time-slicing or MPS replicas); ``gpus_total`` and
+    ``gpus_free`` count physical GPUs, a GPU with any holder being not free."""
 
 
 Severity = Literal["info", "warning", "critical"]

@@ -13,7 +13,16 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from gpusteward.rules import ecc, hardware, idle, xid
+from gpusteward.rules import (
+    ecc,
+    hardware,
+    idle,
+    memory_high,
+    memory_leak,
+    memory_low_free,
+    memory_overcommit,
+    xid,
+)
 from gpusteward.rules import fragmentation as fleet_fragmentation
 from gpusteward.rules import queue as fleet_queue
 from gpusteward.rules import spot as fleet_spot
@@ -42,6 +51,13 @@ REGISTRY = Registry([
     Rule(hardware.RECOVERY_KIND, hardware.RecoveryActionSettings, "device",
          device=hardware.RUNNER),
     Rule(xid.KIND, xid.XidSettings, "device", kinds=(xid.RMA_KIND,), device=hardware.RUNNER),
+    Rule(memory_low_free.KIND, memory_low_free.LowFreeMemorySettings, "device",
+         layers="workload", device=memory_low_free.RUNNER),
+    Rule(memory_high.KIND, memory_high.HighMemorySettings, "device", device=memory_high.RUNNER),
+    Rule(memory_leak.KIND, memory_leak.LeakSettings, "device", layers="workload",
+         device=memory_leak.RUNNER),
+    Rule(memory_overcommit.KIND, memory_overcommit.OvercommitSettings, "device",
+         device=memory_overcommit.RUNNER),
     # Per node, beside the node join (the fleet agent's ``fleet-spot``, partitioned by node).
     Rule(fleet_spot.KIND, fleet_spot.SpotSettings, "node"),
     # Fleet-wide, run by the fleet agent (streams/fleet.py).

@@ -24,6 +24,13 @@ to reclaim, the reclaim action carries the episode start and the maximum, and
 the backend checks the live pod again before it acts (:func:`kept_until` is
 the one reading of the annotation both use).
 
+On a device several pods hold, the node join runs the rule once per holder
+on its share (``per_holder``): with per-process attribution each holder is
+judged on its own activity, so the idle notebook beside a busy one is found
+and only it; where the source cannot split the device (attribution
+``shared``), a busy device says nothing about any one holder (no observation:
+neither idle nor active), and an idle device is idle for all of them.
+
 The idle run is tracked per device from the samples alone, so an allocation
 event that arrives after the first idle samples does not delay detection.
 Samples at or before the last one seen (duplicates, late arrivals) are
@@ -304,9 +311,13 @@ def observe(
         # No reading is no observation: it must neither extend an idle run nor hide the gap
         # before the next real reading.
         return []
+    eff = settings.effective(holder.workload_kind if holder is not None else None)
+    if sample.attribution == "shared" and activity >= eff.threshold_pct:
+        # Some holder of the shared device is busy, and nothing says which: crediting the
+        # work to this one would hide its idleness, calling it idle might be wrong.
+        return []
     gap = track.last_ts is not None and ts - track.last_ts > settings.max_gap_s
     track.last_ts = ts
-    eff = settings.effective(holder.workload_kind if holder is not None else None)
     out: list[Finding | Action] = []
     if activity >= eff.threshold_pct:
         track.below_since, track.below_samples, track.below_max_pct = None, 0, 0.0
@@ -451,5 +462,5 @@ def _close(track: IdleTrack, node: str, uuid: str, ts: float, why: str) -> Findi
 
 
 RUNNER = DeviceRunner(state="idle", state_type=IdleTrack, settings_from=own_settings(KIND),
-                      on_sample=observe, on_release=release)
+                      on_sample=observe, on_release=release, per_holder=True)
 """How the node join runs the rule: on every device sample, and when a holder lets go."""

@@ -72,6 +72,10 @@ class DeviceRunner:
     events_without_uuid: frozenset[str] = frozenset()
     """Event kinds that count even without a device UUID (filed under ``GPU-unknown``)."""
     on_release: ReleaseHook | None = None
+    per_holder: bool = False
+    """On a device several pods hold (time-slicing, MPS), run once per holder on its share
+    (its own activity and memory where the source split them, the device's readings marked
+    ``shared`` where not), with state of its own per holder; once per device otherwise."""
     unhealthy: Callable[[Any], bool] | None = None
     """True while the state holds an episode that takes the GPU out of service."""
 

@@ -49,6 +49,9 @@ Obj = dict[str, Any]
 
 IMAGE = "gpusteward"
 METRICS_PORT = "GPUSTEWARD_METRICS__PORT"
+HEALTH_PORT = "GPUSTEWARD_HEALTH_PORT"
+PORTS = (METRICS_PORT, HEALTH_PORT)
+"""Listening ports the manifests set per container; on one host each gets a free one."""
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob")
 
 
@@ -180,12 +183,14 @@ class Manifests:
         root = local.workdir / f"{component}-{instance}"
         mounts = self._mounts(container, root)
         own = {name: _relocate(value, mounts)
-               for name, value in self._env(container, local.node_name).items()}
+               for name, value in self._env(container, local.node_name,
+                                                     f"{container.name}-{instance}").items()}
         env = {**_host_env(), **own, **_overrides(local)}
-        if env.get(METRICS_PORT, "0") != "0":
-            # Every container shares this one host: each gets a free port for its /metrics
-            # (read it back from the launch's environment to scrape it).
-            env[METRICS_PORT] = str(_free_port())
+        for port in PORTS:
+            if env.get(port, "0") != "0":
+                # Every container shares this one host: each gets a free port for its
+                # /metrics and probes (read it back from the launch's environment).
+                env[port] = str(_free_port())
         args = [_relocate(str(a), mounts) for a in container.spec.get("args", [])]
         command = [_relocate(str(c), mounts) for c in container.spec.get("command", [])]
         if command:
@@ -195,7 +200,7 @@ class Manifests:
         root.mkdir(parents=True, exist_ok=True)
         return Launch(component, argv, env, root, mounts)
 
-    def _env(self, container: Container, node_name: str) -> dict[str, str]:
+    def _env(self, container: Container, node_name: str, pod_name: str) -> dict[str, str]:
         """The container's own environment, as the kubelet would set it."""
         env: dict[str, str] = {}
         for source in container.spec.get("envFrom", []):
@@ -216,9 +221,12 @@ class Manifests:
                 env[name] = str(self._config_map(ref)["data"][ref["key"]])
             elif "fieldRef" in source:
                 path = source["fieldRef"]["fieldPath"]
-                if path != "spec.nodeName":
+                fields = {"spec.nodeName": node_name, "metadata.name": pod_name,
+                          "metadata.namespace": container.workload["metadata"].get(
+                              "namespace", "default")}
+                if path not in fields:
                     raise DeploymentError(f"{container.name}: fieldRef {path} is not mapped here")
-                env[name] = node_name
+                env[name] = fields[path]
             elif "secretKeyRef" in source:
                 if not source["secretKeyRef"].get("optional"):
                     raise DeploymentError(f"{container.name}: Secret key {name} is required "

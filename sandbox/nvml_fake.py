@@ -18,6 +18,13 @@ What it models, and on purpose no more:
 - MIG devices (uuid, GPU-instance profile name and id, instance ids, memory,
   graphics-engine activity through the GPM calls); a MIG handle answers
   only what NVML answers per instance;
+- processes per GPU and per MIG device (``processes:``: pid, memory, SM
+  utilisation, whether an MPS client), answered by
+  ``nvmlDeviceGetComputeRunningProcesses`` / ``...MPSComputeRunningProcesses``
+  as pynvml's friendly objects of ``c_nvmlProcessInfo_v3_t``, and by
+  ``nvmlDeviceGetProcessUtilization`` as ``c_nvmlProcessUtilizationSample_t``
+  newer than the caller's timestamp (``NVMLError_NotFound`` when there is
+  none; ``NVMLError_NotSupported`` on a MIG handle, as drivers answer);
 - events (XID, double-bit ECC, recovery action, GPU unavailable) queued by
   faults and delivered by ``nvmlEventSetWait``, which really blocks up to
   its timeout so the collector's listener thread behaves as on a GPU;
@@ -45,7 +52,10 @@ import yaml
 _MIG_HANDLE_CALLS = frozenset({
     "nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetMemoryInfo",
     "nvmlDeviceGetGpuInstanceId", "nvmlDeviceGetComputeInstanceId",
+    "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses",
 })
+_NO_INSTANCE = 0xFFFFFFFF
+"""gpuInstanceId/computeInstanceId of a process on a GPU without MIG."""
 
 _NVLINK_FIELDS = {
     pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL: "crc_flit",
@@ -61,6 +71,19 @@ def _error(code: int) -> pynvml.NVMLError:
 
 
 @dataclass
+class FakeProcess:
+    """A process with a context on a device."""
+
+    pid: int
+    mem_used: int | None = 0
+    """Framebuffer bytes; None: NVML_VALUE_NOT_AVAILABLE (reported as None by pynvml)."""
+    sm_util: int | None = 0
+    """SM utilisation percent of its samples; None: it produces no utilisation samples."""
+    mps: bool = False
+    """An MPS client (listed by the MPS call, not the plain compute one)."""
+
+
+@dataclass
 class FakeMig:
     uuid: str
     profile: str
@@ -72,6 +95,7 @@ class FakeMig:
     mem_used: int = 0
     engine_active: float | None = None
     """Graphics-engine active percent served through GPM; None: no GPM sample."""
+    processes: list[FakeProcess] = field(default_factory=list)
 
 
 @dataclass
@@ -99,6 +123,7 @@ class FakeGpu:
     """Whether the GPU supports GPM (Hopper and newer): engine activity of MIG devices."""
     mig_enabled: bool = False
     mig: list[FakeMig] = field(default_factory=list)
+    processes: list[FakeProcess] = field(default_factory=list)
     unsupported: set[str] = field(default_factory=set)
     supported_events: int = pynvml.nvmlEventTypeAll
     lost: bool = False
@@ -154,6 +179,8 @@ class FakeNvml:
         self._event_sets: list[_EventSet] = []
         self._gpm_samples: dict[int, tuple[ctypes.c_uint64, float | None]] = {}
         self._handles: dict[str, _Handle] = {}
+        self._process_clock_us = 0
+        """Timestamp of the fake's per-process utilisation samples: one second per call."""
 
     def _handle(self, gpu: FakeGpu, mig: FakeMig | None = None) -> _Handle:
         key = mig.uuid if mig else gpu.uuid
@@ -442,6 +469,45 @@ class FakeNvml:
 
     # events
 
+    def _processes(self, call: str, handle: _Handle, mps: bool) -> list[Any]:
+        self._check(call, handle)
+        mig = handle.mig
+        owners = mig.processes if mig is not None else handle.gpu.processes
+        gi, ci = ((mig.gpu_instance_id, mig.compute_instance_id) if mig is not None
+                  else (_NO_INSTANCE, _NO_INSTANCE))
+        out = []
+        for process in owners:
+            if process.mps != mps:
+                continue
+            info = pynvml.c_nvmlProcessInfo_v3_t(
+                pid=process.pid, gpuInstanceId=gi, computeInstanceId=ci,
+                usedGpuMemory=(pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+                               if process.mem_used is None else process.mem_used))
+            friendly = pynvml.nvmlStructToFriendlyObject(info)
+            if friendly.usedGpuMemory == pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value:
+                friendly.usedGpuMemory = None  # as pynvml does (WDDM)
+            out.append(friendly)
+        return out
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: _Handle) -> list[Any]:
+        return self._processes("nvmlDeviceGetComputeRunningProcesses", handle, mps=False)
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: _Handle) -> list[Any]:
+        return self._processes("nvmlDeviceGetMPSComputeRunningProcesses", handle, mps=True)
+
+    def nvmlDeviceGetProcessUtilization(self, handle: _Handle, timeStamp: int) -> list[Any]:
+        gpu = self._check("nvmlDeviceGetProcessUtilization", handle)
+        assert gpu is not None
+        self._process_clock_us += 1_000_000
+        now = self._process_clock_us
+        samples = [pynvml.c_nvmlProcessUtilizationSample_t(
+                       pid=p.pid, timeStamp=now, smUtil=p.sm_util, memUtil=0, encUtil=0,
+                       decUtil=0)
+                   for p in gpu.processes if p.sm_util is not None and now > timeStamp]
+        if not samples:  # "no valid sample entries since lastSeenTimeStamp"
+            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+        return samples
+
     def nvmlEventSetCreate(self) -> _EventSet:
         self._check("nvmlEventSetCreate")
         event_set = _EventSet()
@@ -545,8 +611,8 @@ def _bytes(value: Any) -> int:
 
 
 def _gpu(index: int, spec: Mapping[str, Any]) -> FakeGpu:
-    known = set(FakeGpu.__dataclass_fields__) - {"index", "mig", "mig_enabled"}
-    unknown = set(spec) - known - {"mig"}
+    known = set(FakeGpu.__dataclass_fields__) - {"index", "mig", "mig_enabled", "processes"}
+    unknown = set(spec) - known - {"mig", "processes"}
     if unknown:
         raise ValueError(f"fake GPU {index}: unknown keys {sorted(unknown)}")
     values = {k: v for k, v in spec.items() if k in known}
@@ -555,6 +621,7 @@ def _gpu(index: int, spec: Mapping[str, Any]) -> FakeGpu:
             values[key] = _bytes(values[key])
     if "remapped_rows" in values:
         values["remapped_rows"] = tuple(values["remapped_rows"])
+    values["processes"] = _processes(spec.get("processes", ()))
     gpu = FakeGpu(index=index, unsupported=set(spec.get("unsupported", ())),
                   **{k: v for k, v in values.items() if k != "unsupported"})
     mig = spec.get("mig")
@@ -569,4 +636,15 @@ def _mig(spec: Mapping[str, Any]) -> FakeMig:
     for key in ("mem_total", "mem_used"):
         if key in values:
             values[key] = _bytes(values[key])
+    values["processes"] = _processes(values.get("processes", ()))
     return FakeMig(**values)
+
+
+def _processes(specs: Any) -> list[FakeProcess]:
+    out = []
+    for spec in specs:
+        values = dict(spec)
+        if values.get("mem_used") is not None:
+            values["mem_used"] = _bytes(values["mem_used"])
+        out.append(FakeProcess(**values))
+    return out

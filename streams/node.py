@@ -17,6 +17,12 @@ caches each resolution, so a sample pays dict lookups, not validation.
 Per-device rule state is made of msgspec Structs inside :class:`DeviceState`,
 so it rides the changelog with the rest of the node's state: the shipped
 rules' as typed fields, a rule registered beyond them in ``tracks``.
+
+A device several pods hold (a sample listing several ``holders``) runs the
+runners that judge a holder (``per_holder``, e.g. idleness) once per holder,
+on that holder's share of the device and with state of its own
+(``DeviceState.shares``), so one busy pod neither hides nor is credited to
+another; the other runners run once on the device.
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ from typing import Any
 
 import msgspec
 
-from gpusteward.rules import ecc, hardware, idle, rollup
+from gpusteward.rules import ecc, hardware, idle, memory, memory_leak, rollup
 from gpusteward.rules import policy as policies
 from gpusteward.rules.registry import DeviceRunner, state_in
 from gpusteward.schema import (
     Action,
     AllocationEvent,
+    DeviceHolder,
     DeviceSample,
     Finding,
     HwEvent,
@@ -70,6 +77,10 @@ class DeviceState(msgspec.Struct):
     idle: idle.IdleTrack = msgspec.field(default_factory=idle.IdleTrack)
     ecc: ecc.EccTrack = msgspec.field(default_factory=ecc.EccTrack)
     hw: hardware.HwTrack = msgspec.field(default_factory=hardware.HwTrack)
+    mem_low_free: memory.SustainTrack = msgspec.field(default_factory=memory.SustainTrack)
+    mem_high: memory.SustainTrack = msgspec.field(default_factory=memory.SustainTrack)
+    mem_leak: memory_leak.LeakTrack = msgspec.field(default_factory=memory_leak.LeakTrack)
+    mem_overcommit: memory.SustainTrack = msgspec.field(default_factory=memory.SustainTrack)
     attributed: PodRef | None = None
     """The pod the collector last attributed the device to."""
     attributed_since: float | None = None
@@ -77,9 +88,13 @@ class DeviceState(msgspec.Struct):
     """State of the rules whose runner names no field above, by the runner's state name.
     Decoded from the changelog as plain data and turned back into the runner's type on
     first use."""
+    shares: dict[str, DeviceState] = {}
+    """Per-holder state of a device several pods hold, by pod key (uid, or namespace/name):
+    the state of the ``per_holder`` runners for that holder's share."""
 
 
-_TYPED_TRACKS = frozenset({"idle", "ecc", "hw"})
+_TYPED_TRACKS = frozenset({"idle", "ecc", "hw", "mem_low_free", "mem_high", "mem_leak",
+                           "mem_overcommit"})
 """Runner state names that are typed fields of :class:`DeviceState`."""
 
 
@@ -97,6 +112,8 @@ class NodeState(msgspec.Struct):
     pods: dict[str, Holding] = {}
     gpu_model: str | None = None
     gpu_count: int = 0
+    gpu_replicas: int = 1
+    """Pods per physical GPU (time-slicing, MPS): a held replica takes no whole GPU."""
     cordoned: bool = False
     spot: bool = False
     mig_allocatable: dict[str, int] = {}
@@ -189,6 +206,34 @@ class _Holders:
         return found
 
 
+def _share_holding(state: NodeState, holders: _Holders, share: DeviceHolder
+                   ) -> tuple[str | None, Holding | None]:
+    """The key of a holder's share and its allocation: by the pod identity index (uid where
+    both sides have one, else namespace/name), or by the cgroup's uid alone (per-process
+    attribution of a pod PodResources does not name)."""
+    uid = share.pod_uid or (share.pod.uid if share.pod is not None else None)
+    if share.pod is not None:
+        pod = share.pod if share.pod.uid or uid is None else msgspec.structs.replace(
+            share.pod, uid=uid)
+        return (uid or _pod_key(share.pod)), holders.find(pod)
+    if uid is not None:
+        holding = state.pods.get(uid)
+        return uid, holding if holding is not None and holding.ended_at is None else None
+    return None, None
+
+
+def _share_view(device: DeviceSample, share: DeviceHolder) -> DeviceSample:
+    """The device as one of its holders used it: the holder's own activity where the source
+    split it, else the device's, marked ``shared``. Memory stays the device's (free memory is
+    shared); the holder's own is in the view's one ``holders`` entry."""
+    own_activity = device.attribution == "process" and share.activity_pct is not None
+    return msgspec.structs.replace(
+        device, pod=share.pod, holders=[share],
+        util_pct=share.activity_pct if own_activity else device.util_pct,
+        engine_active_pct=None if own_activity else device.engine_active_pct,
+        attribution="process" if own_activity else "shared")
+
+
 class NodeJoin:
     """Folds records into :class:`NodeState` and runs the per-node rules."""
 
@@ -215,6 +260,9 @@ class NodeJoin:
             dev = state.devices.get(device.uuid)
             if dev is None:
                 dev = state.devices[device.uuid] = DeviceState()
+            shared = len(device.holders) > 1
+            if shared:
+                out += self._on_shares(state, holders, dev, device, node, ts)
             holding = self._holding(dev, device, holders, ts)
             if holding is not None:
                 steps = resolve(holding.pod.namespace, holding.queue, pool).samples
@@ -232,7 +280,7 @@ class NodeJoin:
                 fold.add(bucket, device, ts, who or self._who(holding, device.pod))
             gpu = device.kind == "gpu"
             for hook, name, gpu_only, runner, settings in steps:
-                if gpu_only and not gpu:
+                if (gpu_only and not gpu) or (shared and runner.per_holder):
                     continue
                 track = (getattr(dev, name) if name in _TYPED_TRACKS
                          else state_in(dev.tracks, name, runner.state_type))
@@ -242,6 +290,34 @@ class NodeJoin:
             state.gpu_count = state.gpu_count or sum(d.kind == "gpu" for d in sample.devices)
         out += fold.advance(minutes, node, ts)
         return out + self._maybe_summary(state, sample.node, sample.ts)
+
+    def _on_shares(self, state: NodeState, holders: _Holders, dev: DeviceState,
+                   device: DeviceSample, node: str, ts: float) -> list[Output]:
+        """Run the per-holder runners once per holder of a shared device, on its share."""
+        out: list[Output] = []
+        pool = state.pool
+        for share in device.holders:
+            key, holding = _share_holding(state, holders, share)
+            if key is None:
+                continue  # a holder with neither name nor uid: nothing to judge
+            own = dev.shares.get(key)
+            if own is None:
+                own = dev.shares[key] = DeviceState(attributed=share.pod, attributed_since=ts)
+            view = _share_view(device, share)
+            if holding is not None:
+                steps = self.policy.resolve(holding.pod.namespace, holding.queue, pool).samples
+                holder: idle.Holder | None = idle.Holder(
+                    holding.pod, holding.started_at, holding.workload_kind, holding.labels,
+                    holding.annotations)
+            elif share.pod is not None and own.attributed_since is not None:
+                steps = self.policy.resolve(share.pod.namespace, None, pool).samples
+                holder = idle.Holder(share.pod, own.attributed_since)
+            else:
+                steps, holder = self.policy.resolve(None, None, pool).samples, None
+            for hook, _name, _gpu_only, runner, settings in steps:
+                if runner.per_holder:
+                    out += hook(track_of(own, runner), node, view, ts, settings, holder)
+        return out
 
     def on_hw_event(self, state: NodeState, event: HwEvent) -> list[Output]:
         # Only the kinds some runner takes: throttle_start/stop and ecc_sbe are left to the
@@ -274,6 +350,7 @@ class NodeJoin:
     def _on_inventory(self, state: NodeState, event: NodeInventory) -> list[Output]:
         state.gpu_model = event.gpu_product or state.gpu_model
         state.gpu_count = event.gpu_count or state.gpu_count
+        state.gpu_replicas = event.gpu_replicas
         state.cordoned = event.unschedulable
         state.spot = event.spot
         state.pool = event.labels.get(self.policy.node_pool_label)
@@ -299,6 +376,13 @@ class NodeJoin:
                     if dev is not None:
                         for runner, release in releases:
                             out += release(track_of(dev, runner), event.node, uuid, event.ts)
+                for uuid, dev in state.devices.items():  # its shares of shared devices
+                    share = dev.shares.pop(key, None)
+                    if share is not None:
+                        for runner, release in releases:
+                            if runner.per_holder:
+                                out += release(track_of(share, runner), event.node, uuid,
+                                               event.ts)
                 state.summary_dirty = True
         elif event.phase in ("bound", "running"):
             known = state.pods.get(key)
@@ -353,6 +437,11 @@ class NodeJoin:
         state.last_summary_ts, state.summary_dirty = ts, False
         holding = [h for h in state.pods.values() if h.ended_at is None]
         used = sum(h.gpus for h in holding)
+        if state.gpu_replicas > 1:
+            # Replicas of shared GPUs: a physical GPU is used when any replica of it is held
+            # (by device ids; without them, as tightly packed as replicas allow).
+            physical = {d.split("::", 1)[0] for h in holding if h.gpus for d in h.devices}
+            used = len(physical) if physical else -(-used // state.gpu_replicas)
         checks = [(runner, runner.unhealthy) for runner, _ in
                   self.policy.resolve(None, None, state.pool).device
                   if runner.unhealthy is not None]
@@ -365,6 +454,6 @@ class NodeJoin:
         return [NodeSummary(
             ts=ts, node=node, gpu_model=state.gpu_model, gpus_total=state.gpu_count,
             gpus_free=max(0, state.gpu_count - used), healthy=healthy,
-            cordoned=state.cordoned, spot=state.spot,
+            cordoned=state.cordoned, spot=state.spot, gpu_replicas=state.gpu_replicas,
             mig_free={profile: n for profile, n in mig_free.items() if n > 0},
         )]

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from gpusteward import topics
 from gpusteward.cli import app
-from gpusteward.schema import DeviceSample, NodeSample, PodRef
+from gpusteward.schema import DeviceHolder, DeviceSample, NodeSample, PodRef
 from gpusteward.settings import Settings
 from gpusteward.topicdoc import render
 
@@ -74,3 +74,37 @@ def test_pod_keys_are_partitioned_with_their_node() -> None:
     spread = {node_partitioner(n.encode(), partitions, partitions) for n in nodes}
     assert len(spread) > 4, "nodes still spread over the partitions"
     assert topics.ALLOCATIONS.config() == {"cleanup.policy": "compact"}
+
+
+class OldDevice(msgspec.Struct):
+    """A device as schema 1 read it before holders were added."""
+
+    uuid: str
+    index: int
+    model: str
+    util_pct: float | None = None
+    pod: PodRef | None = None
+
+
+class OldSample(msgspec.Struct):
+    ts: float
+    node: str
+    source: str
+    devices: list[OldDevice]
+    schema: int = 1
+
+
+def test_a_shared_device_reads_the_same_to_a_consumer_of_the_single_pod() -> None:
+    """Holders are additive: a reader that knows only ``pod`` (the schema before holders)
+    decodes a shared device's sample and finds the first named holder there."""
+
+    busy = PodRef(namespace="nb", name="busy", uid="u1")
+    sample = NodeSample(ts=1.0, node="n1", source="nvml", devices=[DeviceSample(
+        uuid="GPU-1", index=0, model="H100", util_pct=80.0, pod=busy, attribution="process",
+        holders=[DeviceHolder(pod=busy, activity_pct=80.0, mem_used_bytes=10),
+                 DeviceHolder(pod_uid="u2", activity_pct=0.0, mem_used_bytes=4)])])
+    wire = msgspec.json.encode(sample)
+    assert sample.schema == 1  # additive: no version bump
+    (old,) = msgspec.json.decode(wire, type=OldSample).devices
+    assert (old.pod, old.util_pct) == (busy, 80.0)
+    assert msgspec.json.decode(wire, type=NodeSample) == sample

@@ -66,6 +66,8 @@ KUEUE_GROUP = "kueue.x-k8s.io"
 LABEL_PRODUCT = "nvidia.com/gpu.product"
 LABEL_COUNT = "nvidia.com/gpu.count"
 LABEL_MEMORY = "nvidia.com/gpu.memory"
+LABEL_REPLICAS = "nvidia.com/gpu.replicas"
+LABEL_SHARING = "nvidia.com/gpu.sharing-strategy"
 LABEL_MIG_CAPABLE = "nvidia.com/mig.capable"
 LABEL_MIG_CONFIG = "nvidia.com/mig.config"
 LABEL_MIG_CONFIG_STATE = "nvidia.com/mig.config.state"
@@ -333,9 +335,16 @@ class Translator:
             single_strategy_profile(labels) is not None
         memory = labels.get(LABEL_MEMORY)
         capable = labels.get(LABEL_MIG_CAPABLE)
+        # Time-slicing and MPS advertise each GPU as several nvidia.com/gpu: capacity counts
+        # replicas, and the physical GPUs are capacity / replicas (GFD labels both).
+        replicas = max(1, quantity(labels.get(LABEL_REPLICAS, 1)))
+        advertised = capacity.get(GPU)
+        physical = (quantity(labels.get(LABEL_COUNT, 0)) if advertised is None
+                    else advertised // replicas)
         return NodeInventory(
             ts=ts, node=meta["name"], gpu_product=labels.get(LABEL_PRODUCT),
-            gpu_count=0 if single else capacity.get(GPU, quantity(labels.get(LABEL_COUNT, 0))),
+            gpu_count=0 if single else physical,
+            gpu_replicas=replicas, gpu_sharing=labels.get(LABEL_SHARING),
             mig_strategy=labels.get(LABEL_MIG_STRATEGY), mig_config=labels.get(LABEL_MIG_CONFIG),
             allocatable=allocatable, labels=_interned(labels),
             taints=[Taint(t["key"], t.get("effect", ""), t.get("value"))

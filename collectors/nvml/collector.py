@@ -4,7 +4,9 @@ One :class:`NvmlCollector` runs per node (a DaemonSet pod). Each tick of
 :func:`~gpusteward.collectors.source.run_source` calls :meth:`collect`,
 which reads every GPU and MIG device in a worker thread
 (:class:`~.reader.NvmlReader`), credits each device to the pod that holds
-it (the kubelet's PodResources API) and returns one :class:`NodeSample` for
+it (the kubelet's PodResources API) or, with the host's /proc at
+``proc_root``, splits a shared device between its pods by their processes
+(:func:`~gpusteward.collectors.attribution.attribute`), and returns one :class:`NodeSample` for
 the node with the hardware events its counters imply; the loop publishes
 them, times them and counts them under the shared collector metric names.
 Beside the loop, the listener thread (:mod:`.events`) hands XIDs,
@@ -22,7 +24,14 @@ from collections.abc import Callable
 
 import pynvml
 
-from gpusteward.collectors.attribution import DeviceOwners, PodResourcesClient, PodResourcesError
+from gpusteward.collectors.attribution import (
+    DeviceOwners,
+    PodResourcesClient,
+    PodResourcesError,
+    ProcCgroups,
+    ProcessShare,
+    attribute,
+)
 from gpusteward.collectors.metrics import CollectorMetrics
 from gpusteward.collectors.nvml.api import UNAVAILABLE, Nvml, NvmlUnavailable
 from gpusteward.collectors.nvml.events import SOURCE, EventListener, HardwareEvents, RawEvent
@@ -30,7 +39,7 @@ from gpusteward.collectors.nvml.reader import NvmlReader
 from gpusteward.collectors.settings import CollectSettings
 from gpusteward.collectors.source import collect_once, run_source
 from gpusteward.collectors.transport.publisher import Publisher
-from gpusteward.schema import HwEvent, NodeSample
+from gpusteward.schema import DeviceHolder, DeviceSample, HwEvent, NodeSample, PodRef
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +60,7 @@ class NvmlCollector:
         event_wait_ms: int = 1000,
         pod_resources_refresh_s: float = 5.0,
         pod_resources_max_age_s: float = 30.0,
+        proc_root: str | None = None,
         metrics: CollectorMetrics | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -64,7 +74,10 @@ class NvmlCollector:
         self.max_age_s = pod_resources_max_age_s
         self.metrics = metrics if metrics is not None else CollectorMetrics()
         self.clock = clock
-        self.reader = NvmlReader(nvml, on_error=self._count_error)
+        self.cgroups = ProcCgroups(proc_root) if proc_root else None
+        """The host's /proc, for per-process attribution; None: by PodResources alone."""
+        self.reader = NvmlReader(nvml, on_error=self._count_error,
+                                 processes=self.cgroups is not None)
         self.hw = HardwareEvents(node_name)
         self._logged: set[tuple[str, str]] = set()
         self._owners = DeviceOwners()
@@ -143,12 +156,14 @@ class NvmlCollector:
                 gi = device.gpu_instance_id
                 if gi is not None:
                     self.hw.mig_by_instance[(device.parent_uuid, gi)] = device.uuid
-                device.pod = owners.mig(device.uuid, parent_uuid=device.parent_uuid,
-                                        parent_index=device.index, gpu_instance_id=gi)
+                self._attribute(device, owners.mig_holders(
+                    device.uuid, parent_uuid=device.parent_uuid, parent_index=device.index,
+                    gpu_instance_id=gi), reading.processes.get(device.uuid))
                 continue
             if self.hw.answers(device.uuid):
                 log.warning("GPU %s (%d) answers again", device.uuid, device.index)
-            device.pod = owners.gpu(device.uuid, device.index)
+            self._attribute(device, owners.gpu_holders(device.uuid, device.index),
+                            reading.processes.get(device.uuid))
             events += self.hw.from_counters(device, now)
         sample = NodeSample(ts=now, node=self.node_name, source=SOURCE, devices=reading.devices)
         return [sample], events
@@ -198,6 +213,37 @@ class NvmlCollector:
         except PodResourcesError as e:
             self._count_error("pod_resources", e)
 
+    def _attribute(self, device: DeviceSample, candidates: list[PodRef],
+                   processes: list[ProcessShare] | None) -> None:
+        """Fill the device's pod, holders and how they were found.
+
+        By processes when they were read (each holder its own activity and memory); else by
+        PodResources alone: one pod holds the device, or several share it and nothing here
+        can split its readings between them.
+        """
+        device.pod = candidates[0] if candidates else None
+        if processes is not None and self.cgroups is not None:
+            found = attribute(processes, candidates, self.cgroups)
+            if found.outside_pods:
+                self.metrics.source_errors.labels(SOURCE, "process_outside_pods").inc(
+                    found.outside_pods)
+            if found.unallocated_pods:
+                self.metrics.source_errors.labels(SOURCE, "process_unallocated_pod").inc(
+                    found.unallocated_pods)
+            if found.holders:
+                device.holders = found.holders
+                device.attribution = "process"
+                named = [h.pod for h in found.holders if h.pod is not None]
+                device.pod = named[0] if named else device.pod
+                return
+        pods = list(dict.fromkeys(PodRef(namespace=c.namespace, name=c.name)
+                                  for c in candidates))
+        if len(pods) > 1:
+            device.holders = [DeviceHolder(pod=pod) for pod in pods]
+            device.attribution = "shared"
+        elif pods:
+            device.attribution = "device"
+
     def _current_owners(self, now: float) -> DeviceOwners:
         if self._owners_at is None or now - self._owners_at > self.max_age_s:
             return DeviceOwners()
@@ -230,5 +276,6 @@ async def run_nvml_collector(
         pod_resources=pod_resources, interval_s=settings.interval_s,
         event_wait_ms=own.event_wait_ms,
         pod_resources_refresh_s=own.pod_resources_refresh_s,
-        pod_resources_max_age_s=own.pod_resources_max_age_s, metrics=metrics)
+        pod_resources_max_age_s=own.pod_resources_max_age_s, proc_root=own.proc_root,
+        metrics=metrics)
     await collector.run(stop)

@@ -18,6 +18,11 @@ decides events lives on the event loop, not here.
   between GPU models) and, on GPUs with GPM (Hopper and newer), the
   graphics-engine activity: NVML has no utilisation for MIG devices, and
   idleness on MIG is judged on engine activity.
+- With ``processes`` on, every device's running processes (compute and MPS
+  clients) with their memory, and per-process SM utilisation samples since
+  the previous read, go into :attr:`Reading.processes` for the collector to
+  split the device between pods. On a MIG-enabled GPU they are read per MIG
+  handle only: the parent's answer is the aggregate of its instances.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 
 import pynvml
 
+from gpusteward.collectors.attribution import ProcessShare
 from gpusteward.collectors.nvml.api import ABSENT, UNAVAILABLE, Nvml
 from gpusteward.errors import TemporaryError
 from gpusteward.schema import DeviceSample
@@ -67,6 +73,9 @@ class Gpu:
     model: str
     gpm: bool | None = None
     """GPM support; None until asked."""
+    process_samples_us: int = 0
+    """Timestamp of the newest per-process utilisation sample read (NVML's lastSeenTimeStamp,
+    microseconds): each read asks only for newer samples."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,8 @@ class Reading:
 
     devices: list[DeviceSample] = field(default_factory=list)
     unavailable: dict[str, str] = field(default_factory=dict)
+    processes: dict[str, list[ProcessShare]] = field(default_factory=dict)
+    """Device uuid -> its processes, when processes are read (empty list: none running)."""
 
 
 
@@ -119,12 +130,16 @@ class NvmlReader:
     """Reads every GPU and MIG device once per call; NVML errors other than "absent" go to
     ``on_error(where, error)``."""
 
-    def __init__(self, nvml: Nvml, on_error: Callable[[str, BaseException], None]) -> None:
+    def __init__(self, nvml: Nvml, on_error: Callable[[str, BaseException], None], *,
+                 processes: bool = False) -> None:
         self.nvml = nvml
         self.on_error = on_error
+        self.processes = processes
         self.gpus: list[Gpu] = []
         self._mig_info: dict[str, _MigInfo] = {}
         self._gpm: dict[str, _Gpm] = {}
+        self._mig_handles: dict[str, Any] = {}
+        """MIG device uuid -> its handle, from the latest read (for the process calls)."""
         self._missing_symbols: set[tuple[str, tuple[str, ...]]] = set()
         """Newer NVML calls this driver lacks (NVMLError_FunctionNotFound once seen)."""
 
@@ -166,9 +181,14 @@ class NvmlReader:
         seen_mig: set[str] = set()
         for gpu in self.gpus:
             try:
-                reading.devices += self._read_gpu(gpu, seen_mig)
+                devices = self._read_gpu(gpu, seen_mig)
+                if self.processes:
+                    self._read_processes(gpu, devices, reading.processes)
+                reading.devices += devices
             except GpuUnavailable as e:
                 reading.unavailable[gpu.uuid] = str(e)
+        for uuid in set(self._mig_handles) - seen_mig:
+            del self._mig_handles[uuid]
         for uuid in set(self._gpm) - seen_mig:  # MIG device gone (re-partitioned): free GPM buffers
             buffers = self._gpm.pop(uuid)
             for sample in (buffers.previous, buffers.current):
@@ -285,6 +305,7 @@ class NvmlReader:
             if uuid is None:
                 continue
             seen.add(uuid)
+            self._mig_handles[uuid] = mig_handle
             info = self._mig_info.get(uuid)
             if info is None:
                 info = self._mig_info[uuid] = self._describe_mig(gpu, mig_handle)
@@ -298,6 +319,59 @@ class NvmlReader:
                 mem_total_bytes=None if memory is None else int(memory.total),
             ))
         return devices
+
+    def _read_processes(self, gpu: Gpu, devices: list[DeviceSample],
+                        into: dict[str, list[ProcessShare]]) -> None:
+        """The processes of the GPU, or of each of its MIG devices, with their utilisation."""
+        migs = [d for d in devices if d.kind == "mig"]
+        if not migs:
+            into[gpu.uuid] = self._processes_on(gpu.handle, self._process_util(gpu))
+            return
+        for device in migs:
+            handle = self._mig_handles.get(device.uuid)
+            if handle is not None:
+                # No per-process utilisation on MIG devices: their holders' activity is
+                # unknown and the device's engine activity stands for them.
+                into[device.uuid] = self._processes_on(handle, None)
+
+    def _processes_on(self, handle: Any, util: dict[int, float] | None
+                      ) -> list[ProcessShare]:
+        shares: dict[int, ProcessShare] = {}
+        for call, mps in (("nvmlDeviceGetComputeRunningProcesses", False),
+                          ("nvmlDeviceGetMPSComputeRunningProcesses", True)):
+            for info in self._get(call, handle) or ():
+                pid = int(info.pid)
+                if pid in shares:  # listed by both calls: an MPS client
+                    continue
+                used = info.usedGpuMemory
+                shares[pid] = ProcessShare(
+                    pid=pid, mem_used_bytes=None if used is None else int(used),
+                    sm_util_pct=util.get(pid, 0.0) if util is not None else None, mps=mps)
+        return list(shares.values())
+
+    def _process_util(self, gpu: Gpu) -> dict[int, float] | None:
+        """Mean SM utilisation per PID since the last read; None: not available here.
+
+        NVML answers NotFound when no process produced a sample since ``lastSeenTimeStamp``:
+        every process was idle, which is an empty dict, not an absent reading.
+        """
+        try:
+            samples = self.nvml.nvmlDeviceGetProcessUtilization(gpu.handle,
+                                                                 gpu.process_samples_us)
+        except pynvml.NVMLError_NotFound:
+            return {}
+        except UNAVAILABLE as e:
+            raise GpuUnavailable(f"nvmlDeviceGetProcessUtilization: {e}") from e
+        except ABSENT:
+            return None
+        except pynvml.NVMLError as e:
+            self.on_error("nvmlDeviceGetProcessUtilization", e)
+            return None
+        totals: dict[int, list[float]] = {}
+        for sample in samples:
+            totals.setdefault(int(sample.pid), []).append(float(sample.smUtil))
+            gpu.process_samples_us = max(gpu.process_samples_us, int(sample.timeStamp))
+        return {pid: sum(values) / len(values) for pid, values in totals.items()}
 
     def _describe_mig(self, gpu: Gpu, mig_handle: Any) -> _MigInfo:
         gi = self._get("nvmlDeviceGetGpuInstanceId", mig_handle)

@@ -290,3 +290,24 @@ def test_unreadable_series_are_skipped_and_counted_the_rest_of_the_page_kept() -
     assert device.mem_used_bytes is None
     assert set(refusals.by_kind) == {"DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "DCGM_FI_DEV_GPU_UTIL",
                                      "mem_used_bytes", "DCGM_FI_DEV_POWER_USAGE"}
+
+
+def test_a_time_sliced_gpu_with_several_pods_is_marked_shared() -> None:
+    # dcgm-exporter repeats a time-sliced GPU's series once per pod, the same readings in
+    # each: it cannot tell the pods' shares apart.
+    uuid = "GPU-5a5a5a5a-0000-4000-8000-000000000000"
+    page = "".join(
+        f'DCGM_FI_DEV_GPU_UTIL{{gpu="0",UUID="{uuid}",modelName="NVIDIA H100",'
+        f'Hostname="n",namespace="nb",pod="{pod}",container="jupyter"}} 80\n'
+        for pod in ("busy", "idle"))
+    page += ('DCGM_FI_DEV_GPU_UTIL{gpu="1",UUID="GPU-one",modelName="NVIDIA H100",'
+             'Hostname="n",namespace="ml",pod="train",container="t"} 90\n')
+    devices = by_uuid(dcgm.node_samples(dcgm.parse_page(page), 0.0, "dcgm")["n"])
+    shared = devices[uuid]
+    assert shared.attribution == "shared"
+    assert [h.pod for h in shared.holders] == [
+        PodRef(namespace="nb", name="busy", container="jupyter"),
+        PodRef(namespace="nb", name="idle", container="jupyter")]
+    assert all(h.activity_pct is None for h in shared.holders)  # not split: not credited
+    assert shared.pod == shared.holders[0].pod and shared.util_pct == 80
+    assert (devices["GPU-one"].attribution, devices["GPU-one"].holders) == ("device", [])

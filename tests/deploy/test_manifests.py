@@ -186,8 +186,9 @@ def test_nvml_collector_runs_on_gpu_nodes_with_the_pod_resources_socket(render):
     assert collector["kind"] == "DaemonSet"
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert {t["key"] for t in pod["tolerations"]} == {"nvidia.com/gpu"}
-    (socket,) = [v for v in pod["volumes"] if "hostPath" in v]
-    assert socket["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
+    host = {v["hostPath"]["path"]: v for v in pod["volumes"] if "hostPath" in v}
+    assert set(host) == {"/var/lib/kubelet/pod-resources", "/proc"}
+    socket = host["/var/lib/kubelet/pod-resources"]
     container = pod["containers"][0]
     assert container["args"] == ["collect", "nvml"]
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == socket["name"]]
@@ -195,6 +196,13 @@ def test_nvml_collector_runs_on_gpu_nodes_with_the_pod_resources_socket(render):
     assert mount["mountPath"] == "/var/lib/kubelet/pod-resources"
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["GPUSTEWARD_COLLECT__METRICS_PORT"] == "9400"
+    # The host's /proc, for per-process attribution: read-only where the collector reads it,
+    # and nothing more (no host PID namespace, no capability: /proc/<pid>/cgroup is
+    # world-readable).
+    (proc,) = [m for m in container["volumeMounts"] if m["name"] == host["/proc"]["name"]]
+    assert proc["readOnly"] is True
+    assert env["GPUSTEWARD_COLLECT__NVML__PROC_ROOT"] == proc["mountPath"]
+    assert not pod.get("hostPID") and not pod.get("hostNetwork") and not pod.get("hostIPC")
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"metrics": 9400}
 
 

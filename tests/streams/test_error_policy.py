@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -22,18 +23,26 @@ from gpusteward.streams.outputs import OutputTopics
 
 @dataclass
 class RecordingTopic:
+    name: str
     sent: list[tuple[bytes, bytes]] = field(default_factory=list)
 
     async def send(self, key: bytes, value: bytes) -> None:
         self.sent.append((key, value))
 
+    def get_topic_name(self) -> str:
+        return self.name
+
 
 class RecordingApp:
+    """What the one writer uses of a Faust app: topics, the app id, the rebalance signal."""
+
     def __init__(self) -> None:
         self.topics: dict[str, RecordingTopic] = {}
+        self.conf = SimpleNamespace(id="test-worker")
+        self.on_partitions_assigned = SimpleNamespace(connect=lambda receiver: None)
 
     def topic(self, name: str, **options: Any) -> RecordingTopic:
-        return self.topics.setdefault(name, RecordingTopic())
+        return self.topics.setdefault(name, RecordingTopic(name))
 
 
 @dataclass

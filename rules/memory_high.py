@@ -1,0 +1,72 @@
+"""Sustained high GPU-memory use: a device that has been nearly full for minutes.
+
+Seed 003 alerts on memory above 90 % for 5 minutes. Unlike low free memory
+(serving devices, absolute headroom) this watches every device's used
+share, whoever holds it: a job that lives at the edge is one larger batch
+from an out-of-memory crash. Episodes follow
+:func:`gpusteward.rules.memory.sustain`.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpusteward.rules.memory import Out, SustainTrack, pod_of, sustain, used_pct
+from gpusteward.rules.registry import DeviceRunner, own_settings
+from gpusteward.schema import DeviceSample
+
+KIND = "gpu_memory_high"
+STATE = "mem_high"
+"""Its per-device state: a field of the node join's device state."""
+RUNBOOK = (
+    "The GPU's memory has stayed nearly full: one larger batch or sequence away from an "
+    "out-of-memory error. Reduce the batch, enable activation checkpointing, or move to a "
+    "device with more memory.")
+
+
+class HighMemorySettings(BaseModel):
+    """Settings of the sustained-high-memory rule."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    threshold_pct: float = Field(
+        90.0, gt=0, le=100,
+        description="Used share of the device's framebuffer (percent) above which a sample "
+        "counts (90 %, seed 003).")
+    window_s: float = Field(
+        300, gt=0, description="Seconds above the threshold, at every sample, before the rule "
+        "fires (5 min, seed 003: a checkpoint's or an eval's peak does not count).")
+    clear_s: float = Field(
+        300, ge=0, description="Seconds below the threshold that close an open episode.")
+    max_gap_s: float = Field(
+        120, gt=0, description="A gap between samples longer than this (seconds) restarts "
+        "the run: no observations means no evidence.")
+    notify: bool = Field(True, description="Notify the pod's owner when an episode opens.")
+
+
+def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
+            settings: HighMemorySettings, holder: object) -> Out:
+    """The node join's sample hook (track, node, sample, ts, settings, holder)."""
+    pct = used_pct(sample)
+    threshold = settings.threshold_pct
+    if pct is not None and pct <= threshold and track.open is None:
+        # The fast path of almost every sample: no run, nothing open, nothing to build.
+        if track.last_ts is None or ts > track.last_ts:
+            track.last_ts, track.since, track.samples = ts, None, 0
+        return []
+
+    def describe(run: SustainTrack, now: float) -> tuple[str, dict[str, float]]:
+        return (f"{sample.uuid} on {node} has used more than {threshold:g} % of its memory for "
+                f"{(now - (run.since or now)) / 60:.0f} min (peak {run.peak:.1f} %)",
+                {"max_used_pct": run.peak, "threshold_pct": threshold})
+
+    return sustain(track, kind=KIND, node=node, sample=sample, ts=ts,
+                   holds=None if pct is None else pct > threshold, value=pct or 0.0,
+                   window_s=settings.window_s, clear_s=settings.clear_s,
+                   max_gap_s=settings.max_gap_s, notify=settings.notify,
+                   pod=pod_of(sample, getattr(holder, "pod", None)), higher_is_worse=True,
+                   describe=describe, runbook=RUNBOOK)
+
+
+RUNNER = DeviceRunner(state=STATE, state_type=SustainTrack, settings_from=own_settings(KIND),
+                      on_sample=observe)

@@ -1,0 +1,198 @@
+"""A GPU-memory leak trend: memory growing steadily while the work does not.
+
+Seed 002 asks to catch a server whose free memory falls steadily while its
+utilisation does not grow: a leak, or allocator fragmentation, that ends in
+an out-of-memory crash hours later. The rule keeps per-minute means
+(``bucket_s``) of the holder's used memory and activity over ``window_s``
+and fits a line to each: it fires when memory grows at least
+``min_growth_bytes_per_h``, steadily (the fit explains at least
+``min_fit`` of the variance: a sawtooth of batches is not a trend), while
+activity rises by no more than ``max_activity_rise_pct`` over the window
+(more work may rightly need more memory). The finding gives the growth rate
+and the projected time until the device's free memory is gone at that rate.
+
+It runs per holder (``per_holder``): on a shared GPU each pod's own memory
+is fitted (per-process attribution), so the leaking pod is the one named.
+The window must be covered by observations: a gap longer than
+``max_gap_s`` starts over. An open episode closes once the trend has been
+absent for ``clear_s``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
+from gpusteward.rules.idle import activity_pct, rfc3339
+from gpusteward.rules.memory import GIB, Episode, Out, free_bytes, pod_of
+from gpusteward.rules.registry import DeviceRunner, own_settings
+from gpusteward.schema import DeviceSample, Evidence, Finding, PodRef, Subject
+
+KIND = "gpu_memory_leak"
+STATE = "mem_leak"
+"""Its per-device state: a field of the node join's device state."""
+RUNBOOK = (
+    "The pod's GPU memory has grown steadily while its work did not: a leak (tensors kept "
+    "alive, a growing cache) or allocator fragmentation. It will run out of memory at the "
+    "projected time; profile its allocations (torch.cuda.memory_snapshot) or restart it in a "
+    "quiet moment.")
+
+
+class LeakSettings(BaseModel):
+    """Settings of the GPU-memory leak-trend rule."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    window_s: float = Field(
+        1800, gt=0, description="Seconds of observations the trend is fitted over (30 min: "
+        "long enough that a batch's or an eval's allocations average out).")
+    bucket_s: float = Field(
+        60, gt=0, description="Seconds per averaged point of the fit (one per minute keeps "
+        "the state small whatever the sample rate).")
+    min_growth_bytes_per_h: float = Field(
+        GIB, gt=0, description="Growth of used memory (bytes per hour) below which there is "
+        "no trend (1 GiB/h: slower than that takes a day to matter on an 80 GiB GPU).")
+    min_fit: float = Field(
+        0.8, ge=0, le=1, description="Least share of the memory's variance the line must "
+        "explain (R²): steady growth, not a sawtooth of allocations and frees.")
+    max_activity_rise_pct: float = Field(
+        5.0, ge=0, description="Most the activity may rise over the window (percentage points "
+        "of the fitted line) for the growth to count as a leak: more work may need more "
+        "memory.")
+    max_gap_s: float = Field(
+        300, gt=0, description="A gap between samples longer than this (seconds) starts the "
+        "window over: no observations means no evidence.")
+    clear_s: float = Field(
+        600, ge=0, description="Seconds without the trend that close an open episode.")
+    notify: bool = Field(True, description="Notify the pod's owner when an episode opens.")
+
+
+class LeakTrack(msgspec.Struct, omit_defaults=True):
+    """Per-minute means over the window, the minute being filled, and the open episode."""
+
+    last_ts: float | None = None
+    points: list[tuple[float, float, float]] = []
+    """(minute start, mean used bytes, mean activity percent), oldest first."""
+    bucket_start: float | None = None
+    bucket_n: int = 0
+    bucket_used: float = 0.0
+    bucket_activity: float = 0.0
+    clear_since: float | None = None
+    open: Episode | None = None
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares slope of ys over xs, and R² (1.0 for a constant series)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    if sxx == 0:
+        return 0.0, 0.0
+    slope = sxy / sxx
+    return slope, 1.0 if syy == 0 else (sxy * sxy) / (sxx * syy)
+
+
+def _reset(track: LeakTrack, ts: float) -> None:
+    track.points = []
+    track.bucket_start, track.bucket_n = ts, 0
+    track.bucket_used = track.bucket_activity = 0.0
+
+
+def observe(track: LeakTrack, node: str, sample: DeviceSample, ts: float,
+            settings: LeakSettings, holder: object) -> Out:
+    """The node join's sample hook (track, node, sample, ts, settings, holder)."""
+    if track.last_ts is not None and ts <= track.last_ts:
+        return []
+    own = sample.holders[0].mem_used_bytes if len(sample.holders) == 1 else None
+    used = own if own is not None else sample.mem_used_bytes
+    activity = activity_pct(sample)
+    if used is None or activity is None:
+        return []
+    gap = track.last_ts is not None and ts - track.last_ts > settings.max_gap_s
+    track.last_ts = ts
+    if track.bucket_start is None or gap:
+        _reset(track, ts)
+    assert track.bucket_start is not None
+    out: Out = []
+    if ts - track.bucket_start >= settings.bucket_s and track.bucket_n:
+        points = track.points
+        points.append((track.bucket_start, track.bucket_used / track.bucket_n,
+                       track.bucket_activity / track.bucket_n))
+        # Keep one point at or before the window's start, so the fit covers the whole window
+        # whatever the spacing of the samples.
+        start = ts - settings.window_s
+        while len(points) > 1 and points[1][0] <= start:
+            del points[0]
+        track.bucket_start, track.bucket_n = ts, 0
+        track.bucket_used = track.bucket_activity = 0.0
+        out = _evaluate(track, node, sample, ts, settings, getattr(holder, "pod", None))
+    track.bucket_n += 1
+    track.bucket_used += used
+    track.bucket_activity += activity
+    return out
+
+
+def _evaluate(track: LeakTrack, node: str, sample: DeviceSample, ts: float,
+              settings: LeakSettings, holder_pod: PodRef | None) -> Out:
+    points = track.points
+    covered = len(points) >= 3 and points[0][0] <= ts - settings.window_s
+    trend = False
+    growth = r2 = rise = 0.0
+    # Cheap first: memory that did not grow from the window's first minute to its last has
+    # no upward trend worth fitting (the case of almost every device, every minute).
+    grew = covered and (points[-1][1] - points[0][1]) * 3600 / (
+        points[-1][0] - points[0][0]) >= settings.min_growth_bytes_per_h / 2
+    if grew:
+        xs = [p[0] - points[0][0] for p in points]
+        growth, r2 = fit(xs, [p[1] for p in points])
+        activity_slope, _ = fit(xs, [p[2] for p in points])
+        rise = activity_slope * (xs[-1] - xs[0])
+        trend = (growth * 3600 >= settings.min_growth_bytes_per_h and r2 >= settings.min_fit
+                 and rise <= settings.max_activity_rise_pct)
+    if not trend:
+        episode = track.open
+        if episode is None:
+            return []
+        if track.clear_since is None:
+            track.clear_since = ts
+        if ts - track.clear_since < settings.clear_s:
+            return []
+        track.open = track.clear_since = None
+        return [resolved(episode.id, episode.fingerprint, KIND,
+                         Subject(node=node, device=sample.uuid, pod=episode.pod),
+                         f"{sample.uuid} on {node}: memory no longer growing", episode.since,
+                         ts)]
+    track.clear_since = None
+    if track.open is not None:
+        return []
+    pod = pod_of(sample, holder_pod)
+    free = free_bytes(sample) or 0
+    exhaustion_s = free / growth
+    start = points[0][0]
+    who = f"{pod.namespace}/{pod.name}" if pod is not None else sample.uuid
+    fp = fingerprint(KIND, node, sample.uuid, who)
+    summary = (f"{who} on {node} ({sample.uuid}): memory growing {growth * 3600 / GIB:.2f} GiB/h "
+               f"for {(ts - start) / 60:.0f} min while activity stays flat; "
+               f"{free / GIB:.1f} GiB free runs out in {exhaustion_s / 3600:.1f} h "
+               f"(about {rfc3339(ts + exhaustion_s)})")
+    subject = Subject(node=node, device=sample.uuid, pod=pod)
+    finding = Finding(
+        id=finding_id(fp, start), fingerprint=fp, kind=KIND, severity="warning",
+        state="firing", subject=subject, summary=summary, starts_at=start, ts=ts,
+        evidence=Evidence(window_start=start, window_end=ts, samples=len(points), values={
+            "growth_bytes_per_s": growth, "fit_r2": r2, "activity_rise_pct": rise,
+            "free_bytes": float(free), "projected_exhaustion_s": exhaustion_s,
+            "projected_exhaustion_at": ts + exhaustion_s}),
+        runbook=RUNBOOK, labels={"model": sample.model})
+    track.open = Episode(finding.id, fp, start, pod)
+    out: Out = [finding]
+    if settings.notify and pod is not None:
+        out.append(action_for(finding, "notify_owner", subject, summary))
+    return out
+
+
+RUNNER = DeviceRunner(state=STATE, state_type=LeakTrack, settings_from=own_settings(KIND),
+                      on_sample=observe, per_holder=True)

@@ -1,0 +1,81 @@
+"""Low free GPU memory on serving devices: the next request's allocation may fail.
+
+Seed 002 alerts on ``DCGM_FI_DEV_FB_FREE < 2000`` (MB) on serving nodes: an
+inference server whose KV cache or batch grows needs headroom, and running
+out means failed requests, not a slow job. The rule fires when the device's
+free framebuffer memory stays below ``floor_bytes`` for ``window_s`` on a
+device held by a pod of one of ``workload_kinds`` (inference by default;
+training jobs fill memory on purpose). Episodes follow
+:func:`gpusteward.rules.memory.sustain`.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpusteward.rules.memory import GIB, Out, SustainTrack, free_bytes, pod_of, sustain
+from gpusteward.rules.registry import DeviceRunner, own_settings
+from gpusteward.schema import DeviceSample
+
+KIND = "gpu_memory_low_free"
+STATE = "mem_low_free"
+"""Its per-device state: a field of the node join's device state."""
+RUNBOOK = (
+    "The serving pod's GPU is nearly out of free memory: lower the server's memory fraction "
+    "or KV-cache size, the batch or the context length, or give it a larger GPU.")
+
+
+class LowFreeMemorySettings(BaseModel):
+    """Settings of the low-free-memory rule (serving devices)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    floor_bytes: int = Field(
+        2 * GIB, ge=0,
+        description="Free framebuffer memory (bytes) below which a sample counts. 2 GiB: seed "
+        "002's DCGM_FI_DEV_FB_FREE < 2000 MB, about one more batch of a 7B model's KV cache.")
+    window_s: float = Field(
+        60, gt=0, description="Seconds free memory must stay below the floor, at every "
+        "sample, before the rule fires (1 min: an allocator's transient peak does not count).")
+    clear_s: float = Field(
+        300, ge=0, description="Seconds above the floor that close an open episode (5 min: a "
+        "server hovering at the floor gives one episode).")
+    max_gap_s: float = Field(
+        120, gt=0, description="A gap between samples longer than this (seconds) restarts "
+        "the run: no observations means no evidence.")
+    workload_kinds: list[str] = Field(
+        default_factory=lambda: ["inference"],
+        description="Workload kinds of the holder the rule watches (notebook, batch, "
+        "inference). Empty: every device, held or not. Inference by default: training fills "
+        "memory on purpose, a server needs headroom for the next request.")
+    notify: bool = Field(True, description="Notify the pod's owner when an episode opens.")
+
+
+def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
+            settings: LowFreeMemorySettings, holder: object) -> Out:
+    """The node join's sample hook (track, node, sample, ts, settings, holder)."""
+    kind = getattr(holder, "workload_kind", None)
+    if settings.workload_kinds and kind not in settings.workload_kinds:
+        return []
+    free = free_bytes(sample)
+    floor = settings.floor_bytes
+    if free is not None and free >= floor and track.open is None:  # the fast path
+        if track.last_ts is None or ts > track.last_ts:
+            track.last_ts, track.since, track.samples = ts, None, 0
+        return []
+
+    def describe(run: SustainTrack, now: float) -> tuple[str, dict[str, float]]:
+        return (f"{sample.uuid} on {node} has had less than {floor / GIB:g} GiB free for "
+                f"{(now - (run.since or now)) / 60:.0f} min (lowest {run.peak / GIB:.2f} GiB)",
+                {"min_free_bytes": run.peak, "floor_bytes": float(floor)})
+
+    return sustain(track, kind=KIND, node=node, sample=sample, ts=ts,
+                   holds=None if free is None else free < floor, value=float(free or 0),
+                   window_s=settings.window_s, clear_s=settings.clear_s,
+                   max_gap_s=settings.max_gap_s, notify=settings.notify,
+                   pod=pod_of(sample, getattr(holder, "pod", None)), higher_is_worse=False,
+                   describe=describe, runbook=RUNBOOK)
+
+
+RUNNER = DeviceRunner(state=STATE, state_type=SustainTrack, settings_from=own_settings(KIND),
+                      on_sample=observe)

@@ -1,0 +1,234 @@
+"""The GPU-memory rules: low free memory, sustained high use, leak trend, over-commitment."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpusteward.rules import memory_high, memory_leak, memory_low_free, memory_overcommit
+from gpusteward.rules.idle import Holder
+from gpusteward.rules.memory import SustainTrack
+from gpusteward.schema import Action, DeviceHolder, DeviceSample, Finding, PodRef
+
+GIB = 1 << 30
+T0 = 1_000_000.0
+SERVER = PodRef(namespace="serve", name="llm-0", uid="u-llm")
+INFERENCE = Holder(SERVER, T0 - 3600, "inference")
+TRAINING = Holder(PodRef(namespace="ml", name="train"), T0 - 3600, "batch")
+
+
+def device(used_gib: float, *, util: float = 50.0, total_gib: float = 80.0,
+           holders: list[DeviceHolder] | None = None) -> DeviceSample:
+    return DeviceSample(uuid="GPU-1", index=0, model="H100", util_pct=util,
+                        mem_used_bytes=int(used_gib * GIB), mem_total_bytes=int(total_gib * GIB),
+                        holders=holders or [])
+
+
+def findings(out: list) -> list[Finding]:
+    return [o for o in out if isinstance(o, Finding)]
+
+
+# --- low free memory ------------------------------------------------------------------
+
+def _low_free(used: list[float], holder: Holder | None = INFERENCE, step: float = 10.0,
+              **overrides) -> list:
+    track = SustainTrack()
+    cfg = memory_low_free.LowFreeMemorySettings(**overrides)
+    out: list = []
+    for i, gib in enumerate(used):
+        out += memory_low_free.observe(track, "n1", device(gib), T0 + i * step, cfg, holder)
+    return out
+
+
+def test_low_free_fires_after_its_window_names_the_pod_and_notifies() -> None:
+    out = _low_free([78.5] * 7)  # 1.5 GiB free for 60 s
+    (finding,) = findings(out)
+    assert finding.kind == "gpu_memory_low_free" and finding.subject.pod == SERVER
+    assert finding.evidence and finding.evidence.values["min_free_bytes"] == 1.5 * GIB
+    (action,) = [o for o in out if isinstance(o, Action)]
+    assert action.verb == "notify_owner" and not action.dry_run
+
+
+def test_low_free_needs_the_whole_window_and_a_serving_holder() -> None:
+    assert findings(_low_free([78.5] * 6)) == []  # 50 s
+    assert findings(_low_free([78.5] * 3 + [70.0] + [78.5] * 6)) == []  # broken run
+    assert findings(_low_free([78.5] * 20, holder=TRAINING)) == []
+    assert len(findings(_low_free([78.5] * 20, holder=TRAINING, workload_kinds=[]))) == 1
+
+
+def test_low_free_gives_one_episode_then_resolves_after_clear() -> None:
+    out = _low_free([78.5] * 20 + [77.0] + [78.5] * 5 + [60.0] * 40)
+    firing = [f for f in findings(out) if f.state == "firing"]
+    resolved = [f for f in findings(out) if f.state == "resolved"]
+    assert len(firing) == 1 and len(resolved) == 1 and resolved[0].id == firing[0].id
+
+
+# --- sustained high use ------------------------------------------------------------------
+
+def test_high_use_fires_after_five_minutes_above_ninety_percent() -> None:
+    track, cfg = SustainTrack(), memory_high.HighMemorySettings()
+    out: list = []
+    for i in range(31):  # 300 s at 10 s
+        out += memory_high.observe(track, "n1", device(74.0), T0 + i * 10, cfg, None)
+    (finding,) = findings(out)
+    assert round(finding.evidence.values["max_used_pct"], 1) == 92.5  # type: ignore[union-attr]
+    assert finding.ts - finding.starts_at == 300
+
+
+def _low_free_case(used: float) -> tuple[DeviceSample, bool]:
+    return device(used), 80 - used < 2
+
+
+def _high_case(used: float) -> tuple[DeviceSample, bool]:
+    return device(used), 100 * used / 80 > 90
+
+
+def _overcommit_case(used: float) -> tuple[DeviceSample, bool]:
+    return _shared([used / 2, used / 2]), 100 * used / 80 > 90
+
+
+WINDOWED: dict[str, tuple[Any, Any, Any, Holder | None]] = {
+    "low_free": (memory_low_free.observe, memory_low_free.LowFreeMemorySettings(),
+                 _low_free_case, INFERENCE),
+    "high": (memory_high.observe, memory_high.HighMemorySettings(), _high_case, None),
+    "overcommit": (memory_overcommit.observe, memory_overcommit.OvercommitSettings(),
+                   _overcommit_case, None),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(WINDOWED))
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(st.tuples(st.floats(1, 150), st.sampled_from([40.0, 70.0, 74.0, 78.5])),
+                      min_size=1, max_size=80))
+def test_windowed_rules_fire_only_after_whole_windows_once_per_episode(rule, steps) -> None:
+    """Whatever the readings and their spacing: each firing's evidence is an unbroken run of
+    samples where the condition held, at least window_s long with no gap over max_gap_s, and
+    firings alternate with resolutions (one finding per episode)."""
+    observe, cfg, case, holder = WINDOWED[rule]
+    track = SustainTrack()
+    ts, seen, out = T0, [], []
+    for gap, used in steps:
+        ts += gap
+        sample, holds = case(used)
+        seen.append((ts, holds))
+        out += [(ts, f) for f in findings(observe(track, "n1", sample, ts, cfg, holder))]
+    states = [f.state for _, f in out]
+    assert all(a != b for a, b in itertools.pairwise(states))
+    assert not states or states[0] == "firing"
+    for fired_at, finding in out:
+        if finding.state != "firing":
+            continue
+        assert fired_at - finding.starts_at >= cfg.window_s
+        window = [(t, held) for t, held in seen if finding.starts_at <= t <= fired_at]
+        assert window and all(held for _, held in window)
+        assert all(b - a <= cfg.max_gap_s for (a, _), (b, _) in itertools.pairwise(window))
+
+
+# --- leak trend -----------------------------------------------------------------------------
+
+def _leak(used_at, util_at, minutes: int, step: float = 15.0, **overrides) -> list:
+    track, cfg = memory_leak.LeakTrack(), memory_leak.LeakSettings(**overrides)
+    out: list = []
+    for i in range(int(minutes * 60 / step)):
+        ts = T0 + i * step
+        out += memory_leak.observe(track, "n1", device(used_at(ts - T0), util=util_at(ts - T0)),
+                                   ts, cfg, INFERENCE)
+    return out
+
+
+def test_a_steady_leak_is_found_with_its_projected_exhaustion_time() -> None:
+    rate = 4 / 3600  # GiB per second: 4 GiB/h, from 20 GiB of 80
+    out = _leak(lambda s: 20 + rate * s, lambda s: 40.0, minutes=45)
+    firing = [f for f in findings(out) if f.state == "firing"]
+    assert len(firing) == 1
+    finding = firing[0]
+    assert finding.subject.pod == SERVER
+    ts = finding.ts
+    truth_s = (80 - (20 + rate * (ts - T0))) / rate  # when free memory reaches 0 at this rate
+    projected = finding.evidence.values["projected_exhaustion_s"]  # type: ignore[union-attr]
+    assert abs(projected - truth_s) / truth_s < 0.10
+    assert finding.ts - finding.starts_at >= 1800
+
+
+def test_no_leak_on_flat_memory_sawtooth_or_growth_with_more_work() -> None:
+    assert findings(_leak(lambda s: 30.0, lambda s: 40.0, minutes=60)) == []
+    # Batches: allocate and free every 5 minutes.
+    assert findings(_leak(lambda s: 20 + 10 * ((s % 300) / 300), lambda s: 40.0,
+                          minutes=60)) == []
+    # Memory grows because the work does (activity from 20 % to 80 %).
+    assert findings(_leak(lambda s: 20 + s / 900, lambda s: 20 + s / 60, minutes=60)) == []
+
+
+def test_a_leak_needs_a_window_of_observations() -> None:
+    assert findings(_leak(lambda s: 20 + s / 900, lambda s: 40.0, minutes=25)) == []
+
+
+@settings(max_examples=30, deadline=None)
+@given(level=st.floats(5, 70), jitter=st.lists(st.floats(-1.5, 1.5), min_size=200,
+                                               max_size=200),
+       step=st.floats(5, 60))
+def test_no_leak_on_memory_that_only_wanders(level, jitter, step) -> None:
+    """Memory that wanders around a level (allocations and frees, ±1.5 GiB) is no leak."""
+    track, cfg = memory_leak.LeakTrack(), memory_leak.LeakSettings()
+    out: list = []
+    for i, noise in enumerate(jitter):
+        out += memory_leak.observe(track, "n1", device(level + noise), T0 + i * step, cfg,
+                                   INFERENCE)
+    assert findings(out) == []
+
+
+@settings(max_examples=30, deadline=None)
+@given(rate_gib_h=st.floats(1.5, 20), step=st.floats(5, 50), start=st.floats(5, 30))
+def test_a_steady_leak_gives_one_finding_after_its_window(rate_gib_h, step, start) -> None:
+    track, cfg = memory_leak.LeakTrack(), memory_leak.LeakSettings()
+    out: list = []
+    i = 0
+    while i * step < 3000:
+        ts = T0 + i * step
+        used = min(79.0, start + rate_gib_h * (ts - T0) / 3600)
+        out += memory_leak.observe(track, "n1", device(used), ts, cfg, INFERENCE)
+        i += 1
+    firing = [f for f in findings(out) if f.state == "firing"]
+    assert len(firing) == 1
+    assert firing[0].ts - firing[0].starts_at >= cfg.window_s  # the whole window observed
+
+
+def test_leak_state_rides_the_changelog() -> None:
+    track, cfg = memory_leak.LeakTrack(), memory_leak.LeakSettings()
+    for i in range(100):
+        memory_leak.observe(track, "n1", device(20 + i / 60), T0 + i * 15, cfg, INFERENCE)
+    again = msgspec.msgpack.decode(msgspec.msgpack.encode(track), type=memory_leak.LeakTrack)
+    assert again == track
+
+
+# --- over-committed shared GPUs --------------------------------------------------------------
+
+def _shared(gibs: list[float]) -> DeviceSample:
+    holders = [DeviceHolder(pod=PodRef(namespace="nb", name=f"nb-{i}"),
+                            mem_used_bytes=int(g * GIB)) for i, g in enumerate(gibs)]
+    return device(sum(gibs), holders=holders)
+
+
+def test_overcommitted_shared_gpu_names_the_largest_holder() -> None:
+    track, cfg = SustainTrack(), memory_overcommit.OvercommitSettings()
+    out: list = []
+    for i in range(13):  # 120 s
+        out += memory_overcommit.observe(track, "n1", _shared([30, 45]), T0 + i * 10, cfg, None)
+    (finding,) = findings(out)
+    assert finding.subject.pod == PodRef(namespace="nb", name="nb-1")
+    assert "nb/nb-0" in finding.summary and "nb/nb-1" in finding.summary
+
+
+def test_a_full_gpu_with_one_holder_is_not_overcommitted() -> None:
+    track, cfg = SustainTrack(), memory_overcommit.OvercommitSettings()
+    out: list = []
+    for i in range(40):
+        out += memory_overcommit.observe(track, "n1", _shared([78]), T0 + i * 10, cfg, None)
+    for i in range(40, 80):  # and none listed at all (an exclusive GPU)
+        out += memory_overcommit.observe(track, "n1", device(79.0), T0 + i * 10, cfg, None)
+    assert findings(out) == []
