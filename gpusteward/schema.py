@@ -139,6 +139,13 @@ class PodAllocation(msgspec.Struct, tag="pod"):
     annotations: dict[str, str] = {}
     spot_tolerant: bool = False
     schema: int = SCHEMA_VERSION
+    gang: str | None = None
+    """The gang the pod belongs to, ``<Kind>/<name>`` in its namespace (a JobSet, a
+    PyTorchJob, a coscheduling or Volcano PodGroup, a Kueue pod group), when it is one of
+    several pods that only work together; None: not a gang member."""
+    gang_size: int | None = None
+    """Members the gang needs to run (PodGroup ``minMember``, Kueue pod-set counts, replica
+    counts of the GPU replicas); None: not known (yet)."""
 
 
 class NodeInventory(msgspec.Struct, tag="node"):
@@ -195,6 +202,31 @@ class QueueEvent(msgspec.Struct):
     """Reason of the condition that decided ``state`` (e.g. ``Preempted/InClusterQueue``)."""
     active: bool = True
     """A Kueue Workload's ``spec.active``; False once deactivated (stopped)."""
+    gang: str | None = None
+    """As :attr:`PodAllocation.gang`. A gang member pod is reported here through its whole
+    life (pending, ``admitted`` once bound to a node, finished or deleted), so the fleet
+    agent sees every member of a gang on the queue topic; a Kueue Workload names the gang of
+    the pods it admits (its owner)."""
+    gang_size: int | None = None
+    """As :attr:`PodAllocation.gang_size`."""
+
+
+class IdleHold(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A device of the node whose holder the idle rule has an open episode on."""
+
+    device: str
+    pod: PodRef
+    idle_since: float
+    """Start of the idle episode (after the start-up grace), Unix seconds."""
+    gpus: int = 0
+    """Whole GPUs it frees when reclaimed (1 for a GPU device, 0 for a MIG device)."""
+    mig_profile: str | None = None
+    """The MIG profile it frees, for a MIG device."""
+    workload_kind: str | None = None
+    kept_until: float | None = None
+    """Until when a ``gpusteward.io/keep-until`` annotation holds it (Unix seconds)."""
+    ladder_step: int = 1
+    """The idle rule's ladder step: 1 notified, 2 warned, 3 reclaim asked."""
 
 
 class NodeSummary(msgspec.Struct):
@@ -210,6 +242,14 @@ class NodeSummary(msgspec.Struct):
     cordoned: bool = False
     spot: bool = False
     schema: int = SCHEMA_VERSION
+    pool: str | None = None
+    """The node's pool (the policy's node-pool label), for demand matched by pool."""
+    idle: list[IdleHold] = []
+    """Devices held by pods the idle rule finds idle (open, not exempt episodes): what the
+    fleet agent may reclaim for waiting work (demand-aware reclaim)."""
+    held_by_team: dict[str, float] = {}
+    """GPUs held on the node by team (whole-GPU equivalents; a MIG device counts its share
+    of compute slices), for team GPU-hour budgets."""
 
 
 Severity = Literal["info", "warning", "critical"]

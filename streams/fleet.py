@@ -159,6 +159,8 @@ class FleetEvaluator:
         self._runners = [(runner, self.rules[rule.name]) for rule in registry.in_scope("fleet")
                          for runner in rule.fleet]
         """Every fleet runner of the registry, in its order, with its rule's settings."""
+        self._queue_runners = [(r, s) for r, s in self._runners if r.on_queue is not None]
+        """The runners that follow every queue event."""
         self._geometries = geometries
 
     @property
@@ -193,6 +195,9 @@ class FleetEvaluator:
         if not was_waiting and key in state.queue.waiting and event.gpus > 0:
             shape = f"{event.gpus}x{frag.WHOLE}"
             state.shape_counts[shape] = state.shape_counts.get(shape, 0) + 1
+        for runner, settings in self._queue_runners:
+            assert runner.on_queue is not None
+            out += runner.on_queue(_track(state, runner), event, settings)
         state.queue_clock = max(event.ts, state.queue_clock or event.ts)
         return out + self._advance(state, queue_caught_up)
 
@@ -225,7 +230,8 @@ class FleetEvaluator:
             state.departed.append(node)
         fleet = frag.FleetView(
             nodes=list(state.nodes.values()),
-            pending={key: frag.Demand(key=key, queue=w.queue, gpus=w.gpus, mig=w.mig)
+            pending={key: frag.Demand(key=key, queue=w.queue, gpus=w.gpus, mig=w.mig,
+                                      since=w.pending_since)
                      for key, w in state.queue.waiting.items()},
             shape_counts=state.shape_counts)
         out: list[FleetOutput] = []

@@ -78,10 +78,17 @@ def test_first_list_reports_fleet_as_the_gpu_operator_labels_it(
 
     assert [brief(e) for e in queued] == [
         ("queue", "gpu-cq", "team-a/eval-1-qq8zt", "pending", "pod"),
+        # A JobSet's pod is a gang member: the queue topic follows it even when first seen
+        # bound, so the fleet agent sees every member of the gang in one place.
+        ("queue", "default", "team-a/pretrain-workers-0-0-xk2l9", "admitted", "pod"),
         ("queue", "gpu-cq", "team-a/job-eval-2-3f1c2", "pending", "workload"),
         ("queue", "gpu-cq", "team-a/job-train-llm-9a8b7", "admitted", "workload"),
     ]
-    pending_workload = queued[1]
+    member = queued[1]
+    assert (member.gang, member.gang_size) == ("JobSet/pretrain", None)
+    assert (pods["pretrain-workers-0-0-xk2l9"].gang, pods["train-llm-0-abcde"].gang) == (
+        "JobSet/pretrain", None)
+    pending_workload = queued[2]
     assert (pending_workload.gpus, pending_workload.priority, pending_workload.priority_class,
             pending_workload.reason) == (8, 100, "batch-low", "WaitingForQuota")
     # Nodes come first: pods are interpreted with their node's MIG strategy.

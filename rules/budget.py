@@ -1,0 +1,261 @@
+"""Team GPU-hour budgets: a team burning through its week's budget, before it has.
+
+A budget is GPU-hours per team per week (ISO weeks, Monday 00:00 UTC). What
+a team holds comes from the node summaries (``held_by_team``: GPUs held on
+the node by team, a MIG device counted by its share of compute slices; the
+node join names a pod's team from the first of ``team_labels`` the pod
+carries, else its namespace). The fleet agent integrates it over event time
+between two evaluations, so the figure is GPU-hours *held*, idle or not:
+what the budget is spent on.
+
+Two findings, one per episode:
+
+- ``team_budget`` at each threshold (``thresholds``, shares of the budget)
+  the week's use crosses: info below 100 %, warning at or above; resolved
+  when the week ends.
+- ``team_budget_projected``: at the team's burn rate (GPUs held, averaged
+  over ``rate_window_s``), it will exceed its budget before the week ends.
+  It says when it will cross; resolved when the projection falls back under
+  the budget, the crossing happens (the threshold finding takes over) or
+  the week ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import msgspec
+from pydantic import BaseModel, Field
+
+from gpusteward.rules.findings import finding_id, fingerprint, resolved
+from gpusteward.rules.fragmentation import FleetView
+from gpusteward.rules.idle import rfc3339
+from gpusteward.rules.registry import FleetRunner
+from gpusteward.schema import Evidence, Finding, Subject
+
+KIND = "team_budget"
+PROJECTED_KIND = "team_budget_projected"
+WEEK_S = 7 * 86400.0
+MONDAY_EPOCH = 4 * 86400.0
+"""1970-01-05T00:00Z, the first Monday after the Unix epoch (a Thursday)."""
+
+RUNBOOK = (
+    "The team has used this share of its weekly GPU-hour budget. Check what holds its GPUs "
+    "(idle_holder findings, the weekly report's team section), stop what is not needed, or "
+    "agree a larger budget."
+)
+PROJECTED_RUNBOOK = (
+    "At the GPUs the team holds now, it will use up its weekly budget before the week ends. "
+    "Look at its largest holders first; a job started on a budget that is nearly spent may "
+    "be stopped half-way."
+)
+
+
+class BudgetSettings(BaseModel):
+    """Settings of team GPU-hour budgets."""
+
+    budgets_gpu_h: dict[str, float] = Field(
+        default_factory=dict,
+        description="GPU-hours per team per week (ISO week, UTC), by team name. Empty: no "
+        "budgets, the rule does nothing; teams not listed have none.",
+    )
+    team_labels: list[str] = Field(
+        default_factory=lambda: ["team", "gpusteward.io/team", "app.kubernetes.io/part-of"],
+        description="Pod labels that name a pod's team, first present wins; a pod without "
+        "any belongs to its namespace. The weekly report's defaults, so both agree.",
+    )
+    thresholds: list[float] = Field(
+        default_factory=lambda: [0.8, 1.0],
+        description="Shares of the budget at which a finding is raised as the week's use "
+        "crosses them: 80 % leaves a day or two to act, 100 % is the budget spent.",
+    )
+    rate_window_s: float = Field(
+        6 * 3600, gt=0,
+        description="Seconds over which the burn rate (GPUs held) is averaged for the "
+        "projection: six hours follow a big job starting without swinging on every pod.",
+    )
+    max_gap_s: float = Field(
+        600, gt=0,
+        description="Longest stretch (seconds) between two evaluations integrated at the "
+        "level last seen; a longer gap (the agent was down) counts only this much, as no "
+        "observation is no evidence of use.",
+    )
+
+    def team_of(self, namespace: str, labels: Mapping[str, str]) -> str:
+        """The team of a pod."""
+        return next((labels[k] for k in self.team_labels if labels.get(k)), namespace)
+
+
+class TeamTrack(msgspec.Struct):
+    week_start: float
+    used_gpu_h: float = 0.0
+    held: float = 0.0
+    """GPUs held at the last evaluation."""
+    last_ts: float | None = None
+    history: list[tuple[float, float]] = []
+    """(time, GPU-hours used this week), one point per ``rate_window_s / 12``."""
+    crossed: dict[str, str] = {}
+    """Threshold (as text) -> the id of its finding this week."""
+    projected_id: str | None = None
+    projected_since: float | None = None
+
+
+class BudgetState(msgspec.Struct):
+    teams: dict[str, TeamTrack] = {}
+
+
+def mig_gpus(mig: dict[str, int]) -> float:
+    """MIG devices as whole-GPU equivalents, from the compute slices in their profile name
+    (``3g.40gb`` is 3 of a GPU's 7 slices)."""
+    total = 0.0
+    for profile, count in mig.items():
+        slices = profile.partition("g.")[0]
+        total += count * (int(slices) / 7 if slices.isdigit() else 1 / 7)
+    return total
+
+
+def week_start(ts: float) -> float:
+    """The Monday 00:00 UTC that starts the week ``ts`` is in."""
+    return MONDAY_EPOCH + (ts - MONDAY_EPOCH) // WEEK_S * WEEK_S
+
+
+def _subject(team: str) -> Subject:
+    """A team is no node, device, pod or queue: it is named by the finding's ``team`` label
+    (and its fingerprint)."""
+    return Subject()
+
+
+def evaluate(state: BudgetState, fleet: FleetView, now: float, settings: BudgetSettings
+             ) -> Sequence[Finding]:
+    if not settings.budgets_gpu_h:
+        return []
+    held: dict[str, float] = {}
+    for summary in fleet.nodes:
+        for team, gpus in summary.held_by_team.items():
+            held[team] = held.get(team, 0.0) + gpus
+    out: list[Finding] = []
+    for team, budget in settings.budgets_gpu_h.items():
+        track = state.teams.get(team)
+        if track is None:
+            track = state.teams[team] = TeamTrack(week_start=week_start(now))
+        out += _advance(team, track, budget, held.get(team, 0.0), now, settings)
+    return out
+
+
+def _advance(team: str, track: TeamTrack, budget: float, held_now: float, now: float,
+             settings: BudgetSettings) -> list[Finding]:
+    out: list[Finding] = []
+    if track.last_ts is not None and now > track.last_ts:
+        this_week = week_start(now)
+        if this_week > track.week_start:
+            # Integrate up to the week's end, close its findings, start the new week.
+            span = min(this_week - track.last_ts, settings.max_gap_s)
+            track.used_gpu_h += track.held * max(0.0, span) / 3600
+            out += _close_week(team, track, this_week)
+            track.week_start, track.used_gpu_h, track.history = this_week, 0.0, []
+            track.last_ts = max(track.last_ts, this_week)
+        span = min(now - track.last_ts, settings.max_gap_s)
+        track.used_gpu_h += track.held * span / 3600
+    track.held, track.last_ts = held_now, now
+    step = settings.rate_window_s / 12
+    if not track.history or now - track.history[-1][0] >= step:
+        track.history.append((now, track.used_gpu_h))
+    track.history = [p for p in track.history if p[0] >= now - settings.rate_window_s] or \
+        [(now, track.used_gpu_h)]
+    out += _thresholds(team, track, budget, now, settings)
+    out += _projection(team, track, budget, now, settings)
+    return out
+
+
+def _labels(team: str) -> dict[str, str]:
+    return {"team": team}
+
+
+def _thresholds(team: str, track: TeamTrack, budget: float, now: float,
+                settings: BudgetSettings) -> list[Finding]:
+    out: list[Finding] = []
+    share = track.used_gpu_h / budget if budget > 0 else float("inf")
+    for threshold in sorted(settings.thresholds):
+        name = f"{threshold:g}"
+        if share < threshold or name in track.crossed:
+            continue
+        fp = fingerprint(KIND, team, name)
+        fid = track.crossed[name] = finding_id(fp, track.week_start)
+        out.append(Finding(
+            id=fid, fingerprint=fp, kind=KIND,
+            severity="warning" if threshold >= 1 else "info", state="firing",
+            subject=_subject(team),
+            summary=f"team {team} has used {track.used_gpu_h:.0f} of its {budget:g} GPU-hour "
+            f"weekly budget ({share:.0%}, threshold {threshold:.0%})",
+            starts_at=track.week_start, ts=now,
+            evidence=Evidence(window_start=track.week_start, window_end=now,
+                              values={"used_gpu_h": track.used_gpu_h, "budget_gpu_h": budget,
+                                      "share": share, "threshold": threshold,
+                                      "gpus_held": track.held}),
+            runbook=RUNBOOK, labels=_labels(team),
+        ))
+    return out
+
+
+def burn_rate(track: TeamTrack) -> float:
+    """GPUs held on average over the history window (GPU-hours per hour)."""
+    first_ts, first_used = track.history[0]
+    if track.last_ts is None or track.last_ts - first_ts <= 0:
+        return track.held
+    return (track.used_gpu_h - first_used) / ((track.last_ts - first_ts) / 3600)
+
+
+def _projection(team: str, track: TeamTrack, budget: float, now: float,
+                settings: BudgetSettings) -> list[Finding]:
+    rate = burn_rate(track)
+    week_end = track.week_start + WEEK_S
+    projected = track.used_gpu_h + rate * (week_end - now) / 3600
+    ahead = track.used_gpu_h < budget < projected and rate > 0
+    fp = fingerprint(PROJECTED_KIND, team)
+    if ahead and track.projected_id is None:
+        crossing = now + (budget - track.used_gpu_h) / rate * 3600
+        track.projected_id, track.projected_since = finding_id(fp, now), now
+        return [Finding(
+            id=track.projected_id, fingerprint=fp, kind=PROJECTED_KIND, severity="warning",
+            state="firing", subject=_subject(team),
+            summary=f"team {team} burns {rate:.1f} GPUs and will exceed its {budget:g} "
+            f"GPU-hour weekly budget at {rfc3339(crossing)}, "
+            f"{(week_end - crossing) / 3600:.0f} h before the week ends "
+            f"({track.used_gpu_h:.0f} used, {projected:.0f} projected)",
+            starts_at=now, ts=now,
+            evidence=Evidence(window_start=track.history[0][0], window_end=now,
+                              values={"used_gpu_h": track.used_gpu_h, "budget_gpu_h": budget,
+                                      "burn_gpus": rate, "projected_gpu_h": projected,
+                                      "crossing_ts": crossing}),
+            runbook=PROJECTED_RUNBOOK, labels=_labels(team),
+        )]
+    if not ahead and track.projected_id is not None and track.projected_since is not None:
+        closing = resolved(track.projected_id, fp, PROJECTED_KIND, _subject(team),
+                           f"team {team}: " + ("budget crossed" if track.used_gpu_h >= budget
+                                               else "projection back within budget"),
+                           track.projected_since, now)
+        closing.labels = _labels(team)
+        track.projected_id = track.projected_since = None
+        return [closing]
+    return []
+
+
+def _close_week(team: str, track: TeamTrack, now: float) -> list[Finding]:
+    out = []
+    for name, fid in track.crossed.items():
+        closing = resolved(fid, fingerprint(KIND, team, name), KIND, _subject(team),
+                           f"team {team}: a new budget week", track.week_start, now)
+        closing.labels = _labels(team)
+        out.append(closing)
+    track.crossed = {}
+    if track.projected_id is not None and track.projected_since is not None:
+        closing = resolved(track.projected_id, fingerprint(PROJECTED_KIND, team),
+                           PROJECTED_KIND, _subject(team), f"team {team}: a new budget week",
+                           track.projected_since, now)
+        closing.labels = _labels(team)
+        out.append(closing)
+        track.projected_id = track.projected_since = None
+    return out
+
+
+RUNNERS = (FleetRunner("budget", BudgetState, evaluate),)
