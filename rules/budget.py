@@ -13,11 +13,13 @@ Two findings, one per episode:
 - ``team_budget`` at each threshold (``thresholds``, shares of the budget)
   the week's use crosses: info below 100 %, warning at or above; resolved
   when the week ends.
-- ``team_budget_projected``: at the team's burn rate (GPUs held, averaged
-  over ``rate_window_s``), it will exceed its budget before the week ends.
-  It says when it will cross; resolved when the projection falls back under
-  the budget, the crossing happens (the threshold finding takes over) or
-  the week ends.
+- ``team_budget_projected``: at the GPUs the team holds now, it will exceed
+  its budget before the week ends. It says when it will cross; resolved when
+  the projection falls back under the budget, the crossing happens (the
+  threshold finding takes over) or the week ends. The rate is what is held
+  now, not an average: a giant job that starts tonight burns from tonight,
+  and an average over the quiet hours before it would put the crossing days
+  too late (seed 002's "burned our entire compute budget").
 """
 
 from __future__ import annotations
@@ -69,11 +71,6 @@ class BudgetSettings(BaseModel):
         description="Shares of the budget at which a finding is raised as the week's use "
         "crosses them: 80 % leaves a day or two to act, 100 % is the budget spent.",
     )
-    rate_window_s: float = Field(
-        6 * 3600, gt=0,
-        description="Seconds over which the burn rate (GPUs held) is averaged for the "
-        "projection: six hours follow a big job starting without swinging on every pod.",
-    )
     max_gap_s: float = Field(
         600, gt=0,
         description="Longest stretch (seconds) between two evaluations integrated at the "
@@ -92,8 +89,6 @@ class TeamTrack(msgspec.Struct):
     held: float = 0.0
     """GPUs held at the last evaluation."""
     last_ts: float | None = None
-    history: list[tuple[float, float]] = []
-    """(time, GPU-hours used this week), one point per ``rate_window_s / 12``."""
     crossed: dict[str, str] = {}
     """Threshold (as text) -> the id of its finding this week."""
     projected_id: str | None = None
@@ -152,16 +147,11 @@ def _advance(team: str, track: TeamTrack, budget: float, held_now: float, now: f
             span = min(this_week - track.last_ts, settings.max_gap_s)
             track.used_gpu_h += track.held * max(0.0, span) / 3600
             out += _close_week(team, track, this_week)
-            track.week_start, track.used_gpu_h, track.history = this_week, 0.0, []
+            track.week_start, track.used_gpu_h = this_week, 0.0
             track.last_ts = max(track.last_ts, this_week)
         span = min(now - track.last_ts, settings.max_gap_s)
         track.used_gpu_h += track.held * span / 3600
     track.held, track.last_ts = held_now, now
-    step = settings.rate_window_s / 12
-    if not track.history or now - track.history[-1][0] >= step:
-        track.history.append((now, track.used_gpu_h))
-    track.history = [p for p in track.history if p[0] >= now - settings.rate_window_s] or \
-        [(now, track.used_gpu_h)]
     out += _thresholds(team, track, budget, now, settings)
     out += _projection(team, track, budget, now, settings)
     return out
@@ -197,17 +187,9 @@ def _thresholds(team: str, track: TeamTrack, budget: float, now: float,
     return out
 
 
-def burn_rate(track: TeamTrack) -> float:
-    """GPUs held on average over the history window (GPU-hours per hour)."""
-    first_ts, first_used = track.history[0]
-    if track.last_ts is None or track.last_ts - first_ts <= 0:
-        return track.held
-    return (track.used_gpu_h - first_used) / ((track.last_ts - first_ts) / 3600)
-
-
 def _projection(team: str, track: TeamTrack, budget: float, now: float,
                 settings: BudgetSettings) -> list[Finding]:
-    rate = burn_rate(track)
+    rate = track.held
     week_end = track.week_start + WEEK_S
     projected = track.used_gpu_h + rate * (week_end - now) / 3600
     ahead = track.used_gpu_h < budget < projected and rate > 0
@@ -223,7 +205,7 @@ def _projection(team: str, track: TeamTrack, budget: float, now: float,
             f"{(week_end - crossing) / 3600:.0f} h before the week ends "
             f"({track.used_gpu_h:.0f} used, {projected:.0f} projected)",
             starts_at=now, ts=now,
-            evidence=Evidence(window_start=track.history[0][0], window_end=now,
+            evidence=Evidence(window_start=track.week_start, window_end=now,
                               values={"used_gpu_h": track.used_gpu_h, "budget_gpu_h": budget,
                                       "burn_gpus": rate, "projected_gpu_h": projected,
                                       "crossing_ts": crossing}),

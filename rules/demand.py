@@ -214,9 +214,10 @@ def evaluate(state: DemandReclaimState, fleet: FleetView, now: float,
 def _finding(key: str, episode: Blocking, demands: list[Demand], now: float,
              severity: str, step: int) -> Finding:
     hold = episode.hold
-    waits = ", ".join(f"{d.key} ({_shape(d)}, waiting {(now - (d.since or now)) / 60:.0f} min)"
+    waited = {d.key: now - (now if d.since is None else d.since) for d in demands}
+    waits = ", ".join(f"{d.key} ({_shape(d)}, waiting {waited[d.key] / 60:.0f} min)"
                       for d in demands)
-    longest = max(now - (d.since or now) for d in demands)
+    longest = max(waited.values())
     return Finding(
         id=episode.open_id, fingerprint=fingerprint(KIND, key), kind=KIND,
         severity=severity,  # type: ignore[arg-type]

@@ -134,13 +134,13 @@ def on_queue(state: EtaState, event: QueueEvent, settings: EtaSettings) -> list[
     if event.state in _PENDING:
         running = state.running.pop(key, None)
         if key not in state.pending:
-            since = (event.created_at if event.state == "pending" and event.created_at
-                     and running is None else event.ts)
+            since = (event.created_at if event.state == "pending"
+                     and event.created_at is not None and running is None else event.ts)
             state.pending[key] = Pending(queue=queue, since=since, gpus=event.gpus,
                                          mig=dict(event.mig), priority=event.priority or 0)
     elif event.state == "admitted":
         waited = state.pending.pop(key, None)
-        admitted_at = event.admitted_at or event.ts
+        admitted_at = event.ts if event.admitted_at is None else event.admitted_at
         state.running[key] = Running(queue=queue, gpus=event.gpus, admitted_at=admitted_at)
         if waited is not None:
             times = state.admissions.setdefault(queue, [])

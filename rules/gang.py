@@ -134,7 +134,7 @@ def on_queue(state: GangState, event: QueueEvent, settings: GangSettings
         gang.size = event.gang_size
     if event.kind == "workload":
         gang.workload = event.name
-        return []
+        return _update(gang, event.ts)  # a size learnt now may make the gang partial
     position = (event.ts, _STATE_ORDER[event.state])
     member = gang.members.get(event.name)
     last = member.last if member is not None else gang.deleted.get(event.name)
@@ -147,7 +147,8 @@ def on_queue(state: GangState, event: QueueEvent, settings: GangSettings
     if event.state in _PENDING:
         member.placed_since = None
     elif event.state == "admitted":
-        member.placed_since = member.placed_since or event.admitted_at or event.ts
+        if member.placed_since is None:
+            member.placed_since = event.ts if event.admitted_at is None else event.admitted_at
     elif event.state == "finished":
         member.ended, member.placed_since = True, None
     else:
@@ -206,9 +207,10 @@ def evaluate(state: GangState, fleet: object, now: float, settings: GangSettings
 def _fire(gang: Gang, since: float, now: float, settings: GangSettings
           ) -> list[Finding | Action]:
     placed, pending, needed = _counts(gang)
-    held = [m for m in gang.members.values() if m.placed_since is not None]
-    gpus = sum(m.gpus for m in held)
-    gpu_hours = sum(m.gpus * max(0.0, now - (m.placed_since or now)) for m in held) / 3600
+    held = [(m.gpus, m.placed_since) for m in gang.members.values()
+            if m.placed_since is not None]
+    gpus = sum(g for g, _ in held)
+    gpu_hours = sum(g * max(0.0, now - since) for g, since in held) / 3600
     fp = fingerprint(KIND, gang.namespace, gang.name)
     gang.open_id = finding_id(fp, since)
     finding = Finding(
