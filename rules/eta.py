@@ -105,6 +105,7 @@ class Estimate(msgspec.Struct):
     eta: float
     first_eta: float
     naive_eta: float | None = None
+    first_naive_eta: float | None = None
 
 
 class EtaState(msgspec.Struct):
@@ -167,6 +168,8 @@ def _close(state: EtaState, key: str, ts: float, *, started: bool) -> list[Findi
                    "first_eta_error_s": estimate.first_eta - ts}
         if estimate.naive_eta is not None:
             values["naive_eta_error_s"] = estimate.naive_eta - ts
+        if estimate.first_naive_eta is not None:
+            values["first_naive_eta_error_s"] = estimate.first_naive_eta - ts
     return [Finding(
         id=estimate.open_id, fingerprint=fingerprint(KIND, key), kind=KIND, severity="info",
         state="resolved", subject=_subject(key, estimate.queue),
@@ -265,7 +268,7 @@ def evaluate(state: EtaState, fleet: FleetView, now: float, settings: EtaSetting
             fp = fingerprint(KIND, key)
             current = state.estimates[key] = Estimate(
                 open_id=finding_id(fp, wait.since), since=wait.since, queue=wait.queue,
-                eta=eta, first_eta=eta, naive_eta=naive)
+                eta=eta, first_eta=eta, naive_eta=naive, first_naive_eta=naive)
         values = {"eta_ts": eta, "eta_in_s": eta - now, "waited_s": now - wait.since,
                   "position": float(position), "gpus": float(wait.gpus)}
         if naive is not None:
