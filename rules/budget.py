@@ -11,8 +11,8 @@ what the budget is spent on.
 Two findings, one per episode:
 
 - ``team_budget`` at each threshold (``thresholds``, shares of the budget)
-  the week's use crosses: info below 100 %, warning at or above; resolved
-  when the week ends.
+  the week's use crosses, dated by the summary that took it across: info
+  below 100 %, warning at or above; resolved when the week ends.
 - ``team_budget_projected``: at the GPUs the team holds now, it will exceed
   its budget before the week ends. It says when it will cross; resolved when
   the projection falls back under the budget, the crossing happens (the
@@ -33,11 +33,14 @@ from gpusteward.rules.findings import finding_id, fingerprint, resolved
 from gpusteward.rules.fragmentation import FleetView
 from gpusteward.rules.idle import rfc3339
 from gpusteward.rules.registry import FleetRunner
-from gpusteward.schema import Evidence, Finding, Subject
+from gpusteward.schema import Evidence, Finding, NodeSummary, Subject
 
 KIND = "team_budget"
 PROJECTED_KIND = "team_budget_projected"
 WEEK_S = 7 * 86400.0
+SLOT_S = 60.0
+"""Length of the time slots use is gathered in before it is judged (one summary interval
+of the node join's default)."""
 MONDAY_EPOCH = 4 * 86400.0
 """1970-01-05T00:00Z, the first Monday after the Unix epoch (a Thursday)."""
 
@@ -73,9 +76,17 @@ class BudgetSettings(BaseModel):
     )
     max_gap_s: float = Field(
         600, gt=0,
-        description="Longest stretch (seconds) between two evaluations integrated at the "
-        "level last seen; a longer gap (the agent was down) counts only this much, as no "
-        "observation is no evidence of use.",
+        description="Longest stretch (seconds) between two summaries of a node integrated "
+        "at the level of the first; a longer gap (the node join was down) counts only this "
+        "much, as no observation is no evidence of use. Ten of the node join's default "
+        "summary intervals.",
+    )
+    watermark_lag_s: float = Field(
+        3600, gt=0,
+        description="A node whose last summary is this far (seconds) behind the newest one "
+        "no longer holds back the judgement of thresholds (it left the fleet, or is "
+        "catching up from far behind; its use is then counted when it arrives, undated). "
+        "An hour covers a node join restarting and re-reading its backlog.",
     )
 
     def team_of(self, namespace: str, labels: Mapping[str, str]) -> str:
@@ -88,15 +99,26 @@ class TeamTrack(msgspec.Struct):
     used_gpu_h: float = 0.0
     held: float = 0.0
     """GPUs held at the last evaluation."""
-    last_ts: float | None = None
     crossed: dict[str, str] = {}
     """Threshold (as text) -> the id of its finding this week."""
     projected_id: str | None = None
     projected_since: float | None = None
 
 
+class NodeLevel(msgspec.Struct):
+    """A node's last summary as the rule integrates it."""
+
+    ts: float
+    held: dict[str, float] = {}
+
+
 class BudgetState(msgspec.Struct):
     teams: dict[str, TeamTrack] = {}
+    nodes: dict[str, NodeLevel] = {}
+    slots: dict[str, dict[float, float]] = {}
+    """Per team, GPU-hours by slot start, for the slots not judged yet."""
+    judged_until: float | None = None
+    """The watermark: every node has reported up to here, so use before it is final."""
 
 
 def mig_gpus(mig: dict[str, int]) -> float:
@@ -120,40 +142,97 @@ def _subject(team: str) -> Subject:
     return Subject()
 
 
-def evaluate(state: BudgetState, fleet: FleetView, now: float, settings: BudgetSettings
-             ) -> Sequence[Finding]:
+def on_summary(state: BudgetState, summary: NodeSummary, settings: BudgetSettings
+               ) -> Sequence[Finding]:
+    """Spread the node's GPU-hours since its previous summary over the time slots they
+    fall in; then judge the slots every node has reported past (the watermark)."""
     if not settings.budgets_gpu_h:
         return []
-    held: dict[str, float] = {}
-    for summary in fleet.nodes:
-        for team, gpus in summary.held_by_team.items():
-            held[team] = held.get(team, 0.0) + gpus
+    last = state.nodes.get(summary.node)
+    if last is not None and summary.ts <= last.ts:
+        return []  # a duplicate or a late summary of this node
+    state.nodes[summary.node] = NodeLevel(ts=summary.ts, held=dict(summary.held_by_team))
     out: list[Finding] = []
-    for team, budget in settings.budgets_gpu_h.items():
-        track = state.teams.get(team)
-        if track is None:
-            track = state.teams[team] = TeamTrack(week_start=week_start(now))
-        out += _advance(team, track, budget, held.get(team, 0.0), now, settings)
+    if last is not None:
+        start = max(last.ts, summary.ts - settings.max_gap_s)
+        for team, gpus in last.held.items():
+            if team in settings.budgets_gpu_h and gpus > 0:
+                _spread(state, team, gpus, start, summary.ts, settings, out)
+    return out + _judge(state, settings)
+
+
+def _spread(state: BudgetState, team: str, gpus: float, start: float, end: float,
+            settings: BudgetSettings, out: list[Finding]) -> None:
+    """Add ``gpus`` held from ``start`` to ``end`` to the team's slots; what falls before
+    the watermark (a node far behind) is added to its use at once, dated when it arrived."""
+    if state.judged_until is not None and start < state.judged_until:
+        late_end = min(end, state.judged_until)
+        track = _team(state, team, late_end, late_end, out)
+        budget = settings.budgets_gpu_h[team]
+        if week_start(start) >= track.week_start:
+            before, late_gpu_h = track.used_gpu_h, gpus * (late_end - start) / 3600
+            track.used_gpu_h += late_gpu_h
+            out += _thresholds(team, track, budget, before, late_end - SLOT_S, late_gpu_h,
+                               settings)
+        start = late_end
+    slots = state.slots.setdefault(team, {})
+    while start < end:
+        slot = start // SLOT_S * SLOT_S
+        upto = min(end, slot + SLOT_S)
+        slots[slot] = slots.get(slot, 0.0) + gpus * (upto - start) / 3600
+        start = upto
+
+
+def _judge(state: BudgetState, settings: BudgetSettings) -> list[Finding]:
+    """Add every slot before the watermark to its team's use, oldest first, and raise the
+    thresholds crossed, dated within the slot where the use crossed them."""
+    newest = max(level.ts for level in state.nodes.values())
+    watermark = min(level.ts for level in state.nodes.values()
+                    if level.ts >= newest - settings.watermark_lag_s)
+    out: list[Finding] = []
+    for team, slots in state.slots.items():
+        budget = settings.budgets_gpu_h.get(team)
+        for slot in sorted(k for k in slots if k + SLOT_S <= watermark):
+            gpu_h = slots.pop(slot)
+            if budget is None:
+                continue
+            track = _team(state, team, slot, slot, out)
+            before = track.used_gpu_h
+            track.used_gpu_h += gpu_h
+            out += _thresholds(team, track, budget, before, slot, gpu_h, settings)
+    state.judged_until = max(state.judged_until or watermark, watermark // SLOT_S * SLOT_S)
     return out
 
 
-def _advance(team: str, track: TeamTrack, budget: float, held_now: float, now: float,
-             settings: BudgetSettings) -> list[Finding]:
+def _team(state: BudgetState, team: str, since: float, now: float,
+          out: list[Finding]) -> TeamTrack:
+    """The team's track, rolled over to the week of ``now`` (closing the last week's)."""
+    track = state.teams.get(team)
+    if track is None:
+        track = state.teams[team] = TeamTrack(week_start=week_start(since))
+    if week_start(now) > track.week_start:
+        out += _close_week(team, track, week_start(now))
+        track.week_start, track.used_gpu_h = week_start(now), 0.0
+    return track
+
+
+def evaluate(state: BudgetState, fleet: FleetView, now: float, settings: BudgetSettings
+             ) -> Sequence[Finding]:
+    """Roll weeks over and project each team's week from what it holds now."""
+    if not settings.budgets_gpu_h:
+        return []
+    held: dict[str, float] = {}
+    for node, level in list(state.nodes.items()):
+        if level.ts < now - settings.watermark_lag_s:
+            del state.nodes[node]  # left the fleet long ago
+        elif level.ts >= now - settings.max_gap_s:  # what holds GPUs now
+            for team, gpus in level.held.items():
+                held[team] = held.get(team, 0.0) + gpus
     out: list[Finding] = []
-    if track.last_ts is not None and now > track.last_ts:
-        this_week = week_start(now)
-        if this_week > track.week_start:
-            # Integrate up to the week's end, close its findings, start the new week.
-            span = min(this_week - track.last_ts, settings.max_gap_s)
-            track.used_gpu_h += track.held * max(0.0, span) / 3600
-            out += _close_week(team, track, this_week)
-            track.week_start, track.used_gpu_h = this_week, 0.0
-            track.last_ts = max(track.last_ts, this_week)
-        span = min(now - track.last_ts, settings.max_gap_s)
-        track.used_gpu_h += track.held * span / 3600
-    track.held, track.last_ts = held_now, now
-    out += _thresholds(team, track, budget, now, settings)
-    out += _projection(team, track, budget, now, settings)
+    for team, budget in settings.budgets_gpu_h.items():
+        track = _team(state, team, now, now, out)
+        track.held = held.get(team, 0.0)
+        out += _projection(team, track, budget, now, settings)
     return out
 
 
@@ -161,14 +240,19 @@ def _labels(team: str) -> dict[str, str]:
     return {"team": team}
 
 
-def _thresholds(team: str, track: TeamTrack, budget: float, now: float,
-                settings: BudgetSettings) -> list[Finding]:
+def _thresholds(team: str, track: TeamTrack, budget: float, before: float, slot: float,
+                slot_gpu_h: float, settings: BudgetSettings) -> list[Finding]:
+    """The thresholds the use crossed in ``slot`` (from ``before``), each dated where the
+    use reached it within the slot (at a constant rate over the slot)."""
     out: list[Finding] = []
     share = track.used_gpu_h / budget if budget > 0 else float("inf")
     for threshold in sorted(settings.thresholds):
         name = f"{threshold:g}"
         if share < threshold or name in track.crossed:
             continue
+        reached = threshold * budget - before
+        now = slot + (SLOT_S * min(1.0, max(0.0, reached / slot_gpu_h)) if slot_gpu_h > 0
+                      else SLOT_S)
         fp = fingerprint(KIND, team, name)
         fid = track.crossed[name] = finding_id(fp, track.week_start)
         out.append(Finding(
@@ -240,4 +324,4 @@ def _close_week(team: str, track: TeamTrack, now: float) -> list[Finding]:
     return out
 
 
-RUNNERS = (FleetRunner("budget", BudgetState, evaluate),)
+RUNNERS = (FleetRunner("budget", BudgetState, evaluate, on_summary=on_summary),)

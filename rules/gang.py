@@ -129,17 +129,21 @@ def on_queue(state: GangState, event: QueueEvent, settings: GangSettings
             return []
         gang = state.gangs[key] = Gang(namespace=event.namespace, name=event.gang,
                                        queue=event.cluster_queue, last_ts=event.ts)
+    # The fleet clock may not have ticked past the window while the gang was partial (the
+    # queue read ahead of the summaries, a quiet fleet): its episode is known up to this
+    # event, so judge it before the event changes it.
+    out = _judge(gang, event.ts, settings, late=True)
     gang.last_ts = max(gang.last_ts, event.ts)
     if event.gang_size:
         gang.size = event.gang_size
     if event.kind == "workload":
         gang.workload = event.name
-        return _update(gang, event.ts)  # a size learnt now may make the gang partial
+        return out + _update(gang, event.ts)  # a size learnt now may make it partial
     position = (event.ts, _STATE_ORDER[event.state])
     member = gang.members.get(event.name)
     last = member.last if member is not None else gang.deleted.get(event.name)
     if last is not None and position <= last:
-        return []
+        return out
     if member is None:
         member = gang.members[event.name] = Member(last=position)
     member.last = position
@@ -157,7 +161,7 @@ def on_queue(state: GangState, event: QueueEvent, settings: GangSettings
         # kept, so a late duplicate cannot bring it back.
         del gang.members[event.name]
         gang.deleted[event.name] = position
-    return _update(gang, event.ts)
+    return out + _update(gang, event.ts)
 
 
 def _counts(gang: Gang) -> tuple[int, int, int]:
@@ -197,11 +201,18 @@ def evaluate(state: GangState, fleet: object, now: float, settings: GangSettings
                 now - gang.last_ts > settings.forget_after_s:
             del state.gangs[key]
             continue
-        since = gang.partial_since
-        if since is None or gang.open_id is not None or now - since < settings.window_s:
-            continue
-        out += _fire(gang, since, now, settings)
+        out += _judge(gang, now, settings)
     return out
+
+
+def _judge(gang: Gang, now: float, settings: GangSettings, *, late: bool = False
+           ) -> list[Finding | Action]:
+    """The gang's finding if it has been partial for the window by ``now``, once. ``late``:
+    judged on an event after the fact, so the finding is dated when it became due."""
+    since = gang.partial_since
+    if since is None or gang.open_id is not None or now - since < settings.window_s:
+        return []
+    return _fire(gang, since, since + settings.window_s if late else now, settings)
 
 
 def _fire(gang: Gang, since: float, now: float, settings: GangSettings

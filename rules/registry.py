@@ -34,7 +34,14 @@ import msgspec
 from pydantic import BaseModel
 
 from gpusteward.errors import ConfigError
-from gpusteward.schema import Action, DeviceSample, Finding, HwEvent, QueueEvent
+from gpusteward.schema import (
+    Action,
+    DeviceSample,
+    Finding,
+    HwEvent,
+    NodeSummary,
+    QueueEvent,
+)
 
 Scope = Literal["device", "node", "fleet"]
 Layers = Literal["node", "workload"]
@@ -91,6 +98,10 @@ class FleetRunner:
     on_queue: Callable[[Any, QueueEvent, Any], Sequence[Finding | Action]] | None = None
     """``(state, queue event, settings) -> outputs``: called for every queue event the
     agent reads, for a rule that follows the queue beyond the demand pending in it."""
+    on_summary: Callable[[Any, NodeSummary, Any], Sequence[Finding | Action]] | None = None
+    """``(state, node summary, settings) -> outputs``: called for every node summary, for a
+    rule that integrates each node's own sequence of summaries (its time between two, at
+    the level of the first), which stays exact however the nodes' summaries interleave."""
 
 
 @dataclass(frozen=True, eq=False)

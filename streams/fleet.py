@@ -161,6 +161,8 @@ class FleetEvaluator:
         """Every fleet runner of the registry, in its order, with its rule's settings."""
         self._queue_runners = [(r, s) for r, s in self._runners if r.on_queue is not None]
         """The runners that follow every queue event."""
+        self._summary_runners = [(r, s) for r, s in self._runners if r.on_summary is not None]
+        """The runners that follow every node summary."""
         self._geometries = geometries
 
     @property
@@ -178,8 +180,12 @@ class FleetEvaluator:
         if known is None or summary.ts > known.ts:
             state.nodes[summary.node] = summary
         mig_observed.on_summary(state.mig, summary)
+        out: list[FleetOutput] = []
+        for runner, settings in self._summary_runners:
+            assert runner.on_summary is not None
+            out += runner.on_summary(_track(state, runner), summary, settings)
         state.summary_clock = max(summary.ts, state.summary_clock or summary.ts)
-        return self._advance(state, queue_caught_up)
+        return out + self._advance(state, queue_caught_up)
 
     def on_queue(self, state: FleetState, event: QueueEvent, *,
                  queue_caught_up: bool = True) -> list[FleetOutput]:

@@ -13,21 +13,25 @@ MONDAY = b.week_start(1_763_683_200.0)
 """The Monday 00:00 UTC of the simulator's default start."""
 
 
-def fleet(held: dict[str, float]) -> FleetView:
-    summary = NodeSummary(ts=0, node="n", gpu_model="H100", gpus_total=64, gpus_free=0,
-                          held_by_team=held)
-    return FleetView(nodes=[summary], pending={}, shape_counts={})
+def summary(ts: float, held: dict[str, float], node: str = "n") -> NodeSummary:
+    return NodeSummary(ts=ts, node=node, gpu_model="H100", gpus_total=64, gpus_free=0,
+                       held_by_team=held)
+
+
+EMPTY = FleetView(nodes=[], pending={}, shape_counts={})
 
 
 def run(held_at: dict[float, dict[str, float]], start: float, until: float,
         settings: b.BudgetSettings, step: float = 300) -> tuple[b.BudgetState, list[Finding]]:
+    """One node's summaries every ``step``, each followed by a fleet evaluation."""
     state = b.BudgetState()
     out: list[Finding] = []
     times = sorted(held_at)
     t = start
     while t <= until:
         current = held_at[max(x for x in times if x <= t)]
-        out += b.evaluate(state, fleet(current), t, settings)
+        out += b.on_summary(state, summary(t, current), settings)
+        out += b.evaluate(state, EMPTY, t, settings)
         t += step
     return state, out
 
@@ -82,6 +86,19 @@ def test_a_new_week_resolves_and_starts_over() -> None:
     assert len(resolved) == 2 and all(f.ts == MONDAY + b.WEEK_S for f in resolved)
     assert state.teams["llm"].week_start == MONDAY + b.WEEK_S
     assert state.teams["llm"].used_gpu_h <= 4 * 1.1
+
+
+def test_nodes_integrate_on_their_own_however_their_summaries_interleave() -> None:
+    """One node's summaries hours behind another's (a catch-up) count the same."""
+    settings = b.BudgetSettings(budgets_gpu_h={"llm": 10_000})
+    state = b.BudgetState()
+    for node in ("ahead", "behind"):
+        for i in range(13):
+            b.on_summary(state, summary(MONDAY + 300 * i, {"llm": 4}, node), settings)
+    assert abs(state.teams["llm"].used_gpu_h - 2 * 4 * 1.0) < 1e-9
+    # Duplicates and late summaries of a node add nothing.
+    b.on_summary(state, summary(MONDAY + 600, {"llm": 4}, "ahead"), settings)
+    assert abs(state.teams["llm"].used_gpu_h - 8.0) < 1e-9
 
 
 def test_team_of_pod() -> None:

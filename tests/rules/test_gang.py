@@ -130,3 +130,16 @@ def test_fires_only_when_partial_for_the_window_and_once(placed: int, size: int,
     assert len(firing) == (1 if due else 0)
     if firing:
         assert firing[0].starts_at == placed_at
+
+
+def test_judged_on_the_next_event_when_no_evaluation_fell_in_the_window() -> None:
+    """The queue read ahead of the summaries: the gang's episode is judged when its next
+    event arrives, dated when it became due."""
+    state = g.GangState()
+    out: list[Finding | Action] = []
+    for event in [*six_of_eight(), member(6, "admitted", 2400), member(7, "admitted", 2400)]:
+        out += g.on_queue(state, event, SETTINGS)
+    firing, _, closing = out
+    assert isinstance(firing, Finding) and firing.ts == 60 + SETTINGS.window_s
+    assert isinstance(closing, Finding) and closing.state == "resolved"
+    assert g.evaluate(state, None, 3000, SETTINGS) == []
