@@ -17,7 +17,8 @@ The estimate plays the queue forward on the fleet's capacity:
   of the workloads of its queue that ran at least as long as it has so far
   (its age against their history): a job running past most of its peers is
   expected to end with the longest of them, not at once;
-- the GPUs free now, from the node summaries.
+- the GPUs free now, from the node summaries (less what the queue admitted
+  since they were sent: the agent may read the queue ahead of them).
 
 Workloads are placed in order as GPUs free up; a workload's ETA is when its
 turn and its GPUs coincide. Where there is no history yet (no workload of
@@ -205,7 +206,11 @@ def estimates(state: EtaState, fleet: FleetView, now: float, settings: EtaSettin
     """Per pending workload: (ETA, naive ETA, position in its queue)."""
     usable = [s for s in fleet.nodes if s.healthy and not s.cordoned]
     largest = max((s.gpus_total for s in usable), default=0)
-    available = sum(s.gpus_free for s in usable)
+    # The summaries may trail the queue (the agent reads both as they come): what the queue
+    # has admitted since is taken off too.
+    running = sum(run.gpus for run in state.running.values())
+    available = max(0, min(sum(s.gpus_free for s in usable),
+                           sum(s.gpus_total for s in usable) - running))
     releases: list[tuple[float, int]] = []
     for run in state.running.values():
         end = expected_end(run, state.durations.get(run.queue, ()), now)
@@ -253,6 +258,8 @@ def evaluate(state: EtaState, fleet: FleetView, now: float, settings: EtaSetting
                 if ts < horizon and k not in state.pending and k not in state.running]:
         del state.last[key]
     out: list[Finding] = []
+    if not fleet.nodes:
+        return out  # no node known yet (the queue read ahead of the first summaries)
     for key, (eta, naive, position) in estimates(state, fleet, now, settings).items():
         if eta is None or not math.isfinite(eta):
             continue

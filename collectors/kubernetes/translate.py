@@ -42,7 +42,8 @@ Kueue Workload's pod sets (the gang of its owner), a PodGroup's
 (GPU replicas only: a launcher without a GPU never shows up as a member). A
 gang member pod is reported on the queue topic through its whole life, so the
 fleet agent sees every member in one place; a size learnt after its members
-were reported is sent again with their latest events.
+were reported is sent again with their latest events. A pod that waited for
+a node is followed the same way once bound (admitted, finished, deleted).
 
 MIG: under the ``mixed`` strategy a pod's ``nvidia.com/mig-<profile>``
 requests become ``mig={profile: count}``; under ``single`` the node
@@ -335,7 +336,8 @@ class _PodMemo:
     resources: dict[str, int] = field(default_factory=dict)
     """The pod's GPU and MIG requests as the API states them (before the node's MIG view)."""
     member: QueueEvent | None = None
-    """A gang member's last queue event once bound (admitted, then finished)."""
+    """The last queue event, once bound, of a pod that waited or of a gang member
+    (admitted, then finished)."""
     gang: str | None = None
     """``namespace/gang`` of a gang member."""
 
@@ -498,9 +500,10 @@ class Translator:
                 out.append(queued)
             memo.queued = queued
             return out
-        if memo.queued is not None or memo.gang is not None:
-            # A pod that waited leaves the queue once; a gang member is followed on the queue
-            # topic until it ends, even when first seen already bound.
+        if memo.queued is not None or memo.member is not None or memo.gang is not None:
+            # A pod that waited is followed on the queue topic to its end (how long work
+            # runs is the history the start ETAs need), and so is a gang member even when
+            # first seen already bound (the gang rule needs every member).
             scheduled = _conditions(status).get("PodScheduled", {})
             base = memo.queued or memo.member or self._pending_pod(pod, resources, ts,
                                                                    "admitted")
@@ -513,8 +516,7 @@ class Translator:
             if memo.queued is not None or memo.member is None or \
                     msgspec.structs.replace(memo.member, ts=ts) != event:
                 out.append(event)
-            memo.member = event if memo.gang is not None else None
-            memo.queued = None
+            memo.member, memo.queued = event, None
         allocation = self._allocation(pod, node, resources, phase, ts)
         if memo.last is None or msgspec.structs.replace(memo.last, ts=ts) != allocation:
             out.append(allocation)

@@ -336,9 +336,9 @@ class SimulatedCluster:
         self.running.remove(workload)
         self.finished.append(workload)
         await publisher.allocation(self._pod_event(workload, phase, now))
-        if workload.spec.gang:
-            # As the watcher does: a gang member is followed on the queue topic to its end.
-            await publisher.queue(self._queue_event(
+        # As the watcher does: a pod that waited in the queue (all of the simulator's) is
+        # followed on the queue topic to its end.
+        await publisher.queue(self._queue_event(
                 workload, "finished" if phase == "finished" else "deleted", now))
 
     async def _arrive(self, publisher: Publisher, now: float) -> None:

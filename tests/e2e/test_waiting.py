@@ -14,7 +14,7 @@ import os
 import pytest
 
 from gpusteward.broker import EmbeddedBroker
-from gpusteward.rules import budget, demand, gang
+from gpusteward.rules import budget, demand, eta, gang
 from gpusteward.rules.idle import RECLAIM_REASON
 from gpusteward.settings import Settings
 
@@ -147,3 +147,34 @@ def test_budget_projected_then_crossed_for_the_team_that_burns_it(budget_run: Ru
     assert crossing <= spent.ts <= crossing + 180
     # Vision holds one GPU for five hours: far from its budget, nothing about it.
     assert not [f for f in budget_run.findings if f.labels.get("team") == "vision"]
+
+
+@pytest.fixture(scope="module")
+def queue_run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    log = tmp_path_factory.mktemp("eta") / "worker.log"
+    # Paced as a live cluster (three hours in 18 s), not replayed at once: an estimate needs
+    # the node summaries of its time, and a replay lets the agent read the whole queue
+    # before the first summary.
+    return asyncio.run(run_scenario(_fresh(broker, "e2e-eta"), "queue-pressure", log,
+                                    acceleration=600.0))
+
+
+def test_start_etas_published_through_the_worker_and_closed_with_their_error(
+        queue_run: Run) -> None:
+    """The estimates' accuracy is measured in tests/streams/test_eta_accuracy.py; here, that
+    the deployed worker publishes them and closes each with the truth's start."""
+    truth = queue_run.truth
+    started = {f"{p.namespace}/{p.pod}": p.started_at for p in truth.pods}
+    closed = [f for f in queue_run.findings if f.kind == eta.KIND and f.state == "resolved"
+              and f.evidence and "started_ts" in f.evidence.values]
+    # The worker starts while the simulation already runs (a few wall seconds are an hour
+    # of event time at this pace): workloads that waited before it saw the fleet get none.
+    assert len(closed) >= 4
+    for finding in closed:
+        assert finding.subject.pod is not None and finding.evidence is not None
+        values = finding.evidence.values
+        key = f"{finding.subject.pod.namespace}/{finding.subject.pod.name}"
+        assert values["started_ts"] == started[key]
+        assert values["eta_error_s"] == values["eta_ts"] - started[key]
+    firing = [f for f in queue_run.findings if f.kind == eta.KIND and f.state == "firing"]
+    assert {f.id for f in closed} <= {f.id for f in firing}

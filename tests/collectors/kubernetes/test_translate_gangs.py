@@ -112,14 +112,22 @@ def test_member_is_followed_on_the_queue_and_gets_the_size_learnt_later() -> Non
     assert [e.state for e in gone if isinstance(e, QueueEvent)] == ["deleted"]
 
 
-def test_plain_pods_leave_the_queue_once_as_before() -> None:
+def test_a_pod_that_waited_is_followed_to_its_end_and_one_seen_bound_is_not() -> None:
     translator = kube.Translator()
     translator.apply(Delta("pods", "ADDED", "j", pod("j", owner=("Job", "j"))), 1.0)
     bound = translator.apply(Delta("pods", "MODIFIED", "j",
                                    pod("j", owner=("Job", "j"), node="n1",
                                        phase="Running")), 2.0)
     assert [e.state for e in bound if isinstance(e, QueueEvent)] == ["admitted"]
+    same = translator.apply(Delta("pods", "MODIFIED", "j",
+                                  pod("j", owner=("Job", "j"), node="n1",
+                                      phase="Running")), 2.5)
+    assert same == []
     later = translator.apply(Delta("pods", "MODIFIED", "j",
                                    pod("j", owner=("Job", "j"), node="n1",
                                        phase="Succeeded")), 3.0)
-    assert [e for e in later if isinstance(e, QueueEvent)] == []
+    assert [(e.state, e.admitted_at) for e in later if isinstance(e, QueueEvent)] == [
+        ("finished", 2.0)]
+    seen_bound = translator.apply(Delta("pods", "ADDED", "k", pod(
+        "k", owner=("Job", "k"), node="n1", phase="Running")), 4.0)
+    assert [e for e in seen_bound if isinstance(e, QueueEvent)] == []

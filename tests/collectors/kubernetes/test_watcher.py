@@ -121,7 +121,10 @@ def test_pod_lifecycle_is_one_event_per_change_of_holding(
         ("queue", "lq", "team-a/p1", "admitted", "pod"),
         ("pod", "n1", "team-a/p1", "bound", 1, {}),
         ("pod", "n1", "team-a/p1", "running", 1, {}),
+        # A pod that waited is followed on the queue topic to its end (the ETAs' history).
+        ("queue", "lq", "team-a/p1", "finished", "pod"),
         ("pod", "n1", "team-a/p1", "finished", 1, {}),
+        ("queue", "lq", "team-a/p1", "deleted", "pod"),
         ("pod", "n1", "team-a/p1", "deleted", 1, {}),
     ]
     assert events[1].admitted_at == 1795168860.0  # PodScheduled's transition time
