@@ -36,8 +36,11 @@ once an interval; the per-record cost is a few dictionary updates.
 The fleet-wide rules are the registry's fleet runners (:mod:`gpusteward.rules`):
 every evaluation builds one view of the fleet (the nodes' latest summaries,
 the demand pending in the queue) and runs each runner on it; queue events
-feed the queue rule's state, which that view reads. Every rule's settings
-come from the policy by the rule's name.
+feed the queue rule's state, which that view reads. A runner may also follow
+every queue event (gangs and start ETAs track members and run times the
+pending demand does not hold) and every node summary (team budgets integrate
+each node's own summaries, exact however the nodes interleave). Every rule's
+settings come from the policy by the rule's name.
 
 The logic lives in :class:`FleetEvaluator` and :class:`SpotJoin`, which do no
 I/O and are tested without a broker. Fleet rules are evaluated on the event
