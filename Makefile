@@ -8,7 +8,7 @@ ROOMS := gpusteward collectors streams rules alerting remediation reports sandbo
 PKG_FILES := $(shell find $(ROOMS) -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.proto' \) 2>/dev/null | sort)
 STAMP := $(VENV)/.installed-$(shell echo "$(PKG_FILES)" | cat - pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install system-deps demo test lint bench clean podresources-proto
+.PHONY: install system-deps demo test lint bench chaos clean podresources-proto
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,13 @@ test: install system-deps lint
 
 bench: install
 	$(BIN)/python -P benchmarks/run.py
+
+# Chaos experiments (minutes each, so not in `make test`): workers and the broker killed,
+# frozen and restarted through a faulty-fleet run, and 10,000 malformed records per input
+# topic, each scored against the ground truth.
+chaos: install
+	GPUSTEWARD_CHAOS=1 $(BIN)/pytest -p no:cacheprovider -s -q --timeout 900 tests/chaos
+	$(BIN)/python -P tests/chaos/bad_input.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,74 +1,119 @@
 """Weekly report and MIG layout search at fleet scale.
 
-- report: one week of minute rollups of 1,000 GPUs (10,080,000 rows, synthetic,
-  written to the Parquet store first), from the store to the finished report
-  (HTML, Markdown, JSON); peak memory of the process is reported too.
+- report: one synthetic week of minute rollups of 1,000 and of 10,000 GPUs
+  (10.08 M and 100.8 M rows), written to the Parquet store once and kept in a
+  cache folder (``BENCH_CACHE``, default ``~/.cache/gpusteward``) for later runs;
+  from the store to the finished report (HTML, Markdown, JSON) in a child
+  process, whose peak RSS is the report's own. Store size per GPU-week and
+  the store's write rate are measured while the cache is filled.
 - MIG: layouts for 1,000 GPUs (two pools of 500: H100 and A100) and 10,000
-  workloads with random smallest profiles and shares of the week.
+  workloads with random smallest profiles and shares of the week; and one
+  live advice of the fleet agent at 10,000 GPUs (2,000 of them MIG). Each
+  beside the previous solver (``tests/rules/mig/previous_solver.py``) on the
+  same input.
 
-``BENCH_REPORT_GPUS`` shrinks the report fleet for a quick run.
+``BENCH_REPORT_GPUS`` picks the report fleets (default ``1000,10000``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
-import resource
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from figures import Figure
 
-from gpusteward.reports import build, compute, render
-from gpusteward.reports.settings import ReportSettings
+from gpusteward.reports import compute
 from gpusteward.rules.mig import geometry, layout
 
+ROOT = Path(__file__).resolve().parent.parent
 GENERATE = """
 import sys, time
 from pathlib import Path
-from gpusteward.reports import store
-from gpusteward.sandbox import rollups as synthetic
+from gpusteward.sandbox import rollups
 folder, gpus, start = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 began = time.perf_counter()
-rows = synthetic.week_of_rollups(start, gpus=gpus, workloads=gpus // 2, teams=12, seed=1)
-generated = time.perf_counter()
-store.write(folder, rows)
-print(rows.height, generated - began, time.perf_counter() - generated)
+rows, writing = rollups.write_week(folder, start, gpus=gpus, workloads=gpus // 2, teams=12,
+                                   seed=1)
+print(rows, time.perf_counter() - began, writing)
 """
+BUILD = """
+import json, resource, sys, tempfile, time
+from pathlib import Path
+from gpusteward.reports import build, compute, render
+from gpusteward.reports.settings import ReportSettings
+folder, label = Path(sys.argv[1]), sys.argv[2]
+began = time.perf_counter()
+report = build.build(folder, compute.parse_week(label), ReportSettings())
+built = time.perf_counter()
+render.write(report, Path(tempfile.mkdtemp(prefix="bench-report-out-")))
+print(json.dumps({"build_s": built - began, "render_s": time.perf_counter() - built,
+                  "rows": report.data["totals"]["device_minutes"],
+                  "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("BENCH_CACHE", Path.home() / ".cache" / "gpusteward"))
 
 
 def _report(gpus: int) -> list[Figure]:
     week = compute.parse_week("2026-W47")
-    folder = Path(tempfile.mkdtemp(prefix="bench-report-"))
-    try:
-        # Generate and write in a child process, so this process's peak memory is the
-        # report's own.
-        child = subprocess.run(
-            [sys.executable, "-P", "-c", GENERATE, str(folder / "rollups"), str(gpus),
-             str(week.start)], capture_output=True, text=True, check=True)
-        count, generate_s, write_s = (float(v) for v in child.stdout.split())
-        written = time.perf_counter()
-        report = build.build(folder / "rollups", week, ReportSettings())
-        built = time.perf_counter()
-        render.write(report, folder / "out")
-        rendered = time.perf_counter()
-        size = sum(p.stat().st_size for p in (folder / "rollups").rglob("*.parquet"))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    folder = _cache() / f"bench-rollups-{gpus}"
+    fleet = f"{gpus:,} GPUs"
+    figures: list[Figure] = []
+    if not (folder / "synthetic.json").exists():
+        child = subprocess.run([sys.executable, "-P", "-c", GENERATE, str(folder), str(gpus),
+                                str(week.start)], capture_output=True, text=True, check=True)
+        rows, seconds, writing = (float(v) for v in child.stdout.split())
+        # One writer's Parquet write (store.write, as the sink calls it) against the
+        # fleet's own rate: a rollup per GPU per minute.
+        figures += [
+            Figure(f"generate and write the synthetic week ({fleet})", seconds, "s"),
+            Figure(f"store write rate, one writer ({fleet})", rows / writing, "rows/s"),
+            Figure(f"store write speed against real time ({fleet})",
+                   rows / writing / (gpus / 60), "x"),
+        ]
+    size = sum(p.stat().st_size for p in folder.rglob("*.parquet"))
+    child = subprocess.run([sys.executable, "-P", "-c", BUILD, str(folder), week.label],
+                           capture_output=True, text=True, check=True)
+    built = json.loads(child.stdout.splitlines()[-1])
     return [
-        Figure(f"rollup rows ({gpus} GPUs x 1 week)", count, "rows"),
-        Figure("generate synthetic rollups", generate_s, "s"),
-        Figure("write Parquet store", write_s, "s"),
-        Figure("Parquet store size", size / 1e6, "MB"),
-        Figure("build report (read, aggregate, advise, MIG)", built - written, "s"),
-        Figure("render HTML, Markdown, JSON", rendered - built, "s"),
-        Figure("peak RSS while building the report", peak_kib / 1024, "MiB"),
+        *figures,
+        Figure(f"rollup rows ({fleet} x 1 week)", built["rows"], "rows"),
+        Figure(f"Parquet store size ({fleet})", size / 1e6, "MB"),
+        Figure(f"Parquet store size per GPU-week ({fleet})", size / gpus / 1e3, "kB"),
+        Figure(f"build report: read, aggregate, advise, MIG ({fleet})", built["build_s"], "s"),
+        Figure(f"render HTML, Markdown, JSON ({fleet})", built["render_s"], "s"),
+        Figure(f"peak RSS of the report process ({fleet})", built["peak_mib"], "MiB"),
     ]
+
+
+def _previous() -> Callable[..., tuple[list[dict[str, int]], dict[str, str]]]:
+    """The previous solver, kept beside the tests, for the same input."""
+    sys.path.insert(0, str(ROOT))
+    from tests.rules.mig import previous_solver
+
+    return previous_solver.solve_pool
+
+
+def _timed(run: Callable[[], object], solver: Callable[..., object] | None = None
+           ) -> tuple[float, object]:
+    """Seconds to run ``run`` (with ``solver`` standing in for the pool solver)."""
+    current = layout.solve_pool
+    if solver is not None:
+        layout.solve_pool = solver  # type: ignore[assignment]
+    try:
+        started = time.perf_counter()
+        result = run()
+        return time.perf_counter() - started, result
+    finally:
+        layout.solve_pool = current
 
 
 def _mig(gpus: int = 1000, workloads: int = 10_000) -> list[Figure]:
@@ -82,18 +127,44 @@ def _mig(gpus: int = 1000, workloads: int = 10_000) -> list[Figure]:
         names = [p.name for p in geometries[pool.model].base_profiles]
         profile = rng.choices(names, weights=[40, 15, 20, 15, 5, 5])[0]
         demand[pool.name].append(layout.Demand(f"w{i}", profile, round(rng.random(), 3)))
-    started = time.perf_counter()
-    advice = layout.advise(geometries, pools, demand)
-    elapsed = time.perf_counter() - started
-    served = sum(p.served_share for p in advice.pools)
-    wanted = sum(p.demand_share for p in advice.pools)
+    elapsed, result = _timed(lambda: layout.advise(geometries, pools, demand))
+    before, previous = _timed(lambda: layout.advise(geometries, pools, demand), _previous())
+    assert isinstance(result, layout.Advice) and isinstance(previous, layout.Advice)
+    served = sum(p.served_share for p in result.pools)
+    wanted = sum(p.demand_share for p in result.pools)
     label = "over-subscribed" if served < wanted - 1e-6 else "all served"
+    name = f"MIG plan, {gpus:,} GPUs x {workloads:,} workloads ({label})"
     return [
-        Figure(f"MIG layouts for {gpus} GPUs, {workloads} workloads ({label})", elapsed, "s"),
-        Figure("MIG demand served", 100 * served / wanted, "%"),
-        Figure("GPUs the plan uses", sum(p.gpus_used for p in advice.pools), "GPUs"),
+        Figure(name, elapsed, "s"),
+        Figure(f"{name}, previous solver", before, "s"),
+        Figure(f"{name}: demand served", 100 * served / wanted, "%"),
+        Figure(f"{name}: demand served, previous solver",
+               100 * sum(p.served_share for p in previous.pools) / wanted, "%"),
+        Figure(f"{name}: GPUs used", sum(p.gpus_used for p in result.pools), "GPUs"),
+        Figure(f"{name}: GPUs used, previous solver",
+               sum(p.gpus_used for p in previous.pools), "GPUs"),
     ]
 
 
+def _live_advice() -> list[Figure]:
+    """The fleet agent's advice on the bench_mig_advice fleet, new and previous solver."""
+    import bench_mig_advice as fleet
+
+    evaluator, state = fleet._fleet(random.Random(7))
+    slot = fleet.observed.slot_of(fleet.START + fleet.WEEK,
+                                  evaluator.mig_advice_settings.interval_s)
+    elapsed, _ = _timed(lambda: evaluator.mig_advice(state, slot))
+    evaluator, state = fleet._fleet(random.Random(7))
+    before, _ = _timed(lambda: evaluator.mig_advice(state, slot), _previous())
+    name = (f"live MIG advice, 10,000 GPUs ({fleet.MIG_NODES * fleet.GPUS:,} MIG), "
+            f"{fleet.WORKLOADS:,} workloads")
+    return [Figure(name, elapsed, "s"), Figure(f"{name}, previous solver", before, "s")]
+
+
 def run() -> list[Figure]:
-    return _mig() + _mig(workloads=3000) + _report(int(os.environ.get("BENCH_REPORT_GPUS", "1000")))
+    fleets = [int(g) for g in os.environ.get("BENCH_REPORT_GPUS", "1000,10000").split(",")]
+    figures = _mig() + _mig(workloads=3000) + _live_advice()
+    for gpus in fleets:
+        figures += _report(gpus)
+    return figures
+

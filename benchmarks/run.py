@@ -3,11 +3,15 @@
 Each benchmark module has ``run() -> list[Figure]``. Benchmarks measure on
 the machine at hand; README records the figures with the machine they came
 from. A module can be run alone: ``python -P benchmarks/run.py worker``.
+Every figure printed is also written to ``bench-results.json`` at the
+repository root: the machine and a list of ``{"benchmark", "name", "value",
+"unit"}`` records, so runs compare without parsing the table.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import platform
 import sys
 import time
@@ -35,6 +39,7 @@ def main(selected: list[str]) -> int:
     table = Table(title=f"gpusteward benchmarks on {platform.node()} ({machine})")
     for column in ("benchmark", "figure", "value", "unit"):
         table.add_column(column)
+    records: list[dict[str, object]] = []
     for path in sorted(HERE.glob("bench_*.py")):
         name = path.stem.removeprefix("bench_")
         if selected and name not in selected:
@@ -43,8 +48,14 @@ def main(selected: list[str]) -> int:
         started = time.monotonic()
         for figure in _load(path).run():
             table.add_row(name, figure.name, f"{figure.value:,.2f}", figure.unit)
+            records.append({"benchmark": name, "name": figure.name,
+                            "value": float(figure.value), "unit": figure.unit})
         console.print(f"  {name} took {time.monotonic() - started:.0f} s")
     console.print(table)
+    results = HERE.parent / "bench-results.json"
+    results.write_text(json.dumps({"machine": f"{platform.node()} ({machine})",
+                                   "results": records}, indent=1) + "\n")
+    console.print(f"figures written to {results}")
     return 0
 
 

@@ -44,13 +44,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpusteward import edge
 from gpusteward.collectors.metrics import CollectorMetrics
 from gpusteward.collectors.settings import CollectSettings
 from gpusteward.collectors.source import SourceError, run_source
 from gpusteward.collectors.transport.publisher import Publisher
-from gpusteward.schema import DeviceSample, HwEvent, NodeSample, PodRef
+from gpusteward.schema import INT64_MAX, DeviceSample, HwEvent, NodeSample, PodRef
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +159,21 @@ XID_FIELD = "DCGM_FI_DEV_XID_ERRORS"
 MAPPED_METRICS: tuple[str, ...] = (*FIELDS, *FB_FIELDS, *NVLINK_ERROR_FIELDS, XID_FIELD)
 """Every metric this module reads; the Prometheus source asks for exactly these."""
 
+_DEVICE_FIELDS = {f.name: f.type for f in msgspec.structs.fields(DeviceSample)}
+
+
+def bounded(name: str, value: Any) -> Any:
+    """``value`` if the schema accepts it for DeviceSample field ``name``, else ValueError.
+
+    A reading out of its unit's range (a counter past int64, a negative memory size) is
+    a broken exporter's; published, it would make the worker refuse the node's whole
+    sample, so it is dropped here, series by series.
+    """
+    try:
+        return msgspec.convert(value, _DEVICE_FIELDS[name])
+    except msgspec.ValidationError as error:
+        raise ValueError(f"{name}={value!r}: {error}") from error
+
 
 @dataclass(frozen=True)
 class FieldFamily:
@@ -243,11 +260,12 @@ class _Device:
             return self.parent_uuid
         return mig_device_uuid(self.parent_uuid, self.gpu_instance_id)
 
-    def sample(self) -> DeviceSample:
+    def sample(self, refusals: edge.Refusals) -> DeviceSample:
         used = self.framebuffer.get("DCGM_FI_DEV_FB_USED")
         total = None
         if all(name in self.framebuffer for name in FB_FIELDS):
-            total = int(sum(self.framebuffer[name] for name in FB_FIELDS) * MIB)
+            total = _kept("mem_total_bytes",
+                          int(sum(self.framebuffer[name] for name in FB_FIELDS) * MIB), refusals)
         mig = self.gpu_instance_id is not None
         values = dict(self.values)
         if mig:
@@ -260,10 +278,20 @@ class _Device:
             parent_uuid=self.parent_uuid if mig else None,
             mig_profile=self.mig_profile,
             gpu_instance_id=int(self.gpu_instance_id) if self.gpu_instance_id else None,
-            mem_used_bytes=int(used * MIB) if used is not None else None,
+            mem_used_bytes=(_kept("mem_used_bytes", int(used * MIB), refusals)
+                            if used is not None else None),
             mem_total_bytes=total, nvlink_errors=self.nvlink_errors, pod=self.pod,
             **values,
         )
+
+
+def _kept(name: str, value: Any, refusals: edge.Refusals) -> Any:
+    """``value`` within its field's bounds, else None (not reported), counted."""
+    try:
+        return bounded(name, value)
+    except ValueError as error:
+        refusals.note(name, "dropping a reading out of range: %s", error)
+        return None
 
 
 PodResolver = Callable[[Mapping[str, str]], PodRef | None]
@@ -271,14 +299,17 @@ PodResolver = Callable[[Mapping[str, str]], PodRef | None]
 
 def node_samples(series: Iterable[Series], ts: float, source: str,
                  node: str | None = None, pod_resolver: PodResolver = pod_of,
-                 ) -> dict[str, NodeSample]:
+                 refusals: edge.Refusals | None = None) -> dict[str, NodeSample]:
     """Group series by node and device into one NodeSample per node.
 
     ``node`` pins every series to one node (a per-node scrape, where the node
     name comes from the settings); otherwise the ``Hostname`` label decides
     and series without one are skipped. Devices are ordered by GPU index,
-    then GPU-instance id.
+    then GPU-instance id. A series that cannot be a reading (a value out of
+    its field's range, a GPU-instance id that is no number) is skipped and
+    counted in ``refusals``, logged once per metric.
     """
+    refusals = refusals if refusals is not None else edge.Refusals(log)
     nodes: dict[str, dict[tuple[str, str | None], _Device]] = {}
     for item in series:
         if not math.isfinite(item.value):
@@ -289,14 +320,18 @@ def node_samples(series: Iterable[Series], ts: float, source: str,
             continue
         devices = nodes.setdefault(node_name, {})
         device = devices.get(ident)
-        if device is None:
-            device = devices[ident] = _new_device(ident, item.labels)
+        try:
+            if device is None:
+                device = devices[ident] = _new_device(ident, item.labels)
+            _apply(device, item)
+        except ValueError as error:
+            refusals.note(item.name, "skipping series %s of %s: %s", item.name, ident[0], error)
+            continue
         if device.pod is None:
             device.pod = pod_resolver(item.labels)
-        _apply(device, item)
     return {
         name: NodeSample(ts=ts, node=name, source=source, devices=[
-            device.sample() for device in sorted(
+            device.sample(refusals) for device in sorted(
                 devices.values(),
                 key=lambda d: (d.index, int(d.gpu_instance_id or -1), d.parent_uuid))
         ])
@@ -305,6 +340,8 @@ def node_samples(series: Iterable[Series], ts: float, source: str,
 
 
 def _new_device(ident: tuple[str, str | None], labels: Mapping[str, str]) -> _Device:
+    if ident[1] is not None and not ident[1].isdigit():
+        raise ValueError(f"GPU_I_ID {ident[1][:40]!r} is no number")
     index = labels.get("gpu", "")
     return _Device(
         parent_uuid=ident[0], gpu_instance_id=ident[1],
@@ -318,11 +355,12 @@ def _apply(device: _Device, item: Series) -> None:
     mapped = FIELDS.get(item.name)
     if mapped is not None:
         name, convert = mapped
-        device.values[name] = convert(item.value)
+        device.values[name] = bounded(name, convert(item.value))
     elif item.name in FB_FIELDS:
         device.framebuffer[item.name] = item.value
     elif item.name in NVLINK_ERROR_FIELDS:
-        device.nvlink_errors = (device.nvlink_errors or 0) + int(item.value)
+        device.nvlink_errors = bounded("nvlink_errors",
+                                       (device.nvlink_errors or 0) + int(item.value))
 
 
 class XidTracker:
@@ -351,6 +389,8 @@ class XidTracker:
             parent, instance = ident
             uuid = parent if instance is None else mig_device_uuid(parent, instance)
             code = int(item.value)
+            if not 0 <= code <= INT64_MAX:
+                continue  # no XID code: node_samples counts the series it cannot read
             previous = self._last.get((node_name, uuid))
             self._last[(node_name, uuid)] = code
             if code != 0 and code != previous:
@@ -404,6 +444,8 @@ class DcgmSource:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._xids = XidTracker()
         self.coverage = FieldCoverage(self.source, metrics)
+        self.refusals = edge.Refusals(log)
+        """Series skipped as unreadable, by metric."""
 
     async def fetch(self) -> str:
         """The page's text; :class:`SourceError` if the exporter cannot be read."""
@@ -431,7 +473,7 @@ class DcgmSource:
                 raise SourceError("parse", f"{self.url}: expected one Hostname label, found "
                                   f"{sorted(n or '' for n in named)}; set the node name")
             node = named.pop()
-        samples = node_samples(series, ts, self.source, node=node)
+        samples = node_samples(series, ts, self.source, node=node, refusals=self.refusals)
         sample = samples.get(node or "")
         if sample is None or not sample.devices:
             raise SourceError("empty", f"{self.url} reports no GPU series")

@@ -29,6 +29,7 @@ import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 from urllib3.util.retry import Retry
 
+from gpusteward import edge
 from gpusteward.collectors import dcgm
 from gpusteward.collectors.metrics import CollectorMetrics
 from gpusteward.collectors.settings import CollectSettings
@@ -97,15 +98,28 @@ def build_query(nodes: Sequence[str] = ()) -> str:
                        for label in ("Hostname", "hostname"))
 
 
-def series_of(result: list[dict[str, Any]]) -> tuple[list[dcgm.Series], float | None]:
-    """Series from an instant-vector result, and the evaluation time."""
+def series_of(result: list[dict[str, Any]], refusals: edge.Refusals | None = None
+              ) -> tuple[list[dcgm.Series], float | None]:
+    """Series from an instant-vector result, and the evaluation time.
+
+    An item that is no sample (no name, no [time, value] pair, a value that is no number)
+    is skipped and counted in ``refusals``: one broken series must not cost the tick.
+    """
     series: list[dcgm.Series] = []
     evaluated_at: float | None = None
     for item in result:
-        labels = dict(item["metric"])
-        timestamp, value = item["value"]
-        evaluated_at = float(timestamp)
-        series.append(dcgm.Series(labels.pop("__name__"), labels, float(value)))
+        try:
+            labels = dict(item["metric"])
+            timestamp, value = item["value"]
+            item_ts = float(timestamp)
+            series.append(dcgm.Series(str(labels.pop("__name__")), labels, float(value)))
+        except (KeyError, TypeError, ValueError) as error:
+            if refusals is None:
+                raise
+            refusals.note(type(error).__name__, "skipping a result item that is no sample: %s",
+                          edge.reason(error))
+            continue
+        evaluated_at = item_ts
     return series, evaluated_at
 
 
@@ -129,6 +143,8 @@ class PrometheusSource:
         # Judged over the whole answer: a family any node reports is switched on in the
         # exporters' counters file.
         self.coverage = dcgm.FieldCoverage(self.source, metrics)
+        self.refusals = edge.Refusals(dcgm.log)
+        """Series skipped as unreadable, by metric."""
 
     async def _ask(self) -> list[dict[str, Any]]:
         try:
@@ -145,7 +161,7 @@ class PrometheusSource:
     async def collect(self) -> tuple[list[NodeSample], list[HwEvent]]:
         result = await self._ask()
         try:
-            series, evaluated_at = series_of(result)
+            series, evaluated_at = series_of(result, self.refusals)
         except (KeyError, TypeError, ValueError) as error:
             raise SourceError("parse", f"{self.url}: unexpected result shape: {error!r}"
                               ) from error
@@ -153,7 +169,8 @@ class PrometheusSource:
             scope = f" for nodes {', '.join(self.nodes)}" if self.nodes else ""
             raise SourceError("empty", f"{self.url} has no DCGM series{scope}")
         samples = dcgm.node_samples(series, evaluated_at, self.source,
-                                    pod_resolver=pod_resolver(series, self.pod_labels))
+                                    pod_resolver=pod_resolver(series, self.pod_labels),
+                                    refusals=self.refusals)
         events = self._xids.events(series, evaluated_at, self.source)
         self.coverage.check(item.name for item in series)
         return [samples[node] for node in sorted(samples)], events

@@ -80,6 +80,13 @@ class EmbeddedBroker:
         process, self.process = self.process, None
         stop_child(process, timeout_s)
 
+    def kill(self) -> None:
+        """SIGKILL the broker: being memory-only, it comes back from start() empty."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+
     def freeze(self) -> None:
         """Stop the broker process (SIGSTOP) without killing it: a broker that hangs."""
         if self.process is not None:

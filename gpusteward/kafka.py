@@ -53,6 +53,16 @@ async def ensure_topics(
         await admin.close()
 
 
+async def list_topics(settings: Settings) -> list[str]:
+    """The names of the topics the broker has now."""
+    admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
+    await admin.start()
+    try:
+        return list(await admin.list_topics())
+    finally:
+        await admin.close()
+
+
 async def wait_for_broker(settings: Settings, timeout_s: float = 30.0) -> None:
     """Return once the broker answers a metadata request; raise TimeoutError otherwise."""
     deadline = asyncio.get_running_loop().time() + timeout_s
@@ -120,7 +130,7 @@ def consumer(
         "enable_auto_commit": False,
         "fetch_max_wait_ms": settings.kafka.fetch_max_wait_ms,
         "rebalance_timeout_ms": int(settings.kafka.rebalance_timeout_s * 1000),
-        "session_timeout_ms": 10_000,
+        "session_timeout_ms": int(settings.kafka.session_timeout_s * 1000),
         "heartbeat_interval_ms": 1_000,
     }
     options.update(overrides)
@@ -157,6 +167,40 @@ async def read_all(settings: Settings, topic: str, quiet_ms: int = 300) -> list[
         await reader.stop()
 
 
+async def true_end_offsets(reader: AIOKafkaConsumer,
+                           partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+    """The offset after the last record of each partition, read rather than trusted.
+
+    The embedded broker answers ListOffsets(latest) with the base offset of
+    the last batch plus one, so a batch of ten records reports a high
+    watermark nine short. Fetching from one before the reported end returns
+    that batch (or, on Kafka, the last record) and the true end is after its
+    last record: on a real broker this is one small fetch that confirms the
+    answer. ``reader`` is a started consumer; its assignment is replaced.
+    """
+    # Faust's TP is a namedtuple of the same shape that aiokafka's asserts reject.
+    wanted = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
+    reported = await reader.end_offsets(wanted)
+    ends = dict(reported)
+    probe = [tp for tp in wanted if reported[tp] > 0]
+    if not probe:
+        return ends
+    reader.assign(probe)
+    for tp in probe:
+        reader.seek(tp, reported[tp] - 1)
+    pending = set(probe)
+    while pending:
+        batch = await reader.getmany(*pending, timeout_ms=500)
+        if not batch:
+            break  # nothing past the reported end (compacted away on Kafka): trust it
+        for tp, records in batch.items():
+            if records:
+                ends[tp] = max(ends[tp], records[-1].offset + 1)
+            # Stop at the first fetch: records after it were written after the question.
+            pending.discard(tp)
+    return ends
+
+
 async def committed(settings: Settings, group_id: str,
                     partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
     """The offsets ``group_id`` has committed (-1 where it has none)."""
@@ -168,6 +212,34 @@ async def committed(settings: Settings, group_id: str,
         return {tp: offsets[tp].offset if tp in offsets else -1 for tp in wanted}
     finally:
         await admin.close()
+
+
+async def group_lag(settings: Settings, group_id: str,
+                    topic_names: Iterable[str]) -> dict[str, int]:
+    """Records in ``topic_names`` that ``group_id`` has not committed yet, per topic.
+
+    A partition with no commit counts from its start (groups read from the earliest
+    offset). The embedded broker's end offsets may trail the last batch (see
+    :func:`read_all`), so there the figure can be briefly low, never high.
+    """
+    reader = consumer(settings, group_id=None)
+    await reader.start()
+    try:
+        wanted: list[TopicPartition] = []
+        for name in topic_names:
+            partitions = reader.partitions_for_topic(name)
+            if not partitions:
+                await reader._client.force_metadata_update()
+                partitions = reader.partitions_for_topic(name) or set()
+            wanted += [TopicPartition(name, p) for p in sorted(partitions)]
+        ends = await reader.end_offsets(wanted) if wanted else {}
+    finally:
+        await reader.stop()
+    done = await committed(settings, group_id, wanted) if wanted else {}
+    lag: dict[str, int] = {}
+    for tp in wanted:
+        lag[tp.topic] = lag.get(tp.topic, 0) + max(0, ends[tp] - max(done[tp], 0))
+    return lag
 
 
 async def wait_consumed(settings: Settings, group_id: str, topic_names: Iterable[str],

@@ -16,61 +16,103 @@ Conventions:
   readings that are ``None`` are left out of the JSON to keep samples small,
   while top-level messages always carry every field, ``schema`` included;
 - percentages are 0-100, memory in bytes, power in watts, clocks in MHz.
+
+Every number and string is bounded (``msgspec.Meta``), so that a decoded
+record is also one every consumer can hold, compare and re-encode: integers
+fit in int64 (msgpack state and Parquet cannot take more), readings lie in
+their unit's physical range, timestamps between 1970 and 2100, names within
+Kubernetes' limits, lists and maps within what a node can have. A record
+outside these bounds fails to decode, the reason naming the field, and goes
+to the dead-letter topic like any other malformed record. ``schema`` accepts
+only versions this build knows.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 SCHEMA_VERSION = 1
+
+INT64_MAX = 2**63 - 1
+TS_MAX = 4_102_444_800.0
+"""2100-01-01T00:00:00Z: a later event time is a broken clock or a broken record."""
+
+Version = Annotated[int, Meta(ge=1, le=SCHEMA_VERSION,
+                              description="Contract version; later versions are refused.")]
+Timestamp = Annotated[float, Meta(ge=0.0, le=TS_MAX, description="Unix seconds.")]
+Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+"""A counter, an amount of bytes or of devices: non-negative, within int64."""
+Int64 = Annotated[int, Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
+Index = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
+"""A GPU's index (minor number); -1 when the source does not say."""
+Percent = Annotated[float, Meta(ge=0.0, le=100.0)]
+Celsius = Annotated[float, Meta(ge=-273.15, le=1000.0)]
+Watts = Annotated[float, Meta(ge=0.0, le=100_000.0)]
+Megahertz = Annotated[int, Meta(ge=0, le=100_000)]
+Name = Annotated[str, Meta(max_length=253)]
+"""A Kubernetes object name, label key, node, device UUID or queue (DNS subdomain: 253)."""
+Key = Annotated[str, Meta(max_length=1024)]
+"""A composite name: a fingerprint, an idempotency key, a finding id."""
+Text = Annotated[str, Meta(max_length=16_384)]
+"""Free text: a label value, a reason, a summary, an error."""
+Annotation = Annotated[str, Meta(max_length=262_144)]
+"""An annotation value: Kubernetes limits all of an object's annotations to 256 KiB."""
+Labels = Annotated[dict[Key, Text], Meta(max_length=1024)]
+Annotations = Annotated[dict[Key, Annotation], Meta(max_length=1024)]
+Counts = Annotated[dict[Name, Count], Meta(max_length=1024)]
+"""Devices or slices by resource or profile name."""
+Names = Annotated[list[Key], Meta(max_length=4096)]
+GpuShare = Annotated[float, Meta(ge=0.0, le=1_000_000.0,
+                                 description="Whole-GPU equivalents (a MIG device: its share).")]
 
 
 class PodRef(msgspec.Struct, frozen=True, omit_defaults=True):
     """A pod, as attributed to a device or named by an action."""
 
-    namespace: str
-    name: str
-    uid: str | None = None
-    container: str | None = None
+    namespace: Name
+    name: Name
+    uid: Name | None = None
+    container: Name | None = None
 
 
 class DeviceSample(msgspec.Struct, omit_defaults=True):
     """One reading of one GPU or one MIG device."""
 
-    uuid: str
+    uuid: Name
     """``GPU-...`` for a whole GPU, ``MIG-...`` for a MIG device."""
-    index: int
+    index: Index
     """The GPU's index (minor number); for a MIG device, its parent's."""
-    model: str
+    model: Name
     """Product name as the driver reports it, e.g. ``NVIDIA A100-SXM4-80GB``."""
     kind: Literal["gpu", "mig"] = "gpu"
-    parent_uuid: str | None = None
+    parent_uuid: Name | None = None
     """The parent GPU of a MIG device."""
-    mig_profile: str | None = None
+    mig_profile: Name | None = None
     """GPU-instance profile name of a MIG device, e.g. ``3g.40gb``."""
-    gpu_instance_id: int | None = None
-    util_pct: float | None = None
+    gpu_instance_id: Count | None = None
+    util_pct: Percent | None = None
     """GPU utilisation (NVML / DCGM_FI_DEV_GPU_UTIL); not reported for MIG devices."""
-    engine_active_pct: float | None = None
+    engine_active_pct: Percent | None = None
     """Graphics-engine active share (DCGM_FI_PROF_GR_ENGINE_ACTIVE x 100); the MIG measure."""
-    mem_used_bytes: int | None = None
-    mem_total_bytes: int | None = None
-    temp_c: float | None = None
-    power_w: float | None = None
-    sm_clock_mhz: int | None = None
-    clock_event_reasons: int | None = None
+    mem_used_bytes: Count | None = None
+    mem_total_bytes: Count | None = None
+    temp_c: Celsius | None = None
+    power_w: Watts | None = None
+    sm_clock_mhz: Megahertz | None = None
+    clock_event_reasons: Count | None = None
     """NVML clock-event (throttle) reason bitmask."""
-    ecc_sbe_volatile: int | None = None
-    ecc_dbe_volatile: int | None = None
-    remapped_rows_correctable: int | None = None
-    remapped_rows_uncorrectable: int | None = None
+    ecc_sbe_volatile: Count | None = None
+    ecc_dbe_volatile: Count | None = None
+    remapped_rows_correctable: Count | None = None
+    remapped_rows_uncorrectable: Count | None = None
     remap_pending: bool | None = None
     remap_failure: bool | None = None
-    pcie_replay: int | None = None
-    nvlink_errors: int | None = None
-    recovery_action: int | None = None
+    pcie_replay: Count | None = None
+    nvlink_errors: Count | None = None
+    recovery_action: Count | None = None
     """NVML GPU recovery action (0 none, 1 GPU reset, 2 node reboot, ...)."""
     pod: PodRef | None = None
     """The pod holding this device, when the collector could attribute it."""
@@ -79,12 +121,12 @@ class DeviceSample(msgspec.Struct, omit_defaults=True):
 class NodeSample(msgspec.Struct):
     """All devices of one node at one tick. Topic ``samples``, key = node."""
 
-    ts: float
-    node: str
-    source: str
+    ts: Timestamp
+    node: Name
+    source: Name
     """Which collector produced it: simulator, nvml, dcgm, prometheus."""
-    devices: list[DeviceSample]
-    schema: int = SCHEMA_VERSION
+    devices: Annotated[list[DeviceSample], Meta(max_length=1024)]
+    schema: Version = SCHEMA_VERSION
 
 
 HwEventKind = Literal[
@@ -95,21 +137,21 @@ HwEventKind = Literal[
 class HwEvent(msgspec.Struct):
     """An urgent hardware event, sent at once outside the tick. Key = node."""
 
-    ts: float
-    node: str
+    ts: Timestamp
+    node: Name
     kind: HwEventKind
-    uuid: str | None = None
-    xid: int | None = None
-    count: int | None = None
-    detail: str = ""
-    source: str = ""
-    schema: int = SCHEMA_VERSION
+    uuid: Name | None = None
+    xid: Count | None = None
+    count: Count | None = None
+    detail: Text = ""
+    source: Name = ""
+    schema: Version = SCHEMA_VERSION
 
 
 class Taint(msgspec.Struct, frozen=True, omit_defaults=True):
-    key: str
-    effect: str
-    value: str | None = None
+    key: Name
+    effect: Name
+    value: Text | None = None
 
 
 PodPhase = Literal["pending", "bound", "running", "finished", "deleted"]
@@ -118,32 +160,32 @@ PodPhase = Literal["pending", "bound", "running", "finished", "deleted"]
 class PodAllocation(msgspec.Struct, tag="pod"):
     """A pod's hold on GPUs or MIG devices of a node. Topic ``allocations``, key = node."""
 
-    ts: float
-    node: str
+    ts: Timestamp
+    node: Name
     pod: PodRef
     phase: PodPhase
-    gpus: int = 0
+    gpus: Count = 0
     """Whole GPUs requested (``nvidia.com/gpu``)."""
-    mig: dict[str, int] = {}
+    mig: Counts = {}
     """MIG devices requested, by profile name (``nvidia.com/mig-3g.40gb`` -> ``3g.40gb``)."""
-    device_ids: list[str] = []
+    device_ids: Annotated[list[Name], Meta(max_length=1024)] = []
     """The device UUIDs the kubelet assigned, when known."""
-    started_at: float | None = None
-    owner_kind: str | None = None
-    owner_name: str | None = None
-    workload_kind: str | None = None
+    started_at: Timestamp | None = None
+    owner_kind: Name | None = None
+    owner_name: Name | None = None
+    workload_kind: Name | None = None
     """notebook, batch or inference, from labels or the owner chain."""
-    queue: str | None = None
-    priority_class: str | None = None
-    labels: dict[str, str] = {}
-    annotations: dict[str, str] = {}
+    queue: Name | None = None
+    priority_class: Name | None = None
+    labels: Labels = {}
+    annotations: Annotations = {}
     spot_tolerant: bool = False
-    schema: int = SCHEMA_VERSION
-    gang: str | None = None
+    schema: Version = SCHEMA_VERSION
+    gang: Name | None = None
     """The gang the pod belongs to, ``<Kind>/<name>`` in its namespace (a JobSet, a
     PyTorchJob, a coscheduling or Volcano PodGroup, a Kueue pod group), when it is one of
     several pods that only work together; None: not a gang member."""
-    gang_size: int | None = None
+    gang_size: Count | None = None
     """Members the gang needs to run (PodGroup ``minMember``, Kueue pod-set counts, replica
     counts of the GPU replicas); None: not known (yet)."""
 
@@ -151,26 +193,26 @@ class PodAllocation(msgspec.Struct, tag="pod"):
 class NodeInventory(msgspec.Struct, tag="node"):
     """A node's GPU inventory and schedulability. Topic ``allocations``, key = node."""
 
-    ts: float
-    node: str
-    gpu_product: str | None = None
-    gpu_count: int = 0
-    mig_strategy: str | None = None
-    mig_config: str | None = None
-    allocatable: dict[str, int] = {}
-    labels: dict[str, str] = {}
-    taints: list[Taint] = []
+    ts: Timestamp
+    node: Name
+    gpu_product: Name | None = None
+    gpu_count: Count = 0
+    mig_strategy: Name | None = None
+    mig_config: Name | None = None
+    allocatable: Counts = {}
+    labels: Labels = {}
+    taints: Annotated[list[Taint], Meta(max_length=1024)] = []
     unschedulable: bool = False
     spot: bool = False
     deleted: bool = False
-    schema: int = SCHEMA_VERSION
-    capacity: dict[str, int] = {}
+    schema: Version = SCHEMA_VERSION
+    capacity: Counts = {}
     """GPU and MIG capacity (``nvidia.com/gpu``, ``nvidia.com/mig-*``), as ``allocatable``."""
-    gpu_memory_mib: int | None = None
+    gpu_memory_mib: Count | None = None
     """GPU Operator label ``nvidia.com/gpu.memory`` (of a MIG device under ``single``)."""
     mig_capable: bool | None = None
     """GPU Operator label ``nvidia.com/mig.capable``; None when not labelled."""
-    mig_config_state: str | None = None
+    mig_config_state: Name | None = None
     """``nvidia.com/mig.config.state``: pending, rebooting, success or failed (mig-manager)."""
 
 
@@ -182,72 +224,72 @@ WorkloadState = Literal["pending", "admitted", "evicted", "requeued", "finished"
 class QueueEvent(msgspec.Struct):
     """A queued workload (Kueue Workload or a pending pod). Topic ``queue``, key = cluster queue."""
 
-    ts: float
-    name: str
-    namespace: str
-    cluster_queue: str
+    ts: Timestamp
+    name: Name
+    namespace: Name
+    cluster_queue: Name
     state: WorkloadState
-    queue: str | None = None
-    created_at: float | None = None
-    admitted_at: float | None = None
-    gpus: int = 0
-    mig: dict[str, int] = {}
-    priority: int | None = None
-    schema: int = SCHEMA_VERSION
+    queue: Name | None = None
+    created_at: Timestamp | None = None
+    admitted_at: Timestamp | None = None
+    gpus: Count = 0
+    mig: Counts = {}
+    priority: Int64 | None = None
+    schema: Version = SCHEMA_VERSION
     kind: Literal["workload", "pod"] | None = None
     """What waits: a Kueue Workload or a GPU pod without a node; None when unknown."""
-    uid: str | None = None
-    priority_class: str | None = None
-    reason: str | None = None
+    uid: Name | None = None
+    priority_class: Name | None = None
+    reason: Text | None = None
     """Reason of the condition that decided ``state`` (e.g. ``Preempted/InClusterQueue``)."""
     active: bool = True
     """A Kueue Workload's ``spec.active``; False once deactivated (stopped)."""
-    gang: str | None = None
+    gang: Name | None = None
     """As :attr:`PodAllocation.gang`. A gang member pod is reported here through its whole
     life (pending, ``admitted`` once bound to a node, finished or deleted), so the fleet
     agent sees every member of a gang on the queue topic; a Kueue Workload names the gang of
     the pods it admits (its owner)."""
-    gang_size: int | None = None
+    gang_size: Count | None = None
     """As :attr:`PodAllocation.gang_size`."""
 
 
 class IdleHold(msgspec.Struct, frozen=True, omit_defaults=True):
     """A device of the node whose holder the idle rule has an open episode on."""
 
-    device: str
+    device: Name
     pod: PodRef
-    idle_since: float
+    idle_since: Timestamp
     """Start of the idle episode (after the start-up grace), Unix seconds."""
-    gpus: int = 0
+    gpus: Count = 0
     """Whole GPUs it frees when reclaimed (1 for a GPU device, 0 for a MIG device)."""
-    mig_profile: str | None = None
+    mig_profile: Name | None = None
     """The MIG profile it frees, for a MIG device."""
-    workload_kind: str | None = None
-    kept_until: float | None = None
+    workload_kind: Name | None = None
+    kept_until: Timestamp | None = None
     """Until when a ``gpusteward.io/keep-until`` annotation holds it (Unix seconds)."""
-    ladder_step: int = 1
+    ladder_step: Annotated[int, Meta(ge=0, le=3)] = 1
     """The idle rule's ladder step: 1 notified, 2 warned, 3 reclaim asked."""
 
 
 class NodeSummary(msgspec.Struct):
     """Free capacity and health of a node for fleet-wide rules. Compacted, key = node."""
 
-    ts: float
-    node: str
-    gpu_model: str | None
-    gpus_total: int
-    gpus_free: int
-    mig_free: dict[str, int] = {}
+    ts: Timestamp
+    node: Name
+    gpu_model: Name | None
+    gpus_total: Count
+    gpus_free: Int64
+    mig_free: Annotated[dict[Name, Int64], Meta(max_length=1024)] = {}
     healthy: bool = True
     cordoned: bool = False
     spot: bool = False
-    schema: int = SCHEMA_VERSION
-    pool: str | None = None
+    schema: Version = SCHEMA_VERSION
+    pool: Name | None = None
     """The node's pool (the policy's node-pool label), for demand matched by pool."""
-    idle: list[IdleHold] = []
+    idle: Annotated[list[IdleHold], Meta(max_length=4096)] = []
     """Devices held by pods the idle rule finds idle (open, not exempt episodes): what the
     fleet agent may reclaim for waiting work (demand-aware reclaim)."""
-    held_by_team: dict[str, float] = {}
+    held_by_team: Annotated[dict[Name, GpuShare], Meta(max_length=1024)] = {}
     """GPUs held on the node by team (whole-GPU equivalents; a MIG device counts its share
     of compute slices), for team GPU-hour budgets."""
 
@@ -259,19 +301,19 @@ FindingState = Literal["firing", "resolved"]
 class Subject(msgspec.Struct, frozen=True, omit_defaults=True):
     """What a finding or action is about; any of the parts may be absent."""
 
-    node: str | None = None
-    device: str | None = None
+    node: Name | None = None
+    device: Name | None = None
     pod: PodRef | None = None
-    queue: str | None = None
+    queue: Name | None = None
 
 
 class Evidence(msgspec.Struct, omit_defaults=True):
     """The window of observations that made a rule fire."""
 
-    window_start: float
-    window_end: float
-    samples: int = 0
-    values: dict[str, float] = {}
+    window_start: Timestamp
+    window_end: Timestamp
+    samples: Count = 0
+    values: Annotated[dict[Name, float], Meta(max_length=1024)] = {}
 
 
 class Finding(msgspec.Struct):
@@ -282,20 +324,20 @@ class Finding(msgspec.Struct):
     same on every redelivery, so consumers deduplicate on it.
     """
 
-    id: str
-    fingerprint: str
-    kind: str
+    id: Key
+    fingerprint: Key
+    kind: Name
     severity: Severity
     state: FindingState
     subject: Subject
-    summary: str
-    starts_at: float
-    ts: float
-    ends_at: float | None = None
+    summary: Text
+    starts_at: Timestamp
+    ts: Timestamp
+    ends_at: Timestamp | None = None
     evidence: Evidence | None = None
-    runbook: str = ""
-    labels: dict[str, str] = {}
-    schema: int = SCHEMA_VERSION
+    runbook: Text = ""
+    labels: Labels = {}
+    schema: Version = SCHEMA_VERSION
 
 
 ActionVerb = Literal["notify_owner", "cordon", "taint", "drain", "requeue", "set_mig_config"]
@@ -308,17 +350,17 @@ class Action(msgspec.Struct):
     same key twice must have the effect of executing it once.
     """
 
-    idempotency_key: str
+    idempotency_key: Key
     verb: ActionVerb
     target: Subject
-    reason: str
-    rule: str
-    finding_ids: list[str]
-    ts: float
+    reason: Text
+    rule: Name
+    finding_ids: Names
+    ts: Timestamp
     dry_run: bool = False
     """Set when the rule's policy wants only a dry run: no executor carries it out."""
-    params: dict[str, str] = {}
-    schema: int = SCHEMA_VERSION
+    params: Labels = {}
+    schema: Version = SCHEMA_VERSION
 
 
 Outcome = Literal["executed", "dry_run", "skipped", "refused", "failed", "retrying"]
@@ -329,31 +371,39 @@ follows; the action's last record carries its final outcome."""
 class ActionResult(msgspec.Struct):
     """The audit record of one decision on one action. Key = idempotency key."""
 
-    idempotency_key: str
+    idempotency_key: Key
     verb: ActionVerb
     target: Subject
     outcome: Outcome
-    detail: str
-    actor: str
-    ts: float
-    error: str | None = None
+    detail: Text
+    actor: Name
+    ts: Timestamp
+    error: Text | None = None
     """The error of a ``retrying`` or ``failed`` attempt (its class and message, cut)."""
-    attempt: int = 1
+    attempt: Count = 1
     """Which try of the backend call this record reports, from 1 (retries count up)."""
-    schema: int = SCHEMA_VERSION
+    schema: Version = SCHEMA_VERSION
 
 
 class DeadLetter(msgspec.Struct):
-    """A record that could not be processed, kept whole with the reason."""
+    """A record that could not be processed, kept with the reason. Key = source topic.
 
-    source_topic: str
-    partition: int
-    offset: int
-    error: str
-    ts: float
+    ``error`` says why: the edge's refusal (``invalid: ... - at `$.devices[0].temp_c```)
+    or, prefixed by the agent, what processing raised."""
+
+    source_topic: Name
+    partition: Count
+    offset: Int64
+    error: Text
+    ts: Timestamp
     key: bytes | None = None
     value: bytes | None = None
-    schema: int = SCHEMA_VERSION
+    schema: Version = SCHEMA_VERSION
+    value_bytes: Count | None = None
+    """Size of the record's value; larger than ``value`` when it was cut."""
+    truncated: bool = False
+    """The value was cut (a dead letter must fit the broker's message limit, and the
+    value travels base64-encoded in it)."""
 
 
 def json_schema(struct: Any) -> dict[str, Any]:
@@ -369,37 +419,37 @@ class Rollup(msgspec.Struct, omit_defaults=True):
     utilisation, or graphics-engine activity on a MIG device).
     """
 
-    ts: float
+    ts: Timestamp
     """Start of the minute, Unix seconds (a multiple of 60)."""
-    node: str
-    uuid: str
-    model: str
-    samples: int
+    node: Name
+    uuid: Name
+    model: Name
+    samples: Count
     kind: Literal["gpu", "mig"] = "gpu"
-    index: int = 0
-    parent_uuid: str | None = None
-    mig_profile: str | None = None
+    index: Index = 0
+    parent_uuid: Name | None = None
+    mig_profile: Name | None = None
     gpu_fraction: float = 1.0
     """Share of a whole GPU the device is (compute slices / total for MIG): GPU-hours weight."""
     util_min: float | None = None
     util_mean: float | None = None
     util_max: float | None = None
     mem_used_mean: float | None = None
-    mem_used_max: int | None = None
-    mem_total_bytes: int | None = None
+    mem_used_max: Count | None = None
+    mem_total_bytes: Count | None = None
     power_mean: float | None = None
     power_max: float | None = None
     temp_max: float | None = None
-    throttled_samples: int = 0
+    throttled_samples: Count = 0
     """Samples with a thermal or power-brake clock-event reason set."""
-    ecc_dbe_new: int = 0
+    ecc_dbe_new: Count = 0
     """Double-bit ECC errors that appeared during the minute."""
-    xid_count: int = 0
-    namespace: str | None = None
-    pod: str | None = None
-    owner_kind: str | None = None
-    owner_name: str | None = None
-    team: str | None = None
-    workload_kind: str | None = None
-    queue: str | None = None
-    schema: int = SCHEMA_VERSION
+    xid_count: Count = 0
+    namespace: Name | None = None
+    pod: Name | None = None
+    owner_kind: Name | None = None
+    owner_name: Name | None = None
+    team: Name | None = None
+    workload_kind: Name | None = None
+    queue: Name | None = None
+    schema: Version = SCHEMA_VERSION

@@ -72,6 +72,30 @@ class KafkaSettings(BaseModel):
         ),
     )
 
+    session_timeout_s: float = Field(
+        6.0,
+        gt=0,
+        le=300,
+        description=(
+            "Consumer-group session timeout, seconds: how long a member that stopped "
+            "heartbeating (killed, frozen, cut off) keeps its partitions before the group "
+            "hands them to the others, so survivors resume about this long after a crash. "
+            "6 is the least Kafka accepts by default (group.min.session.timeout.ms); the "
+            "embedded broker also holds a join for half of it (a restart measured 15 s at 10, "
+            "10 s at 6). Raise it where the network or GC pauses are slow."
+        ),
+    )
+    group_instance_id: str | None = Field(
+        None,
+        description=(
+            "Static group membership (KIP-345) for the stream worker: a stable, unique name "
+            "per worker (a StatefulSet pod's name). A worker restarted under the same name "
+            "takes its partitions back at once instead of waiting a session timeout for its "
+            "old self to expire, and a restart causes no rebalance. None: dynamic membership "
+            "(a clean shutdown leaves the group; a crash costs one session timeout)."
+        ),
+    )
+
     @model_validator(mode="after")
     def _sasl_is_complete(self) -> KafkaSettings:
         # Caught here, at start, rather than as an opaque authentication failure later.
@@ -136,6 +160,20 @@ class KafkaSettings(BaseModel):
         return config
 
 
+class MetricsSettings(BaseModel):
+    """Where a pipeline process serves its own ``/metrics`` (:mod:`gpusteward.metrics`)."""
+
+    port: int = Field(
+        0, ge=0, le=65535,
+        description=(
+            "TCP port of the process's /metrics; 0 does not serve. Off by default because the "
+            "demo and the tests run several processes on one host; the manifests and compose "
+            "set 9464 (the OpenTelemetry exporters' port, free in every pod)."
+        ),
+    )
+    addr: str = Field("0.0.0.0", description="Address /metrics binds; 0.0.0.0 for a scraper.")
+
+
 class Settings(BaseSettings):
     """Root settings of a gpusteward process."""
 
@@ -144,6 +182,17 @@ class Settings(BaseSettings):
     )
 
     kafka: KafkaSettings = KafkaSettings()
+    metrics: MetricsSettings = MetricsSettings()
+    health_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description=(
+            "Port of the process's /livez and /readyz (gpusteward.health); 0 serves none. "
+            "Off by default so local runs of several processes do not collide; the "
+            "manifests set it for their probes."
+        ),
+    )
     topic_prefix: str = Field(
         "gpusteward",
         description="Prefix of every topic name; change it to run two pipelines on one cluster.",

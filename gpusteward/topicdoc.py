@@ -29,6 +29,18 @@ join stays local.
 """
 
 
+def _range(prop: dict[str, Any]) -> str:
+    """A number's bounds as the decoder enforces them (``0..100``)."""
+    low, high = prop.get("minimum"), prop.get("maximum")
+    if low is None or high is None:
+        return ""
+    return f" {_number(low)}..{_number(high)}"
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:.15g}"
+
+
 def _type(prop: dict[str, Any]) -> str:
     if "$ref" in prop:
         return prop["$ref"].rsplit("/", 1)[-1]
@@ -37,10 +49,14 @@ def _type(prop: dict[str, Any]) -> str:
     if "enum" in prop:
         return " / ".join(f"`{v}`" for v in prop["enum"])
     if prop.get("type") == "array":
-        return f"list of {_type(prop.get('items', {}))}"
+        most = f" up to {prop['maxItems']}" if "maxItems" in prop else ""
+        return f"list of{most} {_type(prop.get('items', {}))}"
     if prop.get("type") == "object" and "additionalProperties" in prop:
-        return f"map to {_type(prop['additionalProperties'])}"
-    return str(prop.get("type", "any"))
+        most = f" up to {prop['maxProperties']} keys" if "maxProperties" in prop else ""
+        return f"map of{most} to {_type(prop['additionalProperties'])}"
+    if prop.get("type") == "string" and "maxLength" in prop:
+        return f"string of up to {prop['maxLength']} chars"
+    return str(prop.get("type", "any")) + _range(prop)
 
 
 def _fields(definition: dict[str, Any]) -> list[str]:

@@ -41,7 +41,8 @@ records of their own (idempotency key ``breaker/trip/...`` or
 see them as ordinary results. While running, the executor follows the audit
 topic for resets written by the CLI.
 
-Malformed action records go to the dead-letter topic with the reason.
+Malformed action records (refused at :mod:`gpusteward.edge`) and any action
+whose handling raises go to the dead-letter topic with the reason.
 Backends are pluggable; the simulator backend acts on the fleet simulator
 and is a sandbox (nothing real changes), so per-rule enablement does not
 gate it; the Kubernetes backend lives in ``kubernetes.py``, the simulator's in
@@ -64,13 +65,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rich.console import Console
 from rich.markup import escape
 
-from gpusteward import kafka, topics
+from gpusteward import edge, kafka, topics
 from gpusteward.errors import TemporaryError, cut
+from gpusteward.metrics import PipelineMetrics, observe_lag, serve
 from gpusteward.rules import REGISTRY, REMEDIATION_BREAKER
 from gpusteward.rules.findings import finding_id, fingerprint
 from gpusteward.rules.idle import RECLAIM_REASON
 from gpusteward.rules.registry import ALL_RULES
-from gpusteward.schema import Action, ActionResult, DeadLetter, Finding, Outcome, Subject
+from gpusteward.schema import Action, ActionResult, Finding, Outcome, Subject
 from gpusteward.settings import Settings
 
 if TYPE_CHECKING:
@@ -313,12 +315,15 @@ class Executor:
         self.breaker = CircuitBreaker(self.remediation)
         self.executed_keys: set[str] = set()
         self.sandbox = bool(getattr(backend, "sandbox", False))
-        self._decode = msgspec.json.Decoder(Action).decode
-        self._decode_result = msgspec.json.Decoder(ActionResult).decode
+        self._decode = edge.Edge[Action](Action)
+        self._decode_result = edge.Edge[ActionResult](ActionResult)
+        self.refusals = edge.Refusals(log)
+        """Actions dead-lettered and audit records skipped, by kind."""
         self._encode = msgspec.json.Encoder().encode
         self._audit_topic = topics.ACTION_RESULTS.name(settings)
         self._pending_findings: list[Finding] = []
         self._fleet_cache: tuple[float, int | None] | None = None
+        self.metrics = PipelineMetrics()
 
     # -- state from the audit topic -------------------------------------------------------
 
@@ -326,8 +331,10 @@ class Executor:
         """Rebuild executed keys, the breaker window and breaker state from the audit topic."""
         for record in await kafka.read_all(self.settings, self._audit_topic):
             try:
-                result = self._decode_result(record.value or b"")
-            except (msgspec.DecodeError, msgspec.ValidationError):
+                result = self._decode_result(record.value, record.key)
+            except edge.Rejected as error:
+                self.refusals.note(f"audit {edge.kind_of(error)}",
+                                   "skipping an audit record that is none: %s", error)
                 continue
             self.apply_audit(result)
 
@@ -505,6 +512,9 @@ class Executor:
                                   group_id=self.group_id)
         audit = await self._follow_audit()
         producer = kafka.producer(self.settings)
+        port = self.settings.metrics.port
+        server = serve(self.metrics.registry, port, self.settings.metrics.addr) if port else None
+        processing = self.metrics.processing.labels("remediation")
         await producer.start()
         await consumer.start()
         try:
@@ -513,14 +523,21 @@ class Executor:
                 batch = await consumer.getmany(timeout_ms=200)
                 for tp, messages in batch.items():
                     for message in messages:
+                        started = time.perf_counter()
+                        self.metrics.records_in.labels(tp.topic).inc()
                         await self._handle(producer, message.value, key=message.key,
                                            partition=tp.partition, offset=message.offset,
                                            topic=tp.topic)
+                        processing.observe(time.perf_counter() - started)
                 if batch:
                     # The audit records are on the broker before the offsets move on.
                     await producer.flush()
                     await consumer.commit()
+                await observe_lag(self.metrics, consumer, self.group_id)
+                self.metrics.breaker_open.labels(self.group_id).set(int(self.breaker.open))
         finally:
+            if server is not None:
+                server.stop()
             await consumer.stop()
             await audit.stop()
             await producer.stop()
@@ -545,9 +562,9 @@ class Executor:
         for messages in batch.values():
             for message in messages:
                 try:
-                    result = self._decode_result(message.value or b"")
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
+                    result = self._decode_result(message.value, message.key)
+                except edge.Rejected:
+                    continue  # counted where the history is read
                 if result.idempotency_key.startswith(BREAKER_RESET_PREFIX) and self.breaker.open:
                     log.warning("circuit breaker reset: %s", result.detail)
                     self.breaker.reset()
@@ -555,25 +572,28 @@ class Executor:
     async def _handle(self, producer: AIOKafkaProducer, raw: bytes | None, *,
                       key: bytes | None = None, partition: int = -1, offset: int = -1,
                       topic: str | None = None) -> ActionResult | None:
+        source = topic or topics.ACTIONS.name(self.settings)
         try:
-            action = self._decode(raw or b"")
-        except (msgspec.DecodeError, msgspec.ValidationError) as error:
-            source = topic or topics.ACTIONS.name(self.settings)
-            log.warning("undecodable action at %s[%d]@%d goes to the dead-letter topic: %s",
-                        source, partition, offset, error)
-            letter = DeadLetter(source_topic=source, partition=partition, offset=offset,
-                                error=f"undecodable action: {error}", ts=self.clock(),
-                                key=key, value=raw)
+            action = self._decode(raw, key)
+            was_open = self.breaker.open
+
+            async def audit_attempt(record: ActionResult) -> None:
+                await producer.send(self._audit_topic, self._encode(record),
+                                    key=record.idempotency_key.encode())
+                self.metrics.actions.labels(record.verb, record.outcome).inc()
+
+            result = await self.decide(action, audit_attempt)
+            self.metrics.actions.labels(result.verb, result.outcome).inc()
+        except Exception as error:  # one record's failure is that record's: never a crash loop
+            why = edge.reason(error, "" if isinstance(error, edge.Rejected) else "executor")
+            self.refusals.note(f"action {edge.kind_of(error)}",
+                               "action at %s[%d]@%d goes to the dead-letter topic: %s",
+                               source, partition, offset, why)
+            letter = edge.dead_letter(source, partition, offset, key, raw, why)
             await producer.send(topics.DEADLETTER.name(self.settings), self._encode(letter),
                                 key=source.encode())
+            self.metrics.dead_letters.labels(source, type(error).__name__).inc()
             return None
-        was_open = self.breaker.open
-
-        async def audit_attempt(record: ActionResult) -> None:
-            await producer.send(self._audit_topic, self._encode(record),
-                                key=action.idempotency_key.encode())
-
-        result = await self.decide(action, audit_attempt)
         log.info("%s %s: %s", result.outcome, action.idempotency_key, result.detail)
         if self.breaker.open and not was_open:
             trip = self.breaker_record("trip", self.breaker.trip_reason, result.ts)

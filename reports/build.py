@@ -16,7 +16,7 @@ from typing import Any
 import polars as pl
 import yaml
 
-from gpusteward.reports import compute, recommend, store
+from gpusteward.reports import compute, recommend, store, weekly
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry as mig_geometry
 from gpusteward.rules.mig import layout
@@ -36,52 +36,46 @@ class Report:
 def build(directory: Path, week: compute.Week, settings: ReportSettings,
           queue: pl.DataFrame | Path | None = None,
           geometries: Mapping[str, mig_geometry.Geometry] | None = None,
-          step: Step | None = None) -> Report:
+          step: Step | None = None, rows: weekly.Rows | None = None) -> Report:
     """The report for ``week`` from the rollup store at ``directory``.
 
-    ``queue`` is the week's queue events, or the folder of their store.
+    ``queue`` is the week's queue events, or the folder of their store. ``step``
+    hears each stage's name as it starts, ``rows`` the rows read so far and the
+    rows in the week's files. Raises :class:`store.StoreError` for files another
+    version wrote; days without files are listed in ``missing_days``.
     """
     geometries = mig_geometry.load() if geometries is None else geometries
     advance = step or (lambda _name: None)
     advance(STEPS[0])
-    frame = compute.prepare(store.scan(directory, week.start, week.end, compute.COLUMNS,
-                                       categorical=True),
-                            settings, geometries)
+    missing = store.missing_days(directory, week.start, week.end)
+    tables = weekly.fold_week(directory, week.start, week.end, settings, geometries, rows)
     advance(STEPS[1])
-    teams = compute.team_table(frame)
-    daily = compute.daily_table(frame)
-    workloads = compute.workload_table(frame)
-    faults = compute.fault_table(frame)
-    fragmentation = compute.fragmentation_table(frame, settings.fragmentation_shape_gpus)
     if isinstance(queue, Path):
         queue = store.scan_queue(queue, week.start, week.end)
     queues = compute.queue_table(queue, settings)
     advance(STEPS[2])
-    need = recommend.needs(frame, settings)
-    advice = recommend.recommend(need, settings, geometries)
+    advice = recommend.recommend(tables.need, settings, geometries)
     advance(STEPS[3])
-    pools, demand, today = recommend.mig_demand(frame, need, week.minutes, settings, geometries)
+    pools, demand, today = recommend.mig_demand(tables.gpus, tables.devices, tables.need,
+                                                week.minutes, settings, geometries)
     plan = layout.advise(geometries, pools, demand, current=today)
     advance(STEPS[4])
 
-    held = frame.filter(pl.col("allocated"))
+    teams = tables.teams
     totals = {
-        "devices": frame["uuid"].n_unique(),
-        "nodes": frame["node"].n_unique(),
-        "device_minutes": frame.height,
-        "allocated_gpu_hours": float(held["gpu_hours"].sum()),
-        "used_gpu_hours": float(held["used_hours"].sum()),
-        "idle_gpu_hours": float(held.filter(pl.col("idle_minute"))["gpu_hours"].sum()),
-        "idle_cost_usd": float(held.filter(pl.col("idle_minute")).select(
-            (pl.col("gpu_hours") * pl.col("hourly_usd")).sum()).item()),
-        "allocated_cost_usd": float(held.select(
-            (pl.col("gpu_hours") * pl.col("hourly_usd")).sum()).item()),
+        "devices": tables.devices["uuid"].n_unique(),
+        "nodes": tables.devices["node"].n_unique(),
+        "device_minutes": tables.device_minutes,
+        **{c: float(teams[c].sum()) for c in ("allocated_gpu_hours", "used_gpu_hours",
+                                               "idle_gpu_hours", "idle_cost_usd",
+                                               "allocated_cost_usd")},
         "recommended_saving_usd": _best_saving(advice),
     }
     data: dict[str, Any] = {
         "week": week.label,
         "start": week.start,
         "end": week.end,
+        "missing_days": [day.isoformat() for day in missing],
         "settings": {
             "idle_threshold_pct": settings.idle_threshold_pct,
             "percentile": settings.percentile,
@@ -93,12 +87,12 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
         },
         "totals": totals,
         "teams": compute.records(teams),
-        "daily": compute.records(daily),
-        "workloads": compute.records(workloads),
+        "daily": compute.records(tables.daily),
+        "workloads": compute.records(tables.workloads),
         "recommendations": [r.as_dict() for r in advice],
         "queues": compute.records(queues),
-        "faults": compute.records(faults),
-        "fragmentation": compute.records(fragmentation),
+        "faults": compute.records(tables.faults),
+        "fragmentation": compute.records(tables.fragmentation),
         "mig": {
             "pools": [{
                 "pool": p.pool.name, "model": p.pool.model, "gpus": p.pool.gpus,

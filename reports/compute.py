@@ -94,8 +94,8 @@ def prepare(rows: pl.DataFrame | pl.LazyFrame, settings: ReportSettings,
             geometries: Mapping[str, mig_geometry.Geometry]) -> pl.DataFrame:
     """The week's rows with the columns the report needs, models canonical, prices attached.
 
-    At 10 M rows memory is the cost that matters: strings become categoricals, the
-    pod name becomes a flag, and everything is derived in one pass.
+    Strings become categoricals, the pod name becomes a flag, and everything is
+    derived in one pass; :mod:`gpusteward.reports.weekly` calls it a slice at a time.
     """
     frame = rows.lazy().select(COLUMNS).collect()
     models = frame["model"].cast(pl.String).unique().to_list()
@@ -104,26 +104,29 @@ def prepare(rows: pl.DataFrame | pl.LazyFrame, settings: ReportSettings,
     idle = settings.idle_threshold_pct
     strings = ["node", "uuid", "kind", "parent_uuid", "mig_profile", "namespace", "owner_kind",
                "owner_name", "team", "gpu_model"]
-    model = pl.col("model").cast(pl.String)
+    # On the categoricals, not their text: at 100 M rows making text costs seconds.
+    model = pl.col("model").cast(pl.Categorical)
     return frame.lazy().with_columns(
-        model.replace_strict(mapping, default=model).alias("gpu_model"),
+        model.replace_strict(mapping, default=None, return_dtype=pl.Categorical)
+        .alias("gpu_model"),
         model.replace_strict(prices, default=settings.default_hourly_usd,
-                                       return_dtype=pl.Float64).alias("hourly_usd"),
+                             return_dtype=pl.Float64).alias("hourly_usd"),
         pl.col("pod").is_not_null().alias("allocated"),
         (pl.col("gpu_fraction").cast(pl.Float64) / 60).alias("gpu_hours"),
         (pl.col("gpu_fraction").cast(pl.Float64) / 60
          * pl.col("util_mean").fill_null(0).cast(pl.Float64) / 100).alias("used_hours"),
         (pl.col("util_max").fill_null(0) < idle).alias("idle_minute"),
         # Rollups from other producers may lack a team: fall back as the fold does.
-        pl.coalesce(pl.col("team").cast(pl.String), pl.col("namespace").cast(pl.String),
-                    pl.lit("unattributed")).alias("team"),
+        pl.coalesce(pl.col("team").cast(pl.Categorical),
+                    pl.col("namespace").cast(pl.Categorical),
+                    pl.lit("unattributed", dtype=pl.Categorical)).alias("team"),
         (pl.col("ts") * 1000).cast(pl.Int64).cast(pl.Datetime("ms", "UTC")).dt.date()
         .alias("day"),
     ).drop("pod", "queue", "model").with_columns(
         [pl.col(c).cast(pl.Categorical) for c in strings]).collect()
 
 
-def _hours_and_costs() -> list[pl.Expr]:
+def hours_and_costs() -> list[pl.Expr]:
     """Allocated, used and idle GPU-hours with their cost, for any grouping."""
     cost = pl.col("gpu_hours") * pl.col("hourly_usd")
     idle = pl.col("idle_minute")
@@ -134,62 +137,6 @@ def _hours_and_costs() -> list[pl.Expr]:
         cost.sum().alias("allocated_cost_usd"),
         cost.filter(idle).sum().alias("idle_cost_usd"),
     ]
-
-
-def team_table(frame: pl.DataFrame) -> pl.DataFrame:
-    held = frame.filter(pl.col("allocated"))
-    return (held.group_by("team").agg(
-        *_hours_and_costs(),
-    ).with_columns((pl.col("used_gpu_hours") / pl.col("allocated_gpu_hours") * 100)
-                   .alias("efficiency_pct"))
-        .sort("allocated_gpu_hours", descending=True))
-
-
-def daily_table(frame: pl.DataFrame) -> pl.DataFrame:
-    return (frame.filter(pl.col("allocated"))
-            .group_by("day", "team").agg(
-                pl.col("gpu_hours").sum().alias("allocated_gpu_hours"),
-                pl.col("used_hours").sum().alias("used_gpu_hours"))
-            .sort("day", "team"))
-
-
-def workload_table(frame: pl.DataFrame) -> pl.DataFrame:
-    held = frame.filter(pl.col("allocated"))
-    return (held.group_by(WORKLOAD).agg(
-        pl.col("gpu_model").mode().first().alias("gpu_model"),
-        pl.col("uuid").n_unique().alias("devices"),
-        pl.len().alias("device_minutes"),
-        pl.col("ts").n_unique().alias("minutes"),
-        *_hours_and_costs(),
-        *[pl.col("util_mean").quantile(q / 100, "linear").alias(f"util_p{q}")
-          for q in (5, 25, 50, 75, 95)],
-        pl.col("mem_used_max").max().alias("mem_peak_bytes"),
-    ).sort("allocated_gpu_hours", descending=True))
-
-
-def fault_table(frame: pl.DataFrame) -> pl.DataFrame:
-    return (frame.group_by("day").agg(
-        pl.col("xid_count").sum().alias("xid_events"),
-        pl.col("ecc_dbe_new").sum().alias("ecc_dbe_errors"),
-        (pl.col("throttled_samples") > 0).sum().alias("throttled_device_minutes"),
-    ).sort("day"))
-
-
-def fragmentation_table(frame: pl.DataFrame, shape_gpus: int) -> pl.DataFrame:
-    """Per hour: free whole GPUs and the share of them no ``shape_gpus``-GPU request fits."""
-    per_node = (frame.filter(pl.col("kind") == "gpu")
-                .group_by("ts", "node").agg((~pl.col("allocated")).sum().alias("free")))
-    per_minute = per_node.group_by("ts").agg(
-        pl.col("free").sum().alias("free"),
-        ((pl.col("free") // shape_gpus) * shape_gpus).sum().alias("usable"))
-    return (per_minute.with_columns(
-        (pl.col("ts") * 1000).cast(pl.Int64).cast(pl.Datetime("ms", "UTC"))
-        .dt.truncate("1h").alias("hour"))
-        .group_by("hour").agg(
-            pl.col("free").mean().alias("free_gpus"),
-            (1 - pl.col("usable").sum() / pl.col("free").sum()).fill_nan(0.0)
-            .alias("stranded_share"))
-        .sort("hour"))
 
 
 def queue_table(queue: pl.DataFrame | None, settings: ReportSettings) -> pl.DataFrame:

@@ -27,7 +27,6 @@ from typing import Any
 
 import polars as pl
 
-from gpusteward.reports.compute import WORKLOAD
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry as mig_geometry
 from gpusteward.rules.mig.layout import Demand, Pool, smallest_fitting
@@ -54,44 +53,6 @@ class Recommendation:
 
 def workload_name(namespace: str | None, owner_kind: str | None, owner_name: str | None) -> str:
     return f"{namespace}/{(owner_kind or 'Pod').lower()}/{owner_name}"
-
-
-def needs(frame: pl.DataFrame, settings: ReportSettings) -> pl.DataFrame:
-    """Per workload: minutes of data, the GPUs it holds, and what it needs (with headroom)."""
-    # One 64-bit hash stands for the four workload columns: grouping 10 M rows by two
-    # numbers is several times faster than by four categoricals and a float.
-    held = frame.filter(pl.col("allocated")).with_columns(
-        pl.struct(WORKLOAD).hash(seed=0).alias("wid"),
-        pl.col("util_mean").fill_null(0), pl.col("mem_used_max").fill_null(0),
-        (pl.col("kind") == "mig").alias("mig"))
-    q = settings.percentile / 100
-    mq = settings.memory_percentile / 100
-    grow = 1 + settings.headroom_pct / 100
-    # GPU-hours per minute times 60 is GPU-equivalents in use and held that minute.
-    per_minute = held.group_by("wid", "ts").agg(
-        (pl.col("used_hours").sum() * 60).alias("used"),
-        (pl.col("gpu_hours").sum() * 60).alias("held"),
-    )
-    demand = per_minute.group_by("wid").agg(
-        pl.len().alias("points"),
-        (pl.col("used").quantile(q, "linear") * grow).alias("gpus_needed"),
-        pl.col("held").mean().alias("gpus_held"),
-    )
-    per_device = held.group_by("wid").agg(
-        *[pl.col(c).first() for c in WORKLOAD],
-        (pl.col("util_mean").quantile(q, "linear") * grow / 100)
-        .alias("device_compute_needed"),
-        (pl.col("mem_used_max").quantile(mq, "linear") * grow).alias("device_mem_needed"),
-        pl.col("mig").any().alias("uses_mig"),
-        pl.col("gpu_model").mode().first().alias("gpu_model"),
-        pl.col("mem_total_bytes").max().alias("device_mem_total"),
-        pl.col("gpu_hours").sum().alias("gpu_hours"),
-        pl.col("uuid").n_unique().alias("devices"),
-        pl.len().alias("device_minutes"),
-        pl.col("hourly_usd").mean().alias("hourly_usd"),
-    )
-    return (demand.join(per_device, on="wid").drop("wid")
-            .select(*WORKLOAD, pl.exclude(WORKLOAD)).sort(WORKLOAD))
 
 
 def recommend(need: pl.DataFrame, settings: ReportSettings,
@@ -163,14 +124,19 @@ def _cheaper_model(row: dict[str, Any], settings: ReportSettings) -> tuple[str, 
     return best
 
 
-def mig_demand(frame: pl.DataFrame, need: pl.DataFrame, week_minutes: int,
-               settings: ReportSettings, geometries: Mapping[str, mig_geometry.Geometry]
+def mig_demand(gpus: pl.DataFrame, devices: pl.DataFrame, need: pl.DataFrame,
+               week_minutes: int, settings: ReportSettings,
+               geometries: Mapping[str, mig_geometry.Geometry]
                ) -> tuple[list[Pool], dict[str, list[Demand]],
                           dict[str, list[dict[str, int] | None]]]:
-    """Pools (one per MIG-capable model), their demand, and each node's layout today."""
-    nodes = (frame.group_by("gpu_model", "node").agg(
-        pl.when(pl.col("kind") == "mig").then(pl.col("parent_uuid")).otherwise(pl.col("uuid"))
-        .n_unique().alias("gpus")).sort("gpu_model", "node"))
+    """Pools (one per MIG-capable model), their demand, and each node's layout today.
+
+    ``gpus`` has a row per physical GPU (gpu_model, node, gpu), ``devices`` a row
+    per device seen (node, index, uuid, kind, parent_uuid, mig_profile), ``need``
+    the per-workload table of the week's fold.
+    """
+    nodes = (gpus.group_by("gpu_model", "node").agg(pl.col("gpu").n_unique().alias("gpus"))
+             .sort("gpu_model", "node"))
     pools: list[Pool] = []
     for (model,), group in nodes.group_by("gpu_model", maintain_order=True):
         if model not in geometries:
@@ -188,19 +154,19 @@ def mig_demand(frame: pl.DataFrame, need: pl.DataFrame, week_minutes: int,
         if profile is None:
             continue
         name = workload_name(row["namespace"], row["owner_kind"], row["owner_name"])
-        devices = max(1, round(row["gpus_held"]))
-        share = row["device_minutes"] / devices / week_minutes
-        for i in range(devices):
-            label = name if devices == 1 else f"{name}#{i}"
+        held = max(1, round(row["gpus_held"]))
+        share = row["device_minutes"] / held / week_minutes
+        for i in range(held):
+            label = name if held == 1 else f"{name}#{i}"
             demand.setdefault(row["gpu_model"], []).append(Demand(label, profile.name,
                                                                    min(1.0, share)))
-    return pools, demand, current_layouts(frame)
+    return pools, demand, current_layouts(devices)
 
 
-def current_layouts(frame: pl.DataFrame) -> dict[str, list[dict[str, int] | None]]:
+def current_layouts(devices: pl.DataFrame) -> dict[str, list[dict[str, int] | None]]:
     """Each node's GPUs as seen this week: the MIG profiles on each, None for a whole GPU."""
-    devices = frame.select("node", "index", "uuid", "kind", "parent_uuid", "mig_profile"
-                           ).unique()
+    devices = devices.select("node", "index", "uuid", "kind", "parent_uuid", "mig_profile"
+                             ).unique()
     gpus: dict[str, dict[tuple[int, str], dict[str, int] | None]] = {}
     for node, index, uuid, kind, parent, profile in devices.sort("node", "index", "uuid"
                                                                  ).iter_rows():

@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -125,6 +125,116 @@ def files(directory: Path, start: float, end: float) -> list[Path]:
             found.extend(sorted(p for p in folder.glob("*.parquet")
                                 if not p.name.startswith(".")))
     return found
+
+
+class StoreError(ValueError):
+    """A store the report cannot read: another version's files, or not Parquet at all."""
+
+
+def _checked(paths: list[Path], wanted: list[str]) -> None:
+    """Raise :class:`StoreError` naming the first file that lacks or mistypes a column."""
+    for path in paths:
+        try:
+            found = pl.read_parquet_schema(path)
+        except (OSError, pl.exceptions.PolarsError) as error:
+            raise StoreError(f"{path} is not a readable Parquet file: {error}") from error
+        missing = [c for c in wanted if c not in found]
+        if missing:
+            raise StoreError(
+                f"{path} was written by another version of gpusteward: it lacks "
+                f"{', '.join(missing)}. Re-write the store with this version's sink, or "
+                "read it with the version that wrote it.")
+        for column in wanted:
+            if not _castable(found[column], SCHEMA[column]):
+                raise StoreError(
+                    f"{path} was written by another version of gpusteward: column "
+                    f"{column} is {found[column]}, this version reads {SCHEMA[column]}.")
+
+
+def _castable(found: Any, wanted: Any) -> bool:
+    """Whether a column read as ``found`` holds what this version reads as ``wanted``."""
+    if found == wanted:
+        return True
+    numeric = found.is_numeric() and pl.Series([], dtype=wanted).dtype.is_numeric()
+    textual = found in (pl.String, pl.Categorical) and wanted == pl.String
+    return bool(numeric or textual)
+
+
+def count_rows(directory: Path, start: float, end: float) -> int:
+    """Rows in the files of the days that overlap [start, end), from their footers."""
+    paths = files(directory, start, end)
+    if not paths:
+        return 0
+    _checked(paths, ["ts", "uuid"])
+    return int(pl.scan_parquet(paths).select(pl.len()).collect().item())
+
+
+def missing_days(directory: Path, start: float, end: float) -> list[date]:
+    """The days of [start, end) with no file in the store."""
+    day, last, missing = _day(start), _day(end - 1e-6), []
+    while day <= last:
+        if not files(directory, *_bounds(day)):
+            missing.append(day)
+        day += timedelta(days=1)
+    return missing
+
+
+def _bounds(day: date) -> tuple[float, float]:
+    first = datetime(day.year, day.month, day.day, tzinfo=UTC).timestamp()
+    return first, first + 86400
+
+
+def slices(directory: Path, start: float, end: float, columns: list[str],
+           rows: int = 2_000_000, categorical: bool = True) -> Iterator[pl.DataFrame]:
+    """The rollups of [start, end), a few hours at a time, one row per (device, minute).
+
+    Each slice holds whole minutes, so every redelivered copy of a row lands in
+    the slice of its original and is dropped there. A slice spans as many hours
+    (a divisor of 24) as keep it near ``rows`` rows, judged by each day's row
+    count; the sink writes in time order, so the row groups' ``ts`` statistics
+    let the scan skip the rest of the day. ``categorical`` reads the text columns
+    as categoricals, as :func:`scan` does.
+    """
+    wanted = list(dict.fromkeys(["ts", "uuid", *columns]))
+    types = {c: pl.Categorical if categorical and SCHEMA[c] == pl.String else SCHEMA[c]
+             for c in wanted}
+    day, last = _day(start), _day(end - 1e-6)
+    while day <= last:
+        first, after = _bounds(day)
+        paths = files(directory, first, after)
+        day += timedelta(days=1)
+        if not paths:
+            continue
+        _checked(paths, wanted)
+        scan = pl.scan_parquet(paths, extra_columns="ignore").select(wanted).cast(
+            types)  # type: ignore[arg-type]
+        per_day = int(pl.scan_parquet(paths).select(pl.len()).collect().item())
+        hours = max([h for h in (1, 2, 3, 4, 6, 8, 12, 24) if per_day * h <= rows * 24],
+                    default=1)
+        slice_start = max(first, start)
+        while slice_start < min(after, end):
+            slice_end = min(first + (int((slice_start - first) // 3600) + hours) * 3600,
+                            after, end)
+            rows_now = scan.filter((pl.col("ts") >= slice_start)
+                                   & (pl.col("ts") < slice_end)).collect()
+            yield _distinct(rows_now, slice_start)
+            slice_start = slice_end
+
+
+def _distinct(rows: pl.DataFrame, start: float) -> pl.DataFrame:
+    """``rows`` with each (uuid, ts) once.
+
+    Counting distinct keys is a quarter of the cost of marking the first of each,
+    and a store rarely holds a redelivered row: count first. The count's key (the
+    uuid's category code and whole seconds since ``start``) is equal for equal
+    rows, so a redelivery is never missed; a rare false alarm costs the exact pass.
+    """
+    if rows.schema["uuid"] == pl.Categorical:
+        key = (pl.col("uuid").to_physical().cast(pl.UInt64) * (1 << 32)
+               + (pl.col("ts") - start).cast(pl.UInt64))
+        if rows.select(key.n_unique()).item() == rows.height:
+            return rows
+    return rows.filter(pl.struct("uuid", "ts").is_first_distinct())
 
 
 def scan(directory: Path, start: float, end: float, columns: list[str] | None = None,

@@ -2,16 +2,20 @@
 
 A budget is GPU-hours per team per week (ISO weeks, Monday 00:00 UTC). What
 a team holds comes from the node summaries (``held_by_team``: GPUs held on
-the node by team, a MIG device counted by its share of compute slices; the
-node join names a pod's team from the first of ``team_labels`` the pod
-carries, else its namespace). The fleet agent integrates it over event time
-between two evaluations, so the figure is GPU-hours *held*, idle or not:
-what the budget is spent on.
+the node by the team the node join's rollups name, the first of its team
+labels the pod carries, else its namespace; a MIG device counts its share of
+compute slices). Each node's summaries are integrated on their own (the time
+between two summaries of a node, at the level of the first) into one-minute
+slots, and the slots are judged once every node has reported past them (a
+watermark), so the figure and the moment a threshold is crossed are exact
+however the nodes' summaries interleave on the topic (after a catch-up, one
+node's may run hours behind another's). It is GPU-hours *held*, idle or
+not: what the budget is spent on.
 
 Two findings, one per episode:
 
 - ``team_budget`` at each threshold (``thresholds``, shares of the budget)
-  the week's use crosses, dated by the summary that took it across: info
+  the week's use crosses, dated within the slot where it crossed: info
   below 100 %, warning at or above; resolved when the week ends.
 - ``team_budget_projected``: at the GPUs the team holds now, it will exceed
   its budget before the week ends. It says when it will cross; resolved when
@@ -24,7 +28,7 @@ Two findings, one per episode:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import msgspec
 from pydantic import BaseModel, Field
@@ -64,11 +68,6 @@ class BudgetSettings(BaseModel):
         description="GPU-hours per team per week (ISO week, UTC), by team name. Empty: no "
         "budgets, the rule does nothing; teams not listed have none.",
     )
-    team_labels: list[str] = Field(
-        default_factory=lambda: ["team", "gpusteward.io/team", "app.kubernetes.io/part-of"],
-        description="Pod labels that name a pod's team, first present wins; a pod without "
-        "any belongs to its namespace. The weekly report's defaults, so both agree.",
-    )
     thresholds: list[float] = Field(
         default_factory=lambda: [0.8, 1.0],
         description="Shares of the budget at which a finding is raised as the week's use "
@@ -88,10 +87,6 @@ class BudgetSettings(BaseModel):
         "catching up from far behind; its use is then counted when it arrives, undated). "
         "An hour covers a node join restarting and re-reading its backlog.",
     )
-
-    def team_of(self, namespace: str, labels: Mapping[str, str]) -> str:
-        """The team of a pod."""
-        return next((labels[k] for k in self.team_labels if labels.get(k)), namespace)
 
 
 class TeamTrack(msgspec.Struct):

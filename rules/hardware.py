@@ -406,7 +406,9 @@ def _flag(episode: Episode | None, flag: bool, kind: str, node: str, uuid: str, 
             else:
                 out.append(_act(finding, "taint", node, dict(xid_rule.RESET_TAINT)))
         return Episode(finding.id, finding.fingerprint, ts)
-    if not flag and episode is not None:
+    # A sample taken before the episode opened (read late, behind the urgent event that
+    # opened it, when a worker drains a backlog) says nothing about whether it is over.
+    if not flag and episode is not None and ts > episode.since:
         out.append(_close(episode, kind, node, uuid, ts, "the flag cleared (GPU reset)"))
         return None
     return episode
@@ -475,8 +477,9 @@ def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
             or (temp is not None and temp >= settings.thermal.threshold_for(device.model))):
         gap = last_ts is not None and ts - last_ts > settings.thermal.max_gap_s
         _thermal(thermal, device, node, ts, gap, settings.thermal, out)
-    if track.lost is not None and (device.temp_c is not None or device.util_pct is not None
-                                   or device.mem_used_bytes is not None):
+    reports = (device.temp_c is not None or device.util_pct is not None
+               or device.mem_used_bytes is not None)
+    if track.lost is not None and ts > track.lost.since and reports:
         out.append(_close(track.lost, GPU_LOST_KIND, node, uuid, ts, "the GPU reports again"))
         track.lost = None
     if track.xid.open:

@@ -241,6 +241,19 @@ class Holder(msgspec.Struct, frozen=True):
     workload_kind: str | None = None
     labels: dict[str, str] = {}
     annotations: dict[str, str] = {}
+    queue: str | None = None
+    owner_kind: str | None = None
+    owner_name: str | None = None
+
+
+def _finding_labels(holder: Holder, sample: DeviceSample) -> dict[str, str]:
+    """What the finding says about the holder, for routing and the owner's notice."""
+    labels = {"workload_kind": holder.workload_kind or "unknown", "model": sample.model}
+    if holder.queue:
+        labels["queue"] = holder.queue
+    if holder.owner_name:
+        labels["owner"] = f"{holder.owner_kind or 'Pod'}/{holder.owner_name}"
+    return labels
 
 
 class IdleTrack(msgspec.Struct):
@@ -333,7 +346,7 @@ def observe(
             values=values,
         ),
         runbook=RUNBOOK,
-        labels={"workload_kind": holder.workload_kind or "unknown", "model": sample.model},
+        labels=_finding_labels(holder, sample),
     )
     track.open_id, track.open_fingerprint = fid, fp
     track.open_since, track.open_pod = counted_from, holder.pod
@@ -413,7 +426,7 @@ def _ladder_finding(track: IdleTrack, node: str, sample: DeviceSample, holder: H
         evidence=Evidence(window_start=max(track.open_since, track.below_since), window_end=ts,
                           samples=track.below_samples, values=values),
         runbook=RUNBOOK,
-        labels={"workload_kind": holder.workload_kind or "unknown", "model": sample.model},
+        labels=_finding_labels(holder, sample),
     )
 
 

@@ -1,21 +1,22 @@
-"""``gpusteward demo``: the whole loop on one laptop.
+"""``gpusteward demo``: the system as deployed, on one laptop, against a simulated fleet.
 
-It starts the embedded broker, the stream worker (a separate process, as in
-production), the simulator on a scenario, the console alert sink and the
-remediation executor against the simulated cluster; it shows a live view
-and ends by itself with a summary checked against the simulator's ground
-truth. Ctrl-C stops everything; every child process is stopped on the way
-out.
+It starts the embedded broker and the processes ``deploy/overlays/local``
+declares — the stream worker, the alert sink and the remediation executor
+acting on the Kubernetes API — with their commands, environment and mounted
+ConfigMaps (:mod:`gpusteward.sandbox.deployment`). The simulator drives the
+world they look at (:mod:`gpusteward.sandbox.world`): fake GPUs read by the
+production NVML collector through NVML calls and a kubelet PodResources
+socket, and an API-server double listed and watched by the production
+Kubernetes watcher. What the executor writes into the API (a cordon, a
+stopped notebook) changes the simulated cluster: a cordoned node takes no
+new pods, a reclaimed notebook's GPU goes to whoever waits.
 
-With ``feed="kubernetes"`` the simulator's allocation and queue events are
-not published directly: the fleet is mirrored into the Kubernetes API-server
-double (:mod:`gpusteward.sandbox.kube_mirror`) and the real watcher
-publishes them, read from the API as in production. Samples and hardware
-events still come from the simulator, as the node collectors would publish
-them. The summary must match the same ground truth: the watcher's feed has
-to be as good as the simulator's own. A cordon the executor applies to the
-simulated cluster reaches the double as ``spec.unschedulable``, so the
-watcher reports it as it would a real one.
+A live view shows the fleet, the findings and the executor's decisions; the
+run ends by itself with a summary checked against the simulator's ground
+truth: the idle holders found, the faulty node cordoned, the notebooks
+reclaimed and the GPU-hours they gave back, and the research queue's wait
+with gpusteward acting against the same seed run without it. Ctrl-C stops
+everything; every child process is stopped on the way out.
 """
 
 from __future__ import annotations
@@ -24,35 +25,47 @@ import asyncio
 import contextlib
 import signal
 import tempfile
-import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
 
+import msgspec
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
 from gpusteward import kafka, topics
-from gpusteward.alerting.consumer import FindingsConsumer
 from gpusteward.broker import EmbeddedBroker
-from gpusteward.collectors.transport.publisher import KafkaPublisher, Publisher
-from gpusteward.remediation.executor import Executor
-from gpusteward.sandbox.backend import SimulatorBackend
-from gpusteward.sandbox.pipeline import WorkerProcess
+from gpusteward.collectors.transport.publisher import KafkaPublisher
+from gpusteward.sandbox import deployment
 from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
-from gpusteward.schema import Action, ActionResult, Finding
+from gpusteward.sandbox.world import World
+from gpusteward.schema import (
+    ActionResult,
+    AllocationEvent,
+    Finding,
+    HwEvent,
+    NodeSample,
+    QueueEvent,
+)
 from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
 
-if TYPE_CHECKING:
-    from gpusteward.collectors.kubernetes import KubeWatcher
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_OVERLAY = Path("deploy/overlays/local")
+"""The overlay the demo starts, relative to the repository (the demo runs from a clone)."""
+DEPLOYED = ["worker", "alerts", "remediation"]
+"""The overlay's components that run as processes; the collectors and the watcher run in
+the world, on the simulation's clock."""
 
-Feed = Literal["simulator", "kubernetes"]
-"""Where the allocation and queue events come from: the simulator itself, or the
-Kubernetes watcher on the API-server double the simulator's fleet is mirrored into."""
+
+def overlay_path() -> Path:
+    for base in (Path.cwd(), REPO):
+        if (base / LOCAL_OVERLAY / "kustomization.yaml").exists():
+            return base / LOCAL_OVERLAY
+    raise deployment.DeploymentError(
+        f"{LOCAL_OVERLAY} not found: run the demo from the repository (make demo)")
 
 
 @dataclass
@@ -60,13 +73,35 @@ class DemoState:
     """What the live view and the summary show."""
 
     findings: list[Finding] = field(default_factory=list)
-    results: list[tuple[Action, ActionResult]] = field(default_factory=list)
+    results: list[ActionResult] = field(default_factory=list)
 
-    def on_finding(self, finding: Finding) -> None:
-        self.findings.append(finding)
 
-    def on_result(self, action: Action, result: ActionResult) -> None:
-        self.results.append((action, result))
+class Observer:
+    """Follows the findings and the executor's audit topic for the live view."""
+
+    def __init__(self, settings: Settings, state: DemoState) -> None:
+        self.settings = settings
+        self.state = state
+        self._finding = msgspec.json.Decoder(Finding).decode
+        self._result = msgspec.json.Decoder(ActionResult).decode
+
+    async def run(self, stop: asyncio.Event) -> None:
+        findings = topics.FINDINGS.name(self.settings)
+        consumer = kafka.consumer(self.settings, findings,
+                                  topics.ACTION_RESULTS.name(self.settings), group_id=None)
+        await consumer.start()
+        try:
+            while not stop.is_set():
+                batch = await consumer.getmany(timeout_ms=200)
+                for messages in batch.values():
+                    for message in messages:
+                        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                            if message.topic == findings:
+                                self.state.findings.append(self._finding(message.value or b""))
+                            else:
+                                self.state.results.append(self._result(message.value or b""))
+        finally:
+            await consumer.stop()
 
 
 def _clock(ts: float) -> str:
@@ -94,42 +129,95 @@ def render(cluster: SimulatedCluster, state: DemoState) -> Group:
                           f"{gpu.last_util:.0f}", " ".join(flags))
     total = sum(len(n.gpus) for n in cluster.nodes.values())
     header = (f"GPUs: {total} | allocated {allocated} | busy {busy} | "
-              f"pending pods {len(cluster.queue)}")
+              f"pending pods {len(cluster.queue)} | reclaimed {len(cluster.truth.reclaims)}")
     findings = Table(title="findings (latest)")
     for column in ("time", "state", "kind", "summary"):
         findings.add_column(column)
     for finding in state.findings[-8:]:
         findings.add_row(_clock(finding.ts), finding.state, finding.kind, finding.summary)
-    actions = Table(title="actions (latest)")
+    actions = Table(title="executor decisions (latest)")
     for column in ("verb", "target", "outcome"):
         actions.add_column(column)
-    for action, result in state.results[-6:]:
-        pod = action.target.pod
-        target = f"{pod.namespace}/{pod.name}" if pod else (action.target.node or "")
-        actions.add_row(action.verb, target, result.outcome)
+    for result in state.results[-6:]:
+        pod = result.target.pod
+        target = f"{pod.namespace}/{pod.name}" if pod else (result.target.node or "")
+        actions.add_row(result.verb, target, result.outcome)
     return Group(header, fleet, findings, actions)
 
 
-def summarize(console: Console, truth: GroundTruth, state: DemoState) -> bool:
+@dataclass
+class QueueWait:
+    """Waits of a queue's workloads (seconds): those started, and those still pending."""
+
+    waits: list[float]
+
+    @classmethod
+    def of(cls, truth: GroundTruth) -> QueueWait:
+        waits = [p.started_at - p.queued_at for p in truth.pods if p.queued_at is not None]
+        waits += [truth.end_ts - since for since in truth.pending_since.values()]
+        return cls(sorted(waits))
+
+    @property
+    def mean_min(self) -> float:
+        return sum(self.waits) / len(self.waits) / 60 if self.waits else 0.0
+
+    @property
+    def max_min(self) -> float:
+        return self.waits[-1] / 60 if self.waits else 0.0
+
+    def __str__(self) -> str:
+        return f"mean {self.mean_min:.0f} min, longest {self.max_min:.0f} min"
+
+
+class _Nowhere:
+    """A publisher for the run without gpusteward: the world nobody watches."""
+
+    async def sample(self, sample: NodeSample) -> None: ...
+    async def hw_event(self, event: HwEvent) -> None: ...
+    async def allocation(self, event: AllocationEvent) -> None: ...
+    async def queue(self, event: QueueEvent) -> None: ...
+    async def flush(self) -> None: ...
+
+
+async def unattended(cluster: SimulatedCluster) -> GroundTruth:
+    """The same scenario and seed with nobody acting: the wait gpusteward is measured against."""
+    spec = cluster.scenario.model_copy(update={"acceleration": 0.0})
+    return await SimulatedCluster(spec).run(_Nowhere())
+
+
+def summarize(console: Console, truth: GroundTruth, state: DemoState,
+              baseline: GroundTruth | None = None) -> bool:
     """Print what was found and done, checked against the ground truth; True if they agree."""
     idle_pods = sorted({f"{f.subject.pod.namespace}/{f.subject.pod.name}"
                         for f in state.findings
                         if f.kind == "idle_holder" and f.state == "firing" and f.subject.pod})
-    cordoned = sorted({a.target.node or "" for a, r in state.results
-                       if a.verb == "cordon" and r.outcome == "executed"})
+    cordoned = sorted({r.target.node or "" for r in state.results
+                       if r.verb == "cordon" and r.outcome == "executed"})
     faulty = sorted({f.node for f in truth.faults})
+    reclaimed = sorted(f"{r.namespace}/{r.pod}" for r in truth.reclaims)
+    given_back = sum(r.gpu_hours_given_back for r in truth.reclaims)
     console.rule("summary")
     console.print(f"scenario {truth.scenario} (seed {truth.seed}), "
                   f"{(truth.end_ts - truth.start_ts) / 3600:.1f} h simulated")
     console.print(f"idle GPU holders found ({len(idle_pods)}): {', '.join(idle_pods) or '-'}")
+    console.print(f"owners told: {', '.join(sorted(set(truth.notified))) or '-'}")
+    console.print(f"notebooks reclaimed ({len(reclaimed)}): {', '.join(reclaimed) or '-'}; "
+                  f"GPU-hours given back: {given_back:.1f}")
     console.print(f"nodes cordoned ({len(cordoned)}): {', '.join(cordoned) or '-'}")
+    queue = QueueWait.of(truth)
+    if baseline is not None:
+        console.print(f"queue wait, with gpusteward acting: {queue}; the same day unattended: "
+                      f"{QueueWait.of(baseline)}")
     console.print(f"pods still pending: {', '.join(truth.pending) or '-'}")
-    console.print(f"findings: {len(state.findings)}, actions decided: {len(state.results)}")
+    console.print(f"findings: {len(state.findings)}, executor decisions: {len(state.results)}")
     expected_idle = sorted(_expected_idle_pods(truth))
-    agree = idle_pods == expected_idle and cordoned == faulty
+    kinds = {f"{p.namespace}/{p.pod}": p.kind for p in truth.pods}
+    agree = (idle_pods == expected_idle and cordoned == faulty
+             and set(reclaimed) <= set(idle_pods)
+             and all(kinds[pod] == "notebook" for pod in reclaimed))
     if agree:
         console.print("[green]matches the simulator's ground truth: every injected idle holder "
-                      "and faulty GPU found, no false alarm[/]")
+                      "and faulty GPU found, only idle notebooks reclaimed, no false alarm[/]")
     else:
         console.print(f"[red]differs from ground truth: idle {expected_idle}, faulty {faulty}[/]")
     return agree
@@ -146,174 +234,67 @@ def _expected_idle_pods(truth: GroundTruth, window_s: float = 1800, grace_s: flo
     return found
 
 
-class SimulatorFeed:
-    """The simulator publishes its own allocation and queue events."""
-
-    def __init__(self, publisher: Publisher) -> None:
-        self.publisher = publisher
-
-    async def __aenter__(self) -> SimulatorFeed:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        pass
-
-    def check(self) -> None:
-        """Raise if the feed has failed (this one cannot)."""
-
-    async def settle(self, timeout_s: float = 30.0) -> None:
-        """Return once everything the simulator wrote is published (it is already)."""
-
-
-class KubernetesFeed:
-    """The fleet mirrored into the API-server double; the real watcher publishes its events.
-
-    The double serves HTTP from its own thread and the watcher's reflectors
-    run in theirs; leaving the ``async with`` (normally, on an error or on
-    Ctrl-C) stops the watcher, joins its threads and shuts the double down.
-    """
-
-    def __init__(self, publisher: Publisher, cluster: SimulatedCluster, log_dir: Path) -> None:
-        from gpusteward.sandbox.kube_api import KubeApiServer
-        from gpusteward.sandbox.kube_mirror import KubeMirrorPublisher
-
-        self.cluster = cluster
-        self.log_dir = log_dir
-        self.inner = publisher
-        # Bookmarks move every reflector to the newest resourceVersion, which settle() needs.
-        self.api = KubeApiServer(bookmark_interval_s=0.2)
-        self.api.record_requests = False  # a demo run makes thousands; nobody reads them
-        self.publisher: Publisher = KubeMirrorPublisher(publisher, self.api, cluster)
-        self._stop = asyncio.Event()
-        self._client: Any = None
-        self.watcher: KubeWatcher
-        self._task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> KubernetesFeed:
-        from gpusteward.collectors.kubernetes import KubeWatcher, KubeWatchSettings, api_client
-
-        self.api.start()
-        try:
-            kubeconfig = self.api.write_kubeconfig(self.log_dir / "kubeconfig")
-            kube = KubeWatchSettings(kubeconfig=str(kubeconfig))
-            self._client = api_client(kube)
-            cluster = self.cluster
-            # Event times are the simulation's, as the simulator's own feed stamps them.
-            self.watcher = KubeWatcher(self._client, self.inner, kube, clock=lambda: cluster.now)
-            self._task = asyncio.create_task(self.watcher.run(self._stop))
-            synced = asyncio.ensure_future(self.watcher.synced.wait())
-            try:
-                await asyncio.wait({synced, self._task}, timeout=30,
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                synced.cancel()
-            self.check()
-            if not self.watcher.synced.is_set():
-                raise RuntimeError("the Kubernetes watcher did not list the API double in 30 s")
-        except BaseException:
-            await self._close()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._close()
-
-    async def _close(self) -> None:
-        self._stop.set()
-        try:
-            if self._task is not None:
-                await self._task  # raises the watcher's error, if it failed
-        finally:
-            if self._client is not None:
-                self._client.close()
-            self.api.stop()
-
-    def check(self) -> None:
-        """Raise the watcher's error if it has stopped on its own."""
-        if self._task is not None and self._task.done():
-            self._task.result()
-            raise RuntimeError("the Kubernetes watcher stopped on its own")
-
-    def settled(self) -> bool:
-        """Every change in the double seen by every reflector and published."""
-        latest = self.api.resource_version
-        reflectors = list(self.watcher.reflectors.values())
-        delivered = sum(r.stats.deltas for r in reflectors)
-        return all(int(r.resource_version or 0) >= latest for r in reflectors) and (
-            delivered == self.watcher.processed)
-
-    async def settle(self, timeout_s: float = 30.0) -> None:
-        """Wait until the watcher has published everything written into the double."""
-        deadline = time.monotonic() + timeout_s
-        while not self.settled():
-            self.check()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the Kubernetes watcher did not catch up in {timeout_s} s")
-            await asyncio.sleep(0.05)
-        await self.inner.flush()
-
-
 async def _run(settings: Settings, cluster: SimulatedCluster, console: Console,
-               live_view: bool, log_dir: Path, feed: Feed = "simulator"
-               ) -> tuple[GroundTruth, DemoState]:
+               live_view: bool, log_dir: Path) -> tuple[GroundTruth, DemoState]:
+    """The deployed processes against the world until the scenario ends and all is drained.
+
+    ``settings`` says where the broker is and which topic prefix to use; everything
+    else the processes read comes from the overlay.
+    """
+    manifests = deployment.Manifests.from_overlay(overlay_path())
+    local = deployment.Local(settings.kafka.bootstrap_servers, log_dir,
+                             topic_prefix=settings.topic_prefix,
+                             kubeconfig=log_dir / "kubeconfig")
+    settings = manifests.launch("collector", local).settings()
     await kafka.ensure_topics(settings)
-    worker = WorkerProcess(settings, log_dir / "worker.log")
-    worker.start()
     state = DemoState()
     stop = asyncio.Event()
+    observer = asyncio.create_task(Observer(settings, state).run(stop))
     publisher = KafkaPublisher(settings)
     await publisher.start()
-    alerts = FindingsConsumer(settings, [], on_finding=state.on_finding)
-    executor = Executor(settings, SimulatorBackend(cluster), execute=True,
-                        on_result=state.on_result)
-    consumers = [asyncio.create_task(alerts.run(stop)), asyncio.create_task(executor.run(stop))]
-    allocations = (KubernetesFeed(publisher, cluster, log_dir) if feed == "kubernetes"
-                   else SimulatorFeed(publisher))
+    processes: list[deployment.Process] = []
+    live = Live(render(cluster, state), console=console, refresh_per_second=4,
+                transient=False) if live_view else contextlib.nullcontext()
+
+    def refresh(c: SimulatedCluster) -> None:
+        if isinstance(live, Live):
+            live.update(render(c, state))
+
+    cluster.on_tick = refresh  # before the world, which chains its own tick to it
     try:
-        async with allocations:
-            live = Live(render(cluster, state), console=console, refresh_per_second=4,
-                        transient=False) if live_view else contextlib.nullcontext()
+        world = World(cluster, publisher, log_dir)
+        # started before the world's gRPC servers and clients run: nothing to fork but us
+        processes = list(deployment.start(manifests, DEPLOYED, local))
+        async with world:
             with live:
-                def refresh(c: SimulatedCluster) -> None:
-                    if isinstance(live, Live):
-                        live.update(render(c, state))
-                    allocations.check()
-                cluster.on_tick = refresh
-                truth = await cluster.run(allocations.publisher)
-                await allocations.settle()
+                truth = await cluster.run(world)
+                await world.settle()
                 # Drain: the worker through everything published, then the consumers
                 # through everything the worker produced.
-                drained = asyncio.create_task(_drain(settings, alerts, executor))
-                while not drained.done():
-                    await asyncio.wait([drained], timeout=0.5)
-                    if not worker.alive:
-                        drained.cancel()
-                        raise RuntimeError(
-                            f"the worker exited early; see {log_dir / 'worker.log'}")
-                    allocations.check()
-                await drained
+                node_topics = [t.name(settings) for t in (topics.SAMPLES, topics.HW_EVENTS,
+                                                          topics.ALLOCATIONS)]
+                await deployment.while_alive(processes, kafka.wait_consumed(
+                    settings, worker_group(settings), node_topics, 180))
+                for group, topic in ((f"{settings.topic_prefix}-remediation", topics.ACTIONS),
+                                     (f"{settings.topic_prefix}-alerts", topics.FINDINGS)):
+                    await deployment.while_alive(processes, kafka.wait_consumed(
+                        settings, group, [topic.name(settings)], 120))
                 refresh(cluster)
+        state.findings = [msgspec.json.decode(r.value or b"", type=Finding) for r in
+                          await kafka.read_all(settings, topics.FINDINGS.name(settings))]
+        state.results = [msgspec.json.decode(r.value or b"", type=ActionResult) for r in
+                         await kafka.read_all(settings, topics.ACTION_RESULTS.name(settings))]
         return truth, state
     finally:
         stop.set()
-        await asyncio.gather(*consumers, return_exceptions=True)
+        await asyncio.gather(observer, return_exceptions=True)
+        for process in processes:
+            process.stop()
         await publisher.stop()
-        worker.stop()
-
-
-async def _drain(settings: Settings, alerts: FindingsConsumer, executor: Executor,
-                 timeout_s: float = 180.0) -> None:
-    node_topics = [spec.name(settings) for spec in (topics.SAMPLES, topics.HW_EVENTS,
-                                                    topics.ALLOCATIONS)]
-    await kafka.wait_consumed(settings, worker_group(settings), node_topics, timeout_s)
-    await kafka.wait_consumed(settings, alerts.group_id, [topics.FINDINGS.name(settings)],
-                              timeout_s)
-    await kafka.wait_consumed(settings, executor.group_id, [topics.ACTIONS.name(settings)],
-                              timeout_s)
 
 
 def run_demo(scenario_name: str = "eight-a100", duration_s: float = 60.0,
-             live_view: bool = True, seed: int | None = None, feed: Feed = "simulator") -> int:
+             live_view: bool = True, seed: int | None = None) -> int:
     """Run the demo; the exit status is 0 when the summary matches the ground truth."""
     console = Console()
     scenario = scenarios.load(scenario_name)
@@ -323,20 +304,20 @@ def run_demo(scenario_name: str = "eight-a100", duration_s: float = 60.0,
     })
     cluster = SimulatedCluster(scenario)
     log_dir = Path(tempfile.mkdtemp(prefix="gpusteward-demo-"))
-    via = (" (allocations through the Kubernetes watcher on the API-server double)"
-           if feed == "kubernetes" else "")
-    console.print(f"starting the embedded broker, the worker and the simulator{via} "
-                  f"(logs in {log_dir})")
+    console.print(f"starting the embedded broker, the processes of {LOCAL_OVERLAY} "
+                  f"({', '.join(DEPLOYED)}) and the simulated world: per node the NVML "
+                  f"collector on fake GPUs and a kubelet socket, the Kubernetes watcher on "
+                  f"an API-server double (logs in {log_dir})")
     # SIGTERM (a supervisor, `kill`) takes the same orderly way out as Ctrl-C.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         with EmbeddedBroker(log_path=log_dir / "broker.log") as broker:
-            settings = broker.settings()
-            truth, state = asyncio.run(_run(settings, cluster, console, live_view, log_dir,
-                                            feed))
+            settings = broker.settings().model_copy(update={"topic_prefix": "demo"})
+            truth, state = asyncio.run(_run(settings, cluster, console, live_view, log_dir))
+        baseline = asyncio.run(unattended(cluster))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: everything stopped[/]")
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return 0 if summarize(console, truth, state) else 1
+    return 0 if summarize(console, truth, state, baseline) else 1

@@ -27,12 +27,14 @@ not load) reaches the demo and the tests, and breaks them when it is wrong.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,7 @@ from gpusteward.settings import Settings
 Obj = dict[str, Any]
 
 IMAGE = "gpusteward"
+METRICS_PORT = "GPUSTEWARD_METRICS__PORT"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob")
 
 
@@ -179,6 +182,10 @@ class Manifests:
         own = {name: _relocate(value, mounts)
                for name, value in self._env(container, local.node_name).items()}
         env = {**_host_env(), **own, **_overrides(local)}
+        if env.get(METRICS_PORT, "0") != "0":
+            # Every container shares this one host: each gets a free port for its /metrics
+            # (read it back from the launch's environment to scrape it).
+            env[METRICS_PORT] = str(_free_port())
         args = [_relocate(str(a), mounts) for a in container.spec.get("args", [])]
         command = [_relocate(str(c), mounts) for c in container.spec.get("command", [])]
         if command:
@@ -264,6 +271,12 @@ def _host_env() -> dict[str, str]:
     return env
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def _overrides(local: Local) -> dict[str, str]:
     """What must differ on this machine: Kafka, the topic prefix, the API server."""
     env = {"GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS": local.bootstrap_servers}
@@ -327,6 +340,21 @@ class Process:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+async def while_alive(processes: list[Process], waiting: Awaitable[None]) -> None:
+    """Await ``waiting``; fail at once, with its log, when a started process dies."""
+    task = asyncio.ensure_future(waiting)
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=0.5)
+            for process in processes:
+                if not process.alive:
+                    raise DeploymentError(f"{process.launch.component} exited "
+                                          f"({process.returncode}):\n{process.log_tail()}")
+        task.result()
+    finally:
+        task.cancel()
 
 
 def start(manifests: Manifests, components: list[str], local: Local

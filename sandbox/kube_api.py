@@ -70,6 +70,7 @@ import copy
 import json
 import re
 import socket
+import sys
 import threading
 import time
 import uuid as uuidlib
@@ -346,6 +347,16 @@ def _selects(selector: Obj | None, labels: dict[str, str]) -> bool:
     return True
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A client that drops its keep-alive connection (a process stopping, a pool closing)
+    is ordinary for a server; socketserver would print a traceback for each one."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class KubeApiServer:
     """The API-server double; see the module docstring for what it serves."""
 
@@ -368,7 +379,7 @@ class KubeApiServer:
         self._faults: list[Fault] = []
         self._controllers: dict[tuple[str, str], list[Controller]] = {}
         self._continues: dict[str, tuple[int, list[Obj]]] = {}
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler_class())
+        self._server = _QuietServer(("127.0.0.1", port), self._handler_class())
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
         self._closed = False

@@ -43,11 +43,47 @@ def pod_for(workload: Workload, cluster_queue: str) -> dict[str, Any]:
     """The pod a controller would create for a simulated workload (pending, no node)."""
     kind, label = _OWNERS[workload.spec.kind]
     owner_name = f"{workload.name}-{_HASH}" if kind == "ReplicaSet" else workload.name
-    return gpu_pod(workload.name, workload.namespace,
-                   resources={"nvidia.com/gpu": str(workload.spec.gpus)},
-                   labels={label: _HASH if kind == "ReplicaSet" else workload.name,
-                           "kueue.x-k8s.io/cluster-queue-name": cluster_queue},
-                   owner=(kind, owner_name), uid=workload.uid, created=rfc3339(workload.arrive))
+    pod = gpu_pod(workload.name, workload.namespace,
+                  resources={"nvidia.com/gpu": str(workload.spec.gpus)},
+                  labels={label: _HASH if kind == "ReplicaSet" else workload.name,
+                          "kueue.x-k8s.io/cluster-queue-name": cluster_queue},
+                  owner=(kind, owner_name), uid=workload.uid, created=rfc3339(workload.arrive))
+    if kind != "Job":  # the pod's controller is one of owners_for's objects
+        (reference,) = pod["metadata"]["ownerReferences"]
+        reference.update(apiVersion="apps/v1", uid=f"{kind.lower()}-{owner_name}")
+    return pod
+
+
+def _owned(kind: str, api_version: str, name: str, namespace: str, owner: dict[str, Any] | None,
+           spec: dict[str, Any]) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "uid": f"{kind.lower()}-{name}"}
+    if owner is not None:
+        meta["ownerReferences"] = [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
+                                    "name": owner["metadata"]["name"],
+                                    "uid": owner["metadata"]["uid"], "controller": True}]
+    return {"apiVersion": api_version, "kind": kind, "metadata": meta, "spec": spec,
+            "status": {}}
+
+
+def owners_for(workload: Workload) -> list[dict[str, Any]]:
+    """The objects above a simulated workload's pod, as its controllers would have made them.
+
+    A notebook is a Kubeflow Notebook whose controller runs a one-replica StatefulSet;
+    an inference server a Deployment with its ReplicaSet. Reclaim acts on these (stop
+    the Notebook, scale the Deployment to zero), so they must exist. A batch pod's Job
+    is not served by the double: the pod names it, and Job reclaim deletes the pod.
+    """
+    name, namespace = workload.name, workload.namespace
+    if workload.spec.kind == "notebook":
+        notebook = _owned("Notebook", "kubeflow.org/v1", name, namespace, None,
+                          {"template": {"spec": {"containers": [{"name": name}]}}})
+        return [notebook, _owned("StatefulSet", "apps/v1", name, namespace, notebook,
+                                 {"replicas": 1, "serviceName": name})]
+    if workload.spec.kind == "inference":
+        deployment = _owned("Deployment", "apps/v1", name, namespace, None, {"replicas": 1})
+        return [deployment, _owned("ReplicaSet", "apps/v1", f"{name}-{_HASH}", namespace,
+                                   deployment, {"replicas": 1})]
+    return []
 
 
 def node_for(event: NodeInventory) -> dict[str, Any]:
@@ -117,6 +153,7 @@ class KubeMirrorPublisher:
     async def queue(self, event: QueueEvent) -> None:
         if event.state == "pending":
             workload = self._workload(event.namespace, event.name)
+            self._create_owners(workload)
             self.api.create(pod_for(workload, event.cluster_queue))
         # "admitted" needs no write: the allocation event that follows binds the pod.
 
@@ -145,6 +182,17 @@ class KubeMirrorPublisher:
             self.api.mutate("Pod", name, lambda pod: bind_and_start(pod, event),
                             namespace=namespace)
         except KeyError:
-            pod = pod_for(self._workload(namespace, name), self.cluster.scenario.cluster_queue)
+            workload = self._workload(namespace, name)
+            self._create_owners(workload)
+            pod = pod_for(workload, self.cluster.scenario.cluster_queue)
             bind_and_start(pod, event)
             self.api.create(pod)
+
+    def _create_owners(self, workload: Workload) -> None:
+        for owner in owners_for(workload):
+            try:
+                self.api.get(owner["kind"], owner["metadata"]["name"],
+                             namespace=workload.namespace,
+                             group=owner["apiVersion"].rpartition("/")[0])
+            except KeyError:
+                self.api.create(owner)

@@ -13,29 +13,47 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from gpusteward.broker import free_port
 from gpusteward.children import die_with_parent, stop_child
+from gpusteward.health import READY_PATH
 from gpusteward.settings import Settings
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
     """The environment that gives a child process these settings."""
     kafka = settings.kafka
-    return {
+    env = {
         "GPUSTEWARD_TOPIC_PREFIX": settings.topic_prefix,
         "GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
         "GPUSTEWARD_KAFKA__FETCH_MAX_WAIT_MS": str(kafka.fetch_max_wait_ms),
         "GPUSTEWARD_KAFKA__NODE_PARTITIONS": str(kafka.node_partitions),
         "GPUSTEWARD_KAFKA__REBALANCE_TIMEOUT_S": str(kafka.rebalance_timeout_s),
+        "GPUSTEWARD_KAFKA__SESSION_TIMEOUT_S": str(kafka.session_timeout_s),
+        "GPUSTEWARD_HEALTH_PORT": str(settings.health_port),
     }
+    if kafka.group_instance_id is not None:
+        env["GPUSTEWARD_KAFKA__GROUP_INSTANCE_ID"] = kafka.group_instance_id
+    return env
 
 
 class WorkerProcess:
-    """``gpusteward worker`` as a child process that can be killed and started again."""
+    """``gpusteward worker`` as a child process that can be killed and started again.
 
-    def __init__(self, settings: Settings, log_path: Path, loglevel: str = "warn") -> None:
+    With ``instance_id`` it is a static group member under that name (as a
+    StatefulSet pod is under its own), and it always serves its health probe
+    on a port of its own, which :meth:`wait_ready` polls.
+    """
+
+    def __init__(self, settings: Settings, log_path: Path, loglevel: str = "warn",
+                 instance_id: str | None = None) -> None:
+        kafka = settings.kafka.model_copy(update={"group_instance_id": instance_id})
+        settings = settings.model_copy(update={"kafka": kafka, "health_port": free_port()})
         self.settings = settings
         self.log_path = log_path
         self.loglevel = loglevel
@@ -55,6 +73,40 @@ class WorkerProcess:
     @property
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def probe(self, path: str = READY_PATH) -> bool:
+        """True when the worker answers ``path`` (``/readyz`` or ``/livez``) with 200."""
+        url = f"http://127.0.0.1:{self.settings.health_port}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                return bool(response.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def wait_ready(self, timeout_s: float = 60.0) -> float:
+        """Seconds until the worker reports ready; TimeoutError if it does not in time."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            if self.probe():
+                return time.monotonic() - started
+            if not self.alive:
+                raise RuntimeError(f"the worker exited (code {self.exit_code}); see "
+                                   f"{self.log_path}")
+            time.sleep(0.05)
+        raise TimeoutError(f"the worker was not ready within {timeout_s}s; see {self.log_path}")
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.process.poll() if self.process is not None else None
+
+    def freeze(self) -> None:
+        """SIGSTOP: a worker that hangs (a long GC pause, a stuck host) without dying."""
+        if self.process is not None:
+            os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        if self.process is not None:
+            os.killpg(self.process.pid, signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL: a crash, with no chance to commit offsets or flush anything."""

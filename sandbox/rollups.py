@@ -7,52 +7,71 @@ device is held (with probability ``held_share``) by one of ``workloads``
 workloads spread over ``teams`` teams. Each workload has its own typical
 utilisation (some near idle) and memory footprint; each minute adds noise.
 Seeded, so a test can recompute what it expects.
+
+Rows come an hour at a time in time order, as the sink writes them, so a
+10,000-GPU week (100.8 M rows) is written with the memory of one hour:
+:func:`write_week` does that, and keeps the week in a cache folder for the
+benchmark to reuse.
 """
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
 import numpy as np
 import polars as pl
 
+from gpusteward.reports import store
 from gpusteward.reports.store import SCHEMA
 
 BLOCK_MINUTES = 360
+CHUNK_MINUTES = 60
 MODELS = ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB")
 GIB = 1 << 30
 
 
-def week_of_rollups(start: float, gpus: int = 64, workloads: int = 40, teams: int = 5,
-                    held_share: float = 0.8, minutes: int = 7 * 24 * 60, seed: int = 7
-                    ) -> pl.DataFrame:
-    """Rollup rows for ``gpus`` devices over ``minutes`` minutes from ``start``."""
+def rollup_hours(start: float, gpus: int = 64, workloads: int = 40, teams: int = 5,
+                 held_share: float = 0.8, minutes: int = 7 * 24 * 60, seed: int = 7
+                 ) -> Iterator[pl.DataFrame]:
+    """Rollup rows for ``gpus`` devices over ``minutes`` minutes, an hour at a time."""
     rng = np.random.default_rng(seed)
     blocks = -(-minutes // BLOCK_MINUTES)
-    device = np.repeat(np.arange(gpus), minutes)
-    minute = np.tile(np.arange(minutes), gpus)
-    block = minute // BLOCK_MINUTES
-
     held = rng.random((gpus, blocks)) < held_share
     holder = rng.integers(0, workloads, size=(gpus, blocks))
-    row_held = held[device, block]
-    row_holder = np.where(row_held, holder[device, block], -1)
-
     # Per workload: a typical utilisation (a quarter of them near idle) and memory.
     typical = np.where(rng.random(workloads) < 0.25, rng.uniform(0, 3, workloads),
                        rng.uniform(5, 90, workloads))
     memory = rng.uniform(4, 70, workloads) * GIB
     team_of = rng.integers(0, teams, workloads)
 
-    noise = rng.normal(0, 4, device.size)
-    util = np.where(row_held, np.clip(typical[np.maximum(row_holder, 0)] + noise, 0, 100), 0.0)
-    spread = rng.uniform(0, 6, device.size)
-    mem = np.where(row_held, memory[np.maximum(row_holder, 0)]
-                   * rng.uniform(0.9, 1.0, device.size), 0.0)
-
     names = pl.Series([f"wl-{w:04d}" for w in range(workloads)])
     team_names = pl.Series([f"team-{t:02d}" for t in range(teams)])
     node_names = pl.Series([f"node-{d // 8:04d}" for d in range(gpus)])
     uuids = pl.Series([f"GPU-{d:08x}-0000-0000-0000-000000000000" for d in range(gpus)])
     models = pl.Series([MODELS[(d // 8) % 3 == 2] for d in range(gpus)])
+    for first in range(0, minutes, CHUNK_MINUTES):
+        count = min(CHUNK_MINUTES, minutes - first)
+        minute = np.repeat(np.arange(first, first + count), gpus)
+        device = np.tile(np.arange(gpus), count)
+        yield _rows(start, rng, minute, device, held, holder, typical, memory, team_of,
+                    names, team_names, node_names, uuids, models)
+
+
+def _rows(start: float, rng: np.random.Generator, minute: np.ndarray, device: np.ndarray,
+          held: np.ndarray, holder: np.ndarray, typical: np.ndarray, memory: np.ndarray,
+          team_of: np.ndarray, names: pl.Series, team_names: pl.Series,
+          node_names: pl.Series, uuids: pl.Series, models: pl.Series) -> pl.DataFrame:
+    block = minute // BLOCK_MINUTES
+    row_held = held[device, block]
+    row_holder = np.where(row_held, holder[device, block], -1)
+    noise = rng.normal(0, 4, device.size)
+    util = np.where(row_held, np.clip(typical[np.maximum(row_holder, 0)] + noise, 0, 100), 0.0)
+    spread = rng.uniform(0, 6, device.size)
+    mem = np.where(row_held, memory[np.maximum(row_holder, 0)]
+                   * rng.uniform(0.9, 1.0, device.size), 0.0)
     holder_index = pl.Series(np.maximum(row_holder, 0))
     is_held = pl.Series(row_held)
     device_index = pl.Series(device)
@@ -95,3 +114,45 @@ def week_of_rollups(start: float, gpus: int = 64, workloads: int = 40, teams: in
         pl.lit(None, dtype=pl.String).alias("mig_profile"),
     )
     return frame.select([pl.col(c).cast(t) for c, t in SCHEMA.items()])
+
+
+def week_of_rollups(start: float, gpus: int = 64, workloads: int = 40, teams: int = 5,
+                    held_share: float = 0.8, minutes: int = 7 * 24 * 60, seed: int = 7
+                    ) -> pl.DataFrame:
+    """Rollup rows for ``gpus`` devices over ``minutes`` minutes from ``start``."""
+    return pl.concat(list(rollup_hours(start, gpus, workloads, teams, held_share, minutes,
+                                       seed)))
+
+
+def write_week(directory: Path, start: float, gpus: int, workloads: int, teams: int = 12,
+               seed: int = 1, hours_per_file: int = 6) -> tuple[int, float]:
+    """Write a synthetic week into the store at ``directory`` unless it is there already.
+
+    A ``synthetic.json`` beside the day folders records what was written, and is
+    written last, so an interrupted run starts again. Returns the number of rows
+    and the seconds spent writing them (generating them not counted).
+    """
+    recipe = {"start": start, "gpus": gpus, "workloads": workloads, "teams": teams,
+              "seed": seed, "schema": list(SCHEMA)}
+    marker = directory / "synthetic.json"
+    if marker.exists() and json.loads(marker.read_text()).get("recipe") == recipe:
+        done = json.loads(marker.read_text())
+        return int(done["rows"]), float(done.get("write_s", "nan"))
+    for old in directory.glob("day=*"):
+        for path in old.iterdir():
+            path.unlink()
+        old.rmdir()
+    directory.mkdir(parents=True, exist_ok=True)
+    rows, writing, pending = 0, 0.0, []
+    hours = list(range(7 * 24))
+    for hour, frame in zip(hours, rollup_hours(start, gpus, workloads, teams, seed=seed),
+                           strict=True):
+        pending.append(frame)
+        rows += frame.height
+        if len(pending) == hours_per_file or hour == hours[-1]:
+            began = time.perf_counter()
+            store.write(directory, pl.concat(pending))
+            writing += time.perf_counter() - began
+            pending = []
+    marker.write_text(json.dumps({"recipe": recipe, "rows": rows, "write_s": writing}))
+    return rows, writing

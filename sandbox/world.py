@@ -42,6 +42,11 @@ from typing import TYPE_CHECKING, Any
 from gpusteward.collectors.attribution import PodResourcesClient
 from gpusteward.collectors.nvml import NvmlCollector
 from gpusteward.collectors.transport.publisher import Publisher
+from gpusteward.remediation.kubernetes import (
+    NOTEBOOK_STOPPED,
+    NOTICE_ANNOTATION,
+    RECLAIMED_BECAUSE,
+)
 from gpusteward.rules.mig import geometry
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_mirror import KubeMirrorPublisher
@@ -52,6 +57,7 @@ from gpusteward.schema import (
     DeviceSample,
     HwEvent,
     NodeSample,
+    PodRef,
     QueueEvent,
 )
 
@@ -265,12 +271,14 @@ class World:
         self.mirror = KubeMirrorPublisher(self, self.api, cluster)
         self.nodes = {name: NodeGpus(node, self.socket_dir, publisher, cluster)
                       for name, node in cluster.nodes.items()}
-        self.kubeconfig = workdir / "kubeconfig"
+        self.kubeconfig = self.api.write_kubeconfig(workdir / "kubeconfig")
+        """Written at once, so processes can be started before the world (and gRPC) is."""
         self.watcher: KubeWatcher | None = None
         self._client: Any = None
         self._watch_stop = asyncio.Event()
         self._watch_task: asyncio.Task[None] | None = None
         self._seen_rv = 0
+        self._noticed: set[str] = set()
         self._previous_tick = cluster.on_tick
         cluster.on_tick = self._on_tick
 
@@ -281,7 +289,6 @@ class World:
 
         self.api.start()
         try:
-            self.api.write_kubeconfig(self.kubeconfig)
             for node in self.nodes.values():
                 await node.start()
             kube = KubeWatchSettings(kubeconfig=str(self.kubeconfig))
@@ -353,6 +360,13 @@ class World:
     # --- what the cluster writes back ------------------------------------------
 
     def _on_tick(self, cluster: SimulatedCluster) -> None:
+        """Carry what was written into the API back into the simulated cluster.
+
+        A cordoned Node takes no new pods; a stopped Notebook or a Deployment or
+        StatefulSet scaled to zero loses its pod (the simulated controllers act as the
+        real ones would), and the GPUs are free for whoever waits; an owner notice on a
+        pod is counted as told.
+        """
         self.check()
         for node in self.api.objects("Node"):
             name = node["metadata"]["name"]
@@ -360,8 +374,31 @@ class World:
             if sim_node is not None and node["spec"].get("unschedulable") and \
                     not sim_node.cordoned:
                 cluster.request_cordon(name, "cordoned through the Kubernetes API")
+        running = {(w.namespace, w.name) for w in cluster.running}
+        for owner in self._given_up():
+            meta = owner["metadata"]
+            if (meta["namespace"], meta["name"]) in running:
+                why = (meta.get("annotations") or {}).get(RECLAIMED_BECAUSE, "reclaimed")
+                cluster.request_reclaim(meta["namespace"], meta["name"], why)
+        for pod in self.api.objects("Pod"):
+            meta = pod["metadata"]
+            if NOTICE_ANNOTATION in (meta.get("annotations") or {}):
+                key = f"{meta['namespace']}/{meta['name']}"
+                if key not in self._noticed:
+                    self._noticed.add(key)
+                    cluster.notify(PodRef(namespace=meta["namespace"], name=meta["name"]),
+                                   meta["annotations"][NOTICE_ANNOTATION])
         if self._previous_tick is not None:
             self._previous_tick(cluster)
+
+    def _given_up(self) -> list[dict[str, Any]]:
+        """Owners that no longer want their pod: stopped Notebooks, scaled to zero."""
+        stopped = [n for n in self.api.objects("Notebook", group="kubeflow.org")
+                   if NOTEBOOK_STOPPED in (n["metadata"].get("annotations") or {})]
+        scaled = [o for kind in ("Deployment", "StatefulSet")
+                  for o in self.api.objects(kind, group="apps")
+                  if o["spec"].get("replicas") == 0]
+        return stopped + scaled
 
     # --- the simulator's Publisher: its decisions become world state -----------
 

@@ -7,8 +7,10 @@ is local, with no repartition hop. Per-node state is a Faust table backed by
 a changelog topic; a restarted worker recovers it before it processes.
 
 Values are read as raw bytes and decoded with msgspec (far cheaper than
-Faust records). A record that does not decode goes to the dead-letter topic
-with the reason and its position, and the worker carries on.
+Faust records) at the edge (:mod:`gpusteward.edge`: bounds, key, depth). A
+record refused there, or one that breaks anything further in, goes to the
+dead-letter topic with the reason and its position, and the worker carries
+on (:meth:`OutputTopics.guarded`).
 
 Processing is at-least-once: after a crash the last records may be
 processed again, which republishes findings and actions with the same ids
@@ -17,17 +19,22 @@ and idempotency keys; consumers deduplicate on them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import faust
 import msgspec
+from aiokafka import AIOKafkaConsumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.types import TP
 
-from gpusteward import topics
-from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary
+from gpusteward import health, kafka, topics
+from gpusteward.edge import Edge
+from gpusteward.health import Health
+from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary, Rollup
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import FleetSettings, register_fleet_agent
-from gpusteward.streams.node import NodeJoin, NodeState, RuleSettings
+from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings
 from gpusteward.streams.outputs import OutputTopics
 from gpusteward.streams.policy_file import policy_from_env
 
@@ -37,18 +44,43 @@ def worker_group(settings: Settings) -> str:
     return f"{settings.topic_prefix}-worker"
 
 
-def _transport_with_fetch_wait(fetch_max_wait_ms: int) -> type[faust_aiokafka.Transport]:
-    """Faust's aiokafka transport with a configurable fetch wait.
+def _transport_for(settings: Settings) -> type[faust_aiokafka.Transport]:
+    """Faust's aiokafka transport with a configurable fetch wait and a true high watermark.
 
     The driver hard-codes ``fetch_max_wait_ms=1500``; the embedded broker holds
     every fetch for up to half of it, which would put 750 ms on every hop.
+
+    Table recovery reads each changelog partition up to its high watermark
+    and refuses to start when a standby has read past it (ConsistencyError).
+    The embedded broker reports the base offset of the last batch plus one,
+    so a worker that took over a dead one's partitions stopped recovery a
+    batch short (the latest node states missing) and crashed on the standby
+    check. The watermark Faust asks for is read instead
+    (:func:`gpusteward.kafka.true_end_offsets`), with a reader of its own so
+    the group consumer's assignment is untouched.
     """
 
     class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+        _end_reader: AIOKafkaConsumer | None = None
+
         def _create_worker_consumer(self, transport: Any) -> Any:
             consumer = super()._create_worker_consumer(transport)
-            consumer._fetch_max_wait_ms = fetch_max_wait_ms
+            consumer._fetch_max_wait_ms = settings.kafka.fetch_max_wait_ms
             return consumer
+
+        async def _highwaters(self, partitions: list[TP]) -> Mapping[TP, int]:
+            if self.consumer.in_transaction:  # never: the app uses no transactions
+                return await super()._highwaters(partitions)
+            if self._end_reader is None:
+                self._end_reader = kafka.consumer(settings, group_id=None)
+                await self._end_reader.start()
+            ends = await kafka.true_end_offsets(self._end_reader, partitions)
+            return {TP(tp.topic, tp.partition): end for tp, end in ends.items()}
+
+        async def on_thread_stop(self) -> None:
+            await super().on_thread_stop()
+            if self._end_reader is not None:
+                await self._end_reader.stop()
 
     class Consumer(faust_aiokafka.Consumer):
         def _new_consumer_thread(self) -> Any:
@@ -91,13 +123,27 @@ class LeanMonitor(faust.Monitor):
 
 
 class WorkerApp(faust.App):
-    """A Faust app whose transport honours gpusteward's Kafka settings."""
+    """A Faust app whose transport honours gpusteward's Kafka settings.
+
+    It also keeps the worker's :class:`Health`: ready once a rebalance has
+    ended (partitions assigned, tables recovered, streams resumed), not ready
+    while one is under way, and live while its loop beats and its topics exist.
+    """
 
     gpusteward_settings: Settings
+    health: Health
 
     def _new_transport(self) -> Any:
-        transport = _transport_with_fetch_wait(self.gpusteward_settings.kafka.fetch_max_wait_ms)
+        transport = _transport_for(self.gpusteward_settings)
         return transport(self.conf.broker_consumer, self)
+
+    def on_rebalance_start(self) -> None:
+        super().on_rebalance_start()
+        self.health.set_ready(False, "rebalancing")
+
+    def on_rebalance_end(self) -> None:
+        super().on_rebalance_end()
+        self.health.set_ready(True, "partitions assigned and tables recovered")
 
 
 def _broker_url(settings: Settings) -> list[str]:
@@ -129,8 +175,9 @@ def create_app(
         topic_replication_factor=kafka.replication_factor,
         consumer_auto_offset_reset="earliest",
         broker_rebalance_timeout=kafka.rebalance_timeout_s,
-        broker_session_timeout=10.0,
-        broker_heartbeat_interval=1.0,
+        broker_session_timeout=kafka.session_timeout_s,
+        consumer_group_instance_id=kafka.group_instance_id,
+        broker_heartbeat_interval=min(1.0, kafka.session_timeout_s / 4),
         broker_commit_every=1000,
         broker_commit_interval=0.5,
         producer_linger=0.005,
@@ -138,12 +185,19 @@ def create_app(
         web_port=web_port or 6066,
         datadir=datadir or f"/tmp/{app_id}-data",
         table_cleanup_interval=3600.0,
+        # No standby replicas: with the memory store they buy nothing. A partition that
+        # becomes active is replayed from the start of its changelog anyway (the store
+        # persists no offset), and the store drops standby keys at every recovery's end,
+        # so standbys only made every worker read every other worker's changelogs.
+        table_standby_replicas=0,
         stream_wait_empty=False,
         key_serializer="raw",
         value_serializer="raw",
         Monitor=LeanMonitor,
     )
     app.gpusteward_settings = settings
+    app.health = Health()
+    _watch_health(app, settings)
     policy = rules.policy if rules is not None and rules.policy else policy_from_env()
     join = NodeJoin(rules, policy=policy)
 
@@ -174,47 +228,79 @@ def create_app(
     app.on_partitions_revoked.connect(forget_live_states)  # type: ignore[arg-type]
     app.on_partitions_assigned.connect(forget_live_states)  # type: ignore[arg-type]
 
-    decode_sample = msgspec.json.Decoder(NodeSample).decode
-    decode_hw = msgspec.json.Decoder(HwEvent).decode
-    decode_alloc = msgspec.json.Decoder(AllocationEvent).decode
+    # Each topic's edge (bounds, key, depth: gpusteward.edge) and the join's handler for it.
+    by_topic: dict[str, tuple[Edge[Any], Any]] = {
+        samples_name: (Edge[NodeSample](NodeSample, key_of=_node), join.on_sample),
+        hw_name: (Edge[HwEvent](HwEvent, key_of=_node), join.on_hw_event),
+        alloc_name: (Edge[AllocationEvent](AllocationEvent, key_of=topics.allocation_key),
+                     join.on_allocation),
+    }
+
+    async def apply(event: Any) -> list[Output]:
+        decode, handler = by_topic[event.message.topic]
+        record = decode(event.value, event.key)
+        node = record.node.encode()
+        entry = live.get(node)
+        if entry is None:
+            stored = state_table.get(node)
+            entry = (decode_state(stored) if stored is not None else NodeState(), -1.0)
+        state, checkpointed_at = entry
+        try:
+            outputs: list[Output] = handler(state, record)
+            # Write the changelog when the state matters for recovery (a rule emitted a
+            # finding or action, the allocations changed) and otherwise every checkpoint_s
+            # of event time. A worker that crashes between checkpoints recovers a state at
+            # most that old; re-processing then republishes the same ids, which consumers
+            # deduplicate. A node summary alone does not count: the next one replaces it; nor
+            # does a rollup: one re-emitted after a crash has the same (device, minute) name,
+            # and the store keeps one per name.
+            due = record.ts - checkpointed_at >= checkpoint_s
+            decisive = any(not isinstance(output, NodeSummary | Rollup) for output in outputs)
+            if decisive or due or not isinstance(record, NodeSample):
+                state_table[node] = encode_state(state)
+                checkpointed_at = record.ts
+        except Exception:
+            # The record may have half-changed the state: the node goes back to its last
+            # checkpoint, as after a crash (a copy per record to roll back to would cost
+            # more than the join itself).
+            live.pop(node, None)
+            raise
+        live[node] = (state, checkpointed_at)
+        return outputs
 
     @app.agent(node_topics, name="node-join")
     async def node_join(stream: Any) -> None:
         async for event in stream.events():
-            topic = event.message.topic
-            try:
-                handler: Any
-                if topic == samples_name:
-                    record: Any = decode_sample(event.value)
-                    handler = join.on_sample
-                elif topic == hw_name:
-                    record = decode_hw(event.value)
-                    handler = join.on_hw_event
-                else:
-                    record = decode_alloc(event.value)
-                    handler = join.on_allocation
-            except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                await outputs_to.dead_letter(event, error)
-                continue
-            node = record.node.encode()
-            entry = live.get(node)
-            if entry is None:
-                stored = state_table.get(node)
-                entry = (decode_state(stored) if stored is not None else NodeState(), -1.0)
-            state, checkpointed_at = entry
-            outputs = handler(state, record)
-            # Write the changelog when the state matters for recovery (a rule emitted a
-            # finding or action, the allocations changed) and otherwise every checkpoint_s of
-            # event time. A worker that crashes between checkpoints recovers a state at most
-            # that old; re-processing then republishes the same ids, which consumers
-            # deduplicate. A node summary alone does not count: the next one replaces it.
-            due = record.ts - checkpointed_at >= checkpoint_s
-            decisive = any(not isinstance(output, NodeSummary) for output in outputs)
-            if decisive or due or not isinstance(record, NodeSample):
-                state_table[node] = encode_state(state)
-                checkpointed_at = record.ts
-            live[node] = (state, checkpointed_at)
-            await outputs_to.publish(outputs)
+            started = outputs_to.consumed(event.message.topic)
+            outputs = await outputs_to.guarded(event, "node-join", apply)
+            if outputs:
+                await outputs_to.publish(outputs)
+            outputs_to.processed(started)
 
     register_fleet_agent(app, settings, FleetSettings(policy=policy))
     return app
+
+
+def _node(record: NodeSample | HwEvent) -> str:
+    """The key a node's samples and hardware events are published under."""
+    return record.node
+def _watch_health(app: WorkerApp, settings: Settings) -> None:
+    """Beat while the loop turns; stop the worker, non-zero, when its topics disappear.
+
+    Faust retries UnknownTopicOrPartition forever (a broker restarted empty);
+    crashing the app makes ``gpusteward worker`` exit with an error, and its
+    supervisor's restart creates the topics and the group again.
+    """
+    inputs = [spec.name(settings) for spec in (topics.SAMPLES, topics.HW_EVENTS,
+                                                topics.ALLOCATIONS)]
+
+    @app.timer(1.0, on_leader=False)
+    async def beat() -> None:
+        app.health.beat()
+
+    @app.task
+    async def watch_topics() -> None:
+        reason = await health.watch_topics(app.health, inputs,
+                                           lambda: kafka.list_topics(settings))
+        await app.crash(RuntimeError(reason))
+

@@ -61,6 +61,7 @@ import msgspec
 from faust.types import TP
 
 from gpusteward import topics
+from gpusteward.edge import Edge, Rejected
 from gpusteward.rules import REGISTRY, Registry
 from gpusteward.rules import fragmentation as frag
 from gpusteward.rules import queue as queue_rules
@@ -345,8 +346,10 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     decode_track = msgspec.msgpack.Decoder(spot_rules.SpotNodeTrack).decode
     decode_mig_workload = msgspec.msgpack.Decoder(mig_observed.MigWorkload).decode
     decode_summary = msgspec.json.Decoder(NodeSummary).decode
-    decode_queue = msgspec.json.Decoder(QueueEvent).decode
-    decode_alloc = msgspec.json.Decoder(AllocationEvent).decode
+    # The edges of the fleet's inputs (bounds, key, depth: gpusteward.edge).
+    summary_edge = Edge[NodeSummary](NodeSummary, key_of=lambda s: s.node)
+    queue_edge = Edge[QueueEvent](QueueEvent, key_of=lambda q: q.cluster_queue)
+    alloc_edge = Edge[AllocationEvent](AllocationEvent, key_of=topics.allocation_key)
     state_key = b"fleet"
     # The decoded fleet state and the event time of its last checkpoint; dropped on every
     # rebalance, when the table becomes the truth again.
@@ -365,75 +368,94 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         highwater = app.consumer.highwater(queue_tp)
         return highwater is not None and state.queue_offset + 1 >= highwater
 
+    async def apply_fleet(event: Any) -> list[FleetOutput]:
+        entry = live.get(state_key)
+        if entry is None:
+            stored = fleet_table.get(state_key)
+            loaded = decode_fleet(stored) if stored is not None else FleetState()
+            loaded.nodes = {key.decode(): decode_summary(value)
+                            for key, value in nodes_table.items()}
+            loaded.mig.workloads = {key.decode(): decode_mig_workload(value)
+                                    for key, value in mig_table.items()}
+            entry = live[state_key] = (loaded, -1.0)
+        state, checkpointed_at = entry
+        record: NodeSummary | QueueEvent
+        if event.message.topic == queue_name:
+            # A queue record read counts as applied, refused or not: a refused one at the
+            # tail must not keep the queue "behind" (queue_caught_up) for ever.
+            state.queue_offset = max(state.queue_offset, event.message.offset)
+            record = queue_edge(event.value, event.key)
+        else:
+            record = summary_edge(event.value, event.key)
+        try:
+            return await fold(event, record, state, checkpointed_at)
+        except Exception:
+            # The record may have half-changed the state: back to the last checkpoint,
+            # as after a crash.
+            live.pop(state_key, None)
+            raise
+
+    async def fold(event: Any, record: NodeSummary | QueueEvent, state: FleetState,
+                   checkpointed_at: float) -> list[FleetOutput]:
+        if isinstance(record, NodeSummary):
+            outputs = evaluator.on_summary(state, record,
+                                           queue_caught_up=queue_caught_up(state))
+            if state.nodes.get(record.node) is record:
+                nodes_table[record.node.encode()] = event.value
+        else:
+            outputs = evaluator.on_queue(state, record,
+                                         queue_caught_up=queue_caught_up(state))
+        slot = evaluator.mig_advice_due(state)
+        if slot is not None:
+            # Seconds of solver time on a large fleet: off the event loop, so the
+            # consumer keeps heart-beating. Nothing else touches this state meanwhile:
+            # this agent awaits it before taking the next record.
+            outputs += await asyncio.to_thread(evaluator.mig_advice, state, slot)
+        # Queue events are written at once (a lost admission would leave a phantom pending
+        # workload after a restart); summaries only every checkpoint_s, since the next
+        # summary of a node replaces a lost one.
+        is_queue = isinstance(record, QueueEvent)
+        for node in state.departed:
+            nodes_table.pop(node.encode(), None)
+        state.departed = []
+        for key in state.mig.touched:
+            workload = state.mig.workloads.get(key)
+            if workload is None:
+                mig_table.pop(key.encode(), None)
+            else:
+                mig_table[key.encode()] = encode_msgpack(workload)
+        state.mig.touched = []
+        if outputs or is_queue or record.ts - checkpointed_at >= checkpoint_s:
+            fleet_table[state_key] = encode_msgpack(msgspec.structs.replace(
+                state, nodes={}, mig=msgspec.structs.replace(state.mig, workloads={})))
+            checkpointed_at = record.ts
+        live[state_key] = (state, checkpointed_at)
+        return outputs
+
     @app.agent(fleet_topics, name="fleet")
     async def fleet(stream: Any) -> None:
         async for event in stream.events():
-            try:
-                record: NodeSummary | QueueEvent
-                if event.message.topic == summaries_name:
-                    record = decode_summary(event.value)
-                else:
-                    record = decode_queue(event.value)
-            except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                await outputs_to.dead_letter(event, error)
-                continue
-            entry = live.get(state_key)
-            if entry is None:
-                stored = fleet_table.get(state_key)
-                loaded = decode_fleet(stored) if stored is not None else FleetState()
-                loaded.nodes = {key.decode(): decode_summary(value)
-                                for key, value in nodes_table.items()}
-                loaded.mig.workloads = {key.decode(): decode_mig_workload(value)
-                                        for key, value in mig_table.items()}
-                entry = (loaded, -1.0)
-            state, checkpointed_at = entry
-            if isinstance(record, NodeSummary):
-                outputs = evaluator.on_summary(state, record,
-                                               queue_caught_up=queue_caught_up(state))
-                if state.nodes.get(record.node) is record:
-                    nodes_table[record.node.encode()] = event.value
-            else:
-                state.queue_offset = max(state.queue_offset, event.message.offset)
-                outputs = evaluator.on_queue(state, record,
-                                             queue_caught_up=queue_caught_up(state))
-            slot = evaluator.mig_advice_due(state)
-            if slot is not None:
-                # Seconds of solver time on a large fleet: off the event loop, so the
-                # consumer keeps heart-beating. Nothing else touches this state meanwhile:
-                # this agent awaits it before taking the next record.
-                outputs += await asyncio.to_thread(evaluator.mig_advice, state, slot)
-            # Queue events are written at once (a lost admission would leave a phantom pending
-            # workload after a restart); summaries only every checkpoint_s, since the next
-            # summary of a node replaces a lost one.
-            is_queue = isinstance(record, QueueEvent)
-            for node in state.departed:
-                nodes_table.pop(node.encode(), None)
-            state.departed = []
-            for key in state.mig.touched:
-                workload = state.mig.workloads.get(key)
-                if workload is None:
-                    mig_table.pop(key.encode(), None)
-                else:
-                    mig_table[key.encode()] = encode_msgpack(workload)
-            state.mig.touched = []
-            if outputs or is_queue or record.ts - checkpointed_at >= checkpoint_s:
-                fleet_table[state_key] = encode_msgpack(msgspec.structs.replace(
-                    state, nodes={}, mig=msgspec.structs.replace(state.mig, workloads={})))
-                checkpointed_at = record.ts
-            live[state_key] = (state, checkpointed_at)
-            await outputs_to.publish(outputs)
+            outputs = await outputs_to.guarded(event, "fleet", apply_fleet)
+            if outputs:
+                await outputs_to.publish(outputs)
+
+    async def apply_spot(event: Any) -> list[FleetOutput] | None:
+        try:
+            alloc = alloc_edge(event.value, event.key)
+        except Rejected:
+            # The node join dead-letters the same record; once is enough.
+            return None
+        node = alloc.node.encode()
+        stored = spot_table.get(node)
+        track = decode_track(stored) if stored is not None else spot_rules.SpotNodeTrack()
+        # A failure leaves the table as it was: the track is written only when whole.
+        outputs = spot_join.on_allocation(track, alloc)
+        spot_table[node] = encode_msgpack(track)
+        return outputs
 
     @app.agent(allocations, name="fleet-spot")
     async def fleet_spot(stream: Any) -> None:
         async for event in stream.events():
-            try:
-                alloc = decode_alloc(event.value)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                # The node join dead-letters the same record; once is enough.
-                continue
-            node = alloc.node.encode()
-            stored = spot_table.get(node)
-            track = decode_track(stored) if stored is not None else spot_rules.SpotNodeTrack()
-            outputs = spot_join.on_allocation(track, alloc)
-            spot_table[node] = encode_msgpack(track)
-            await outputs_to.publish(outputs)
+            outputs = await outputs_to.guarded(event, "fleet-spot", apply_spot)
+            if outputs:
+                await outputs_to.publish(outputs)

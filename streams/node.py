@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from gpusteward.rules import budget, ecc, hardware, idle
+from gpusteward.rules import budget, ecc, hardware, idle, rollup
 from gpusteward.rules import policy as policies
 from gpusteward.rules.registry import DeviceRunner, state_in
 from gpusteward.schema import (
@@ -41,6 +41,7 @@ from gpusteward.schema import (
     NodeSummary,
     PodAllocation,
     PodRef,
+    Rollup,
 )
 
 
@@ -56,6 +57,14 @@ class Holding(msgspec.Struct):
     queue: str | None = None
     labels: dict[str, str] = {}
     annotations: dict[str, str] = {}
+    owner_kind: str | None = None
+    owner_name: str | None = None
+    who: rollup.Attribution | None = None
+    """The pod's columns in the rollups, made once from the fields above."""
+    ended_at: float | None = None
+    """When the pod finished or was deleted. The holding is kept until the node's samples
+    are past that time: samples travel on another topic, and a worker behind on them
+    reads a pod's end before its last samples."""
 
 
 class DeviceState(msgspec.Struct):
@@ -97,9 +106,11 @@ class NodeState(msgspec.Struct):
     """The node's pool: the value of the policy's node-pool label on the node."""
     last_summary_ts: float | None = None
     summary_dirty: bool = True
+    rollups: rollup.RollupTrack = msgspec.field(default_factory=rollup.RollupTrack)
+    """The node's open per-device minutes."""
 
 
-Output = Finding | Action | NodeSummary
+Output = Finding | Action | NodeSummary | Rollup
 
 
 @dataclass
@@ -116,10 +127,67 @@ class RuleSettings:
     nothing that matters; anything a rule emits is written at once. Lower means less
     re-learning after a crash, higher means less changelog traffic (one record per node
     per interval instead of one per sample)."""
+    rollup_lateness_s: float = 60.0
+    """Event-time seconds a minute stays open after its end for late samples before its
+    rollup is published; a sample later than that is counted and dropped."""
+    team_labels: tuple[str, ...] = rollup.DEFAULT_TEAM_LABELS
+    """Pod labels naming the owning team in the rollups, first match wins; else the
+    namespace. The weekly report groups by the team the rollups carry."""
 
 
 def _pod_key(pod: PodRef) -> str:
     return pod.uid or f"{pod.namespace}/{pod.name}"
+
+
+class _Holders:
+    """The node's holdings at one sample's time, by device id and by pod identity.
+
+    A pod is known by uid where both sides have it and by namespace/name otherwise
+    (DESIGN.md, decision 4): the kubelet's PodResources API, and so the NVML collector's
+    attribution, carries no uid, while the watcher's allocations do. Built once per sample
+    from the handful of pods a node holds; a holding whose pod ended at or before the
+    sample does not hold anything at its time.
+    """
+
+    __slots__ = ("_by_name", "by_device", "expired")
+
+    def __init__(self, pods: dict[str, Holding], ts: float, linger_s: float) -> None:
+        self.by_device: dict[str, Holding] = {}
+        self._by_name: dict[tuple[str, str], list[Holding]] = {}
+        self.expired: list[str] = []
+        """Ended holdings the node's samples are well past: safe to forget."""
+        for key, holding in pods.items():
+            ended_at = holding.ended_at
+            if ended_at is not None and ts >= ended_at:
+                if ts - ended_at > linger_s:
+                    self.expired.append(key)
+                continue
+            for uuid in holding.devices:
+                self.by_device[uuid] = holding
+            name = (holding.pod.namespace, holding.pod.name)
+            same = self._by_name.get(name)
+            if same is None:
+                self._by_name[name] = [holding]
+            else:
+                same.append(holding)
+
+    def find(self, pod: PodRef) -> Holding | None:
+        """The holding of the attributed ``pod``; None when no allocation matches it.
+
+        A uid on both sides decides: a pod restarted under the same name (a new uid) is not
+        the old one. Without a uid on one side the name decides, and of two live holdings
+        with one name (the old pod's end not seen yet) the later started is the pod, since
+        Kubernetes gives a name to one pod at a time.
+        """
+        found: Holding | None = None
+        for holding in self._by_name.get((pod.namespace, pod.name), ()):
+            if pod.uid is not None and holding.pod.uid is not None:
+                if holding.pod.uid == pod.uid:
+                    return holding
+                continue  # both have uids and they differ: another pod of the same name
+            if found is None or holding.started_at >= found.started_at:
+                found = holding
+        return found
 
 
 class NodeJoin:
@@ -129,30 +197,40 @@ class NodeJoin:
                  policy: policies.Policy | None = None) -> None:
         self.settings = settings or RuleSettings()
         self.policy = policy or self.settings.policy or policies.Policy()
+        self.fold = rollup.MinuteFold(self.settings.rollup_lateness_s)
 
     def on_sample(self, state: NodeState, sample: NodeSample) -> list[Output]:
         out: list[Output] = []
-        holders = self._holders_by_device(state)
+        holders = _Holders(state.pods, sample.ts, self.settings.rollup_lateness_s)
+        for key in holders.expired:
+            del state.pods[key]
         resolve = self.policy.resolve
         pool = state.pool
         node_steps = resolve(None, None, pool).samples
         node, ts = sample.node, sample.ts
+        fold, minutes = self.fold, state.rollups
+        bucket = fold.bucket(minutes, ts)
+        if bucket is None:
+            fold.late(minutes, len(sample.devices))
         for device in sample.devices:
             dev = state.devices.get(device.uuid)
             if dev is None:
                 dev = state.devices[device.uuid] = DeviceState()
-            holding = self._holding(state, dev, device, holders, ts)
+            holding = self._holding(dev, device, holders, ts)
             if holding is not None:
                 steps = resolve(holding.pod.namespace, holding.queue, pool).samples
                 holder: idle.Holder | None = idle.Holder(
                     holding.pod, holding.started_at, holding.workload_kind, holding.labels,
-                    holding.annotations)
+                    holding.annotations, holding.queue, holding.owner_kind, holding.owner_name)
             elif device.pod is not None and dev.attributed_since is not None:
                 # Attributed by the collector but no allocation seen yet: count from first sight.
                 steps = resolve(device.pod.namespace, None, pool).samples
                 holder = idle.Holder(device.pod, dev.attributed_since)
             else:
                 steps, holder = node_steps, None
+            if bucket is not None:
+                who = holding.who if holding is not None else None
+                fold.add(bucket, device, ts, who or self._who(holding, device.pod))
             gpu = device.kind == "gpu"
             for hook, name, gpu_only, runner, settings in steps:
                 if gpu_only and not gpu:
@@ -163,11 +241,14 @@ class NodeJoin:
         if state.gpu_model is None and sample.devices:
             state.gpu_model = sample.devices[0].model
             state.gpu_count = state.gpu_count or sum(d.kind == "gpu" for d in sample.devices)
+        out += fold.advance(minutes, node, ts)
         return out + self._maybe_summary(state, sample.node, sample.ts)
 
     def on_hw_event(self, state: NodeState, event: HwEvent) -> list[Output]:
         # Only the kinds some runner takes: throttle_start/stop and ecc_sbe are left to the
         # samples, since the thermal and SBE rules need the whole window of readings.
+        if event.kind == "xid" and event.uuid is not None:
+            self.fold.count_xid(state.rollups, event.uuid, event.ts)
         hooks = self.policy.resolve(None, None, state.pool).events.get(event.kind, ())
         uuid = event.uuid
         if uuid is None:
@@ -208,8 +289,9 @@ class NodeJoin:
         key = _pod_key(event.pod)
         out: list[Output] = []
         if event.phase in ("finished", "deleted"):
-            holding = state.pods.pop(key, None)
-            if holding is not None:
+            holding = state.pods.get(key)
+            if holding is not None and holding.ended_at is None:
+                holding.ended_at = event.ts
                 releases = [(runner, runner.on_release) for runner, _ in
                             self.policy.resolve(None, None, state.pool).device
                             if runner.on_release is not None]
@@ -220,28 +302,48 @@ class NodeJoin:
                             out += release(track_of(dev, runner), event.node, uuid, event.ts)
                 state.summary_dirty = True
         elif event.phase in ("bound", "running"):
-            state.pods[key] = Holding(
+            known = state.pods.get(key)
+            if known is not None and known.ended_at is not None and event.ts <= known.ended_at:
+                return []  # a repeat of the pod's start, read after its end
+            holding = state.pods[key] = Holding(
                 pod=event.pod, started_at=event.started_at or event.ts,
                 devices=list(event.device_ids), gpus=event.gpus, mig=dict(event.mig),
                 workload_kind=event.workload_kind, queue=event.queue,
                 labels=dict(event.labels), annotations=dict(event.annotations),
+                owner_kind=event.owner_kind, owner_name=event.owner_name,
             )
+            rollup.reattribute(state.rollups, self._holding_who(holding))
             state.summary_dirty = True
         return out + self._maybe_summary(state, event.node, event.ts)
 
-    @staticmethod
-    def _holders_by_device(state: NodeState) -> dict[str, Holding]:
-        return {uuid: h for h in state.pods.values() for uuid in h.devices}
+    def _who(self, holding: Holding | None, attributed: PodRef | None
+             ) -> rollup.Attribution | None:
+        """The rollup attribution of a device: its holding's, else the collector's pod."""
+        if holding is not None:
+            return holding.who or self._holding_who(holding)
+        if attributed is not None:
+            return rollup.attribution(attributed, team_labels=self.settings.team_labels,
+                                      allocated=False)
+        return None
+
+    def _holding_who(self, holding: Holding) -> rollup.Attribution:
+        """The holding's rollup attribution, made once and kept on it."""
+        if holding.who is None:
+            holding.who = rollup.attribution(
+                holding.pod, labels=holding.labels, owner_kind=holding.owner_kind,
+                owner_name=holding.owner_name, workload_kind=holding.workload_kind,
+                queue=holding.queue, team_labels=self.settings.team_labels)
+        return holding.who
 
     @staticmethod
-    def _holding(state: NodeState, dev: DeviceState, device: DeviceSample,
-                 holders: dict[str, Holding], ts: float) -> Holding | None:
+    def _holding(dev: DeviceState, device: DeviceSample, holders: _Holders,
+                 ts: float) -> Holding | None:
         """The allocation holding the device, by its device ids or the collector's attribution."""
         if device.pod != dev.attributed:
             dev.attributed, dev.attributed_since = device.pod, ts
-        holding = holders.get(device.uuid)
+        holding = holders.by_device.get(device.uuid)
         if holding is None and device.pod is not None:
-            holding = state.pods.get(_pod_key(device.pod))
+            holding = holders.find(device.pod)
         return holding
 
     def _maybe_summary(self, state: NodeState, node: str, ts: float) -> list[Output]:
@@ -250,30 +352,28 @@ class NodeJoin:
         if not (state.summary_dirty or due):
             return []
         state.last_summary_ts, state.summary_dirty = ts, False
-        used = sum(h.gpus for h in state.pods.values())
+        holding = [h for h in state.pods.values() if h.ended_at is None]
+        used = sum(h.gpus for h in holding)
         checks = [(runner, runner.unhealthy) for runner, _ in
                   self.policy.resolve(None, None, state.pool).device
                   if runner.unhealthy is not None]
         healthy = not any(unhealthy(track_of(d, runner)) for d in state.devices.values()
                           for runner, unhealthy in checks)
         mig_free = dict(state.mig_allocatable)
-        for holding in state.pods.values():
-            for profile, count in holding.mig.items():
+        for held in holding:
+            for profile, count in held.mig.items():
                 mig_free[profile] = mig_free.get(profile, 0) - count
-        teams = self.policy.resolve(None, None, state.pool).rules.get(budget.KIND)
-        if not isinstance(teams, budget.BudgetSettings):
-            teams = budget.BudgetSettings()  # a registry without the budget rule (tests)
-        held: dict[str, float] = {}
-        for holding in state.pods.values():
-            team = teams.team_of(holding.pod.namespace, holding.labels)
-            held[team] = held.get(team, 0.0) + holding.gpus + budget.mig_gpus(holding.mig)
+        teams: dict[str, float] = {}
+        for held in holding:  # by the team the rollups name (team budgets count it)
+            team = self._holding_who(held).team
+            teams[team] = teams.get(team, 0.0) + held.gpus + budget.mig_gpus(held.mig)
         return [NodeSummary(
             ts=ts, node=node, gpu_model=state.gpu_model, gpus_total=state.gpu_count,
             gpus_free=max(0, state.gpu_count - used), healthy=healthy,
             cordoned=state.cordoned, spot=state.spot,
             mig_free={profile: n for profile, n in mig_free.items() if n > 0},
             pool=state.pool, idle=self._idle_holds(state),
-            held_by_team={team: gpus for team, gpus in held.items() if gpus > 0},
+            held_by_team={team: gpus for team, gpus in teams.items() if gpus > 0},
         )]
 
     @staticmethod
@@ -286,6 +386,8 @@ class NodeJoin:
             if track.open_id is None or track.open_pod is None or track.open_since is None:
                 continue
             holding = state.pods.get(_pod_key(track.open_pod))
+            if holding is not None and holding.ended_at is not None:
+                continue  # let go: lingering for late samples only
             mig = uuid.startswith("MIG-")
             profile = next(iter(holding.mig), None) if mig and holding is not None else None
             holds.append(IdleHold(

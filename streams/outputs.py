@@ -1,24 +1,33 @@
-"""What the worker's agents publish: findings, actions, node summaries, dead letters.
+"""What the worker's agents publish: findings, actions, node summaries, rollups, dead letters.
 
 Both the node join and the fleet agent publish the same payloads with the
-same keys (findings by fingerprint, actions by subject, summaries by node,
-dead letters by source topic), so they share this one writer.
+same keys (findings by fingerprint, actions by subject, summaries and
+rollups by node, dead letters by source topic), so they share this one writer.
+
+It is also where the agents' error policy lives: :meth:`OutputTopics.guarded`
+runs one record's processing and turns whatever that record breaks (the
+edge refusing it, a rule, the state encoder) into a dead letter, so that no
+single record can stop an agent. Faust would restart a crashed agent on the
+same record, forever.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import msgspec
 
-from gpusteward import topics
-from gpusteward.schema import Action, DeadLetter, Finding, NodeSummary, Subject
+from gpusteward import edge, topics
+from gpusteward.schema import Action, Finding, NodeSummary, Rollup, Subject
 from gpusteward.settings import Settings
+from gpusteward.streams.metrics import worker_metrics
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def raw_topic(app: Any, *names: str, partitions: int) -> Any:
@@ -46,26 +55,73 @@ class OutputTopics:
         self._findings = topic(topics.FINDINGS)
         self._actions = topic(topics.ACTIONS)
         self._summaries = topic(topics.NODE_SUMMARIES)
+        self._rollups = topic(topics.ROLLUPS)
         self._deadletter = topic(topics.DEADLETTER)
         self._encode = msgspec.json.Encoder().encode
+        # The one writer counts what goes out; the agents count what comes in.
+        self.metrics = worker_metrics(app, settings)
+        self._sent = {name: self.metrics.records_out.labels(topic.get_topic_name())
+                      for name, topic in (("summaries", self._summaries),
+                                          ("findings", self._findings),
+                                          ("actions", self._actions),
+                                          ("rollups", self._rollups))}
+        self._read: dict[str, Any] = {}
+        self._processing = self.metrics.processing.labels("node_join")
+        self.refusals = edge.Refusals(log)
+        """Records dead-lettered, by kind; the first of each kind is logged as a warning."""
 
-    async def publish(self, outputs: Sequence[Finding | Action | NodeSummary]) -> None:
+    def consumed(self, topic: str) -> float:
+        """Count a record read from ``topic``; returns the time to pass to :meth:`processed`."""
+        counter = self._read.get(topic)
+        if counter is None:
+            counter = self._read[topic] = self.metrics.records_in.labels(topic)
+        counter.inc()
+        return time.perf_counter()
+
+    def processed(self, started: float) -> None:
+        """Observe one record's handling time (decode, rules, publish) since ``started``."""
+        self._processing.observe(time.perf_counter() - started)
+
+    async def publish(self, outputs: Sequence[Finding | Action | NodeSummary | Rollup]
+                      ) -> None:
         for output in outputs:
             value = self._encode(output)
             if isinstance(output, NodeSummary):
                 await self._summaries.send(key=output.node.encode(), value=value)
+                self._sent["summaries"].inc()
+            elif isinstance(output, Rollup):
+                await self._rollups.send(key=output.node.encode(), value=value)
+                self._sent["rollups"].inc()
             elif isinstance(output, Finding):
                 await self._findings.send(key=output.fingerprint.encode(), value=value)
+                self._sent["findings"].inc()
+                self.metrics.findings.labels(output.kind, output.severity, output.state).inc()
             else:
                 await self._actions.send(key=subject_key(output.target).encode(), value=value)
+                self._sent["actions"].inc()
 
-    async def dead_letter(self, event: Any, error: Exception) -> None:
-        """Keep a record that could not be processed, whole, with the reason and position."""
+    async def guarded(self, event: Any, agent: str,
+                      process: Callable[[Any], Awaitable[T]]) -> T | None:
+        """``process(event)``'s result, or None once the record is dead-lettered because it failed.
+
+        Any exception but cancellation counts: past the edge, a failure on one record is
+        that record's (a rule's bug shows in the reason, with the record to replay). The
+        caller restores what the record may have half-changed.
+        """
+        try:
+            return await process(event)
+        except Exception as error:  # CancelledError is a BaseException: it goes through
+            await self.dead_letter(event, error, agent)
+            return None
+
+    async def dead_letter(self, event: Any, error: BaseException, agent: str = "") -> None:
+        """Keep a record that could not be processed, with the reason and position."""
         message = event.message
-        reason = f"{type(error).__name__}: {str(error)[:500]}"
-        log.warning("dead-lettered %s[%d]@%d: %s", message.topic, message.partition,
-                    message.offset, reason)
-        record = DeadLetter(source_topic=message.topic, partition=message.partition,
-                            offset=message.offset, error=reason, ts=time.time(),
-                            key=message.key, value=message.value)
+        why = edge.reason(error, "" if isinstance(error, edge.Rejected) else agent)
+        self.refusals.note(f"{message.topic} {agent} {edge.kind_of(error)}",
+                           "dead-lettered %s[%d]@%d: %s", message.topic, message.partition,
+                           message.offset, why)
+        record = edge.dead_letter(message.topic, message.partition, message.offset,
+                                  message.key, message.value, why)
         await self._deadletter.send(key=message.topic.encode(), value=self._encode(record))
+        self.metrics.dead_letters.labels(message.topic, edge.kind_of(error)).inc()

@@ -10,7 +10,8 @@ import sys
 import time
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from gpusteward import kafka, topics
 from gpusteward.broker import free_port
@@ -31,6 +32,41 @@ def test_topics_are_created_once(settings: Settings) -> None:
     first, second, existing = asyncio.run(main())
     names = {spec.name(settings) for spec in topics.ALL}
     assert set(first) == names and second == [] and names <= set(existing)
+
+
+def test_true_end_offsets_count_every_record_of_the_last_batch(settings: Settings) -> None:
+    """The embedded broker reports the last batch's base offset plus one as the high
+    watermark; table recovery needs the offset after the last record."""
+
+    async def main() -> tuple[int, int, int]:
+        name = f"{settings.topic_prefix}.ends"
+        admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(name, 1, 1)])
+        finally:
+            await admin.close()
+        producer = kafka.producer(settings, linger_ms=100)
+        await producer.start()
+        try:
+            sent = [await producer.send(name, b"v", key=b"k") for _ in range(10)]
+            await producer.flush()
+            await asyncio.gather(*sent)
+        finally:
+            await producer.stop()
+        tp = TopicPartition(name, 0)
+        reader = kafka.consumer(settings, group_id=None)
+        await reader.start()
+        try:
+            reported = (await reader.end_offsets([tp]))[tp]
+            true_end = (await kafka.true_end_offsets(reader, [tp]))[tp]
+        finally:
+            await reader.stop()
+        return reported, true_end, len(await kafka.read_all(settings, name))
+
+    reported, true_end, count = asyncio.run(main())
+    assert true_end == count == 10
+    assert reported <= true_end  # 1 on the embedded broker (one batch of ten), 10 on Kafka
 
 
 def test_gpusteward_broker_command_serves_and_stops_on_sigterm() -> None:

@@ -29,8 +29,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from gpusteward import edge
 from gpusteward.collectors.kubernetes.settings import KubeWatchSettings
-from gpusteward.errors import TemporaryError
+from gpusteward.errors import TemporaryError, cut
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class ReflectorStats:
     gone: int = 0
     deltas: int = 0
     duplicates_skipped: int = 0
+    malformed: int = 0
+    """Objects or watch lines skipped as unreadable (no metadata, no name, no JSON)."""
 
 
 def object_key(obj: Obj) -> str:
@@ -106,6 +109,7 @@ class Reflector:
         self.stats = ReflectorStats()
         self._response: Any = None
         self._next_resync = 0.0
+        self.refusals = edge.Refusals(log)
 
     def run(self) -> None:
         delay = self._settings.backoff_initial_s
@@ -165,8 +169,12 @@ class Reflector:
         seen: dict[str, str] = {}
         deltas: list[Delta] = []
         for obj in items:
-            key = self._key_of(obj)
-            version = obj["metadata"].get("resourceVersion", "")
+            try:
+                key = self._key_of(obj)
+                version = str(obj["metadata"].get("resourceVersion", ""))
+            except (KeyError, TypeError, AttributeError) as e:
+                self._malformed(e, obj)
+                continue
             seen[key] = version
             previous = self.known.get(key)
             if previous == version:
@@ -205,13 +213,24 @@ class Reflector:
             for line in _lines(response):
                 if self._stop.is_set():
                     return
-                event = _decoder.decode(line)
-                self._on_event(event["type"], event["object"])
+                try:
+                    event = _decoder.decode(line)
+                    self._on_event(event["type"], event["object"])
+                except (msgspec.DecodeError, KeyError, TypeError, AttributeError) as e:
+                    # Skipped, not retried: the same watch would send it again. The next
+                    # relist (resync_period_s) brings the object's state back.
+                    self._malformed(e, line)
                 if time.monotonic() >= self._next_resync:
                     return
         finally:
             self._response = None
             response.release_conn()
+
+    def _malformed(self, error: BaseException, what: object) -> None:
+        """Count one unreadable object or line and log it (once per kind at warning level)."""
+        self.stats.malformed += 1
+        self.refusals.note(type(error).__name__, "%s: skipping a malformed object (%s): %.200r",
+                           self.resource, cut(f"{type(error).__name__}: {error}"), what)
 
     def _on_event(self, kind: str, obj: Obj) -> None:
         if kind == "ERROR":

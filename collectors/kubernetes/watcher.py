@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gpusteward import edge
 from gpusteward.collectors.kubernetes.reflector import (
     Delta,
     ListCall,
@@ -27,7 +28,7 @@ from gpusteward.collectors.kubernetes.reflector import (
     object_key,
 )
 from gpusteward.collectors.kubernetes.settings import KubeWatchSettings
-from gpusteward.collectors.kubernetes.translate import KUEUE_GROUP, Translator
+from gpusteward.collectors.kubernetes.translate import KUEUE_GROUP, Emitted, Translator
 from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.schema import QueueEvent
 
@@ -58,6 +59,8 @@ class KubeWatcher:
         self.publisher = publisher
         self.settings = settings or KubeWatchSettings()
         self.clock = clock
+        self.refusals = edge.Refusals(log)
+        """Deltas skipped as untranslatable, by resource and kind of fault."""
         self.translator = Translator(self.settings)
         self.reflectors: dict[str, Reflector] = {}
         self.synced = asyncio.Event()
@@ -205,10 +208,22 @@ class KubeWatcher:
             # relist of decoded objects) alive while waiting for the next one.
             await self._publish(await queue.get(), queue)
 
+    def _translated(self, delta: Delta) -> list[Emitted]:
+        """The events of one delta, or none when its object cannot be read or translates
+        into something out of the schema's bounds (counted, logged once per kind): one
+        odd object must not stop the watcher, nor make the worker refuse its record."""
+        try:
+            return [edge.conforming(event) for event in self.translator.apply(delta, self.clock())]
+        except Exception as error:  # an object the translator cannot read is that object's
+            self.refusals.note(f"{delta.resource} {edge.kind_of(error)}",
+                               "skipping %s %s %s: %s", delta.resource, delta.type, delta.key,
+                               edge.reason(error))
+            return []
+
     async def _publish(self, deltas: list[Delta], queue: asyncio.Queue[list[Delta]]) -> None:
         try:
             for delta in deltas:
-                for event in self.translator.apply(delta, self.clock()):
+                for event in self._translated(delta):
                     if isinstance(event, QueueEvent):
                         await self.publisher.queue(event)
                     else:

@@ -11,6 +11,7 @@ import typer
 
 from gpusteward.cli import report as report_commands
 from gpusteward.cli import sandbox as sandbox_commands
+from gpusteward.cli import status as status_commands
 from gpusteward.cli.collect import collect_app
 from gpusteward.cli.common import Bootstrap, ensure_topics, kafka_settings
 from gpusteward.cli.rules import rules_app
@@ -23,11 +24,13 @@ schema_app = typer.Typer(help="The payload contract.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
 app.add_typer(collect_app, name="collect")
 app.command("report")(report_commands.report)
+app.command("sink")(report_commands.sink)
 app.command("replay")(sandbox_commands.replay)
 app.command("simulate")(sandbox_commands.simulate)
 app.command("demo")(sandbox_commands.demo)
 app.add_typer(rules_app, name="rules")
 app.command(name="watch")(kube_watch)
+app.command(name="status")(status_commands.status)
 
 
 @app.command()
@@ -50,6 +53,8 @@ def worker(
     settings = kafka_settings(bootstrap)
     asyncio.run(ensure_topics(settings))
     faust_app = worker_app.create_app(settings, datadir=datadir)
+    if settings.health_port:
+        faust_app.health.serve(settings.health_port)
     from faust.worker import Worker
 
     faust_worker = Worker(faust_app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
@@ -151,15 +156,48 @@ def act(
 
 
 def _run_until_interrupted(settings: Settings, run: object) -> None:
-    async def main() -> None:
-        await ensure_topics(settings)
-        stop = asyncio.Event()
-        await run(stop)  # type: ignore[operator]
+    """Run a consumer with its health probe until Ctrl-C, or until its topics vanish.
+
+    Ready once its topics exist; live while its loop beats. A broker that
+    comes back without the topics ends the process with an error, so its
+    supervisor restarts it and the start creates them again.
+    """
+    from gpusteward import health, topics
+    from gpusteward.kafka import list_topics
+
+    async def main() -> str | None:
+        state = health.Health()
+        server = state.serve(settings.health_port) if settings.health_port else None
+        beating = asyncio.create_task(health.heartbeat(state))
+        try:
+            await ensure_topics(settings)
+            state.set_ready(True, "topics exist")
+            stop = asyncio.Event()
+            working = asyncio.ensure_future(run(stop))  # type: ignore[operator]
+            names = [spec.name(settings) for spec in topics.ALL]
+            watching = asyncio.create_task(
+                health.watch_topics(state, names, lambda: list_topics(settings)))
+            await asyncio.wait({working, watching}, return_when=asyncio.FIRST_COMPLETED)
+            if working.done():
+                watching.cancel()
+                await working
+                return None
+            stop.set()
+            await asyncio.wait({working}, timeout=10.0)
+            return watching.result()
+        finally:
+            beating.cancel()
+            if server is not None:
+                server.shutdown()
 
     try:
-        asyncio.run(main())
+        failure = asyncio.run(main())
     except KeyboardInterrupt:
-        pass
+        return
+    if failure is not None:
+        typer.echo(f"error: {failure}; exiting so that the supervisor restarts this process",
+                   err=True)
+        raise typer.Exit(3)
 
 
 @schema_app.command("export")

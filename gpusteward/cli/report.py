@@ -1,4 +1,4 @@
-"""The ``gpusteward report`` command: the weekly report from the rollup store.
+"""The ``gpusteward report`` and ``sink`` commands: the rollup store, written and read.
 
 Heavy imports (polars, scipy) happen inside the command, so the CLI starts
 fast for every other command.
@@ -6,11 +6,17 @@ fast for every other command.
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from gpusteward.cli.common import Bootstrap, configure_logging, ensure_topics, kafka_settings
+
+SINKS = ("rollups", "queue")
 
 
 def report(
@@ -29,7 +35,7 @@ def report(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from gpusteward.reports import build, compute, render
+    from gpusteward.reports import build, compute, render, store
     from gpusteward.reports.settings import ReportSettings
 
     settings = ReportSettings()
@@ -44,15 +50,66 @@ def report(
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
         task = progress.add_task(f"report {chosen.label}", total=len(build.STEPS))
+        reading = progress.add_task("rows read", total=None)
 
         def step(name: str) -> None:
             progress.update(task, advance=1, description=f"report {chosen.label}: {name}")
 
+        def rows(read: int, total: int) -> None:
+            progress.update(reading, completed=read, total=total,
+                            description=f"rows read: {read:,} of {total:,}")
+
         queue_dir = queue or settings.queue_dir
-        result = build.build(directory, chosen, settings,
-                             queue=queue_dir if queue_dir.is_dir() else None, step=step)
+        try:
+            result = build.build(directory, chosen, settings,
+                                 queue=queue_dir if queue_dir.is_dir() else None, step=step,
+                                 rows=rows)
+        except store.StoreError as error:
+            console.print(f"[red]{error}[/]")
+            raise typer.Exit(1) from error
     for path in render.write(result, out):
         typer.echo(str(path))
     totals = result.data["totals"]
     if not totals["device_minutes"]:
         console.print(f"[yellow]no rollups for {chosen.label} in {directory}[/]")
+    elif result.data["missing_days"]:
+        console.print(f"[yellow]no rollups for {', '.join(result.data['missing_days'])} in "
+                      f"{directory}: the report covers the other days[/]")
+
+
+def sink(
+    topic: Annotated[str, typer.Argument(
+        help="rollups (gpusteward.rollups.v1 into the rollup store) or queue "
+             "(gpusteward.queue.v1 into the queue-event store).")],
+    bootstrap: Bootstrap = None,
+    directory: Annotated[Path | None, typer.Option(
+        "--dir", help="Store folder (default: GPUSTEWARD_REPORT__ROLLUP_DIR or "
+                      "GPUSTEWARD_REPORT__QUEUE_DIR).")] = None,
+    loglevel: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """Run a sink: a topic into its Parquet store, until SIGTERM or Ctrl-C (then flush)."""
+    from gpusteward.reports import sink as sinks
+    from gpusteward.reports.settings import ReportSettings
+
+    if topic not in SINKS:
+        raise typer.BadParameter(f"unknown sink {topic!r}: {' or '.join(SINKS)}",
+                                 param_hint="TOPIC")
+    configure_logging(loglevel)
+    settings = kafka_settings(bootstrap)
+    report = ReportSettings()
+    make = sinks.rollup_sink if topic == "rollups" else sinks.queue_sink
+    running = make(settings, report, directory)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        # A pod is stopped with SIGTERM: flush the buffer and commit before going.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await ensure_topics(settings)
+        await running.run(stop)
+
+    asyncio.run(main())
+    typer.echo(f"{topic} sink: {running.rows_written} rows in {running.files_written} files "
+               f"under {running.directory}, {running.duplicates} repeats skipped, "
+               f"{running.dead_lettered} dead-lettered")

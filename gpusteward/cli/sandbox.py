@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 import typer
@@ -78,15 +78,11 @@ def demo(
                         ] = "eight-a100",
     seed: Annotated[int | None, typer.Option(help="Override the scenario's seed.")] = None,
     live: Annotated[bool, typer.Option("--live/--no-live", help="Show the live view.")] = True,
-    feed: Annotated[Literal["simulator", "kubernetes"], typer.Option(
-        help="Where allocation and queue events come from: the simulator itself, or the "
-        "Kubernetes watcher on an API-server double the simulated fleet is mirrored into."
-    )] = "simulator",
 ) -> None:
-    """Run the whole pipeline on an embedded broker and a simulated fleet."""
+    """Run the system as deploy/ declares it on an embedded broker and a simulated fleet."""
     from gpusteward.sandbox.demo import run_demo
 
-    raise typer.Exit(run_demo(scenario, duration, live_view=live, seed=seed, feed=feed))
+    raise typer.Exit(run_demo(scenario, duration, live_view=live, seed=seed))
 
 
 

@@ -107,7 +107,7 @@ async def _main(kube: KubeWatchSettings, bootstrap: str | None, stdout: bool) ->
     if stdout:
         await KubeWatcher(client, StdoutPublisher(), kube).run(stop)
         return
-    from gpusteward import kafka
+    from gpusteward import health, kafka
     from gpusteward.collectors.transport.publisher import KafkaPublisher
     from gpusteward.settings import Settings
 
@@ -119,7 +119,13 @@ async def _main(kube: KubeWatchSettings, bootstrap: str | None, stdout: bool) ->
     await kafka.ensure_topics(settings)
     publisher = KafkaPublisher(settings)
     await publisher.start()
+    state = health.Health()
+    server = state.serve(settings.health_port) if settings.health_port else None
+    beating = asyncio.create_task(health.heartbeat(state, ready=lambda: publisher.healthy))
     try:
         await KubeWatcher(client, publisher, kube).run(stop)
     finally:
+        beating.cancel()
+        if server is not None:
+            server.shutdown()
         await publisher.stop()

@@ -10,11 +10,15 @@ solved exactly with HiGHS (``scipy.optimize.milp``):
   nothing. So ``sum(x) <= GPUs in the pool``.
 - ``u[p, q]`` (integer) workloads whose smallest profile is ``p`` placed on an
   instance of a profile ``q`` at least as large (compute and memory), bounded
-  by the instances of ``q`` the layouts create.
-- ``z[p, s]`` how many of the workloads with smallest profile ``p`` and share
-  ``s`` are served (0 to their number); per ``p`` they sum to the placed count,
-  and the objective weighs each by its share, so the workloads that ran
-  longest are served first.
+  by the instances of ``q`` the layouts create; their sum ``c[p]`` is at most
+  the number of such workloads.
+- ``v[p]`` the share of the week served for ``p``: the longest-running ``c[p]``
+  workloads are served first, so it is the prefix sum of their shares, a
+  concave function of ``c[p]``. ``v[p]`` is bounded by the lines through
+  consecutive points of that sum; the lines are added as the solves touch
+  them (65 to start, then those around each answer, until the answer needs no
+  more), so the program stays a few dozen columns whatever the fleet and the
+  number of workloads. At integral ``c[p]`` the lines meet exactly at the sum.
 
 Two solves make the order of goals exact: the first maximises the served
 share of the week; the second holds that optimum (to 1e-6) and minimises
@@ -24,9 +28,9 @@ not need, and GPUs planned as one full-size instance, get MIG disabled.
 Each workload gets an instance of its own: a share under 1 weighs how much
 serving it is worth, not a time-slice of an instance.
 
-Cost: milliseconds for a few hundred workloads; at 1,000 GPUs and 10,000
-workloads about 0.4 s when everything fits and 10-20 s when the pools are
-over-subscribed and the second solve has to branch (see the benchmark).
+Cost (``make bench``, 2 shared cores): 1,000 GPUs and 10,000 over-subscribing
+workloads in about 0.6 s, where one column per (profile, share) bucket took
+10 s because the second solve had to branch over thousands of columns.
 
 The result is a mig-parted config (``version: v1``, ``mig-configs``) with one
 named config per distinct node arrangement, the ``nvidia.com/mig.config``
@@ -175,21 +179,20 @@ def solve_pool(geometry: Geometry, gpus: int, demand: Sequence[Demand],
     by_smallest: dict[str, list[Demand]] = {}
     for d in sorted(demand, key=lambda d: (-d.share, d.workload)):
         by_smallest.setdefault(d.profile, []).append(d)
-    pairs = [(p, q.name) for p in sorted(by_smallest) for q in profiles
-             if fits(q, geometry.profile(p))]
-    # Workloads of one smallest profile and one share are interchangeable: one column
-    # each, bounded by their number, keeps the program small when many run all week.
-    buckets: list[tuple[str, float, int]] = []
-    for p in sorted(by_smallest):
-        for share, size in sorted(Counter(d.share for d in by_smallest[p]).items(),
-                                  reverse=True):
-            buckets.append((p, share, size))
+    smallest = sorted(by_smallest)
+    # served[p][c]: the share served when the c longest-running workloads of p get an
+    # instance; concave in c, so the lines through its consecutive points bound it.
+    served_by = {p: np.concatenate([[0.0], np.cumsum([d.share for d in by_smallest[p]])])
+                 for p in smallest}
+    pairs = [(p, q.name) for p in smallest for q in profiles if fits(q, geometry.profile(p))]
 
-    # Columns: x (GPUs per layout), u (placements), z (served per bucket), k (GPUs kept).
-    n_x, n_u, n_z = len(layouts), len(pairs), len(buckets)
-    n = n_x + n_u + n_z + n_x
-    rows: list[tuple[dict[int, float], float, float]] = []
-    rows.append(({i: 1.0 for i in range(n_x)}, 0.0, float(gpus)))
+    # Columns: x (GPUs per layout), u (placements), v (share served per smallest
+    # profile), k (GPUs kept as they are today).
+    n_x, n_u, n_v = len(layouts), len(pairs), len(smallest)
+    n = n_x + n_u + n_v + n_x
+    first_v, kept = n_x + n_u, n_x + n_u + n_v
+    rows: list[tuple[dict[int, float], float, float]] = [
+        ({i: 1.0 for i in range(n_x)}, 0.0, float(gpus))]
     for q in names:
         row = {n_x + k: 1.0 for k, (_, qq) in enumerate(pairs) if qq == q}
         if not row:
@@ -198,71 +201,80 @@ def solve_pool(geometry: Geometry, gpus: int, demand: Sequence[Demand],
             if layout.get(q):
                 row[c] = -float(layout[q])
         rows.append((row, -np.inf, 0.0))
-    offset = n_x + n_u
-    for p in sorted(by_smallest):
-        row = {n_x + k: 1.0 for k, (pp, _) in enumerate(pairs) if pp == p}
-        for j, (bp, _, _) in enumerate(buckets):
-            if bp == p:
-                row[offset + j] = -1.0
-        rows.append((row, 0.0, 0.0))
-    kept = n_x + n_u + n_z
+    placed_of = {p: [n_x + k for k, (pp, _) in enumerate(pairs) if pp == p] for p in smallest}
+    for p in smallest:
+        rows.append(({k: 1.0 for k in placed_of[p]}, 0.0, float(len(by_smallest[p]))))
     for c in range(n_x):
         if today_counts[c]:
             rows.append(({kept + c: 1.0, c: -1.0}, -np.inf, 0.0))
-
-    matrix = lil_matrix((len(rows), n))
-    for r, (coefficients, _, _) in enumerate(rows):
-        for column, value in coefficients.items():
-            matrix[r, column] = value
-    lower = np.array([row[1] for row in rows])
-    upper = np.array([row[2] for row in rows])
-    integrality = np.concatenate([np.ones(n_x + n_u), np.zeros(n_z + n_x)])
+    integrality = np.concatenate([np.ones(n_x + n_u), np.zeros(n_v + n_x)])
     bounds = Bounds(np.zeros(n), np.concatenate([
-        np.full(n_x + n_u, np.inf), np.array([float(b[2]) for b in buckets]),
+        np.full(n_x + n_u, np.inf), [served_by[p][-1] for p in smallest],
         np.array(today_counts, dtype=float)]))
-    shares = np.array([b[1] for b in buckets])
-    options = {"mip_rel_gap": 0.0, "presolve": True}
+    cuts: set[tuple[int, int]] = set()
 
-    serve = np.concatenate([np.zeros(n_x + n_u), -shares, np.zeros(n_x)])
-    first_solve = milp(serve, constraints=LinearConstraint(matrix.tocsr(), lower, upper),
-                       integrality=integrality, bounds=bounds, options=options)
-    if first_solve.status != 0:
-        raise RuntimeError(f"MIG layout search failed: {first_solve.message}")
-    # The served share of the integral placements, recomputed exactly: the solver's own
-    # objective carries its feasibility tolerance, and holding to it can be infeasible.
-    first_u = np.rint(first_solve.x[n_x:n_x + n_u]).astype(int)
-    count: Counter[str] = Counter()
-    for k, (p, _) in enumerate(pairs):
-        count[p] += first_u[k]
-    best = sum(sum(d.share for d in by_smallest[p][:count[p]]) for p in by_smallest)
-    # Hold the best served share (less a rounding tolerance) and use the fewest GPUs.
-    keep = lil_matrix((1, n))
-    for j, share in enumerate(shares):
-        keep[0, offset + j] = share
-    # Ties on GPUs are broken by two small terms that together stay below one GPU, so
-    # the GPU count stays minimal: a bonus per GPU kept as it is today (at most `gpus`
-    # of them, under 1/2 in all) and a cost per compute slice a workload gets beyond its
-    # smallest profile (under 1/2 in all), so spare slices stay free for new work.
+    def cut(j: int, count: int) -> None:
+        """v_p <= the line through served[p][count] and served[p][count + 1]."""
+        values = served_by[smallest[j]]
+        if count < 0 or count + 1 >= len(values) or (j, count) in cuts:
+            return
+        cuts.add((j, count))
+        slope = values[count + 1] - values[count]
+        row = {first_v + j: 1.0, **{k: -slope for k in placed_of[smallest[j]]}}
+        rows.append((row, -np.inf, float(values[count] - slope * count)))
+
+    for j, p in enumerate(smallest):
+        # 65 lines to start with; the solves add the ones their answers touch. Each
+        # round is a small solve, so a coarse start and wide rounds were fastest.
+        for count in np.unique(np.linspace(0, len(by_smallest[p]) - 1, 65).astype(int)):
+            cut(j, int(count))
+
+    def solve(objective: np.ndarray, extra: list[LinearConstraint]) -> np.ndarray:
+        """Solve, adding the lines the answer violates until it needs none."""
+        while True:
+            matrix = lil_matrix((len(rows), n))
+            for r, (coefficients, _, _) in enumerate(rows):
+                for column, value in coefficients.items():
+                    matrix[r, column] = value
+            result = milp(objective, integrality=integrality, bounds=bounds,
+                          constraints=[LinearConstraint(matrix.tocsr(), [r[1] for r in rows],
+                                                        [r[2] for r in rows]), *extra],
+                          options={"mip_rel_gap": 0.0, "presolve": True})
+            if result.status != 0:
+                raise RuntimeError(f"MIG layout search failed: {result.message}")
+            before = len(cuts)
+            for j, p in enumerate(smallest):
+                count = int(np.rint(result.x[placed_of[p]].sum()))
+                if result.x[first_v + j] > served_by[p][count] + 1e-9:
+                    # The lines around the answer too: fewer rounds (measured).
+                    for near in range(count - 16, count + 16):
+                        cut(j, near)
+            if len(cuts) == before:
+                return result.x
+
+    # Most demand served; the served share of the integral placements, recomputed
+    # exactly: the solver's own objective carries its feasibility tolerance.
+    first = solve(np.concatenate([np.zeros(n_x + n_u), -np.ones(n_v), np.zeros(n_x)]), [])
+    best = sum(served_by[p][int(np.rint(first[placed_of[p]].sum()))] for p in smallest)
+    # Hold it (less a rounding tolerance) and use the fewest GPUs. Ties on GPUs are
+    # broken by two small terms that together stay below one GPU, so the GPU count stays
+    # minimal: a bonus per GPU kept as it is today (at most `gpus` of them, under 1/2 in
+    # all) and a cost per compute slice a workload gets beyond its smallest profile
+    # (under 1/2 in all), so spare slices stay free for new work.
+    keep = np.zeros(n)
+    keep[first_v:kept] = 1.0
     extra = [geometry.profile(q).compute_slices - geometry.profile(p).compute_slices
              for p, q in pairs]
     worst = max(1, geometry.total_compute_slices * len(demand))
     fewest = np.concatenate([np.ones(n_x), np.array(extra, dtype=float) / (2 * worst + 2),
-                             np.zeros(n_z), np.full(n_x, -1.0 / (2 * gpus + 2))])
-    second_solve = milp(
-        fewest,
-        constraints=[LinearConstraint(matrix.tocsr(), lower, upper),
-                     LinearConstraint(keep.tocsr(), best - 1e-6 * (1 + best), np.inf)],
-        integrality=integrality, bounds=bounds, options=options,
-    )
-    if second_solve.status != 0:
-        raise RuntimeError(f"MIG layout search failed: {second_solve.message}")
-    x = np.rint(second_solve.x).astype(int)
-    u = np.rint(second_solve.x[n_x:n_x + n_u]).astype(int)
+                             np.zeros(n_v), np.full(n_x, -1.0 / (2 * gpus + 2))])
+    second = solve(fewest, [LinearConstraint(keep, best - 1e-6 * (1 + best), np.inf)])
+    x = np.rint(second[:n_x]).astype(int)
+    u = np.rint(second[n_x:n_x + n_u]).astype(int)
 
     gpu_layouts = [dict(layouts[c]) for c in range(n_x) for _ in range(x[c])]
     served: dict[str, str] = {}
-    # Ties in share can leave z fractional; the placed counts u are integral, so hand
-    # the instances out to the longest-running workloads of each smallest profile.
+    # Hand each smallest profile's instances to its longest-running workloads.
     placed: dict[str, list[str]] = {}
     for k, (p, q) in enumerate(pairs):
         placed.setdefault(p, []).extend([q] * u[k])

@@ -111,6 +111,23 @@ class CordonRecord(msgspec.Struct):
     reason: str
 
 
+class ReclaimRecord(msgspec.Struct):
+    """A running pod whose GPUs were taken back (its owner stopped or scaled to zero)."""
+
+    namespace: str
+    pod: str
+    node: str
+    ts: float
+    gpus: int
+    would_hold_until: float
+    """When it would have let its GPUs go otherwise: its end, or the scenario's."""
+    reason: str
+
+    @property
+    def gpu_hours_given_back(self) -> float:
+        return self.gpus * max(0.0, self.would_hold_until - self.ts) / 3600
+
+
 class GroundTruth(msgspec.Struct):
     """What the simulator did, for tests and the demo summary."""
 
@@ -128,6 +145,7 @@ class GroundTruth(msgspec.Struct):
     interruptions: list[InterruptionRecord] = []
     pending_since: dict[str, float] = {}
     """namespace/name -> arrival of every workload still pending at the end."""
+    reclaims: list[ReclaimRecord] = []
     gangs: dict[str, int] = {}
     """namespace/JobSet name -> members, of every gang in the scenario (its members are the
     pods whose ``gang`` names it)."""
@@ -204,6 +222,11 @@ class Workload:
     def ref(self) -> PodRef:
         return PodRef(namespace=self.namespace, name=self.name, uid=self.uid)
 
+    @property
+    def kubelet_ref(self) -> PodRef:
+        """The pod as the kubelet's PodResources API names it: no uid."""
+        return PodRef(namespace=self.namespace, name=self.name)
+
     def phase_at(self, since_start: float) -> Phase:
         cycle = self.timeline[-1][0] + (self.timeline[-1][1] or 0.0)
         if self.spec.repeat and cycle > 0:
@@ -253,6 +276,8 @@ class SimulatedCluster:
             sample_interval_s=scenario.sample_interval_s, gangs=dict(self.gangs),
         )
         self._cordon_requests: list[tuple[str, str]] = []
+        self._reclaim_requests: list[tuple[str, str, str]] = []
+        self._by_uid = scenario.attribution == "uid"
         self.on_tick: Callable[[SimulatedCluster], None] | None = None
 
     def _make_workloads(self) -> list[Workload]:
@@ -294,6 +319,10 @@ class SimulatedCluster:
         self._cordon_requests.append((node, reason))
         return True
 
+    def request_reclaim(self, namespace: str, name: str, reason: str) -> None:
+        """End the running pod ``namespace/name`` at the next tick: its owner gave it up."""
+        self._reclaim_requests.append((namespace, name, reason))
+
     def notify(self, pod: PodRef, message: str) -> None:
         self.truth.notified.append(f"{pod.namespace}/{pod.name}")
 
@@ -308,6 +337,7 @@ class SimulatedCluster:
                 self.truth.cordons.append(CordonRecord(name, now, reason))
                 await publisher.allocation(self._inventory(node))
         self._cordon_requests.clear()
+        await self._reclaim(publisher, now)
         await self._finish(publisher, now)
         await self._arrive(publisher, now)
         await self._inject_faults(publisher, now)
@@ -318,6 +348,20 @@ class SimulatedCluster:
                 await publisher.sample(self._sample(node, now))
         if self.on_tick:
             self.on_tick(self)
+
+    async def _reclaim(self, publisher: Publisher, now: float) -> None:
+        requests, self._reclaim_requests = self._reclaim_requests, []
+        for namespace, name, reason in requests:
+            workload = next((w for w in self.running
+                             if (w.namespace, w.name) == (namespace, name)), None)
+            if workload is None or workload.node is None:
+                continue  # already gone: a repeated request
+            until = self.end if workload.duration is None or workload.started_at is None else \
+                min(self.end, workload.started_at + workload.duration)
+            self.truth.reclaims.append(ReclaimRecord(
+                namespace=namespace, pod=name, node=workload.node.name, ts=now,
+                gpus=len(workload.devices), would_hold_until=until, reason=reason))
+            await self._end(publisher, workload, "deleted", now)
 
     async def _finish(self, publisher: Publisher, now: float) -> None:
         for workload in list(self.running):
@@ -506,12 +550,11 @@ class SimulatedCluster:
         return PodAllocation(
             ts=now, node=workload.node.name, pod=workload.ref, phase=phase,  # type: ignore[arg-type]
             gpus=0 if workload.spec.mig else workload.spec.gpus, mig=dict(workload.spec.mig),
-            device_ids=[g.uuid for g in workload.devices],
+            device_ids=[g.uuid for g in workload.devices] if self._by_uid else [],
             started_at=workload.started_at, workload_kind=workload.spec.kind,
             owner_kind=self._owner_kind(workload),
             owner_name=workload.spec.group if workload.spec.gang else workload.name,
-            queue=self.scenario.cluster_queue,
-            labels={"team": workload.spec.team} if workload.spec.team else {},
+            queue=self.scenario.cluster_queue, labels=dict(workload.spec.labels),
             gang=gang, gang_size=size,
         )
 
@@ -550,12 +593,16 @@ class SimulatedCluster:
                 sm_clock_mhz=1410 if util > 0 else 210, clock_event_reasons=reasons,
                 ecc_sbe_volatile=gpu.sbe, ecc_dbe_volatile=gpu.dbe, pcie_replay=gpu.pcie_replay,
                 nvlink_errors=gpu.nvlink_errors, remap_failure=gpu.remap_failure,
-                remap_pending=False, pod=holder.ref if holder is not None else None,
+                remap_pending=False, pod=self._attributed(holder),
             ))
         return NodeSample(ts=now, node=node.name, source="simulator", devices=devices)
 
-    @staticmethod
-    def _mig_sample(gpu: SimGpu, mig: SimMig, now: float) -> DeviceSample:
+    def _attributed(self, holder: Workload | None) -> PodRef | None:
+        if holder is None:
+            return None
+        return holder.ref if self._by_uid else holder.kubelet_ref
+
+    def _mig_sample(self, gpu: SimGpu, mig: SimMig, now: float) -> DeviceSample:
         """A MIG device reads engine activity, not GPU utilisation (not reported on MIG)."""
         holder = mig.holder
         if holder is not None and holder.started_at is not None:
@@ -565,8 +612,7 @@ class SimulatedCluster:
         return DeviceSample(
             uuid=mig.uuid, index=gpu.index, model=gpu.model, kind="mig", parent_uuid=gpu.uuid,
             mig_profile=mig.profile, gpu_instance_id=mig.gpu_instance_id,
-            engine_active_pct=activity, mem_used_bytes=mem,
-            pod=holder.ref if holder is not None else None,
+            engine_active_pct=activity, mem_used_bytes=mem, pod=self._attributed(holder),
         )
 
     # -- the whole run -----------------------------------------------------------------------
@@ -611,7 +657,7 @@ class SimulatedCluster:
                 queued_at=workload.arrive,
                 gang=(f"{workload.namespace}/{workload.spec.group}" if workload.spec.gang
                       else None),
-                team=workload.spec.team,
+                team=workload.spec.labels.get("team"),
                 gpus=mig_gpus(workload.spec.mig) if workload.spec.mig else workload.spec.gpus,
             ))
         truth.pending = sorted(f"{w.namespace}/{w.name}" for w in self.queue)

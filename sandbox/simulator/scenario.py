@@ -71,10 +71,9 @@ class WorkloadGroup(BaseModel):
         None, description="Namespace of the group's workloads; None: one per user "
         "(ml-<user>). A gang without one lives in ml-<group>.",
     )
-    team: str | None = Field(
-        None, description="Value of the pods' ``team`` label (the team a budget counts "
-        "against); None: no label, the namespace is the team.",
-    )
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="Pod labels (e.g. team, gpusteward.io/idle-exempt), "
+        "as the watcher reports them.")
 
 
 FaultKind = Literal[
@@ -136,6 +135,11 @@ class Scenario(BaseModel):
         360.0, ge=0, description="Simulated seconds per wall second; 0 runs as fast as possible."
     )
     cluster_queue: str = "default"
+    attribution: Literal["uid", "kubelet"] = Field(
+        "uid", description="How samples name the pod holding a device. kubelet: as the "
+        "kubelet's PodResources API (and so the NVML collector) does, by namespace/name with "
+        "no uid, while pod allocations carry no device ids, as the watcher's do: the join "
+        "must match them by name. uid: both sides carry the uid and the device ids.")
     nodes: list[NodeGroup] = Field(min_length=1)
     users: list[str] = Field(min_length=1)
     workloads: list[WorkloadGroup] = Field(default_factory=list)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
+from gpusteward import edge
 from gpusteward.broker import free_port
 from gpusteward.collectors import dcgm
 from gpusteward.collectors.metrics import CollectorMetrics
@@ -266,3 +267,26 @@ def test_stock_page_missing_families_are_logged_once_and_counted(
     source = asyncio.run(read(1))
     assert source.coverage.missing == set()
     assert not caplog.records
+
+
+def test_unreadable_series_are_skipped_and_counted_the_rest_of_the_page_kept() -> None:
+    """A broken exporter's reading (a counter past int64, a negative framebuffer, a MIG id
+    that is no number) would make the worker refuse the node's whole sample: each such
+    series is dropped here, counted once per metric, and the other readings stay."""
+    page = "\n".join([
+        f'DCGM_FI_DEV_GPU_TEMP{{gpu="0",UUID="{GPU0}"}} 61',
+        f'DCGM_FI_DEV_ECC_SBE_VOL_TOTAL{{gpu="0",UUID="{GPU0}"}} 1e30',
+        f'DCGM_FI_DEV_GPU_UTIL{{gpu="0",UUID="{GPU0}"}} 250',
+        f'DCGM_FI_DEV_FB_USED{{gpu="0",UUID="{GPU0}"}} -5',
+        f'DCGM_FI_DEV_POWER_USAGE{{gpu="1",UUID="{GPU1}",GPU_I_ID="x"}} 300',
+        f'DCGM_FI_DEV_POWER_USAGE{{gpu="0",UUID="{GPU0}"}} 300',
+    ]) + "\n"
+    refusals = edge.Refusals(dcgm.log)
+    samples = dcgm.node_samples(dcgm.parse_page(page), 1_763_683_200.0, "dcgm", node="n1",
+                                refusals=refusals)
+    (device,) = samples["n1"].devices
+    assert (device.temp_c, device.power_w) == (61.0, 300.0)
+    assert device.ecc_sbe_volatile is None and device.util_pct is None
+    assert device.mem_used_bytes is None
+    assert set(refusals.by_kind) == {"DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "DCGM_FI_DEV_GPU_UTIL",
+                                     "mem_used_bytes", "DCGM_FI_DEV_POWER_USAGE"}

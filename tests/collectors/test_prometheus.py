@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -23,10 +24,11 @@ from typing import Any
 
 import pytest
 
+from gpusteward import edge
 from gpusteward.broker import free_port
 from gpusteward.collectors import dcgm
 from gpusteward.collectors.metrics import CollectorMetrics
-from gpusteward.collectors.prometheus import PrometheusSource, build_query, pod_resolver
+from gpusteward.collectors.prometheus import PrometheusSource, build_query, pod_resolver, series_of
 from gpusteward.collectors.source import SourceError
 from gpusteward.schema import PodRef
 
@@ -190,3 +192,16 @@ def test_stock_exporters_behind_prometheus_are_reported_missing_families(
     assert metrics.registry.get_sample_value(
         "gpusteward_collect_missing_field_families_total",
         {"source": "prometheus", "family": "nvlink_errors"}) == 2
+
+
+def test_a_result_item_that_is_no_sample_is_skipped_not_the_tick() -> None:
+    refusals = edge.Refusals(logging.getLogger(__name__))
+    result: list[dict[str, Any]] = [
+        {"metric": {"__name__": "DCGM_FI_DEV_GPU_TEMP", "UUID": "GPU-0"}, "value": [10.0, "61"]},
+        {"metric": {"UUID": "GPU-0"}, "value": [10.0, "1"]},
+        {"metric": {"__name__": "DCGM_FI_DEV_GPU_UTIL"}, "value": [10.0, "lots"]},
+        {"metric": {"__name__": "DCGM_FI_DEV_GPU_UTIL"}, "value": 10},
+    ]
+    series, evaluated_at = series_of(result, refusals)
+    assert [s.name for s in series] == ["DCGM_FI_DEV_GPU_TEMP"] and evaluated_at == 10.0
+    assert refusals.count == 3

@@ -91,9 +91,23 @@ def test_services_and_profiles(compose):
     assert services["collector"]["command"] == ["collect", "nvml"]
     assert services["worker"]["command"][0] == "worker"
     assert services["remediation"]["command"] == ["act", "--dry-run"]
+    assert services["rollup-sink"]["command"] == ["sink", "rollups"]
+    assert services["queue-sink"]["command"] == ["sink", "queue"]
+    assert {"rollup-sink", "queue-sink"} <= default
+    assert services["report"]["profiles"] == ["report"]
     for name, service in services.items():
         for dependency in service.get("depends_on", {}):
             assert dependency in services, f"{name} depends on unknown {dependency}"
+
+
+def test_prometheus_scrapes_every_pipeline_process(compose):
+    config = yaml.safe_load((REPO / "deploy/compose/prometheus.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "gpusteward"]
+    targets = {t for c in job["static_configs"] for t in c["targets"]}
+    port = compose["services"]["worker"]["environment"]["GPUSTEWARD_METRICS__PORT"]
+    assert targets == {f"{name}:{port}" for name in ("worker", "alerts", "remediation")}
+    for name in ("worker", "alerts", "remediation"):
+        assert compose["services"][name]["environment"]["GPUSTEWARD_METRICS__PORT"] == port
 
 
 def test_gpusteward_containers_are_locked_down(compose):
@@ -137,3 +151,25 @@ def test_alertmanager_config_is_valid():
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_sinks_write_the_store_the_report_reads(compose):
+    """The report service runs the CronJob's command on the volume the sinks write."""
+    services = compose["services"]
+
+    def store(name: str) -> tuple[str, dict[str, str]]:
+        service = services[name]
+        env = service["environment"]
+        folders = {k: env[k] for k in ("GPUSTEWARD_REPORT__ROLLUP_DIR",
+                                       "GPUSTEWARD_REPORT__QUEUE_DIR")}
+        (volume,) = [v.split(":")[0] for v in service["volumes"]
+                     if all(f.startswith(v.split(":")[1] + "/") for f in folders.values())]
+        assert volume in compose["volumes"], f"{name}: {volume} is not a named volume"
+        return volume, folders
+
+    assert store("rollup-sink") == store("queue-sink") == store("report")
+    report = services["report"]
+    command = " ".join(report["entrypoint"] + report["command"])
+    assert "gpusteward report --week" in command
+    # Compose would substitute a single $ itself, from the host's environment.
+    assert "$$(date" in command

@@ -1,13 +1,19 @@
-"""The Grafana dashboard is well-formed and every query is valid PromQL.
+"""The Grafana dashboards are well-formed, every query is valid PromQL and names real series.
 
-Each panel query, with the dashboard's constant variables substituted, is
-wrapped in a recording rule and parsed by `promtool check rules` (Debian
-package `prometheus`, installed by .ci/system-deps; skipped without it).
+Each panel query, with the dashboard's constant variables (and Grafana's
+``$__range``) substituted, is wrapped in a recording rule and parsed by
+`promtool check rules` (Debian package `prometheus`, installed by
+.ci/system-deps; skipped without it). Every ``gpusteward_*`` series a query
+names must be one some gpusteward process exports (the registries of
+gpusteward/metrics.py and collectors/metrics.py); the others must come from
+the exporters the dashboards are drawn for (dcgm-exporter, Kafka exporter,
+Prometheus's own ``up``/``process_*``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,15 +22,27 @@ from typing import Any
 import pytest
 import yaml
 
+from gpusteward.collectors.metrics import CollectorMetrics
+from gpusteward.metrics import PipelineMetrics, metric_names
+
 pytestmark = pytest.mark.deploy
 
 REPO = Path(__file__).resolve().parents[2]
+DASHBOARDS = sorted((REPO / "deploy/base/dashboards").glob("*.json"))
 DASHBOARD = REPO / "deploy/base/dashboards/gpusteward.json"
+GRAFANA_BUILTINS = {"$__range": "1d", "$__rate_interval": "5m", "$__interval": "1m"}
+OURS = re.compile(r"\bgpusteward_\w+")
+EXTERNAL = re.compile(r"\b(DCGM_FI_\w+|kafka_\w+|up|process_\w+)\b")
 
 
-@pytest.fixture(scope="module")
-def dashboard() -> dict[str, Any]:
-    document: dict[str, Any] = json.loads(DASHBOARD.read_text())
+@pytest.fixture(scope="module", params=DASHBOARDS, ids=[p.stem for p in DASHBOARDS])
+def dashboard(request: pytest.FixtureRequest) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(request.param.read_text())
+    return document
+
+
+def load(path: Path) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(path.read_text())
     return document
 
 
@@ -38,6 +56,8 @@ def queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
             expr = target["expr"]
             for name, value in constants.items():
                 expr = expr.replace("${" + name + "}", value)
+            for name, value in GRAFANA_BUILTINS.items():
+                expr = expr.replace(name, value)
             found.append((panel["title"], expr))
     return found
 
@@ -55,12 +75,38 @@ def test_panels_are_laid_out_and_use_the_datasource_variable(dashboard):
         assert 0 <= panel["gridPos"]["x"] and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
 
 
-def test_dashboard_covers_the_fleet_and_the_pipeline(dashboard):
-    text = " ".join(expr for _, expr in queries(dashboard))
+def test_dashboard_covers_the_fleet_and_the_pipeline():
+    text = " ".join(expr for _, expr in queries(load(DASHBOARD)))
     for metric in ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_GR_ENGINE_ACTIVE",
                    "DCGM_FI_DEV_XID_ERRORS", "kafka_consumergroup_lag",
                    "gpusteward.findings.v1", "gpusteward.deadletter.v1"):
         assert metric.replace(".", "\\\\.") in text or metric in text, metric
+
+
+def test_fleet_and_pipeline_dashboards_draw_the_processes_own_series():
+    fleet = " ".join(e for _, e in queries(load(DASHBOARD.with_name("gpusteward-fleet.json"))))
+    for metric in ("gpusteward_gpu_seconds_total", "gpusteward_gpu_idle_cost_usd_total",
+                   "gpusteward_findings_open", "gpusteward_actions_total"):
+        assert metric in fleet, metric
+    pipeline = " ".join(e for _, e in queries(load(DASHBOARD.with_name(
+        "gpusteward-pipeline.json"))))
+    for metric in ("gpusteward_consumer_lag_records", "gpusteward_records_in_total",
+                   "gpusteward_dead_letters_total", "gpusteward_breaker_open"):
+        assert metric in pipeline, metric
+
+
+def test_every_query_names_a_series_some_process_exports(dashboard):
+    exported = metric_names([PipelineMetrics().registry, CollectorMetrics().registry])
+    for title, expr in queries(dashboard):
+        ours = set(OURS.findall(expr))
+        assert ours <= exported, f"{title}: {sorted(ours - exported)} exported by no process"
+        assert ours or EXTERNAL.search(expr), f"{title}: names no known series: {expr}"
+
+
+def test_the_name_check_catches_a_misspelt_series():
+    exported = metric_names([PipelineMetrics().registry])
+    assert "gpusteward_records_in_total" in exported
+    assert "gpusteward_record_in_total" not in exported
 
 
 def test_every_query_is_valid_promql(dashboard, tmp_path):
@@ -78,8 +124,10 @@ def test_every_query_is_valid_promql(dashboard, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_dashboard_ships_as_a_grafana_sidecar_configmap(render):
+def test_dashboards_ship_as_a_grafana_sidecar_configmap(render):
     (configmap,) = [c for c in render("production").kind("ConfigMap")
                     if c["metadata"]["name"] == "gpusteward-dashboards"]
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
-    assert json.loads(configmap["data"]["gpusteward.json"]) == json.loads(DASHBOARD.read_text())
+    assert set(configmap["data"]) == {p.name for p in DASHBOARDS}
+    for path in DASHBOARDS:
+        assert json.loads(configmap["data"][path.name]) == load(path)

@@ -79,13 +79,20 @@ def test_pip_install_dot_ships_the_entry_point_and_data(tmp_path):
         capture_output=True, text=True, timeout=280,
     )
     assert result.returncode == 0, result.stderr[-2000:]
+    # The packaging declares every folder it ships (data folders included), so the build
+    # says nothing: setuptools' "Package would be ignored" warnings were dozens once.
+    assert "Warning" not in result.stderr, result.stderr[-2000:]
     (wheel,) = tmp_path.glob("gpusteward-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("gpusteward/cli/__init__.py", "gpusteward/streams/app.py",
                    "gpusteward/rules/idle.py", "gpusteward/alerting/consumer.py",
                    "gpusteward/remediation/executor.py", "gpusteward/reports/build.py",
-                   "gpusteward/sandbox/simulator/scenarios/eight-a100.yaml"):
+                   "gpusteward/sandbox/simulator/scenarios/eight-a100.yaml",
+                   "gpusteward/metrics.py", "gpusteward/status.py"):
         assert needed in names, needed
+    scenarios = {p.name for p in (REPO / "sandbox/simulator/scenarios").glob("*.yaml")}
+    assert {n.rsplit("/", 1)[1] for n in names
+            if n.startswith("gpusteward/sandbox/simulator/scenarios/")} == scenarios
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
     assert "gpusteward = gpusteward.cli:main" in zipfile.ZipFile(wheel).read(
         entry_points).decode()

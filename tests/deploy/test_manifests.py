@@ -130,6 +130,7 @@ def test_every_gpusteward_workload_exists(rendered):
     expected = {
         "collector": "DaemonSet", "watcher": "Deployment", "worker": "StatefulSet",
         "alerts": "Deployment", "remediation": "Deployment", "report": "CronJob",
+        "rollup-sink": "Deployment", "queue-sink": "Deployment",
     }
     assert {k: components.get(k) for k in expected} == expected
 
@@ -240,6 +241,26 @@ def test_worker_is_a_statefulset_with_a_data_volume(render):
         worker["spec"]["selector"]["matchLabels"].items())
 
 
+def test_long_running_consumers_are_probed_on_their_health_port(render):
+    """The worker, watcher, alerts and remediation serve /livez and /readyz on
+    GPUSTEWARD_HEALTH_PORT (gpusteward.health); their probes must ask that port for them."""
+    from gpusteward.health import LIVE_PATH, READY_PATH
+
+    rendered = render("production")
+    for component in ("worker", "watcher", "alerts", "remediation"):
+        container = pod_spec(rendered.component(component))["containers"][0]
+        env = {e["name"]: e for e in container.get("env", [])}
+        port = int(env["GPUSTEWARD_HEALTH_PORT"]["value"])
+        named = {p["name"]: p["containerPort"] for p in container["ports"]}
+        for probe, path in (("livenessProbe", LIVE_PATH), ("readinessProbe", READY_PATH)):
+            check = container[probe]["httpGet"]
+            assert check["path"] == path, (component, probe)
+            assert named.get(check["port"], check["port"]) == port, (component, probe)
+    worker = pod_spec(rendered.component("worker"))["containers"][0]
+    instance = {e["name"]: e for e in worker["env"]}["GPUSTEWARD_KAFKA__GROUP_INSTANCE_ID"]
+    assert instance["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
 def test_report_cronjob_writes_to_a_volume(render):
     report = render("production").component("report")
     assert report["kind"] == "CronJob"
@@ -249,14 +270,57 @@ def test_report_cronjob_writes_to_a_volume(render):
     assert any(m["mountPath"] == "/reports" for m in container["volumeMounts"])
 
 
-def _env(rendered, workload) -> dict[str, str]:
-    """The environment a container of ``workload`` sees from its ConfigMaps and values."""
-    container = pod_spec(workload)["containers"][0]
+def _env(rendered, workload, container: dict[str, Any] | None = None) -> dict[str, str]:
+    """The environment a container of ``workload`` (the first unless given) sees from its
+    ConfigMaps and values."""
+    container = container or pod_spec(workload)["containers"][0]
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         env.update(rendered.named("ConfigMap", source["configMapRef"]["name"])["data"])
     env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
     return env
+
+
+def _store_paths(rendered, workload, container) -> tuple[str, dict[str, str]]:
+    """The PVC that holds a container's rollup and queue stores, and the two folders."""
+    env = _env(rendered, workload, container)
+    folders = {"rollups": env["GPUSTEWARD_REPORT__ROLLUP_DIR"],
+               "queue": env["GPUSTEWARD_REPORT__QUEUE_DIR"]}
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
+              for v in pod_spec(workload)["volumes"] if "persistentVolumeClaim" in v}
+    (mount,) = [m for m in container["volumeMounts"]
+                if all(f.startswith(m["mountPath"].rstrip("/") + "/") for f in folders.values())]
+    return claims[mount["name"]], folders
+
+
+def test_sinks_write_the_store_the_report_reads(rendered):
+    """The rollup and queue sinks run as processes, on the volume the report CronJob reads."""
+    report = rendered.component("report")
+    (reader,) = pod_spec(report)["containers"]
+    claim, folders = _store_paths(rendered, report, reader)
+    (reading,) = [m for m in reader["volumeMounts"] if folders["rollups"].startswith(
+        m["mountPath"] + "/")]
+    assert reading.get("readOnly") is True
+    sinks = {"rollup-sink": ["sink", "rollups"], "queue-sink": ["sink", "queue"]}
+    for component, args in sinks.items():
+        sink = rendered.component(component)
+        (container,) = pod_spec(sink)["containers"]
+        assert container["args"] == args
+        assert _store_paths(rendered, sink, container) == (claim, folders)
+        (mount,) = [m for m in container["volumeMounts"] if folders["rollups"].startswith(
+            m["mountPath"] + "/")]
+        assert not mount.get("readOnly")
+        # One writer at a time per store.
+        assert sink["spec"]["replicas"] == 1 and sink["spec"]["strategy"]["type"] == "Recreate"
+    # ReadWriteOnce: the queue sink and the report run on the rollup sink's node.
+    volume = rendered.named("PersistentVolumeClaim", claim)
+    assert volume["spec"]["accessModes"] == ["ReadWriteOnce"]
+    writer = rendered.component("rollup-sink")["spec"]["selector"]["matchLabels"]
+    for other in (report, rendered.component("queue-sink")):
+        (term,) = pod_spec(other)["affinity"]["podAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["labelSelector"]["matchLabels"].items() <= writer.items()
+        assert term["topologyKey"] == "kubernetes.io/hostname"
 
 
 def test_policy_configmap_is_mounted_where_the_setting_points(rendered):
@@ -307,3 +371,29 @@ def test_production_kafka_settings_load_as_sasl_scram_over_tls(render, monkeypat
     assert kafka.replication_factor == 3
     assert kafka.bootstrap_servers.endswith(":9093")
     assert kafka.fetch_max_wait_ms >= 100
+
+
+def test_every_long_running_process_is_scraped(render):
+    """Worker, alerting and remediation declare a `metrics` port that their settings serve
+    on, the PodMonitor scrapes that port name, and the network policy lets Prometheus in."""
+    rendered = render("production")
+    (kafka_config,) = [c for c in rendered.kind("ConfigMap")
+                       if c["metadata"]["name"].startswith("gpusteward-kafka")]
+    port = int(kafka_config["data"]["GPUSTEWARD_METRICS__PORT"])
+    for component in ("worker", "alerts", "remediation"):
+        pod = pod_spec(rendered.component(component))
+        (container,) = pod["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        health = int(env["GPUSTEWARD_HEALTH_PORT"])
+        assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+            "metrics": port, "health": health}
+        assert any(e["configMapRef"]["name"] == kafka_config["metadata"]["name"]
+                   for e in container["envFrom"] if "configMapRef" in e)
+    (monitor,) = rendered.kind("PodMonitor")
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    policy = rendered.named("NetworkPolicy", "gpusteward-metrics-scrape")
+    (expression,) = policy["spec"]["podSelector"]["matchExpressions"]
+    assert {"collector", "worker", "alerts", "remediation"} <= set(expression["values"])
+    assert {p["port"] for p in policy["spec"]["ingress"][0]["ports"]} >= {9400, port}
+    (rule,) = rendered.kind("PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == monitor["metadata"]["labels"]["release"]

@@ -10,28 +10,36 @@ PodResources socket that names pods without uids) and the Kubernetes
 watcher. Doubles stand only where a GPU and an API server would be.
 
 What the deployed system finds is compared with what the simulator
-injected, and the DBE node must be cordoned in the API, exactly once.
+injected, and the DBE node must be cordoned in the API, exactly once. The
+rollup sink writes the store; the report CronJob's own command (last ISO week,
+so the world runs in last week) then writes a report whose GPU-hours per team
+equal what the GPUs read, held by whom the simulator placed there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
+import urllib.request
 from collections import Counter
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
 from gpusteward.collectors.transport.publisher import KafkaPublisher
+from gpusteward.reports import compute
+from gpusteward.reports.settings import ReportSettings
 from gpusteward.sandbox import deployment
 from gpusteward.sandbox.simulator import scenario as scenarios
-from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
+from gpusteward.sandbox.simulator.engine import GroundTruth, PodRecord, SimulatedCluster
 from gpusteward.sandbox.world import World
-from gpusteward.schema import Action, ActionResult, Finding
+from gpusteward.schema import Action, ActionResult, Finding, NodeSample
 from gpusteward.streams.app import worker_group
 from tests.e2e.test_faulty_fleet import _expected, _key
 
@@ -39,7 +47,8 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAY = REPO / "deploy" / "overlays" / "local"
-PROCESSES = ["worker", "alerts", "remediation"]
+PROCESSES = ["worker", "alerts", "remediation", "rollup-sink"]
+ROLLUP_LATENESS_S = 60.0  # the worker's default
 
 
 @dataclass
@@ -50,56 +59,58 @@ class Run:
     results: list[ActionResult]
     cordoned: set[str]
     alerts_log: str
-
-
-async def _while_alive(processes: list[deployment.Process], waiting: Awaitable[None]) -> None:
-    """Await ``waiting``; fail at once, with its log, when a deployed process dies."""
-    task = asyncio.ensure_future(waiting)
-    try:
-        while not task.done():
-            await asyncio.wait([task], timeout=0.5)
-            for process in processes:
-                if not process.alive:
-                    raise AssertionError(f"{process.launch.component} exited "
-                                         f"({process.returncode}):\n{process.log_tail()}")
-        task.result()
-    finally:
-        task.cancel()
+    samples: list[NodeSample]
+    report: dict
+    metrics: dict[str, str]
+    """Component -> its /metrics page, scraped on the port its manifest declares."""
 
 
 async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
     manifests = deployment.Manifests.from_overlay(OVERLAY)
-    spec = scenarios.load("faulty-fleet").model_copy(update={"acceleration": 0.0})
+    # The report CronJob reports on the last ISO week: the world runs on its Wednesday.
+    last_week = compute.week_of(time.time() - 7 * 86400)
+    spec = scenarios.load("faulty-fleet").model_copy(
+        update={"acceleration": 0.0, "start_ts": last_week.start + 2 * 86400})
     cluster = SimulatedCluster(spec)
     local = deployment.Local(broker.bootstrap, workdir, topic_prefix="deployed",
-                             kubeconfig=workdir / "kubeconfig")
+                             kubeconfig=workdir / "kubeconfig",
+                             # the sink writes (and commits) every second, not every 5 min
+                             extra_env={"GPUSTEWARD_REPORT__FLUSH_INTERVAL_S": "1"})
     settings = manifests.launch("collector", local).settings()
     await kafka.ensure_topics(settings)
     publisher = KafkaPublisher(settings)
     await publisher.start()
     processes: list[deployment.Process] = []
     try:
-        async with World(cluster, publisher, workdir) as world:
-            assert world.kubeconfig == local.kubeconfig
-            processes = list(deployment.start(manifests, PROCESSES, local))
+        world = World(cluster, publisher, workdir)
+        assert world.kubeconfig == local.kubeconfig
+        processes = list(deployment.start(manifests, PROCESSES, local))
+        async with world:
             truth = await cluster.run(world)
             await world.settle()
             node_topics = [t.name(settings) for t in (topics.SAMPLES, topics.HW_EVENTS,
                                                       topics.ALLOCATIONS)]
-            await _while_alive(processes, kafka.wait_consumed(
+            await deployment.while_alive(processes, kafka.wait_consumed(
                 settings, worker_group(settings), node_topics, 180))
-            await _while_alive(processes, kafka.wait_consumed(
+            await deployment.while_alive(processes, kafka.wait_consumed(
                 settings, f"{settings.topic_prefix}-remediation",
                 [topics.ACTIONS.name(settings)], 120))
-            await _while_alive(processes, kafka.wait_consumed(
+            await deployment.while_alive(processes, kafka.wait_consumed(
                 settings, f"{settings.topic_prefix}-alerts", [topics.FINDINGS.name(settings)],
                 120))
+            await deployment.while_alive(processes, kafka.wait_consumed(
+                settings, f"{settings.topic_prefix}-rollup-sink",
+                [topics.ROLLUPS.name(settings)], 120))
             cordoned = {n["metadata"]["name"] for n in world.api.objects("Node")
                         if n["spec"].get("unschedulable")}
+            metrics = {process.launch.component: _scrape(process.launch) for process in processes}
     finally:
         for process in processes:
             process.stop()
         await publisher.stop()
+    (report_job,) = deployment.start(manifests, ["report"], local)
+    assert report_job.wait(180) == 0, report_job.log_tail()
+    report = json.loads((report_job.launch.mounts["/reports"] / "report.json").read_text())
 
     findings = msgspec.json.Decoder(Finding).decode
     actions = msgspec.json.Decoder(Action).decode
@@ -111,7 +122,16 @@ async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
         [actions(r.value) for r in await kafka.read_all(settings, topics.ACTIONS.name(settings))],
         [results(r.value) for r in
          await kafka.read_all(settings, topics.ACTION_RESULTS.name(settings))],
-        cordoned, alerts_log)
+        cordoned, alerts_log,
+        [msgspec.json.decode(r.value, type=NodeSample)
+         for r in await kafka.read_all(settings, topics.SAMPLES.name(settings))],
+        report, metrics)
+
+
+def _scrape(launch: deployment.Launch) -> str:
+    port = launch.env[deployment.METRICS_PORT]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        return str(answer.read().decode())
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +162,66 @@ def test_the_dbe_node_is_cordoned_through_the_api_exactly_once(run: Run) -> None
 def test_the_deployed_alert_sink_printed_every_firing_finding(run: Run) -> None:
     for finding in (f for f in run.findings if f.state == "firing"):
         assert finding.subject.node and finding.subject.node in run.alerts_log
+
+
+def _hours_by_team(run: Run) -> dict[str, dict[str, float]]:
+    """Per team (namespace: the scenario labels no team), allocated, used and idle GPU-hours
+    from what the GPUs read and whom the simulator placed on them, over the minutes the
+    worker could close (a minute closes one lateness after its end)."""
+    holders: dict[str, list[PodRecord]] = {}
+    for pod in run.truth.pods:
+        for uuid in pod.devices:
+            holders.setdefault(uuid, []).append(pod)
+    last: dict[str, float] = {}
+    for sample in run.samples:
+        last[sample.node] = max(last.get(sample.node, sample.ts), sample.ts)
+    minutes: dict[tuple[str, float], tuple[list[float], str | None]] = {}
+    for sample in run.samples:
+        minute = sample.ts - sample.ts % 60
+        if minute + 60 + ROLLUP_LATENESS_S > last[sample.node]:
+            continue
+        for device in sample.devices:
+            utils, team = minutes.get((device.uuid, minute), ([], None))
+            assert device.util_pct is not None
+            utils.append(device.util_pct)
+            for pod in holders.get(device.uuid, []):
+                if pod.started_at <= sample.ts and (pod.ended_at is None
+                                                    or sample.ts < pod.ended_at):
+                    team = pod.namespace
+            minutes[(device.uuid, minute)] = (utils, team)
+    threshold = ReportSettings().idle_threshold_pct
+    out: dict[str, dict[str, float]] = {}
+    for utils, team in minutes.values():
+        if team is not None:
+            hours = out.setdefault(team, {"allocated": 0.0, "used": 0.0, "idle": 0.0})
+            hours["allocated"] += 1 / 60
+            hours["used"] += sum(utils) / len(utils) / 100 / 60
+            hours["idle"] += 1 / 60 if max(utils) < threshold else 0.0
+    return out
+
+
+def test_the_report_cronjob_reports_the_gpu_hours_per_team_the_gpus_read(run: Run) -> None:
+    expected = _hours_by_team(run)
+    assert len(expected) == 12  # one namespace per user, every one placed
+    got = {t["team"]: {"allocated": t["allocated_gpu_hours"], "used": t["used_gpu_hours"],
+                       "idle": t["idle_gpu_hours"]} for t in run.report["teams"]}
+    assert set(got) == set(expected)
+    for team, hours in expected.items():
+        for measure, value in hours.items():
+            assert got[team][measure] == pytest.approx(value, abs=1 / 60), (team, measure)
+def test_every_deployed_process_serves_its_metrics(run: Run) -> None:
+    """The port and setting the manifests declare reach each process; the counts match."""
+    def total(component: str, name: str, **labels: str) -> float:
+        return sum(sample.value for family in text_string_to_metric_families(
+            run.metrics[component]) for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items())
+
+    assert set(run.metrics) == set(PROCESSES)
+    assert total("worker", "gpusteward_findings_total") == len(
+        [f for f in run.findings if f.kind != "remediation_breaker"])
+    decided = [r for r in run.results if not r.idempotency_key.startswith("breaker/")]
+    assert total("remediation", "gpusteward_actions_total") == len(decided)
+    assert total("remediation", "gpusteward_actions_total", verb="cordon",
+                 outcome="executed") == sum(1 for r in decided if r.verb == "cordon"
+                                            and r.outcome == "executed")
+    assert total("alerts", "gpusteward_records_in_total") == len(run.findings)

@@ -13,7 +13,7 @@ from aiokafka import ConsumerRecord
 from gpusteward import kafka, topics
 from gpusteward.reports import store
 from gpusteward.reports.settings import ReportSettings
-from gpusteward.reports.sink import RollupSink
+from gpusteward.reports.sink import RollupSink, rollup_sink
 from gpusteward.schema import DeadLetter, Rollup
 from gpusteward.settings import Settings
 
@@ -24,8 +24,12 @@ T0 = 1_763_337_600.0
 def test_sink_writes_what_it_reads_and_dead_letters_the_rest(settings: Settings,
                                                              tmp_path: Path) -> None:
     report = ReportSettings(flush_rows=4, flush_interval_s=0.5, retention_days=30)
-    rollups = [Rollup(ts=T0 + 60 * i, node=f"n{i % 3}", uuid=f"GPU-{i % 3}", model="m",
-                      samples=4, util_mean=float(i)) for i in range(10)]
+    # Even minutes are held by team a's pod; of those, every other one is idle (peak < 5 %).
+    rollups = [Rollup(ts=T0 + 60 * i, node=f"n{i % 3}", uuid=f"GPU-{i % 3}", model="H100-80GB",
+                      samples=4, util_mean=float(i),
+                      util_max=2.0 if i % 4 == 0 else 50.0,
+                      pod="p" if i % 2 == 0 else None, namespace="ns" if i % 2 == 0 else None,
+                      team="a" if i % 2 == 0 else None) for i in range(10)]
 
     async def main() -> tuple[RollupSink, list[ConsumerRecord]]:
         await kafka.ensure_topics(settings)
@@ -43,7 +47,7 @@ def test_sink_writes_what_it_reads_and_dead_letters_the_rest(settings: Settings,
         stop = asyncio.Event()
         task = asyncio.create_task(sink.run(stop))
         for _ in range(300):
-            if sink.rows_written + len(sink.buffer) >= 10 and sink.dead_lettered == 1:
+            if sink.rows_written + len(sink.buffer) >= 10 and sink.refusals.count == 1:
                 break
             await asyncio.sleep(0.05)
         stop.set()
@@ -58,3 +62,53 @@ def test_sink_writes_what_it_reads_and_dead_letters_the_rest(settings: Settings,
     assert len(dead) == 1
     letter = msgspec.json.decode(dead[0].value or b"", type=DeadLetter)
     assert letter.value == b"{not json" and letter.source_topic.endswith("rollups.v1")
+    registry, topic = sink.metrics.registry, topics.ROLLUPS.name(settings)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert value("gpusteward_records_in_total", topic=topic) == 11
+    assert value("gpusteward_dead_letters_total", topic=topic, reason="malformed") == 1
+    assert value("gpusteward_sink_written_rows_total", topic=topic) == 10
+    assert value("gpusteward_sink_written_bytes_total", topic=topic) == sum(
+        path.stat().st_size for path in tmp_path.rglob("*.parquet"))
+    seconds = {state: value("gpusteward_gpu_seconds_total", pool="H100-80GB", team="a",
+                            state=state) for state in ("allocated", "busy", "idle")}
+    assert seconds == {"allocated": 300.0, "busy": 120.0, "idle": 180.0}
+    cost = value("gpusteward_gpu_idle_cost_usd_total", pool="H100-80GB", team="a")
+    assert cost == pytest.approx(3.5 * 180 / 3600)
+
+
+@pytest.mark.e2e
+def test_redelivered_rollups_are_written_once(settings: Settings, tmp_path: Path) -> None:
+    """A worker re-publishes the minutes it had emitted before a crash: same names."""
+    report = ReportSettings(flush_rows=1000, flush_interval_s=0.3)
+    first = [Rollup(ts=T0 + 60 * i, node="n0", uuid="GPU-0", model="m", samples=6,
+                    util_mean=float(i)) for i in range(6)]
+    # The replay after the crash: the last three again, one of them only partly folded.
+    again = [first[3], msgspec.structs.replace(first[4], samples=2, util_mean=99.0), first[5]]
+
+    async def main() -> RollupSink:
+        await kafka.ensure_topics(settings)
+        producer = kafka.producer(settings)
+        await producer.start()
+        for rollup in first + again:
+            await producer.send(topics.ROLLUPS.name(settings), msgspec.json.encode(rollup),
+                                key=b"n0")
+        await producer.flush()
+        await producer.stop()
+        sink = rollup_sink(settings, report, directory=tmp_path)
+        stop = asyncio.Event()
+        task = asyncio.create_task(sink.run(stop))
+        for _ in range(300):
+            if sink.rows_written + sink.duplicates >= 9:
+                break
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        return sink
+
+    sink = asyncio.run(main())
+    assert (sink.rows_written, sink.duplicates) == (6, 3)
+    frame = store.scan(tmp_path, T0, T0 + 86400).collect().sort("ts")
+    assert frame["util_mean"].to_list() == [float(i) for i in range(6)]

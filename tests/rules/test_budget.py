@@ -101,11 +101,7 @@ def test_nodes_integrate_on_their_own_however_their_summaries_interleave() -> No
     assert abs(state.teams["llm"].used_gpu_h - 8.0) < 1e-9
 
 
-def test_team_of_pod() -> None:
-    settings = b.BudgetSettings()
-    assert settings.team_of("ml-ana", {"team": "llm"}) == "llm"
-    assert settings.team_of("ml-ana", {"app.kubernetes.io/part-of": "vision"}) == "vision"
-    assert settings.team_of("ml-ana", {}) == "ml-ana"
+def test_mig_devices_count_their_share_of_a_gpu() -> None:
     assert b.mig_gpus({"3g.40gb": 2, "1g.10gb": 1}) == 7 / 7
 
 

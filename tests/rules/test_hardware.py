@@ -126,6 +126,21 @@ def test_gpu_lost_drains_once_and_resolves_when_the_gpu_answers() -> None:
     assert closing.id == finding.id
 
 
+def test_a_sample_older_than_the_event_resolves_nothing() -> None:
+    """Catching up, a worker may read the urgent hw-event before older samples of the
+    node: those samples predate the fault and cannot close it."""
+    track = hardware.HwTrack()
+    feed(track, [(T0, dev())])
+    out = hardware.observe_lost(track, node="n1", uuid="GPU-1", ts=T0 + 20, detail="Xid 79",
+                                settings=SETTINGS)
+    out += hardware.observe_remap_failure_event(track, node="n1", uuid="GPU-1", ts=T0 + 20,
+                                                settings=SETTINGS)
+    assert {f.kind for f in firing(out)} == {"gpu_lost", "remap_failure"}
+    assert resolved(feed(track, [(T0 + 10, dev(remap_failure=False))])) == []
+    assert {f.kind for f in resolved(feed(track, [(T0 + 30, dev(remap_failure=False))]))} \
+        == {"gpu_lost", "remap_failure"}
+
+
 def test_stale_gpu_lost_event_is_ignored() -> None:
     track = hardware.HwTrack()
     feed(track, [(T0 + 60, dev())])

@@ -13,8 +13,9 @@ from gpusteward.schema import (
     NodeSummary,
     PodAllocation,
     PodRef,
+    Rollup,
 )
-from gpusteward.streams.node import NodeJoin, NodeState
+from gpusteward.streams.node import NodeJoin, NodeState, _Holders
 
 POD = PodRef(namespace="ml-a", name="nb-a", uid="uid-a")
 T0 = 1_000_000.0
@@ -92,3 +93,132 @@ def test_state_survives_the_changelog_encoding() -> None:
     for i in range(30, 100):
         out += join.on_sample(restored, node_sample(T0 + i * 30, 0.0))
     assert len(findings(out)) == 1
+
+
+# Identity: the watcher's allocations carry the pod's uid and no device ids; the kubelet's
+# PodResources attribution (the NVML collector's) carries namespace/name and no uid.
+
+def watched(pod: PodRef, phase: str, ts: float, kind: str = "notebook",
+            labels: dict[str, str] | None = None) -> PodAllocation:
+    return PodAllocation(ts=ts, node="n1", pod=pod, phase=phase, gpus=1,  # type: ignore[arg-type]
+                         started_at=ts, workload_kind=kind, queue="research",
+                         owner_kind="Notebook", owner_name=pod.name, labels=labels or {})
+
+
+def kubelet(pod: PodRef) -> PodRef:
+    return PodRef(namespace=pod.namespace, name=pod.name, container="main")
+
+
+def idle_run(join: NodeJoin, state: NodeState, attributed: PodRef | None, start: float,
+             ticks: int) -> list:
+    out = []
+    for i in range(ticks):
+        out += join.on_sample(state, node_sample(start + i * 30, 0.0, pod=attributed))
+    return out
+
+
+def test_uid_less_attribution_joins_the_watched_pod_by_name() -> None:
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, watched(POD, "running", T0))
+    (firing,) = findings(idle_run(join, state, kubelet(POD), T0, 100))
+    # The allocation's identity, kind, queue and owner reach the finding.
+    assert firing.subject.pod == POD
+    assert firing.labels["workload_kind"] == "notebook"
+    assert (firing.labels["queue"], firing.labels["owner"]) == ("research", "Notebook/nb-a")
+
+
+def test_uid_less_attribution_of_an_exempt_inference_pod_gives_no_finding() -> None:
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, watched(POD, "running", T0, kind="inference",
+                                      labels={"gpusteward.io/idle-exempt": "true"}))
+    # 40 minutes is past the default window: without the join this pod was flagged.
+    assert findings(idle_run(join, state, kubelet(POD), T0, 5 * 60 * 2)) == []
+
+
+def test_a_pod_restarted_under_the_same_name_is_another_pod() -> None:
+    join, state = NodeJoin(), NodeState()
+    old = POD
+    new = PodRef(namespace=POD.namespace, name=POD.name, uid="uid-a-2")
+    join.on_allocation(state, watched(old, "running", T0, kind="batch"))
+    join.on_allocation(state, watched(new, "running", T0 + 3000, kind="notebook"))
+    # Name only: the later-started pod is the live one (the old one's end not seen yet).
+    (firing,) = findings(idle_run(join, state, kubelet(POD), T0 + 3000, 90))
+    assert firing.subject.pod == new and firing.labels["workload_kind"] == "notebook"
+    # The old uid never matches the new pod of the same name.
+    holders = _Holders(state.pods, T0 + 6000, 60)
+    assert holders.find(old) is not None and holders.find(old).pod == old  # type: ignore[union-attr]
+    join.on_allocation(state, watched(old, "finished", T0 + 6000))
+    after = _Holders(state.pods, T0 + 6000, 60)
+    assert after.find(old) is None
+    assert after.find(kubelet(POD)).pod == new  # type: ignore[union-attr]
+
+
+def test_uid_on_both_sides_decides_over_the_name() -> None:
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, watched(POD, "running", T0))
+    stranger = PodRef(namespace=POD.namespace, name=POD.name, uid="uid-other")
+    assert _Holders(state.pods, T0, 60).find(stranger) is None
+    # A uid-less allocation (a source without uids) is still found from a uid-ful sample.
+    anonymous = PodRef(namespace="ml-b", name="nb-b")
+    join.on_allocation(state, watched(anonymous, "running", T0))
+    found = _Holders(state.pods, T0, 60).find(PodRef(namespace="ml-b", name="nb-b", uid="uid-b"))
+    assert found is not None and found.pod == anonymous
+
+
+def test_rollups_per_device_per_minute_with_the_join_attribution() -> None:
+    """Uid-less attribution: the rollup still carries the watched pod's owner, team, queue."""
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, watched(POD, "running", T0, labels={"team": "vision"}))
+    out = []
+    minute = T0 - T0 % 60
+    for i in range(12):  # six minutes of 30 s samples
+        out += join.on_sample(state, node_sample(minute + i * 30, 10.0 * (i % 2), kubelet(POD)))
+    rollups = [o for o in out if isinstance(o, Rollup)]
+    # Minutes close one lateness (60 s) after their end: four of the six so far.
+    assert sorted({r.ts for r in rollups}) == [minute + 60 * m for m in range(4)]
+    held = [r for r in rollups if r.uuid == "GPU-1"]
+    assert len(held) == 4 and all(r.samples == 2 and r.util_mean == 5.0 for r in held)
+    first = held[0]
+    assert (first.pod, first.team, first.owner_kind, first.owner_name, first.queue,
+            first.workload_kind) == ("nb-a", "vision", "Notebook", "nb-a", "research", "notebook")
+    free = [r for r in rollups if r.uuid == "GPU-2"]
+    assert len(free) == 4 and all(r.pod is None and r.team is None for r in free)
+    # A redelivered sample changes nothing: no second rollup, no double count.
+    assert [o for o in join.on_sample(state, node_sample(minute + 330, 0.0, kubelet(POD)))
+            if isinstance(o, Rollup)] == []
+
+
+def test_an_allocation_folded_after_the_first_samples_attributes_their_open_minutes() -> None:
+    """A worker catching up on a backlog may read a pod's samples before its allocation."""
+    join, state = NodeJoin(), NodeState()
+    minute = T0 - T0 % 60
+    out = []
+    for i in range(3):
+        out += join.on_sample(state, node_sample(minute + i * 30, 50.0, kubelet(POD)))
+    join.on_allocation(state, watched(POD, "running", minute + 60, labels={"team": "vision"}))
+    for i in range(3, 8):
+        out += join.on_sample(state, node_sample(minute + i * 30, 50.0, kubelet(POD)))
+    held = [o for o in out if isinstance(o, Rollup) and o.uuid == "GPU-1"]
+    assert [r.ts for r in held] == [minute, minute + 60]
+    assert {(r.team, r.owner_kind) for r in held} == {("vision", "Notebook")}
+
+
+def test_a_pod_end_read_before_its_last_samples_keeps_them_attributed() -> None:
+    """A worker behind on samples reads the pod's end (another topic) first."""
+    join, state = NodeJoin(), NodeState()
+    minute = T0 - T0 % 60
+    join.on_allocation(state, watched(POD, "running", minute, labels={"team": "vision"}))
+    join.on_allocation(state, watched(POD, "finished", minute + 120))
+    out = []
+    for i in range(10):
+        util = 50.0 if i < 4 else 0.0
+        out += join.on_sample(state, node_sample(minute + i * 30, util,
+                                                 kubelet(POD) if i < 4 else None))
+    held = [o for o in out if isinstance(o, Rollup) and o.uuid == "GPU-1"]
+    assert [(r.ts, r.team, r.owner_kind) for r in held] == [
+        (minute, "vision", "Notebook"), (minute + 60, "vision", "Notebook"),
+        (minute + 120, None, None)]
+    # Once the samples are past the end (and its lateness), the holding is forgotten.
+    assert state.pods == {}
+    summary = [o for o in out if isinstance(o, NodeSummary)][-1]
+    assert summary.gpus_free == summary.gpus_total == 2  # the ended pod holds nothing

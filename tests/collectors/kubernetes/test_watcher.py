@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import threading
 from typing import Any
 
 import pytest
 from kubernetes import client
 
 from gpusteward.collectors.kubernetes import KubeWatchSettings
+from gpusteward.collectors.kubernetes.reflector import Delta, Reflector, node_key
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_objects import bind, gpu_node, gpu_pod, set_condition, start, workload
 from gpusteward.schema import NodeInventory, PodAllocation, PodRef, QueueEvent, Taint
@@ -443,3 +446,60 @@ def test_a_publisher_error_ends_the_watcher_with_that_error(
     with pytest.raises(ConnectionError, match="kafka is gone"):
         asyncio.run(main())
     assert not any(t.is_alive() for t in watcher._threads)
+
+
+def test_objects_that_cannot_be_translated_are_skipped_and_counted(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """A node claiming 2**70 GPUs and a pod whose containers are no list would crash the
+    translator or make the worker refuse the record: each is skipped, counted once per
+    kind, and the objects after them are published as usual."""
+    watcher = start_watcher()
+    mark = len(watcher.events)
+    kube_api.create(gpu_node("huge", resources={"nvidia.com/gpu": str(2**70)}))
+    broken = gpu_pod("broken")
+    broken["spec"]["containers"] = "not a list"
+    kube_api.create(broken)
+    kube_api.create(gpu_node("n1"))
+    events = watcher.new_events(mark)
+    assert [brief(e) for e in events] == [("node", "n1", False, None, False)]
+    assert watcher.watcher.refusals.count == 2
+    assert set(watcher.watcher.refusals.by_kind) == {"nodes invalid", "pods AttributeError"}
+
+
+class _Response:
+    """What the client's ``_preload_content=False`` calls return: a body, or a stream."""
+
+    def __init__(self, body: bytes) -> None:
+        self.data = body
+
+    def stream(self, amt: Any = None, decode_content: bool = False) -> Any:
+        return iter([self.data])
+
+    def release_conn(self) -> None:
+        pass
+
+
+def test_a_reflector_skips_malformed_objects_and_watch_lines() -> None:
+    """An object without metadata in a list, and a watch line that is no JSON or no event,
+    are skipped and counted; the reflector carries on with the rest instead of relisting
+    the same broken page for ever."""
+    node = gpu_node("n1")
+    node["metadata"]["resourceVersion"] = "5"
+    later = gpu_node("n2")
+    later["metadata"]["resourceVersion"] = "7"
+    page = json.dumps({"metadata": {"resourceVersion": "5"},
+                       "items": [{"kind": "Node"}, node, {"metadata": "x"}]}).encode()
+    watch = b"\n".join([b"{not json", json.dumps({"type": "ADDED"}).encode(),
+                        json.dumps({"type": "ADDED", "object": later}).encode()]) + b"\n"
+    delivered: list[Delta] = []
+    stop = threading.Event()
+
+    def list_call(**kwargs: Any) -> _Response:
+        return _Response(watch if kwargs.get("watch") else page)
+
+    reflector = Reflector("nodes", list_call, delivered.extend, KubeWatchSettings(), stop,
+                          key_of=node_key)
+    reflector.relist()
+    reflector.watch()
+    assert [(d.type, d.key) for d in delivered] == [("ADDED", "n1"), ("ADDED", "n2")]
+    assert reflector.stats.malformed == 4 and reflector.resource_version == "7"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 from collections import Counter
 from functools import cache
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from gpusteward.rules.mig import geometry, layout
 from gpusteward.rules.mig.layout import Demand, Pool
 
+from . import previous_solver
 from .test_geometry import brute_force_valid
 
 GEOMETRIES = geometry.load()
@@ -156,3 +158,66 @@ def test_whole_gpu_demand_runs_with_mig_off() -> None:
     assert {"devices": [0], "mig-enabled": False} in entries
     assert [e["devices"] for e in entries if e["mig-enabled"]] == [[1]]
     assert [c.gpus_changed for c in advice.changes] == [[1]]
+
+
+def _plan_value(demand: list[Demand], served: dict[str, str]) -> float:
+    return sum(d.share for d in demand if d.workload in served)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(demand=demand_strategy("H100-80GB", 12), gpus=st.integers(1, 4),
+       today=st.lists(st.sampled_from([None, {"1g.10gb": 7}, {"3g.40gb": 2},
+                                       {"2g.20gb": 3}, {"7g.80gb": 1}]), max_size=4))
+def test_same_optimum_as_the_previous_solver(demand: list[Demand], gpus: int,
+                                             today: list[dict[str, int] | None]) -> None:
+    geo = GEOMETRIES["H100-80GB"]
+    layouts, served = layout.solve_pool(geo, gpus, demand, today[:gpus])
+    before, served_before = previous_solver.solve_pool(geo, gpus, demand, today[:gpus])
+    assert abs(_plan_value(demand, served) - _plan_value(demand, served_before)) < 1e-6
+    assert len(layouts) == len(before)
+    kept = Counter(layout._key(t) for t in today[:gpus] if t)
+    assert (sum((Counter(layout._key(g) for g in layouts) & kept).values())
+            == sum((Counter(layout._key(g) for g in before) & kept).values()))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), workloads=st.integers(300, 1200), gpus=st.integers(4, 200))
+def test_same_optimum_as_the_previous_solver_with_many_workloads(
+        seed: int, workloads: int, gpus: int) -> None:
+    # Hundreds of workloads per profile: the solver starts with fewer lines than the
+    # served share has points, so it has to add the ones its answers touch.
+    rng = random.Random(seed)
+    geo = GEOMETRIES["A100-80GB"]
+    names = [p.name for p in geo.base_profiles][:2]
+    demand = [Demand(f"w{i}", rng.choice(names), round(rng.random(), 3))
+              for i in range(workloads)]
+    layouts, served = layout.solve_pool(geo, gpus, demand)
+    before, served_before = previous_solver.solve_pool(geo, gpus, demand)
+    value, value_before = _plan_value(demand, served), _plan_value(demand, served_before)
+    # Both hold the first solve's optimum to the same relative tolerance.
+    assert abs(value - value_before) <= 2e-6 * (1 + value_before)
+    assert len(layouts) == len(before)
+    for lay in layouts:
+        assert geo.is_valid(lay), lay
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(demand=demand_strategy("H100-80GB", 20), nodes=st.integers(1, 3),
+       today=st.lists(st.sampled_from([None, {"1g.10gb": 7}, {"3g.40gb": 2},
+                                       {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}]),
+                      max_size=6))
+def test_every_emitted_layout_is_valid(demand: list[Demand], nodes: int,
+                                       today: list[dict[str, int] | None]) -> None:
+    geo = GEOMETRIES["H100-80GB"]
+    pool = Pool("h100", "H100-80GB", tuple(f"n{i}" for i in range(nodes)), 2)
+    current = {f"n{i}": today[2 * i:2 * i + 2] for i in range(nodes)}
+    advice = layout.advise(GEOMETRIES, [pool], {"h100": demand}, current=current)
+    plan = advice.pools[0]
+    assert plan.gpus_used <= pool.gpus
+    placed = [g for per_gpu in plan.node_layouts.values() for g in per_gpu if g]
+    assert len(placed) == plan.mig_gpus
+    for lay in placed:
+        assert brute_force_valid(geo, lay), lay
+    have = layout.instance_count(plan.gpu_layouts)
+    for q, count in Counter(plan.served.values()).items():
+        assert count <= have.get(q, 0)

@@ -1,0 +1,135 @@
+"""Liveness and readiness of a long-running process, on HTTP for Kubernetes probes.
+
+A process is *live* while its event loop keeps beating: a loop wedged by a
+blocking call, or a worker whose consumer died while the process stayed up
+(faust-streaming #175), stops beating and the liveness probe fails, so the
+kubelet restarts it instead of leaving it. A process is *ready* when it does
+its work: the stream worker once its partitions are assigned and its tables
+recovered, the consumers once their topics exist. A process that finds its
+topics gone (a broker that came back empty) reports why and is no longer
+live.
+
+The server is the standard library's, on a thread of its own, so a probe
+is answered even while the loop is busy, and it says "not live" precisely
+when the loop is not beating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+LIVE_PATH = "/livez"
+READY_PATH = "/readyz"
+
+
+class Health:
+    """The state the probes report; thread-safe (plain attribute writes)."""
+
+    def __init__(self, stale_after_s: float = 30.0) -> None:
+        self.stale_after_s = stale_after_s
+        """Seconds without a beat after which the process counts as wedged."""
+        self._last_beat = time.monotonic()
+        self._ready = False
+        self._failure: str | None = None
+        self.reason = "starting"
+
+    def beat(self) -> None:
+        self._last_beat = time.monotonic()
+
+    def set_ready(self, ready: bool, reason: str = "") -> None:
+        self._ready = ready
+        self.reason = reason or ("ready" if ready else "not ready")
+
+    def fail(self, reason: str) -> None:
+        """Not live any more, for ``reason``: the supervisor should restart the process."""
+        self._failure = reason
+        self.set_ready(False, reason)
+
+    @property
+    def live(self) -> bool:
+        if self._failure is not None:
+            return False
+        return time.monotonic() - self._last_beat < self.stale_after_s
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and self.live
+
+    def report(self) -> dict[str, object]:
+        return {"live": self.live, "ready": self.ready,
+                "reason": self._failure or self.reason,
+                "since_beat_s": round(time.monotonic() - self._last_beat, 3)}
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> ThreadingHTTPServer:
+        """Answer ``/livez`` and ``/readyz`` on ``addr:port`` from a daemon thread."""
+        health = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == LIVE_PATH:
+                    ok = health.live
+                elif self.path == READY_PATH:
+                    ok = health.ready
+                else:
+                    self.send_error(404)
+                    return
+                body = json.dumps(health.report()).encode()
+                self.send_response(200 if ok else 503)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                return None  # a probe every few seconds is not news
+
+        server = ThreadingHTTPServer((addr, port), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="health", daemon=True).start()
+        return server
+
+
+async def heartbeat(health: Health, interval_s: float = 1.0,
+                    ready: Callable[[], bool] | None = None) -> None:
+    """Beat every ``interval_s`` for as long as the running loop turns.
+
+    With ``ready``, readiness follows it at each beat (a publisher's ``healthy``:
+    records are reaching Kafka rather than piling up in its buffer).
+    """
+    while True:
+        health.beat()
+        if ready is not None:
+            ok = ready()
+            health.set_ready(ok, "" if ok else "records are not reaching Kafka")
+        await asyncio.sleep(interval_s)
+
+
+async def watch_topics(health: Health, names: list[str],
+                       list_topics: Callable[[], Awaitable[Iterable[str]]],
+                       interval_s: float = 5.0) -> str:
+    """Return a reason once any of ``names`` is missing from ``await list_topics()``.
+
+    A broker restarted without its data (the memory-only embedded one, or a
+    cluster rebuilt) answers for topics it no longer has with
+    UnknownTopicOrPartition, and clients retry that forever. The caller
+    exits non-zero on the reason, so its supervisor restarts it and the
+    start creates the topics again.
+    """
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            existing = set(await list_topics())
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a broker that does not answer is not a missing topic
+            continue
+        missing = sorted(set(names) - existing)
+        if missing:
+            reason = "topics missing on the broker: " + ", ".join(missing)
+            health.fail(reason)
+            return reason

@@ -1,0 +1,321 @@
+"""The week's tables in one pass over the store, a few hours of rows at a time.
+
+A 10,000-GPU week is 100.8 M device-minutes: more than a machine holds at
+once. So the report never holds the week's rows. It reads the store one time
+slice at a time (:func:`gpusteward.reports.store.slices`: a few million rows,
+every redelivered copy of a (device, minute) in the same slice as its
+original), and folds each slice into
+
+- partial sums keyed by what the tables group by (team, day, workload, hour):
+  their size is bounded by teams, days, workloads and hours, not rows, and
+  they are re-summed whenever a few slices have piled up;
+- the sets the report counts (devices, nodes, GPUs per node, a workload's
+  devices, its models), bounded by devices and workloads;
+- for the percentiles, which have no partial form, the values themselves,
+  spilled to Parquet files split by a hash of the workload. Once the store
+  is read, each split is read back alone and its workloads' percentiles are
+  computed exactly, with the same polars expressions as before.
+
+Peak memory is then one slice, one split and the partial tables. Every
+figure is the same aggregation of the same rows as a direct polars
+computation over the whole week (the tests compare them); only the order in
+which floats are added differs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from gpusteward.reports import store
+from gpusteward.reports.compute import COLUMNS, WORKLOAD, hours_and_costs, prepare
+from gpusteward.reports.settings import ReportSettings
+from gpusteward.rules.mig import geometry as mig_geometry
+
+SLICE_ROWS = 2_000_000
+"""Rows read at a time (about 200 MB of them): see :func:`store.slices`."""
+
+SPLIT_ROWS = 2_000_000
+"""Rows of spilled values per split read back at the end (about 40 MB of them)."""
+
+COMPACT_EVERY = 24
+"""Slices of partial tables kept before they are summed into one."""
+
+DEVICE = ["node", "index", "uuid", "kind", "parent_uuid", "mig_profile"]
+"""What identifies a device and where it sits."""
+
+Rows = Callable[[int, int], None]
+"""Progress: rows read so far, rows in the week's files."""
+
+
+@dataclass
+class WeekTables:
+    """Everything the report needs from the week's rows."""
+
+    teams: pl.DataFrame
+    daily: pl.DataFrame
+    workloads: pl.DataFrame
+    faults: pl.DataFrame
+    fragmentation: pl.DataFrame
+    need: pl.DataFrame
+    """Per workload: what :func:`gpusteward.reports.recommend.recommend` advises on."""
+    gpus: pl.DataFrame
+    """One row per physical GPU: gpu_model, node, gpu (the parent of MIG devices)."""
+    devices: pl.DataFrame
+    """One row per device seen: node, index, uuid, kind, parent_uuid, mig_profile."""
+    device_minutes: int
+
+
+class _Partial:
+    """Partial aggregates of one table, re-summed as slices arrive."""
+
+    def __init__(self, keys: list[str], merge: dict[str, str]) -> None:
+        self.keys = keys
+        self.merge = merge
+        self.parts: list[pl.DataFrame] = []
+
+    def add(self, part: pl.DataFrame) -> None:
+        self.parts.append(part)
+        if len(self.parts) >= COMPACT_EVERY:
+            self.parts = [self.result()]
+
+    def result(self) -> pl.DataFrame:
+        frame = pl.concat(self.parts, how="vertical_relaxed")
+        if not self.merge:
+            return frame.unique()
+        return frame.group_by(self.keys).agg(
+            [getattr(pl.col(c), how)() for c, how in self.merge.items()])
+
+
+def _hours_merge() -> dict[str, str]:
+    return {c: "sum" for c in ("allocated_gpu_hours", "used_gpu_hours", "idle_gpu_hours",
+                               "allocated_cost_usd", "idle_cost_usd")}
+
+
+class WeekFold:
+    """Folds slices of the week's rows into partial tables and spilled values."""
+
+    def __init__(self, settings: ReportSettings,
+                 geometries: Mapping[str, mig_geometry.Geometry], splits: int,
+                 spill: Path) -> None:
+        self.settings = settings
+        self.geometries = geometries
+        self.splits = max(1, splits)
+        self.spill = spill
+        self.device_minutes = 0
+        self.teams = _Partial(["team"], _hours_merge())
+        self.daily = _Partial(["day", "team"], {"allocated_gpu_hours": "sum",
+                                                "used_gpu_hours": "sum"})
+        self.faults = _Partial(["day"], {"xid_events": "sum", "ecc_dbe_errors": "sum",
+                                         "throttled_device_minutes": "sum"})
+        self.hours = _Partial(["hour"], {"free": "sum", "usable": "sum", "minutes": "sum"})
+        self.workloads = _Partial(["wid"], {
+            **{c: "first" for c in WORKLOAD}, "device_minutes": "sum", "minutes": "sum",
+            **_hours_merge(), "gpu_hours": "sum", "usd_sum": "sum",
+            "mem_peak_bytes": "max", "device_mem_total": "max", "uses_mig": "any"})
+        self.models = _Partial(["wid", "gpu_model"], {"len": "sum"})
+        self.workload_devices = _Partial(["wid", "uuid"], {})
+        self.devices = _Partial([*DEVICE, "gpu_model"], {})
+        self.pending: list[tuple[pl.DataFrame, pl.DataFrame]] = []
+        self.pending_rows = 0
+        self.flushes = 0
+
+    def add(self, rows: pl.DataFrame) -> None:
+        """Fold one time slice of store rows (de-duplicated, all of its minutes)."""
+        if rows.is_empty():
+            return
+        frame = prepare(rows, self.settings, self.geometries)
+        self.device_minutes += frame.height
+        held = frame.filter(pl.col("allocated")).with_columns(
+            # One 64-bit hash stands for the four workload columns: grouping by one number
+            # is several times faster. It hashes the categoricals' codes (the same for a
+            # text everywhere in this process): hashing the text took as long again.
+            pl.struct([pl.col(c).to_physical() for c in WORKLOAD]).hash(seed=0).alias("wid"))
+        self.teams.add(held.group_by("team").agg(*hours_and_costs()))
+        self.daily.add(held.group_by("day", "team").agg(
+            pl.col("gpu_hours").sum().alias("allocated_gpu_hours"),
+            pl.col("used_hours").sum().alias("used_gpu_hours")))
+        self.faults.add(frame.group_by("day").agg(
+            pl.col("xid_count").sum().cast(pl.Int64).alias("xid_events"),
+            pl.col("ecc_dbe_new").sum().cast(pl.Int64).alias("ecc_dbe_errors"),
+            (pl.col("throttled_samples") > 0).sum().cast(pl.Int64)
+            .alias("throttled_device_minutes")))
+        self.hours.add(_fragmentation_part(frame, self.settings.fragmentation_shape_gpus))
+        self.workloads.add(held.group_by("wid").agg(
+            *[pl.col(c).first() for c in WORKLOAD],
+            pl.len().cast(pl.Int64).alias("device_minutes"),
+            # A slice holds every row of its minutes, so minutes add up across slices.
+            pl.col("ts").n_unique().cast(pl.Int64).alias("minutes"),
+            *hours_and_costs(),
+            pl.col("gpu_hours").sum(),
+            pl.col("hourly_usd").sum().alias("usd_sum"),
+            pl.col("mem_used_max").max().alias("mem_peak_bytes"),
+            pl.col("mem_total_bytes").max().alias("device_mem_total"),
+            (pl.col("kind") == "mig").any().alias("uses_mig")))
+        self.models.add(held.group_by("wid", "gpu_model").agg(pl.len().cast(pl.Int64)))
+        self.workload_devices.add(held.select("wid", "uuid").unique())
+        self.devices.add(frame.select(*DEVICE, "gpu_model").unique())
+        split = (pl.col("wid") % self.splits).alias("split")
+        values = held.select(split, "wid", "util_mean", "mem_used_max")
+        # GPU-hours per minute times 60 is GPU-equivalents in use and held that minute.
+        minutes = held.group_by("wid", "ts").agg(
+            (pl.col("used_hours").sum() * 60).alias("used"),
+            (pl.col("gpu_hours").sum() * 60).alias("held")).select(split, "wid", "used",
+                                                                    "held")
+        self.pending.append((values, minutes))
+        self.pending_rows += values.height
+        if self.pending_rows >= SPLIT_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Write the values waiting in memory to their splits' files."""
+        if not self.pending:
+            return
+        for kind, index in (("values", 0), ("minutes", 1)):
+            frame = pl.concat([p[index] for p in self.pending])
+            for (split,), part in frame.partition_by("split", as_dict=True).items():
+                folder = self.spill / kind / str(split)
+                folder.mkdir(parents=True, exist_ok=True)
+                part.drop("split").write_parquet(folder / f"{self.flushes}.parquet",
+                                                 compression="lz4")
+        self.flushes += 1
+        self.pending, self.pending_rows = [], 0
+
+    def finish(self) -> WeekTables:
+        """The week's tables, once every slice is folded."""
+        self._flush()
+        teams = _table(self.teams, {"team": pl.String, **_hours_schema()}).with_columns(
+            (pl.col("used_gpu_hours") / pl.col("allocated_gpu_hours") * 100)
+            .alias("efficiency_pct")).sort("allocated_gpu_hours", descending=True)
+        daily = _table(self.daily, {"day": pl.Date, "team": pl.String,
+                                    "allocated_gpu_hours": pl.Float64,
+                                    "used_gpu_hours": pl.Float64}).sort("day", "team")
+        faults = _table(self.faults, {"day": pl.Date, "xid_events": pl.Int64,
+                                      "ecc_dbe_errors": pl.Int64,
+                                      "throttled_device_minutes": pl.Int64}).sort("day")
+        hours = _table(self.hours, {"hour": pl.Datetime("ms", "UTC"), "free": pl.Int64,
+                                    "usable": pl.Int64, "minutes": pl.Int64})
+        fragmentation = hours.select(
+            "hour", (pl.col("free") / pl.col("minutes")).alias("free_gpus"),
+            (1 - pl.col("usable") / pl.col("free")).fill_nan(0.0).alias("stranded_share"),
+        ).sort("hour")
+        per_workload = self._per_workload()
+        workloads = per_workload.select(
+            *WORKLOAD, "gpu_model", "devices", "device_minutes", "minutes",
+            *_hours_schema(), *[f"util_p{q}" for q in (5, 25, 50, 75, 95)],
+            "mem_peak_bytes").sort("allocated_gpu_hours", descending=True)
+        need = per_workload.select(
+            *WORKLOAD, pl.col("minutes").alias("points"), "gpus_needed", "gpus_held",
+            "device_compute_needed", "device_mem_needed", "uses_mig", "gpu_model",
+            "device_mem_total", "gpu_hours", "devices", "device_minutes",
+            (pl.col("usd_sum") / pl.col("device_minutes")).alias("hourly_usd"),
+        ).sort(WORKLOAD)
+        devices = _table(self.devices, {"node": pl.String, "index": pl.Int16,
+                                         "uuid": pl.String, "kind": pl.String,
+                                         "parent_uuid": pl.String, "mig_profile": pl.String,
+                                         "gpu_model": pl.String})
+        return WeekTables(
+            teams=teams, daily=daily, workloads=workloads, faults=faults,
+            fragmentation=fragmentation, need=need,
+            gpus=devices.select(
+                "gpu_model", "node",
+                pl.when(pl.col("kind") == "mig").then(pl.col("parent_uuid"))
+                .otherwise(pl.col("uuid")).alias("gpu")).unique(),
+            devices=devices.select(DEVICE).unique(),
+            device_minutes=self.device_minutes)
+
+    def _per_workload(self) -> pl.DataFrame:
+        """Per workload: the summed columns, its devices and model, and its percentiles."""
+        schema = {"wid": pl.UInt64, **dict.fromkeys(WORKLOAD, pl.String),
+                  "device_minutes": pl.Int64, "minutes": pl.Int64, **_hours_schema(),
+                  "gpu_hours": pl.Float64, "usd_sum": pl.Float64, "mem_peak_bytes": pl.Int64,
+                  "device_mem_total": pl.Int64, "uses_mig": pl.Boolean}
+        sums = _table(self.workloads, schema)
+        devices = self.workload_devices.result().group_by("wid").agg(
+            pl.len().cast(pl.UInt32).alias("devices")) if self.workload_devices.parts \
+            else pl.DataFrame(schema={"wid": pl.UInt64, "devices": pl.UInt32})
+        # The model it ran on most (ties: the first name), as mode() picked it.
+        models = (self.models.result().sort(["wid", "len", "gpu_model"],
+                                            descending=[False, True, False])
+                  .group_by("wid").agg(pl.col("gpu_model").first())) if self.models.parts \
+            else pl.DataFrame(schema={"wid": pl.UInt64, "gpu_model": pl.String})
+        percentiles = [self._split_percentiles(split) for split in range(self.splits)]
+        return (sums.join(devices, on="wid", how="left").join(models, on="wid", how="left")
+                .join(pl.concat(percentiles, how="vertical_relaxed"), on="wid", how="left"))
+
+    def _split_percentiles(self, split: int) -> pl.DataFrame:
+        """The percentiles of one split's workloads, from their spilled values."""
+        q = self.settings.percentile / 100
+        mq = self.settings.memory_percentile / 100
+        grow = 1 + self.settings.headroom_pct / 100
+        values = _read(self.spill / "values" / str(split),
+                       {"wid": pl.UInt64, "util_mean": pl.Float32,
+                        "mem_used_max": pl.Int64})
+        minutes = _read(self.spill / "minutes" / str(split),
+                        {"wid": pl.UInt64, "used": pl.Float64, "held": pl.Float64})
+        per_device = values.group_by("wid").agg(
+            *[pl.col("util_mean").quantile(p / 100, "linear").alias(f"util_p{p}")
+              for p in (5, 25, 50, 75, 95)],
+            (pl.col("util_mean").fill_null(0).quantile(q, "linear") * grow / 100)
+            .alias("device_compute_needed"),
+            (pl.col("mem_used_max").fill_null(0).quantile(mq, "linear") * grow)
+            .alias("device_mem_needed"))
+        demand = minutes.group_by("wid").agg(
+            (pl.col("used").quantile(q, "linear") * grow).alias("gpus_needed"),
+            pl.col("held").mean().alias("gpus_held"))
+        return per_device.join(demand, on="wid", how="full", coalesce=True)
+
+
+def _hours_schema() -> dict[str, Any]:
+    return dict.fromkeys(_hours_merge(), pl.Float64)
+
+
+def _table(partial: _Partial, schema: dict[str, Any]) -> pl.DataFrame:
+    if not partial.parts:
+        return pl.DataFrame(schema=schema)
+    return partial.result().select(list(schema)).cast(schema)  # type: ignore[arg-type]
+
+
+def _read(folder: Path, schema: dict[str, Any]) -> pl.DataFrame:
+    paths = sorted(folder.glob("*.parquet"))
+    return pl.read_parquet(paths) if paths else pl.DataFrame(schema=schema)
+
+
+def _fragmentation_part(frame: pl.DataFrame, shape_gpus: int) -> pl.DataFrame:
+    """Per hour: free whole GPUs summed over its minutes, those a request can use, minutes."""
+    per_node = (frame.filter(pl.col("kind") == "gpu")
+                .group_by("ts", "node").agg((~pl.col("allocated")).sum().alias("free")))
+    per_minute = per_node.group_by("ts").agg(
+        pl.col("free").sum().alias("free"),
+        ((pl.col("free") // shape_gpus) * shape_gpus).sum().alias("usable"))
+    return (per_minute.with_columns(
+        (pl.col("ts") * 1000).cast(pl.Int64).cast(pl.Datetime("ms", "UTC"))
+        .dt.truncate("1h").alias("hour"))
+        .group_by("hour").agg(pl.col("free").sum().cast(pl.Int64),
+                              pl.col("usable").sum().cast(pl.Int64),
+                              pl.len().cast(pl.Int64).alias("minutes")))
+
+
+def fold_week(directory: Path, start: float, end: float, settings: ReportSettings,
+              geometries: Mapping[str, mig_geometry.Geometry],
+              rows: Rows | None = None) -> WeekTables:
+    """Read the week's rollups from the store slice by slice and fold them."""
+    total = store.count_rows(directory, start, end)
+    spill = Path(tempfile.mkdtemp(prefix="gpusteward-report-"))
+    try:
+        fold = WeekFold(settings, geometries, splits=-(-total // SPLIT_ROWS), spill=spill)
+        read = 0
+        for part in store.slices(directory, start, end, COLUMNS, SLICE_ROWS):
+            fold.add(part)
+            read += part.height
+            if rows is not None:
+                rows(read, total)
+        return fold.finish()
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)

@@ -1,0 +1,69 @@
+"""The stream worker's own metrics: what it read, wrote and dead-lettered, its lag, rebalances.
+
+One :class:`~gpusteward.metrics.PipelineMetrics` per worker app, wired to
+the app's signals here so the agents only count (``outputs.py`` counts what
+goes out, the node join what comes in). The lag is the worker group's
+committed offsets against the partition ends, read every ``LAG_INTERVAL_S``
+with an admin request, the figure an operator compares with Kafka's own
+tools; the ``/metrics`` server starts with the app when
+``settings.metrics.port`` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from gpusteward import kafka, topics
+from gpusteward.metrics import MetricsServer, PipelineMetrics, serve
+from gpusteward.settings import Settings
+
+log = logging.getLogger(__name__)
+
+LAG_INTERVAL_S = 15.0
+"""Seconds between lag readings: the default scrape interval, so every scrape sees a fresh one."""
+
+CONSUMED = (topics.SAMPLES, topics.HW_EVENTS, topics.ALLOCATIONS, topics.NODE_SUMMARIES,
+            topics.QUEUE)
+"""The topics the worker's agents read (node join and fleet agent share one group)."""
+
+
+def worker_metrics(app: Any, settings: Settings) -> PipelineMetrics:
+    """Metrics for ``app``; serves them and follows the lag when a metrics port is set.
+
+    The node join and the fleet agent each build an output writer; both get the app's one
+    set (made by the first), so the process serves one registry on one port.
+    """
+    existing: PipelineMetrics | None = getattr(app, "gpusteward_metrics", None)
+    if existing is not None:
+        return existing
+    metrics = app.gpusteward_metrics = PipelineMetrics()
+    group = str(app.conf.id)
+
+    def count_rebalance(sender: Any, *args: Any, **kwargs: Any) -> None:
+        metrics.rebalances.labels(group).inc()
+
+    app.on_partitions_assigned.connect(count_rebalance)
+    if not settings.metrics.port:
+        return metrics
+    names = [spec.name(settings) for spec in CONSUMED]
+    server: list[MetricsServer] = []
+
+    @app.task
+    async def serve_metrics() -> None:
+        server.append(serve(metrics.registry, settings.metrics.port, settings.metrics.addr))
+
+    @app.timer(LAG_INTERVAL_S)
+    async def follow_lag() -> None:
+        try:
+            lag = await kafka.group_lag(settings, group, names)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # a lag reading must never stop the worker
+            log.warning("cannot read the worker's lag: %s", error)
+            return
+        for topic, records in lag.items():
+            metrics.consumer_lag.labels(group, topic).set(records)
+
+    return metrics

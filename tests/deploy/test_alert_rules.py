@@ -1,0 +1,171 @@
+"""The pipeline's Prometheus alert rules: valid, on real series, and firing when they should.
+
+The rules ship as a PrometheusRule in the monitoring component; its
+``spec`` is a Prometheus rules file, checked by `promtool check rules` and
+exercised by `promtool test rules` on synthetic series (Debian package
+`prometheus`, installed by .ci/system-deps; skipped without it).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpusteward.collectors.metrics import CollectorMetrics
+from gpusteward.metrics import PipelineMetrics, metric_names
+
+pytestmark = pytest.mark.deploy
+
+REPO = Path(__file__).resolve().parents[2]
+RULE = REPO / "deploy/components/monitoring/prometheusrule.yaml"
+LABELS = 'namespace="gpusteward", pod="p-0"'
+
+
+
+def _described(alert: str, summary: str) -> dict[str, str]:
+    """The expected annotations: ``summary`` as rendered, and the rule's fixed description."""
+    for group in yaml.safe_load(RULE.read_text())["spec"]["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == alert:
+                return {"summary": summary, "description": rule["annotations"]["description"]}
+    raise KeyError(alert)
+
+
+# Each case: the series, then the alerts expected at given times. promtool compares the
+# full label set and annotations of what fires, so a wrong `by` or template fails here.
+UNIT_TESTS: list[dict[str, Any]] = [
+    {
+        "interval": "1m",
+        "input_series": [
+            # A group falling further behind, and one catching up.
+            {"series": f'gpusteward_consumer_lag_records{{{LABELS}, group="g-worker", '
+                       'topic="t"}', "values": "6000+100x30"},
+            {"series": f'gpusteward_consumer_lag_records{{{LABELS}, group="g-alerts", '
+                       'topic="t"}', "values": "9000-100x30"},
+        ],
+        "alert_rule_test": [
+            {"eval_time": "5m", "alertname": "GpustewardConsumerLagGrowing", "exp_alerts": []},
+            {"eval_time": "20m", "alertname": "GpustewardConsumerLagGrowing", "exp_alerts": [{
+                "exp_labels": {"severity": "warning", "namespace": "gpusteward",
+                               "group": "g-worker"},
+                "exp_annotations": {
+                    "summary": "g-worker is 8k records behind and falling further behind",
+                    "description": "The consumer group's lag grew for 10 minutes. Check the "
+                                   "process's logs and CPU; the stream worker scales to one "
+                                   "replica per partition."}}]},
+        ],
+    },
+    {
+        "interval": "1m",
+        "input_series": [
+            {"series": f'gpusteward_dead_letters_total{{{LABELS}, topic="s", '
+                       'reason="DecodeError"}', "values": "0 0 0 1 1 1 1 1 1 1"},
+            {"series": f'gpusteward_breaker_open{{{LABELS}, group="g-remediation"}}',
+             "values": "0 0 1 1 1 1 1 1 1 1"},
+        ],
+        "alert_rule_test": [
+            {"eval_time": "2m", "alertname": "GpustewardDeadLetters", "exp_alerts": []},
+            {"eval_time": "5m", "alertname": "GpustewardDeadLetters", "exp_alerts": [{
+                "exp_labels": {"severity": "warning", "namespace": "gpusteward", "topic": "s",
+                               "reason": "DecodeError"},
+                "exp_annotations": _described(
+                    "GpustewardDeadLetters", "records from s were dead-lettered (DecodeError)")}]},
+            {"eval_time": "2m", "alertname": "GpustewardRemediationBreakerOpen",
+             "exp_alerts": []},
+            {"eval_time": "4m", "alertname": "GpustewardRemediationBreakerOpen",
+             "exp_alerts": [{"exp_labels": {"severity": "critical", "namespace": "gpusteward",
+                                            "group": "g-remediation"},
+                             "exp_annotations": _described(
+                                 "GpustewardRemediationBreakerOpen",
+                                 "the remediation circuit breaker is open")}]},
+        ],
+    },
+    {
+        "interval": "1m",
+        "input_series": [
+            {"series": 'up{namespace="gpusteward", pod="w-0", container="worker"}',
+             "values": "1 1 0 0 0 0 0 0 0 0"},
+            {"series": 'up{namespace="gpusteward", pod="c-1", container="collector"}',
+             "values": "1x30"},
+            {"series": 'gpusteward_collect_records_sent_total{namespace="gpusteward", '
+                       'pod="c-1", topic="s"}', "values": "0+10x5 50x25"},
+        ],
+        "alert_rule_test": [
+            {"eval_time": "5m", "alertname": "GpustewardProcessDown", "exp_alerts": []},
+            {"eval_time": "8m", "alertname": "GpustewardProcessDown", "exp_alerts": [{
+                "exp_labels": {"severity": "critical", "namespace": "gpusteward",
+                               "pod": "w-0", "container": "worker"},
+                "exp_annotations": {
+                    "summary": "worker in gpusteward cannot be scraped",
+                    "description": "w-0 has not answered on /metrics for 5 minutes: it is down, "
+                                   "restarting, or its port is blocked."}}]},
+            {"eval_time": "10m", "alertname": "GpustewardCollectorSilent", "exp_alerts": []},
+            {"eval_time": "26m", "alertname": "GpustewardCollectorSilent", "exp_alerts": [{
+                "exp_labels": {"severity": "warning", "namespace": "gpusteward",
+                               "pod": "c-1"},
+                "exp_annotations": _described(
+                    "GpustewardCollectorSilent",
+                    "collector c-1 has published nothing for 10 minutes")}]},
+        ],
+    },
+]
+
+
+def _promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip("promtool not installed (Debian package prometheus; see .ci/system-deps)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def rules_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    document = yaml.safe_load(RULE.read_text())
+    path = tmp_path_factory.mktemp("rules") / "gpusteward.rules.yml"
+    path.write_text(yaml.safe_dump(document["spec"]))
+    return path
+
+
+def test_rules_pass_promtool_check(rules_file):
+    result = subprocess.run([_promtool(), "check", "rules", str(rules_file)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_rules_fire_as_their_unit_tests_expect(rules_file, tmp_path):
+    tests = tmp_path / "tests.yml"
+    tests.write_text(yaml.safe_dump({"rule_files": [str(rules_file)],
+                                     "evaluation_interval": "1m", "tests": UNIT_TESTS}))
+    result = subprocess.run([_promtool(), "test", "rules", str(tests)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_unit_tests_can_fail(rules_file, tmp_path):
+    broken = [dict(UNIT_TESTS[1], alert_rule_test=[
+        {"eval_time": "1m", "alertname": "GpustewardRemediationBreakerOpen",
+         "exp_alerts": [{"exp_labels": {"severity": "critical"}}]}])]
+    tests = tmp_path / "tests.yml"
+    tests.write_text(yaml.safe_dump({"rule_files": [str(rules_file)], "tests": broken}))
+    result = subprocess.run([_promtool(), "test", "rules", str(tests)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+
+
+def test_every_rule_names_series_some_process_exports():
+    exported = metric_names([PipelineMetrics().registry, CollectorMetrics().registry])
+    groups = yaml.safe_load(RULE.read_text())["spec"]["groups"]
+    alerts = {rule["alert"] for group in groups for rule in group["rules"]}
+    assert {"GpustewardConsumerLagGrowing", "GpustewardDeadLetters",
+            "GpustewardRemediationBreakerOpen", "GpustewardProcessDown",
+            "GpustewardCollectorSilent"} <= alerts
+    for group in groups:
+        for rule in group["rules"]:
+            named = set(re.findall(r"\bgpusteward_\w+", rule["expr"]))
+            assert named <= exported, (rule["alert"], named - exported)

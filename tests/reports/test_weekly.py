@@ -1,0 +1,71 @@
+"""The streaming fold gives the numbers the whole-week computation gave, where both run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import pytest
+from polars.testing import assert_frame_equal
+
+from gpusteward.reports import build, compute, store, weekly
+from gpusteward.reports.settings import ReportSettings
+from gpusteward.rules.mig import geometry
+from gpusteward.sandbox import rollups as synthetic
+
+from . import previous_report
+
+WEEK = compute.parse_week("2026-W47")
+
+
+def _same(new: pl.DataFrame, old: pl.DataFrame, keys: list[str]) -> None:
+    def plain(frame: pl.DataFrame) -> pl.DataFrame:
+        return frame.with_columns(pl.col(pl.Categorical).cast(pl.String)).sort(keys)
+    assert_frame_equal(plain(new), plain(old).select(new.columns), check_dtypes=False,
+                       rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_streamed_tables_equal_the_whole_week_computation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = synthetic.week_of_rollups(WEEK.start, gpus=48, workloads=30, teams=4, seed=11)
+    store.write(tmp_path, rows)
+    store.write(tmp_path, rows.slice(100_000, 5_000))  # redelivered: counted once
+    # Small slices, splits and compactions, so that each is exercised many times.
+    monkeypatch.setattr(weekly, "SLICE_ROWS", 20_000)
+    monkeypatch.setattr(weekly, "SPLIT_ROWS", 60_000)
+    monkeypatch.setattr(weekly, "COMPACT_EVERY", 5)
+    settings, geometries = ReportSettings(), geometry.load()
+    seen: list[tuple[int, int]] = []
+    tables = weekly.fold_week(tmp_path, WEEK.start, WEEK.end, settings, geometries,
+                              rows=lambda read, total: seen.append((read, total)))
+    assert len(seen) == 7 * 4 and seen[-1] == (rows.height, rows.height + 5_000)
+
+    frame = compute.prepare(store.scan(tmp_path, WEEK.start, WEEK.end, compute.COLUMNS,
+                                       categorical=True), settings, geometries)
+    assert tables.device_minutes == frame.height == rows.height
+    _same(tables.teams, previous_report.team_table(frame), ["team"])
+    _same(tables.daily, previous_report.daily_table(frame), ["day", "team"])
+    _same(tables.workloads, previous_report.workload_table(frame), compute.WORKLOAD)
+    _same(tables.faults, previous_report.fault_table(frame), ["day"])
+    _same(tables.fragmentation, previous_report.fragmentation_table(
+        frame, settings.fragmentation_shape_gpus), ["hour"])
+    _same(tables.need, previous_report.needs(frame, settings), compute.WORKLOAD)
+
+
+def test_missing_days_and_another_versions_store_are_named(tmp_path: Path) -> None:
+    rows = synthetic.week_of_rollups(WEEK.start, gpus=2, workloads=2, teams=1,
+                                     minutes=2 * 1440)
+    store.write(tmp_path / "two-days", rows)
+    report = build.build(tmp_path / "two-days", WEEK, ReportSettings())
+    assert report.data["missing_days"] == [d.isoformat() for d in WEEK.days[2:]]
+    assert report.data["totals"]["device_minutes"] == rows.height
+
+    empty = build.build(tmp_path / "nothing", WEEK, ReportSettings())
+    assert empty.data["totals"]["device_minutes"] == 0
+    assert len(empty.data["missing_days"]) == 7 and empty.data["workloads"] == []
+
+    old = tmp_path / "old" / f"day={WEEK.days[0].isoformat()}"
+    old.mkdir(parents=True)
+    rows.drop("util_mean").head(10).write_parquet(old / f"part-{int(WEEK.start)}-x.parquet")
+    with pytest.raises(store.StoreError, match=r"another version.*lacks util_mean"):
+        build.build(tmp_path / "old", WEEK, ReportSettings())

@@ -1,0 +1,74 @@
+"""The per-minute fold the worker runs: duplicates, late readings, attribution, state encoding."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gpusteward.rules import rollup
+from gpusteward.schema import DeviceSample, PodRef, Rollup
+
+T0 = 1_700_000_040.0  # a minute boundary
+WHO = rollup.attribution(PodRef("ml", "nb-0", uid="u0"), labels={"team": "vision"},
+                         owner_kind="Notebook", owner_name="nb", queue="research",
+                         workload_kind="notebook")
+
+
+def gpu(util: float) -> DeviceSample:
+    return DeviceSample(uuid="GPU-1", index=0, model="NVIDIA A100-SXM4-80GB", util_pct=util,
+                        mem_used_bytes=int(util) << 20, power_w=100.0 + util)
+
+
+def feed(fold: rollup.MinuteFold, track: rollup.RollupTrack, ts: float, util: float,
+         who: rollup.Attribution | None = WHO) -> list:
+    bucket = fold.bucket(track, ts)
+    if bucket is None:
+        fold.late(track, 1)
+    else:
+        fold.add(bucket, gpu(util), ts, who)
+    return fold.advance(track, "n1", ts)
+
+
+def test_attribution_team_owner_and_fallbacks() -> None:
+    assert (WHO.team, WHO.owner_kind, WHO.owner_name, WHO.queue) == (
+        "vision", "Notebook", "nb", "research")
+    bare = rollup.attribution(PodRef("ml-b", "x-1"))
+    assert (bare.team, bare.owner_name) == ("ml-b", "x-1")
+
+
+def test_a_redelivered_reading_is_not_counted_twice() -> None:
+    fold, track = rollup.MinuteFold(lateness_s=0), rollup.RollupTrack()
+    for ts, util in ((T0, 10.0), (T0 + 30, 30.0), (T0 + 30, 30.0), (T0, 10.0)):
+        assert feed(fold, track, ts, util) == []
+    (first,) = feed(fold, track, T0 + 60, 50.0)
+    assert (first.ts, first.samples, first.util_mean, first.util_min, first.util_max) == (
+        T0, 2, 20.0, 10.0, 30.0)
+    assert (first.team, first.owner_name, first.queue, first.pod) == (
+        "vision", "nb", "research", "nb-0")
+    assert first.power_mean == 120.0 and first.mem_used_max == 30 << 20
+
+
+def test_a_reading_for_an_emitted_minute_is_late() -> None:
+    fold, track = rollup.MinuteFold(lateness_s=30), rollup.RollupTrack()
+    feed(fold, track, T0 + 10, 5.0)
+    (emitted,) = feed(fold, track, T0 + 90, 5.0)
+    assert emitted.ts == T0
+    assert feed(fold, track, T0 + 50, 99.0) == [] and track.late == 1
+    (rest,) = fold.flush(track, "n1")
+    assert (rest.ts, rest.util_max) == (T0 + 60, 5.0)
+
+
+def test_open_minutes_survive_the_changelog_encoding() -> None:
+    fold, track = rollup.MinuteFold(lateness_s=60), rollup.RollupTrack()
+    feed(fold, track, T0, 10.0)
+    feed(fold, track, T0 + 30, 20.0)
+    fold.count_xid(track, "GPU-1", T0 + 40)
+    restored = msgspec.msgpack.decode(msgspec.msgpack.encode(track), type=rollup.RollupTrack)
+    assert restored == track
+    (out,) = fold.flush(restored, "n1")
+    assert (out.samples, out.util_mean, out.xid_count, out.team) == (2, 15.0, 1, "vision")
+
+
+def test_the_fold_fills_rollup_fields_in_the_schema_order() -> None:
+    """The fold builds rollups positionally (for speed): a schema change must show here."""
+    assert Rollup.__struct_fields__[:len(rollup.ROLLUP_FIELDS)] == rollup.ROLLUP_FIELDS
+    assert Rollup.__struct_fields__[len(rollup.ROLLUP_FIELDS):] == ("schema",)

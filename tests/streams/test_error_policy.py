@@ -1,0 +1,90 @@
+"""The worker's error policy: what one record breaks becomes that record's dead letter.
+
+``OutputTopics.guarded`` is the one place the worker's agents turn a failure
+into a dead letter. The topics here are recording doubles of Faust's (the
+writer only calls ``send``): the broker path is covered by
+``tests/e2e/test_poison.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import pytest
+
+from gpusteward.schema import DeadLetter
+from gpusteward.settings import Settings
+from gpusteward.streams.outputs import OutputTopics
+
+
+@dataclass
+class RecordingTopic:
+    sent: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+    async def send(self, key: bytes, value: bytes) -> None:
+        self.sent.append((key, value))
+
+
+class RecordingApp:
+    def __init__(self) -> None:
+        self.topics: dict[str, RecordingTopic] = {}
+
+    def topic(self, name: str, **options: Any) -> RecordingTopic:
+        return self.topics.setdefault(name, RecordingTopic())
+
+
+@dataclass
+class Message:
+    topic: str = "gpusteward.samples.v1"
+    partition: int = 3
+    offset: int = 41
+    key: bytes | None = b"n1"
+    value: bytes | None = b'{"ts": 1}'
+
+
+@dataclass
+class Event:
+    message: Message = field(default_factory=Message)
+
+
+def _dead(app: RecordingApp) -> list[DeadLetter]:
+    return [msgspec.json.decode(value, type=DeadLetter)
+            for _, value in app.topics["gpusteward.deadletter.v1"].sent]
+
+
+def test_a_failure_in_processing_dead_letters_the_record_and_the_agent_goes_on() -> None:
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+
+    async def broken_rule(event: Any) -> list[Any]:
+        raise ZeroDivisionError("a rule's bug")
+
+    async def fine(event: Any) -> list[Any]:
+        return ["ok"]
+
+    async def main() -> list[Any]:
+        return [await outputs.guarded(Event(), "node-join", broken_rule),
+                await outputs.guarded(Event(Message(offset=42)), "node-join", fine)]
+
+    assert asyncio.run(main()) == [None, ["ok"]]
+    (letter,) = _dead(app)
+    assert (letter.source_topic, letter.partition, letter.offset) == \
+        ("gpusteward.samples.v1", 3, 41)
+    assert letter.error == "node-join: ZeroDivisionError: a rule's bug"
+    assert letter.key == b"n1" and letter.value == b'{"ts": 1}'
+    assert outputs.refusals.count == 1
+
+
+def test_cancellation_is_never_taken_for_a_bad_record() -> None:
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+
+    async def cancelled(event: Any) -> None:
+        raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(outputs.guarded(Event(), "fleet", cancelled))
+    assert _dead(app) == []

@@ -1,0 +1,141 @@
+"""The status fold: the latest state per key of each topic, turned into the fleet now."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gpusteward.remediation import executor
+from gpusteward.schema import (
+    Action,
+    ActionResult,
+    Finding,
+    NodeSummary,
+    PodAllocation,
+    PodRef,
+    QueueEvent,
+    Subject,
+)
+from gpusteward.status import BREAKER_RESET_PREFIX, BREAKER_TRIP_PREFIX, FleetStatus, StatusFold
+
+NOW = 10_000.0
+
+
+def pod(name: str, node: str, gpus: int, phase: str = "running", team: str | None = None,
+        ts: float = 100.0) -> PodAllocation:
+    return PodAllocation(ts=ts, node=node, pod=PodRef("ml", name, uid=f"uid-{name}"),
+                         phase=phase, gpus=gpus,  # type: ignore[arg-type]
+                         labels={"team": team} if team else {})
+
+
+def finding(fid: str, kind: str, state: str, subject: Subject, ts: float = 200.0,
+            severity: str = "warning") -> Finding:
+    return Finding(id=fid, fingerprint=fid, kind=kind, severity=severity,  # type: ignore[arg-type]
+                   state=state, subject=subject, summary=f"{kind} {fid}",  # type: ignore[arg-type]
+                   starts_at=ts - 100, ts=ts)
+
+
+def action(key: str, verb: str = "cordon", node: str = "n1") -> Action:
+    return Action(idempotency_key=key, verb=verb, target=Subject(node=node),  # type: ignore[arg-type]
+                  reason="r", rule="xid", finding_ids=["f"], ts=300.0)
+
+
+def result(key: str, outcome: str, ts: float = 310.0, attempt: int = 1) -> ActionResult:
+    return ActionResult(idempotency_key=key, verb="cordon", target=Subject(node="n1"),
+                        outcome=outcome, detail=outcome, actor="t", ts=ts,  # type: ignore[arg-type]
+                        attempt=attempt)
+
+
+def fleet() -> StatusFold:
+    fold = StatusFold()
+    for node, model, free in (("n1", "H100", 2), ("n2", "H100", 4), ("n3", "A100", 8)):
+        fold.summary(NodeSummary(ts=50.0, node=node, gpu_model=model, gpus_total=8,
+                                 gpus_free=free))
+    fold.allocation(pod("train", "n1", 4, team="vision"))
+    fold.allocation(pod("notebook", "n1", 2, team="nlp"))
+    fold.allocation(pod("serve", "n2", 4, team="nlp"))
+    fold.allocation(pod("gone", "n3", 8, team="nlp"))
+    fold.allocation(pod("gone", "n3", 8, phase="finished", team="nlp", ts=150.0))
+    return fold
+
+
+def test_pools_and_teams_count_allocated_and_busy_gpus():
+    fold = fleet()
+    fold.finding(finding("idle-1", "idle_holder", "firing",
+                         Subject(node="n1", pod=PodRef("ml", "notebook", uid="uid-notebook"))))
+    status = fold.snapshot(NOW)
+    pools = {p.pool: (p.nodes, p.gpus, p.allocated, p.busy) for p in status.pools}
+    assert pools == {"H100": (2, 16, 10, 8), "A100": (1, 8, 0, 0)}
+    teams = {t.team: (t.pods, t.allocated, t.busy, t.idle) for t in status.teams}
+    assert teams == {"vision": (1, 4, 4, 0), "nlp": (2, 6, 4, 2)}
+
+
+def test_open_findings_are_the_latest_firing_state_per_id():
+    fold = fleet()
+    fold.finding(finding("a", "xid", "firing", Subject(node="n1", device="GPU-1"),
+                         severity="critical"))
+    fold.finding(finding("b", "thermal_slowdown", "firing", Subject(node="n2"), ts=250))
+    fold.finding(finding("b", "thermal_slowdown", "resolved", Subject(node="n2"), ts=400))
+    fold.finding(finding("b", "thermal_slowdown", "firing", Subject(node="n2"), ts=250))
+    status = fold.snapshot(NOW)
+    assert [(f.id, f.kind, f.severity, f.subject) for f in status.findings] == [
+        ("a", "xid", "critical", "n1/GPU-1")]
+    assert status.findings[0].age_s == NOW - 100
+
+
+def test_actions_pending_until_a_final_result_and_retries_counted():
+    fold = fleet()
+    for key in ("k1", "k2", "k3"):
+        fold.action(action(key))
+    fold.result(result("k1", "retrying", attempt=1))
+    fold.result(result("k1", "executed", ts=320, attempt=2))
+    fold.result(result("k2", "retrying", attempt=1))
+    status = fold.snapshot(NOW)
+    assert [a.idempotency_key for a in status.pending_actions] == ["k2", "k3"]
+    (done,) = status.recent_actions
+    assert (done.idempotency_key, done.outcome, done.attempts) == ("k1", "executed", 2)
+
+
+def test_breaker_follows_trip_and_reset_records():
+    assert (BREAKER_TRIP_PREFIX, BREAKER_RESET_PREFIX) == (executor.BREAKER_TRIP_PREFIX,
+                                                           executor.BREAKER_RESET_PREFIX)
+    fold = fleet()
+    fold.result(result(f"{BREAKER_TRIP_PREFIX}1", "refused", ts=500))
+    assert fold.snapshot(NOW).breaker.open
+    assert fold.snapshot(NOW).breaker.since == 500
+    fold.result(result(f"{BREAKER_RESET_PREFIX}2", "executed", ts=600))
+    assert not fold.snapshot(NOW).breaker.open
+
+
+def test_queue_waits_count_pending_workloads_only():
+    fold = fleet()
+    for name, state, created in (("a", "pending", 1000.0), ("b", "pending", 4000.0),
+                                 ("c", "admitted", 0.0)):
+        fold.queue(QueueEvent(ts=5000.0, name=name, namespace="ml", cluster_queue="gpu",
+                              state=state, created_at=created, gpus=2))  # type: ignore[arg-type]
+    fold.queue(QueueEvent(ts=6000.0, name="b", namespace="ml", cluster_queue="gpu",
+                          state="admitted", created_at=4000.0, gpus=2))
+    (queue,) = fold.snapshot(NOW).queues
+    assert (queue.pending, queue.pending_gpus, queue.longest_wait_s) == (1, 2, NOW - 1000)
+
+
+def test_the_snapshot_round_trips_as_json():
+    status = fleet().snapshot(NOW, {"g": {"t": 3}})
+    again = msgspec.json.decode(msgspec.json.encode(status), type=FleetStatus)
+    assert again == status
+
+
+def test_the_rich_view_shows_pools_findings_actions_breaker_and_lag():
+    from rich.console import Console
+
+    from gpusteward.cli.status import render
+
+    fold = fleet()
+    fold.finding(finding("a", "xid", "firing", Subject(node="n1", device="GPU-1"),
+                         severity="critical"))
+    fold.action(action("k1"))
+    fold.result(result(f"{BREAKER_TRIP_PREFIX}1", "refused", ts=500))
+    console = Console(record=True, width=200)
+    console.print(render(fold.snapshot(NOW, {"gpusteward-worker": {"samples": 42}})))
+    text = console.export_text()
+    for expected in ("H100", "n1/GPU-1", "xid", "pending", "breaker: OPEN", "42", "vision"):
+        assert expected in text, expected
