@@ -65,6 +65,8 @@ Annotations = Annotated[dict[Key, Annotation], Meta(max_length=1024)]
 Counts = Annotated[dict[Name, Count], Meta(max_length=1024)]
 """Devices or slices by resource or profile name."""
 Names = Annotated[list[Key], Meta(max_length=4096)]
+GpuShare = Annotated[float, Meta(ge=0.0, le=1_000_000.0,
+                                 description="Whole-GPU equivalents (a MIG device: its share).")]
 
 
 class PodRef(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -217,6 +219,13 @@ class PodAllocation(msgspec.Struct, tag="pod"):
     annotations: Annotations = {}
     spot_tolerant: bool = False
     schema: Version = SCHEMA_VERSION
+    gang: Name | None = None
+    """The gang the pod belongs to, ``<Kind>/<name>`` in its namespace (a JobSet, a
+    PyTorchJob, a coscheduling or Volcano PodGroup, a Kueue pod group), when it is one of
+    several pods that only work together; None: not a gang member."""
+    gang_size: Count | None = None
+    """Members the gang needs to run (PodGroup ``minMember``, Kueue pod-set counts, replica
+    counts of the GPU replicas); None: not known (yet)."""
 
 
 class NodeInventory(msgspec.Struct, tag="node"):
@@ -279,6 +288,31 @@ class QueueEvent(msgspec.Struct):
     """Reason of the condition that decided ``state`` (e.g. ``Preempted/InClusterQueue``)."""
     active: bool = True
     """A Kueue Workload's ``spec.active``; False once deactivated (stopped)."""
+    gang: Name | None = None
+    """As :attr:`PodAllocation.gang`. A gang member pod is reported here through its whole
+    life (pending, ``admitted`` once bound to a node, finished or deleted), so the fleet
+    agent sees every member of a gang on the queue topic; a Kueue Workload names the gang of
+    the pods it admits (its owner)."""
+    gang_size: Count | None = None
+    """As :attr:`PodAllocation.gang_size`."""
+
+
+class IdleHold(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A device of the node whose holder the idle rule has an open episode on."""
+
+    device: Name
+    pod: PodRef
+    idle_since: Timestamp
+    """Start of the idle episode (after the start-up grace), Unix seconds."""
+    gpus: Count = 0
+    """Whole GPUs it frees when reclaimed (1 for a GPU device, 0 for a MIG device)."""
+    mig_profile: Name | None = None
+    """The MIG profile it frees, for a MIG device."""
+    workload_kind: Name | None = None
+    kept_until: Timestamp | None = None
+    """Until when a ``gpusteward.io/keep-until`` annotation holds it (Unix seconds)."""
+    ladder_step: Annotated[int, Meta(ge=0, le=3)] = 1
+    """The idle rule's ladder step: 1 notified, 2 warned, 3 reclaim asked."""
 
 
 class NodeSummary(msgspec.Struct):
@@ -297,6 +331,14 @@ class NodeSummary(msgspec.Struct):
     gpu_replicas: Count = 1
     """Pods each GPU is shared by (time-slicing or MPS replicas); ``gpus_total`` and
     ``gpus_free`` count physical GPUs, a GPU with any holder being not free."""
+    pool: Name | None = None
+    """The node's pool (the policy's node-pool label), for demand matched by pool."""
+    idle: Annotated[list[IdleHold], Meta(max_length=4096)] = []
+    """Devices held by pods the idle rule finds idle (open, not exempt episodes): what the
+    fleet agent may reclaim for waiting work (demand-aware reclaim)."""
+    held_by_team: Annotated[dict[Name, GpuShare], Meta(max_length=1024)] = {}
+    """GPUs held on the node by team (whole-GPU equivalents; a MIG device counts its share
+    of compute slices), for team GPU-hour budgets."""
 
 
 Severity = Literal["info", "warning", "critical"]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from gpusteward.rules import budget as fleet_budget
+from gpusteward.rules import demand as fleet_demand
 from gpusteward.rules import (
     ecc,
     hardware,
@@ -23,7 +25,9 @@ from gpusteward.rules import (
     memory_overcommit,
     xid,
 )
+from gpusteward.rules import eta as fleet_eta
 from gpusteward.rules import fragmentation as fleet_fragmentation
+from gpusteward.rules import gang as fleet_gang
 from gpusteward.rules import queue as fleet_queue
 from gpusteward.rules import spot as fleet_spot
 from gpusteward.rules.mig import advice as mig_advice
@@ -65,6 +69,12 @@ REGISTRY = Registry([
          kinds=(fleet_queue.P95_KIND, fleet_queue.PROJECTED_KIND), fleet=fleet_queue.RUNNERS),
     Rule(fleet_fragmentation.KIND, fleet_fragmentation.FragmentationSettings, "fleet",
          kinds=(fleet_fragmentation.STRANDED_KIND,), fleet=fleet_fragmentation.RUNNERS),
+    Rule(fleet_gang.KIND, fleet_gang.GangSettings, "fleet", fleet=fleet_gang.RUNNERS),
+    Rule(fleet_demand.KIND, fleet_demand.DemandReclaimSettings, "fleet",
+         fleet=fleet_demand.RUNNERS),
+    Rule(fleet_eta.KIND, fleet_eta.EtaSettings, "fleet", fleet=fleet_eta.RUNNERS),
+    Rule(fleet_budget.KIND, fleet_budget.BudgetSettings, "fleet",
+         kinds=(fleet_budget.PROJECTED_KIND,), fleet=fleet_budget.RUNNERS),
     # Run by the fleet agent on its own cadence, in a thread (a solver search, not a check).
     Rule(mig_advice.KIND, mig_advice.MigAdviceSettings, "fleet"),
     # Emitted by the remediation executor, not a worker: a fleet-wide guard over every

@@ -247,6 +247,8 @@ class Demand(msgspec.Struct, frozen=True):
     queue: str
     gpus: int = 0
     mig: dict[str, int] = {}
+    since: float | None = None
+    """When it started waiting (event time); None where not known."""
 
 
 class StrandedEpisode(msgspec.Struct):

@@ -25,7 +25,7 @@ one explicitly, name by name, and tests may register a rule of their own
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -34,7 +34,14 @@ import msgspec
 from pydantic import BaseModel
 
 from gpusteward.errors import ConfigError
-from gpusteward.schema import Action, DeviceSample, Finding, HwEvent
+from gpusteward.schema import (
+    Action,
+    DeviceSample,
+    Finding,
+    HwEvent,
+    NodeSummary,
+    QueueEvent,
+)
 
 Scope = Literal["device", "node", "fleet"]
 Layers = Literal["node", "workload"]
@@ -88,10 +95,17 @@ class FleetRunner:
     """Name of the part of the fleet state it keeps (a field of the fleet agent's state when
     the pipeline ships the rule; kept in its ``tracks`` otherwise)."""
     state_type: type
-    evaluate: Callable[[Any, Any, float, Any], list[Finding]]
-    """``(state, fleet view, now, settings) -> findings``; the view is
+    evaluate: Callable[[Any, Any, float, Any], Sequence[Finding | Action]]
+    """``(state, fleet view, now, settings) -> outputs``; the view is
     :class:`gpusteward.rules.fragmentation.FleetView`: the nodes' latest summaries and the
     demand pending in the queue."""
+    on_queue: Callable[[Any, QueueEvent, Any], Sequence[Finding | Action]] | None = None
+    """``(state, queue event, settings) -> outputs``: called for every queue event the
+    agent reads, for a rule that follows the queue beyond the demand pending in it."""
+    on_summary: Callable[[Any, NodeSummary, Any], Sequence[Finding | Action]] | None = None
+    """``(state, node summary, settings) -> outputs``: called for every node summary, for a
+    rule that integrates each node's own sequence of summaries (its time between two, at
+    the level of the first), which stays exact however the nodes' summaries interleave."""
 
 
 @dataclass(frozen=True, eq=False)

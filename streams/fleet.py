@@ -36,8 +36,11 @@ once an interval; the per-record cost is a few dictionary updates.
 The fleet-wide rules are the registry's fleet runners (:mod:`gpusteward.rules`):
 every evaluation builds one view of the fleet (the nodes' latest summaries,
 the demand pending in the queue) and runs each runner on it; queue events
-feed the queue rule's state, which that view reads. Every rule's settings
-come from the policy by the rule's name.
+feed the queue rule's state, which that view reads. A runner may also follow
+every queue event (gangs and start ETAs track members and run times the
+pending demand does not hold) and every node summary (team budgets integrate
+each node's own summaries, exact however the nodes interleave). Every rule's
+settings come from the policy by the rule's name.
 
 The logic lives in :class:`FleetEvaluator` and :class:`SpotJoin`, which do no
 I/O and are tested without a broker. Fleet rules are evaluated on the event
@@ -160,6 +163,10 @@ class FleetEvaluator:
         self._runners = [(runner, self.rules[rule.name]) for rule in registry.in_scope("fleet")
                          for runner in rule.fleet]
         """Every fleet runner of the registry, in its order, with its rule's settings."""
+        self._queue_runners = [(r, s) for r, s in self._runners if r.on_queue is not None]
+        """The runners that follow every queue event."""
+        self._summary_runners = [(r, s) for r, s in self._runners if r.on_summary is not None]
+        """The runners that follow every node summary."""
         self._geometries = geometries
 
     @property
@@ -177,8 +184,12 @@ class FleetEvaluator:
         if known is None or summary.ts > known.ts:
             state.nodes[summary.node] = summary
         mig_observed.on_summary(state.mig, summary)
+        out: list[FleetOutput] = []
+        for runner, settings in self._summary_runners:
+            assert runner.on_summary is not None
+            out += runner.on_summary(_track(state, runner), summary, settings)
         state.summary_clock = max(summary.ts, state.summary_clock or summary.ts)
-        return self._advance(state, queue_caught_up)
+        return out + self._advance(state, queue_caught_up)
 
     def on_queue(self, state: FleetState, event: QueueEvent, *,
                  queue_caught_up: bool = True) -> list[FleetOutput]:
@@ -194,6 +205,9 @@ class FleetEvaluator:
         if not was_waiting and key in state.queue.waiting and event.gpus > 0:
             shape = f"{event.gpus}x{frag.WHOLE}"
             state.shape_counts[shape] = state.shape_counts.get(shape, 0) + 1
+        for runner, settings in self._queue_runners:
+            assert runner.on_queue is not None
+            out += runner.on_queue(_track(state, runner), event, settings)
         state.queue_clock = max(event.ts, state.queue_clock or event.ts)
         return out + self._advance(state, queue_caught_up)
 
@@ -226,7 +240,8 @@ class FleetEvaluator:
             state.departed.append(node)
         fleet = frag.FleetView(
             nodes=list(state.nodes.values()),
-            pending={key: frag.Demand(key=key, queue=w.queue, gpus=w.gpus, mig=w.mig)
+            pending={key: frag.Demand(key=key, queue=w.queue, gpus=w.gpus, mig=w.mig,
+                                      since=w.pending_since)
                      for key, w in state.queue.waiting.items()},
             shape_counts=state.shape_counts)
         out: list[FleetOutput] = []

@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from gpusteward.rules import ecc, hardware, idle, memory, memory_leak, rollup
+from gpusteward.rules import budget, ecc, hardware, idle, memory, memory_leak, rollup
 from gpusteward.rules import policy as policies
 from gpusteward.rules.registry import DeviceRunner, state_in
 from gpusteward.schema import (
@@ -42,6 +42,7 @@ from gpusteward.schema import (
     DeviceSample,
     Finding,
     HwEvent,
+    IdleHold,
     NodeInventory,
     NodeSample,
     NodeSummary,
@@ -451,9 +452,36 @@ class NodeJoin:
         for held in holding:
             for profile, count in held.mig.items():
                 mig_free[profile] = mig_free.get(profile, 0) - count
+        teams: dict[str, float] = {}
+        for held in holding:  # by the team the rollups name (team budgets count it)
+            team = self._holding_who(held).team
+            teams[team] = teams.get(team, 0.0) + held.gpus + budget.mig_gpus(held.mig)
         return [NodeSummary(
             ts=ts, node=node, gpu_model=state.gpu_model, gpus_total=state.gpu_count,
             gpus_free=max(0, state.gpu_count - used), healthy=healthy,
             cordoned=state.cordoned, spot=state.spot, gpu_replicas=state.gpu_replicas,
             mig_free={profile: n for profile, n in mig_free.items() if n > 0},
+            pool=state.pool, idle=self._idle_holds(state),
+            held_by_team={team: gpus for team, gpus in teams.items() if gpus > 0},
         )]
+
+    @staticmethod
+    def _idle_holds(state: NodeState) -> list[IdleHold]:
+        """The devices the idle rule has an open episode on: the fleet agent's input for
+        demand-aware reclaim (it matches them with the demand waiting fleet-wide)."""
+        holds = []
+        for uuid, dev in state.devices.items():
+            track = dev.idle
+            if track.open_id is None or track.open_pod is None or track.open_since is None:
+                continue
+            holding = state.pods.get(_pod_key(track.open_pod))
+            if holding is not None and holding.ended_at is not None:
+                continue  # let go: lingering for late samples only
+            mig = uuid.startswith("MIG-")
+            profile = next(iter(holding.mig), None) if mig and holding is not None else None
+            holds.append(IdleHold(
+                device=uuid, pod=track.open_pod, idle_since=track.open_since,
+                gpus=0 if mig else 1, mig_profile=profile,
+                workload_kind=holding.workload_kind if holding is not None else None,
+                kept_until=track.held_until, ladder_step=track.stage))
+        return holds

@@ -30,6 +30,21 @@ JobSet -> Job, ``ray.io/originated-from-crd``/``-cr-name`` for RayJob ->
 RayCluster, ``notebook-name`` for Notebook -> StatefulSet), so no GET of
 ReplicaSets or Jobs is needed. A CronJob's Job is reported as the Job.
 
+Gangs (``gang``, ``gang_size`` on pod and queue events): pods that only work
+together. A pod's gang is its Kueue pod group (label
+``kueue.x-k8s.io/pod-group-name``, size from the annotation
+``kueue.x-k8s.io/pod-group-total-count``), its coscheduling PodGroup (label
+``scheduling.x-k8s.io/pod-group``) or Volcano PodGroup (annotation
+``scheduling.k8s.io/group-name``), else its top owner when that is a JobSet
+or a Kubeflow training job. Sizes come from the objects that state them: a
+Kueue Workload's pod sets (the gang of its owner), a PodGroup's
+``minMember``, a JobSet's replicated jobs and a training job's replica specs
+(GPU replicas only: a launcher without a GPU never shows up as a member). A
+gang member pod is reported on the queue topic through its whole life, so the
+fleet agent sees every member in one place; a size learnt after its members
+were reported is sent again with their latest events. A pod that waited for
+a node is followed the same way once bound (admitted, finished, deleted).
+
 MIG: under the ``mixed`` strategy a pod's ``nvidia.com/mig-<profile>``
 requests become ``mig={profile: count}``; under ``single`` the node
 advertises MIG devices as ``nvidia.com/gpu`` and labels
@@ -105,6 +120,17 @@ BATCH_OWNERS = frozenset({"Job", "CronJob", "JobSet", "RayJob", "RayCluster", "P
 INFERENCE_OWNERS = frozenset({"Deployment", "StatefulSet", "InferenceService",
                               "KnativeService", "LeaderWorkerSet"})
 WORKLOAD_KINDS = ("notebook", "batch", "inference")
+
+LABEL_KUEUE_POD_GROUP = "kueue.x-k8s.io/pod-group-name"
+ANNOTATION_KUEUE_POD_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
+POD_GROUP_LABELS = ("scheduling.x-k8s.io/pod-group", "pod-group.scheduling.sigs.k8s.io")
+"""Labels of the scheduler-plugins coscheduling PodGroup (current and legacy)."""
+ANNOTATION_VOLCANO_GROUP = "scheduling.k8s.io/group-name"
+GANG_OWNERS = frozenset({"JobSet", "PyTorchJob", "MPIJob", "TFJob", "XGBoostJob", "PaddleJob",
+                         "JAXJob", "TrainJob"})
+"""Top owners whose GPU pods form a gang (all-or-nothing distributed training)."""
+GANG_RESOURCES = frozenset({"podgroups", "jobsets", "pytorchjobs", "mpijobs", "tfjobs"})
+"""Resources whose objects state a gang's size (see :func:`gang_size_of`)."""
 
 
 def parse_time(value: str | None) -> float | None:
@@ -246,6 +272,64 @@ def workload_state(conditions: dict[str, Obj]) -> tuple[WorkloadState, str | Non
     return "pending", reserved.get("reason")
 
 
+def pod_gang(meta: Obj, owner_kind: str | None, owner_name: str | None
+             ) -> tuple[str | None, int | None]:
+    """(gang, size stated on the pod) of a pod, or (None, None) when it is no gang member."""
+    labels: dict[str, str] = meta.get("labels") or {}
+    annotations: dict[str, str] = meta.get("annotations") or {}
+    if group := labels.get(LABEL_KUEUE_POD_GROUP):
+        count = annotations.get(ANNOTATION_KUEUE_POD_GROUP_COUNT)
+        return f"PodGroup/{group}", quantity(count) if count else None
+    group = next((labels[k] for k in POD_GROUP_LABELS if labels.get(k)), None) or \
+        annotations.get(ANNOTATION_VOLCANO_GROUP)
+    if group:
+        return f"PodGroup/{group}", None
+    if owner_kind in GANG_OWNERS and owner_name:
+        return f"{owner_kind}/{owner_name}", None
+    return None, None
+
+
+def _gpu_template(template: Obj | None) -> bool:
+    """Whether a pod template requests GPUs or MIG devices."""
+    return bool(gpu_resources(((template or {}).get("spec")) or {}))
+
+
+def gang_size_of(resource: str, obj: Obj) -> tuple[str, int] | None:
+    """(gang, members it needs) stated by a PodGroup, JobSet or training job; None when the
+    object states none (or has no GPU members)."""
+    meta, spec = obj["metadata"], obj.get("spec") or {}
+    name = meta["name"]
+    if resource == "podgroups":
+        min_member = spec.get("minMember")
+        return (f"PodGroup/{name}", int(min_member)) if min_member else None
+    if resource == "jobsets":
+        size = 0
+        for replicated in spec.get("replicatedJobs") or []:
+            job = ((replicated.get("template") or {}).get("spec")) or {}
+            if _gpu_template(job.get("template")):
+                size += int(replicated.get("replicas", 1)) * int(job.get("parallelism", 1))
+        return (f"JobSet/{name}", size) if size else None
+    kind = obj.get("kind") or ""
+    size = sum(int(replica.get("replicas", 1))
+               for key, replicas in spec.items() if key.endswith("ReplicaSpecs")
+               for replica in (replicas or {}).values()
+               if _gpu_template(replica.get("template")))
+    return (f"{kind}/{name}", size) if kind and size else None
+
+
+def workload_gang(workload: Obj) -> tuple[str | None, int | None]:
+    """A Kueue Workload's gang (its owner) and the GPU pods it needs, when more than one."""
+    meta, spec = workload["metadata"], workload.get("spec") or {}
+    refs = meta.get("ownerReferences") or []
+    owner = next((r for r in refs if r.get("controller")), refs[0] if refs else None)
+    size = sum(int(pod_set.get("minCount") or pod_set.get("count", 1))
+               for pod_set in spec.get("podSets") or []
+               if _gpu_template(pod_set.get("template")))
+    if owner is None or size < 2:
+        return None, None
+    return f"{owner.get('kind')}/{owner.get('name')}", size
+
+
 @dataclass
 class _PodMemo:
     last: PodAllocation | None = None
@@ -253,6 +337,11 @@ class _PodMemo:
     """The open pending-pod queue event, while the pod waits for a node."""
     resources: dict[str, int] = field(default_factory=dict)
     """The pod's GPU and MIG requests as the API states them (before the node's MIG view)."""
+    member: QueueEvent | None = None
+    """The last queue event, once bound, of a pod that waited or of a gang member
+    (admitted, then finished)."""
+    gang: str | None = None
+    """``namespace/gang`` of a gang member."""
 
 
 Emitted = AllocationEvent | QueueEvent
@@ -271,6 +360,8 @@ class Translator:
     """namespace/name of a LocalQueue -> its ClusterQueue."""
     local_queue_names: dict[str, str] = field(default_factory=dict)
     """A LocalQueue's object key -> its namespace/name (a relist reports deletions by key)."""
+    gang_sizes: dict[str, int] = field(default_factory=dict)
+    """``namespace/gang`` -> members it needs, from the objects that state it."""
 
     def apply(self, delta: Delta, ts: float) -> list[Emitted]:
         if delta.resource == "nodes":
@@ -281,7 +372,30 @@ class Translator:
             return self._workload(delta, ts)
         if delta.resource == "localqueues":
             self._local_queue(delta)
+        if delta.resource in GANG_RESOURCES and delta.obj is not None \
+                and delta.type != "DELETED":
+            stated = gang_size_of(delta.resource, delta.obj)
+            if stated is not None:
+                namespace = delta.obj["metadata"].get("namespace", "")
+                return self._gang_size(f"{namespace}/{stated[0]}", stated[1], ts)
         return []
+
+    def _gang_size(self, gang: str, size: int, ts: float) -> list[Emitted]:
+        """Learn a gang's size; send its members' latest queue events again with it."""
+        if self.gang_sizes.get(gang) == size:
+            return []
+        self.gang_sizes[gang] = size
+        out: list[Emitted] = []
+        for memo in self.pods.values():
+            if memo.gang != gang:
+                continue
+            for attr in ("queued", "member"):
+                event = getattr(memo, attr)
+                if event is not None and event.gang_size != size:
+                    event = msgspec.structs.replace(event, ts=ts, gang_size=size)
+                    setattr(memo, attr, event)
+                    out.append(event)
+        return out
 
     # nodes
 
@@ -366,8 +480,9 @@ class Translator:
             if memo is None:
                 return []
             out: list[Emitted] = []
-            if memo.queued is not None:
-                out.append(msgspec.structs.replace(memo.queued, ts=ts, state="deleted"))
+            last_queued = memo.queued or memo.member
+            if last_queued is not None:
+                out.append(msgspec.structs.replace(last_queued, ts=ts, state="deleted"))
             if memo.last is not None:
                 out.append(msgspec.structs.replace(memo.last, ts=ts, phase="deleted"))
             return out
@@ -379,6 +494,9 @@ class Translator:
             return []  # not a GPU pod: nothing of it concerns the fleet
         if memo is None:
             memo = self.pods[delta.key] = _PodMemo()
+            gang, _ = pod_gang(pod["metadata"], *top_owner(pod["metadata"]))
+            if gang is not None:
+                memo.gang = f"{pod['metadata'].get('namespace', '')}/{gang}"
         memo.resources = resources
         status = pod.get("status") or {}
         phase = status.get("phase", "Pending")
@@ -391,12 +509,23 @@ class Translator:
                 out.append(queued)
             memo.queued = queued
             return out
-        if memo.queued is not None:
+        if memo.queued is not None or memo.member is not None or memo.gang is not None:
+            # A pod that waited is followed on the queue topic to its end (how long work
+            # runs is the history the start ETAs need), and so is a gang member even when
+            # first seen already bound (the gang rule needs every member).
             scheduled = _conditions(status).get("PodScheduled", {})
-            out.append(msgspec.structs.replace(
-                memo.queued, ts=ts, state="admitted",
-                admitted_at=parse_time(scheduled.get("lastTransitionTime")) or ts))
-            memo.queued = None
+            base = memo.queued or memo.member or self._pending_pod(pod, resources, ts,
+                                                                   "admitted")
+            left: WorkloadState = "finished" if phase in ("Succeeded", "Failed") \
+                else "admitted"
+            event = msgspec.structs.replace(
+                base, ts=ts, state=left,
+                admitted_at=base.admitted_at or parse_time(
+                    scheduled.get("lastTransitionTime")) or ts)
+            if memo.queued is not None or memo.member is None or \
+                    msgspec.structs.replace(memo.member, ts=ts) != event:
+                out.append(event)
+            memo.member, memo.queued = event, None
         allocation = self._allocation(pod, node, resources, phase, ts)
         if memo.last is None or msgspec.structs.replace(memo.last, ts=ts) != allocation:
             out.append(allocation)
@@ -424,6 +553,7 @@ class Translator:
                                "Failed": "finished"}.get(phase, "bound")  # type: ignore[assignment]
         annotations = {k: v for k, v in (meta.get("annotations") or {}).items()
                        if k not in DROPPED_ANNOTATIONS}
+        gang, gang_size = self._gang_of(meta)
         return PodAllocation(
             ts=ts, node=node,
             pod=PodRef(namespace=meta.get("namespace", ""), name=meta["name"],
@@ -435,7 +565,7 @@ class Translator:
             queue=labels.get(LABEL_LOCAL_QUEUE) or labels.get(LABEL_QUEUE),
             priority_class=spec.get("priorityClassName"),
             labels=_interned(labels), annotations=annotations,
-            spot_tolerant=spot_tolerant(spec),
+            spot_tolerant=spot_tolerant(spec), gang=gang, gang_size=gang_size,
         )
 
     def _pending_pod(self, pod: Obj, resources: dict[str, int], ts: float,
@@ -448,12 +578,20 @@ class Translator:
             self.local_queues.get(f"{namespace}/{local}") if local else None
         ) or local or self.settings.default_cluster_queue
         gpus, mig = self._gpus_and_mig(resources, None)
+        gang, size = self._gang_of(meta)
         return QueueEvent(
             ts=ts, name=meta["name"], namespace=namespace, cluster_queue=cluster_queue,
             state=state, queue=local, created_at=parse_time(meta.get("creationTimestamp")),
             gpus=gpus, mig=mig, priority=spec.get("priority"), kind="pod", uid=meta.get("uid"),
-            priority_class=spec.get("priorityClassName"),
+            priority_class=spec.get("priorityClassName"), gang=gang, gang_size=size,
         )
+
+    def _gang_of(self, meta: Obj) -> tuple[str | None, int | None]:
+        """A pod's gang and its size: stated on the pod, else learnt from its objects."""
+        gang, size = pod_gang(meta, *top_owner(meta))
+        if gang is None:
+            return None, None
+        return gang, size or self.gang_sizes.get(f"{meta.get('namespace', '')}/{gang}")
 
     # Kueue
 
@@ -479,9 +617,12 @@ class Translator:
         assert delta.obj is not None
         event = self.workload_event(delta.obj, ts)
         self.workloads[delta.key] = event
-        if last is not None and msgspec.structs.replace(last, ts=ts) == event:
-            return []
-        return [event]
+        out: list[Emitted] = []
+        if last is None or msgspec.structs.replace(last, ts=ts) != event:
+            out.append(event)
+        if event.gang is not None and event.gang_size is not None:
+            out += self._gang_size(f"{event.namespace}/{event.gang}", event.gang_size, ts)
+        return out
 
     def workload_event(self, workload: Obj, ts: float) -> QueueEvent:
         meta, spec = workload["metadata"], workload.get("spec") or {}
@@ -503,6 +644,7 @@ class Translator:
         admitted = conditions.get("Admitted", {})
         priority_class = spec.get("priorityClassName") or (
             spec.get("priorityClassRef") or {}).get("name")
+        gang, gang_size = workload_gang(workload)
         return QueueEvent(
             ts=ts, name=meta["name"], namespace=namespace, cluster_queue=cluster_queue,
             state=state, queue=local, created_at=parse_time(meta.get("creationTimestamp")),
@@ -510,5 +652,5 @@ class Translator:
             if admitted.get("status") == "True" else None,
             gpus=gpus, mig=mig, priority=spec.get("priority"), kind="workload",
             uid=meta.get("uid"), priority_class=priority_class, reason=reason,
-            active=spec.get("active", True),
+            active=spec.get("active", True), gang=gang, gang_size=gang_size,
         )

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from gpusteward.collectors.transport.publisher import Publisher
+from gpusteward.rules.budget import mig_gpus
 from gpusteward.sandbox.simulator.scenario import Fault, Phase, Scenario, WorkloadGroup
 from gpusteward.schema import (
     DeviceSample,
@@ -72,6 +73,11 @@ class PodRecord(msgspec.Struct):
     """True if any of its phases is injected idleness."""
     queued_at: float | None = None
     """When it arrived in the queue."""
+    gang: str | None = None
+    """``namespace/JobSet name`` of the gang it is a member of."""
+    team: str | None = None
+    gpus: float = 0.0
+    """GPUs it held (whole-GPU equivalents), for GPU-hours."""
 
 
 class FaultRecord(msgspec.Struct):
@@ -140,6 +146,9 @@ class GroundTruth(msgspec.Struct):
     pending_since: dict[str, float] = {}
     """namespace/name -> arrival of every workload still pending at the end."""
     reclaims: list[ReclaimRecord] = []
+    gangs: dict[str, int] = {}
+    """namespace/JobSet name -> members, of every gang in the scenario (its members are the
+    pods whose ``gang`` names it)."""
 
 
 def _uuid(seed: int, *parts: object) -> str:
@@ -256,13 +265,15 @@ class SimulatedCluster:
                     for g in range(group.gpus)
                 ]
                 self.nodes[name] = SimNode(name, gpus, group.spot)
+        self.gangs: dict[str, int] = {}
+        """namespace/JobSet name -> members, for the gangs' events and the truth."""
         self.workloads = self._make_workloads()
         self.queue: list[Workload] = []
         self.running: list[Workload] = []
         self.finished: list[Workload] = []
         self.truth = GroundTruth(
             scenario=scenario.name, seed=scenario.seed, start_ts=self.start, end_ts=self.end,
-            sample_interval_s=scenario.sample_interval_s,
+            sample_interval_s=scenario.sample_interval_s, gangs=dict(self.gangs),
         )
         self._cordon_requests: list[tuple[str, str]] = []
         self._reclaim_requests: list[tuple[str, str, str]] = []
@@ -286,12 +297,16 @@ class SimulatedCluster:
                     length = _draw(rng, phase.for_s) if phase.for_s else None
                     timeline.append((offset, length, phase))
                     offset += length or 0.0
+                namespace = spec.namespace or (f"ml-{spec.group}" if spec.gang else f"ml-{user}")
                 made.append(Workload(
-                    name=name, namespace=f"ml-{user}", uid=_uuid(scenario.seed, "pod", name),
+                    name=name, namespace=namespace, uid=_uuid(scenario.seed, "pod", name),
                     spec=spec, arrive=self.start + _draw(rng, spec.arrive_s),
                     duration=_draw(rng, spec.duration_s) if spec.duration_s else None,
                     mem_bytes=int(_draw(rng, spec.mem_gib) * GIB), timeline=timeline, rng=rng,
                 ))
+                if spec.gang:
+                    key = f"{namespace}/{spec.group}"
+                    self.gangs[key] = self.gangs.get(key, 0) + 1
         made.sort(key=lambda w: (w.arrive, w.name))
         return made
 
@@ -365,6 +380,10 @@ class SimulatedCluster:
         self.running.remove(workload)
         self.finished.append(workload)
         await publisher.allocation(self._pod_event(workload, phase, now))
+        # As the watcher does: a pod that waited in the queue (all of the simulator's) is
+        # followed on the queue topic to its end.
+        await publisher.queue(self._queue_event(
+                workload, "finished" if phase == "finished" else "deleted", now))
 
     async def _arrive(self, publisher: Publisher, now: float) -> None:
         while self.workloads and self.workloads[0].arrive <= now:
@@ -465,7 +484,16 @@ class SimulatedCluster:
 
     @staticmethod
     def _owner_kind(workload: Workload) -> str:
+        if workload.spec.gang:
+            return "JobSet"
         return "Notebook" if workload.spec.kind == "notebook" else "Job"
+
+    def _gang(self, workload: Workload) -> tuple[str | None, int | None]:
+        """The gang fields of a workload's events, as the watcher reports a JobSet's pods."""
+        if not workload.spec.gang:
+            return None, None
+        return (f"JobSet/{workload.spec.group}",
+                self.gangs[f"{workload.namespace}/{workload.spec.group}"])
 
     async def _schedule(self, publisher: Publisher, now: float) -> None:
         for workload in list(self.queue):
@@ -518,22 +546,26 @@ class SimulatedCluster:
 
     def _pod_event(self, workload: Workload, phase: str, now: float) -> PodAllocation:
         assert workload.node is not None
+        gang, size = self._gang(workload)
         return PodAllocation(
             ts=now, node=workload.node.name, pod=workload.ref, phase=phase,  # type: ignore[arg-type]
             gpus=0 if workload.spec.mig else workload.spec.gpus, mig=dict(workload.spec.mig),
             device_ids=[g.uuid for g in workload.devices] if self._by_uid else [],
             started_at=workload.started_at, workload_kind=workload.spec.kind,
             owner_kind=self._owner_kind(workload),
-            owner_name=workload.name, queue=self.scenario.cluster_queue,
-            labels=dict(workload.spec.labels),
+            owner_name=workload.spec.group if workload.spec.gang else workload.name,
+            queue=self.scenario.cluster_queue, labels=dict(workload.spec.labels),
+            gang=gang, gang_size=size,
         )
 
     def _queue_event(self, workload: Workload, state: str, now: float) -> QueueEvent:
+        gang, size = self._gang(workload)
         return QueueEvent(
             ts=now, name=workload.name, namespace=workload.namespace,
             cluster_queue=self.scenario.cluster_queue, state=state,  # type: ignore[arg-type]
             created_at=workload.arrive, admitted_at=workload.started_at,
             gpus=0 if workload.spec.mig else workload.spec.gpus, mig=dict(workload.spec.mig),
+            kind="pod" if gang else None, gang=gang, gang_size=size,
         )
 
     def _sample(self, node: SimNode, now: float) -> NodeSample:
@@ -623,6 +655,10 @@ class SimulatedCluster:
                 started_at=workload.started_at, ended_at=workload.ended_at,
                 idle=any(p.util[1] < IDLE_TRUTH_PCT for p in workload.spec.phases),
                 queued_at=workload.arrive,
+                gang=(f"{workload.namespace}/{workload.spec.group}" if workload.spec.gang
+                      else None),
+                team=workload.spec.labels.get("team"),
+                gpus=mig_gpus(workload.spec.mig) if workload.spec.mig else workload.spec.gpus,
             ))
         truth.pending = sorted(f"{w.namespace}/{w.name}" for w in self.queue)
         truth.pending_since = {f"{w.namespace}/{w.name}": w.arrive for w in self.queue}

@@ -62,6 +62,15 @@ class WorkloadGroup(BaseModel):
     mem_gib: Range = (10.0, 40.0)
     phases: list[Phase] = Field(min_length=1)
     repeat: bool = Field(False, description="Cycle through the phases instead of ending idle.")
+    gang: bool = Field(
+        False, description="The group's workloads are one gang (the workers of one JobSet, "
+        "named after the group, in one namespace): they only work together, but the "
+        "simulator's scheduler places them one by one, as the default scheduler does.",
+    )
+    namespace: str | None = Field(
+        None, description="Namespace of the group's workloads; None: one per user "
+        "(ml-<user>). A gang without one lives in ml-<group>.",
+    )
     labels: dict[str, str] = Field(
         default_factory=dict, description="Pod labels (e.g. team, gpusteward.io/idle-exempt), "
         "as the watcher reports them.")

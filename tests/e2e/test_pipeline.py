@@ -32,9 +32,10 @@ from gpusteward.streams.app import worker_group
 pytestmark = pytest.mark.e2e
 
 IDLE = IdleSettings()
-NODE_KINDS = {"idle_holder", "ecc_dbe"}
+NODE_KINDS = {"idle_holder", "ecc_dbe", "idle_blocking_demand"}
+"""Findings about a pod's own use of its device (demand-aware reclaim names idle holders)."""
 FLEET_KINDS = {"fragmentation", "stranded_capacity", "queue_wait_slo", "queue_p95_slo",
-               "queue_projected_breach", "spot_interruption"}
+               "queue_projected_breach", "spot_interruption", "queue_start_eta"}
 NODE_TOPICS = (topics.SAMPLES, topics.HW_EVENTS, topics.ALLOCATIONS)
 
 

@@ -62,6 +62,8 @@ def test_watcher_publishes_to_kafka_keyed_for_the_join(settings: Settings,
                     for r in queue]
     assert [(key, e.name, e.state) for key, e in queue_events] == [
         (b"gpu-cq", "eval-1-qq8zt", "pending"),
+        # A JobSet's pod is a gang member: followed on the queue topic even when bound.
+        (b"default", "pretrain-workers-0-0-xk2l9", "admitted"),
         (b"gpu-cq", "job-eval-2-3f1c2", "pending"),
         (b"gpu-cq", "job-train-llm-9a8b7", "admitted"),
     ]

@@ -81,10 +81,17 @@ def test_first_list_reports_fleet_as_the_gpu_operator_labels_it(
 
     assert [brief(e) for e in queued] == [
         ("queue", "gpu-cq", "team-a/eval-1-qq8zt", "pending", "pod"),
+        # A JobSet's pod is a gang member: the queue topic follows it even when first seen
+        # bound, so the fleet agent sees every member of the gang in one place.
+        ("queue", "default", "team-a/pretrain-workers-0-0-xk2l9", "admitted", "pod"),
         ("queue", "gpu-cq", "team-a/job-eval-2-3f1c2", "pending", "workload"),
         ("queue", "gpu-cq", "team-a/job-train-llm-9a8b7", "admitted", "workload"),
     ]
-    pending_workload = queued[1]
+    member = queued[1]
+    assert (member.gang, member.gang_size) == ("JobSet/pretrain", None)
+    assert (pods["pretrain-workers-0-0-xk2l9"].gang, pods["train-llm-0-abcde"].gang) == (
+        "JobSet/pretrain", None)
+    pending_workload = queued[2]
     assert (pending_workload.gpus, pending_workload.priority, pending_workload.priority_class,
             pending_workload.reason) == (8, 100, "batch-low", "WaitingForQuota")
     # Nodes come first: pods are interpreted with their node's MIG strategy.
@@ -117,7 +124,10 @@ def test_pod_lifecycle_is_one_event_per_change_of_holding(
         ("queue", "lq", "team-a/p1", "admitted", "pod"),
         ("pod", "n1", "team-a/p1", "bound", 1, {}),
         ("pod", "n1", "team-a/p1", "running", 1, {}),
+        # A pod that waited is followed on the queue topic to its end (the ETAs' history).
+        ("queue", "lq", "team-a/p1", "finished", "pod"),
         ("pod", "n1", "team-a/p1", "finished", 1, {}),
+        ("queue", "lq", "team-a/p1", "deleted", "pod"),
         ("pod", "n1", "team-a/p1", "deleted", 1, {}),
     ]
     assert events[1].admitted_at == 1795168860.0  # PodScheduled's transition time

@@ -1,0 +1,295 @@
+"""A start ETA for every pending workload.
+
+Users waiting in a queue ask two questions: how long have I waited, and when
+will I start. The queue rules answer the first; this rule answers the second
+with an info finding per pending workload (``queue_start_eta``), which
+``status`` and alerting show like any finding, re-issued under the same id
+when the estimate moves and resolved when the workload starts, with the
+estimate's error in the resolution's evidence.
+
+The estimate plays the queue forward on the fleet's capacity:
+
+- **queue position**: the pending workloads in admission order (higher
+  priority first, then the longest waiting; Kueue's BestEffortFIFO and
+  StrictFIFO order), across queues, since they share the GPUs;
+- **expected release of held capacity**: every running workload (admitted
+  and not finished) frees its GPUs at its expected end, the median run time
+  of the workloads of its queue that ran at least as long as it has so far
+  (its age against their history): a job running past most of its peers is
+  expected to end with the longest of them, not at once;
+- the GPUs free now, from the node summaries (less what the queue admitted
+  since they were sent: the agent may read the queue ahead of them).
+
+Workloads are placed in order as GPUs free up; a workload's ETA is when its
+turn and its GPUs coincide. Where there is no history yet (no workload of
+the queue has finished) or a workload asks for MIG devices, the estimate
+falls back to the **naive** one: position divided by the queue's admission
+rate over the window; both figures are in the evidence. A workload that no
+single node could ever hold gets no estimate (``stranded_capacity`` says
+why).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections.abc import Sequence
+
+import msgspec
+from pydantic import BaseModel, Field
+
+from gpusteward.rules.findings import finding_id, fingerprint
+from gpusteward.rules.fragmentation import FleetView
+from gpusteward.rules.registry import FleetRunner
+from gpusteward.schema import Evidence, Finding, PodRef, QueueEvent, Subject
+
+KIND = "queue_start_eta"
+
+RUNBOOK = (
+    "An estimate, not a promise: the time this pending workload is expected to start, from its "
+    "place in the queue, the queue's admission rate and when the running workloads are "
+    "expected to end. It moves as work finishes early or late and as higher-priority work "
+    "arrives."
+)
+
+_PENDING = ("pending", "evicted", "requeued")
+_ORDER = {"pending": 0, "requeued": 0, "admitted": 1, "evicted": 2, "finished": 3,
+          "deleted": 4}
+
+
+class EtaSettings(BaseModel):
+    """Settings of the start-ETA estimate of pending workloads."""
+
+    window_s: float = Field(
+        3600, gt=0,
+        description="Rolling window (seconds) of the admission rate the naive estimate uses; "
+        "one hour, as the queue SLO rules' window.",
+    )
+    history: int = Field(
+        200, ge=1,
+        description="Finished workloads' run times kept per queue for the release estimate: "
+        "enough for a stable median, small enough to follow a changing mix.",
+    )
+    reissue_after_s: float = Field(
+        600, ge=0,
+        description="An estimate is re-published when it moves by more than this (seconds) "
+        "and by more than reissue_share of the time left: 10 min is below what a user "
+        "plans around, above the noise of jobs ending a little early or late.",
+    )
+    reissue_share: float = Field(
+        0.25, ge=0,
+        description="Share of the time left to the previous estimate it must move by too.",
+    )
+
+
+class Running(msgspec.Struct):
+    queue: str
+    gpus: int
+    admitted_at: float
+
+
+class Pending(msgspec.Struct):
+    queue: str
+    since: float
+    gpus: int
+    mig: dict[str, int] = {}
+    priority: int = 0
+
+
+class Estimate(msgspec.Struct):
+    """The published estimate of one pending workload."""
+
+    open_id: str
+    since: float
+    queue: str
+    eta: float
+    first_eta: float
+    naive_eta: float | None = None
+    first_naive_eta: float | None = None
+
+
+class EtaState(msgspec.Struct):
+    last: dict[str, tuple[float, int]] = {}
+    """Per workload, the time and lifecycle rank of the last event applied."""
+    pending: dict[str, Pending] = {}
+    running: dict[str, Running] = {}
+    admissions: dict[str, list[float]] = {}
+    """Per queue, admission times in the window, oldest first."""
+    durations: dict[str, list[float]] = {}
+    """Per queue, run times (seconds) of the last ``history`` finished workloads."""
+    estimates: dict[str, Estimate] = {}
+
+
+def on_queue(state: EtaState, event: QueueEvent, settings: EtaSettings) -> list[Finding]:
+    """Apply one queue event; close the workload's estimate when it starts."""
+    if event.gang is not None and event.kind == "workload":
+        return []  # a gang's Workload: its pods are followed one by one
+    key = f"{event.namespace}/{event.name}"
+    position = (event.ts, _ORDER[event.state])
+    last = state.last.get(key)
+    if last is not None and position <= last:
+        return []
+    state.last[key] = position
+    queue = event.cluster_queue
+    out: list[Finding] = []
+    if event.state in _PENDING:
+        running = state.running.pop(key, None)
+        if key not in state.pending:
+            since = (event.created_at if event.state == "pending"
+                     and event.created_at is not None and running is None else event.ts)
+            state.pending[key] = Pending(queue=queue, since=since, gpus=event.gpus,
+                                         mig=dict(event.mig), priority=event.priority or 0)
+    elif event.state == "admitted":
+        waited = state.pending.pop(key, None)
+        admitted_at = event.ts if event.admitted_at is None else event.admitted_at
+        state.running[key] = Running(queue=queue, gpus=event.gpus, admitted_at=admitted_at)
+        if waited is not None:
+            times = state.admissions.setdefault(queue, [])
+            bisect.insort(times, admitted_at)
+        out += _close(state, key, admitted_at, started=True)
+    else:
+        state.pending.pop(key, None)
+        running = state.running.pop(key, None)
+        if running is not None and event.state == "finished":
+            runs = state.durations.setdefault(queue, [])
+            runs.append(max(0.0, event.ts - running.admitted_at))
+            del runs[:-settings.history]
+        out += _close(state, key, event.ts, started=False)
+    return out
+
+
+def _close(state: EtaState, key: str, ts: float, *, started: bool) -> list[Finding]:
+    estimate = state.estimates.pop(key, None)
+    if estimate is None:
+        return []
+    values = {"eta_ts": estimate.eta, "first_eta_ts": estimate.first_eta}
+    if started:
+        values |= {"started_ts": ts, "eta_error_s": estimate.eta - ts,
+                   "first_eta_error_s": estimate.first_eta - ts}
+        if estimate.naive_eta is not None:
+            values["naive_eta_error_s"] = estimate.naive_eta - ts
+        if estimate.first_naive_eta is not None:
+            values["first_naive_eta_error_s"] = estimate.first_naive_eta - ts
+    return [Finding(
+        id=estimate.open_id, fingerprint=fingerprint(KIND, key), kind=KIND, severity="info",
+        state="resolved", subject=_subject(key, estimate.queue),
+        summary=f"{key} " + (f"started {(ts - estimate.eta) / 60:+.0f} min from its estimate"
+                             if started else "left the queue"),
+        starts_at=estimate.since, ts=ts, ends_at=ts,
+        evidence=Evidence(window_start=estimate.since, window_end=ts, values=values),
+        runbook=RUNBOOK, labels={"queue": estimate.queue},
+    )]
+
+
+def _subject(key: str, queue: str) -> Subject:
+    namespace, _, name = key.partition("/")
+    return Subject(queue=queue, pod=PodRef(namespace=namespace, name=name))
+
+
+def expected_end(running: Running, durations: Sequence[float], now: float) -> float | None:
+    """When ``running`` is expected to end: the median run time of its queue's workloads
+    that ran at least as long as it has so far; None without any history."""
+    if not durations:
+        return None
+    age = now - running.admitted_at
+    longer = [d for d in durations if d >= age]
+    if longer:
+        return running.admitted_at + statistics.median(longer)
+    # Older than every workload seen: it ends soon or runs on; half its age again is the
+    # memoryless guess (the median remaining life of a process past all its peers' ages).
+    return now + age / 2
+
+
+def estimates(state: EtaState, fleet: FleetView, now: float, settings: EtaSettings
+              ) -> dict[str, tuple[float | None, float | None, int]]:
+    """Per pending workload: (ETA, naive ETA, position in its queue)."""
+    usable = [s for s in fleet.nodes if s.healthy and not s.cordoned]
+    largest = max((s.gpus_total for s in usable), default=0)
+    # The summaries may trail the queue (the agent reads both as they come): what the queue
+    # has admitted since is taken off too.
+    running = sum(run.gpus for run in state.running.values())
+    available = max(0, min(sum(s.gpus_free for s in usable),
+                           sum(s.gpus_total for s in usable) - running))
+    releases: list[tuple[float, int]] = []
+    for run in state.running.values():
+        end = expected_end(run, state.durations.get(run.queue, ()), now)
+        if end is not None and run.gpus > 0:
+            releases.append((max(end, now), run.gpus))
+    releases.sort()
+    order = sorted(state.pending.items(),
+                   key=lambda kv: (-kv[1].priority, kv[1].since, kv[0]))
+    positions: dict[str, int] = {}
+    out: dict[str, tuple[float | None, float | None, int]] = {}
+    clock, blocked = now, False
+    for key, wait in order:
+        position = positions.get(wait.queue, 0)
+        positions[wait.queue] = position + 1
+        naive = _naive(state, wait.queue, position, now, settings)
+        eta: float | None = None
+        if not wait.mig and 0 < wait.gpus <= largest and not blocked:
+            while available < wait.gpus and releases:
+                end, gpus = releases.pop(0)
+                clock, available = max(clock, end), available + gpus
+            if available >= wait.gpus:
+                eta, available = clock, available - wait.gpus
+            else:
+                blocked = True  # no known release frees enough: the rest fall back too
+        out[key] = (eta if eta is not None else naive, naive, position)
+    return out
+
+
+def _naive(state: EtaState, queue: str, position: int, now: float, settings: EtaSettings
+           ) -> float | None:
+    """Position ÷ admission rate over the window: the baseline."""
+    times = state.admissions.get(queue, [])
+    start = bisect.bisect_left(times, now - settings.window_s)
+    del times[:start]
+    if not times:
+        return None
+    rate = len(times) / settings.window_s
+    return now + (position + 1) / rate
+
+
+def evaluate(state: EtaState, fleet: FleetView, now: float, settings: EtaSettings
+             ) -> list[Finding]:
+    horizon = now - settings.window_s
+    for key in [k for k, (ts, _) in state.last.items()
+                if ts < horizon and k not in state.pending and k not in state.running]:
+        del state.last[key]
+    out: list[Finding] = []
+    if not fleet.nodes:
+        return out  # no node known yet (the queue read ahead of the first summaries)
+    for key, (eta, naive, position) in estimates(state, fleet, now, settings).items():
+        if eta is None or not math.isfinite(eta):
+            continue
+        wait = state.pending[key]
+        current = state.estimates.get(key)
+        if current is not None:
+            moved = abs(eta - current.eta)
+            if moved <= settings.reissue_after_s or \
+                    moved <= settings.reissue_share * max(0.0, current.eta - now):
+                continue
+            current.eta, current.naive_eta = eta, naive
+        else:
+            fp = fingerprint(KIND, key)
+            current = state.estimates[key] = Estimate(
+                open_id=finding_id(fp, wait.since), since=wait.since, queue=wait.queue,
+                eta=eta, first_eta=eta, naive_eta=naive, first_naive_eta=naive)
+        values = {"eta_ts": eta, "eta_in_s": eta - now, "waited_s": now - wait.since,
+                  "position": float(position), "gpus": float(wait.gpus)}
+        if naive is not None:
+            values["naive_eta_ts"] = naive
+        out.append(Finding(
+            id=current.open_id, fingerprint=fingerprint(KIND, key), kind=KIND,
+            severity="info", state="firing", subject=_subject(key, wait.queue),
+            summary=f"{key} has waited {(now - wait.since) / 60:.0f} min in {wait.queue} "
+            f"(position {position + 1}); expected to start in {(eta - now) / 60:.0f} min",
+            starts_at=wait.since, ts=now,
+            evidence=Evidence(window_start=wait.since, window_end=now, values=values),
+            runbook=RUNBOOK, labels={"queue": wait.queue},
+        ))
+    return out
+
+
+RUNNERS = (FleetRunner("eta", EtaState, evaluate, on_queue=on_queue),)

@@ -1,0 +1,256 @@
+"""Gangs placed in part: some members hold GPUs while the others cannot start.
+
+A gang is a set of pods that only work together (a JobSet, a PyTorchJob or
+MPIJob, a coscheduling or Volcano PodGroup, a Kueue pod group or the pods a
+Kueue Workload admits). Without gang scheduling the default scheduler
+happily places 6 of 8 workers: the six hold their GPUs and wait on a
+collective that never completes, while the two stay pending. Kueue admits a
+workload's quota all at once but does not place its pods, so an admitted
+workload can be stuck the same way.
+
+The rule follows every gang member on the queue topic (the watcher reports
+a member through its whole life: pending, ``admitted`` when bound to a node,
+finished or deleted; a Kueue Workload states the gang's size). A gang is
+*partial* while at least one member is placed, fewer than the gang's size
+are, and none has finished yet (a gang whose members finish one by one is
+ending, not stuck). When it stays partial for ``window_s`` the rule raises
+one finding per episode with the GPUs held hostage and their GPU-hours so
+far, and (``requeue``) asks to requeue the whole gang: the Kueue workload
+when there is one (``params.workload``), else a placed member's pod, which
+the backend requeues only where that requeues the gang's owner (a Job's
+pod) and refuses otherwise. The action is a dry run unless
+``requeue_execute``. The episode resolves when the gang is whole, has no
+member placed any more, or ends.
+
+Events for a member at or before the last one applied for it (by time, then
+lifecycle order) are ignored, as in :mod:`.queue`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+from pydantic import BaseModel, Field
+
+from gpusteward.rules.budget import mig_gpus
+from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
+from gpusteward.rules.registry import FleetRunner
+from gpusteward.schema import Action, Evidence, Finding, PodRef, QueueEvent, Subject
+
+KIND = "gang_partial"
+REQUEUE_REASON = "gang-partial"
+"""``params.reason`` of the requeue action."""
+
+RUNBOOK = (
+    "Part of the gang runs and holds its GPUs while the rest cannot be placed, so none of it "
+    "makes progress. Requeue the whole gang (Kueue: deactivate and reactivate the workload), "
+    "then enable gang scheduling (Kueue waitForPodsReady, the coscheduling plugin or "
+    "Volcano) so that the gang is placed all at once or not at all."
+)
+
+_PENDING = ("pending", "evicted", "requeued")
+_ENDED = ("finished", "deleted")
+_STATE_ORDER = {"pending": 0, "requeued": 0, "admitted": 1, "evicted": 2, "finished": 3,
+                "deleted": 4}
+
+
+class GangSettings(BaseModel):
+    """Settings of the partially placed gang rule."""
+
+    window_s: float = Field(
+        900, gt=0,
+        description="Seconds a gang must stay partly placed before a finding. 15 min covers "
+        "a cluster-autoscaler scale-up (a few minutes) and image pulls on the new nodes.",
+    )
+    requeue: bool = Field(
+        True, description="Ask to requeue the whole gang with the finding (a dry run unless "
+        "requeue_execute).",
+    )
+    requeue_execute: bool = Field(
+        False, description="False marks the requeue action dry_run: audited, never carried "
+        "out. Requeueing restarts the placed members' work, so it is switched on by choice.",
+    )
+    forget_after_s: float = Field(
+        86400, gt=0,
+        description="Seconds after its last event a gang with no member left is forgotten "
+        "(a day: later duplicates of its events are ignored as stale until then).",
+    )
+
+
+class Member(msgspec.Struct):
+    """One member pod of a gang."""
+
+    last: tuple[float, int]
+    """Event time and lifecycle rank of the last event applied for it."""
+    gpus: float = 0.0
+    """GPUs it asks for (whole-GPU equivalents)."""
+    placed_since: float | None = None
+    """When it was bound to a node; None while it is pending."""
+    ended: bool = False
+    """It finished: the gang is ending, not stuck."""
+
+
+class Gang(msgspec.Struct):
+    """What the rule knows of one gang."""
+
+    namespace: str
+    name: str
+    queue: str
+    last_ts: float
+    size: int | None = None
+    """Members it needs, when a source stated it; else the members seen count."""
+    workload: str | None = None
+    """The Kueue workload that admits it, when there is one."""
+    members: dict[str, Member] = {}
+    deleted: dict[str, tuple[float, int]] = {}
+    """Members deleted before they finished, with their last event's position."""
+    partial_since: float | None = None
+    open_id: str | None = None
+
+
+class GangState(msgspec.Struct):
+    gangs: dict[str, Gang] = {}
+
+
+def _subject(gang: Gang) -> Subject:
+    return Subject(queue=gang.queue, pod=PodRef(namespace=gang.namespace, name=gang.name))
+
+
+def on_queue(state: GangState, event: QueueEvent, settings: GangSettings
+             ) -> list[Finding | Action]:
+    """Apply one queue event of a gang member (or of the Kueue workload of a gang)."""
+    if event.gang is None:
+        return []
+    key = f"{event.namespace}/{event.gang}"
+    gang = state.gangs.get(key)
+    if gang is None:
+        if event.state in _ENDED:
+            return []
+        gang = state.gangs[key] = Gang(namespace=event.namespace, name=event.gang,
+                                       queue=event.cluster_queue, last_ts=event.ts)
+    # The fleet clock may not have ticked past the window while the gang was partial (the
+    # queue read ahead of the summaries, a quiet fleet): its episode is known up to this
+    # event, so judge it before the event changes it.
+    out = _judge(gang, event.ts, settings, late=True)
+    gang.last_ts = max(gang.last_ts, event.ts)
+    if event.gang_size:
+        gang.size = event.gang_size
+    if event.kind == "workload":
+        gang.workload = event.name
+        return out + _update(gang, event.ts)  # a size learnt now may make it partial
+    position = (event.ts, _STATE_ORDER[event.state])
+    member = gang.members.get(event.name)
+    last = member.last if member is not None else gang.deleted.get(event.name)
+    if last is not None and position <= last:
+        return out
+    if member is None:
+        member = gang.members[event.name] = Member(last=position)
+    member.last = position
+    member.gpus = event.gpus + mig_gpus(event.mig)
+    if event.state in _PENDING:
+        member.placed_since = None
+    elif event.state == "admitted":
+        if member.placed_since is None:
+            member.placed_since = event.ts if event.admitted_at is None else event.admitted_at
+    elif event.state == "finished":
+        member.ended, member.placed_since = True, None
+    else:
+        # Deleted before it finished (preempted, evicted, scaled down): its controller
+        # recreates it under a new name if the gang still needs it. Its last position is
+        # kept, so a late duplicate cannot bring it back.
+        del gang.members[event.name]
+        gang.deleted[event.name] = position
+    return out + _update(gang, event.ts)
+
+
+def _counts(gang: Gang) -> tuple[int, int, int]:
+    """(placed, pending, needed) members."""
+    placed = sum(m.placed_since is not None for m in gang.members.values())
+    pending = sum(m.placed_since is None and not m.ended for m in gang.members.values())
+    needed = gang.size or sum(not m.ended for m in gang.members.values())
+    return placed, pending, needed
+
+
+def _update(gang: Gang, ts: float) -> list[Finding | Action]:
+    placed, _, needed = _counts(gang)
+    ending = any(m.ended for m in gang.members.values())
+    partial = 0 < placed < needed and not ending
+    if partial:
+        if gang.partial_since is None:
+            gang.partial_since = ts
+        return []
+    out: list[Finding | Action] = []
+    if gang.open_id is not None and gang.partial_since is not None:
+        why = ("ended" if ending else "is placed whole" if placed >= needed
+               else "has no member placed")
+        out.append(resolved(gang.open_id, fingerprint(KIND, gang.namespace, gang.name), KIND,
+                            _subject(gang), f"gang {gang.namespace}/{gang.name} {why}",
+                            gang.partial_since, ts))
+        gang.open_id = None
+    gang.partial_since = None
+    return out
+
+
+def evaluate(state: GangState, fleet: object, now: float, settings: GangSettings
+             ) -> Sequence[Finding | Action]:
+    """Raise what has stayed partial for the window; forget gangs long ended."""
+    out: list[Finding | Action] = []
+    for key, gang in list(state.gangs.items()):
+        if all(m.ended for m in gang.members.values()) and \
+                now - gang.last_ts > settings.forget_after_s:
+            del state.gangs[key]
+            continue
+        out += _judge(gang, now, settings)
+    return out
+
+
+def _judge(gang: Gang, now: float, settings: GangSettings, *, late: bool = False
+           ) -> list[Finding | Action]:
+    """The gang's finding if it has been partial for the window by ``now``, once. ``late``:
+    judged on an event after the fact, so the finding is dated when it became due."""
+    since = gang.partial_since
+    if since is None or gang.open_id is not None or now - since < settings.window_s:
+        return []
+    return _fire(gang, since, since + settings.window_s if late else now, settings)
+
+
+def _fire(gang: Gang, since: float, now: float, settings: GangSettings
+          ) -> list[Finding | Action]:
+    placed, pending, needed = _counts(gang)
+    held = [(m.gpus, m.placed_since) for m in gang.members.values()
+            if m.placed_since is not None]
+    gpus = sum(g for g, _ in held)
+    gpu_hours = sum(g * max(0.0, now - since) for g, since in held) / 3600
+    fp = fingerprint(KIND, gang.namespace, gang.name)
+    gang.open_id = finding_id(fp, since)
+    finding = Finding(
+        id=gang.open_id, fingerprint=fp, kind=KIND, severity="warning", state="firing",
+        subject=_subject(gang),
+        summary=f"gang {gang.namespace}/{gang.name} is placed in part: {placed} of {needed} "
+        f"members run holding {gpus:g} GPUs ({gpu_hours:.1f} GPU-hours so far), {pending} "
+        f"pending, for {(now - since) / 60:.0f} min",
+        starts_at=since, ts=now,
+        evidence=Evidence(window_start=since, window_end=now,
+                          values={"gpus_held": gpus, "gpu_hours_held": gpu_hours,
+                                  "members_placed": float(placed),
+                                  "members_pending": float(pending),
+                                  "gang_size": float(needed)}),
+        runbook=RUNBOOK, labels={"queue": gang.queue, "gang": gang.name},
+    )
+    if not settings.requeue:
+        return [finding]
+    target = _subject(gang)
+    params = {"reason": REQUEUE_REASON, "gang": gang.name}
+    if gang.workload is not None:
+        params |= {"workload": gang.workload, "namespace": gang.namespace}
+    else:
+        member = min(name for name, m in gang.members.items() if m.placed_since is not None)
+        target = Subject(queue=gang.queue, pod=PodRef(namespace=gang.namespace, name=member))
+    action = action_for(finding, "requeue", target, finding.summary)
+    action.dry_run = not settings.requeue_execute
+    action.params = params
+    return [finding, action]
+
+
+RUNNERS = (FleetRunner("gang", GangState, evaluate, on_queue=on_queue),)

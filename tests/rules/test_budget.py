@@ -1,0 +1,116 @@
+"""Team GPU-hour budgets: GPU-hours held, thresholds, the projected crossing, the week."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpusteward.rules import budget as b
+from gpusteward.rules.fragmentation import FleetView
+from gpusteward.schema import Finding, NodeSummary
+
+MONDAY = b.week_start(1_763_683_200.0)
+"""The Monday 00:00 UTC of the simulator's default start."""
+
+
+def summary(ts: float, held: dict[str, float], node: str = "n") -> NodeSummary:
+    return NodeSummary(ts=ts, node=node, gpu_model="H100", gpus_total=64, gpus_free=0,
+                       held_by_team=held)
+
+
+EMPTY = FleetView(nodes=[], pending={}, shape_counts={})
+
+
+def run(held_at: dict[float, dict[str, float]], start: float, until: float,
+        settings: b.BudgetSettings, step: float = 300) -> tuple[b.BudgetState, list[Finding]]:
+    """One node's summaries every ``step``, each followed by a fleet evaluation."""
+    state = b.BudgetState()
+    out: list[Finding] = []
+    times = sorted(held_at)
+    t = start
+    while t <= until:
+        current = held_at[max(x for x in times if x <= t)]
+        out += b.on_summary(state, summary(t, current), settings)
+        out += b.evaluate(state, EMPTY, t, settings)
+        t += step
+    return state, out
+
+
+def test_week_starts_monday_utc() -> None:
+    # Day 0 of the epoch was a Thursday: Mondays are days 4, 11, 18, ...
+    assert MONDAY % 86400 == 0 and (MONDAY // 86400) % 7 == 4
+    assert b.week_start(MONDAY + 3 * 86400) == MONDAY
+    assert b.week_start(MONDAY - 1) == MONDAY - b.WEEK_S
+
+
+def test_gpu_hours_integrate_what_is_held() -> None:
+    settings = b.BudgetSettings(budgets_gpu_h={"llm": 10_000})
+    state, _ = run({MONDAY: {"llm": 8}}, MONDAY, MONDAY + 3600, settings)
+    assert abs(state.teams["llm"].used_gpu_h - 8.0) < 1e-9
+
+
+def test_a_giant_job_is_projected_to_cross_then_crosses_each_threshold_once() -> None:
+    # 100 GPU-hours a week; the team idles at 0.1 GPU, then a 64-GPU job starts on Monday
+    # noon.
+    settings = b.BudgetSettings(budgets_gpu_h={"llm": 100})
+    noon = MONDAY + 12 * 3600
+    _, out = run({MONDAY: {"llm": 0.1}, noon: {"llm": 64}}, MONDAY, MONDAY + 86400, settings)
+    firing = [(f.kind, f.state, f.labels.get("team")) for f in out]
+    assert firing.count((b.PROJECTED_KIND, "firing", "llm")) == 1
+    projected = next(f for f in out if f.kind == b.PROJECTED_KIND)
+    assert noon <= projected.ts <= noon + 600
+    assert projected.evidence is not None
+    crossing = projected.evidence.values["crossing_ts"]
+    thresholds = [f for f in out if f.kind == b.KIND]
+    assert [f.evidence.values["threshold"] for f in thresholds if f.evidence] == [0.8, 1.0]
+    assert [f.severity for f in thresholds] == ["info", "warning"]
+    crossed = thresholds[1].ts
+    # The projection said when: within a few evaluations of the real crossing.
+    assert abs(crossed - crossing) <= 600
+    assert (b.PROJECTED_KIND, "resolved", "llm") in firing
+
+
+def test_no_budget_no_finding_and_teams_without_budget_are_ignored() -> None:
+    _, out = run({MONDAY: {"llm": 64}}, MONDAY, MONDAY + 86400, b.BudgetSettings())
+    assert out == []
+    _, out = run({MONDAY: {"other": 64}}, MONDAY, MONDAY + 86400,
+                 b.BudgetSettings(budgets_gpu_h={"llm": 1}))
+    assert out == []
+
+
+def test_a_new_week_resolves_and_starts_over() -> None:
+    settings = b.BudgetSettings(budgets_gpu_h={"llm": 10})
+    state, out = run({MONDAY: {"llm": 4}}, MONDAY + 6 * 86400, MONDAY + 7 * 86400 + 3600,
+                     settings)
+    resolved = [f for f in out if f.state == "resolved" and f.kind == b.KIND]
+    assert len(resolved) == 2 and all(f.ts == MONDAY + b.WEEK_S for f in resolved)
+    assert state.teams["llm"].week_start == MONDAY + b.WEEK_S
+    assert state.teams["llm"].used_gpu_h <= 4 * 1.1
+
+
+def test_nodes_integrate_on_their_own_however_their_summaries_interleave() -> None:
+    """One node's summaries hours behind another's (a catch-up) count the same."""
+    settings = b.BudgetSettings(budgets_gpu_h={"llm": 10_000})
+    state = b.BudgetState()
+    for node in ("ahead", "behind"):
+        for i in range(13):
+            b.on_summary(state, summary(MONDAY + 300 * i, {"llm": 4}, node), settings)
+    assert abs(state.teams["llm"].used_gpu_h - 2 * 4 * 1.0) < 1e-9
+    # Duplicates and late summaries of a node add nothing.
+    b.on_summary(state, summary(MONDAY + 600, {"llm": 4}, "ahead"), settings)
+    assert abs(state.teams["llm"].used_gpu_h - 8.0) < 1e-9
+
+
+def test_mig_devices_count_their_share_of_a_gpu() -> None:
+    assert b.mig_gpus({"3g.40gb": 2, "1g.10gb": 1}) == 7 / 7
+
+
+@given(gpus=st.floats(0, 64), budget=st.floats(1, 5000), hours=st.integers(1, 48))
+def test_threshold_findings_match_use_and_fire_once(gpus: float, budget: float,
+                                                    hours: int) -> None:
+    settings = b.BudgetSettings(budgets_gpu_h={"t": budget})
+    state, out = run({MONDAY: {"t": gpus}}, MONDAY, MONDAY + hours * 3600, settings)
+    used = state.teams["t"].used_gpu_h
+    fired = [f.evidence.values["threshold"] for f in out
+             if f.kind == b.KIND and f.state == "firing" and f.evidence]
+    assert fired == [t for t in (0.8, 1.0) if used >= t * budget]

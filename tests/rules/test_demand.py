@@ -1,0 +1,134 @@
+"""Demand-aware reclaim: the short ladder only while someone waits for the idle GPU."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpusteward.rules import demand as d
+from gpusteward.rules.fragmentation import Demand, FleetView
+from gpusteward.rules.idle import RECLAIM_REASON
+from gpusteward.schema import Action, Finding, IdleHold, NodeSummary, PodRef
+
+SETTINGS = d.DemandReclaimSettings()
+
+
+def hold(i: int, idle_since: float = 0, *, kept_until: float | None = None,
+         profile: str | None = None) -> IdleHold:
+    return IdleHold(device=f"GPU-{i}", pod=PodRef("nb", f"notebook-{i}"),
+                    idle_since=idle_since, gpus=0 if profile else 1, mig_profile=profile,
+                    workload_kind="notebook", kept_until=kept_until)
+
+
+def node(name: str, free: int, holds: list[IdleHold], total: int = 4,
+         mig_free: dict[str, int] | None = None) -> NodeSummary:
+    return NodeSummary(ts=0, node=name, gpu_model="A100", gpus_total=total, gpus_free=free,
+                       idle=holds, mig_free=mig_free or {})
+
+
+def view(nodes: list[NodeSummary], *demands: Demand) -> FleetView:
+    return FleetView(nodes=nodes, pending={x.key: x for x in demands}, shape_counts={})
+
+
+def job(gpus: int = 2, since: float = 0, key: str = "ml/train-2gpu",
+        mig: dict[str, int] | None = None) -> Demand:
+    return Demand(key=key, queue="research", gpus=gpus, since=since, mig=mig or {})
+
+
+def run(fleet_at: dict[float, FleetView], until: float, step: float = 60,
+        settings: d.DemandReclaimSettings = SETTINGS) -> list[Finding | Action]:
+    """Evaluate every ``step``; the fleet view changes at the times given."""
+    state = d.DemandReclaimState()
+    out: list[Finding | Action] = []
+    times = sorted(fleet_at)
+    t = 0.0
+    while t <= until:
+        current = fleet_at[max(x for x in times if x <= t)]
+        out += d.evaluate(state, current, t, settings)
+        t += step
+    return out
+
+
+def test_two_idle_notebooks_reclaimed_on_the_short_ladder_for_a_waiting_2_gpu_job() -> None:
+    fleet = view([node("a", 0, [hold(0), hold(1)]), node("b", 0, [hold(2, 600)])], job())
+    out = run({0: fleet}, until=3 * 3600)
+    findings = [o for o in out if isinstance(o, Finding)]
+    actions = [o for o in out if isinstance(o, Action)]
+    # Node a needs two reclaims for the job, node b cannot hold it (one idle GPU): a only.
+    assert {f.subject.device for f in findings} == {"GPU-0", "GPU-1"}
+    notices = [a for a in actions if a.verb == "notify_owner"]
+    reclaims = [a for a in actions if a.verb == "requeue"]
+    assert len(notices) == 2 and len(reclaims) == 2
+    assert all(a.ts == SETTINGS.notify_after_s for a in notices)
+    assert all(a.ts == SETTINGS.reclaim_after_s for a in reclaims)
+    assert all(a.params["reason"] == RECLAIM_REASON and a.dry_run for a in reclaims)
+    assert all(a.params["idle_since"] == "0" for a in reclaims)
+    first = findings[0]
+    assert "ml/train-2gpu" in first.summary and first.labels["waiting"] == "ml/train-2gpu"
+    assert first.evidence is not None and first.evidence.values["longest_wait_s"] == 1800
+
+
+def test_no_waiting_demand_no_finding() -> None:
+    out = run({0: view([node("a", 0, [hold(0), hold(1)])])}, until=6 * 3600)
+    assert out == []
+
+
+def test_demand_that_fits_free_capacity_needs_no_reclaim() -> None:
+    out = run({0: view([node("a", 2, [hold(0)])], job())}, until=6 * 3600)
+    assert out == []
+
+
+def test_a_workload_that_just_arrived_is_not_demand_yet() -> None:
+    settings = d.DemandReclaimSettings(min_wait_s=600)
+    state = d.DemandReclaimState()
+    fleet = view([node("a", 0, [hold(0), hold(1)], )], job(since=3000))
+    assert d.evaluate(state, fleet, 3500, settings) == []
+    assert state.episodes == {}
+
+
+def test_keep_until_in_force_wins() -> None:
+    kept = view([node("a", 0, [hold(0, kept_until=10**9), hold(1)])], job())
+    assert run({0: kept}, until=4 * 3600) == []
+
+
+def test_job_leaving_the_queue_resolves_the_episode_before_the_reclaim() -> None:
+    waiting = view([node("a", 0, [hold(0), hold(1)])], job())
+    gone = view([node("a", 0, [hold(0), hold(1)])])
+    out = run({0: waiting, 3600: gone}, until=4 * 3600)
+    assert [a.verb for a in out if isinstance(a, Action)] == ["notify_owner"] * 2
+    closing = [f for f in out if isinstance(f, Finding) and f.state == "resolved"]
+    assert len(closing) == 2 and all(f.ts == 3600 for f in closing)
+
+
+def test_one_holder_counts_for_one_workload() -> None:
+    # Two 1-GPU jobs, one idle GPU: one of them (the oldest) is matched.
+    fleet = view([node("a", 0, [hold(0)])], job(1, since=0, key="ml/old"),
+                 job(1, since=100, key="ml/new"))
+    out = run({0: fleet}, until=3600)
+    (finding,) = [f for f in out if isinstance(f, Finding)]
+    assert finding.labels["waiting"] == "ml/old"
+
+
+def test_mig_slice_matched_by_profile() -> None:
+    fleet = view([node("m", 0, [hold(0, profile="1g.10gb"), hold(1, profile="3g.40gb")],
+                       total=0)], job(0, mig={"3g.40gb": 1}))
+    out = run({0: fleet}, until=3600)
+    assert {f.subject.device for f in out if isinstance(f, Finding)} == {"GPU-1"}
+
+
+@given(holds=st.integers(0, 4), free=st.integers(0, 4), want=st.integers(1, 4),
+       waits=st.booleans())
+def test_finding_only_when_reclaim_lets_a_waiting_workload_start(holds: int, free: int,
+                                                                  want: int,
+                                                                  waits: bool) -> None:
+    demands = [job(want)] if waits else []
+    fleet = view([node("a", free, [hold(i) for i in range(holds)], total=8)], *demands)
+    out = run({0: fleet}, until=3 * 3600, step=300)
+    firing = {f.id for f in out if isinstance(f, Finding)}
+    helps = waits and free < want <= free + holds
+    assert bool(firing) == helps
+    if helps:
+        # One episode per reclaimed holder, each with one notice and one reclaim.
+        assert len(firing) == want - free
+        verbs = [a.verb for a in out if isinstance(a, Action)]
+        assert verbs.count("requeue") == verbs.count("notify_owner") == want - free

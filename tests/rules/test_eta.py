@@ -1,0 +1,121 @@
+"""Start ETAs: release of held capacity, queue order, the naive fallback, one episode each."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpusteward.rules import eta as e
+from gpusteward.rules.fragmentation import FleetView
+from gpusteward.schema import Finding, NodeSummary, QueueEvent, WorkloadState
+
+SETTINGS = e.EtaSettings()
+
+
+def ev(name: str, state: WorkloadState, ts: float, gpus: int = 1, priority: int = 0,
+       created: float | None = None) -> QueueEvent:
+    return QueueEvent(ts=ts, name=name, namespace="ml", cluster_queue="q", state=state,
+                      created_at=created if created is not None else ts,
+                      admitted_at=ts if state == "admitted" else None, gpus=gpus,
+                      priority=priority)
+
+
+def fleet(free: int, total: int = 2, nodes: int = 1) -> FleetView:
+    summaries = [NodeSummary(ts=0, node=f"n{i}", gpu_model="L40S", gpus_total=total,
+                             gpus_free=free if i == 0 else 0) for i in range(nodes)]
+    return FleetView(nodes=summaries, pending={}, shape_counts={})
+
+
+def apply(state: e.EtaState, *events: QueueEvent) -> list[Finding]:
+    out: list[Finding] = []
+    for event in events:
+        out += e.on_queue(state, event, SETTINGS)
+    return out
+
+
+def with_history(runs: list[float]) -> e.EtaState:
+    """A state whose queue has seen workloads run for ``runs`` seconds."""
+    state = e.EtaState()
+    for i, length in enumerate(runs):
+        apply(state, ev(f"h{i}", "pending", 0), ev(f"h{i}", "admitted", 0),
+              ev(f"h{i}", "finished", length))
+    return state
+
+
+def test_expected_end_is_the_median_of_peers_that_ran_as_long() -> None:
+    running = e.Running(queue="q", gpus=1, admitted_at=1000)
+    runs = [600.0, 1200.0, 1800.0, 2400.0]
+    # Age 0: the median of all; age 1500: the median of 1800 and 2400.
+    assert e.expected_end(running, runs, 1000) == 1000 + 1500
+    assert e.expected_end(running, runs, 2500) == 1000 + 2100
+    # Past every peer: half its age again.
+    assert e.expected_end(running, runs, 4000) == 4000 + 1500
+    assert e.expected_end(running, [], 1000) is None
+
+
+def test_eta_follows_releases_in_queue_order() -> None:
+    state = with_history([1200.0] * 5)
+    apply(state, ev("r1", "pending", 5000), ev("r1", "admitted", 5000),
+          ev("r2", "pending", 5600), ev("r2", "admitted", 5600))
+    # Two GPUs, both held; r1 ends at 6200, r2 at 6800. Three wait.
+    apply(state, ev("a", "pending", 5700), ev("b", "pending", 5800),
+          ev("hi", "pending", 5900, priority=10))
+    out = e.estimates(state, fleet(0), 6000, SETTINGS)
+    # The high-priority one goes first, then in arrival order.
+    assert out["ml/hi"][0] == 6200 and out["ml/hi"][2] == 0
+    assert out["ml/a"][0] == 6800 and out["ml/a"][2] == 1
+    # The third has no release left to wait for: it falls back to the naive figure.
+    assert out["ml/b"][0] == out["ml/b"][1]
+
+
+def test_free_capacity_starts_now_and_unplaceable_shapes_get_no_release_eta() -> None:
+    state = with_history([600.0])
+    apply(state, ev("now", "pending", 100), ev("huge", "pending", 110, gpus=3))
+    out = e.estimates(state, fleet(1, total=2), 200, SETTINGS)
+    assert out["ml/now"][0] == 200
+    assert out["ml/huge"][0] == out["ml/huge"][1]  # 3 GPUs fit no 2-GPU node: naive only
+
+
+def test_naive_is_position_over_admission_rate() -> None:
+    state = e.EtaState()
+    for i in range(6):  # six admissions in the last hour: 6/h
+        apply(state, ev(f"x{i}", "pending", 1000 + i), ev(f"x{i}", "admitted", 1000 + 100 * i))
+    apply(state, ev("w0", "pending", 2000), ev("w1", "pending", 2001))
+    out = e.estimates(state, fleet(0), 3000, SETTINGS)
+    assert out["ml/w0"][1] == 3000 + 600 and out["ml/w1"][1] == 3000 + 1200
+
+
+def test_one_episode_per_wait_reissued_only_when_it_moves_and_closed_with_its_error() -> None:
+    state = with_history([1200.0] * 3)
+    apply(state, ev("r", "pending", 5000), ev("r", "admitted", 5000),
+          ev("w", "pending", 5100))
+    first = e.evaluate(state, fleet(0, total=1), 5200, SETTINGS)
+    (published,) = first
+    assert published.state == "firing" and published.evidence is not None
+    assert published.evidence.values["eta_ts"] == 6200
+    assert e.evaluate(state, fleet(0, total=1), 5260, SETTINGS) == []
+    closing = apply(state, ev("r", "finished", 6000), ev("w", "admitted", 6030))
+    (resolved,) = closing
+    assert resolved.id == published.id and resolved.state == "resolved"
+    assert resolved.evidence is not None
+    assert resolved.evidence.values["eta_error_s"] == 6200 - 6030
+
+
+@given(runs=st.lists(st.floats(60, 7200), min_size=1, max_size=20),
+       ages=st.lists(st.floats(0, 10000), min_size=1, max_size=6),
+       waiting=st.integers(0, 8), free=st.integers(0, 4))
+def test_etas_are_never_in_the_past_and_keep_queue_order(runs: list[float], ages: list[float],
+                                                         waiting: int, free: int) -> None:
+    state = with_history(runs)
+    now = 20000.0
+    for i, age in enumerate(ages):
+        apply(state, ev(f"r{i}", "pending", now - age), ev(f"r{i}", "admitted", now - age))
+    for i in range(waiting):
+        apply(state, ev(f"w{i}", "pending", now - 100 + i))
+    out = e.estimates(state, fleet(free, total=4), now, SETTINGS)
+    etas = [out[f"ml/w{i}"][0] for i in range(waiting)]
+    assert all(x is None or x >= now for x in etas)
+    release = [x for x in etas if x is not None]
+    # Equal shapes in FIFO order start in order (until the release model runs out).
+    model = [x for i, x in enumerate(release) if out[f"ml/w{i}"][0] != out[f"ml/w{i}"][1]]
+    assert model == sorted(model)

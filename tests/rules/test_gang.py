@@ -1,0 +1,145 @@
+"""Partially placed gangs: held GPUs, the window, one finding per episode, the requeue."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpusteward.rules import gang as g
+from gpusteward.schema import Action, Finding, QueueEvent, WorkloadState
+
+SETTINGS = g.GangSettings()
+
+
+def member(i: int, state: WorkloadState, ts: float, *, size: int | None = 8,
+           gang: str = "JobSet/pretrain", gpus: int = 8) -> QueueEvent:
+    return QueueEvent(ts=ts, name=f"pretrain-w-{i}", namespace="ml", cluster_queue="train",
+                      state=state, created_at=0, admitted_at=ts if state == "admitted" else None,
+                      gpus=gpus, kind="pod", gang=gang, gang_size=size)
+
+
+def run(events: list[QueueEvent], until: float, settings: g.GangSettings = SETTINGS,
+        step: float = 30.0) -> tuple[g.GangState, list[Finding | Action]]:
+    state = g.GangState()
+    out: list[Finding | Action] = []
+    pending = sorted(events, key=lambda e: e.ts)
+    t = 0.0
+    while t <= until:
+        while pending and pending[0].ts <= t:
+            out += g.on_queue(state, pending.pop(0), settings)
+        out += g.evaluate(state, None, t, settings)
+        t += step
+    return state, out
+
+
+def six_of_eight(at: float = 60) -> list[QueueEvent]:
+    events = [member(i, "pending", 0) for i in range(8)]
+    return events + [member(i, "admitted", at) for i in range(6)]
+
+
+def test_six_of_eight_placed_fires_after_the_window_with_the_hostage_gpus() -> None:
+    _, out = run(six_of_eight(), until=3600)
+    (finding,) = [o for o in out if isinstance(o, Finding)]
+    assert finding.kind == g.KIND and finding.state == "firing"
+    assert finding.starts_at == 60 and 60 + SETTINGS.window_s <= finding.ts < 60 + \
+        SETTINGS.window_s + 30
+    assert finding.evidence is not None
+    values = finding.evidence.values
+    assert values["gpus_held"] == 48 and values["members_placed"] == 6
+    assert values["members_pending"] == 2 and values["gang_size"] == 8
+    # 48 GPUs held for (finding time - 60 s) so far.
+    assert abs(values["gpu_hours_held"] - 48 * (finding.ts - 60) / 3600) < 1e-9
+    (action,) = [o for o in out if isinstance(o, Action)]
+    assert action.verb == "requeue" and action.dry_run
+    assert action.params["reason"] == g.REQUEUE_REASON
+    # No Kueue workload known: a placed member's pod is the target.
+    assert action.target.pod is not None and action.target.pod.name == "pretrain-w-0"
+
+
+def test_fully_placed_gang_never_fires() -> None:
+    events = [member(i, "pending", 0) for i in range(8)]
+    events += [member(i, "admitted", 60 + 10 * i) for i in range(8)]
+    _, out = run(events, until=7200)
+    assert out == []
+
+
+def test_members_placed_by_size_stated_later_and_missing_members_count() -> None:
+    # Only six pods exist (the controller is slow or the quota is short): still partial.
+    events = [member(i, "admitted", 0, size=None) for i in range(6)]
+    events.append(QueueEvent(ts=30, name="wl-pretrain", namespace="ml", cluster_queue="train",
+                             state="admitted", kind="workload", gang="JobSet/pretrain",
+                             gang_size=8))
+    _, out = run(events, until=1800)
+    (finding, action) = out
+    assert isinstance(finding, Finding) and isinstance(action, Action)
+    # With a Kueue workload the whole workload is requeued.
+    assert action.params["workload"] == "wl-pretrain" and action.params["namespace"] == "ml"
+
+
+def test_resolves_once_the_rest_is_placed() -> None:
+    events = [*six_of_eight(), member(6, "admitted", 2000), member(7, "admitted", 2010)]
+    _, out = run(events, until=3000)
+    states = [(o.kind, o.state) for o in out if isinstance(o, Finding)]
+    assert states == [(g.KIND, "firing"), (g.KIND, "resolved")]
+
+
+def test_a_gang_finishing_member_by_member_is_ending_not_stuck() -> None:
+    events = [member(i, "admitted", 0) for i in range(8)]
+    events += [member(i, "finished", 600 + 60 * i) for i in range(8)]
+    _, out = run(events, until=3600)
+    assert out == []
+
+
+def test_requeue_is_policy_and_execution_opt_in() -> None:
+    _, out = run(six_of_eight(), until=3600, settings=g.GangSettings(requeue=False))
+    assert [type(o) for o in out] == [Finding]
+    _, out = run(six_of_eight(), until=3600, settings=g.GangSettings(requeue_execute=True))
+    (action,) = [o for o in out if isinstance(o, Action)]
+    assert not action.dry_run
+
+
+def test_duplicates_and_late_events_change_nothing() -> None:
+    events = six_of_eight()
+    # A late duplicate of an earlier pending event after admission; a replayed admission.
+    events += [member(0, "pending", 30), member(0, "admitted", 60)]
+    _, out = run(events, until=3600)
+    assert len([o for o in out if isinstance(o, Finding)]) == 1
+
+
+def test_non_gang_events_are_ignored() -> None:
+    event = QueueEvent(ts=0, name="solo", namespace="ml", cluster_queue="q", state="admitted",
+                       gpus=1)
+    state = g.GangState()
+    assert g.on_queue(state, event, SETTINGS) == [] and state.gangs == {}
+
+
+@given(placed=st.integers(0, 8), size=st.integers(1, 8),
+       placed_at=st.floats(0, 3600), until=st.floats(0, 7200))
+def test_fires_only_when_partial_for_the_window_and_once(placed: int, size: int,
+                                                         placed_at: float,
+                                                         until: float) -> None:
+    placed = min(placed, size)
+    events = [member(i, "pending", 0, size=size) for i in range(size)]
+    events += [member(i, "admitted", placed_at, size=size) for i in range(placed)]
+    _, out = run(events, until=until, step=60)
+    firing = [o for o in out if isinstance(o, Finding) and o.state == "firing"]
+    # Placement lands on the first tick at or after placed_at.
+    tick = -(-placed_at // 60) * 60
+    partial = 0 < placed < size
+    due = partial and until >= tick + SETTINGS.window_s
+    assert len(firing) == (1 if due else 0)
+    if firing:
+        assert firing[0].starts_at == placed_at
+
+
+def test_judged_on_the_next_event_when_no_evaluation_fell_in_the_window() -> None:
+    """The queue read ahead of the summaries: the gang's episode is judged when its next
+    event arrives, dated when it became due."""
+    state = g.GangState()
+    out: list[Finding | Action] = []
+    for event in [*six_of_eight(), member(6, "admitted", 2400), member(7, "admitted", 2400)]:
+        out += g.on_queue(state, event, SETTINGS)
+    firing, _, closing = out
+    assert isinstance(firing, Finding) and firing.ts == 60 + SETTINGS.window_s
+    assert isinstance(closing, Finding) and closing.state == "resolved"
+    assert g.evaluate(state, None, 3000, SETTINGS) == []
