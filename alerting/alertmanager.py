@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 
 from gpusteward.errors import GpustewardError
+from gpusteward.rules.idle import owner_notice
 from gpusteward.schema import Finding
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,11 @@ def alert_labels(finding: Finding) -> dict[str, str]:
 
 
 def alert_annotations(finding: Finding) -> dict[str, str]:
+    """The alert's annotations; an idle holder's ``description`` is its owner's notice, the
+    words of the Kubernetes Event and the chat message (:func:`owner_notice`)."""
     annotations = {"summary": finding.summary, "finding_id": finding.id}
+    if (notice := owner_notice(finding)) is not None:
+        annotations["description"] = notice
     if finding.runbook:
         annotations["runbook"] = finding.runbook
     if finding.evidence and finding.evidence.values:

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from gpusteward.rules.idle import owner_notice
 from gpusteward.schema import Finding
 
 log = logging.getLogger(__name__)
@@ -29,10 +30,13 @@ RESOLVED_COLOUR = "#2ca02c"
 
 
 def slack_message(finding: Finding) -> dict[str, Any]:
-    """The Slack-compatible body for ``finding``."""
+    """The Slack-compatible body for ``finding``.
+
+    An idle holder's message says what its owner's Event says (:func:`owner_notice`): what
+    was seen, what happens next and how to keep the GPU, not only the finding's summary."""
     firing = finding.state == "firing"
     head = f"FIRING {finding.severity}" if firing else "RESOLVED"
-    text = f"[{head}] {finding.kind}: {finding.summary}"
+    text = f"[{head}] {finding.kind}: {owner_notice(finding) or finding.summary}"
     fields = [{"title": "kind", "value": finding.kind, "short": True},
               {"title": "state", "value": finding.state, "short": True}]
     subject = finding.subject

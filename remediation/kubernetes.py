@@ -46,7 +46,9 @@ What each verb does, and the API permissions it needs:
   :meth:`KubernetesBackend.restore` (``gpusteward act --restore
   KIND/NAMESPACE/NAME``) undoes the first two;
 - ``notify_owner``: a Warning Event on the pod (create events) and a
-  ``gpusteward.io/notice`` annotation (patch pods);
+  ``gpusteward.io/notice`` annotation (patch pods), both the action's reason: for an idle
+  holder, the rule's owner notice (``rules.idle.owner_notice``), the words the chat message
+  and the alert carry too;
 - ``set_mig_config``: the ``nvidia.com/mig.config`` label, which the GPU
   Operator's MIG manager applies (patch nodes); the executor only lets it
   through when policy allows.

@@ -24,6 +24,11 @@ to reclaim, the reclaim action carries the episode start and the maximum, and
 the backend checks the live pod again before it acts (:func:`kept_until` is
 the one reading of the annotation both use).
 
+The owner is told in the same words wherever they look: :func:`owner_notice` builds the text
+from the finding (what was seen, since when, the ladder's next step and when, how to keep the
+GPU), the notify action carries it as its reason (the Kubernetes Event), and the chat and
+Alertmanager sinks build it again from the finding they receive.
+
 On a device several pods hold, the node join runs the rule once per holder
 on its share (``per_holder``): with per-process attribution each holder is
 judged on its own activity, so the idle notebook beside a busy one is found
@@ -240,6 +245,73 @@ def _held(until: float) -> str:
     return f"left alone until {rfc3339(until)} ({KEEP_UNTIL_ANNOTATION})"
 
 
+def owner_notice(finding: Finding) -> str | None:
+    """What the owner of an idle pod is told, from the finding alone; None for other findings.
+
+    The one text of the Kubernetes Event, the chat message and the Alertmanager description,
+    so the owner reads the same words wherever they look: what was seen, since when, what
+    happens next and when, and how to keep the GPU. Pure, so every carrier builds it again
+    from the finding it has rather than passing words around.
+    """
+    pod, values = finding.subject.pod, finding.evidence.values if finding.evidence else {}
+    if finding.kind != KIND or finding.state != "firing" or pod is None:
+        return None
+    where = f"GPU {finding.subject.device} on node {finding.subject.node}"
+    peak = values.get("max_activity_pct")
+    seen = (f"Pod {pod.namespace}/{pod.name} has held {where} below "
+            f"{values.get('threshold_pct', 0):g} % activity"
+            + (f" (peak {peak:g} %)" if peak is not None else "")
+            + f" since {rfc3339(finding.starts_at)}.")
+    step = int(values.get("ladder_step", 1))
+    reclaim = finding.labels.get("reclaim", "execute")
+    next_at = values.get("next_step_at")
+    if step >= 3:
+        then = f"Reclaim now: {_reclaim_effect(finding, reclaim)}."
+    elif next_at is None:
+        then = ("Next: nothing more; this workload kind is never reclaimed, and the notice "
+                "stays until the GPU is used or released.")
+    elif step == 1:
+        after = ("this workload kind is never reclaimed" if reclaim == "off" else
+                 f"then a reclaim: {_reclaim_effect(finding, reclaim)}")
+        then = f"Next: if it stays idle, a warning at {rfc3339(next_at)}; {after}."
+    else:
+        then = (f"Next: if it stays idle, a reclaim at {rfc3339(next_at)}: "
+                f"{_reclaim_effect(finding, reclaim)}.")
+    if "kept_until" in values:
+        then = (f"Left alone until {rfc3339(values['kept_until'])} as its "
+                f"{KEEP_UNTIL_ANNOTATION} annotation asks. After that: {then}")
+    limit = values.get("keep_until_limit")
+    keep = ("To keep the GPU: kubectl annotate pod -n "
+            f"{pod.namespace} {pod.name} {KEEP_UNTIL_ANNOTATION}=<RFC 3339 time>"
+            + (f" (honoured up to {rfc3339(limit)}, the policy maximum)." if limit is not None
+               else " has no effect here: policy ignores it (keep_until_max_s is 0).")
+            + " Or release it: stop the notebook or scale the workload to zero.")
+    return f"{seen} {then} {keep}"
+
+
+def _reclaim_effect(finding: Finding, reclaim: str) -> str:
+    """What the reclaim step does to this holder, per owner kind (as the backend does it)."""
+    if reclaim == "dry_run":
+        return "only recorded as a dry run, since policy does not carry reclaims out"
+    if reclaim == "refused":
+        return "refused: the pod has no controller and policy does not allow deleting it"
+    if reclaim == "off":
+        return "never done for this workload kind"
+    owner_kind, _, owner_name = finding.labels.get("owner", "").partition("/")
+    if not owner_name:
+        return "the pod is deleted (no controller owns it)"
+    if owner_kind == "Notebook":
+        return f"Notebook {owner_name} is stopped (kubeflow-resource-stopped)"
+    if owner_kind in ("Deployment", "StatefulSet"):
+        return f"{owner_kind} {owner_name} is scaled to zero, its replicas kept to restore"
+    if owner_kind in ("Job", "JobSet"):
+        if "queue" in finding.labels:
+            return f"its Kueue workload ({owner_kind} {owner_name}) is requeued"
+        return f"the pod is deleted and {owner_kind} {owner_name} recreates it"
+    return (f"refused: the pod is owned by {owner_kind} {owner_name}, and gpusteward reclaims "
+            "only Notebooks, Deployments, StatefulSets, Jobs and Kueue workloads")
+
+
 class Holder(msgspec.Struct, frozen=True):
     """The pod that holds a device, and since when."""
 
@@ -253,14 +325,52 @@ class Holder(msgspec.Struct, frozen=True):
     owner_name: str | None = None
 
 
-def _finding_labels(holder: Holder, sample: DeviceSample) -> dict[str, str]:
-    """What the finding says about the holder, for routing and the owner's notice."""
+def _finding_labels(holder: Holder, sample: DeviceSample, settings: IdleSettings,
+                    eff: Effective) -> dict[str, str]:
+    """What the finding says about the holder, for routing and the owner's notice.
+
+    ``reclaim`` says what the ladder's last step will do with this holder, so the notice can
+    tell the owner: ``execute``, ``dry_run`` (audited only), ``off`` (never for this kind)
+    or ``refused`` (a pod no controller owns, which policy does not let the backend delete).
+    It does not change within an episode, so it is safe among the alert's identifying labels.
+    """
     labels = {"workload_kind": holder.workload_kind or "unknown", "model": sample.model}
     if holder.queue:
         labels["queue"] = holder.queue
     if holder.owner_name:
         labels["owner"] = f"{holder.owner_kind or 'Pod'}/{holder.owner_name}"
+    if not eff.reclaim:
+        labels["reclaim"] = "off"
+    elif not settings.reclaim_execute:
+        labels["reclaim"] = "dry_run"
+    elif holder.owner_name is None and not settings.reclaim_bare_pods:
+        labels["reclaim"] = "refused"
+    else:
+        labels["reclaim"] = "execute"
     return labels
+
+
+def _ladder_values(max_activity_pct: float, eff: Effective, step: int, step_ts: float,
+                   held: float | None, idle_since: float, settings: IdleSettings
+                   ) -> dict[str, float]:
+    """The evidence values of a ladder finding, with what the owner's notice needs.
+
+    ``next_step_at``: when the ladder's next step is due if the device stays idle (absent
+    when none follows); a hold moves it to the hold's end at the earliest, since the ladder
+    climbs on the first sample after it. ``keep_until_limit``: the latest time a
+    keep-until annotation is honoured for this episode (absent when annotations are
+    ignored)."""
+    values = {"max_activity_pct": max_activity_pct, "threshold_pct": eff.threshold_pct,
+              "ladder_step": float(step)}
+    wait = eff.warn_after_s if step == 1 else eff.reclaim_after_s if (
+        step == 2 and eff.reclaim) else None
+    if wait is not None:
+        values["next_step_at"] = max(step_ts + wait, held or 0.0)
+    if held is not None:
+        values["kept_until"] = held
+    if settings.keep_until_max_s > 0:
+        values["keep_until_limit"] = idle_since + settings.keep_until_max_s
+    return values
 
 
 class IdleTrack(msgspec.Struct):
@@ -341,10 +451,7 @@ def observe(
     idle_min = (ts - counted_from) / 60
     held = kept_until(holder.annotations, counted_from, settings.keep_until_max_s)
     held = held if held is not None and held > ts else None
-    values = {"max_activity_pct": track.below_max_pct, "threshold_pct": eff.threshold_pct,
-              "ladder_step": 1.0}
-    if held is not None:
-        values["kept_until"] = held
+    values = _ladder_values(track.below_max_pct, eff, 1, ts, held, counted_from, settings)
     finding = Finding(
         id=fid, fingerprint=fp, kind=KIND, severity="info", state="firing",
         subject=subject,
@@ -357,7 +464,7 @@ def observe(
             values=values,
         ),
         runbook=RUNBOOK,
-        labels=_finding_labels(holder, sample),
+        labels=_finding_labels(holder, sample, settings, eff),
     )
     track.open_id, track.open_fingerprint = fid, fp
     track.open_since, track.open_pod = counted_from, holder.pod
@@ -365,7 +472,8 @@ def observe(
     track.held_until = held
     out.append(finding)
     if held is None:  # the owner asked to be left alone: no notice while the hold lasts
-        out.append(action_for(finding, "notify_owner", subject, finding.summary))
+        out.append(action_for(finding, "notify_owner", subject,
+                              owner_notice(finding) or finding.summary))
     return out
 
 
@@ -393,19 +501,21 @@ def _climb(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts
             return []
         track.held_until = held
         current = "info" if track.stage == 1 else "warning"
-        return [_ladder_finding(track, node, sample, holder, ts, eff, current,
-                                f"{summary}; {_held(held)}", track.stage, held)]
+        assert track.stage_ts is not None
+        return [_ladder_finding(track, node, sample, holder, ts, settings, eff, current,
+                                f"{summary}; {_held(held)}", track.stage, track.stage_ts, held)]
     # A gap since the last step restarted the idle run: the wait counts from its new start.
     if ts - max(stage_ts, track.below_since) < wait:
         return []
     if step == "reclaim":
         summary += ": reclaiming it"
-    finding = _ladder_finding(track, node, sample, holder, ts, eff, severity, summary,
-                              track.stage + 1, None)
+    finding = _ladder_finding(track, node, sample, holder, ts, settings, eff, severity,
+                              summary, track.stage + 1, ts, None)
     subject = finding.subject
     track.stage, track.stage_ts = track.stage + 1, ts
     if step == "warn":
-        action = action_for(finding, "notify_owner", subject, summary)
+        action = action_for(finding, "notify_owner", subject,
+                              owner_notice(finding) or finding.summary)
         action.idempotency_key = f"{finding.id}/notify_owner/warn"
     else:
         action = action_for(finding, "requeue", subject, summary)
@@ -419,15 +529,13 @@ def _climb(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts
 
 
 def _ladder_finding(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder,
-                    ts: float, eff: Effective, severity: str, summary: str, step: int,
-                    held: float | None) -> Finding:
-    """The open episode's finding, re-issued at ladder ``step``."""
+                    ts: float, settings: IdleSettings, eff: Effective, severity: str,
+                    summary: str, step: int, step_ts: float, held: float | None) -> Finding:
+    """The open episode's finding, re-issued at ladder ``step`` (reached at ``step_ts``)."""
     assert track.open_id and track.open_fingerprint and track.open_since is not None
     assert track.below_since is not None
-    values = {"max_activity_pct": track.below_max_pct, "threshold_pct": eff.threshold_pct,
-              "ladder_step": float(step)}
-    if held is not None:
-        values["kept_until"] = held
+    values = _ladder_values(track.below_max_pct, eff, step, step_ts, held, track.open_since,
+                            settings)
     return Finding(
         id=track.open_id, fingerprint=track.open_fingerprint, kind=KIND,
         severity=severity,  # type: ignore[arg-type]
@@ -437,7 +545,7 @@ def _ladder_finding(track: IdleTrack, node: str, sample: DeviceSample, holder: H
         evidence=Evidence(window_start=max(track.open_since, track.below_since), window_end=ts,
                           samples=track.below_samples, values=values),
         runbook=RUNBOOK,
-        labels=_finding_labels(holder, sample),
+        labels=_finding_labels(holder, sample, settings, eff),
     )
 
 

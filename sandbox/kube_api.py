@@ -32,6 +32,11 @@ Deployments, ReplicaSets and StatefulSets, and Kubeflow Notebooks; for each:
 - ``POST .../pods/<name>/eviction``: 429 when a PodDisruptionBudget that
   selects the pod allows no disruption, 500 when several select it, else the
   PDB's ``status.disruptionsAllowed`` goes down by one and the pod is deleted.
+- ``POST /apis/authorization.k8s.io/v1/selfsubjectaccessreviews`` (what
+  ``kubectl auth can-i`` asks): 201 with the review and its ``status``;
+  every request is allowed unless :meth:`KubeApiServer.deny` named its verb
+  on its resource, as an RBAC authorizer answers (denied: ``allowed`` false,
+  a ``reason``; nothing is stored).
 
 Selectors filter watch events on the object's new state (a real watch cache
 also sends DELETED when an object stops matching). Deliberate
@@ -121,6 +126,7 @@ RESOURCES: tuple[Resource, ...] = (
     Resource(NOTEBOOK_GROUP, "notebooks", "Notebook", True, ("v1beta1", "v1")),
 )
 _BY_KIND = {(r.group, r.kind): r for r in RESOURCES}
+ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 _BY_PLURAL = {(r.group, r.plural): r for r in RESOURCES}
 
 _PATH = re.compile(
@@ -379,6 +385,8 @@ class KubeApiServer:
         self._faults: list[Fault] = []
         self._controllers: dict[tuple[str, str], list[Controller]] = {}
         self._continues: dict[str, tuple[int, list[Obj]]] = {}
+        self.denied: set[tuple[str, str, str]] = set()
+        """(verb, group, resource[/subresource]) that access reviews answer as not allowed."""
         self._server = _QuietServer(("127.0.0.1", port), self._handler_class())
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -425,6 +433,26 @@ class KubeApiServer:
         return path
 
     # -- loading and test hooks ----------------------------------------------------------
+
+    def deny(self, verb: str, resource: str, group: str = "") -> None:
+        """Answer access reviews of ``verb`` on ``resource`` (``pods/eviction`` for a
+        subresource) in ``group`` as not allowed, as if RBAC lacked the rule."""
+        self.denied.add((verb, group, resource))
+
+    def review_access(self, review: Obj) -> Obj:
+        """A SelfSubjectAccessReview with its ``status`` filled in, as the API server sends."""
+        attributes = review.get("spec", {}).get("resourceAttributes") or {}
+        resource = attributes.get("resource", "")
+        if attributes.get("subresource"):
+            resource = f"{resource}/{attributes['subresource']}"
+        key = (attributes.get("verb", ""), attributes.get("group", ""), resource)
+        status: Obj = {"allowed": key not in self.denied}
+        if not status["allowed"]:
+            status["reason"] = "no RBAC rule of the double allows it"
+        return {**review, "apiVersion": "authorization.k8s.io/v1",
+                "kind": "SelfSubjectAccessReview",
+                "metadata": {**review.get("metadata", {}), "creationTimestamp": None},
+                "status": status}
 
     def load_dir(self, directory: Path) -> int:
         """Create every object of every ``*.json`` file (an object or a ``List``)."""
@@ -794,6 +822,8 @@ class _Handler(BaseHTTPRequestHandler):
         if path in ("/api", "/apis", "/version") or (path.startswith("/apis/") and (
                 path.count("/") == 2)):
             return self._discovery(path)
+        if method == "POST" and path == ACCESS_REVIEWS:
+            return 201, msgspec.json.encode(api.review_access(request.body or {}))
         match = _PATH.match(path)
         if match is None:
             raise ApiError(404, "NotFound", f"no route for {path}")

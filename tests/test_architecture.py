@@ -54,7 +54,9 @@ PURE_FORBIDDEN = ("faust", "aiokafka", "kubernetes", "aiohttp", "grpc", "polars"
 """Rules do no I/O: no clients, no sockets, no data frames."""
 
 KUBE_CLIENT_USERS = {"gpusteward.collectors.kubernetes.watcher",
-                     "gpusteward.remediation.kubernetes", "gpusteward.cli.watch"}
+                     "gpusteward.remediation.kubernetes", "gpusteward.cli.watch",
+                     "gpusteward.cli.doctor"}
+"""``cli.doctor`` only reads and asks access reviews (which store nothing)."""
 KUBE_WRITER = "gpusteward.remediation.kubernetes"
 WRITE_METHOD = re.compile(r"^(create|patch|replace|delete)_(namespaced_\w+|node\w*|cluster_\w+|"
                           r"collection_\w+)$")

@@ -14,6 +14,7 @@ from gpusteward.cli import sandbox as sandbox_commands
 from gpusteward.cli import status as status_commands
 from gpusteward.cli.collect import collect_app
 from gpusteward.cli.common import Bootstrap, ensure_topics, kafka_settings
+from gpusteward.cli.doctor import doctor
 from gpusteward.cli.rules import rules_app
 from gpusteward.cli.watch import watch as kube_watch
 from gpusteward.settings import Settings
@@ -31,6 +32,7 @@ app.command("demo")(sandbox_commands.demo)
 app.add_typer(rules_app, name="rules")
 app.command(name="watch")(kube_watch)
 app.command(name="status")(status_commands.status)
+app.command(name="doctor")(doctor)
 
 
 @app.command()

@@ -6,8 +6,9 @@ import asyncio
 from typing import Any
 
 from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
+from gpusteward.rules import idle
 from gpusteward.sandbox.kube_api import KUEUE_GROUP, KubeApiServer
-from gpusteward.schema import Action, ActionVerb, PodRef, Subject
+from gpusteward.schema import Action, ActionVerb, DeviceSample, Finding, PodRef, Subject
 from tests.remediation.cluster import admitted_workload, node, pdb, pod, pods, writes
 
 
@@ -190,3 +191,21 @@ def test_gpu_node_count_counts_only_gpu_nodes(
     kube.load([node("gpu-1"), node("gpu-2"), node("cpu-1", gpus=0)])
     count: Any = asyncio.run(KubernetesBackend(kube_settings).gpu_node_count())
     assert count == 2
+
+
+def test_an_idle_pods_event_is_the_owner_notice(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    kube.load(pod("ml-alice", "notebook-0", "gpu-1"))
+    holder = idle.Holder(PodRef("ml-alice", "notebook-0"), 1000.0, "notebook")
+    sample = DeviceSample(uuid="GPU-1", index=0, model="A100", util_pct=0.0)
+    track, ts = idle.IdleTrack(), 1000.0
+    out: list[Finding | Action] = []
+    while not out:
+        out = idle.observe(track, "gpu-1", sample, ts, idle.IdleSettings(), holder)
+        ts += 60
+    finding, notify = out
+    assert isinstance(finding, Finding) and isinstance(notify, Action)
+    assert run(KubernetesBackend(kube_settings), notify)[0] == "executed"
+    [event] = kube.objects("Event")
+    assert event["message"] == idle.owner_notice(finding)
+    assert "gpusteward.io/keep-until=<RFC 3339 time>" in event["message"]
