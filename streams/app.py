@@ -19,14 +19,14 @@ and idempotency keys; consumers deduplicate on them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from typing import Any, cast
 
 import faust
 import msgspec
 from aiokafka import AIOKafkaConsumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
-from faust.types import TP
+from faust.types import TP, Message
 
 from gpusteward import health, kafka, topics
 from gpusteward.edge import Edge
@@ -83,8 +83,70 @@ def _transport_for(settings: Settings) -> type[faust_aiokafka.Transport]:
                 await self._end_reader.stop()
 
     class Consumer(faust_aiokafka.Consumer):
+        """Faust's consumer, with no fetched batch delivered across a seek to committed.
+
+        When a rebalance ends, Faust resumes the stream partitions and then seeks
+        them to their committed offsets while its fetcher runs. A batch fetched
+        before the seek went on being delivered after it and moved each partition's
+        read offset past the records the seek brings back, which Faust then dropped
+        unseen ("DROPPED MESSAGE", at its dev log level): never processed again,
+        never acked. A record of that range whose ack was lost in the race stayed a
+        hole below the acked offsets, and Faust never commits past a hole there; the
+        partition went on being processed, its committed offset stood still, and
+        nothing was logged. A batch that overlaps a seek is cut short here and the
+        partitions are sought to their committed offsets again, so that position and
+        read offset agree; the records are delivered again (at least once).
+        """
+
+        _seeks = 0
+        """Counts the starts and ends of seeks: odd while one runs."""
+
         def _new_consumer_thread(self) -> Any:
             return ConsumerThread(self, loop=self.loop, beacon=self.beacon)
+
+        async def perform_seek(self) -> None:
+            self._seeks += 1
+            try:
+                await super().perform_seek()
+            finally:
+                self._seeks += 1
+
+        # Faust calls it with a timeout; its signature is not ours to change.
+        async def getmany(self, timeout: float) -> AsyncIterator[tuple[TP, Message]]:  # noqa: ASYNC109
+            seeks = self._seeks
+            batch = cast(AsyncGenerator[tuple[TP, Message], None], super().getmany(timeout))
+            overlapped = seeks % 2 == 1  # fetched while a seek ran: before or after it?
+            try:
+                async for tp, message in batch:
+                    if self._seeks != seeks:
+                        overlapped = True
+                        break
+                    yield tp, message
+            finally:
+                await batch.aclose()
+            if overlapped:
+                # Records it fetched after the seek moved the fetch position past them;
+                # records from before it moved the read offset. Both go back. A seek
+                # that fails here is in a new rebalance, whose end seeks again (as
+                # Faust's own seek from the fetcher, it is logged, not raised).
+                try:
+                    await self._seek_back()
+                except Exception as exc:
+                    self.log.warning("seek to committed offsets after a batch failed: %r", exc)
+
+        async def _seek_back(self) -> None:
+            """Every stream partition to its committed offset, or to its start if none.
+
+            aiokafka's seek to committed leaves a partition without a commit (or
+            committed at 0) where it is, which a cut batch may have moved on; the
+            worker reads those from the earliest offset (``consumer_auto_offset_reset``).
+            """
+            await self.perform_seek()
+            uncommitted = [tp for tp in self.assignment()
+                           if not self._is_changelog_tp(tp) and not self._committed_offset.get(tp)]
+            if uncommitted:
+                # Offset 0, or the earliest there is where retention removed it.
+                await self.seek_wait({tp: 0 for tp in uncommitted})
 
     class Transport(faust_aiokafka.Transport):
         pass
