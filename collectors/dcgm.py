@@ -30,6 +30,9 @@ MIG naming, without the compute-instance part): stable across scrapes and
 restarts, unique per node. Utilisation is not reported for MIG instances,
 so MIG devices carry ``engine_active_pct`` (DCGM_FI_PROF_GR_ENGINE_ACTIVE
 x 100) and no ``util_pct``.
+
+It stays one module: the page parser, the series-to-field map and the missing-family
+check read the same dcgm-exporter names.
 """
 
 from __future__ import annotations

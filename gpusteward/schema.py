@@ -25,6 +25,9 @@ Kubernetes' limits, lists and maps within what a node can have. A record
 outside these bounds fails to decode, the reason naming the field, and goes
 to the dead-letter topic like any other malformed record. ``schema`` accepts
 only versions this build knows.
+
+It stays one module on purpose: it is the contract, every topic's payload in one place,
+so docs/topics.md and the JSON Schemas are generated from one file.
 """
 
 from __future__ import annotations

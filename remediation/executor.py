@@ -47,6 +47,9 @@ Backends are pluggable; the simulator backend acts on the fleet simulator
 and is a sandbox (nothing real changes), so per-rule enablement does not
 gate it; the Kubernetes backend lives in ``kubernetes.py``, the simulator's in
 :mod:`gpusteward.sandbox.backend`.
+
+It stays one module: guards, breaker, retries and the audit are one decision per action,
+in the order the module docstring lists.
 """
 
 from __future__ import annotations

@@ -60,6 +60,9 @@ permanent (``NotFound``, ``Conflict``, ``Invalid``); 429, 5xx, timeouts and
 refused connections are temporary, with the server's ``Retry-After`` as the
 delay. A verb lets temporary errors out, and the executor tries the whole
 verb again after a backoff; that is safe because each verb reads first.
+
+It stays one module on purpose: it is the one writer of the Kubernetes API
+(tests/test_architecture.py checks it), every verb and its RBAC in one place.
 """
 
 from __future__ import annotations

@@ -30,6 +30,9 @@ a fast path when nothing is open and no counter moved: a few comparisons.
 Samples at or before the last one seen for the device are ignored
 (duplicates, late arrivals): the counters are cumulative and the newest
 reading already holds them.
+
+It stays one module: the nine hardware rules share one per-GPU state and one call per
+sample (measured: split, the node join cost a third more).
 """
 
 from __future__ import annotations

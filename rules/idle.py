@@ -41,6 +41,9 @@ event that arrives after the first idle samples does not delay detection.
 Samples at or before the last one seen (duplicates, late arrivals) are
 ignored; a gap longer than ``max_gap_s`` restarts the run, because a window
 with no observations is not evidence of idleness.
+
+It stays one module: the rule, its ladder, keep-until and the owner notice read the same
+episode state; the notice text must say what the ladder will do.
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ What it models, and on purpose no more:
   next step) or injected directly (``xid()``, ``ecc_dbe()``, ``lose()``).
 
 The YAML format is documented by ``tests/data/nvml/*.yaml``.
+
+It stays one module: it mirrors the pynvml surface the collector calls, one method per
+NVML function, which reads best side by side.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ report) runs as the separate processes ``deploy/`` declares
 
 The world is a :class:`~gpusteward.collectors.transport.publisher.Publisher` for the
 simulator: what the simulator would have published becomes world state.
+
+It stays one module because the NVML side, the API side and the write-back share one
+clock and one step order; split, each half would need the other's internals.
 """
 
 from __future__ import annotations

@@ -47,6 +47,9 @@ I/O and are tested without a broker. Fleet rules are evaluated on the event
 time carried by the records (the latest seen), at most every
 ``evaluate_interval_s``: evaluating FGD on every one of 1,250 summaries a
 minute would be wasted work, since the measure changes slowly.
+
+It stays one module: the fleet agent's state, its single partition and the order in
+which fleet rules see summaries and queue events belong together.
 """
 
 from __future__ import annotations

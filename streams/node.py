@@ -23,6 +23,9 @@ runners that judge a holder (``per_holder``, e.g. idleness) once per holder,
 on that holder's share of the device and with state of its own
 (``DeviceState.shares``), so one busy pod neither hides nor is credited to
 another; the other runners run once on the device.
+
+It stays one module: the node's state, the pod-identity index and the loop over the
+registry's runners are one hot path; splitting it would add calls per sample.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ decides events lives on the event loop, not here.
   the previous read, go into :attr:`Reading.processes` for the collector to
   split the device between pods. On a MIG-enabled GPU they are read per MIG
   handle only: the parent's answer is the aggregate of its instances.
+
+It stays one module: every NVML call the collector makes is here, beside the fallback
+from a newer call to the one it replaces, so a driver difference is found in one place.
 """
 
 from __future__ import annotations

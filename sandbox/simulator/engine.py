@@ -10,6 +10,9 @@ Time is simulated: every tick advances ``sample_interval_s`` of event time
 and waits ``sample_interval_s / acceleration`` of wall time (no wait at
 acceleration 0). A cordon asked for by the remediation executor takes effect
 at the next tick: the scheduler places nothing new on a cordoned node.
+
+It stays one module: the simulated cluster's step (cordons, reclaims, ends, arrivals,
+faults, scheduling, samples) is one ordered loop over one state.
 """
 
 from __future__ import annotations
