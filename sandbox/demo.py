@@ -50,7 +50,6 @@ from gpusteward.schema import (
     QueueEvent,
 )
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_OVERLAY = Path("deploy/overlays/local")
@@ -269,16 +268,7 @@ async def _run(settings: Settings, cluster: SimulatedCluster, console: Console,
             with live:
                 truth = await cluster.run(world)
                 await world.settle()
-                # Drain: the worker through everything published, then the consumers
-                # through everything the worker produced.
-                node_topics = [t.name(settings) for t in (topics.SAMPLES, topics.HW_EVENTS,
-                                                          topics.ALLOCATIONS)]
-                await deployment.while_alive(processes, kafka.wait_consumed(
-                    settings, worker_group(settings), node_topics, 180))
-                for group, topic in ((f"{settings.topic_prefix}-remediation", topics.ACTIONS),
-                                     (f"{settings.topic_prefix}-alerts", topics.FINDINGS)):
-                    await deployment.while_alive(processes, kafka.wait_consumed(
-                        settings, group, [topic.name(settings)], 120))
+                await deployment.drain(settings, processes)
                 refresh(cluster)
         state.findings = [msgspec.json.decode(r.value or b"", type=Finding) for r in
                           await kafka.read_all(settings, topics.FINDINGS.name(settings))]

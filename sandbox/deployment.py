@@ -42,8 +42,10 @@ from unittest import mock
 
 import yaml
 
+from gpusteward import kafka, topics
 from gpusteward.children import die_with_parent, stop_child
 from gpusteward.settings import Settings
+from gpusteward.streams.app import worker_group
 
 Obj = dict[str, Any]
 
@@ -363,6 +365,30 @@ async def while_alive(processes: list[Process], waiting: Awaitable[None]) -> Non
         task.result()
     finally:
         task.cancel()
+
+
+CONSUMERS: dict[str, tuple[str, topics.TopicSpec]] = {
+    "remediation": ("remediation", topics.ACTIONS),
+    "alerts": ("alerts", topics.FINDINGS),
+    "rollup-sink": ("rollup-sink", topics.ROLLUPS),
+    "queue-sink": ("queue-sink", topics.QUEUE),
+}
+"""A deployed consumer's component -> its consumer group's suffix and the topic it reads."""
+
+
+async def drain(settings: Settings, processes: list[Process], timeout_s: float = 180) -> None:
+    """Wait until the worker has consumed everything published to the node topics, then
+    each started consumer everything the worker produced; fail when a process dies."""
+    node_topics = [spec.name(settings) for spec in (topics.SAMPLES, topics.HW_EVENTS,
+                                                     topics.ALLOCATIONS)]
+    await while_alive(processes, kafka.wait_consumed(
+        settings, worker_group(settings), node_topics, timeout_s))
+    for component in dict.fromkeys(p.launch.component for p in processes):
+        if component in CONSUMERS:
+            suffix, topic = CONSUMERS[component]
+            await while_alive(processes, kafka.wait_consumed(
+                settings, f"{settings.topic_prefix}-{suffix}", [topic.name(settings)],
+                timeout_s))
 
 
 def start(manifests: Manifests, components: list[str], local: Local

@@ -40,7 +40,6 @@ from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import GroundTruth, PodRecord, SimulatedCluster
 from gpusteward.sandbox.world import World
 from gpusteward.schema import Action, ActionResult, Finding, NodeSample
-from gpusteward.streams.app import worker_group
 from tests.e2e.test_faulty_fleet import _expected, _key
 
 pytestmark = pytest.mark.e2e
@@ -88,19 +87,7 @@ async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
         async with world:
             truth = await cluster.run(world)
             await world.settle()
-            node_topics = [t.name(settings) for t in (topics.SAMPLES, topics.HW_EVENTS,
-                                                      topics.ALLOCATIONS)]
-            await deployment.while_alive(processes, kafka.wait_consumed(
-                settings, worker_group(settings), node_topics, 180))
-            await deployment.while_alive(processes, kafka.wait_consumed(
-                settings, f"{settings.topic_prefix}-remediation",
-                [topics.ACTIONS.name(settings)], 120))
-            await deployment.while_alive(processes, kafka.wait_consumed(
-                settings, f"{settings.topic_prefix}-alerts", [topics.FINDINGS.name(settings)],
-                120))
-            await deployment.while_alive(processes, kafka.wait_consumed(
-                settings, f"{settings.topic_prefix}-rollup-sink",
-                [topics.ROLLUPS.name(settings)], 120))
+            await deployment.drain(settings, processes)
             cordoned = {n["metadata"]["name"] for n in world.api.objects("Node")
                         if n["spec"].get("unschedulable")}
             metrics = {process.launch.component: _scrape(process.launch) for process in processes}
