@@ -19,9 +19,10 @@ import asyncio
 import contextlib
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -85,6 +86,14 @@ async def _finish(settings: Settings, truth: GroundTruth) -> harness.Score:
     return harness.score(truth, findings, actions)
 
 
+def _experiment(tmp_path: Path, main: Callable[[EmbeddedBroker], Coroutine[Any, Any, Row]]) -> Row:
+    """Run one experiment on a broker of its own; its row joins the printed table."""
+    with EmbeddedBroker(log_path=tmp_path / "tansu.log") as broker:
+        row = asyncio.run(main(broker))
+    ROWS.append(row)
+    return row
+
+
 def _assert_clean(score: harness.Score) -> None:
     assert score.clean, score
 
@@ -120,10 +129,7 @@ def test_crash_loop(tmp_path: Path) -> None:
                    f"max {max(readies):.1f} s", before, after,
                    f"{len(readies)} kills; drained {behind:.0f} s after the run")
 
-    with EmbeddedBroker(log_path=tmp_path / "tansu.log") as broker:
-        row = asyncio.run(main(broker))
-    ROWS.append(row)
-    _assert_clean(row.score or harness.Score())
+    _assert_clean(_experiment(tmp_path, main).score or harness.Score())
 
 
 def test_scale_out(tmp_path: Path) -> None:
@@ -164,10 +170,7 @@ def test_scale_out(tmp_path: Path) -> None:
                    f"join {after_join:.1f} s", before, after,
                    f"stalled {frozen_for:.0f} s; drained {behind:.0f} s after the run")
 
-    with EmbeddedBroker(log_path=tmp_path / "tansu.log") as broker:
-        row = asyncio.run(main(broker))
-    ROWS.append(row)
-    _assert_clean(row.score or harness.Score())
+    _assert_clean(_experiment(tmp_path, main).score or harness.Score())
 
 
 def test_broker_frozen_for_a_minute(tmp_path: Path) -> None:
@@ -201,10 +204,7 @@ def test_broker_frozen_for_a_minute(tmp_path: Path) -> None:
                    f"worker {'alive' if alive else 'restarted'}; drained {behind:.0f} s "
                    "after the run")
 
-    with EmbeddedBroker(log_path=tmp_path / "tansu.log") as broker:
-        row = asyncio.run(main(broker))
-    ROWS.append(row)
-    _assert_clean(row.score or harness.Score())
+    _assert_clean(_experiment(tmp_path, main).score or harness.Score())
 
 
 def test_broker_killed_and_restarted_empty(tmp_path: Path) -> None:
@@ -238,6 +238,4 @@ def test_broker_killed_and_restarted_empty(tmp_path: Path) -> None:
                    f"exit {code} after {noticed:.1f} s; restart ready {ready:.1f} s",
                    before, after, "memory-only: all topics, records, offsets, tables lost")
 
-    with EmbeddedBroker(log_path=tmp_path / "tansu.log") as broker:
-        row = asyncio.run(main(broker))
-    ROWS.append(row)
+    _experiment(tmp_path, main)
