@@ -93,7 +93,12 @@ def node_for(event: NodeInventory) -> dict[str, Any]:
         labels["nvidia.com/gpu.product"] = event.gpu_product.replace(" ", "-")
     if event.spot:
         labels["karpenter.sh/capacity-type"] = "spot"
-    node = gpu_node(event.node, event.gpu_count, labels=labels)
+    if event.gpu_replicas > 1:
+        # As the GPU Operator labels a node whose device plugin shares its GPUs; the
+        # capacity is then the replicas, gpu.count the physical GPUs.
+        labels["nvidia.com/gpu.replicas"] = str(event.gpu_replicas)
+        labels["nvidia.com/gpu.sharing-strategy"] = event.gpu_sharing or "time-slicing"
+    node = gpu_node(event.node, event.gpu_count * event.gpu_replicas, labels=labels)
     if event.unschedulable:
         node["spec"]["unschedulable"] = True
     return node

@@ -9,6 +9,12 @@ sources read, and lets the production readers read it:
   PodResources gRPC server on a unix socket (pods by namespace and name, no
   uid, as a kubelet answers), and the production
   :class:`~gpusteward.collectors.nvml.NvmlCollector` reading both;
+- on a shared GPU (time-slicing or MPS replicas), one process per pod in the
+  fake NVML (an MPS client under MPS) with the pod's own memory and SM
+  utilisation, its ``/proc/<pid>/cgroup`` under a host /proc of the world's
+  (containerd under the systemd driver, cgroup v2, as on most nodes), and one
+  replica device id per pod (``<uuid>::<n>``) at the kubelet: the collector
+  splits the GPU between its pods as it does on a real node;
 - the Kubernetes API-server double holding the Nodes and Pods a real cluster
   would hold, and the production
   :class:`~gpusteward.collectors.kubernetes.KubeWatcher` listing and
@@ -36,9 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +62,7 @@ from gpusteward.rules.mig import geometry
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_mirror import KubeMirrorPublisher
 from gpusteward.sandbox.kubelet import Assignment, KubeletPodResources
-from gpusteward.sandbox.nvml_fake import FakeGpu, FakeMig, FakeNvml
+from gpusteward.sandbox.nvml_fake import FakeGpu, FakeMig, FakeNvml, FakeProcess
 from gpusteward.schema import (
     AllocationEvent,
     DeviceSample,
@@ -132,9 +140,14 @@ class NodeGpus:
     """One simulated node's GPUs, its kubelet socket and the NVML collector reading them."""
 
     def __init__(self, node: SimNode, socket_dir: Path, publisher: Publisher,
-                 cluster: SimulatedCluster) -> None:
+                 cluster: SimulatedCluster, proc_root: Path, pid_numbers: Iterator[int]) -> None:
         self.name = node.name
         self.nvml = FakeNvml({"gpus": [fake_gpu(gpu) for gpu in node.gpus]})
+        self.proc_root = proc_root
+        self.pid_numbers = pid_numbers
+        """Host pids, shared by the world's nodes: one /proc holds them all."""
+        self._pids: dict[tuple[str, str, str], int] = {}
+        """(GPU uuid, namespace, pod) -> the pid of the pod's process on the GPU."""
         self.assignments: list[Assignment] = []
         self.kubelet = KubeletPodResources(socket_dir / f"{node.name}.sock",
                                            lambda: self.assignments)
@@ -149,7 +162,7 @@ class NodeGpus:
             # the kubelet is asked on every tick: pods change between two ticks
             pod_resources_refresh_s=0.0,
             pod_resources_max_age_s=cluster.scenario.sample_interval_s * 4,
-            clock=self._clock)
+            proc_root=str(proc_root), clock=self._clock)
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -221,12 +234,50 @@ class NodeGpus:
                 gpu.lost = True
                 continue
             _set_gpu(gpu, device)
+            gpu.processes = self._processes(device)
             assignments += _assignment(device, "nvidia.com/gpu")
         self.assignments = assignments
         await self.collector.tick()
 
 
+    def _processes(self, device: DeviceSample) -> list[FakeProcess]:
+        """The pods' processes on a shared GPU, each with its cgroup under the world's /proc.
+
+        Only shared GPUs get processes: a GPU one pod holds is credited by PodResources
+        alone, and a fleet of them costs no process calls or /proc reads per tick.
+        """
+        out = []
+        for share in device.holders:
+            pod = share.pod
+            if pod is None:
+                continue
+            key = (device.uuid, pod.namespace, pod.name)
+            pid = self._pids.get(key)
+            if pid is None:
+                pid = self._pids[key] = next(self.pid_numbers)
+                uid = self.cluster.pod_uid(pod.namespace, pod.name)
+                folder = self.proc_root / str(pid)
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / "cgroup").write_text(_cgroup(uid, pid))
+            out.append(FakeProcess(
+                pid=pid, mem_used=share.mem_used_bytes,
+                sm_util=None if share.activity_pct is None else round(share.activity_pct),
+                mps=share.mps))
+        return out
+
+
+def _cgroup(pod_uid: str, pid: int) -> str:
+    """A container process's /proc/<pid>/cgroup: cgroup v2, systemd driver, containerd."""
+    return ("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod"
+            f"{pod_uid.replace('-', '_')}.slice/cri-containerd-{pid:064x}.scope\n")
+
+
 def _assignment(device: DeviceSample, resource: str) -> list[Assignment]:
+    if len(device.holders) > 1:
+        # A shared GPU: one replica each, named as the device plugin names replicas.
+        return [Assignment(share.pod.namespace, share.pod.name, "main", resource,
+                           f"{device.uuid}::{n}")
+                for n, share in enumerate(device.holders) if share.pod is not None]
     pod = device.pod
     if pod is None:
         return []
@@ -272,8 +323,11 @@ class World:
         self.api = KubeApiServer(bookmark_interval_s=0.2)
         self.api.record_requests = False  # a run makes thousands; nobody reads them
         self.mirror = KubeMirrorPublisher(self, self.api, cluster)
-        self.nodes = {name: NodeGpus(node, self.socket_dir, publisher, cluster)
-                      for name, node in cluster.nodes.items()}
+        self.proc_root = self.socket_dir / "proc"
+        """The nodes' host /proc (each pid unique in the world)."""
+        pids = itertools.count(40_000)
+        self.nodes = {name: NodeGpus(node, self.socket_dir, publisher, cluster, self.proc_root,
+                                     pids) for name, node in cluster.nodes.items()}
         self.kubeconfig = self.api.write_kubeconfig(workdir / "kubeconfig")
         """Written at once, so processes can be started before the world (and gRPC) is."""
         self.watcher: KubeWatcher | None = None

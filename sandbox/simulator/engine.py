@@ -30,6 +30,7 @@ from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.rules.budget import mig_gpus
 from gpusteward.sandbox.simulator.scenario import Fault, Phase, Scenario, WorkloadGroup
 from gpusteward.schema import (
+    DeviceHolder,
     DeviceSample,
     HwEvent,
     NodeInventory,
@@ -131,6 +132,20 @@ class ReclaimRecord(msgspec.Struct):
         return self.gpus * max(0.0, self.would_hold_until - self.ts) / 3600
 
 
+class LeakRecord(msgspec.Struct):
+    """A pod whose GPU memory grows steadily, and when its device runs out at that rate."""
+
+    namespace: str
+    pod: str
+    node: str
+    device: str
+    growth_bytes_per_s: float
+    exhausted_at: float
+    """When the device's used memory reaches its total at this growth, the other holders'
+    memory staying as it was at the end (Unix seconds): a finding at ``ts`` projects
+    ``exhausted_at - ts``."""
+
+
 class GroundTruth(msgspec.Struct):
     """What the simulator did, for tests and the demo summary."""
 
@@ -152,6 +167,8 @@ class GroundTruth(msgspec.Struct):
     gangs: dict[str, int] = {}
     """namespace/JobSet name -> members, of every gang in the scenario (its members are the
     pods whose ``gang`` names it)."""
+    leaks: list[LeakRecord] = []
+    """Pods whose memory grows (``mem_growth_gib_per_h``), on a single device each."""
 
 
 def _uuid(seed: int, *parts: object) -> str:
@@ -166,6 +183,13 @@ class SimMig:
     profile: str
     gpu_instance_id: int
     holder: Workload | None = None
+
+    def take(self, workload: Workload) -> None:
+        self.holder = workload
+
+    def release(self, workload: Workload) -> None:
+        if self.holder is workload:
+            self.holder = None
 
 
 @dataclass
@@ -185,6 +209,23 @@ class SimGpu:
     remap_failure: bool = False
     mig: list[SimMig] = field(default_factory=list)
     """Its MIG devices; a partitioned GPU is never handed out whole."""
+    replicas: int = 1
+    """Pods it is advertised to (time-slicing or MPS replicas); above 1 its pods are
+    ``sharers``, never ``holder``."""
+    sharers: list[Workload] = field(default_factory=list)
+    """The pods holding a replica of a shared GPU, in placement order."""
+
+    def take(self, workload: Workload) -> None:
+        if self.replicas > 1:
+            self.sharers.append(workload)
+        else:
+            self.holder = workload
+
+    def release(self, workload: Workload) -> None:
+        if workload in self.sharers:
+            self.sharers.remove(workload)
+        if self.holder is workload:
+            self.holder = None
 
 
 @dataclass
@@ -192,13 +233,19 @@ class SimNode:
     name: str
     gpus: list[SimGpu]
     spot: bool
+    group: str = ""
+    """The node group's prefix (a workload's ``node_group`` selects it)."""
+    sharing: str | None = None
+    """time-slicing or mps when its GPUs have replicas."""
     cordoned: bool = False
     taints: list[Taint] = field(default_factory=list)
     gone: bool = False
     """Reclaimed (spot): no samples, no scheduling."""
 
     def free(self) -> list[SimGpu]:
-        return [g for g in self.gpus if g.holder is None and not g.mig]
+        """Whole GPUs with a free replica (a GPU that is not shared has one)."""
+        return [g for g in self.gpus
+                if g.holder is None and not g.mig and len(g.sharers) < g.replicas]
 
     def free_mig(self, profile: str) -> list[SimMig]:
         return [m for g in self.gpus for m in g.mig if m.holder is None and m.profile == profile]
@@ -243,6 +290,14 @@ class Workload:
         low, high = self.phase_at(since_start).util
         return round(self.rng.uniform(low, high), 1)
 
+    @property
+    def growth_bytes_per_s(self) -> float:
+        return self.spec.mem_growth_gib_per_h * GIB / 3600
+
+    def memory(self, since_start: float) -> int:
+        """GPU memory it uses ``since_start`` seconds after it started (bytes)."""
+        return self.mem_bytes + int(self.growth_bytes_per_s * since_start)
+
 
 def _draw(rng: random.Random, bounds: tuple[float, float]) -> float:
     return rng.uniform(*bounds) if bounds[0] != bounds[1] else bounds[0]
@@ -264,10 +319,13 @@ class SimulatedCluster:
                     SimGpu("GPU-" + _uuid(scenario.seed, name, g), g, group.gpu_model,
                            int(group.mem_gib * GIB),
                            mig=[SimMig("MIG-" + _uuid(scenario.seed, name, g, i), profile, i + 1)
-                                for i, profile in enumerate(group.mig_layout)])
+                                for i, profile in enumerate(group.mig_layout)],
+                           replicas=group.replicas)
                     for g in range(group.gpus)
                 ]
-                self.nodes[name] = SimNode(name, gpus, group.spot)
+                self.nodes[name] = SimNode(
+                    name, gpus, group.spot, group=group.prefix,
+                    sharing=group.sharing if group.replicas > 1 else None)
         self.gangs: dict[str, int] = {}
         """namespace/JobSet name -> members, for the gangs' events and the truth."""
         self.workloads = self._make_workloads()
@@ -326,6 +384,13 @@ class SimulatedCluster:
         """End the running pod ``namespace/name`` at the next tick: its owner gave it up."""
         self._reclaim_requests.append((namespace, name, reason))
 
+    def pod_uid(self, namespace: str, name: str) -> str:
+        """The uid of a placed pod (the world writes it into its processes' cgroups)."""
+        for workload in (*self.running, *self.finished):
+            if (workload.namespace, workload.name) == (namespace, name):
+                return workload.uid
+        raise KeyError(f"{namespace}/{name} is not a placed pod")
+
     def notify(self, pod: PodRef, message: str) -> None:
         self.truth.notified.append(f"{pod.namespace}/{pod.name}")
 
@@ -379,7 +444,7 @@ class SimulatedCluster:
         """A running pod ends (finished, or deleted with its node): its GPUs are free."""
         workload.ended_at = now
         for gpu in workload.devices:
-            gpu.holder = None
+            gpu.release(workload)
         self.running.remove(workload)
         self.finished.append(workload)
         await publisher.allocation(self._pod_event(workload, phase, now))
@@ -501,13 +566,16 @@ class SimulatedCluster:
     async def _schedule(self, publisher: Publisher, now: float) -> None:
         for workload in list(self.queue):
             for node in self.nodes.values():
+                wanted = workload.spec.node_group
+                if wanted is not None and node.group != wanted:
+                    continue
                 devices = self._fit(node, workload.spec)
                 if node.cordoned or node.taints or node.gone or devices is None:
                     continue
                 workload.node, workload.devices = node, devices
                 workload.started_at = now
                 for gpu in workload.devices:
-                    gpu.holder = workload
+                    gpu.take(workload)
                 self.queue.remove(workload)
                 self.running.append(workload)
                 await publisher.queue(self._queue_event(workload, "admitted", now))
@@ -534,13 +602,16 @@ class SimulatedCluster:
         # As the device plugin's mixed strategy advertises them: partitioned GPUs only as
         # their MIG devices, by profile.
         whole = sum(1 for g in node.gpus if not g.mig)
-        allocatable = {"nvidia.com/gpu": whole}
+        replicas = node.gpus[0].replicas
+        # Shared GPUs are advertised once per replica; gpu_count stays the physical GPUs.
+        allocatable = {"nvidia.com/gpu": whole * replicas}
         for mig in (m for g in node.gpus for m in g.mig):
             resource = f"nvidia.com/mig-{mig.profile}"
             allocatable[resource] = allocatable.get(resource, 0) + 1
         return NodeInventory(
             ts=self.now, node=node.name, gpu_product=node.gpus[0].model,
-            gpu_count=whole, allocatable=allocatable,
+            gpu_count=whole, allocatable=allocatable, gpu_replicas=replicas,
+            gpu_sharing=node.sharing,
             mig_strategy="mixed" if whole < len(node.gpus) else None,
             unschedulable=node.cordoned, spot=node.spot, deleted=node.gone,
             taints=([Taint("node.kubernetes.io/unschedulable", "NoSchedule")] if node.cordoned
@@ -580,9 +651,15 @@ class SimulatedCluster:
                 devices += [self._mig_sample(gpu, mig, now) for mig in gpu.mig]
                 continue
             holder = gpu.holder
-            if holder is not None and holder.started_at is not None:
+            holders: list[DeviceHolder] = []
+            if gpu.replicas > 1:
+                holders = self._shares(node, gpu, now)
+                util = min(100.0, round(sum(h.activity_pct or 0.0 for h in holders), 1))
+                mem = sum(h.mem_used_bytes or 0 for h in holders)
+                holder = gpu.sharers[0] if gpu.sharers else None
+            elif holder is not None and holder.started_at is not None:
                 util = holder.utilisation(now - holder.started_at)
-                mem = holder.mem_bytes
+                mem = holder.memory(now - holder.started_at)
             else:
                 util, mem = 0.0, 0
             gpu.last_util = util
@@ -596,9 +673,19 @@ class SimulatedCluster:
                 sm_clock_mhz=1410 if util > 0 else 210, clock_event_reasons=reasons,
                 ecc_sbe_volatile=gpu.sbe, ecc_dbe_volatile=gpu.dbe, pcie_replay=gpu.pcie_replay,
                 nvlink_errors=gpu.nvlink_errors, remap_failure=gpu.remap_failure,
-                remap_pending=False, pod=self._attributed(holder),
+                remap_pending=False, pod=self._attributed(holder), holders=holders,
+                attribution="process" if holders else None,
             ))
         return NodeSample(ts=now, node=node.name, source="simulator", devices=devices)
+
+    def _shares(self, node: SimNode, gpu: SimGpu, now: float) -> list[DeviceHolder]:
+        """Each pod's own activity and memory on a shared GPU, as per-process attribution
+        reads them (one process per pod)."""
+        return [DeviceHolder(pod=self._attributed(pod), processes=1,
+                             activity_pct=pod.utilisation(now - pod.started_at),
+                             mem_used_bytes=pod.memory(now - pod.started_at),
+                             mps=node.sharing == "mps")
+                for pod in gpu.sharers if pod.started_at is not None]
 
     def _attributed(self, holder: Workload | None) -> PodRef | None:
         if holder is None:
@@ -609,7 +696,8 @@ class SimulatedCluster:
         """A MIG device reads engine activity, not GPU utilisation (not reported on MIG)."""
         holder = mig.holder
         if holder is not None and holder.started_at is not None:
-            activity, mem = holder.utilisation(now - holder.started_at), holder.mem_bytes
+            activity = holder.utilisation(now - holder.started_at)
+            mem = holder.memory(now - holder.started_at)
         else:
             activity, mem = 0.0, 0
         return DeviceSample(
@@ -661,11 +749,29 @@ class SimulatedCluster:
                 gang=(f"{workload.namespace}/{workload.spec.group}" if workload.spec.gang
                       else None),
                 team=workload.spec.labels.get("team"),
-                gpus=mig_gpus(workload.spec.mig) if workload.spec.mig else workload.spec.gpus,
+                gpus=(mig_gpus(workload.spec.mig) if workload.spec.mig
+                      else workload.spec.gpus / workload.node.gpus[0].replicas),
             ))
+        truth.leaks = [self._leak(w) for w in sorted(placed, key=lambda w: w.name)
+                       if w.spec.mem_growth_gib_per_h > 0 and len(w.devices) == 1
+                       and isinstance(w.devices[0], SimGpu)]
         truth.pending = sorted(f"{w.namespace}/{w.name}" for w in self.queue)
         truth.pending_since = {f"{w.namespace}/{w.name}": w.arrive for w in self.queue}
         return truth
+
+    def _leak(self, workload: Workload) -> LeakRecord:
+        """When the leaking pod's device fills up: its neighbours' memory as at the end."""
+        assert workload.node is not None and workload.started_at is not None
+        (device,) = workload.devices
+        assert isinstance(device, SimGpu)
+        others = sum(w.memory(self.now - w.started_at) for w in device.sharers
+                     if w is not workload and w.started_at is not None)
+        total = device.mem_total
+        rate = workload.growth_bytes_per_s
+        return LeakRecord(
+            namespace=workload.namespace, pod=workload.name, node=workload.node.name,
+            device=device.uuid, growth_bytes_per_s=rate,
+            exhausted_at=workload.started_at + (total - others - workload.mem_bytes) / rate)
 
     def _idle_periods(self, workload: Workload, end: float) -> list[IdlePeriod]:
         assert workload.node is not None and workload.started_at is not None

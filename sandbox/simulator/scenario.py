@@ -34,6 +34,13 @@ class NodeGroup(BaseModel):
         description="MIG profiles per GPU (e.g. [3g.40gb, 3g.40gb]); empty for whole GPUs.",
     )
     spot: bool = False
+    replicas: int = Field(
+        1, ge=1, le=64, description="Pods each GPU is advertised to (the device plugin's "
+        "sharing replicas, GPU Operator label nvidia.com/gpu.replicas); 1: not shared.")
+    sharing: Literal["time-slicing", "mps"] = Field(
+        "time-slicing", description="How replicas share a GPU (label "
+        "nvidia.com/gpu.sharing-strategy): time-slicing, or MPS, whose pods run as MPS "
+        "clients of one server context.")
 
 
 class Phase(BaseModel):
@@ -60,6 +67,12 @@ class WorkloadGroup(BaseModel):
     arrive_s: Range = (0.0, 0.0)
     duration_s: Range | None = Field(None, description="None = runs until the scenario ends.")
     mem_gib: Range = (10.0, 40.0)
+    mem_growth_gib_per_h: float = Field(
+        0.0, ge=0, description="GPU memory the pod adds every hour from its start, steadily "
+        "(a leak: tensors kept alive, a growing cache); 0: its memory stays as drawn.")
+    node_group: str | None = Field(
+        None, description="Prefix of the node group the workloads must run on (a "
+        "nodeSelector); None: any node that fits.")
     phases: list[Phase] = Field(min_length=1)
     repeat: bool = Field(False, description="Cycle through the phases instead of ending idle.")
     gang: bool = Field(
@@ -151,6 +164,11 @@ class Scenario(BaseModel):
         for fault in self.faults:
             if fault.node not in names:
                 raise ValueError(f"fault on unknown node {fault.node!r}")
+        prefixes = {g.prefix for g in self.nodes}
+        for workload in self.workloads:
+            if workload.node_group is not None and workload.node_group not in prefixes:
+                raise ValueError(f"workload group {workload.group!r} asks for unknown node "
+                                 f"group {workload.node_group!r}")
         return self
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
-from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
+from gpusteward.schema import AllocationEvent, HwEvent, NodeInventory, NodeSample, QueueEvent
 
 
 class Recorder:
@@ -94,3 +94,38 @@ def test_bad_scenario_file_names_the_field(tmp_path: Path) -> None:
 def test_unknown_builtin_lists_the_known_ones() -> None:
     with pytest.raises(scenarios.ScenarioError, match="eight-a100"):
         scenarios.load("no-such-scenario")
+
+
+def test_shared_gpus_tell_their_story() -> None:
+    """Replicas of one GPU hold several pods, each with its own activity and memory; the
+    node advertises replicas and counts physical GPUs; a leak's truth is its exhaustion."""
+    spec = scenarios.load("shared-gpus").model_copy(update={"acceleration": 0.0})
+    recorder = Recorder()
+    truth = asyncio.run(SimulatedCluster(spec).run(recorder))
+    decoded = [(t, r) for t, r in recorder.records if t in ("samples", "alloc")]
+    samples = [msgspec.json.decode(r, type=NodeSample) for t, r in decoded if t == "samples"]
+    inventory = {i.node: i for i in (msgspec.json.decode(r, type=AllocationEvent)
+                                     for t, r in decoded if t == "alloc")
+                 if isinstance(i, NodeInventory)}
+    sliced = inventory["ts-1"]
+    assert (sliced.gpu_count, sliced.allocatable["nvidia.com/gpu"], sliced.gpu_replicas,
+            sliced.gpu_sharing) == (2, 8, 4, "time-slicing")
+    assert inventory["mps-1"].gpu_sharing == "mps"
+    last = {s.node: s for s in samples}
+    first_gpu = last["ts-1"].devices[0]
+    assert len(first_gpu.holders) == 4 and first_gpu.attribution == "process"
+    assert first_gpu.util_pct == pytest.approx(
+        min(100.0, sum(h.activity_pct or 0 for h in first_gpu.holders)), abs=0.1)
+    assert first_gpu.mem_used_bytes == sum(h.mem_used_bytes or 0 for h in first_gpu.holders)
+    assert all(h.mps for h in last["mps-1"].devices[0].holders)
+    shares = {p.pod: p.gpus for p in truth.pods}
+    assert set(shares.values()) == {0.25}
+    (leak,) = truth.leaks
+    leaky = [h for s in samples if s.node == "mps-1" for d in s.devices for h in d.holders
+             if h.pod is not None and h.pod.name == leak.pod]
+    growth = (leaky[-1].mem_used_bytes or 0) - (leaky[0].mem_used_bytes or 0)
+    assert growth == pytest.approx(leak.growth_bytes_per_s * (len(leaky) - 1) * 30, rel=1e-3)
+    device = last["mps-1"].devices[0]
+    assert device.mem_total_bytes is not None and device.mem_used_bytes is not None
+    left_s = (device.mem_total_bytes - device.mem_used_bytes) / leak.growth_bytes_per_s
+    assert leak.exhausted_at - last["mps-1"].ts == pytest.approx(left_s, rel=1e-3)
