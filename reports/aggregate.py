@@ -32,6 +32,9 @@ class MinuteRollups:
         self.fold = fold.MinuteFold(lateness_s, geometries)
         self.team_labels = tuple(team_labels)
         self.pods: dict[tuple[str, str], fold.Attribution] = {}
+        self.uids: dict[str, fold.Attribution] = {}
+        """Pod uid -> its attribution: the holders of a shared device the collector found by
+        their processes' cgroup go by uid alone."""
         self.nodes: dict[str, fold.RollupTrack] = {}
 
     @property
@@ -44,11 +47,14 @@ class MinuteRollups:
             key = (event.pod.namespace, event.pod.name)
             if event.phase == "deleted":
                 self.pods.pop(key, None)
+                self.uids.pop(event.pod.uid or "", None)
             else:
-                self.pods[key] = fold.attribution(
+                who = self.pods[key] = fold.attribution(
                     event.pod, labels=event.labels, owner_kind=event.owner_kind,
                     owner_name=event.owner_name, workload_kind=event.workload_kind,
                     queue=event.queue, team_labels=self.team_labels)
+                if event.pod.uid:
+                    self.uids[event.pod.uid] = who
 
     def _who(self, pod: PodRef | None) -> fold.Attribution | None:
         if pod is None:
@@ -63,6 +69,12 @@ class MinuteRollups:
             self.fold.late(track, len(sample.devices))
             return []
         for device in sample.devices:
+            if len(device.holders) > 1:  # shared: a row per holder, each with its share
+                for share in device.holders:
+                    who = (self._who(share.pod) if share.pod is not None
+                           else self.uids.get(share.pod_uid or ""))
+                    self.fold.add_share(bucket, device, share, sample.ts, who)
+                continue
             self.fold.add(bucket, device, sample.ts, self._who(device.pod))
         return self.fold.advance(track, sample.node, sample.ts)
 

@@ -64,6 +64,8 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     teams = tables.teams
     totals = {
         "devices": tables.devices["uuid"].n_unique(),
+        # Physical GPUs: a time-sliced GPU's holders share its uuid, a MIG device its parent's.
+        "gpus": tables.gpus["gpu"].n_unique(),
         "nodes": tables.devices["node"].n_unique(),
         "device_minutes": tables.device_minutes,
         **{c: float(teams[c].sum()) for c in ("allocated_gpu_hours", "used_gpu_hours",

@@ -186,7 +186,7 @@ def _bounds(day: date) -> tuple[float, float]:
 
 def slices(directory: Path, start: float, end: float, columns: list[str],
            rows: int = 2_000_000, categorical: bool = True) -> Iterator[pl.DataFrame]:
-    """The rollups of [start, end), a few hours at a time, one row per (device, minute).
+    """The rollups of [start, end), a few hours at a time, one row per (device, minute, pod).
 
     Each slice holds whole minutes, so every redelivered copy of a row lands in
     the slice of its original and is dropped there. A slice spans as many hours
@@ -221,25 +221,41 @@ def slices(directory: Path, start: float, end: float, columns: list[str],
             slice_start = slice_end
 
 
+ROW_NAME = ("uuid", "ts", "namespace", "pod")
+"""What names a rollup row: device, minute and holding pod (a shared GPU has a row per
+holder). Readers keep the first row of each name."""
+
+
+def _name(columns: Iterable[str]) -> list[str]:
+    """The row name's columns among ``columns`` (a narrow read without the pod columns
+    names rows by device and minute, as before GPUs had a row per holder)."""
+    present = set(columns)
+    return [c for c in ROW_NAME if c in present]
+
+
 def _distinct(rows: pl.DataFrame, start: float) -> pl.DataFrame:
-    """``rows`` with each (uuid, ts) once.
+    """``rows`` with each name (device, minute, pod) once.
 
     Counting distinct keys is a quarter of the cost of marking the first of each,
     and a store rarely holds a redelivered row: count first. The count's key (the
-    uuid's category code and whole seconds since ``start``) is equal for equal
-    rows, so a redelivery is never missed; a rare false alarm costs the exact pass.
+    uuid's category code and whole seconds since ``start``, then the pod's code
+    beside it where shared GPUs give a device several rows a minute) is equal for
+    equal rows, so a redelivery is never missed; a rare false alarm costs the exact pass.
     """
     if rows.schema["uuid"] == pl.Categorical:
         key = (pl.col("uuid").to_physical().cast(pl.UInt64) * (1 << 32)
                + (pl.col("ts") - start).cast(pl.UInt64))
         if rows.select(key.n_unique()).item() == rows.height:
             return rows
-    return rows.filter(pl.struct("uuid", "ts").is_first_distinct())
+        if rows.schema.get("pod") == pl.Categorical and rows.select(
+                pl.struct(key, pl.col("pod").to_physical()).n_unique()).item() == rows.height:
+            return rows
+    return rows.filter(pl.struct(_name(rows.columns)).is_first_distinct())
 
 
 def scan(directory: Path, start: float, end: float, columns: list[str] | None = None,
          categorical: bool = False) -> pl.LazyFrame:
-    """Rollups with ``start <= ts < end``, one row per (device, minute).
+    """Rollups with ``start <= ts < end``, one row per (device, minute, holding pod).
 
     Name the ``columns`` you need: the de-duplication has to read every column
     it keeps, so a narrow scan is several times faster. ``categorical`` reads the
@@ -251,10 +267,12 @@ def scan(directory: Path, start: float, end: float, columns: list[str] | None = 
     paths = files(directory, start, end)
     if not paths:
         return pl.LazyFrame(schema=types)
-    return (pl.scan_parquet(paths, schema=SCHEMA).select(wanted).cast(types)  # type: ignore[arg-type]
+    return (pl.scan_parquet(paths, schema=SCHEMA)
+            .select(list(dict.fromkeys([*wanted, *ROW_NAME])))
+            .cast(types)  # type: ignore[arg-type]
             .filter((pl.col("ts") >= start) & (pl.col("ts") < end))
             # Several times faster than unique(subset=...) on polars 2.1, same rows kept.
-            .filter(pl.struct("uuid", "ts").is_first_distinct()))
+            .filter(pl.struct(list(ROW_NAME)).is_first_distinct()).select(wanted))
 
 
 def scan_queue(directory: Path, start: float, end: float) -> pl.DataFrame:

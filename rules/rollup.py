@@ -19,6 +19,20 @@ worker's node join knows the pod's owner, labels and queue from the
 watcher's allocations); the last attribution seen in a minute is the
 minute's. The per-sample work is a handful of additions per device: the
 worker folds every sample of the fleet.
+
+A device several pods hold (time-slicing or MPS replicas) gives one row per
+holder (:meth:`MinuteFold.add_share`), so the report credits each pod with
+its share and not the first pod with the whole GPU: ``gpu_fraction`` is the
+holder's share of the device (the device's fraction split evenly between
+the pods holding it that minute: allocated GPU-hours still add up to the
+physical GPU), memory is the holder's own where the source split it, and
+``util_*`` is the holder's activity relative to its share. With per-process
+attribution that is its own SM utilisation times the holders (a notebook
+using 30 % of a GPU shared four ways reads 120 %: it used more than its
+quarter, as time-slicing lets it), so used GPU-hours (share x util) are its
+own; where the source cannot split, each holder reads the device's
+activity, so the device's used GPU-hours are spread evenly. Rows are named
+by (device, minute, pod).
 """
 
 from __future__ import annotations
@@ -29,7 +43,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from gpusteward.rules.mig import geometry as mig_geometry
-from gpusteward.schema import DeviceSample, PodRef, Rollup
+from gpusteward.schema import DeviceHolder, DeviceSample, PodRef, Rollup
 
 MINUTE = 60
 THROTTLE_MASK = 0x8 | 0x20 | 0x40 | 0x80
@@ -127,6 +141,11 @@ class Minute(msgspec.Struct, array_like=True):
     dbe_max: int | None = None
     xids: int = 0
     who: Attribution | None = None
+    holders: int = 1
+    """Pods sharing the device at the latest reading (a holder's row: its share is 1/n)."""
+    split: bool = False
+    """The readings are the holder's own (per-process attribution): its activity is scaled
+    to its share."""
 
 
 class RollupTrack(msgspec.Struct):
@@ -168,13 +187,37 @@ class MinuteFold:
     def late(track: RollupTrack, readings: int) -> None:
         track.late += readings
 
+    def add_share(self, bucket: dict[str, Minute], device: DeviceSample, share: DeviceHolder,
+                  ts: float, who: Attribution | None) -> bool:
+        """Count one holder's share of a device several pods hold, in a row of its own."""
+        split = device.attribution == "process" and share.activity_pct is not None
+        first = share is device.holders[0]
+        own = msgspec.structs.replace(
+            device, pod=share.pod, holders=[],
+            # The device's throttling is counted once, on its first holder's row.
+            clock_event_reasons=device.clock_event_reasons if first else None,
+            util_pct=share.activity_pct if split else device.util_pct,
+            engine_active_pct=None if split else device.engine_active_pct,
+            mem_used_bytes=(share.mem_used_bytes if share.mem_used_bytes is not None
+                            else device.mem_used_bytes))
+        pod = (f"{who.namespace}/{who.pod}" if who is not None
+               else share.pod_uid or "unnamed")
+        key = f"{device.uuid}|{pod}"
+        counted = self.add(bucket, own, ts, who, key)
+        minute = bucket[key]
+        minute.holders, minute.split = max(1, len(device.holders)), split
+        return counted
+
     @staticmethod
     def add(bucket: dict[str, Minute], device: DeviceSample, ts: float,
-            who: Attribution | None) -> bool:
-        """Count one device reading in its minute; False for a duplicate (not counted)."""
-        open_ = bucket.get(device.uuid)
+            who: Attribution | None, key: str | None = None) -> bool:
+        """Count one device reading in its minute (under ``key``, default the device's uuid);
+        False for a duplicate (not counted)."""
+        if key is None:
+            key = device.uuid
+        open_ = bucket.get(key)
         if open_ is None:
-            open_ = bucket[device.uuid] = Minute(device)
+            open_ = bucket[key] = Minute(device)
         elif open_.last_ts is not None and ts <= open_.last_ts:
             return False
         elif not open_.first.model:
@@ -233,6 +276,9 @@ class MinuteFold:
             track.late += 1
             return
         open_ = bucket.get(uuid)
+        if open_ is None:  # a shared device: its first holder's row counts it
+            open_ = next((m for k, m in sorted(bucket.items())
+                          if k.startswith(f"{uuid}|")), None)
         if open_ is None:
             open_ = bucket[uuid] = Minute(DeviceSample(uuid=uuid, index=0, model=""))
         open_.xids += 1
@@ -258,8 +304,8 @@ class MinuteFold:
             end = minute + MINUTE
             if track.closed_before is None or end > track.closed_before:
                 track.closed_before = end
-            for uuid in sorted(bucket):
-                open_ = bucket[uuid]
+            for key in sorted(bucket):
+                open_ = bucket[key]
                 if open_.samples or open_.xids:
                     out.append(self._rollup(track, node, minute, open_))
         return out
@@ -273,13 +319,22 @@ class MinuteFold:
             dbe_new = max(0, open_.dbe_max - before) if before is not None else 0
             track.last_dbe[device.uuid] = max(open_.dbe_max, before or 0)
         who = open_.who or _NOBODY
+        util_min, util_max = open_.util_min, open_.util_max
+        util_mean = open_.util_sum / open_.util_n if open_.util_n else None
+        if open_.split and open_.holders > 1:
+            # Its own activity of the whole device, relative to its share of it.
+            scale = open_.holders
+            util_min = None if util_min is None else util_min * scale
+            util_max = None if util_max is None else util_max * scale
+            util_mean = None if util_mean is None else util_mean * scale
         # Positional, in ROLLUP_FIELDS order: eight times cheaper than 29 keywords, and it
         # runs for every device every minute (tests/rules/test_rollup.py checks the order).
         return Rollup(
             minute, node, device.uuid, device.model, open_.samples, device.kind, device.index,
-            device.parent_uuid, device.mig_profile, self._gpu_fraction(device),
-            open_.util_min, open_.util_sum / open_.util_n if open_.util_n else None,
-            open_.util_max, open_.mem_sum / open_.mem_n if open_.mem_n else None,
+            device.parent_uuid, device.mig_profile,
+            self._gpu_fraction(device) / open_.holders,
+            util_min, util_mean,
+            util_max, open_.mem_sum / open_.mem_n if open_.mem_n else None,
             open_.mem_max, device.mem_total_bytes,
             open_.power_sum / open_.power_n if open_.power_n else None, open_.power_max,
             open_.temp_max, open_.throttled, dbe_new, open_.xids,

@@ -266,7 +266,7 @@ class NodeJoin:
                 dev = state.devices[device.uuid] = DeviceState()
             shared = len(device.holders) > 1
             if shared:
-                out += self._on_shares(state, holders, dev, device, node, ts)
+                out += self._on_shares(state, holders, dev, device, node, ts, bucket)
             holding = self._holding(dev, device, holders, ts)
             if holding is not None:
                 steps = resolve(holding.pod.namespace, holding.queue, pool).samples
@@ -279,7 +279,7 @@ class NodeJoin:
                 holder = idle.Holder(device.pod, dev.attributed_since)
             else:
                 steps, holder = node_steps, None
-            if bucket is not None:
+            if bucket is not None and not shared:  # a shared device: a row per holder
                 who = holding.who if holding is not None else None
                 fold.add(bucket, device, ts, who or self._who(holding, device.pod))
             gpu = device.kind == "gpu"
@@ -296,14 +296,20 @@ class NodeJoin:
         return out + self._maybe_summary(state, sample.node, sample.ts)
 
     def _on_shares(self, state: NodeState, holders: _Holders, dev: DeviceState,
-                   device: DeviceSample, node: str, ts: float) -> list[Output]:
-        """Run the per-holder runners once per holder of a shared device, on its share."""
+                   device: DeviceSample, node: str, ts: float,
+                   bucket: dict[str, rollup.Minute] | None) -> list[Output]:
+        """Run the per-holder runners once per holder of a shared device, on its share, and
+        fold each holder's share into a rollup row of its own."""
         out: list[Output] = []
         pool = state.pool
         for share in device.holders:
             key, holding = _share_holding(state, holders, share)
             if key is None:
                 continue  # a holder with neither name nor uid: nothing to judge
+            if bucket is not None:
+                who = (self._holding_who(holding) if holding is not None
+                       else self._who(None, share.pod))
+                self.fold.add_share(bucket, device, share, ts, who)
             own = dev.shares.get(key)
             if own is None:
                 own = dev.shares[key] = DeviceState(attributed=share.pod, attributed_since=ts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from gpusteward.rules import rollup
-from gpusteward.schema import DeviceSample, PodRef, Rollup
+from gpusteward.schema import DeviceHolder, DeviceSample, PodRef, Rollup
 
 T0 = 1_700_000_040.0  # a minute boundary
 WHO = rollup.attribution(PodRef("ml", "nb-0", uid="u0"), labels={"team": "vision"},
@@ -72,3 +72,43 @@ def test_the_fold_fills_rollup_fields_in_the_schema_order() -> None:
     """The fold builds rollups positionally (for speed): a schema change must show here."""
     assert Rollup.__struct_fields__[:len(rollup.ROLLUP_FIELDS)] == rollup.ROLLUP_FIELDS
     assert Rollup.__struct_fields__[len(rollup.ROLLUP_FIELDS):] == ("schema",)
+
+
+def _shared(attribution: str, ts: float) -> DeviceSample:
+    return DeviceSample(
+        uuid="GPU-1", index=0, model="NVIDIA A100-SXM4-80GB", util_pct=50.0,
+        mem_used_bytes=30 << 30, clock_event_reasons=0x20, attribution=attribution,  # type: ignore[arg-type]
+        holders=[DeviceHolder(pod=PodRef("ml", "a"), activity_pct=40.0,
+                              mem_used_bytes=20 << 30),
+                 DeviceHolder(pod=PodRef("ml", "b"), activity_pct=10.0,
+                              mem_used_bytes=10 << 30)])
+
+
+def _shared_rows(attribution: str) -> dict[str | None, Rollup]:
+    fold, track = rollup.MinuteFold(lateness_s=0), rollup.RollupTrack()
+    for ts in (T0, T0 + 30):
+        bucket = fold.bucket(track, ts)
+        assert bucket is not None
+        device = _shared(attribution, ts)
+        for share in device.holders:
+            assert share.pod is not None
+            fold.add_share(bucket, device, share, ts, rollup.attribution(share.pod))
+    fold.count_xid(track, "GPU-1", T0 + 10)
+    return {r.pod: r for r in fold.flush(track, "n1")}
+
+
+def test_a_shared_device_gives_each_holder_a_row_with_its_share() -> None:
+    rows = _shared_rows("process")
+    assert set(rows) == {"a", "b"}
+    assert [rows[p].gpu_fraction for p in "ab"] == [0.5, 0.5]
+    # its own activity relative to its half: share x util is its own used GPU time
+    assert [rows[p].util_mean for p in "ab"] == [80.0, 20.0]
+    assert [rows[p].mem_used_max for p in "ab"] == [20 << 30, 10 << 30]
+    # the device's throttling and XIDs are counted once, not once per holder
+    assert sorted(r.throttled_samples for r in rows.values()) == [0, 2]
+    assert sum(r.xid_count for r in rows.values()) == 1
+
+
+def test_a_shared_device_that_cannot_be_split_spreads_the_device_evenly() -> None:
+    rows = _shared_rows("shared")
+    assert [(rows[p].gpu_fraction, rows[p].util_mean) for p in "ab"] == [(0.5, 50.0)] * 2
