@@ -8,7 +8,8 @@ utilisation, and each PID's cgroup under a fake host /proc in a temporary
 directory). The figures are the collector's own cost (Python, struct
 handling, event bookkeeping) plus the fake's; on a real node each NVML call
 adds the driver's time, so the NVML-calls-per-GPU figure says how that cost
-scales.
+scales. Besides wall time per GPU, the whole node's tick is given in process
+CPU time, which other work on a shared machine inflates far less.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ def _shared_node(proc_root: Path) -> dict[str, Any]:
 
 
 def _measure(description: dict[str, Any], proc_root: str | None = None
-             ) -> tuple[float, float, float]:
-    """(µs per GPU for the reading pass, NVML calls per GPU, µs per GPU for a whole tick)."""
+             ) -> tuple[float, float, float, float]:
+    """(µs per GPU for the reading pass, NVML calls per GPU, µs per GPU for a whole tick,
+    CPU µs per node for a whole tick)."""
     fake = FakeNvml(description)
     collector = NvmlCollector(fake, "bench", _Discard(), proc_root=proc_root)
     collector.open()
@@ -94,18 +96,19 @@ def _measure(description: dict[str, Any], proc_root: str | None = None
     # Median of a few rounds: the machine is shared and single rounds swing by 2x.
     read_s = statistics.median(_timed(collector.reader.read) for _ in range(ROUNDS))
 
-    async def ticks() -> float:
-        rounds = []
+    async def ticks() -> tuple[float, float]:
+        rounds, cpu = [], []
         for _ in range(ROUNDS):
-            begin = time.perf_counter()
+            begin, begin_cpu = time.perf_counter(), time.process_time()
             for _ in range(TICKS):
                 await collector.tick()
             rounds.append((time.perf_counter() - begin) / TICKS)
-        return statistics.median(rounds)
+            cpu.append((time.process_time() - begin_cpu) / TICKS)
+        return statistics.median(rounds), statistics.median(cpu)
 
-    tick_s = asyncio.run(ticks())
+    tick_s, tick_cpu_s = asyncio.run(ticks())
     collector.close()
-    return read_s / GPUS * 1e6, calls / GPUS, tick_s / GPUS * 1e6
+    return read_s / GPUS * 1e6, calls / GPUS, tick_s / GPUS * 1e6, tick_cpu_s * 1e6
 
 
 def _timed(read: Callable[[], object]) -> float:
@@ -122,10 +125,11 @@ def run() -> list[Figure]:
         for label, description, proc_root in (
                 ("8x H100", _whole_node(), None), ("8x H100, 7 MIG each", _mig_node(), None),
                 (f"8x H100, {PODS_PER_GPU} pods each, per-process", shared, proc)):
-            read_us, calls, tick_us = _measure(description, proc_root)
+            read_us, calls, tick_us, tick_cpu_us = _measure(description, proc_root)
             figures += [
                 Figure(f"read, {label}", read_us, "µs per GPU per tick"),
                 Figure(f"tick incl. publish, {label}", tick_us, "µs per GPU per tick"),
+                Figure(f"tick CPU, {label}", tick_cpu_us, "CPU µs per node per tick"),
                 Figure(f"NVML calls, {label}", calls, "calls per GPU per tick"),
             ]
     return figures

@@ -467,6 +467,14 @@ class Rollup(msgspec.Struct, omit_defaults=True):
     Flat on purpose: one rollup is one row of the Parquet store the weekly
     report reads. ``util_*`` is the device's activity measure (GPU
     utilisation, or graphics-engine activity on a MIG device).
+
+    A device several pods hold (time-slicing, MPS) has one row per holder,
+    named by (uuid, ts, namespace, pod): ``gpu_fraction`` is the holder's share
+    (the device's split evenly between the pods holding it), memory its own
+    where the source split it, and ``util_*`` its activity relative to that
+    share (its own SM utilisation of the whole device times the holders: above
+    100 when it used more than its share; the device's own where the source
+    cannot split), so ``gpu_fraction x util`` is its used GPU time.
     """
 
     ts: Timestamp
@@ -480,7 +488,8 @@ class Rollup(msgspec.Struct, omit_defaults=True):
     parent_uuid: Name | None = None
     mig_profile: Name | None = None
     gpu_fraction: float = 1.0
-    """Share of a whole GPU the device is (compute slices / total for MIG): GPU-hours weight."""
+    """Share of a whole GPU the row stands for (compute slices / total for MIG; 1 / holders for
+    one holder of a shared GPU): GPU-hours weight."""
     util_min: float | None = None
     util_mean: float | None = None
     util_max: float | None = None
