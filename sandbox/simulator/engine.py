@@ -142,8 +142,8 @@ class LeakRecord(msgspec.Struct):
     growth_bytes_per_s: float
     exhausted_at: float
     """When the device's used memory reaches its total at this growth, the other holders'
-    memory staying as it was at the end (Unix seconds): a finding at ``ts`` projects
-    ``exhausted_at - ts``."""
+    memory staying on its trend (Unix seconds; readings jitter around it): a finding at
+    ``ts`` projects ``exhausted_at - ts``."""
 
 
 class GroundTruth(msgspec.Struct):
@@ -295,8 +295,15 @@ class Workload:
         return self.spec.mem_growth_gib_per_h * GIB / 3600
 
     def memory(self, since_start: float) -> int:
-        """GPU memory it uses ``since_start`` seconds after it started (bytes)."""
+        """GPU memory it uses ``since_start`` seconds after it started, on its trend (bytes)."""
         return self.mem_bytes + int(self.growth_bytes_per_s * since_start)
+
+    def memory_reading(self, since_start: float) -> int:
+        """One reading of its memory: the trend, off by the group's jitter."""
+        jitter = self.spec.mem_jitter_gib
+        if not jitter:  # no draw: scenarios without jitter keep their random sequence
+            return self.memory(since_start)
+        return max(0, self.memory(since_start) + int(self.rng.uniform(-jitter, jitter) * GIB))
 
 
 def _draw(rng: random.Random, bounds: tuple[float, float]) -> float:
@@ -659,7 +666,7 @@ class SimulatedCluster:
                 holder = gpu.sharers[0] if gpu.sharers else None
             elif holder is not None and holder.started_at is not None:
                 util = holder.utilisation(now - holder.started_at)
-                mem = holder.memory(now - holder.started_at)
+                mem = holder.memory_reading(now - holder.started_at)
             else:
                 util, mem = 0.0, 0
             gpu.last_util = util
@@ -683,7 +690,7 @@ class SimulatedCluster:
         reads them (one process per pod)."""
         return [DeviceHolder(pod=self._attributed(pod), processes=1,
                              activity_pct=pod.utilisation(now - pod.started_at),
-                             mem_used_bytes=pod.memory(now - pod.started_at),
+                             mem_used_bytes=pod.memory_reading(now - pod.started_at),
                              mps=node.sharing == "mps")
                 for pod in gpu.sharers if pod.started_at is not None]
 
@@ -697,7 +704,7 @@ class SimulatedCluster:
         holder = mig.holder
         if holder is not None and holder.started_at is not None:
             activity = holder.utilisation(now - holder.started_at)
-            mem = holder.memory(now - holder.started_at)
+            mem = holder.memory_reading(now - holder.started_at)
         else:
             activity, mem = 0.0, 0
         return DeviceSample(

@@ -70,6 +70,9 @@ class WorkloadGroup(BaseModel):
     mem_growth_gib_per_h: float = Field(
         0.0, ge=0, description="GPU memory the pod adds every hour from its start, steadily "
         "(a leak: tensors kept alive, a growing cache); 0: its memory stays as drawn.")
+    mem_jitter_gib: float = Field(
+        0.0, ge=0, description="Each reading of its memory is off its trend by up to this "
+        "(GiB, drawn per sample): a caching allocator's ups and downs.")
     node_group: str | None = Field(
         None, description="Prefix of the node group the workloads must run on (a "
         "nodeSelector); None: any node that fits.")
