@@ -133,7 +133,8 @@ def html(report: Report) -> str:
                        for cells in _table_rows(rows, columns))
         return f"<table><tr>{head}</tr>{body}</table>"
 
-    kpis = [("GPUs seen", _num(totals["devices"])),
+    # Physical GPUs: a time-sliced GPU's holders and a GPU's MIG devices count it once.
+    kpis = [("GPUs seen", _num(totals["gpus"])),
             ("allocated GPU-h", _num(totals["allocated_gpu_hours"])),
             ("used GPU-h", _num(totals["used_gpu_hours"])),
             ("idle GPU-h", _num(totals["idle_gpu_hours"])),
@@ -185,7 +186,7 @@ def markdown(report: Report) -> str:
     return "\n".join([
         f"# GPU right-sizing report, week {data['week']}",
         "",
-        f"- GPUs seen: {totals['devices']}",
+        f"- GPUs seen: {totals['gpus']} ({totals['devices']} devices, MIG instances apart)",
         f"- allocated GPU-hours: {_num(totals['allocated_gpu_hours'])}",
         f"- used GPU-hours: {_num(totals['used_gpu_hours'])}",
         f"- idle GPU-hours: {_num(totals['idle_gpu_hours'])} "

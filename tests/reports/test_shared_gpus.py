@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusteward.reports import build, compute, store
+from gpusteward.reports import build, compute, render, store
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.schema import (
     DeviceHolder,
@@ -116,3 +116,4 @@ def test_the_report_credits_each_holder_its_share_and_counts_physical_gpus(
     totals = report.data["totals"]
     assert totals["allocated_gpu_hours"] == pytest.approx(2 * hours)
     assert (totals["devices"], totals["gpus"], totals["nodes"]) == (2, 2, 1)
+    assert "- GPUs seen: 2 (2 devices" in render.markdown(report)
