@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpusteward.rules import rollup
 from gpusteward.schema import DeviceHolder, DeviceSample, PodRef, Rollup
@@ -112,3 +115,28 @@ def test_a_shared_device_gives_each_holder_a_row_with_its_share() -> None:
 def test_a_shared_device_that_cannot_be_split_spreads_the_device_evenly() -> None:
     rows = _shared_rows("shared")
     assert [(rows[p].gpu_fraction, rows[p].util_mean) for p in "ab"] == [(0.5, 50.0)] * 2
+
+
+@given(activities=st.lists(st.floats(0, 100), min_size=2, max_size=8),
+       attribution=st.sampled_from(["process", "shared"]))
+def test_holder_rows_add_up_to_the_device(activities: list[float], attribution: str) -> None:
+    """Whatever the holders do, their rows' shares make the whole GPU, and their used GPU
+    time (share x util) is their own activity where it was split, else the device's."""
+    device_util = min(100.0, sum(activities))
+    device = DeviceSample(
+        uuid="GPU-1", index=0, model="NVIDIA A100-SXM4-80GB", util_pct=device_util,
+        attribution=attribution,  # type: ignore[arg-type]
+        holders=[DeviceHolder(pod=PodRef("ml", f"p{i}"), activity_pct=a)
+                 for i, a in enumerate(activities)])
+    fold, track = rollup.MinuteFold(lateness_s=0), rollup.RollupTrack()
+    bucket = fold.bucket(track, T0)
+    assert bucket is not None
+    for share in device.holders:
+        assert share.pod is not None
+        fold.add_share(bucket, device, share, T0, rollup.attribution(share.pod))
+    rows = fold.flush(track, "n1")
+    assert len(rows) == len(activities)
+    assert sum(r.gpu_fraction for r in rows) == pytest.approx(1.0)
+    used = sum(r.gpu_fraction * (r.util_mean or 0) for r in rows)
+    assert used == pytest.approx(sum(activities) if attribution == "process" else device_util,
+                                 abs=1e-6)
