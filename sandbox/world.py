@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -383,6 +384,8 @@ class World:
             if self._client is not None:
                 self._client.close()
             self.api.stop()
+            # the kubelet sockets and the host /proc of the world's processes
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def check(self) -> None:
         """Raise the error of a collector or the watcher that stopped on its own."""
