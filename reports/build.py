@@ -17,9 +17,11 @@ import polars as pl
 import yaml
 
 from gpusteward.reports import compute, recommend, store, weekly
+from gpusteward.reports import policy as live_policy
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry as mig_geometry
 from gpusteward.rules.mig import layout
+from gpusteward.rules.policy import Policy
 
 Step = Callable[[str], None]
 
@@ -36,15 +38,20 @@ class Report:
 def build(directory: Path, week: compute.Week, settings: ReportSettings,
           queue: pl.DataFrame | Path | None = None,
           geometries: Mapping[str, mig_geometry.Geometry] | None = None,
-          step: Step | None = None, rows: weekly.Rows | None = None) -> Report:
+          step: Step | None = None, rows: weekly.Rows | None = None,
+          policy: Policy | None = None) -> Report:
     """The report for ``week`` from the rollup store at ``directory``.
 
     ``queue`` is the week's queue events, or the folder of their store. ``step``
     hears each stage's name as it starts, ``rows`` the rows read so far and the
-    rows in the week's files. Raises :class:`store.StoreError` for files another
+    rows in the week's files. ``policy`` is the live rules' policy (default: their
+    defaults): queue SLOs and, unless ``settings`` set it, the idle threshold come
+    from it. Raises :class:`store.StoreError` for files another
     version wrote; days without files are listed in ``missing_days``.
     """
     geometries = mig_geometry.load() if geometries is None else geometries
+    policy = policy or Policy()
+    settings = live_policy.aligned(settings, policy)
     advance = step or (lambda _name: None)
     advance(STEPS[0])
     missing = store.missing_days(directory, week.start, week.end)
@@ -52,7 +59,8 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     advance(STEPS[1])
     if isinstance(queue, Path):
         queue = store.scan_queue(queue, week.start, week.end)
-    queues = compute.queue_table(queue, settings)
+    slos = live_policy.queue_slos(policy)
+    queues = compute.queue_table(queue, slos)
     advance(STEPS[2])
     advice = recommend.recommend(tables.need, settings, geometries)
     advance(STEPS[3])
@@ -86,6 +94,8 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
             "min_points": settings.min_points,
             "fragmentation_shape_gpus": settings.fragmentation_shape_gpus,
             "hourly_usd": {m: g.hourly_usd for m, g in settings.gpu_models.items()},
+            "queue_slo_s": slos.slo_s,
+            "default_queue_slo_s": slos.default_slo_s,
         },
         "totals": totals,
         "teams": compute.records(teams),

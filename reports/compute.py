@@ -29,6 +29,7 @@ import polars as pl
 from gpusteward.errors import ConfigError
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry as mig_geometry
+from gpusteward.rules.queue import QueueSloSettings
 
 WORKLOAD = ["team", "namespace", "owner_kind", "owner_name"]
 COLUMNS = ["ts", "node", "index", "uuid", "model", "kind", "parent_uuid", "mig_profile",
@@ -139,8 +140,11 @@ def hours_and_costs() -> list[pl.Expr]:
     ]
 
 
-def queue_table(queue: pl.DataFrame | None, settings: ReportSettings) -> pl.DataFrame:
-    """Per cluster queue: admissions, p50/p95 wait, the SLO and the share within it."""
+def queue_table(queue: pl.DataFrame | None, slos: QueueSloSettings) -> pl.DataFrame:
+    """Per cluster queue: admissions, p50/p95 wait, the SLO and the share within it.
+
+    Each queue's SLO is the live rule's (``slos.slo_for``: pattern, first match wins).
+    """
     schema = {"cluster_queue": pl.String, "admitted": pl.UInt32, "wait_p50_s": pl.Float64,
               "wait_p95_s": pl.Float64, "slo_s": pl.Float64, "within_slo_pct": pl.Float64}
     if queue is None or queue.is_empty():
@@ -150,9 +154,10 @@ def queue_table(queue: pl.DataFrame | None, settings: ReportSettings) -> pl.Data
                              & pl.col("created_at").is_not_null())
                 .unique(subset=["namespace", "name"], keep="first")
                 .with_columns((pl.col("admitted_at") - pl.col("created_at")).alias("wait_s")))
-    slos = settings.queue_slo_s
+    names = admitted["cluster_queue"].unique().drop_nulls().to_list()
     return (admitted.with_columns(
-        pl.col("cluster_queue").replace_strict(slos, default=settings.default_queue_slo_s,
+        pl.col("cluster_queue").replace_strict({n: slos.slo_for(n) for n in names},
+                                               default=slos.default_slo_s,
                                                return_dtype=pl.Float64).alias("slo_s"))
         .group_by("cluster_queue").agg(
             pl.len().cast(pl.UInt32).alias("admitted"),

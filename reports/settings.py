@@ -13,6 +13,8 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gpusteward.rules.idle import IdleSettings
+
 
 class GpuModel(BaseModel):
     """What a GPU model costs and can do, for cost figures and model advice."""
@@ -40,7 +42,11 @@ def _default_models() -> dict[str, GpuModel]:
 
 
 class ReportSettings(BaseSettings):
-    """Rollup storage, GPU prices and right-sizing policy."""
+    """Rollup storage, GPU prices and right-sizing policy.
+
+    Queue wait SLOs are not here: the report reads them from the rule policy, as
+    the live queue rule does (:mod:`gpusteward.reports.policy`).
+    """
 
     model_config = SettingsConfigDict(
         env_prefix="GPUSTEWARD_REPORT__", env_nested_delimiter="__", extra="ignore"
@@ -73,8 +79,10 @@ class ReportSettings(BaseSettings):
         default_factory=lambda: ["team", "gpusteward.io/team", "app.kubernetes.io/part-of"],
         description="Pod labels naming the owning team, first match wins; else the namespace.")
     idle_threshold_pct: float = Field(
-        5.0, ge=0, le=100, description="A device-minute whose peak activity stays below this "
-        "(percent) is idle; the same threshold as the idle-holder rule.")
+        default_factory=lambda: IdleSettings().threshold_pct, ge=0, le=100,
+        description="A device-minute whose peak activity stays below this (percent) is idle. "
+        "Unset: the idle-holder rule's threshold in the rule policy (reports/policy.py), so "
+        "the report and the live rule count the same minutes as idle.")
     percentile: float = Field(
         95.0, gt=0, le=100, description="Percentile of per-minute demand a recommendation "
         "covers (krr uses p95 for CPU).")
@@ -89,10 +97,6 @@ class ReportSettings(BaseSettings):
     target_util_pct: float = Field(
         80.0, gt=0, le=100, description="Busiest acceptable utilisation on a cheaper model, "
         "after scaling by relative compute.")
-    queue_slo_s: dict[str, float] = Field(
-        default_factory=dict, description="Wait-time SLO per cluster queue, seconds.")
-    default_queue_slo_s: float = Field(
-        3600.0, gt=0, description="SLO for a queue missing from queue_slo_s (1 h).")
     fragmentation_shape_gpus: int = Field(
         4, ge=1, description="Request size (whole GPUs on one node) the fragmentation chart "
         "measures: the share of free GPUs that cannot host such a request.")

@@ -37,8 +37,11 @@ def report(
 
     from gpusteward.reports import build, compute, render, store
     from gpusteward.reports.settings import ReportSettings
+    from gpusteward.streams.policy_file import policy_from_env
 
     settings = ReportSettings()
+    # The live rules' policy: the report judges queues and idleness as the alerts do.
+    policy = policy_from_env()
     directory = rollups or settings.rollup_dir
     try:
         chosen = compute.parse_week(week) if week else compute.week_of(time.time() - 7 * 86400)
@@ -63,7 +66,7 @@ def report(
         try:
             result = build.build(directory, chosen, settings,
                                  queue=queue_dir if queue_dir.is_dir() else None, step=step,
-                                 rows=rows)
+                                 rows=rows, policy=policy)
         except store.StoreError as error:
             console.print(f"[red]{error}[/]")
             raise typer.Exit(1) from error
@@ -88,15 +91,18 @@ def sink(
     loglevel: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run a sink: a topic into its Parquet store, until SIGTERM or Ctrl-C (then flush)."""
+    from gpusteward.reports import policy as live_policy
     from gpusteward.reports import sink as sinks
     from gpusteward.reports.settings import ReportSettings
+    from gpusteward.streams.policy_file import policy_from_env
 
     if topic not in SINKS:
         raise typer.BadParameter(f"unknown sink {topic!r}: {' or '.join(SINKS)}",
                                  param_hint="TOPIC")
     configure_logging(loglevel)
     settings = kafka_settings(bootstrap)
-    report = ReportSettings()
+    # Idle GPU-seconds on /metrics count the minutes the idle rule and the report count.
+    report = live_policy.aligned(ReportSettings(), policy_from_env())
     make = sinks.rollup_sink if topic == "rollups" else sinks.queue_sink
     running = make(settings, report, directory)
 

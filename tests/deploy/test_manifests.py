@@ -332,7 +332,8 @@ def test_sinks_write_the_store_the_report_reads(rendered):
 
 
 def test_policy_configmap_is_mounted_where_the_setting_points(rendered):
-    for component in ("worker", "remediation", "alerts"):
+    # The report reads queue SLOs and the idle threshold from the same policy.
+    for component in ("worker", "remediation", "alerts", "report"):
         workload = rendered.component(component)
         pod = rendered.pod_spec(workload)
         env = _env(rendered, workload)

@@ -10,6 +10,7 @@ import pytest
 
 from gpusteward.reports import aggregate, build, compute, render, store
 from gpusteward.reports.settings import ReportSettings
+from gpusteward.rules.policy import parse_policy
 from gpusteward.sandbox import traces
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
 
@@ -124,8 +125,10 @@ def test_openb_queue_waits_in_the_report(shared_data: Path, tmp_path: Path) -> N
     admitted = recent.filter((pl.col("pod_phase") != "Pending")
                              & (pl.col("scheduled_time") >= pl.col("creation_time")))
     assert sum(e.state == "pending" for e in events) == recent.height
-    settings = ReportSettings(queue_slo_s={"LS": 60.0})
-    report = build.build(tmp_path / "empty", WEEK, settings, queue=tmp_path / "queue")
+    # The SLO comes from the rule policy, as the live queue rule's does.
+    policy = parse_policy("rules:\n  queue_wait_slo:\n    slo_s: {'^LS$': 60.0}\n")
+    report = build.build(tmp_path / "empty", WEEK, ReportSettings(), queue=tmp_path / "queue",
+                         policy=policy)
     rows = {r["cluster_queue"]: r for r in report.data["queues"]}
     # The window is moved onto the report's week; admissions after its end fall outside.
     inside = admitted.filter(pl.col("scheduled_time") < window_start + 7 * 86400)
