@@ -16,7 +16,7 @@ from typing import Any
 import polars as pl
 import yaml
 
-from gpusteward.reports import compute, recommend, store, weekly
+from gpusteward.reports import activity, compute, findings, recommend, store, trends, weekly
 from gpusteward.reports import policy as live_policy
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry as mig_geometry
@@ -25,7 +25,8 @@ from gpusteward.rules.policy import Policy
 
 Step = Callable[[str], None]
 
-STEPS = ("reading rollups", "usage and cost", "workload advice", "MIG layouts", "done")
+STEPS = ("reading rollups", "usage and cost", "idle holders and hours", "workload advice",
+         "MIG layouts", "done")
 
 
 @dataclass
@@ -39,15 +40,18 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
           queue: pl.DataFrame | Path | None = None,
           geometries: Mapping[str, mig_geometry.Geometry] | None = None,
           step: Step | None = None, rows: weekly.Rows | None = None,
-          policy: Policy | None = None) -> Report:
+          policy: Policy | None = None, findings_dir: Path | None = None,
+          previous: dict[str, Any] | None = None) -> Report:
     """The report for ``week`` from the rollup store at ``directory``.
 
     ``queue`` is the week's queue events, or the folder of their store. ``step``
     hears each stage's name as it starts, ``rows`` the rows read so far and the
     rows in the week's files. ``policy`` is the live rules' policy (default: their
     defaults): queue SLOs and, unless ``settings`` set it, the idle threshold come
-    from it. Raises :class:`store.StoreError` for files another
-    version wrote; days without files are listed in ``missing_days``.
+    from it. ``findings_dir`` is the findings store (who was told, who reclaimed;
+    None: not kept), ``previous`` last week's report JSON for the trends. Raises
+    :class:`store.StoreError` for files another version wrote; days without files
+    are listed in ``missing_days``.
     """
     geometries = mig_geometry.load() if geometries is None else geometries
     policy = policy or Policy()
@@ -62,12 +66,16 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     slos = live_policy.queue_slos(policy)
     queues = compute.queue_table(queue, slos)
     advance(STEPS[2])
-    advice = recommend.recommend(tables.need, settings, geometries)
+    # Another pass over the rows: the weekly fold's keys are team, day and workload.
+    hours = activity.fold(directory, week.start, week.end, settings.idle_threshold_pct)
+    found = findings.read(findings_dir, week.start, week.end)
     advance(STEPS[3])
+    advice = recommend.recommend(tables.need, settings, geometries)
+    advance(STEPS[4])
     pools, demand, today = recommend.mig_demand(tables.gpus, tables.devices, tables.need,
                                                 week.minutes, settings, geometries)
     plan = layout.advise(geometries, pools, demand, current=today)
-    advance(STEPS[4])
+    advance(STEPS[5])
 
     teams = tables.teams
     totals = {
@@ -102,8 +110,18 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
         "daily": compute.records(tables.daily),
         "workloads": compute.records(tables.workloads),
         "recommendations": [r.as_dict() for r in advice],
+        "actions": [t.as_dict() for t in recommend.per_team(advice, settings.actions_per_team)],
         "queues": compute.records(queues),
         "faults": compute.records(tables.faults),
+        "idle_holders": _idle_holders(hours.holders, found, findings_dir is not None,
+                                      settings.idle_holders_shown),
+        "heatmap": compute.records(hours.heatmap),
+        "findings": {
+            "stored": findings_dir is not None,
+            "by_kind": compute.records(findings.episodes_by_kind(found)),
+            "per_team": findings.per_team(found, hours.holders.select(
+                "namespace", "team").unique(subset="namespace", keep="first")),
+        },
         "fragmentation": compute.records(tables.fragmentation),
         "mig": {
             "pools": [{
@@ -123,13 +141,44 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
             } for c in plan.changes],
         },
     }
+    data["trends"] = {
+        "previous_week": previous["week"] if previous else None,
+        "totals": trends.totals(data, previous),
+        "teams": trends.teams(data, previous),
+        "queues": trends.queues(data, previous),
+    }
     return Report(week=week, data=data,
                   mig_parted_yaml=yaml.safe_dump(plan.mig_parted, sort_keys=False))
 
 
 def _best_saving(advice: list[recommend.Recommendation]) -> float:
     """Sum over workloads of their single best saving (the kinds do not add up)."""
-    best: dict[str, float] = {}
-    for r in advice:
-        best[r.workload] = max(best.get(r.workload, 0.0), r.saving_usd)
-    return sum(best.values())
+    return sum(a.best.saving_usd for a in recommend.per_workload(advice))
+
+
+def _idle_holders(holders: pl.DataFrame, found: pl.DataFrame, stored: bool,
+                  shown: int) -> list[dict[str, Any]]:
+    """The top idle holders, each with what the idle rule did about it this week."""
+    top = holders.head(shown).join(findings.idle_ladder(found), on=["namespace", "pod"],
+                                   how="left")
+    out = []
+    for row in top.iter_rows(named=True):
+        owner = f"{row['owner_kind'] or 'Pod'}/{row['owner_name'] or row['pod']}"
+        out.append({"namespace": row["namespace"], "pod": row["pod"], "owner": owner,
+                    "team": row["team"], "idle_gpu_hours": row["idle_gpu_hours"],
+                    "longest_episode_h": row["longest_episode_h"], "devices": row["devices"],
+                    "ladder_step": row["ladder_step"],
+                    "status": _status(row["ladder_step"], row["reclaim"], stored)})
+    return out
+
+
+def _status(step: int | None, reclaim: str | None, stored: bool) -> str:
+    """What the idle rule's ladder did: told, warned, reclaimed (or why not)."""
+    if not stored:
+        return "unknown (no findings store)"
+    if step is None:
+        return "not told (no episode past the rule's window)"
+    if step >= 3:
+        return {"execute": "reclaim ordered", "dry_run": "reclaim asked (dry run)",
+                "refused": "reclaim refused (bare pod)"}.get(reclaim or "", "reclaim asked")
+    return "warned" if step == 2 else "told"

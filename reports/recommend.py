@@ -5,14 +5,21 @@ Its demand per minute is the GPU-equivalents it used (sum over its devices
 of activity x device share) and the peak memory of each device. The
 percentile (default p95) of that, plus ``headroom_pct``, is what it needs;
 memory uses its own percentile (default the week's peak) because running
-out of GPU memory kills the job. Three kinds of advice, each with the
+out of GPU memory kills the job. Four kinds of advice, each with the
 saving it would have made this week at the settings' prices:
 
+- ``give_back``: the workload's p95 activity stays under the idle
+  threshold: it held GPUs for nothing, and no smaller GPU fixes that
+  (saving: everything it was allocated);
 - ``fewer_gpus``: a multi-GPU workload whose need rounds up to fewer GPUs;
 - ``mig_profile``: a whole-GPU workload whose per-device need fits a MIG
   profile of its model (saving: the compute share it gives back);
 - ``cheaper_model``: the cheapest model whose memory holds it and whose
   compute keeps it under ``target_util_pct``.
+
+A workload can earn several kinds; :func:`per_team` keeps one action per
+workload (the best saving, the others folded under it) and groups them by
+team, biggest saving first, the long tail counted in one line.
 
 The MIG demand for the layout recommender comes from the same numbers:
 each device of a workload that fits a profile, with its share of the week.
@@ -39,7 +46,7 @@ class Recommendation:
     workload: str
     team: str
     kind: str
-    """fewer_gpus, mig_profile or cheaper_model."""
+    """give_back, fewer_gpus, mig_profile or cheaper_model."""
     current: str
     recommended: str
     saving_usd: float
@@ -69,6 +76,14 @@ def recommend(need: pl.DataFrame, settings: ReportSettings,
         why = (f"p{settings.percentile:g} use {row['gpus_needed']:.2f} GPU incl. "
                f"{settings.headroom_pct:g}% headroom over {points} min")
         held = row["gpus_held"]
+        p95_activity_pct = row["device_compute_needed"] * 100 / (1 + settings.headroom_pct / 100)
+        if p95_activity_pct < settings.idle_threshold_pct:
+            # Idle all week: a MIG slice or a cheaper model would still be held for nothing.
+            out.append(Recommendation(
+                name, team, "give_back", f"{held:.1f} x {row['gpu_model']}", "release the GPU",
+                hours * hourly, hours, points,
+                f"p{settings.percentile:g} activity {p95_activity_pct:.1f}% is below the idle "
+                f"threshold ({settings.idle_threshold_pct:g}%) over {points} min"))
         if not row["uses_mig"] and held > 1:
             mem_gpus = 0
             if row["device_mem_total"]:
@@ -103,6 +118,85 @@ def recommend(need: pl.DataFrame, settings: ReportSettings,
                 f"needs {row['device_mem_needed'] / GIB:.1f} GiB and fits under "
                 f"{settings.target_util_pct:g}% of a {model}"))
     return sorted(out, key=lambda r: -r.saving_usd)
+
+
+@dataclass
+class WorkloadAction:
+    """One workload's advice: the best saving, the other kinds folded under it."""
+
+    best: Recommendation
+    alternatives: list[Recommendation]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.best.as_dict(),
+                "alternatives": [{"kind": r.kind, "recommended": r.recommended,
+                                  "saving_usd": r.saving_usd} for r in self.alternatives]}
+
+
+@dataclass
+class TeamActions:
+    """A team's action list: its top workloads' actions and the rest in one line."""
+
+    team: str
+    actions: list[WorkloadAction]
+    """The largest savings, biggest first."""
+    tail: list[WorkloadAction]
+    """The rest, summarised by :meth:`tail_summary`."""
+
+    @property
+    def saving_usd(self) -> float:
+        return sum(a.best.saving_usd for a in [*self.actions, *self.tail])
+
+    def tail_summary(self) -> str:
+        """E.g. "42 more workloads: $958/week (30 to L40S-48GB, 12 to a MIG slice)"."""
+        if not self.tail:
+            return ""
+        counts: dict[str, int] = {}
+        for action in self.tail:
+            what = _short(action.best)
+            counts[what] = counts.get(what, 0) + 1
+        parts = ", ".join(f"{n} {what}" for what, n in
+                          sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+        saving = sum(a.best.saving_usd for a in self.tail)
+        return f"{len(self.tail)} more workloads: ${saving:,.0f}/week ({parts})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"team": self.team, "saving_usd": self.saving_usd,
+                "workloads": len(self.actions) + len(self.tail),
+                "actions": [a.as_dict() for a in self.actions],
+                "tail_workloads": len(self.tail),
+                "tail_saving_usd": sum(a.best.saving_usd for a in self.tail),
+                "tail_summary": self.tail_summary()}
+
+
+def _short(advice: Recommendation) -> str:
+    return {"give_back": "to give back", "fewer_gpus": "on fewer GPUs",
+            "mig_profile": "to a MIG slice"}.get(advice.kind, f"to {advice.recommended}")
+
+
+def per_workload(advice: list[Recommendation]) -> list[WorkloadAction]:
+    """One action per workload, biggest saving first; a tie goes to the earlier kind."""
+    grouped: dict[str, list[Recommendation]] = {}
+    for r in advice:
+        grouped.setdefault(r.workload, []).append(r)
+    actions = []
+    for items in grouped.values():
+        ranked = sorted(items, key=lambda r: (-r.saving_usd, KINDS.index(r.kind)))
+        actions.append(WorkloadAction(ranked[0], ranked[1:]))
+    return sorted(actions, key=lambda a: (-a.best.saving_usd, a.best.workload))
+
+
+def per_team(advice: list[Recommendation], shown: int) -> list[TeamActions]:
+    """Each team's actions (``shown`` listed, the rest summarised), biggest saving first."""
+    teams: dict[str, list[WorkloadAction]] = {}
+    for action in per_workload(advice):
+        teams.setdefault(action.best.team, []).append(action)
+    out = [TeamActions(team, actions[:shown], actions[shown:]) for team, actions in teams.items()]
+    return sorted(out, key=lambda t: (-t.saving_usd, t.team))
+
+
+KINDS = ("give_back", "fewer_gpus", "mig_profile", "cheaper_model")
+"""Advice kinds, in the order a tie is broken: the simplest change first."""
 
 
 def _cheaper_model(row: dict[str, Any], settings: ReportSettings) -> tuple[str, float] | None:

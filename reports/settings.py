@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpusteward.rules.idle import IdleSettings
@@ -58,6 +58,21 @@ class ReportSettings(BaseSettings):
     queue_dir: Path = Field(
         Path("queue-events"),
         description="Folder of the queue-event store (same layout) for the wait-time section.")
+    findings_dir: Path = Field(
+        Path("findings"),
+        description="Folder of the findings store (same layout): who was told, who reclaimed.")
+    archive_dir: Path | None = Field(
+        None, description="Folder that keeps every week's report (HTML, Markdown, JSON, "
+        "mig-parted YAML) in a sub-folder named by ISO week; the previous week's JSON there "
+        "is what the trends compare with. None: reports are not kept, no trends.")
+    webhook_url: SecretStr | None = Field(
+        None, description="Slack-compatible incoming webhook the Markdown summary is posted "
+        "to after each report (a secret: it is the credential). None: nothing is posted.")
+    report_url: str | None = Field(
+        None, description="Where readers open the full reports (e.g. the file server or "
+        "bucket that serves archive_dir), linked from the webhook summary.")
+    idle_holders_shown: int = Field(
+        10, ge=0, description="Idle holders listed by name, most idle GPU-hours first.")
     retention_days: int = Field(
         35, ge=1, description="Days of rollups kept; 35 covers a month-on-month comparison "
         "of full weeks.")
@@ -97,6 +112,9 @@ class ReportSettings(BaseSettings):
     target_util_pct: float = Field(
         80.0, gt=0, le=100, description="Busiest acceptable utilisation on a cheaper model, "
         "after scaling by relative compute.")
+    actions_per_team: int = Field(
+        5, ge=0, description="Workload actions listed per team, biggest saving first; the "
+        "rest are summed in one line (a lead acts on a handful, not on eighty rows).")
     fragmentation_shape_gpus: int = Field(
         4, ge=1, description="Request size (whole GPUs on one node) the fragmentation chart "
         "measures: the share of free GPUs that cannot host such a request.")

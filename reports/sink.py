@@ -1,7 +1,8 @@
 """The rollup sink: the rollups topic into the Parquet store the weekly report reads.
 
 The same sink, given the queue topic, keeps the queue events the report's
-wait-time section reads (:func:`queue_sink`).
+wait-time section reads (:func:`queue_sink`); given the findings topic, the
+findings its idle-holder and findings sections read (:func:`findings_sink`).
 
 Rows are buffered and written as one file per day folder when the buffer
 holds ``flush_rows`` rows, when ``flush_interval_s`` has passed, and on
@@ -34,10 +35,10 @@ from aiokafka import AIOKafkaProducer
 
 from gpusteward import edge, kafka, topics
 from gpusteward.metrics import PipelineMetrics, observe_lag, serve
-from gpusteward.reports import compute, store
+from gpusteward.reports import compute, findings, store
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry as mig_geometry
-from gpusteward.schema import QueueEvent, Rollup
+from gpusteward.schema import Finding, QueueEvent, Rollup
 from gpusteward.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -208,3 +209,17 @@ def rollup_sink(settings: Settings, report: ReportSettings | None = None,
     """A sink of the rollups topic into the rollup store."""
     return RollupSink(settings, report, directory=directory,
                       group_id=f"{settings.topic_prefix}-rollup-sink")
+
+
+def findings_sink(settings: Settings, report: ReportSettings | None = None,
+                  directory: Path | None = None) -> RollupSink:
+    """A sink of the findings topic into the findings store.
+
+    A finding's id names its episode; each ladder step and the resolution is a new
+    record of it at a new time, so (id, state, ts) names one record.
+    """
+    report = report or ReportSettings()
+    return RollupSink(settings, report, directory=directory or report.findings_dir,
+                      group_id=f"{settings.topic_prefix}-findings-sink", spec=topics.FINDINGS,
+                      payload=Finding, to_frame=findings.frame, schema=findings.SCHEMA,
+                      name=lambda f: (f.id, f.state, f.ts))

@@ -372,6 +372,7 @@ CONSUMERS: dict[str, tuple[str, topics.TopicSpec]] = {
     "alerts": ("alerts", topics.FINDINGS),
     "rollup-sink": ("rollup-sink", topics.ROLLUPS),
     "queue-sink": ("queue-sink", topics.QUEUE),
+    "findings-sink": ("findings-sink", topics.FINDINGS),
 }
 """A deployed consumer's component -> its consumer group's suffix and the topic it reads."""
 

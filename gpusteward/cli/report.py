@@ -16,7 +16,7 @@ import typer
 
 from gpusteward.cli.common import Bootstrap, configure_logging, ensure_topics, kafka_settings
 
-SINKS = ("rollups", "queue")
+SINKS = ("rollups", "queue", "findings")
 
 
 def report(
@@ -82,8 +82,9 @@ def report(
 
 def sink(
     topic: Annotated[str, typer.Argument(
-        help="rollups (gpusteward.rollups.v1 into the rollup store) or queue "
-             "(gpusteward.queue.v1 into the queue-event store).")],
+        help="rollups (gpusteward.rollups.v1 into the rollup store), queue "
+             "(gpusteward.queue.v1 into the queue-event store) or findings "
+             "(gpusteward.findings.v1 into the findings store).")],
     bootstrap: Bootstrap = None,
     directory: Annotated[Path | None, typer.Option(
         "--dir", help="Store folder (default: GPUSTEWARD_REPORT__ROLLUP_DIR or "
@@ -91,19 +92,17 @@ def sink(
     loglevel: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run a sink: a topic into its Parquet store, until SIGTERM or Ctrl-C (then flush)."""
-    from gpusteward.reports import policy as live_policy
     from gpusteward.reports import sink as sinks
     from gpusteward.reports.settings import ReportSettings
-    from gpusteward.streams.policy_file import policy_from_env
 
     if topic not in SINKS:
-        raise typer.BadParameter(f"unknown sink {topic!r}: {' or '.join(SINKS)}",
+        raise typer.BadParameter(f"unknown sink {topic!r}: {', '.join(SINKS)}",
                                  param_hint="TOPIC")
     configure_logging(loglevel)
     settings = kafka_settings(bootstrap)
-    # Idle GPU-seconds on /metrics count the minutes the idle rule and the report count.
-    report = live_policy.aligned(ReportSettings(), policy_from_env())
-    make = sinks.rollup_sink if topic == "rollups" else sinks.queue_sink
+    report = ReportSettings()
+    make = {"rollups": sinks.rollup_sink, "queue": sinks.queue_sink,
+            "findings": sinks.findings_sink}[topic]
     running = make(settings, report, directory)
 
     async def main() -> None:

@@ -49,6 +49,7 @@ def consumer_groups(settings: Settings) -> dict[str, list[topics.TopicSpec]]:
         f"{prefix}-remediation": [topics.ACTIONS],
         "gpusteward-rollup-sink": [topics.ROLLUPS],
         "gpusteward-queue-sink": [topics.QUEUE],
+        "gpusteward-findings-sink": [topics.FINDINGS],
     }
 
 

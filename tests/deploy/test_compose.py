@@ -93,7 +93,8 @@ def test_services_and_profiles(compose):
     assert services["remediation"]["command"] == ["act", "--dry-run"]
     assert services["rollup-sink"]["command"] == ["sink", "rollups"]
     assert services["queue-sink"]["command"] == ["sink", "queue"]
-    assert {"rollup-sink", "queue-sink"} <= default
+    assert services["findings-sink"]["command"] == ["sink", "findings"]
+    assert {"rollup-sink", "queue-sink", "findings-sink"} <= default
     assert services["report"]["profiles"] == ["report"]
     for name, service in services.items():
         for dependency in service.get("depends_on", {}):
@@ -167,7 +168,11 @@ def test_sinks_write_the_store_the_report_reads(compose):
         assert volume in compose["volumes"], f"{name}: {volume} is not a named volume"
         return volume, folders
 
-    assert store("rollup-sink") == store("queue-sink") == store("report")
+    assert store("rollup-sink") == store("queue-sink") == store("findings-sink") \
+        == store("report")
+    # The report reads the worker's policy (queue SLOs, idle threshold) where it points.
+    policy = services["report"]["environment"]["GPUSTEWARD_POLICY_FILE"]
+    assert f"./deploy/base/policy.yaml:{policy}:ro" in services["report"]["volumes"]
     report = services["report"]
     command = " ".join(report["entrypoint"] + report["command"])
     assert "gpusteward report --week" in command

@@ -131,6 +131,7 @@ def test_every_gpusteward_workload_exists(rendered):
         "collector": "DaemonSet", "watcher": "Deployment", "worker": "StatefulSet",
         "alerts": "Deployment", "remediation": "Deployment", "report": "CronJob",
         "rollup-sink": "Deployment", "queue-sink": "Deployment",
+        "findings-sink": "Deployment",
     }
     assert {k: components.get(k) for k in expected} == expected
 
@@ -309,7 +310,8 @@ def test_sinks_write_the_store_the_report_reads(rendered):
     (reading,) = [m for m in reader["volumeMounts"] if folders["rollups"].startswith(
         m["mountPath"] + "/")]
     assert reading.get("readOnly") is True
-    sinks = {"rollup-sink": ["sink", "rollups"], "queue-sink": ["sink", "queue"]}
+    sinks = {"rollup-sink": ["sink", "rollups"], "queue-sink": ["sink", "queue"],
+             "findings-sink": ["sink", "findings"]}
     for component, args in sinks.items():
         sink = rendered.component(component)
         (container,) = pod_spec(sink)["containers"]
@@ -324,7 +326,8 @@ def test_sinks_write_the_store_the_report_reads(rendered):
     volume = rendered.named("PersistentVolumeClaim", claim)
     assert volume["spec"]["accessModes"] == ["ReadWriteOnce"]
     writer = rendered.component("rollup-sink")["spec"]["selector"]["matchLabels"]
-    for other in (report, rendered.component("queue-sink")):
+    for other in (report, rendered.component("queue-sink"),
+                  rendered.component("findings-sink")):
         (term,) = pod_spec(other)["affinity"]["podAffinity"][
             "requiredDuringSchedulingIgnoredDuringExecution"]
         assert term["labelSelector"]["matchLabels"].items() <= writer.items()

@@ -1,0 +1,105 @@
+"""Who held GPUs idle, and when each team works: one extra pass over the week's rollups.
+
+The weekly fold (:mod:`gpusteward.reports.weekly`) sums by team, day and
+workload; two questions a team lead asks need other keys, so they are folded
+here, a slice at a time like the weekly fold (bounded memory), from the same
+rows and the same definitions (:func:`gpusteward.reports.compute.prepare`'s
+idle test: peak activity below the threshold; GPU-hours weighed by
+``gpu_fraction``):
+
+- **idle holders**: per pod, the idle GPU-hours it held and its longest idle
+  episode (an unbroken run of idle minutes on one device). Runs are kept per
+  slice as (start, end) pairs and joined across slices at the end, so an
+  episode that crosses midnight is one episode;
+- **heatmap**: per team, used over allocated GPU-hours by hour of day and day
+  of week (UTC), the shape of seed 002's dashboard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from gpusteward.reports import store
+
+MINUTE_S = 60.0
+POD = ["namespace", "pod", "owner_kind", "owner_name", "team"]
+COLUMNS = ["node", "gpu_fraction", "util_mean", "util_max", *POD]
+
+
+@dataclass
+class Activity:
+    holders: pl.DataFrame
+    """Per pod: namespace, pod, owner, team, idle_gpu_hours, longest_episode_h, devices,
+    biggest first."""
+    heatmap: pl.DataFrame
+    """Per team, weekday (1 = Monday) and hour (0-23, UTC): allocated and used GPU-hours and
+    utilisation_pct."""
+
+
+def fold(directory: Path, start: float, end: float, idle_threshold_pct: float) -> Activity:
+    """Idle holders and the team heatmap of [start, end) in the store at ``directory``."""
+    runs: list[pl.DataFrame] = []
+    hours: list[pl.DataFrame] = []
+    for rows in store.slices(directory, start, end, COLUMNS, categorical=False):
+        rows = rows.filter(pl.col("pod").is_not_null()).with_columns(
+            pl.coalesce("team", "namespace", pl.lit("unattributed")).alias("team"),
+            (pl.col("gpu_fraction").cast(pl.Float64) / 60).alias("gpu_hours"),
+            (pl.col("util_max").fill_null(0) < idle_threshold_pct).alias("idle"))
+        if rows.is_empty():
+            continue
+        stamp = (pl.col("ts") * 1000).cast(pl.Int64).cast(pl.Datetime("ms", "UTC"))
+        hours.append(rows.group_by(
+            "team", stamp.dt.weekday().alias("weekday"), stamp.dt.hour().alias("hour")).agg(
+            pl.col("gpu_hours").sum().alias("allocated_gpu_hours"),
+            (pl.col("gpu_hours") * pl.col("util_mean").fill_null(0) / 100).sum()
+            .alias("used_gpu_hours")))
+        runs.append(_runs(rows.filter("idle")))
+    heatmap_schema = {"team": pl.String, "weekday": pl.Int8, "hour": pl.Int8,
+                      "allocated_gpu_hours": pl.Float64, "used_gpu_hours": pl.Float64}
+    heatmap = (pl.concat(hours).cast(heatmap_schema)  # type: ignore[arg-type]
+               if hours else pl.DataFrame(schema=heatmap_schema))
+    heatmap = heatmap.group_by("team", "weekday", "hour").agg(
+        pl.col("allocated_gpu_hours", "used_gpu_hours").sum()).with_columns(
+        (100 * pl.col("used_gpu_hours") / pl.col("allocated_gpu_hours")).alias(
+            "utilisation_pct")).sort("team", "weekday", "hour")
+    return Activity(holders=_holders(runs), heatmap=heatmap)
+
+
+RUN_SCHEMA = {"uuid": pl.String, **dict.fromkeys(POD, pl.String), "first": pl.Float64,
+              "last": pl.Float64, "gpu_hours": pl.Float64}
+
+
+def _runs(idle: pl.DataFrame) -> pl.DataFrame:
+    """Unbroken runs of idle minutes per (device, pod): first and last minute, GPU-hours."""
+    key = ["uuid", *POD]
+    ordered = idle.sort([*key, "ts"])
+    # A new run where the key changes or a minute is missing.
+    gap = ((pl.col("ts").diff() > 1.5 * MINUTE_S)
+           | pl.any_horizontal([pl.col(k).ne_missing(pl.col(k).shift()) for k in key])
+           ).fill_null(True)
+    return (ordered.with_columns(gap.cum_sum().alias("run"))
+            .group_by("run", *key).agg(pl.col("ts").min().alias("first"),
+                                       pl.col("ts").max().alias("last"),
+                                       pl.col("gpu_hours").sum())
+            .drop("run").cast(RUN_SCHEMA))  # type: ignore[arg-type]
+
+
+def _holders(runs: list[pl.DataFrame]) -> pl.DataFrame:
+    """Runs joined across slices, then summed per pod."""
+    key = ["uuid", *POD]
+    every = (pl.concat(runs) if runs else pl.DataFrame(schema=RUN_SCHEMA)).sort([*key, "first"])
+    # A run that starts the minute after the previous one of its key ended continues it.
+    joined = every.with_columns(
+        ((pl.col("first") - pl.col("last").shift().over(key) > 1.5 * MINUTE_S)
+         .fill_null(True)).cum_sum().over(key).alias("episode")).group_by(
+        *key, "episode").agg(
+        ((pl.col("last").max() - pl.col("first").min() + MINUTE_S) / 3600).alias("hours"),
+        pl.col("gpu_hours").sum())
+    return (joined.group_by(POD).agg(
+        pl.col("gpu_hours").sum().alias("idle_gpu_hours"),
+        pl.col("hours").max().alias("longest_episode_h"),
+        pl.col("uuid").n_unique().cast(pl.UInt32).alias("devices"))
+        .sort(["idle_gpu_hours", "namespace", "pod"], descending=[True, False, False]))
