@@ -2,7 +2,8 @@
 
 Each function returns one ``<svg>`` element as a string, sized by its
 ``viewBox`` so it scales with the page. Empty data gives a chart that says
-so instead of an empty frame.
+so instead of an empty frame. Every chart has a title, one unit on its value
+axis and a legend along its bottom edge, so it reads without the text around it.
 """
 
 from __future__ import annotations
@@ -132,6 +133,54 @@ def lines(title: str, x_labels: Sequence[str], series: dict[str, Sequence[float]
     return "".join(parts)
 
 
+def _ramp(share: float) -> str:
+    """White to the palette's first colour: darker is busier."""
+    base = (0x4E, 0x79, 0xA7)
+    r, g, b = (round(255 - (255 - c) * min(max(share, 0.0), 1.0)) for c in base)
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def heatmap(title: str, rows: Sequence[str], columns: Sequence[str],
+            values: Sequence[Sequence[float | None]], unit: str, top: float = 100.0) -> str:
+    """A grid of cells, ``values[row][column]`` from 0 (white) to ``top`` (darkest);
+    None (nothing allocated) is left grey."""
+    if not rows or not columns:
+        return _empty(title)
+    height = TOP + 18 * len(rows) + 50
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {height}" '
+        f'role="img" aria-label="{escape(title)}" class="chart">',
+        f'<text x="{LEFT}" y="20" font-size="14" font-weight="bold">{escape(title)}</text>']
+    cell_w = (WIDTH - LEFT - RIGHT) / len(columns)
+    for r, name in enumerate(rows):
+        y = TOP + 18 * r
+        parts.append(f'<text x="{LEFT - 6}" y="{y + 13}" font-size="11" '
+                     f'text-anchor="end">{escape(name)}</text>')
+        for c, value in enumerate(values[r]):
+            fill = "#e8e8e8" if value is None else _ramp(value / top)
+            label = "nothing allocated" if value is None else f"{value:.0f} {unit}"
+            parts.append(f'<rect x="{LEFT + c * cell_w:.1f}" y="{y}" width="{cell_w - 1:.1f}" '
+                         f'height="17" fill="{fill}"><title>{escape(name)} '
+                         f'{escape(columns[c])}: {escape(label)}</title></rect>')
+    every = max(1, math.ceil(len(columns) / 12))
+    for c in range(0, len(columns), every):
+        parts.append(f'<text x="{LEFT + (c + 0.5) * cell_w:.1f}" y="{TOP + 18 * len(rows) + 12}"'
+                     f' font-size="10" text-anchor="middle">{escape(columns[c])}</text>')
+    # The legend: the colour scale in steps, then grey for no allocation.
+    x, y = LEFT, height - 16
+    for step in range(5):
+        share = step / 4
+        parts.append(f'<rect x="{x}" y="{y}" width="10" height="10" fill="{_ramp(share)}" '
+                     'stroke="#999" stroke-width="0.5"/>')
+        parts.append(f'<text x="{x + 14}" y="{y + 9}" font-size="11">'
+                     f'{top * share:g}{escape(" " + unit if step == 4 else "")}</text>')
+        x += 44 if step < 4 else 80
+    parts.append(f'<rect x="{x}" y="{y}" width="10" height="10" fill="#e8e8e8"/>'
+                 f'<text x="{x + 14}" y="{y + 9}" font-size="11">nothing allocated</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
 def boxes(title: str, rows: Sequence[tuple[str, float, float, float, float, float]],
           unit: str, y_max: float = 100.0) -> str:
     """Box plots: per row a label and its p5, p25, p50, p75, p95."""
@@ -156,9 +205,20 @@ def boxes(title: str, rows: Sequence[tuple[str, float, float, float, float, floa
                      f'p50 {p50:.0f}, p75 {p75:.0f}, p95 {p95:.0f}</title></rect>')
         parts.append(f'<line x1="{cx - w / 2:.1f}" x2="{cx + w / 2:.1f}" y1="{y(p50):.1f}" '
                      f'y2="{y(p50):.1f}" stroke="#fff" stroke-width="2"/>')
-        short = label if len(label) <= 14 else label[:13] + "…"
+        # Short enough that the slanted label ends above the legend.
+        short = label if len(label) <= 10 else label[:9] + "…"
         parts.append(f'<text x="{cx:.1f}" y="{TOP + plot_h + 12}" font-size="9" '
                      f'text-anchor="end" transform="rotate(-30 {cx:.1f} {TOP + plot_h + 12})">'
                      f'{escape(short)}</text>')
+    # Legend on the right of the bottom edge: the rotated labels fill its left.
+    x = WIDTH - RIGHT - 330
+    parts.append(f'<rect x="{x}" y="{HEIGHT - 16}" width="10" height="10" fill="{PALETTE[0]}"/>'
+                 f'<text x="{x + 14}" y="{HEIGHT - 7}" font-size="11">p25-p75</text>'
+                 f'<line x1="{x + 80}" x2="{x + 80}" y1="{HEIGHT - 18}" y2="{HEIGHT - 4}" '
+                 f'stroke="#333"/><text x="{x + 86}" y="{HEIGHT - 7}" font-size="11">p5-p95'
+                 f'</text><rect x="{x + 140}" y="{HEIGHT - 16}" width="10" height="10" '
+                 f'fill="{PALETTE[0]}"/><line x1="{x + 140}" x2="{x + 150}" '
+                 f'y1="{HEIGHT - 11}" y2="{HEIGHT - 11}" stroke="#fff" stroke-width="2"/>'
+                 f'<text x="{x + 154}" y="{HEIGHT - 7}" font-size="11">median (p50)</text>')
     parts.append("</svg>")
     return "".join(parts)
