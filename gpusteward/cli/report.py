@@ -31,11 +31,17 @@ def report(
         help="Queue-event store folder (default: GPUSTEWARD_REPORT__QUEUE_DIR or "
              "./queue-events; skipped when absent).")] = None,
 ) -> None:
-    """Write the weekly right-sizing report from the Parquet rollup store."""
+    """Write the weekly right-sizing report from the Parquet rollup store.
+
+    With GPUSTEWARD_REPORT__ARCHIVE_DIR set, the report is also kept there under its
+    week's name and compared with the previous week's; with
+    GPUSTEWARD_REPORT__WEBHOOK_URL set, its summary is posted to that webhook.
+    """
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from gpusteward.reports import build, compute, render, store
+    from gpusteward.errors import TemporaryError
+    from gpusteward.reports import archive, build, compute, notify, render, store
     from gpusteward.reports.settings import ReportSettings
     from gpusteward.streams.policy_file import policy_from_env
 
@@ -63,21 +69,38 @@ def report(
                             description=f"rows read: {read:,} of {total:,}")
 
         queue_dir = queue or settings.queue_dir
+        findings_dir = settings.findings_dir if settings.findings_dir.is_dir() else None
         try:
             result = build.build(directory, chosen, settings,
                                  queue=queue_dir if queue_dir.is_dir() else None, step=step,
-                                 rows=rows, policy=policy)
+                                 rows=rows, policy=policy, findings_dir=findings_dir,
+                                 previous=archive.previous(settings.archive_dir, chosen))
         except store.StoreError as error:
             console.print(f"[red]{error}[/]")
             raise typer.Exit(1) from error
     for path in render.write(result, out):
         typer.echo(str(path))
+    if settings.archive_dir is not None:
+        for path in render.write(result, archive.folder(settings.archive_dir, chosen)):
+            typer.echo(str(path))
     totals = result.data["totals"]
     if not totals["device_minutes"]:
         console.print(f"[yellow]no rollups for {chosen.label} in {directory}[/]")
     elif result.data["missing_days"]:
         console.print(f"[yellow]no rollups for {', '.join(result.data['missing_days'])} in "
                       f"{directory}: the report covers the other days[/]")
+    url = settings.webhook_url.get_secret_value() if settings.webhook_url else ""
+    if url:
+        link = settings.report_url
+        if link and settings.archive_dir is not None:
+            link = f"{link.rstrip('/')}/{chosen.label}/report.html"
+        try:
+            asyncio.run(notify.post(url, notify.summary(result.data, link)))
+        except TemporaryError as error:
+            # The files are written; the job fails so the miss shows and can be re-run.
+            console.print(f"[red]summary not posted: {error}[/]")
+            raise typer.Exit(1) from error
+        console.print("summary posted to the webhook")
 
 
 def sink(

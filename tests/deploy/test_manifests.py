@@ -277,6 +277,11 @@ def test_report_cronjob_writes_to_a_volume(render):
     command = " ".join(container["command"])
     assert "gpusteward report --week" in command and "--out /reports" in command
     assert any(m["mountPath"] == "/reports" for m in container["volumeMounts"])
+    env = {e["name"]: e for e in container["env"]}
+    # Every week kept on the same volume; the webhook URL only from an optional Secret.
+    assert env["GPUSTEWARD_REPORT__ARCHIVE_DIR"]["value"].startswith("/reports/")
+    secret = env["GPUSTEWARD_REPORT__WEBHOOK_URL"]["valueFrom"]["secretKeyRef"]
+    assert secret["optional"] is True and "value" not in env["GPUSTEWARD_REPORT__WEBHOOK_URL"]
 
 
 def _env(rendered, workload, container: dict[str, Any] | None = None) -> dict[str, str]:

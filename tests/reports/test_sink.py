@@ -11,10 +11,10 @@ import pytest
 from aiokafka import ConsumerRecord
 
 from gpusteward import kafka, topics
-from gpusteward.reports import store
+from gpusteward.reports import findings, store
 from gpusteward.reports.settings import ReportSettings
-from gpusteward.reports.sink import RollupSink, rollup_sink
-from gpusteward.schema import DeadLetter, Rollup
+from gpusteward.reports.sink import RollupSink, findings_sink, rollup_sink
+from gpusteward.schema import DeadLetter, Evidence, Finding, PodRef, Rollup, Subject
 from gpusteward.settings import Settings
 
 T0 = 1_763_337_600.0
@@ -112,3 +112,44 @@ def test_redelivered_rollups_are_written_once(settings: Settings, tmp_path: Path
     assert (sink.rows_written, sink.duplicates) == (6, 3)
     frame = store.scan(tmp_path, T0, T0 + 86400).collect().sort("ts")
     assert frame["util_mean"].to_list() == [float(i) for i in range(6)]
+
+
+@pytest.mark.e2e
+def test_findings_sink_keeps_each_ladder_step_once(settings: Settings, tmp_path: Path) -> None:
+    """The idle rule's ladder on findings.v1, redelivered, lands in the findings store once."""
+    report = ReportSettings(flush_rows=1000, flush_interval_s=0.3)
+    pod = PodRef(namespace="ml", name="nb-0")
+    steps = [Finding(id="idle-1", fingerprint="fp", kind="idle_holder", severity="info",
+                     state="firing", subject=Subject(node="n0", device="GPU-0", pod=pod),
+                     summary=f"step {s}", starts_at=T0, ts=T0 + 600 * s,
+                     evidence=Evidence(window_start=T0, window_end=T0 + 600 * s,
+                                       values={"ladder_step": float(s)}),
+                     labels={"reclaim": "execute", "owner": "Notebook/nb"}) for s in (1, 2, 3)]
+
+    async def main() -> RollupSink:
+        await kafka.ensure_topics(settings)
+        producer = kafka.producer(settings)
+        await producer.start()
+        for finding in [*steps, steps[2]]:
+            await producer.send(topics.FINDINGS.name(settings), msgspec.json.encode(finding),
+                                key=b"fp")
+        await producer.flush()
+        await producer.stop()
+        sink = findings_sink(settings, report, directory=tmp_path)
+        stop = asyncio.Event()
+        task = asyncio.create_task(sink.run(stop))
+        for _ in range(300):
+            if sink.rows_written + sink.duplicates >= 4:
+                break
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        return sink
+
+    sink = asyncio.run(main())
+    assert (sink.rows_written, sink.duplicates) == (3, 1)
+    stored = findings.read(tmp_path, T0, T0 + 86400).sort("ts")
+    assert stored["ladder_step"].to_list() == [1, 2, 3]
+    assert stored["pod"].to_list() == ["nb-0"] * 3
+    (ladder,) = findings.idle_ladder(stored).iter_rows(named=True)
+    assert (ladder["ladder_step"], ladder["reclaim"]) == (3, "execute")

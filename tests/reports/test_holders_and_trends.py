@@ -1,0 +1,126 @@
+"""A simulated week of several teams: idle holders named, trends and the heatmap.
+
+The week is built so the answers are known: who idled how long (one episode
+crosses midnight), what the idle rule did to each (findings in the findings
+store), when the busy team works, and what changed since the week before.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpusteward.reports import archive, build, compute, findings, render, store
+from gpusteward.reports.settings import ReportSettings
+from gpusteward.schema import Evidence, Finding, PodRef, Rollup, Subject
+
+WEEK = compute.parse_week("2026-W47")
+BEFORE = archive.previous_week(WEEK)
+HOUR = 3600.0
+
+
+def _held(start: float, pod: str, team: str, hours: float, util: float, gpu: int) -> list[Rollup]:
+    return [Rollup(ts=start + m * 60, node="node-a", uuid=f"GPU-{gpu}", index=gpu,
+                   model="NVIDIA H100 80GB HBM3", samples=4, util_mean=util, util_max=util,
+                   mem_used_max=1 << 30, mem_total_bytes=80 << 30, namespace=team, pod=pod,
+                   owner_kind="Notebook", owner_name=pod.rsplit("-", 1)[0], team=team)
+            for m in range(round(hours * 60))]
+
+
+def _week(start: float, idle_scale: float) -> list[Rollup]:
+    """Team vision idles (the long episode crosses Monday midnight); nlp works 9-17 UTC."""
+    rows = (_held(start + 20 * HOUR, "nb-alice-0", "vision", 10 * idle_scale, 0.0, 0)
+            + _held(start + 2 * 86400, "nb-bob-0", "vision", 3, 1.0, 1)
+            + _held(start + 3 * 86400, "nb-carol-0", "nlp", 1, 2.0, 2))
+    for day in range(5):
+        rows += _held(start + day * 86400 + 9 * HOUR, f"train-{day}-0", "nlp", 8, 60.0, 3)
+    return rows
+
+
+def _idle_finding(pod: str, step: int, ts: float, reclaim: str) -> Finding:
+    return Finding(id=f"idle-{pod}", fingerprint=f"fp-{pod}", kind="idle_holder",
+                   severity="warning" if step > 1 else "info", state="firing",
+                   subject=Subject(node="node-a", device="GPU-0",
+                                   pod=PodRef(namespace="vision", name=pod)),
+                   summary="idle", starts_at=ts - 1800, ts=ts,
+                   evidence=Evidence(window_start=ts - 1800, window_end=ts,
+                                     values={"ladder_step": float(step)}),
+                   labels={"reclaim": reclaim, "owner": "Notebook/x"})
+
+
+@pytest.fixture(scope="module")
+def weeks(tmp_path_factory: pytest.TempPathFactory) -> tuple[build.Report, build.Report, Path]:
+    root = tmp_path_factory.mktemp("weeks")
+    rollups, found, kept = root / "rollups", root / "findings", root / "archive"
+    store.write(rollups, store.frame(_week(BEFORE.start, 0.5) + _week(WEEK.start, 1.0)))
+    steps = [_idle_finding("nb-alice-0", s, WEEK.start + 21 * HOUR + s * 600, "execute")
+             for s in (1, 2, 3)] + [_idle_finding("nb-bob-0", 1, WEEK.start + 2 * 86400 + HOUR,
+                                                  "execute")]
+    store.write(found, findings.frame(steps), findings.SCHEMA)
+    settings = ReportSettings()
+    before = build.build(rollups, BEFORE, settings, findings_dir=found)
+    render.write(before, archive.folder(kept, BEFORE))
+    now = build.build(rollups, WEEK, settings, findings_dir=found,
+                      previous=archive.previous(kept, WEEK))
+    return before, now, kept
+
+
+def test_idle_holders_named_in_order_with_what_the_rule_did(
+        weeks: tuple[build.Report, build.Report, Path]) -> None:
+    _, now, _ = weeks
+    holders = now.data["idle_holders"]
+    assert [(h["pod"], h["team"]) for h in holders] == [
+        ("nb-alice-0", "vision"), ("nb-bob-0", "vision"), ("nb-carol-0", "nlp")]
+    alice, bob, carol = holders
+    assert alice["idle_gpu_hours"] == pytest.approx(10.0)
+    # One episode though the store splits it at midnight.
+    assert alice["longest_episode_h"] == pytest.approx(10.0)
+    assert alice["owner"] == "Notebook/nb-alice"
+    assert (alice["status"], bob["status"]) == ("reclaim ordered", "told")
+    assert carol["status"].startswith("not told")
+    assert bob["longest_episode_h"] == pytest.approx(3.0)
+
+
+def test_trends_show_the_injected_change(weeks: tuple[build.Report, build.Report, Path]
+                                         ) -> None:
+    before, now, _ = weeks
+    assert now.data["trends"]["previous_week"] == BEFORE.label
+    rows = {r["team"]: r for r in now.data["trends"]["teams"]}
+    # Alice idled 5 h the week before and 10 h this week; nlp did not change.
+    assert rows["vision"]["idle_gpu_hours_before"] == pytest.approx(8.0)
+    assert rows["vision"]["idle_gpu_hours"] == pytest.approx(13.0)
+    assert rows["nlp"]["allocated_gpu_hours"] == pytest.approx(
+        rows["nlp"]["allocated_gpu_hours_before"])
+    assert rows["vision"]["findings"] == 2 and rows["vision"]["findings_before"] == 0
+    html = render.html(now)
+    assert "13.0 ▲ +62%" in html and "Against last week (2026-W46)" in html
+    assert before.data["trends"]["previous_week"] is None
+
+
+def test_heatmap_shows_when_a_team_works(weeks: tuple[build.Report, build.Report, Path]
+                                         ) -> None:
+    _, now, _ = weeks
+    cells = {(r["weekday"], r["hour"]): r for r in now.data["heatmap"] if r["team"] == "nlp"}
+    # Monday to Friday 09-17 UTC at 60 %, nothing else but carol's idle hour on Thursday.
+    assert {k for k, r in cells.items() if r["utilisation_pct"] > 50} == {
+        (d, h) for d in range(1, 6) for h in range(9, 17)}
+    assert cells[(4, 0)]["utilisation_pct"] == pytest.approx(2.0)
+    assert cells[(1, 9)]["allocated_gpu_hours"] == pytest.approx(1.0)
+
+
+def test_numbers_in_the_html_equal_the_json(weeks: tuple[build.Report, build.Report, Path]
+                                            ) -> None:
+    _, now, _ = weeks
+    page = render.html(now)
+    for holder in now.data["idle_holders"]:
+        row = (f"<td>{holder['pod']}</td><td>{holder['owner']}</td><td>{holder['team']}</td>"
+               f"<td>{holder['idle_gpu_hours']:,.1f}</td>"
+               f"<td>{holder['longest_episode_h']:,.1f}</td>")
+        assert row in page
+    for team in now.data["actions"]:
+        assert f"${team['saving_usd']:,.0f}/week" in page
+        for action in team["actions"]:
+            assert f"<td>{action['saving_usd']:,.1f}</td>" in page
+    totals = now.data["totals"]
+    assert f"<b>{totals['idle_gpu_hours']:,.1f}" in page
