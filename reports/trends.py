@@ -22,12 +22,13 @@ def change_pct(now: float | None, before: float | None) -> float | None:
     return 100 * (now - before) / before
 
 
-def _team_values(data: dict[str, Any]) -> dict[str, dict[str, float]]:
+def _team_values(data: dict[str, Any]) -> dict[str, dict[str, float | int]]:
     found = data.get("findings", {}).get("per_team", {})
-    out = {row["team"]: {m: float(row[m]) for m in TEAM_METRICS if m in row}
+    out: dict[str, dict[str, float | int]] = {
+        row["team"]: {m: float(row[m]) for m in TEAM_METRICS if m in row}
            for row in data.get("teams", [])}
     for team, values in out.items():
-        values["findings"] = float(found.get(team, 0))
+        values["findings"] = int(found.get(team, 0))
     return out
 
 

@@ -91,6 +91,28 @@ def test_a_report_on_the_replayed_trace(replayed: tuple[Path, pl.DataFrame],
     # Serving pods that idle most of the day: the trace's mean duty cycle is under 10 %.
     assert totals["used_gpu_hours"] < 0.1 * totals["allocated_gpu_hours"]
     assert report.data["recommendations"]
+    # One action per workload: every advised workload once, under its team.
+    advised = {r["workload"] for r in report.data["recommendations"]}
+    listed = [a["workload"] for t in report.data["actions"] for a in t["actions"]]
+    assert len(listed) == len(set(listed))
+    assert len(listed) + sum(t["tail_workloads"] for t in report.data["actions"]) == len(advised)
+    # A workload whose p95 activity is under the idle threshold is told to give it back.
+    for row in report.data["workloads"]:
+        name = f"{row['namespace']}/{row['owner_kind'].lower()}/{row['owner_name']}"
+        kinds = {r["kind"] for r in report.data["recommendations"] if r["workload"] == name}
+        idle = (row["util_p95"] or 0.0) < report.data["settings"]["idle_threshold_pct"]
+        assert ("give_back" in kinds) == (idle and bool(kinds)), name
+    assert any(a["kind"] == "give_back" for t in report.data["actions"] for a in t["actions"])
+    # Idle holders named, most idle GPU-hours first, each with its longest episode.
+    holders = report.data["idle_holders"]
+    assert len(holders) == ReportSettings().idle_holders_shown
+    hours = [h["idle_gpu_hours"] for h in holders]
+    assert hours == sorted(hours, reverse=True)
+    idle_per_pod = rows.filter(pl.col("util_max") < 5).group_by("pod").len().sort(
+        "len", descending=True)
+    assert holders[0]["pod"] == idle_per_pod["pod"][0]
+    assert holders[0]["idle_gpu_hours"] == pytest.approx(idle_per_pod["len"][0] / 60)
+    assert all(0 < h["longest_episode_h"] <= h["idle_gpu_hours"] + 1e-9 for h in holders)
     pool = report.data["mig"]["pools"][0]
     assert (pool["model"], pool["gpus"]) == ("A100-80GB", 80)
     assert pool["served_share"] == pytest.approx(pool["demand_share"])
