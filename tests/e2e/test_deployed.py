@@ -46,7 +46,7 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAY = REPO / "deploy" / "overlays" / "local"
-PROCESSES = ["worker", "alerts", "remediation", "rollup-sink"]
+PROCESSES = ["worker", "alerts", "remediation", "rollup-sink", "findings-sink"]
 ROLLUP_LATENESS_S = 60.0  # the worker's default
 
 
@@ -212,3 +212,17 @@ def test_every_deployed_process_serves_its_metrics(run: Run) -> None:
                  outcome="executed") == sum(1 for r in decided if r.verb == "cordon"
                                             and r.outcome == "executed")
     assert total("alerts", "gpusteward_records_in_total") == len(run.findings)
+    assert total("findings-sink", "gpusteward_records_in_total") == len(run.findings)
+
+
+def test_the_report_counts_the_findings_the_deployed_sink_kept(run: Run) -> None:
+    """The CronJob's report reads the findings store the deployed findings sink wrote:
+    per rule, the episodes the pipeline raised. The scenario's jobs are all busy, so no
+    pod is named an idle holder and no idle finding was raised."""
+    episodes: dict[str, set[str]] = {}
+    for finding in run.findings:
+        episodes.setdefault(finding.kind, set()).add(finding.id)
+    assert run.report["findings"]["stored"] is True
+    assert {r["kind"]: r["episodes"] for r in run.report["findings"]["by_kind"]} == {
+        kind: len(ids) for kind, ids in episodes.items()}
+    assert "idle_holder" not in episodes and run.report["idle_holders"] == []
