@@ -43,7 +43,7 @@ def fold(directory: Path, start: float, end: float, idle_threshold_pct: float) -
     """Idle holders and the team heatmap of [start, end) in the store at ``directory``."""
     runs: list[pl.DataFrame] = []
     hours: list[pl.DataFrame] = []
-    for rows in store.slices(directory, start, end, COLUMNS, categorical=False):
+    for rows in store.slices(directory, start, end, COLUMNS):
         rows = rows.filter(pl.col("pod").is_not_null()).with_columns(
             pl.coalesce("team", "namespace", pl.lit("unattributed")).alias("team"),
             (pl.col("gpu_fraction").cast(pl.Float64) / 60).alias("gpu_hours"),
