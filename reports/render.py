@@ -163,12 +163,11 @@ def charts_for(data: Data) -> dict[str, str]:
             "Queue wait p95 vs SLO", [r["cluster_queue"] for r in data["queues"]],
             {"p95 wait": [r["wait_p95_s"] or 0.0 for r in data["queues"]]}, "seconds",
             marks=[r["slo_s"] for r in data["queues"]]),
+        # Events only: throttled device-minutes are a duration, in the table below.
         "faults": charts.bars(
-            "Faults per day", [r["day"] for r in data["faults"]],
+            "GPU fault events per day", [r["day"] for r in data["faults"]],
             {"XID events": [float(r["xid_events"]) for r in data["faults"]],
-             "new DBE errors": [float(r["ecc_dbe_errors"]) for r in data["faults"]],
-             "throttled device-min": [float(r["throttled_device_minutes"])
-                                      for r in data["faults"]]}, "count"),
+             "new DBE errors": [float(r["ecc_dbe_errors"]) for r in data["faults"]]}, "events"),
         "fragmentation": charts.lines(
             f"Fragmentation: share of free GPUs no {data['settings']['fragmentation_shape_gpus']}"
             "-GPU request fits (hourly)", [r["hour"][5:13] for r in fragmentation],
