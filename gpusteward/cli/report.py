@@ -115,8 +115,10 @@ def sink(
     loglevel: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run a sink: a topic into its Parquet store, until SIGTERM or Ctrl-C (then flush)."""
+    from gpusteward.reports import policy as live_policy
     from gpusteward.reports import sink as sinks
     from gpusteward.reports.settings import ReportSettings
+    from gpusteward.streams.policy_file import policy_from_env
 
     if topic not in SINKS:
         raise typer.BadParameter(f"unknown sink {topic!r}: {', '.join(SINKS)}",
@@ -124,6 +126,9 @@ def sink(
     configure_logging(loglevel)
     settings = kafka_settings(bootstrap)
     report = ReportSettings()
+    if topic == "rollups":
+        # Its idle GPU-seconds metric counts the minutes the idle rule and the report count.
+        report = live_policy.aligned(report, policy_from_env())
     make = {"rollups": sinks.rollup_sink, "queue": sinks.queue_sink,
             "findings": sinks.findings_sink}[topic]
     running = make(settings, report, directory)

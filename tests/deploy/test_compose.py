@@ -171,8 +171,9 @@ def test_sinks_write_the_store_the_report_reads(compose):
     assert store("rollup-sink") == store("queue-sink") == store("findings-sink") \
         == store("report")
     # The report reads the worker's policy (queue SLOs, idle threshold) where it points.
-    policy = services["report"]["environment"]["GPUSTEWARD_POLICY_FILE"]
-    assert f"./deploy/base/policy.yaml:{policy}:ro" in services["report"]["volumes"]
+    for reader in ("report", "rollup-sink"):
+        policy = services[reader]["environment"]["GPUSTEWARD_POLICY_FILE"]
+        assert f"./deploy/base/policy.yaml:{policy}:ro" in services[reader]["volumes"]
     report = services["report"]
     command = " ".join(report["entrypoint"] + report["command"])
     assert "gpusteward report --week" in command

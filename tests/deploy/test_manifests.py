@@ -341,7 +341,7 @@ def test_sinks_write_the_store_the_report_reads(rendered):
 
 def test_policy_configmap_is_mounted_where_the_setting_points(rendered):
     # The report reads queue SLOs and the idle threshold from the same policy.
-    for component in ("worker", "remediation", "alerts", "report"):
+    for component in ("worker", "remediation", "alerts", "report", "rollup-sink"):
         workload = rendered.component(component)
         pod = rendered.pod_spec(workload)
         env = _env(rendered, workload)
