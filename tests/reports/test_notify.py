@@ -81,7 +81,7 @@ def test_summary_posted_and_the_week_kept(hook: Hook, rollups: Path, tmp_path: P
     data = json.loads((kept / WEEK.label / "report.json").read_text())
     (post,) = hook.posts
     text = post["text"]
-    assert text.startswith(f"*GPU report {WEEK.label}*: {data['totals']['devices']} GPUs, "
+    assert text.startswith(f"*GPU report {WEEK.label}*: {data['totals']['gpus']} GPUs, "
                            f"{data['totals']['allocated_gpu_hours']:,.0f} GPU-h allocated")
     top = data["idle_holders"][0]
     assert f"{top['namespace']}/{top['pod']} ({top['team']})" in text
