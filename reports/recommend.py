@@ -158,7 +158,8 @@ class TeamActions:
         parts = ", ".join(f"{n} {what}" for what, n in
                           sorted(counts.items(), key=lambda item: (-item[1], item[0])))
         saving = sum(a.best.saving_usd for a in self.tail)
-        return f"{len(self.tail)} more workloads: ${saving:,.0f}/week ({parts})"
+        noun = "workload" if len(self.tail) == 1 else "workloads"
+        return f"{len(self.tail)} more {noun}: ${saving:,.0f}/week ({parts})"
 
     def as_dict(self) -> dict[str, Any]:
         return {"team": self.team, "saving_usd": self.saving_usd,
