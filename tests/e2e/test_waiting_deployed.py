@@ -1,0 +1,138 @@
+"""Demand-aware reclaim carried out by the deployed system, and the waiting job then starts.
+
+The ``idle-notebooks-waiting`` world (two idle notebooks hold the two GPUs of a node, a
+2-GPU job arrives at 20 min and waits for them, a busy notebook holds the other node)
+runs paced under the processes ``deploy/overlays/local`` declares: worker, alert sink and
+the executor on the API-server double, read by the production NVML collectors and
+watcher (:mod:`gpusteward.sandbox.world`). The policy is the shipped one with one change
+an operator would make after a week of dry runs: demand-aware reclaims are carried out
+(``idle_blocking_demand.reclaim_execute``, and the rule enabled in the executor). The
+usual idle ladder stays at its shipped half day, so only the short one can act in the
+four simulated hours.
+
+The executor's Notebook stop reaches the simulated cluster through the API (the world's
+write-back), which frees the GPUs; the simulator's ground truth says when the notebooks
+were reclaimed and when the job started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gpusteward import kafka, topics
+from gpusteward.broker import EmbeddedBroker
+from gpusteward.collectors.transport.publisher import KafkaPublisher
+from gpusteward.rules import demand, idle
+from gpusteward.sandbox import deployment
+from gpusteward.sandbox.simulator import scenario as scenarios
+from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
+from gpusteward.sandbox.world import World
+from gpusteward.schema import ActionResult, Finding
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+OVERLAY = REPO / "deploy" / "overlays" / "local"
+PROCESSES = ["worker", "alerts", "remediation"]
+DURATION_S = 4 * 3600.0
+"""Long enough for the short ladder (2 h of idleness) and the job's start after it."""
+WALL_S = 30.0
+"""Paced: the executor's reclaim must reach the simulated cluster while the day runs."""
+JOB = "ml-dia/train-dia"
+
+
+@dataclass
+class Run:
+    truth: GroundTruth
+    findings: list[Finding]
+    results: list[ActionResult]
+
+
+async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
+    policy = workdir / "policy.yaml"
+    policy.write_text(f"rules:\n  {demand.KIND}:\n    reclaim_execute: true\n")
+    manifests = deployment.Manifests.from_overlay(OVERLAY)
+    local = deployment.Local(broker.bootstrap, workdir, topic_prefix="waiting-deployed",
+                             kubeconfig=workdir / "kubeconfig", extra_env={
+                                 "GPUSTEWARD_POLICY_FILE": str(policy),
+                                 "GPUSTEWARD_REMEDIATION__ENABLED_RULES":
+                                     json.dumps([demand.KIND])})
+    spec = scenarios.load("idle-notebooks-waiting")
+    cluster = SimulatedCluster(spec.model_copy(update={
+        "duration_s": DURATION_S, "acceleration": DURATION_S / WALL_S}))
+    settings = manifests.launch("collector", local).settings()
+    await kafka.ensure_topics(settings)
+    publisher = KafkaPublisher(settings)
+    await publisher.start()
+    processes: list[deployment.Process] = []
+    try:
+        world = World(cluster, publisher, workdir)
+        processes = list(deployment.start(manifests, PROCESSES, local))
+        async with world:
+            truth = await cluster.run(world)
+            await world.settle()
+            await deployment.drain(settings, processes)
+    finally:
+        for process in processes:
+            process.stop()
+        await publisher.stop()
+    findings = msgspec.json.Decoder(Finding).decode
+    results = msgspec.json.Decoder(ActionResult).decode
+    return Run(
+        truth,
+        [findings(r.value) for r in await kafka.read_all(settings, topics.FINDINGS.name(settings))],
+        [results(r.value) for r in
+         await kafka.read_all(settings, topics.ACTION_RESULTS.name(settings))])
+
+
+@pytest.fixture(scope="module")
+def run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return asyncio.run(_run(broker, tmp_path_factory.mktemp("waiting-deployed")))
+
+
+def test_idle_notebooks_reclaimed_on_the_short_ladder_then_the_job_starts(run: Run) -> None:
+    truth = run.truth
+    idle_notebooks = {f"{p.namespace}/{p.pod}": p for p in truth.pods if p.idle}
+    assert set(idle_notebooks) == {"ml-ana/nb-ana", "ml-ben/nb-ben"}
+    reclaimed = {f"{r.namespace}/{r.pod}": r for r in truth.reclaims}
+    # Exactly the two idle notebooks the job needs, never the busy one.
+    assert set(reclaimed) == set(idle_notebooks)
+    settings = demand.DemandReclaimSettings()
+    for key, record in reclaimed.items():
+        idle_since = idle_notebooks[key].started_at + idle.IdleSettings().grace_s
+        # The short ladder (2 h of idleness), not the usual half day; the executor acts
+        # within minutes of event time of the worker's action (paced at 480x).
+        assert idle_since + settings.reclaim_after_s <= record.ts <= \
+            idle_since + settings.reclaim_after_s + 900, key
+        assert record.gpu_hours_given_back > 0
+    # The job waited for them and started once both were gone, on their node.
+    (job,) = [p for p in truth.pods if f"{p.namespace}/{p.pod}" == JOB]
+    assert job.queued_at is not None
+    assert max(r.ts for r in reclaimed.values()) <= job.started_at <= \
+        max(r.ts for r in reclaimed.values()) + 300
+    assert job.node == {r.node for r in reclaimed.values()}.pop()
+    assert JOB not in truth.pending
+
+
+def test_the_reclaims_were_executed_through_the_api_for_the_waiting_job(run: Run) -> None:
+    executed = [r for r in run.results if r.verb == "requeue" and r.outcome == "executed"]
+    assert sorted(f"{r.target.pod.namespace}/{r.target.pod.name}" for r in executed
+                  if r.target.pod) == ["ml-ana/nb-ana", "ml-ben/nb-ben"]
+    firing = [f for f in run.findings if f.kind == demand.KIND and f.state == "firing"]
+    job = next(p for p in run.truth.pods if f"{p.namespace}/{p.pod}" == JOB)
+    assert job.queued_at is not None
+    min_wait = demand.DemandReclaimSettings().min_wait_s
+    for finding in firing:
+        # Only while the job waits: no episode before it had waited min_wait_s, each names it.
+        assert finding.labels["waiting"] == JOB
+        assert finding.starts_at >= job.queued_at + min_wait
+        assert finding.ts < job.started_at
+    # Once the job runs nobody waits: every episode is resolved, none fires after.
+    resolved = {f.id for f in run.findings if f.kind == demand.KIND and f.state == "resolved"}
+    assert {f.id for f in firing} == resolved
