@@ -8,7 +8,7 @@ disagree.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,10 +16,11 @@ from typing import Any
 import polars as pl
 import yaml
 
-from gpusteward.reports import compute, recommend, store, weekly
+from gpusteward.reports import compute, recommend, store, waiting, weekly
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry as mig_geometry
 from gpusteward.rules.mig import layout
+from gpusteward.schema import Finding
 
 Step = Callable[[str], None]
 
@@ -36,10 +37,12 @@ class Report:
 def build(directory: Path, week: compute.Week, settings: ReportSettings,
           queue: pl.DataFrame | Path | None = None,
           geometries: Mapping[str, mig_geometry.Geometry] | None = None,
-          step: Step | None = None, rows: weekly.Rows | None = None) -> Report:
+          step: Step | None = None, rows: weekly.Rows | None = None,
+          findings: Iterable[Finding] = ()) -> Report:
     """The report for ``week`` from the rollup store at ``directory``.
 
-    ``queue`` is the week's queue events, or the folder of their store. ``step``
+    ``queue`` is the week's queue events, or the folder of their store; ``findings``
+    those the waiting section reads (start ETAs closed, gangs half-placed). ``step``
     hears each stage's name as it starts, ``rows`` the rows read so far and the
     rows in the week's files. Raises :class:`store.StoreError` for files another
     version wrote; days without files are listed in ``missing_days``.
@@ -53,6 +56,7 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     if isinstance(queue, Path):
         queue = store.scan_queue(queue, week.start, week.end)
     queues = compute.queue_table(queue, settings)
+    waits = waiting.waiting_table(queue, findings, week.start, week.end)
     advance(STEPS[2])
     advice = recommend.recommend(tables.need, settings, geometries)
     advance(STEPS[3])
@@ -91,6 +95,7 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
         "workloads": compute.records(tables.workloads),
         "recommendations": [r.as_dict() for r in advice],
         "queues": compute.records(queues),
+        "waiting": compute.records(waits),
         "faults": compute.records(tables.faults),
         "fragmentation": compute.records(tables.fragmentation),
         "mig": {

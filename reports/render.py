@@ -15,7 +15,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from gpusteward.reports import charts
+from gpusteward.reports import charts, waiting
 from gpusteward.reports.build import Report
 
 CSS = """
@@ -164,6 +164,7 @@ def html(report: Report) -> str:
         figures["queues"], figures["faults"], figures["fragmentation"], "</div>",
         table(data["queues"], QUEUE_COLUMNS),
         table(data["faults"], FAULT_COLUMNS),
+        waiting.render(data.get("waiting", []), "html"),
         "</body></html>",
     ]
     return "\n".join(parts)
@@ -198,6 +199,7 @@ def markdown(report: Report) -> str:
         "```yaml", report.mig_parted_yaml.rstrip(), "```", "",
         "## Queues", "", table(data["queues"], QUEUE_COLUMNS),
         "## Faults", "", table(data["faults"], FAULT_COLUMNS),
+        waiting.render(data.get("waiting", []), "markdown"),
     ])
 
 

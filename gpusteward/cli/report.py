@@ -10,7 +10,7 @@ import asyncio
 import signal
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -30,6 +30,11 @@ def report(
     queue: Annotated[Path | None, typer.Option(
         help="Queue-event store folder (default: GPUSTEWARD_REPORT__QUEUE_DIR or "
              "./queue-events; skipped when absent).")] = None,
+    findings_from_kafka: Annotated[bool, typer.Option(
+        "--findings-from-kafka", help="Read the findings topic (GPUSTEWARD_KAFKA__*) for the "
+        "waiting section's start-ETA accuracy and gangs half-placed; the topic's retention "
+        "must cover the week.")] = False,
+    bootstrap: Bootstrap = None,
 ) -> None:
     """Write the weekly right-sizing report from the Parquet rollup store."""
     from rich.console import Console
@@ -60,10 +65,11 @@ def report(
                             description=f"rows read: {read:,} of {total:,}")
 
         queue_dir = queue or settings.queue_dir
+        findings = _findings(bootstrap) if findings_from_kafka else []
         try:
             result = build.build(directory, chosen, settings,
                                  queue=queue_dir if queue_dir.is_dir() else None, step=step,
-                                 rows=rows)
+                                 rows=rows, findings=findings)
         except store.StoreError as error:
             console.print(f"[red]{error}[/]")
             raise typer.Exit(1) from error
@@ -75,6 +81,29 @@ def report(
     elif result.data["missing_days"]:
         console.print(f"[yellow]no rollups for {', '.join(result.data['missing_days'])} in "
                       f"{directory}: the report covers the other days[/]")
+
+
+def _findings(bootstrap: str | None) -> list[Any]:
+    """Every finding on the findings topic (the waiting section filters the week's)."""
+    import msgspec
+
+    from gpusteward import kafka, topics
+    from gpusteward.schema import Finding
+
+    settings = kafka_settings(bootstrap)
+    decode = msgspec.json.Decoder(Finding).decode
+
+    async def read() -> list[Finding]:
+        records = await kafka.read_all(settings, topics.FINDINGS.name(settings))
+        out = []
+        for record in records:
+            try:
+                out.append(decode(record.value or b""))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue  # not a finding of this schema: the dead-letter topic's business
+        return out
+
+    return asyncio.run(read())
 
 
 def sink(
