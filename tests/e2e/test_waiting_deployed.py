@@ -28,7 +28,7 @@ import pytest
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
 from gpusteward.collectors.transport.publisher import KafkaPublisher
-from gpusteward.rules import demand, idle
+from gpusteward.rules import budget, demand, gang, idle
 from gpusteward.sandbox import deployment
 from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
@@ -39,12 +39,12 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAY = REPO / "deploy" / "overlays" / "local"
-PROCESSES = ["worker", "alerts", "remediation"]
 DURATION_S = 4 * 3600.0
 """Long enough for the short ladder (2 h of idleness) and the job's start after it."""
 WALL_S = 30.0
 """Paced: the executor's reclaim must reach the simulated cluster while the day runs."""
 JOB = "ml-dia/train-dia"
+BUDGET_GPU_H = 100.0
 
 
 @dataclass
@@ -54,32 +54,35 @@ class Run:
     results: list[ActionResult]
 
 
-async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
-    policy = workdir / "policy.yaml"
-    policy.write_text(f"rules:\n  {demand.KIND}:\n    reclaim_execute: true\n")
+async def _run(broker: EmbeddedBroker, workdir: Path, scenario: str, *, policy: str,
+               processes: list[str], wall_s: float = 0.0, duration_s: float | None = None,
+               enabled: list[str] | None = None) -> Run:
+    policy_file = workdir / "policy.yaml"
+    policy_file.write_text(policy)
     manifests = deployment.Manifests.from_overlay(OVERLAY)
-    local = deployment.Local(broker.bootstrap, workdir, topic_prefix="waiting-deployed",
+    local = deployment.Local(broker.bootstrap, workdir, topic_prefix=f"deployed-{scenario}",
                              kubeconfig=workdir / "kubeconfig", extra_env={
-                                 "GPUSTEWARD_POLICY_FILE": str(policy),
+                                 "GPUSTEWARD_POLICY_FILE": str(policy_file),
                                  "GPUSTEWARD_REMEDIATION__ENABLED_RULES":
-                                     json.dumps([demand.KIND])})
-    spec = scenarios.load("idle-notebooks-waiting")
+                                     json.dumps(enabled or [])})
+    spec = scenarios.load(scenario)
+    duration = duration_s or spec.duration_s
     cluster = SimulatedCluster(spec.model_copy(update={
-        "duration_s": DURATION_S, "acceleration": DURATION_S / WALL_S}))
+        "duration_s": duration, "acceleration": duration / wall_s if wall_s else 0.0}))
     settings = manifests.launch("collector", local).settings()
     await kafka.ensure_topics(settings)
     publisher = KafkaPublisher(settings)
     await publisher.start()
-    processes: list[deployment.Process] = []
+    started: list[deployment.Process] = []
     try:
         world = World(cluster, publisher, workdir)
-        processes = list(deployment.start(manifests, PROCESSES, local))
+        started = list(deployment.start(manifests, processes, local))
         async with world:
             truth = await cluster.run(world)
             await world.settle()
-            await deployment.drain(settings, processes)
+            await deployment.drain(settings, started)
     finally:
-        for process in processes:
+        for process in started:
             process.stop()
         await publisher.stop()
     findings = msgspec.json.Decoder(Finding).decode
@@ -93,7 +96,18 @@ async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
 
 @pytest.fixture(scope="module")
 def run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return asyncio.run(_run(broker, tmp_path_factory.mktemp("waiting-deployed")))
+    return asyncio.run(_run(
+        broker, tmp_path_factory.mktemp("waiting-deployed"), "idle-notebooks-waiting",
+        policy=f"rules:\n  {demand.KIND}:\n    reclaim_execute: true\n",
+        processes=["worker", "alerts", "remediation"], wall_s=WALL_S, duration_s=DURATION_S,
+        enabled=[demand.KIND]))
+
+
+@pytest.fixture(scope="module")
+def gang_run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The gang scenario as fast as it goes, its gangs known only through the watcher."""
+    return asyncio.run(_run(broker, tmp_path_factory.mktemp("gang-deployed"),
+                            "gang-half-placed", policy="rules: {}\n", processes=["worker"]))
 
 
 def test_idle_notebooks_reclaimed_on_the_short_ladder_then_the_job_starts(run: Run) -> None:
@@ -136,3 +150,59 @@ def test_the_reclaims_were_executed_through_the_api_for_the_waiting_job(run: Run
     # Once the job runs nobody waits: every episode is resolved, none fires after.
     resolved = {f.id for f in run.findings if f.kind == demand.KIND and f.state == "resolved"}
     assert {f.id for f in firing} == resolved
+
+
+def test_a_half_placed_gang_known_through_the_watcher_is_found_in_its_window(
+        gang_run: Run) -> None:
+    """The gang and its size reach the worker only as a real cluster states them: the
+    members' JobSet label and the JobSet object, listed and watched by the watcher."""
+    truth = gang_run.truth
+    starts: dict[str, list[float]] = {}
+    for pod in truth.pods:
+        if pod.gang:
+            starts.setdefault(pod.gang, []).append(pod.started_at)
+    window = gang.GangSettings().window_s
+    stuck = {key for key, placed in starts.items() if max(placed) - min(placed) > window + 120}
+    whole = {key for key, placed in starts.items() if max(placed) == min(placed)}
+    assert stuck == {"ml-pretrain/pretrain"} and whole == {"ml-finetune/finetune"}
+    firing = [f for f in gang_run.findings if f.kind == gang.KIND and f.state == "firing"]
+    (finding,) = firing  # never the whole gang
+    assert finding.subject.pod is not None
+    assert (finding.subject.pod.namespace, finding.labels["gang"]) == ("ml-pretrain",
+                                                                        "JobSet/pretrain")
+    first = min(starts["ml-pretrain/pretrain"])
+    assert finding.starts_at == first
+    assert first + window <= finding.ts <= first + window + 90
+    assert finding.evidence is not None
+    assert finding.evidence.values["gang_size"] == truth.gangs["ml-pretrain/pretrain"] == 8
+    assert finding.evidence.values["gpus_held"] == 6
+
+
+@pytest.fixture(scope="module")
+def budget_run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """Five hours as fast as they go; the team comes from the pods' labels in the API."""
+    # As fast as it goes, one node's partition may be read hours of event time after
+    # another's: the watermark waits that long (as in test_waiting.py).
+    policy = (f"rules:\n  {budget.KIND}:\n    budgets_gpu_h: "
+              f"{{llm: {BUDGET_GPU_H}, vision: {BUDGET_GPU_H}}}\n    watermark_lag_s: 86400\n")
+    return asyncio.run(_run(broker, tmp_path_factory.mktemp("budget-deployed"), "team-budget",
+                            policy=policy, processes=["worker"]))
+
+
+def test_the_budget_crossing_projected_then_found_for_the_team_in_the_pod_labels(
+        budget_run: Run) -> None:
+    llm = [p for p in budget_run.truth.pods if p.team == "llm"]
+    assert len(llm) == 4 and all(p.gpus == 8 for p in llm)
+    held_from = min(p.started_at for p in llm)
+    assert max(p.started_at for p in llm) == held_from
+    crossing = held_from + BUDGET_GPU_H / 32 * 3600
+    firing = [f for f in budget_run.findings if f.state == "firing"]
+    (projected,) = [f for f in firing if f.kind == budget.PROJECTED_KIND]
+    assert projected.labels["team"] == "llm"
+    assert held_from <= projected.ts <= held_from + 180
+    assert projected.evidence is not None
+    assert abs(projected.evidence.values["crossing_ts"] - crossing) <= 180
+    (spent,) = [f for f in firing if f.kind == budget.KIND and f.severity == "warning"]
+    assert spent.labels["team"] == "llm"
+    assert crossing <= spent.ts <= crossing + 180
+    assert not [f for f in budget_run.findings if f.labels.get("team") == "vision"]
