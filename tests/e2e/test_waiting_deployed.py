@@ -1,18 +1,20 @@
-"""Demand-aware reclaim carried out by the deployed system, and the waiting job then starts.
+"""Waiting, through the deployed system: reclaim for a waiting job, gangs, team budgets.
 
-The ``idle-notebooks-waiting`` world (two idle notebooks hold the two GPUs of a node, a
-2-GPU job arrives at 20 min and waits for them, a busy notebook holds the other node)
-runs paced under the processes ``deploy/overlays/local`` declares: worker, alert sink and
-the executor on the API-server double, read by the production NVML collectors and
-watcher (:mod:`gpusteward.sandbox.world`). The policy is the shipped one with one change
-an operator would make after a week of dry runs: demand-aware reclaims are carried out
-(``idle_blocking_demand.reclaim_execute``, and the rule enabled in the executor). The
-usual idle ladder stays at its shipped half day, so only the short one can act in the
-four simulated hours.
+Each world runs under the processes ``deploy/overlays/local`` declares (the worker, and
+for the reclaim the alert sink and the executor on the API-server double), read by the
+production NVML collectors and watcher (:mod:`gpusteward.sandbox.world`): gangs, their
+sizes and teams reach the worker only as a cluster states them (a JobSet's label on its
+pods and the JobSet object, the pods' team label). ``tests/e2e/test_waiting.py`` runs
+the same scenarios with the simulator publishing straight to the worker.
 
-The executor's Notebook stop reaches the simulated cluster through the API (the world's
-write-back), which frees the GPUs; the simulator's ground truth says when the notebooks
-were reclaimed and when the job started.
+``idle-notebooks-waiting`` (two idle notebooks hold the two GPUs of a node, a 2-GPU job
+arrives at 20 min and waits for them, a busy notebook holds the other node) runs paced,
+under the shipped policy with one change an operator would make after a week of dry
+runs: demand-aware reclaims are carried out (``idle_blocking_demand.reclaim_execute``,
+and the rule enabled in the executor). The usual idle ladder stays at its shipped half
+day, so only the short one can act in the four simulated hours. The executor's Notebook
+stop reaches the simulated cluster through the API (the world's write-back), which frees
+the GPUs; the ground truth says when the notebooks were reclaimed and the job started.
 """
 
 from __future__ import annotations
