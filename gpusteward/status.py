@@ -13,6 +13,12 @@ incrementally from a consumer that stays at the topics' ends.
 "Busy" here means allocated and not named by an open idle-holder finding:
 the pipeline's own verdict, not a fresh utilisation reading (the status
 reads no samples, which are the big topic).
+
+Each pending workload is listed with how long it has waited and its start
+ETA: the open ``queue_start_eta`` finding the fleet agent keeps for it
+(``rules/eta.py``). Those info findings, one per pending workload, are shown
+there and not again among the open findings, where a busy queue would bury
+everything else.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from gpusteward.schema import (
 )
 
 IDLE_KIND = "idle_holder"
+ETA_KIND = "queue_start_eta"
+"""The start-ETA findings (rules/eta.py's KIND: the core reads the contract, not rules)."""
 # The audit topic's breaker records (the remediation executor writes them; the keys are
 # part of the action-results contract, see docs/alerting-remediation.md).
 BREAKER_TRIP_PREFIX = "breaker/trip/"
@@ -106,6 +114,22 @@ class QueueStatus(msgspec.Struct):
     longest_wait_s: float
 
 
+class PendingStatus(msgspec.Struct):
+    """A pending workload: how long it has waited and when it is expected to start."""
+
+    workload: str
+    """namespace/name."""
+    cluster_queue: str
+    gpus: int
+    waited_s: float
+    eta_ts: float | None = None
+    """Expected start (Unix seconds); None while no estimate is published."""
+    naive_eta_ts: float | None = None
+    """The baseline estimate (position ÷ the queue's admission rate), when known."""
+    position: int | None = None
+    """1-based place in its queue when the estimate was made."""
+
+
 class FleetStatus(msgspec.Struct):
     ts: float
     pools: list[PoolStatus]
@@ -117,6 +141,8 @@ class FleetStatus(msgspec.Struct):
     queues: list[QueueStatus]
     lag: dict[str, dict[str, int]] = {}
     """Consumer group -> topic -> records not yet committed."""
+    pending: list[PendingStatus] = []
+    """Pending workloads, soonest expected start first (no estimate last)."""
 
 
 def describe(subject: Subject) -> str:
@@ -234,9 +260,31 @@ class StatusFold:
             idle[key] = gpus if "*" in named else min(gpus, len(named))
         return idle
 
+    def _pending(self, open_findings: Iterable[Finding], now: float) -> list[PendingStatus]:
+        etas: dict[str, Finding] = {}
+        for finding in open_findings:
+            pod = finding.subject.pod
+            if finding.kind == ETA_KIND and pod is not None:
+                etas[_pod_key(pod.namespace, pod.name)] = finding
+        out = []
+        for key, event in self.workloads.items():
+            entry = PendingStatus(key, event.cluster_queue, event.gpus,
+                                  max(0.0, now - (event.created_at or event.ts)))
+            estimate = etas.get(key)
+            if estimate is not None and estimate.evidence is not None:
+                values = estimate.evidence.values
+                entry.eta_ts = values.get("eta_ts")
+                entry.naive_eta_ts = values.get("naive_eta_ts")
+                if "position" in values:
+                    entry.position = int(values["position"]) + 1
+            out.append(entry)
+        return sorted(out, key=lambda p: (p.eta_ts is None, p.eta_ts or 0.0, -p.waited_s,
+                                          p.workload))
+
     def snapshot(self, now: float, lag: dict[str, dict[str, int]] | None = None
                  ) -> FleetStatus:
         open_findings = self.open_findings()
+        pending_workloads = self._pending(open_findings, now)
         idle = self._idle_gpus(open_findings)
         teams: dict[str, TeamStatus] = {}
         idle_by_node: dict[str, int] = {}
@@ -261,7 +309,8 @@ class StatusFold:
             pool.cordoned_nodes += summary.cordoned
         findings = sorted(
             (OpenFinding(f.id, f.kind, f.severity, describe(f.subject), f.summary, f.starts_at,
-                         max(0.0, now - f.starts_at)) for f in open_findings),
+                         max(0.0, now - f.starts_at)) for f in open_findings
+            if f.kind != ETA_KIND),
             key=lambda f: (("critical", "warning", "info").index(f.severity), f.starts_at))
         pending, recent = [], []
         for key, action in self.actions.items():
@@ -291,4 +340,5 @@ class StatusFold:
             breaker=self.breaker,
             queues=sorted(queues.values(), key=lambda q: -q.longest_wait_s),
             lag=lag or {},
+            pending=pending_workloads,
         )

@@ -16,7 +16,8 @@ from typing import Any
 import polars as pl
 import yaml
 
-from gpusteward.reports import activity, compute, findings, recommend, store, trends, weekly
+from gpusteward.reports import (activity, compute, findings, recommend, store, trends, waiting,
+                                weekly)
 from gpusteward.reports import policy as live_policy
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry as mig_geometry
@@ -69,6 +70,7 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     # Another pass over the rows: the weekly fold's keys are team, day and workload.
     hours = activity.fold(directory, week.start, week.end, settings.idle_threshold_pct)
     found = findings.read(findings_dir, week.start, week.end)
+    waits = waiting.waiting_table(queue, found, week.start, week.end)
     advance(STEPS[3])
     advice = recommend.recommend(tables.need, settings, geometries)
     advance(STEPS[4])
@@ -112,6 +114,7 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
         "recommendations": [r.as_dict() for r in advice],
         "actions": [t.as_dict() for t in recommend.per_team(advice, settings.actions_per_team)],
         "queues": compute.records(queues),
+        "waiting": compute.records(waits),
         "faults": compute.records(tables.faults),
         "idle_holders": _idle_holders(hours.holders, found, findings_dir is not None,
                                       settings.idle_holders_shown),

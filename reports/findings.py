@@ -12,6 +12,7 @@ flattens a finding into a row and reads the week back.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,13 @@ SCHEMA: dict[str, Any] = {
     "severity": pl.String, "state": pl.String, "node": pl.String, "device": pl.String,
     "namespace": pl.String, "pod": pl.String, "queue": pl.String, "owner": pl.String,
     "starts_at": pl.Float64, "ends_at": pl.Float64, "ladder_step": pl.Int8,
-    "reclaim": pl.String, "summary": pl.String,
+    "reclaim": pl.String, "summary": pl.String, "values": pl.String,
 }
 """Column types of the findings store. ``ladder_step``: the idle rule's step (1 told,
 2 warned, 3 reclaim asked); ``reclaim``: what that last step does (execute, dry_run, off,
-refused)."""
+refused); ``queue``: the queue the finding names (its label, else its subject's);
+``values``: the evidence's numbers as a JSON object (what the waiting section reads:
+start-ETA errors, GPUs a gang holds)."""
 
 
 def frame(findings: Iterable[Finding]) -> pl.DataFrame:
@@ -44,10 +47,12 @@ def frame(findings: Iterable[Finding]) -> pl.DataFrame:
             "ts": f.ts, "id": f.id, "fingerprint": f.fingerprint, "kind": f.kind,
             "severity": f.severity, "state": f.state, "node": f.subject.node,
             "device": f.subject.device, "namespace": pod.namespace if pod else None,
-            "pod": pod.name if pod else None, "queue": f.subject.queue,
+            "pod": pod.name if pod else None,
+            "queue": f.labels.get("queue") or f.subject.queue,
             "owner": f.labels.get("owner"), "starts_at": f.starts_at, "ends_at": f.ends_at,
             "ladder_step": None if step is None else int(step),
-            "reclaim": f.labels.get("reclaim"), "summary": f.summary})
+            "reclaim": f.labels.get("reclaim"), "summary": f.summary,
+            "values": json.dumps(f.evidence.values) if f.evidence else None})
     return pl.DataFrame(rows, schema=SCHEMA)
 
 

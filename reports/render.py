@@ -21,7 +21,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from gpusteward.reports import charts
+from gpusteward.reports import charts, waiting
 from gpusteward.reports.build import Report
 
 CSS = """
@@ -309,9 +309,13 @@ def html_fleet(data: Data, figures: dict[str, str]) -> str:
             + "<h3>What the live rules found this week</h3>" + findings)
 
 
+def html_waiting(data: Data, figures: dict[str, str]) -> str:
+    return waiting.render(data["waiting"], "html")
+
+
 Section = Callable[[Data, dict[str, str]], str]
 HTML_SECTIONS: list[Section] = [html_headline, html_idle_holders, html_actions, html_trends,
-                                html_usage, html_heatmaps, html_mig, html_fleet]
+                                html_usage, html_heatmaps, html_mig, html_fleet, html_waiting]
 """The page's sections in reading order; add a section by adding its function here."""
 
 
@@ -399,8 +403,13 @@ def md_fleet(data: Data) -> str:
                                      if data["findings"]["stored"] else "_no findings store_\n"))
 
 
+def md_waiting(data: Data) -> str:
+    return waiting.render(data["waiting"], "markdown")
+
+
 MD_SECTIONS: list[Callable[[Data], str]] = [md_headline, md_idle_holders, md_actions,
-                                            md_trends, md_usage, md_mig, md_fleet]
+                                            md_trends, md_usage, md_mig, md_fleet,
+                                            md_waiting]
 
 
 def markdown(report: Report) -> str:

@@ -143,10 +143,12 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
     Oldest waiting workload first; each takes the node where it needs the fewest reclaims
     (then the longest idle holders), and the capacity it takes is not offered again.
     """
+    # Only nodes with idle holders can be matched: skipping the others first keeps an
+    # evaluation of a 1,200-node fleet from sorting 1,200 empty lists.
     nodes = [_Node(s, s.gpus_free, dict(s.mig_free),
                    sorted((h for h in s.idle if h.kept_until is None or h.kept_until <= now),
                           key=lambda h: h.idle_since))
-             for s in fleet.nodes if s.healthy and not s.cordoned]
+             for s in fleet.nodes if s.idle and s.healthy and not s.cordoned]
     nodes = [n for n in nodes if n.holds]
     waiting = sorted((d for d in fleet.pending.values()
                       if d.since is not None and now - d.since >= settings.min_wait_s),

@@ -9,7 +9,10 @@ object JSON that follows the upstream API types.
 
 What it serves (``/api/v1`` and ``/apis/<group>/<version>``): pods, nodes,
 events, PodDisruptionBudgets, Kueue's workloads and queues, ``apps/v1``
-Deployments, ReplicaSets and StatefulSets, and Kubeflow Notebooks; for each:
+Deployments, ReplicaSets and StatefulSets, Kubeflow Notebooks, and what states
+a gang's size (coscheduling and Volcano PodGroups, JobSets, PyTorchJobs,
+MPIJobs, TFJobs); ``absent`` leaves out any of them, as a cluster without its
+CRD would; for each:
 
 - ``GET`` list (``limit``/``continue`` paging, ``labelSelector``,
   ``fieldSelector`` on ``metadata.name``, ``metadata.namespace``,
@@ -19,8 +22,9 @@ Deployments, ReplicaSets and StatefulSets, and Kubeflow Notebooks; for each:
   ``timeoutSeconds``; an ``ERROR`` event with a 410 Status when the
   resourceVersion is older than the last compaction, or when an open watch
   falls behind one; HTTP 410 instead with ``gone_as_http_status``), ``GET``
-  of one object, discovery of ``/apis/<group>`` (404 for Kueue when
-  ``kueue=False``; ``kueue_versions`` picks the served versions);
+  of one object, discovery of ``/apis``, ``/apis/<group>`` and
+  ``/apis/<group>/<version>`` (404 for Kueue when ``kueue=False``;
+  ``kueue_versions`` picks the served versions);
 - ``POST`` create (Events, any kind), ``PUT`` replace (409 on a stale
   ``metadata.resourceVersion``), ``DELETE``;
 - ``PATCH`` with ``application/merge-patch+json``,
@@ -94,7 +98,8 @@ import msgspec
 Obj = dict[str, Any]
 
 KUEUE_GROUP = "kueue.x-k8s.io"
-NOTEBOOK_GROUP = "kubeflow.org"
+KUBEFLOW_GROUP = "kubeflow.org"
+NOTEBOOK_GROUP = KUBEFLOW_GROUP
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,14 @@ RESOURCES: tuple[Resource, ...] = (
     Resource("apps", "replicasets", "ReplicaSet", True, ("v1",)),
     Resource("apps", "statefulsets", "StatefulSet", True, ("v1",)),
     Resource(NOTEBOOK_GROUP, "notebooks", "Notebook", True, ("v1beta1", "v1")),
+    # The objects that state a gang's size (the watcher's optional resources): the
+    # coscheduling plugin's and Volcano's PodGroups, JobSets, Kubeflow training jobs.
+    Resource("scheduling.x-k8s.io", "podgroups", "PodGroup", True, ("v1alpha1",)),
+    Resource("scheduling.volcano.sh", "podgroups", "PodGroup", True, ("v1beta1",)),
+    Resource("jobset.x-k8s.io", "jobsets", "JobSet", True, ("v1alpha2",)),
+    Resource(KUBEFLOW_GROUP, "pytorchjobs", "PyTorchJob", True, ("v1",)),
+    Resource(KUBEFLOW_GROUP, "mpijobs", "MPIJob", True, ("v1", "v2beta1")),
+    Resource(KUBEFLOW_GROUP, "tfjobs", "TFJob", True, ("v1",)),
 )
 _BY_KIND = {(r.group, r.kind): r for r in RESOURCES}
 ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
@@ -367,9 +380,13 @@ class KubeApiServer:
     """The API-server double; see the module docstring for what it serves."""
 
     def __init__(self, *, kueue: bool = True, kueue_versions: tuple[str, ...] = (
-                 "v1beta1", "v1beta2"), bookmark_interval_s: float = 1.0, port: int = 0) -> None:
+                 "v1beta1", "v1beta2"), bookmark_interval_s: float = 1.0, port: int = 0,
+                 absent: Iterable[str] = ()) -> None:
         self.kueue = kueue
         """Whether the Kueue API group is served (False: as if Kueue were not installed)."""
+        self.absent = frozenset(absent)
+        """``plural.group`` of resources not served, as if their CRD were not installed
+        (``pytorchjobs.kubeflow.org``): 404 on every request, left out of discovery."""
         self.kueue_versions = kueue_versions
         """Kueue versions served (Kueue before 0.15 serves only v1beta1)."""
         self.gone_as_http_status = False
@@ -477,14 +494,16 @@ class KubeApiServer:
         return self._store.rv
 
     def latest_change(self, plural: str) -> int:
-        """The resourceVersion of the newest change to a resource (``pods``), 0 for none.
+        """The resourceVersion of the newest change to a resource (``pods``, or
+        ``podgroups.scheduling.x-k8s.io`` where a plural names several), 0 for none.
 
         A watcher that has seen it has seen everything of that resource, without
         waiting for a bookmark to move it past changes to other resources.
         """
         with self._cond:
             for change in reversed(self._store.history):
-                if change.resource.plural == plural:
+                resource = change.resource
+                if plural in (resource.plural, f"{resource.plural}.{resource.group}"):
                     return change.rv
         return 0
 
@@ -688,10 +707,17 @@ class KubeApiServer:
 
     def _resource(self, group: str, version: str, plural: str) -> Resource:
         resource = _BY_PLURAL.get((group, plural))
-        if resource is None or version not in resource.versions or (
-                group == KUEUE_GROUP and (not self.kueue or version not in self.kueue_versions)):
+        if resource is None or version not in self.served_versions(resource):
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
         return resource
+
+    def served_versions(self, resource: Resource) -> tuple[str, ...]:
+        """The versions a resource is served at; none when its CRD is not installed."""
+        if f"{resource.plural}.{resource.group}" in self.absent:
+            return ()
+        if resource.group == KUEUE_GROUP:
+            return self.kueue_versions if self.kueue else ()
+        return resource.versions
 
     def _matching(self, resource: Resource, namespace: str | None, query: dict[str, str],
                   obj: Obj) -> bool:
@@ -820,7 +846,7 @@ class _Handler(BaseHTTPRequestHandler):
         api = self.api
         path = path.rstrip("/") or "/"
         if path in ("/api", "/apis", "/version") or (path.startswith("/apis/") and (
-                path.count("/") == 2)):
+                path.count("/") in (2, 3))):
             return self._discovery(path)
         if method == "POST" and path == ACCESS_REVIEWS:
             return 201, msgspec.json.encode(api.review_access(request.body or {}))
@@ -878,21 +904,29 @@ class _Handler(BaseHTTPRequestHandler):
                                              "gitVersion": "v1.33.0-double"})
         if path == "/api":
             return 200, msgspec.json.encode({"kind": "APIVersions", "versions": ["v1"]})
+        served = {resource: versions for resource in RESOURCES if resource.group
+                  and (versions := self.api.served_versions(resource))}
         groups: dict[str, tuple[str, ...]] = {}
-        for resource in RESOURCES:
-            if resource.group == KUEUE_GROUP:
-                if self.api.kueue:
-                    groups[resource.group] = self.api.kueue_versions
-            elif resource.group:
-                groups[resource.group] = resource.versions
+        for resource, versions in served.items():
+            known = groups.get(resource.group, ())
+            groups[resource.group] = known + tuple(v for v in versions if v not in known)
         if path == "/apis":
             return 200, msgspec.json.encode({"kind": "APIGroupList", "apiVersion": "v1",
                                              "groups": [_group(g, v) for g, v in groups.items()]})
-        group = path.split("/")[2]
-        if group not in groups:
+        _, _, group, *version = path.split("/")
+        if group not in groups or (version and version[0] not in groups[group]):
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
-        return 200, msgspec.json.encode({"kind": "APIGroup", "apiVersion": "v1",
-                                         **_group(group, groups[group])})
+        if not version:
+            return 200, msgspec.json.encode({"kind": "APIGroup", "apiVersion": "v1",
+                                             **_group(group, groups[group])})
+        # /apis/<group>/<version>: the resources served at it (what get_api_resources reads)
+        listed = [{"name": r.plural, "singularName": r.kind.lower(), "namespaced": r.namespaced,
+                   "kind": r.kind, "verbs": ["create", "delete", "get", "list", "patch",
+                                             "update", "watch"]}
+                  for r, versions in served.items() if r.group == group and version[0] in versions]
+        return 200, msgspec.json.encode({"kind": "APIResourceList", "apiVersion": "v1",
+                                         "groupVersion": f"{group}/{version[0]}",
+                                         "resources": listed})
 
     # -- watch ---------------------------------------------------------------------------
 

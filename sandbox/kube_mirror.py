@@ -39,15 +39,28 @@ _OWNERS = {"notebook": ("StatefulSet", "notebook-name"), "batch": ("Job", "job-n
 _HASH = "5d8f9c"
 
 
+JOBSET_LABEL = "jobset.sigs.k8s.io/jobset-name"
+
+
 def pod_for(workload: Workload, cluster_queue: str) -> dict[str, Any]:
-    """The pod a controller would create for a simulated workload (pending, no node)."""
+    """The pod a controller would create for a simulated workload (pending, no node).
+
+    A gang member is a pod of its JobSet's Job (``<jobset>-workers-0``), labelled with
+    the JobSet's name as the JobSet controller labels it; the scenario's pod labels (a
+    team) are carried as they are.
+    """
     kind, label = _OWNERS[workload.spec.kind]
     owner_name = f"{workload.name}-{_HASH}" if kind == "ReplicaSet" else workload.name
+    labels = {**workload.spec.labels, label: _HASH if kind == "ReplicaSet" else workload.name,
+              "kueue.x-k8s.io/cluster-queue-name": cluster_queue}
+    if workload.spec.gang:
+        kind, owner_name = "Job", f"{workload.spec.group}-workers-0"
+        labels = {**workload.spec.labels, JOBSET_LABEL: workload.spec.group,
+                  "kueue.x-k8s.io/cluster-queue-name": cluster_queue}
     pod = gpu_pod(workload.name, workload.namespace,
                   resources={"nvidia.com/gpu": str(workload.spec.gpus)},
-                  labels={label: _HASH if kind == "ReplicaSet" else workload.name,
-                          "kueue.x-k8s.io/cluster-queue-name": cluster_queue},
-                  owner=(kind, owner_name), uid=workload.uid, created=rfc3339(workload.arrive))
+                  labels=labels, owner=(kind, owner_name), uid=workload.uid,
+                  created=rfc3339(workload.arrive))
     if kind != "Job":  # the pod's controller is one of owners_for's objects
         (reference,) = pod["metadata"]["ownerReferences"]
         reference.update(apiVersion="apps/v1", uid=f"{kind.lower()}-{owner_name}")
@@ -65,15 +78,24 @@ def _owned(kind: str, api_version: str, name: str, namespace: str, owner: dict[s
             "status": {}}
 
 
-def owners_for(workload: Workload) -> list[dict[str, Any]]:
+def owners_for(workload: Workload, gang_size: int = 0) -> list[dict[str, Any]]:
     """The objects above a simulated workload's pod, as its controllers would have made them.
 
     A notebook is a Kubeflow Notebook whose controller runs a one-replica StatefulSet;
     an inference server a Deployment with its ReplicaSet. Reclaim acts on these (stop
     the Notebook, scale the Deployment to zero), so they must exist. A batch pod's Job
-    is not served by the double: the pod names it, and Job reclaim deletes the pod.
+    is not served by the double: the pod names it, and Job reclaim deletes the pod. A
+    gang member's JobSet states the gang's size (``gang_size`` workers of one GPU
+    shape), which is how the watcher learns it.
     """
     name, namespace = workload.name, workload.namespace
+    if workload.spec.gang:
+        template = {"spec": {"containers": [{"name": "worker", "resources": {"limits": {
+            "nvidia.com/gpu": str(workload.spec.gpus)}}}]}}
+        return [_owned("JobSet", "jobset.x-k8s.io/v1alpha2", workload.spec.group, namespace,
+                       None, {"replicatedJobs": [{"name": "workers", "replicas": 1, "template": {
+                           "spec": {"parallelism": gang_size, "completions": gang_size,
+                                    "template": template}}}]})]
     if workload.spec.kind == "notebook":
         notebook = _owned("Notebook", "kubeflow.org/v1", name, namespace, None,
                           {"template": {"spec": {"containers": [{"name": name}]}}})
@@ -194,7 +216,8 @@ class KubeMirrorPublisher:
             self.api.create(pod)
 
     def _create_owners(self, workload: Workload) -> None:
-        for owner in owners_for(workload):
+        size = self.cluster.gangs.get(f"{workload.namespace}/{workload.spec.group}", 0)
+        for owner in owners_for(workload, size):
             try:
                 self.api.get(owner["kind"], owner["metadata"]["name"],
                              namespace=workload.namespace,

@@ -21,7 +21,15 @@ pods with creation and scheduling times over ~150 days but no node
 placement, so it gives queue events only: each pod is ``pending`` at its
 creation and ``admitted`` at its scheduling, in a cluster queue named after
 its QoS class (LS, BE, Burstable, Guaranteed). :func:`openb_queue_events`
-takes the trace's last ``days`` days and moves them to ``start``.
+takes the trace's last ``days`` days and moves them to ``start``; with
+``follow_to_end`` it follows each GPU pod to its end as the watcher does (a
+``finished`` event at its deletion inside the window) and starts from the GPU
+pods already running when the window opens, so that run times and held
+capacity are known (what start ETAs need). :func:`openb_node_summaries` gives
+the trace's GPU nodes (1,213 nodes, 6,212 GPUs) as node summaries; placement
+being unknown, every GPU is reported free and the held capacity is what the
+queue says runs. A pod's GPUs count whole (``num_gpu``), shared ones
+(``gpu_milli`` below 1,000) included.
 
 Cite "Alibaba Cluster Trace Program" when showing results on them.
 """
@@ -38,11 +46,19 @@ import polars as pl
 
 from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.errors import ConfigError
-from gpusteward.schema import DeviceSample, NodeSample, PodAllocation, PodRef, QueueEvent
+from gpusteward.schema import (
+    DeviceSample,
+    NodeSample,
+    NodeSummary,
+    PodAllocation,
+    PodRef,
+    QueueEvent,
+)
 
 GENAI = "alibaba-genai-v2026"
 OPENB = "alibaba-gpu-v2023"
 OPENB_PODS = "openb_pod_list_default.csv"
+OPENB_NODES = "openb_node_list_gpu_node.csv"
 DUTY_FILE = "pod_gpu_duty_cycle_anon.csv"
 MEMORY_FILE = "pod_gpu_memory_used_bytes_anon.csv"
 GIB = 1 << 30
@@ -174,10 +190,17 @@ async def replay_genai(publisher: Publisher, directory: Path,
     return sent
 
 
+def _openb_folder(directory: Path) -> Path:
+    return directory / OPENB if (directory / OPENB).is_dir() else directory
+
+
 def openb_queue_events(directory: Path, start: float, days: float = 7.0,
-                       namespace: str = "openb") -> list[QueueEvent]:
-    """Pending and admitted events of the openb pods created in the trace's last ``days``."""
-    folder = directory / OPENB if (directory / OPENB).is_dir() else directory
+                       namespace: str = "openb", *, follow_to_end: bool = False
+                       ) -> list[QueueEvent]:
+    """Pending and admitted events of the openb pods created in the trace's last ``days``;
+    with ``follow_to_end``, GPU pods only, followed to their end, from the pods already
+    running at the window's start, in event-time order."""
+    folder = _openb_folder(directory)
     try:
         pods = pl.read_csv(folder / OPENB_PODS)
     except (OSError, pl.exceptions.PolarsError) as error:
@@ -185,8 +208,21 @@ def openb_queue_events(directory: Path, start: float, days: float = 7.0,
     window_end = float(pods["creation_time"].max())  # type: ignore[arg-type]
     window_start = window_end - days * 86400
     shift = start - window_start
-    recent = pods.filter(pl.col("creation_time") >= window_start).sort("creation_time")
+    scheduled_ok = (pl.col("pod_phase") != "Pending") & (
+        pl.col("scheduled_time") >= pl.col("creation_time"))
     events: list[QueueEvent] = []
+    if follow_to_end:
+        pods = pods.filter(pl.col("num_gpu") > 0)
+        running = pods.filter((pl.col("creation_time") < window_start) & scheduled_ok
+                              & (pl.col("scheduled_time") < window_start)
+                              & (pl.col("deletion_time") > window_start))
+        for name, created, scheduled, qos, gpus in running.select(
+                "name", "creation_time", "scheduled_time", "qos", "num_gpu").iter_rows():
+            events.append(QueueEvent(ts=start, name=name, namespace=namespace,
+                                     cluster_queue=str(qos), state="admitted",
+                                     created_at=float(created) + shift,
+                                     admitted_at=float(scheduled) + shift, gpus=int(gpus)))
+    recent = pods.filter(pl.col("creation_time") >= window_start).sort("creation_time")
     for name, created, scheduled, qos, gpus, phase in recent.select(
             "name", "creation_time", "scheduled_time", "qos", "num_gpu", "pod_phase"
     ).iter_rows():
@@ -201,7 +237,35 @@ def openb_queue_events(directory: Path, start: float, days: float = 7.0,
                                      cluster_queue=str(qos), state="admitted",
                                      created_at=created_at, admitted_at=admitted_at,
                                      gpus=int(gpus)))
+    if follow_to_end:
+        ended = pods.filter(scheduled_ok & (pl.col("deletion_time") > window_start)
+                            & (pl.col("deletion_time") <= window_end)
+                            & (pl.col("deletion_time") > pl.col("scheduled_time")))
+        for name, created, scheduled, deleted, qos, gpus in ended.select(
+                "name", "creation_time", "scheduled_time", "deletion_time", "qos", "num_gpu"
+        ).iter_rows():
+            events.append(QueueEvent(ts=float(deleted) + shift, name=name,
+                                     namespace=namespace, cluster_queue=str(qos),
+                                     state="finished", created_at=float(created) + shift,
+                                     admitted_at=float(scheduled) + shift, gpus=int(gpus)))
+        # Within one second: what ends frees its GPUs first, and a pod scheduled the second
+        # it was created is pending before it is admitted.
+        order = {"finished": 0, "pending": 1, "admitted": 2}
+        events.sort(key=lambda e: (e.ts, order[e.state]))
     return events
+
+
+def openb_node_summaries(directory: Path, ts: float) -> list[NodeSummary]:
+    """The openb GPU nodes as node summaries at ``ts``, every GPU free (see the module)."""
+    folder = _openb_folder(directory)
+    try:
+        nodes = pl.read_csv(folder / OPENB_NODES)
+    except (OSError, pl.exceptions.PolarsError) as error:
+        raise TraceError(f"cannot read the openb nodes in {folder}: {error}") from error
+    return [NodeSummary(ts=ts, node=str(name), gpu_model=str(model), gpus_total=int(gpus),
+                        gpus_free=int(gpus))
+            for name, gpus, model in nodes.select("sn", "gpu", "model").iter_rows()
+            if gpus and int(gpus) > 0]
 
 
 GENAI_IDLE_POLICY = """\

@@ -5,9 +5,11 @@ from __future__ import annotations
 import msgspec
 
 from gpusteward.remediation import executor
+from gpusteward.rules import eta
 from gpusteward.schema import (
     Action,
     ActionResult,
+    Evidence,
     Finding,
     NodeSummary,
     PodAllocation,
@@ -15,7 +17,14 @@ from gpusteward.schema import (
     QueueEvent,
     Subject,
 )
-from gpusteward.status import BREAKER_RESET_PREFIX, BREAKER_TRIP_PREFIX, FleetStatus, StatusFold
+from gpusteward.status import (
+    BREAKER_RESET_PREFIX,
+    BREAKER_TRIP_PREFIX,
+    ETA_KIND,
+    FleetStatus,
+    PendingStatus,
+    StatusFold,
+)
 
 NOW = 10_000.0
 
@@ -116,6 +125,68 @@ def test_queue_waits_count_pending_workloads_only():
                           state="admitted", created_at=4000.0, gpus=2))
     (queue,) = fold.snapshot(NOW).queues
     assert (queue.pending, queue.pending_gpus, queue.longest_wait_s) == (1, 2, NOW - 1000)
+
+
+def estimate(name: str, state: str, eta_ts: float, ts: float, naive: float | None = None,
+             position: int = 0) -> Finding:
+    values = {"eta_ts": eta_ts, "position": float(position)}
+    if naive is not None:
+        values["naive_eta_ts"] = naive
+    return Finding(id=f"eta-{name}", fingerprint=f"eta-{name}", kind=ETA_KIND, severity="info",
+                   state=state, subject=Subject(queue="gpu", pod=PodRef("ml", name)),  # type: ignore[arg-type]
+                   summary=f"{name} expected", starts_at=1000.0, ts=ts,
+                   evidence=Evidence(window_start=1000.0, window_end=ts, values=values))
+
+
+def test_pending_workloads_show_their_latest_start_eta():
+    assert ETA_KIND == eta.KIND
+    fold = fleet()
+    for name, created in (("a", 1000.0), ("b", 4000.0), ("c", 2000.0), ("d", 3000.0)):
+        fold.queue(QueueEvent(ts=5000.0, name=name, namespace="ml", cluster_queue="gpu",
+                              state="pending", created_at=created, gpus=2))
+    # a: re-estimated under the same id (the later one counts, whatever the arrival order)
+    fold.finding(estimate("a", "firing", NOW + 1800, ts=9000.0, naive=NOW + 3600, position=1))
+    fold.finding(estimate("a", "firing", NOW + 600, ts=9500.0, naive=NOW + 900, position=0))
+    fold.finding(estimate("a", "firing", NOW + 1800, ts=9000.0, naive=NOW + 3600, position=1))
+    fold.finding(estimate("b", "firing", NOW - 300, ts=9600.0, position=2))  # overdue
+    fold.finding(estimate("c", "firing", NOW + 60, ts=9000.0))
+    fold.finding(estimate("c", "resolved", NOW + 60, ts=9700.0))  # closed: no estimate now
+    fold.queue(QueueEvent(ts=5000.0, name="started", namespace="ml", cluster_queue="gpu",
+                          state="admitted", gpus=1))
+    fold.finding(estimate("started", "firing", NOW, ts=9000.0))
+    status = fold.snapshot(NOW)
+    assert status.pending == [
+        PendingStatus("ml/b", "gpu", 2, NOW - 4000, NOW - 300, None, 3),
+        PendingStatus("ml/a", "gpu", 2, NOW - 1000, NOW + 600, NOW + 900, 1),
+        PendingStatus("ml/c", "gpu", 2, NOW - 2000),
+        PendingStatus("ml/d", "gpu", 2, NOW - 3000),
+    ]
+    # Shown with the pending workloads, not among the open findings.
+    assert not [f for f in status.findings if f.kind == ETA_KIND]
+
+
+def test_the_rich_view_lists_pending_workloads_with_their_etas():
+    from rich.console import Console
+
+    from gpusteward.cli.status import render
+
+    fold = fleet()
+    fold.queue(QueueEvent(ts=5000.0, name="train-8", namespace="ml", cluster_queue="gpu",
+                          state="pending", created_at=NOW - 1500, gpus=8))
+    fold.queue(QueueEvent(ts=5000.0, name="late", namespace="ml", cluster_queue="gpu",
+                          state="pending", created_at=NOW - 60, gpus=1))
+    fold.finding(estimate("train-8", "firing", NOW + 45 * 60, ts=9000.0, naive=NOW + 7200))
+    console = Console(record=True, width=200)
+    console.print(render(fold.snapshot(NOW)))
+    text = console.export_text()
+
+    def cells(workload: str) -> list[str]:
+        (row,) = [line for line in text.splitlines() if workload in line]
+        return [cell.strip() for cell in row.strip("│ ").split("│")]
+
+    assert cells("ml/train-8") == ["ml/train-8", "gpu", "8", "25m", "1", "in 45m", "in 2.0h"]
+    assert cells("ml/late") == ["ml/late", "gpu", "1", "60s", "", "-", "-"]
+    assert "Pending workloads (2)" in text
 
 
 def test_the_snapshot_round_trips_as_json():

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-ResourceName = Literal["pods", "nodes", "workloads"]
+ResourceName = Literal["pods", "nodes", "workloads", "gangs"]
 
 
 class KubeWatchSettings(BaseModel):
@@ -23,9 +23,11 @@ class KubeWatchSettings(BaseModel):
         "(KUBERNETES_SERVICE_HOST set), else the default kubeconfig (~/.kube/config).")
     context: str | None = Field(None, description="Kubeconfig context; None: the current one.")
     resources: list[ResourceName] = Field(
-        ["nodes", "pods", "workloads"],
+        ["nodes", "pods", "workloads", "gangs"],
         description="Which resources to watch. Workloads are watched only where Kueue serves "
-        "them; the watcher runs without Kueue and picks it up when it appears.")
+        "them; the watcher runs without Kueue and picks it up when it appears. Gangs are the "
+        "objects that state a gang's size (coscheduling and Volcano PodGroups, JobSets, "
+        "PyTorchJobs, MPIJobs, TFJobs), each watched where its CRD is served.")
     resync_period_s: float = Field(
         600.0, gt=0, description="Seconds between two full relists diffed against what was "
         "delivered. A relist costs one paged LIST; 10 min bounds how long a lost update "

@@ -372,9 +372,10 @@ class Translator:
             return self._workload(delta, ts)
         if delta.resource == "localqueues":
             self._local_queue(delta)
-        if delta.resource in GANG_RESOURCES and delta.obj is not None \
-                and delta.type != "DELETED":
-            stated = gang_size_of(delta.resource, delta.obj)
+        # A gang resource's reflector is named plural.group (two groups serve podgroups).
+        plural = delta.resource.partition(".")[0]
+        if plural in GANG_RESOURCES and delta.obj is not None and delta.type != "DELETED":
+            stated = gang_size_of(plural, delta.obj)
             if stated is not None:
                 namespace = delta.obj["metadata"].get("namespace", "")
                 return self._gang_size(f"{namespace}/{stated[0]}", stated[1], ts)

@@ -3,10 +3,16 @@
 :class:`KubeWatcher` starts one :class:`Reflector` per watched resource
 (nodes first, then pods, then Kueue's LocalQueues and Workloads, because
 pods need their node's MIG strategy and workloads their LocalQueue's
-ClusterQueue), hops their deltas onto the event loop, runs them through the
-:class:`Translator` and hands the events to a
-:class:`~gpusteward.collectors.transport.Publisher`. It is the one module
-of the collectors that calls the ``kubernetes`` client (read-only).
+ClusterQueue, then the objects that state a gang's size), hops their deltas
+onto the event loop, runs them through the :class:`Translator` and hands the
+events to a :class:`~gpusteward.collectors.transport.Publisher`. It is the
+one module of the collectors that calls the ``kubernetes`` client
+(read-only).
+
+Kueue and the gang objects are optional: a cluster without their CRD is
+watched without them (one log line), and they are looked for again at every
+resync, so installing the CRD later needs no restart. A gang resource's
+reflector is named ``plural.group`` (two groups serve ``podgroups``).
 """
 
 from __future__ import annotations
@@ -33,6 +39,18 @@ from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.schema import QueueEvent
 
 log = logging.getLogger(__name__)
+
+GANG_SOURCES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("podgroups", "scheduling.x-k8s.io", ("v1alpha1",)),
+    ("podgroups", "scheduling.volcano.sh", ("v1beta1",)),
+    ("jobsets", "jobset.x-k8s.io", ("v1alpha2", "v1alpha1")),
+    ("pytorchjobs", "kubeflow.org", ("v1",)),
+    ("mpijobs", "kubeflow.org", ("v2beta1", "v1")),
+    ("tfjobs", "kubeflow.org", ("v1",)),
+)
+"""(plural, group, versions in order of preference) of the objects that state a gang's
+size: the coscheduling plugin's and Volcano's PodGroups (``minMember``), JobSets and the
+Kubeflow training jobs (replica counts). Each is watched where its CRD is served."""
 
 
 def api_client(settings: KubeWatchSettings) -> Any:
@@ -70,6 +88,9 @@ class KubeWatcher:
         self.processed = 0
         """Deltas translated (and their events published)."""
         self.kueue_version: str | None = None
+        self.gang_versions: dict[str, str] = {}
+        """``plural.group`` -> the version watched, for the gang resources served."""
+        self._unserved_logged: set[str] = set()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._consumer: asyncio.Task[None]
@@ -107,6 +128,40 @@ class KubeWatcher:
 
         return {"localqueues": lister("localqueues"), "workloads": lister("workloads")}
 
+    def discover_gangs(self) -> dict[str, tuple[str, str, str]]:
+        """The gang resources served and not watched yet: ``plural.group`` -> (group,
+        version, plural). A group/version the server does not know answers 404."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        custom = client.CustomObjectsApi(self.client)
+        served: dict[tuple[str, str], set[str]] = {}
+
+        def resources(group: str, version: str) -> set[str]:
+            if (group, version) not in served:
+                try:
+                    listed = custom.get_api_resources(
+                        group, version, _request_timeout=self.settings.request_timeout_s)
+                    served[(group, version)] = {r.name for r in listed.resources or []}
+                except ApiException as e:
+                    if e.status != 404:
+                        raise
+                    served[(group, version)] = set()
+            return served[(group, version)]
+
+        found: dict[str, tuple[str, str, str]] = {}
+        for plural, group, versions in GANG_SOURCES:
+            name = f"{plural}.{group}"
+            if name in self.gang_versions:
+                continue
+            version = next((v for v in versions if plural in resources(group, v)), None)
+            if version is not None:
+                found[name] = (group, version, plural)
+            elif name not in self._unserved_logged:
+                self._unserved_logged.add(name)
+                log.info("%s is not served (no CRD); watching without it", name)
+        return found
+
     async def run(self, stop: asyncio.Event) -> None:
         """Watch and publish until ``stop`` is set; a publisher error ends it (and is raised).
 
@@ -138,6 +193,8 @@ class KubeWatcher:
                 await self._await_synced(reflector, queue, stop)
             if "workloads" in self.settings.resources:
                 await self._start_kueue(start, queue, stop)
+            if "gangs" in self.settings.resources:
+                await self._start_gangs(start, queue, stop)
             await self._drain(queue)
             self.synced.set()
             kueue_check = loop.time() + self.settings.resync_period_s
@@ -148,10 +205,15 @@ class KubeWatcher:
                                        return_when=asyncio.FIRST_COMPLETED)
                     if consumer.done():
                         consumer.result()  # the publisher failed: raise its error
-                    if ("workloads" in self.settings.resources and self.kueue_version is None
-                            and loop.time() >= kueue_check):
+                    if loop.time() >= kueue_check:
+                        # Optional resources whose CRD may have been installed since.
                         kueue_check = loop.time() + self.settings.resync_period_s
-                        await self._start_kueue(start, queue, stop)
+                        if "workloads" in self.settings.resources and \
+                                self.kueue_version is None:
+                            await self._start_kueue(start, queue, stop)
+                        if "gangs" in self.settings.resources and \
+                                len(self.gang_versions) < len(GANG_SOURCES):
+                            await self._start_gangs(start, queue, stop)
             finally:
                 stopped.cancel()
         finally:
@@ -184,6 +246,25 @@ class KubeWatcher:
         for name, call in self._kueue_calls(version).items():
             reflector = start(name, call)
             await self._await_synced(reflector, queue, stop)
+
+    async def _start_gangs(self, start: Callable[[str, ListCall], Reflector],
+                           queue: asyncio.Queue[list[Delta]], stop: asyncio.Event) -> None:
+        from kubernetes import client
+
+        try:
+            found = await asyncio.to_thread(self.discover_gangs)
+        except Exception as e:
+            log.warning("gang resource discovery failed (%s); retrying at the next resync",
+                        brief_error(e))
+            return
+        custom = client.CustomObjectsApi(self.client)
+        for name, (group, version, plural) in found.items():
+            def call(*, _g: str = group, _v: str = version, _p: str = plural,
+                     **kwargs: Any) -> Any:
+                return custom.list_cluster_custom_object(_g, _v, _p, **kwargs)
+
+            self.gang_versions[name] = version
+            await self._await_synced(start(name, call), queue, stop)
 
     async def _await_synced(self, reflector: Reflector, queue: asyncio.Queue[list[Delta]],
                             stop: asyncio.Event) -> None:

@@ -35,6 +35,8 @@ from gpusteward.schema import (
 from gpusteward.settings import Settings
 from gpusteward.status import FleetStatus, StatusFold
 
+PENDING_ROWS = 20
+"""Pending workloads the table lists (soonest start first); --json has them all."""
 QUIET_MS = 300
 """A read is complete when no record arrived for this long (as :func:`kafka.read_all`)."""
 
@@ -122,6 +124,15 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def _eta(ts: float | None, now: float) -> Text:
+    """An expected start relative to now: "in 25m", "overdue 5m", or "-" for none."""
+    if ts is None:
+        return Text("-", style="dim")
+    if ts >= now:
+        return Text(f"in {_age(ts - now)}")
+    return Text(f"overdue {_age(now - ts)}", style="yellow")
+
+
 def _clock(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%m-%d %H:%M:%S")
 
@@ -174,6 +185,20 @@ def render(status: FleetStatus) -> Group:
             queues.add_row(q.cluster_queue, str(q.pending), str(q.pending_gpus),
                            _age(q.longest_wait_s))
         parts.append(queues)
+    if status.pending:
+        shown = status.pending[:PENDING_ROWS]
+        more = f", the first {len(shown)}" if len(shown) < len(status.pending) else ""
+        pending = Table(title=f"Pending workloads ({len(status.pending)}{more})",
+                        title_justify="left")
+        for column in ("workload", "cluster queue", "GPUs", "waited", "position", "start ETA",
+                       "naive ETA"):
+            pending.add_column(column, justify="left" if column in ("workload", "cluster queue")
+                               else "right")
+        for w in shown:
+            pending.add_row(w.workload, w.cluster_queue, str(w.gpus), _age(w.waited_s),
+                            "" if w.position is None else str(w.position),
+                            _eta(w.eta_ts, status.ts), _eta(w.naive_eta_ts, status.ts))
+        parts.append(pending)
     lag = Table(title="Consumer lag (records)", title_justify="left")
     for column in ("group", "topic", "lag"):
         lag.add_column(column, justify="right" if column == "lag" else "left")
@@ -192,7 +217,8 @@ def status(
     interval: Annotated[float, typer.Option(help="Seconds between redraws with --watch.")
                         ] = 5.0,
 ) -> None:
-    """The fleet now: GPUs allocated vs busy, open findings, actions, breaker, queues, lag."""
+    """The fleet now: GPUs allocated vs busy, open findings, actions, breaker, queues, pending
+    workloads with their start ETAs, lag."""
     settings = kafka_settings(bootstrap)
 
     async def main() -> None:

@@ -62,7 +62,7 @@ def watch(
     resync: Annotated[float | None, typer.Option(
         help="Seconds between full relists diffed against what was published.")] = None,
     resources: Annotated[str | None, typer.Option(
-        help="Comma-separated subset of nodes,pods,workloads.")] = None,
+        help="Comma-separated subset of nodes,pods,workloads,gangs.")] = None,
     bootstrap: Annotated[str | None, typer.Option(
         "--bootstrap", envvar="GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS",
         help="Kafka bootstrap servers (host:port,...).")] = None,

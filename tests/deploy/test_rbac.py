@@ -7,9 +7,15 @@ verb, a new binding or a grant to another account fails here.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+from gpusteward.collectors.kubernetes import KubeWatchSettings
+from gpusteward.sandbox.kube_api import KubeApiServer
+from tests.collectors.kubernetes.conftest import RunningWatcher
 
 pytestmark = pytest.mark.deploy
 
@@ -17,10 +23,16 @@ WATCHER = "gpusteward-watcher"
 REMEDIATION = "gpusteward-remediation"
 
 EXPECTED: dict[str, set[tuple[str, str, str]]] = {
-    # Reads what it publishes: pods, nodes and Kueue workloads.
+    # Reads what it publishes: pods, nodes, Kueue workloads and their LocalQueues, and the
+    # objects that state a gang's size.
     WATCHER: {
         (group, resource, verb)
-        for group, resource in (("", "pods"), ("", "nodes"), ("kueue.x-k8s.io", "workloads"))
+        for group, resource in (("", "pods"), ("", "nodes"), ("kueue.x-k8s.io", "workloads"),
+                                ("kueue.x-k8s.io", "localqueues"),
+                                ("scheduling.x-k8s.io", "podgroups"),
+                                ("scheduling.volcano.sh", "podgroups"),
+                                ("jobset.x-k8s.io", "jobsets"), ("kubeflow.org", "pytorchjobs"),
+                                ("kubeflow.org", "mpijobs"), ("kubeflow.org", "tfjobs"))
         for verb in ("get", "list", "watch")
     },
     # Cordon/taint, evict, deactivate/requeue. No events, no delete, no reads.
@@ -106,3 +118,32 @@ def test_bound_accounts_are_the_ones_the_workloads_run_as(rendered):
     others = {a for c, a in accounts.items() if c not in ("watcher", "remediation")}
     assert others and not others & set(grants(rendered))
     assert None not in others
+
+
+@pytest.fixture(scope="module")
+def watcher_requests() -> set[tuple[str, str, str]]:
+    """(group, resource, verb) of every request the watcher sends to a cluster that serves
+    everything it can watch (Kueue and every gang CRD)."""
+    with KubeApiServer(bookmark_interval_s=0.05) as api, \
+            tempfile.TemporaryDirectory() as tmp:
+        kubeconfig = api.write_kubeconfig(Path(tmp) / "kubeconfig")
+        watcher = RunningWatcher(api, kubeconfig, KubeWatchSettings(
+            kubeconfig=str(kubeconfig))).start()
+        watcher.stop()
+        sent = set()
+        for request in api.requests:
+            parts = request.path.strip("/").split("/")
+            if request.path in ("/api", "/apis") or (parts[0] == "apis" and len(parts) <= 3):
+                continue  # discovery: granted to every authenticated user
+            group, resource = ("", parts[2]) if parts[0] == "api" else (parts[1], parts[3])
+            verb = "watch" if request.query.get("watch") else "list"
+            sent.add((group, resource, verb))
+    return sent
+
+
+def test_the_watcher_is_granted_every_request_it_sends(rendered, watcher_requests):
+    """Sent by the real watcher, not copied from its code: a resource it starts watching
+    without a grant (a 403 retried forever in a cluster) fails here."""
+    assert ("kueue.x-k8s.io", "localqueues", "watch") in watcher_requests
+    assert ("kubeflow.org", "pytorchjobs", "list") in watcher_requests
+    assert watcher_requests <= grants(rendered)[WATCHER]
