@@ -17,7 +17,9 @@ pod attributes in sorted order), integers as ``%d`` and doubles as ``%f``,
 and a reading the device does not report left out rather than written as
 zero. A MIG device is exported per GPU instance under its parent's UUID,
 with graphics-engine activity and no GPU utilisation, as dcgm-exporter's
-default ``-d f`` does.
+default ``-d f`` does; a GPU several pods share (time-slicing, MPS) has its
+series repeated once per pod, with the device's readings, as dcgm-exporter
+cannot split them either.
 
 prometheus_client's writer is not used: it renames every counter's
 ``# TYPE`` line to ``<name>_total``, which dcgm-exporter does not do
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gpusteward.broker import free_port
-from gpusteward.schema import DeviceSample, HwEvent, NodeSample
+from gpusteward.schema import DeviceSample, HwEvent, NodeSample, PodRef
 
 MIB = 1 << 20
 DRIVER_VERSION = "580.105.08"
@@ -173,14 +175,16 @@ class DcgmPages:
         sample = self._samples[node]
         lines: list[str] = []
         for field in (*FIELDS, XID):
-            rows = [row for device in sample.devices
-                    if (row := self._row(field, node, device)) is not None]
+            rows = [row for device in sample.devices for row in self._rows(field, node, device)]
             if rows:
                 lines += [f"# HELP {field.name} {field.help}",
                           f"# TYPE {field.name} {field.type}", *rows]
         return "\n".join(lines) + "\n"
 
-    def _row(self, field: Field, node: str, device: DeviceSample) -> str | None:
+    def _rows(self, field: Field, node: str, device: DeviceSample) -> list[str]:
+        """The device's series of ``field``: one per pod on it (a time-sliced or MPS GPU's
+        readings are repeated for each of its pods, as dcgm-exporter does), none if the
+        device does not report the field."""
         mig = device.kind == "mig"
         attributes: list[tuple[str, str]] = []
         if field is XID:
@@ -188,14 +192,23 @@ class DcgmPages:
             value: float | None = code
             attributes = [("err_code", str(code)), ("err_msg", message)]
         elif mig and field.name in WHOLE_GPU_ONLY:
-            return None
+            return []
         else:
             value = field.read(device)
         if value is None:
-            return None  # dcgm-exporter skips a blank (unsupported) value
-        if device.pod is not None:
-            attributes += [("container", device.pod.container or "main"),
-                           ("namespace", device.pod.namespace), ("pod", device.pod.name)]
+            return []  # dcgm-exporter skips a blank (unsupported) value
+        pods: list[PodRef | None] = [h.pod for h in device.holders if h.pod is not None]
+        number = _number(value, field.double)
+        return [f"{field.name}{self._series_labels(node, device, attributes, pod)} {number}"
+                for pod in pods or [device.pod]]
+
+    @staticmethod
+    def _series_labels(node: str, device: DeviceSample, attributes: list[tuple[str, str]],
+                pod: PodRef | None) -> str:
+        mig = device.kind == "mig"
+        if pod is not None:
+            attributes = [*attributes, ("container", pod.container or "main"),
+                          ("namespace", pod.namespace), ("pod", pod.name)]
         labels = [("gpu", str(device.index)),
                   ("UUID", device.parent_uuid if mig and device.parent_uuid else device.uuid),
                   ("pci_bus_id", f"00000000:{0x18 + device.index:02X}:00.0"),
@@ -205,7 +218,7 @@ class DcgmPages:
                        ("GPU_I_ID", str(device.gpu_instance_id))]
         labels += [("Hostname", node), ("DCGM_FI_DRIVER_VERSION", DRIVER_VERSION),
                    *sorted(attributes)]
-        return f"{field.name}{_labels(labels)} {_number(value, field.double)}"
+        return _labels(labels)
 
     # --- the server ---------------------------------------------------------------
 

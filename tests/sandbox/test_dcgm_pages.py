@@ -61,20 +61,33 @@ def _expected(device: DeviceSample) -> dict[str, object]:
         "mem_total_bytes": (None if device.mem_total_bytes is None
                             else device.mem_total_bytes // MIB * MIB),
         "pod": None if device.pod is None else (device.pod.namespace, device.pod.name),
+        "pods": _pods(device),
     }
 
 
+def _pods(device: DeviceSample) -> list[tuple[str, str]]:
+    """Every pod on the device: its holders (a shared GPU), else its one pod."""
+    pods = [h.pod for h in device.holders if h.pod is not None] or \
+        ([device.pod] if device.pod is not None else [])
+    return [(pod.namespace, pod.name) for pod in pods]
+
+
 def _read(device: DeviceSample) -> dict[str, object]:
-    values = {name: getattr(device, name) for name in _expected(device)}
+    values = {name: getattr(device, name) for name in _expected(device) if name != "pods"}
     values["pod"] = None if device.pod is None else (device.pod.namespace, device.pod.name)
+    values["pods"] = _pods(device)
     return values
 
 
 async def _collect_through_pages(name: str, check_every: int
-                                 ) -> tuple[int, list[int], set[str]]:
+                                 ) -> tuple[int, int, list[int], set[str]]:
+    """Step the scenario; every ``check_every`` ticks read every node's page with the
+    production collector and compare it with the simulator's sample. Returns the devices
+    checked, how many of them were on several pods, the XIDs read, the missing field
+    families."""
     spec = scenarios.load(name)
     cluster = SimulatedCluster(spec)
-    checked, xids = 0, []
+    checked, shared, xids = 0, 0, []
     async with DcgmPages() as pages, aiohttp.ClientSession() as session:
         feed = _Feed(pages)
         sources = {node: dcgm.DcgmSource(pages.url(node), node, session)
@@ -92,14 +105,15 @@ async def _collect_through_pages(name: str, check_every: int
                 assert read == [_expected(d) for d in feed.latest[node].devices], (node, tick)
                 xids += [e.xid or 0 for e in events]
                 checked += len(read)
+                shared += sum(len(r["pods"]) > 1 for r in read)  # type: ignore[arg-type]
         missing = set.union(*(s.coverage.missing for s in sources.values()))
-    return checked, xids, missing
+    return checked, shared, xids, missing
 
 
 def test_faulty_fleet_pages_read_back_as_the_simulated_readings() -> None:
     # Every fault of the scenario (DBE, thermal, SBE/PCIe/NVLink bursts, remap failure,
     # XIDs, a GPU lost) is on the pages at some check.
-    checked, xids, missing = asyncio.run(_collect_through_pages("faulty-fleet", check_every=7))
+    checked, _, xids, missing = asyncio.run(_collect_through_pages("faulty-fleet", check_every=7))
     assert checked > 6 * 4 * 40
     # Every family the hardware and idle rules read is on the page, but engine activity:
     # the simulator reports none for whole GPUs (their utilisation stands for it).
@@ -109,9 +123,16 @@ def test_faulty_fleet_pages_read_back_as_the_simulated_readings() -> None:
 
 
 def test_mig_instances_are_exported_per_gpu_instance_under_the_parent() -> None:
-    checked, _, missing = asyncio.run(_collect_through_pages("mig-inference", check_every=20))
+    checked, _, _, missing = asyncio.run(_collect_through_pages("mig-inference", check_every=20))
     assert checked > 0
     assert "gr_engine_active" not in missing
+
+
+def test_a_shared_gpu_is_exported_once_per_pod_on_it() -> None:
+    # Time-sliced and MPS GPUs: the device's readings, repeated for each of its pods; the
+    # collector reads them back as one device shared by those pods (it cannot split them).
+    _, shared, _, _ = asyncio.run(_collect_through_pages("shared-gpus", check_every=20))
+    assert shared > 0
 
 
 def test_an_unsampled_node_has_no_page() -> None:
