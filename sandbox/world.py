@@ -19,6 +19,9 @@ sources read, and lets the production readers read it:
   would hold, and the production
   :class:`~gpusteward.collectors.kubernetes.KubeWatcher` listing and
   watching it;
+- optionally (``dcgm_pages``), the dcgm-exporter page of every node
+  (:mod:`gpusteward.sandbox.dcgm_pages`), for the dcgm collector or a real
+  Prometheus to scrape;
 - and back: what the deployed executor writes into the double (a cordon)
   reaches the simulated cluster, which stops placing pods there.
 
@@ -60,6 +63,7 @@ from gpusteward.remediation.kubernetes import (
     RECLAIMED_BECAUSE,
 )
 from gpusteward.rules.mig import geometry
+from gpusteward.sandbox.dcgm_pages import DcgmPages
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_mirror import KubeMirrorPublisher
 from gpusteward.sandbox.kubelet import Assignment, KubeletPodResources
@@ -315,8 +319,12 @@ class World:
     ``world`` to :meth:`SimulatedCluster.run` as its publisher.
     """
 
-    def __init__(self, cluster: SimulatedCluster, publisher: Publisher, workdir: Path) -> None:
+    def __init__(self, cluster: SimulatedCluster, publisher: Publisher, workdir: Path,
+                 dcgm_pages: DcgmPages | None = None) -> None:
+        """``dcgm_pages``: also serve every node's dcgm-exporter page there, for the world's
+        lifetime (its URL is known before the world starts)."""
         self.cluster = cluster
+        self.dcgm_pages = dcgm_pages
         self.publisher = publisher
         self.workdir = workdir
         # unix socket paths must stay under 108 bytes: a short folder of their own
@@ -347,6 +355,8 @@ class World:
 
         self.api.start()
         try:
+            if self.dcgm_pages is not None:
+                await self.dcgm_pages.start()
             for node in self.nodes.values():
                 await node.start()
             kube = KubeWatchSettings(kubeconfig=str(self.kubeconfig))
@@ -383,6 +393,8 @@ class World:
                 await node.stop()
             if self._client is not None:
                 self._client.close()
+            if self.dcgm_pages is not None:
+                await self.dcgm_pages.stop()
             self.api.stop()
             # the kubelet sockets and the host /proc of the world's processes
             shutil.rmtree(self.socket_dir, ignore_errors=True)
@@ -468,9 +480,13 @@ class World:
         # well before the GPU gets busy.
         if self.api.resource_version != self._seen_rv:
             await self._caught_up()
+        if self.dcgm_pages is not None:
+            self.dcgm_pages.sample(sample)
         await self.nodes[sample.node].sample(sample)
 
     async def hw_event(self, event: HwEvent) -> None:
+        if self.dcgm_pages is not None:
+            self.dcgm_pages.hw_event(event)
         await self.nodes[event.node].hw_event(event)
 
     async def allocation(self, event: AllocationEvent) -> None:

@@ -1,0 +1,151 @@
+"""The simulated nodes' dcgm-exporter pages, read by the production dcgm collector.
+
+The pages stand in for dcgm-exporter when the Prometheus recipe is set
+beside gpusteward (benchmarks/bench_peer.py) and for the dcgm path through
+the world: what they serve must parse, with the collector users run, into
+the readings the simulator holds, faults included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from gpusteward.collectors import dcgm
+from gpusteward.sandbox.dcgm_pages import MIB, DcgmPages
+from gpusteward.sandbox.simulator import scenario as scenarios
+from gpusteward.sandbox.simulator.engine import SimulatedCluster
+from gpusteward.schema import AllocationEvent, DeviceSample, HwEvent, NodeSample, QueueEvent
+
+
+class _Feed:
+    """The simulator's publisher: samples and hardware events go to the pages."""
+
+    def __init__(self, pages: DcgmPages) -> None:
+        self.pages = pages
+        self.latest: dict[str, NodeSample] = {}
+        self.xids: list[HwEvent] = []
+
+    async def sample(self, sample: NodeSample) -> None:
+        self.pages.sample(sample)
+        self.latest[sample.node] = sample
+
+    async def hw_event(self, event: HwEvent) -> None:
+        self.pages.hw_event(event)
+        if event.kind == "xid":
+            self.xids.append(event)
+
+    async def allocation(self, event: AllocationEvent) -> None: ...
+    async def queue(self, event: QueueEvent) -> None: ...
+    async def flush(self) -> None: ...
+
+
+def _expected(device: DeviceSample) -> dict[str, object]:
+    """What the page can say of a simulated device: the integers DCGM reports, MiB sizes."""
+    mig = device.kind == "mig"
+    return {
+        "uuid": (dcgm.mig_device_uuid(device.parent_uuid or "", str(device.gpu_instance_id))
+                 if mig else device.uuid),
+        "index": device.index, "model": device.model, "kind": device.kind,
+        "util_pct": None if mig else float(round(device.util_pct or 0)),
+        "engine_active_pct": device.engine_active_pct,
+        "temp_c": None if device.temp_c is None else float(round(device.temp_c)),
+        "power_w": device.power_w, "sm_clock_mhz": device.sm_clock_mhz,
+        "clock_event_reasons": device.clock_event_reasons,
+        "ecc_sbe_volatile": device.ecc_sbe_volatile, "ecc_dbe_volatile": device.ecc_dbe_volatile,
+        "pcie_replay": device.pcie_replay, "nvlink_errors": device.nvlink_errors,
+        "remap_failure": device.remap_failure, "remap_pending": device.remap_pending,
+        "mem_used_bytes": (device.mem_used_bytes or 0) // MIB * MIB,
+        "mem_total_bytes": (None if device.mem_total_bytes is None
+                            else device.mem_total_bytes // MIB * MIB),
+        "pod": None if device.pod is None else (device.pod.namespace, device.pod.name),
+        "pods": _pods(device),
+    }
+
+
+def _pods(device: DeviceSample) -> list[tuple[str, str]]:
+    """Every pod on the device: its holders (a shared GPU), else its one pod."""
+    pods = [h.pod for h in device.holders if h.pod is not None] or \
+        ([device.pod] if device.pod is not None else [])
+    return [(pod.namespace, pod.name) for pod in pods]
+
+
+def _read(device: DeviceSample) -> dict[str, object]:
+    values = {name: getattr(device, name) for name in _expected(device) if name != "pods"}
+    values["pod"] = None if device.pod is None else (device.pod.namespace, device.pod.name)
+    values["pods"] = _pods(device)
+    return values
+
+
+async def _collect_through_pages(name: str, check_every: int
+                                 ) -> tuple[int, int, list[int], set[str]]:
+    """Step the scenario; every ``check_every`` ticks read every node's page with the
+    production collector and compare it with the simulator's sample. Returns the devices
+    checked, how many of them were on several pods, the XIDs read, the missing field
+    families."""
+    spec = scenarios.load(name)
+    cluster = SimulatedCluster(spec)
+    checked, shared, xids = 0, 0, []
+    async with DcgmPages() as pages, aiohttp.ClientSession() as session:
+        feed = _Feed(pages)
+        sources = {node: dcgm.DcgmSource(pages.url(node), node, session)
+                   for node in cluster.nodes}
+        ticks = int(spec.duration_s // spec.sample_interval_s)
+        for tick in range(ticks + 1):
+            cluster.now = cluster.start + tick * spec.sample_interval_s
+            await cluster.step(feed)
+            if tick % check_every and tick != ticks:
+                continue
+            for node, source in sources.items():
+                samples, events = await source.collect()
+                assert samples[0].node == node
+                read = [_read(d) for d in samples[0].devices]
+                assert read == [_expected(d) for d in feed.latest[node].devices], (node, tick)
+                xids += [e.xid or 0 for e in events]
+                checked += len(read)
+                shared += sum(len(r["pods"]) > 1 for r in read)  # type: ignore[arg-type]
+        missing = set.union(*(s.coverage.missing for s in sources.values()))
+    return checked, shared, xids, missing
+
+
+def test_faulty_fleet_pages_read_back_as_the_simulated_readings() -> None:
+    # Every fault of the scenario (DBE, thermal, SBE/PCIe/NVLink bursts, remap failure,
+    # XIDs, a GPU lost) is on the pages at some check.
+    checked, _, xids, missing = asyncio.run(_collect_through_pages("faulty-fleet", check_every=7))
+    assert checked > 6 * 4 * 40
+    # Every family the hardware and idle rules read is on the page, but engine activity:
+    # the simulator reports none for whole GPUs (their utilisation stands for it).
+    assert missing == {"gr_engine_active"}
+    # The last XID of each device, seen once per change: every XID code the scenario raised.
+    assert set(xids) == {46, 79, 13, 31, 119, 43}
+
+
+def test_mig_instances_are_exported_per_gpu_instance_under_the_parent() -> None:
+    checked, _, _, missing = asyncio.run(_collect_through_pages("mig-inference", check_every=20))
+    assert checked > 0
+    assert "gr_engine_active" not in missing
+
+
+def test_a_shared_gpu_is_exported_once_per_pod_on_it() -> None:
+    # Time-sliced and MPS GPUs: the device's readings, repeated for each of its pods; the
+    # collector reads them back as one device shared by those pods (it cannot split them).
+    _, shared, _, _ = asyncio.run(_collect_through_pages("shared-gpus", check_every=20))
+    assert shared > 0
+
+
+def test_an_unsampled_node_has_no_page() -> None:
+    async def fetch() -> int:
+        async with DcgmPages() as pages, aiohttp.ClientSession() as session, \
+                session.get(pages.url("nowhere")) as answer:
+            return answer.status
+
+    assert asyncio.run(fetch()) == 404
+
+
+@pytest.mark.parametrize("value,expected", [('a"b\\c\nd', 'a\\"b\\\\c\\nd')])
+def test_label_values_are_escaped(value: str, expected: str) -> None:
+    from gpusteward.sandbox.dcgm_pages import _labels
+
+    assert _labels([("pod", value)]) == f'{{pod="{expected}"}}'
