@@ -16,8 +16,16 @@ from typing import Any
 import polars as pl
 import yaml
 
-from gpusteward.reports import (activity, compute, findings, recommend, store, trends, waiting,
-                                weekly)
+from gpusteward.reports import (
+    activity,
+    compute,
+    findings,
+    recommend,
+    store,
+    trends,
+    waiting,
+    weekly,
+)
 from gpusteward.reports import policy as live_policy
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry as mig_geometry
