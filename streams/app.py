@@ -26,6 +26,7 @@ from typing import Any, cast
 import faust
 import msgspec
 from aiokafka import AIOKafkaConsumer
+from faust.tables import TableManager
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP, Message
 
@@ -185,6 +186,20 @@ class LeanMonitor(faust.Monitor):
         return None
 
 
+class PromptTableManager(TableManager):
+    """Faust's table manager without its one-second nap before recovery starts.
+
+    Faust sleeps 1 s at start so that tables defined late can still register; this
+    worker defines every table in :func:`create_app`, before the app starts, so the
+    nap was only a second added to every restart.
+    """
+
+    async def on_start(self) -> None:
+        if not self.should_stop:
+            await self._update_channels()
+            await self.recovery.start()
+
+
 class WorkerApp(faust.App):
     """A Faust app whose transport honours gpusteward's Kafka settings.
 
@@ -257,6 +272,7 @@ def create_app(
         key_serializer="raw",
         value_serializer="raw",
         Monitor=LeanMonitor,
+        TableManager=PromptTableManager,
     )
     app.gpusteward_settings = settings
     app.health = Health()
