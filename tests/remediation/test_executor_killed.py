@@ -104,7 +104,7 @@ def test_an_action_carried_out_then_killed_before_its_audit_is_not_repeated(
 
     asyncio.run(publish())
     dying = Executor(settings, DiesAfterActing(KubernetesBackend(kube_settings)), execute=True,
-                      remediation=policy, group_id="executor")
+                     remediation=policy, group_id="executor")
     with pytest.raises(Killed):
         asyncio.run(_run(dying, settings))
     effects = len(writes(kube))
