@@ -37,6 +37,17 @@ class CollectorMetrics:
             "Delivery attempts (flights) that failed or timed out.",
             registry=self.registry,
         )
+        self.topics_lost = Counter(
+            "gpusteward_collect_topics_lost_total",
+            "Times the broker was found to have lost acknowledged records: a topic gone, or a "
+            "partition's offsets starting again (a broker that came back empty).",
+            registry=self.registry,
+        )
+        self.records_resent = Counter(
+            "gpusteward_collect_records_resent_total",
+            "Acknowledged records sent again because the broker lost them, by topic.",
+            ["topic"], registry=self.registry,
+        )
         self.source_errors = Counter(
             "gpusteward_collect_source_errors_total",
             "Reads of a source that failed, by source and reason (for NVML: the call or step "

@@ -20,11 +20,13 @@ and idempotency keys; consumers deduplicate on them.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from functools import partial
 from typing import Any, cast
 
 import faust
 import msgspec
 from aiokafka import AIOKafkaConsumer
+from faust.tables import TableManager
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP, Message
 
@@ -184,6 +186,20 @@ class LeanMonitor(faust.Monitor):
         return None
 
 
+class PromptTableManager(TableManager):
+    """Faust's table manager without its one-second nap before recovery starts.
+
+    Faust sleeps 1 s at start so that tables defined late can still register; this
+    worker defines every table in :func:`create_app`, before the app starts, so the
+    nap was only a second added to every restart.
+    """
+
+    async def on_start(self) -> None:
+        if not self.should_stop:
+            await self._update_channels()
+            await self.recovery.start()
+
+
 class WorkerApp(faust.App):
     """A Faust app whose transport honours gpusteward's Kafka settings.
 
@@ -256,6 +272,7 @@ def create_app(
         key_serializer="raw",
         value_serializer="raw",
         Monitor=LeanMonitor,
+        TableManager=PromptTableManager,
     )
     app.gpusteward_settings = settings
     app.health = Health()
@@ -298,7 +315,9 @@ def create_app(
                      join.on_allocation),
     }
 
-    async def apply(event: Any) -> list[Output]:
+    async def apply(event: Any) -> tuple[bytes, list[Output], bytes | None]:
+        """The record's node, what to publish, and the node's encoded state when it is due
+        for a checkpoint (written only once the findings and actions are delivered)."""
         decode, handler = by_topic[event.message.topic]
         record = decode(event.value, event.key)
         node = record.node.encode()
@@ -307,6 +326,7 @@ def create_app(
             stored = state_table.get(node)
             entry = (decode_state(stored) if stored is not None else NodeState(), -1.0)
         state, checkpointed_at = entry
+        checkpoint: bytes | None = None
         try:
             outputs: list[Output] = handler(state, record)
             # Write the changelog when the state matters for recovery (a rule emitted a
@@ -319,7 +339,8 @@ def create_app(
             due = record.ts - checkpointed_at >= checkpoint_s
             decisive = any(not isinstance(output, NodeSummary | Rollup) for output in outputs)
             if decisive or due or not isinstance(record, NodeSample):
-                state_table[node] = encode_state(state)
+                # Encoded here, so that a state the encoder refuses dead-letters the record.
+                checkpoint = encode_state(state)
                 checkpointed_at = record.ts
         except Exception:
             # The record may have half-changed the state: the node goes back to its last
@@ -328,15 +349,22 @@ def create_app(
             live.pop(node, None)
             raise
         live[node] = (state, checkpointed_at)
-        return outputs
+        return node, outputs, checkpoint
 
     @app.agent(node_topics, name="node-join")
     async def node_join(stream: Any) -> None:
         async for event in stream.events():
             started = outputs_to.consumed(event.message.topic)
-            outputs = await outputs_to.guarded(event, "node-join", apply)
-            if outputs:
-                await outputs_to.publish(outputs)
+            applied = await outputs_to.guarded(event, "node-join", apply)
+            if applied is not None:
+                node, outputs, checkpoint = applied
+                try:
+                    await outputs_to.emit_then_checkpoint(
+                        outputs, None if checkpoint is None
+                        else partial(state_table.__setitem__, node, checkpoint))
+                except BaseException:
+                    live.pop(node, None)  # not checkpointed: re-processing starts from the last
+                    raise
             outputs_to.processed(started)
 
     register_fleet_agent(app, settings, FleetSettings(policy=policy))

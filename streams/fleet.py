@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import faust
@@ -442,7 +443,8 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             if outputs:
                 await outputs_to.publish(outputs)
 
-    async def apply_spot(event: Any) -> list[FleetOutput] | None:
+    async def apply_spot(event: Any) -> tuple[list[FleetOutput], bytes, bytes] | None:
+        """What to publish, and the node's track to write once it is delivered."""
         try:
             alloc = alloc_edge(event.value, event.key)
         except Rejected:
@@ -453,12 +455,14 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         track = decode_track(stored) if stored is not None else spot_rules.SpotNodeTrack()
         # A failure leaves the table as it was: the track is written only when whole.
         outputs = spot_join.on_allocation(track, alloc)
-        spot_table[node] = encode_msgpack(track)
-        return outputs
+        return outputs, node, encode_msgpack(track)
 
     @app.agent(allocations, name="fleet-spot")
     async def fleet_spot(stream: Any) -> None:
         async for event in stream.events():
-            outputs = await outputs_to.guarded(event, "fleet-spot", apply_spot)
-            if outputs:
-                await outputs_to.publish(outputs)
+            applied = await outputs_to.guarded(event, "fleet-spot", apply_spot)
+            if applied is not None:
+                outputs, node, track = applied
+                # The track says what was reported: written once the findings are delivered.
+                await outputs_to.emit_then_checkpoint(
+                    outputs, partial(spot_table.__setitem__, node, track))

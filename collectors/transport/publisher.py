@@ -15,9 +15,18 @@ bytes (in memory, or on disk with ``buffer_dir``):
 - a full spool drops its oldest records, counted and logged.
 
 Delivery is at-least-once: a flight the broker wrote but did not
-acknowledge in time is sent again. The sender never starts a new flight
-while an earlier one is unresolved, which keeps such repeats to the
-records of that one flight, after their first copy.
+acknowledge in time is sent again. An acknowledgement is not the end of it:
+a broker that restarted without its data (the memory-only embedded one, a
+rebuilt cluster) acknowledges records to partitions it no longer has and
+keeps nothing. So acknowledged records are held a little longer, until a
+metadata check at most ``VERIFY_INTERVAL_S`` later (and at every
+:meth:`~KafkaPublisher.flush`) finds the publisher's topics still there; a topic
+gone, or a partition whose offsets start again
+(its log reset) makes the publisher say so (an error in the log and
+``gpusteward_collect_topics_lost_total``), create the topics again and send
+those records again before anything newer, so they keep their order. The
+sender never starts a new flight while an earlier one is unresolved, which
+keeps repeats to the records of that one flight, after their first copy.
 
 While Kafka is healthy, ``sample()`` and friends wait when the spool holds
 more than a few flights, so a fast producer such as the simulator is paced
@@ -31,6 +40,8 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
+from collections import deque
 from typing import Protocol
 
 import msgspec
@@ -47,6 +58,10 @@ from gpusteward.settings import Settings
 log = logging.getLogger(__name__)
 
 BACKOFF_START_S = 0.2
+VERIFY_INTERVAL_S = 5.0
+"""Seconds between two checks that the topics still hold what the broker acknowledged."""
+UNVERIFIED_MAX_RECORDS = 200_000
+"""Most acknowledged records held for a resend; beyond it the oldest are let go unchecked."""
 
 
 class Publisher(Protocol):
@@ -112,6 +127,16 @@ class KafkaPublisher:
         self._allocations = topics.ALLOCATIONS.name(settings)
         self._queue = topics.QUEUE.name(settings)
         self._prefix = f"{settings.topic_prefix}."
+        self._settings = settings
+        self._unverified: deque[Record] = deque(maxlen=UNVERIFIED_MAX_RECORDS)
+        """Acknowledged records not yet seen safe by a metadata check, oldest first."""
+        self._resend: list[Record] = []
+        """Records the broker lost, to be sent again before the spool's head."""
+        self._offsets: dict[tuple[str, int], int] = {}
+        """The last acknowledged offset per partition: one that goes back is a reset log."""
+        self._reset_seen = False
+        self._verify_at = time.monotonic() + VERIFY_INTERVAL_S
+        self._verify_asked = False
         self._wake = asyncio.Event()
         self._progress = asyncio.Event()
         self._sender: asyncio.Task[None] | None = None
@@ -173,9 +198,13 @@ class KafkaPublisher:
         await self._enqueue(self._queue, event.cluster_queue, event)
 
     async def flush(self, timeout_s: float | None = None) -> None:
-        """Wait until every queued record is acknowledged; TimeoutError after ``timeout_s``."""
+        """Wait until every queued record is acknowledged and then seen kept by the broker
+        (its topics still there: see the module doc); TimeoutError after ``timeout_s``."""
         async with asyncio.timeout(timeout_s):
-            while self._spool.records:
+            while self._spool.records or self._resend or self._unverified:
+                if not self._spool.records and not self._resend:
+                    self._verify_asked = True
+                    self._wake.set()
                 if self._sender is None or self._sender.done():
                     raise RuntimeError(
                         "the publisher is not running (not started, or its sender failed)")
@@ -184,8 +213,8 @@ class KafkaPublisher:
 
     @property
     def backlog(self) -> int:
-        """Records accepted and not yet acknowledged."""
-        return self._spool.records
+        """Records accepted and not yet acknowledged (or acknowledged and then lost)."""
+        return self._spool.records + len(self._resend)
 
     @property
     def healthy(self) -> bool:
@@ -233,15 +262,30 @@ class KafkaPublisher:
     async def _deliver_forever(self) -> None:
         backoff = BACKOFF_START_S
         while True:
-            batch = self._spool.peek(self._batch_max)
+            if self._unverified and (self._reset_seen or self._verify_asked
+                                     or time.monotonic() >= self._verify_at):
+                await self._verify()
+            resending = bool(self._resend)
+            batch = self._resend[:self._batch_max] if resending else self._spool.peek(
+                self._batch_max)
             if not batch:
                 self._wake.clear()
                 self._progress.set()
-                await self._wake.wait()
+                if self._unverified:  # idle: wake in time for the next check
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(
+                                max(0.0, self._verify_at - time.monotonic())):
+                            await self._wake.wait()
+                else:
+                    await self._wake.wait()
                 continue
             delivered = await self._deliver(batch) if await self._ensure_producer() else 0
             if delivered:
-                self._spool.ack(batch[delivered - 1].seq)
+                if resending:
+                    del self._resend[:delivered]
+                else:
+                    self._spool.ack(batch[delivered - 1].seq)
+                self._unverified.extend(batch[:delivered])
                 self.sent += delivered
                 for record in batch[:delivered]:
                     self.metrics.records_sent.labels(self._topic_label(record.topic)).inc()
@@ -267,6 +311,49 @@ class KafkaPublisher:
             # Jitter so a fleet of collectors does not return to the broker in step.
             await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, self._backoff_max_s)
+
+    async def _verify(self) -> None:
+        """Let go of the acknowledged records if the broker still has their topics;
+        otherwise say so, create the topics again and queue those records for a resend.
+
+        A check that gets no answer keeps them for the next one.
+        """
+        assert self._producer is not None  # records were acknowledged, so it runs
+        try:
+            async with asyncio.timeout(self._delivery_timeout_s):
+                await self._producer.client.force_metadata_update()
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            log.debug("checking the topics failed: %r", error)
+            self._verify_at = time.monotonic() + VERIFY_INTERVAL_S
+            return
+        cluster = self._producer.client.cluster
+        # The client's metadata covers the topics it sends to: those of the records held.
+        broken = sorted({record.topic for record in self._unverified} - cluster.topics())
+        self._verify_at = time.monotonic() + VERIFY_INTERVAL_S
+        self._verify_asked = False
+        if not broken and not self._reset_seen:
+            self._unverified.clear()
+            return
+        why = (f"topics gone: {', '.join(broken)}" if broken
+               else "a partition's offsets started again")
+        log.error("the broker lost records it had acknowledged (%s; restarted without its "
+                  "data?): creating the topics again and sending the last %d records again",
+                  why, len(self._unverified))
+        self.metrics.topics_lost.inc()
+        try:
+            await kafka.ensure_topics(self._settings)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            log.error("creating the topics again failed: %r", error)
+        for record in self._unverified:
+            self.metrics.records_resent.labels(self._topic_label(record.topic)).inc()
+        self._resend = [*self._unverified, *self._resend]
+        self._unverified.clear()
+        self._offsets.clear()
+        self._reset_seen = False
 
     def _count_buffered(self) -> None:
         """Count, once each, the queued records a failed attempt held back.
@@ -303,6 +390,16 @@ class KafkaPublisher:
         self._producer_ready = True
         return True
 
+    def _note_offset(self, metadata: object) -> None:
+        """Remember the partition's acknowledged offset; one at or below the last means
+        the partition's log started again (see :meth:`_verify`)."""
+        partition = (getattr(metadata, "topic", ""), getattr(metadata, "partition", -1))
+        offset = getattr(metadata, "offset", -1)
+        last = self._offsets.get(partition)
+        if last is not None and offset <= last:
+            self._reset_seen = True
+        self._offsets[partition] = offset
+
     async def _deliver(self, batch: list[Record]) -> int:
         """Send ``batch``; return how many records from its start the broker acknowledged."""
         assert self._producer is not None
@@ -327,6 +424,7 @@ class KafkaPublisher:
         for future in futures:
             if not future.done() or future.cancelled() or future.exception() is not None:
                 break
+            self._note_offset(future.result())
             delivered += 1
         if delivered < len(futures):
             failed = futures[delivered]

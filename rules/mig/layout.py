@@ -53,8 +53,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import lil_matrix
 
 from gpusteward.rules.findings import finding_id, fingerprint
 from gpusteward.rules.mig.advice import KIND
@@ -163,6 +161,11 @@ def solve_pool(geometry: Geometry, gpus: int, demand: Sequence[Demand],
     ``today`` lists the pool's GPUs' layouts now; among plans equally good on
     demand and GPUs, the one that keeps most of them wins.
     """
+    # Imported here: scipy.optimize is most of the stream worker's import time (about a
+    # second of a restart), and only a pool with MIG demand needs it.
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import lil_matrix
+
     if gpus <= 0 or not demand:
         return [], {}
     wanted = {d.profile for d in demand}

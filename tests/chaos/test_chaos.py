@@ -10,33 +10,45 @@ module prints one table at the end (``make chaos``):
 - broker frozen for 60 s (SIGSTOP/SIGCONT) while the publisher buffers;
 - broker killed and restarted empty on its port: the embedded broker is memory-only, so
   every topic, record, committed offset and changelog is gone; the worker must notice and
-  exit non-zero (its supervisor restarts it, and the start creates the topics again).
+  exit non-zero (its supervisor restarts it, and the start creates the topics again);
+- the remediation executor (``gpusteward act --execute`` on the API-server double) killed
+  again and again right after changing the cluster and before auditing: every effect
+  must happen once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
+import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from rich.console import Console
 from rich.table import Table
 
-from gpusteward import kafka
+from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
+from gpusteward.children import stop_child
 from gpusteward.collectors.transport.publisher import KafkaPublisher
-from gpusteward.sandbox.pipeline import WorkerProcess
+from gpusteward.sandbox.kube_api import KubeApiServer
+from gpusteward.sandbox.pipeline import WorkerProcess, settings_env
 from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
+from gpusteward.schema import Action, ActionResult, ActionVerb, PodRef, Subject
 from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
-from tests.chaos import harness
+from gpusteward.streams.outputs import subject_key
+from tests.chaos import executor_dies, harness
+from tests.remediation import cluster
 
 pytestmark = pytest.mark.e2e
 
@@ -205,6 +217,91 @@ def test_broker_frozen_for_a_minute(tmp_path: Path) -> None:
                    "after the run")
 
     _assert_clean(_experiment(tmp_path, main).score or harness.Score())
+
+
+def test_executor_killed_between_deciding_and_auditing(tmp_path: Path) -> None:
+    """Cordons and owner notices for 30 nodes; the executor dies after 1 to 4 effects, five
+    times, each time before the last one's audit record; then one runs to the end. Every
+    effect must be in the cluster once and every action audited with one final outcome."""
+    nodes = [f"gpu-{i:02d}" for i in range(30)]
+
+    def actions() -> list[Action]:
+        out = []
+        for name in nodes:
+            pairs: tuple[tuple[ActionVerb, Subject], ...] = (
+                ("cordon", Subject(node=name)),
+                ("notify_owner", Subject(pod=PodRef("ml", f"job-{name}"))))
+            for verb, target in pairs:
+                out.append(Action(idempotency_key=f"{name}-dbe/{verb}", verb=verb,
+                                  target=target, reason=f"ECC DBE on {name}", rule="ecc_dbe",
+                                  finding_ids=[f"{name}-dbe"], ts=1000.0))
+        return out
+
+    async def main(broker: EmbeddedBroker) -> Row:
+        settings = _settings(broker, "executor")
+        await kafka.ensure_topics(settings)
+        sent = actions()
+        producer = kafka.producer(settings)
+        await producer.start()
+        try:
+            for action in sent:
+                await producer.send(topics.ACTIONS.name(settings), msgspec.json.encode(action),
+                                    key=subject_key(action.target).encode())
+            await producer.flush()
+        finally:
+            await producer.stop()
+        with KubeApiServer() as kube:
+            kube.load([cluster.node(n) for n in nodes])
+            kube.load([cluster.pod("ml", f"job-{n}", n) for n in nodes])
+            kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
+            env = {**os.environ, **settings_env(settings),
+                   "GPUSTEWARD_REMEDIATION__BREAKER_MAX_NODES": "1000",
+                   "GPUSTEWARD_REMEDIATION__BREAKER_MAX_FRACTION": "1.0"}
+            args = ["--execute", "--backend", "kubernetes", "--kubeconfig", str(kubeconfig),
+                    "--enable-rule", "ecc_dbe"]
+            codes = []
+            started = time.monotonic()
+            for after in (3, 1, 4, 2, 4):
+                codes.append(await asyncio.to_thread(subprocess.call, [
+                    sys.executable, "-P", str(Path(executor_dies.__file__)), *args],
+                    env={**env, "GPUSTEWARD_CHAOS_DIE_AFTER": str(after)}, stdout=log,
+                    stderr=subprocess.STDOUT, timeout=120))
+            keys = {a.idempotency_key for a in sent}
+            survivor = await asyncio.to_thread(
+                subprocess.Popen, [sys.executable, "-P", "-m", "gpusteward.cli", "act", *args],
+                env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                audit: list[ActionResult] = []
+                for _ in range(600):
+                    audit = [msgspec.json.decode(r.value or b"", type=ActionResult)
+                             for r in await kafka.read_all(
+                                 settings, topics.ACTION_RESULTS.name(settings))]
+                    if keys <= {r.idempotency_key for r in audit}:
+                        break
+                    await asyncio.sleep(0.2)
+            finally:
+                stop_child(survivor, 15)
+            done_s = time.monotonic() - started
+            cordons = Counter(r.path for r in kube.requests
+                              if r.method == "PATCH" and r.path.startswith("/api/v1/nodes/"))
+            notices = Counter(e["involvedObject"]["name"] for e in kube.objects("Event"))
+        finals = Counter(r.idempotency_key for r in audit if r.outcome != "retrying")
+        twice = (sum(count - 1 for count in cordons.values() if count > 1)
+                 + sum(count - 1 for count in notices.values() if count > 1))
+        missing = (len(nodes) - len(cordons)) + (len(nodes) - len(notices))
+        outcomes = Counter(r.outcome for r in audit)
+        nothing = harness.Usage(float("nan"), float("nan"))
+        row = Row("executor killed between acting and auditing", None,
+                  f"all audited {done_s:.0f} s after the first start", nothing, nothing,
+                  f"{codes.count(executor_dies.KILLED)} kills; effects twice {twice}, "
+                  f"missing {missing}; audit {dict(outcomes)}")
+        assert codes == [executor_dies.KILLED] * 5, codes
+        assert twice == 0 and missing == 0, (cordons, notices)
+        assert set(finals) == keys
+        return row
+
+    with open(tmp_path / "executor.log", "ab") as log:
+        _experiment(tmp_path, main)
 
 
 def test_broker_killed_and_restarted_empty(tmp_path: Path) -> None:

@@ -162,3 +162,45 @@ def test_kafka_down_at_start_then_up_delivers_everything(tmp_path: Path) -> None
     with broker:
         received = asyncio.run(restart_and_deliver())
     assert received["node-a"] == [float(s) for s in range(20)]
+
+
+def test_a_broker_back_empty_is_noticed_and_what_it_lost_is_sent_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The memory-only broker, restarted on its port, acknowledges records to partitions it
+    no longer has and keeps none of them (seen: the simulator's samples vanished while its
+    publisher counted them delivered). The publisher must notice, say so, create the topics
+    again and send what it cannot be sure landed, in order."""
+
+    def sample(ts: float, node: str) -> NodeSample:
+        return NodeSample(ts=ts, node=node, source="test", devices=[])
+
+    async def run(broker: EmbeddedBroker) -> None:
+        settings = broker.settings().model_copy(update={"topic_prefix": "empty"})
+        await kafka.ensure_topics(settings)
+        metrics = CollectorMetrics()
+        publisher = KafkaPublisher(settings, metrics=metrics)
+        await publisher.start()
+        try:
+            for before in range(5):
+                await publisher.sample(sample(1.7e9 + before, NODES[before % 2]))
+            await publisher.flush(30)
+            broker.kill()
+            await asyncio.to_thread(broker.start)  # the same port, no topics
+            after = [1.7e9 + 100 + ts for ts in range(10)]
+            for ts in after:
+                await publisher.sample(sample(ts, NODES[int(ts) % 2]))
+            await publisher.flush(30)
+        finally:
+            await publisher.stop(5)
+        assert counter(metrics, "gpusteward_collect_topics_lost_total") >= 1
+        assert counter(metrics, "gpusteward_collect_records_resent_total",
+                       topic="samples.v1") >= len(after)
+        received = await received_per_node(settings)
+        for node in NODES:
+            sent = [ts for ts in after if NODES[int(ts) % 2] == node]
+            assert first_occurrences(received[node]) == sent, node
+
+    with caplog.at_level("ERROR", logger="gpusteward.collectors.transport.publisher"), \
+            EmbeddedBroker(log_path=tmp_path / "tansu.log") as broker:
+        asyncio.run(run(broker))
+    assert "the broker lost records it had acknowledged" in caplog.text

@@ -1,0 +1,89 @@
+"""A worker killed between publishing a finding and writing the state that says so loses nothing.
+
+The node join writes two things for a record that fires a rule: the findings and
+actions, and the node's state (its changelog), which records them as reported so
+that they are not fired again. The scale-out chaos experiment lost two XID findings
+when a worker died after the state landed and before the findings did: recovery
+read "already reported" and re-processing emitted nothing. The worker now waits for
+the findings' delivery before it writes the state
+(:meth:`OutputTopics.emit_then_checkpoint`). Here a real worker process is made to
+die in exactly that window (``killed_between_writes.py``), and a fresh worker then
+re-processes the record: the finding is on the topic, under one id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gpusteward import kafka, topics
+from gpusteward.broker import free_port
+from gpusteward.rules import xid as xid_rule
+from gpusteward.sandbox.pipeline import WorkerProcess, settings_env
+from gpusteward.schema import DeviceSample, Finding, HwEvent, NodeSample
+from gpusteward.settings import Settings
+from gpusteward.streams.app import worker_group
+from tests.streams import killed_between_writes
+
+pytestmark = pytest.mark.e2e
+
+T0 = 1_700_000_000.0
+SCRIPT = Path(killed_between_writes.__file__)
+
+
+async def _publish(settings: Settings) -> None:
+    """A sample of node n1, then an XID that takes its GPU out of service (a finding)."""
+    sample = NodeSample(ts=T0, node="n1", source="test", devices=[
+        DeviceSample(uuid="GPU-0", index=0, model="NVIDIA H100 80GB HBM3", util_pct=50.0)])
+    xid = HwEvent(ts=T0 + 5, node="n1", kind="xid", uuid="GPU-0", xid=119)
+    producer = kafka.producer(settings)
+    await producer.start()
+    try:
+        for spec, record in ((topics.SAMPLES, sample), (topics.HW_EVENTS, xid)):
+            await producer.send_and_wait(spec.name(settings), msgspec.json.encode(record),
+                                         key=b"n1")
+    finally:
+        await producer.stop()
+
+
+def _killed_worker(settings: Settings, log: Path) -> int:
+    """Run the worker that dies between the writes; its exit code."""
+    env = {**os.environ, **settings_env(settings.model_copy(update={"health_port": free_port()}))}
+    with open(log, "ab") as out:
+        return subprocess.run(
+            [sys.executable, "-P", str(SCRIPT), "--datadir", tempfile.mkdtemp(), "--loglevel",
+             "warn"], env=env, stdout=out, stderr=subprocess.STDOUT, timeout=60,
+            cwd=Path(__file__).resolve().parents[2]).returncode
+
+
+def test_a_kill_between_finding_and_state_loses_no_finding(settings: Settings,
+                                                            tmp_path: Path) -> None:
+    asyncio.run(kafka.ensure_topics(settings))
+    asyncio.run(_publish(settings))
+    code = _killed_worker(settings, tmp_path / "killed.log")
+    assert code != killed_between_writes.WRITTEN_FIRST, (
+        "the state saying the XID was reported was written before the finding was delivered")
+    assert code == killed_between_writes.KILLED_BETWEEN, (tmp_path / "killed.log").read_text()
+
+    # A fresh worker recovers the state the dead one wrote and re-processes what it had not
+    # committed; the finding must be on the topic whatever it re-emits, and under one id.
+    worker = WorkerProcess(settings, tmp_path / "fresh.log")
+    worker.start()
+    try:
+        worker.wait_ready()
+        asyncio.run(kafka.wait_consumed(settings, worker_group(settings),
+                                        [topics.HW_EVENTS.name(settings)], timeout_s=30))
+    finally:
+        worker.stop()
+    decode = msgspec.json.Decoder(Finding).decode
+    found = [decode(r.value) for r in asyncio.run(
+        kafka.read_all(settings, topics.FINDINGS.name(settings)))]
+    xids = {f.id for f in found if f.kind == xid_rule.KIND and f.state == "firing"}
+    assert len(xids) == 1, found
