@@ -339,9 +339,11 @@ def rbac_triples(api: KubeApiServer) -> set[tuple[str, str, str]]:
     return used
 
 
-def granted(path: Path) -> set[tuple[str, str, str]]:
+def granted(path: Path, role: str | None = None) -> set[tuple[str, str, str]]:
+    """What the ClusterRoles in ``path`` grant (only the one named ``role``, if given)."""
     return {(group, resource, verb)
             for doc in yaml.safe_load_all(path.read_text()) if doc and doc["kind"] == "ClusterRole"
+            and role in (None, doc["metadata"]["name"])
             for rule in doc["rules"] for group in rule["apiGroups"]
             for resource in rule["resources"] for verb in rule["verbs"]}
 
@@ -361,11 +363,15 @@ def test_the_execute_component_grants_what_reclaim_and_restore_use(
     execute = granted(REPO / "deploy/components/remediation-execute/rbac.yaml")
     assert used <= base | execute, used - base - execute
     # Every grant on the owner kinds is used by these verbs, and only the execute
-    # component has them: a dry-run executor cannot scale or stop anything.
+    # component gives them to the executor: a dry-run executor cannot scale or stop
+    # anything (the watcher's read-only grants on gang kinds are its own role's).
     owner_groups = {"apps", "kubeflow.org"}
     assert {t for t in execute if t[0] in owner_groups} == {t for t in used
                                                              if t[0] in owner_groups}
-    assert not {t for t in base if t[0] in owner_groups}
+    executor = granted(REPO / "deploy/base/rbac.yaml", "gpusteward-remediation")
+    assert executor and not {t for t in executor if t[0] in owner_groups}
+    watcher = granted(REPO / "deploy/base/rbac.yaml", "gpusteward-watcher")
+    assert {t[2] for t in watcher if t[0] in owner_groups} <= {"get", "list", "watch"}
 
 
 # -- the command ------------------------------------------------------------------------------
