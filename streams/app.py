@@ -326,10 +326,11 @@ def create_app(
     samples_name = topics.SAMPLES.name(settings)
     hw_name = topics.HW_EVENTS.name(settings)
     alloc_name = topics.ALLOCATIONS.name(settings)
-    node_topics = app.topic(
-        samples_name, hw_name, alloc_name, key_type=bytes, value_type=bytes,
-        key_serializer="raw", value_serializer="raw", partitions=kafka.node_partitions,
-    )
+
+    def node_topic(*names: str) -> Any:
+        return app.topic(*names, key_type=bytes, value_type=bytes, key_serializer="raw",
+                         value_serializer="raw", partitions=kafka.node_partitions)
+
     outputs_to = OutputTopics(app, settings)
 
     # Values are msgpack-encoded NodeState bytes: the changelog carries exactly these.
@@ -398,7 +399,6 @@ def create_app(
         live[node] = (state, checkpointed_at)
         return outputs
 
-    @app.agent(node_topics, name="node-join")
     async def node_join(stream: Any) -> None:
         # Records are handled in batches: the event the stream yields and those already
         # delivered behind it (the rest of the consumer's fetch), with no await per record.
@@ -419,14 +419,23 @@ def create_app(
                 event.ack()
             outputs_to.processed(started, len(events))
 
+    # Hardware events have an agent of their own, on the same partitions (Faust assigns
+    # topics of one partition count together) and the same node states: an urgent event
+    # (a double-bit ECC error, an XID the driver reports at once) waits for at most the
+    # batch being handled, never behind the second of samples fetched before it. The
+    # rules order by event time, so an event handled before older samples of its node
+    # means the same as after them.
+    app.agent(node_topic(samples_name, alloc_name), name="node-join")(node_join)
+    app.agent(node_topic(hw_name), name="node-join-hw")(node_join)
+
     register_fleet_agent(app, settings, FleetSettings(policy=policy))
     return app
 
 
-BATCH_MAX = 500
+BATCH_MAX = 200
 """Most records the node join handles between two awaits: enough to spread the per-await
-cost of the framework thin, few enough (about 20 ms of work) that an urgent hardware
-event behind a full batch is not held up."""
+cost of the framework thin, few enough (a few ms of work) that an urgent hardware event,
+whose agent runs between two batches, is not held up."""
 
 
 def _ready_events(app: faust.App, queue: Any, limit: int) -> list[Any]:
