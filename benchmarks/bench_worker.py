@@ -1,4 +1,4 @@
-"""Stream worker throughput and DBE-to-cordon latency on the embedded broker.
+"""Stream worker throughput on the embedded broker (latency: ``bench_latency.py``).
 
 Throughput: the simulator first publishes two minutes of a 10,000-GPU fleet
 (1,250 nodes x 8 GPUs at 1 Hz = 150,000 node samples); then one worker
@@ -6,22 +6,15 @@ process starts and the rate at which its committed sample offsets advance
 from a quarter of the backlog to its end gives GPU-samples per second: the
 sustained rate, without start-up, table recovery and the burst of the
 fleet's initial placement (every pod's allocation and queue events at once).
-
-Latency: the simulator feeds the same fleet live at 1 Hz; after 40 s, once
-the worker has absorbed the initial placement, double-bit ECC errors appear
-on 30 nodes, one every 2 s, carried by the samples only (no urgent event).
-For each, the delay from handing the sample to the producer to the cordon
-action arriving on the actions topic.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from aiokafka import TopicPartition
@@ -33,17 +26,17 @@ from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.sandbox.simulator.engine import SimulatedCluster
 from gpusteward.sandbox.simulator.scenario import Scenario
-from gpusteward.schema import Action, NodeSample
 from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
 
 NODES, GPUS = 1250, 8
-FAULTS = 30
 
 
-def fleet(duration_s: float, acceleration: float, faults: int = 0) -> Scenario:
+def fleet(duration_s: float, acceleration: float, *, name: str = "fleet-10k",
+          faults: Sequence[dict[str, object]] = ()) -> Scenario:
+    """The 10,000-GPU fleet of the worker benchmarks, with ``faults`` if given."""
     return Scenario.model_validate({
-        "name": "fleet-10k", "seed": 3, "duration_s": duration_s, "sample_interval_s": 1.0,
+        "name": name, "seed": 3, "duration_s": duration_s, "sample_interval_s": 1.0,
         "acceleration": acceleration,
         "nodes": [{"prefix": "h100", "count": NODES, "gpus": GPUS,
                    "gpu_model": "NVIDIA H100 80GB HBM3"}],
@@ -55,22 +48,8 @@ def fleet(duration_s: float, acceleration: float, faults: int = 0) -> Scenario:
             {"group": "nb", "count": 1500, "kind": "notebook",
              "phases": [{"for_s": [5, 30], "util": [20, 60]}, {"util": [0, 2]}]},
         ],
-        "faults": [{"kind": "ecc_dbe", "node": f"h100-{10 + 40 * i}", "at_s": 40 + 2 * i,
-                    "urgent_event": False} for i in range(faults)],
+        "faults": list(faults),
     })
-
-
-class TimedPublisher(KafkaPublisher):
-    """Notes when the first sample showing a DBE on a node is handed to the producer."""
-
-    def __init__(self, settings: Settings) -> None:
-        super().__init__(settings)
-        self.dbe_sent: dict[str, float] = {}
-
-    async def sample(self, sample: NodeSample) -> None:
-        await super().sample(sample)
-        if sample.node not in self.dbe_sent and any(d.ecc_dbe_volatile for d in sample.devices):
-            self.dbe_sent[sample.node] = time.monotonic()
 
 
 async def throughput(settings: Settings, log: Path) -> list[Figure]:
@@ -117,59 +96,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def latency(settings: Settings, log: Path) -> list[Figure]:
-    await kafka.ensure_topics(settings)
-    arrived: dict[str, float] = {}
-    import msgspec
-
-    decode = msgspec.json.Decoder(Action).decode
-    reader = kafka.consumer(settings, topics.ACTIONS.name(settings), group_id=None,
-                            auto_offset_reset="latest")
-    await reader.start()
-    stop = asyncio.Event()
-    all_arrived = asyncio.Event()
-
-    async def watch() -> None:
-        while not stop.is_set():
-            batch = await reader.getmany(timeout_ms=100)
-            now = time.monotonic()
-            for messages in batch.values():
-                for message in messages:
-                    action = decode(message.value)
-                    if action.verb == "cordon" and action.target.node:
-                        arrived.setdefault(action.target.node, now)
-                        if len(arrived) >= FAULTS:
-                            all_arrived.set()
-
-    watching = asyncio.create_task(watch())
-    publisher = TimedPublisher(settings)
-    await publisher.start()
-    with WorkerProcess(settings, log):
-        await SimulatedCluster(fleet(40 + 2 * FAULTS + 5, 1.0, faults=FAULTS)).run(publisher)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(all_arrived.wait(), timeout=30)
-    stop.set()
-    await watching
-    await reader.stop()
-    await publisher.stop()
-    delays = sorted((arrived[n] - publisher.dbe_sent[n]) * 1000
-                    for n in publisher.dbe_sent if n in arrived)
-    missing = len(publisher.dbe_sent) - len(delays)
-    return [
-        Figure("DBE sample -> cordon action, p50", statistics.median(delays), "ms"),
-        Figure("DBE sample -> cordon action, p99",
-               delays[min(len(delays) - 1, int(len(delays) * 0.99))], "ms"),
-        Figure("DBE faults measured (missing)", float(len(delays)), f"({missing} missing)"),
-        Figure("consumer fetch wait", float(settings.kafka.fetch_max_wait_ms), "ms"),
-    ]
-
-
 def run() -> list[Figure]:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-worker-"))
     with EmbeddedBroker(log_path=log_dir / "broker.log") as broker:
         base = broker.settings()
         figures = asyncio.run(throughput(base.model_copy(update={"topic_prefix": "bench-tp"}),
                                          log_dir / "worker-tp.log"))
-        figures += asyncio.run(latency(base.model_copy(update={"topic_prefix": "bench-lat"}),
-                                       log_dir / "worker-lat.log"))
     return figures

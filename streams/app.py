@@ -19,6 +19,7 @@ and idempotency keys; consumers deduplicate on them.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from functools import partial
 from typing import Any, cast
@@ -27,6 +28,7 @@ import faust
 import msgspec
 from aiokafka import AIOKafkaConsumer
 from faust.tables import TableManager
+from faust.transport import consumer as faust_consumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP, Message
 
@@ -135,6 +137,63 @@ def _transport_for(settings: Settings) -> type[faust_aiokafka.Transport]:
                     await self._seek_back()
                 except Exception as exc:
                     self.log.warning("seek to committed offsets after a batch failed: %r", exc)
+
+        async def _drain_messages(self, fetcher: Any) -> None:
+            """Faust's delivery loop, without four tasks per record.
+
+            Faust races each record's delivery against the flow being suspended
+            (``wait_first``: a task for the delivery, the suspension, the stop and the
+            crash, and an ``asyncio.wait``), which cost more than the node join's work
+            on a record and kept the agent from ever finding more than one record
+            waiting. Here a record is delivered directly while the flow runs, and
+            raced as Faust does while it is suspended. A delivery the suspension
+            catches waiting (its queue full) completes when the flow resumes, with the
+            old generation, which the stream and :func:`_ready_events` skip: the same
+            outcome as Faust's, whose cancelled delivery is also read again after the
+            rebalance's seek. Otherwise this is Faust 0.15's loop.
+            """
+            callback = self.callback
+            should_stop = self._stopped.is_set
+            fetcher_should_stop = fetcher._stopped.is_set
+            get_read_offset = self._read_offset.__getitem__
+            set_read_offset = self._read_offset.__setitem__
+            acks_enabled_for = self.app.topics.acks_enabled_for
+            suspended = self.suspend_flow.is_set
+            commit_every = self._commit_every
+            since_yield = 0
+            try:
+                while not (should_stop() or fetcher_should_stop()):
+                    self.diag.set_flag(faust_consumer.CONSUMER_FETCHING)
+                    batch = self.getmany(timeout=1.0)
+                    await self.sleep(0)
+                    if not self.should_stop:
+                        async for tp, message in batch:
+                            since_yield += 1
+                            if since_yield > 100:
+                                await self.sleep(0)
+                                since_yield = 0
+                            offset = message.offset
+                            read = get_read_offset(tp)
+                            if read is None or offset >= read:
+                                gap = offset - (read or 0)
+                                if gap > 1 and read and acks_enabled_for(message.topic):
+                                    await self._add_gap(tp, read + 1, offset)
+                                if commit_every is not None and self._n_acked >= commit_every:
+                                    self._n_acked = 0
+                                    await self.commit()
+                                if suspended():
+                                    await self.wait_first(callback(message),
+                                                          self.suspend_flow.wait())
+                                else:
+                                    await callback(message)
+                                set_read_offset(tp, offset)
+                        self.diag.unset_flag(faust_consumer.CONSUMER_FETCHING)
+            except self.consumer_stopped_errors:
+                if self.transport.app.should_stop:
+                    return
+                raise
+            finally:
+                self.diag.unset_flag(faust_consumer.CONSUMER_FETCHING)
 
         async def _seek_back(self) -> None:
             """Every stream partition to its committed offset, or to its start if none.
@@ -258,7 +317,9 @@ def create_app(
         broker_heartbeat_interval=min(1.0, kafka.session_timeout_s / 4),
         broker_commit_every=1000,
         broker_commit_interval=0.5,
-        producer_linger=0.005,
+        # No linger: the node join publishes a batch's outputs without yielding, so they
+        # leave in one request anyway; a linger would only delay an urgent action.
+        producer_linger=0.0,
         web_enabled=web_port is not None,
         web_port=web_port or 6066,
         datadir=datadir or f"/tmp/{app_id}-data",
@@ -283,15 +344,20 @@ def create_app(
     samples_name = topics.SAMPLES.name(settings)
     hw_name = topics.HW_EVENTS.name(settings)
     alloc_name = topics.ALLOCATIONS.name(settings)
-    node_topics = app.topic(
-        samples_name, hw_name, alloc_name, key_type=bytes, value_type=bytes,
-        key_serializer="raw", value_serializer="raw", partitions=kafka.node_partitions,
-    )
+
+    def node_topic(*names: str) -> Any:
+        return app.topic(*names, key_type=bytes, value_type=bytes, key_serializer="raw",
+                         value_serializer="raw", partitions=kafka.node_partitions)
+
     outputs_to = OutputTopics(app, settings)
 
     # Values are msgpack-encoded NodeState bytes: the changelog carries exactly these.
+    # The changelog partition of a node comes from its key, as its input records' does
+    # (the same murmur2 of the node name), rather than from the event being processed:
+    # a batch writes the states of nodes of several partitions at its end.
     state_table = app.Table(
         "node-state", partitions=kafka.node_partitions, key_type=bytes, value_type=bytes,
+        use_partitioner=True,
     )
     encode_state = msgspec.msgpack.Encoder().encode
     decode_state = msgspec.msgpack.Decoder(NodeState).decode
@@ -315,9 +381,13 @@ def create_app(
                      join.on_allocation),
     }
 
-    async def apply(event: Any) -> tuple[bytes, list[Output], bytes | None]:
-        """The record's node, what to publish, and the node's encoded state when it is due
-        for a checkpoint (written only once the findings and actions are delivered)."""
+    # One batch at a time across the two agents below: they share the nodes' states, and a
+    # batch's checkpoint must never land after a later batch's one of the same node.
+    one_batch = asyncio.Lock()
+
+    def apply(to_write: dict[bytes, bytes], event: Any) -> list[Output]:
+        """Apply one record to its node; nodes due for a checkpoint go to ``to_write``,
+        encoded (written once the batch's findings and actions are delivered)."""
         decode, handler = by_topic[event.message.topic]
         record = decode(event.value, event.key)
         node = record.node.encode()
@@ -326,7 +396,6 @@ def create_app(
             stored = state_table.get(node)
             entry = (decode_state(stored) if stored is not None else NodeState(), -1.0)
         state, checkpointed_at = entry
-        checkpoint: bytes | None = None
         try:
             outputs: list[Output] = handler(state, record)
             # Write the changelog when the state matters for recovery (a rule emitted a
@@ -340,35 +409,92 @@ def create_app(
             decisive = any(not isinstance(output, NodeSummary | Rollup) for output in outputs)
             if decisive or due or not isinstance(record, NodeSample):
                 # Encoded here, so that a state the encoder refuses dead-letters the record.
-                checkpoint = encode_state(state)
+                to_write[node] = encode_state(state)
                 checkpointed_at = record.ts
         except Exception:
             # The record may have half-changed the state: the node goes back to its last
             # checkpoint, as after a crash (a copy per record to roll back to would cost
-            # more than the join itself).
+            # more than the join itself). What the batch changed before is re-learned.
             live.pop(node, None)
+            to_write.pop(node, None)
             raise
         live[node] = (state, checkpointed_at)
-        return node, outputs, checkpoint
+        return outputs
 
-    @app.agent(node_topics, name="node-join")
     async def node_join(stream: Any) -> None:
-        async for event in stream.events():
-            started = outputs_to.consumed(event.message.topic)
-            applied = await outputs_to.guarded(event, "node-join", apply)
-            if applied is not None:
-                node, outputs, checkpoint = applied
+        # Records are handled in batches: the event the stream yields and those already
+        # delivered behind it (the rest of the consumer's fetch), with no await per record.
+        # Each record is still validated and, if it fails, dead-lettered on its own; a node's
+        # state is written to the changelog once per batch, after the batch's findings and
+        # actions are delivered (OutputTopics.emit_then_checkpoint) and before any offset
+        # of the batch is acknowledged (at least once).
+        queue = stream.channel.queue
+        async for first in stream.events():
+            events = [first, *_ready_events(app, queue, BATCH_MAX - 1)]
+            started = outputs_to.consumed_each(events)
+            writes: dict[bytes, bytes] = {}
+            async with one_batch:
+                outputs = await outputs_to.guarded_each(events, "node-join",
+                                                        partial(apply, writes))
                 try:
                     await outputs_to.emit_then_checkpoint(
-                        outputs, None if checkpoint is None
-                        else partial(state_table.__setitem__, node, checkpoint))
+                        outputs, partial(_checkpoint, state_table, writes) if writes else None)
                 except BaseException:
-                    live.pop(node, None)  # not checkpointed: re-processing starts from the last
+                    for node in writes:  # not checkpointed: re-processing starts from the last
+                        live.pop(node, None)
                     raise
-            outputs_to.processed(started)
+            for event in events[1:]:  # the stream acknowledges the first
+                event.ack()
+            outputs_to.processed(started, len(events))
+
+    # Hardware events have an agent of their own, on the same partitions (Faust assigns
+    # topics of one partition count together) and the same node states: an urgent event
+    # (a double-bit ECC error, an XID the driver reports at once) waits for at most the
+    # batch being handled, never behind the second of samples fetched before it. The
+    # rules order by event time, so an event handled before older samples of its node
+    # means the same as after them.
+    app.agent(node_topic(samples_name, alloc_name), name="node-join")(node_join)
+    app.agent(node_topic(hw_name), name="node-join-hw")(node_join)
 
     register_fleet_agent(app, settings, FleetSettings(policy=policy))
     return app
+
+
+def _checkpoint(table: Any, writes: dict[bytes, bytes]) -> None:
+    """Write the batch's encoded node states to the changelog-backed table."""
+    for node, state in writes.items():
+        table[node] = state
+
+
+BATCH_MAX = 200
+"""Most records the node join handles between two awaits: enough to spread the per-await
+cost of the framework thin, few enough (a few ms of work) that an urgent hardware event,
+whose agent runs between two batches, is not held up."""
+
+
+def _ready_events(app: faust.App, queue: Any, limit: int) -> list[Any]:
+    """Up to ``limit`` events already waiting in an agent's channel queue, without waiting.
+
+    For each it does what Faust's stream iterator does for the events it yields: an
+    event fetched before a rebalance (an older consumer generation, or flow stopped) is
+    skipped unprocessed and unacknowledged, since the rebalance's seek delivers it again;
+    the others are tracked as pending acknowledgement, so that no offset is committed
+    past them before the caller acknowledges them.
+    """
+    events: list[Any] = []
+    consumer = app.consumer
+    acking = app.topics.acking_topics
+    while len(events) < limit and not queue.empty():
+        event = queue.get_nowait()
+        message = event.message
+        if (not app.flow_control.is_active()
+                or message.generation_id != app.consumer_generation_id):
+            continue
+        if message.topic in acking and not message.tracked:
+            message.tracked = True
+            consumer.track_message(message)
+        events.append(event)
+    return events
 
 
 def _node(record: NodeSample | HwEvent) -> str:

@@ -73,15 +73,34 @@ class OutputTopics:
 
     def consumed(self, topic: str) -> float:
         """Count a record read from ``topic``; returns the time to pass to :meth:`processed`."""
+        self._count_read(topic, 1)
+        return time.perf_counter()
+
+    def consumed_each(self, events: Sequence[Any]) -> float:
+        """:meth:`consumed` for each event of a batch, counted once per topic."""
+        topic, count = events[0].message.topic, 0
+        for event in events:
+            if event.message.topic != topic:
+                self._count_read(topic, count)
+                topic, count = event.message.topic, 0
+            count += 1
+        self._count_read(topic, count)
+        return time.perf_counter()
+
+    def _count_read(self, topic: str, count: int) -> None:
         counter = self._read.get(topic)
         if counter is None:
             counter = self._read[topic] = self.metrics.records_in.labels(topic)
-        counter.inc()
-        return time.perf_counter()
+        counter.inc(count)
 
-    def processed(self, started: float) -> None:
-        """Observe one record's handling time (decode, rules, publish) since ``started``."""
-        self._processing.observe(time.perf_counter() - started)
+    def processed(self, started: float, records: int = 1) -> None:
+        """Observe one record's handling time (decode, rules, publish) since ``started``.
+
+        For a batch of ``records``, the batch's mean, once per record (the count stays
+        the records handled)."""
+        mean = (time.perf_counter() - started) / records
+        for _ in range(records):
+            self._processing.observe(mean)
 
     async def publish(self, outputs: Sequence[Finding | Action | NodeSummary | Rollup]
                       ) -> list[Awaitable[Any]]:
@@ -145,6 +164,25 @@ class OutputTopics:
         except Exception as error:  # CancelledError is a BaseException: it goes through
             await self.dead_letter(event, error, agent)
             return None
+
+    async def guarded_each(self, events: Sequence[Any], agent: str,
+                           process: Callable[[Any], list[T]]) -> list[T]:
+        """The outputs of ``process(event)`` for each of ``events``, in order.
+
+        The batch form of :meth:`guarded`: an event whose processing raises is
+        dead-lettered and the others go on. ``process`` is synchronous, so a batch
+        costs no await per record.
+        """
+        out: list[T] = []
+        failed: list[tuple[Any, Exception]] = []
+        for event in events:
+            try:
+                out += process(event)
+            except Exception as error:  # CancelledError is a BaseException: it goes through
+                failed.append((event, error))
+        for event, failure in failed:
+            await self.dead_letter(event, failure, agent)
+        return out
 
     async def dead_letter(self, event: Any, error: BaseException, agent: str = "") -> None:
         """Keep a record that could not be processed, with the reason and position."""

@@ -97,3 +97,30 @@ def test_cancellation_is_never_taken_for_a_bad_record() -> None:
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(outputs.guarded(Event(), "fleet", cancelled))
     assert _dead(app) == []
+
+
+def test_a_batch_dead_letters_only_its_failing_records_and_keeps_the_others_in_order() -> None:
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+
+    def process(event: Any) -> list[Any]:
+        if event.message.offset == 42:
+            raise ValueError("a rule's bug")
+        return [event.message.offset]
+
+    events = [Event(Message(offset=offset)) for offset in (41, 42, 43)]
+    assert asyncio.run(outputs.guarded_each(events, "node-join", process)) == [41, 43]
+    (letter,) = _dead(app)
+    assert letter.offset == 42 and letter.error == "node-join: ValueError: a rule's bug"
+
+
+def test_a_batch_lets_cancellation_through() -> None:
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+
+    def cancelled(event: Any) -> list[Any]:
+        raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(outputs.guarded_each([Event()], "node-join", cancelled))
+    assert _dead(app) == []
