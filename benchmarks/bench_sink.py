@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -64,15 +65,13 @@ async def _drain(settings: Settings, directory: Path) -> list[Figure]:
     sink = rollup_sink(settings, report, directory=directory)
     stop = asyncio.Event()
     task = asyncio.create_task(sink.run(stop))
-    while sink.rows_written + len(sink.buffer) == 0:
-        await asyncio.sleep(0.01)
+    await _until(lambda: sink.rows_written + len(sink.buffer) > 0)
     began, cpu = time.perf_counter(), time.process_time()
-    while sink.rows_written < len(records):
-        await asyncio.sleep(0.01)
+    await _until(lambda: sink.rows_written >= len(records))
     seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
     stop.set()
     await asyncio.wait_for(task, 60)
-    size = sum(p.stat().st_size for p in directory.rglob("*.parquet"))
+    size = await asyncio.to_thread(_bytes, directory)
     per_week = size / len(records) * 7 * 1440
     rows = len(records)
     real_time = GPUS / 60
@@ -92,6 +91,18 @@ async def _drain(settings: Settings, directory: Path) -> list[Figure]:
         Figure(f"store on disk at {report.retention_days} days retention ({FLEET})",
                per_week * GPUS * report.retention_days / 7 / 1e9, "GB"),
     ]
+
+
+async def _until(done: Callable[[], bool], timeout_s: float = 1800.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if done():
+            return
+        await asyncio.sleep(0.01)
+    raise TimeoutError("the sink did not get there")
+
+
+def _bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*.parquet"))
 
 
 async def _read_rate(settings: Settings, topic: str, count: int) -> float:
