@@ -112,3 +112,13 @@ def test_redelivered_rollups_are_written_once(settings: Settings, tmp_path: Path
     assert (sink.rows_written, sink.duplicates) == (6, 3)
     frame = store.scan(tmp_path, T0, T0 + 86400).collect().sort("ts")
     assert frame["util_mean"].to_list() == [float(i) for i in range(6)]
+
+
+def test_each_write_applies_the_retention_in_days(tmp_path: Path) -> None:
+    """The store keeps ``retention_days`` days up to the newest row written (no broker)."""
+    sink = RollupSink(Settings(), ReportSettings(retention_days=2), directory=tmp_path)
+    sink.buffer = [Rollup(ts=T0 + day * 86400, node="n0", uuid="GPU-0", model="m", samples=1)
+                   for day in range(4)]
+    asyncio.run(sink._flush())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["day=2025-11-19", "day=2025-11-20"]
+    assert sink.rows_written == 4
