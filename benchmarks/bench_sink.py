@@ -9,7 +9,8 @@ Parquet and applying retention. The rate is rows written per second of wall
 time and per second of this process's CPU, from the first record taken to the
 last row written, against the fleet's own rate (10,000 rows a minute). The
 broker runs in its own process; its CPU is not counted. A bare consumer's
-read rate of the same topic shows how much of the wall time is the broker's.
+read rate of the same topic shows how much of the wall time is the broker's,
+and the sink's own steps on the same records, without a consumer, its CPU floor.
 
 Size: the bytes of the files the sink wrote per row, times the 10,080 rows of
 a GPU-week, and the disk the store needs at the default retention.
@@ -61,6 +62,7 @@ async def _drain(settings: Settings, directory: Path) -> list[Figure]:
     await producer.stop()
 
     read_rate = await _read_rate(settings, topic, len(records))
+    own = await asyncio.to_thread(_own_work, settings, records, directory.parent / "own")
     report = ReportSettings()
     sink = rollup_sink(settings, report, directory=directory)
     stop = asyncio.Event()
@@ -84,6 +86,8 @@ async def _drain(settings: Settings, directory: Path) -> list[Figure]:
         Figure(f"sink rollups, one process: CPU per row ({FLEET})", cpu / rows * 1e6, "µs"),
         Figure(f"sink rollups, one process: speed against real time ({FLEET})",
                rows / seconds / real_time, "x"),
+        Figure(f"sink's own work per row: decode, repeats, frame, Parquet, GPU-time ({FLEET})",
+               own * 1e6, "µs"),
         Figure(f"plain consumer read rate of the same topic, no sink ({FLEET})", read_rate,
                "rows/s"),
         Figure(f"sink-written store per GPU-week ({sink.files_written} files)", per_week / 1e3,
@@ -99,6 +103,18 @@ async def _until(done: Callable[[], bool], timeout_s: float = 1800.0) -> None:
             return
         await asyncio.sleep(0.01)
     raise TimeoutError("the sink did not get there")
+
+
+def _own_work(settings: Settings, records: list[bytes], directory: Path) -> float:
+    """Seconds per row of the sink's own steps on ``records``, without the consumer."""
+    sink = rollup_sink(settings, ReportSettings(), directory=directory)
+    began = time.process_time()
+    rows = [sink._decode(record, b"n") for record in records]
+    for row in rows:
+        sink._take(row)
+    store.write(directory, store.frame(sink.buffer))
+    sink._count_gpu_time(sink.buffer)
+    return (time.process_time() - began) / len(records)
 
 
 def _bytes(directory: Path) -> int:
