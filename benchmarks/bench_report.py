@@ -43,17 +43,19 @@ rows, writing = rollups.write_week(folder, start, gpus=gpus, workloads=gpus // 2
 print(rows, time.perf_counter() - began, writing)
 """
 BUILD = """
-import json, resource, sys, tempfile, time
+import json, os, resource, sys, tempfile, time
 from pathlib import Path
 from gpusteward.reports import build, compute, render
 from gpusteward.reports.settings import ReportSettings
 folder, label = Path(sys.argv[1]), sys.argv[2]
-began = time.perf_counter()
+began, cpu = time.perf_counter(), time.process_time()
 report = build.build(folder, compute.parse_week(label), ReportSettings())
-built = time.perf_counter()
+built, cpu = time.perf_counter(), time.process_time() - cpu
 render.write(report, Path(tempfile.mkdtemp(prefix="bench-report-out-")))
-print(json.dumps({"build_s": built - began, "render_s": time.perf_counter() - built,
+print(json.dumps({"build_s": built - began, "build_cpu_s": cpu,
+                  "render_s": time.perf_counter() - built,
                   "rows": report.data["totals"]["device_minutes"],
+                  "load": os.getloadavg()[0],
                   "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
@@ -89,6 +91,11 @@ def _report(gpus: int) -> list[Figure]:
         Figure(f"Parquet store size ({fleet})", size / 1e6, "MB"),
         Figure(f"Parquet store size per GPU-week ({fleet})", size / gpus / 1e3, "kB"),
         Figure(f"build report: read, aggregate, advise, MIG ({fleet})", built["build_s"], "s"),
+        # All threads' CPU: on a busy machine the wall time says more about the others.
+        Figure(f"build report, CPU time of all threads ({fleet})", built["build_cpu_s"], "s"),
+        Figure(f"build report, CPU per million rows ({fleet})",
+               built["build_cpu_s"] / built["rows"] * 1e6, "s"),
+        Figure(f"load average (1 min) at the end of the build ({fleet})", built["load"], ""),
         Figure(f"render HTML, Markdown, JSON ({fleet})", built["render_s"], "s"),
         Figure(f"peak RSS of the report process ({fleet})", built["peak_mib"], "MiB"),
     ]

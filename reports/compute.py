@@ -34,8 +34,16 @@ from gpusteward.rules.queue import QueueSloSettings
 WORKLOAD = ["team", "namespace", "owner_kind", "owner_name"]
 COLUMNS = ["ts", "node", "index", "uuid", "model", "kind", "parent_uuid", "mig_profile",
            "gpu_fraction", "util_mean", "util_max", "mem_used_max", "mem_total_bytes",
-           "throttled_samples", "ecc_dbe_new", "xid_count", "namespace", "pod", "owner_kind",
-           "owner_name", "team", "queue"]
+           "throttled_samples", "ecc_dbe_new", "xid_count", "namespace", "owner_kind",
+           "owner_name", "team"]
+"""The store columns the report reads as they are."""
+
+ALLOCATED = pl.col("pod").is_not_null().alias("allocated")
+"""A device-minute is allocated when a pod held it. Read as this flag in the scan: the pod
+names themselves (one per pod, hundreds of thousands a week) cost a third of the read."""
+
+READ: list[str | pl.Expr] = [*COLUMNS, ALLOCATED]
+"""What the report reads from the store: :func:`prepare`'s input."""
 
 
 class WeekError(ConfigError, ValueError):
@@ -91,52 +99,56 @@ def canonical_models(models: list[str], settings: ReportSettings,
     return mapping
 
 
-def prepare(rows: pl.DataFrame | pl.LazyFrame, settings: ReportSettings,
-            geometries: Mapping[str, mig_geometry.Geometry]) -> pl.DataFrame:
-    """The week's rows with the columns the report needs, models canonical, prices attached.
+def prepare(rows: pl.DataFrame, settings: ReportSettings,
+            geometries: Mapping[str, mig_geometry.Geometry]) -> pl.LazyFrame:
+    """Rows read as :data:`READ` with the columns the report derives: models canonical,
+    prices attached, GPU-hours, idle minutes, the team.
 
-    Strings become categoricals, the pod name becomes a flag, and everything is
-    derived in one pass; :mod:`gpusteward.reports.weekly` calls it a slice at a time.
+    Lazy, so that :mod:`gpusteward.reports.weekly` computes only what each of its
+    aggregations uses, in one pass over each slice.
     """
-    frame = rows.lazy().select(COLUMNS).collect()
+    frame = rows.select([c if isinstance(c, str) else c.meta.output_name() for c in READ])
     models = frame["model"].cast(pl.String).unique().to_list()
     mapping = canonical_models([m for m in models if m is not None], settings, geometries)
     prices = {m: settings.hourly_usd(c) for m, c in mapping.items()}
-    idle = settings.idle_threshold_pct
     strings = ["node", "uuid", "kind", "parent_uuid", "mig_profile", "namespace", "owner_kind",
                "owner_name", "team", "gpu_model"]
     # On the categoricals, not their text: at 100 M rows making text costs seconds.
     model = pl.col("model").cast(pl.Categorical)
+    gpu_hours = pl.col("gpu_fraction").cast(pl.Float64) / 60
+    cost = gpu_hours * model.replace_strict(prices, default=settings.default_hourly_usd,
+                                            return_dtype=pl.Float64)
+    idle = pl.col("util_max").fill_null(0) < settings.idle_threshold_pct
     return frame.lazy().with_columns(
         model.replace_strict(mapping, default=None, return_dtype=pl.Categorical)
         .alias("gpu_model"),
         model.replace_strict(prices, default=settings.default_hourly_usd,
                              return_dtype=pl.Float64).alias("hourly_usd"),
-        pl.col("pod").is_not_null().alias("allocated"),
-        (pl.col("gpu_fraction").cast(pl.Float64) / 60).alias("gpu_hours"),
-        (pl.col("gpu_fraction").cast(pl.Float64) / 60
-         * pl.col("util_mean").fill_null(0).cast(pl.Float64) / 100).alias("used_hours"),
-        (pl.col("util_max").fill_null(0) < idle).alias("idle_minute"),
+        gpu_hours.alias("gpu_hours"),
+        (gpu_hours * pl.col("util_mean").fill_null(0).cast(pl.Float64) / 100)
+        .alias("used_hours"),
+        idle.alias("idle_minute"),
+        # Idle hours and costs as columns (0 when busy): plain sums group fastest.
+        pl.when(idle).then(gpu_hours).otherwise(0.0).alias("idle_hours"),
+        cost.alias("cost_usd"),
+        pl.when(idle).then(cost).otherwise(0.0).alias("idle_cost"),
         # Rollups from other producers may lack a team: fall back as the fold does.
         pl.coalesce(pl.col("team").cast(pl.Categorical),
                     pl.col("namespace").cast(pl.Categorical),
                     pl.lit("unattributed", dtype=pl.Categorical)).alias("team"),
         (pl.col("ts") * 1000).cast(pl.Int64).cast(pl.Datetime("ms", "UTC")).dt.date()
         .alias("day"),
-    ).drop("pod", "queue", "model").with_columns(
-        [pl.col(c).cast(pl.Categorical) for c in strings]).collect()
+    ).drop("model").with_columns([pl.col(c).cast(pl.Categorical) for c in strings])
 
 
 def hours_and_costs() -> list[pl.Expr]:
     """Allocated, used and idle GPU-hours with their cost, for any grouping."""
-    cost = pl.col("gpu_hours") * pl.col("hourly_usd")
-    idle = pl.col("idle_minute")
     return [
         pl.col("gpu_hours").sum().alias("allocated_gpu_hours"),
         pl.col("used_hours").sum().alias("used_gpu_hours"),
-        pl.col("gpu_hours").filter(idle).sum().alias("idle_gpu_hours"),
-        cost.sum().alias("allocated_cost_usd"),
-        cost.filter(idle).sum().alias("idle_cost_usd"),
+        pl.col("idle_hours").sum().alias("idle_gpu_hours"),
+        pl.col("cost_usd").sum().alias("allocated_cost_usd"),
+        pl.col("idle_cost").sum().alias("idle_cost_usd"),
     ]
 
 

@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -184,20 +184,24 @@ def _bounds(day: date) -> tuple[float, float]:
     return first, first + 86400
 
 
-def slices(directory: Path, start: float, end: float, columns: list[str],
+def slices(directory: Path, start: float, end: float, columns: Sequence[str | pl.Expr],
            rows: int = 2_000_000, categorical: bool = True) -> Iterator[pl.DataFrame]:
     """The rollups of [start, end), a few hours at a time, one row per (device, minute, pod).
 
-    Each slice holds whole minutes, so every redelivered copy of a row lands in
-    the slice of its original and is dropped there. A slice spans as many hours
-    (a divisor of 24) as keep it near ``rows`` rows, judged by each day's row
-    count; the sink writes in time order, so the row groups' ``ts`` statistics
-    let the scan skip the rest of the day. ``categorical`` reads the text columns
-    as categoricals, as :func:`scan` does.
+    Each slice holds whole minutes of one UTC day, so every redelivered copy of a
+    row lands in the slice of its original and is dropped there. A slice spans as
+    many hours (a divisor of 24) as keep it near ``rows`` rows, judged by each
+    day's row count; the sink writes in time order, so the row groups' ``ts``
+    statistics let the scan skip the rest of the day. ``columns`` are names, read
+    with the store's types (text as categoricals when ``categorical``), or
+    expressions over the store's columns, evaluated in the scan.
     """
-    wanted = list(dict.fromkeys(["ts", "uuid", *columns]))
+    names = [c for c in columns if isinstance(c, str)]
+    exprs = [c for c in columns if isinstance(c, pl.Expr)]
+    wanted = list(dict.fromkeys(["ts", "uuid", *names]))
     types = {c: pl.Categorical if categorical and SCHEMA[c] == pl.String else SCHEMA[c]
              for c in wanted}
+    needed = list(dict.fromkeys([*wanted, *(n for e in exprs for n in e.meta.root_names())]))
     day, last = _day(start), _day(end - 1e-6)
     while day <= last:
         first, after = _bounds(day)
@@ -205,9 +209,9 @@ def slices(directory: Path, start: float, end: float, columns: list[str],
         day += timedelta(days=1)
         if not paths:
             continue
-        _checked(paths, wanted)
-        scan = pl.scan_parquet(paths, extra_columns="ignore").select(wanted).cast(
-            types)  # type: ignore[arg-type]
+        _checked(paths, needed)
+        scan = pl.scan_parquet(paths, extra_columns="ignore").select(
+            *[pl.col(c).cast(t) for c, t in types.items()], *exprs)
         per_day = int(pl.scan_parquet(paths).select(pl.len()).collect().item())
         hours = max([h for h in (1, 2, 3, 4, 6, 8, 12, 24) if per_day * h <= rows * 24],
                     default=1)

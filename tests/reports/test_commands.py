@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from gpusteward.cli import app
+from gpusteward.reports import compute, store
+from gpusteward.sandbox import rollups as synthetic
 
 
 def test_replay_then_report(shared_data: Path, tmp_path: Path) -> None:
@@ -32,3 +34,55 @@ def test_bad_week_is_a_clear_error(tmp_path: Path) -> None:
                                       str(tmp_path)])
     assert result.exit_code == 2
     assert "YYYY-Www" in result.output
+
+
+WEEK = compute.parse_week("2026-W47")
+
+
+def _report(rollups: Path, out: Path) -> Result:
+    return CliRunner().invoke(app, ["report", "--week", WEEK.label, "--rollups", str(rollups),
+                                    "--queue", str(out / "no-queue"), "--out", str(out)])
+
+
+def test_progress_names_the_stage_and_the_rows_read(tmp_path: Path) -> None:
+    rows = synthetic.week_of_rollups(WEEK.start, gpus=2, workloads=2, teams=1)
+    store.write(tmp_path / "rollups", rows)
+    result = _report(tmp_path / "rollups", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert f"rows read: {rows.height:,} of {rows.height:,}" in result.output
+    assert f"report {WEEK.label}: done" in result.output
+
+
+def test_an_empty_week_and_missing_days_are_said_not_raised(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    empty = _report(tmp_path / "empty", tmp_path / "out")
+    assert empty.exit_code == 0 and empty.exception is None, empty.output
+    assert f"no rollups for {WEEK.label}" in empty.output
+
+    two_days = synthetic.week_of_rollups(WEEK.start, gpus=2, workloads=2, teams=1,
+                                         minutes=2 * 1440)
+    store.write(tmp_path / "two", two_days)
+    partial = _report(tmp_path / "two", tmp_path / "out2")
+    assert partial.exit_code == 0, partial.output
+    named = " ".join(partial.output.split())  # rich wraps long lines
+    assert f"no rollups for {WEEK.days[2].isoformat()}" in named
+    assert "the report covers the other days" in named
+
+
+def test_a_store_written_by_another_version_is_a_message_not_a_traceback(
+        tmp_path: Path) -> None:
+    folder = tmp_path / "old" / f"day={WEEK.days[0].isoformat()}"
+    folder.mkdir(parents=True)
+    old = synthetic.week_of_rollups(WEEK.start, gpus=1, workloads=1, teams=1, minutes=10)
+    old.rename({"util_mean": "utilization"}).write_parquet(folder / "part-0-x.parquet")
+    result = _report(tmp_path / "old", tmp_path / "out")
+    assert result.exit_code == 1
+    assert isinstance(result.exception, SystemExit)
+    named = " ".join(result.output.split())
+    assert "written by another version of gpusteward" in named and "util_mean" in named
+    assert "Traceback" not in result.output
+
+    (folder / "part-0-x.parquet").write_bytes(b"not parquet at all")
+    garbage = _report(tmp_path / "old", tmp_path / "out")
+    assert garbage.exit_code == 1 and isinstance(garbage.exception, SystemExit)
+    assert "is not a readable Parquet file" in " ".join(garbage.output.split())

@@ -153,3 +153,13 @@ def test_findings_sink_keeps_each_ladder_step_once(settings: Settings, tmp_path:
     assert stored["pod"].to_list() == ["nb-0"] * 3
     (ladder,) = findings.idle_ladder(stored).iter_rows(named=True)
     assert (ladder["ladder_step"], ladder["reclaim"]) == (3, "execute")
+
+
+def test_each_write_applies_the_retention_in_days(tmp_path: Path) -> None:
+    """The store keeps ``retention_days`` days up to the newest row written (no broker)."""
+    sink = RollupSink(Settings(), ReportSettings(retention_days=2), directory=tmp_path)
+    sink.buffer = [Rollup(ts=T0 + day * 86400, node="n0", uuid="GPU-0", model="m", samples=1)
+                   for day in range(4)]
+    asyncio.run(sink._flush())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["day=2025-11-19", "day=2025-11-20"]
+    assert sink.rows_written == 4

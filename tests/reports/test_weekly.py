@@ -40,8 +40,8 @@ def test_streamed_tables_equal_the_whole_week_computation(
                               rows=lambda read, total: seen.append((read, total)))
     assert len(seen) == 7 * 4 and seen[-1] == (rows.height, rows.height + 5_000)
 
-    frame = compute.prepare(store.scan(tmp_path, WEEK.start, WEEK.end, compute.COLUMNS,
-                                       categorical=True), settings, geometries)
+    week = store.scan(tmp_path, WEEK.start, WEEK.end, categorical=True).collect()
+    frame = compute.prepare(week.select(compute.READ), settings, geometries).collect()
     assert tables.device_minutes == frame.height == rows.height
     _same(tables.teams, previous_report.team_table(frame), ["team"])
     _same(tables.daily, previous_report.daily_table(frame), ["day", "team"])
