@@ -81,7 +81,7 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     # Another pass over the rows: the weekly fold's keys are team, day and workload.
     hours = activity.fold(directory, week.start, week.end, settings.idle_threshold_pct)
     found = findings.read(findings_dir, week.start, week.end)
-    decided = findings.read_results(results_dir, week.start, week.end)
+    decided = findings.read_results(results_dir, week.start)
     waits = waiting.waiting_table(queue, found, week.start, week.end)
     advance(STEPS[3])
     advice = recommend.recommend(tables.need, settings, geometries)

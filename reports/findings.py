@@ -88,9 +88,20 @@ def read(directory: Path | None, start: float, end: float) -> pl.DataFrame:
     return _read(directory, start, end, SCHEMA, ["id", "state", "ts"])
 
 
-def read_results(directory: Path | None, start: float, end: float) -> pl.DataFrame:
-    """The executor's audit records of [start, end), each (key, outcome, attempt, ts) once."""
-    return _read(directory, start, end, RESULT_SCHEMA,
+RESULTS_AFTER_S = 400 * 86400.0
+"""How long after a week its reclaims' results are looked for: longer than the audit
+topic's retention (365 days), so any result kept counts."""
+
+
+def read_results(directory: Path | None, start: float) -> pl.DataFrame:
+    """The executor's audit records from ``start`` on, each (key, outcome, attempt, ts) once.
+
+    Not cut at the week's end: a record is stamped when the executor decided, which
+    can be after the week whose finding ordered it (a reclaim ordered on Sunday night
+    and carried out on Monday, an executor down for a day); the records are matched
+    to the week's findings by key (:func:`idle_reclaims`).
+    """
+    return _read(directory, start, start + RESULTS_AFTER_S, RESULT_SCHEMA,
                  ["idempotency_key", "outcome", "attempt", "ts"])
 
 

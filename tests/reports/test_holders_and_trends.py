@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusteward.reports import archive, build, compute, findings, render, store
+from gpusteward.reports import activity, archive, build, compute, findings, render, store
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.schema import (
     ActionResult,
@@ -90,6 +90,23 @@ def test_idle_holders_named_in_order_with_what_the_rule_did(
     assert bob["longest_episode_h"] == pytest.approx(3.0)
 
 
+def test_a_pod_whose_owner_is_learned_late_is_one_holder(tmp_path: Path) -> None:
+    """The kubelet names a pod before the watcher's allocation brings its owner and team:
+    its first minutes carry none. It is still one holder, with one unbroken episode, under
+    the owner and team known last."""
+    rows = _held(WEEK.start, "nb-dan-0", "vision", 2, 0.0, 0)
+    early = [Rollup(**{**{f: getattr(r, f) for f in r.__struct_fields__},
+                       "owner_kind": None, "owner_name": None, "team": None})
+             for r in rows[:50]]
+    store.write(tmp_path, store.frame(early + rows[50:]))
+    (holder,) = activity.fold(tmp_path, WEEK.start, WEEK.end, 5.0).holders.iter_rows(
+        named=True)
+    assert (holder["pod"], holder["owner_kind"], holder["owner_name"], holder["team"]) == (
+        "nb-dan-0", "Notebook", "nb-dan", "vision")
+    assert holder["idle_gpu_hours"] == pytest.approx(2.0)
+    assert holder["longest_episode_h"] == pytest.approx(2.0)
+
+
 def _result(pod: str, key: str, outcome: Outcome, ts: float, attempt: int = 1) -> ActionResult:
     return ActionResult(idempotency_key=key, verb="requeue",
                         target=Subject(pod=PodRef(namespace="vision", name=pod)),
@@ -103,11 +120,13 @@ def test_reclaimed_only_when_the_executor_says_executed(
     root = weeks[2].parent
     t = WEEK.start + 22 * HOUR
     results = root / "results-executed"
-    # Alice's reclaim met a 503, then went through; a requeue another rule asked for
-    # bob's pod is not the idle rule's reclaim and changes nothing.
+    # Alice's reclaim met a 503, then went through after the week's end (it is still
+    # this week's reclaim); a requeue another rule asked for bob's pod is not the idle
+    # rule's reclaim and changes nothing.
     store.write(results, findings.result_frame([
         _result("nb-alice-0", "idle-nb-alice-0/requeue", "retrying", t),
-        _result("nb-alice-0", "idle-nb-alice-0/requeue", "executed", t + 5, attempt=2),
+        _result("nb-alice-0", "idle-nb-alice-0/requeue", "executed", WEEK.end + 600,
+                attempt=2),
         _result("nb-bob-0", "other-rule/requeue", "executed", t)]), findings.RESULT_SCHEMA)
     report = build.build(root / "rollups", WEEK, ReportSettings(),
                          findings_dir=root / "findings", results_dir=results)

@@ -197,7 +197,7 @@ def test_results_sink_keeps_each_decision_once(settings: Settings, tmp_path: Pat
 
     sink = asyncio.run(main())
     assert (sink.rows_written, sink.duplicates) == (2, 1)
-    stored = findings.read_results(tmp_path, T0, T0 + 86400).sort("ts")
+    stored = findings.read_results(tmp_path, T0).sort("ts")
     assert stored["outcome"].to_list() == ["retrying", "executed"]
     assert stored["pod"].to_list() == ["nb-0"] * 2
     idle = findings.frame([Finding(
