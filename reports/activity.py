@@ -78,9 +78,11 @@ RUN_SCHEMA = {"uuid": pl.String, **dict.fromkeys(POD, pl.String), "first": pl.Fl
               "last": pl.Float64, "gpu_hours": pl.Float64}
 
 
-def _latest(columns: list[str], by: str) -> list[pl.Expr]:
-    """Each column's last non-null value in the order of ``by``."""
-    return [pl.col(c).sort_by(by).drop_nulls().last().alias(c) for c in columns]
+def _latest(columns: list[str], by: str | None = None) -> list[pl.Expr]:
+    """Each column's last non-null value in the order of ``by`` (None: the rows' order,
+    which a group keeps)."""
+    return [(pl.col(c) if by is None else pl.col(c).sort_by(by)).drop_nulls().last().alias(c)
+            for c in columns]
 
 
 def _runs(idle: pl.DataFrame) -> pl.DataFrame:
@@ -95,7 +97,7 @@ def _runs(idle: pl.DataFrame) -> pl.DataFrame:
     return (ordered.with_columns(gap.cum_sum().alias("run"))
             .group_by("run", *key).agg(pl.col("ts").min().alias("first"),
                                        pl.col("ts").max().alias("last"),
-                                       pl.col("gpu_hours").sum(), *_latest(ABOUT, "ts"))
+                                       pl.col("gpu_hours").sum(), *_latest(ABOUT))
             .select(*RUN_SCHEMA).cast(RUN_SCHEMA))  # type: ignore[arg-type]
 
 
@@ -109,7 +111,7 @@ def _holders(runs: list[pl.DataFrame]) -> pl.DataFrame:
          .fill_null(True)).cum_sum().over(key).alias("episode")).group_by(
         *key, "episode").agg(
         ((pl.col("last").max() - pl.col("first").min() + MINUTE_S) / 3600).alias("hours"),
-        pl.col("gpu_hours").sum(), pl.col("last").max(), *_latest(ABOUT, "last"))
+        pl.col("gpu_hours").sum(), pl.col("last").max(), *_latest(ABOUT))
     return (joined.group_by(NAME).agg(
         pl.col("gpu_hours").sum().alias("idle_gpu_hours"),
         pl.col("hours").max().alias("longest_episode_h"),
