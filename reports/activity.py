@@ -10,7 +10,10 @@ idle test: peak activity below the threshold; GPU-hours weighed by
 - **idle holders**: per pod, the idle GPU-hours it held and its longest idle
   episode (an unbroken run of idle minutes on one device). Runs are kept per
   slice as (start, end) pairs and joined across slices at the end, so an
-  episode that crosses midnight is one episode;
+  episode that crosses midnight is one episode. A pod is its namespace and
+  name: its owner and team are what the rollups said last, since the node
+  join may learn them after its first minutes (the kubelet names a pod, the
+  watcher's allocation brings the owner), and one pod must not be two holders;
 - **heatmap**: per team, used over allocated GPU-hours by hour of day and day
   of week (UTC), the shape of seed 002's dashboard.
 """
@@ -26,6 +29,9 @@ from gpusteward.reports import store
 
 MINUTE_S = 60.0
 POD = ["namespace", "pod", "owner_kind", "owner_name", "team"]
+NAME = ["namespace", "pod"]
+"""What names a holder; the rest of ``POD`` describes it (the latest known)."""
+ABOUT = [c for c in POD if c not in NAME]
 COLUMNS = ["node", "gpu_fraction", "util_mean", "util_max", *POD]
 
 
@@ -72,9 +78,17 @@ RUN_SCHEMA = {"uuid": pl.String, **dict.fromkeys(POD, pl.String), "first": pl.Fl
               "last": pl.Float64, "gpu_hours": pl.Float64}
 
 
+def _latest(columns: list[str], by: str | None = None) -> list[pl.Expr]:
+    """Each column's last non-null value in the order of ``by`` (None: the rows' order,
+    which a group keeps)."""
+    return [(pl.col(c) if by is None else pl.col(c).sort_by(by)).drop_nulls().last().alias(c)
+            for c in columns]
+
+
 def _runs(idle: pl.DataFrame) -> pl.DataFrame:
-    """Unbroken runs of idle minutes per (device, pod): first and last minute, GPU-hours."""
-    key = ["uuid", *POD]
+    """Unbroken runs of idle minutes per (device, pod): first and last minute, GPU-hours,
+    and the pod's owner and team as the run's last minute knew them."""
+    key = ["uuid", *NAME]
     ordered = idle.sort([*key, "ts"])
     # A new run where the key changes or a minute is missing.
     gap = ((pl.col("ts").diff() > 1.5 * MINUTE_S)
@@ -83,13 +97,13 @@ def _runs(idle: pl.DataFrame) -> pl.DataFrame:
     return (ordered.with_columns(gap.cum_sum().alias("run"))
             .group_by("run", *key).agg(pl.col("ts").min().alias("first"),
                                        pl.col("ts").max().alias("last"),
-                                       pl.col("gpu_hours").sum())
-            .drop("run").cast(RUN_SCHEMA))  # type: ignore[arg-type]
+                                       pl.col("gpu_hours").sum(), *_latest(ABOUT))
+            .select(*RUN_SCHEMA).cast(RUN_SCHEMA))  # type: ignore[arg-type]
 
 
 def _holders(runs: list[pl.DataFrame]) -> pl.DataFrame:
     """Runs joined across slices, then summed per pod."""
-    key = ["uuid", *POD]
+    key = ["uuid", *NAME]
     every = (pl.concat(runs) if runs else pl.DataFrame(schema=RUN_SCHEMA)).sort([*key, "first"])
     # A run that starts the minute after the previous one of its key ended continues it.
     joined = every.with_columns(
@@ -97,9 +111,10 @@ def _holders(runs: list[pl.DataFrame]) -> pl.DataFrame:
          .fill_null(True)).cum_sum().over(key).alias("episode")).group_by(
         *key, "episode").agg(
         ((pl.col("last").max() - pl.col("first").min() + MINUTE_S) / 3600).alias("hours"),
-        pl.col("gpu_hours").sum())
-    return (joined.group_by(POD).agg(
+        pl.col("gpu_hours").sum(), pl.col("last").max(), *_latest(ABOUT))
+    return (joined.group_by(NAME).agg(
         pl.col("gpu_hours").sum().alias("idle_gpu_hours"),
         pl.col("hours").max().alias("longest_episode_h"),
-        pl.col("uuid").n_unique().cast(pl.UInt32).alias("devices"))
+        pl.col("uuid").n_unique().cast(pl.UInt32).alias("devices"), *_latest(ABOUT, "last"))
+        .select(*POD, "idle_gpu_hours", "longest_episode_h", "devices")
         .sort(["idle_gpu_hours", "namespace", "pod"], descending=[True, False, False]))

@@ -50,7 +50,8 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
           geometries: Mapping[str, mig_geometry.Geometry] | None = None,
           step: Step | None = None, rows: weekly.Rows | None = None,
           policy: Policy | None = None, findings_dir: Path | None = None,
-          previous: dict[str, Any] | None = None) -> Report:
+          previous: dict[str, Any] | None = None, results_dir: Path | None = None
+          ) -> Report:
     """The report for ``week`` from the rollup store at ``directory``.
 
     ``queue`` is the week's queue events, or the folder of their store. ``step``
@@ -58,7 +59,9 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     rows in the week's files. ``policy`` is the live rules' policy (default: their
     defaults): queue SLOs and, unless ``settings`` set it, the idle threshold come
     from it. ``findings_dir`` is the findings store (who was told, who reclaimed;
-    None: not kept), ``previous`` last week's report JSON for the trends. Raises
+    None: not kept), ``results_dir`` the executor's audit records (whether a reclaim
+    was carried out; None: not kept), ``previous`` last week's report JSON for the trends.
+    Raises
     :class:`store.StoreError` for files another version wrote; days without files
     are listed in ``missing_days``.
     """
@@ -78,6 +81,7 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     # Another pass over the rows: the weekly fold's keys are team, day and workload.
     hours = activity.fold(directory, week.start, week.end, settings.idle_threshold_pct)
     found = findings.read(findings_dir, week.start, week.end)
+    decided = findings.read_results(results_dir, week.start)
     waits = waiting.waiting_table(queue, found, week.start, week.end)
     advance(STEPS[3])
     advice = recommend.recommend(tables.need, settings, geometries)
@@ -124,8 +128,10 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
         "queues": compute.records(queues),
         "waiting": compute.records(waits),
         "faults": compute.records(tables.faults),
-        "idle_holders": _idle_holders(hours.holders, found, findings_dir is not None,
-                                      settings.idle_holders_shown),
+        "idle_holders": _idle_holders(
+            hours.holders, found, findings_dir is not None,
+            findings.idle_reclaims(found, decided) if results_dir is not None else None,
+            settings.idle_holders_shown),
         "heatmap": compute.records(hours.heatmap),
         "findings": {
             "stored": findings_dir is not None,
@@ -168,28 +174,42 @@ def _best_saving(advice: list[recommend.Recommendation]) -> float:
 
 
 def _idle_holders(holders: pl.DataFrame, found: pl.DataFrame, stored: bool,
-                  shown: int) -> list[dict[str, Any]]:
-    """The top idle holders, each with what the idle rule did about it this week."""
-    top = holders.head(shown).join(findings.idle_ladder(found), on=["namespace", "pod"],
-                                   how="left")
+                  reclaims: pl.DataFrame | None, shown: int) -> list[dict[str, Any]]:
+    """The top idle holders, each with what the idle rule did about it this week and,
+    where the executor's results are kept (``reclaims``), what became of its reclaim."""
+    pods = ["namespace", "pod"]
+    outcomes = reclaims if reclaims is not None else pl.DataFrame(
+        schema={"namespace": pl.String, "pod": pl.String, "outcome": pl.String,
+                "detail": pl.String})
+    top = (holders.head(shown).join(findings.idle_ladder(found), on=pods, how="left")
+           .join(outcomes, on=pods, how="left"))
     out = []
     for row in top.iter_rows(named=True):
         owner = f"{row['owner_kind'] or 'Pod'}/{row['owner_name'] or row['pod']}"
         out.append({"namespace": row["namespace"], "pod": row["pod"], "owner": owner,
                     "team": row["team"], "idle_gpu_hours": row["idle_gpu_hours"],
                     "longest_episode_h": row["longest_episode_h"], "devices": row["devices"],
-                    "ladder_step": row["ladder_step"],
-                    "status": _status(row["ladder_step"], row["reclaim"], stored)})
+                    "ladder_step": row["ladder_step"], "reclaim_outcome": row["outcome"],
+                    "reclaim_detail": row["detail"],
+                    "status": _status(row["ladder_step"], row["reclaim"], stored,
+                                      row["outcome"], reclaims is not None)})
     return out
 
 
-def _status(step: int | None, reclaim: str | None, stored: bool) -> str:
-    """What the idle rule's ladder did: told, warned, reclaimed (or why not)."""
+def _status(step: int | None, reclaim: str | None, stored: bool, outcome: str | None,
+            results_stored: bool) -> str:
+    """What the idle rule's ladder did: told, warned, reclaim asked; and, from the
+    executor's results, whether the reclaim was carried out ("reclaimed") or not."""
     if not stored:
         return "unknown (no findings store)"
     if step is None:
         return "not told (no episode past the rule's window)"
-    if step >= 3:
-        return {"execute": "reclaim ordered", "dry_run": "reclaim asked (dry run)",
-                "refused": "reclaim refused (bare pod)"}.get(reclaim or "", "reclaim asked")
-    return "warned" if step == 2 else "told"
+    if step < 3:
+        return "warned" if step == 2 else "told"
+    if outcome is not None:
+        return {"executed": "reclaimed", "refused": "reclaim refused by the executor",
+                "failed": "reclaim failed", "dry_run": "reclaim asked (dry run)",
+                "skipped": "reclaim skipped (nothing left to reclaim)"}.get(outcome, outcome)
+    ordered = "reclaim ordered, no executor result" if results_stored else "reclaim ordered"
+    return {"execute": ordered, "dry_run": "reclaim asked (dry run)",
+            "refused": "reclaim refused (bare pod)"}.get(reclaim or "", "reclaim asked")

@@ -8,6 +8,12 @@ and each rule had. ``gpusteward sink findings`` writes every finding record
 same layout as the rollups (:mod:`gpusteward.reports.store`: a folder per
 day, atomic files, at-least-once, repeats dropped by name); this module
 flattens a finding into a row and reads the week back.
+
+A reclaim the idle rule asks for is only an order: the executor may carry it
+out, refuse it (a guard, a bare pod) or fail. ``gpusteward sink results``
+keeps the executor's audit records (``action-results.v1``) in a store of the
+same layout, so the report says "reclaimed" only for the reclaims the
+executor says it executed (:func:`idle_reclaims`).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import polars as pl
 
 from gpusteward.reports import store
 from gpusteward.rules import idle
-from gpusteward.schema import Finding
+from gpusteward.schema import ActionResult, Finding
 
 SCHEMA: dict[str, Any] = {
     "ts": pl.Float64, "id": pl.String, "fingerprint": pl.String, "kind": pl.String,
@@ -56,14 +62,57 @@ def frame(findings: Iterable[Finding]) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=SCHEMA)
 
 
+RESULT_SCHEMA: dict[str, Any] = {
+    "ts": pl.Float64, "idempotency_key": pl.String, "verb": pl.String, "outcome": pl.String,
+    "node": pl.String, "device": pl.String, "namespace": pl.String, "pod": pl.String,
+    "detail": pl.String, "actor": pl.String, "error": pl.String, "attempt": pl.Int32,
+}
+"""Column types of the action-result store: the executor's audit records, target flattened."""
+
+
+def result_frame(results: Iterable[ActionResult]) -> pl.DataFrame:
+    """The executor's audit records as rows of the action-result store."""
+    rows = []
+    for r in results:
+        pod = r.target.pod
+        rows.append({
+            "ts": r.ts, "idempotency_key": r.idempotency_key, "verb": r.verb,
+            "outcome": r.outcome, "node": r.target.node, "device": r.target.device,
+            "namespace": pod.namespace if pod else None, "pod": pod.name if pod else None,
+            "detail": r.detail, "actor": r.actor, "error": r.error, "attempt": r.attempt})
+    return pl.DataFrame(rows, schema=RESULT_SCHEMA)
+
+
 def read(directory: Path | None, start: float, end: float) -> pl.DataFrame:
     """The findings published in [start, end), each (id, state, ts) once."""
+    return _read(directory, start, end, SCHEMA, ["id", "state", "ts"])
+
+
+RESULTS_AFTER_S = 400 * 86400.0
+"""How long after a week its reclaims' results are looked for: longer than the audit
+topic's retention (365 days), so any result kept counts."""
+
+
+def read_results(directory: Path | None, start: float) -> pl.DataFrame:
+    """The executor's audit records from ``start`` on, each (key, outcome, attempt, ts) once.
+
+    Not cut at the week's end: a record is stamped when the executor decided, which
+    can be after the week whose finding ordered it (a reclaim ordered on Sunday night
+    and carried out on Monday, an executor down for a day); the records are matched
+    to the week's findings by key (:func:`idle_reclaims`).
+    """
+    return _read(directory, start, start + RESULTS_AFTER_S, RESULT_SCHEMA,
+                 ["idempotency_key", "outcome", "attempt", "ts"])
+
+
+def _read(directory: Path | None, start: float, end: float, schema: dict[str, Any],
+          name: list[str]) -> pl.DataFrame:
     paths = store.files(directory, start, end) if directory and directory.is_dir() else []
     if not paths:
-        return pl.DataFrame(schema=SCHEMA)
-    return (pl.scan_parquet(paths, schema=SCHEMA)
+        return pl.DataFrame(schema=schema)
+    return (pl.scan_parquet(paths, schema=schema)
             .filter((pl.col("ts") >= start) & (pl.col("ts") < end))
-            .unique(subset=["id", "state", "ts"], keep="any").collect())
+            .unique(subset=name, keep="any").collect())
 
 
 def idle_ladder(findings: pl.DataFrame) -> pl.DataFrame:
@@ -73,6 +122,27 @@ def idle_ladder(findings: pl.DataFrame) -> pl.DataFrame:
                 pl.col("ladder_step").max().alias("ladder_step"),
                 pl.col("reclaim").sort_by("ts").last().alias("reclaim"),
                 pl.col("id").n_unique().cast(pl.UInt32).alias("idle_findings")))
+
+
+def idle_reclaims(findings: pl.DataFrame, results: pl.DataFrame) -> pl.DataFrame:
+    """Per pod (namespace, pod): what the executor did with the idle rule's reclaims.
+
+    The rule's reclaim action is keyed ``<finding id>/requeue``
+    (:func:`gpusteward.rules.findings.action_for`), so the audit records of the pod's
+    idle episodes are found by key, not by a verb other rules use too. ``outcome``:
+    ``executed`` when any of them was carried out, else the latest final decision
+    (``refused``, ``failed``, ``dry_run``, ``skipped``); attempts being retried are not
+    decisions. ``detail``: that decision's reason.
+    """
+    keys = (findings.filter((pl.col("kind") == idle.KIND) & pl.col("pod").is_not_null())
+            .select("namespace", "pod", (pl.col("id") + "/requeue").alias("idempotency_key"))
+            .unique())
+    decided = results.filter(pl.col("outcome") != "retrying").select(
+        "idempotency_key", "ts", "outcome", "detail").join(keys, on="idempotency_key")
+    return decided.group_by("namespace", "pod").agg(
+        pl.when((pl.col("outcome") == "executed").any()).then(pl.lit("executed"))
+        .otherwise(pl.col("outcome").sort_by("ts").last()).alias("outcome"),
+        pl.col("detail").sort_by(pl.col("outcome") == "executed", "ts").last().alias("detail"))
 
 
 def episodes_by_kind(findings: pl.DataFrame) -> pl.DataFrame:

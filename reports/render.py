@@ -81,7 +81,7 @@ TEAM_COLUMNS = [("team", "team"), ("allocated_gpu_hours", "allocated GPU-h"),
                 ("allocated_cost_usd", "allocated cost $")]
 HOLDER_COLUMNS = [("pod", "pod"), ("owner", "owner"), ("team", "team"),
                   ("idle_gpu_hours", "idle GPU-h"), ("longest_episode_h", "longest idle h"),
-                  ("devices", "GPUs"), ("status", "idle rule did")]
+                  ("devices", "GPUs"), ("status", "what was done")]
 ACTION_COLUMNS = [("workload", "workload"), ("kind", "advice"), ("current", "now"),
                   ("recommended", "recommended"), ("saving_usd", "saving $/week"),
                   ("others", "also possible"), ("reason", "why")]
@@ -236,7 +236,8 @@ def html_idle_holders(data: Data, figures: dict[str, str]) -> str:
     threshold = data["settings"]["idle_threshold_pct"]
     return (f"<h2>Who held GPUs idle</h2><p>Pods with the most GPU-hours below "
             f"{threshold:g}% peak activity; the longest unbroken idle run on one GPU; what the "
-            "live idle rule did about it this week.</p>"
+            "live idle rule did about it this week and, for a reclaim, what the executor "
+            "did (reclaimed only when it carried it out).</p>"
             + _html_table(data["idle_holders"], HOLDER_COLUMNS))
 
 

@@ -61,6 +61,10 @@ class ReportSettings(BaseSettings):
     findings_dir: Path = Field(
         Path("findings"),
         description="Folder of the findings store (same layout): who was told, who reclaimed.")
+    results_dir: Path = Field(
+        Path("action-results"),
+        description="Folder of the action-result store (same layout): the executor's audit "
+        "records, which say whether a reclaim the idle rule asked for was carried out.")
     archive_dir: Path | None = Field(
         None, description="Folder that keeps every week's report (HTML, Markdown, JSON, "
         "mig-parted YAML) in a sub-folder named by ISO week; the previous week's JSON there "

@@ -2,7 +2,9 @@
 
 The same sink, given the queue topic, keeps the queue events the report's
 wait-time section reads (:func:`queue_sink`); given the findings topic, the
-findings its idle-holder and findings sections read (:func:`findings_sink`).
+findings its idle-holder and findings sections read (:func:`findings_sink`); given
+the executor's audit topic, the results that say whether a reclaim was carried
+out (:func:`results_sink`).
 
 Rows are buffered and written as one file per day folder when the buffer
 holds ``flush_rows`` rows, when ``flush_interval_s`` has passed, and on
@@ -38,7 +40,7 @@ from gpusteward.metrics import PipelineMetrics, observe_lag, serve
 from gpusteward.reports import compute, findings, store
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry as mig_geometry
-from gpusteward.schema import Finding, QueueEvent, Rollup
+from gpusteward.schema import ActionResult, Finding, QueueEvent, Rollup
 from gpusteward.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -223,3 +225,18 @@ def findings_sink(settings: Settings, report: ReportSettings | None = None,
                       group_id=f"{settings.topic_prefix}-findings-sink", spec=topics.FINDINGS,
                       payload=Finding, to_frame=findings.frame, schema=findings.SCHEMA,
                       name=lambda f: (f.id, f.state, f.ts))
+
+
+def results_sink(settings: Settings, report: ReportSettings | None = None,
+                 directory: Path | None = None) -> RollupSink:
+    """A sink of the executor's audit topic into the action-result store.
+
+    Every decision and every retried attempt is a record of its action's idempotency
+    key, so (key, outcome, attempt, ts) names one record.
+    """
+    report = report or ReportSettings()
+    return RollupSink(settings, report, directory=directory or report.results_dir,
+                      group_id=f"{settings.topic_prefix}-results-sink",
+                      spec=topics.ACTION_RESULTS, payload=ActionResult,
+                      to_frame=findings.result_frame, schema=findings.RESULT_SCHEMA,
+                      name=lambda r: (r.idempotency_key, r.outcome, r.attempt, r.ts))

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import signal
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -233,17 +234,27 @@ def _expected_idle_pods(truth: GroundTruth, window_s: float = 1800, grace_s: flo
     return found
 
 
+def local_for(settings: Settings, log_dir: Path, extra_env: Mapping[str, str] | None = None
+              ) -> deployment.Local:
+    """What differs here for the overlay's processes: the broker, the prefix, the API double's
+    kubeconfig and the folder standing for their volumes (a later process started with
+    the same, e.g. the report job, reads the stores the run's sinks wrote)."""
+    return deployment.Local(settings.kafka.bootstrap_servers, log_dir,
+                            topic_prefix=settings.topic_prefix,
+                            kubeconfig=log_dir / "kubeconfig", extra_env=dict(extra_env or {}))
+
+
 async def _run(settings: Settings, cluster: SimulatedCluster, console: Console,
-               live_view: bool, log_dir: Path) -> tuple[GroundTruth, DemoState]:
+               live_view: bool, log_dir: Path, components: Sequence[str] = tuple(DEPLOYED),
+               extra_env: Mapping[str, str] | None = None) -> tuple[GroundTruth, DemoState]:
     """The deployed processes against the world until the scenario ends and all is drained.
 
     ``settings`` says where the broker is and which topic prefix to use; everything
-    else the processes read comes from the overlay.
+    else the processes read comes from the overlay. ``components`` are the overlay's
+    components started (a test adds the sinks), ``extra_env`` what they get besides.
     """
     manifests = deployment.Manifests.from_overlay(overlay_path())
-    local = deployment.Local(settings.kafka.bootstrap_servers, log_dir,
-                             topic_prefix=settings.topic_prefix,
-                             kubeconfig=log_dir / "kubeconfig")
+    local = local_for(settings, log_dir, extra_env)
     settings = manifests.launch("collector", local).settings()
     await kafka.ensure_topics(settings)
     state = DemoState()
@@ -263,7 +274,7 @@ async def _run(settings: Settings, cluster: SimulatedCluster, console: Console,
     try:
         world = World(cluster, publisher, log_dir)
         # started before the world's gRPC servers and clients run: nothing to fork but us
-        processes = list(deployment.start(manifests, DEPLOYED, local))
+        processes = list(deployment.start(manifests, list(components), local))
         async with world:
             with live:
                 truth = await cluster.run(world)

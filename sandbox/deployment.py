@@ -373,6 +373,7 @@ CONSUMERS: dict[str, tuple[str, topics.TopicSpec]] = {
     "rollup-sink": ("rollup-sink", topics.ROLLUPS),
     "queue-sink": ("queue-sink", topics.QUEUE),
     "findings-sink": ("findings-sink", topics.FINDINGS),
+    "results-sink": ("results-sink", topics.ACTION_RESULTS),
 }
 """A deployed consumer's component -> its consumer group's suffix and the topic it reads."""
 

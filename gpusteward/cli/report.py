@@ -16,7 +16,7 @@ import typer
 
 from gpusteward.cli.common import Bootstrap, configure_logging, ensure_topics, kafka_settings
 
-SINKS = ("rollups", "queue", "findings")
+SINKS = ("rollups", "queue", "findings", "results")
 
 
 def report(
@@ -70,10 +70,12 @@ def report(
 
         queue_dir = queue or settings.queue_dir
         findings_dir = settings.findings_dir if settings.findings_dir.is_dir() else None
+        results_dir = settings.results_dir if settings.results_dir.is_dir() else None
         try:
             result = build.build(directory, chosen, settings,
                                  queue=queue_dir if queue_dir.is_dir() else None, step=step,
                                  rows=rows, policy=policy, findings_dir=findings_dir,
+                                 results_dir=results_dir,
                                  previous=archive.previous(settings.archive_dir, chosen))
         except store.StoreError as error:
             console.print(f"[red]{error}[/]")
@@ -106,12 +108,13 @@ def report(
 def sink(
     topic: Annotated[str, typer.Argument(
         help="rollups (gpusteward.rollups.v1 into the rollup store), queue "
-             "(gpusteward.queue.v1 into the queue-event store) or findings "
-             "(gpusteward.findings.v1 into the findings store).")],
+             "(gpusteward.queue.v1 into the queue-event store), findings "
+             "(gpusteward.findings.v1 into the findings store) or results "
+             "(gpusteward.action-results.v1 into the action-result store).")],
     bootstrap: Bootstrap = None,
     directory: Annotated[Path | None, typer.Option(
-        "--dir", help="Store folder (default: GPUSTEWARD_REPORT__ROLLUP_DIR or "
-                      "GPUSTEWARD_REPORT__QUEUE_DIR).")] = None,
+        "--dir", help="Store folder (default: GPUSTEWARD_REPORT__ROLLUP_DIR, _QUEUE_DIR, "
+                      "_FINDINGS_DIR or _RESULTS_DIR).")] = None,
     loglevel: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run a sink: a topic into its Parquet store, until SIGTERM or Ctrl-C (then flush)."""
@@ -130,7 +133,7 @@ def sink(
         # Its idle GPU-seconds metric counts the minutes the idle rule and the report count.
         report = live_policy.aligned(report, policy_from_env())
     make = {"rollups": sinks.rollup_sink, "queue": sinks.queue_sink,
-            "findings": sinks.findings_sink}[topic]
+            "findings": sinks.findings_sink, "results": sinks.results_sink}[topic]
     running = make(settings, report, directory)
 
     async def main() -> None:

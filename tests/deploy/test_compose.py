@@ -94,7 +94,8 @@ def test_services_and_profiles(compose):
     assert services["rollup-sink"]["command"] == ["sink", "rollups"]
     assert services["queue-sink"]["command"] == ["sink", "queue"]
     assert services["findings-sink"]["command"] == ["sink", "findings"]
-    assert {"rollup-sink", "queue-sink", "findings-sink"} <= default
+    assert services["results-sink"]["command"] == ["sink", "results"]
+    assert {"rollup-sink", "queue-sink", "findings-sink", "results-sink"} <= default
     assert services["report"]["profiles"] == ["report"]
     for name, service in services.items():
         for dependency in service.get("depends_on", {}):
@@ -162,14 +163,16 @@ def test_sinks_write_the_store_the_report_reads(compose):
         service = services[name]
         env = service["environment"]
         folders = {k: env[k] for k in ("GPUSTEWARD_REPORT__ROLLUP_DIR",
-                                       "GPUSTEWARD_REPORT__QUEUE_DIR")}
+                                       "GPUSTEWARD_REPORT__QUEUE_DIR",
+                                       "GPUSTEWARD_REPORT__FINDINGS_DIR",
+                                       "GPUSTEWARD_REPORT__RESULTS_DIR")}
         (volume,) = [v.split(":")[0] for v in service["volumes"]
                      if all(f.startswith(v.split(":")[1] + "/") for f in folders.values())]
         assert volume in compose["volumes"], f"{name}: {volume} is not a named volume"
         return volume, folders
 
     assert store("rollup-sink") == store("queue-sink") == store("findings-sink") \
-        == store("report")
+        == store("results-sink") == store("report")
     # The report reads the worker's policy (queue SLOs, idle threshold) where it points.
     for reader in ("report", "rollup-sink"):
         policy = services[reader]["environment"]["GPUSTEWARD_POLICY_FILE"]

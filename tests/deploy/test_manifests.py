@@ -131,7 +131,7 @@ def test_every_gpusteward_workload_exists(rendered):
         "collector": "DaemonSet", "watcher": "Deployment", "worker": "StatefulSet",
         "alerts": "Deployment", "remediation": "Deployment", "report": "CronJob",
         "rollup-sink": "Deployment", "queue-sink": "Deployment",
-        "findings-sink": "Deployment",
+        "findings-sink": "Deployment", "results-sink": "Deployment",
     }
     assert {k: components.get(k) for k in expected} == expected
 
@@ -299,7 +299,9 @@ def _store_paths(rendered, workload, container) -> tuple[str, dict[str, str]]:
     """The PVC that holds a container's rollup and queue stores, and the two folders."""
     env = _env(rendered, workload, container)
     folders = {"rollups": env["GPUSTEWARD_REPORT__ROLLUP_DIR"],
-               "queue": env["GPUSTEWARD_REPORT__QUEUE_DIR"]}
+               "queue": env["GPUSTEWARD_REPORT__QUEUE_DIR"],
+               "findings": env["GPUSTEWARD_REPORT__FINDINGS_DIR"],
+               "results": env["GPUSTEWARD_REPORT__RESULTS_DIR"]}
     claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
               for v in pod_spec(workload)["volumes"] if "persistentVolumeClaim" in v}
     (mount,) = [m for m in container["volumeMounts"]
@@ -316,7 +318,7 @@ def test_sinks_write_the_store_the_report_reads(rendered):
         m["mountPath"] + "/")]
     assert reading.get("readOnly") is True
     sinks = {"rollup-sink": ["sink", "rollups"], "queue-sink": ["sink", "queue"],
-             "findings-sink": ["sink", "findings"]}
+             "findings-sink": ["sink", "findings"], "results-sink": ["sink", "results"]}
     for component, args in sinks.items():
         sink = rendered.component(component)
         (container,) = pod_spec(sink)["containers"]
@@ -332,7 +334,7 @@ def test_sinks_write_the_store_the_report_reads(rendered):
     assert volume["spec"]["accessModes"] == ["ReadWriteOnce"]
     writer = rendered.component("rollup-sink")["spec"]["selector"]["matchLabels"]
     for other in (report, rendered.component("queue-sink"),
-                  rendered.component("findings-sink")):
+                  rendered.component("findings-sink"), rendered.component("results-sink")):
         (term,) = pod_spec(other)["affinity"]["podAffinity"][
             "requiredDuringSchedulingIgnoredDuringExecution"]
         assert term["labelSelector"]["matchLabels"].items() <= writer.items()

@@ -37,17 +37,18 @@ from gpusteward.reports import compute
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.sandbox import deployment
 from gpusteward.sandbox.simulator import scenario as scenarios
-from gpusteward.sandbox.simulator.engine import GroundTruth, PodRecord, SimulatedCluster
+from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
 from gpusteward.sandbox.world import World
 from gpusteward.schema import Action, ActionResult, Finding, NodeSample
+from tests.e2e import readings
 from tests.e2e.test_faulty_fleet import _expected, _key
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAY = REPO / "deploy" / "overlays" / "local"
-PROCESSES = ["worker", "alerts", "remediation", "rollup-sink", "findings-sink"]
-ROLLUP_LATENESS_S = 60.0  # the worker's default
+PROCESSES = ["worker", "alerts", "remediation", "rollup-sink", "findings-sink",
+             "results-sink"]
 
 
 @dataclass
@@ -154,33 +155,13 @@ def test_the_deployed_alert_sink_printed_every_firing_finding(run: Run) -> None:
 def _hours_by_team(run: Run) -> dict[str, dict[str, float]]:
     """Per team (namespace: the scenario labels no team), allocated, used and idle GPU-hours
     from what the GPUs read and whom the simulator placed on them, over the minutes the
-    worker could close (a minute closes one lateness after its end)."""
-    holders: dict[str, list[PodRecord]] = {}
-    for pod in run.truth.pods:
-        for uuid in pod.devices:
-            holders.setdefault(uuid, []).append(pod)
-    last: dict[str, float] = {}
-    for sample in run.samples:
-        last[sample.node] = max(last.get(sample.node, sample.ts), sample.ts)
-    minutes: dict[tuple[str, float], tuple[list[float], str | None]] = {}
-    for sample in run.samples:
-        minute = sample.ts - sample.ts % 60
-        if minute + 60 + ROLLUP_LATENESS_S > last[sample.node]:
-            continue
-        for device in sample.devices:
-            utils, team = minutes.get((device.uuid, minute), ([], None))
-            assert device.util_pct is not None
-            utils.append(device.util_pct)
-            for pod in holders.get(device.uuid, []):
-                if pod.started_at <= sample.ts and (pod.ended_at is None
-                                                    or sample.ts < pod.ended_at):
-                    team = pod.namespace
-            minutes[(device.uuid, minute)] = (utils, team)
+    worker could close."""
     threshold = ReportSettings().idle_threshold_pct
     out: dict[str, dict[str, float]] = {}
-    for utils, team in minutes.values():
-        if team is not None:
-            hours = out.setdefault(team, {"allocated": 0.0, "used": 0.0, "idle": 0.0})
+    for utils, holder in readings.held_minutes(run.truth, run.samples).values():
+        if holder is not None:
+            hours = out.setdefault(holder.namespace,
+                                   {"allocated": 0.0, "used": 0.0, "idle": 0.0})
             hours["allocated"] += 1 / 60
             hours["used"] += sum(utils) / len(utils) / 100 / 60
             hours["idle"] += 1 / 60 if max(utils) < threshold else 0.0
@@ -213,6 +194,7 @@ def test_every_deployed_process_serves_its_metrics(run: Run) -> None:
                                             and r.outcome == "executed")
     assert total("alerts", "gpusteward_records_in_total") == len(run.findings)
     assert total("findings-sink", "gpusteward_records_in_total") == len(run.findings)
+    assert total("results-sink", "gpusteward_records_in_total") == len(run.results)
 
 
 def test_the_report_counts_the_findings_the_deployed_sink_kept(run: Run) -> None:

@@ -11,9 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from gpusteward.reports import archive, build, compute, findings, render, store
+from gpusteward.reports import activity, archive, build, compute, findings, render, store
 from gpusteward.reports.settings import ReportSettings
-from gpusteward.schema import Evidence, Finding, PodRef, Rollup, Subject
+from gpusteward.schema import (
+    ActionResult,
+    Evidence,
+    Finding,
+    Outcome,
+    PodRef,
+    Rollup,
+    Subject,
+)
 
 WEEK = compute.parse_week("2026-W47")
 BEFORE = archive.previous_week(WEEK)
@@ -80,6 +88,71 @@ def test_idle_holders_named_in_order_with_what_the_rule_did(
     assert (alice["status"], bob["status"]) == ("reclaim ordered", "told")
     assert carol["status"].startswith("not told")
     assert bob["longest_episode_h"] == pytest.approx(3.0)
+
+
+def test_a_pod_whose_owner_is_learned_late_is_one_holder(tmp_path: Path) -> None:
+    """The kubelet names a pod before the watcher's allocation brings its owner and team:
+    its first minutes carry none. It is still one holder, with one unbroken episode, under
+    the owner and team known last."""
+    rows = _held(WEEK.start, "nb-dan-0", "vision", 2, 0.0, 0)
+    early = [Rollup(**{**{f: getattr(r, f) for f in r.__struct_fields__},
+                       "owner_kind": None, "owner_name": None, "team": None})
+             for r in rows[:50]]
+    store.write(tmp_path, store.frame(early + rows[50:]))
+    (holder,) = activity.fold(tmp_path, WEEK.start, WEEK.end, 5.0).holders.iter_rows(
+        named=True)
+    assert (holder["pod"], holder["owner_kind"], holder["owner_name"], holder["team"]) == (
+        "nb-dan-0", "Notebook", "nb-dan", "vision")
+    assert holder["idle_gpu_hours"] == pytest.approx(2.0)
+    assert holder["longest_episode_h"] == pytest.approx(2.0)
+
+
+def _result(pod: str, key: str, outcome: Outcome, ts: float, attempt: int = 1) -> ActionResult:
+    return ActionResult(idempotency_key=key, verb="requeue",
+                        target=Subject(pod=PodRef(namespace="vision", name=pod)),
+                        outcome=outcome, detail=f"{outcome} {pod}",
+                        actor="executor", ts=ts, attempt=attempt)
+
+
+def test_reclaimed_only_when_the_executor_says_executed(
+        weeks: tuple[build.Report, build.Report, Path]) -> None:
+    """With the executor's results kept, the rule's order becomes what was done."""
+    root = weeks[2].parent
+    t = WEEK.start + 22 * HOUR
+    results = root / "results-executed"
+    # Alice's reclaim met a 503, then went through after the week's end (it is still
+    # this week's reclaim); a requeue another rule asked for bob's pod is not the idle
+    # rule's reclaim and changes nothing.
+    store.write(results, findings.result_frame([
+        _result("nb-alice-0", "idle-nb-alice-0/requeue", "retrying", t),
+        _result("nb-alice-0", "idle-nb-alice-0/requeue", "executed", WEEK.end + 600,
+                attempt=2),
+        _result("nb-bob-0", "other-rule/requeue", "executed", t)]), findings.RESULT_SCHEMA)
+    report = build.build(root / "rollups", WEEK, ReportSettings(),
+                         findings_dir=root / "findings", results_dir=results)
+    alice, bob, carol = report.data["idle_holders"]
+    assert (alice["status"], alice["reclaim_outcome"]) == ("reclaimed", "executed")
+    assert alice["reclaim_detail"] == "executed nb-alice-0"
+    assert (bob["status"], bob["reclaim_outcome"]) == ("told", None)
+    assert carol["status"].startswith("not told")
+    (row,) = [r for r in render.markdown(report).splitlines() if "| nb-alice-0 |" in r]
+    assert row.endswith("| reclaimed |")
+
+    expected: list[tuple[Outcome, str]] = [
+        ("refused", "reclaim refused by the executor"), ("failed", "reclaim failed"),
+        ("dry_run", "reclaim asked (dry run)")]
+    for outcome, status in expected:
+        folder = root / f"results-{outcome}"
+        store.write(folder, findings.result_frame([
+            _result("nb-alice-0", "idle-nb-alice-0/requeue", outcome, t)]),
+            findings.RESULT_SCHEMA)
+        again = build.build(root / "rollups", WEEK, ReportSettings(),
+                            findings_dir=root / "findings", results_dir=folder)
+        assert again.data["idle_holders"][0]["status"] == status
+    # Results kept, none for this reclaim: ordered, not claimed to be done.
+    none = build.build(root / "rollups", WEEK, ReportSettings(),
+                       findings_dir=root / "findings", results_dir=root / "results-none")
+    assert none.data["idle_holders"][0]["status"] == "reclaim ordered, no executor result"
 
 
 def test_trends_show_the_injected_change(weeks: tuple[build.Report, build.Report, Path]

@@ -13,8 +13,17 @@ from aiokafka import ConsumerRecord
 from gpusteward import kafka, topics
 from gpusteward.reports import findings, store
 from gpusteward.reports.settings import ReportSettings
-from gpusteward.reports.sink import RollupSink, findings_sink, rollup_sink
-from gpusteward.schema import DeadLetter, Evidence, Finding, PodRef, Rollup, Subject
+from gpusteward.reports.sink import RollupSink, findings_sink, results_sink, rollup_sink
+from gpusteward.schema import (
+    ActionResult,
+    DeadLetter,
+    Evidence,
+    Finding,
+    Outcome,
+    PodRef,
+    Rollup,
+    Subject,
+)
 from gpusteward.settings import Settings
 
 T0 = 1_763_337_600.0
@@ -163,3 +172,47 @@ def test_each_write_applies_the_retention_in_days(tmp_path: Path) -> None:
     asyncio.run(sink._flush())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["day=2025-11-19", "day=2025-11-20"]
     assert sink.rows_written == 4
+
+
+@pytest.mark.e2e
+def test_results_sink_keeps_each_decision_once(settings: Settings, tmp_path: Path) -> None:
+    """The executor's audit records, a retried attempt and a redelivery among them, land in
+    the action-result store once each, and say the idle reclaim was executed."""
+    report = ReportSettings(flush_rows=1000, flush_interval_s=0.3)
+    target = Subject(node="n0", pod=PodRef(namespace="ml", name="nb-0"))
+    tries: list[tuple[int, Outcome]] = [(1, "retrying"), (2, "executed")]
+    records = [ActionResult(idempotency_key="idle-1/requeue", verb="requeue", target=target,
+                            outcome=outcome, detail=outcome, actor="executor",
+                            ts=T0 + attempt, attempt=attempt) for attempt, outcome in tries]
+
+    async def main() -> RollupSink:
+        await kafka.ensure_topics(settings)
+        producer = kafka.producer(settings)
+        await producer.start()
+        for record in [*records, records[1]]:
+            await producer.send(topics.ACTION_RESULTS.name(settings),
+                                msgspec.json.encode(record), key=b"idle-1/requeue")
+        await producer.flush()
+        await producer.stop()
+        sink = results_sink(settings, report, directory=tmp_path)
+        stop = asyncio.Event()
+        task = asyncio.create_task(sink.run(stop))
+        for _ in range(300):
+            if sink.rows_written + sink.duplicates >= 3:
+                break
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        return sink
+
+    sink = asyncio.run(main())
+    assert (sink.rows_written, sink.duplicates) == (2, 1)
+    stored = findings.read_results(tmp_path, T0).sort("ts")
+    assert stored["outcome"].to_list() == ["retrying", "executed"]
+    assert stored["pod"].to_list() == ["nb-0"] * 2
+    idle = findings.frame([Finding(
+        id="idle-1", fingerprint="fp", kind="idle_holder", severity="warning", state="firing",
+        subject=target, summary="reclaiming it", starts_at=T0 - 3600, ts=T0,
+        labels={"reclaim": "execute"})])
+    (reclaim,) = findings.idle_reclaims(idle, stored).iter_rows(named=True)
+    assert (reclaim["pod"], reclaim["outcome"]) == ("nb-0", "executed")
