@@ -1,8 +1,8 @@
-"""Who held GPUs idle, and when each team works: one extra pass over the week's rollups.
+"""Who held GPUs idle, and when each team works, from the week's rollups.
 
 The weekly fold (:mod:`gpusteward.reports.weekly`) sums by team, day and
 workload; two questions a team lead asks need other keys, so they are folded
-here, a slice at a time like the weekly fold (bounded memory), from the same
+here, from the same slices as the weekly fold (bounded memory), the same
 rows and the same definitions (:func:`gpusteward.reports.compute.prepare`'s
 idle test: peak activity below the threshold; GPU-hours weighed by
 ``gpu_fraction``):
@@ -45,33 +45,57 @@ class Activity:
     utilisation_pct."""
 
 
-def fold(directory: Path, start: float, end: float, idle_threshold_pct: float) -> Activity:
-    """Idle holders and the team heatmap of [start, end) in the store at ``directory``."""
-    runs: list[pl.DataFrame] = []
-    hours: list[pl.DataFrame] = []
-    for rows in store.slices(directory, start, end, COLUMNS):
-        rows = rows.filter(pl.col("pod").is_not_null()).with_columns(
+class ActivityFold:
+    """Folds slices of the week's rows (as :func:`store.slices` yields them, with at least
+    :data:`COLUMNS`) into idle-holder runs and heatmap hours.
+
+    The weekly fold reads the store once and hands each slice to this fold too
+    (:func:`gpusteward.reports.weekly.fold_week`'s ``also``): a second pass over
+    100 M rows would cost as much again as the first.
+    """
+
+    columns = COLUMNS
+
+    def __init__(self, idle_threshold_pct: float) -> None:
+        self.idle_threshold_pct = idle_threshold_pct
+        self.runs: list[pl.DataFrame] = []
+        self.hours: list[pl.DataFrame] = []
+
+    def add(self, rows: pl.DataFrame) -> None:
+        rows = rows.select("ts", "uuid", *COLUMNS).filter(pl.col("pod").is_not_null()
+                                                         ).with_columns(
             pl.coalesce("team", "namespace", pl.lit("unattributed")).alias("team"),
             (pl.col("gpu_fraction").cast(pl.Float64) / 60).alias("gpu_hours"),
-            (pl.col("util_max").fill_null(0) < idle_threshold_pct).alias("idle"))
+            (pl.col("util_max").fill_null(0) < self.idle_threshold_pct).alias("idle"))
         if rows.is_empty():
-            continue
+            return
         stamp = (pl.col("ts") * 1000).cast(pl.Int64).cast(pl.Datetime("ms", "UTC"))
-        hours.append(rows.group_by(
+        self.hours.append(rows.group_by(
             "team", stamp.dt.weekday().alias("weekday"), stamp.dt.hour().alias("hour")).agg(
             pl.col("gpu_hours").sum().alias("allocated_gpu_hours"),
             (pl.col("gpu_hours") * pl.col("util_mean").fill_null(0) / 100).sum()
             .alias("used_gpu_hours")))
-        runs.append(_runs(rows.filter("idle")))
-    heatmap_schema = {"team": pl.String, "weekday": pl.Int8, "hour": pl.Int8,
-                      "allocated_gpu_hours": pl.Float64, "used_gpu_hours": pl.Float64}
-    heatmap = (pl.concat(hours).cast(heatmap_schema)  # type: ignore[arg-type]
-               if hours else pl.DataFrame(schema=heatmap_schema))
-    heatmap = heatmap.group_by("team", "weekday", "hour").agg(
-        pl.col("allocated_gpu_hours", "used_gpu_hours").sum()).with_columns(
-        (100 * pl.col("used_gpu_hours") / pl.col("allocated_gpu_hours")).alias(
-            "utilisation_pct")).sort("team", "weekday", "hour")
-    return Activity(holders=_holders(runs), heatmap=heatmap)
+        self.runs.append(_runs(rows.filter("idle")))
+
+    def finish(self) -> Activity:
+        heatmap_schema = {"team": pl.String, "weekday": pl.Int8, "hour": pl.Int8,
+                          "allocated_gpu_hours": pl.Float64, "used_gpu_hours": pl.Float64}
+        heatmap = (pl.concat(self.hours).cast(heatmap_schema)  # type: ignore[arg-type]
+                   if self.hours else pl.DataFrame(schema=heatmap_schema))
+        heatmap = heatmap.group_by("team", "weekday", "hour").agg(
+            pl.col("allocated_gpu_hours", "used_gpu_hours").sum()).with_columns(
+            (100 * pl.col("used_gpu_hours") / pl.col("allocated_gpu_hours")).alias(
+                "utilisation_pct")).sort("team", "weekday", "hour")
+        return Activity(holders=_holders(self.runs), heatmap=heatmap)
+
+
+def fold(directory: Path, start: float, end: float, idle_threshold_pct: float) -> Activity:
+    """Idle holders and the team heatmap of [start, end) in the store at ``directory``
+    (a pass of its own; the report folds them in the weekly fold's pass)."""
+    activity = ActivityFold(idle_threshold_pct)
+    for rows in store.slices(directory, start, end, COLUMNS):
+        activity.add(rows)
+    return activity.finish()
 
 
 RUN_SCHEMA = {"uuid": pl.String, **dict.fromkeys(POD, pl.String), "first": pl.Float64,

@@ -71,15 +71,17 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     advance = step or (lambda _name: None)
     advance(STEPS[0])
     missing = store.missing_days(directory, week.start, week.end)
-    tables = weekly.fold_week(directory, week.start, week.end, settings, geometries, rows)
+    holders = activity.ActivityFold(settings.idle_threshold_pct)
+    tables = weekly.fold_week(directory, week.start, week.end, settings, geometries, rows,
+                              also=[holders])
     advance(STEPS[1])
     if isinstance(queue, Path):
         queue = store.scan_queue(queue, week.start, week.end)
     slos = live_policy.queue_slos(policy)
     queues = compute.queue_table(queue, slos)
     advance(STEPS[2])
-    # Another pass over the rows: the weekly fold's keys are team, day and workload.
-    hours = activity.fold(directory, week.start, week.end, settings.idle_threshold_pct)
+    # Folded in the same pass, with keys of their own (pod; team, weekday and hour).
+    hours = holders.finish()
     found = findings.read(findings_dir, week.start, week.end)
     decided = findings.read_results(results_dir, week.start)
     waits = waiting.waiting_table(queue, found, week.start, week.end)

@@ -35,12 +35,13 @@ WORKLOAD = ["team", "namespace", "owner_kind", "owner_name"]
 COLUMNS = ["ts", "node", "index", "uuid", "model", "kind", "parent_uuid", "mig_profile",
            "gpu_fraction", "util_mean", "util_max", "mem_used_max", "mem_total_bytes",
            "throttled_samples", "ecc_dbe_new", "xid_count", "namespace", "owner_kind",
-           "owner_name", "team"]
-"""The store columns the report reads as they are."""
+           "owner_name", "team", "pod"]
+"""The store columns the report reads as they are. ``pod`` is needed although the tables
+group by workload: a shared GPU has a row per holding pod, and the rows are named (and
+redelivered copies dropped) by device, minute and pod (:data:`store.ROW_NAME`)."""
 
 ALLOCATED = pl.col("pod").is_not_null().alias("allocated")
-"""A device-minute is allocated when a pod held it. Read as this flag in the scan: the pod
-names themselves (one per pod, hundreds of thousands a week) cost a third of the read."""
+"""A device-minute is allocated when a pod held it."""
 
 READ: list[str | pl.Expr] = [*COLUMNS, ALLOCATED]
 """What the report reads from the store: :func:`prepare`'s input."""

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import polars as pl
 
@@ -326,17 +326,32 @@ def _fragmentation_part(frame: pl.LazyFrame, shape_gpus: int) -> pl.LazyFrame:
                               pl.len().cast(pl.Int64).alias("minutes")))
 
 
+class SliceFold(Protocol):
+    """Another fold fed the same slices (the report reads the store once)."""
+
+    columns: list[str]
+    """The store columns it needs beside ``ts`` and ``uuid``."""
+
+    def add(self, rows: pl.DataFrame) -> None: ...
+
+
 def fold_week(directory: Path, start: float, end: float, settings: ReportSettings,
               geometries: Mapping[str, mig_geometry.Geometry],
-              rows: Rows | None = None) -> WeekTables:
-    """Read the week's rollups from the store slice by slice and fold them."""
+              rows: Rows | None = None, also: Sequence[SliceFold] = ()) -> WeekTables:
+    """Read the week's rollups from the store slice by slice and fold them (and hand
+    each slice to the folds in ``also``)."""
+    read_names = {c for c in READ if isinstance(c, str)}
+    columns = [*READ, *dict.fromkeys(c for f in also for c in f.columns
+                                     if c not in read_names)]
     total = store.count_rows(directory, start, end)
     spill = Path(tempfile.mkdtemp(prefix="gpusteward-report-"))
     try:
         fold = WeekFold(settings, geometries, splits=-(-total // SPLIT_ROWS), spill=spill)
         read = 0
-        for part in _ahead(store.slices(directory, start, end, READ, SLICE_ROWS)):
+        for part in _ahead(store.slices(directory, start, end, columns, SLICE_ROWS)):
             fold.add(part)
+            for other in also:
+                other.add(part)
             read += part.height
             if rows is not None:
                 rows(read, total)

@@ -117,3 +117,18 @@ def test_the_report_credits_each_holder_its_share_and_counts_physical_gpus(
     assert totals["allocated_gpu_hours"] == pytest.approx(2 * hours)
     assert (totals["devices"], totals["gpus"], totals["nodes"]) == (2, 2, 1)
     assert "- GPUs seen: 2 (2 devices" in render.markdown(report)
+
+
+def test_holders_in_one_namespace_are_each_counted(tmp_path: Path) -> None:
+    """Two pods of one namespace time-slicing a GPU: two rows per minute, both counted
+    (rows are named by device, minute and pod; by namespace alone they were one)."""
+    rows = [Rollup(ts=T0 + 60 * minute, node="ts-1", uuid="GPU-L4", model="NVIDIA L4",
+                   samples=60, gpu_fraction=0.5, util_mean=40.0, util_max=50.0,
+                   namespace="ml", pod=pod, owner_kind="Notebook", owner_name=pod, team="ml")
+            for minute in range(120) for pod in ("nb-a", "nb-b")]
+    store.write(tmp_path, store.frame(rows))
+    report = build.build(tmp_path, WEEK, ReportSettings())
+    assert report.data["totals"]["allocated_gpu_hours"] == pytest.approx(2.0)
+    assert report.data["totals"]["gpus"] == 1
+    per_workload = {w["owner_name"]: w for w in report.data["workloads"]}
+    assert set(per_workload) == {"nb-a", "nb-b"}
