@@ -284,8 +284,11 @@ class HwTrack(msgspec.Struct, omit_defaults=True):
 
     def unhealthy(self) -> bool:
         """True while an episode that takes the GPU out of service is open."""
+        # ``bool(open) and``: no generator for the empty map of almost every GPU (every node
+        # summary asks every GPU).
         return (self.remap_failure is not None or self.lost is not None
-                or self.recovery is not None or any(c != "restart_app" for c in self.xid.open))
+                or self.recovery is not None
+                or (bool(self.xid.open) and any(c != "restart_app" for c in self.xid.open)))
 
 
 Out = list[Finding | Action]
@@ -535,16 +538,12 @@ def _on_remap_failure(track: HwTrack, event: HwEvent, uuid: str,
                                        settings=settings)
 
 
-def _unhealthy(track: HwTrack) -> bool:
-    return track.unhealthy()
-
-
 RUNNER = DeviceRunner(
     state="hw", state_type=HwTrack, settings_from=HardwareSettings.from_rules,
     on_sample=observe_sample, gpu_only=True,
     events={"xid": _on_xid, "gpu_lost": _on_lost, "remap_failure": _on_remap_failure},
     # A GPU lost before the collector could read its UUID is still a node problem.
-    events_without_uuid=frozenset({"gpu_lost"}), unhealthy=_unhealthy,
+    events_without_uuid=frozenset({"gpu_lost"}), unhealthy=HwTrack.unhealthy,
 )
 """The one runner of every rule in :data:`_MEMBERS`: one state per GPU, one call per sample.
 Hardware health belongs to the physical GPU: a MIG device repeating its parent's
