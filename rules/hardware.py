@@ -204,6 +204,12 @@ class ThermalSettings(BaseModel):
         attribute: pydantic's private attributes are slow on this per-sample path)."""
         return {}
 
+    @functools.cached_property
+    def coolest_c(self) -> float:
+        """The lowest slowdown temperature of any model: a reading below it is below every
+        model's, so the per-sample check needs no lookup by model name."""
+        return min(self.default_slowdown_c, *self.slowdown_c.values())
+
     def threshold_for(self, model: str) -> float:
         """The slowdown temperature of ``model`` (cached per model name)."""
         table = self.threshold_by_model
@@ -480,7 +486,8 @@ def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
     temp = device.temp_c
     if (thermal.open is not None or thermal.hot_since is not None
             or (device.clock_event_reasons or 0) & THERMAL_REASONS
-            or (temp is not None and temp >= settings.thermal.threshold_for(device.model))):
+            or (temp is not None and temp >= settings.thermal.coolest_c
+                and temp >= settings.thermal.threshold_for(device.model))):
         gap = last_ts is not None and ts - last_ts > settings.thermal.max_gap_s
         _thermal(thermal, device, node, ts, gap, settings.thermal, out)
     reports = (device.temp_c is not None or device.util_pct is not None
