@@ -208,11 +208,13 @@ class _Holders:
     sample does not hold anything at its time.
     """
 
-    __slots__ = ("_by_name", "by_device", "expired")
+    __slots__ = ("_by_name", "_live", "by_device", "expired")
 
     def __init__(self, pods: dict[str, Holding], ts: float, linger_s: float) -> None:
         self.by_device: dict[str, Holding] = {}
-        self._by_name: dict[tuple[str, str], list[Holding]] = {}
+        self._live: list[Holding] = []
+        self._by_name: dict[tuple[str, str], list[Holding]] | None = None
+        """Built at the first :meth:`find`: most samples find every device by its id."""
         self.expired: list[str] = []
         """Ended holdings the node's samples are well past: safe to forget."""
         for key, holding in pods.items():
@@ -223,12 +225,19 @@ class _Holders:
                 continue
             for uuid in holding.devices:
                 self.by_device[uuid] = holding
-            name = (holding.pod.namespace, holding.pod.name)
-            same = self._by_name.get(name)
-            if same is None:
-                self._by_name[name] = [holding]
-            else:
-                same.append(holding)
+            self._live.append(holding)
+
+    def _names(self) -> dict[tuple[str, str], list[Holding]]:
+        if self._by_name is None:
+            self._by_name = {}
+            for holding in self._live:
+                name = (holding.pod.namespace, holding.pod.name)
+                same = self._by_name.get(name)
+                if same is None:
+                    self._by_name[name] = [holding]
+                else:
+                    same.append(holding)
+        return self._by_name
 
     def find(self, pod: PodRef) -> Holding | None:
         """The holding of the attributed ``pod``; None when no allocation matches it.
@@ -239,7 +248,7 @@ class _Holders:
         Kubernetes gives a name to one pod at a time.
         """
         found: Holding | None = None
-        for holding in self._by_name.get((pod.namespace, pod.name), ()):
+        for holding in self._names().get((pod.namespace, pod.name), ()):
             if pod.uid is not None and holding.pod.uid is not None:
                 if holding.pod.uid == pod.uid:
                     return holding
