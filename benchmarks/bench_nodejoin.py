@@ -4,9 +4,11 @@ The worker must keep up with 50,000 GPU samples/s (about 6,250 8-GPU node
 samples/s), so the per-device rule work has a budget of a few µs. The node
 here has eight held A100s, half busy and half idle (so the idle rule runs
 its longer path) with steady error counters and normal temperatures, the
-state almost every sample of a healthy fleet finds. Samples are built
-before timing; the figure is the best of a few repeats, to keep the noise of
-a shared machine out.
+state almost every sample of a healthy fleet finds. Samples come every 30 s,
+so every second one also closes a minute (eight rollups) and sends a node
+summary: heavier than a 1 Hz fleet's samples, where that is one in sixty.
+Samples are built before timing; the figure is the process CPU time (not the
+wall clock: the development VM's cores are shared), best of a few repeats.
 """
 
 from __future__ import annotations
