@@ -189,9 +189,11 @@ class RuleSettings:
     namespace. The weekly report groups by the team the rollups carry."""
 
 
-_CACHE_LIMIT = 65_536
+_CACHE_LIMIT = 32_768
 """Entries of the node join's per-holding and per-resolution caches before they are
-cleared and rebuilt: bounds them on a worker that sees pods come and go for weeks."""
+cleared and rebuilt. A holding leaves its cache when replaced or forgotten; what this
+bounds is the rest (the holdings of nodes a rebalance took away), at a few hundred bytes
+each. A worker holding more live pods than this gets no worse than no cache."""
 
 
 def _pod_key(pod: PodRef) -> str:
@@ -478,6 +480,8 @@ class NodeJoin:
             known = state.pods.get(key)
             if known is not None and known.ended_at is not None and event.ts <= known.ended_at:
                 return []  # a repeat of the pod's start, read after its end
+            if known is not None:  # replaced: nothing would reach its cache entry again
+                self._held.pop(id(known), None)
             holding = state.pods[key] = Holding(
                 pod=event.pod, started_at=event.started_at or event.ts,
                 devices=list(event.device_ids), gpus=event.gpus, mig=dict(event.mig),

@@ -239,3 +239,13 @@ def test_a_held_device_follows_its_node_into_another_pool() -> None:
                                             gpu_count=2, labels={"example.com/pool": "fast"}))
     (firing,) = findings(join.on_sample(state, node_sample(T0 + 180, 0.0)))
     assert firing.kind == "idle_holder" and firing.starts_at == T0
+
+
+def test_the_join_caches_nothing_of_a_replaced_holding() -> None:
+    # Every allocation event replaces the pod's holding; the join's per-holding cache must
+    # not keep the old ones for weeks.
+    join, state = NodeJoin(), NodeState()
+    for i in range(5):
+        join.on_allocation(state, allocation("running", T0 + i))
+        join.on_sample(state, node_sample(T0 + i + 0.5, 50.0))
+    assert [held[0] for held in join._held.values()] == list(state.pods.values())
