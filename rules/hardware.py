@@ -204,6 +204,12 @@ class ThermalSettings(BaseModel):
         attribute: pydantic's private attributes are slow on this per-sample path)."""
         return {}
 
+    @functools.cached_property
+    def coolest_c(self) -> float:
+        """The lowest slowdown temperature of any model: a reading below it is below every
+        model's, so the per-sample check needs no lookup by model name."""
+        return min(self.default_slowdown_c, *self.slowdown_c.values())
+
     def threshold_for(self, model: str) -> float:
         """The slowdown temperature of ``model`` (cached per model name)."""
         table = self.threshold_by_model
@@ -284,8 +290,11 @@ class HwTrack(msgspec.Struct, omit_defaults=True):
 
     def unhealthy(self) -> bool:
         """True while an episode that takes the GPU out of service is open."""
+        # ``bool(open) and``: no generator for the empty map of almost every GPU (every node
+        # summary asks every GPU).
         return (self.remap_failure is not None or self.lost is not None
-                or self.recovery is not None or any(c != "restart_app" for c in self.xid.open))
+                or self.recovery is not None
+                or (bool(self.xid.open) and any(c != "restart_app" for c in self.xid.open)))
 
 
 Out = list[Finding | Action]
@@ -477,7 +486,8 @@ def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
     temp = device.temp_c
     if (thermal.open is not None or thermal.hot_since is not None
             or (device.clock_event_reasons or 0) & THERMAL_REASONS
-            or (temp is not None and temp >= settings.thermal.threshold_for(device.model))):
+            or (temp is not None and temp >= settings.thermal.coolest_c
+                and temp >= settings.thermal.threshold_for(device.model))):
         gap = last_ts is not None and ts - last_ts > settings.thermal.max_gap_s
         _thermal(thermal, device, node, ts, gap, settings.thermal, out)
     reports = (device.temp_c is not None or device.util_pct is not None
@@ -535,16 +545,12 @@ def _on_remap_failure(track: HwTrack, event: HwEvent, uuid: str,
                                        settings=settings)
 
 
-def _unhealthy(track: HwTrack) -> bool:
-    return track.unhealthy()
-
-
 RUNNER = DeviceRunner(
     state="hw", state_type=HwTrack, settings_from=HardwareSettings.from_rules,
     on_sample=observe_sample, gpu_only=True,
     events={"xid": _on_xid, "gpu_lost": _on_lost, "remap_failure": _on_remap_failure},
     # A GPU lost before the collector could read its UUID is still a node problem.
-    events_without_uuid=frozenset({"gpu_lost"}), unhealthy=_unhealthy,
+    events_without_uuid=frozenset({"gpu_lost"}), unhealthy=HwTrack.unhealthy,
 )
 """The one runner of every rule in :data:`_MEMBERS`: one state per GPU, one call per sample.
 Hardware health belongs to the physical GPU: a MIG device repeating its parent's

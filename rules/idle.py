@@ -440,7 +440,8 @@ def observe(
     if track.below_since is None or gap:
         track.below_since, track.below_samples, track.below_max_pct = ts, 0, 0.0
     track.below_samples += 1
-    track.below_max_pct = max(track.below_max_pct, activity)
+    if activity > track.below_max_pct:  # not max(): a builtin call per idle device sample
+        track.below_max_pct = activity
     if holder is None:
         return out
     if track.open_id is not None:

@@ -104,22 +104,25 @@ def _reset(track: LeakTrack, ts: float) -> None:
 def observe(track: LeakTrack, node: str, sample: DeviceSample, ts: float,
             settings: LeakSettings, holder: object) -> Out:
     """The node join's sample hook (track, node, sample, ts, settings, holder)."""
-    if track.last_ts is not None and ts <= track.last_ts:
+    # Locals for what is read twice: this runs for every holder of every device sample.
+    last_ts = track.last_ts
+    if last_ts is not None and ts <= last_ts:
         return []
-    own = sample.holders[0].mem_used_bytes if len(sample.holders) == 1 else None
+    holders = sample.holders
+    own = holders[0].mem_used_bytes if len(holders) == 1 else None
     used = own if own is not None else sample.mem_used_bytes
     activity = activity_pct(sample)
     if used is None or activity is None:
         return []
-    gap = track.last_ts is not None and ts - track.last_ts > settings.max_gap_s
     track.last_ts = ts
-    if track.bucket_start is None or gap:
+    bucket_start = track.bucket_start
+    if bucket_start is None or (last_ts is not None and ts - last_ts > settings.max_gap_s):
         _reset(track, ts)
-    assert track.bucket_start is not None
+        bucket_start = ts
     out: Out = []
-    if ts - track.bucket_start >= settings.bucket_s and track.bucket_n:
+    if ts - bucket_start >= settings.bucket_s and track.bucket_n:
         points = track.points
-        points.append((track.bucket_start, track.bucket_used / track.bucket_n,
+        points.append((bucket_start, track.bucket_used / track.bucket_n,
                        track.bucket_activity / track.bucket_n))
         # Keep one point at or before the window's start, so the fit covers the whole window
         # whatever the spacing of the samples.

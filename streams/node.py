@@ -37,7 +37,7 @@ import msgspec
 
 from gpusteward.rules import budget, ecc, hardware, idle, memory, memory_leak, rollup
 from gpusteward.rules import policy as policies
-from gpusteward.rules.registry import DeviceRunner, state_in
+from gpusteward.rules.registry import DeviceRunner, SampleHook, state_in
 from gpusteward.schema import (
     Action,
     AllocationEvent,
@@ -109,6 +109,40 @@ def track_of(dev: DeviceState, runner: DeviceRunner) -> Any:
             else state_in(dev.tracks, name, runner.state_type))
 
 
+Plan = tuple[tuple[SampleHook, str, bool, type, Any], ...]
+"""The sample hooks one kind of device runs: (hook, state name, typed field, state type,
+settings)."""
+
+
+class _Prepared:
+    """What the node join runs for one policy resolution, in the shape its loops want.
+
+    Made once per resolution (:meth:`NodeJoin._prepare`), never per record: the per-device
+    loop runs 7 hooks on each of 8 devices per sample, and a test or lookup per hook there
+    costs as much as some rules' whole fast path.
+    """
+
+    __slots__ = ("checks", "plans", "resolved")
+
+    def __init__(self, resolved: policies.Resolved) -> None:
+        self.resolved = resolved
+        steps = resolved.samples
+
+        def plan(gpu: bool, shared: bool) -> Plan:
+            # A MIG device skips the GPU-only runners; a shared one the per-holder runners,
+            # which run on its shares instead.
+            return tuple((hook, name, name in _TYPED_TRACKS, runner.state_type, settings)
+                         for hook, name, gpu_only, runner, settings in steps
+                         if (gpu or not gpu_only) and not (shared and runner.per_holder))
+
+        self.plans = (plan(False, False), plan(False, True), plan(True, False), plan(True, True))
+        """The sample hooks of each kind of device, at ``2 * gpu + shared``."""
+        self.checks = tuple((runner.state, runner.state in _TYPED_TRACKS, runner.state_type,
+                             runner.unhealthy) for runner, _ in resolved.device
+                            if runner.unhealthy is not None)
+        """(state name, typed field, state type, check) of every runner with a health check."""
+
+
 class NodeState(msgspec.Struct):
     """What the worker knows about one node."""
 
@@ -155,6 +189,13 @@ class RuleSettings:
     namespace. The weekly report groups by the team the rollups carry."""
 
 
+_CACHE_LIMIT = 32_768
+"""Entries of the node join's per-holding and per-resolution caches before they are
+cleared and rebuilt. A holding leaves its cache when replaced or forgotten; what this
+bounds is the rest (the holdings of nodes a rebalance took away), at a few hundred bytes
+each. A worker holding more live pods than this gets no worse than no cache."""
+
+
 def _pod_key(pod: PodRef) -> str:
     return pod.uid or f"{pod.namespace}/{pod.name}"
 
@@ -169,11 +210,13 @@ class _Holders:
     sample does not hold anything at its time.
     """
 
-    __slots__ = ("_by_name", "by_device", "expired")
+    __slots__ = ("_by_name", "_live", "by_device", "expired")
 
     def __init__(self, pods: dict[str, Holding], ts: float, linger_s: float) -> None:
         self.by_device: dict[str, Holding] = {}
-        self._by_name: dict[tuple[str, str], list[Holding]] = {}
+        self._live: list[Holding] = []
+        self._by_name: dict[tuple[str, str], list[Holding]] | None = None
+        """Built at the first :meth:`find`: most samples find every device by its id."""
         self.expired: list[str] = []
         """Ended holdings the node's samples are well past: safe to forget."""
         for key, holding in pods.items():
@@ -184,12 +227,19 @@ class _Holders:
                 continue
             for uuid in holding.devices:
                 self.by_device[uuid] = holding
-            name = (holding.pod.namespace, holding.pod.name)
-            same = self._by_name.get(name)
-            if same is None:
-                self._by_name[name] = [holding]
-            else:
-                same.append(holding)
+            self._live.append(holding)
+
+    def _names(self) -> dict[tuple[str, str], list[Holding]]:
+        if self._by_name is None:
+            self._by_name = {}
+            for holding in self._live:
+                name = (holding.pod.namespace, holding.pod.name)
+                same = self._by_name.get(name)
+                if same is None:
+                    self._by_name[name] = [holding]
+                else:
+                    same.append(holding)
+        return self._by_name
 
     def find(self, pod: PodRef) -> Holding | None:
         """The holding of the attributed ``pod``; None when no allocation matches it.
@@ -200,7 +250,7 @@ class _Holders:
         Kubernetes gives a name to one pod at a time.
         """
         found: Holding | None = None
-        for holding in self._by_name.get((pod.namespace, pod.name), ()):
+        for holding in self._names().get((pod.namespace, pod.name), ()):
             if pod.uid is not None and holding.pod.uid is not None:
                 if holding.pod.uid == pod.uid:
                     return holding
@@ -246,15 +296,49 @@ class NodeJoin:
         self.settings = settings or RuleSettings()
         self.policy = policy or self.settings.policy or policies.Policy()
         self.fold = rollup.MinuteFold(self.settings.rollup_lateness_s)
+        # What a sample needs per resolution and per holding, made once: resolving the
+        # policy and building the idle rule's holder for each device of each sample cost as
+        # much as a rule. Keyed by id() with the object kept in the value, so an id is never
+        # reused while cached; forgotten when the registry changes (the policy's resolutions
+        # are new then), and bounded by _CACHE_LIMIT.
+        self._prepared: dict[int, _Prepared] = {}
+        self._held: dict[int, tuple[Holding, str | None, _Prepared, idle.Holder]] = {}
+        self.policy.registry.watch(self._forget)
+
+    def _forget(self) -> None:
+        self._prepared.clear()
+        self._held.clear()
+
+    def _prepare(self, namespace: str | None, queue: str | None, pool: str | None
+                 ) -> _Prepared:
+        resolved = self.policy.resolve(namespace, queue, pool)
+        found = self._prepared.get(id(resolved))
+        if found is None or found.resolved is not resolved:
+            if len(self._prepared) >= _CACHE_LIMIT:
+                self._prepared.clear()
+            found = self._prepared[id(resolved)] = _Prepared(resolved)
+        return found
+
+    def _prepare_holding(self, holding: Holding, pool: str | None
+                         ) -> tuple[Holding, str | None, _Prepared, idle.Holder]:
+        """What a device ``holding`` holds runs, and the idle rule's holder; cached."""
+        if len(self._held) >= _CACHE_LIMIT:
+            self._held.clear()
+        found = self._held[id(holding)] = (
+            holding, pool, self._prepare(holding.pod.namespace, holding.queue, pool),
+            idle.Holder(holding.pod, holding.started_at, holding.workload_kind, holding.labels,
+                        holding.annotations, holding.queue, holding.owner_kind,
+                        holding.owner_name))
+        return found
 
     def on_sample(self, state: NodeState, sample: NodeSample) -> list[Output]:
         out: list[Output] = []
         holders = _Holders(state.pods, sample.ts, self.settings.rollup_lateness_s)
         for key in holders.expired:
-            del state.pods[key]
-        resolve = self.policy.resolve
+            self._held.pop(id(state.pods.pop(key)), None)
         pool = state.pool
-        node_steps = resolve(None, None, pool).samples
+        node_plans = self._prepare(None, None, pool).plans
+        held_cache = self._held
         node, ts = sample.node, sample.ts
         fold, minutes = self.fold, state.rollups
         bucket = fold.bucket(minutes, ts)
@@ -268,26 +352,24 @@ class NodeJoin:
             if shared:
                 out += self._on_shares(state, holders, dev, device, node, ts, bucket)
             holding = self._holding(dev, device, holders, ts)
+            holder: idle.Holder | None
             if holding is not None:
-                steps = resolve(holding.pod.namespace, holding.queue, pool).samples
-                holder: idle.Holder | None = idle.Holder(
-                    holding.pod, holding.started_at, holding.workload_kind, holding.labels,
-                    holding.annotations, holding.queue, holding.owner_kind, holding.owner_name)
+                held = held_cache.get(id(holding))
+                if held is None or held[0] is not holding or held[1] != pool:
+                    held = self._prepare_holding(holding, pool)
+                plans, holder = held[2].plans, held[3]
             elif device.pod is not None and dev.attributed_since is not None:
                 # Attributed by the collector but no allocation seen yet: count from first sight.
-                steps = resolve(device.pod.namespace, None, pool).samples
+                plans = self._prepare(device.pod.namespace, None, pool).plans
                 holder = idle.Holder(device.pod, dev.attributed_since)
             else:
-                steps, holder = node_steps, None
+                plans, holder = node_plans, None
             if bucket is not None and not shared:  # a shared device: a row per holder
                 who = holding.who if holding is not None else None
                 fold.add(bucket, device, ts, who or self._who(holding, device.pod))
-            gpu = device.kind == "gpu"
-            for hook, name, gpu_only, runner, settings in steps:
-                if (gpu_only and not gpu) or (shared and runner.per_holder):
-                    continue
-                track = (getattr(dev, name) if name in _TYPED_TRACKS
-                         else state_in(dev.tracks, name, runner.state_type))
+            for hook, name, typed, state_type, settings in plans[2 * (device.kind == "gpu")
+                                                                 + shared]:
+                track = getattr(dev, name) if typed else state_in(dev.tracks, name, state_type)
                 out += hook(track, node, device, ts, settings, holder)
         if state.gpu_model is None and sample.devices:
             state.gpu_model = sample.devices[0].model
@@ -398,6 +480,8 @@ class NodeJoin:
             known = state.pods.get(key)
             if known is not None and known.ended_at is not None and event.ts <= known.ended_at:
                 return []  # a repeat of the pod's start, read after its end
+            if known is not None:  # replaced: nothing would reach its cache entry again
+                self._held.pop(id(known), None)
             holding = state.pods[key] = Holding(
                 pod=event.pod, started_at=event.started_at or event.ts,
                 devices=list(event.device_ids), gpus=event.gpus, mig=dict(event.mig),
@@ -452,19 +536,17 @@ class NodeJoin:
             # (by device ids; without them, as tightly packed as replicas allow).
             physical = {d.split("::", 1)[0] for h in holding if h.gpus for d in h.devices}
             used = len(physical) if physical else -(-used // state.gpu_replicas)
-        checks = [(runner, runner.unhealthy) for runner, _ in
-                  self.policy.resolve(None, None, state.pool).device
-                  if runner.unhealthy is not None]
-        healthy = not any(unhealthy(track_of(d, runner)) for d in state.devices.values()
-                          for runner, unhealthy in checks)
+        healthy = self._healthy(state)
         mig_free = dict(state.mig_allocatable)
-        for held in holding:
-            for profile, count in held.mig.items():
-                mig_free[profile] = mig_free.get(profile, 0) - count
         teams: dict[str, float] = {}
         for held in holding:  # by the team the rollups name (team budgets count it)
-            team = self._holding_who(held).team
-            teams[team] = teams.get(team, 0.0) + held.gpus + budget.mig_gpus(held.mig)
+            team = (held.who or self._holding_who(held)).team
+            gpus = teams.get(team, 0.0) + held.gpus
+            if held.mig:  # most pods hold whole GPUs: skip the MIG arithmetic for them
+                gpus += budget.mig_gpus(held.mig)
+                for profile, count in held.mig.items():
+                    mig_free[profile] = mig_free.get(profile, 0) - count
+            teams[team] = gpus
         return [NodeSummary(
             ts=ts, node=node, gpu_model=state.gpu_model, gpus_total=state.gpu_count,
             gpus_free=max(0, state.gpu_count - used), healthy=healthy,
@@ -473,6 +555,17 @@ class NodeJoin:
             pool=state.pool, idle=self._idle_holds(state),
             held_by_team={team: gpus for team, gpus in teams.items() if gpus > 0},
         )]
+
+    def _healthy(self, state: NodeState) -> bool:
+        """No device's state holds an episode that takes it out of service. Loops, not a
+        generator over (device, check) pairs: it runs for every summary of every node."""
+        checks = self._prepare(None, None, state.pool).checks
+        for dev in state.devices.values():
+            for name, typed, state_type, unhealthy in checks:
+                if unhealthy(getattr(dev, name) if typed
+                             else state_in(dev.tracks, name, state_type)):
+                    return False
+        return True
 
     @staticmethod
     def _idle_holds(state: NodeState) -> list[IdleHold]:

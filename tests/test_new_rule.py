@@ -32,6 +32,8 @@ from gpusteward.schema import (
     Finding,
     NodeSample,
     NodeSummary,
+    PodAllocation,
+    PodRef,
     Subject,
 )
 from gpusteward.settings import Settings
@@ -191,3 +193,17 @@ def test_the_fleet_agent_runs_a_registered_fleet_rule() -> None:
                                                   gpus_total=8, gpus_free=0))
     assert [f.kind for f in out if isinstance(f, Finding)] == ["toy_full"]
     assert state.tracks["toy_full"] == EmptyFleetTrack(evaluations=1)
+
+
+def test_a_join_that_already_ran_runs_a_rule_registered_after() -> None:
+    # The join keeps what each holding's devices run between samples; a rule registered
+    # since must reach a held device all the same.
+    join, state = NodeJoin(), NodeState()
+    pod = PodRef(namespace="ml-a", name="nb-a", uid="uid-a")
+    join.on_allocation(state, PodAllocation(ts=990.0, node="n1", pod=pod, phase="running",
+                                            gpus=1, device_ids=["GPU-0"], started_at=990.0))
+    join.on_sample(state, sample(1000.0, 90.0))
+    REGISTRY.register(TOY)
+    out = [o for ts in (1030.0, 1060.0, 1090.0) for o in join.on_sample(state, sample(ts, 90.0))]
+    assert [o.kind for o in out if isinstance(o, Finding)] == [PAGE_KIND]
+    assert state.devices["GPU-0"].tracks["toy"] == ToyTrack(hot_run=3, fired=True)

@@ -188,6 +188,19 @@ def test_per_model_threshold_longest_match_wins() -> None:
     assert thermal.threshold_for("Tesla V100") == thermal.default_slowdown_c
 
 
+def test_a_model_configured_below_the_default_runs_hot_at_its_own_threshold() -> None:
+    # The sample path skips the lookup by model below the coolest configured threshold:
+    # a model set lower than the default must still count its own.
+    thermal = hardware.ThermalSettings(slowdown_c={"H100": 75.0}, window_s=60)
+    assert thermal.coolest_c == 75.0
+    settings = hardware.HardwareSettings(thermal=thermal)
+    out = feed(hardware.HwTrack(), [(T0 + i * 30, dev(temp_c=80.0)) for i in range(4)],
+               settings)
+    assert [f.kind for f in firing(out)] == [hardware.THERMAL_KIND]
+    assert feed(hardware.HwTrack(), [(T0 + i * 30, dev(temp_c=74.0)) for i in range(4)],
+                settings) == []
+
+
 # --- properties ---------------------------------------------------------------------------
 
 # Runs of samples, hot or not, arriving in order, twice each, with a late one every few,

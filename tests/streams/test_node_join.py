@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from gpusteward.rules.policy import parse_policy
 from gpusteward.schema import (
     DeviceSample,
     Finding,
@@ -222,3 +223,29 @@ def test_a_pod_end_read_before_its_last_samples_keeps_them_attributed() -> None:
     assert state.pods == {}
     summary = [o for o in out if isinstance(o, NodeSummary)][-1]
     assert summary.gpus_free == summary.gpus_total == 2  # the ended pod holds nothing
+
+
+def test_a_held_device_follows_its_node_into_another_pool() -> None:
+    # The join prepares what a holding's devices run once per holding and pool: a node
+    # moved to another pool must get that pool's settings at its next sample.
+    policy = parse_policy("node_pool_label: example.com/pool\nnode_pools:\n"
+                          "  fast: {idle_holder: {window_s: 120, grace_s: 0}}\n")
+    join, state = NodeJoin(policy=policy), NodeState()
+    join.on_allocation(state, allocation("running", T0))
+    out = join.on_sample(state, node_sample(T0, 0.0))
+    out += join.on_sample(state, node_sample(T0 + 150, 0.0))
+    assert findings(out) == []  # the default pool: 30 min of idleness, after a 10 min grace
+    join.on_allocation(state, NodeInventory(ts=T0 + 151, node="n1", gpu_product="A100",
+                                            gpu_count=2, labels={"example.com/pool": "fast"}))
+    (firing,) = findings(join.on_sample(state, node_sample(T0 + 180, 0.0)))
+    assert firing.kind == "idle_holder" and firing.starts_at == T0
+
+
+def test_the_join_caches_nothing_of_a_replaced_holding() -> None:
+    # Every allocation event replaces the pod's holding; the join's per-holding cache must
+    # not keep the old ones for weeks.
+    join, state = NodeJoin(), NodeState()
+    for i in range(5):
+        join.on_allocation(state, allocation("running", T0 + i))
+        join.on_sample(state, node_sample(T0 + i + 0.5, 50.0))
+    assert [held[0] for held in join._held.values()] == list(state.pods.values())
