@@ -276,6 +276,14 @@ def _share_holding(state: NodeState, holders: _Holders, share: DeviceHolder
     return None, None
 
 
+def _idle_holder(holding: Holding) -> idle.Holder:
+    """The idle rule's view of a holding: who, since when, and what owns it (the owner and
+    queue decide what a reclaim does and whether a waiting workload could use the GPU)."""
+    return idle.Holder(holding.pod, holding.started_at, holding.workload_kind, holding.labels,
+                       holding.annotations, holding.queue, holding.owner_kind,
+                       holding.owner_name)
+
+
 def _share_view(device: DeviceSample, share: DeviceHolder) -> DeviceSample:
     """The device as one of its holders used it: the holder's own activity where the source
     split it, else the device's, marked ``shared``. Memory stays the device's (free memory is
@@ -326,9 +334,7 @@ class NodeJoin:
             self._held.clear()
         found = self._held[id(holding)] = (
             holding, pool, self._prepare(holding.pod.namespace, holding.queue, pool),
-            idle.Holder(holding.pod, holding.started_at, holding.workload_kind, holding.labels,
-                        holding.annotations, holding.queue, holding.owner_kind,
-                        holding.owner_name))
+            _idle_holder(holding))
         return found
 
     def on_sample(self, state: NodeState, sample: NodeSample) -> list[Output]:
@@ -398,9 +404,7 @@ class NodeJoin:
             view = _share_view(device, share)
             if holding is not None:
                 steps = self.policy.resolve(holding.pod.namespace, holding.queue, pool).samples
-                holder: idle.Holder | None = idle.Holder(
-                    holding.pod, holding.started_at, holding.workload_kind, holding.labels,
-                    holding.annotations)
+                holder: idle.Holder | None = _idle_holder(holding)
             elif share.pod is not None and own.attributed_since is not None:
                 steps = self.policy.resolve(share.pod.namespace, None, pool).samples
                 holder = idle.Holder(share.pod, own.attributed_since)

@@ -23,7 +23,8 @@ IDLE = PodRef(namespace="nb", name="idle", uid="uid-idle")
 def allocation(pod: PodRef, phase: str = "running", ts: float = T0) -> PodAllocation:
     return PodAllocation(ts=ts, node="n1", pod=pod, phase=phase,  # type: ignore[arg-type]
                          gpus=1, device_ids=["GPU-1"], started_at=T0 - 3600,
-                         workload_kind="notebook")
+                         workload_kind="notebook", owner_kind="Notebook", owner_name=pod.name,
+                         queue="research")
 
 
 def by_process(ts: float, busy_pct: float, idle_pct: float) -> NodeSample:
@@ -64,6 +65,8 @@ def test_the_idle_pod_beside_a_busy_one_is_found_and_only_it() -> None:
     (firing,) = findings(out)
     assert firing.subject.pod == IDLE and firing.subject.device == "GPU-1"
     assert firing.labels["workload_kind"] == "notebook"
+    # Its owner is known as on a whole GPU: what a reclaim stops, and whom to tell.
+    assert firing.labels["owner"] == "Notebook/idle"
     # The idle pod ends: its own episode resolves; the busy one never had one.
     (resolved,) = findings(join.on_allocation(state, allocation(IDLE, "finished", T0 + 2500)))
     assert resolved.id == firing.id and resolved.state == "resolved"
