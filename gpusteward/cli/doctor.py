@@ -61,8 +61,15 @@ def _perms(verbs: str, resource: str, group: str = "", subresource: str | None =
 KUEUE = "kueue.x-k8s.io"
 NEEDS: dict[str, tuple[Permission, ...]] = {
     # deploy/base/rbac.yaml, ClusterRole gpusteward-watcher: it lists and watches.
+    # The gang kinds are watched only where their CRDs are installed, but granted always.
     "watcher": (*_perms("get list watch", "pods"), *_perms("get list watch", "nodes"),
-                *_perms("get list watch", "workloads", KUEUE)),
+                *_perms("get list watch", "workloads", KUEUE),
+                *_perms("get list watch", "localqueues", KUEUE),
+                *_perms("get list watch", "podgroups", "scheduling.x-k8s.io"),
+                *_perms("get list watch", "podgroups", "scheduling.volcano.sh"),
+                *_perms("get list watch", "jobsets", "jobset.x-k8s.io"),
+                *(p for kind in ("pytorchjobs", "mpijobs", "tfjobs")
+                  for p in _perms("get list watch", kind, "kubeflow.org"))),
     # deploy/base/rbac.yaml gpusteward-remediation plus the remediation-execute component:
     # every verb of remediation/kubernetes.py (its module docstring lists them by action).
     "remediation": (*_perms("get list patch", "nodes"), *_perms("get list patch delete", "pods"),
