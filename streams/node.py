@@ -88,6 +88,9 @@ class DeviceState(msgspec.Struct):
     attributed: PodRef | None = None
     """The pod the collector last attributed the device to."""
     attributed_since: float | None = None
+    vacated_by: PodRef | None = None
+    """The pod the collector last saw leave the device (attributed, then attributed to no
+    one), until it attributes the device again."""
     tracks: dict[str, Any] = {}
     """State of the rules whose runner names no field above, by the runner's state name.
     Decoded from the changelog as plain data and turned back into the runner's type on
@@ -274,6 +277,14 @@ def _share_holding(state: NodeState, holders: _Holders, share: DeviceHolder
         holding = state.pods.get(uid)
         return uid, holding if holding is not None and holding.ended_at is None else None
     return None, None
+
+
+def _same_pod(a: PodRef, b: PodRef) -> bool:
+    """One pod: by uid where both have one (a pod restarted under its name is another),
+    else by namespace and name."""
+    if a.uid is not None and b.uid is not None:
+        return a.uid == b.uid
+    return (a.namespace, a.name) == (b.namespace, b.name)
 
 
 def _idle_holder(holding: Holding) -> idle.Holder:
@@ -521,10 +532,18 @@ class NodeJoin:
                  ts: float) -> Holding | None:
         """The allocation holding the device, by its device ids or the collector's attribution."""
         if device.pod != dev.attributed:
+            dev.vacated_by = dev.attributed if device.pod is None else None
             dev.attributed, dev.attributed_since = device.pod, ts
         holding = holders.by_device.get(device.uuid)
         if holding is None and device.pod is not None:
             holding = holders.find(device.pod)
+        elif (holding is not None and dev.vacated_by is not None
+              and _same_pod(dev.vacated_by, holding.pod)):
+            # The collector saw this pod leave the device; the allocation's end has not
+            # arrived yet (it is on another topic, and a worker catching up can read the
+            # samples ahead of it). The device is judged as held by no one meanwhile, so
+            # minutes after the pod's end never count as its idleness.
+            return None
         return holding
 
     def _maybe_summary(self, state: NodeState, node: str, ts: float) -> list[Output]:

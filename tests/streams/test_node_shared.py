@@ -150,3 +150,31 @@ def test_summaries_count_physical_gpus_on_a_time_sliced_node() -> None:
     out = join.on_allocation(state, allocation(IDLE, ts=T0 + 2))
     (summary,) = [s for s in out if isinstance(s, NodeSummary)]
     assert (summary.gpus_total, summary.gpus_free) == (2, 1)
+
+
+def whole(ts: float, util: float, pod: PodRef | None) -> NodeSample:
+    """A whole GPU as a kubelet-backed collector reports it: its pod, or no one."""
+    return NodeSample(ts=ts, node="n1", source="nvml", devices=[DeviceSample(
+        uuid="GPU-1", index=0, model="H100", util_pct=util, pod=pod,
+        attribution="device" if pod else None)])
+
+
+def test_minutes_after_the_collector_saw_the_pod_leave_are_not_its_idleness() -> None:
+    """A worker catching up can read a node's samples ahead of the allocation that ends the
+    pod: the collector's word that the pod left wins meanwhile (no false idle finding)."""
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, allocation(BUSY))
+    busy = _run(join, state, lambda ts: whole(ts, 90.0, BUSY), 20)
+    gone = [o for i in range(80)
+            for o in join.on_sample(state, whole(T0 + 1200 + 30 * i, 0.0, None))]
+    assert findings(busy + gone) == []
+    # The end arrives late: nothing to resolve, nothing fired.
+    assert findings(join.on_allocation(state, allocation(BUSY, "finished", T0 + 1200))) == []
+
+
+def test_a_collector_that_never_names_pods_leaves_the_allocation_in_charge() -> None:
+    """Control: without attribution the allocation alone says who holds the device."""
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, allocation(IDLE))
+    (firing,) = findings(_run(join, state, lambda ts: whole(ts, 0.0, None), 40))
+    assert firing.subject.pod == IDLE
