@@ -28,6 +28,8 @@ import polars as pl
 from gpusteward.reports import store
 
 MINUTE_S = 60.0
+COMPACT_EVERY = 8
+"""Slices of idle runs kept before they are joined into episodes."""
 POD = ["namespace", "pod", "owner_kind", "owner_name", "team"]
 NAME = ["namespace", "pod"]
 """What names a holder; the rest of ``POD`` describes it (the latest known)."""
@@ -60,6 +62,11 @@ class ActivityFold:
         self.idle_threshold_pct = idle_threshold_pct
         self.runs: list[pl.DataFrame] = []
         self.hours: list[pl.DataFrame] = []
+        # Episodes per (device, pod): those that ended, summed, and the last one, which the
+        # next slice may continue. Bounded by devices x pods, not by runs: a busy week
+        # breaks idleness into tens of millions of runs.
+        self.closed = pl.DataFrame(schema=CLOSED_SCHEMA)
+        self.open = pl.DataFrame(schema=RUN_SCHEMA)
 
     def add(self, rows: pl.DataFrame) -> None:
         rows = rows.select("ts", "uuid", *COLUMNS).filter(pl.col("pod").is_not_null()
@@ -76,6 +83,17 @@ class ActivityFold:
             (pl.col("gpu_hours") * pl.col("util_mean").fill_null(0) / 100).sum()
             .alias("used_gpu_hours")))
         self.runs.append(_runs(rows.filter("idle")))
+        if len(self.runs) >= COMPACT_EVERY:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Join the runs into episodes; keep each key's last episode open, sum the others."""
+        key = ["uuid", *NAME]
+        episodes = _episodes(pl.concat([self.open, *self.runs]))
+        self.runs = []
+        latest = pl.col("last") == pl.col("last").max().over(key)
+        self.open = episodes.filter(latest)
+        self.closed = _closed(pl.concat([self.closed, _as_closed(episodes.filter(~latest))]))
 
     def finish(self) -> Activity:
         heatmap_schema = {"team": pl.String, "weekday": pl.Int8, "hour": pl.Int8,
@@ -86,7 +104,9 @@ class ActivityFold:
             pl.col("allocated_gpu_hours", "used_gpu_hours").sum()).with_columns(
             (100 * pl.col("used_gpu_hours") / pl.col("allocated_gpu_hours")).alias(
                 "utilisation_pct")).sort("team", "weekday", "hour")
-        return Activity(holders=_holders(self.runs), heatmap=heatmap)
+        self._compact()
+        return Activity(holders=_holders(pl.concat([self.closed, _as_closed(self.open)])),
+                        heatmap=heatmap)
 
 
 def fold(directory: Path, start: float, end: float, idle_threshold_pct: float) -> Activity:
@@ -125,17 +145,42 @@ def _runs(idle: pl.DataFrame) -> pl.DataFrame:
             .select(*RUN_SCHEMA).cast(RUN_SCHEMA))  # type: ignore[arg-type]
 
 
-def _holders(runs: list[pl.DataFrame]) -> pl.DataFrame:
-    """Runs joined across slices, then summed per pod."""
+def _episodes(runs: pl.DataFrame) -> pl.DataFrame:
+    """Runs joined into episodes per (device, pod), in the runs' schema: a run that starts
+    the minute after the previous one of its key ended continues it (across slices, so an
+    episode that crosses midnight is one)."""
     key = ["uuid", *NAME]
-    every = (pl.concat(runs) if runs else pl.DataFrame(schema=RUN_SCHEMA)).sort([*key, "first"])
-    # A run that starts the minute after the previous one of its key ended continues it.
-    joined = every.with_columns(
+    every = runs.sort([*key, "first"])
+    return every.with_columns(
         ((pl.col("first") - pl.col("last").shift().over(key) > 1.5 * MINUTE_S)
          .fill_null(True)).cum_sum().over(key).alias("episode")).group_by(
         *key, "episode").agg(
-        ((pl.col("last").max() - pl.col("first").min() + MINUTE_S) / 3600).alias("hours"),
-        pl.col("gpu_hours").sum(), pl.col("last").max(), *_latest(ABOUT))
+        pl.col("first").min(), pl.col("last").max(), pl.col("gpu_hours").sum(),
+        *_latest(ABOUT)).select(*RUN_SCHEMA)
+
+
+CLOSED_SCHEMA = {"uuid": pl.String, **dict.fromkeys(POD, pl.String),
+                 "gpu_hours": pl.Float64, "hours": pl.Float64, "last": pl.Float64}
+"""Episodes per (device, pod), summed: idle GPU-hours, the longest episode's hours, the
+last idle minute (which orders the owner and team known last)."""
+
+
+def _as_closed(episodes: pl.DataFrame) -> pl.DataFrame:
+    return episodes.select(
+        "uuid", *POD, "gpu_hours",
+        ((pl.col("last") - pl.col("first") + MINUTE_S) / 3600).alias("hours"), "last")
+
+
+def _closed(episodes: pl.DataFrame) -> pl.DataFrame:
+    """Per (device, pod): GPU-hours summed, the longest episode, the latest owner."""
+    return episodes.group_by("uuid", *NAME).agg(
+        pl.col("gpu_hours").sum(), pl.col("hours").max(), *_latest(ABOUT, "last"),
+        pl.col("last").max()).select(*CLOSED_SCHEMA)
+
+
+def _holders(episodes: pl.DataFrame) -> pl.DataFrame:
+    """Per pod (over its devices): idle GPU-hours, longest episode, devices, biggest first."""
+    joined = _closed(episodes)
     return (joined.group_by(NAME).agg(
         pl.col("gpu_hours").sum().alias("idle_gpu_hours"),
         pl.col("hours").max().alias("longest_episode_h"),

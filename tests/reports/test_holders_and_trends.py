@@ -197,3 +197,27 @@ def test_numbers_in_the_html_equal_the_json(weeks: tuple[build.Report, build.Rep
             assert f"<td>{action['saving_usd']:,.1f}</td>" in page
     totals = now.data["totals"]
     assert f"<b>{totals['idle_gpu_hours']:,.1f}" in page
+
+
+def test_holders_are_the_same_when_runs_are_compacted_after_every_slice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs are joined into episodes every few slices to bound memory: an episode that
+    spans slices (and midnight) stays one, whenever the compaction happens."""
+    rows = [*_held(WEEK.start + 20 * 3600, "nb-a", "vision", 10, 0.0, 0),  # across midnight
+            *_held(WEEK.start + 86400 * 2, "nb-a", "vision", 3, 0.0, 0),
+            *_held(WEEK.start + 3600, "nb-b", "nlp", 2, 50.0, 1),
+            *_held(WEEK.start + 3 * 3600, "nb-b", "nlp", 1, 0.0, 1)]
+    store.write(tmp_path, store.frame(rows))
+    once = activity.fold(tmp_path, WEEK.start, WEEK.end, 5.0).holders
+    monkeypatch.setattr(activity, "COMPACT_EVERY", 1)
+    monkeypatch.setattr(store, "slices", _hourly(store.slices))
+    often = activity.fold(tmp_path, WEEK.start, WEEK.end, 5.0).holders
+    assert often.to_dicts() == once.to_dicts()
+    a, b = once.to_dicts()
+    assert (a["pod"], a["idle_gpu_hours"], a["longest_episode_h"]) == ("nb-a", 13.0, 10.0)
+    assert (b["pod"], b["idle_gpu_hours"], b["longest_episode_h"]) == ("nb-b", 1.0, 1.0)
+
+
+def _hourly(slices):
+    """store.slices cut an hour at a time (many slices, many compactions)."""
+    return lambda *args, **kwargs: slices(*args, **{**kwargs, "rows": 1})
