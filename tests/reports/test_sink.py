@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import polars as pl
@@ -25,6 +26,7 @@ from gpusteward.schema import (
     Subject,
 )
 from gpusteward.settings import Settings
+from gpusteward.topics import TopicSpec
 
 T0 = 1_763_337_600.0
 
@@ -97,27 +99,8 @@ def test_redelivered_rollups_are_written_once(settings: Settings, tmp_path: Path
     # The replay after the crash: the last three again, one of them only partly folded.
     again = [first[3], msgspec.structs.replace(first[4], samples=2, util_mean=99.0), first[5]]
 
-    async def main() -> RollupSink:
-        await kafka.ensure_topics(settings)
-        producer = kafka.producer(settings)
-        await producer.start()
-        for rollup in first + again:
-            await producer.send(topics.ROLLUPS.name(settings), msgspec.json.encode(rollup),
-                                key=b"n0")
-        await producer.flush()
-        await producer.stop()
-        sink = rollup_sink(settings, report, directory=tmp_path)
-        stop = asyncio.Event()
-        task = asyncio.create_task(sink.run(stop))
-        for _ in range(300):
-            if sink.rows_written + sink.duplicates >= 9:
-                break
-            await asyncio.sleep(0.05)
-        stop.set()
-        await asyncio.wait_for(task, 30)
-        return sink
-
-    sink = asyncio.run(main())
+    sink = asyncio.run(_drain(rollup_sink(settings, report, directory=tmp_path),
+                              topics.ROLLUPS, first + again, key=b"n0", count=9))
     assert (sink.rows_written, sink.duplicates) == (6, 3)
     frame = store.scan(tmp_path, T0, T0 + 86400).collect().sort("ts")
     assert frame["util_mean"].to_list() == [float(i) for i in range(6)]
@@ -135,27 +118,8 @@ def test_findings_sink_keeps_each_ladder_step_once(settings: Settings, tmp_path:
                                        values={"ladder_step": float(s)}),
                      labels={"reclaim": "execute", "owner": "Notebook/nb"}) for s in (1, 2, 3)]
 
-    async def main() -> RollupSink:
-        await kafka.ensure_topics(settings)
-        producer = kafka.producer(settings)
-        await producer.start()
-        for finding in [*steps, steps[2]]:
-            await producer.send(topics.FINDINGS.name(settings), msgspec.json.encode(finding),
-                                key=b"fp")
-        await producer.flush()
-        await producer.stop()
-        sink = findings_sink(settings, report, directory=tmp_path)
-        stop = asyncio.Event()
-        task = asyncio.create_task(sink.run(stop))
-        for _ in range(300):
-            if sink.rows_written + sink.duplicates >= 4:
-                break
-            await asyncio.sleep(0.05)
-        stop.set()
-        await asyncio.wait_for(task, 30)
-        return sink
-
-    sink = asyncio.run(main())
+    sink = asyncio.run(_drain(findings_sink(settings, report, directory=tmp_path),
+                              topics.FINDINGS, [*steps, steps[2]], key=b"fp", count=4))
     assert (sink.rows_written, sink.duplicates) == (3, 1)
     stored = findings.read(tmp_path, T0, T0 + 86400).sort("ts")
     assert stored["ladder_step"].to_list() == [1, 2, 3]
@@ -185,27 +149,9 @@ def test_results_sink_keeps_each_decision_once(settings: Settings, tmp_path: Pat
                             outcome=outcome, detail=outcome, actor="executor",
                             ts=T0 + attempt, attempt=attempt) for attempt, outcome in tries]
 
-    async def main() -> RollupSink:
-        await kafka.ensure_topics(settings)
-        producer = kafka.producer(settings)
-        await producer.start()
-        for record in [*records, records[1]]:
-            await producer.send(topics.ACTION_RESULTS.name(settings),
-                                msgspec.json.encode(record), key=b"idle-1/requeue")
-        await producer.flush()
-        await producer.stop()
-        sink = results_sink(settings, report, directory=tmp_path)
-        stop = asyncio.Event()
-        task = asyncio.create_task(sink.run(stop))
-        for _ in range(300):
-            if sink.rows_written + sink.duplicates >= 3:
-                break
-            await asyncio.sleep(0.05)
-        stop.set()
-        await asyncio.wait_for(task, 30)
-        return sink
-
-    sink = asyncio.run(main())
+    sink = asyncio.run(_drain(results_sink(settings, report, directory=tmp_path),
+                              topics.ACTION_RESULTS, [*records, records[1]],
+                              key=b"idle-1/requeue", count=3))
     assert (sink.rows_written, sink.duplicates) == (2, 1)
     stored = findings.read_results(tmp_path, T0).sort("ts")
     assert stored["outcome"].to_list() == ["retrying", "executed"]
@@ -216,3 +162,26 @@ def test_results_sink_keeps_each_decision_once(settings: Settings, tmp_path: Pat
         labels={"reclaim": "execute"})])
     (reclaim,) = findings.idle_reclaims(idle, stored).iter_rows(named=True)
     assert (reclaim["pod"], reclaim["outcome"]) == ("nb-0", "executed")
+
+
+async def _drain(sink: RollupSink, topic: TopicSpec, records: list[Any], key: bytes,
+                 count: int) -> RollupSink:
+    """Publish ``records`` on ``topic``, run ``sink`` until it has seen ``count`` of them
+    (written or dropped as repeats), and stop it as on shutdown."""
+    settings = sink.settings
+    await kafka.ensure_topics(settings)
+    producer = kafka.producer(settings)
+    await producer.start()
+    for record in records:
+        await producer.send(topic.name(settings), msgspec.json.encode(record), key=key)
+    await producer.flush()
+    await producer.stop()
+    stop = asyncio.Event()
+    task = asyncio.create_task(sink.run(stop))
+    for _ in range(300):
+        if sink.rows_written + sink.duplicates >= count:
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(task, 30)
+    return sink
