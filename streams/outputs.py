@@ -71,13 +71,9 @@ class OutputTopics:
         self.refusals = edge.Refusals(log)
         """Records dead-lettered, by kind; the first of each kind is logged as a warning."""
 
-    def consumed(self, topic: str) -> float:
-        """Count a record read from ``topic``; returns the time to pass to :meth:`processed`."""
-        self._count_read(topic, 1)
-        return time.perf_counter()
-
     def consumed_each(self, events: Sequence[Any]) -> float:
-        """:meth:`consumed` for each event of a batch, counted once per topic."""
+        """Count a batch's records read, per topic; returns the time to pass to
+        :meth:`processed`."""
         topic, count = events[0].message.topic, 0
         for event in events:
             if event.message.topic != topic:
