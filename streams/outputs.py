@@ -191,3 +191,34 @@ class OutputTopics:
                                   message.key, message.value, why)
         await self._deadletter.send(key=message.topic.encode(), value=self._encode(record))
         self.metrics.dead_letters.labels(message.topic, edge.kind_of(error)).inc()
+
+
+BATCH_MAX = 200
+"""Most records an agent handles between two awaits: enough to spread the per-await
+cost of the framework thin, few enough (a few ms of work) that an urgent hardware event,
+whose agent runs between two batches, is not held up."""
+
+
+def ready_events(app: Any, queue: Any, limit: int) -> list[Any]:
+    """Up to ``limit`` events already waiting in an agent's channel queue, without waiting.
+
+    For each it does what Faust's stream iterator does for the events it yields: an
+    event fetched before a rebalance (an older consumer generation, or flow stopped) is
+    skipped unprocessed and unacknowledged, since the rebalance's seek delivers it again;
+    the others are tracked as pending acknowledgement, so that no offset is committed
+    past them before the caller acknowledges them.
+    """
+    events: list[Any] = []
+    consumer = app.consumer
+    acking = app.topics.acking_topics
+    while len(events) < limit and not queue.empty():
+        event = queue.get_nowait()
+        message = event.message
+        if (not app.flow_control.is_active()
+                or message.generation_id != app.consumer_generation_id):
+            continue
+        if message.topic in acking and not message.tracked:
+            message.tracked = True
+            consumer.track_message(message)
+        events.append(event)
+    return events
