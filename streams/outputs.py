@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from gpusteward import edge, topics
+from gpusteward.metrics import observe_many
 from gpusteward.schema import Action, Finding, NodeSummary, Rollup, Subject
 from gpusteward.settings import Settings
 from gpusteward.streams.metrics import worker_metrics
@@ -94,9 +95,7 @@ class OutputTopics:
 
         For a batch of ``records``, the batch's mean, once per record (the count stays
         the records handled)."""
-        mean = (time.perf_counter() - started) / records
-        for _ in range(records):
-            self._processing.observe(mean)
+        observe_many(self._processing, (time.perf_counter() - started) / records, records)
 
     async def publish(self, outputs: Sequence[Finding | Action | NodeSummary | Rollup]
                       ) -> list[Awaitable[Any]]:
