@@ -406,7 +406,8 @@ def create_app(
             # does a rollup: one re-emitted after a crash has the same (device, minute) name,
             # and the store keeps one per name.
             due = record.ts - checkpointed_at >= checkpoint_s
-            decisive = any(not isinstance(output, NodeSummary | Rollup) for output in outputs)
+            decisive = bool(outputs) and any(not isinstance(output, NodeSummary | Rollup)
+                                             for output in outputs)
             if decisive or due or not isinstance(record, NodeSample):
                 # Encoded here, so that a state the encoder refuses dead-letters the record.
                 to_write[node] = encode_state(state)
