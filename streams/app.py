@@ -39,7 +39,7 @@ from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary,
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import FleetSettings, register_fleet_agent
 from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings
-from gpusteward.streams.outputs import BATCH_MAX, OutputTopics, ready_events
+from gpusteward.streams.outputs import BATCH_MAX, OutputTopics, raw_topic, ready_events
 from gpusteward.streams.policy_file import policy_from_env
 
 
@@ -345,10 +345,6 @@ def create_app(
     hw_name = topics.HW_EVENTS.name(settings)
     alloc_name = topics.ALLOCATIONS.name(settings)
 
-    def node_topic(*names: str) -> Any:
-        return app.topic(*names, key_type=bytes, value_type=bytes, key_serializer="raw",
-                         value_serializer="raw", partitions=kafka.node_partitions)
-
     outputs_to = OutputTopics(app, settings)
 
     # Values are msgpack-encoded NodeState bytes: the changelog carries exactly these.
@@ -454,8 +450,10 @@ def create_app(
     # batch being handled, never behind the second of samples fetched before it. The
     # rules order by event time, so an event handled before older samples of its node
     # means the same as after them.
-    app.agent(node_topic(samples_name, alloc_name), name="node-join")(node_join)
-    app.agent(node_topic(hw_name), name="node-join-hw")(node_join)
+    app.agent(raw_topic(app, samples_name, alloc_name, partitions=kafka.node_partitions),
+              name="node-join")(node_join)
+    app.agent(raw_topic(app, hw_name, partitions=kafka.node_partitions),
+              name="node-join-hw")(node_join)
 
     register_fleet_agent(app, settings, FleetSettings(policy=policy))
     return app

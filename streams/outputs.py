@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import faust
 import msgspec
 
 from gpusteward import edge, topics
@@ -32,10 +33,30 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class RawSchema(faust.Schema):
+    """Faust's schema of bytes keys and values (the ``raw`` codec), with a shorter decode.
+
+    Faust's compiled decode runs each key and value through its serializer registry
+    (codec lookup, type dispatch, ``want_bytes``) only to hand the same bytes back: a
+    few microseconds per record on the node join's hot path. This one makes the event
+    of the message's own bytes (None stays None), which is what that returns; encoding
+    is Faust's own.
+    """
+
+    def compile(self, app: Any, *, on_key_decode_error: Any = None,
+                on_value_decode_error: Any = None, default_propagate: bool = False) -> Any:
+        create_event = app.create_event
+
+        async def decode(message: Any, *, propagate: bool = default_propagate) -> Any:
+            return create_event(message.key, message.value, message.headers, message)
+
+        return decode
+
+
 def raw_topic(app: Any, *names: str, partitions: int) -> Any:
     """A Faust topic of raw bytes: payloads are msgspec JSON, decoded by the agents."""
-    return app.topic(*names, key_type=bytes, value_type=bytes, key_serializer="raw",
-                     value_serializer="raw", partitions=partitions)
+    return app.topic(*names, schema=RawSchema(), key_type=bytes, value_type=bytes,
+                     key_serializer="raw", value_serializer="raw", partitions=partitions)
 
 
 def subject_key(target: Subject) -> str:
