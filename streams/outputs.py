@@ -231,11 +231,12 @@ def ready_events(app: Any, queue: Any, limit: int) -> list[Any]:
     events: list[Any] = []
     consumer = app.consumer
     acking = app.topics.acking_topics
+    # Read once: nothing here awaits, so no rebalance can change them within the call.
+    active, generation = app.flow_control.is_active(), app.consumer_generation_id
     while len(events) < limit and not queue.empty():
         event = queue.get_nowait()
         message = event.message
-        if (not app.flow_control.is_active()
-                or message.generation_id != app.consumer_generation_id):
+        if not active or message.generation_id != generation:
             continue
         if message.topic in acking and not message.tracked:
             message.tracked = True
