@@ -455,11 +455,16 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         queue = stream.channel.queue
         async for first in stream.events():
             events = [first, *ready_events(app, queue, BATCH_MAX - 1)]
-            for event in events:
-                outputs = await outputs_to.guarded(event, "fleet", apply_fleet)
-                if outputs:
-                    await outputs_to.publish(outputs)
-            write_checkpoint()
+            try:
+                for event in events:
+                    outputs = await outputs_to.guarded(event, "fleet", apply_fleet)
+                    if outputs:
+                        await outputs_to.publish(outputs)
+            finally:
+                # Also when the agent is stopped mid-batch: the stream acknowledges the
+                # first event even then, so the state after it must be on the changelog
+                # (the snapshot is of whole records: one cut short is not in it).
+                write_checkpoint()
             for event in events[1:]:  # the stream acknowledges the first
                 event.ack()
 
