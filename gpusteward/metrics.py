@@ -133,6 +133,22 @@ async def observe_lag(metrics: PipelineMetrics, consumer: Any, group: str) -> No
         metrics.consumer_lag.labels(group, topic).set(lag)
 
 
+def observe_many(histogram: Any, value: float, count: int) -> None:
+    """What ``count`` calls of ``histogram.observe(value)`` record, in one step.
+
+    prometheus-client observes one value per call (a bucket search and two locked
+    increments, about 0.6 µs); the node join times a batch of records by its mean and
+    would pay that once per record. This adds to the sum and to the one bucket as those
+    calls would, through the client's own value objects (``_sum``, ``_upper_bounds`` and
+    ``_buckets`` of a histogram child, unchanged since prometheus-client 0.4).
+    """
+    histogram._sum.inc(value * count)
+    for bound, bucket in zip(histogram._upper_bounds, histogram._buckets, strict=True):
+        if value <= bound:
+            bucket.inc(count)
+            return
+
+
 def metric_names(registries: Iterable[CollectorRegistry]) -> set[str]:
     """Every series name the registries can export (``_total``, ``_bucket`` … included)."""
     suffixes = {"counter": ("_total", "_created"), "gauge": ("",),

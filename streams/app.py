@@ -39,7 +39,7 @@ from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary,
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import FleetSettings, register_fleet_agent
 from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings
-from gpusteward.streams.outputs import OutputTopics
+from gpusteward.streams.outputs import BATCH_MAX, OutputTopics, raw_topic, ready_events
 from gpusteward.streams.policy_file import policy_from_env
 
 
@@ -148,8 +148,8 @@ def _transport_for(settings: Settings) -> type[faust_aiokafka.Transport]:
             waiting. Here a record is delivered directly while the flow runs, and
             raced as Faust does while it is suspended. A delivery the suspension
             catches waiting (its queue full) completes when the flow resumes, with the
-            old generation, which the stream and :func:`_ready_events` skip: the same
-            outcome as Faust's, whose cancelled delivery is also read again after the
+            old generation, which the stream and :func:`.outputs.ready_events` skip: the
+            same outcome as Faust's, whose cancelled delivery is also read again after the
             rebalance's seek. Otherwise this is Faust 0.15's loop.
             """
             callback = self.callback
@@ -345,10 +345,6 @@ def create_app(
     hw_name = topics.HW_EVENTS.name(settings)
     alloc_name = topics.ALLOCATIONS.name(settings)
 
-    def node_topic(*names: str) -> Any:
-        return app.topic(*names, key_type=bytes, value_type=bytes, key_serializer="raw",
-                         value_serializer="raw", partitions=kafka.node_partitions)
-
     outputs_to = OutputTopics(app, settings)
 
     # Values are msgpack-encoded NodeState bytes: the changelog carries exactly these.
@@ -406,7 +402,8 @@ def create_app(
             # does a rollup: one re-emitted after a crash has the same (device, minute) name,
             # and the store keeps one per name.
             due = record.ts - checkpointed_at >= checkpoint_s
-            decisive = any(not isinstance(output, NodeSummary | Rollup) for output in outputs)
+            decisive = bool(outputs) and any(not isinstance(output, NodeSummary | Rollup)
+                                             for output in outputs)
             if decisive or due or not isinstance(record, NodeSample):
                 # Encoded here, so that a state the encoder refuses dead-letters the record.
                 to_write[node] = encode_state(state)
@@ -430,7 +427,7 @@ def create_app(
         # of the batch is acknowledged (at least once).
         queue = stream.channel.queue
         async for first in stream.events():
-            events = [first, *_ready_events(app, queue, BATCH_MAX - 1)]
+            events = [first, *ready_events(app, queue, BATCH_MAX - 1)]
             started = outputs_to.consumed_each(events)
             writes: dict[bytes, bytes] = {}
             async with one_batch:
@@ -453,8 +450,10 @@ def create_app(
     # batch being handled, never behind the second of samples fetched before it. The
     # rules order by event time, so an event handled before older samples of its node
     # means the same as after them.
-    app.agent(node_topic(samples_name, alloc_name), name="node-join")(node_join)
-    app.agent(node_topic(hw_name), name="node-join-hw")(node_join)
+    app.agent(raw_topic(app, samples_name, alloc_name, partitions=kafka.node_partitions),
+              name="node-join")(node_join)
+    app.agent(raw_topic(app, hw_name, partitions=kafka.node_partitions),
+              name="node-join-hw")(node_join)
 
     register_fleet_agent(app, settings, FleetSettings(policy=policy))
     return app
@@ -464,37 +463,6 @@ def _checkpoint(table: Any, writes: dict[bytes, bytes]) -> None:
     """Write the batch's encoded node states to the changelog-backed table."""
     for node, state in writes.items():
         table[node] = state
-
-
-BATCH_MAX = 200
-"""Most records the node join handles between two awaits: enough to spread the per-await
-cost of the framework thin, few enough (a few ms of work) that an urgent hardware event,
-whose agent runs between two batches, is not held up."""
-
-
-def _ready_events(app: faust.App, queue: Any, limit: int) -> list[Any]:
-    """Up to ``limit`` events already waiting in an agent's channel queue, without waiting.
-
-    For each it does what Faust's stream iterator does for the events it yields: an
-    event fetched before a rebalance (an older consumer generation, or flow stopped) is
-    skipped unprocessed and unacknowledged, since the rebalance's seek delivers it again;
-    the others are tracked as pending acknowledgement, so that no offset is committed
-    past them before the caller acknowledges them.
-    """
-    events: list[Any] = []
-    consumer = app.consumer
-    acking = app.topics.acking_topics
-    while len(events) < limit and not queue.empty():
-        event = queue.get_nowait()
-        message = event.message
-        if (not app.flow_control.is_active()
-                or message.generation_id != app.consumer_generation_id):
-            continue
-        if message.topic in acking and not message.tracked:
-            message.tracked = True
-            consumer.track_message(message)
-        events.append(event)
-    return events
 
 
 def _node(record: NodeSample | HwEvent) -> str:

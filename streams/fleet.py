@@ -85,7 +85,7 @@ from gpusteward.schema import (
     QueueEvent,
 )
 from gpusteward.settings import Settings
-from gpusteward.streams.outputs import OutputTopics, raw_topic
+from gpusteward.streams.outputs import BATCH_MAX, OutputTopics, raw_topic, ready_events
 
 log = logging.getLogger(__name__)
 
@@ -395,9 +395,21 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             return await fold(event, record, state, checkpointed_at)
         except Exception:
             # The record may have half-changed the state: back to the last checkpoint,
-            # as after a crash.
+            # as after a crash (the batch's, written first).
+            write_checkpoint()
             live.pop(state_key, None)
             raise
+
+    # The state encoded after the last record due a checkpoint, written to the table once
+    # per batch, before its records are acknowledged (and before a failed record's
+    # rollback): one changelog record per batch, where one per queue event put every
+    # admission's whole queue state (about 100 KB on a 10,000-GPU fleet) on the changelog.
+    unwritten: dict[bytes, bytes] = {}
+
+    def write_checkpoint() -> None:
+        for key, value in unwritten.items():
+            fleet_table[key] = value
+        unwritten.clear()
 
     async def fold(event: Any, record: NodeSummary | QueueEvent, state: FleetState,
                    checkpointed_at: float) -> list[FleetOutput]:
@@ -415,9 +427,9 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             # consumer keeps heart-beating. Nothing else touches this state meanwhile:
             # this agent awaits it before taking the next record.
             outputs += await asyncio.to_thread(evaluator.mig_advice, state, slot)
-        # Queue events are written at once (a lost admission would leave a phantom pending
-        # workload after a restart); summaries only every checkpoint_s, since the next
-        # summary of a node replaces a lost one.
+        # Queue events are checkpointed with their batch, before it is acknowledged (a lost
+        # admission would leave a phantom pending workload after a restart); summaries only
+        # every checkpoint_s, since the next summary of a node replaces a lost one.
         is_queue = isinstance(record, QueueEvent)
         for node in state.departed:
             nodes_table.pop(node.encode(), None)
@@ -430,7 +442,7 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                 mig_table[key.encode()] = encode_msgpack(workload)
         state.mig.touched = []
         if outputs or is_queue or record.ts - checkpointed_at >= checkpoint_s:
-            fleet_table[state_key] = encode_msgpack(msgspec.structs.replace(
+            unwritten[state_key] = encode_msgpack(msgspec.structs.replace(
                 state, nodes={}, mig=msgspec.structs.replace(state.mig, workloads={})))
             checkpointed_at = record.ts
         live[state_key] = (state, checkpointed_at)
@@ -438,10 +450,23 @@ def register_fleet_agent(app: faust.App, settings: Settings,
 
     @app.agent(fleet_topics, name="fleet")
     async def fleet(stream: Any) -> None:
-        async for event in stream.events():
-            outputs = await outputs_to.guarded(event, "fleet", apply_fleet)
-            if outputs:
-                await outputs_to.publish(outputs)
+        # In batches, as the node join: the event the stream yields and those already
+        # delivered behind it, each guarded on its own, then one checkpoint.
+        queue = stream.channel.queue
+        async for first in stream.events():
+            events = [first, *ready_events(app, queue, BATCH_MAX - 1)]
+            try:
+                for event in events:
+                    outputs = await outputs_to.guarded(event, "fleet", apply_fleet)
+                    if outputs:
+                        await outputs_to.publish(outputs)
+            finally:
+                # Also when the agent is stopped mid-batch: the stream acknowledges the
+                # first event even then, so the state after it must be on the changelog
+                # (the snapshot is of whole records: one cut short is not in it).
+                write_checkpoint()
+            for event in events[1:]:  # the stream acknowledges the first
+                event.ack()
 
     async def apply_spot(event: Any) -> tuple[list[FleetOutput], bytes, bytes] | None:
         """What to publish, and the node's track to write once it is delivered."""

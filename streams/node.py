@@ -387,7 +387,9 @@ class NodeJoin:
             for hook, name, typed, state_type, settings in plans[2 * (device.kind == "gpu")
                                                                  + shared]:
                 track = getattr(dev, name) if typed else state_in(dev.tracks, name, state_type)
-                out += hook(track, node, device, ts, settings, holder)
+                found = hook(track, node, device, ts, settings, holder)
+                if found:  # almost never: no list to extend
+                    out += found
         if state.gpu_model is None and sample.devices:
             state.gpu_model = sample.devices[0].model
             state.gpu_count = state.gpu_count or sum(d.kind == "gpu" for d in sample.devices)

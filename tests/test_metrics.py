@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpusteward.metrics import OpenFindings, PipelineMetrics, metric_names, serve
+from gpusteward.metrics import OpenFindings, PipelineMetrics, metric_names, observe_many, serve
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -78,3 +78,22 @@ def test_metric_names_follow_the_conventions():
     assert "gpusteward_consumer_lag_records" in names
     for name in names:
         assert name.startswith("gpusteward_")
+
+
+@pytest.mark.parametrize("value", [0.0, 1e-4, 0.003, 7.0, 1e6])  # a bound, between, +Inf
+def test_observe_many_records_what_as_many_observations_record(value: float):
+    one_by_one, at_once = PipelineMetrics(), PipelineMetrics()
+    for _ in range(7):
+        one_by_one.processing.labels("node_join").observe(value)
+    observe_many(at_once.processing.labels("node_join"), value, 7)
+
+    def samples(metrics: PipelineMetrics) -> dict[tuple[str, str], float]:
+        return {(sample.name, sample.labels.get("le", "")): sample.value
+                for family in metrics.registry.collect()
+                if family.name == "gpusteward_processing_seconds"
+                for sample in family.samples if not sample.name.endswith("_created")}
+
+    expected = samples(one_by_one)
+    assert expected[("gpusteward_processing_seconds_count", "")] == 7
+    assert samples(at_once) == pytest.approx(expected)
+

