@@ -436,6 +436,12 @@ def create_app(
                 try:
                     await outputs_to.emit_then_checkpoint(
                         outputs, partial(_checkpoint, state_table, writes) if writes else None)
+                except asyncio.CancelledError:
+                    # Stopped mid-batch: the stream acknowledges the first event even then,
+                    # so its node's state must be on the changelog (the producer delivers
+                    # what is in flight as it stops), as the fleet agent does.
+                    _checkpoint(state_table, writes)
+                    raise
                 except BaseException:
                     for node in writes:  # not checkpointed: re-processing starts from the last
                         live.pop(node, None)

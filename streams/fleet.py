@@ -451,7 +451,10 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     @app.agent(fleet_topics, name="fleet")
     async def fleet(stream: Any) -> None:
         # In batches, as the node join: the event the stream yields and those already
-        # delivered behind it, each guarded on its own, then one checkpoint.
+        # delivered behind it, each guarded on its own, then one checkpoint. A record whose
+        # rules emitted findings or actions checkpoints once they are delivered: the state
+        # says they were reported, and written first, a crash between the two writes would
+        # lose them (recovery trusts the changelog and re-processing emits nothing).
         queue = stream.channel.queue
         async for first in stream.events():
             events = [first, *ready_events(app, queue, BATCH_MAX - 1)]
@@ -459,12 +462,21 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                 for event in events:
                     outputs = await outputs_to.guarded(event, "fleet", apply_fleet)
                     if outputs:
-                        await outputs_to.publish(outputs)
-            finally:
-                # Also when the agent is stopped mid-batch: the stream acknowledges the
-                # first event even then, so the state after it must be on the changelog
-                # (the snapshot is of whole records: one cut short is not in it).
+                        await outputs_to.emit_then_checkpoint(outputs, write_checkpoint)
+            except asyncio.CancelledError:
+                # Stopped mid-batch: the stream acknowledges the first event even then, so
+                # the state after it must be on the changelog (the snapshot is of whole
+                # records: one cut short is not in it). The producer delivers what is in
+                # flight as it stops.
                 write_checkpoint()
+                raise
+            except BaseException:
+                # A delivery failed: the state since the last checkpoint may say it was
+                # reported. Back to that checkpoint; the records are read again.
+                unwritten.clear()
+                live.pop(state_key, None)
+                raise
+            write_checkpoint()
             for event in events[1:]:  # the stream acknowledges the first
                 event.ack()
 

@@ -1,11 +1,12 @@
 """``gpusteward worker``, made to die in the window between a finding and its state.
 
-Run as a script by ``test_emit_order.py``. The node-state changelog write that
-records an open XID episode (the state that says "this finding was reported") is
-watched. When it is issued, the script checks that the finding is already on the
-findings topic, and exits with ``WRITTEN_FIRST`` if it is not (the order that lost
-findings). Otherwise it lets the changelog record land and then dies at once with
-``KILLED_BETWEEN``: a SIGKILL between the two writes, at the one moment it matters.
+Run as a script by ``test_emit_order.py``. The changelog writes that record a
+finding as reported are watched: a node state with an open XID episode (the node
+join) and a fleet state with an open queue-wait breach (the fleet agent). When one
+is issued, the script checks that the finding is already on the findings topic, and
+exits with ``WRITTEN_FIRST`` if it is not (the order that lost findings). Otherwise
+it lets the changelog record land and then dies at once with ``KILLED_BETWEEN``: a
+SIGKILL between the two writes, at the one moment it matters.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from faust.tables.base import Collection
 from gpusteward import kafka, topics
 from gpusteward.cli import main
 from gpusteward.settings import Settings
+from gpusteward.streams.fleet import FleetState
 from gpusteward.streams.node import NodeState
 
 WRITTEN_FIRST = 3
 KILLED_BETWEEN = 9
 
-_decode = msgspec.msgpack.Decoder(NodeState).decode
+_node_state = msgspec.msgpack.Decoder(NodeState).decode
+_fleet_state = msgspec.msgpack.Decoder(FleetState).decode
 _send_changelog = Collection.send_changelog
 
 
@@ -44,12 +47,22 @@ def _findings_on_topic() -> int:
 
 def _reports_xid(value: Any) -> bool:
     return isinstance(value, bytes) and any(
-        dev.hw.xid.open for dev in _decode(value).devices.values())
+        dev.hw.xid.open for dev in _node_state(value).devices.values())
+
+
+def _reports_wait_breach(value: Any) -> bool:
+    return isinstance(value, bytes) and any(
+        waiting.open_id is not None for waiting in _fleet_state(value).queue.waiting.values())
+
+
+_REPORTS = {"node-state": _reports_xid, "fleet-state": _reports_wait_breach}
+"""Per table, whether a state value records a finding as reported."""
 
 
 def send_changelog(self: Any, partition: Any, key: Any, value: Any, *args: Any,
                    **kwargs: Any) -> Any:
-    if self.name == "node-state" and _reports_xid(value):
+    reports = _REPORTS.get(self.name)
+    if reports is not None and reports(value):
         if _findings_on_topic() == 0:
             os._exit(WRITTEN_FIRST)
         landed = _send_changelog(self, partition, key, value, *args, **kwargs)
