@@ -30,6 +30,7 @@ from figures import Figure
 
 from gpusteward.reports import compute
 from gpusteward.rules.mig import geometry, layout
+from gpusteward.sandbox import rollups
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATE = """
@@ -69,7 +70,9 @@ def _report(gpus: int) -> list[Figure]:
     folder = _cache() / f"bench-rollups-{gpus}"
     fleet = f"{gpus:,} GPUs"
     figures: list[Figure] = []
-    if not (folder / "synthetic.json").exists():
+    # Written again when the recipe or the store's column types changed.
+    if not rollups.written(folder, rollups.recipe(week.start, gpus, gpus // 2, teams=12,
+                                                  seed=1)):
         child = subprocess.run([sys.executable, "-P", "-c", GENERATE, str(folder), str(gpus),
                                 str(week.start)], capture_output=True, text=True, check=True)
         rows, seconds, writing = (float(v) for v in child.stdout.split())

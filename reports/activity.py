@@ -67,22 +67,40 @@ class ActivityFold:
         # breaks idleness into tens of millions of runs.
         self.closed = pl.DataFrame(schema=CLOSED_SCHEMA)
         self.open = pl.DataFrame(schema=RUN_SCHEMA)
+        self.inner: list[pl.DataFrame] = []
+        """Runs that are whole episodes (see :meth:`add`), as :data:`CLOSED_SCHEMA`."""
 
     def add(self, rows: pl.DataFrame) -> None:
+        """Fold one slice: all rows of its minutes, after those of the slice before (as
+        :func:`store.slices` yields them)."""
         rows = rows.select("ts", "uuid", *COLUMNS).filter(pl.col("pod").is_not_null()
                                                          ).with_columns(
-            pl.coalesce("team", "namespace", pl.lit("unattributed")).alias("team"),
+            # A categorical fallback: a text one would turn the whole column into text.
+            pl.coalesce("team", "namespace", pl.lit("unattributed", dtype=pl.Categorical)
+                        ).alias("team"),
             (pl.col("gpu_fraction").cast(pl.Float64) / 60).alias("gpu_hours"),
             (pl.col("util_max").fill_null(0) < self.idle_threshold_pct).alias("idle"))
         if rows.is_empty():
             return
-        stamp = (pl.col("ts") * 1000).cast(pl.Int64).cast(pl.Datetime("ms", "UTC"))
-        self.hours.append(rows.group_by(
-            "team", stamp.dt.weekday().alias("weekday"), stamp.dt.hour().alias("hour")).agg(
+        # Grouped by the hour's start, a number: a slice lies in one day, so it stands for
+        # (weekday, hour), which are then worked out once per group instead of per row.
+        stamp = ((pl.col("ts") // 3600 * 3600_000).cast(pl.Int64)
+                 .cast(pl.Datetime("ms", "UTC")))
+        self.hours.append(rows.group_by(stamp.alias("stamp"), "team").agg(
             pl.col("gpu_hours").sum().alias("allocated_gpu_hours"),
             (pl.col("gpu_hours") * pl.col("util_mean").fill_null(0) / 100).sum()
-            .alias("used_gpu_hours")))
-        self.runs.append(_runs(rows.filter("idle")))
+            .alias("used_gpu_hours")).select(
+            "team", pl.col("stamp").dt.weekday().alias("weekday"),
+            pl.col("stamp").dt.hour().alias("hour"), "allocated_gpu_hours",
+            "used_gpu_hours"))
+        runs = _runs(rows.filter("idle"))
+        # A run that starts and ends more than a gap inside the slice cannot continue one
+        # of another slice, which holds only earlier or later minutes: it is a whole
+        # episode, and only the few runs at the slice's edges are joined.
+        inner = ((pl.col("first") - rows["ts"].min() > 1.5 * MINUTE_S)
+                 & (rows["ts"].max() - pl.col("last") > 1.5 * MINUTE_S))
+        self.inner.append(_as_closed(runs.filter(inner)))
+        self.runs.append(runs.filter(~inner))
         if len(self.runs) >= COMPACT_EVERY:
             self._compact()
 
@@ -90,10 +108,11 @@ class ActivityFold:
         """Join the runs into episodes; keep each key's last episode open, sum the others."""
         key = ["uuid", *NAME]
         episodes = _episodes(pl.concat([self.open, *self.runs]))
-        self.runs = []
         latest = pl.col("last") == pl.col("last").max().over(key)
         self.open = episodes.filter(latest)
-        self.closed = _closed(pl.concat([self.closed, _as_closed(episodes.filter(~latest))]))
+        self.closed = _closed(pl.concat([self.closed, *self.inner,
+                                         _as_closed(episodes.filter(~latest))]))
+        self.runs, self.inner = [], []
 
     def finish(self) -> Activity:
         heatmap_schema = {"team": pl.String, "weekday": pl.Int8, "hour": pl.Int8,
@@ -118,8 +137,10 @@ def fold(directory: Path, start: float, end: float, idle_threshold_pct: float) -
     return activity.finish()
 
 
-RUN_SCHEMA = {"uuid": pl.String, **dict.fromkeys(POD, pl.String), "first": pl.Float64,
-              "last": pl.Float64, "gpu_hours": pl.Float64}
+# The text columns stay categoricals (as :func:`store.slices` reads them) until the holders
+# table: runs and episodes are sorted and grouped by them several times a slice.
+RUN_SCHEMA = {"uuid": pl.Categorical, **dict.fromkeys(POD, pl.Categorical),
+              "first": pl.Float64, "last": pl.Float64, "gpu_hours": pl.Float64}
 
 
 def _latest(columns: list[str], by: str | None = None) -> list[pl.Expr]:
@@ -129,19 +150,29 @@ def _latest(columns: list[str], by: str | None = None) -> list[pl.Expr]:
             for c in columns]
 
 
+def _codes(columns: list[str]) -> list[pl.Expr]:
+    """Sort keys that put each key's rows together: the categoricals' codes (the same for
+    a text everywhere in this process), not their text, whose order is not needed and
+    costs several times as much to sort by."""
+    return [pl.col(c).to_physical() for c in columns]
+
+
 def _runs(idle: pl.DataFrame) -> pl.DataFrame:
     """Unbroken runs of idle minutes per (device, pod): first and last minute, GPU-hours,
     and the pod's owner and team as the run's last minute knew them."""
     key = ["uuid", *NAME]
-    ordered = idle.sort([*key, "ts"])
+    ordered = idle.sort([*_codes(key), "ts"])
     # A new run where the key changes or a minute is missing.
     gap = ((pl.col("ts").diff() > 1.5 * MINUTE_S)
            | pl.any_horizontal([pl.col(k).ne_missing(pl.col(k).shift()) for k in key])
            ).fill_null(True)
+    # Grouped by the run's number alone (its key is the same on all its rows): one integer
+    # groups several times faster than it with the key's three columns.
     return (ordered.with_columns(gap.cum_sum().alias("run"))
-            .group_by("run", *key).agg(pl.col("ts").min().alias("first"),
-                                       pl.col("ts").max().alias("last"),
-                                       pl.col("gpu_hours").sum(), *_latest(ABOUT))
+            .group_by("run").agg(*[pl.col(k).first() for k in key],
+                                 pl.col("ts").min().alias("first"),
+                                 pl.col("ts").max().alias("last"),
+                                 pl.col("gpu_hours").sum(), *_latest(ABOUT))
             .select(*RUN_SCHEMA).cast(RUN_SCHEMA))  # type: ignore[arg-type]
 
 
@@ -150,16 +181,17 @@ def _episodes(runs: pl.DataFrame) -> pl.DataFrame:
     the minute after the previous one of its key ended continues it (across slices, so an
     episode that crosses midnight is one)."""
     key = ["uuid", *NAME]
-    every = runs.sort([*key, "first"])
-    return every.with_columns(
-        ((pl.col("first") - pl.col("last").shift().over(key) > 1.5 * MINUTE_S)
-         .fill_null(True)).cum_sum().over(key).alias("episode")).group_by(
-        *key, "episode").agg(
-        pl.col("first").min(), pl.col("last").max(), pl.col("gpu_hours").sum(),
-        *_latest(ABOUT)).select(*RUN_SCHEMA)
+    every = runs.sort([*_codes(key), "first"])
+    # A new episode where the key changes or the gap after the key's previous run is long.
+    gap = ((pl.col("first") - pl.col("last").shift() > 1.5 * MINUTE_S)
+           | pl.any_horizontal([pl.col(k).ne_missing(pl.col(k).shift()) for k in key])
+           ).fill_null(True)
+    return every.with_columns(gap.cum_sum().alias("episode")).group_by("episode").agg(
+        *[pl.col(k).first() for k in key], pl.col("first").min(), pl.col("last").max(),
+        pl.col("gpu_hours").sum(), *_latest(ABOUT)).select(*RUN_SCHEMA)
 
 
-CLOSED_SCHEMA = {"uuid": pl.String, **dict.fromkeys(POD, pl.String),
+CLOSED_SCHEMA = {"uuid": pl.Categorical, **dict.fromkeys(POD, pl.Categorical),
                  "gpu_hours": pl.Float64, "hours": pl.Float64, "last": pl.Float64}
 """Episodes per (device, pod), summed: idle GPU-hours, the longest episode's hours, the
 last idle minute (which orders the owner and team known last)."""
@@ -185,5 +217,6 @@ def _holders(episodes: pl.DataFrame) -> pl.DataFrame:
         pl.col("gpu_hours").sum().alias("idle_gpu_hours"),
         pl.col("hours").max().alias("longest_episode_h"),
         pl.col("uuid").n_unique().cast(pl.UInt32).alias("devices"), *_latest(ABOUT, "last"))
-        .select(*POD, "idle_gpu_hours", "longest_episode_h", "devices")
+        .select(*[pl.col(c).cast(pl.String) for c in POD], "idle_gpu_hours",
+                "longest_episode_h", "devices")
         .sort(["idle_gpu_hours", "namespace", "pod"], descending=[True, False, False]))

@@ -109,7 +109,8 @@ def prepare(rows: pl.DataFrame, settings: ReportSettings,
     aggregations uses, in one pass over each slice.
     """
     frame = rows.select([c if isinstance(c, str) else c.meta.output_name() for c in READ])
-    models = frame["model"].cast(pl.String).unique().to_list()
+    # The distinct models first: as text, every row's model would be made a string.
+    models = frame["model"].unique().cast(pl.String).to_list()
     mapping = canonical_models([m for m in models if m is not None], settings, geometries)
     prices = {m: settings.hourly_usd(c) for m, c in mapping.items()}
     strings = ["node", "uuid", "kind", "parent_uuid", "mig_profile", "namespace", "owner_kind",

@@ -63,7 +63,7 @@ class RollupSink:
         self.group_id = group_id
         self.spec = spec
         self.to_frame = to_frame
-        self.schema = schema or store.SCHEMA
+        self.schema = schema or store.STORED
         self.buffer: list[Any] = []
         self.files_written = 0
         self.rows_written = 0

@@ -19,11 +19,13 @@ original), and folds each slice, in one polars plan per slice, into
   computed exactly, with the same polars expressions as before.
 
 The next slice is read in a thread while one is folded. Where the CPU goes
-(10,000 GPUs, per 1.8 M rows, one thread): reading the Parquet columns 0.4 s,
-most of it making categoricals of the text columns (the pod name is read only
-as a flag); grouping by workload and device 0.25 s, by workload and minute
-0.2 s; the rest under 0.1 s each; spilling 0.1 s and the percentiles at the
-end as much again.
+(10,000 GPUs, per slice of 2.4 M rows, all threads): reading the Parquet
+columns 0.35 s (the store writes text as dictionaries, read straight into
+categoricals; text columns cost three times as much) and dropping repeats
+0.12 s; deriving the report's columns and the workload hash 0.35 s; grouping
+by workload and device 0.16 s, by workload and minute 0.19 s; the rest under
+0.1 s each; the activity fold (:mod:`gpusteward.reports.activity`) 0.35 s;
+the percentiles at the end 7 s for the week.
 
 Peak memory is then one slice, one split and the partial tables. Every
 figure is the same aggregation of the same rows as a direct polars

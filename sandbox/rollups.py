@@ -20,6 +20,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -124,18 +125,33 @@ def week_of_rollups(start: float, gpus: int = 64, workloads: int = 40, teams: in
                                        seed)))
 
 
+def recipe(start: float, gpus: int, workloads: int, teams: int = 12, seed: int = 1
+           ) -> dict[str, Any]:
+    """What a synthetic week is made of, down to the store's column types: a store
+    written another way is written again."""
+    return {"start": start, "gpus": gpus, "workloads": workloads, "teams": teams,
+            "seed": seed, "schema": list(SCHEMA),
+            "stored": {c: str(t) for c, t in store.STORED.items()}}
+
+
+def written(directory: Path, made_of: dict[str, Any]) -> bool:
+    """Whether the store at ``directory`` holds the synthetic week of ``made_of``."""
+    marker = directory / "synthetic.json"
+    return marker.exists() and json.loads(marker.read_text()).get("recipe") == made_of
+
+
 def write_week(directory: Path, start: float, gpus: int, workloads: int, teams: int = 12,
                seed: int = 1, hours_per_file: int = 6) -> tuple[int, float]:
     """Write a synthetic week into the store at ``directory`` unless it is there already.
 
-    A ``synthetic.json`` beside the day folders records what was written, and is
-    written last, so an interrupted run starts again. Returns the number of rows
-    and the seconds spent writing them (generating them not counted).
+    A ``synthetic.json`` beside the day folders records what was written
+    (:func:`recipe`), and is written last, so an interrupted run starts again.
+    Returns the number of rows and the seconds spent writing them (generating them
+    not counted).
     """
-    recipe = {"start": start, "gpus": gpus, "workloads": workloads, "teams": teams,
-              "seed": seed, "schema": list(SCHEMA)}
+    made_of = recipe(start, gpus, workloads, teams, seed)
     marker = directory / "synthetic.json"
-    if marker.exists() and json.loads(marker.read_text()).get("recipe") == recipe:
+    if written(directory, made_of):
         done = json.loads(marker.read_text())
         return int(done["rows"]), float(done.get("write_s", "nan"))
     for old in directory.glob("day=*"):
@@ -154,5 +170,5 @@ def write_week(directory: Path, start: float, gpus: int, workloads: int, teams: 
             store.write(directory, pl.concat(pending))
             writing += time.perf_counter() - began
             pending = []
-    marker.write_text(json.dumps({"recipe": recipe, "rows": rows, "write_s": writing}))
+    marker.write_text(json.dumps({"recipe": made_of, "rows": rows, "write_s": writing}))
     return rows, writing

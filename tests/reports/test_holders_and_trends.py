@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 from gpusteward.reports import activity, archive, build, compute, findings, render, store
@@ -221,3 +222,43 @@ def test_holders_are_the_same_when_runs_are_compacted_after_every_slice(
 def _hourly(slices):
     """store.slices cut an hour at a time (many slices, many compactions)."""
     return lambda *args, **kwargs: slices(*args, **{**kwargs, "rows": 1})
+
+
+def test_holders_equal_a_whole_week_computation_of_their_episodes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hourly slices cut thousands of idle runs, whole episodes are summed as they are and
+    the runs at the slices' edges joined: the holders are those of the week's idle minutes
+    taken at once (an episode: one device and pod's idle minutes, none more than a minute
+    and a half apart)."""
+    from gpusteward.sandbox import rollups as synthetic
+
+    rows = pl.concat([
+        synthetic.week_of_rollups(WEEK.start, gpus=8, workloads=6, teams=2, seed=3),
+        # Idle across two hourly slices' edges, ending inside a slice.
+        store.frame(_held(WEEK.start + 10.5 * HOUR, "nb-x", "vision", 1.75, 0.0, 99))])
+    store.write(tmp_path, rows)
+    key = ["uuid", "namespace", "pod"]
+    idle = (rows.filter(pl.col("pod").is_not_null()
+                        & (pl.col("util_max").fill_null(0) < 30.0)).sort([*key, "ts"]))
+    gap = ((pl.col("ts").diff() > 90) | pl.any_horizontal(
+        [pl.col(k).ne_missing(pl.col(k).shift()) for k in key])).fill_null(True)
+    episodes = idle.with_columns(gap.cum_sum().alias("episode")).group_by("episode").agg(
+        pl.col("namespace", "pod", "uuid").first(),
+        (pl.col("gpu_fraction").cast(pl.Float64) / 60).sum().alias("gpu_hours"),
+        ((pl.col("ts").max() - pl.col("ts").min() + 60) / 3600).alias("hours"))
+    expected = episodes.group_by("namespace", "pod").agg(
+        pl.col("gpu_hours").sum().alias("idle_gpu_hours"),
+        pl.col("hours").max().alias("longest_episode_h"),
+        pl.col("uuid").n_unique().alias("devices")).sort("namespace", "pod")
+    assert episodes.height > 1000 and (episodes["hours"] > 1).sum() > 20  # across slices
+    monkeypatch.setattr(activity, "COMPACT_EVERY", 3)
+    monkeypatch.setattr(store, "slices", _hourly(store.slices))
+    holders = activity.fold(tmp_path, WEEK.start, WEEK.end, 30.0).holders
+    got = holders.select(expected.columns).sort("namespace", "pod")
+    assert got["pod"].to_list() == expected["pod"].to_list()
+    assert got.row(by_predicate=pl.col("pod") == "nb-x", named=True)["longest_episode_h"] == 1.75
+    assert got["devices"].to_list() == expected["devices"].to_list()
+    assert got["longest_episode_h"].to_list() == pytest.approx(
+        expected["longest_episode_h"].to_list(), rel=1e-12)
+    assert got["idle_gpu_hours"].to_list() == pytest.approx(
+        expected["idle_gpu_hours"].to_list(), rel=1e-9)

@@ -23,7 +23,7 @@ def test_rows_land_in_their_day_folder_with_no_temporary_left(tmp_path: Path) ->
     assert not [p for p in tmp_path.rglob(".*")]
     back = pl.read_parquet(written).sort("ts")
     assert back["ts"].to_list() == [MIDNIGHT - 60, MIDNIGHT, MIDNIGHT + 60]
-    assert back.schema == pl.Schema(store.SCHEMA)
+    assert back.schema == pl.Schema(store.STORED)
 
 
 def test_scan_ignores_partial_files_and_drops_redelivered_rows(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from gpusteward.reports import build, compute, store, weekly
+from gpusteward.reports import activity, build, compute, store, weekly
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry
 from gpusteward.sandbox import rollups as synthetic
@@ -69,3 +69,43 @@ def test_missing_days_and_another_versions_store_are_named(tmp_path: Path) -> No
     rows.drop("util_mean").head(10).write_parquet(old / f"part-{int(WEEK.start)}-x.parquet")
     with pytest.raises(store.StoreError, match=r"another version.*lacks util_mean"):
         build.build(tmp_path / "old", WEEK, ReportSettings())
+
+
+def test_a_store_of_text_and_dictionary_files_folds_as_one_of_either(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store written before the text columns became dictionaries, and carried on by
+    this version's sink, gives the numbers of a store written all one way."""
+    rows = synthetic.week_of_rollups(WEEK.start, gpus=16, workloads=10, teams=3, seed=5)
+    middle = WEEK.start + 2.5 * 86400  # the third day holds files of both kinds
+    new, mixed = tmp_path / "new", tmp_path / "mixed"
+    store.write(new, rows)
+    store.write(mixed, rows.filter(pl.col("ts") < middle), store.SCHEMA)
+    store.write(mixed, rows.filter(pl.col("ts") >= middle))
+    # Redelivered copies in the other kind of file, on both sides of the change.
+    store.write(mixed, rows.filter(pl.col("ts") >= middle).head(3_000), store.SCHEMA)
+    store.write(mixed, rows.filter(pl.col("ts") < middle).tail(3_000))
+    kinds = {str(pl.read_parquet_schema(p)["uuid"]) for p in mixed.rglob("*.parquet")}
+    assert kinds == {"String", "Categorical"}
+    third = {str(pl.read_parquet_schema(p)["uuid"])
+             for p in (mixed / f"day={WEEK.days[2].isoformat()}").glob("*.parquet")}
+    assert third == {"String", "Categorical"}
+    monkeypatch.setattr(weekly, "SLICE_ROWS", 20_000)
+    settings, geometries = ReportSettings(), geometry.load()
+
+    def fold(directory: Path) -> tuple[weekly.WeekTables, activity.Activity]:
+        holders = activity.ActivityFold(settings.idle_threshold_pct)
+        tables = weekly.fold_week(directory, WEEK.start, WEEK.end, settings, geometries,
+                                  also=[holders])
+        return tables, holders.finish()
+
+    (tables, idle), (expected, expected_idle) = fold(mixed), fold(new)
+    assert tables.device_minutes == expected.device_minutes == rows.height
+    _same(tables.teams, expected.teams, ["team"])
+    _same(tables.workloads, expected.workloads, compute.WORKLOAD)
+    _same(tables.need, expected.need, compute.WORKLOAD)
+    _same(tables.fragmentation, expected.fragmentation, ["hour"])
+    _same(idle.holders, expected_idle.holders, ["namespace", "pod"])
+    _same(idle.heatmap, expected_idle.heatmap, ["team", "weekday", "hour"])
+    assert idle.holders.height > 0
+    assert_frame_equal(store.scan(mixed, WEEK.start, WEEK.end).collect().sort("uuid", "ts"),
+                       store.scan(new, WEEK.start, WEEK.end).collect().sort("uuid", "ts"))
