@@ -81,6 +81,12 @@ class EtaSettings(BaseModel):
         0.25, ge=0,
         description="Share of the time left to the previous estimate it must move by too.",
     )
+    min_wait_s: float = Field(
+        60, ge=0,
+        description="A workload gets its first estimate once it has waited this long (seconds): "
+        "most are admitted within seconds and never need one, and the fleet agent may read a "
+        "summary a moment before the admission that ended a short wait.",
+    )
 
 
 class Running(msgspec.Struct):
@@ -265,6 +271,8 @@ def evaluate(state: EtaState, fleet: FleetView, now: float, settings: EtaSetting
             continue
         wait = state.pending[key]
         current = state.estimates.get(key)
+        if current is None and now - wait.since < settings.min_wait_s:
+            continue
         if current is not None:
             moved = abs(eta - current.eta)
             if moved <= settings.reissue_after_s or \

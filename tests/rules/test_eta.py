@@ -101,6 +101,18 @@ def test_one_episode_per_wait_reissued_only_when_it_moves_and_closed_with_its_er
     assert resolved.evidence.values["eta_error_s"] == 6200 - 6030
 
 
+def test_a_workload_is_estimated_once_it_has_waited_min_wait() -> None:
+    """A workload admitted within a minute never gets an estimate: the fleet agent can read
+    a summary a moment before the admission that ended a wait of no time (the failover
+    test's three workers saw it), and an ETA for a workload that starts at once is noise."""
+    state = with_history([1200.0] * 3)
+    apply(state, ev("r", "pending", 5000), ev("r", "admitted", 5000), ev("w", "pending", 5100))
+    assert e.evaluate(state, fleet(0, total=1), 5100, SETTINGS) == []
+    assert e.evaluate(state, fleet(0, total=1), 5100 + SETTINGS.min_wait_s - 1, SETTINGS) == []
+    (published,) = e.evaluate(state, fleet(0, total=1), 5100 + SETTINGS.min_wait_s, SETTINGS)
+    assert published.kind == e.KIND and published.state == "firing"
+
+
 @given(runs=st.lists(st.floats(60, 7200), min_size=1, max_size=20),
        ages=st.lists(st.floats(0, 10000), min_size=1, max_size=6),
        waiting=st.integers(0, 8), free=st.integers(0, 4))
