@@ -8,10 +8,12 @@ Two Faust agents, added to the worker app by :func:`register_fleet_agent`:
   sees the whole fleet and the whole queue: the rules that compare nodes
   with each other and with pending demand (FGD fragmentation, stranded
   demand, queue SLOs) need that global view. The latest summary per node is
-  a one-partition table (one changelog record per summary); the rest of its
-  state (the queue rules' state, the open episodes) is one msgpack value in
-  another, written on every queue event and whenever a rule emits
-  something, and otherwise every ``checkpoint_interval_s`` of event time.
+  a one-partition table (one changelog record per node and batch); the rest
+  of its state (the queue rules' state, the open episodes) is one msgpack
+  value in another, written with every batch holding a queue event and
+  whenever a rule emits something, and otherwise every
+  ``checkpoint_interval_s`` of event time. All of it is written after the
+  findings and actions of the records it holds are delivered.
   A restarted worker resumes with every queue event it applied and at most
   that much of summaries to re-learn (re-processing republishes the same
   ids, which consumers deduplicate).
@@ -395,29 +397,42 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             return await fold(event, record, state, checkpointed_at)
         except Exception:
             # The record may have half-changed the state: back to the last checkpoint,
-            # as after a crash (the batch's, written first).
+            # as after a crash (the batch's, written first; the failed record staged
+            # nothing, see fold).
             write_checkpoint()
             live.pop(state_key, None)
             raise
 
-    # The state encoded after the last record due a checkpoint, written to the table once
-    # per batch, before its records are acknowledged (and before a failed record's
-    # rollback): one changelog record per batch, where one per queue event put every
-    # admission's whole queue state (about 100 KB on a 10,000-GPU fleet) on the changelog.
-    unwritten: dict[bytes, bytes] = {}
+    # What the batch's records changed in the three tables, by table and key (None: a
+    # deletion), written together once per batch before its records are acknowledged, and
+    # after every record with findings or actions once they are delivered. The three are
+    # one snapshot of the fleet: the state after the last record due a checkpoint, the
+    # latest summary per node, the MIG workloads. Written as they came, a worker killed
+    # before a record's findings were delivered (or a delivery that failed) left tables
+    # holding summaries from after the record the fleet state is at, and re-processing
+    # judged the fleet with a view of its future. Staged, a batch also writes one
+    # changelog record per key: one per queue event put every admission's whole queue
+    # state (about 100 KB on a 10,000-GPU fleet) on the changelog.
+    unwritten: dict[tuple[Any, bytes], bytes | None] = {}
 
     def write_checkpoint() -> None:
-        for key, value in unwritten.items():
-            fleet_table[key] = value
+        for (table, key), value in unwritten.items():
+            if value is None:
+                table.pop(key, None)
+            else:
+                table[key] = value
         unwritten.clear()
 
     async def fold(event: Any, record: NodeSummary | QueueEvent, state: FleetState,
                    checkpointed_at: float) -> list[FleetOutput]:
+        # The record's table writes, staged only once it has been folded whole: a record
+        # that fails part-way leaves nothing for the rollback's checkpoint to write.
+        writes: dict[tuple[Any, bytes], bytes | None] = {}
         if isinstance(record, NodeSummary):
             outputs = evaluator.on_summary(state, record,
                                            queue_caught_up=queue_caught_up(state))
             if state.nodes.get(record.node) is record:
-                nodes_table[record.node.encode()] = event.value
+                writes[nodes_table, record.node.encode()] = event.value
         else:
             outputs = evaluator.on_queue(state, record,
                                          queue_caught_up=queue_caught_up(state))
@@ -427,24 +442,24 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             # consumer keeps heart-beating. Nothing else touches this state meanwhile:
             # this agent awaits it before taking the next record.
             outputs += await asyncio.to_thread(evaluator.mig_advice, state, slot)
+        for node in state.departed:
+            writes[nodes_table, node.encode()] = None
+        for key in state.mig.touched:
+            workload = state.mig.workloads.get(key)
+            writes[mig_table, key.encode()] = (
+                None if workload is None else encode_msgpack(workload))
         # Queue events are checkpointed with their batch, before it is acknowledged (a lost
         # admission would leave a phantom pending workload after a restart); summaries only
         # every checkpoint_s, since the next summary of a node replaces a lost one.
         is_queue = isinstance(record, QueueEvent)
-        for node in state.departed:
-            nodes_table.pop(node.encode(), None)
-        state.departed = []
-        for key in state.mig.touched:
-            workload = state.mig.workloads.get(key)
-            if workload is None:
-                mig_table.pop(key.encode(), None)
-            else:
-                mig_table[key.encode()] = encode_msgpack(workload)
-        state.mig.touched = []
         if outputs or is_queue or record.ts - checkpointed_at >= checkpoint_s:
-            unwritten[state_key] = encode_msgpack(msgspec.structs.replace(
-                state, nodes={}, mig=msgspec.structs.replace(state.mig, workloads={})))
+            writes[fleet_table, state_key] = encode_msgpack(msgspec.structs.replace(
+                state, nodes={}, departed=[], mig=msgspec.structs.replace(
+                    state.mig, workloads={}, touched=[])))
             checkpointed_at = record.ts
+        state.departed = []
+        state.mig.touched = []
+        unwritten.update(writes)
         live[state_key] = (state, checkpointed_at)
         return outputs
 

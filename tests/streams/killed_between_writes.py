@@ -7,6 +7,12 @@ is issued, the script checks that the finding is already on the findings topic, 
 exits with ``WRITTEN_FIRST`` if it is not (the order that lost findings). Otherwise
 it lets the changelog record land and then dies at once with ``KILLED_BETWEEN``: a
 SIGKILL between the two writes, at the one moment it matters.
+
+The fleet agent's state is three tables: the fleet state, the latest summary per
+node and the MIG workloads. A node summary written while no finding was on the
+topic, as new as the summary the reporting fleet state is at, is the summary that
+fired the finding written ahead of it: ``SUMMARIES_AHEAD`` (a worker killed there
+re-processed the fleet against summaries from its future).
 """
 
 from __future__ import annotations
@@ -22,15 +28,18 @@ from faust.tables.base import Collection
 
 from gpusteward import kafka, topics
 from gpusteward.cli import main
+from gpusteward.schema import NodeSummary
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import FleetState
 from gpusteward.streams.node import NodeState
 
 WRITTEN_FIRST = 3
+SUMMARIES_AHEAD = 4
 KILLED_BETWEEN = 9
 
 _node_state = msgspec.msgpack.Decoder(NodeState).decode
 _fleet_state = msgspec.msgpack.Decoder(FleetState).decode
+_summary = msgspec.json.Decoder(NodeSummary).decode
 _send_changelog = Collection.send_changelog
 
 
@@ -43,6 +52,29 @@ def _findings_on_topic() -> int:
     reader.start()
     reader.join()
     return counted[0]
+
+
+_summaries_ahead: list[float] = []
+"""Times of the node summaries written to the fleet's table while no finding was on the topic."""
+_finding_delivered = False
+
+
+def _note_summary(value: Any) -> None:
+    """Remember a summary written before any finding was delivered (the topic is read only
+    until the first one is there)."""
+    global _finding_delivered
+    if not isinstance(value, bytes) or _finding_delivered:
+        return
+    if _findings_on_topic() > 0:
+        _finding_delivered = True
+    else:
+        _summaries_ahead.append(_summary(value).ts)
+
+
+def _ahead_of(value: bytes) -> bool:
+    """Whether the summary the fleet state ``value`` is at was written before its finding."""
+    clock = _fleet_state(value).summary_clock
+    return clock is not None and any(ts >= clock for ts in _summaries_ahead)
 
 
 def _reports_xid(value: Any) -> bool:
@@ -61,10 +93,14 @@ _REPORTS = {"node-state": _reports_xid, "fleet-state": _reports_wait_breach}
 
 def send_changelog(self: Any, partition: Any, key: Any, value: Any, *args: Any,
                    **kwargs: Any) -> Any:
+    if self.name == "fleet-nodes":
+        _note_summary(value)
     reports = _REPORTS.get(self.name)
     if reports is not None and reports(value):
         if _findings_on_topic() == 0:
             os._exit(WRITTEN_FIRST)
+        if self.name == "fleet-state" and _ahead_of(value):
+            os._exit(SUMMARIES_AHEAD)
         landed = _send_changelog(self, partition, key, value, *args, **kwargs)
         landed.add_done_callback(lambda _: os._exit(KILLED_BETWEEN))
         return landed

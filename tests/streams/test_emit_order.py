@@ -9,7 +9,10 @@ the findings' delivery before it writes the state
 (:meth:`OutputTopics.emit_then_checkpoint`). Here a real worker process is made to
 die in exactly that window (``killed_between_writes.py``), and a fresh worker then
 re-processes the record: the finding is on the topic, under one id. The fleet agent
-wrote its state first until its batches too waited for their findings' delivery.
+wrote its state first until its batches too waited for their findings' delivery, and
+its other two tables (the latest summary per node, the MIG workloads) first until they
+were staged with that state: a worker killed in between left summaries from after the
+record the fleet state is at, and re-processing judged the fleet with its future.
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ def _killed_then_recovered(settings: Settings, tmp_path: Path,
     code = _killed_worker(settings, tmp_path / "killed.log")
     assert code != killed_between_writes.WRITTEN_FIRST, (
         "the state saying the finding was reported was written before the finding was delivered")
+    assert code != killed_between_writes.SUMMARIES_AHEAD, (
+        "the node summary that fired the finding was written before the finding was delivered")
     assert code == killed_between_writes.KILLED_BETWEEN, (tmp_path / "killed.log").read_text()
 
     # A fresh worker recovers the state the dead one wrote and re-processes what it had not
@@ -117,8 +122,9 @@ def test_a_kill_between_finding_and_state_loses_no_finding(settings: Settings,
     assert len(xids) == 1, found
 
 
-def test_a_kill_between_fleet_finding_and_fleet_state_loses_no_finding(
+def test_a_kill_between_fleet_finding_and_fleet_tables_loses_no_finding(
         settings: Settings, tmp_path: Path) -> None:
+    """The fleet state and the summary that fired the breach, both after the finding."""
     found = _killed_then_recovered(settings, tmp_path, _fleet_records())
     breaches = {f.id for f in found if f.kind == queue_rules.WAIT_KIND and f.state == "firing"}
     assert len(breaches) == 1, found
