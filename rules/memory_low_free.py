@@ -51,11 +51,15 @@ class LowFreeMemorySettings(BaseModel):
     notify: bool = Field(True, description="Notify the pod's owner when an episode opens.")
 
 
+def watches(settings: LowFreeMemorySettings, workload_kind: str | None) -> bool:
+    """Whether a device held by a pod of ``workload_kind`` (None: no pod) is watched."""
+    return not settings.workload_kinds or workload_kind in settings.workload_kinds
+
+
 def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
             settings: LowFreeMemorySettings, holder: object) -> Out:
     """The node join's sample hook (track, node, sample, ts, settings, holder)."""
-    kind = getattr(holder, "workload_kind", None)
-    if settings.workload_kinds and kind not in settings.workload_kinds:
+    if not watches(settings, getattr(holder, "workload_kind", None)):
         return []
     free = free_bytes(sample)
     floor = settings.floor_bytes
@@ -78,4 +82,4 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
 
 
 RUNNER = DeviceRunner(state=STATE, state_type=SustainTrack, settings_from=own_settings(KIND),
-                      on_sample=observe)
+                      on_sample=observe, watches=watches)

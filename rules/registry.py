@@ -85,6 +85,11 @@ class DeviceRunner:
     ``shared`` where not), with state of its own per holder; once per device otherwise."""
     unhealthy: Callable[[Any], bool] | None = None
     """True while the state holds an episode that takes the GPU out of service."""
+    watches: Callable[[Any, str | None], bool] | None = None
+    """``(settings, the holder's workload kind or None) -> bool``: False when the runner has
+    nothing to do on a device held by a pod of that kind (or by none), so the node join
+    leaves it out of that device's hooks, decided once per holding, not per sample. None:
+    it runs whoever holds the device."""
 
 
 @dataclass(frozen=True, eq=False)

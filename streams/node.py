@@ -127,9 +127,12 @@ class _Prepared:
 
     __slots__ = ("checks", "plans", "resolved")
 
-    def __init__(self, resolved: policies.Resolved) -> None:
+    def __init__(self, resolved: policies.Resolved, workload_kind: str | None) -> None:
         self.resolved = resolved
-        steps = resolved.samples
+        # The runners with something to do for a holder of this kind (e.g. the low-free
+        # memory rule watches only serving pods' devices): the others are never called.
+        steps = [step for step in resolved.samples
+                 if step[3].watches is None or step[3].watches(step[4], workload_kind)]
 
         def plan(gpu: bool, shared: bool) -> Plan:
             # A MIG device skips the GPU-only runners; a shared one the per-holder runners,
@@ -320,7 +323,7 @@ class NodeJoin:
         # much as a rule. Keyed by id() with the object kept in the value, so an id is never
         # reused while cached; forgotten when the registry changes (the policy's resolutions
         # are new then), and bounded by _CACHE_LIMIT.
-        self._prepared: dict[int, _Prepared] = {}
+        self._prepared: dict[tuple[int, str | None], _Prepared] = {}
         self._held: dict[int, tuple[Holding, str | None, _Prepared, idle.Holder]] = {}
         self.policy.registry.watch(self._forget)
 
@@ -328,14 +331,15 @@ class NodeJoin:
         self._prepared.clear()
         self._held.clear()
 
-    def _prepare(self, namespace: str | None, queue: str | None, pool: str | None
-                 ) -> _Prepared:
+    def _prepare(self, namespace: str | None, queue: str | None, pool: str | None,
+                 workload_kind: str | None = None) -> _Prepared:
         resolved = self.policy.resolve(namespace, queue, pool)
-        found = self._prepared.get(id(resolved))
+        key = (id(resolved), workload_kind)
+        found = self._prepared.get(key)
         if found is None or found.resolved is not resolved:
             if len(self._prepared) >= _CACHE_LIMIT:
                 self._prepared.clear()
-            found = self._prepared[id(resolved)] = _Prepared(resolved)
+            found = self._prepared[key] = _Prepared(resolved, workload_kind)
         return found
 
     def _prepare_holding(self, holding: Holding, pool: str | None
@@ -344,7 +348,8 @@ class NodeJoin:
         if len(self._held) >= _CACHE_LIMIT:
             self._held.clear()
         found = self._held[id(holding)] = (
-            holding, pool, self._prepare(holding.pod.namespace, holding.queue, pool),
+            holding, pool,
+            self._prepare(holding.pod.namespace, holding.queue, pool, holding.workload_kind),
             _idle_holder(holding))
         return found
 

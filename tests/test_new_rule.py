@@ -207,3 +207,40 @@ def test_a_join_that_already_ran_runs_a_rule_registered_after() -> None:
     out = [o for ts in (1030.0, 1060.0, 1090.0) for o in join.on_sample(state, sample(ts, 90.0))]
     assert [o.kind for o in out if isinstance(o, Finding)] == [PAGE_KIND]
     assert state.devices["GPU-0"].tracks["toy"] == ToyTrack(hot_run=3, fired=True)
+
+
+def test_a_rule_watching_some_workload_kinds_runs_only_on_their_devices() -> None:
+    # A runner's ``watches`` says, per holder's workload kind, whether it has anything to
+    # do there (the low-free memory rule watches serving pods): the join never calls it on
+    # the others' devices nor on unheld ones, and a new holder of a watched kind gets it.
+    called: list[str] = []
+
+    def counting(track: ToyTrack, node: str, device: DeviceSample, ts: float,
+                 settings: ToySettings, holder: object) -> list[Finding | Action]:
+        called.append(device.uuid)
+        return []
+
+    REGISTRY.register(Rule(KIND, ToySettings, "device", device=DeviceRunner(
+        state="toy", state_type=ToyTrack, settings_from=own_settings(KIND),
+        on_sample=counting, watches=lambda settings, kind: kind == "inference")))
+    join, state = NodeJoin(), NodeState()
+
+    def hold(ts: float, name: str, kind: str, device: str) -> None:
+        join.on_allocation(state, PodAllocation(
+            ts=ts, node="n1", pod=PodRef(namespace="ml", name=name, uid=name), phase="running",
+            gpus=1, device_ids=[device], started_at=ts, workload_kind=kind))
+
+    def three_gpus(ts: float) -> NodeSample:
+        return NodeSample(ts=ts, node="n1", source="test", devices=[
+            DeviceSample(uuid=f"GPU-{i}", index=i, model="NVIDIA A100-SXM4-80GB",
+                         util_pct=50.0) for i in range(3)])
+
+    hold(990.0, "server", "inference", "GPU-0")
+    hold(990.0, "nb", "notebook", "GPU-1")  # GPU-2: held by no one
+    join.on_sample(state, three_gpus(1000.0))
+    assert called == ["GPU-0"]
+    join.on_allocation(state, PodAllocation(ts=1001.0, node="n1", phase="deleted",
+                                            pod=PodRef(namespace="ml", name="nb", uid="nb")))
+    hold(1002.0, "server-2", "inference", "GPU-1")
+    join.on_sample(state, three_gpus(1010.0))
+    assert called == ["GPU-0", "GPU-0", "GPU-1"]
