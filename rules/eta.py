@@ -180,12 +180,20 @@ def _close(state: EtaState, key: str, ts: float, *, started: bool) -> list[Findi
     return [Finding(
         id=estimate.open_id, fingerprint=fingerprint(KIND, key), kind=KIND, severity="info",
         state="resolved", subject=_subject(key, estimate.queue),
-        summary=f"{key} " + (f"started {(ts - estimate.eta) / 60:+.0f} min from its estimate"
+        summary=f"{key} " + (f"started {_against(ts - estimate.eta)}"
                              if started else "left the queue"),
         starts_at=estimate.since, ts=ts, ends_at=ts,
         evidence=Evidence(window_start=estimate.since, window_end=ts, values=values),
         runbook=RUNBOOK, labels={"queue": estimate.queue},
     )]
+
+
+def _against(late_s: float) -> str:
+    """When a workload started against its estimate, in words: "12 min after its estimate"."""
+    minutes = round(late_s / 60)
+    if minutes == 0:
+        return "within a minute of its estimate"
+    return f"{abs(minutes)} min {'after' if minutes > 0 else 'before'} its estimate"
 
 
 def _subject(key: str, queue: str) -> Subject:

@@ -99,6 +99,7 @@ def test_one_episode_per_wait_reissued_only_when_it_moves_and_closed_with_its_er
     assert resolved.id == published.id and resolved.state == "resolved"
     assert resolved.evidence is not None
     assert resolved.evidence.values["eta_error_s"] == 6200 - 6030
+    assert resolved.summary == "ml/w started 3 min before its estimate"
 
 
 def test_a_workload_is_estimated_once_it_has_waited_min_wait() -> None:
