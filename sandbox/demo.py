@@ -136,12 +136,17 @@ def render(cluster: SimulatedCluster, state: DemoState) -> Group:
     for finding in state.findings[-8:]:
         findings.add_row(_clock(finding.ts), finding.state, finding.kind, finding.summary)
     actions = Table(title="executor decisions (latest)")
-    for column in ("verb", "target", "outcome"):
+    for column in ("verb", "target", "outcome", "why"):
         actions.add_column(column)
     for result in state.results[-6:]:
         pod = result.target.pod
         target = f"{pod.namespace}/{pod.name}" if pod else (result.target.node or "")
-        actions.add_row(result.verb, target, result.outcome)
+        # Why it was not carried out: what the executor says in brackets (a dry run's or a
+        # refusal's reason), else its detail; an executed action needs no reason.
+        _, bracket, reason = result.detail.partition(" [")
+        why = "" if result.outcome == "executed" else (
+            reason.split(";")[0].rstrip("]") if bracket else result.detail)
+        actions.add_row(result.verb, target, result.outcome, why)
     return Group(header, fleet, findings, actions)
 
 
