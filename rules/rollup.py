@@ -220,8 +220,11 @@ class MinuteFold:
             open_ = bucket[key] = Minute(device)
         elif open_.last_ts is not None and ts <= open_.last_ts:
             return False
-        elif not open_.first.model:
-            open_.first = device  # an XID opened the minute before any sample did
+        elif not open_.samples:
+            # An XID opened the minute before any sample did. (Its count, not its first
+            # reading, says so: this runs for every device of every sample, and the first
+            # reading is an object the rest of the minute never touches.)
+            open_.first = device
         open_.last_ts = ts
         open_.samples += 1
         # Locals and one comparison per extreme: this runs for every device of every sample.

@@ -71,6 +71,15 @@ def test_open_minutes_survive_the_changelog_encoding() -> None:
     assert (out.samples, out.util_mean, out.xid_count, out.team) == (2, 15.0, 1, "vision")
 
 
+def test_a_minute_an_xid_opened_takes_the_first_samples_device_fields() -> None:
+    fold, track = rollup.MinuteFold(lateness_s=60), rollup.RollupTrack()
+    fold.count_xid(track, "GPU-1", T0 + 5)
+    feed(fold, track, T0 + 10, 30.0)
+    (out,) = fold.flush(track, "n1")
+    assert (out.model, out.samples, out.xid_count, out.util_mean) == (
+        gpu(0.0).model, 1, 1, 30.0)
+
+
 def test_the_fold_fills_rollup_fields_in_the_schema_order() -> None:
     """The fold builds rollups positionally (for speed): a schema change must show here."""
     assert Rollup.__struct_fields__[:len(rollup.ROLLUP_FIELDS)] == rollup.ROLLUP_FIELDS
