@@ -22,7 +22,9 @@ workload (the best saving, the others folded under it) and groups them by
 team, biggest saving first, the long tail counted in one line.
 
 The MIG demand for the layout recommender comes from the same numbers:
-each device of a workload that fits a profile, with its share of the week.
+each device of a workload that fits a profile, with its share of the week;
+a workload told ``give_back`` asks for no slice (its GPU should be freed, not
+cut up for it).
 """
 
 from __future__ import annotations
@@ -62,6 +64,16 @@ def workload_name(namespace: str | None, owner_kind: str | None, owner_name: str
     return f"{namespace}/{(owner_kind or 'Pod').lower()}/{owner_name}"
 
 
+def activity_pct(row: Mapping[str, Any], settings: ReportSettings) -> float:
+    """A workload's activity at the settings' percentile (its need without the headroom)."""
+    return float(row["device_compute_needed"]) * 100 / (1 + settings.headroom_pct / 100)
+
+
+def idle_all_week(row: Mapping[str, Any], settings: ReportSettings) -> bool:
+    """Told ``give_back``: its activity at the percentile stays under the idle threshold."""
+    return activity_pct(row, settings) < settings.idle_threshold_pct
+
+
 def recommend(need: pl.DataFrame, settings: ReportSettings,
               geometries: Mapping[str, mig_geometry.Geometry]) -> list[Recommendation]:
     out: list[Recommendation] = []
@@ -76,14 +88,13 @@ def recommend(need: pl.DataFrame, settings: ReportSettings,
         why = (f"p{settings.percentile:g} use {row['gpus_needed']:.2f} GPU incl. "
                f"{settings.headroom_pct:g}% headroom over {points} min")
         held = row["gpus_held"]
-        p95_activity_pct = row["device_compute_needed"] * 100 / (1 + settings.headroom_pct / 100)
-        if p95_activity_pct < settings.idle_threshold_pct:
+        if idle_all_week(row, settings):
             # Idle all week: a MIG slice or a cheaper model would still be held for nothing.
             out.append(Recommendation(
                 name, team, "give_back", f"{held:.1f} x {row['gpu_model']}", "release the GPU",
                 hours * hourly, hours, points,
-                f"p{settings.percentile:g} activity {p95_activity_pct:.1f}% is below the idle "
-                f"threshold ({settings.idle_threshold_pct:g}%) over {points} min"))
+                f"p{settings.percentile:g} activity {activity_pct(row, settings):.1f}% is below "
+                f"the idle threshold ({settings.idle_threshold_pct:g}%) over {points} min"))
         if not row["uses_mig"] and held > 1:
             mem_gpus = 0
             if row["device_mem_total"]:
@@ -242,8 +253,9 @@ def mig_demand(gpus: pl.DataFrame, devices: pl.DataFrame, need: pl.DataFrame,
     demand: dict[str, list[Demand]] = {}
     for row in need.iter_rows(named=True):
         geometry = geometries.get(row["gpu_model"])
-        if geometry is None or row["points"] < settings.min_points:
-            continue
+        if (geometry is None or row["points"] < settings.min_points
+                or idle_all_week(row, settings)):
+            continue  # an idle workload is told to give its GPU back, not given a slice
         profile = smallest_fitting(geometry, row["device_mem_needed"],
                                    row["device_compute_needed"])
         if profile is None:

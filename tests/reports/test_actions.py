@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from gpusteward.reports import build, compute, store
+from gpusteward.reports import build, compute, recommend, store, weekly
 from gpusteward.reports.settings import ReportSettings
+from gpusteward.rules.mig import geometry as mig_geometry
 from gpusteward.schema import Rollup
 
 WEEK = compute.parse_week("2026-W47")
@@ -24,7 +27,7 @@ def _rows(owner: str, team: str, devices: int, minutes: int, util: float,
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> build.Report:
+def directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("actions")
     rows = (_rows("asleep", "vision", 1, 120, 0.0, 2.0)     # idle: give it back
             + _rows("small", "vision", 1, 120, 10.0, 6.0)   # fits a MIG slice, or an L4
@@ -32,7 +35,15 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> build.Report:
             + _rows("tiny1", "nlp", 1, 90, 10.0, 6.0)
             + _rows("tiny2", "nlp", 1, 80, 10.0, 6.0))
     store.write(directory, store.frame(rows))
-    return build.build(directory, WEEK, ReportSettings(min_points=60, actions_per_team=1))
+    return directory
+
+
+SETTINGS = ReportSettings(min_points=60, actions_per_team=1)
+
+
+@pytest.fixture(scope="module")
+def report(directory: Path) -> build.Report:
+    return build.build(directory, WEEK, SETTINGS)
 
 
 def test_one_action_per_workload_with_the_others_folded_under_it(report: build.Report) -> None:
@@ -73,3 +84,14 @@ def test_teams_sorted_by_saving_and_the_tail_in_one_line(report: build.Report) -
         nlp["actions"][0]["saving_usd"] + nlp["tail_saving_usd"])
     assert report.data["totals"]["recommended_saving_usd"] == pytest.approx(
         sum(t["saving_usd"] for t in teams))
+
+
+def test_an_idle_workload_asks_for_no_mig_slice_in_the_layout(directory: Path) -> None:
+    # Told to give its GPU back, it must not also make the layout cut GPUs up for it; the
+    # busy workloads that fit a profile still ask for theirs.
+    geometries = mig_geometry.load()
+    tables = weekly.fold_week(directory, WEEK.start, WEEK.end, SETTINGS, geometries)
+    _, demand, _ = recommend.mig_demand(tables.gpus, tables.devices, tables.need,
+                                        WEEK.minutes, SETTINGS, geometries)
+    asking = {d.workload.split("#")[0] for pool in demand.values() for d in pool}
+    assert asking == {"ml/job/small", "ml/job/wide", "ml/job/tiny1", "ml/job/tiny2"}
