@@ -418,6 +418,12 @@ Outcome = Literal["executed", "dry_run", "skipped", "refused", "failed", "retryi
 follows; the action's last record carries its final outcome."""
 
 
+RESTORE_KEY_PREFIX = "restore/"
+"""The idempotency key of an operator's restore (``gpusteward act --restore``) is this,
+then the restored owner (``KIND/NAMESPACE/NAME``) and ``/<ms>``: the audit record of an
+undone reclaim, which the weekly report matches to the reclaim it undid."""
+
+
 class ActionResult(msgspec.Struct):
     """The audit record of one decision on one action. Key = idempotency key."""
 

@@ -75,7 +75,14 @@ from gpusteward.rules import REGISTRY, REMEDIATION_BREAKER
 from gpusteward.rules.findings import finding_id, fingerprint
 from gpusteward.rules.idle import RECLAIM_REASON
 from gpusteward.rules.registry import ALL_RULES
-from gpusteward.schema import Action, ActionResult, Finding, Outcome, Subject
+from gpusteward.schema import (
+    RESTORE_KEY_PREFIX,
+    Action,
+    ActionResult,
+    Finding,
+    Outcome,
+    Subject,
+)
 from gpusteward.settings import Settings
 
 if TYPE_CHECKING:
@@ -613,9 +620,6 @@ class Executor:
         return result
 
 
-RESTORE_PREFIX = "restore/"
-
-
 async def restore(settings: Settings, backend: Any, target: str, operator: str) -> ActionResult:
     """Undo a reclaim on ``target`` (``KIND/NAMESPACE/NAME``) and audit it.
 
@@ -631,7 +635,7 @@ async def restore(settings: Settings, backend: Any, target: str, operator: str) 
     outcome, detail = await backend.restore(*parts)
     now = time.time()
     record = ActionResult(
-        idempotency_key=f"{RESTORE_PREFIX}{target}/{round(now * 1000)}", verb="requeue",
+        idempotency_key=f"{RESTORE_KEY_PREFIX}{target}/{round(now * 1000)}", verb="requeue",
         # Subject has no field for a Deployment or a Notebook: the key and detail name it.
         target=Subject(), outcome=outcome,
         detail=f"restore {target} by {operator}: {detail}",

@@ -133,6 +133,7 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
         "idle_holders": _idle_holders(
             hours.holders, found, findings_dir is not None,
             findings.idle_reclaims(found, decided) if results_dir is not None else None,
+            findings.restores(decided) if results_dir is not None else None,
             settings.idle_holders_shown),
         "heatmap": compute.records(hours.heatmap),
         "findings": {
@@ -176,25 +177,40 @@ def _best_saving(advice: list[recommend.Recommendation]) -> float:
 
 
 def _idle_holders(holders: pl.DataFrame, found: pl.DataFrame, stored: bool,
-                  reclaims: pl.DataFrame | None, shown: int) -> list[dict[str, Any]]:
+                  reclaims: pl.DataFrame | None, restores: pl.DataFrame | None,
+                  shown: int) -> list[dict[str, Any]]:
     """The top idle holders, each with what the idle rule did about it this week and,
-    where the executor's results are kept (``reclaims``), what became of its reclaim."""
+    where the executor's results are kept (``reclaims``), what became of its reclaim: an
+    operator's restore of its owner after the reclaim (``restores``) undid it."""
     pods = ["namespace", "pod"]
     outcomes = reclaims if reclaims is not None else pl.DataFrame(
         schema={"namespace": pl.String, "pod": pl.String, "outcome": pl.String,
-                "detail": pl.String})
+                "detail": pl.String, "decided_at": pl.Float64})
+    undone = restores if restores is not None else pl.DataFrame(
+        schema={"owner": pl.String, "restored_at": pl.Float64, "restored_by": pl.String})
     top = (holders.head(shown).join(findings.idle_ladder(found), on=pods, how="left")
-           .join(outcomes, on=pods, how="left"))
+           .join(outcomes, on=pods, how="left")
+           # The owner a restore names: KIND/NAMESPACE/NAME, as `act --restore` takes it.
+           .with_columns(pl.concat_str("owner_kind", "namespace", "owner_name", separator="/")
+                         .alias("restore_owner"))
+           .join(undone, left_on="restore_owner", right_on="owner", how="left"))
     out = []
     for row in top.iter_rows(named=True):
         owner = f"{row['owner_kind'] or 'Pod'}/{row['owner_name'] or row['pod']}"
+        restored = (row["outcome"] == "executed" and row["restored_at"] is not None
+                    and row["decided_at"] is not None
+                    and row["restored_at"] >= row["decided_at"])
+        status = _status(row["ladder_step"], row["reclaim"], stored, row["outcome"],
+                         reclaims is not None)
         out.append({"namespace": row["namespace"], "pod": row["pod"], "owner": owner,
                     "team": row["team"], "idle_gpu_hours": row["idle_gpu_hours"],
                     "longest_episode_h": row["longest_episode_h"], "devices": row["devices"],
                     "ladder_step": row["ladder_step"], "reclaim_outcome": row["outcome"],
                     "reclaim_detail": row["detail"],
-                    "status": _status(row["ladder_step"], row["reclaim"], stored,
-                                      row["outcome"], reclaims is not None)})
+                    "restored_at": row["restored_at"] if restored else None,
+                    "restored_by": row["restored_by"] if restored else None,
+                    "status": (f"{status}, then restored by {row['restored_by']}"
+                               if restored else status)})
     return out
 
 

@@ -13,7 +13,8 @@ A reclaim the idle rule asks for is only an order: the executor may carry it
 out, refuse it (a guard, a bare pod) or fail. ``gpusteward sink results``
 keeps the executor's audit records (``action-results.v1``) in a store of the
 same layout, so the report says "reclaimed" only for the reclaims the
-executor says it executed (:func:`idle_reclaims`).
+executor says it executed (:func:`idle_reclaims`), and "restored" for those an
+operator undid since (:func:`restores`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import polars as pl
 
 from gpusteward.reports import store
 from gpusteward.rules import idle
-from gpusteward.schema import ActionResult, Finding
+from gpusteward.schema import RESTORE_KEY_PREFIX, ActionResult, Finding
 
 SCHEMA: dict[str, Any] = {
     "ts": pl.Float64, "id": pl.String, "fingerprint": pl.String, "kind": pl.String,
@@ -132,7 +133,7 @@ def idle_reclaims(findings: pl.DataFrame, results: pl.DataFrame) -> pl.DataFrame
     idle episodes are found by key, not by a verb other rules use too. ``outcome``:
     ``executed`` when any of them was carried out, else the latest final decision
     (``refused``, ``failed``, ``dry_run``, ``skipped``); attempts being retried are not
-    decisions. ``detail``: that decision's reason.
+    decisions. ``detail``: that decision's reason; ``decided_at``: its time.
     """
     keys = (findings.filter((pl.col("kind") == idle.KIND) & pl.col("pod").is_not_null())
             .select("namespace", "pod", (pl.col("id") + "/requeue").alias("idempotency_key"))
@@ -142,7 +143,25 @@ def idle_reclaims(findings: pl.DataFrame, results: pl.DataFrame) -> pl.DataFrame
     return decided.group_by("namespace", "pod").agg(
         pl.when((pl.col("outcome") == "executed").any()).then(pl.lit("executed"))
         .otherwise(pl.col("outcome").sort_by("ts").last()).alias("outcome"),
-        pl.col("detail").sort_by(pl.col("outcome") == "executed", "ts").last().alias("detail"))
+        pl.col("detail").sort_by(pl.col("outcome") == "executed", "ts").last().alias("detail"),
+        pl.col("ts").sort_by(pl.col("outcome") == "executed", "ts").last().alias("decided_at"))
+
+
+def restores(results: pl.DataFrame) -> pl.DataFrame:
+    """Per owner (``KIND/NAMESPACE/NAME``): the latest restore an operator carried out
+    (``gpusteward act --restore``), when (``restored_at``) and by whom (``restored_by``).
+
+    A restore's audit record names its owner only in its key (the subject of an action has
+    no field for a Notebook or a Deployment): ``restore/KIND/NAMESPACE/NAME/<ms>``.
+    """
+    done = results.filter(pl.col("idempotency_key").str.starts_with(RESTORE_KEY_PREFIX)
+                          & (pl.col("outcome") == "executed"))
+    return done.select(
+        pl.col("idempotency_key").str.strip_prefix(RESTORE_KEY_PREFIX)
+        .str.replace(r"/\d+$", "").alias("owner"),
+        pl.col("ts").alias("restored_at"),
+        pl.col("actor").str.split("/").list.first().alias("restored_by"),
+    ).sort("restored_at").group_by("owner").last()
 
 
 def episodes_by_kind(findings: pl.DataFrame) -> pl.DataFrame:

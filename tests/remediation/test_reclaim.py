@@ -27,6 +27,7 @@ import yaml
 
 from gpusteward import kafka, topics
 from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
+from gpusteward.reports import findings
 from gpusteward.rules.idle import rfc3339
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.schema import Action, ActionResult, PodRef, Subject
@@ -396,6 +397,9 @@ def test_act_restore_scales_back_and_audits(settings: Settings, kube_api: KubeAp
     (audit,) = [msgspec.json.decode(r.value, type=ActionResult) for r in records]
     assert audit.idempotency_key.startswith("restore/Deployment/ml-alice/serve-alice/")
     assert audit.outcome == "executed" and audit.actor == "alice/kubernetes"
+    # The weekly report reads the owner and the operator back from this very record.
+    (undone,) = findings.restores(findings.result_frame([audit])).iter_rows(named=True)
+    assert (undone["owner"], undone["restored_by"]) == (owned.target, "alice")
     # Again: nothing to restore, said so, exit 1.
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
     assert again.returncode == 1 and again.stdout.startswith("REFUSED")

@@ -15,6 +15,7 @@ import pytest
 from gpusteward.reports import activity, archive, build, compute, findings, render, store
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.schema import (
+    RESTORE_KEY_PREFIX,
     ActionResult,
     Evidence,
     Finding,
@@ -154,6 +155,40 @@ def test_reclaimed_only_when_the_executor_says_executed(
     none = build.build(root / "rollups", WEEK, ReportSettings(),
                        findings_dir=root / "findings", results_dir=root / "results-none")
     assert none.data["idle_holders"][0]["status"] == "reclaim ordered, no executor result"
+
+
+def _restore(owner: str, outcome: Outcome, ts: float) -> ActionResult:
+    """The audit record `gpusteward act --restore OWNER` leaves (remediation.executor)."""
+    return ActionResult(idempotency_key=f"{RESTORE_KEY_PREFIX}{owner}/{round(ts * 1000)}",
+                        verb="requeue", target=Subject(), outcome=outcome,
+                        detail=f"restore {owner} by dana: {outcome}", actor="dana/kubernetes",
+                        ts=ts)
+
+
+def test_a_reclaim_an_operator_undid_shows_restored(
+        weeks: tuple[build.Report, build.Report, Path]) -> None:
+    """A reclaim undone with `act --restore` of the pod's owner says so; a restore of
+    another owner, one that failed or one before the reclaim does not."""
+    root = weeks[2].parent
+    t = WEEK.start + 22 * HOUR
+    reclaimed = _result("nb-alice-0", "idle-nb-alice-0/requeue", "executed", t)
+
+    def holder(*restores: ActionResult) -> dict:
+        folder = root / f"results-restore-{len(list(root.iterdir()))}"
+        store.write(folder, findings.result_frame([reclaimed, *restores]),
+                    findings.RESULT_SCHEMA)
+        report = build.build(root / "rollups", WEEK, ReportSettings(),
+                             findings_dir=root / "findings", results_dir=folder)
+        return report.data["idle_holders"][0]
+
+    alice = holder(_restore("Notebook/vision/nb-alice", "executed", t + HOUR))
+    assert alice["status"] == "reclaimed, then restored by dana"
+    assert (alice["restored_by"], alice["restored_at"]) == ("dana", t + HOUR)
+    for others in ([_restore("Notebook/vision/nb-bob", "executed", t + HOUR)],
+                   [_restore("Notebook/vision/nb-alice", "failed", t + HOUR)],
+                   [_restore("Notebook/vision/nb-alice", "executed", t - HOUR)]):
+        alice = holder(*others)
+        assert (alice["status"], alice["restored_by"]) == ("reclaimed", None)
 
 
 def test_trends_show_the_injected_change(weeks: tuple[build.Report, build.Report, Path]
