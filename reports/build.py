@@ -192,14 +192,19 @@ def _idle_holders(holders: pl.DataFrame, found: pl.DataFrame, stored: bool,
            .join(outcomes, on=pods, how="left")
            # The owner a restore names: KIND/NAMESPACE/NAME, as `act --restore` takes it.
            .with_columns(pl.concat_str("owner_kind", "namespace", "owner_name", separator="/")
-                         .alias("restore_owner"))
-           .join(undone, left_on="restore_owner", right_on="owner", how="left"))
+                         .alias("restore_owner")))
+    # The first restore of the owner after its reclaim was carried out undid that reclaim
+    # (a later one may undo a later week's reclaim).
+    first_restore = (top.filter(pl.col("outcome") == "executed")
+                     .join(undone, left_on="restore_owner", right_on="owner")
+                     .filter(pl.col("restored_at") >= pl.col("decided_at"))
+                     .sort("restored_at").group_by(pods).first()
+                     .select(*pods, "restored_at", "restored_by"))
+    top = top.join(first_restore, on=pods, how="left")
     out = []
     for row in top.iter_rows(named=True):
         owner = f"{row['owner_kind'] or 'Pod'}/{row['owner_name'] or row['pod']}"
-        restored = (row["outcome"] == "executed" and row["restored_at"] is not None
-                    and row["decided_at"] is not None
-                    and row["restored_at"] >= row["decided_at"])
+        restored = row["restored_at"] is not None
         status = _status(row["ladder_step"], row["reclaim"], stored, row["outcome"],
                          reclaims is not None)
         out.append({"namespace": row["namespace"], "pod": row["pod"], "owner": owner,
@@ -207,8 +212,7 @@ def _idle_holders(holders: pl.DataFrame, found: pl.DataFrame, stored: bool,
                     "longest_episode_h": row["longest_episode_h"], "devices": row["devices"],
                     "ladder_step": row["ladder_step"], "reclaim_outcome": row["outcome"],
                     "reclaim_detail": row["detail"],
-                    "restored_at": row["restored_at"] if restored else None,
-                    "restored_by": row["restored_by"] if restored else None,
+                    "restored_at": row["restored_at"], "restored_by": row["restored_by"],
                     "status": (f"{status}, then restored by {row['restored_by']}"
                                if restored else status)})
     return out

@@ -148,8 +148,8 @@ def idle_reclaims(findings: pl.DataFrame, results: pl.DataFrame) -> pl.DataFrame
 
 
 def restores(results: pl.DataFrame) -> pl.DataFrame:
-    """Per owner (``KIND/NAMESPACE/NAME``): the latest restore an operator carried out
-    (``gpusteward act --restore``), when (``restored_at``) and by whom (``restored_by``).
+    """The restores an operator carried out (``gpusteward act --restore``): the owner
+    restored (``KIND/NAMESPACE/NAME``), when (``restored_at``) and by whom (``restored_by``).
 
     A restore's audit record names its owner only in its key (the subject of an action has
     no field for a Notebook or a Deployment): ``restore/KIND/NAMESPACE/NAME/<ms>``.
@@ -161,7 +161,7 @@ def restores(results: pl.DataFrame) -> pl.DataFrame:
         .str.replace(r"/\d+$", "").alias("owner"),
         pl.col("ts").alias("restored_at"),
         pl.col("actor").str.split("/").list.first().alias("restored_by"),
-    ).sort("restored_at").group_by("owner").last()
+    ).sort("restored_at")
 
 
 def episodes_by_kind(findings: pl.DataFrame) -> pl.DataFrame:

@@ -157,18 +157,20 @@ def test_reclaimed_only_when_the_executor_says_executed(
     assert none.data["idle_holders"][0]["status"] == "reclaim ordered, no executor result"
 
 
-def _restore(owner: str, outcome: Outcome, ts: float) -> ActionResult:
+def _restore(owner: str, outcome: Outcome, ts: float, operator: str = "dana"
+             ) -> ActionResult:
     """The audit record `gpusteward act --restore OWNER` leaves (remediation.executor)."""
     return ActionResult(idempotency_key=f"{RESTORE_KEY_PREFIX}{owner}/{round(ts * 1000)}",
                         verb="requeue", target=Subject(), outcome=outcome,
-                        detail=f"restore {owner} by dana: {outcome}", actor="dana/kubernetes",
-                        ts=ts)
+                        detail=f"restore {owner} by {operator}: {outcome}",
+                        actor=f"{operator}/kubernetes", ts=ts)
 
 
 def test_a_reclaim_an_operator_undid_shows_restored(
         weeks: tuple[build.Report, build.Report, Path]) -> None:
-    """A reclaim undone with `act --restore` of the pod's owner says so; a restore of
-    another owner, one that failed or one before the reclaim does not."""
+    """A reclaim undone with `act --restore` of the pod's owner says so, with the first
+    restore after it; a restore of another owner, one that failed or one before the
+    reclaim does not."""
     root = weeks[2].parent
     t = WEEK.start + 22 * HOUR
     reclaimed = _result("nb-alice-0", "idle-nb-alice-0/requeue", "executed", t)
@@ -181,7 +183,9 @@ def test_a_reclaim_an_operator_undid_shows_restored(
                              findings_dir=root / "findings", results_dir=folder)
         return report.data["idle_holders"][0]
 
-    alice = holder(_restore("Notebook/vision/nb-alice", "executed", t + HOUR))
+    # The first restore after the reclaim undid it (a later one, a later reclaim).
+    alice = holder(_restore("Notebook/vision/nb-alice", "executed", t + 2 * HOUR, "frank"),
+                   _restore("Notebook/vision/nb-alice", "executed", t + HOUR))
     assert alice["status"] == "reclaimed, then restored by dana"
     assert (alice["restored_by"], alice["restored_at"]) == ("dana", t + HOUR)
     for others in ([_restore("Notebook/vision/nb-bob", "executed", t + HOUR)],
