@@ -160,8 +160,9 @@ def restores(results: pl.DataFrame) -> pl.DataFrame:
         pl.col("idempotency_key").str.strip_prefix(RESTORE_KEY_PREFIX)
         .str.replace(r"/\d+$", "").alias("owner"),
         pl.col("ts").alias("restored_at"),
-        pl.col("actor").str.split("/").list.first().alias("restored_by"),
-    ).sort("restored_at")
+        # The actor is ``OPERATOR/BACKEND``: the operator is all before the last slash.
+        pl.col("actor").str.replace(r"/[^/]*$", "").alias("restored_by"),
+    )
 
 
 def episodes_by_kind(findings: pl.DataFrame) -> pl.DataFrame:

@@ -64,14 +64,14 @@ def workload_name(namespace: str | None, owner_kind: str | None, owner_name: str
     return f"{namespace}/{(owner_kind or 'Pod').lower()}/{owner_name}"
 
 
-def activity_pct(row: Mapping[str, Any], settings: ReportSettings) -> float:
+def percentile_activity_pct(row: Mapping[str, Any], settings: ReportSettings) -> float:
     """A workload's activity at the settings' percentile (its need without the headroom)."""
     return float(row["device_compute_needed"]) * 100 / (1 + settings.headroom_pct / 100)
 
 
 def idle_all_week(row: Mapping[str, Any], settings: ReportSettings) -> bool:
     """Told ``give_back``: its activity at the percentile stays under the idle threshold."""
-    return activity_pct(row, settings) < settings.idle_threshold_pct
+    return percentile_activity_pct(row, settings) < settings.idle_threshold_pct
 
 
 def recommend(need: pl.DataFrame, settings: ReportSettings,
@@ -93,8 +93,9 @@ def recommend(need: pl.DataFrame, settings: ReportSettings,
             out.append(Recommendation(
                 name, team, "give_back", f"{held:.1f} x {row['gpu_model']}", "release the GPU",
                 hours * hourly, hours, points,
-                f"p{settings.percentile:g} activity {activity_pct(row, settings):.1f}% is below "
-                f"the idle threshold ({settings.idle_threshold_pct:g}%) over {points} min"))
+                f"p{settings.percentile:g} activity "
+                f"{percentile_activity_pct(row, settings):.1f}% is below the idle threshold "
+                f"({settings.idle_threshold_pct:g}%) over {points} min"))
         if not row["uses_mig"] and held > 1:
             mem_gpus = 0
             if row["device_mem_total"]:

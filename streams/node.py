@@ -131,8 +131,9 @@ class _Prepared:
         self.resolved = resolved
         # The runners with something to do for a holder of this kind (e.g. the low-free
         # memory rule watches only serving pods' devices): the others are never called.
-        steps = [step for step in resolved.samples
-                 if step[3].watches is None or step[3].watches(step[4], workload_kind)]
+        steps = [(hook, name, gpu_only, runner, settings)
+                 for hook, name, gpu_only, runner, settings in resolved.samples
+                 if runner.watches is None or runner.watches(settings, workload_kind)]
 
         def plan(gpu: bool, shared: bool) -> Plan:
             # A MIG device skips the GPU-only runners; a shared one the per-holder runners,
