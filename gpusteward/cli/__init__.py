@@ -14,7 +14,7 @@ from gpusteward.cli import report as report_commands
 from gpusteward.cli import sandbox as sandbox_commands
 from gpusteward.cli import status as status_commands
 from gpusteward.cli.collect import collect_app
-from gpusteward.cli.common import Bootstrap, ensure_topics, kafka_settings
+from gpusteward.cli.common import Bootstrap, ensure_topics, kafka_settings, run_consumer
 from gpusteward.cli.doctor import doctor
 from gpusteward.cli.rules import rules_app
 from gpusteward.cli.watch import watch as kube_watch
@@ -98,7 +98,7 @@ def alerts(
     sinks: list[AlertSink] = [ConsoleSink()]
     sinks += [AlertmanagerSink(alertmanager)] if alertmanager else []
     sinks += [WebhookSink(webhook)] if webhook else []
-    _run_until_interrupted(settings, lambda stop: FindingsConsumer(settings, sinks).run(stop))
+    run_consumer(settings, lambda stop: FindingsConsumer(settings, sinks).run(stop))
 
 
 @app.command()
@@ -167,52 +167,7 @@ def act(
         raise typer.BadParameter(f"unknown backend {backend!r}: kubernetes or none")
     executor = remediation.Executor(settings, chosen, execute=execute, remediation=policy,
                                     on_result=remediation.ReviewPrinter())
-    _run_until_interrupted(settings, executor.run)
-
-
-def _run_until_interrupted(settings: Settings, run: object) -> None:
-    """Run a consumer with its health probe until Ctrl-C, or until its topics vanish.
-
-    Ready once its topics exist; live while its loop beats. A broker that
-    comes back without the topics ends the process with an error, so its
-    supervisor restarts it and the start creates them again.
-    """
-    from gpusteward import health, topics
-    from gpusteward.kafka import list_topics
-
-    async def main() -> str | None:
-        state = health.Health()
-        server = state.serve(settings.health_port) if settings.health_port else None
-        beating = asyncio.create_task(health.heartbeat(state))
-        try:
-            await ensure_topics(settings)
-            state.set_ready(True, "topics exist")
-            stop = asyncio.Event()
-            working = asyncio.ensure_future(run(stop))  # type: ignore[operator]
-            names = [spec.name(settings) for spec in topics.ALL]
-            watching = asyncio.create_task(
-                health.watch_topics(state, names, lambda: list_topics(settings)))
-            await asyncio.wait({working, watching}, return_when=asyncio.FIRST_COMPLETED)
-            if working.done():
-                watching.cancel()
-                await working
-                return None
-            stop.set()
-            await asyncio.wait({working}, timeout=10.0)
-            return watching.result()
-        finally:
-            beating.cancel()
-            if server is not None:
-                server.shutdown()
-
-    try:
-        failure = asyncio.run(main())
-    except KeyboardInterrupt:
-        return
-    if failure is not None:
-        typer.echo(f"error: {failure}; exiting so that the supervisor restarts this process",
-                   err=True)
-        raise typer.Exit(3)
+    run_consumer(settings, executor.run)
 
 
 @schema_app.command("export")

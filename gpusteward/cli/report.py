@@ -7,14 +7,13 @@ fast for every other command.
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from gpusteward.cli.common import Bootstrap, configure_logging, ensure_topics, kafka_settings
+from gpusteward.cli.common import Bootstrap, configure_logging, kafka_settings, run_consumer
 
 SINKS = ("rollups", "queue", "findings", "results")
 
@@ -135,17 +134,8 @@ def sink(
     make = {"rollups": sinks.rollup_sink, "queue": sinks.queue_sink,
             "findings": sinks.findings_sink, "results": sinks.results_sink}[topic]
     running = make(settings, report, directory)
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        # A pod is stopped with SIGTERM: flush the buffer and commit before going.
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        await ensure_topics(settings)
-        await running.run(stop)
-
-    asyncio.run(main())
+    # Health on GPUSTEWARD_HEALTH_PORT; SIGTERM flushes the buffer and commits before going.
+    run_consumer(settings, running.run)
     typer.echo(f"{topic} sink: {running.rows_written} rows in {running.files_written} files "
                f"under {running.directory}, {running.duplicates} repeats skipped, "
                f"{running.dead_lettered} dead-lettered")

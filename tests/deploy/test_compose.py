@@ -103,13 +103,17 @@ def test_services_and_profiles(compose):
 
 
 def test_prometheus_scrapes_every_pipeline_process(compose):
+    """Every long-running gpusteward service (the worker, alerting, remediation and the
+    sinks, whose rollup sink draws the fleet dashboard's GPU-seconds) is a target."""
     config = yaml.safe_load((REPO / "deploy/compose/prometheus.yml").read_text())
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "gpusteward"]
     targets = {t for c in job["static_configs"] for t in c["targets"]}
-    port = compose["services"]["worker"]["environment"]["GPUSTEWARD_METRICS__PORT"]
-    assert targets == {f"{name}:{port}" for name in ("worker", "alerts", "remediation")}
-    for name in ("worker", "alerts", "remediation"):
-        assert compose["services"][name]["environment"]["GPUSTEWARD_METRICS__PORT"] == port
+    serving = {name: service["environment"]["GPUSTEWARD_METRICS__PORT"]
+               for name, service in compose["services"].items()
+               if "GPUSTEWARD_METRICS__PORT" in service.get("environment", {})
+               and not service.get("profiles")}
+    assert {"worker", "alerts", "remediation", "rollup-sink", "results-sink"} <= set(serving)
+    assert targets == {f"{name}:{port}" for name, port in serving.items()}
 
 
 def test_gpusteward_containers_are_locked_down(compose):

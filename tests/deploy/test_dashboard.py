@@ -62,6 +62,18 @@ def queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
     return found
 
 
+def test_each_dashboard_has_its_own_uid_and_title():
+    """Grafana keys dashboards by uid: two files with one uid leave one of them unloaded.
+    The uid is the file's name, and the title names the dashboard, not one of its panels."""
+    documents = {path.stem: load(path) for path in DASHBOARDS}
+    assert {stem: d["uid"] for stem, d in documents.items()} == {s: s for s in documents}
+    titles = [d["title"] for d in documents.values()]
+    assert len(set(titles)) == len(titles)
+    for document in documents.values():
+        assert document["title"].startswith("gpusteward")
+        assert document["title"] not in {p["title"] for p in document["panels"]}
+
+
 def test_panels_are_laid_out_and_use_the_datasource_variable(dashboard):
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))

@@ -251,12 +251,12 @@ def test_worker_is_a_statefulset_with_a_data_volume(render):
 
 
 def test_long_running_consumers_are_probed_on_their_health_port(render):
-    """The worker, watcher, alerts and remediation serve /livez and /readyz on
+    """The worker, watcher, alerts, remediation and the sinks serve /livez and /readyz on
     GPUSTEWARD_HEALTH_PORT (gpusteward.health); their probes must ask that port for them."""
     from gpusteward.health import LIVE_PATH, READY_PATH
 
     rendered = render("production")
-    for component in ("worker", "watcher", "alerts", "remediation"):
+    for component in ("worker", "watcher", "alerts", "remediation", *SINKS):
         container = pod_spec(rendered.component(component))["containers"][0]
         env = {e["name"]: e for e in container.get("env", [])}
         port = int(env["GPUSTEWARD_HEALTH_PORT"]["value"])
@@ -392,14 +392,18 @@ def test_production_kafka_settings_load_as_sasl_scram_over_tls(render, monkeypat
     assert kafka.fetch_max_wait_ms >= 100
 
 
+SINKS = ("rollup-sink", "queue-sink", "findings-sink", "results-sink")
+
+
 def test_every_long_running_process_is_scraped(render):
-    """Worker, alerting and remediation declare a `metrics` port that their settings serve
-    on, the PodMonitor scrapes that port name, and the network policy lets Prometheus in."""
+    """Worker, alerting, remediation and the sinks declare a `metrics` port that their
+    settings serve on, the PodMonitor scrapes that port name, and the network policy lets
+    Prometheus in."""
     rendered = render("production")
     (kafka_config,) = [c for c in rendered.kind("ConfigMap")
                        if c["metadata"]["name"].startswith("gpusteward-kafka")]
     port = int(kafka_config["data"]["GPUSTEWARD_METRICS__PORT"])
-    for component in ("worker", "alerts", "remediation"):
+    for component in ("worker", "alerts", "remediation", *SINKS):
         pod = pod_spec(rendered.component(component))
         (container,) = pod["containers"]
         env = {e["name"]: e.get("value") for e in container["env"]}
@@ -412,7 +416,7 @@ def test_every_long_running_process_is_scraped(render):
     assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
     policy = rendered.named("NetworkPolicy", "gpusteward-metrics-scrape")
     (expression,) = policy["spec"]["podSelector"]["matchExpressions"]
-    assert {"collector", "worker", "alerts", "remediation"} <= set(expression["values"])
+    assert {"collector", "worker", "alerts", "remediation", *SINKS} <= set(expression["values"])
     assert {p["port"] for p in policy["spec"]["ingress"][0]["ports"]} >= {9400, port}
     (rule,) = rendered.kind("PrometheusRule")
     assert rule["metadata"]["labels"]["release"] == monitor["metadata"]["labels"]["release"]

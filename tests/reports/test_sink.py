@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +19,11 @@ import pytest
 from aiokafka import ConsumerRecord
 
 from gpusteward import kafka, topics
+from gpusteward.broker import free_port
 from gpusteward.reports import findings, store
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.reports.sink import RollupSink, findings_sink, results_sink, rollup_sink
+from gpusteward.sandbox.pipeline import settings_env
 from gpusteward.schema import (
     ActionResult,
     DeadLetter,
@@ -185,3 +194,64 @@ async def _drain(sink: RollupSink, topic: TopicSpec, records: list[Any], key: by
     stop.set()
     await asyncio.wait_for(task, 30)
     return sink
+
+
+@pytest.mark.e2e
+def test_sink_command_is_probed_scraped_and_flushes_on_sigterm(settings: Settings,
+                                                               tmp_path: Path) -> None:
+    """`gpusteward sink rollups` as the Deployment runs it: ready on its health port once
+    its topics exist, its rows on /metrics, and a SIGTERM (the pod stopped) writes the rows
+    still buffered before it exits 0: none waits for a redelivery."""
+    health, metrics = free_port(), free_port()
+    env = {**os.environ, **settings_env(settings.model_copy(update={"health_port": health})),
+           "GPUSTEWARD_METRICS__PORT": str(metrics),
+           # Nothing flushes on its own during the test: only the stop can write the rows.
+           "GPUSTEWARD_REPORT__FLUSH_ROWS": "100000",
+           "GPUSTEWARD_REPORT__FLUSH_INTERVAL_S": "3600"}
+    rollups = [Rollup(ts=T0 + 60 * i, node="n0", uuid="GPU-0", model="H100-80GB", samples=60,
+                      util_mean=float(i)) for i in range(6)]
+    asyncio.run(_publish(settings, rollups))
+    log = tmp_path / "sink.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-P", "-m", "gpusteward.cli", "sink", "rollups",
+             "--dir", str(tmp_path / "store")],
+            env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        topic = topics.ROLLUPS.name(settings)
+        read = f'gpusteward_records_in_total{{topic="{topic}"}} 6.0'
+        deadline = time.monotonic() + 60
+        while not (_get(health, "/readyz")[0] == 200 and read in _get(metrics, "/metrics")[1]):
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        assert not list((tmp_path / "store").rglob("*.parquet"))  # still buffered
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    frame = store.scan(tmp_path / "store", T0, T0 + 86400).collect().sort("ts")
+    assert frame["util_mean"].to_list() == [float(i) for i in range(6)]
+    assert "6 rows in 1 files" in log.read_text()
+
+
+async def _publish(settings: Settings, rollups: list[Rollup]) -> None:
+    await kafka.ensure_topics(settings)
+    producer = kafka.producer(settings)
+    await producer.start()
+    for rollup in rollups:
+        await producer.send(topics.ROLLUPS.name(settings), msgspec.json.encode(rollup),
+                            key=rollup.node.encode())
+    await producer.flush()
+    await producer.stop()
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, ""
+    except OSError:
+        return 0, ""
