@@ -133,7 +133,7 @@ def prometheus(
         "--only-node", help="Ask only for this node (repeatable) (default: every node).")
     ] = None,
     pod_labels: Annotated[str | None, typer.Option(
-        "--pod-labels", help="auto, exported or plain (see the README).")] = None,
+        "--pod-labels", help="auto, exported or plain (see docs/collectors.md).")] = None,
     interval: Interval = None, metrics_port: MetricsPort = None,
     buffer_dir: BufferDir = None, buffer_max_bytes: BufferMaxBytes = None,
     bootstrap: Bootstrap = None, loglevel: LogLevel = "info",
