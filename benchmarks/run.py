@@ -6,12 +6,19 @@ from. A module can be run alone: ``python -P benchmarks/run.py worker``.
 Every figure printed is also written to ``bench-results.json`` at the
 repository root: the machine and a list of ``{"benchmark", "name", "value",
 "unit"}`` records, so runs compare without parsing the table.
+
+Hosts differ: the development VM has been seen on hosts where the same code ran
+twice as slow. So every run also times a fixed piece of pure Python (a loop of
+attribute reads, dict writes and calls, the node join's kind of work) and
+records it with the CPU model and the load average: figures from two runs
+compare only where that reference agrees.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import platform
 import sys
 import time
@@ -35,8 +42,12 @@ def _load(path: Path):  # type: ignore[no-untyped-def]
 def main(selected: list[str]) -> int:
     sys.path.insert(0, str(HERE))
     console = Console()
-    machine = f"{platform.machine()}, {_cpus()} CPUs, Python {platform.python_version()}"
-    table = Table(title=f"gpusteward benchmarks on {platform.node()} ({machine})")
+    reference_ms = _reference_ms()
+    load_before = os.getloadavg()[0]
+    machine = (f"{platform.machine()}, {_cpus()} CPUs ({_cpu_model()}), "
+               f"Python {platform.python_version()}")
+    table = Table(title=f"gpusteward benchmarks on {platform.node()} ({machine}); "
+                        f"reference loop {reference_ms:.0f} ms")
     for column in ("benchmark", "figure", "value", "unit"):
         table.add_column(column)
     records: list[dict[str, object]] = []
@@ -51,18 +62,57 @@ def main(selected: list[str]) -> int:
             records.append({"benchmark": name, "name": figure.name,
                             "value": float(figure.value), "unit": figure.unit})
         console.print(f"  {name} took {time.monotonic() - started:.0f} s")
+    load_after = os.getloadavg()[0]
     console.print(table)
+    console.print(f"1-min load average {load_before:.2f} at the start, {load_after:.2f} at "
+                  "the end")
     results = HERE.parent / "bench-results.json"
     results.write_text(json.dumps({"machine": f"{platform.node()} ({machine})",
+                                   "reference_loop_ms": reference_ms,
+                                   "load_average": [load_before, load_after],
                                    "results": records}, indent=1) + "\n")
     console.print(f"figures written to {results}")
     return 0
 
 
 def _cpus() -> int:
-    import os
-
     return len(os.sched_getaffinity(0))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+class _Reading:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+def _step(reading: _Reading, i: int) -> int:
+    reading.value = i
+    return i & 1023
+
+
+def _reference_ms() -> float:
+    """CPU milliseconds of a fixed pure-Python loop, best of five: the host's speed at
+    the kind of work the worker does, to tell a slower host from a slower build."""
+    best = float("inf")
+    for _ in range(5):
+        started = time.process_time()
+        reading, seen = _Reading(), {}
+        for i in range(300_000):
+            seen[_step(reading, i)] = reading.value + i
+        best = min(best, time.process_time() - started)
+    return best * 1000
 
 
 if __name__ == "__main__":
