@@ -14,7 +14,9 @@ wall clock: the development VM's cores are shared), best of a few repeats.
 from __future__ import annotations
 
 import time
+import tracemalloc
 
+import msgspec
 from figures import Figure
 
 from gpusteward.schema import DeviceSample, NodeSample, PodAllocation, PodRef
@@ -46,13 +48,34 @@ def _samples(count: int) -> list[NodeSample]:
     return out
 
 
-def _once(samples: list[NodeSample]) -> float:
-    join, state = NodeJoin(), NodeState()
+def _held(join: NodeJoin) -> NodeState:
+    state = NodeState()
     for g in range(GPUS):
         join.on_allocation(state, PodAllocation(
             ts=T0 - 60, node="n1", pod=PodRef(namespace="ml-team", name=f"pod-{g}", uid=f"uid-{g}"),
             phase="running", gpus=1, device_ids=[f"GPU-{g}"], started_at=T0 - 60,
             workload_kind="notebook"))
+    return state
+
+
+def _state_size(samples: list[NodeSample], nodes: int = 20) -> tuple[float, int]:
+    """Bytes of Python memory one node's state holds after ``samples`` (mean over
+    ``nodes`` states), and the size of its changelog record."""
+    join = NodeJoin()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    states = [_held(join) for _ in range(nodes)]
+    for sample in samples:
+        for state in states:
+            join.on_sample(state, sample)
+    held = (tracemalloc.get_traced_memory()[0] - before) / nodes
+    tracemalloc.stop()
+    return held, len(msgspec.msgpack.encode(states[0]))
+
+
+def _once(samples: list[NodeSample]) -> float:
+    join = NodeJoin()
+    state = _held(join)
     started = time.process_time()
     for sample in samples:
         join.on_sample(state, sample)
@@ -62,10 +85,14 @@ def _once(samples: list[NodeSample]) -> float:
 def run() -> list[Figure]:
     samples = _samples(SAMPLES)
     best = min(_once(samples) for _ in range(REPEATS))
+    # Two hours at 30 s: past every rule's window (the leak rule keeps 30 min of points).
+    held, record = _state_size(samples[:240])
     return [
         Figure(f"NodeJoin.on_sample, {GPUS}-GPU node", best, "µs per node sample"),
         Figure("NodeJoin.on_sample per GPU", best / GPUS, "µs per GPU sample"),
         Figure("GPU samples per core", 1e6 / (best / GPUS), "GPU samples/s"),
+        Figure(f"node state after 2 h, {GPUS} GPUs: memory held", held / 1024, "KiB"),
+        Figure(f"node state after 2 h, {GPUS} GPUs: changelog record", record / 1024, "KiB"),
     ]
 
 

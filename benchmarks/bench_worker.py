@@ -78,6 +78,7 @@ async def throughput(settings: Settings, log: Path) -> list[Figure]:
                 first = (now, done, cpu)
             if done >= total:
                 break
+        peak_rss = peak_resident_bytes(worker.process.pid)
     assert first is not None
     processed = total - first[1]
     rate = processed * GPUS / (now - first[0])
@@ -87,6 +88,9 @@ async def throughput(settings: Settings, log: Path) -> list[Figure]:
         Figure("worker CPU per node sample (8 GPUs)", cpu_per_record * 1e6, "µs"),
         Figure("worker capacity at one busy core", GPUS / cpu_per_record, "GPU-samples/s"),
         Figure("simulator publish rate", total * GPUS / publish_s, "GPU-samples/s"),
+        # Every node's state on one worker (a manifest's memory limit must hold it); two
+        # minutes of history, where a node's rule state grows for 30 (the leak rule's window).
+        Figure("worker peak resident memory, all 1,250 nodes", peak_rss / 2**20, "MiB"),
     ]
 
 
@@ -94,6 +98,14 @@ def cpu_seconds(pid: int) -> float:
     """User plus system CPU time of a process, from /proc (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def peak_resident_bytes(pid: int) -> int:
+    """The process's peak resident set (VmHWM), from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for process {pid}")
 
 
 def run() -> list[Figure]:
