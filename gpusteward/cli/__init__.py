@@ -9,15 +9,23 @@ from typing import Annotated
 
 import msgspec
 import typer
+from pydantic import ValidationError
 
 from gpusteward.cli import report as report_commands
 from gpusteward.cli import sandbox as sandbox_commands
 from gpusteward.cli import status as status_commands
 from gpusteward.cli.collect import collect_app
-from gpusteward.cli.common import Bootstrap, ensure_topics, kafka_settings, run_consumer
+from gpusteward.cli.common import (
+    Bootstrap,
+    ensure_topics,
+    kafka_settings,
+    run_consumer,
+    settings_errors,
+)
 from gpusteward.cli.doctor import doctor
 from gpusteward.cli.rules import rules_app
 from gpusteward.cli.watch import watch as kube_watch
+from gpusteward.errors import ConfigError
 from gpusteward.settings import Settings
 
 app = typer.Typer(help="Steward of a Kubernetes GPU fleet, as a stream of events.",
@@ -197,8 +205,27 @@ def schema_docs(
     typer.echo(str(out))
 
 
+CONFIG_EXIT = 2
+"""Exit status of a process stopped by its configuration: click's for a usage error."""
+
+
 def main() -> None:
-    app()
+    """Run the command; a bad setting or policy ends it with a line per problem that names
+    the variable or file, not with a traceback (the pod log a user reads after a
+    CrashLoopBackOff holds the few lines that matter)."""
+    try:
+        app()
+    except ValidationError as error:
+        lines = settings_errors(error)
+        if lines is None:  # not a setting: a bug, whose traceback is wanted
+            raise
+        for line in lines:
+            typer.echo(f"error: {line}", err=True)
+        raise SystemExit(CONFIG_EXIT) from None
+    except ConfigError as error:
+        for line in str(error).splitlines():
+            typer.echo(f"error: {line}", err=True)
+        raise SystemExit(CONFIG_EXIT) from None
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""What every command shares: Kafka settings from flags, topic creation, log set-up.
+"""What every command shares: Kafka settings from flags, topic creation, log set-up, and
+the one-line report of a bad setting.
 
 Kept apart from the command modules so that none of them imports another
 (the report, collect and watch commands used to reach into the main CLI's
@@ -9,12 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings
 
+from gpusteward.errors import cut
 from gpusteward.settings import Settings
 
 Bootstrap = Annotated[
@@ -95,3 +100,50 @@ def run_consumer(settings: Settings, run: Callable[[asyncio.Event], Awaitable[No
         typer.echo(f"error: {failure}; exiting so that the supervisor restarts this process",
                    err=True)
         raise typer.Exit(3)
+
+
+def _settings_model(name: str) -> type[BaseSettings] | None:
+    """The loaded settings model called ``name`` (a ValidationError's title)."""
+    pending: list[type[BaseSettings]] = [BaseSettings]
+    while pending:
+        cls = pending.pop()
+        if cls.__name__ == name and cls.__module__.startswith("gpusteward."):
+            return cls
+        pending.extend(cls.__subclasses__())
+    return None
+
+
+def settings_errors(error: ValidationError,
+                    environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """One line per problem of a settings model, naming the variable that set the value.
+
+    None when ``error`` is not a settings model's: that is a bug, whose traceback is
+    wanted. The value is repeated only when it is the variable's whole text (a field's,
+    not a group's, which may hold a password); a value that came from a flag or a
+    default is named by its field.
+    """
+    model = _settings_model(error.title)
+    if model is None:
+        return None
+    environ = os.environ if environ is None else environ
+    spelt = {name.upper(): name for name in environ}  # pydantic-settings ignores case
+    prefix = str(model.model_config.get("env_prefix") or "")
+    delimiter = model.model_config.get("env_nested_delimiter")
+    lines = []
+    for problem in error.errors(include_url=False):
+        path = [part for part in problem["loc"] if isinstance(part, str)]
+        depths = range(len(path), 0, -1) if delimiter else range(min(len(path), 1), 0, -1)
+        candidates = [(prefix + (delimiter or "").join(path[:depth])).upper() for depth in depths]
+        found = next((spelt[c] for c in candidates if c in spelt), None)
+        if found is not None:
+            text = environ[found]
+            where = f"{found}={cut(text, 80)!r}" if problem["input"] == text else found
+        elif candidates and delimiter and problem["type"] == "missing":
+            where = candidates[0]  # a nested field the variables beside it leave out
+        elif candidates and delimiter and any(
+                name.startswith(candidates[0] + delimiter) for name in spelt):
+            where = f"{candidates[0]}{delimiter}*"  # a group's check, such as SASL's
+        else:
+            where = ".".join([model.__name__, *path])
+        lines.append(f"{where}: {problem['msg']}")
+    return lines

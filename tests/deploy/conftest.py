@@ -33,6 +33,13 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
 }
 
+# Rendered on request only: what `make demo` and the deployed-system tests run
+# (sandbox/deployment.py), with the demo's own policy in place of the shipped one, so
+# the checks of the production shape do not apply to it.
+DEMO_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "local": ("overlays/local", ()),
+}
+
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob")
 
 
@@ -102,12 +109,12 @@ def kustomize(kubectl: str, directory: Path, *flags: str) -> list[dict[str, Any]
 
 @pytest.fixture(scope="session")
 def render(kubectl: str, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Rendered]:
-    """Render a variant of VARIANTS by name (once per session)."""
+    """Render a variant of VARIANTS or DEMO_VARIANTS by name (once per session)."""
     cache: dict[str, Rendered] = {}
 
     def render_variant(name: str) -> Rendered:
         if name not in cache:
-            overlay, components = VARIANTS[name]
+            overlay, components = {**VARIANTS, **DEMO_VARIANTS}[name]
             directory = DEPLOY / overlay
             flags: tuple[str, ...] = ()
             if components:
