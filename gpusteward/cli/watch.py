@@ -82,9 +82,9 @@ def watch(
         overrides["resync_period_s"] = resync
     if resources is not None:
         overrides["resources"] = [r.strip() for r in resources.split(",") if r.strip()]
+    from_env = KubeWatchEnvSettings()  # a bad variable: the entry point names it in one line
     try:
-        settings = KubeWatchSettings.model_validate(
-            {**KubeWatchEnvSettings().model_dump(), **overrides})
+        settings = KubeWatchSettings.model_validate({**from_env.model_dump(), **overrides})
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     asyncio.run(_main(settings, bootstrap, stdout))
