@@ -8,12 +8,17 @@ group's check (SASL) printed the Kafka password with the rest of its input.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from gpusteward.broker import free_port
 from gpusteward.cli.common import settings_errors
 from gpusteward.settings import Settings
 
@@ -83,3 +88,38 @@ def test_only_settings_errors_are_turned_into_lines():
     assert settings_errors(setting.value, {"gpusteward_health_port": "x"}) == [
         "gpusteward_health_port='x': Input should be a valid integer, unable to parse string "
         "as an integer"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_while_the_broker_is_awaited_ends_the_consumer_at_once(tmp_path, signum):
+    """SIGTERM (a pod stopped) or Ctrl-C before the broker answers: the consumer does not
+    sit out its 30 s wait for the broker."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GPUSTEWARD_")}
+    health = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-P", "-m", "gpusteward.cli", "alerts"],
+        env={**clean, "GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
+             "GPUSTEWARD_HEALTH_PORT": str(health)},
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while not _answers(health):  # started, and waiting for the broker
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        asked = time.monotonic()
+        process.send_signal(signum)
+        assert process.wait(10) == 0
+        assert time.monotonic() - asked < 5
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def _answers(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=1):
+            return True
+    except urllib.error.HTTPError:
+        return True  # 503: up, not ready
+    except OSError:
+        return False

@@ -73,7 +73,16 @@ def run_consumer(settings: Settings, run: Callable[[asyncio.Event], Awaitable[No
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         try:
-            await ensure_topics(settings)
+            # A stop while the broker is still awaited ends the wait (Ctrl-C on a laptop
+            # whose broker is not up yet).
+            preparing = asyncio.ensure_future(ensure_topics(settings))
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({preparing, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not preparing.done():
+                preparing.cancel()
+                return None
+            preparing.result()
             state.set_ready(True, "topics exist")
             working = asyncio.ensure_future(run(stop))
             names = [spec.name(settings) for spec in topics.ALL]
