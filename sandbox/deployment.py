@@ -379,12 +379,18 @@ CONSUMERS: dict[str, tuple[str, topics.TopicSpec]] = {
 
 
 async def drain(settings: Settings, processes: list[Process], timeout_s: float = 180) -> None:
-    """Wait until the worker has consumed everything published to the node topics, then
-    each started consumer everything the worker produced; fail when a process dies."""
+    """Wait until the worker has consumed everything published to the node topics, then its
+    fleet agent the node summaries and queue events that made, then each started consumer
+    everything the worker produced; fail when a process dies."""
     node_topics = [spec.name(settings) for spec in (topics.SAMPLES, topics.HW_EVENTS,
                                                      topics.ALLOCATIONS)]
     await while_alive(processes, kafka.wait_consumed(
         settings, worker_group(settings), node_topics, timeout_s))
+    # The fleet-wide rules (budgets, ETAs, gangs) decide on these, after the node join: a
+    # worker behind on them has not yet said what the fleet's state means.
+    fleet_topics = [spec.name(settings) for spec in (topics.NODE_SUMMARIES, topics.QUEUE)]
+    await while_alive(processes, kafka.wait_consumed(
+        settings, worker_group(settings), fleet_topics, timeout_s))
     for component in dict.fromkeys(p.launch.component for p in processes):
         if component in CONSUMERS:
             suffix, topic = CONSUMERS[component]

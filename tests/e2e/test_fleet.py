@@ -59,6 +59,9 @@ async def run_scenario(settings: Settings, name: str, log: Path, *,
     worker = WorkerProcess(settings, log)
     worker.start()
     try:
+        # A paced run is a live cluster the worker already watches: started before it is
+        # ready, a slow host's worker misses hours of event time (the queue's early waits).
+        await asyncio.to_thread(worker.wait_ready)
         simulating = asyncio.create_task(cluster.run(publisher))
         if crash_after_s is not None:
             await asyncio.sleep(crash_after_s)
