@@ -34,6 +34,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Awaitable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +46,7 @@ import yaml
 
 from gpusteward import kafka, topics
 from gpusteward.children import die_with_parent, stop_child
+from gpusteward.health import READY_PATH
 from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
 
@@ -350,6 +353,36 @@ class Process:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def _ready(process: Process) -> bool:
+    """True when the process answers its readiness probe, or serves none to ask."""
+    port = process.launch.env.get(HEALTH_PORT, "0")
+    if port == "0":
+        return True
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{READY_PATH}", timeout=1.0):
+            return True
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+async def wait_ready(processes: list[Process], timeout_s: float = 60.0) -> None:
+    """Wait until every started process that serves a readiness probe says ready, as the
+    kubelet does before it sends traffic: a world replayed before the worker has joined
+    its group reaches it as one backlog, read topic by topic, not as a live cluster's
+    interleaved stream."""
+
+    async def every_one_ready() -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not all(await asyncio.gather(*(asyncio.to_thread(_ready, p)
+                                             for p in processes))):
+            if asyncio.get_running_loop().time() > deadline:
+                raise DeploymentError(f"not ready within {timeout_s}s: " + ", ".join(
+                    p.launch.component for p in processes if not _ready(p)))
+            await asyncio.sleep(0.1)
+
+    await while_alive(processes, every_one_ready())
 
 
 async def while_alive(processes: list[Process], waiting: Awaitable[None]) -> None:

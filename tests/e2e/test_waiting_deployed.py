@@ -79,6 +79,7 @@ async def _run(broker: EmbeddedBroker, workdir: Path, scenario: str, *, policy: 
     try:
         world = World(cluster, publisher, workdir)
         started = list(deployment.start(manifests, processes, local))
+        await deployment.wait_ready(started)
         async with world:
             truth = await cluster.run(world)
             await world.settle()
