@@ -22,6 +22,8 @@ import asyncio
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -156,3 +158,16 @@ async def watch_topics(health: Health, names: list[str],
             reason = "topics missing on the broker: " + ", ".join(missing)
             health.fail(reason)
             return reason
+
+
+def probe(port: int, path: str = READY_PATH, timeout_s: float = 1.0) -> int | None:
+    """The HTTP status a process's probe at ``path`` answers on this host (200 ready or
+    live, 503 not), as a kubelet asks it; None when nothing answers on ``port``."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}",
+                                    timeout=timeout_s) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+    except OSError:
+        return None

@@ -280,6 +280,7 @@ async def _run(settings: Settings, cluster: SimulatedCluster, console: Console,
         world = World(cluster, publisher, log_dir)
         # started before the world's gRPC servers and clients run: nothing to fork but us
         processes = list(deployment.start(manifests, list(components), local))
+        await deployment.wait_ready(processes)
         async with world:
             with live:
                 truth = await cluster.run(world)

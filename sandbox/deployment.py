@@ -34,8 +34,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Awaitable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,9 +42,8 @@ from unittest import mock
 
 import yaml
 
-from gpusteward import kafka, topics
+from gpusteward import health, kafka, topics
 from gpusteward.children import die_with_parent, stop_child
-from gpusteward.health import READY_PATH
 from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
 
@@ -357,14 +354,8 @@ class Process:
 
 def _ready(process: Process) -> bool:
     """True when the process answers its readiness probe, or serves none to ask."""
-    port = process.launch.env.get(HEALTH_PORT, "0")
-    if port == "0":
-        return True
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{READY_PATH}", timeout=1.0):
-            return True
-    except (OSError, urllib.error.URLError):
-        return False
+    port = int(process.launch.env.get(HEALTH_PORT, "0"))
+    return port == 0 or health.probe(port) == 200
 
 
 async def wait_ready(processes: list[Process], timeout_s: float = 60.0) -> None:

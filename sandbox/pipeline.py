@@ -14,11 +14,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from gpusteward import health
 from gpusteward.broker import free_port
 from gpusteward.children import die_with_parent, stop_child
 from gpusteward.health import READY_PATH
@@ -76,12 +75,7 @@ class WorkerProcess:
 
     def probe(self, path: str = READY_PATH) -> bool:
         """True when the worker answers ``path`` (``/readyz`` or ``/livez``) with 200."""
-        url = f"http://127.0.0.1:{self.settings.health_port}{path}"
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as response:
-                return bool(response.status == 200)
-        except (OSError, urllib.error.URLError):
-            return False
+        return health.probe(self.settings.health_port, path) == 200
 
     def wait_ready(self, timeout_s: float = 60.0) -> float:
         """Seconds until the worker reports ready; TimeoutError if it does not in time."""

@@ -12,14 +12,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 from pydantic import BaseModel, ValidationError
 
 from gpusteward.broker import free_port
 from gpusteward.cli.common import settings_errors
+from gpusteward.health import LIVE_PATH, probe
 from gpusteward.settings import Settings
 
 
@@ -103,7 +102,7 @@ def test_a_stop_while_the_broker_is_awaited_ends_the_consumer_at_once(tmp_path, 
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30
-        while not _answers(health):  # started, and waiting for the broker
+        while probe(health, LIVE_PATH) is None:  # started, and waiting for the broker
             assert process.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         asked = time.monotonic()
@@ -114,12 +113,3 @@ def test_a_stop_while_the_broker_is_awaited_ends_the_consumer_at_once(tmp_path, 
         if process.poll() is None:
             process.kill()
 
-
-def _answers(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=1):
-            return True
-    except urllib.error.HTTPError:
-        return True  # 503: up, not ready
-    except OSError:
-        return False

@@ -85,6 +85,7 @@ async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
         world = World(cluster, publisher, workdir)
         assert world.kubeconfig == local.kubeconfig
         processes = list(deployment.start(manifests, PROCESSES, local))
+        await deployment.wait_ready(processes)
         async with world:
             truth = await cluster.run(world)
             await world.settle()

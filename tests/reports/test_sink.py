@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from aiokafka import ConsumerRecord
 
 from gpusteward import kafka, topics
 from gpusteward.broker import free_port
+from gpusteward.health import probe
 from gpusteward.reports import findings, store
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.reports.sink import RollupSink, findings_sink, results_sink, rollup_sink
@@ -221,7 +221,7 @@ def test_sink_command_is_probed_scraped_and_flushes_on_sigterm(settings: Setting
         topic = topics.ROLLUPS.name(settings)
         read = f'gpusteward_records_in_total{{topic="{topic}"}} 6.0'
         deadline = time.monotonic() + 60
-        while not (_get(health, "/readyz")[0] == 200 and read in _get(metrics, "/metrics")[1]):
+        while not (probe(health) == 200 and read in _metrics(metrics)):
             assert process.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
@@ -247,11 +247,9 @@ async def _publish(settings: Settings, rollups: list[Rollup]) -> None:
     await producer.stop()
 
 
-def _get(port: int, path: str) -> tuple[int, str]:
+def _metrics(port: int) -> str:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, ""
-    except OSError:
-        return 0, ""
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            return str(response.read().decode())
+    except OSError:  # not serving yet
+        return ""
