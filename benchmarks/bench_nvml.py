@@ -10,6 +10,9 @@ handling, event bookkeeping) plus the fake's; on a real node each NVML call
 adds the driver's time, so the NVML-calls-per-GPU figure says how that cost
 scales. Besides wall time per GPU, the whole node's tick is given in process
 CPU time, which other work on a shared machine inflates far less.
+
+Where NVML answers (a GPU node), the same figures are also taken on the real
+driver and its GPUs as they are, so the driver's own time per call shows.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pynvml
 from figures import Figure
 
 from gpusteward.collectors.nvml import NvmlCollector
@@ -81,18 +85,35 @@ def _shared_node(proc_root: Path) -> dict[str, Any]:
     return {"gpus": gpus}
 
 
-def _measure(description: dict[str, Any], proc_root: str | None = None
+class _CountedNvml:
+    """The real pynvml module, counting the NVML calls made through it."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(pynvml, name)
+        if not (callable(value) and name.startswith("nvml")):
+            return value
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return value(*args, **kwargs)
+        return counted
+
+
+def _measure(nvml: FakeNvml | _CountedNvml, proc_root: str | None = None
              ) -> tuple[float, float, float, float]:
     """(µs per GPU for the reading pass, NVML calls per GPU, µs per GPU for a whole tick,
     CPU µs per node for a whole tick)."""
-    fake = FakeNvml(description)
-    collector = NvmlCollector(fake, "bench", _Discard(), proc_root=proc_root)
+    collector = NvmlCollector(nvml, "bench", _Discard(), proc_root=proc_root)
     collector.open()
+    gpus = len(collector.reader.gpus)
     for _ in range(5):  # warm caches: MIG descriptions, GPM buffers
         collector.reader.read()
-    calls_before = fake.calls
+    calls_before = nvml.calls
     collector.reader.read()
-    calls = fake.calls - calls_before
+    calls = nvml.calls - calls_before
     # Median of a few rounds: the machine is shared and single rounds swing by 2x.
     read_s = statistics.median(_timed(collector.reader.read) for _ in range(ROUNDS))
 
@@ -108,7 +129,7 @@ def _measure(description: dict[str, Any], proc_root: str | None = None
 
     tick_s, tick_cpu_s = asyncio.run(ticks())
     collector.close()
-    return read_s / GPUS * 1e6, calls / GPUS, tick_s / GPUS * 1e6, tick_cpu_s * 1e6
+    return read_s / gpus * 1e6, calls / gpus, tick_s / gpus * 1e6, tick_cpu_s * 1e6
 
 
 def _timed(read: Callable[[], object]) -> float:
@@ -118,14 +139,35 @@ def _timed(read: Callable[[], object]) -> float:
     return (time.perf_counter() - begin) / TICKS
 
 
+def _real_driver() -> list[tuple[str, _CountedNvml, str | None]]:
+    """The real driver, labelled with its GPUs, where NVML answers; else nothing."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return []
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        names = {pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+                 for i in range(count)}
+    finally:
+        pynvml.nvmlShutdown()
+    if not count:
+        return []
+    label = f"{count}x {', '.join(sorted(map(str, names)))}, real driver"
+    return [(label, _CountedNvml(), None), (f"{label}, per-process", _CountedNvml(), "/proc")]
+
+
 def run() -> list[Figure]:
     figures: list[Figure] = []
     with tempfile.TemporaryDirectory(prefix="bench-proc-") as proc:
         shared = _shared_node(Path(proc))
-        for label, description, proc_root in (
-                ("8x H100", _whole_node(), None), ("8x H100, 7 MIG each", _mig_node(), None),
-                (f"8x H100, {PODS_PER_GPU} pods each, per-process", shared, proc)):
-            read_us, calls, tick_us, tick_cpu_us = _measure(description, proc_root)
+        nodes: list[tuple[str, FakeNvml | _CountedNvml, str | None]] = [
+            ("8x H100", FakeNvml(_whole_node()), None),
+            ("8x H100, 7 MIG each", FakeNvml(_mig_node()), None),
+            (f"8x H100, {PODS_PER_GPU} pods each, per-process", FakeNvml(shared), proc),
+            *_real_driver()]
+        for label, nvml, proc_root in nodes:
+            read_us, calls, tick_us, tick_cpu_us = _measure(nvml, proc_root)
             figures += [
                 Figure(f"read, {label}", read_us, "µs per GPU per tick"),
                 Figure(f"tick incl. publish, {label}", tick_us, "µs per GPU per tick"),

@@ -34,13 +34,14 @@ def _metrics(port: int) -> str:
         return ""
 
 
-@pytest.mark.e2e
-def test_collect_nvml_process_publishes_pod_attributed_samples(
-        settings: Settings, nvml_data: Path, socket_path: Path) -> None:
+def run_collect_nvml(settings: Settings, socket_path: Path, kubelet: Kubelet, node: str,
+                     *source: str) -> tuple[list[NodeSample], str]:
+    """Run ``gpusteward collect nvml`` (``source``: ``--fake-nvml PATH``, or nothing for the
+    driver) with ``kubelet`` on ``socket_path`` until it has sent three samples, stop it with
+    SIGTERM as the kubelet does, and return what reached Kafka and its last /metrics page."""
     port = free_port()
-    command = [str(Path(sys.executable).parent / "gpusteward"), "collect", "nvml",
-               "--fake-nvml", str(nvml_data / "mixed-node.yaml"),
-               "--node", "gpu-node-03", "--interval", "0.2", "--metrics-port", str(port),
+    command = [str(Path(sys.executable).parent / "gpusteward"), "collect", "nvml", *source,
+               "--node", node, "--interval", "0.2", "--metrics-port", str(port),
                "--bootstrap", settings.kafka.bootstrap_servers, "--loglevel", "warning"]
     # The NVML collector's own settings by the names the DaemonSet uses.
     env = {**os.environ, "GPUSTEWARD_TOPIC_PREFIX": settings.topic_prefix,
@@ -48,8 +49,6 @@ def test_collect_nvml_process_publishes_pod_attributed_samples(
            "GPUSTEWARD_COLLECT__NVML__EVENT_WAIT_MS": "100",
            "GPUSTEWARD_COLLECT__METRICS_ADDR": "127.0.0.1"}
     sent = f'gpusteward_collect_records_sent_total{{topic="{topics.SAMPLES.name(settings)}"}}'
-    collected = 'gpusteward_collect_samples_total{source="nvml"}'
-    kubelet = Kubelet(KUBELET_LIST)
 
     async def scenario() -> tuple[list[NodeSample], str]:
         await kafka.ensure_topics(settings, [topics.SAMPLES, topics.HW_EVENTS])
@@ -82,7 +81,16 @@ def test_collect_nvml_process_publishes_pod_attributed_samples(
                 await process.wait()
             await server.stop(None)
 
-    samples, metrics = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+@pytest.mark.e2e
+def test_collect_nvml_process_publishes_pod_attributed_samples(
+        settings: Settings, nvml_data: Path, socket_path: Path) -> None:
+    collected = 'gpusteward_collect_samples_total{source="nvml"}'
+    kubelet = Kubelet(KUBELET_LIST)
+    samples, metrics = run_collect_nvml(settings, socket_path, kubelet, "gpu-node-03",
+                                        "--fake-nvml", str(nvml_data / "mixed-node.yaml"))
     assert len(samples) >= 3
     assert metric_value(metrics, collected) >= 3  # the shared collector metric names
     assert {(s.node, s.source) for s in samples} == {("gpu-node-03", "nvml")}

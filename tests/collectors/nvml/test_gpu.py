@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import pynvml
 import pytest
 
 from gpusteward.collectors.nvml import NvmlCollector
+from gpusteward.collectors.nvml.events import EventListener
+from gpusteward.collectors.podresources import api_pb2
+from gpusteward.schema import PodRef
+from gpusteward.settings import Settings
+
+from .conftest import Kubelet, container, kubelet_pod
+from .test_command import run_collect_nvml
 
 pytestmark = pytest.mark.gpu
 
@@ -31,17 +39,29 @@ def gpu_count() -> Iterator[int]:
     yield count
 
 
+def _source_errors(collector: NvmlCollector) -> dict[str, float]:
+    """The collector's counted NVML failures, by the call that failed."""
+    return {sample.labels["reason"]: sample.value
+            for metric in collector.metrics.registry.collect()
+            if metric.name == "gpusteward_collect_source_errors"
+            for sample in metric.samples
+            if sample.name.endswith("_total") and sample.value}
+
+
 def test_real_gpus_are_sampled(gpu_count, publisher):
+    collector = NvmlCollector(pynvml, "gpu-test", publisher, interval_s=0.2, event_wait_ms=200)
+
     async def scenario():
         stop = asyncio.Event()
-        collector = NvmlCollector(pynvml, "gpu-test", publisher,
-                                  interval_s=0.2, event_wait_ms=200)
         task = asyncio.create_task(collector.run(stop))
         await publisher.wait_for(lambda p: len(p.samples) >= 3, timeout_s=30)
         stop.set()
         await asyncio.wait_for(task, 10)
 
     asyncio.run(scenario())
+    # A healthy GPU answers every call the reader makes, or says the reading does not
+    # exist here (NotSupported, FunctionNotFound): nothing is counted as a failure.
+    assert _source_errors(collector) == {}
     sample = publisher.samples[-1]
     gpus = [d for d in sample.devices if d.kind == "gpu"]
     assert len(gpus) == gpu_count
@@ -54,6 +74,24 @@ def test_real_gpus_are_sampled(gpu_count, publisher):
         assert mig.uuid.startswith("MIG-") and mig.parent_uuid in {g.uuid for g in gpus}
         assert mig.mig_profile and "g." in mig.mig_profile
     assert not [e for e in publisher.events if e.kind == "gpu_lost"]
+
+
+def test_the_real_driver_accepts_event_registration(gpu_count, publisher):
+    """XIDs, double-bit ECC and clock events arrive through an event set: every GPU must
+    accept registration for the events it supports, or faults go unwatched."""
+    errors: list[tuple[str, BaseException]] = []
+    collector = NvmlCollector(pynvml, "gpu-test", publisher)
+    collector.open()
+    try:
+        listener = EventListener(pynvml, collector.reader.gpus, 100, deliver=lambda raw: None,
+                                 on_error=lambda where, e: errors.append((where, e)))
+        listener.start()
+        assert listener.ready.wait(30)
+        listener.stop(5)
+    finally:
+        collector.close()
+    assert errors == []
+    assert sorted(listener.registered.values()) == sorted(g.uuid for g in collector.reader.gpus)
 
 
 def test_real_per_process_calls_answer_in_the_shapes_the_reader_expects(gpu_count):
@@ -99,3 +137,24 @@ def test_the_collector_reads_real_processes_with_the_host_proc(gpu_count, publis
         "gpusteward_collect_source_errors_total",
         {"source": "nvml", "reason": "nvmlDeviceGetProcessUtilization"})
     assert not errors
+
+
+@pytest.mark.e2e
+def test_collect_nvml_process_on_the_real_driver(gpu_count, settings: Settings,
+                                                 socket_path: Path) -> None:
+    """The DaemonSet's command on a GPU node: the real driver, a kubelet that gives GPU 0
+    to a pod, Kafka. Every GPU reaches the samples topic, GPU 0 attributed to its pod."""
+    pynvml.nvmlInit()
+    try:
+        uuids = [str(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
+                 for i in range(gpu_count)]
+    finally:
+        pynvml.nvmlShutdown()
+    kubelet = Kubelet(api_pb2.ListPodResourcesResponse(pod_resources=[
+        kubelet_pod("ml", "train-0", container("trainer", "nvidia.com/gpu", uuids[0]))]))
+    samples, _metrics = run_collect_nvml(settings, socket_path, kubelet, "gpu-node-real")
+    assert len(samples) >= 3
+    gpus = {d.uuid: d for d in samples[-1].devices if d.kind == "gpu"}
+    assert sorted(gpus) == sorted(uuids)
+    assert gpus[uuids[0]].pod == PodRef(namespace="ml", name="train-0", container="trainer")
+    assert all(gpus[uuid].pod is None for uuid in uuids[1:])
