@@ -48,7 +48,7 @@ def run_collect_nvml(settings: Settings, socket_path: Path, kubelet: Kubelet, no
            "GPUSTEWARD_COLLECT__NVML__POD_RESOURCES_SOCKET": str(socket_path),
            "GPUSTEWARD_COLLECT__NVML__EVENT_WAIT_MS": "100",
            "GPUSTEWARD_COLLECT__METRICS_ADDR": "127.0.0.1"}
-    sent = f'gpusteward_collect_records_sent_total{{topic="{topics.SAMPLES.name(settings)}"}}'
+    sent = f'gpusteward_collect_records_sent_total{{topic="{topics.SAMPLES.suffix}"}}'
 
     async def scenario() -> tuple[list[NodeSample], str]:
         await kafka.ensure_topics(settings, [topics.SAMPLES, topics.HW_EVENTS])
