@@ -10,7 +10,10 @@ slots, and the slots are judged once every node has reported past them (a
 watermark), so the figure and the moment a threshold is crossed are exact
 however the nodes' summaries interleave on the topic (after a catch-up, one
 node's may run hours behind another's). It is GPU-hours *held*, idle or
-not: what the budget is spent on.
+not: what the budget is spent on. One limit: a pod holds from when the node
+join reads its allocation event, and a worker catching up on a backlog can
+read a node's samples some minutes ahead of the allocations (another topic);
+the summaries of those minutes hold nothing for a job that started then.
 
 Two findings, one per episode:
 

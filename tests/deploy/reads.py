@@ -20,12 +20,11 @@ the pipeline's /metrics nor a health port; the dcgm collector has no use for
 the NVML settings), those fields are left out, so a variable set for them is
 reported too.
 
-One relaxation: a variable that reaches a container from a ConfigMap several
-containers load (``gpusteward-kafka``, ``gpusteward-store``), or from
-compose's shared ``x-gpusteward`` environment, passes when some process that
-loads the same source reads it. Such a source is the one place a setting
-several processes share is written; that one of its consumers has no use for
-a key is no mistake, while a key none of them reads is.
+No relaxation for a ConfigMap several containers load (``gpusteward-kafka``,
+``gpusteward-store``) or compose's shared environments: such a source holds only
+what every process loading it reads, and a setting one process reads is set on
+that process alone (a shared ConfigMap once gave the policy file to alerts and
+remediation, which mounted a policy they never read).
 """
 
 from __future__ import annotations
@@ -207,8 +206,7 @@ class Process:
 
     where: str
     argv: list[str] | None  # None: not a gpusteward process
-    own: set[str]  # variables set on it alone
-    shared: dict[str, str]  # variable -> the shared source it comes from
+    seen: set[str]  # the variables its container or service is given
 
 
 def gpusteward_argv(image: str | None, command: list[str] | None,
@@ -231,39 +229,25 @@ def gpusteward_argv(image: str | None, command: list[str] | None,
 
 
 def kubernetes_processes(rendered: Rendered) -> Iterator[Process]:
-    loads: dict[str, int] = {}
-    for workload in rendered.workloads():
-        pod = rendered.pod_spec(workload)
-        for container in pod.get("initContainers", []) + pod["containers"]:
-            for source in container.get("envFrom", []):
-                ref = source.get("configMapRef") or source.get("secretRef")
-                loads[ref["name"]] = loads.get(ref["name"], 0) + 1
     for workload in rendered.workloads():
         pod = rendered.pod_spec(workload)
         for container in pod.get("initContainers", []) + pod["containers"]:
             where = f"{rendered.variant}: {workload['kind']}/{workload['metadata']['name']}"
-            own: set[str] = set()
-            shared: dict[str, str] = {}
+            seen: set[str] = set()
             for source in container.get("envFrom", []):
                 # A Secret's keys are not in the manifests: none may be loaded whole.
                 assert "configMapRef" in source, f"{where}: envFrom {source}: keys unknown"
                 name = source["configMapRef"]["name"]
-                keys = {source.get("prefix", "") + key
-                        for key in rendered.named("ConfigMap", name).get("data", {})}
-                if loads[name] > 1:
-                    shared.update(dict.fromkeys(keys, f"ConfigMap {name}"))
-                else:
-                    own |= keys
-            for variable in container.get("env", []):
-                own.add(variable["name"])  # value or valueFrom, both set it
-                shared.pop(variable["name"], None)
+                seen |= {source.get("prefix", "") + key
+                         for key in rendered.named("ConfigMap", name).get("data", {})}
+            # value or valueFrom, both set it
+            seen |= {variable["name"] for variable in container.get("env", [])}
             yield Process(f"{where} container {container['name']}",
                           gpusteward_argv(container.get("image"), container.get("command"),
-                                          container.get("args")), own, shared)
+                                          container.get("args")), seen)
 
 
 def compose_processes(compose: dict[str, Any]) -> Iterator[Process]:
-    common = compose["x-gpusteward"]["environment"]
     for name, service in compose["services"].items():
         environment = service.get("environment", {})
         if isinstance(environment, list):
@@ -276,9 +260,7 @@ def compose_processes(compose: dict[str, Any]) -> Iterator[Process]:
             argv = gpusteward_argv(None, [*entrypoint, *(command or [])][:3], None)
         else:
             argv = gpusteward_argv(service.get("image"), None, command)
-        shared = {k: "x-gpusteward environment" for k, v in environment.items()
-                  if common.get(k) == v}
-        yield Process(f"compose service {name}", argv, set(environment) - set(shared), shared)
+        yield Process(f"compose service {name}", argv, set(environment))
 
 
 def unread(processes: Iterable[Process]) -> list[str]:
@@ -287,19 +269,14 @@ def unread(processes: Iterable[Process]) -> list[str]:
     readers = {id(p): read_by(p.argv) for p in processes if p.argv is not None}
     problems = []
     for process in processes:
-        seen = {n for n in process.own | set(process.shared) if n.upper().startswith(PREFIX)}
+        seen = {n for n in process.seen if n.upper().startswith(PREFIX)}
         if process.argv is None:
             problems += [f"{process.where}: {n} (not a gpusteward process)" for n in sorted(seen)]
             continue
         reads = readers[id(process)]
-        for name in sorted(seen - {n for n in seen if n in reads}):
-            source = process.shared.get(name)
-            if source is None:
-                problems.append(f"{process.where} (gpusteward {' '.join(process.argv)}): "
-                                f"{name} is read by nothing it runs")
-            elif not any(name in readers[id(p)] for p in processes
-                         if p.argv is not None and p.shared.get(name) == source):
-                problems.append(f"{source}: {name} is read by none of its consumers")
-    return list(dict.fromkeys(problems))  # a shared source's problem once, not per consumer
+        problems += [f"{process.where} (gpusteward {' '.join(process.argv)}): "
+                     f"{name} is read by nothing it runs"
+                     for name in sorted(seen) if name not in reads]
+    return problems
 
 

@@ -75,14 +75,10 @@ def _mounted_policies(rendered: Rendered) -> Iterator[tuple[str, str]]:
         pod = rendered.pod_spec(workload)
         for container in pod["containers"]:
             env = container_env(rendered, container)
-            mounts = [m for m in container.get("volumeMounts", [])
-                      if m["mountPath"] == env.get(POLICY_ENV)]
-            if not mounts:
-                # The variable comes with the shared Kafka ConfigMap to containers that
-                # mount no policy and read none (the collector, the watcher, three sinks;
-                # the assertion below names those that must have it).
-                continue
-            (mount,) = mounts
+            if POLICY_ENV not in env:
+                continue  # reads no policy (tests/deploy/test_environment.py)
+            (mount,) = [m for m in container.get("volumeMounts", [])
+                        if m["mountPath"] == env[POLICY_ENV]]
             (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
             data = rendered.named("ConfigMap", volume["configMap"]["name"])["data"]
             yield f"{workload['metadata']['name']}/{container['name']}", data[mount["subPath"]]
@@ -90,8 +86,9 @@ def _mounted_policies(rendered: Rendered) -> Iterator[tuple[str, str]]:
 
 def test_every_mounted_policy_is_the_shipped_policy_and_loads(rendered, tmp_path):
     mounted = dict(_mounted_policies(rendered))
-    assert {w.split("/")[0] for w in mounted} >= {
-        "gpusteward-worker", "gpusteward-alerts", "gpusteward-remediation"}
+    # The processes that read the policy, and no other.
+    assert {w.split("/")[0] for w in mounted} == {
+        "gpusteward-worker", "gpusteward-rollup-sink", "gpusteward-report"}
     for where, text in mounted.items():
         assert text == SHIPPED_POLICY.read_text(), f"{rendered.variant}: {where}"
         code, output = rules_check(text, tmp_path / "policy.yaml")

@@ -57,7 +57,8 @@ def test_every_variable_a_compose_service_sees_is_read_by_its_process(compose):
 
 def test_a_misspelt_or_misplaced_variable_is_reported(render, compose):
     """Controls: a typo, a variable on a process that does not read it, a field its process
-    never uses, a typo in a shared ConfigMap, a typo in compose."""
+    never uses, a typo in a shared ConfigMap, a shared key one consumer does not read, a
+    typo in compose."""
     rendered = render("production")
     assert not unread(kubernetes_processes(rendered))
     broken = Rendered("planted", copy.deepcopy(rendered.objects))
@@ -70,12 +71,17 @@ def test_a_misspelt_or_misplaced_variable_is_reported(render, compose):
     (kafka,) = [c for c in broken.kind("ConfigMap")
                 if c["metadata"]["name"].startswith("gpusteward-kafka")]
     kafka["data"]["GPUSTEWARD_KAFKA__REBALANCE_TIMEOUT"] = "30"
+    # A key only some of the ConfigMap's consumers read: the worker reads the policy file,
+    # alerts does not.
+    kafka["data"]["GPUSTEWARD_POLICY_FILE"] = "/etc/gpusteward/policy.yaml"
     problems = "\n".join(unread(kubernetes_processes(broken)))
     assert "GPUSTEWARD_KAFKA__FETCH_MAX_WAIT is read by nothing" in problems
     assert "GPUSTEWARD_REPORT__IDLE_THRESHOLD_PCT is read by nothing" in problems
     # The NVML collector builds CollectSettings but never uses dcgm_url.
     assert "GPUSTEWARD_COLLECT__DCGM_URL is read by nothing" in problems
-    assert "GPUSTEWARD_KAFKA__REBALANCE_TIMEOUT is read by none of its consumers" in problems
+    assert "GPUSTEWARD_KAFKA__REBALANCE_TIMEOUT is read by nothing" in problems
+    assert ("container alerts (gpusteward alerts): GPUSTEWARD_POLICY_FILE is read by nothing"
+            in problems)
 
     assert not unread(compose_processes(compose))
     planted = copy.deepcopy(compose)

@@ -342,8 +342,9 @@ def test_sinks_write_the_store_the_report_reads(rendered):
 
 
 def test_policy_configmap_is_mounted_where_the_setting_points(rendered):
-    # The report reads queue SLOs and the idle threshold from the same policy.
-    for component in ("worker", "remediation", "alerts", "report", "rollup-sink"):
+    # The report reads queue SLOs and the idle threshold from the same policy, the rollup
+    # sink the idle threshold of its GPU-seconds metric.
+    for component in ("worker", "report", "rollup-sink"):
         workload = rendered.component(component)
         pod = rendered.pod_spec(workload)
         env = _env(rendered, workload)
@@ -400,18 +401,15 @@ def test_every_long_running_process_is_scraped(render):
     settings serve on, the PodMonitor scrapes that port name, and the network policy lets
     Prometheus in."""
     rendered = render("production")
-    (kafka_config,) = [c for c in rendered.kind("ConfigMap")
-                       if c["metadata"]["name"].startswith("gpusteward-kafka")]
-    port = int(kafka_config["data"]["GPUSTEWARD_METRICS__PORT"])
+    port = 9464
     for component in ("worker", "alerts", "remediation", *SINKS):
         pod = pod_spec(rendered.component(component))
         (container,) = pod["containers"]
         env = {e["name"]: e.get("value") for e in container["env"]}
         health = int(env["GPUSTEWARD_HEALTH_PORT"])
+        assert int(env["GPUSTEWARD_METRICS__PORT"]) == port
         assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
             "metrics": port, "health": health}
-        assert any(e["configMapRef"]["name"] == kafka_config["metadata"]["name"]
-                   for e in container["envFrom"] if "configMapRef" in e)
     (monitor,) = rendered.kind("PodMonitor")
     assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
     policy = rendered.named("NetworkPolicy", "gpusteward-metrics-scrape")
