@@ -34,8 +34,10 @@ lint: install
 	cd $(LINKTREE) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p gpusteward
 	cd $(LINKTREE) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml $(CURDIR)/tests $(CURDIR)/benchmarks
 
+# Two workers, a test file each at a time (a file's module fixtures stay on one worker,
+# each worker has its own embedded broker): 8.5 min instead of 14.7 on the 2-CPU VM.
 test: install system-deps lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 bench: install
 	$(BIN)/python -P benchmarks/run.py

@@ -28,7 +28,10 @@ from gpusteward.settings import Settings
 
 pytestmark = pytest.mark.e2e
 
-FREEZE_S = 30.0
+FREEZE_S = 12.0
+"""Six delivery timeouts (the test's 2 s): as long a hang, for the publisher, as any longer
+one, which only adds to the backlog (make chaos freezes the broker under the whole
+pipeline)."""
 NODES = ("node-a", "node-b")
 
 
@@ -76,7 +79,7 @@ def counter(metrics: CollectorMetrics, name: str, **labels: str) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def test_a_broker_hung_for_30s_loses_no_sample_and_keeps_order(
+def test_a_hung_broker_loses_no_sample_and_keeps_order(
         tmp_path: Path, exporter) -> None:
     metrics = CollectorMetrics()
     collect = CollectSettings(node_name="unused", interval_s=0.25, buffer_dir=tmp_path / "buffer",

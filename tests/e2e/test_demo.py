@@ -170,7 +170,7 @@ def test_interrupted_demo_stops_everything(settings: Settings, tmp_path: Path,
                                             tmp_path))
         # Interrupt in the middle of the scenario, the world and the processes busy.
         deadline = time.monotonic() + 60
-        while cluster.now < cluster.start + 3600 and not run.done():
+        while cluster.now < cluster.start + 1200 and not run.done():
             assert time.monotonic() < deadline, "the demo did not get going"
             await asyncio.sleep(0.1)
         seen_running.extend(_world_threads())
