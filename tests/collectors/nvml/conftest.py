@@ -1,20 +1,32 @@
 """NVML collector test fixtures: the fake NVML from tests/data/nvml, a recording publisher,
-and a kubelet PodResources gRPC server on a unix socket."""
+a kubelet PodResources gRPC server on a unix socket, and ``gpusteward collect nvml`` run as
+a process (on the fake or the real driver)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
+import sys
 import tempfile
+import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+import msgspec
 import pytest
 
+from gpusteward import kafka, topics
+from gpusteward.broker import free_port
 from gpusteward.collectors.podresources import api_pb2, api_pb2_grpc
 from gpusteward.sandbox.nvml_fake import FakeNvml
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
+from gpusteward.settings import Settings
+
+from ..conftest import metric_value
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "nvml"
 
@@ -127,3 +139,61 @@ async def serve_kubelet(kubelet: Kubelet, path: Path) -> grpc.aio.Server:
     server.add_insecure_port(f"unix://{path}")
     await server.start()
     return server
+
+
+def _metrics(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as answer:
+            return str(answer.read().decode())
+    except OSError:  # not serving yet
+        return ""
+
+
+def run_collect_nvml(settings: Settings, socket_path: Path, kubelet: Kubelet, node: str,
+                     *source: str) -> tuple[list[NodeSample], str]:
+    """Run ``gpusteward collect nvml`` (``source``: ``--fake-nvml PATH``, or nothing for the
+    driver) with ``kubelet`` on ``socket_path`` until it has sent three samples, stop it with
+    SIGTERM as the kubelet does, and return what reached Kafka and its last /metrics page."""
+    port = free_port()
+    command = [str(Path(sys.executable).parent / "gpusteward"), "collect", "nvml", *source,
+               "--node", node, "--interval", "0.2", "--metrics-port", str(port),
+               "--bootstrap", settings.kafka.bootstrap_servers, "--loglevel", "warning"]
+    # The NVML collector's own settings by the names the DaemonSet uses.
+    env = {**os.environ, "GPUSTEWARD_TOPIC_PREFIX": settings.topic_prefix,
+           "GPUSTEWARD_COLLECT__NVML__POD_RESOURCES_SOCKET": str(socket_path),
+           "GPUSTEWARD_COLLECT__NVML__EVENT_WAIT_MS": "100",
+           "GPUSTEWARD_COLLECT__METRICS_ADDR": "127.0.0.1"}
+    sent = f'gpusteward_collect_records_sent_total{{topic="{topics.SAMPLES.suffix}"}}'
+
+    async def scenario() -> tuple[list[NodeSample], str]:
+        await kafka.ensure_topics(settings, [topics.SAMPLES, topics.HW_EVENTS])
+        server = await serve_kubelet(kubelet, socket_path)
+        process = await asyncio.create_subprocess_exec(
+            *command, env=env, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT)
+        try:
+            # Kafka is read once the process has stopped: a live collector never lets
+            # read_all's quiet period pass.
+            deadline = time.monotonic() + 30
+            metrics = ""
+            while metric_value(metrics, sent) < 3:
+                if process.returncode is not None or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+                metrics = await asyncio.to_thread(_metrics, port)
+            running = process.returncode is None
+            if running:
+                process.send_signal(signal.SIGTERM)
+            code = await asyncio.wait_for(process.wait(), 20)
+            output = (await process.stdout.read()).decode()  # type: ignore[union-attr]
+            assert running and code == 0, output
+            records = await kafka.read_all(settings, topics.SAMPLES.name(settings))
+            return [msgspec.json.decode(r.value or b"", type=NodeSample)
+                    for r in records], metrics
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            await server.stop(None)
+
+    return asyncio.run(scenario())

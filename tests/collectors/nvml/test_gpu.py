@@ -18,8 +18,7 @@ from gpusteward.collectors.podresources import api_pb2
 from gpusteward.schema import PodRef
 from gpusteward.settings import Settings
 
-from .conftest import Kubelet, container, kubelet_pod
-from .test_command import run_collect_nvml
+from .conftest import Kubelet, container, kubelet_pod, run_collect_nvml
 
 pytestmark = pytest.mark.gpu
 
