@@ -7,6 +7,7 @@ broker with a topic prefix of the test's own, so no test sees another's data.
 from __future__ import annotations
 
 import itertools
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,3 +67,12 @@ def kube_api_loaded(kube_api: KubeApiServer) -> KubeApiServer:
 @pytest.fixture
 def kubeconfig(kube_api: KubeApiServer, tmp_path: Path) -> Path:
     return kube_api.write_kubeconfig(tmp_path / "kubeconfig")
+
+
+def metrics_page(port: int) -> str:
+    """The /metrics page a process serves on loopback ``port``; "" while it serves none."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as answer:
+            return str(answer.read().decode())
+    except OSError:  # not serving yet
+        return ""

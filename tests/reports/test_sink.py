@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from gpusteward.schema import (
 )
 from gpusteward.settings import Settings
 from gpusteward.topics import TopicSpec
+from tests.conftest import metrics_page
 
 T0 = 1_763_337_600.0
 
@@ -221,7 +221,7 @@ def test_sink_command_is_probed_scraped_and_flushes_on_sigterm(settings: Setting
         topic = topics.ROLLUPS.name(settings)
         read = f'gpusteward_records_in_total{{topic="{topic}"}} 6.0'
         deadline = time.monotonic() + 60
-        while not (probe(health) == 200 and read in _metrics(metrics)):
+        while not (probe(health) == 200 and read in metrics_page(metrics)):
             assert process.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
@@ -245,11 +245,3 @@ async def _publish(settings: Settings, rollups: list[Rollup]) -> None:
                             key=rollup.node.encode())
     await producer.flush()
     await producer.stop()
-
-
-def _metrics(port: int) -> str:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
-            return str(response.read().decode())
-    except OSError:  # not serving yet
-        return ""

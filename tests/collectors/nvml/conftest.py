@@ -11,7 +11,6 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from gpusteward.collectors.podresources import api_pb2, api_pb2_grpc
 from gpusteward.sandbox.nvml_fake import FakeNvml
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
 from gpusteward.settings import Settings
+from tests.conftest import metrics_page
 
 from ..conftest import metric_value
 
@@ -141,14 +141,6 @@ async def serve_kubelet(kubelet: Kubelet, path: Path) -> grpc.aio.Server:
     return server
 
 
-def _metrics(port: int) -> str:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as answer:
-            return str(answer.read().decode())
-    except OSError:  # not serving yet
-        return ""
-
-
 def run_collect_nvml(settings: Settings, socket_path: Path, kubelet: Kubelet, node: str,
                      *source: str) -> tuple[list[NodeSample], str]:
     """Run ``gpusteward collect nvml`` (``source``: ``--fake-nvml PATH``, or nothing for the
@@ -180,7 +172,7 @@ def run_collect_nvml(settings: Settings, socket_path: Path, kubelet: Kubelet, no
                 if process.returncode is not None or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.2)
-                metrics = await asyncio.to_thread(_metrics, port)
+                metrics = await asyncio.to_thread(metrics_page, port)
             running = process.returncode is None
             if running:
                 process.send_signal(signal.SIGTERM)
