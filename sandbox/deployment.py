@@ -366,11 +366,14 @@ async def wait_ready(processes: list[Process], timeout_s: float = 60.0) -> None:
 
     async def every_one_ready() -> None:
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while not all(await asyncio.gather(*(asyncio.to_thread(_ready, p)
-                                             for p in processes))):
+        while True:
+            ready = await asyncio.gather(*(asyncio.to_thread(_ready, p) for p in processes))
+            if all(ready):
+                return
             if asyncio.get_running_loop().time() > deadline:
                 raise DeploymentError(f"not ready within {timeout_s}s: " + ", ".join(
-                    p.launch.component for p in processes if not _ready(p)))
+                    p.launch.component for p, up in zip(processes, ready, strict=True)
+                    if not up))
             await asyncio.sleep(0.1)
 
     await while_alive(processes, every_one_ready())

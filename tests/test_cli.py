@@ -112,4 +112,3 @@ def test_a_stop_while_the_broker_is_awaited_ends_the_consumer_at_once(tmp_path, 
     finally:
         if process.poll() is None:
             process.kill()
-

@@ -139,10 +139,10 @@ def test_findings_equal_the_ground_truth(run: Run) -> None:
 
 
 def test_start_estimates_are_only_for_workloads_that_waited(run: Run) -> None:
-    """Here the remediation acts on the world: a drain sends its workloads back to the
-    queue, and whether one is still waiting when the fleet agent looks depends on timing.
-    So a start estimate may or may not appear; one for a workload that never waited would
-    be a false alarm."""
+    """Here the remediation acts on the world: its cordons and taints take nodes out of
+    scheduling, so a workload arriving later may wait, and whether it still waits when the
+    fleet agent looks depends on timing. So a start estimate may or may not appear (most
+    runs have none); one for a workload that never waited would be a false alarm."""
     waited = {f"{p.namespace}/{p.pod}" for p in run.truth.pods
               if p.queued_at is not None and p.started_at > p.queued_at}
     waited |= set(run.truth.pending)
