@@ -6,6 +6,11 @@ process starts and the rate at which its committed sample offsets advance
 from a quarter of the backlog to its end gives GPU-samples per second: the
 sustained rate, without start-up, table recovery and the burst of the
 fleet's initial placement (every pod's allocation and queue events at once).
+
+Scale-out: 2, 4 and 8 workers in one consumer group (where the host has the
+CPUs) drain the same backlog, measured the same way once the group has
+formed; with them, how busy each worker and the broker were, which says
+whether the workers or something outside them set the pace.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiokafka import TopicPartition
@@ -30,6 +36,9 @@ from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
 
 NODES, GPUS = 1250, 8
+SCALE_OUT = (2, 4, 8)
+"""Workers in the scale-out runs (at most the node topics' 8 partitions), each run where
+the host has two CPUs more than workers."""
 
 
 def fleet(duration_s: float, acceleration: float, *, name: str = "fleet-10k",
@@ -52,46 +61,136 @@ def fleet(duration_s: float, acceleration: float, *, name: str = "fleet-10k",
     })
 
 
-async def throughput(settings: Settings, log: Path) -> list[Figure]:
+async def throughput(settings: Settings, log: Path, broker_pid: int) -> list[Figure]:
     await kafka.ensure_topics(settings)
-    publisher = KafkaPublisher(settings)
-    await publisher.start()
-    started = time.monotonic()
-    await SimulatedCluster(fleet(119, 0.0)).run(publisher)
-    publish_s = time.monotonic() - started
-    await publisher.stop()
-    samples = topics.SAMPLES.name(settings)
-    ends: dict[TopicPartition, int] = {}
-    for record in await kafka.read_all(settings, samples):
-        tp = TopicPartition(record.topic, record.partition)
-        ends[tp] = max(ends.get(tp, 0), record.offset + 1)
-    total = sum(ends.values())
-    group = worker_group(settings)
+    publish_s = await publish_backlog(settings)
+    ends = await sample_ends(settings)
     with WorkerProcess(settings, log) as worker:
+        drained = await drain(settings, [worker], ends, broker_pid)
         assert worker.process is not None
-        first: tuple[float, int, float] | None = None
-        while True:
-            await asyncio.sleep(0.2)
-            done = sum(max(0, o) for o in (await kafka.committed(settings, group, ends)).values())
-            now, cpu = time.monotonic(), cpu_seconds(worker.process.pid)
-            if first is None and done >= total // 4:
-                first = (now, done, cpu)
-            if done >= total:
-                break
         peak_rss = peak_resident_bytes(worker.process.pid)
-    assert first is not None
-    processed = total - first[1]
-    rate = processed * GPUS / (now - first[0])
-    cpu_per_record = (cpu - first[2]) / processed
     return [
-        Figure("worker throughput (1 process)", rate, "GPU-samples/s"),
-        Figure("worker CPU per node sample (8 GPUs)", cpu_per_record * 1e6, "µs"),
-        Figure("worker capacity at one busy core", GPUS / cpu_per_record, "GPU-samples/s"),
-        Figure("simulator publish rate", total * GPUS / publish_s, "GPU-samples/s"),
+        Figure("worker throughput (1 process)", drained.rate, "GPU-samples/s"),
+        Figure("worker CPU per node sample (8 GPUs)", drained.cpu_per_record * 1e6, "µs"),
+        Figure("worker capacity at one busy core", GPUS / drained.cpu_per_record,
+               "GPU-samples/s"),
+        Figure("broker busy meanwhile", drained.broker_busy, "cores"),
+        Figure("simulator publish rate", sum(ends.values()) * GPUS / publish_s,
+               "GPU-samples/s"),
         # Every node's state on one worker (a manifest's memory limit must hold it); two
         # minutes of history, where a node's rule state grows for 30 (the leak rule's window).
         Figure("worker peak resident memory, all 1,250 nodes", peak_rss / 2**20, "MiB"),
     ]
+
+
+async def scale_out(settings: Settings, log_dir: Path, count: int,
+                    broker_pid: int) -> Drained:
+    """How ``count`` workers in one group drain the backlog.
+
+    The workers start on empty topics and are measured only once all of them are ready
+    with the partitions shared out: a group that forms while a backlog drains would
+    measure its rebalances. They are frozen (SIGSTOP) while the simulator publishes the
+    backlog, within their session timeout so the group stays as it is, and thawed
+    together; the rate is then measured as for one worker.
+    """
+    await kafka.ensure_topics(settings)
+    workers = [WorkerProcess(settings, log_dir / f"worker-{count}-{i}.log")
+               for i in range(count)]
+    try:
+        for worker in workers:
+            worker.start()
+        await all_ready(workers)
+        for worker in workers:
+            worker.freeze()
+        publish_s = await publish_backlog(settings)
+        ends = await sample_ends(settings)
+        if publish_s > settings.kafka.session_timeout_s * 0.8:
+            raise RuntimeError(f"publishing took {publish_s:.0f} s, too close to the session "
+                               "timeout: the group may have rebalanced")
+        for worker in workers:
+            worker.thaw()
+        return await drain(settings, workers, ends, broker_pid)
+    finally:
+        for worker in workers:
+            worker.thaw()
+            worker.stop()
+
+
+async def all_ready(workers: Sequence[WorkerProcess], timeout_s: float = 180.0) -> None:
+    """Wait until every worker is ready twice in a row, 2 s apart: each member's join
+    rebalances the group and makes all of them not ready until it ends."""
+    deadline = time.monotonic() + timeout_s
+    stable = 0
+    while stable < 2:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(workers)} workers not all ready in {timeout_s:.0f} s")
+        if not all(worker.alive for worker in workers):
+            raise RuntimeError("a worker exited; see its log")
+        stable = stable + 1 if all(worker.probe() for worker in workers) else 0
+        await asyncio.sleep(2.0)
+
+
+async def publish_backlog(settings: Settings) -> float:
+    """Publish two minutes of the 10,000-GPU fleet as fast as the simulator can; seconds."""
+    publisher = KafkaPublisher(settings)
+    await publisher.start()
+    started = time.monotonic()
+    await SimulatedCluster(fleet(119, 0.0)).run(publisher)
+    await publisher.stop()
+    return time.monotonic() - started
+
+
+async def sample_ends(settings: Settings) -> dict[TopicPartition, int]:
+    """The end offset of each partition of the samples topic."""
+    reader = kafka.consumer(settings, group_id=None)
+    await reader.start()
+    try:
+        name = topics.SAMPLES.name(settings)
+        await reader._client.force_metadata_update()
+        partitions = sorted(reader.partitions_for_topic(name) or ())
+        return await kafka.true_end_offsets(reader, [TopicPartition(name, p)
+                                                     for p in partitions])
+    finally:
+        await reader.stop()
+
+
+@dataclass(frozen=True)
+class Drained:
+    """How a group of workers drained a backlog (see :func:`drain`)."""
+
+    rate: float
+    """GPU-samples per second."""
+    cpu_per_record: float
+    """The workers' CPU seconds per node sample."""
+    workers_busy: float
+    """The workers' CPU seconds per second, per worker: 1 is a busy core each."""
+    broker_busy: float
+    """The broker's CPU seconds per second (cores)."""
+
+
+async def drain(settings: Settings, workers: Sequence[WorkerProcess],
+                ends: dict[TopicPartition, int], broker_pid: int) -> Drained:
+    """How fast the workers' group commits the samples up to ``ends``, from a quarter of
+    them to the last (no start-up, table recovery or initial placement burst), and the
+    CPU the workers and the broker spent over that stretch."""
+    total = sum(ends.values())
+    group = worker_group(settings)
+    pids = [worker.process.pid for worker in workers if worker.process is not None]
+    first: tuple[float, int, float, float] | None = None
+    while True:
+        await asyncio.sleep(0.2)
+        done = sum(max(0, o) for o in (await kafka.committed(settings, group, ends)).values())
+        now, cpu = time.monotonic(), sum(cpu_seconds(pid) for pid in pids)
+        broker_cpu = cpu_seconds(broker_pid)
+        if first is None and done >= total // 4:
+            first = (now, done, cpu, broker_cpu)
+        if done >= total:
+            break
+    assert first is not None
+    processed, wall = total - first[1], now - first[0]
+    return Drained(rate=processed * GPUS / wall, cpu_per_record=(cpu - first[2]) / processed,
+                   workers_busy=(cpu - first[2]) / wall / len(pids),
+                   broker_busy=(broker_cpu - first[3]) / wall)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -110,8 +209,29 @@ def peak_resident_bytes(pid: int) -> int:
 
 def run() -> list[Figure]:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-worker-"))
+    cpus = len(os.sched_getaffinity(0))
     with EmbeddedBroker(log_path=log_dir / "broker.log") as broker:
-        base = broker.settings()
+        assert broker.process is not None
+        base, pid = broker.settings(), broker.process.pid
         figures = asyncio.run(throughput(base.model_copy(update={"topic_prefix": "bench-tp"}),
-                                         log_dir / "worker-tp.log"))
+                                         log_dir / "worker-tp.log", pid))
+        one = figures[0].value
+        counts = [n for n in SCALE_OUT if n + 2 <= cpus]
+        if not counts:
+            print(f"  scale-out: not run on {cpus} CPUs (n workers need n + 2: the broker "
+                  "and the simulator)")
+        # Frozen workers keep their partitions for the session timeout only.
+        frozen = base.kafka.model_copy(update={"session_timeout_s": 45.0})
+        for n in counts:
+            settings = base.model_copy(update={"topic_prefix": f"bench-so{n}",
+                                               "kafka": frozen})
+            drained = asyncio.run(scale_out(settings, log_dir, n, pid))
+            figures += [
+                Figure(f"{n} workers in one group: throughput", drained.rate, "GPU-samples/s"),
+                Figure(f"{n} workers: of {n} x one process", 100 * drained.rate / (n * one),
+                       "%"),
+                Figure(f"{n} workers: CPU per node sample", drained.cpu_per_record * 1e6, "µs"),
+                Figure(f"{n} workers: busy, each", 100 * drained.workers_busy, "% of a core"),
+                Figure(f"{n} workers: broker busy", drained.broker_busy, "cores"),
+            ]
     return figures
