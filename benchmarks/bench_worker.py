@@ -162,8 +162,9 @@ class Drained:
     """GPU-samples per second."""
     cpu_per_record: float
     """The workers' CPU seconds per node sample."""
-    workers_busy: float
-    """The workers' CPU seconds per second, per worker: 1 is a busy core each."""
+    workers_busy: tuple[float, float, float]
+    """Each worker's CPU seconds per second (1: a busy core): least, mean, most. Far apart,
+    the partitions' work was uneven; all low, the workers waited on something."""
     broker_busy: float
     """The broker's CPU seconds per second (cores)."""
 
@@ -176,11 +177,11 @@ async def drain(settings: Settings, workers: Sequence[WorkerProcess],
     total = sum(ends.values())
     group = worker_group(settings)
     pids = [worker.process.pid for worker in workers if worker.process is not None]
-    first: tuple[float, int, float, float] | None = None
+    first: tuple[float, int, list[float], float] | None = None
     while True:
         await asyncio.sleep(0.2)
         done = sum(max(0, o) for o in (await kafka.committed(settings, group, ends)).values())
-        now, cpu = time.monotonic(), sum(cpu_seconds(pid) for pid in pids)
+        now, cpu = time.monotonic(), [cpu_seconds(pid) for pid in pids]
         broker_cpu = cpu_seconds(broker_pid)
         if first is None and done >= total // 4:
             first = (now, done, cpu, broker_cpu)
@@ -188,8 +189,9 @@ async def drain(settings: Settings, workers: Sequence[WorkerProcess],
             break
     assert first is not None
     processed, wall = total - first[1], now - first[0]
-    return Drained(rate=processed * GPUS / wall, cpu_per_record=(cpu - first[2]) / processed,
-                   workers_busy=(cpu - first[2]) / wall / len(pids),
+    busy = [(end - start) / wall for start, end in zip(first[2], cpu, strict=True)]
+    return Drained(rate=processed * GPUS / wall, cpu_per_record=sum(busy) * wall / processed,
+                   workers_busy=(min(busy), sum(busy) / len(busy), max(busy)),
                    broker_busy=(broker_cpu - first[3]) / wall)
 
 
@@ -231,7 +233,9 @@ def run() -> list[Figure]:
                 Figure(f"{n} workers: of {n} x one process", 100 * drained.rate / (n * one),
                        "%"),
                 Figure(f"{n} workers: CPU per node sample", drained.cpu_per_record * 1e6, "µs"),
-                Figure(f"{n} workers: busy, each", 100 * drained.workers_busy, "% of a core"),
+                *(Figure(f"{n} workers: busy, {which}", 100 * busy, "% of a core")
+                  for which, busy in zip(("least", "mean", "most"), drained.workers_busy,
+                                         strict=True)),
                 Figure(f"{n} workers: broker busy", drained.broker_busy, "cores"),
             ]
     return figures
