@@ -317,6 +317,17 @@ class SpotJoin:
         return spot_rules.on_pod(track, event, self.settings)
 
 
+class _Snapshot:
+    """Whether the fleet agent's live state holds records due a checkpoint that no staged
+    snapshot has yet, and the snapshot taken before a MIG advice still running."""
+
+    __slots__ = ("due", "pending")
+
+    def __init__(self) -> None:
+        self.due = False
+        self.pending: bytes | None = None
+
+
 def fleet_group(settings: Settings) -> str:
     """The consumer group the fleet agents run in: the worker's, since they are in its app.
 
@@ -352,6 +363,14 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     decode_track = msgspec.msgpack.Decoder(spot_rules.SpotNodeTrack).decode
     decode_mig_workload = msgspec.msgpack.Decoder(mig_observed.MigWorkload).decode
     decode_summary = msgspec.json.Decoder(NodeSummary).decode
+
+    def encode_state(state: FleetState) -> bytes:
+        """The fleet state's changelog value: without the nodes' summaries and the MIG
+        workloads, which have tables of their own (one record per key)."""
+        return encode_msgpack(msgspec.structs.replace(
+            state, nodes={}, departed=[], mig=msgspec.structs.replace(
+                state.mig, workloads={}, touched=[])))
+
     # The edges of the fleet's inputs (bounds, key, depth: gpusteward.edge).
     summary_edge = Edge[NodeSummary](NodeSummary, key_of=lambda s: s.node)
     queue_edge = Edge[QueueEvent](QueueEvent, key_of=lambda q: q.cluster_queue)
@@ -361,11 +380,81 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     # rebalance, when the table becomes the truth again.
     live: dict[bytes, tuple[FleetState, float]] = {}
 
+    # What the batch's records changed in the three tables, by table and key (None: a
+    # deletion), written together once per batch before its records are acknowledged, and
+    # after every record with findings or actions once they are delivered. The three are
+    # one snapshot of the fleet: the state after the records folded so far, the latest
+    # summary per node, the MIG workloads. Written as they came, a worker killed before a
+    # record's findings were delivered (or a delivery that failed) left tables holding
+    # summaries from after the record the fleet state is at, and re-processing judged the
+    # fleet with a view of its future. Staged, a batch also writes one changelog record per
+    # key: one per queue event put every admission's whole queue state (about 100 KB on a
+    # 10,000-GPU fleet) on the changelog.
+    unwritten: dict[tuple[Any, bytes], bytes | None] = {}
+
+    # The fleet state itself is encoded when it is staged (at a write, a rebalance), not
+    # after each record due a checkpoint: with 2,600 workloads it is about 120 KB and 200 µs
+    # to encode, and a catch-up brings thousands of queue events, every one due. A record
+    # that fails part-way has half-changed the live state; it is rolled back by folding the
+    # records since the last staged snapshot again onto that snapshot and the tables as
+    # they were then (`since_staged`: the event, and whether the queue was caught up when
+    # it was folded, so the second fold judges as the first did; `recent`: those records'
+    # table writes, staged with the next snapshot).
+    since_staged: list[tuple[Any, bool]] = []
+    recent: dict[tuple[Any, bytes], bytes | None] = {}
+    snapshot = _Snapshot()
+
+    def stage_state() -> None:
+        """Stage the records folded since the last snapshot: their table writes, and the
+        fleet state's snapshot if any of them was due one."""
+        if snapshot.pending is not None:  # the state before a MIG advice still running
+            unwritten[fleet_table, state_key] = snapshot.pending
+        elif snapshot.due and state_key in live:
+            unwritten[fleet_table, state_key] = encode_state(live[state_key][0])
+        unwritten.update(recent)
+        recent.clear()
+        snapshot.due = False
+        since_staged.clear()
+
+    def write_checkpoint() -> None:
+        stage_state()
+        for (table, key), value in unwritten.items():
+            if value is None:
+                table.pop(key, None)
+            else:
+                table[key] = value
+        unwritten.clear()
+
     def forget_live_state(sender: Any, *args: Any, **kwargs: Any) -> None:
+        stage_state()
         live.clear()
 
+    # mode's signal type asks for a positional-only sender that no def can spell here.
     app.on_partitions_revoked.connect(forget_live_state)  # type: ignore[arg-type]
     app.on_partitions_assigned.connect(forget_live_state)  # type: ignore[arg-type]
+
+    def staged(table: Any, key: bytes) -> bytes | None:
+        """The value ``table`` holds at ``key`` once the staged writes are written."""
+        return unwritten[table, key] if (table, key) in unwritten else table.get(key)
+
+    def load_state() -> FleetState:
+        """The fleet state as the tables hold it with the staged writes written."""
+        stored = staged(fleet_table, state_key)
+        loaded = decode_fleet(stored) if stored is not None else FleetState()
+        nodes = dict(nodes_table.items())
+        workloads = dict(mig_table.items())
+        for (table, key), value in unwritten.items():
+            held = nodes if table is nodes_table else workloads if table is mig_table else None
+            if held is None:
+                continue
+            if value is None:
+                held.pop(key, None)
+            else:
+                held[key] = value
+        loaded.nodes = {key.decode(): decode_summary(value) for key, value in nodes.items()}
+        loaded.mig.workloads = {key.decode(): decode_mig_workload(value)
+                                for key, value in workloads.items()}
+        return loaded
 
     queue_tp = TP(queue_name, 0)
 
@@ -374,74 +463,77 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         highwater = app.consumer.highwater(queue_tp)
         return highwater is not None and state.queue_offset + 1 >= highwater
 
-    async def apply_fleet(event: Any) -> list[FleetOutput]:
-        entry = live.get(state_key)
-        if entry is None:
-            stored = fleet_table.get(state_key)
-            loaded = decode_fleet(stored) if stored is not None else FleetState()
-            loaded.nodes = {key.decode(): decode_summary(value)
-                            for key, value in nodes_table.items()}
-            loaded.mig.workloads = {key.decode(): decode_mig_workload(value)
-                                    for key, value in mig_table.items()}
-            entry = live[state_key] = (loaded, -1.0)
-        state, checkpointed_at = entry
-        record: NodeSummary | QueueEvent
+    def decode(event: Any, state: FleetState) -> NodeSummary | QueueEvent:
         if event.message.topic == queue_name:
             # A queue record read counts as applied, refused or not: a refused one at the
             # tail must not keep the queue "behind" (queue_caught_up) for ever.
             state.queue_offset = max(state.queue_offset, event.message.offset)
-            record = queue_edge(event.value, event.key)
-        else:
-            record = summary_edge(event.value, event.key)
+            return queue_edge(event.value, event.key)
+        return summary_edge(event.value, event.key)
+
+    async def apply_fleet(event: Any) -> list[FleetOutput]:
+        entry = live.get(state_key)
+        if entry is None:
+            entry = live[state_key] = (load_state(), -1.0)
+        state, checkpointed_at = entry
+        record = decode(event, state)  # a refused record changes nothing but the offset
+        caught_up = queue_caught_up(state)
         try:
-            return await fold(event, record, state, checkpointed_at)
+            outputs = await fold(event, record, state, checkpointed_at, caught_up)
         except Exception:
-            # The record may have half-changed the state: back to the last checkpoint,
-            # as after a crash (the batch's, written first; the failed record staged
-            # nothing, see fold).
-            write_checkpoint()
-            live.pop(state_key, None)
+            # The record may have half-changed the state: back to the state after the last
+            # whole record, rebuilt from the staged snapshot and the records since.
+            await roll_back()
             raise
+        since_staged.append((event, caught_up))
+        return outputs
 
-    # What the batch's records changed in the three tables, by table and key (None: a
-    # deletion), written together once per batch before its records are acknowledged, and
-    # after every record with findings or actions once they are delivered. The three are
-    # one snapshot of the fleet: the state after the last record due a checkpoint, the
-    # latest summary per node, the MIG workloads. Written as they came, a worker killed
-    # before a record's findings were delivered (or a delivery that failed) left tables
-    # holding summaries from after the record the fleet state is at, and re-processing
-    # judged the fleet with a view of its future. Staged, a batch also writes one
-    # changelog record per key: one per queue event put every admission's whole queue
-    # state (about 100 KB on a 10,000-GPU fleet) on the changelog.
-    unwritten: dict[tuple[Any, bytes], bytes | None] = {}
-
-    def write_checkpoint() -> None:
-        for (table, key), value in unwritten.items():
-            if value is None:
-                table.pop(key, None)
-            else:
-                table[key] = value
-        unwritten.clear()
+    async def roll_back() -> None:
+        folded = list(since_staged)
+        since_staged.clear()
+        recent.clear()
+        snapshot.pending = None  # a MIG advice that failed: its thread has ended
+        live[state_key] = (load_state(), -1.0)
+        try:
+            for event, caught_up in folded:
+                state, checkpointed_at = live[state_key]
+                if await fold(event, decode(event, state), state, checkpointed_at, caught_up):
+                    # Records with outputs are checkpointed at once, so none is folded
+                    # again; one that has some now did not the first time.
+                    log.warning("a fleet record folded again after a failed one gave "
+                                "outputs it had not given; they are not published")
+                since_staged.append((event, caught_up))
+        except Exception:
+            # Folded once without failing, it failed now: back to the staged snapshot, as
+            # after a crash (the records since are not in the fleet state).
+            log.exception("the fleet state could not be rebuilt after a failed record; "
+                          "back to its last snapshot, %d records not in it", len(folded))
+            live.pop(state_key, None)
+            since_staged.clear()
+            recent.clear()
+            snapshot.due = False
 
     async def fold(event: Any, record: NodeSummary | QueueEvent, state: FleetState,
-                   checkpointed_at: float) -> list[FleetOutput]:
-        # The record's table writes, staged only once it has been folded whole: a record
-        # that fails part-way leaves nothing for the rollback's checkpoint to write.
+                   checkpointed_at: float, caught_up: bool) -> list[FleetOutput]:
+        # The record's table writes, kept only once it has been folded whole: a record
+        # that fails part-way leaves nothing for a checkpoint to write.
         writes: dict[tuple[Any, bytes], bytes | None] = {}
         if isinstance(record, NodeSummary):
-            outputs = evaluator.on_summary(state, record,
-                                           queue_caught_up=queue_caught_up(state))
+            outputs = evaluator.on_summary(state, record, queue_caught_up=caught_up)
             if state.nodes.get(record.node) is record:
                 writes[nodes_table, record.node.encode()] = event.value
         else:
-            outputs = evaluator.on_queue(state, record,
-                                         queue_caught_up=queue_caught_up(state))
+            outputs = evaluator.on_queue(state, record, queue_caught_up=caught_up)
         slot = evaluator.mig_advice_due(state)
         if slot is not None:
             # Seconds of solver time on a large fleet: off the event loop, so the
             # consumer keeps heart-beating. Nothing else touches this state meanwhile:
-            # this agent awaits it before taking the next record.
+            # this agent awaits it before taking the next record. A snapshot from before
+            # it stands in for the state while it runs (a stop or a rebalance may come
+            # meanwhile): the record whole, the advice still due.
+            snapshot.pending = encode_state(state)
             outputs += await asyncio.to_thread(evaluator.mig_advice, state, slot)
+            snapshot.pending = None
         for node in state.departed:
             writes[nodes_table, node.encode()] = None
         for key in state.mig.touched:
@@ -451,15 +543,13 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         # Queue events are checkpointed with their batch, before it is acknowledged (a lost
         # admission would leave a phantom pending workload after a restart); summaries only
         # every checkpoint_s, since the next summary of a node replaces a lost one.
-        is_queue = isinstance(record, QueueEvent)
-        if outputs or is_queue or record.ts - checkpointed_at >= checkpoint_s:
-            writes[fleet_table, state_key] = encode_msgpack(msgspec.structs.replace(
-                state, nodes={}, departed=[], mig=msgspec.structs.replace(
-                    state.mig, workloads={}, touched=[])))
+        if (outputs or isinstance(record, QueueEvent)
+                or record.ts - checkpointed_at >= checkpoint_s):
+            snapshot.due = True
             checkpointed_at = record.ts
         state.departed = []
         state.mig.touched = []
-        unwritten.update(writes)
+        recent.update(writes)
         live[state_key] = (state, checkpointed_at)
         return outputs
 
@@ -481,14 +571,19 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             except asyncio.CancelledError:
                 # Stopped mid-batch: the stream acknowledges the first event even then, so
                 # the state after it must be on the changelog (the snapshot is of whole
-                # records: one cut short is not in it). The producer delivers what is in
-                # flight as it stops.
+                # records: one cut short is not in it; one cut short in its MIG advice is
+                # in it, the advice still due). The producer delivers what is in flight
+                # as it stops.
                 write_checkpoint()
+                snapshot.pending = None
                 raise
             except BaseException:
                 # A delivery failed: the state since the last checkpoint may say it was
                 # reported. Back to that checkpoint; the records are read again.
                 unwritten.clear()
+                recent.clear()
+                since_staged.clear()
+                snapshot.due, snapshot.pending = False, None
                 live.pop(state_key, None)
                 raise
             write_checkpoint()
