@@ -511,7 +511,7 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             live.pop(state_key, None)
             since_staged.clear()
             recent.clear()
-            snapshot.due = False
+            snapshot.due, snapshot.pending = False, None
 
     async def fold(event: Any, record: NodeSummary | QueueEvent, state: FleetState,
                    checkpointed_at: float, caught_up: bool) -> list[FleetOutput]:
