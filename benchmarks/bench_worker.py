@@ -147,11 +147,8 @@ async def sample_ends(settings: Settings) -> dict[TopicPartition, int]:
     reader = kafka.consumer(settings, group_id=None)
     await reader.start()
     try:
-        name = topics.SAMPLES.name(settings)
-        await reader._client.force_metadata_update()
-        partitions = sorted(reader.partitions_for_topic(name) or ())
-        return await kafka.true_end_offsets(reader, [TopicPartition(name, p)
-                                                     for p in partitions])
+        partitions = await kafka.topic_partitions(reader, topics.SAMPLES.name(settings))
+        return await kafka.true_end_offsets(reader, partitions)
     finally:
         await reader.stop()
 

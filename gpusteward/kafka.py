@@ -142,6 +142,16 @@ def consumer(
     return AIOKafkaConsumer(*topic_names, **settings.kafka.aiokafka_config(), **options)
 
 
+async def topic_partitions(reader: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
+    """The partitions of ``topic``, asking the broker again if the reader's metadata does not
+    know it yet (a topic created after the reader started); empty if it does not exist."""
+    partitions = reader.partitions_for_topic(topic)
+    if not partitions:
+        await reader._client.force_metadata_update()
+        partitions = reader.partitions_for_topic(topic) or set()
+    return [TopicPartition(topic, p) for p in sorted(partitions)]
+
+
 async def read_all(settings: Settings, topic: str, quiet_ms: int = 300) -> list[ConsumerRecord]:
     """Every record of ``topic`` from its start until no more arrive for ``quiet_ms``.
 
@@ -152,11 +162,7 @@ async def read_all(settings: Settings, topic: str, quiet_ms: int = 300) -> list[
     reader = consumer(settings, group_id=None)
     await reader.start()
     try:
-        partitions = reader.partitions_for_topic(topic)
-        if not partitions:
-            await reader._client.force_metadata_update()
-            partitions = reader.partitions_for_topic(topic) or set()
-        assigned = [TopicPartition(topic, p) for p in sorted(partitions)]
+        assigned = await topic_partitions(reader, topic)
         if not assigned:
             return []
         reader.assign(assigned)
@@ -232,11 +238,7 @@ async def group_lag(settings: Settings, group_id: str,
     try:
         wanted: list[TopicPartition] = []
         for name in topic_names:
-            partitions = reader.partitions_for_topic(name)
-            if not partitions:
-                await reader._client.force_metadata_update()
-                partitions = reader.partitions_for_topic(name) or set()
-            wanted += [TopicPartition(name, p) for p in sorted(partitions)]
+            wanted += await topic_partitions(reader, name)
         ends = await reader.end_offsets(wanted) if wanted else {}
     finally:
         await reader.stop()

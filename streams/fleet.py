@@ -433,27 +433,25 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     app.on_partitions_revoked.connect(forget_live_state)  # type: ignore[arg-type]
     app.on_partitions_assigned.connect(forget_live_state)  # type: ignore[arg-type]
 
-    def staged(table: Any, key: bytes) -> bytes | None:
-        """The value ``table`` holds at ``key`` once the staged writes are written."""
-        return unwritten[table, key] if (table, key) in unwritten else table.get(key)
+    def staged(table: Any) -> dict[bytes, bytes]:
+        """What ``table`` holds once the staged writes are written."""
+        held = dict(table.items())
+        for (written, key), value in unwritten.items():
+            if written is table:
+                if value is None:
+                    held.pop(key, None)
+                else:
+                    held[key] = value
+        return held
 
     def load_state() -> FleetState:
         """The fleet state as the tables hold it with the staged writes written."""
-        stored = staged(fleet_table, state_key)
+        stored = staged(fleet_table).get(state_key)
         loaded = decode_fleet(stored) if stored is not None else FleetState()
-        nodes = dict(nodes_table.items())
-        workloads = dict(mig_table.items())
-        for (table, key), value in unwritten.items():
-            held = nodes if table is nodes_table else workloads if table is mig_table else None
-            if held is None:
-                continue
-            if value is None:
-                held.pop(key, None)
-            else:
-                held[key] = value
-        loaded.nodes = {key.decode(): decode_summary(value) for key, value in nodes.items()}
+        loaded.nodes = {key.decode(): decode_summary(value)
+                        for key, value in staged(nodes_table).items()}
         loaded.mig.workloads = {key.decode(): decode_mig_workload(value)
-                                for key, value in workloads.items()}
+                                for key, value in staged(mig_table).items()}
         return loaded
 
     queue_tp = TP(queue_name, 0)

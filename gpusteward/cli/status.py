@@ -77,13 +77,10 @@ class TopicFollower:
         self._reader: Any = None
 
     async def start(self) -> None:
-        from aiokafka import TopicPartition
-
         self._reader = reader = kafka.consumer(self.settings, group_id=None)
         await reader.start()
-        await reader._client.force_metadata_update()
-        assigned = [TopicPartition(name, p) for name in self.handlers
-                    for p in sorted(reader.partitions_for_topic(name) or ())]
+        assigned = [tp for name in self.handlers
+                    for tp in await kafka.topic_partitions(reader, name)]
         reader.assign(assigned)
         await reader.seek_to_beginning(*assigned)
 
