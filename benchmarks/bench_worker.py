@@ -7,10 +7,16 @@ from a quarter of the backlog to its end gives GPU-samples per second: the
 sustained rate, without start-up, table recovery and the burst of the
 fleet's initial placement (every pod's allocation and queue events at once).
 
-Scale-out: 2, 4 and 8 workers in one consumer group (where the host has the
-CPUs) drain the same backlog, measured the same way once the group has
-formed; with them, how busy each worker and the broker were, which says
-whether the workers or something outside them set the pace.
+Scale-out: 1, 2, 4 and 8 workers in one consumer group (where the host has
+the CPUs) drain a longer backlog of the same fleet (up to six minutes, as much
+as the simulator publishes in half the workers' session timeout: eight workers
+drain two minutes in about three seconds, too short a stretch for offsets
+committed every half second), measured the same way once the group has
+formed. n workers are compared with the one worker of these runs, not the
+one above: a longer backlog costs more per record (its nodes' rule state is
+older). With them, how busy each worker and the broker were, which says
+whether the workers or something outside them set the pace, and how much
+more the largest partition holds than the mean.
 """
 
 from __future__ import annotations
@@ -36,9 +42,16 @@ from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
 
 NODES, GPUS = 1250, 8
-SCALE_OUT = (2, 4, 8)
+SCALE_OUT = (1, 2, 4, 8)
 """Workers in the scale-out runs (at most the node topics' 8 partitions), each run where
 the host has two CPUs more than workers."""
+BACKLOG_S = 119.0
+SCALE_OUT_BACKLOG_S = 359.0
+"""Seconds of the fleet published as the scale-out backlog at most."""
+SCALE_OUT_SESSION_S = 60.0
+"""The scale-out workers' session timeout: frozen while the backlog is published, they
+keep their partitions this long (the embedded broker holds a group's first join for
+half of it)."""
 
 
 def fleet(duration_s: float, acceleration: float, *, name: str = "fleet-10k",
@@ -63,7 +76,7 @@ def fleet(duration_s: float, acceleration: float, *, name: str = "fleet-10k",
 
 async def throughput(settings: Settings, log: Path, broker_pid: int) -> list[Figure]:
     await kafka.ensure_topics(settings)
-    publish_s = await publish_backlog(settings)
+    publish_s = await publish_backlog(settings, BACKLOG_S)
     ends = await sample_ends(settings)
     with WorkerProcess(settings, log) as worker:
         drained = await drain(settings, [worker], ends, broker_pid)
@@ -84,7 +97,7 @@ async def throughput(settings: Settings, log: Path, broker_pid: int) -> list[Fig
 
 
 async def scale_out(settings: Settings, log_dir: Path, count: int,
-                    broker_pid: int) -> Drained:
+                    broker_pid: int, backlog_s: float = SCALE_OUT_BACKLOG_S) -> Drained:
     """How ``count`` workers in one group drain the backlog.
 
     The workers start on empty topics and are measured only once all of them are ready
@@ -103,7 +116,7 @@ async def scale_out(settings: Settings, log_dir: Path, count: int,
         frozen_at = time.monotonic()
         for worker in workers:
             worker.freeze()
-        await publish_backlog(settings)
+        await publish_backlog(settings, backlog_s)
         ends = await sample_ends(settings)
         frozen_s = time.monotonic() - frozen_at
         if frozen_s > settings.kafka.session_timeout_s * 0.8:
@@ -132,12 +145,13 @@ async def all_ready(workers: Sequence[WorkerProcess], timeout_s: float = 180.0) 
         await asyncio.sleep(2.0)
 
 
-async def publish_backlog(settings: Settings) -> float:
-    """Publish two minutes of the 10,000-GPU fleet as fast as the simulator can; seconds."""
+async def publish_backlog(settings: Settings, duration_s: float) -> float:
+    """Publish ``duration_s`` of the 10,000-GPU fleet as fast as the simulator can;
+    seconds."""
     publisher = KafkaPublisher(settings)
     await publisher.start()
     started = time.monotonic()
-    await SimulatedCluster(fleet(119, 0.0)).run(publisher)
+    await SimulatedCluster(fleet(duration_s, 0.0)).run(publisher)
     await publisher.stop()
     return time.monotonic() - started
 
@@ -166,6 +180,11 @@ class Drained:
     the partitions' work was uneven; all low, the workers waited on something."""
     broker_busy: float
     """The broker's CPU seconds per second (cores)."""
+    measured_s: float
+    """Seconds of the stretch measured."""
+    largest_partition: float
+    """The largest partition's share of the backlog over the mean partition's: a worker
+    with it has that much more than its share to do."""
 
 
 async def drain(settings: Settings, workers: Sequence[WorkerProcess],
@@ -191,7 +210,8 @@ async def drain(settings: Settings, workers: Sequence[WorkerProcess],
     busy = [(end - start) / wall for start, end in zip(first[2], cpu, strict=True)]
     return Drained(rate=processed * GPUS / wall, cpu_per_record=sum(busy) * wall / processed,
                    workers_busy=(min(busy), sum(busy) / len(busy), max(busy)),
-                   broker_busy=(broker_cpu - first[3]) / wall)
+                   broker_busy=(broker_cpu - first[3]) / wall, measured_s=wall,
+                   largest_partition=max(ends.values()) * len(ends) / total)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -216,25 +236,36 @@ def run() -> list[Figure]:
         base, pid = broker.settings(), broker.process.pid
         figures = asyncio.run(throughput(base.model_copy(update={"topic_prefix": "bench-tp"}),
                                          log_dir / "worker-tp.log", pid))
-        one = figures[0].value
+        # As much backlog as the simulator publishes here in half the session timeout.
+        publish_rate = next(f.value for f in figures if f.name == "simulator publish rate")
+        backlog_s = float(round(min(SCALE_OUT_BACKLOG_S, max(
+            BACKLOG_S, publish_rate / (NODES * GPUS) * SCALE_OUT_SESSION_S / 2))))
         counts = [n for n in SCALE_OUT if n + 2 <= cpus]
         if not counts:
             print(f"  scale-out: not run on {cpus} CPUs (n workers need n + 2: the broker "
                   "and the simulator)")
+        else:
+            figures.append(Figure("scale-out backlog", backlog_s, "s of the fleet"))
         # Frozen workers keep their partitions for the session timeout only.
-        frozen = base.kafka.model_copy(update={"session_timeout_s": 45.0})
+        frozen = base.kafka.model_copy(update={"session_timeout_s": SCALE_OUT_SESSION_S})
         for n in counts:
             settings = base.model_copy(update={"topic_prefix": f"bench-so{n}",
                                                "kafka": frozen})
-            drained = asyncio.run(scale_out(settings, log_dir, n, pid))
+            drained = asyncio.run(scale_out(settings, log_dir, n, pid, backlog_s))
+            if n == 1:
+                one = drained.rate
+            label = f"{n} workers" if n > 1 else "1 worker"
             figures += [
-                Figure(f"{n} workers in one group: throughput", drained.rate, "GPU-samples/s"),
-                Figure(f"{n} workers: of {n} x one process", 100 * drained.rate / (n * one),
-                       "%"),
-                Figure(f"{n} workers: CPU per node sample", drained.cpu_per_record * 1e6, "µs"),
-                *(Figure(f"{n} workers: busy, {which}", 100 * busy, "% of a core")
+                Figure(f"{label} in one group: throughput", drained.rate, "GPU-samples/s"),
+                *([Figure(f"{label}: of {n} x one worker", 100 * drained.rate / (n * one),
+                          "%")] if n > 1 else []),
+                Figure(f"{label}: CPU per node sample", drained.cpu_per_record * 1e6, "µs"),
+                *(Figure(f"{label}: busy, {which}", 100 * busy, "% of a core")
                   for which, busy in zip(("least", "mean", "most"), drained.workers_busy,
                                          strict=True)),
-                Figure(f"{n} workers: broker busy", drained.broker_busy, "cores"),
+                Figure(f"{label}: broker busy", drained.broker_busy, "cores"),
+                Figure(f"{label}: measured over", drained.measured_s, "s"),
+                Figure(f"{label}: largest partition / mean", drained.largest_partition,
+                       "x"),
             ]
     return figures
