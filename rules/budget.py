@@ -86,9 +86,10 @@ class BudgetSettings(BaseModel):
     watermark_lag_s: float = Field(
         3600, gt=0,
         description="A node whose last summary is this far (seconds) behind the newest one "
-        "no longer holds back the judgement of thresholds (it left the fleet, or is "
-        "catching up from far behind; its use is then counted when it arrives, undated). "
-        "An hour covers a node join restarting and re-reading its backlog.",
+        "no longer holds back the judgement of thresholds, nor counts its GPUs in the "
+        "projection (it left the fleet, or is catching up from far behind; its use is then "
+        "counted when it arrives, undated). An hour covers a node join restarting and "
+        "re-reading its backlog.",
     )
 
 
@@ -223,9 +224,14 @@ def evaluate(state: BudgetState, fleet: FleetView, now: float, settings: BudgetS
     for node, level in list(state.nodes.items()):
         if level.ts < now - settings.watermark_lag_s:
             del state.nodes[node]  # left the fleet long ago
-        elif level.ts >= now - settings.max_gap_s:  # what holds GPUs now
-            for team, gpus in level.held.items():
-                held[team] = held.get(team, 0.0) + gpus
+            continue
+        # What holds GPUs now: each node's last level, however far its summaries trail
+        # the newest, as the thresholds' watermark waits for them. Partitions are read
+        # unevenly (a worker catching up, or the fleet replayed fast): a node behind is
+        # not a node that let go, and counting it as holding nothing would resolve the
+        # projection and raise it again under a new id.
+        for team, gpus in level.held.items():
+            held[team] = held.get(team, 0.0) + gpus
     out: list[Finding] = []
     for team, budget in settings.budgets_gpu_h.items():
         track = _team(state, team, now, now, out)

@@ -101,6 +101,28 @@ def test_nodes_integrate_on_their_own_however_their_summaries_interleave() -> No
     assert abs(state.teams["llm"].used_gpu_h - 8.0) < 1e-9
 
 
+def test_a_node_whose_summaries_trail_the_others_still_holds_its_gpus() -> None:
+    """Partitions read unevenly (a worker catching up, a fast replay): one projection."""
+    settings = b.BudgetSettings(budgets_gpu_h={"llm": 100})
+    state = b.BudgetState()
+    out: list[Finding] = []
+
+    def at(t: float, node: str, held: dict[str, float]) -> None:
+        out.extend(b.on_summary(state, summary(MONDAY + t, held, node), settings))
+        out.extend(b.evaluate(state, EMPTY, MONDAY + t, settings))
+
+    for t in range(0, 1800, 300):
+        at(t, "gpus", {"llm": 64})
+        at(t, "other", {})
+    # The other node's partition is read 20 minutes of event time ahead of this one's.
+    for t in range(1800, 3000, 300):
+        at(t, "other", {})
+    for t in range(1800, 3000, 300):
+        at(t, "gpus", {"llm": 64})
+    assert [(f.kind, f.state) for f in out] == [(b.PROJECTED_KIND, "firing")]
+    assert abs(state.teams["llm"].held - 64) < 1e-9
+
+
 def test_mig_devices_count_their_share_of_a_gpu() -> None:
     assert b.mig_gpus({"3g.40gb": 2, "1g.10gb": 1}) == 7 / 7
 
