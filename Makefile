@@ -36,8 +36,10 @@ lint: install
 
 # Two workers, a test file each at a time (a file's module fixtures stay on one worker,
 # each worker has its own embedded broker): 8.5 min instead of 14.7 on the 2-CPU VM.
+# Then the serial tests alone (see the marker in pyproject.toml).
 test: install system-deps lint
-	$(BIN)/pytest -n 2 --dist loadfile
+	$(BIN)/pytest -n 2 --dist loadfile -m "not serial"
+	$(BIN)/pytest -m serial
 
 bench: install
 	$(BIN)/python -P benchmarks/run.py

@@ -86,13 +86,21 @@ async def drained(settings: Settings, group: str, timeout_s: float) -> float:
     return time.monotonic() - started
 
 
-async def all_ready(workers: Sequence[WorkerProcess], timeout_s: float = 90.0) -> float:
-    """Seconds until every worker reports ready at once (the group has settled)."""
+async def all_ready(workers: Sequence[WorkerProcess], timeout_s: float = 90.0,
+                    steady_s: float = 0.0) -> float:
+    """Seconds until every worker reports ready at once (the group has settled), and has
+    at every probe for ``steady_s`` since: a group whose members rejoin again and again
+    is ready only between its rebalances."""
     started = time.monotonic()
+    steady_since: float | None = None
     while time.monotonic() - started < timeout_s:
         ready = await asyncio.gather(*(asyncio.to_thread(w.probe) for w in workers))
-        if all(ready):
-            return time.monotonic() - started
+        if not all(ready):
+            steady_since = None
+        elif steady_since is None:
+            steady_since = time.monotonic()
+        if steady_since is not None and time.monotonic() - steady_since >= steady_s:
+            return steady_since - started
         dead = [w.log_path for w in workers if not w.alive]
         if dead:
             raise RuntimeError(f"worker exited; see {dead}")
