@@ -74,7 +74,9 @@ def fleet(duration_s: float, acceleration: float, *, name: str = "fleet-10k",
     })
 
 
-async def throughput(settings: Settings, log: Path, broker_pid: int) -> list[Figure]:
+async def throughput(settings: Settings, log: Path,
+                     broker_pid: int) -> tuple[list[Figure], float]:
+    """One worker's figures, and the simulator's publish rate (GPU-samples/s)."""
     await kafka.ensure_topics(settings)
     publish_s = await publish_backlog(settings, BACKLOG_S)
     ends = await sample_ends(settings)
@@ -82,18 +84,18 @@ async def throughput(settings: Settings, log: Path, broker_pid: int) -> list[Fig
         drained = await drain(settings, [worker], ends, broker_pid)
         assert worker.process is not None
         peak_rss = peak_resident_bytes(worker.process.pid)
+    publish_rate = sum(ends.values()) * GPUS / publish_s
     return [
         Figure("worker throughput (1 process)", drained.rate, "GPU-samples/s"),
         Figure("worker CPU per node sample (8 GPUs)", drained.cpu_per_record * 1e6, "µs"),
         Figure("worker capacity at one busy core", GPUS / drained.cpu_per_record,
                "GPU-samples/s"),
         Figure("broker busy meanwhile", drained.broker_busy, "cores"),
-        Figure("simulator publish rate", sum(ends.values()) * GPUS / publish_s,
-               "GPU-samples/s"),
+        Figure("simulator publish rate", publish_rate, "GPU-samples/s"),
         # Every node's state on one worker (a manifest's memory limit must hold it); two
         # minutes of history, where a node's rule state grows for 30 (the leak rule's window).
         Figure("worker peak resident memory, all 1,250 nodes", peak_rss / 2**20, "MiB"),
-    ]
+    ], publish_rate
 
 
 async def scale_out(settings: Settings, log_dir: Path, count: int,
@@ -234,10 +236,10 @@ def run() -> list[Figure]:
     with EmbeddedBroker(log_path=log_dir / "broker.log") as broker:
         assert broker.process is not None
         base, pid = broker.settings(), broker.process.pid
-        figures = asyncio.run(throughput(base.model_copy(update={"topic_prefix": "bench-tp"}),
-                                         log_dir / "worker-tp.log", pid))
+        figures, publish_rate = asyncio.run(throughput(
+            base.model_copy(update={"topic_prefix": "bench-tp"}), log_dir / "worker-tp.log",
+            pid))
         # As much backlog as the simulator publishes here in half the session timeout.
-        publish_rate = next(f.value for f in figures if f.name == "simulator publish rate")
         backlog_s = float(round(min(SCALE_OUT_BACKLOG_S, max(
             BACKLOG_S, publish_rate / (NODES * GPUS) * SCALE_OUT_SESSION_S / 2))))
         counts = [n for n in SCALE_OUT if n + 2 <= cpus]
@@ -254,18 +256,22 @@ def run() -> list[Figure]:
             drained = asyncio.run(scale_out(settings, log_dir, n, pid, backlog_s))
             if n == 1:
                 one = drained.rate
-            label = f"{n} workers" if n > 1 else "1 worker"
+                # The same fleet each time: its partitions' shares are the backlog's.
+                figures.append(Figure("scale-out largest partition / mean",
+                                      drained.largest_partition, "x"))
+                label, busy = "1 worker", [("busy", drained.workers_busy[1])]
+            else:
+                label, busy = f"{n} workers", list(zip(
+                    ("busy, least", "busy, mean", "busy, most"), drained.workers_busy,
+                    strict=True))
             figures += [
                 Figure(f"{label} in one group: throughput", drained.rate, "GPU-samples/s"),
                 *([Figure(f"{label}: of {n} x one worker", 100 * drained.rate / (n * one),
                           "%")] if n > 1 else []),
                 Figure(f"{label}: CPU per node sample", drained.cpu_per_record * 1e6, "µs"),
-                *(Figure(f"{label}: busy, {which}", 100 * busy, "% of a core")
-                  for which, busy in zip(("least", "mean", "most"), drained.workers_busy,
-                                         strict=True)),
+                *(Figure(f"{label}: {which}", 100 * share, "% of a core")
+                  for which, share in busy),
                 Figure(f"{label}: broker busy", drained.broker_busy, "cores"),
                 Figure(f"{label}: measured over", drained.measured_s, "s"),
-                Figure(f"{label}: largest partition / mean", drained.largest_partition,
-                       "x"),
             ]
     return figures

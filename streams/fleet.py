@@ -416,6 +416,14 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         snapshot.due = False
         since_staged.clear()
 
+    def forget_unstaged() -> None:
+        """Drop the live state and what the records since the last staging left: the
+        state goes back to the tables (with what is staged), as after a crash."""
+        live.pop(state_key, None)
+        since_staged.clear()
+        recent.clear()
+        snapshot.due, snapshot.pending = False, None
+
     def write_checkpoint() -> None:
         stage_state()
         for (table, key), value in unwritten.items():
@@ -488,9 +496,7 @@ def register_fleet_agent(app: faust.App, settings: Settings,
 
     async def roll_back() -> None:
         folded = list(since_staged)
-        since_staged.clear()
-        recent.clear()
-        snapshot.pending = None  # a MIG advice that failed: its thread has ended
+        forget_unstaged()  # a MIG advice that failed too: its thread has ended
         live[state_key] = (load_state(), -1.0)
         try:
             for event, caught_up in folded:
@@ -506,10 +512,7 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             # after a crash (the records since are not in the fleet state).
             log.exception("the fleet state could not be rebuilt after a failed record; "
                           "back to its last snapshot, %d records not in it", len(folded))
-            live.pop(state_key, None)
-            since_staged.clear()
-            recent.clear()
-            snapshot.due, snapshot.pending = False, None
+            forget_unstaged()
 
     async def fold(event: Any, record: NodeSummary | QueueEvent, state: FleetState,
                    checkpointed_at: float, caught_up: bool) -> list[FleetOutput]:
@@ -579,10 +582,7 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                 # A delivery failed: the state since the last checkpoint may say it was
                 # reported. Back to that checkpoint; the records are read again.
                 unwritten.clear()
-                recent.clear()
-                since_staged.clear()
-                snapshot.due, snapshot.pending = False, None
-                live.pop(state_key, None)
+                forget_unstaged()
                 raise
             write_checkpoint()
             for event in events[1:]:  # the stream acknowledges the first
