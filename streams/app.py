@@ -120,15 +120,20 @@ def _transport_for(settings: Settings) -> type[faust_aiokafka.Transport]:
             seeks = self._seeks
             batch = cast(AsyncGenerator[tuple[TP, Message], None], super().getmany(timeout))
             overlapped = seeks % 2 == 1  # fetched while a seek ran: before or after it?
+            delivered = False
             try:
                 async for tp, message in batch:
                     if self._seeks != seeks:
                         overlapped = True
                         break
+                    delivered = True
                     yield tp, message
             finally:
                 await batch.aclose()
-            if overlapped:
+            # A seek that lands while the batch's last record is handled is past the check
+            # above, and that record's read offset is set after it: ahead of the records
+            # the seek brings back, which would be dropped as read.
+            if overlapped or (delivered and self._seeks != seeks):
                 # Records it fetched after the seek moved the fetch position past them;
                 # records from before it moved the read offset. Both go back. A seek
                 # that fails here is in a new rebalance, whose end seeks again (as
