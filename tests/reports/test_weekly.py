@@ -19,10 +19,18 @@ WEEK = compute.parse_week("2026-W47")
 
 
 def _same(new: pl.DataFrame, old: pl.DataFrame, keys: list[str]) -> None:
+    """Equal tables: 64-bit figures to 1e-9, 32-bit ones (the rollups' activity, 24 bits of
+    mantissa) to 1e-6. A 32-bit percentile came out of the two computations different in
+    its last bit once in a CI run (never in 22 runs here): polars does not promise the same
+    rounding from one run to the next."""
     def plain(frame: pl.DataFrame) -> pl.DataFrame:
         return frame.with_columns(pl.col(pl.Categorical).cast(pl.String)).sort(keys)
-    assert_frame_equal(plain(new), plain(old).select(new.columns), check_dtypes=False,
+    new, old = plain(new), plain(old).select(new.columns)
+    single = [name for name, dtype in new.schema.items() if dtype == pl.Float32]
+    assert_frame_equal(new.drop(single), old.drop(single), check_dtypes=False,
                        rel_tol=1e-9, abs_tol=1e-9)
+    assert_frame_equal(new.select(single), old.select(single), check_dtypes=False,
+                       rel_tol=1e-6, abs_tol=1e-9)
 
 
 def test_streamed_tables_equal_the_whole_week_computation(
