@@ -86,8 +86,8 @@ def test_a_seek_while_the_batchs_last_record_is_handled_is_caught_too(tmp_path: 
     """The seek lands during the last record's delivery (the loop yields to the event loop
     before it, and a delivery waits for room in its stream's queue): the record's read
     offset is set after the seek, and the records the seek brings back would be dropped
-    as already read, their partition never committed past them again (seen in the
-    failover test: one hardware-event partition, whose batches are a record or two)."""
+    as already read, their partition never committed past them again (a likely cause of
+    a hardware-event partition left uncommitted once in the failover test; not shown)."""
     delivered, consumer = asyncio.run(_around_a_seek(tmp_path, committed=FIRST, seek_at=10))
     assert delivered == list(range(FIRST, FIRST + 10))
     assert consumer.seeks == 2
