@@ -59,7 +59,8 @@ Name = Annotated[str, Meta(max_length=253)]
 """A Kubernetes object name, label key, node, device UUID or queue (DNS subdomain: 253)."""
 Key = Annotated[str, Meta(max_length=1024)]
 """A composite name: a fingerprint, an idempotency key, a finding id."""
-Text = Annotated[str, Meta(max_length=16_384)]
+TEXT_MAX = 16_384
+Text = Annotated[str, Meta(max_length=TEXT_MAX)]
 """Free text: a label value, a reason, a summary, an error."""
 Annotation = Annotated[str, Meta(max_length=262_144)]
 """An annotation value: Kubernetes limits all of an object's annotations to 256 KiB."""

@@ -77,6 +77,7 @@ from gpusteward.rules.idle import RECLAIM_REASON
 from gpusteward.rules.registry import ALL_RULES
 from gpusteward.schema import (
     RESTORE_KEY_PREFIX,
+    TEXT_MAX,
     Action,
     ActionResult,
     Finding,
@@ -95,6 +96,26 @@ NODE_DISRUPTING = frozenset({"cordon", "taint", "drain", "set_mig_config"})
 BREAKER_KIND = REMEDIATION_BREAKER
 BREAKER_TRIP_PREFIX = "breaker/trip/"
 BREAKER_RESET_PREFIX = "breaker/reset/"
+MAX_AUDIT_DETAIL = TEXT_MAX
+"""Longest detail an audit record carries (the schema's free text)."""
+NOTICE_KEY = "/notify_owner"
+"""What follows the finding id in the idempotency key of an owner notice (``action_for``)."""
+
+
+def _disrupted(verb: str, outcome: Outcome, attempt: int) -> bool:
+    """Whether a decision may have taken capacity from its node, for the circuit breaker.
+
+    Executed, and also failed (a drain cordons before an eviction a budget blocks; a write
+    may land although its reply was lost), and skipped on a retry (the earlier try did it):
+    a breaker that counts one node too many stops early, one that counts too few lets a bad
+    rule or bad telemetry go on disrupting nodes.
+    """
+    return verb in NODE_DISRUPTING and (
+        outcome in ("executed", "failed") or (outcome == "skipped" and attempt > 1))
+
+
+def _is_reclaim(action: Action) -> bool:
+    return action.verb == "requeue" and action.params.get("reason") == RECLAIM_REASON
 
 
 def known_rules(names: Iterable[str]) -> set[str]:
@@ -234,10 +255,11 @@ class ReviewPrinter:
         self.console = console or Console(highlight=False)
 
     def __call__(self, action: Action, result: ActionResult) -> None:
+        # Every field from a record is escaped: a rule or pod name with brackets is markup.
         self.console.print(
             f"[{self.STYLE[result.outcome]}]{result.outcome.upper():8}[/] "
-            f"{action.verb:14} {_where(action.target):30} [dim]rule={action.rule}[/] "
-            f"{escape(result.detail)}")
+            f"{action.verb:14} {escape(_where(action.target)):30} "
+            f"[dim]rule={escape(action.rule)}[/] {escape(result.detail)}")
 
 
 def _matches(name: str | None, patterns: set[str]) -> bool:
@@ -324,6 +346,8 @@ class Executor:
         self._sleep = sleep
         self.breaker = CircuitBreaker(self.remediation)
         self.executed_keys: set[str] = set()
+        self.notified: set[str] = set()
+        """Findings whose owner notice was delivered (executed, or found already there)."""
         self.sandbox = bool(getattr(backend, "sandbox", False))
         self._decode = edge.Edge[Action](Action)
         self._decode_result = edge.Edge[ActionResult](ActionResult)
@@ -355,10 +379,20 @@ class Executor:
             self.breaker.trip(result.ts, result.detail)
         elif key.startswith(BREAKER_RESET_PREFIX):
             self.breaker.reset()
-        elif result.outcome == "executed":
+        else:
+            self._fold(key, result.verb, result.outcome, result.attempt,
+                       result.target.node, result.ts)
+
+    def _fold(self, key: str, verb: str, outcome: Outcome, attempt: int, node: str | None,
+              ts: float) -> None:
+        """What one final decision changes in the executor's state, whether it is read back
+        from the audit topic or just made."""
+        if outcome == "executed":
             self.executed_keys.add(key)
-            if result.verb in NODE_DISRUPTING and result.target.node:
-                self.breaker.record(result.target.node, result.ts)
+        if node and _disrupted(verb, outcome, attempt):
+            self.breaker.record(node, ts)
+        if verb == "notify_owner" and outcome in ("executed", "skipped") and NOTICE_KEY in key:
+            self.notified.add(key.rpartition(NOTICE_KEY)[0])
 
     # -- deciding --------------------------------------------------------------------------
 
@@ -388,8 +422,12 @@ class Executor:
         target = action.target
         if _matches(target.node, self.remediation.deny_nodes):
             return f"node {target.node} is on the deny-list"
-        if target.pod and _matches(target.pod.namespace, self.remediation.deny_namespaces):
-            return f"namespace {target.pod.namespace} is on the deny-list"
+        # The namespace the backend acts in: the target pod's, or the one its params name (a
+        # Kueue workload's).
+        for namespace in (target.pod.namespace if target.pod else None,
+                          action.params.get("namespace")):
+            if _matches(namespace, self.remediation.deny_namespaces):
+                return f"namespace {namespace} is on the deny-list"
         if action.verb == "set_mig_config" and not self.remediation.allow_mig_config:
             return "MIG relabels are not allowed by policy (allow_mig_config is off)"
         if action.verb in NODE_DISRUPTING and not target.node:
@@ -399,7 +437,8 @@ class Executor:
     def verdict(self, action: Action) -> tuple[Outcome, str] | None:
         """The outcome the guards give ``action`` without the backend, or None to act.
 
-        Pure: the executed keys, the policy and the mode decide; no I/O.
+        Pure: the executed keys, the owners notified, the policy and the mode decide; no
+        I/O.
         """
         refusal = self._guard(action)
         if action.idempotency_key in self.executed_keys:
@@ -413,6 +452,11 @@ class Executor:
         if not self._rule_enabled(action.rule):
             return "dry_run", (f"{describe(action)} [rule {action.rule} is not enabled; "
                                f"--enable-rule {action.rule} to act]")
+        if _is_reclaim(action) and not self.notified.intersection(action.finding_ids):
+            # E.g. an episode whose notices were dry runs, before --execute was switched on,
+            # or whose notices failed: the owner may never have heard of it.
+            return "refused", ("the owner was not told first: no notice of this idle "
+                               "episode was delivered; a reclaim follows only a delivered one")
         return None
 
     async def decide(self, action: Action, on_attempt: Attempt | None = None) -> ActionResult:
@@ -429,14 +473,16 @@ class Executor:
             outcome, detail = decided
         else:
             outcome, detail, error, attempt = await self._act(action, now, on_attempt)
-        if outcome == "executed":
-            self.executed_keys.add(action.idempotency_key)
-            if action.verb in NODE_DISRUPTING and action.target.node:
-                self.breaker.record(action.target.node, now)
+        self._fold(action.idempotency_key, action.verb, outcome, attempt, action.target.node,
+                   now)
         return self._result(action, outcome, detail, now, error=error, attempt=attempt)
 
     def _result(self, action: Action, outcome: Outcome, detail: str, ts: float, *,
                 error: str | None = None, attempt: int = 1) -> ActionResult:
+        if len(detail) > MAX_AUDIT_DETAIL:
+            # A longest reason in a dry run's words, or a drain's list of pods left, would make
+            # a record no reader of the audit topic accepts: the decision would be unaudited.
+            detail = cut(detail, MAX_AUDIT_DETAIL - 64)
         return ActionResult(
             idempotency_key=action.idempotency_key, verb=action.verb, target=action.target,
             outcome=outcome, detail=detail, actor=self.actor, ts=ts, error=error,
@@ -616,7 +662,10 @@ class Executor:
                                 key=finding.fingerprint.encode())
         self._pending_findings.clear()
         if self.on_result:
-            self.on_result(action, result)
+            try:
+                self.on_result(action, result)
+            except Exception:  # a display's failure is not the decision's: it is audited
+                log.exception("reporting %s failed", action.idempotency_key)
         return result
 
 

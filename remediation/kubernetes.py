@@ -15,8 +15,8 @@ merge patch (as kubectl sends), custom objects a JSON merge patch.
 
 What each verb does, and the API permissions it needs:
 
-- ``cordon``: ``spec.unschedulable=true`` plus a reason annotation
-  (get, patch nodes);
+- ``cordon``: ``spec.unschedulable=true`` plus annotations with the reason
+  and the action's idempotency key (get, patch nodes);
 - ``taint``: adds ``gpusteward.io/<key>`` with NoSchedule or NoExecute
   (get, patch nodes); the list is replaced with the node's resourceVersion
   as a precondition, so a concurrent change makes it retry, not clobber;
@@ -26,8 +26,9 @@ What each verb does, and the API permissions it needs:
   forbids it now) is retried with backoff until ``drain_timeout_s``, after
   which the drain reports ``failed`` with the pods left. Pods are never
   deleted directly;
-- ``requeue``: a Kueue workload is deactivated (``spec.active=false``),
-  then reactivated once Kueue has evicted it (get, patch workloads); the pod
+- ``requeue``: a Kueue workload is deactivated (``spec.active=false``, the
+  action's key in an annotation), then reactivated once Kueue has evicted it
+  (get, patch workloads); one found inactive by someone else is left so; the pod
   of a plain Job is deleted so the Job controller recreates it (delete
   pods); a pod without a controller is refused, deleting it would lose it;
 - ``requeue`` with ``params.reason`` ``idle-reclaim`` (the idle rule's last
@@ -68,6 +69,7 @@ It stays one module on purpose: it is the one writer of the Kubernetes API
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import json
 import logging
 import time
@@ -103,6 +105,10 @@ TAINT_PREFIX = "gpusteward.io/"
 MIG_CONFIG_LABEL = "nvidia.com/mig.config"
 NOTICE_ANNOTATION = "gpusteward.io/notice"
 CORDON_ANNOTATION = "gpusteward.io/cordon-reason"
+CORDONED_BY = "gpusteward.io/cordoned-by"
+"""The idempotency key of the action that cordoned the node."""
+REQUEUE_ANNOTATION = "gpusteward.io/requeued-by"
+"""The idempotency key of the action that requeued a Kueue workload."""
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 KUEUE_GROUP = "kueue.x-k8s.io"
 NOTEBOOK_GROUP = "kubeflow.org"
@@ -147,7 +153,8 @@ class KubeSettings(BaseModel):
         "(deprecated from 0.15, where v1beta2 is the storage version).")
     deny_namespaces: set[str] = Field(
         default_factory=lambda: {"kube-system"},
-        description="Namespaces whose pods a drain leaves in place.")
+        description="Namespaces (glob patterns, as the executor's) whose pods a drain leaves "
+        "in place.")
     request_timeout_s: float = Field(30.0, gt=0, description="Per API request, seconds.")
 
 
@@ -230,11 +237,19 @@ class KubernetesBackend:
         return count or None
 
     async def cordon(self, action: Action) -> tuple[Outcome, str]:
+        """Cordon the node, naming the action on it: a try of the same action that finds the
+        node cordoned (a retry after a lost reply, a replay after a crash before the audit
+        record) reports it executed, so the circuit breaker counts the node it disrupted."""
         node = _require(action.target.node, "cordon needs a node")
-        if (await self._node(node)).get("spec", {}).get("unschedulable"):
+        current = await self._node(node)
+        if current.get("spec", {}).get("unschedulable"):
+            annotations = current.get("metadata", {}).get("annotations") or {}
+            if annotations.get(CORDONED_BY) == action.idempotency_key:
+                return "executed", f"cordoned {node} (by an earlier try of this action)"
             return "skipped", f"{node} is already cordoned"
         await self._patch_node(node, {
-            "metadata": {"annotations": {CORDON_ANNOTATION: action.reason[:250]}},
+            "metadata": {"annotations": {CORDON_ANNOTATION: action.reason[:250],
+                                         CORDONED_BY: action.idempotency_key}},
             "spec": {"unschedulable": True},
         })
         return "executed", f"cordoned {node}: no new pods will be scheduled there"
@@ -294,7 +309,8 @@ class KubernetesBackend:
             return "DaemonSet pod"
         if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
             return "finished"
-        if meta.get("namespace") in self.settings.deny_namespaces:
+        namespace = meta.get("namespace") or ""
+        if any(fnmatch.fnmatchcase(namespace, p) for p in self.settings.deny_namespaces):
             return "denied namespace"
         return None
 
@@ -378,10 +394,14 @@ class KubernetesBackend:
             self.custom.get_namespaced_custom_object, KUEUE_GROUP,
             self.settings.kueue_version, namespace, "workloads", name)
 
-    async def _set_active(self, namespace: str, name: str, active: bool) -> None:
+    async def _set_active(self, namespace: str, name: str, active: bool,
+                          by: str | None = None) -> None:
+        body: dict[str, Any] = {"spec": {"active": active}}
+        if by is not None:
+            body["metadata"] = {"annotations": {REQUEUE_ANNOTATION: by}}
         await self._call(self.custom.patch_namespaced_custom_object, KUEUE_GROUP,
                          self.settings.kueue_version, namespace, "workloads", name,
-                         {"spec": {"active": active}}, _content_type=MERGE)
+                         body, _content_type=MERGE)
 
     async def requeue(self, action: Action) -> tuple[Outcome, str]:
         pod_ref = action.target.pod
@@ -405,19 +425,32 @@ class KubernetesBackend:
             if kept:
                 return "refused", kept
         if workload:
-            return await self._requeue_workload(namespace, workload)
+            return await self._requeue_workload(namespace, workload, action.idempotency_key)
         assert pod is not None and pod_ref is not None
         if action.params.get("reason") == RECLAIM_REASON:
             return await self._reclaim(pod, pod_ref, action)
         return await self._requeue_job_pod(pod, pod_ref)
 
-    async def _requeue_workload(self, namespace: str, name: str) -> tuple[Outcome, str]:
+    async def _requeue_workload(self, namespace: str, name: str, key: str
+                                ) -> tuple[Outcome, str]:
+        """Deactivate, wait for Kueue's eviction, reactivate. The deactivation names the
+        action (``gpusteward.io/requeued-by``), so that a replay of it after a crash, which
+        finds a requeued workload looking like one never touched, does not requeue it twice,
+        and one found inactive is reactivated only when this action left it so."""
         current = await self._workload(namespace, name)
+        ours = (current.get("metadata", {}).get("annotations") or {}).get(
+            REQUEUE_ANNOTATION) == key
         if current.get("spec", {}).get("active", True) is False:
+            if not ours:
+                return "skipped", (f"Kueue workload {namespace}/{name} is inactive, not by "
+                                   "this action: left as it is")
             # A crash between the two patches left it inactive: finish the requeue.
             await self._set_active(namespace, name, True)
             return "executed", f"reactivated Kueue workload {namespace}/{name} (was inactive)"
-        await self._set_active(namespace, name, False)
+        if ours:
+            return "executed", (f"Kueue workload {namespace}/{name} was requeued by an earlier "
+                                "try of this action (its audit record was lost)")
+        await self._set_active(namespace, name, False, by=key)
         deadline = time.monotonic() + self.settings.requeue_timeout_s
         evicted = False
         while time.monotonic() < deadline:

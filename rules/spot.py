@@ -209,7 +209,9 @@ def _requeue_all(track: SpotNodeTrack, finding: Finding, node: str,
         # One action per pod: the idempotency key names the pod as well as the episode.
         params = {"owner_kind": pod.owner_kind or "", "owner_name": pod.owner_name or ""}
         if pod.owner_kind == "Workload" and pod.owner_name:
-            params["workload"] = f"{pod.pod.namespace}/{pod.owner_name}"
+            # The backend's workload is a name, in params.namespace (as the gang rule's).
+            params["workload"] = pod.owner_name
+            params["namespace"] = pod.pod.namespace
         out.append(msgspec.structs.replace(
             action, idempotency_key=f"{action.idempotency_key}/{pod.pod.namespace}/{pod.pod.name}",
             params=params,

@@ -1,15 +1,19 @@
-"""The executor dead-letters an action it cannot handle instead of crashing on it."""
+"""The executor dead-letters an action it cannot handle instead of crashing on it, and what it
+says of an action never stops it."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from rich.console import Console
 
-from gpusteward.remediation.executor import Executor, NoBackend
-from gpusteward.schema import DeadLetter
+from gpusteward.edge import Edge
+from gpusteward.remediation.executor import Executor, NoBackend, ReviewPrinter
+from gpusteward.schema import TEXT_MAX, Action, ActionResult, DeadLetter, Subject
 from gpusteward.settings import Settings
 
 
@@ -38,3 +42,41 @@ def test_the_executor_dead_letters_an_action_whose_handling_raises() -> None:
     letter = msgspec.json.decode(value, type=DeadLetter)
     assert topic == "gpusteward.deadletter.v1" and letter.offset == 5
     assert letter.error == "executor: KeyError: 'a bug in deciding'"
+
+
+def test_an_action_whose_names_read_as_markup_is_audited_and_shown() -> None:
+    """The review printer once put the rule into Rich markup unescaped: a rule named ``x[/]``
+    raised after the audit record was sent and before the offset was committed, so the
+    executor crashed on the same action after every restart."""
+    shown = io.StringIO()
+    executor = Executor(Settings(), NoBackend(),
+                        on_result=ReviewPrinter(Console(file=shown, width=200)))
+    producer = RecordingProducer()
+    action = (b'{"idempotency_key":"k","verb":"cordon","target":{"node":"n[/]1"},'
+              b'"reason":"r","rule":"x[/]","finding_ids":["f"],"ts":1763683200.0}')
+    result = asyncio.run(executor._handle(producer, action, key=b"n1", partition=0, offset=5,
+                                          topic="gpusteward.actions.v1"))
+    assert result is not None and result.outcome == "dry_run"
+    assert [topic for topic, _ in producer.sent] == ["gpusteward.action-results.v1"]
+    assert "rule=x[/]" in shown.getvalue() and "n[/]1" in shown.getvalue()
+
+    def broken(_action: Action, _result: ActionResult) -> None:
+        raise RuntimeError("a terminal gone")
+
+    executor.on_result = broken
+    again = asyncio.run(executor._handle(producer, action, key=b"n1", partition=0, offset=6,
+                                         topic="gpusteward.actions.v1"))
+    assert again is not None, "a display that fails does not stop the executor"
+
+
+def test_an_audit_record_of_the_longest_reason_stays_readable() -> None:
+    """A dry run's detail is the action's reason in words: with a reason at the schema's
+    limit it passed the limit, and every reader of the audit topic (the executor's own
+    history, status, the report) refused the record as if the decision were unaudited."""
+    executor = Executor(Settings(), NoBackend())
+    action = Action(idempotency_key="k", verb="cordon", target=Subject(node="n1"),
+                    reason="r" * TEXT_MAX, rule="ecc_dbe", finding_ids=["f"], ts=1.0)
+    result = asyncio.run(executor.decide(action))
+    assert result.outcome == "dry_run" and result.detail.endswith("more characters)")
+    read_back = Edge[ActionResult](ActionResult)(msgspec.json.encode(result), b"k")
+    assert read_back == result

@@ -4,7 +4,9 @@ The executor commits an action's offset only after its audit record is on the br
 an executor that dies after the API call and before the audit (a SIGKILL, a node lost)
 leaves the action to be read again, and the audit topic does not list its key: the
 restarted executor decides again. What keeps the effect single is the backend, which
-reads before it writes and reports ``skipped`` when the effect is in place. Here the
+reads before it writes and reports ``skipped`` when the effect is in place, or
+``executed`` where the effect names the action (a cordon, a Kueue requeue): then the
+audit says what happened and the circuit breaker counts the node. Here the
 death is injected in exactly that window (after the real call returns, before the
 executor goes on), the executor is run again on the same group, and the API double counts
 the writes. ``make chaos`` does the same with ``gpusteward act`` processes and SIGKILL.
@@ -24,7 +26,7 @@ from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.schema import Action, ActionResult, PodRef, Subject
 from gpusteward.settings import Settings
-from tests.remediation.cluster import node, pod, writes
+from tests.remediation.cluster import admitted_workload, node, pod, writes
 
 
 class Killed(BaseException):
@@ -40,7 +42,7 @@ class DiesAfterActing:
 
     def __getattr__(self, verb: str) -> Any:
         handler = getattr(self._backend, verb)
-        if verb not in ("cordon", "taint", "notify_owner"):
+        if verb not in ACTIONS:
             return handler
 
         async def act_then_die(action: Action) -> Any:
@@ -53,7 +55,11 @@ ACTIONS = {
     "cordon": Subject(node="gpu-1"),
     "taint": Subject(node="gpu-1"),
     "notify_owner": Subject(pod=PodRef("ml-alice", "notebook-0")),
+    "requeue": Subject(pod=PodRef("ml-dave", "train-0")),
 }
+REPLAYED = {"cordon": "executed", "taint": "skipped", "notify_owner": "skipped",
+            "requeue": "executed"}
+"""The replay's outcome: executed where the effect names the action that made it."""
 
 
 async def _run(executor: Executor, settings: Settings, timeout_s: float = 20.0
@@ -83,7 +89,10 @@ async def _run(executor: Executor, settings: Settings, timeout_s: float = 20.0
 @pytest.mark.parametrize("verb", sorted(ACTIONS))
 def test_an_action_carried_out_then_killed_before_its_audit_is_not_repeated(
         verb: str, kube: KubeApiServer, kube_settings: KubeSettings, settings: Settings) -> None:
-    kube.load([node("gpu-1"), pod("ml-alice", "notebook-0", "gpu-1")])
+    kube.load([node("gpu-1"), pod("ml-alice", "notebook-0", "gpu-1"),
+               pod("ml-dave", "train-0", "gpu-1", owner_kind="Job",
+                   annotations={"kueue.x-k8s.io/workload": "job-train-abc12"}),
+               admitted_workload("ml-dave", "job-train-abc12")])
     # A short session: the embedded broker holds a new member's join for half of it.
     settings = settings.model_copy(update={"kafka": settings.kafka.model_copy(
         update={"session_timeout_s": 2.0})})
@@ -116,8 +125,11 @@ def test_an_action_carried_out_then_killed_before_its_audit_is_not_repeated(
                          remediation=policy, group_id="executor")
     [result] = asyncio.run(_run(restarted, settings))
     assert result.idempotency_key == action.idempotency_key
-    assert result.outcome == "skipped" and "already" in result.detail, result
+    assert result.outcome == REPLAYED[verb], result
+    assert ("earlier try" if REPLAYED[verb] == "executed" else "already") in result.detail
     assert len(writes(kube)) == effects, "the effect was carried out a second time"
     audit = asyncio.run(kafka.read_all(settings, topics.ACTION_RESULTS.name(settings)))
     assert [msgspec.json.decode(r.value or b"", type=ActionResult).outcome for r in audit] == \
-        ["skipped"]
+        [REPLAYED[verb]]
+    # The cordon the dead executor made counts against the breaker's limit all the same.
+    assert list(restarted.breaker.disrupted) == (["gpu-1"] if verb == "cordon" else [])

@@ -5,13 +5,19 @@ No broker, no API: :meth:`Executor.verdict` and :class:`CircuitBreaker` do no I/
 
 from __future__ import annotations
 
+import asyncio
+
+import msgspec
+
+from gpusteward.errors import ApiTimeout
 from gpusteward.remediation.executor import (
     CircuitBreaker,
     Executor,
     NoBackend,
     RemediationSettings,
 )
-from gpusteward.schema import Action, ActionResult, ActionVerb, PodRef, Subject
+from gpusteward.rules import idle
+from gpusteward.schema import Action, ActionResult, ActionVerb, Outcome, PodRef, Subject
 from gpusteward.settings import Settings
 
 
@@ -68,3 +74,88 @@ def test_the_breaker_counts_distinct_nodes_in_its_window_and_stays_open() -> Non
     assert not breaker.admits("b", 10_000, None)[0]  # open until reset, whatever the time
     breaker.reset()
     assert breaker.admits("d", 10_000, None) == (True, "")
+
+
+def test_a_denied_namespace_in_the_params_is_refused_too() -> None:
+    """The backend requeues the Kueue workload its params name, in their namespace: the
+    deny-list guards that namespace as well as the target pod's."""
+    guarded = executor(enabled_rules={"*"}, deny_namespaces={"kube-*"})
+    requeue = Action(idempotency_key="f1/requeue", verb="requeue",
+                     target=Subject(pod=PodRef("ml", "train-0")), reason="spot", rule="spot",
+                     finding_ids=["f1"], ts=1.0,
+                     params={"workload": "critical", "namespace": "kube-system"})
+    assert guarded.verdict(requeue) == ("refused", "namespace kube-system is on the deny-list")
+    assert guarded.verdict(msgspec.structs.replace(
+        requeue, params={"workload": "wl", "namespace": "ml"})) is None
+
+
+def _audited(key: str, verb: ActionVerb, outcome: Outcome, *, node: str | None = None,
+             attempt: int = 1) -> ActionResult:
+    return ActionResult(idempotency_key=key, verb=verb, target=Subject(node=node),
+                        outcome=outcome, detail="", actor="x", ts=1.0, attempt=attempt)
+
+
+def test_a_reclaim_follows_only_a_delivered_owner_notice() -> None:
+    """The owner is told first: an idle episode whose notices were dry runs (before
+    --execute was switched on) or failed is never reclaimed; one delivered is enough, read
+    back from the audit topic as well as just made."""
+    acting = executor(enabled_rules={idle.KIND})
+    reclaim = Action(idempotency_key="ep1/requeue", verb="requeue",
+                     target=Subject(node="gpu-1", pod=PodRef("ml", "nb-0")), reason="idle",
+                     rule=idle.KIND, finding_ids=["ep1"], ts=1.0,
+                     params={"reason": idle.RECLAIM_REASON})
+    outcome, why = acting.verdict(reclaim) or ("acts", "")
+    assert outcome == "refused" and why.startswith("the owner was not told first")
+    acting.apply_audit(_audited("ep1/notify_owner", "notify_owner", "dry_run"))
+    acting.apply_audit(_audited("ep1/notify_owner/warn", "notify_owner", "failed"))
+    acting.apply_audit(_audited("ep2/notify_owner/warn", "notify_owner", "executed"))
+    assert (acting.verdict(reclaim) or ("acts",))[0] == "refused"
+    acting.apply_audit(_audited("ep1/notify_owner/warn", "notify_owner", "executed"))
+    assert acting.verdict(reclaim) is None
+    # A requeue for another reason (a spot interruption, a stuck gang) needs no notice.
+    assert acting.verdict(msgspec.structs.replace(reclaim, params={})) is None
+
+
+class Flaky:
+    """A backend whose drains cordon and then fail, and whose cordons lose their first reply."""
+
+    name = "flaky"
+
+    def __init__(self) -> None:
+        self.cordoned: set[str] = set()
+
+    async def drain(self, action: Action) -> tuple[Outcome, str]:
+        self.cordoned.add(action.target.node or "")
+        return "failed", "drain incomplete: a PodDisruptionBudget blocked an eviction"
+
+    async def cordon(self, action: Action) -> tuple[Outcome, str]:
+        node = action.target.node or ""
+        if node in self.cordoned:
+            return "skipped", f"{node} is already cordoned"
+        self.cordoned.add(node)
+        raise ApiTimeout(0, "Timeout", "the reply was lost", delay=0.0)
+
+
+def test_the_breaker_counts_nodes_a_failed_or_retried_action_disrupted() -> None:
+    """A drain that cordoned its node and then failed on an eviction, and a cordon whose
+    retry found its own earlier try's work, took capacity all the same: the breaker counts
+    them, here and from the audit topic after a restart."""
+    backend = Flaky()
+
+    async def no_wait(_seconds: float) -> None:
+        return None
+
+    acting = Executor(Settings(), backend, execute=True, sleep=no_wait,
+                      remediation=RemediationSettings(enabled_rules={"*"}, breaker_max_nodes=2,
+                                                      fleet_gpu_nodes=1000))
+    results = [asyncio.run(acting.decide(action)) for action in (
+        act("drain", node="gpu-1", key="a/drain"), act("cordon", node="gpu-2", key="b/cordon"),
+        act("drain", node="gpu-3", key="c/drain"))]
+    assert [(r.outcome, r.attempt) for r in results] == [("failed", 1), ("skipped", 2),
+                                                          ("refused", 1)]
+    assert results[2].detail.startswith("circuit breaker tripped: 2 nodes")
+    assert backend.cordoned == {"gpu-1", "gpu-2"}
+    restarted = executor()
+    for result in results:
+        restarted.apply_audit(result)
+    assert sorted(restarted.breaker.disrupted) == ["gpu-1", "gpu-2"]

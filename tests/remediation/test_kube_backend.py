@@ -5,10 +5,22 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
+
 from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
-from gpusteward.rules import idle
+from gpusteward.rules import idle, spot
 from gpusteward.sandbox.kube_api import KUEUE_GROUP, KubeApiServer
-from gpusteward.schema import Action, ActionVerb, DeviceSample, Finding, PodRef, Subject
+from gpusteward.schema import (
+    Action,
+    ActionVerb,
+    DeviceSample,
+    Finding,
+    NodeInventory,
+    PodAllocation,
+    PodRef,
+    Subject,
+    Taint,
+)
 from tests.remediation.cluster import admitted_workload, node, pdb, pod, pods, writes
 
 
@@ -39,8 +51,13 @@ def test_cordon_sets_unschedulable_with_a_strategic_merge_patch_once(
     assert stored["metadata"]["annotations"]["gpusteward.io/cordon-reason"] == "ECC DBE on GPU-1"
     assert writes(kube) == [("PATCH", "/api/v1/nodes/gpu-1",
                               "application/strategic-merge-patch+json")]
-    outcome, detail = run(backend, action("cordon", node_name="gpu-1"))
-    assert (outcome, detail) == ("skipped", "gpu-1 is already cordoned")
+    assert stored["metadata"]["annotations"]["gpusteward.io/cordoned-by"] == "f1/cordon"
+    # The same action again (a retry, a replay after a crash) did it; another one did not.
+    assert run(backend, action("cordon", node_name="gpu-1")) == (
+        "executed", "cordoned gpu-1 (by an earlier try of this action)")
+    other = msgspec.structs.replace(action("cordon", node_name="gpu-1"),
+                                    idempotency_key="f2/cordon")
+    assert run(backend, other) == ("skipped", "gpu-1 is already cordoned")
     assert len(writes(kube)) == 1
 
 
@@ -142,6 +159,56 @@ def test_requeue_deactivates_then_reactivates_a_kueue_workload(
     assert all(r.content_type == "application/merge-patch+json" for r in kube.requests
                if r.method == "PATCH")
     assert ("ml-dave", "train-0") in pods(kube)  # Kueue, not us, stops the pods
+
+
+def test_a_kueue_workload_inactive_by_someone_else_is_left_so(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """Reactivating a workload found inactive finishes only this action's own requeue: one an
+    operator or Kueue deactivated stays inactive."""
+    parked = admitted_workload("ml-dave", "job-train-abc12")
+    parked["spec"]["active"] = False
+    kube.load([pod("ml-dave", "train-0", "gpu-1", owner_kind="Job",
+                   annotations={"kueue.x-k8s.io/workload": "job-train-abc12"}), parked])
+    outcome, detail = run(KubernetesBackend(kube_settings),
+                          action("requeue", pod_ref=PodRef("ml-dave", "train-0")))
+    assert (outcome, detail) == ("skipped", "Kueue workload ml-dave/job-train-abc12 is "
+                                 "inactive, not by this action: left as it is")
+    assert writes(kube) == []
+
+
+def test_a_spot_interruptions_requeue_reaches_its_kueue_workload(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """The spot rule's action as the rule makes it, carried out: its params name the
+    workload and its namespace the way the backend reads them."""
+    track = spot.SpotNodeTrack()
+    spot.on_pod(track, PodAllocation(
+        ts=1.0, node="spot-1", pod=PodRef("ml-dave", "train-0", uid="u1"), phase="running",
+        gpus=1, owner_kind="Workload", owner_name="job-train-abc12", queue="batch"),
+        spot.SpotSettings())
+    _, requeue = spot.on_inventory(track, NodeInventory(
+        ts=10.0, node="spot-1", gpu_count=8, spot=True,
+        taints=[Taint("aws-node-termination-handler/spot-itn", "NoSchedule", "evt-1")]),
+        spot.SpotSettings())
+    assert isinstance(requeue, Action)
+    kube.load([node("spot-1"),
+               pod("ml-dave", "train-0", "spot-1", owner_kind="Job",
+                   annotations={"kueue.x-k8s.io/workload": "job-train-abc12"}),
+               admitted_workload("ml-dave", "job-train-abc12")])
+    outcome, detail = run(KubernetesBackend(kube_settings), requeue)
+    assert outcome == "executed", detail
+    assert detail.startswith("requeued Kueue workload ml-dave/job-train-abc12")
+
+
+def test_a_drain_leaves_the_pods_of_namespaces_the_deny_patterns_match(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """The deny-list holds glob patterns, in the drain as in the executor's guard."""
+    drainable_node(kube, budget_allowed=1)
+    settings = kube_settings.model_copy(update={"deny_namespaces": {"kube-*", "ml-b?b"}})
+    outcome, detail = run(KubernetesBackend(settings), action("drain", node_name="gpu-1"))
+    assert outcome == "executed", detail
+    assert {("kube-system", "coredns-1"), ("ml-bob", "serve-0")} <= pods(kube)
+    assert ("ml-alice", "notebook-0") not in pods(kube)
+    assert "kube-system/coredns-1 (denied namespace)" in detail
 
 
 def test_requeue_of_a_plain_job_pod_deletes_it_and_a_bare_pod_is_refused(

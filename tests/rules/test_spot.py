@@ -52,7 +52,8 @@ def test_termination_taint_requeues_restartable_pods_only() -> None:
     assert len(keys) == 2 and all(k.startswith(finding.id) for k in keys)
     wl = next(a for a in actions if isinstance(a, Action) and a.target.pod
               and a.target.pod.name == "wl")
-    assert wl.params["workload"] == "ml/wl-owner" and wl.target.queue == "batch"
+    assert (wl.params["workload"], wl.params["namespace"]) == ("wl-owner", "ml")
+    assert wl.target.queue == "batch"
 
 
 def test_repeated_inventory_does_not_repeat_and_removal_resolves() -> None:
