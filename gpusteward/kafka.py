@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
@@ -152,12 +153,20 @@ async def topic_partitions(reader: AIOKafkaConsumer, topic: str) -> list[TopicPa
     return [TopicPartition(topic, p) for p in sorted(partitions)]
 
 
-async def read_all(settings: Settings, topic: str, quiet_ms: int = 300) -> list[ConsumerRecord]:
-    """Every record of ``topic`` from its start until no more arrive for ``quiet_ms``.
+READ_ALL_DEADLINE_S = 60.0
+"""How long :func:`read_all` waits for the records up to a topic's end before it gives up."""
 
-    Used to rebuild small derived state on start (the executor's completed
-    idempotency keys) and by tests. It does not trust ListOffsets: the
-    embedded broker reports a high watermark that can trail the last batch.
+
+async def read_all(settings: Settings, topic: str, quiet_ms: int = 300) -> list[ConsumerRecord]:
+    """Every record of ``topic`` from its start to its end as it was at the call, and any
+    that follow until none arrive for ``quiet_ms``.
+
+    Used to rebuild small derived state on start (the executor's completed idempotency
+    keys and its circuit breaker) and by tests. It reads up to the true end offsets
+    (:func:`true_end_offsets`: the embedded broker's high watermark can trail the last
+    batch) rather than stopping at the first quiet fetch, which a slow broker would have
+    turned into a history cut short: a tripped breaker read as closed. Raises TimeoutError
+    when the end is not reached within ``READ_ALL_DEADLINE_S``.
     """
     reader = consumer(settings, group_id=None)
     await reader.start()
@@ -165,15 +174,24 @@ async def read_all(settings: Settings, topic: str, quiet_ms: int = 300) -> list[
         assigned = await topic_partitions(reader, topic)
         if not assigned:
             return []
+        ends = await true_end_offsets(reader, assigned)
         reader.assign(assigned)
         await reader.seek_to_beginning(*assigned)
         records: list[ConsumerRecord] = []
+        deadline = time.monotonic() + READ_ALL_DEADLINE_S
         while True:
             batch = await reader.getmany(timeout_ms=quiet_ms)
-            if not batch:
-                return records
             for messages in batch.values():
                 records.extend(messages)
+            if batch:
+                continue
+            short = [tp for tp in assigned if await reader.position(tp) < ends[tp]]
+            if not short:
+                return records
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{topic}: not read to its end within "
+                                   f"{READ_ALL_DEADLINE_S:g} s (partitions "
+                                   f"{', '.join(str(tp.partition) for tp in short)})")
     finally:
         await reader.stop()
 

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from gpusteward import kafka, topics
@@ -67,6 +67,47 @@ def test_true_end_offsets_count_every_record_of_the_last_batch(settings: Setting
     reported, true_end, count = asyncio.run(main())
     assert true_end == count == 10
     assert reported <= true_end  # 1 on the embedded broker (one batch of ten), 10 on Kafka
+
+
+def test_read_all_reads_to_the_end_through_slow_fetches(
+        settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A history read on start (the executor's keys and breaker) once stopped at the first
+    fetch that came back empty within 300 ms: a slow broker cut it short. Here every other
+    fetch of the reader comes back empty, as a slow one's would."""
+    name = f"{settings.topic_prefix}.slow"
+
+    async def publish() -> None:
+        await kafka.ensure_topics(settings)
+        admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(name, 2, 1)])
+        finally:
+            await admin.close()
+        producer = kafka.producer(settings)
+        await producer.start()
+        try:
+            for i in range(40):
+                await producer.send_and_wait(name, b"v", key=str(i).encode())
+        finally:
+            await producer.stop()
+
+    asyncio.run(publish())
+    fetches = 0
+    getmany = AIOKafkaConsumer.getmany
+
+    async def slow(self: AIOKafkaConsumer, *partitions: TopicPartition, timeout_ms: int = 0,
+                   max_records: int | None = None) -> dict[TopicPartition, list[object]]:
+        nonlocal fetches
+        fetches += 1
+        if fetches % 2:
+            await asyncio.sleep(timeout_ms / 1000)
+            return {}
+        return await getmany(self, *partitions, timeout_ms=timeout_ms,
+                             max_records=max_records)  # type: ignore[return-value]
+
+    monkeypatch.setattr(AIOKafkaConsumer, "getmany", slow)
+    assert len(asyncio.run(kafka.read_all(settings, name, quiet_ms=50))) == 40
 
 
 def test_gpusteward_broker_command_serves_and_stops_on_sigterm() -> None:
