@@ -146,6 +146,9 @@ class Minute(msgspec.Struct, array_like=True):
     split: bool = False
     """The readings are the holder's own (per-process attribution): its activity is scaled
     to its share."""
+    xid_last_ts: float | None = None
+    """Event time of the last XID counted: one read again (at least once) is not counted
+    twice."""
 
 
 class RollupTrack(msgspec.Struct):
@@ -284,6 +287,12 @@ class MinuteFold:
                           if k.startswith(f"{uuid}|")), None)
         if open_ is None:
             open_ = bucket[uuid] = Minute(DeviceSample(uuid=uuid, index=0, model=""))
+        # A device's XIDs come in order on one partition: one at or before the last counted
+        # is a redelivery (after a crash or a rebalance's seek), or another XID of the same
+        # instant, which this undercounts by one.
+        if open_.xid_last_ts is not None and ts <= open_.xid_last_ts:
+            return
+        open_.xid_last_ts = ts
         open_.xids += 1
 
     def advance(self, track: RollupTrack, node: str, ts: float) -> list[Rollup]:

@@ -20,7 +20,7 @@ and idempotency keys; consumers deduplicate on them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from functools import partial
 from typing import Any, cast
 
@@ -360,15 +360,10 @@ def create_app(
         "node-state", partitions=kafka.node_partitions, key_type=bytes, value_type=bytes,
         use_partitioner=True,
     )
-    encode_state = msgspec.msgpack.Encoder().encode
-    decode_state = msgspec.msgpack.Decoder(NodeState).decode
-    checkpoint_s = join.settings.checkpoint_interval_s
-    # Decoded states of this worker's nodes, with the event time of their last checkpoint.
-    # Rebuilt from the table after every rebalance, when the table is the truth.
-    live: dict[bytes, tuple[NodeState, float]] = {}
+    states = NodeStates(state_table, join.settings.checkpoint_interval_s)
 
     def forget_live_states(sender: Any, *args: Any, **kwargs: Any) -> None:
-        live.clear()
+        states.live.clear()
 
     # mode's signal type asks for a positional-only sender that no def can spell here.
     app.on_partitions_revoked.connect(forget_live_states)  # type: ignore[arg-type]
@@ -387,41 +382,8 @@ def create_app(
     one_batch = asyncio.Lock()
 
     def apply(to_write: dict[bytes, bytes], event: Any) -> list[Output]:
-        """Apply one record to its node; nodes due for a checkpoint go to ``to_write``,
-        encoded (written once the batch's findings and actions are delivered)."""
         decode, handler = by_topic[event.message.topic]
-        record = decode(event.value, event.key)
-        node = record.node.encode()
-        entry = live.get(node)
-        if entry is None:
-            stored = state_table.get(node)
-            entry = (decode_state(stored) if stored is not None else NodeState(), -1.0)
-        state, checkpointed_at = entry
-        try:
-            outputs: list[Output] = handler(state, record)
-            # Write the changelog when the state matters for recovery (a rule emitted a
-            # finding or action, the allocations changed) and otherwise every checkpoint_s
-            # of event time. A worker that crashes between checkpoints recovers a state at
-            # most that old; re-processing then republishes the same ids, which consumers
-            # deduplicate. A node summary alone does not count: the next one replaces it; nor
-            # does a rollup: one re-emitted after a crash has the same (device, minute) name,
-            # and the store keeps one per name.
-            due = record.ts - checkpointed_at >= checkpoint_s
-            decisive = bool(outputs) and any(not isinstance(output, NodeSummary | Rollup)
-                                             for output in outputs)
-            if decisive or due or not isinstance(record, NodeSample):
-                # Encoded here, so that a state the encoder refuses dead-letters the record.
-                to_write[node] = encode_state(state)
-                checkpointed_at = record.ts
-        except Exception:
-            # The record may have half-changed the state: the node goes back to its last
-            # checkpoint, as after a crash (a copy per record to roll back to would cost
-            # more than the join itself). What the batch changed before is re-learned.
-            live.pop(node, None)
-            to_write.pop(node, None)
-            raise
-        live[node] = (state, checkpointed_at)
-        return outputs
+        return states.apply(to_write, handler, decode(event.value, event.key))
 
     async def node_join(stream: Any) -> None:
         # Records are handled in batches: the event the stream yields and those already
@@ -449,7 +411,7 @@ def create_app(
                     raise
                 except BaseException:
                     for node in writes:  # not checkpointed: re-processing starts from the last
-                        live.pop(node, None)
+                        states.live.pop(node, None)
                     raise
             for event in events[1:]:  # the stream acknowledges the first
                 event.ack()
@@ -468,6 +430,63 @@ def create_app(
 
     register_fleet_agent(app, settings, FleetSettings(policy=policy))
     return app
+
+
+class NodeStates:
+    """The worker's node states: those of its nodes decoded, over the changelog-backed table
+    (msgpack-encoded :class:`NodeState` bytes by node name: the changelog carries exactly
+    these)."""
+
+    def __init__(self, table: Any, checkpoint_s: float) -> None:
+        self.table = table
+        self.checkpoint_s = checkpoint_s
+        self.live: dict[bytes, tuple[NodeState, float]] = {}
+        """Decoded states of this worker's nodes, with the event time of their last
+        checkpoint. Cleared at every rebalance, when the table is the truth."""
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(NodeState).decode
+
+    def apply(self, to_write: dict[bytes, bytes], handler: Callable[[NodeState, Any], list[Output]],
+              record: Any) -> list[Output]:
+        """Apply one decoded record to its node; nodes due for a checkpoint go to
+        ``to_write``, encoded (written once the batch's findings and actions are delivered)."""
+        node = record.node.encode()
+        entry = self.live.get(node)
+        if entry is None:
+            stored = self.table.get(node)
+            entry = (self._decode(stored) if stored is not None else NodeState(), -1.0)
+        state, checkpointed_at = entry
+        try:
+            outputs = handler(state, record)
+            # Write the changelog when the state matters for recovery (a rule emitted a
+            # finding or action, the allocations changed) and otherwise every checkpoint_s
+            # of event time. A worker that crashes between checkpoints recovers a state at
+            # most that old; re-processing then republishes the same ids, which consumers
+            # deduplicate. A node summary alone does not count: the next one replaces it; nor
+            # does a rollup: one re-emitted after a crash has the same (device, minute) name,
+            # and the store keeps one per name.
+            due = record.ts - checkpointed_at >= self.checkpoint_s
+            decisive = bool(outputs) and any(not isinstance(output, NodeSummary | Rollup)
+                                             for output in outputs)
+            if decisive or due or not isinstance(record, NodeSample):
+                # Encoded here, so that a state the encoder refuses dead-letters the record.
+                to_write[node] = self._encode(state)
+                checkpointed_at = record.ts
+        except Exception:
+            # The record may have half-changed the state: the node goes back to its last
+            # checkpoint, as after a crash (a copy per record to roll back to would cost
+            # more than the join itself): the one this batch encoded, if any, else the
+            # table's. So what an earlier record of the batch changed that counts (an
+            # allocation, a finding) stays, as those records are acknowledged; samples since
+            # are re-learned.
+            encoded = to_write.get(node)
+            if encoded is None:
+                self.live.pop(node, None)
+            else:
+                self.live[node] = (self._decode(encoded), checkpointed_at)
+            raise
+        self.live[node] = (state, checkpointed_at)
+        return outputs
 
 
 def _checkpoint(table: Any, writes: dict[bytes, bytes]) -> None:

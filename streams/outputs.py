@@ -160,14 +160,15 @@ class OutputTopics:
         re-processes the record from the older state and emits the same ids again, which
         consumers deduplicate: at least once. Only records with findings or actions wait
         for the broker; summaries and rollups are replaced or named by their next one.
-        A delivery that fails raises, and the caller must roll the state back.
+        A delivery that fails raises, and the caller must roll the state back. The
+        deliveries are awaited with no checkpoint too: the batch's records are acknowledged
+        after this returns.
         """
         deliveries = await self.publish(outputs)
-        if checkpoint is None:
-            return
         if deliveries:
             await asyncio.gather(*deliveries)
-        checkpoint()
+        if checkpoint is not None:
+            checkpoint()
 
     async def guarded(self, event: Any, agent: str,
                       process: Callable[[Any], Awaitable[T]]) -> T | None:

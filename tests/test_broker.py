@@ -104,7 +104,7 @@ def test_read_all_reads_to_the_end_through_slow_fetches(
             await asyncio.sleep(timeout_ms / 1000)
             return {}
         return await getmany(self, *partitions, timeout_ms=timeout_ms,
-                             max_records=max_records)  # type: ignore[return-value]
+                             max_records=max_records)
 
     monkeypatch.setattr(AIOKafkaConsumer, "getmany", slow)
     assert len(asyncio.run(kafka.read_all(settings, name, quiet_ms=50))) == 40

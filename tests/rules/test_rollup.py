@@ -71,6 +71,18 @@ def test_open_minutes_survive_the_changelog_encoding() -> None:
     assert (out.samples, out.util_mean, out.xid_count, out.team) == (2, 15.0, 1, "vision")
 
 
+def test_an_xid_read_again_is_counted_once() -> None:
+    """Hardware events are checkpointed before their offsets are committed: one read again
+    after a crash or a rebalance meets a state that already counted it."""
+    fold, track = rollup.MinuteFold(lateness_s=60), rollup.RollupTrack()
+    for ts in (T0 + 5, T0 + 5, T0 + 7, T0 + 5):
+        fold.count_xid(track, "GPU-1", ts)
+    restored = msgspec.msgpack.decode(msgspec.msgpack.encode(track), type=rollup.RollupTrack)
+    fold.count_xid(restored, "GPU-1", T0 + 7)
+    (out,) = fold.flush(restored, "n1")
+    assert out.xid_count == 2
+
+
 def test_a_minute_an_xid_opened_takes_the_first_samples_device_fields() -> None:
     fold, track = rollup.MinuteFold(lateness_s=60), rollup.RollupTrack()
     fold.count_xid(track, "GPU-1", T0 + 5)

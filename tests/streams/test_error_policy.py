@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from gpusteward.schema import DeadLetter
+from gpusteward.schema import DeadLetter, Finding, Subject
 from gpusteward.settings import Settings
 from gpusteward.streams.outputs import OutputTopics
 
@@ -124,3 +124,33 @@ def test_a_batch_lets_cancellation_through() -> None:
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(outputs.guarded_each([Event()], "node-join", cancelled))
     assert _dead(app) == []
+
+
+def test_findings_are_delivered_before_the_batch_goes_on_even_with_no_checkpoint() -> None:
+    """A batch's records are acknowledged once ``emit_then_checkpoint`` returns: it waits for
+    its findings' delivery whether or not a node state is to be written (a batch whose
+    other record failed and took its node's checkpoint with it once returned at once)."""
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+    delivered: asyncio.Future[None] | None = None
+
+    async def send(key: bytes, value: bytes) -> asyncio.Future[None]:
+        nonlocal delivered
+        delivered = asyncio.get_running_loop().create_future()
+        return delivered
+
+    finding = Finding(id="f1", fingerprint="fp", kind="xid", severity="critical",
+                      state="firing", subject=Subject(node="n1"), summary="XID 79",
+                      starts_at=1.0, ts=1.0)
+
+    async def main() -> tuple[bool, bool]:
+        app.topics["gpusteward.findings.v1"].send = send  # type: ignore[method-assign,assignment]
+        emitting = asyncio.create_task(outputs.emit_then_checkpoint([finding], None))
+        await asyncio.sleep(0.05)
+        waited = not emitting.done()
+        assert delivered is not None
+        delivered.set_result(None)
+        await asyncio.wait_for(emitting, 1.0)
+        return waited, emitting.done()
+
+    assert asyncio.run(main()) == (True, True)
