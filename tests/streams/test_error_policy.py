@@ -15,9 +15,12 @@ from typing import Any
 
 import msgspec
 import pytest
+from faust.types.tuples import Message as FaustMessage
 
-from gpusteward.schema import DeadLetter, Finding, Subject
+from gpusteward.schema import DeadLetter, Finding, HwEvent, Subject
 from gpusteward.settings import Settings
+from gpusteward.streams.app import NodeStates, join_batch
+from gpusteward.streams.node import NodeJoin, Output
 from gpusteward.streams.outputs import OutputTopics
 
 
@@ -154,3 +157,54 @@ def test_findings_are_delivered_before_the_batch_goes_on_even_with_no_checkpoint
         return waited, emitting.done()
 
     assert asyncio.run(main()) == (True, True)
+
+
+@dataclass
+class JoinEvent:
+    """A node-join event as the stream hands it over: a Faust message the conductor took a
+    reference on for the stream."""
+
+    message: Any
+
+    def ack(self) -> None:
+        self.message.ack(None)
+
+
+def test_a_batch_stopped_mid_publish_writes_no_state_and_leaves_its_first_event_unread() -> None:
+    """A worker stopped while its findings wait for room in the producer used to write the
+    batch's node states anyway: they recorded an XID finding as reported that was never
+    sent, and the restarted worker, reading the unacknowledged records again from those
+    states, emitted nothing. Now nothing is written, and the first event (which the stream
+    acknowledges as it stops) keeps a reference, so its offset is not committed either."""
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+    room = asyncio.Event()
+
+    async def full(key: bytes, value: bytes) -> None:
+        await room.wait()  # the producer's buffer never frees up: the worker is stopping
+
+    table: dict[bytes, bytes] = {}
+    states, join = NodeStates(table, checkpoint_s=30.0), NodeJoin()
+    xid = HwEvent(ts=1_763_683_200.0, node="n1", kind="xid", uuid="GPU-0", xid=79)
+    message = FaustMessage("gpusteward.hw-events.v1", 0, 7, 0.0, 0, [], b"n1",
+                           msgspec.json.encode(xid), None)
+    message.incref()  # the conductor's reference for the stream
+
+    def apply(writes: dict[bytes, bytes], event: JoinEvent) -> list[Output]:
+        return states.apply(writes, join.on_hw_event,
+                            msgspec.json.decode(event.message.value, type=HwEvent))
+
+    async def main() -> None:
+        app.topics["gpusteward.findings.v1"].send = full  # type: ignore[method-assign]
+        batch = asyncio.create_task(join_batch([JoinEvent(message)], outputs, states, apply,
+                                               asyncio.Lock()))
+        await asyncio.sleep(0.05)
+        assert not batch.done()
+        batch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await batch
+
+    asyncio.run(main())
+    assert table == {}, "no node state says the XID finding was reported"
+    JoinEvent(message).ack()  # the stream's acknowledgement as it stops
+    assert not message.acked, "the first event is read again by the next worker"
