@@ -20,7 +20,7 @@ and idempotency keys; consumers deduplicate on them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, cast
 
@@ -39,7 +39,13 @@ from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary,
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import FleetSettings, register_fleet_agent
 from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings
-from gpusteward.streams.outputs import BATCH_MAX, OutputTopics, raw_topic, ready_events
+from gpusteward.streams.outputs import (
+    BATCH_MAX,
+    OutputTopics,
+    raw_topic,
+    ready_events,
+    still_current,
+)
 from gpusteward.streams.policy_file import policy_from_env
 
 
@@ -395,7 +401,7 @@ def create_app(
         queue = stream.channel.queue
         async for first in stream.events():
             await join_batch([first, *ready_events(app, queue, BATCH_MAX - 1)], outputs_to,
-                             states, apply, one_batch)
+                             states, apply, one_batch, partial(still_current, app))
 
     # Hardware events have an agent of their own, on the same partitions (Faust assigns
     # topics of one partition count together) and the same node states: an urgent event
@@ -471,7 +477,8 @@ class NodeStates:
 
 async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeStates,
                      apply: Callable[[dict[bytes, bytes], Any], list[Output]],
-                     one_batch: asyncio.Lock) -> None:
+                     one_batch: asyncio.Lock,
+                     current: Callable[[Sequence[Any]], list[Any]]) -> None:
     """One batch of the node join: apply each event (dead-lettering those that fail),
     publish the outputs, write the states due once the findings and actions are delivered,
     then acknowledge the events (the stream acknowledges the first as it moves on).
@@ -484,13 +491,19 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
     2026-11-26, recorded findings as reported that a publish blocked on a full producer
     buffer never sent; acknowledging the first event lost it when the stop came before it
     was applied (waiting for the other agent's batch).
+
+    Only the events still ``current`` once the other agent's batch is done are applied: a
+    rebalance while this one waited for it takes the others back (its seek delivers them
+    again, perhaps to another worker, which owns their nodes' states now), and they are
+    left unacknowledged, the first one too.
     """
     started = outputs_to.consumed_each(events)
     writes: dict[bytes, bytes] = {}
+    todo: list[Any] = []
     try:
         async with one_batch:
-            outputs = await outputs_to.guarded_each(events, "node-join",
-                                                    partial(apply, writes))
+            todo = current(events)
+            outputs = await outputs_to.guarded_each(todo, "node-join", partial(apply, writes))
             await outputs_to.emit_then_checkpoint(
                 outputs, partial(_checkpoint, states.table, writes) if writes else None)
     except asyncio.CancelledError:
@@ -500,9 +513,14 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
         for node in writes:  # not checkpointed: re-processing starts from the last
             states.live.pop(node, None)
         raise
-    for event in events[1:]:  # the stream acknowledges the first
-        event.ack()
-    outputs_to.processed(started, len(events))
+    first = events[0]
+    if not todo or todo[0] is not first:
+        first.message.incref()  # not applied: the stream's acknowledgement must not count
+    for event in todo:
+        if event is not first:  # the stream acknowledges the first
+            event.ack()
+    if todo:
+        outputs_to.processed(started, len(todo))
 
 
 def _checkpoint(table: Any, writes: dict[bytes, bytes]) -> None:
@@ -514,6 +532,8 @@ def _checkpoint(table: Any, writes: dict[bytes, bytes]) -> None:
 def _node(record: NodeSample | HwEvent) -> str:
     """The key a node's samples and hardware events are published under."""
     return record.node
+
+
 def _watch_health(app: WorkerApp, settings: Settings) -> None:
     """Beat while the loop turns; stop the worker, non-zero, when its topics disappear.
 

@@ -9,6 +9,7 @@ writer only calls ``send``): the broker path is covered by
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -29,8 +30,11 @@ class RecordingTopic:
     name: str
     sent: list[tuple[bytes, bytes]] = field(default_factory=list)
 
-    async def send(self, key: bytes, value: bytes) -> None:
+    async def send(self, key: bytes, value: bytes) -> asyncio.Future[None]:
         self.sent.append((key, value))
+        delivered = asyncio.get_running_loop().create_future()
+        delivered.set_result(None)
+        return delivered
 
     def get_topic_name(self) -> str:
         return self.name
@@ -117,6 +121,32 @@ def test_a_batch_dead_letters_only_its_failing_records_and_keeps_the_others_in_o
     assert letter.offset == 42 and letter.error == "node-join: ValueError: a rule's bug"
 
 
+def test_a_batch_returns_once_its_dead_letters_are_delivered() -> None:
+    """The batch's records are acknowledged after it: a dead letter the broker has not
+    taken yet (or never takes: the delivery fails) must hold them, or the record is lost."""
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+    deliveries: list[asyncio.Future[None]] = []
+
+    async def slow(key: bytes, value: bytes) -> asyncio.Future[None]:
+        deliveries.append(asyncio.get_running_loop().create_future())
+        return deliveries[-1]
+
+    def process(event: Any) -> list[Any]:
+        raise ValueError("a rule's bug")
+
+    async def main() -> None:
+        app.topics["gpusteward.deadletter.v1"].send = slow  # type: ignore[method-assign]
+        batch = asyncio.create_task(outputs.guarded_each([Event()], "node-join", process))
+        await asyncio.sleep(0.05)
+        assert not batch.done()
+        deliveries[0].set_exception(RuntimeError("KafkaTimeoutError"))
+        with pytest.raises(RuntimeError):
+            await batch
+
+    asyncio.run(main())
+
+
 def test_a_batch_lets_cancellation_through() -> None:
     app = RecordingApp()
     outputs = OutputTopics(app, Settings())
@@ -147,7 +177,7 @@ def test_findings_are_delivered_before_the_batch_goes_on_even_with_no_checkpoint
                       starts_at=1.0, ts=1.0)
 
     async def main() -> tuple[bool, bool]:
-        app.topics["gpusteward.findings.v1"].send = send  # type: ignore[method-assign,assignment]
+        app.topics["gpusteward.findings.v1"].send = send  # type: ignore[method-assign]
         emitting = asyncio.create_task(outputs.emit_then_checkpoint([finding], None))
         await asyncio.sleep(0.05)
         waited = not emitting.done()
@@ -195,9 +225,9 @@ def test_a_batch_stopped_mid_publish_writes_no_state_and_leaves_its_first_event_
                             msgspec.json.decode(event.message.value, type=HwEvent))
 
     async def main() -> None:
-        app.topics["gpusteward.findings.v1"].send = full  # type: ignore[method-assign]
+        app.topics["gpusteward.findings.v1"].send = full  # type: ignore[method-assign,assignment]
         batch = asyncio.create_task(join_batch([JoinEvent(message)], outputs, states, apply,
-                                               asyncio.Lock()))
+                                               asyncio.Lock(), list))
         await asyncio.sleep(0.05)
         assert not batch.done()
         batch.cancel()
@@ -208,3 +238,45 @@ def test_a_batch_stopped_mid_publish_writes_no_state_and_leaves_its_first_event_
     assert table == {}, "no node state says the XID finding was reported"
     JoinEvent(message).ack()  # the stream's acknowledgement as it stops
     assert not message.acked, "the first event is read again by the next worker"
+
+
+def test_a_batch_a_rebalance_took_back_while_it_waited_is_left_to_the_seek() -> None:
+    """The hardware agent gathers its batch, then waits for the sample agent's: a rebalance
+    in between takes the events back (the seek delivers them again, perhaps to the worker
+    that owns their nodes now). They are neither applied, nor written, nor acknowledged."""
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+    table: dict[bytes, bytes] = {}
+    states, join = NodeStates(table, checkpoint_s=30.0), NodeJoin()
+    messages = [FaustMessage("gpusteward.hw-events.v1", 0, offset, 0.0, 0, [], b"n1",
+                             msgspec.json.encode(HwEvent(ts=1_763_683_200.0 + offset,
+                                                         node="n1", kind="xid",
+                                                         uuid="GPU-0", xid=79)),
+                             None, generation_id=1) for offset in (7, 8)]
+    for message in messages:
+        message.incref()
+    generation = 1
+
+    def current(events: Sequence[JoinEvent]) -> list[JoinEvent]:
+        return [event for event in events if event.message.generation_id == generation]
+
+    def apply(writes: dict[bytes, bytes], event: JoinEvent) -> list[Output]:
+        return states.apply(writes, join.on_hw_event,
+                            msgspec.json.decode(event.message.value, type=HwEvent))
+
+    async def main() -> None:
+        nonlocal generation
+        other_agents_batch = asyncio.Lock()
+        await other_agents_batch.acquire()
+        batch = asyncio.create_task(join_batch([JoinEvent(m) for m in messages], outputs,
+                                               states, apply, other_agents_batch, current))
+        await asyncio.sleep(0.05)
+        generation = 2  # the rebalance
+        other_agents_batch.release()
+        await asyncio.wait_for(batch, 1.0)
+
+    asyncio.run(main())
+    assert table == {} and states.live == {}
+    assert app.topics["gpusteward.findings.v1"].sent == []
+    JoinEvent(messages[0]).ack()  # the stream's acknowledgement of the first
+    assert not any(message.acked for message in messages)
