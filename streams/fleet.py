@@ -472,8 +472,13 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     def decode(event: Any, state: FleetState) -> NodeSummary | QueueEvent:
         if event.message.topic == queue_name:
             # A queue record read counts as applied, refused or not: a refused one at the
-            # tail must not keep the queue "behind" (queue_caught_up) for ever.
+            # tail must not keep the queue "behind" (queue_caught_up) for ever. So it makes
+            # the state due a checkpoint as a valid one does: a refused record alone in its
+            # batch, its offset never written, came back after a rebalance or a restart as
+            # a queue "behind" until the next valid queue event, and node summaries stopped
+            # moving the fleet's clock meanwhile.
             state.queue_offset = max(state.queue_offset, event.message.offset)
+            snapshot.due = True
             return queue_edge(event.value, event.key)
         return summary_edge(event.value, event.key)
 

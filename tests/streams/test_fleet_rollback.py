@@ -6,7 +6,8 @@ state is undone by rebuilding the state from the last snapshot and folding the r
 since then again. Here a real worker process (``fleet_record_breaks.py``) gets three
 admissions and, among them, one whose rule breaks after applying it, all in one batch:
 the written fleet state holds the three and not the broken one, the earlier two were
-folded a second time onto the snapshot, and the broken one is a dead letter.
+folded a second time onto the snapshot, and the broken one is a dead letter. A refused
+queue record, which changes nothing but the offset read, still reaches the changelog.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pytest
 from gpusteward import kafka, topics
 from gpusteward.broker import free_port
 from gpusteward.children import die_with_parent, stop_child
-from gpusteward.sandbox.pipeline import settings_env
+from gpusteward.sandbox.pipeline import WorkerProcess, settings_env
 from gpusteward.schema import DeadLetter, QueueEvent
 from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
@@ -86,3 +87,36 @@ def test_a_fleet_record_that_breaks_half_way_is_rolled_back_and_nothing_else_is(
         kafka.read_all(settings, topics.DEADLETTER.name(settings)))]
     assert [(d.source_topic, d.offset) for d in dead] == [(topics.QUEUE.name(settings), 2)]
     assert "fleet" in dead[0].error and "a fleet rule broke half-way" in dead[0].error
+
+
+def test_a_refused_queue_record_alone_in_its_batch_is_checkpointed_as_read(
+        settings: Settings, tmp_path: Path) -> None:
+    """A refused queue record counts as read (a malformed one at the queue's tail must not
+    keep the queue "behind" for ever), so its offset must reach the changelog: alone in its
+    batch it did not, and after a restart or a rebalance the queue read as behind until the
+    next valid queue event, with node summaries no longer moving the fleet's clock."""
+    asyncio.run(kafka.ensure_topics(settings))
+    worker = WorkerProcess(settings, tmp_path / "worker.log")
+    group, queue = worker_group(settings), [topics.QUEUE.name(settings)]
+    worker.start()
+    try:
+        asyncio.run(_publish(settings, [_pending("a", 0)]))
+        asyncio.run(kafka.wait_consumed(settings, group, queue, timeout_s=60))
+
+        async def malformed() -> None:
+            producer = kafka.producer(settings)
+            await producer.start()
+            try:
+                await producer.send_and_wait(queue[0], b'{"not": "a queue event"}',
+                                             key=b"prod")
+            finally:
+                await producer.stop()
+
+        asyncio.run(malformed())
+        asyncio.run(kafka.wait_consumed(settings, group, queue, timeout_s=60))
+    finally:
+        worker.stop()
+    written = asyncio.run(kafka.read_all(settings, f"{group}-fleet-state-changelog"))
+    assert written, (tmp_path / "worker.log").read_text()
+    state = msgspec.msgpack.decode(written[-1].value, type=FleetState)
+    assert state.queue_offset == 1 and set(state.queue.waiting) == {"ml/a"}
