@@ -42,6 +42,7 @@ from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings
 from gpusteward.streams.outputs import (
     BATCH_MAX,
     OutputTopics,
+    crash_unread,
     raw_topic,
     ready_events,
     still_current,
@@ -400,8 +401,13 @@ def create_app(
         # of the batch is acknowledged (at least once).
         queue = stream.channel.queue
         async for first in stream.events():
-            await join_batch([first, *ready_events(app, queue, BATCH_MAX - 1)], outputs_to,
-                             states, apply, one_batch, partial(still_current, app))
+            try:
+                await join_batch([first, *ready_events(app, queue, BATCH_MAX - 1)],
+                                 outputs_to, states, apply, one_batch,
+                                 partial(still_current, app))
+            except Exception as error:
+                await crash_unread(app, error)
+                raise
 
     # Hardware events have an agent of their own, on the same partitions (Faust assigns
     # topics of one partition count together) and the same node states: an urgent event
@@ -483,9 +489,10 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
     publish the outputs, write the states due once the findings and actions are delivered,
     then acknowledge the events (the stream acknowledges the first as it moves on).
 
-    Stopped part-way (cancelled), it writes nothing and keeps the first event from being
-    acknowledged (one more reference to its message, so the stream's acknowledgement is not
-    the last): what the batch had not handed to the producer dies with the process, and the
+    Stopped part-way (cancelled) or failed (a delivery, a changelog write), it writes nothing
+    and keeps the first event from being acknowledged (one more reference to its message, so
+    the stream's acknowledgement is not the last): what the batch had not handed to the
+    producer dies with the process, and the
     next worker reads the whole batch again from the last checkpoint, emitting what it had
     emitted again under the same ids. Writing the states then, as this did until
     2026-11-26, recorded findings as reported that a publish blocked on a full producer
@@ -506,10 +513,10 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
             outputs = await outputs_to.guarded_each(todo, "node-join", partial(apply, writes))
             await outputs_to.emit_then_checkpoint(
                 outputs, partial(_checkpoint, states.table, writes) if writes else None)
-    except asyncio.CancelledError:
-        events[0].message.incref()
-        raise
     except BaseException:
+        # Stopped, or a delivery or a changelog write failed (a record's own failure is its
+        # dead letter): nothing of the batch is acknowledged, the first event included.
+        events[0].message.incref()
         for node in writes:  # not checkpointed: re-processing starts from the last
             states.live.pop(node, None)
         raise

@@ -263,3 +263,16 @@ def ready_events(app: Any, queue: Any, limit: int) -> list[Any]:
             consumer.track_message(message)
         events.append(event)
     return events
+
+
+async def crash_unread(app: Any, error: Exception) -> None:
+    """Stop the worker with ``error`` after a batch it could not finish.
+
+    Faust restarts a crashed agent in the process on the records after its batch: the
+    batch's records, left unacknowledged, would neither be read again nor let the
+    partition's committed offset pass them until the next rebalance. A restarted worker
+    reads them again from the committed offsets (at least once), and its supervisor (a
+    StatefulSet, compose) starts it again, as when its topics disappear.
+    """
+    await app.crash(RuntimeError(f"a batch could not be finished, its records are read "
+                                 f"again after a restart: {error!r}"))

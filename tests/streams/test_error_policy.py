@@ -280,3 +280,42 @@ def test_a_batch_a_rebalance_took_back_while_it_waited_is_left_to_the_seek() -> 
     assert app.topics["gpusteward.findings.v1"].sent == []
     JoinEvent(messages[0]).ack()  # the stream's acknowledgement of the first
     assert not any(message.acked for message in messages)
+
+
+def test_a_batch_whose_findings_are_not_delivered_leaves_everything_to_be_read_again() -> None:
+    """A delivery that fails (the broker never takes the finding) ends the batch with an
+    error: no node state says the finding was reported, no event of the batch is
+    acknowledged (the first was, by the stream, and so lost), and the worker stops so that
+    its restart reads them again (``crash_unread``, in the agent)."""
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+
+    async def lost(key: bytes, value: bytes) -> asyncio.Future[None]:
+        delivery = asyncio.get_running_loop().create_future()
+        delivery.set_exception(RuntimeError("KafkaTimeoutError"))
+        return delivery
+
+    table: dict[bytes, bytes] = {}
+    states, join = NodeStates(table, checkpoint_s=30.0), NodeJoin()
+    messages = [FaustMessage("gpusteward.hw-events.v1", 0, offset, 0.0, 0, [], b"n1",
+                             msgspec.json.encode(HwEvent(ts=1_763_683_200.0 + offset,
+                                                         node="n1", kind="xid",
+                                                         uuid=f"GPU-{offset}", xid=79)),
+                             None) for offset in (7, 8)]
+    for message in messages:
+        message.incref()
+
+    def apply(writes: dict[bytes, bytes], event: JoinEvent) -> list[Output]:
+        return states.apply(writes, join.on_hw_event,
+                            msgspec.json.decode(event.message.value, type=HwEvent))
+
+    async def main() -> None:
+        app.topics["gpusteward.findings.v1"].send = lost  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            await join_batch([JoinEvent(m) for m in messages], outputs, states, apply,
+                             asyncio.Lock(), list)
+
+    asyncio.run(main())
+    assert table == {} and b"n1" not in states.live
+    JoinEvent(messages[0]).ack()  # the stream's acknowledgement of the first
+    assert not any(message.acked for message in messages)
