@@ -581,12 +581,12 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                     if outputs:
                         await outputs_to.emit_then_checkpoint(outputs, write_checkpoint)
             except asyncio.CancelledError:
-                # Stopped mid-batch: the stream acknowledges the first event even then, so
-                # the state after it must be on the changelog (the snapshot is of whole
-                # records: one cut short is not in it; one cut short in its MIG advice is
-                # in it, the advice still due). The producer delivers what is in flight
-                # as it stops.
-                write_checkpoint()
+                # Stopped mid-batch: nothing more is written and the first event stays
+                # unacknowledged (one more reference to its message), so the next worker
+                # reads the batch again from the last checkpoint. Writing the state here,
+                # as this did until 2026-11-26, recorded as reported the findings of a
+                # record whose publish the stop cut short.
+                first.message.incref()
                 snapshot.pending = None
                 raise
             except BaseException as error:
