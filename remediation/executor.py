@@ -262,7 +262,8 @@ class ReviewPrinter:
             f"[dim]rule={escape(action.rule)}[/] {escape(result.detail)}")
 
 
-def _matches(name: str | None, patterns: set[str]) -> bool:
+def matches(name: str | None, patterns: set[str]) -> bool:
+    """Whether ``name`` matches one of the deny-list's glob ``patterns``."""
     return name is not None and any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
@@ -420,13 +421,13 @@ class Executor:
     def _guard(self, action: Action) -> str | None:
         """Why a guard refuses ``action``, or None."""
         target = action.target
-        if _matches(target.node, self.remediation.deny_nodes):
+        if matches(target.node, self.remediation.deny_nodes):
             return f"node {target.node} is on the deny-list"
         # The namespace the backend acts in: the target pod's, or the one its params name (a
         # Kueue workload's).
         for namespace in (target.pod.namespace if target.pod else None,
                           action.params.get("namespace")):
-            if _matches(namespace, self.remediation.deny_namespaces):
+            if matches(namespace, self.remediation.deny_namespaces):
                 return f"namespace {namespace} is on the deny-list"
         if action.verb == "set_mig_config" and not self.remediation.allow_mig_config:
             return "MIG relabels are not allowed by policy (allow_mig_config is off)"

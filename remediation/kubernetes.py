@@ -69,7 +69,6 @@ It stays one module on purpose: it is the one writer of the Kubernetes API
 from __future__ import annotations
 
 import asyncio
-import fnmatch
 import json
 import logging
 import time
@@ -96,6 +95,7 @@ from gpusteward.errors import (
     api_error,
     cut,
 )
+from gpusteward.remediation.executor import matches
 from gpusteward.rules.idle import KEEP_UNTIL_ANNOTATION, RECLAIM_REASON, kept_until, rfc3339
 from gpusteward.schema import Action, Outcome, PodRef
 
@@ -309,8 +309,7 @@ class KubernetesBackend:
             return "DaemonSet pod"
         if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
             return "finished"
-        namespace = meta.get("namespace") or ""
-        if any(fnmatch.fnmatchcase(namespace, p) for p in self.settings.deny_namespaces):
+        if matches(meta.get("namespace"), self.settings.deny_namespaces):
             return "denied namespace"
         return None
 

@@ -34,18 +34,22 @@ def test_topics_are_created_once(settings: Settings) -> None:
     assert set(first) == names and second == [] and names <= set(existing)
 
 
+async def _create_topic(settings: Settings, name: str, partitions: int) -> None:
+    admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, partitions, 1)])
+    finally:
+        await admin.close()
+
+
 def test_true_end_offsets_count_every_record_of_the_last_batch(settings: Settings) -> None:
     """The embedded broker reports the last batch's base offset plus one as the high
     watermark; table recovery needs the offset after the last record."""
 
     async def main() -> tuple[int, int, int]:
         name = f"{settings.topic_prefix}.ends"
-        admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
-        await admin.start()
-        try:
-            await admin.create_topics([NewTopic(name, 1, 1)])
-        finally:
-            await admin.close()
+        await _create_topic(settings, name, partitions=1)
         producer = kafka.producer(settings, linger_ms=100)
         await producer.start()
         try:
@@ -77,13 +81,7 @@ def test_read_all_reads_to_the_end_through_slow_fetches(
     name = f"{settings.topic_prefix}.slow"
 
     async def publish() -> None:
-        await kafka.ensure_topics(settings)
-        admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
-        await admin.start()
-        try:
-            await admin.create_topics([NewTopic(name, 2, 1)])
-        finally:
-            await admin.close()
+        await _create_topic(settings, name, partitions=2)
         producer = kafka.producer(settings)
         await producer.start()
         try:
