@@ -39,7 +39,13 @@ from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary,
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import FleetSettings, register_fleet_agent
 from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings
-from gpusteward.streams.outputs import BATCH_MAX, OutputTopics, raw_topic, ready_events
+from gpusteward.streams.outputs import (
+    BATCH_MAX,
+    OutputTopics,
+    crash_unread,
+    raw_topic,
+    ready_events,
+)
 from gpusteward.streams.policy_file import policy_from_env
 
 
@@ -394,28 +400,12 @@ def create_app(
         # of the batch is acknowledged (at least once).
         queue = stream.channel.queue
         async for first in stream.events():
-            events = [first, *ready_events(app, queue, BATCH_MAX - 1)]
-            started = outputs_to.consumed_each(events)
-            writes: dict[bytes, bytes] = {}
-            async with one_batch:
-                outputs = await outputs_to.guarded_each(events, "node-join",
-                                                        partial(apply, writes))
-                try:
-                    await outputs_to.emit_then_checkpoint(
-                        outputs, partial(_checkpoint, state_table, writes) if writes else None)
-                except asyncio.CancelledError:
-                    # Stopped mid-batch: the stream acknowledges the first event even then,
-                    # so its node's state must be on the changelog (the producer delivers
-                    # what is in flight as it stops), as the fleet agent does.
-                    _checkpoint(state_table, writes)
-                    raise
-                except BaseException:
-                    for node in writes:  # not checkpointed: re-processing starts from the last
-                        states.live.pop(node, None)
-                    raise
-            for event in events[1:]:  # the stream acknowledges the first
-                event.ack()
-            outputs_to.processed(started, len(events))
+            try:
+                await join_batch([first, *ready_events(app, queue, BATCH_MAX - 1)],
+                                 outputs_to, states, apply, one_batch)
+            except Exception as error:
+                await crash_unread(app, error)
+                raise
 
     # Hardware events have an agent of their own, on the same partitions (Faust assigns
     # topics of one partition count together) and the same node states: an urgent event
@@ -489,6 +479,43 @@ class NodeStates:
         return outputs
 
 
+async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeStates,
+                     apply: Callable[[dict[bytes, bytes], Any], list[Output]],
+                     one_batch: asyncio.Lock) -> None:
+    """One batch of the node join: apply each event (dead-lettering those that fail),
+    publish the outputs, write the states due once the findings and actions are delivered,
+    then acknowledge the events (the stream acknowledges the first as it moves on).
+
+    Stopped part-way (cancelled) or failed (a delivery, a changelog write), it writes nothing
+    and keeps the first event from being acknowledged (one more reference to its message, so
+    the stream's acknowledgement is not the last): what the batch had not handed to the
+    producer dies with the process, and the
+    next worker reads the whole batch again from the last checkpoint, emitting what it had
+    emitted again under the same ids. Writing the states then, as this did until
+    2026-11-26, recorded findings as reported that a publish blocked on a full producer
+    buffer never sent; acknowledging the first event lost it when the stop came before it
+    was applied (waiting for the other agent's batch).
+    """
+    started = outputs_to.consumed_each(events)
+    writes: dict[bytes, bytes] = {}
+    try:
+        async with one_batch:
+            outputs = await outputs_to.guarded_each(events, "node-join",
+                                                    partial(apply, writes))
+            await outputs_to.emit_then_checkpoint(
+                outputs, partial(_checkpoint, states.table, writes) if writes else None)
+    except BaseException:
+        # Stopped, or a delivery or a changelog write failed (a record's own failure is its
+        # dead letter): nothing of the batch is acknowledged, the first event included.
+        events[0].message.incref()
+        for node in writes:  # not checkpointed: re-processing starts from the last
+            states.live.pop(node, None)
+        raise
+    for event in events[1:]:  # the stream acknowledges the first
+        event.ack()
+    outputs_to.processed(started, len(events))
+
+
 def _checkpoint(table: Any, writes: dict[bytes, bytes]) -> None:
     """Write the batch's encoded node states to the changelog-backed table."""
     for node, state in writes.items():
@@ -498,6 +525,8 @@ def _checkpoint(table: Any, writes: dict[bytes, bytes]) -> None:
 def _node(record: NodeSample | HwEvent) -> str:
     """The key a node's samples and hardware events are published under."""
     return record.node
+
+
 def _watch_health(app: WorkerApp, settings: Settings) -> None:
     """Beat while the loop turns; stop the worker, non-zero, when its topics disappear.
 

@@ -87,7 +87,13 @@ from gpusteward.schema import (
     QueueEvent,
 )
 from gpusteward.settings import Settings
-from gpusteward.streams.outputs import BATCH_MAX, OutputTopics, raw_topic, ready_events
+from gpusteward.streams.outputs import (
+    BATCH_MAX,
+    OutputTopics,
+    crash_unread,
+    raw_topic,
+    ready_events,
+)
 
 log = logging.getLogger(__name__)
 
@@ -575,19 +581,23 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                     if outputs:
                         await outputs_to.emit_then_checkpoint(outputs, write_checkpoint)
             except asyncio.CancelledError:
-                # Stopped mid-batch: the stream acknowledges the first event even then, so
-                # the state after it must be on the changelog (the snapshot is of whole
-                # records: one cut short is not in it; one cut short in its MIG advice is
-                # in it, the advice still due). The producer delivers what is in flight
-                # as it stops.
-                write_checkpoint()
+                # Stopped mid-batch: nothing more is written and the first event stays
+                # unacknowledged (one more reference to its message), so the next worker
+                # reads the batch again from the last checkpoint. Writing the state here,
+                # as this did until 2026-11-26, recorded as reported the findings of a
+                # record whose publish the stop cut short.
+                first.message.incref()
                 snapshot.pending = None
                 raise
-            except BaseException:
+            except BaseException as error:
                 # A delivery failed: the state since the last checkpoint may say it was
-                # reported. Back to that checkpoint; the records are read again.
+                # reported. Back to that checkpoint; the worker stops, and its restart reads
+                # the records again (the first one too: it stays unacknowledged).
                 unwritten.clear()
                 forget_unstaged()
+                first.message.incref()
+                if isinstance(error, Exception):
+                    await crash_unread(app, error)
                 raise
             write_checkpoint()
             for event in events[1:]:  # the stream acknowledges the first
@@ -610,9 +620,15 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     @app.agent(allocations, name="fleet-spot")
     async def fleet_spot(stream: Any) -> None:
         async for event in stream.events():
-            applied = await outputs_to.guarded(event, "fleet-spot", apply_spot)
-            if applied is not None:
-                outputs, node, track = applied
-                # The track says what was reported: written once the findings are delivered.
-                await outputs_to.emit_then_checkpoint(
-                    outputs, partial(spot_table.__setitem__, node, track))
+            try:
+                applied = await outputs_to.guarded(event, "fleet-spot", apply_spot)
+                if applied is not None:
+                    outputs, node, track = applied
+                    # The track says what was reported: written once its findings are
+                    # delivered.
+                    await outputs_to.emit_then_checkpoint(
+                        outputs, partial(spot_table.__setitem__, node, track))
+            except Exception as error:  # a delivery failed: read it again after a restart
+                event.message.incref()
+                await crash_unread(app, error)
+                raise

@@ -181,7 +181,7 @@ class OutputTopics:
         try:
             return await process(event)
         except Exception as error:  # CancelledError is a BaseException: it goes through
-            await self.dead_letter(event, error, agent)
+            await (await self.dead_letter(event, error, agent))
             return None
 
     async def guarded_each(self, events: Sequence[Any], agent: str,
@@ -189,8 +189,8 @@ class OutputTopics:
         """The outputs of ``process(event)`` for each of ``events``, in order.
 
         The batch form of :meth:`guarded`: an event whose processing raises is
-        dead-lettered and the others go on. ``process`` is synchronous, so a batch
-        costs no await per record.
+        dead-lettered and the others go on; the dead letters are delivered before it
+        returns. ``process`` is synchronous, so a batch costs no await per record.
         """
         out: list[T] = []
         failed: list[tuple[Any, Exception]] = []
@@ -199,12 +199,17 @@ class OutputTopics:
                 out += process(event)
             except Exception as error:  # CancelledError is a BaseException: it goes through
                 failed.append((event, error))
-        for event, failure in failed:
-            await self.dead_letter(event, failure, agent)
+        if failed:
+            await asyncio.gather(*[await self.dead_letter(event, failure, agent)
+                                   for event, failure in failed])
         return out
 
-    async def dead_letter(self, event: Any, error: BaseException, agent: str = "") -> None:
-        """Keep a record that could not be processed, with the reason and position."""
+    async def dead_letter(self, event: Any, error: BaseException, agent: str = ""
+                          ) -> Awaitable[Any]:
+        """Keep a record that could not be processed, with the reason and position; returns
+        its delivery, which the caller awaits before the record is acknowledged (a dead
+        letter the broker never took would lose the record: Faust's commit flushes the
+        producer but does not look at what failed)."""
         message = event.message
         why = edge.reason(error, "" if isinstance(error, edge.Rejected) else agent)
         self.refusals.note(f"{message.topic} {agent} {edge.kind_of(error)}",
@@ -212,8 +217,10 @@ class OutputTopics:
                            message.offset, why)
         record = edge.dead_letter(message.topic, message.partition, message.offset,
                                   message.key, message.value, why)
-        await self._deadletter.send(key=message.topic.encode(), value=self._encode(record))
+        delivery = await self._deadletter.send(key=message.topic.encode(),
+                                               value=self._encode(record))
         self.metrics.dead_letters.labels(message.topic, edge.kind_of(error)).inc()
+        return delivery
 
 
 BATCH_MAX = 200
@@ -246,3 +253,16 @@ def ready_events(app: Any, queue: Any, limit: int) -> list[Any]:
             consumer.track_message(message)
         events.append(event)
     return events
+
+
+async def crash_unread(app: Any, error: Exception) -> None:
+    """Stop the worker with ``error`` after a batch it could not finish.
+
+    Faust restarts a crashed agent in the process on the records after its batch: the
+    batch's records, left unacknowledged, would neither be read again nor let the
+    partition's committed offset pass them until the next rebalance. A restarted worker
+    reads them again from the committed offsets (at least once), and its supervisor (a
+    StatefulSet, compose) starts it again, as when its topics disappear.
+    """
+    await app.crash(RuntimeError(f"a batch could not be finished, its records are read "
+                                 f"again after a restart: {error!r}"))

@@ -15,9 +15,12 @@ from typing import Any
 
 import msgspec
 import pytest
+from faust.types.tuples import Message as FaustMessage
 
-from gpusteward.schema import DeadLetter, Finding, Subject
+from gpusteward.schema import DeadLetter, Finding, HwEvent, Subject
 from gpusteward.settings import Settings
+from gpusteward.streams.app import NodeStates, join_batch
+from gpusteward.streams.node import NodeJoin, Output
 from gpusteward.streams.outputs import OutputTopics
 
 
@@ -26,8 +29,11 @@ class RecordingTopic:
     name: str
     sent: list[tuple[bytes, bytes]] = field(default_factory=list)
 
-    async def send(self, key: bytes, value: bytes) -> None:
+    async def send(self, key: bytes, value: bytes) -> asyncio.Future[None]:
         self.sent.append((key, value))
+        delivered = asyncio.get_running_loop().create_future()
+        delivered.set_result(None)
+        return delivered
 
     def get_topic_name(self) -> str:
         return self.name
@@ -114,6 +120,32 @@ def test_a_batch_dead_letters_only_its_failing_records_and_keeps_the_others_in_o
     assert letter.offset == 42 and letter.error == "node-join: ValueError: a rule's bug"
 
 
+def test_a_batch_returns_once_its_dead_letters_are_delivered() -> None:
+    """The batch's records are acknowledged after it: a dead letter the broker has not
+    taken yet (or never takes: the delivery fails) must hold them, or the record is lost."""
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+    deliveries: list[asyncio.Future[None]] = []
+
+    async def slow(key: bytes, value: bytes) -> asyncio.Future[None]:
+        deliveries.append(asyncio.get_running_loop().create_future())
+        return deliveries[-1]
+
+    def process(event: Any) -> list[Any]:
+        raise ValueError("a rule's bug")
+
+    async def main() -> None:
+        app.topics["gpusteward.deadletter.v1"].send = slow  # type: ignore[method-assign]
+        batch = asyncio.create_task(outputs.guarded_each([Event()], "node-join", process))
+        await asyncio.sleep(0.05)
+        assert not batch.done()
+        deliveries[0].set_exception(RuntimeError("KafkaTimeoutError"))
+        with pytest.raises(RuntimeError):
+            await batch
+
+    asyncio.run(main())
+
+
 def test_a_batch_lets_cancellation_through() -> None:
     app = RecordingApp()
     outputs = OutputTopics(app, Settings())
@@ -144,7 +176,7 @@ def test_findings_are_delivered_before_the_batch_goes_on_even_with_no_checkpoint
                       starts_at=1.0, ts=1.0)
 
     async def main() -> tuple[bool, bool]:
-        app.topics["gpusteward.findings.v1"].send = send  # type: ignore[method-assign,assignment]
+        app.topics["gpusteward.findings.v1"].send = send  # type: ignore[method-assign]
         emitting = asyncio.create_task(outputs.emit_then_checkpoint([finding], None))
         await asyncio.sleep(0.05)
         waited = not emitting.done()
@@ -154,3 +186,93 @@ def test_findings_are_delivered_before_the_batch_goes_on_even_with_no_checkpoint
         return waited, emitting.done()
 
     assert asyncio.run(main()) == (True, True)
+
+
+@dataclass
+class JoinEvent:
+    """A node-join event as the stream hands it over: a Faust message the conductor took a
+    reference on for the stream."""
+
+    message: Any
+
+    def ack(self) -> None:
+        self.message.ack(None)
+
+
+def test_a_batch_stopped_mid_publish_writes_no_state_and_leaves_its_first_event_unread() -> None:
+    """A worker stopped while its findings wait for room in the producer used to write the
+    batch's node states anyway: they recorded an XID finding as reported that was never
+    sent, and the restarted worker, reading the unacknowledged records again from those
+    states, emitted nothing. Now nothing is written, and the first event (which the stream
+    acknowledges as it stops) keeps a reference, so its offset is not committed either."""
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+    room = asyncio.Event()
+
+    async def full(key: bytes, value: bytes) -> None:
+        await room.wait()  # the producer's buffer never frees up: the worker is stopping
+
+    table: dict[bytes, bytes] = {}
+    states, join = NodeStates(table, checkpoint_s=30.0), NodeJoin()
+    xid = HwEvent(ts=1_763_683_200.0, node="n1", kind="xid", uuid="GPU-0", xid=79)
+    message = FaustMessage("gpusteward.hw-events.v1", 0, 7, 0.0, 0, [], b"n1",
+                           msgspec.json.encode(xid), None)
+    message.incref()  # the conductor's reference for the stream
+
+    def apply(writes: dict[bytes, bytes], event: JoinEvent) -> list[Output]:
+        return states.apply(writes, join.on_hw_event,
+                            msgspec.json.decode(event.message.value, type=HwEvent))
+
+    async def main() -> None:
+        app.topics["gpusteward.findings.v1"].send = full  # type: ignore[method-assign,assignment]
+        batch = asyncio.create_task(join_batch([JoinEvent(message)], outputs, states, apply,
+                                               asyncio.Lock()))
+        await asyncio.sleep(0.05)
+        assert not batch.done()
+        batch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await batch
+
+    asyncio.run(main())
+    assert table == {}, "no node state says the XID finding was reported"
+    JoinEvent(message).ack()  # the stream's acknowledgement as it stops
+    assert not message.acked, "the first event is read again by the next worker"
+
+
+def test_a_batch_whose_findings_are_not_delivered_leaves_everything_to_be_read_again() -> None:
+    """A delivery that fails (the broker never takes the finding) ends the batch with an
+    error: no node state says the finding was reported, no event of the batch is
+    acknowledged (the first was, by the stream, and so lost), and the worker stops so that
+    its restart reads them again (``crash_unread``, in the agent)."""
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+
+    async def lost(key: bytes, value: bytes) -> asyncio.Future[None]:
+        delivery = asyncio.get_running_loop().create_future()
+        delivery.set_exception(RuntimeError("KafkaTimeoutError"))
+        return delivery
+
+    table: dict[bytes, bytes] = {}
+    states, join = NodeStates(table, checkpoint_s=30.0), NodeJoin()
+    messages = [FaustMessage("gpusteward.hw-events.v1", 0, offset, 0.0, 0, [], b"n1",
+                             msgspec.json.encode(HwEvent(ts=1_763_683_200.0 + offset,
+                                                         node="n1", kind="xid",
+                                                         uuid=f"GPU-{offset}", xid=79)),
+                             None) for offset in (7, 8)]
+    for message in messages:
+        message.incref()
+
+    def apply(writes: dict[bytes, bytes], event: JoinEvent) -> list[Output]:
+        return states.apply(writes, join.on_hw_event,
+                            msgspec.json.decode(event.message.value, type=HwEvent))
+
+    async def main() -> None:
+        app.topics["gpusteward.findings.v1"].send = lost  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError):
+            await join_batch([JoinEvent(m) for m in messages], outputs, states, apply,
+                             asyncio.Lock())
+
+    asyncio.run(main())
+    assert table == {} and b"n1" not in states.live
+    JoinEvent(messages[0]).ack()  # the stream's acknowledgement of the first
+    assert not any(message.acked for message in messages)
