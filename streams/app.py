@@ -20,7 +20,7 @@ and idempotency keys; consumers deduplicate on them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, cast
 
@@ -45,6 +45,7 @@ from gpusteward.streams.outputs import (
     crash_unread,
     raw_topic,
     ready_events,
+    still_current,
 )
 from gpusteward.streams.policy_file import policy_from_env
 
@@ -402,7 +403,8 @@ def create_app(
         async for first in stream.events():
             try:
                 await join_batch([first, *ready_events(app, queue, BATCH_MAX - 1)],
-                                 outputs_to, states, apply, one_batch)
+                                 outputs_to, states, apply, one_batch,
+                                 partial(still_current, app))
             except Exception as error:
                 await crash_unread(app, error)
                 raise
@@ -481,7 +483,8 @@ class NodeStates:
 
 async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeStates,
                      apply: Callable[[dict[bytes, bytes], Any], list[Output]],
-                     one_batch: asyncio.Lock) -> None:
+                     one_batch: asyncio.Lock,
+                     current: Callable[[Sequence[Any]], list[Any]]) -> None:
     """One batch of the node join: apply each event (dead-lettering those that fail),
     publish the outputs, write the states due once the findings and actions are delivered,
     then acknowledge the events (the stream acknowledges the first as it moves on).
@@ -495,13 +498,19 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
     2026-11-26, recorded findings as reported that a publish blocked on a full producer
     buffer never sent; acknowledging the first event lost it when the stop came before it
     was applied (waiting for the other agent's batch).
+
+    Only the events still ``current`` once the other agent's batch is done are applied: a
+    rebalance while this one waited for it takes the others back (its seek delivers them
+    again, perhaps to another worker, which owns their nodes' states now), and they are
+    left unacknowledged, the first one too.
     """
     started = outputs_to.consumed_each(events)
     writes: dict[bytes, bytes] = {}
+    todo: list[Any] = []
     try:
         async with one_batch:
-            outputs = await outputs_to.guarded_each(events, "node-join",
-                                                    partial(apply, writes))
+            todo = current(events)
+            outputs = await outputs_to.guarded_each(todo, "node-join", partial(apply, writes))
             await outputs_to.emit_then_checkpoint(
                 outputs, partial(_checkpoint, states.table, writes) if writes else None)
     except BaseException:
@@ -511,9 +520,14 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
         for node in writes:  # not checkpointed: re-processing starts from the last
             states.live.pop(node, None)
         raise
-    for event in events[1:]:  # the stream acknowledges the first
-        event.ack()
-    outputs_to.processed(started, len(events))
+    first = events[0]
+    if not todo or todo[0] is not first:
+        first.message.incref()  # not applied: the stream's acknowledgement must not count
+    for event in todo:
+        if event is not first:  # the stream acknowledges the first
+            event.ack()
+    if todo:
+        outputs_to.processed(started, len(todo))
 
 
 def _checkpoint(table: Any, writes: dict[bytes, bytes]) -> None:

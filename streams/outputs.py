@@ -229,6 +229,16 @@ cost of the framework thin, few enough (a few ms of work) that an urgent hardwar
 whose agent runs between two batches, is not held up."""
 
 
+def still_current(app: Any, events: Sequence[Any]) -> list[Any]:
+    """Those of ``events`` no rebalance has taken back since they were fetched: of the
+    consumer's current generation, while its flow runs (:func:`ready_events` skips the
+    others as it gathers a batch; an agent that then waits asks again)."""
+    if not app.flow_control.is_active():
+        return []
+    generation = app.consumer_generation_id
+    return [event for event in events if event.message.generation_id == generation]
+
+
 def ready_events(app: Any, queue: Any, limit: int) -> list[Any]:
     """Up to ``limit`` events already waiting in an agent's channel queue, without waiting.
 

@@ -9,6 +9,7 @@ writer only calls ``send``): the broker path is covered by
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -226,7 +227,7 @@ def test_a_batch_stopped_mid_publish_writes_no_state_and_leaves_its_first_event_
     async def main() -> None:
         app.topics["gpusteward.findings.v1"].send = full  # type: ignore[method-assign,assignment]
         batch = asyncio.create_task(join_batch([JoinEvent(message)], outputs, states, apply,
-                                               asyncio.Lock()))
+                                               asyncio.Lock(), list))
         await asyncio.sleep(0.05)
         assert not batch.done()
         batch.cancel()
@@ -237,6 +238,48 @@ def test_a_batch_stopped_mid_publish_writes_no_state_and_leaves_its_first_event_
     assert table == {}, "no node state says the XID finding was reported"
     JoinEvent(message).ack()  # the stream's acknowledgement as it stops
     assert not message.acked, "the first event is read again by the next worker"
+
+
+def test_a_batch_a_rebalance_took_back_while_it_waited_is_left_to_the_seek() -> None:
+    """The hardware agent gathers its batch, then waits for the sample agent's: a rebalance
+    in between takes the events back (the seek delivers them again, perhaps to the worker
+    that owns their nodes now). They are neither applied, nor written, nor acknowledged."""
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+    table: dict[bytes, bytes] = {}
+    states, join = NodeStates(table, checkpoint_s=30.0), NodeJoin()
+    messages = [FaustMessage("gpusteward.hw-events.v1", 0, offset, 0.0, 0, [], b"n1",
+                             msgspec.json.encode(HwEvent(ts=1_763_683_200.0 + offset,
+                                                         node="n1", kind="xid",
+                                                         uuid="GPU-0", xid=79)),
+                             None, generation_id=1) for offset in (7, 8)]
+    for message in messages:
+        message.incref()
+    generation = 1
+
+    def current(events: Sequence[JoinEvent]) -> list[JoinEvent]:
+        return [event for event in events if event.message.generation_id == generation]
+
+    def apply(writes: dict[bytes, bytes], event: JoinEvent) -> list[Output]:
+        return states.apply(writes, join.on_hw_event,
+                            msgspec.json.decode(event.message.value, type=HwEvent))
+
+    async def main() -> None:
+        nonlocal generation
+        other_agents_batch = asyncio.Lock()
+        await other_agents_batch.acquire()
+        batch = asyncio.create_task(join_batch([JoinEvent(m) for m in messages], outputs,
+                                               states, apply, other_agents_batch, current))
+        await asyncio.sleep(0.05)
+        generation = 2  # the rebalance
+        other_agents_batch.release()
+        await asyncio.wait_for(batch, 1.0)
+
+    asyncio.run(main())
+    assert table == {} and states.live == {}
+    assert app.topics["gpusteward.findings.v1"].sent == []
+    JoinEvent(messages[0]).ack()  # the stream's acknowledgement of the first
+    assert not any(message.acked for message in messages)
 
 
 def test_a_batch_whose_findings_are_not_delivered_leaves_everything_to_be_read_again() -> None:
@@ -270,7 +313,7 @@ def test_a_batch_whose_findings_are_not_delivered_leaves_everything_to_be_read_a
         app.topics["gpusteward.findings.v1"].send = lost  # type: ignore[method-assign]
         with pytest.raises(RuntimeError):
             await join_batch([JoinEvent(m) for m in messages], outputs, states, apply,
-                             asyncio.Lock())
+                             asyncio.Lock(), list)
 
     asyncio.run(main())
     assert table == {} and b"n1" not in states.live
