@@ -21,7 +21,9 @@ Two findings, one per episode:
   the week's use crosses, dated within the slot where it crossed: info
   below 100 %, warning at or above; resolved when the week ends.
 - ``team_budget_projected``: at the GPUs the team holds now, it will exceed
-  its budget before the week ends. It says when it will cross; resolved when
+  its budget before the week ends. It says when it will cross, re-issued under
+  the same id when that moves (the team starts or stops work, or a node's
+  summaries reach the fleet agent after the others'); resolved when
   the projection falls back under the budget, the crossing happens (the
   threshold finding takes over) or the week ends. The rate is what is held
   now, not an average: a giant job that starts tonight burns from tonight,
@@ -36,7 +38,7 @@ from collections.abc import Sequence
 import msgspec
 from pydantic import BaseModel, Field
 
-from gpusteward.rules.findings import finding_id, fingerprint, resolved
+from gpusteward.rules.findings import finding_id, fingerprint, moved_enough, resolved
 from gpusteward.rules.fragmentation import FleetView
 from gpusteward.rules.idle import rfc3339
 from gpusteward.rules.registry import FleetRunner
@@ -91,6 +93,17 @@ class BudgetSettings(BaseModel):
         "counted when it arrives, undated). An hour covers a node join restarting and "
         "re-reading its backlog.",
     )
+    reissue_after_s: float = Field(
+        600, ge=0,
+        description="The projection is re-published when its crossing moves by more than "
+        "this (seconds) and by more than reissue_share of the time that was left to it.",
+    )
+    reissue_share: float = Field(
+        0.1, ge=0,
+        description="Share of the time left to the projected crossing it must move by too: "
+        "a tenth is a burn rate about a tenth higher or lower, not a small job coming or "
+        "going.",
+    )
 
 
 class TeamTrack(msgspec.Struct):
@@ -102,6 +115,8 @@ class TeamTrack(msgspec.Struct):
     """Threshold (as text) -> the id of its finding this week."""
     projected_id: str | None = None
     projected_since: float | None = None
+    projected_crossing: float | None = None
+    """When the open projection said the budget would be crossed."""
 
 
 class NodeLevel(msgspec.Struct):
@@ -236,7 +251,7 @@ def evaluate(state: BudgetState, fleet: FleetView, now: float, settings: BudgetS
     for team, budget in settings.budgets_gpu_h.items():
         track = _team(state, team, now, now, out)
         track.held = held.get(team, 0.0)
-        out += _projection(team, track, budget, now, settings)
+        out += _projection(team, track, budget, now, state.judged_until, settings)
     return out
 
 
@@ -276,15 +291,25 @@ def _thresholds(team: str, track: TeamTrack, budget: float, before: float, slot:
 
 
 def _projection(team: str, track: TeamTrack, budget: float, now: float,
-                settings: BudgetSettings) -> list[Finding]:
+                judged_until: float | None, settings: BudgetSettings) -> list[Finding]:
+    """Project the week at the GPUs held now, from the use judged so far: that use runs to
+    the watermark, so the rate runs from there (not from ``now``, which would put the
+    crossing later by however far the slowest node's summaries trail)."""
     rate = track.held
     week_end = track.week_start + WEEK_S
-    projected = track.used_gpu_h + rate * (week_end - now) / 3600
+    base = now if judged_until is None else max(track.week_start, min(now, judged_until))
+    projected = track.used_gpu_h + rate * (week_end - base) / 3600
     ahead = track.used_gpu_h < budget < projected and rate > 0
     fp = fingerprint(PROJECTED_KIND, team)
-    if ahead and track.projected_id is None:
-        crossing = now + (budget - track.used_gpu_h) / rate * 3600
-        track.projected_id, track.projected_since = finding_id(fp, now), now
+    if ahead:
+        crossing = base + (budget - track.used_gpu_h) / rate * 3600
+        if track.projected_id is None or track.projected_since is None:
+            track.projected_id, track.projected_since = finding_id(fp, now), now
+        elif track.projected_crossing is not None and not moved_enough(
+                track.projected_crossing, crossing, now, settings.reissue_after_s,
+                settings.reissue_share):
+            return []
+        track.projected_crossing = crossing
         return [Finding(
             id=track.projected_id, fingerprint=fp, kind=PROJECTED_KIND, severity="warning",
             state="firing", subject=_subject(team),
@@ -292,7 +317,7 @@ def _projection(team: str, track: TeamTrack, budget: float, now: float,
             f"GPU-hour weekly budget at {rfc3339(crossing)}, "
             f"{(week_end - crossing) / 3600:.0f} h before the week ends "
             f"({track.used_gpu_h:.0f} used, {projected:.0f} projected)",
-            starts_at=now, ts=now,
+            starts_at=track.projected_since, ts=now,
             evidence=Evidence(window_start=track.week_start, window_end=now,
                               values={"used_gpu_h": track.used_gpu_h, "budget_gpu_h": budget,
                                       "burn_gpus": rate, "projected_gpu_h": projected,
@@ -305,7 +330,7 @@ def _projection(team: str, track: TeamTrack, budget: float, now: float,
                                                else "projection back within budget"),
                            track.projected_since, now)
         closing.labels = _labels(team)
-        track.projected_id = track.projected_since = None
+        track.projected_id = track.projected_since = track.projected_crossing = None
         return [closing]
     return []
 
@@ -324,7 +349,7 @@ def _close_week(team: str, track: TeamTrack, now: float) -> list[Finding]:
                            track.projected_since, now)
         closing.labels = _labels(team)
         out.append(closing)
-        track.projected_id = track.projected_since = None
+        track.projected_id = track.projected_since = track.projected_crossing = None
     return out
 
 

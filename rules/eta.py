@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import msgspec
 from pydantic import BaseModel, Field
 
-from gpusteward.rules.findings import finding_id, fingerprint
+from gpusteward.rules.findings import finding_id, fingerprint, moved_enough
 from gpusteward.rules.fragmentation import FleetView
 from gpusteward.rules.registry import FleetRunner
 from gpusteward.schema import Evidence, Finding, PodRef, QueueEvent, Subject
@@ -282,9 +282,8 @@ def evaluate(state: EtaState, fleet: FleetView, now: float, settings: EtaSetting
         if current is None and now - wait.since < settings.min_wait_s:
             continue
         if current is not None:
-            moved = abs(eta - current.eta)
-            if moved <= settings.reissue_after_s or \
-                    moved <= settings.reissue_share * max(0.0, current.eta - now):
+            if not moved_enough(current.eta, eta, now, settings.reissue_after_s,
+                                settings.reissue_share):
                 continue
             current.eta, current.naive_eta = eta, naive
         else:

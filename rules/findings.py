@@ -24,6 +24,15 @@ def finding_id(fingerprint_: str, window_start: float) -> str:
     return f"{fingerprint_}-{round(window_start * 1000)}"
 
 
+def moved_enough(previous: float, current: float, now: float, after_s: float,
+                 share: float) -> bool:
+    """Whether an estimated time (an ETA, a projected crossing) moved enough to re-issue
+    its finding: by more than ``after_s`` seconds and by more than ``share`` of the time
+    that was left to the ``previous`` estimate. Smaller moves are noise to its reader."""
+    moved = abs(current - previous)
+    return moved > after_s and moved > share * max(0.0, previous - now)
+
+
 def action_for(finding: Finding, verb: ActionVerb, target: Subject, reason: str) -> Action:
     """An action asked for by ``finding``; its idempotency key is the finding id and verb."""
     return Action(

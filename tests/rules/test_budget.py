@@ -136,3 +136,34 @@ def test_threshold_findings_match_use_and_fire_once(gpus: float, budget: float,
     fired = [f.evidence.values["threshold"] for f in out
              if f.kind == b.KIND and f.state == "firing" and f.evidence]
     assert fired == [t for t in (0.8, 1.0) if used >= t * budget]
+
+
+def test_the_projection_follows_the_burn_rate_under_its_id() -> None:
+    """A node whose summaries reach the agent after the others' (a worker catching up, a
+    rebalance) first leaves its GPUs out of the rate; when they arrive, or when the team
+    starts more work, the crossing it said moves, and the projection is re-issued under
+    its id. A small change in what the team holds leaves it as it is."""
+    settings = b.BudgetSettings(budgets_gpu_h={"llm": 500})
+    state = b.BudgetState()
+    out: list[Finding] = []
+
+    def at(t: float, held: dict[str, dict[str, float]]) -> None:
+        for node, teams in held.items():
+            out.extend(b.on_summary(state, summary(MONDAY + t, teams, node), settings))
+        out.extend(b.evaluate(state, EMPTY, MONDAY + t, settings))
+
+    three = {f"n{i}": {"llm": 8.0} for i in range(3)}
+    at(0, three)
+    at(60, three)
+    at(120, {**three, "n3": {"llm": 8.0}})
+    at(180, {**three, "n3": {"llm": 8.0}})
+    at(240, {**three, "n3": {"llm": 9.0}})  # one GPU more: the crossing moves by 3 %
+    firing = [f for f in out if f.kind == b.PROJECTED_KIND]
+    assert [f.state for f in firing] == ["firing", "firing"]
+    first, second = firing
+    assert first.id == second.id and second.starts_at == first.starts_at == MONDAY
+    assert first.evidence is not None and second.evidence is not None
+    assert first.evidence.values["burn_gpus"] == 24 and second.evidence.values["burn_gpus"] == 32
+    # 500 GPU-hours at 32 GPUs from Monday 00:00: 15.6 h; at 24 it would have been 20.8 h.
+    assert abs(second.evidence.values["crossing_ts"] - (MONDAY + 500 / 32 * 3600)) <= 120
+    assert state.teams["llm"].projected_crossing == second.evidence.values["crossing_ts"]
