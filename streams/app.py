@@ -502,7 +502,9 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
     Only the events still ``current`` once the other agent's batch is done are applied: a
     rebalance while this one waited for it takes the others back (its seek delivers them
     again, perhaps to another worker, which owns their nodes' states now), and they are
-    left unacknowledged, the first one too.
+    left unacknowledged, the first one too. A rebalance while the batch publishes takes the
+    whole batch back the same way, its states unwritten: written, they could land on the
+    changelog after the new owner of their nodes had restored them.
     """
     started = outputs_to.consumed_each(events)
     writes: dict[bytes, bytes] = {}
@@ -511,8 +513,16 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
         async with one_batch:
             todo = current(events)
             outputs = await outputs_to.guarded_each(todo, "node-join", partial(apply, writes))
-            await outputs_to.emit_then_checkpoint(
-                outputs, partial(_checkpoint, states.table, writes) if writes else None)
+            await outputs_to.emit_then_checkpoint(outputs, None)
+            if len(current(todo)) < len(todo):
+                # A rebalance came while the batch published: the same, written nowhere.
+                # Its seek delivers the batch again, and its findings go out again under
+                # the same ids.
+                todo = []
+                for node in writes:
+                    states.live.pop(node, None)
+            elif writes:
+                _checkpoint(states.table, writes)
     except BaseException:
         # Stopped, or a delivery or a changelog write failed (a record's own failure is its
         # dead letter): nothing of the batch is acknowledged, the first event included.

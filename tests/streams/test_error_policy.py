@@ -282,6 +282,47 @@ def test_a_batch_a_rebalance_took_back_while_it_waited_is_left_to_the_seek() -> 
     assert not any(message.acked for message in messages)
 
 
+def test_a_batch_a_rebalance_took_back_while_it_published_writes_no_state() -> None:
+    """A rebalance while the batch's findings are on their way: the seek delivers the batch
+    again, perhaps to the worker that owns its node now, which restored the node's state
+    from the changelog. Written after that, this worker's state could overwrite the new
+    owner's; so nothing is written or acknowledged, and the re-read batch publishes the
+    same finding again under its id."""
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+    table: dict[bytes, bytes] = {}
+    states, join = NodeStates(table, checkpoint_s=30.0), NodeJoin()
+    message = FaustMessage("gpusteward.hw-events.v1", 0, 7, 0.0, 0, [], b"n1",
+                           msgspec.json.encode(HwEvent(ts=1_763_683_200.0, node="n1",
+                                                       kind="xid", uuid="GPU-0", xid=79)),
+                           None, generation_id=1)
+    message.incref()
+    generation = 1
+    findings = app.topic("gpusteward.findings.v1")
+    send = findings.send
+
+    async def send_then_rebalance(key: bytes, value: bytes) -> asyncio.Future[None]:
+        nonlocal generation
+        generation = 2
+        return await send(key, value)
+
+    findings.send = send_then_rebalance  # type: ignore[method-assign]
+
+    def current(events: Sequence[JoinEvent]) -> list[JoinEvent]:
+        return [event for event in events if event.message.generation_id == generation]
+
+    def apply(writes: dict[bytes, bytes], event: JoinEvent) -> list[Output]:
+        return states.apply(writes, join.on_hw_event,
+                            msgspec.json.decode(event.message.value, type=HwEvent))
+
+    asyncio.run(join_batch([JoinEvent(message)], outputs, states, apply, asyncio.Lock(),
+                           current))
+    assert len(findings.sent) == 1, "published before the rebalance was known"
+    assert table == {} and states.live == {}
+    JoinEvent(message).ack()  # the stream's acknowledgement of the first
+    assert not message.acked
+
+
 def test_a_batch_whose_findings_are_not_delivered_leaves_everything_to_be_read_again() -> None:
     """A delivery that fails (the broker never takes the finding) ends the batch with an
     error: no node state says the finding was reported, no event of the batch is
