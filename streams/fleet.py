@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -575,11 +576,14 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         queue = stream.channel.queue
         async for first in stream.events():
             events = [first, *ready_events(app, queue, BATCH_MAX - 1)]
+            dead_letters: list[Awaitable[Any]] = []
             try:
                 for event in events:
-                    outputs = await outputs_to.guarded(event, "fleet", apply_fleet)
+                    outputs = await outputs_to.guarded(event, "fleet", apply_fleet,
+                                                       dead_letters)
                     if outputs:
                         await outputs_to.emit_then_checkpoint(outputs, write_checkpoint)
+                await asyncio.gather(*dead_letters)
             except asyncio.CancelledError:
                 # Stopped mid-batch: nothing more is written and the first event stays
                 # unacknowledged (one more reference to its message), so the next worker

@@ -171,17 +171,25 @@ class OutputTopics:
             checkpoint()
 
     async def guarded(self, event: Any, agent: str,
-                      process: Callable[[Any], Awaitable[T]]) -> T | None:
+                      process: Callable[[Any], Awaitable[T]],
+                      deliveries: list[Awaitable[Any]] | None = None) -> T | None:
         """``process(event)``'s result, or None once the record is dead-lettered because it failed.
 
         Any exception but cancellation counts: past the edge, a failure on one record is
         that record's (a rule's bug shows in the reason, with the record to replay). The
-        caller restores what the record may have half-changed.
+        caller restores what the record may have half-changed. The dead letter is delivered
+        before this returns, or, given ``deliveries``, its delivery is added there for the
+        caller to await before it acknowledges the record: a batch of records then sends
+        its dead letters together, not one produce round trip each.
         """
         try:
             return await process(event)
         except Exception as error:  # CancelledError is a BaseException: it goes through
-            await (await self.dead_letter(event, error, agent))
+            delivery = await self.dead_letter(event, error, agent)
+            if deliveries is None:
+                await delivery
+            else:
+                deliveries.append(delivery)
             return None
 
     async def guarded_each(self, events: Sequence[Any], agent: str,

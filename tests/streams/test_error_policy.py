@@ -147,6 +147,35 @@ def test_a_batch_returns_once_its_dead_letters_are_delivered() -> None:
     asyncio.run(main())
 
 
+def test_a_record_s_dead_letter_is_delivered_before_it_returns_or_handed_to_its_batch() -> None:
+    """One record at a time (the fleet agent), a dead letter is awaited, or, given the
+    batch's list, left there for the batch to await before it acknowledges its records:
+    then the batch's dead letters go to the broker together."""
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+    pending: list[asyncio.Future[None]] = []
+
+    async def slow(key: bytes, value: bytes) -> asyncio.Future[None]:
+        pending.append(asyncio.get_running_loop().create_future())
+        return pending[-1]
+
+    async def broken_rule(event: Any) -> list[Any]:
+        raise ZeroDivisionError("a rule's bug")
+
+    async def main() -> None:
+        app.topics["gpusteward.deadletter.v1"].send = slow  # type: ignore[method-assign]
+        alone = asyncio.create_task(outputs.guarded(Event(), "fleet", broken_rule))
+        await asyncio.sleep(0.05)
+        assert not alone.done()
+        pending[0].set_result(None)
+        assert await alone is None
+        batch: list[Any] = []
+        assert await outputs.guarded(Event(), "fleet", broken_rule, batch) is None
+        assert batch == [pending[1]] and not pending[1].done()
+
+    asyncio.run(main())
+
+
 def test_a_batch_lets_cancellation_through() -> None:
     app = RecordingApp()
     outputs = OutputTopics(app, Settings())
