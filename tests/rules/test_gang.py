@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gpusteward.rules import gang as g
@@ -115,6 +115,7 @@ def test_non_gang_events_are_ignored() -> None:
 
 @given(placed=st.integers(0, 8), size=st.integers(1, 8),
        placed_at=st.floats(0, 3600), until=st.floats(0, 7200))
+@example(placed=1, size=2, placed_at=2.2858481520528548e-102, until=900.0)
 def test_fires_only_when_partial_for_the_window_and_once(placed: int, size: int,
                                                          placed_at: float,
                                                          until: float) -> None:
@@ -123,10 +124,14 @@ def test_fires_only_when_partial_for_the_window_and_once(placed: int, size: int,
     events += [member(i, "admitted", placed_at, size=size) for i in range(placed)]
     _, out = run(events, until=until, step=60)
     firing = [o for o in out if isinstance(o, Finding) and o.state == "firing"]
-    # Placement lands on the first tick at or after placed_at.
-    tick = -(-placed_at // 60) * 60
+    # Placement lands on the first tick at or after placed_at; the episode runs from
+    # placed_at (event time), so it is due on the first tick a window after that, in the
+    # rule's own arithmetic (900 - 2e-102 is 900.0: due on the tick of 900, not 960).
+    due_at = -(-placed_at // 60) * 60
+    while due_at - placed_at < SETTINGS.window_s:
+        due_at += 60
     partial = 0 < placed < size
-    due = partial and until >= tick + SETTINGS.window_s
+    due = partial and until >= due_at
     assert len(firing) == (1 if due else 0)
     if firing:
         assert firing[0].starts_at == placed_at
