@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import re
 import shutil
 import socket
@@ -282,6 +283,22 @@ def _host_env() -> dict[str, str]:
 
 
 def _free_port() -> int:
+    """A port nothing listens on, from below the kernel's ephemeral range. A port from that
+    range (what binding port 0 gives) can be taken before the component binds it by any
+    outgoing connection, and the Kafka clients of a sandbox open many: CI saw a sink's
+    probe port "already in use"."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = random.randrange(10_000, max(low, 10_001))
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
