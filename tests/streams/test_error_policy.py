@@ -66,6 +66,19 @@ class Event:
     message: Message = field(default_factory=Message)
 
 
+def _held_dead_letters(app: RecordingApp) -> list[asyncio.Future[None]]:
+    """Make the dead-letter topic's deliveries wait: each send's delivery is left pending
+    in the returned list, for the test to complete or fail."""
+    held: list[asyncio.Future[None]] = []
+
+    async def send(key: bytes, value: bytes) -> asyncio.Future[None]:
+        held.append(asyncio.get_running_loop().create_future())
+        return held[-1]
+
+    app.topic("gpusteward.deadletter.v1").send = send  # type: ignore[method-assign]
+    return held
+
+
 def _dead(app: RecordingApp) -> list[DeadLetter]:
     return [msgspec.json.decode(value, type=DeadLetter)
             for _, value in app.topics["gpusteward.deadletter.v1"].sent]
@@ -126,17 +139,12 @@ def test_a_batch_returns_once_its_dead_letters_are_delivered() -> None:
     taken yet (or never takes: the delivery fails) must hold them, or the record is lost."""
     app = RecordingApp()
     outputs = OutputTopics(app, Settings())
-    deliveries: list[asyncio.Future[None]] = []
-
-    async def slow(key: bytes, value: bytes) -> asyncio.Future[None]:
-        deliveries.append(asyncio.get_running_loop().create_future())
-        return deliveries[-1]
+    deliveries = _held_dead_letters(app)
 
     def process(event: Any) -> list[Any]:
         raise ValueError("a rule's bug")
 
     async def main() -> None:
-        app.topics["gpusteward.deadletter.v1"].send = slow  # type: ignore[method-assign]
         batch = asyncio.create_task(outputs.guarded_each([Event()], "node-join", process))
         await asyncio.sleep(0.05)
         assert not batch.done()
@@ -153,17 +161,12 @@ def test_a_record_s_dead_letter_is_delivered_before_it_returns_or_handed_to_its_
     then the batch's dead letters go to the broker together."""
     app = RecordingApp()
     outputs = OutputTopics(app, Settings())
-    pending: list[asyncio.Future[None]] = []
-
-    async def slow(key: bytes, value: bytes) -> asyncio.Future[None]:
-        pending.append(asyncio.get_running_loop().create_future())
-        return pending[-1]
+    pending = _held_dead_letters(app)
 
     async def broken_rule(event: Any) -> list[Any]:
         raise ZeroDivisionError("a rule's bug")
 
     async def main() -> None:
-        app.topics["gpusteward.deadletter.v1"].send = slow  # type: ignore[method-assign]
         alone = asyncio.create_task(outputs.guarded(Event(), "fleet", broken_rule))
         await asyncio.sleep(0.05)
         assert not alone.done()
