@@ -13,6 +13,11 @@ and the projected time until the device's free memory is gone at that rate.
 
 It runs per holder (``per_holder``): on a shared GPU each pod's own memory
 is fitted (per-process attribution), so the leaking pod is the one named.
+A share the collector knows only by its cgroup's pod uid is named by the
+pod's allocation; when the trend is found before that allocation has been
+read (a catch-up can read a node's samples far ahead of its allocations), the
+rule waits for it up to one more window while the trend holds, then names the
+uid.
 The window must be covered by observations: a gap longer than
 ``max_gap_s`` starts over. An open episode closes once the trend has been
 absent for ``clear_s``.
@@ -79,6 +84,8 @@ class LeakTrack(msgspec.Struct, omit_defaults=True):
     bucket_used: float = 0.0
     bucket_activity: float = 0.0
     clear_since: float | None = None
+    unnamed_since: float | None = None
+    """Since when a trend has waited for its holder's name (a share known only by uid)."""
     open: Episode | None = None
 
 
@@ -138,6 +145,14 @@ def observe(track: LeakTrack, node: str, sample: DeviceSample, ts: float,
     return out
 
 
+def _unnamed_uid(sample: DeviceSample) -> str | None:
+    """The uid of a share's one holder when that is all that names it."""
+    holders = sample.holders
+    if len(holders) == 1 and holders[0].pod is None:
+        return holders[0].pod_uid
+    return None
+
+
 def _evaluate(track: LeakTrack, node: str, sample: DeviceSample, ts: float,
               settings: LeakSettings, holder_pod: PodRef | None) -> Out:
     points = track.points
@@ -156,6 +171,7 @@ def _evaluate(track: LeakTrack, node: str, sample: DeviceSample, ts: float,
         trend = (growth * 3600 >= settings.min_growth_bytes_per_h and r2 >= settings.min_fit
                  and rise <= settings.max_activity_rise_pct)
     if not trend:
+        track.unnamed_since = None
         episode = track.open
         if episode is None:
             return []
@@ -172,10 +188,18 @@ def _evaluate(track: LeakTrack, node: str, sample: DeviceSample, ts: float,
     if track.open is not None:
         return []
     pod = pod_of(sample, holder_pod)
+    uid = _unnamed_uid(sample) if pod is None else None
+    if uid is not None:
+        if track.unnamed_since is None:
+            track.unnamed_since = ts
+        if ts - track.unnamed_since < settings.window_s:
+            return []  # the pod's allocation, which names it, may not be read yet
+    track.unnamed_since = None
     free = free_bytes(sample) or 0
     exhaustion_s = free / growth
     start = points[0][0]
-    who = f"{pod.namespace}/{pod.name}" if pod is not None else sample.uuid
+    who = (f"{pod.namespace}/{pod.name}" if pod is not None
+           else f"pod uid {uid}" if uid is not None else sample.uuid)
     fp = fingerprint(KIND, node, sample.uuid, who)
     summary = (f"{who} on {node} ({sample.uuid}): memory growing {growth * 3600 / GIB:.2f} GiB/h "
                f"for {(ts - start) / 60:.0f} min while activity stays flat; "

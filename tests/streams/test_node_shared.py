@@ -116,23 +116,59 @@ def test_shares_survive_the_changelog_encoding() -> None:
     assert [f.subject.pod for f in findings(out)] == [IDLE]
 
 
+def _leaking(ts: float) -> NodeSample:
+    """Both pods working; the busy pod's memory grows 4 GiB/h from T0."""
+    leaked = 10 * GIB + int(4 * GIB * (ts - T0) / 3600)
+    sample = by_process(ts, 60.0, 30.0)
+    busy, idle_holder = sample.devices[0].holders
+    busy.mem_used_bytes = leaked
+    sample.devices[0].mem_used_bytes = leaked + (idle_holder.mem_used_bytes or 0)
+    return sample
+
+
+def _leaks(outputs: list) -> list[Finding]:
+    return [f for f in findings(outputs) if f.kind == "gpu_memory_leak"]
+
+
 def test_the_leaking_pod_of_a_shared_gpu_is_the_one_named() -> None:
     join, state = NodeJoin(), NodeState()
     join.on_allocation(state, allocation(BUSY))
     join.on_allocation(state, allocation(IDLE))
     out: list = []
-    for i in range(45 * 4):  # 45 min at 15 s; the busy pod's memory grows 4 GiB/h
-        ts = T0 + i * 15
-        leaked = 10 * GIB + int(4 * GIB * (ts - T0) / 3600)
-        sample = by_process(ts, 60.0, 30.0)
-        busy, idle_holder = sample.devices[0].holders
-        busy.mem_used_bytes = leaked
-        sample.devices[0].mem_used_bytes = leaked + (idle_holder.mem_used_bytes or 0)
-        out += join.on_sample(state, sample)
-    leaks = [f for f in findings(out) if f.kind == "gpu_memory_leak"]
+    for i in range(45 * 4):  # 45 min at 15 s
+        out += join.on_sample(state, _leaking(T0 + i * 15))
+    leaks = _leaks(out)
     assert [(f.state, f.subject.pod) for f in leaks] == [("firing", BUSY)]
     free = leaks[0].evidence.values["free_bytes"]  # type: ignore[union-attr]
     assert free < 80 * GIB - 14 * GIB  # the device's free memory, not the holder's headroom
+
+
+def test_a_leak_found_before_the_pods_allocation_is_read_waits_for_its_name() -> None:
+    """A catch-up can read a node's samples far ahead of its allocations: the shares are
+    known by uid only until then, and the finding waits for the name."""
+    join, state = NodeJoin(), NodeState()
+    out: list = []
+    for i in range(45 * 4):  # the trend is there from minute 30; no allocation read yet
+        out += join.on_sample(state, _leaking(T0 + i * 15))
+    assert _leaks(out) == []
+    join.on_allocation(state, allocation(BUSY))
+    join.on_allocation(state, allocation(IDLE))
+    out = []
+    for i in range(45 * 4, 50 * 4):
+        out += join.on_sample(state, _leaking(T0 + i * 15))
+    (leak,) = _leaks(out)
+    assert (leak.state, leak.subject.pod) == ("firing", BUSY)
+
+
+def test_a_leaking_share_whose_allocation_never_comes_is_named_by_uid() -> None:
+    join, state = NodeJoin(), NodeState()
+    out: list = []
+    for i in range(70 * 4):
+        out += join.on_sample(state, _leaking(T0 + i * 15))
+    (leak,) = _leaks(out)
+    assert leak.subject.pod is None and "pod uid uid-busy" in leak.summary
+    # one window (30 min) after the trend was first found, at minute 30
+    assert T0 + 59 * 60 <= leak.ts <= T0 + 62 * 60
 
 
 def test_summaries_count_physical_gpus_on_a_time_sliced_node() -> None:
