@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -94,6 +94,7 @@ from gpusteward.streams.outputs import (
     crash_unread,
     raw_topic,
     ready_events,
+    still_current,
 )
 
 log = logging.getLogger(__name__)
@@ -325,14 +326,63 @@ class SpotJoin:
 
 
 class _Snapshot:
-    """Whether the fleet agent's live state holds records due a checkpoint that no staged
-    snapshot has yet, and the snapshot taken before a MIG advice still running."""
+    """Whether the fleet agent's live state holds records due a checkpoint that are not
+    written yet."""
 
-    __slots__ = ("due", "pending")
+    __slots__ = ("due",)
 
     def __init__(self) -> None:
         self.due = False
-        self.pending: bytes | None = None
+
+
+async def fleet_batch(events: list[Any], outputs_to: OutputTopics,
+                      apply: Callable[[Any], Awaitable[list[FleetOutput]]],
+                      checkpoint: Callable[[], None], forget: Callable[[], None],
+                      current: Callable[[Sequence[Any]], list[Any]]) -> None:
+    """One batch of the fleet agent, as the node join's: apply each event (dead-lettering
+    those that fail), then one ``checkpoint`` and the events acknowledged (the stream
+    acknowledges the first as it moves on).
+
+    A record whose rules emitted findings or actions checkpoints once they are delivered:
+    the state says they were reported, and written first, a crash between the two writes
+    would lose them (recovery trusts the changelog and re-processing emits nothing).
+
+    A batch that cannot finish writes nothing more and leaves its records unacknowledged,
+    the first one too (one more reference to its message), for them to be read again from
+    the last checkpoint: stopped part-way (writing then recorded as reported the findings of
+    a record whose publish the stop cut short), a delivery failed (raised, for the worker to
+    stop), or a rebalance took the batch back (its seek delivers the records again, perhaps
+    to another worker, which restored the tables from the changelog: written after that,
+    this worker's state would land on the changelog behind the new owner's).
+    """
+    first = events[0]
+    dead_letters: list[Awaitable[Any]] = []
+    taken_back = False
+    try:
+        for event in events:
+            if not current([event]):
+                taken_back = True
+                break
+            outputs = await outputs_to.guarded(event, "fleet", apply, dead_letters)
+            if outputs:
+                await outputs_to.emit_then_checkpoint(outputs, None)
+            if not current([event]):  # a rebalance while it was applied or published
+                taken_back = True
+                break
+            if outputs:
+                checkpoint()
+        await asyncio.gather(*dead_letters)
+    except BaseException:
+        forget()
+        first.message.incref()
+        raise
+    if taken_back or len(current(events)) < len(events):
+        forget()
+        first.message.incref()
+        return
+    checkpoint()
+    for event in events[1:]:
+        event.ack()
 
 
 def fleet_group(settings: Settings) -> str:
@@ -387,86 +437,72 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     # rebalance, when the table becomes the truth again.
     live: dict[bytes, tuple[FleetState, float]] = {}
 
-    # What the batch's records changed in the three tables, by table and key (None: a
-    # deletion), written together once per batch before its records are acknowledged, and
-    # after every record with findings or actions once they are delivered. The three are
-    # one snapshot of the fleet: the state after the records folded so far, the latest
-    # summary per node, the MIG workloads. Written as they came, a worker killed before a
-    # record's findings were delivered (or a delivery that failed) left tables holding
-    # summaries from after the record the fleet state is at, and re-processing judged the
-    # fleet with a view of its future. Staged, a batch also writes one changelog record per
-    # key: one per queue event put every admission's whole queue state (about 100 KB on a
-    # 10,000-GPU fleet) on the changelog.
-    unwritten: dict[tuple[Any, bytes], bytes | None] = {}
-
-    # The fleet state itself is encoded when it is staged (at a write, a rebalance), not
-    # after each record due a checkpoint: with 2,600 workloads it is about 120 KB and 200 µs
-    # to encode, and a catch-up brings thousands of queue events, every one due. A record
-    # that fails part-way has half-changed the live state; it is rolled back by folding the
-    # records since the last staged snapshot again onto that snapshot and the tables as
-    # they were then (`since_staged`: the event, and whether the queue was caught up when
-    # it was folded, so the second fold judges as the first did; `recent`: those records'
-    # table writes, staged with the next snapshot).
-    since_staged: list[tuple[Any, bool]] = []
+    # What the records folded since the last write changed in the three tables, by table
+    # and key (None: a deletion), written together once per batch before its records are
+    # acknowledged, and after every record with findings or actions once they are
+    # delivered. The three are one snapshot of the fleet: the state after the records
+    # folded so far, the latest summary per node, the MIG workloads. Written as they came,
+    # a worker killed before a record's findings were delivered (or a delivery that failed)
+    # left tables holding summaries from after the record the fleet state is at, and
+    # re-processing judged the fleet with a view of its future. Written per batch, a batch
+    # also writes one changelog record per key: one per queue event put every admission's
+    # whole queue state (about 100 KB on a 10,000-GPU fleet) on the changelog.
     recent: dict[tuple[Any, bytes], bytes | None] = {}
+
+    # The fleet state itself is encoded when it is written, not after each record due a
+    # checkpoint: with 2,600 workloads it is about 120 KB and 200 µs to encode, and a
+    # catch-up brings thousands of queue events, every one due. A record that fails
+    # part-way has half-changed the live state; it is rolled back by folding the records
+    # since the last write again onto the tables (`since_written`: the event, and whether
+    # the queue was caught up when it was folded, so the second fold judges as the first
+    # did; their table writes go to `recent` again).
+    since_written: list[tuple[Any, bool]] = []
     snapshot = _Snapshot()
 
-    def stage_state() -> None:
-        """Stage the records folded since the last snapshot: their table writes, and the
-        fleet state's snapshot if any of them was due one."""
-        if snapshot.pending is not None:  # the state before a MIG advice still running
-            unwritten[fleet_table, state_key] = snapshot.pending
-        elif snapshot.due and state_key in live:
-            unwritten[fleet_table, state_key] = encode_state(live[state_key][0])
-        unwritten.update(recent)
-        recent.clear()
-        snapshot.due = False
-        since_staged.clear()
-
-    def forget_unstaged() -> None:
-        """Drop the live state and what the records since the last staging left: the
-        state goes back to the tables (with what is staged), as after a crash."""
-        live.pop(state_key, None)
-        since_staged.clear()
-        recent.clear()
-        snapshot.due, snapshot.pending = False, None
-
     def write_checkpoint() -> None:
-        stage_state()
-        for (table, key), value in unwritten.items():
+        """Write what the records folded since the last write changed: their table writes,
+        and the fleet state if any of them was due a checkpoint."""
+        writes: dict[tuple[Any, bytes], bytes | None] = {}
+        if snapshot.due and state_key in live:
+            writes[fleet_table, state_key] = encode_state(live[state_key][0])
+        writes.update(recent)
+        for (table, key), value in writes.items():
             if value is None:
                 table.pop(key, None)
             else:
                 table[key] = value
-        unwritten.clear()
+        recent.clear()
+        snapshot.due = False
+        since_written.clear()
+
+    def forget_unwritten() -> None:
+        """Drop the live state and what the records since the last write changed: the
+        state goes back to the tables, as after a crash, and those records are read again
+        (they are not acknowledged), by this worker or the partition's new owner."""
+        live.pop(state_key, None)
+        since_written.clear()
+        recent.clear()
+        snapshot.due = False
 
     def forget_live_state(sender: Any, *args: Any, **kwargs: Any) -> None:
-        stage_state()
-        live.clear()
+        # A rebalance: what was not written belongs to records not acknowledged, which its
+        # seek delivers again, perhaps to another worker that restores the tables from the
+        # changelog. Kept and written with the batch's end, as this did until 2026-11-26,
+        # it reached the changelog after the new owner had read it.
+        forget_unwritten()
 
     # mode's signal type asks for a positional-only sender that no def can spell here.
     app.on_partitions_revoked.connect(forget_live_state)  # type: ignore[arg-type]
     app.on_partitions_assigned.connect(forget_live_state)  # type: ignore[arg-type]
 
-    def staged(table: Any) -> dict[bytes, bytes]:
-        """What ``table`` holds once the staged writes are written."""
-        held = dict(table.items())
-        for (written, key), value in unwritten.items():
-            if written is table:
-                if value is None:
-                    held.pop(key, None)
-                else:
-                    held[key] = value
-        return held
-
     def load_state() -> FleetState:
-        """The fleet state as the tables hold it with the staged writes written."""
-        stored = staged(fleet_table).get(state_key)
+        """The fleet state as the tables hold it."""
+        stored = fleet_table.get(state_key)
         loaded = decode_fleet(stored) if stored is not None else FleetState()
         loaded.nodes = {key.decode(): decode_summary(value)
-                        for key, value in staged(nodes_table).items()}
+                        for key, value in nodes_table.items()}
         loaded.mig.workloads = {key.decode(): decode_mig_workload(value)
-                                for key, value in staged(mig_table).items()}
+                                for key, value in mig_table.items()}
         return loaded
 
     queue_tp = TP(queue_name, 0)
@@ -500,15 +536,15 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             outputs = await fold(event, record, state, checkpointed_at, caught_up)
         except Exception:
             # The record may have half-changed the state: back to the state after the last
-            # whole record, rebuilt from the staged snapshot and the records since.
+            # whole record, rebuilt from the tables and the records since the last write.
             await roll_back()
             raise
-        since_staged.append((event, caught_up))
+        since_written.append((event, caught_up))
         return outputs
 
     async def roll_back() -> None:
-        folded = list(since_staged)
-        forget_unstaged()  # a MIG advice that failed too: its thread has ended
+        folded = list(since_written)
+        forget_unwritten()  # a MIG advice that failed too: its thread has ended
         live[state_key] = (load_state(), -1.0)
         try:
             for event, caught_up in folded:
@@ -518,13 +554,13 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                     # again; one that has some now did not the first time.
                     log.warning("a fleet record folded again after a failed one gave "
                                 "outputs it had not given; they are not published")
-                since_staged.append((event, caught_up))
+                since_written.append((event, caught_up))
         except Exception:
-            # Folded once without failing, it failed now: back to the staged snapshot, as
+            # Folded once without failing, it failed now: back to the last write, as
             # after a crash (the records since are not in the fleet state).
             log.exception("the fleet state could not be rebuilt after a failed record; "
                           "back to its last snapshot, %d records not in it", len(folded))
-            forget_unstaged()
+            forget_unwritten()
 
     async def fold(event: Any, record: NodeSummary | QueueEvent, state: FleetState,
                    checkpointed_at: float, caught_up: bool) -> list[FleetOutput]:
@@ -541,12 +577,9 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         if slot is not None:
             # Seconds of solver time on a large fleet: off the event loop, so the
             # consumer keeps heart-beating. Nothing else touches this state meanwhile:
-            # this agent awaits it before taking the next record. A snapshot from before
-            # it stands in for the state while it runs (a stop or a rebalance may come
-            # meanwhile): the record whole, the advice still due.
-            snapshot.pending = encode_state(state)
+            # this agent awaits it before taking the next record. A stop or a rebalance
+            # meanwhile drops the batch, this record with it (fleet_batch).
             outputs += await asyncio.to_thread(evaluator.mig_advice, state, slot)
-            snapshot.pending = None
         for node in state.departed:
             writes[nodes_table, node.encode()] = None
         for key in state.mig.touched:
@@ -568,44 +601,15 @@ def register_fleet_agent(app: faust.App, settings: Settings,
 
     @app.agent(fleet_topics, name="fleet")
     async def fleet(stream: Any) -> None:
-        # In batches, as the node join: the event the stream yields and those already
-        # delivered behind it, each guarded on its own, then one checkpoint. A record whose
-        # rules emitted findings or actions checkpoints once they are delivered: the state
-        # says they were reported, and written first, a crash between the two writes would
-        # lose them (recovery trusts the changelog and re-processing emits nothing).
         queue = stream.channel.queue
         async for first in stream.events():
-            events = [first, *ready_events(app, queue, BATCH_MAX - 1)]
-            dead_letters: list[Awaitable[Any]] = []
             try:
-                for event in events:
-                    outputs = await outputs_to.guarded(event, "fleet", apply_fleet,
-                                                       dead_letters)
-                    if outputs:
-                        await outputs_to.emit_then_checkpoint(outputs, write_checkpoint)
-                await asyncio.gather(*dead_letters)
-            except asyncio.CancelledError:
-                # Stopped mid-batch: nothing more is written and the first event stays
-                # unacknowledged (one more reference to its message), so the next worker
-                # reads the batch again from the last checkpoint. Writing the state here,
-                # as this did until 2026-11-26, recorded as reported the findings of a
-                # record whose publish the stop cut short.
-                first.message.incref()
-                snapshot.pending = None
+                await fleet_batch([first, *ready_events(app, queue, BATCH_MAX - 1)],
+                                  outputs_to, apply_fleet, write_checkpoint, forget_unwritten,
+                                  partial(still_current, app))
+            except Exception as error:
+                await crash_unread(app, error)
                 raise
-            except BaseException as error:
-                # A delivery failed: the state since the last checkpoint may say it was
-                # reported. Back to that checkpoint; the worker stops, and its restart reads
-                # the records again (the first one too: it stays unacknowledged).
-                unwritten.clear()
-                forget_unstaged()
-                first.message.incref()
-                if isinstance(error, Exception):
-                    await crash_unread(app, error)
-                raise
-            write_checkpoint()
-            for event in events[1:]:  # the stream acknowledges the first
-                event.ack()
 
     async def apply_spot(event: Any) -> tuple[list[FleetOutput], bytes, bytes] | None:
         """What to publish, and the node's track to write once it is delivered."""
@@ -629,9 +633,13 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                 if applied is not None:
                     outputs, node, track = applied
                     # The track says what was reported: written once its findings are
-                    # delivered.
-                    await outputs_to.emit_then_checkpoint(
-                        outputs, partial(spot_table.__setitem__, node, track))
+                    # delivered, unless a rebalance took the record back meanwhile (its
+                    # seek delivers it again, perhaps to the node's new owner).
+                    await outputs_to.emit_then_checkpoint(outputs, None)
+                    if still_current(app, [event]):
+                        spot_table[node] = track
+                    else:
+                        event.message.incref()  # the stream's acknowledgement must not count
             except Exception as error:  # a delivery failed: read it again after a restart
                 event.message.incref()
                 await crash_unread(app, error)

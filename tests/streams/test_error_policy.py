@@ -21,6 +21,7 @@ from faust.types.tuples import Message as FaustMessage
 from gpusteward.schema import DeadLetter, Finding, HwEvent, Subject
 from gpusteward.settings import Settings
 from gpusteward.streams.app import NodeStates, join_batch
+from gpusteward.streams.fleet import fleet_batch
 from gpusteward.streams.node import NodeJoin, Output
 from gpusteward.streams.outputs import OutputTopics
 
@@ -391,4 +392,69 @@ def test_a_batch_whose_findings_are_not_delivered_leaves_everything_to_be_read_a
     asyncio.run(main())
     assert table == {} and b"n1" not in states.live
     JoinEvent(messages[0]).ack()  # the stream's acknowledgement of the first
+    assert not any(message.acked for message in messages)
+
+
+def _fleet_batch_run(rebalance_at: str | None) -> tuple[list[str], list[Any], RecordingApp]:
+    """A fleet batch of three queue records whose second gives a finding, with a rebalance
+    (the consumer's generation moves on) while the first record is applied ("apply") or
+    while the finding is published ("publish"), or none. Returns what the batch did to the
+    fleet's tables (checkpoint, forget), its messages and the app."""
+    app = RecordingApp()
+    outputs = OutputTopics(app, Settings())
+    messages = [FaustMessage("gpusteward.queue.v1", 0, offset, 0.0, 0, [], b"prod", b"{}",
+                             None, generation_id=1) for offset in (7, 8, 9)]
+    for message in messages:
+        message.incref()
+    generation = 1
+    did: list[str] = []
+    finding = Finding(id="f1", fingerprint="fp", kind="queue_slo_breach", severity="warning",
+                      state="firing", subject=Subject(), summary="late", starts_at=1.0, ts=2.0)
+    findings = app.topic("gpusteward.findings.v1")
+    send = findings.send
+
+    async def send_then_rebalance(key: bytes, value: bytes) -> asyncio.Future[None]:
+        nonlocal generation
+        if rebalance_at == "publish":
+            generation = 2
+        return await send(key, value)
+
+    findings.send = send_then_rebalance  # type: ignore[method-assign]
+
+    async def apply(event: JoinEvent) -> list[Finding]:
+        nonlocal generation
+        did.append(f"apply {event.message.offset}")
+        if rebalance_at == "apply":
+            generation = 2
+        return [finding] if event.message.offset == 8 else []
+
+    def current(events: Sequence[JoinEvent]) -> list[JoinEvent]:
+        return [event for event in events if event.message.generation_id == generation]
+
+    asyncio.run(fleet_batch([JoinEvent(m) for m in messages], outputs, apply,
+                            lambda: did.append("checkpoint"), lambda: did.append("forget"),
+                            current))
+    JoinEvent(messages[0]).ack()  # the stream's acknowledgement of the first
+    return did, messages, app
+
+
+def test_a_fleet_batch_checkpoints_after_a_finding_and_at_its_end() -> None:
+    did, messages, app = _fleet_batch_run(None)
+    assert did == ["apply 7", "apply 8", "checkpoint", "apply 9", "checkpoint"]
+    assert all(message.acked for message in messages)
+    assert len(app.topics["gpusteward.findings.v1"].sent) == 1
+
+
+@pytest.mark.parametrize("rebalance_at", ["apply", "publish"])
+def test_a_fleet_batch_a_rebalance_takes_back_writes_nothing_more(rebalance_at: str) -> None:
+    """The fleet agent used to stage its state at a rebalance and write it with the end of
+    its batch, after the new owner of the fleet partition had restored the tables from the
+    changelog. Now the batch stops where the rebalance found it, forgets what it changed,
+    and leaves its records (the first too) to the rebalance's seek."""
+    did, messages, app = _fleet_batch_run(rebalance_at)
+    if rebalance_at == "apply":
+        assert did == ["apply 7", "forget"]
+    else:
+        assert did == ["apply 7", "apply 8", "forget"]
+        assert len(app.topics["gpusteward.findings.v1"].sent) == 1
     assert not any(message.acked for message in messages)
