@@ -18,7 +18,7 @@ import msgspec
 import pytest
 from faust.types.tuples import Message as FaustMessage
 
-from gpusteward.schema import DeadLetter, Finding, HwEvent, Subject
+from gpusteward.schema import Action, DeadLetter, Finding, HwEvent, Subject
 from gpusteward.settings import Settings
 from gpusteward.streams.app import NodeStates, join_batch
 from gpusteward.streams.fleet import fleet_batch
@@ -421,7 +421,7 @@ def _fleet_batch_run(rebalance_at: str | None) -> tuple[list[str], list[Any], Re
 
     findings.send = send_then_rebalance  # type: ignore[method-assign]
 
-    async def apply(event: JoinEvent) -> list[Finding]:
+    async def apply(event: JoinEvent) -> list[Finding | Action]:
         nonlocal generation
         did.append(f"apply {event.message.offset}")
         if rebalance_at == "apply":
