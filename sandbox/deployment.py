@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Awaitable, Iterator, Mapping
@@ -44,6 +42,7 @@ from unittest import mock
 import yaml
 
 from gpusteward import health, kafka, topics
+from gpusteward.broker import free_port
 from gpusteward.children import die_with_parent, stop_child
 from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
@@ -193,7 +192,7 @@ class Manifests:
             if env.get(port, "0") != "0":
                 # Every container shares this one host: each gets a free port for its
                 # /metrics and probes (read it back from the launch's environment).
-                env[port] = str(_free_port())
+                env[port] = str(free_port())
         args = [_relocate(str(a), mounts) for a in container.spec.get("args", [])]
         command = [_relocate(str(c), mounts) for c in container.spec.get("command", [])]
         if command:
@@ -280,28 +279,6 @@ def _host_env() -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("GPUSTEWARD_")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
-
-
-def _free_port() -> int:
-    """A port nothing listens on, from below the kernel's ephemeral range. A port from that
-    range (what binding port 0 gives) can be taken before the component binds it by any
-    outgoing connection, and the Kafka clients of a sandbox open many: CI saw a sink's
-    probe port "already in use"."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for _ in range(100):
-        port = random.randrange(10_000, max(low, 10_001))
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _overrides(local: Local) -> dict[str, str]:

@@ -39,14 +39,7 @@ from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary,
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import FleetSettings, register_fleet_agent
 from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings
-from gpusteward.streams.outputs import (
-    BATCH_MAX,
-    OutputTopics,
-    crash_unread,
-    raw_topic,
-    ready_events,
-    still_current,
-)
+from gpusteward.streams.outputs import OutputTopics, each_batch, raw_topic, still_current
 from gpusteward.streams.policy_file import policy_from_env
 
 
@@ -393,21 +386,13 @@ def create_app(
         return states.apply(to_write, handler, decode(event.value, event.key))
 
     async def node_join(stream: Any) -> None:
-        # Records are handled in batches: the event the stream yields and those already
-        # delivered behind it (the rest of the consumer's fetch), with no await per record.
-        # Each record is still validated and, if it fails, dead-lettered on its own; a node's
-        # state is written to the changelog once per batch, after the batch's findings and
-        # actions are delivered (OutputTopics.emit_then_checkpoint) and before any offset
+        # Records are handled in batches, each record still validated and, if it fails,
+        # dead-lettered on its own; a node's state is written to the changelog once per
+        # batch, after the batch's findings and actions are delivered and before any offset
         # of the batch is acknowledged (at least once).
-        queue = stream.channel.queue
-        async for first in stream.events():
-            try:
-                await join_batch([first, *ready_events(app, queue, BATCH_MAX - 1)],
-                                 outputs_to, states, apply, one_batch,
-                                 partial(still_current, app))
-            except Exception as error:
-                await crash_unread(app, error)
-                raise
+        current = partial(still_current, app)
+        await each_batch(app, stream, lambda events: join_batch(
+            events, outputs_to, states, apply, one_batch, current))
 
     # Hardware events have an agent of their own, on the same partitions (Faust assigns
     # topics of one partition count together) and the same node states: an urgent event
@@ -492,9 +477,8 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
     Stopped part-way (cancelled) or failed (a delivery, a changelog write), it writes nothing
     and keeps the first event from being acknowledged (one more reference to its message, so
     the stream's acknowledgement is not the last): what the batch had not handed to the
-    producer dies with the process, and the
-    next worker reads the whole batch again from the last checkpoint, emitting what it had
-    emitted again under the same ids. Writing the states then, as this did until
+    producer dies with the process, and the next worker reads the whole batch again from
+    the last checkpoint, emitting what it had emitted again under the same ids. Writing the states then, as this did until
     2026-11-26, recorded findings as reported that a publish blocked on a full producer
     buffer never sent; acknowledging the first event lost it when the stop came before it
     was applied (waiting for the other agent's batch).

@@ -89,11 +89,10 @@ from gpusteward.schema import (
 )
 from gpusteward.settings import Settings
 from gpusteward.streams.outputs import (
-    BATCH_MAX,
     OutputTopics,
     crash_unread,
+    each_batch,
     raw_topic,
-    ready_events,
     still_current,
 )
 
@@ -601,15 +600,9 @@ def register_fleet_agent(app: faust.App, settings: Settings,
 
     @app.agent(fleet_topics, name="fleet")
     async def fleet(stream: Any) -> None:
-        queue = stream.channel.queue
-        async for first in stream.events():
-            try:
-                await fleet_batch([first, *ready_events(app, queue, BATCH_MAX - 1)],
-                                  outputs_to, apply_fleet, write_checkpoint, forget_unwritten,
-                                  partial(still_current, app))
-            except Exception as error:
-                await crash_unread(app, error)
-                raise
+        current = partial(still_current, app)
+        await each_batch(app, stream, lambda events: fleet_batch(
+            events, outputs_to, apply_fleet, write_checkpoint, forget_unwritten, current))
 
     async def apply_spot(event: Any) -> tuple[list[FleetOutput], bytes, bytes] | None:
         """What to publish, and the node's track to write once it is delivered."""

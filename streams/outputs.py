@@ -284,3 +284,18 @@ async def crash_unread(app: Any, error: Exception) -> None:
     """
     await app.crash(RuntimeError(f"a batch could not be finished, its records are read "
                                  f"again after a restart: {error!r}"))
+
+
+async def each_batch(app: Any, stream: Any,
+                     handle: Callable[[list[Any]], Awaitable[None]]) -> None:
+    """Hand ``handle`` each batch of an agent's ``stream``: the event the stream yields and
+    those already delivered behind it (:func:`ready_events`, up to :data:`BATCH_MAX`), with
+    no await per record. A batch ``handle`` cannot finish stops the worker
+    (:func:`crash_unread`)."""
+    queue = stream.channel.queue
+    async for first in stream.events():
+        try:
+            await handle([first, *ready_events(app, queue, BATCH_MAX - 1)])
+        except Exception as error:
+            await crash_unread(app, error)
+            raise
