@@ -9,7 +9,7 @@ writer only calls ``send``): the broker path is covered by
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -233,6 +233,41 @@ class JoinEvent:
         self.message.ack(None)
 
 
+def _xids(*offsets: int, one_device: bool = True) -> list[FaustMessage]:
+    """XID events of node n1 at those offsets of a hardware-events partition, fetched by the
+    consumer's generation 1, each with the conductor's reference for the stream."""
+    messages = [FaustMessage("gpusteward.hw-events.v1", 0, offset, 0.0, 0, [], b"n1",
+                             msgspec.json.encode(HwEvent(
+                                 ts=1_763_683_200.0 + offset, node="n1", kind="xid",
+                                 uuid="GPU-0" if one_device else f"GPU-{offset}", xid=79)),
+                             None, generation_id=1) for offset in offsets]
+    for message in messages:
+        message.incref()
+    return messages
+
+
+def _hw_apply(states: NodeStates, join: NodeJoin) -> Callable[[dict[bytes, bytes], Any],
+                                                                list[Output]]:
+    """The node join's apply for hardware events."""
+    def apply(writes: dict[bytes, bytes], event: JoinEvent) -> list[Output]:
+        return states.apply(writes, join.on_hw_event,
+                            msgspec.json.decode(event.message.value, type=HwEvent))
+    return apply
+
+
+class Consumer:
+    """The consumer's generation, as a batch's ``current`` sees it."""
+
+    def __init__(self) -> None:
+        self.generation = 1
+
+    def rebalance(self) -> None:
+        self.generation += 1
+
+    def current(self, events: Sequence[Any]) -> list[Any]:
+        return [event for event in events if event.message.generation_id == self.generation]
+
+
 def test_a_batch_stopped_mid_publish_writes_no_state_and_leaves_its_first_event_unread() -> None:
     """A worker stopped while its findings wait for room in the producer used to write the
     batch's node states anyway: they recorded an XID finding as reported that was never
@@ -248,14 +283,8 @@ def test_a_batch_stopped_mid_publish_writes_no_state_and_leaves_its_first_event_
 
     table: dict[bytes, bytes] = {}
     states, join = NodeStates(table, checkpoint_s=30.0), NodeJoin()
-    xid = HwEvent(ts=1_763_683_200.0, node="n1", kind="xid", uuid="GPU-0", xid=79)
-    message = FaustMessage("gpusteward.hw-events.v1", 0, 7, 0.0, 0, [], b"n1",
-                           msgspec.json.encode(xid), None)
-    message.incref()  # the conductor's reference for the stream
-
-    def apply(writes: dict[bytes, bytes], event: JoinEvent) -> list[Output]:
-        return states.apply(writes, join.on_hw_event,
-                            msgspec.json.decode(event.message.value, type=HwEvent))
+    (message,) = _xids(7)
+    apply = _hw_apply(states, join)
 
     async def main() -> None:
         app.topics["gpusteward.findings.v1"].send = full  # type: ignore[method-assign,assignment]
@@ -281,30 +310,16 @@ def test_a_batch_a_rebalance_took_back_while_it_waited_is_left_to_the_seek() -> 
     outputs = OutputTopics(app, Settings())
     table: dict[bytes, bytes] = {}
     states, join = NodeStates(table, checkpoint_s=30.0), NodeJoin()
-    messages = [FaustMessage("gpusteward.hw-events.v1", 0, offset, 0.0, 0, [], b"n1",
-                             msgspec.json.encode(HwEvent(ts=1_763_683_200.0 + offset,
-                                                         node="n1", kind="xid",
-                                                         uuid="GPU-0", xid=79)),
-                             None, generation_id=1) for offset in (7, 8)]
-    for message in messages:
-        message.incref()
-    generation = 1
-
-    def current(events: Sequence[JoinEvent]) -> list[JoinEvent]:
-        return [event for event in events if event.message.generation_id == generation]
-
-    def apply(writes: dict[bytes, bytes], event: JoinEvent) -> list[Output]:
-        return states.apply(writes, join.on_hw_event,
-                            msgspec.json.decode(event.message.value, type=HwEvent))
+    messages, consumer = _xids(7, 8), Consumer()
 
     async def main() -> None:
-        nonlocal generation
         other_agents_batch = asyncio.Lock()
         await other_agents_batch.acquire()
         batch = asyncio.create_task(join_batch([JoinEvent(m) for m in messages], outputs,
-                                               states, apply, other_agents_batch, current))
+                                               states, _hw_apply(states, join),
+                                               other_agents_batch, consumer.current))
         await asyncio.sleep(0.05)
-        generation = 2  # the rebalance
+        consumer.rebalance()
         other_agents_batch.release()
         await asyncio.wait_for(batch, 1.0)
 
@@ -325,31 +340,17 @@ def test_a_batch_a_rebalance_took_back_while_it_published_writes_no_state() -> N
     outputs = OutputTopics(app, Settings())
     table: dict[bytes, bytes] = {}
     states, join = NodeStates(table, checkpoint_s=30.0), NodeJoin()
-    message = FaustMessage("gpusteward.hw-events.v1", 0, 7, 0.0, 0, [], b"n1",
-                           msgspec.json.encode(HwEvent(ts=1_763_683_200.0, node="n1",
-                                                       kind="xid", uuid="GPU-0", xid=79)),
-                           None, generation_id=1)
-    message.incref()
-    generation = 1
+    (message,), consumer = _xids(7), Consumer()
     findings = app.topic("gpusteward.findings.v1")
     send = findings.send
 
     async def send_then_rebalance(key: bytes, value: bytes) -> asyncio.Future[None]:
-        nonlocal generation
-        generation = 2
+        consumer.rebalance()
         return await send(key, value)
 
     findings.send = send_then_rebalance  # type: ignore[method-assign]
-
-    def current(events: Sequence[JoinEvent]) -> list[JoinEvent]:
-        return [event for event in events if event.message.generation_id == generation]
-
-    def apply(writes: dict[bytes, bytes], event: JoinEvent) -> list[Output]:
-        return states.apply(writes, join.on_hw_event,
-                            msgspec.json.decode(event.message.value, type=HwEvent))
-
-    asyncio.run(join_batch([JoinEvent(message)], outputs, states, apply, asyncio.Lock(),
-                           current))
+    asyncio.run(join_batch([JoinEvent(message)], outputs, states, _hw_apply(states, join),
+                           asyncio.Lock(), consumer.current))
     assert len(findings.sent) == 1, "published before the rebalance was known"
     assert table == {} and states.live == {}
     JoinEvent(message).ack()  # the stream's acknowledgement of the first
@@ -371,23 +372,13 @@ def test_a_batch_whose_findings_are_not_delivered_leaves_everything_to_be_read_a
 
     table: dict[bytes, bytes] = {}
     states, join = NodeStates(table, checkpoint_s=30.0), NodeJoin()
-    messages = [FaustMessage("gpusteward.hw-events.v1", 0, offset, 0.0, 0, [], b"n1",
-                             msgspec.json.encode(HwEvent(ts=1_763_683_200.0 + offset,
-                                                         node="n1", kind="xid",
-                                                         uuid=f"GPU-{offset}", xid=79)),
-                             None) for offset in (7, 8)]
-    for message in messages:
-        message.incref()
-
-    def apply(writes: dict[bytes, bytes], event: JoinEvent) -> list[Output]:
-        return states.apply(writes, join.on_hw_event,
-                            msgspec.json.decode(event.message.value, type=HwEvent))
+    messages = _xids(7, 8, one_device=False)
 
     async def main() -> None:
         app.topics["gpusteward.findings.v1"].send = lost  # type: ignore[method-assign]
         with pytest.raises(RuntimeError):
-            await join_batch([JoinEvent(m) for m in messages], outputs, states, apply,
-                             asyncio.Lock(), list)
+            await join_batch([JoinEvent(m) for m in messages], outputs, states,
+                             _hw_apply(states, join), asyncio.Lock(), list)
 
     asyncio.run(main())
     assert table == {} and b"n1" not in states.live
@@ -406,7 +397,7 @@ def _fleet_batch_run(rebalance_at: str | None) -> tuple[list[str], list[Any], Re
                              None, generation_id=1) for offset in (7, 8, 9)]
     for message in messages:
         message.incref()
-    generation = 1
+    consumer = Consumer()
     did: list[str] = []
     finding = Finding(id="f1", fingerprint="fp", kind="queue_slo_breach", severity="warning",
                       state="firing", subject=Subject(), summary="late", starts_at=1.0, ts=2.0)
@@ -414,26 +405,21 @@ def _fleet_batch_run(rebalance_at: str | None) -> tuple[list[str], list[Any], Re
     send = findings.send
 
     async def send_then_rebalance(key: bytes, value: bytes) -> asyncio.Future[None]:
-        nonlocal generation
         if rebalance_at == "publish":
-            generation = 2
+            consumer.rebalance()
         return await send(key, value)
 
     findings.send = send_then_rebalance  # type: ignore[method-assign]
 
     async def apply(event: JoinEvent) -> list[Finding | Action]:
-        nonlocal generation
         did.append(f"apply {event.message.offset}")
         if rebalance_at == "apply":
-            generation = 2
+            consumer.rebalance()
         return [finding] if event.message.offset == 8 else []
-
-    def current(events: Sequence[JoinEvent]) -> list[JoinEvent]:
-        return [event for event in events if event.message.generation_id == generation]
 
     asyncio.run(fleet_batch([JoinEvent(m) for m in messages], outputs, apply,
                             lambda: did.append("checkpoint"), lambda: did.append("forget"),
-                            current))
+                            consumer.current))
     JoinEvent(messages[0]).ack()  # the stream's acknowledgement of the first
     return did, messages, app
 
