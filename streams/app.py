@@ -478,10 +478,10 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
     and keeps the first event from being acknowledged (one more reference to its message, so
     the stream's acknowledgement is not the last): what the batch had not handed to the
     producer dies with the process, and the next worker reads the whole batch again from
-    the last checkpoint, emitting what it had emitted again under the same ids. Writing the states then, as this did until
-    2026-11-26, recorded findings as reported that a publish blocked on a full producer
-    buffer never sent; acknowledging the first event lost it when the stop came before it
-    was applied (waiting for the other agent's batch).
+    the last checkpoint, emitting what it had emitted again under the same ids. Writing
+    the states then, as this did until 2026-11-26, recorded findings as reported that a
+    publish blocked on a full producer buffer never sent; acknowledging the first event
+    lost it when the stop came before it was applied (waiting for the other agent's batch).
 
     Only the events still ``current`` once the other agent's batch is done are applied: a
     rebalance while this one waited for it takes the others back (its seek delivers them
