@@ -7,9 +7,12 @@ sink prints to the console; Alertmanager (``alertmanager.py``) and webhooks
 called about every poll to re-send what must be kept alive or retried, and
 ``close()``, called when the consumer stops.
 
-A record that is not a valid finding (:mod:`gpusteward.edge` says why) is
-counted and skipped, logged once per kind of fault: it would fail again on
-every redelivery, and the worker that wrote it dead-letters its own inputs.
+A record that is not a valid finding (:mod:`gpusteward.edge` says why) goes to
+the dead-letter topic with the reason and its topic, partition and offset, as
+every consumer's bad records do, and the consumer goes on with the next; the
+refusal is counted and logged once per kind of fault. Offsets are committed
+only once the batch's dead letters are on the broker: a dead letter the broker
+never took fails the batch uncommitted, and it is read again (at least once).
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+import msgspec
+from aiokafka import AIOKafkaProducer
 from rich.console import Console
 
 from gpusteward import edge, kafka, topics
@@ -78,29 +83,40 @@ class FindingsConsumer:
         self.on_finding = on_finding
         self.seen: set[tuple[str, str]] = set()
         self._decode = edge.Edge[Finding](Finding)
+        self._encode = msgspec.json.Encoder().encode
         self.refusals = edge.Refusals(log)
-        """Records that were no valid finding."""
+        """Records that were no valid finding: each went to the dead-letter topic."""
         self.metrics = PipelineMetrics()
         self._open = OpenFindings(self.metrics)
 
     async def run(self, stop: asyncio.Event) -> None:
         topic = topics.FINDINGS.name(self.settings)
         consumer = kafka.consumer(self.settings, topic, group_id=self.group_id)
+        producer = kafka.producer(self.settings)
         port = self.settings.metrics.port
         server = serve(self.metrics.registry, port, self.settings.metrics.addr) if port else None
         records_in = self.metrics.records_in.labels(topic)
         processing = self.metrics.processing.labels("alerting")
+        await producer.start()
         await consumer.start()
         try:
             while not stop.is_set():
                 batch = await consumer.getmany(timeout_ms=200)
+                dead_letters: list[asyncio.Future[Any]] = []
                 for messages in batch.values():
                     for message in messages:
                         started = time.perf_counter()
                         records_in.inc()
-                        await self._handle(message.value, message.key)
+                        delivery = await self._handle(
+                            producer, message.value, message.key, topic=message.topic,
+                            partition=message.partition, offset=message.offset)
+                        if delivery is not None:
+                            dead_letters.append(delivery)
                         processing.observe(time.perf_counter() - started)
                 if batch:
+                    # The dead letters are on the broker before the offsets move past their
+                    # records; one the broker refused raises here and nothing is committed.
+                    await asyncio.gather(*dead_letters)
                     await consumer.commit()
                 await observe_lag(self.metrics, consumer, self.group_id)
                 for sink in self.sinks:
@@ -110,20 +126,34 @@ class FindingsConsumer:
             if server is not None:
                 server.stop()
             await consumer.stop()
+            await producer.stop()
             for sink in self.sinks:
                 if isinstance(sink, RefreshingSink):
                     await sink.close()
 
-    async def _handle(self, raw: bytes | None, record_key: bytes | None = None) -> None:
+    async def _handle(self, producer: AIOKafkaProducer, raw: bytes | None,
+                      record_key: bytes | None = None, *, topic: str | None = None,
+                      partition: int = -1, offset: int = -1) -> asyncio.Future[Any] | None:
+        """Deliver the finding of one record to every sink, or send the record to the
+        dead-letter topic when it is no valid finding and return that letter's delivery,
+        which the caller awaits before it commits past the record."""
         try:
             finding = self._decode(raw, record_key)
         except edge.Rejected as error:
-            self.refusals.note(edge.kind_of(error), "skipping a record that is no finding: %s",
-                               edge.reason(error))
-            return
+            source = topic or topics.FINDINGS.name(self.settings)
+            why = edge.reason(error)
+            self.refusals.note(edge.kind_of(error),
+                               "record at %s[%d]@%d is no finding, to the dead-letter topic: %s",
+                               source, partition, offset, why)
+            letter = edge.dead_letter(source, partition, offset, record_key, raw, why)
+            delivery: asyncio.Future[Any] = await producer.send(
+                topics.DEADLETTER.name(self.settings), self._encode(letter),
+                key=source.encode())
+            self.metrics.dead_letters.labels(source, edge.kind_of(error)).inc()
+            return delivery
         key = (finding.id, finding.state)
         if key in self.seen:
-            return
+            return None
         self.seen.add(key)
         self.metrics.findings.labels(finding.kind, finding.severity, finding.state).inc()
         self._open.observe(finding.id, finding.kind, finding.severity, finding.state,
@@ -132,3 +162,4 @@ class FindingsConsumer:
             self.on_finding(finding)
         for sink in self.sinks:
             await sink.deliver(finding)
+        return None
