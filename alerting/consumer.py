@@ -22,10 +22,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import msgspec
-from aiokafka import AIOKafkaProducer
 from rich.console import Console
 
 from gpusteward import edge, kafka, topics
@@ -97,26 +96,24 @@ class FindingsConsumer:
         server = serve(self.metrics.registry, port, self.settings.metrics.addr) if port else None
         records_in = self.metrics.records_in.labels(topic)
         processing = self.metrics.processing.labels("alerting")
+        deliveries = kafka.Deliveries(producer)
         await producer.start()
         await consumer.start()
         try:
             while not stop.is_set():
                 batch = await consumer.getmany(timeout_ms=200)
-                dead_letters: list[asyncio.Future[Any]] = []
                 for messages in batch.values():
                     for message in messages:
                         started = time.perf_counter()
                         records_in.inc()
-                        delivery = await self._handle(
-                            producer, message.value, message.key, topic=message.topic,
-                            partition=message.partition, offset=message.offset)
-                        if delivery is not None:
-                            dead_letters.append(delivery)
+                        await self._handle(deliveries, message.value, message.key,
+                                           topic=message.topic, partition=message.partition,
+                                           offset=message.offset)
                         processing.observe(time.perf_counter() - started)
                 if batch:
                     # The dead letters are on the broker before the offsets move past their
                     # records; one the broker refused raises here and nothing is committed.
-                    await asyncio.gather(*dead_letters)
+                    await deliveries.delivered()
                     await consumer.commit()
                 await observe_lag(self.metrics, consumer, self.group_id)
                 for sink in self.sinks:
@@ -131,12 +128,12 @@ class FindingsConsumer:
                 if isinstance(sink, RefreshingSink):
                     await sink.close()
 
-    async def _handle(self, producer: AIOKafkaProducer, raw: bytes | None,
+    async def _handle(self, producer: kafka.Sender, raw: bytes | None,
                       record_key: bytes | None = None, *, topic: str | None = None,
-                      partition: int = -1, offset: int = -1) -> asyncio.Future[Any] | None:
+                      partition: int = -1, offset: int = -1) -> None:
         """Deliver the finding of one record to every sink, or send the record to the
-        dead-letter topic when it is no valid finding and return that letter's delivery,
-        which the caller awaits before it commits past the record."""
+        dead-letter topic when it is no valid finding (the caller awaits its delivery
+        before it commits past the record)."""
         try:
             finding = self._decode(raw, record_key)
         except edge.Rejected as error:
@@ -146,14 +143,13 @@ class FindingsConsumer:
                                "record at %s[%d]@%d is no finding, to the dead-letter topic: %s",
                                source, partition, offset, why)
             letter = edge.dead_letter(source, partition, offset, record_key, raw, why)
-            delivery: asyncio.Future[Any] = await producer.send(
-                topics.DEADLETTER.name(self.settings), self._encode(letter),
-                key=source.encode())
+            await producer.send(topics.DEADLETTER.name(self.settings), self._encode(letter),
+                                key=source.encode())
             self.metrics.dead_letters.labels(source, edge.kind_of(error)).inc()
-            return delivery
+            return
         key = (finding.id, finding.state)
         if key in self.seen:
-            return None
+            return
         self.seen.add(key)
         self.metrics.findings.labels(finding.kind, finding.severity, finding.state).inc()
         self._open.observe(finding.id, finding.kind, finding.severity, finding.state,
@@ -162,4 +158,3 @@ class FindingsConsumer:
             self.on_finding(finding)
         for sink in self.sinks:
             await sink.deliver(finding)
-        return None

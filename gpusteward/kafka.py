@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from typing import Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -124,6 +125,32 @@ def producer(settings: Settings, **overrides: object) -> AIOKafkaProducer:
                                   "partitioner": node_partitioner}
     options.update(overrides)
     return AIOKafkaProducer(**settings.kafka.aiokafka_config(), **options)
+
+
+class Sender(Protocol):
+    """What a consumer's record handling sends through: :class:`Deliveries` (or a test's
+    recorder)."""
+
+    async def send(self, topic: str, value: bytes, key: bytes | None = None) -> None: ...
+
+
+class Deliveries:
+    """Records a consumer sends for a batch, whose delivery it awaits before it commits past
+    the batch. ``producer.flush()`` waits for the batches sent but does not raise when one
+    was refused or timed out, so a commit after it could move past a record whose audit
+    record or dead letter never reached the broker."""
+
+    def __init__(self, producer: AIOKafkaProducer) -> None:
+        self.producer = producer
+        self._pending: list[asyncio.Future[object]] = []
+
+    async def send(self, topic: str, value: bytes, key: bytes | None = None) -> None:
+        self._pending.append(await self.producer.send(topic, value, key=key))
+
+    async def delivered(self) -> None:
+        """Wait for every record sent since the last call; raise the first failure."""
+        pending, self._pending = self._pending, []
+        await asyncio.gather(*pending)
 
 
 def consumer(

@@ -60,7 +60,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import msgspec
 from pydantic import Field, field_validator
@@ -85,9 +85,6 @@ from gpusteward.schema import (
     Subject,
 )
 from gpusteward.settings import Settings
-
-if TYPE_CHECKING:
-    from aiokafka import AIOKafkaProducer
 
 log = logging.getLogger(__name__)
 
@@ -572,6 +569,7 @@ class Executor:
         port = self.settings.metrics.port
         server = serve(self.metrics.registry, port, self.settings.metrics.addr) if port else None
         processing = self.metrics.processing.labels("remediation")
+        deliveries = kafka.Deliveries(producer)
         await producer.start()
         await consumer.start()
         try:
@@ -582,13 +580,14 @@ class Executor:
                     for message in messages:
                         started = time.perf_counter()
                         self.metrics.records_in.labels(tp.topic).inc()
-                        await self._handle(producer, message.value, key=message.key,
+                        await self._handle(deliveries, message.value, key=message.key,
                                            partition=tp.partition, offset=message.offset,
                                            topic=tp.topic)
                         processing.observe(time.perf_counter() - started)
                 if batch:
-                    # The audit records are on the broker before the offsets move on.
-                    await producer.flush()
+                    # The audit records and dead letters are on the broker before the offsets
+                    # move on: one the broker never took raises here, and nothing is committed.
+                    await deliveries.delivered()
                     await consumer.commit()
                 await observe_lag(self.metrics, consumer, self.group_id)
                 self.metrics.breaker_open.labels(self.group_id).set(int(self.breaker.open))
@@ -626,7 +625,7 @@ class Executor:
                     log.warning("circuit breaker reset: %s", result.detail)
                     self.breaker.reset()
 
-    async def _handle(self, producer: AIOKafkaProducer, raw: bytes | None, *,
+    async def _handle(self, producer: kafka.Sender, raw: bytes | None, *,
                       key: bytes | None = None, partition: int = -1, offset: int = -1,
                       topic: str | None = None) -> ActionResult | None:
         source = topic or topics.ACTIONS.name(self.settings)

@@ -9,8 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.errors import KafkaTimeoutError
 from rich.console import Console
 
+from gpusteward import kafka, topics
 from gpusteward.edge import Edge
 from gpusteward.remediation.executor import Executor, NoBackend, ReviewPrinter
 from gpusteward.schema import TEXT_MAX, Action, ActionResult, DeadLetter, Subject
@@ -80,3 +84,60 @@ def test_an_audit_record_of_the_longest_reason_stays_readable() -> None:
     assert result.outcome == "dry_run" and result.detail.endswith("more characters)")
     read_back = Edge[ActionResult](ActionResult)(msgspec.json.encode(result), b"k")
     assert read_back == result
+
+
+@pytest.mark.e2e
+def test_an_action_is_committed_past_only_once_its_audit_record_is_delivered(
+        settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """aiokafka's ``flush()`` does not raise for a record the broker never took: the
+    executor once committed past an action whose audit record was lost that way, so the
+    decision was neither audited nor taken again."""
+    asyncio.run(kafka.ensure_topics(settings))
+    action = Action(idempotency_key="f1/cordon", verb="cordon", target=Subject(node="gpu-1"),
+                    reason="ECC DBE on GPU-1", rule="ecc_dbe", finding_ids=["f1"], ts=1000.0)
+
+    async def publish() -> None:
+        producer = kafka.producer(settings)
+        await producer.start()
+        try:
+            await producer.send_and_wait(topics.ACTIONS.name(settings),
+                                         msgspec.json.encode(action), key=b"gpu-1")
+        finally:
+            await producer.stop()
+
+    asyncio.run(publish())
+    real_producer = kafka.producer
+
+    def refusing_producer(settings: Settings, **overrides: object) -> Any:
+        """A producer whose every record the broker never takes."""
+        producer = real_producer(settings, **overrides)
+
+        async def send(*_args: object, **_kwargs: object) -> asyncio.Future[None]:
+            failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            failed.set_exception(KafkaTimeoutError("the audit record was never taken"))
+            return failed
+
+        producer.send = send
+        return producer
+
+    monkeypatch.setattr(kafka, "producer", refusing_producer)
+    with pytest.raises(KafkaTimeoutError):
+        asyncio.run(asyncio.wait_for(
+            Executor(settings, NoBackend(), group_id="executor").run(asyncio.Event()), 60))
+    partition = TopicPartition(topics.ACTIONS.name(settings), 0)
+    assert asyncio.run(kafka.committed(settings, "executor", [partition])) == {partition: -1}
+
+    monkeypatch.undo()
+    stop = asyncio.Event()
+    decided: list[ActionResult] = []
+
+    def on_result(_action: Action, result: ActionResult) -> None:
+        decided.append(result)
+        stop.set()
+
+    asyncio.run(asyncio.wait_for(Executor(settings, NoBackend(), group_id="executor",
+                                          on_result=on_result).run(stop), 60))
+    assert [result.idempotency_key for result in decided] == ["f1/cordon"]
+    [record] = asyncio.run(kafka.read_all(settings, topics.ACTION_RESULTS.name(settings)))
+    audited = msgspec.json.decode(record.value or b"", type=ActionResult)
+    assert (audited.idempotency_key, audited.outcome) == ("f1/cordon", "dry_run")
