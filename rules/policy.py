@@ -25,7 +25,8 @@ every rule's defaults, which are also what the shipped ``policy.yaml`` says.
 Errors name the file, the line and the field (``policy.yaml:12:
 rules.idle_holder.window_s: Input should be greater than 0``): the YAML is
 composed into nodes that keep their position, and each validation error's
-location is walked down that tree.
+location is walked down that tree (:mod:`gpusteward.configfile`, shared with the
+simulated world's scenario files).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gpusteward.errors import ConfigError
+from gpusteward.configfile import ConfigFileError, Issue, compose, issues_of, line_of
 from gpusteward.rules import REGISTRY
 from gpusteward.rules.registry import (
     DeviceRunner,
@@ -115,27 +116,12 @@ class Resolved:
         return {name: model.model_dump(mode="json") for name, model in sorted(self.rules.items())}
 
 
-@dataclass(frozen=True)
-class PolicyIssue:
-    """One problem in a policy file, located."""
-
-    line: int | None
-    field: str
-    message: str
+PolicyIssue = Issue
+"""One problem in a policy file, located (the shared :class:`~gpusteward.configfile.Issue`)."""
 
 
-class PolicyError(ConfigError, ValueError):
+class PolicyError(ConfigFileError):
     """A policy file that cannot be used; ``issues`` locates every problem found."""
-
-    def __init__(self, origin: str, issues: list[PolicyIssue]) -> None:
-        self.origin = origin
-        self.issues = issues
-        super().__init__("\n".join(self.lines()))
-
-    def lines(self) -> list[str]:
-        """``FILE:LINE: field: message`` for every issue."""
-        return [f"{self.origin}:{i.line if i.line is not None else '?'}: {i.field or '<top>'}: "
-                f"{i.message}" for i in self.issues]
 
 
 def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -196,62 +182,15 @@ class Policy:
         return resolved
 
 
-def _key_node(node: yaml.Node, key: Any) -> tuple[yaml.Node | None, yaml.Node | None]:
-    """The key node and value node of ``key`` in a mapping node."""
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            if str(key_node.value) == str(key):
-                return key_node, value_node
-    return None, None
-
-
-def _line(root: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
-    """The 1-based line of the deepest node ``loc`` reaches in the composed YAML."""
-    if root is None:
-        return None
-    node: yaml.Node = root
-    line = node.start_mark.line + 1
-    for part in loc:
-        if part == "[key]":
-            return line
-        if isinstance(node, yaml.SequenceNode) and isinstance(part, int) \
-                and 0 <= part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-            continue
-        key_node, value_node = _key_node(node, part)
-        if key_node is None or value_node is None:
-            return line
-        line = key_node.start_mark.line + 1
-        node = value_node
-    return line
-
-
-def _issues(error: ValidationError, prefix: tuple[Any, ...],
-            root: yaml.Node | None) -> list[PolicyIssue]:
-    out = []
-    for detail in error.errors():
-        loc = prefix + tuple(detail["loc"])
-        name = ".".join(str(p) for p in loc if p != "[key]")
-        out.append(PolicyIssue(_line(root, loc), name, detail["msg"]))
-    return out
-
-
 def parse_policy(text: str, origin: str = "<policy>", registry: Registry = REGISTRY) -> Policy:
     """A policy from YAML text; :class:`PolicyError` lists every problem with its line."""
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as error:
-        mark = error.problem_mark
-        raise PolicyError(origin, [PolicyIssue(mark.line + 1 if mark else None, "",
-                                               f"not valid YAML: {error.problem}")]) from error
+    root, data = compose(text, origin, PolicyError)
     if data is None:
         data = {}
     try:
         shape = PolicyFile.model_validate(data)
     except ValidationError as error:
-        raise PolicyError(origin, _issues(error, (), root)) from error
+        raise PolicyError(origin, issues_of(error, root)) from error
     issues: list[PolicyIssue] = []
     defaults: dict[str, dict[str, Any]] = {}
     for name, body in shape.rules.items():
@@ -280,12 +219,12 @@ def _check_rule(registry: Registry, name: str, body: dict[str, Any], base: dict[
             why = f"a finding kind of rule {rule.name}; configure it under {rule.name}"
         else:
             why = f"not configured by the policy: {rule.describe()}"
-        issues.append(PolicyIssue(_line(root, loc), ".".join(loc), why))
+        issues.append(PolicyIssue(line_of(root, loc), ".".join(loc), why))
         return False
     try:
         model.model_validate(_deep_merge(_deep_merge(model().model_dump(), base), body))
     except ValidationError as error:
-        issues.extend(_issues(error, loc, root))
+        issues.extend(issues_of(error, root, loc))
         return False
     return True
 

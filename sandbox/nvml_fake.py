@@ -49,7 +49,9 @@ from pathlib import Path
 from typing import Any
 
 import pynvml
-import yaml
+
+from gpusteward.configfile import Issue, compose, line_of, read_text
+from gpusteward.sandbox.simulator.scenario import ScenarioError
 
 # Calls a MIG device handle answers; NVML reports the rest at GPU level.
 _MIG_HANDLE_CALLS = frozenset({
@@ -172,7 +174,7 @@ class FakeNvml:
 
     def __init__(self, description: Mapping[str, Any]) -> None:
         self.driver_version = str(description.get("driver_version", "550.54.15"))
-        self.gpus = [_gpu(i, spec) for i, spec in enumerate(description.get("gpus", []))]
+        self.gpus = _gpus(description.get("gpus", []))
         self._faults: list[dict[str, Any]] = list(description.get("faults", []))
         self.current_step = 0
         self.initialised = False
@@ -194,8 +196,27 @@ class FakeNvml:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> FakeNvml:
-        with open(path) as f:
-            return cls(yaml.safe_load(f))
+        """The fake a YAML description file sets up; a :class:`ScenarioError` says what is
+        wrong in it as ``FILE:LINE: field: message``, as for a scenario file."""
+        origin = str(path)
+        root, description = compose(read_text(path, ScenarioError), origin, ScenarioError)
+        shape = {"driver_version": str, "gpus": list, "faults": list}
+        if not isinstance(description, dict):
+            raise ScenarioError(origin, [Issue(line_of(root, ()) or 1, "", (
+                "a fake NVML description is a mapping of " + ", ".join(shape)))])
+        issues = [Issue(line_of(root, (key,)), str(key), f"unknown field; known: "
+                                                          f"{', '.join(shape)}")
+                  for key in description if key not in shape]
+        issues += [Issue(line_of(root, (key,)), key, f"should be a {kind.__name__}")
+                   for key, kind in shape.items()
+                   if key in description and not isinstance(description[key], kind)]
+        if issues:
+            raise ScenarioError(origin, issues)
+        try:
+            return cls(description)
+        except _BadGpu as error:
+            raise ScenarioError(origin, [Issue(line_of(root, ("gpus", error.index)),
+                                               f"gpus.{error.index}", str(error))]) from error
 
     # --- faults ---------------------------------------------------------
 
@@ -611,6 +632,24 @@ def _bytes(value: Any) -> int:
             raise ValueError(f"memory size {value!r}: write bytes or 'N GiB'")
         return int(float(match.group(1)) * (1 << 30))
     return int(value)
+
+
+class _BadGpu(ValueError):
+    """A GPU of a description that cannot be built; ``index`` says which."""
+
+    def __init__(self, index: int, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.index = index
+
+
+def _gpus(specs: list[Mapping[str, Any]]) -> list[FakeGpu]:
+    gpus = []
+    for index, spec in enumerate(specs):
+        try:
+            gpus.append(_gpu(index, spec))
+        except (TypeError, ValueError, AttributeError) as error:  # a hand-written typo
+            raise _BadGpu(index, error) from error
+    return gpus
 
 
 def _gpu(index: int, spec: Mapping[str, Any]) -> FakeGpu:

@@ -54,6 +54,41 @@ def test_a_bad_policy_file_is_one_line_too(tmp_path):
     assert line.startswith(f"error: {tmp_path / 'absent.yaml'}:") and "cannot read" in line
 
 
+SCENARIO_MISTAKES = {
+    "missing.yaml": None,
+    "syntax.yaml": "name: x\nusers: [a\n",
+    "empty.yaml": "",
+    "unknown.yaml": "name: x\nduration_s: 60\nnodes: [{prefix: a, count: 1}]\nusers: [a]\n"
+                    "seeds: 3\n",
+    "wrong.yaml": "name: x\nduration_s: soon\nnodes: [{prefix: a, count: 1}]\nusers: [a]\n",
+}
+"""Each file's mistake, and the first line of the error the user must see for it."""
+SCENARIO_SAYS = {
+    "missing.yaml": "missing.yaml:?: <top>: cannot read: ",
+    "syntax.yaml": "syntax.yaml:3: <top>: not valid YAML: ",
+    "empty.yaml": "empty.yaml:1: <top>: empty: a scenario needs at least name, duration_s,",
+    "unknown.yaml": "unknown.yaml:5: seeds: Extra inputs are not permitted",
+    "wrong.yaml": "wrong.yaml:2: duration_s: Input should be a valid number",
+}
+
+
+@pytest.mark.parametrize(("argv", "name"), [
+    *((["simulate"], name) for name in SCENARIO_MISTAKES),
+    (["demo", "--no-live", "--scenario"], "syntax.yaml"),
+    (["collect", "nvml", "--fake-nvml"], "missing.yaml"),
+    (["collect", "nvml", "--fake-nvml"], "syntax.yaml"),
+])
+def test_a_bad_scenario_file_is_file_line_field_without_a_traceback(tmp_path, argv, name):
+    text = SCENARIO_MISTAKES[name]
+    if text is not None:
+        (tmp_path / name).write_text(text)
+    result = gpusteward(tmp_path, *argv, name)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: {SCENARIO_SAYS[name]}")
+
+
 def test_a_group_check_names_the_group_and_never_prints_the_password(tmp_path):
     result = gpusteward(tmp_path, "alerts", GPUSTEWARD_KAFKA__SECURITY_PROTOCOL="SASL_SSL",
                         GPUSTEWARD_KAFKA__SASL_PASSWORD="s3cret-password")

@@ -5,6 +5,10 @@ users, workload groups (kind, GPUs, arrival, duration, a utilisation profile
 made of phases) and faults. Ranges ``[lo, hi]`` are drawn once per workload
 (durations) or per sample (utilisation) from the seeded generator, so one
 seed always gives the same run.
+
+A mistake in a file is reported as ``FILE:LINE: field: message``, as for the
+policy file (:mod:`gpusteward.configfile`), and an unknown field is a mistake:
+every model forbids extra keys, so a misspelt one is not silently ignored.
 """
 
 from __future__ import annotations
@@ -13,16 +17,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from gpusteward.errors import ConfigError
+from gpusteward.configfile import ConfigFileError, Issue, compose, issues_of, read_text
 
 Range = tuple[float, float]
 
 
 class NodeGroup(BaseModel):
     """``count`` identical nodes named ``{prefix}-1`` ... ``{prefix}-{count}``."""
+
+    model_config = ConfigDict(extra="forbid")
 
     prefix: str
     count: int = Field(ge=1)
@@ -46,6 +51,8 @@ class NodeGroup(BaseModel):
 class Phase(BaseModel):
     """A stretch of a workload's life with one activity level."""
 
+    model_config = ConfigDict(extra="forbid")
+
     for_s: Range | None = Field(
         None, description="How long the phase lasts (seconds); None = until the pod ends."
     )
@@ -54,6 +61,8 @@ class Phase(BaseModel):
 
 class WorkloadGroup(BaseModel):
     """``count`` workloads of one shape, handed to users round-robin."""
+
+    model_config = ConfigDict(extra="forbid")
 
     group: str
     count: int = Field(1, ge=1)
@@ -108,6 +117,8 @@ class Fault(BaseModel):
     GPU above its slowdown temperature, with the thermal clock-event bits, for ``for_s``.
     """
 
+    model_config = ConfigDict(extra="forbid")
+
     kind: FaultKind
     node: str
     gpu: int = 0
@@ -139,6 +150,8 @@ class Fault(BaseModel):
 
 class Scenario(BaseModel):
     """A whole simulated fleet story."""
+
+    model_config = ConfigDict(extra="forbid")
 
     name: str
     seed: int = 1
@@ -175,8 +188,9 @@ class Scenario(BaseModel):
         return self
 
 
-class ScenarioError(ConfigError, ValueError):
-    """A scenario file that cannot be used; the message names the file and field."""
+class ScenarioError(ConfigFileError):
+    """A scenario (or fake-NVML) file that cannot be used; ``issues`` locates every problem
+    found as ``FILE:LINE: field: message``."""
 
 
 def builtin_names() -> list[str]:
@@ -189,15 +203,25 @@ def load(name_or_path: str) -> Scenario:
     """A built-in scenario by name, or a scenario file by path."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
-        text, origin = path.read_text(), str(path)
+        text, origin = read_text(path, ScenarioError), str(path)
     else:
         resource = resources.files(__package__).joinpath("scenarios", f"{name_or_path}.yaml")
         if not resource.is_file():
-            raise ScenarioError(
-                f"no scenario {name_or_path!r}; built-in ones: {', '.join(builtin_names())}"
-            )
+            raise ScenarioError(name_or_path, [Issue(
+                None, "", f"neither a file nor a built-in scenario; built-in ones: "
+                f"{', '.join(builtin_names())}")])
         text, origin = resource.read_text(), f"built-in scenario {name_or_path}"
+    return parse(text, origin)
+
+
+def parse(text: str, origin: str = "<scenario>") -> Scenario:
+    """A scenario from YAML text; :class:`ScenarioError` lists every problem with its line."""
+    root, data = compose(text, origin, ScenarioError)
+    if data is None:
+        required = [name for name, info in Scenario.model_fields.items() if info.is_required()]
+        raise ScenarioError(origin, [Issue(1, "", f"empty: a scenario needs at least "
+                                                  f"{', '.join(required)}")])
     try:
-        return Scenario.model_validate(yaml.safe_load(text))
+        return Scenario.model_validate(data)
     except ValidationError as error:
-        raise ScenarioError(f"{origin}: {error}") from error
+        raise ScenarioError(origin, issues_of(error, root)) from error
