@@ -37,10 +37,17 @@ CRD would; for each:
   selects the pod allows no disruption, 500 when several select it, else the
   PDB's ``status.disruptionsAllowed`` goes down by one and the pod is deleted.
 - ``POST /apis/authorization.k8s.io/v1/selfsubjectaccessreviews`` (what
-  ``kubectl auth can-i`` asks): 201 with the review and its ``status``;
-  every request is allowed unless :meth:`KubeApiServer.deny` named its verb
-  on its resource, as an RBAC authorizer answers (denied: ``allowed`` false,
-  a ``reason``; nothing is stored).
+  ``kubectl auth can-i`` asks about the caller): 201 with the review and its
+  ``status``; every request is allowed unless :meth:`KubeApiServer.deny`
+  named its verb on its resource, as an RBAC authorizer answers (denied:
+  ``allowed`` false, a ``reason``; nothing is stored).
+- ``POST /apis/authorization.k8s.io/v1/subjectaccessreviews`` (what
+  ``kubectl auth can-i --as`` asks about another user): allowed only what
+  :meth:`KubeApiServer.grant` granted to the review's ``user`` or one of its
+  ``groups`` (RBAC denies what no rule allows); 403 Forbidden when the caller
+  is denied ``create subjectaccessreviews`` (``deny("create",
+  "subjectaccessreviews", "authorization.k8s.io")``), as RBAC answers a caller
+  without that grant.
 
 Selectors filter watch events on the object's new state (a real watch cache
 also sends DELETED when an object stops matching). Deliberate
@@ -139,7 +146,9 @@ RESOURCES: tuple[Resource, ...] = (
     Resource(KUBEFLOW_GROUP, "tfjobs", "TFJob", True, ("v1",)),
 )
 _BY_KIND = {(r.group, r.kind): r for r in RESOURCES}
-ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
+AUTHORIZATION_GROUP = "authorization.k8s.io"
+ACCESS_REVIEWS = f"/apis/{AUTHORIZATION_GROUP}/v1/selfsubjectaccessreviews"
+SUBJECT_ACCESS_REVIEWS = f"/apis/{AUTHORIZATION_GROUP}/v1/subjectaccessreviews"
 _BY_PLURAL = {(r.group, r.plural): r for r in RESOURCES}
 
 _PATH = re.compile(
@@ -403,7 +412,11 @@ class KubeApiServer:
         self._controllers: dict[tuple[str, str], list[Controller]] = {}
         self._continues: dict[str, tuple[int, list[Obj]]] = {}
         self.denied: set[tuple[str, str, str]] = set()
-        """(verb, group, resource[/subresource]) that access reviews answer as not allowed."""
+        """(verb, group, resource[/subresource]) that the caller's own access reviews answer
+        as not allowed."""
+        self.granted: dict[str, set[tuple[str, str, str]]] = {}
+        """User or group name -> (verb, group, resource[/subresource]) that
+        SubjectAccessReviews about it answer as allowed; nothing else is."""
         self._server = _QuietServer(("127.0.0.1", port), self._handler_class())
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -456,20 +469,47 @@ class KubeApiServer:
         subresource) in ``group`` as not allowed, as if RBAC lacked the rule."""
         self.denied.add((verb, group, resource))
 
-    def review_access(self, review: Obj) -> Obj:
-        """A SelfSubjectAccessReview with its ``status`` filled in, as the API server sends."""
+    def grant(self, subject: str, verb: str, resource: str, group: str = "") -> None:
+        """Answer SubjectAccessReviews of ``verb`` on ``resource`` (``pods/eviction`` for a
+        subresource) in ``group`` about ``subject`` (a user name such as
+        ``system:serviceaccount:<namespace>:<name>``, or a group) as allowed, as an RBAC
+        binding of that rule to it would."""
+        self.granted.setdefault(subject, set()).add((verb, group, resource))
+
+    @staticmethod
+    def _asked(review: Obj) -> tuple[str, str, str]:
         attributes = review.get("spec", {}).get("resourceAttributes") or {}
         resource = attributes.get("resource", "")
         if attributes.get("subresource"):
             resource = f"{resource}/{attributes['subresource']}"
-        key = (attributes.get("verb", ""), attributes.get("group", ""), resource)
-        status: Obj = {"allowed": key not in self.denied}
-        if not status["allowed"]:
+        return attributes.get("verb", ""), attributes.get("group", ""), resource
+
+    @staticmethod
+    def _answer(review: Obj, kind: str, allowed: bool) -> Obj:
+        status: Obj = {"allowed": allowed}
+        if not allowed:
             status["reason"] = "no RBAC rule of the double allows it"
-        return {**review, "apiVersion": "authorization.k8s.io/v1",
-                "kind": "SelfSubjectAccessReview",
+        return {**review, "apiVersion": f"{AUTHORIZATION_GROUP}/v1", "kind": kind,
                 "metadata": {**review.get("metadata", {}), "creationTimestamp": None},
                 "status": status}
+
+    def review_access(self, review: Obj) -> Obj:
+        """A SelfSubjectAccessReview with its ``status`` filled in, as the API server sends."""
+        return self._answer(review, "SelfSubjectAccessReview",
+                            self._asked(review) not in self.denied)
+
+    def review_subject_access(self, review: Obj) -> Obj:
+        """A SubjectAccessReview with its ``status`` filled in from :attr:`granted`."""
+        if ("create", AUTHORIZATION_GROUP, "subjectaccessreviews") in self.denied:
+            raise ApiError(403, "Forbidden", 'subjectaccessreviews.authorization.k8s.io is '
+                           'forbidden: User "double" cannot create resource '
+                           '"subjectaccessreviews" in API group "authorization.k8s.io" at the '
+                           "cluster scope")
+        spec = review.get("spec", {})
+        subjects = [spec.get("user", ""), *(spec.get("groups") or [])]
+        asked = self._asked(review)
+        return self._answer(review, "SubjectAccessReview",
+                            any(asked in self.granted.get(s, ()) for s in subjects))
 
     def load_dir(self, directory: Path) -> int:
         """Create every object of every ``*.json`` file (an object or a ``List``)."""
@@ -850,6 +890,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._discovery(path)
         if method == "POST" and path == ACCESS_REVIEWS:
             return 201, msgspec.json.encode(api.review_access(request.body or {}))
+        if method == "POST" and path == SUBJECT_ACCESS_REVIEWS:
+            return 201, msgspec.json.encode(api.review_subject_access(request.body or {}))
         match = _PATH.match(path)
         if match is None:
             raise ApiError(404, "NotFound", f"no route for {path}")

@@ -1,13 +1,15 @@
 """``gpusteward doctor`` against the sandbox (passes) and against a broken set-up (names each
-fault): the embedded broker, the API-server double answering access reviews, a real HTTP
-exporter serving the recorded dcgm-exporter page, a real unix socket, the policy loader."""
+fault): the embedded broker, the API-server double answering access reviews from the RBAC
+of deploy/'s manifests, a real HTTP exporter serving the recorded dcgm-exporter page, a real
+unix socket, the policy loader."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -16,14 +18,42 @@ from typer.testing import CliRunner
 from gpusteward import kafka
 from gpusteward.broker import free_port
 from gpusteward.cli import app
-from gpusteward.cli.doctor import NEEDS, Check, check_kafka, diagnose
-from gpusteward.sandbox.kube_api import KubeApiServer
+from gpusteward.cli.doctor import (
+    COMPONENTS,
+    NAMESPACE,
+    Check,
+    check_kafka,
+    check_rbac,
+    diagnose,
+    kube_client,
+    service_account_user,
+)
+from gpusteward.sandbox.kube_api import ACCESS_REVIEWS, SUBJECT_ACCESS_REVIEWS, KubeApiServer
 from gpusteward.settings import Settings
 from tests.collectors.conftest import RESEARCH, FakeExporter
 from tests.collectors.test_dcgm import STOCK_MISSING, with_every_family
+from tests.deploy.conftest import Rendered
 
 ROOT = Path(__file__).resolve().parents[1]
 STOCK_PAGE = (RESEARCH / "dcgm_exporter_metrics.txt").read_text()
+BASE_RBAC = ROOT / "deploy" / "base" / "rbac.yaml"
+EXECUTE_RBAC = ROOT / "deploy" / "components" / "remediation-execute" / "rbac.yaml"
+REMEDIATION_USER, _ = service_account_user(NAMESPACE, "gpusteward-remediation")
+
+
+def grant_as_deployed(api: KubeApiServer, *manifests: Path,
+                      leave_out: Iterable[tuple[str, str, str]] = ()) -> None:
+    """Let the double's SubjectAccessReviews answer what these RBAC manifests bind to each
+    service account, less ``leave_out`` ((group, resource, verb))."""
+    objects = [doc for path in manifests for doc in yaml.safe_load_all(path.read_text()) if doc]
+    for account, granted in Rendered("manifests", objects).grants().items():
+        user, _ = service_account_user(NAMESPACE, account)
+        for group, resource, verb in granted - set(leave_out):
+            api.grant(user, verb, resource, group)
+
+
+def subject_reviews(api: KubeApiServer) -> list[dict[str, Any]]:
+    return [r.body["spec"] for r in api.requests if r.path == SUBJECT_ACCESS_REVIEWS]
 
 
 @pytest.fixture
@@ -63,6 +93,7 @@ def test_doctor_passes_against_the_sandbox(
     assert before[0].ok and before[1].name == "kafka topics" and not before[1].ok
     assert f"{settings.topic_prefix}.findings" in before[1].detail
     asyncio.run(kafka.ensure_topics(settings))
+    grant_as_deployed(kube_api, BASE_RBAC)
     checks = asyncio.run(diagnose(
         settings, kubeconfig=str(kubeconfig), dcgm_url=full_exporter.url,
         kubelet_socket=kubelet_socket, policy=str(ROOT / "rules" / "policy.yaml")))
@@ -70,8 +101,16 @@ def test_doctor_passes_against_the_sandbox(
     assert [c.name for c in checks] == [
         "kafka", "kafka topics", "kubernetes", "rbac watcher", "rbac remediation",
         "dcgm-exporter", "kubelet socket", "policy"]
-    reviews = [r for r in kube_api.requests if r.path.endswith("selfsubjectaccessreviews")]
-    assert len(reviews) == sum(len(needs) for needs in NEEDS.values())
+    # Asked about each component's account (with the groups its token carries), never
+    # about the caller.
+    asked = subject_reviews(kube_api)
+    assert len(asked) == len(COMPONENTS["watcher"].needs) + len(
+        COMPONENTS["remediation"].needs)
+    assert {(spec["user"], tuple(spec["groups"])) for spec in asked} == {
+        (f"system:serviceaccount:gpusteward:gpusteward-{name}",
+         ("system:serviceaccounts", "system:serviceaccounts:gpusteward"))
+        for name in ("watcher", "remediation")}
+    assert not [r for r in kube_api.requests if r.path == ACCESS_REVIEWS]
 
 
 def test_doctor_names_each_fault_of_a_broken_setup(
@@ -80,7 +119,7 @@ def test_doctor_names_each_fault_of_a_broken_setup(
     nowhere = f"127.0.0.1:{free_port()}"
     wrong = settings.model_copy(update={"kafka": settings.kafka.model_copy(
         update={"bootstrap_servers": nowhere})})
-    kube_api.deny("create", "pods/eviction")
+    grant_as_deployed(kube_api, BASE_RBAC, leave_out={("", "pods/eviction", "create")})
     bad_policy = tmp_path / "policy.yaml"
     bad_policy.write_text("rules:\n  idle_holder:\n    window_s: -1\n")
     checks = asyncio.run(diagnose(
@@ -90,12 +129,91 @@ def test_doctor_names_each_fault_of_a_broken_setup(
     assert set(faults) == {"kafka", "rbac remediation", "dcgm-exporter", "kubelet socket",
                            "policy"}
     assert f"no broker answers at {nowhere}" in faults["kafka"]
-    assert faults["rbac remediation"].startswith("denied: create pods/eviction;")
+    assert faults["rbac remediation"].startswith(
+        f"denied to {REMEDIATION_USER}: create pods/eviction; grant them to "
+        "gpusteward-remediation in gpusteward (deploy/base/rbac.yaml)")
     assert faults["dcgm-exporter"].startswith("counters off: ")
     for family in STOCK_MISSING:
         assert f"{family} (" in faults["dcgm-exporter"], family
     assert "absent.sock: No such file or directory" in faults["kubelet socket"]
     assert "window_s" in faults["policy"]
+
+
+def test_the_service_accounts_permissions_decide_not_the_callers(
+        kubeconfig: Path, kube_api: KubeApiServer) -> None:
+    client = kube_client(str(kubeconfig))
+    # A caller allowed everything (an admin's laptop) learns what the account lacks.
+    grant_as_deployed(kube_api, BASE_RBAC, leave_out={("kueue.x-k8s.io", "workloads",
+                                                       "patch")})
+    lacking = check_rbac(client, "remediation", 5)
+    assert not lacking.ok
+    assert lacking.detail.startswith(f"denied to {REMEDIATION_USER}: patch "
+                                     "workloads.kueue.x-k8s.io;")
+    # A caller denied everything still sees the account's grants.
+    for need in COMPONENTS["watcher"].needs:
+        kube_api.deny(need.verb, need.resource, need.group)
+    watcher = check_rbac(client, "watcher", 5)
+    assert watcher.ok, watcher.detail
+    assert watcher.detail == (f"all {len(COMPONENTS['watcher'].needs)} verbs allowed to "
+                              "system:serviceaccount:gpusteward:gpusteward-watcher")
+
+
+def test_the_shipped_dry_run_lacks_what_acting_needs(
+        kubeconfig: Path, kube_api: KubeApiServer) -> None:
+    client = kube_client(str(kubeconfig))
+    grant_as_deployed(kube_api, BASE_RBAC)
+    assert check_rbac(client, "remediation", 5).ok
+    execute = check_rbac(client, "remediation-execute", 5)
+    assert not execute.ok
+    denied = execute.detail.split(": ", 1)[1].split("; ")[0].split(", ")
+    assert denied[:3] == ["get nodes", "list nodes", "get pods"]
+    assert "delete pods" in denied and "create events" in denied
+    assert "patch nodes" not in denied  # the base role grants it
+    assert execute.detail.endswith("(deploy/base/rbac.yaml and "
+                                   "deploy/components/remediation-execute)")
+    grant_as_deployed(kube_api, BASE_RBAC, EXECUTE_RBAC)
+    assert check_rbac(client, "remediation-execute", 5).ok
+
+
+def test_a_caller_that_may_not_ask_about_others_is_told_it_checked_itself(
+        kubeconfig: Path, kube_api: KubeApiServer) -> None:
+    """In the component's own pod: its account may not create SubjectAccessReviews, so doctor
+    says so and checks the caller (that account) by SelfSubjectAccessReview."""
+    kube_api.deny("create", "subjectaccessreviews", "authorization.k8s.io")
+    kube_api.deny("create", "pods/eviction")
+    client = kube_client(str(kubeconfig))
+    said = (f"you may not create subjectaccessreviews.authorization.k8s.io to ask about "
+            f"{REMEDIATION_USER}, so this checked your own permissions "
+            "(SelfSubjectAccessReview), which are its only when run as it: ")
+    remediation = check_rbac(client, "remediation", 5)
+    assert not remediation.ok
+    assert remediation.detail.startswith(f"{said}denied to you: create pods/eviction; ")
+    kube_api.requests.clear()
+    execute = check_rbac(client, "remediation-execute", 5)
+    assert not execute.ok and "denied to you: create pods/eviction; " in execute.detail
+    reviews = [r for r in kube_api.requests if r.path == ACCESS_REVIEWS]
+    assert len(reviews) == len(COMPONENTS["remediation-execute"].needs)
+    watcher = check_rbac(client, "watcher", 5)
+    assert watcher.ok and watcher.detail.endswith("verbs allowed to you")
+
+
+def test_the_command_checks_the_accounts_of_the_namespace_given(
+        kubeconfig: Path, kube_api: KubeApiServer) -> None:
+    result = CliRunner().invoke(app, [
+        "doctor", "--skip", "kafka", "--skip", "policy", "--kubeconfig", str(kubeconfig),
+        "--namespace", "team-gpu", "--component", "remediation-execute"])
+    assert result.exit_code == 1, result.output
+    assert ("FAIL  rbac remediation-execute: denied to "
+            "system:serviceaccount:team-gpu:gpusteward-remediation: patch nodes, ") in (
+                result.output)
+    assert "grant them to gpusteward-remediation in team-gpu" in result.output
+    assert {tuple(spec["groups"]) for spec in subject_reviews(kube_api)} == {
+        ("system:serviceaccounts", "system:serviceaccounts:team-gpu")}
+    unknown = CliRunner().invoke(app, ["doctor", "--component", "remediation-dry-run"])
+    assert unknown.exit_code == 2
+    said = " ".join(unknown.output.replace("│", " ").split())  # unwrapped from its box
+    assert ("unknown: remediation-dry-run (components: watcher, remediation, "
+            "remediation-execute;") in said
 
 
 def test_the_command_exits_non_zero_and_says_what_to_fix(tmp_path: Path) -> None:
@@ -108,19 +226,3 @@ def test_the_command_exits_non_zero_and_says_what_to_fix(tmp_path: Path) -> None
     assert lines[1].startswith("FAIL  kubelet socket: ")
     assert lines[2] == "ok    policy: no file named: the defaults"
     assert "2 fault(s): kafka, kubelet socket" in result.output
-
-
-def test_the_rbac_it_checks_is_what_deploy_grants() -> None:
-    roles = {"gpusteward-watcher": "watcher", "gpusteward-remediation": "remediation",
-             "gpusteward-remediation-execute": "remediation"}
-    granted: dict[str, set[str]] = {"watcher": set(), "remediation": set()}
-    for path in (ROOT / "deploy" / "base" / "rbac.yaml",
-                 ROOT / "deploy" / "components" / "remediation-execute" / "rbac.yaml"):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc and doc["kind"] == "ClusterRole":
-                for rule in doc["rules"]:
-                    granted[roles[doc["metadata"]["name"]]] |= {
-                        f"{verb} {resource}" + (f".{group}" if group else "")
-                        for verb in rule["verbs"] for resource in rule["resources"]
-                        for group in rule["apiGroups"]}
-    assert {name: {str(p) for p in needs} for name, needs in NEEDS.items()} == granted

@@ -7,11 +7,13 @@ the hardware rules stay silent, the NVML collector finds no kubelet socket, a
 policy typo stops the worker. Each check here is one small function that
 returns a :class:`Check` (name, ok, what was found or what to fix), asking
 the real thing the way the process will: the Kafka admin client and the
-topic contract, SelfSubjectAccessReviews through the official Kubernetes
-client (what ``kubectl auth can-i`` asks), dcgm-exporter's page through the
-dcgm collector's own source and field coverage, the policy through the
-worker's loader. The command prints one line per check and exits 1 when any
-failed, so a script or an init container can gate on it.
+topic contract, SubjectAccessReviews about each component's service account
+through the official Kubernetes client (what ``kubectl auth can-i --as``
+asks: the permissions of whoever runs doctor are not the component's),
+dcgm-exporter's page through the dcgm collector's own source and field
+coverage, the policy through the worker's loader. The command prints one
+line per check and exits 1 when any failed, so a script or an init container
+can gate on it.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Check(NamedTuple):
 
 @dataclass(frozen=True)
 class Permission:
-    """One RBAC verb on one resource, as a SelfSubjectAccessReview asks it."""
+    """One RBAC verb on one resource, as an access review asks it."""
 
     verb: str
     resource: str
@@ -54,34 +56,60 @@ class Permission:
 
 
 def _perms(verbs: str, resource: str, group: str = "", subresource: str | None = None
-           ) -> list[Permission]:
-    return [Permission(v, resource, group, subresource) for v in verbs.split()]
+           ) -> tuple[Permission, ...]:
+    return tuple(Permission(v, resource, group, subresource) for v in verbs.split())
+
+
+@dataclass(frozen=True)
+class Component:
+    """Who a component runs as in deploy/, and what it needs of the Kubernetes API there."""
+
+    service_account: str
+    """The ServiceAccount its workload runs as (deploy/base/rbac.yaml)."""
+    needs: tuple[Permission, ...]
+    granted_in: str
+    """The manifests that grant ``needs``: where to look when one is denied."""
 
 
 KUEUE = "kueue.x-k8s.io"
-NEEDS: dict[str, tuple[Permission, ...]] = {
-    # deploy/base/rbac.yaml, ClusterRole gpusteward-watcher: it lists and watches.
-    # The gang kinds are watched only where their CRDs are installed, but granted always.
-    "watcher": (*_perms("get list watch", "pods"), *_perms("get list watch", "nodes"),
-                *_perms("get list watch", "workloads", KUEUE),
-                *_perms("get list watch", "localqueues", KUEUE),
-                *_perms("get list watch", "podgroups", "scheduling.x-k8s.io"),
-                *_perms("get list watch", "podgroups", "scheduling.volcano.sh"),
-                *_perms("get list watch", "jobsets", "jobset.x-k8s.io"),
-                *(p for kind in ("pytorchjobs", "mpijobs", "tfjobs")
-                  for p in _perms("get list watch", kind, "kubeflow.org"))),
-    # deploy/base/rbac.yaml gpusteward-remediation plus the remediation-execute component:
-    # every verb of remediation/kubernetes.py (its module docstring lists them by action).
-    "remediation": (*_perms("get list patch", "nodes"), *_perms("get list patch delete", "pods"),
-                    *_perms("create", "pods", subresource="eviction"),
-                    *_perms("create", "events"), *_perms("get patch", "workloads", KUEUE),
-                    *_perms("get", "replicasets", "apps"),
-                    *_perms("get patch", "deployments", "apps"),
-                    *_perms("get patch", "statefulsets", "apps"),
-                    *_perms("get patch", "notebooks", "kubeflow.org")),
+RBAC = "deploy/base/rbac.yaml"
+NAMESPACE = "gpusteward"
+"""The namespace deploy/base puts every component in (its kustomization's ``namespace``)."""
+
+# ClusterRole gpusteward-watcher: it lists and watches. The gang kinds are watched only
+# where their CRDs are installed, but granted always.
+WATCHER_NEEDS = (*_perms("get list watch", "pods"), *_perms("get list watch", "nodes"),
+                 *_perms("get list watch", "workloads", KUEUE),
+                 *_perms("get list watch", "localqueues", KUEUE),
+                 *_perms("get list watch", "podgroups", "scheduling.x-k8s.io"),
+                 *_perms("get list watch", "podgroups", "scheduling.volcano.sh"),
+                 *_perms("get list watch", "jobsets", "jobset.x-k8s.io"),
+                 *(p for kind in ("pytorchjobs", "mpijobs", "tfjobs")
+                   for p in _perms("get list watch", kind, "kubeflow.org")))
+# ClusterRole gpusteward-remediation: what the shipped (dry-run) deployment is granted.
+DRY_RUN_NEEDS = (*_perms("patch", "nodes"), *_perms("create", "pods", subresource="eviction"),
+                 *_perms("patch", "workloads", KUEUE))
+# ClusterRole gpusteward-remediation-execute, which the remediation-execute component adds
+# for `act --execute`: the rest of remediation/kubernetes.py's verbs (its module docstring
+# lists them by action).
+EXECUTE_EXTRA_NEEDS = (*_perms("get list", "nodes"), *_perms("get list patch delete", "pods"),
+                       *_perms("create", "events"), *_perms("get", "workloads", KUEUE),
+                       *_perms("get", "replicasets", "apps"),
+                       *_perms("get patch", "deployments", "apps"),
+                       *_perms("get patch", "statefulsets", "apps"),
+                       *_perms("get patch", "notebooks", "kubeflow.org"))
+
+COMPONENTS: dict[str, Component] = {
+    "watcher": Component("gpusteward-watcher", WATCHER_NEEDS, RBAC),
+    "remediation": Component("gpusteward-remediation", DRY_RUN_NEEDS, RBAC),
+    "remediation-execute": Component(
+        "gpusteward-remediation", DRY_RUN_NEEDS + EXECUTE_EXTRA_NEEDS,
+        f"{RBAC} and deploy/components/remediation-execute"),
 }
-"""The Kubernetes permissions each component needs; a test keeps them equal to deploy/'s
-ClusterRoles."""
+"""Whose RBAC ``--component`` can check: ``remediation`` is the shipped dry run,
+``remediation-execute`` the same account once the remediation-execute component lets it
+act. tests/deploy/test_rbac.py keeps each equal to what the rendered manifests grant."""
+DEFAULT_COMPONENTS = ("watcher", "remediation")
 
 CHECKS = ("kafka", "kube", "dcgm", "kubelet", "policy")
 
@@ -134,30 +162,86 @@ def check_kube_access(client: Any, timeout_s: float) -> Check:
     return Check("kubernetes", True, f"API server {version} answers")
 
 
-def check_rbac(client: Any, component: str, timeout_s: float) -> Check:
-    """Every permission ``component`` needs is allowed, by SelfSubjectAccessReview."""
+def service_account_user(namespace: str, name: str) -> tuple[str, list[str]]:
+    """The user name and groups the API server authenticates a ServiceAccount's token as."""
+    return (f"system:serviceaccount:{namespace}:{name}",
+            ["system:serviceaccounts", f"system:serviceaccounts:{namespace}"])
+
+
+def _attributes(need: Permission) -> Any:
     from kubernetes import client as k8s
 
-    authz = k8s.AuthorizationV1Api(client)
-    denied: list[Permission] = []
-    for need in NEEDS[component]:
-        review = k8s.V1SelfSubjectAccessReview(spec=k8s.V1SelfSubjectAccessReviewSpec(
-            resource_attributes=k8s.V1ResourceAttributes(
-                verb=need.verb, resource=need.resource, group=need.group,
-                subresource=need.subresource)))
-        try:
-            answer = authz.create_self_subject_access_review(review, _request_timeout=timeout_s)
-        except Exception as error:  # reported as the check's failure
-            return Check(f"rbac {component}", False, f"cannot ask the API server about "
-                         f"{need} ({_cut(error)})")
+    # No namespace: every namespace, which is what deploy/'s ClusterRoleBindings grant and
+    # what the watcher lists.
+    return k8s.V1ResourceAttributes(verb=need.verb, resource=need.resource, group=need.group,
+                                    subresource=need.subresource)
+
+
+def _subject_denied(authz: Any, user: str, groups: list[str], needs: Iterable[Permission],
+                    timeout_s: float) -> list[Permission]:
+    """What SubjectAccessReviews say ``user`` may not do, of ``needs``."""
+    from kubernetes import client as k8s
+
+    denied = []
+    for need in needs:
+        review = k8s.V1SubjectAccessReview(spec=k8s.V1SubjectAccessReviewSpec(
+            user=user, groups=groups, resource_attributes=_attributes(need)))
+        answer = authz.create_subject_access_review(review, _request_timeout=timeout_s)
         if answer.status is None or not answer.status.allowed:
             denied.append(need)
+    return denied
+
+
+def _self_denied(authz: Any, needs: Iterable[Permission], timeout_s: float
+                 ) -> list[Permission]:
+    """What SelfSubjectAccessReviews say the caller may not do, of ``needs``."""
+    from kubernetes import client as k8s
+
+    denied = []
+    for need in needs:
+        review = k8s.V1SelfSubjectAccessReview(spec=k8s.V1SelfSubjectAccessReviewSpec(
+            resource_attributes=_attributes(need)))
+        answer = authz.create_self_subject_access_review(review, _request_timeout=timeout_s)
+        if answer.status is None or not answer.status.allowed:
+            denied.append(need)
+    return denied
+
+
+def check_rbac(client: Any, component: str, timeout_s: float,
+               namespace: str = NAMESPACE) -> Check:
+    """Every permission ``component`` needs is allowed to its service account in
+    ``namespace``, by SubjectAccessReview; where the caller may not ask about others (a
+    403), to the caller, by SelfSubjectAccessReview, and the verdict says so."""
+    from kubernetes import client as k8s
+    from kubernetes.client.exceptions import ApiException
+
+    wanted = COMPONENTS[component]
+    name = f"rbac {component}"
+    user, groups = service_account_user(namespace, wanted.service_account)
+    authz = k8s.AuthorizationV1Api(client)
+    who, note = user, ""
+    try:
+        denied = _subject_denied(authz, user, groups, wanted.needs, timeout_s)
+    except ApiException as error:
+        if error.status != 403:
+            return Check(name, False, f"cannot ask the API server about {user} "
+                         f"({_cut(error)})")
+        # Run in the component's own pod, whose account may not ask about others, the
+        # caller is that account: its own permissions are then the ones that matter.
+        who, note = "you", (f"you may not create subjectaccessreviews.authorization.k8s.io "
+                            f"to ask about {user}, so this checked your own permissions "
+                            "(SelfSubjectAccessReview), which are its only when run as it: ")
+        try:
+            denied = _self_denied(authz, wanted.needs, timeout_s)
+        except Exception as error:  # reported as the check's failure
+            return Check(name, False, f"{note}cannot ask the API server ({_cut(error)})")
+    except Exception as error:  # reported as the check's failure
+        return Check(name, False, f"cannot ask the API server about {user} ({_cut(error)})")
     if denied:
-        return Check(f"rbac {component}", False, f"denied: {', '.join(map(str, denied))}; "
-                     f"grant them to the {component}'s service account (deploy/base/rbac.yaml"
-                     + (", deploy/components/remediation-execute" if component == "remediation"
-                        else "") + ")")
-    return Check(f"rbac {component}", True, f"all {len(NEEDS[component])} verbs allowed")
+        return Check(name, False, f"{note}denied to {who}: {', '.join(map(str, denied))}; "
+                     f"grant them to {wanted.service_account} in {namespace} "
+                     f"({wanted.granted_in})")
+    return Check(name, True, f"{note}all {len(wanted.needs)} verbs allowed to {who}")
 
 
 async def check_dcgm(url: str, timeout_s: float) -> Check:
@@ -216,7 +300,8 @@ def check_policy(path: str | None) -> Check:
 
 
 async def diagnose(settings: Settings, *, kubeconfig: str | None = None,
-                   components: Iterable[str] = tuple(NEEDS), dcgm_url: str | None = None,
+                   components: Iterable[str] = DEFAULT_COMPONENTS, namespace: str = NAMESPACE,
+                   dcgm_url: str | None = None,
                    kubelet_socket: str | None = None, policy: str | None = None,
                    skip: Iterable[str] = (), timeout_s: float = 5.0) -> list[Check]:
     """Every check not skipped, in the order a first run meets them."""
@@ -236,7 +321,7 @@ async def diagnose(settings: Settings, *, kubeconfig: str | None = None,
             if access.ok:
                 for component in components:
                     found.append(await asyncio.to_thread(check_rbac, client, component,
-                                                         timeout_s))
+                                                         timeout_s, namespace))
     if "dcgm" not in skipped and dcgm_url:
         found.append(await check_dcgm(dcgm_url, timeout_s))
     if "kubelet" not in skipped and kubelet_socket:
@@ -257,8 +342,12 @@ def doctor(
         envvar="GPUSTEWARD_KUBE__KUBECONFIG",
         help="Kubeconfig; none: in-cluster, else ~/.kube/config.")] = None,
     component: Annotated[list[str] | None, typer.Option(
-        "--component", help="Whose RBAC to check: watcher, remediation (repeat; default "
-        "both).")] = None,
+        "--component", help="Whose RBAC to check, asked about its service account: "
+        "watcher, remediation (the dry run), remediation-execute (with the "
+        "remediation-execute component); repeat; default watcher and remediation.")] = None,
+    namespace: Annotated[str, typer.Option(
+        "--namespace", help="The namespace the components' service accounts are in.")
+    ] = NAMESPACE,
     dcgm_url: Annotated[str | None, typer.Option(
         envvar="GPUSTEWARD_COLLECT__DCGM_URL",
         help="dcgm-exporter's /metrics to check for the counters the rules need.")] = None,
@@ -274,16 +363,16 @@ def doctor(
 ) -> None:
     """Check Kafka and its topics, Kubernetes access and RBAC, dcgm-exporter's counters, the
     kubelet socket and the policy file; say what to fix, exit 1 on any fault."""
-    components = component or list(NEEDS)
-    unknown = sorted(set(components) - set(NEEDS)) + sorted(set(skip or ()) - set(CHECKS))
+    components = component or list(DEFAULT_COMPONENTS)
+    unknown = sorted(set(components) - set(COMPONENTS)) + sorted(set(skip or ()) - set(CHECKS))
     if unknown:
         raise typer.BadParameter(f"unknown: {', '.join(unknown)} (components: "
-                                 f"{', '.join(NEEDS)}; checks: {', '.join(CHECKS)})")
+                                 f"{', '.join(COMPONENTS)}; checks: {', '.join(CHECKS)})")
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # the verdict says it once
     checks = asyncio.run(diagnose(
         kafka_settings(bootstrap), kubeconfig=kubeconfig, components=components,
-        dcgm_url=dcgm_url, kubelet_socket=kubelet_socket, policy=policy, skip=skip or (),
-        timeout_s=timeout_s))
+        namespace=namespace, dcgm_url=dcgm_url, kubelet_socket=kubelet_socket, policy=policy,
+        skip=skip or (), timeout_s=timeout_s))
     for check in checks:
         typer.echo(f"{'ok  ' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
     faults = [c.name for c in checks if not c.ok]

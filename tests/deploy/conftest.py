@@ -73,6 +73,36 @@ class Rendered:
         assert len(matches) == 1, f"{self.variant}: expected one {component} workload"
         return matches[0]
 
+    def grants(self) -> dict[str, set[tuple[str, str, str]]]:
+        """ServiceAccount name -> every (group, resource, verb) its bindings grant.
+
+        Every subject must be a ServiceAccount in the namespace ``gpusteward``, and no
+        rule may name resources or non-resource URLs.
+        """
+        roles = {
+            (role["kind"], role["metadata"].get("namespace"), role["metadata"]["name"]): role
+            for role in self.kind("Role") + self.kind("ClusterRole")
+        }
+        granted: dict[str, set[tuple[str, str, str]]] = {}
+        for binding in self.kind("RoleBinding") + self.kind("ClusterRoleBinding"):
+            ref = binding["roleRef"]
+            scope = binding["metadata"].get("namespace") if ref["kind"] == "Role" else None
+            role = roles[(ref["kind"], scope, ref["name"])]
+            triples = {
+                (group, resource, verb)
+                for rule in role["rules"]
+                for group in rule.get("apiGroups", [])
+                for resource in rule.get("resources", [])
+                for verb in rule["verbs"]
+            }
+            for rule in role["rules"]:
+                assert "resourceNames" not in rule and "nonResourceURLs" not in rule, rule
+            for subject in binding["subjects"]:
+                assert subject["kind"] == "ServiceAccount", subject
+                assert subject["namespace"] == "gpusteward", subject
+                granted.setdefault(subject["name"], set()).update(triples)
+        return granted
+
     @staticmethod
     def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
         spec = workload["spec"]

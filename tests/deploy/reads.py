@@ -97,6 +97,8 @@ READS: dict[tuple[str, ...], tuple[Model | str, ...]] = {
         model(CollectSettings, *(s for s in _SOURCES if s not in (
             "prometheus_url", "prometheus_nodes", "pod_labels")))),
     ("simulate",): (model(Settings, *_SERVING),),
+    # doctor(): kafka_settings(); what else it checks, it takes from its options' envvars.
+    ("doctor",): (model(Settings, *_SERVING),),
     ("broker",): (),
 }
 

@@ -21,6 +21,7 @@ import pytest
 
 from gpusteward.settings import Settings
 from tests.deploy.conftest import REPO
+from tests.deploy.reads import read_by
 
 pytestmark = pytest.mark.deploy
 
@@ -212,16 +213,20 @@ def test_dcgm_component_swaps_the_collector_for_a_restricted_scraper(render):
     collector = rendered.component("collector")
     pod = rendered.pod_spec(collector)
     container = pod["containers"][0]
-    assert container["args"][:3] == ["collect", "dcgm", "--url"]
+    # The URL in the environment, where `collect dcgm` and `gpusteward doctor` both read it.
+    assert container["args"] == ["collect", "dcgm"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert "GPUSTEWARD_COLLECT__DCGM_URL" in read_by(container["args"])
+    assert "GPUSTEWARD_COLLECT__DCGM_URL" in read_by(["doctor"])
     assert not [v for v in pod["volumes"] if "hostPath" in v]
     assert "runtimeClassName" not in pod
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert not [e for e in container["env"] if e["name"].startswith("NVIDIA_")]
     service = rendered.named("Service", "gpusteward-dcgm-exporter-local")
     assert service["spec"]["internalTrafficPolicy"] == "Local"
-    assert f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc:9400" in (
-        container["args"][3]
-    )
+    assert env["GPUSTEWARD_COLLECT__DCGM_URL"] == (
+        f"http://{service['metadata']['name']}.{service['metadata']['namespace']}.svc:9400"
+        "/metrics")
 
 
 def test_remediation_is_dry_run_unless_the_component_is_added(render):

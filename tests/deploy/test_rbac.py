@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from gpusteward.cli.doctor import COMPONENTS, NAMESPACE, Permission
 from gpusteward.collectors.kubernetes import KubeWatchSettings
 from gpusteward.sandbox.kube_api import KubeApiServer
 from tests.collectors.kubernetes.conftest import RunningWatcher
@@ -44,33 +44,6 @@ EXPECTED: dict[str, set[tuple[str, str, str]]] = {
 }
 
 
-def grants(rendered: Any) -> dict[str, set[tuple[str, str, str]]]:
-    """ServiceAccount name -> every (group, resource, verb) its bindings grant."""
-    roles = {
-        (role["kind"], role["metadata"].get("namespace"), role["metadata"]["name"]): role
-        for role in rendered.kind("Role") + rendered.kind("ClusterRole")
-    }
-    granted: dict[str, set[tuple[str, str, str]]] = {}
-    for binding in rendered.kind("RoleBinding") + rendered.kind("ClusterRoleBinding"):
-        ref = binding["roleRef"]
-        scope = binding["metadata"].get("namespace") if ref["kind"] == "Role" else None
-        role = roles[(ref["kind"], scope, ref["name"])]
-        triples = {
-            (group, resource, verb)
-            for rule in role["rules"]
-            for group in rule.get("apiGroups", [])
-            for resource in rule.get("resources", [])
-            for verb in rule["verbs"]
-        }
-        for rule in role["rules"]:
-            assert "resourceNames" not in rule and "nonResourceURLs" not in rule, rule
-        for subject in binding["subjects"]:
-            assert subject["kind"] == "ServiceAccount", subject
-            assert subject["namespace"] == "gpusteward", subject
-            granted.setdefault(subject["name"], set()).update(triples)
-    return granted
-
-
 # What the remediation-execute component adds for an executor that acts: reads
 # before writes, pods of a node to drain, GPU-node count for the breaker, owner
 # notices, deleting a plain Job's pod to requeue it, and reclaiming an idle
@@ -92,7 +65,28 @@ def test_rbac_grants_exactly_the_listed_verbs(rendered):
     expected = {account: set(triples) for account, triples in EXPECTED.items()}
     if rendered.variant.endswith("+execute"):
         expected[REMEDIATION] |= EXECUTE_EXTRA
-    assert grants(rendered) == expected
+    assert rendered.grants() == expected
+
+
+def triples(needs: tuple[Permission, ...]) -> set[tuple[str, str, str]]:
+    return {(p.group, f"{p.resource}/{p.subresource}" if p.subresource else p.resource,
+             p.verb) for p in needs}
+
+
+def test_doctor_asks_about_exactly_what_the_manifests_grant(rendered):
+    """`gpusteward doctor --component` asks about every permission the component's account
+    is granted and no other: the dry run's in the shipped shape, the execute set where the
+    remediation-execute component is added, each about the account the workload runs as."""
+    granted = rendered.grants()
+    remediation = "remediation-execute" if rendered.variant.endswith("+execute") else (
+        "remediation")
+    for workload, component in (("watcher", "watcher"), ("remediation", remediation)):
+        doctor = COMPONENTS[component]
+        runs = rendered.component(workload)
+        assert runs["metadata"]["namespace"] == NAMESPACE
+        assert rendered.pod_spec(runs)["serviceAccountName"] == doctor.service_account
+        assert len(triples(doctor.needs)) == len(doctor.needs), f"{component}: asked twice"
+        assert triples(doctor.needs) == granted[doctor.service_account], component
 
 
 def test_no_wildcards_and_no_unbound_roles(rendered):
@@ -116,7 +110,7 @@ def test_bound_accounts_are_the_ones_the_workloads_run_as(rendered):
     assert accounts["remediation"] == REMEDIATION
     # Everyone else runs under an account with no grants at all.
     others = {a for c, a in accounts.items() if c not in ("watcher", "remediation")}
-    assert others and not others & set(grants(rendered))
+    assert others and not others & set(rendered.grants())
     assert None not in others
 
 
@@ -146,4 +140,4 @@ def test_the_watcher_is_granted_every_request_it_sends(rendered, watcher_request
     without a grant (a 403 retried forever in a cluster) fails here."""
     assert ("kueue.x-k8s.io", "localqueues", "watch") in watcher_requests
     assert ("kubeflow.org", "pytorchjobs", "list") in watcher_requests
-    assert watcher_requests <= grants(rendered)[WATCHER]
+    assert watcher_requests <= rendered.grants()[WATCHER]

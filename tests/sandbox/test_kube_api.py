@@ -274,3 +274,31 @@ def test_the_kueue_controller_hook_evicts_a_deactivated_workload(
     requeued = set_active("wl-1", True)
     assert [(c["type"], c["reason"]) for c in requeued["status"]["conditions"]] == [
         ("Requeued", "Reactivated")]
+
+
+def test_subject_access_reviews_answer_from_the_granted_table(
+        kube_api: KubeApiServer, api_client: client.ApiClient) -> None:
+    authz: Any = client.AuthorizationV1Api(api_client)
+
+    def allowed(user: str, groups: list[str], verb: str, resource: str,
+                subresource: str | None = None) -> bool:
+        review = client.V1SubjectAccessReview(spec=client.V1SubjectAccessReviewSpec(
+            user=user, groups=groups, resource_attributes=client.V1ResourceAttributes(
+                verb=verb, resource=resource, group="", subresource=subresource)))
+        return bool(authz.create_subject_access_review(review).status.allowed)
+
+    account = "system:serviceaccount:gpusteward:gpusteward-remediation"
+    kube_api.grant(account, "create", "pods/eviction")
+    kube_api.grant("system:serviceaccounts:ops", "list", "nodes")
+    assert allowed(account, [], "create", "pods", "eviction")
+    assert not allowed(account, [], "delete", "pods")  # nothing granted is denied
+    assert not allowed("someone-else", [], "create", "pods", "eviction")
+    assert allowed("system:serviceaccount:ops:any", ["system:serviceaccounts:ops"],
+                   "list", "nodes")  # through a group
+    # The caller's own reviews are a separate table.
+    kube_api.deny("create", "pods/eviction")
+    assert allowed(account, [], "create", "pods", "eviction")
+    kube_api.deny("create", "subjectaccessreviews", "authorization.k8s.io")
+    with pytest.raises(ApiException) as forbidden:
+        allowed(account, [], "create", "pods", "eviction")
+    assert forbidden.value.status == 403
