@@ -58,7 +58,9 @@ HW_EVENTS = TopicSpec(
     node_keyed=True,
 )
 ALLOCATIONS = TopicSpec(
-    "allocations.v1", "node name for node inventory, `node/pod/<uid>` for a pod",
+    "allocations.v1",
+    "node name for node inventory, `node/pod/<uid>` for a pod (`node/pod/<namespace>/<name>` "
+    "for a pod without a uid)",
     schema.PodAllocation | schema.NodeInventory,
     "Pod GPU/MIG holdings (tag `pod`) and node inventory (tag `node`). Compacted: the last "
     "record of every pod and node is kept. Partitioned by the node part of the key.",
@@ -80,7 +82,8 @@ FINDINGS = TopicSpec(
     partitions=1, retention_ms=30 * DAY_MS,
 )
 ACTIONS = TopicSpec(
-    "actions.v1", "subject (node or namespace/pod)", schema.Action,
+    "actions.v1", "subject: its node, else `namespace/pod`, else its queue, else the empty string",
+    schema.Action,
     "Remediations asked for by the rules, each with an idempotency key.",
     partitions=1, retention_ms=30 * DAY_MS,
 )
