@@ -2,7 +2,10 @@
 
 Each collector process gets one :class:`CollectorMetrics` with its own
 ``CollectorRegistry`` (never the global one), so tests build as many as they
-like and a process serves only its own series on ``/metrics``.
+like and a process serves only its own series on ``/metrics``. The Kubernetes
+watcher publishes through the same publisher, so its :class:`WatcherMetrics`
+is the collector set (delivery, buffer, failures) plus its own families, on
+one registry.
 """
 
 from __future__ import annotations
@@ -97,3 +100,52 @@ class CollectorMetrics:
         """
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         return server
+
+
+class WatcherMetrics(CollectorMetrics):
+    """The Kubernetes watcher's families, beside the publisher's on the same registry.
+
+    ``resource`` is a reflector's name: nodes, pods, localqueues, workloads, or a gang
+    resource's ``plural.group``; a resource not served (no CRD) has no series.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry)
+        self.events_published = Counter(
+            "gpusteward_watch_events_published_total",
+            "Events handed to the publisher, by kind (pod_allocation, node_inventory, "
+            "queue); what the broker acknowledged is gpusteward_collect_records_sent_total.",
+            ["kind"], registry=self.registry,
+        )
+        self.lists = Counter(
+            "gpusteward_watch_lists_total",
+            "Full LISTs completed, by resource and reason (first: the start; resync: every "
+            "resync period; gone: the resourceVersion expired, 410).",
+            ["resource", "reason"], registry=self.registry,
+        )
+        self.watches = Counter(
+            "gpusteward_watch_requests_total",
+            "Watch requests (re)started, by resource: one per watch timeout when all is "
+            "well, more when streams break.",
+            ["resource"], registry=self.registry,
+        )
+        self.errors = Counter(
+            "gpusteward_watch_errors_total",
+            "Failed list or watch requests, by resource and reason (gone for a 410, "
+            "http_<status> for another API status, else the error type); each is retried "
+            "with back-off.",
+            ["resource", "reason"], registry=self.registry,
+        )
+        self.last_event = Gauge(
+            "gpusteward_watch_last_event_timestamp_seconds",
+            "Unix time the API server was last heard from, by resource: a completed LIST or "
+            "a watch event, bookmarks included. A healthy watch hears at least once per "
+            "resync period.",
+            ["resource"], registry=self.registry,
+        )
+        self.backlog = Gauge(
+            "gpusteward_watch_backlog_deltas",
+            "Object changes the reflectors delivered and the watcher has not yet published: "
+            "growing means it is not keeping up.",
+            registry=self.registry,
+        )

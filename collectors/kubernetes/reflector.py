@@ -31,6 +31,7 @@ import msgspec
 
 from gpusteward import edge
 from gpusteward.collectors.kubernetes.settings import KubeWatchSettings
+from gpusteward.collectors.metrics import WatcherMetrics
 from gpusteward.errors import TemporaryError, cut
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,8 @@ class Reflector:
     def __init__(self, resource: str, list_call: ListCall,
                  deliver: Callable[[list[Delta]], None], settings: KubeWatchSettings,
                  stop: threading.Event, *, key_of: Callable[[Obj], str] = object_key,
-                 sleep: Callable[[float], bool] | None = None) -> None:
+                 sleep: Callable[[float], bool] | None = None,
+                 metrics: WatcherMetrics | None = None) -> None:
         self.resource = resource
         self._key_of = key_of
         self._list_call = list_call
@@ -110,6 +112,12 @@ class Reflector:
         self._response: Any = None
         self._next_resync = 0.0
         self.refusals = edge.Refusals(log)
+        metrics = metrics or WatcherMetrics()
+        self._metrics = metrics
+        self._watches = metrics.watches.labels(resource)
+        self._heard = metrics.last_event.labels(resource)
+        self._relist_reason = "first"
+        """Why the next relist happens, for ``gpusteward_watch_lists_total``."""
 
     def run(self) -> None:
         delay = self._settings.backoff_initial_s
@@ -121,6 +129,8 @@ class Reflector:
                 delay = self._settings.backoff_initial_s
             except Gone:
                 self.stats.gone += 1
+                self._metrics.errors.labels(self.resource, "gone").inc()
+                self._relist_reason = "gone"
                 log.info("%s: resourceVersion %s expired, relisting", self.resource,
                          self.resource_version)
                 self.resource_version = None
@@ -128,6 +138,7 @@ class Reflector:
                 if self._stop.is_set():
                     return
                 self.stats.errors += 1
+                self._metrics.errors.labels(self.resource, error_reason(e)).inc()
                 pause = delay * random.uniform(0.8, 1.2)
                 log.warning("%s: %s; retrying in %.1f s", self.resource, brief_error(e), pause)
                 self._sleep(pause)
@@ -166,6 +177,9 @@ class Reflector:
             if token is None:
                 break
         self.stats.lists += 1
+        self._metrics.lists.labels(self.resource, self._relist_reason).inc()
+        self._relist_reason = "resync"
+        self._heard.set_to_current_time()
         seen: dict[str, str] = {}
         deltas: list[Delta] = []
         for obj in items:
@@ -209,10 +223,12 @@ class Reflector:
             raise
         self._response = response
         self.stats.watches += 1
+        self._watches.inc()
         try:
             for line in _lines(response):
                 if self._stop.is_set():
                     return
+                self._heard.set_to_current_time()
                 try:
                     event = _decoder.decode(line)
                     self._on_event(event["type"], event["object"])
@@ -274,6 +290,13 @@ def _lines(response: Any) -> Iterator[bytes]:
                 yield line
     if buffer.strip():
         yield buffer
+
+
+def error_reason(error: BaseException) -> str:
+    """A failed request as a metric label: ``http_<status>`` for an API status, else the
+    error's type (a few urllib3 and client types: a bounded set)."""
+    status = getattr(error, "status", None)
+    return f"http_{status}" if isinstance(status, int) else type(error).__name__
 
 
 def brief_error(error: BaseException) -> str:

@@ -35,8 +35,9 @@ from gpusteward.collectors.kubernetes.reflector import (
 )
 from gpusteward.collectors.kubernetes.settings import KubeWatchSettings
 from gpusteward.collectors.kubernetes.translate import KUEUE_GROUP, Emitted, Translator
+from gpusteward.collectors.metrics import WatcherMetrics
 from gpusteward.collectors.transport.publisher import Publisher
-from gpusteward.schema import QueueEvent
+from gpusteward.schema import NodeInventory, QueueEvent
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ class KubeWatcher:
 
     def __init__(self, client: Any, publisher: Publisher,
                  settings: KubeWatchSettings | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 metrics: WatcherMetrics | None = None) -> None:
         self.client = client
         self.publisher = publisher
         self.settings = settings or KubeWatchSettings()
@@ -87,6 +89,13 @@ class KubeWatcher:
         """Events handed to the publisher."""
         self.processed = 0
         """Deltas translated (and their events published)."""
+        self.metrics = metrics or WatcherMetrics()
+        """Served by the process; give the publisher the same object so that its delivery
+        counters share the registry."""
+        self._published_as = {kind: self.metrics.events_published.labels(kind)
+                              for kind in ("pod_allocation", "node_inventory", "queue")}
+        # Read at scrape time, on the server's thread: two int reads, no lock needed.
+        self.metrics.backlog.set_function(self._backlog)
         self.kueue_version: str | None = None
         self.gang_versions: dict[str, str] = {}
         """``plural.group`` -> the version watched, for the gang resources served."""
@@ -176,7 +185,8 @@ class KubeWatcher:
 
         def start(name: str, call: ListCall) -> Reflector:
             reflector = Reflector(name, call, deliver, self.settings, self._stop,
-                                  key_of=node_key if name == "nodes" else object_key)
+                                  key_of=node_key if name == "nodes" else object_key,
+                                  metrics=self.metrics)
             self.reflectors[name] = reflector
             thread = threading.Thread(target=reflector.run, name=f"reflector-{name}",
                                       daemon=True)
@@ -301,14 +311,23 @@ class KubeWatcher:
                                edge.reason(error))
             return []
 
+    def _backlog(self) -> float:
+        """Deltas delivered by the reflectors and not yet through :meth:`_publish`."""
+        delivered = sum(r.stats.deltas for r in list(self.reflectors.values()))
+        return float(max(0, delivered - self.processed))
+
     async def _publish(self, deltas: list[Delta], queue: asyncio.Queue[list[Delta]]) -> None:
         try:
             for delta in deltas:
                 for event in self._translated(delta):
                     if isinstance(event, QueueEvent):
                         await self.publisher.queue(event)
+                        kind = "queue"
                     else:
                         await self.publisher.allocation(event)
+                        kind = ("node_inventory" if isinstance(event, NodeInventory)
+                                else "pod_allocation")
+                    self._published_as[kind].inc()
                     self.published += 1
                 self.processed += 1
             if queue.empty():

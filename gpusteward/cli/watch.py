@@ -3,7 +3,9 @@
 Kept out of ``gpusteward/cli.py`` so the watcher's options live next to the
 watcher; ``cli.py`` registers this command in one line. Settings come from
 ``GPUSTEWARD_KUBE__*`` environment variables (e.g.
-``GPUSTEWARD_KUBE__RESYNC_PERIOD_S=300``) and flags override them.
+``GPUSTEWARD_KUBE__RESYNC_PERIOD_S=300``) and flags override them. Publishing to
+Kafka, it serves its metrics (:class:`~gpusteward.collectors.metrics.WatcherMetrics`)
+on ``GPUSTEWARD_METRICS__PORT`` like the pipeline processes.
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ async def _main(kube: KubeWatchSettings, bootstrap: str | None, stdout: bool) ->
     if stdout:
         await KubeWatcher(client, StdoutPublisher(), kube).run(stop)
         return
-    from gpusteward import health, kafka
+    from gpusteward import health, kafka, metrics
+    from gpusteward.collectors.metrics import WatcherMetrics
     from gpusteward.collectors.transport.publisher import KafkaPublisher
     from gpusteward.settings import Settings
 
@@ -117,15 +120,22 @@ async def _main(kube: KubeWatchSettings, bootstrap: str | None, stdout: bool) ->
             update={"bootstrap_servers": bootstrap})})
     await kafka.wait_for_broker(settings)
     await kafka.ensure_topics(settings)
-    publisher = KafkaPublisher(settings)
+    # One registry: the publisher's delivery counters beside the watcher's own.
+    watcher_metrics = WatcherMetrics()
+    publisher = KafkaPublisher(settings, metrics=watcher_metrics)
     await publisher.start()
     state = health.Health()
     server = state.serve(settings.health_port) if settings.health_port else None
+    port = settings.metrics.port
+    metrics_server = (metrics.serve(watcher_metrics.registry, port, settings.metrics.addr)
+                      if port else None)
     beating = asyncio.create_task(health.heartbeat(state, ready=lambda: publisher.healthy))
     try:
-        await KubeWatcher(client, publisher, kube).run(stop)
+        await KubeWatcher(client, publisher, kube, metrics=watcher_metrics).run(stop)
     finally:
         beating.cancel()
         if server is not None:
             server.shutdown()
+        if metrics_server is not None:
+            metrics_server.stop()
         await publisher.stop()

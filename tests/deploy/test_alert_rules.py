@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpusteward.collectors.metrics import CollectorMetrics
+from gpusteward.collectors.metrics import CollectorMetrics, WatcherMetrics
 from gpusteward.metrics import PipelineMetrics, metric_names
 
 pytestmark = pytest.mark.deploy
@@ -114,6 +114,34 @@ UNIT_TESTS: list[dict[str, Any]] = [
                     "collector c-1 has published nothing for 10 minutes")}]},
         ],
     },
+    {
+        "interval": "1m",
+        "input_series": [
+            # The pods watch hears every minute until 20m, then nothing; nodes keep going.
+            {"series": 'gpusteward_watch_last_event_timestamp_seconds{namespace="gpusteward", '
+                       'pod="wa-1", resource="pods"}', "values": "0+60x20 1200x40"},
+            {"series": 'gpusteward_watch_last_event_timestamp_seconds{namespace="gpusteward", '
+                       'pod="wa-1", resource="nodes"}', "values": "0+60x60"},
+            {"series": 'up{namespace="gpusteward", pod="wa-1", container="watcher"}',
+             "values": "1x20 0x10"},
+        ],
+        "alert_rule_test": [
+            {"eval_time": "52m", "alertname": "GpustewardWatcherSilent", "exp_alerts": []},
+            {"eval_time": "56m", "alertname": "GpustewardWatcherSilent", "exp_alerts": [{
+                "exp_labels": {"severity": "warning", "namespace": "gpusteward",
+                               "pod": "wa-1", "resource": "pods"},
+                "exp_annotations": _described(
+                    "GpustewardWatcherSilent",
+                    "watcher wa-1 has heard nothing about pods for 36m 0s")}]},
+            {"eval_time": "27m", "alertname": "GpustewardProcessDown", "exp_alerts": [{
+                "exp_labels": {"severity": "critical", "namespace": "gpusteward",
+                               "pod": "wa-1", "container": "watcher"},
+                "exp_annotations": {
+                    "summary": "watcher in gpusteward cannot be scraped",
+                    "description": "wa-1 has not answered on /metrics for 5 minutes: it is "
+                                   "down, restarting, or its port is blocked."}}]},
+        ],
+    },
 ]
 
 
@@ -159,12 +187,13 @@ def test_the_unit_tests_can_fail(rules_file, tmp_path):
 
 
 def test_every_rule_names_series_some_process_exports():
-    exported = metric_names([PipelineMetrics().registry, CollectorMetrics().registry])
+    exported = metric_names([PipelineMetrics().registry, CollectorMetrics().registry,
+                             WatcherMetrics().registry])
     groups = yaml.safe_load(RULE.read_text())["spec"]["groups"]
     alerts = {rule["alert"] for group in groups for rule in group["rules"]}
     assert {"GpustewardConsumerLagGrowing", "GpustewardDeadLetters",
             "GpustewardRemediationBreakerOpen", "GpustewardProcessDown",
-            "GpustewardCollectorSilent"} <= alerts
+            "GpustewardCollectorSilent", "GpustewardWatcherSilent"} <= alerts
     for group in groups:
         for rule in group["rules"]:
             named = set(re.findall(r"\bgpusteward_\w+", rule["expr"]))

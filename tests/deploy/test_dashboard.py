@@ -5,9 +5,9 @@ Each panel query, with the dashboard's constant variables (and Grafana's
 `promtool check rules` (Debian package `prometheus`, installed by
 .ci/system-deps; skipped without it). Every ``gpusteward_*`` series a query
 names must be one some gpusteward process exports (the registries of
-gpusteward/metrics.py and collectors/metrics.py); the others must come from
-the exporters the dashboards are drawn for (dcgm-exporter, Kafka exporter,
-Prometheus's own ``up``/``process_*``).
+gpusteward/metrics.py and collectors/metrics.py, the watcher's included); the
+others must come from the exporters the dashboards are drawn for (dcgm-exporter,
+Kafka exporter, Prometheus's own ``up``/``process_*``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpusteward.collectors.metrics import CollectorMetrics
+from gpusteward.collectors.metrics import CollectorMetrics, WatcherMetrics
 from gpusteward.metrics import PipelineMetrics, metric_names
 
 pytestmark = pytest.mark.deploy
@@ -103,12 +103,15 @@ def test_fleet_and_pipeline_dashboards_draw_the_processes_own_series():
     pipeline = " ".join(e for _, e in queries(load(DASHBOARD.with_name(
         "gpusteward-pipeline.json"))))
     for metric in ("gpusteward_consumer_lag_records", "gpusteward_records_in_total",
-                   "gpusteward_dead_letters_total", "gpusteward_breaker_open"):
+                   "gpusteward_dead_letters_total", "gpusteward_breaker_open",
+                   "gpusteward_watch_last_event_timestamp_seconds",
+                   "gpusteward_watch_events_published_total"):
         assert metric in pipeline, metric
 
 
 def test_every_query_names_a_series_some_process_exports(dashboard):
-    exported = metric_names([PipelineMetrics().registry, CollectorMetrics().registry])
+    exported = metric_names([PipelineMetrics().registry, CollectorMetrics().registry,
+                             WatcherMetrics().registry])
     for title, expr in queries(dashboard):
         ours = set(OURS.findall(expr))
         assert ours <= exported, f"{title}: {sorted(ours - exported)} exported by no process"

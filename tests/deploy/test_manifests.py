@@ -402,12 +402,12 @@ SINKS = ("rollup-sink", "queue-sink", "findings-sink", "results-sink")
 
 
 def test_every_long_running_process_is_scraped(render):
-    """Worker, alerting, remediation and the sinks declare a `metrics` port that their
-    settings serve on, the PodMonitor scrapes that port name, and the network policy lets
-    Prometheus in."""
+    """Worker, alerting, remediation, the sinks and the watcher declare a `metrics` port
+    that their settings serve on, the PodMonitor scrapes that port name, and the network
+    policy lets Prometheus in."""
     rendered = render("production")
     port = 9464
-    for component in ("worker", "alerts", "remediation", *SINKS):
+    for component in ("worker", "alerts", "remediation", "watcher", *SINKS):
         pod = pod_spec(rendered.component(component))
         (container,) = pod["containers"]
         env = {e["name"]: e.get("value") for e in container["env"]}
@@ -419,7 +419,8 @@ def test_every_long_running_process_is_scraped(render):
     assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
     policy = rendered.named("NetworkPolicy", "gpusteward-metrics-scrape")
     (expression,) = policy["spec"]["podSelector"]["matchExpressions"]
-    assert {"collector", "worker", "alerts", "remediation", *SINKS} <= set(expression["values"])
+    assert {"collector", "worker", "alerts", "remediation", "watcher", *SINKS} <= set(
+        expression["values"])
     assert {p["port"] for p in policy["spec"]["ingress"][0]["ports"]} >= {9400, port}
     (rule,) = rendered.kind("PrometheusRule")
     assert rule["metadata"]["labels"]["release"] == monitor["metadata"]["labels"]["release"]
