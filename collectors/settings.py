@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import socket
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpusteward.collectors.attribution import DEFAULT_SOCKET
+from gpusteward.settings import Folder
 
 Compression = Literal["auto", "lz4", "gzip", "zstd", "snappy", "none"]
 
@@ -116,7 +116,7 @@ class CollectSettings(BaseSettings):
         ),
     )
     metrics_addr: str = Field("0.0.0.0", description="Address the collector's /metrics binds.")
-    buffer_dir: Path | None = Field(
+    buffer_dir: Folder | None = Field(
         None,
         description=(
             "Directory of the on-disk queue that holds records while Kafka is unreachable "

@@ -9,7 +9,6 @@ transactions, and holds every fetch for up to half of the client's
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import signal
@@ -21,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 
 from gpusteward.children import die_with_parent, stop_child
+from gpusteward.errors import ConfigError
 from gpusteward.kafka import wait_for_broker
 from gpusteward.settings import KafkaSettings, Settings
 
@@ -45,6 +45,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+class PortInUse(ConfigError):
+    """The broker's port is taken: Tansu would exit, and a broker already there would answer
+    as if it were this one."""
+
+
+def check_port_free(port: int) -> None:
+    """Raise :class:`PortInUse` when something listens on ``port`` of 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As a server binds (Tansu too): a port left in TIME_WAIT is free, a listened one not.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as error:
+            raise PortInUse(f"127.0.0.1:{port} is in use ({error.strerror}): another broker "
+                            "or server listens there") from error
 
 
 def tansu_binary() -> str:
@@ -73,6 +90,7 @@ class EmbeddedBroker:
         return base.model_copy(update={"kafka": kafka})
 
     def start(self, timeout_s: float = 30.0) -> None:
+        check_port_free(self.port)
         url = f"tcp://127.0.0.1:{self.port}"
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
@@ -125,22 +143,35 @@ class EmbeddedBroker:
         self.stop()
 
 
-def serve_forever(port: int) -> None:
-    """Run the broker in the foreground until Ctrl-C or SIGTERM (``gpusteward broker``)."""
+def serve_forever(port: int) -> int:
+    """Run the broker in the foreground until Ctrl-C or SIGTERM (``gpusteward broker``).
+
+    Returns the exit status: 0 when asked to stop, 1 when the broker process ended by
+    itself. A taken port raises :class:`PortInUse` before anything starts."""
     stop_requested = False
 
     def request_stop(signum: int, frame: object) -> None:
         nonlocal stop_requested
         stop_requested = True
 
+    check_port_free(port)
     previous = signal.signal(signal.SIGTERM, request_stop)
     broker = EmbeddedBroker(port)
+    interrupted = False
     try:
         broker.start()
         print(f"embedded broker ready on {broker.bootstrap} (memory-only)", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
+        try:
             while not stop_requested and broker.process and broker.process.poll() is None:
                 time.sleep(0.2)
+        except KeyboardInterrupt:
+            interrupted = True
+        if not (stop_requested or interrupted):
+            code = broker.process.returncode if broker.process else None
+            print(f"error: the embedded broker exited by itself (code {code})",
+                  file=sys.stderr, flush=True)
+            return 1
+        return 0
     finally:
         broker.stop()
         signal.signal(signal.SIGTERM, previous)

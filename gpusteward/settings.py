@@ -8,16 +8,49 @@ it is.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import AfterValidator, BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def host_ports(servers: str) -> str:
+    """``servers`` when it is a comma-separated list of ``host[:port]``; else a ValueError
+    naming the entry. Checked at start: aiokafka's own parse fails later, in a traceback
+    that names neither the setting nor the entry."""
+    for entry in (part.strip() for part in servers.split(",")):
+        if entry.startswith("["):  # [IPv6]:port
+            host, _, rest = entry[1:].partition("]")
+            port: str | None = rest[1:] if rest.startswith(":") else None
+            if rest and port is None:
+                host = ""
+        elif entry.count(":") == 1:
+            host, port = entry.split(":")
+        else:  # a host alone (port 9092), or a bare IPv6 address
+            host, port = entry, None
+        if not host or (port is not None and not (port.isdigit() and 1 <= int(port) <= 65535)):
+            raise ValueError(f"{entry!r} is not host:port (a port from 1 to 65535)")
+    return servers
+
+
+def not_a_file(path: Path) -> Path:
+    """``path`` when it is a folder or does not exist yet (it will be created); a
+    ValueError when a file (or anything else) is there, checked before any work that would
+    be lost when the first write into it fails."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} exists and is not a folder")
+    return path
+
+
+Folder = Annotated[Path, AfterValidator(not_a_file)]
+"""A folder gpusteward writes into: created when absent, refused when a file."""
 
 
 class KafkaSettings(BaseModel):
     """How to reach Kafka and how to shape the topics gpusteward creates."""
 
-    bootstrap_servers: str = Field(
+    bootstrap_servers: Annotated[str, AfterValidator(host_ports)] = Field(
         "127.0.0.1:9092",
         description="Comma-separated host:port list. The default is the embedded broker.",
     )
@@ -95,6 +128,15 @@ class KafkaSettings(BaseModel):
             "(a clean shutdown leaves the group; a crash costs one session timeout)."
         ),
     )
+
+    @field_validator("ssl_cafile")
+    @classmethod
+    def _cafile_exists(cls, path: str | None) -> str | None:
+        # Read only when the first client connects, where a missing file is a bare
+        # FileNotFoundError; a set path that is no file is an error even on PLAINTEXT.
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{path}: no such file")
+        return path
 
     @model_validator(mode="after")
     def _sasl_is_complete(self) -> KafkaSettings:

@@ -88,6 +88,7 @@ from gpusteward.errors import (
     ApiError,
     ApiTimeout,
     ApiUnreachable,
+    ConfigError,
     Conflict,
     NotFound,
     PermanentError,
@@ -194,8 +195,13 @@ class KubernetesBackend:
                 return k8s.ApiClient()
             except k8s_config.ConfigException:
                 pass
-        return k8s_config.new_client_from_config(config_file=self.settings.kubeconfig,
-                                                 context=self.settings.context)
+        try:
+            return k8s_config.new_client_from_config(config_file=self.settings.kubeconfig,
+                                                     context=self.settings.context)
+        except (k8s_config.ConfigException, OSError) as error:  # no such file, no context
+            where = self.settings.kubeconfig or "~/.kube/config"
+            raise ConfigError(f"cannot load the Kubernetes configuration from {where}: "
+                              f"{error}") from error
 
     async def _call(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One API call in a worker thread, with the request timeout; errors mapped."""

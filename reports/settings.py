@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpusteward.rules.idle import IdleSettings
+from gpusteward.settings import Folder
 
 
 class GpuModel(BaseModel):
@@ -52,20 +53,20 @@ class ReportSettings(BaseSettings):
         env_prefix="GPUSTEWARD_REPORT__", env_nested_delimiter="__", extra="ignore"
     )
 
-    rollup_dir: Path = Field(
+    rollup_dir: Folder = Field(
         Path("rollups"),
         description="Folder of the Parquet rollup store (one sub-folder per day).")
-    queue_dir: Path = Field(
+    queue_dir: Folder = Field(
         Path("queue-events"),
         description="Folder of the queue-event store (same layout) for the wait-time section.")
-    findings_dir: Path = Field(
+    findings_dir: Folder = Field(
         Path("findings"),
         description="Folder of the findings store (same layout): who was told, who reclaimed.")
-    results_dir: Path = Field(
+    results_dir: Folder = Field(
         Path("action-results"),
         description="Folder of the action-result store (same layout): the executor's audit "
         "records, which say whether a reclaim the idle rule asked for was carried out.")
-    archive_dir: Path | None = Field(
+    archive_dir: Folder | None = Field(
         None, description="Folder that keeps every week's report (HTML, Markdown, JSON, "
         "mig-parted YAML) in a sub-folder named by ISO week; the previous week's JSON there "
         "is what the trends compare with. None: reports are not kept, no trends.")

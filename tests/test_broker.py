@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from gpusteward import kafka, topics
-from gpusteward.broker import free_port
+from gpusteward.broker import EmbeddedBroker, PortInUse, free_port
 from gpusteward.settings import KafkaSettings, Settings
 
 
@@ -127,3 +128,29 @@ def test_gpusteward_broker_command_serves_and_stops_on_sigterm() -> None:
     finally:
         if process.poll() is None:
             os.kill(process.pid, signal.SIGKILL)
+
+
+def test_gpusteward_broker_refuses_a_port_in_use() -> None:
+    """Another broker (or any server) on the port: no "ready" for a broker that is not
+    this one, and a non-zero exit naming the flag."""
+    port = free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        result = subprocess.run([sys.executable, "-P", "-m", "gpusteward.cli", "broker",
+                                 "--port", str(port)], capture_output=True, text=True,
+                                timeout=30, env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 2
+    assert "ready" not in result.stdout
+    output = " ".join(result.stderr.split())
+    assert "Invalid value for --port" in output and f"127.0.0.1:{port} is in use" in output
+    assert "Traceback" not in output
+
+
+def test_an_embedded_broker_never_starts_on_a_taken_port() -> None:
+    port = free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        with pytest.raises(PortInUse, match=f"127.0.0.1:{port} is in use"):
+            EmbeddedBroker(port).start()

@@ -147,3 +147,97 @@ def test_a_stop_while_the_broker_is_awaited_ends_the_consumer_at_once(tmp_path, 
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def _usage_error(result: subprocess.CompletedProcess[str], option: str, says: str) -> None:
+    """Exit 2, click's usage error naming ``option``, and no traceback."""
+    output = " ".join((result.stdout + result.stderr).split())  # the message box's wrapping
+    assert result.returncode == 2, output
+    assert "Traceback" not in output
+    assert f"Invalid value for {option}" in output or f"Invalid value for '{option}'" in output
+    assert says in output
+
+
+@pytest.mark.parametrize(("argv", "option", "says"), [
+    (["worker", "--loglevel", "loud"], "--loglevel", "'loud' is not a level: debug, info"),
+    (["sink", "rollups", "--loglevel", "loud"], "--loglevel", "'loud' is not a level"),
+    (["collect", "dcgm", "--loglevel", "loud"], "--loglevel", "'loud' is not a level"),
+    (["watch", "--loglevel", "loud"], "--loglevel", "'loud' is not a level"),
+    (["alerts", "--bootstrap", "127.0.0.1:abc"], "--bootstrap",
+     "'127.0.0.1:abc' is not host:port"),
+    (["status", "--bootstrap", "b1:9092,b2:99999"], "--bootstrap", "'b2:99999' is not host:port"),
+    (["broker", "--port", "99999"], "--port", "less than or equal to 65535"),
+    (["status", "--watch", "--interval", "-1"], "--interval", "-1 is not a positive number"),
+    (["simulate", "--acceleration", "-5"], "--acceleration", "greater than or equal to 0"),
+    (["act", "--backend", "kubernetes", "--kubeconfig", "absent"], "--kubeconfig",
+     "cannot load the Kubernetes configuration from absent: "),
+    (["act", "--backend", "kubernetes", "--kubeconfig", "absent", "--restore", "a/b/c"],
+     "--kubeconfig", "cannot load the Kubernetes configuration from absent: "),
+    (["report", "--rollups", ".", "--out", "a-file"], "--out", "a-file exists and is not a folder"),
+    (["schema", "export", "a-file"], "directory", "a-file exists and is not a folder"),
+    (["collect", "dcgm", "--buffer-dir", "a-file"], "--buffer-dir", "a-file exists and is not"),
+    (["sink", "rollups", "--dir", "a-file"], "--dir", "a-file exists and is not a folder"),
+])
+def test_a_bad_flag_is_a_usage_error_naming_it(tmp_path, argv, option, says):
+    (tmp_path / "a-file").write_text("kept\n")
+    result = gpusteward(tmp_path, *argv, COLUMNS="200", TERM="dumb")
+    _usage_error(result, option, says)
+    assert (tmp_path / "a-file").read_text() == "kept\n"
+
+
+def test_a_bad_bootstrap_variable_is_named_with_its_flag(tmp_path):
+    result = gpusteward(tmp_path, "alerts", COLUMNS="200", TERM="dumb",
+                        GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS="127.0.0.1:abc")
+    _usage_error(result, "--bootstrap", "(env var: 'GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS'): "
+                 "'127.0.0.1:abc' is not host:port")
+
+
+@pytest.mark.parametrize(("argv", "env", "line"), [
+    (["doctor", "--skip", "kafka", "--skip", "kube"], {"GPUSTEWARD_KAFKA": "{bad json"},
+     "error: GPUSTEWARD_KAFKA='{bad json': must be JSON (a list or an object): "),
+    (["act"], {"GPUSTEWARD_REMEDIATION__ENABLED_RULES": "idle"},
+     "error: GPUSTEWARD_REMEDIATION__ENABLED_RULES='idle': must be JSON (a list or an object): "),
+    (["alerts"], {"GPUSTEWARD_KAFKA": '{"node_partitions": "x"}'},
+     "error: GPUSTEWARD_KAFKA (key 'node_partitions'): Input should be a valid integer"),
+    (["doctor", "--skip", "kube", "--skip", "policy"],
+     {"GPUSTEWARD_KAFKA": '{"bootstrap_servers": "h:abc"}'},
+     "error: GPUSTEWARD_KAFKA (key 'bootstrap_servers'): Value error, 'h:abc' is not host:port"),
+    (["alerts"], {"GPUSTEWARD_KAFKA__SECURITY_PROTOCOL": "SSL",
+                  "GPUSTEWARD_KAFKA__SSL_CAFILE": "/nonexistent.pem"},
+     "error: GPUSTEWARD_KAFKA__SSL_CAFILE='/nonexistent.pem': Value error, /nonexistent.pem: "
+     "no such file"),
+    (["report", "--rollups", "."], {"GPUSTEWARD_REPORT__ARCHIVE_DIR": "a-file"},
+     "error: GPUSTEWARD_REPORT__ARCHIVE_DIR='a-file': Value error, a-file exists and is not "
+     "a folder"),
+    (["collect", "dcgm"], {"GPUSTEWARD_COLLECT__BUFFER_DIR": "a-file"},
+     "error: GPUSTEWARD_COLLECT__BUFFER_DIR='a-file': Value error, a-file exists and is not "
+     "a folder"),
+])
+def test_a_bad_variable_is_one_line_naming_it(tmp_path, argv, env, line):
+    (tmp_path / "a-file").write_text("kept\n")
+    result = gpusteward(tmp_path, *argv, **env)
+    assert result.returncode == 2, result.stderr
+    (only,) = result.stderr.splitlines()
+    assert only.startswith(line)
+    assert not (tmp_path / "report").exists()
+
+
+def test_the_worker_reads_its_policy_before_waiting_for_the_broker(tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("rules:\n  idle:\n    no_such_field: 1\n")
+    started = time.monotonic()
+    result = gpusteward(tmp_path, "worker", "--bootstrap", f"127.0.0.1:{free_port()}",
+                        GPUSTEWARD_POLICY_FILE=str(policy))
+    assert result.returncode == 2
+    assert time.monotonic() - started < 20  # not the broker's 30 s wait first
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: {policy}:")
+
+
+def test_status_without_a_broker_says_where_it_looked(tmp_path):
+    bootstrap = f"127.0.0.1:{free_port()}"
+    result = gpusteward(tmp_path, "status", "--bootstrap", bootstrap, "--json")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: Kafka at {bootstrap} did not answer within 10")

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import gc
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 import typer
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from gpusteward.cli import report as report_commands
 from gpusteward.cli import sandbox as sandbox_commands
@@ -17,16 +18,22 @@ from gpusteward.cli import status as status_commands
 from gpusteward.cli.collect import collect_app
 from gpusteward.cli.common import (
     Bootstrap,
+    LogLevel,
     ensure_topics,
+    folder,
     kafka_settings,
     run_consumer,
     settings_errors,
+    settings_source_error,
 )
 from gpusteward.cli.doctor import doctor
 from gpusteward.cli.rules import rules_app
 from gpusteward.cli.watch import watch as kube_watch
 from gpusteward.errors import ConfigError
 from gpusteward.settings import Settings
+
+if TYPE_CHECKING:
+    from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
 
 app = typer.Typer(help="Steward of a Kubernetes GPU fleet, as a stream of events.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -45,30 +52,39 @@ app.command(name="doctor")(doctor)
 
 
 @app.command()
-def broker(port: Annotated[int, typer.Option(help="TCP port on 127.0.0.1.")] = 9092) -> None:
+def broker(port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port on 127.0.0.1.")
+                           ] = 9092) -> None:
     """Run the embedded Kafka-compatible broker (memory-only) until Ctrl-C."""
-    from gpusteward.broker import serve_forever
+    from gpusteward.broker import PortInUse, serve_forever
 
-    serve_forever(port)
+    try:
+        status = serve_forever(port)
+    except PortInUse as error:
+        raise typer.BadParameter(str(error), param_hint="--port") from error
+    raise typer.Exit(status)
 
 
 @app.command()
 def worker(
     bootstrap: Bootstrap = None,
     datadir: Annotated[str | None, typer.Option(help="Faust data directory.")] = None,
-    loglevel: Annotated[str, typer.Option(help="crit, error, warn, info or debug.")] = "warn",
+    loglevel: LogLevel = "warn",
 ) -> None:
     """Run the stream worker: the node join and its rules."""
     import uvloop
 
     from gpusteward.streams import app as worker_app
+    from gpusteward.streams.node import RuleSettings
+    from gpusteward.streams.policy_file import policy_from_env
 
     # Every loop of the worker (its agents', its consumer thread's) on libuv, as Faust
     # recommends: about 4 µs (3 %) less worker CPU per node sample on bench_worker.
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     settings = kafka_settings(bootstrap)
+    # A bad policy file is reported at once, not after the broker has been waited for.
+    rules = RuleSettings(policy=policy_from_env())
     asyncio.run(ensure_topics(settings))
-    faust_app = worker_app.create_app(settings, datadir=datadir)
+    faust_app = worker_app.create_app(settings, rules, datadir=datadir)
     if settings.health_port:
         faust_app.health.serve(settings.health_port)
     from faust.worker import Worker
@@ -146,12 +162,11 @@ def act(
     if restore is not None:
         if backend != "kubernetes":
             raise typer.BadParameter("--restore needs --backend kubernetes")
-        from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
+        from gpusteward.remediation.kubernetes import KubeSettings
 
+        client = _kubernetes_backend(KubeSettings(kubeconfig=kubeconfig))
         try:
-            result = asyncio.run(remediation.restore(
-                settings, KubernetesBackend(KubeSettings(kubeconfig=kubeconfig)), restore,
-                operator))
+            result = asyncio.run(remediation.restore(settings, client, restore, operator))
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error
         typer.echo(f"{result.outcome.upper()}: {result.detail}")
@@ -165,10 +180,10 @@ def act(
         raise typer.BadParameter(str(error), param_hint="--enable-rule") from error
     chosen: remediation.Backend
     if backend == "kubernetes":
-        from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
+        from gpusteward.remediation.kubernetes import KubeSettings
 
-        chosen = KubernetesBackend(KubeSettings(kubeconfig=kubeconfig,
-                                                deny_namespaces=policy.deny_namespaces))
+        chosen = _kubernetes_backend(KubeSettings(kubeconfig=kubeconfig,
+                                                  deny_namespaces=policy.deny_namespaces))
     elif backend == "none":
         chosen = remediation.NoBackend()
     else:
@@ -178,8 +193,20 @@ def act(
     run_consumer(settings, executor.run)
 
 
+def _kubernetes_backend(kube: KubeSettings) -> KubernetesBackend:
+    """The backend of ``act --backend kubernetes``; a kubeconfig that cannot be loaded is a
+    usage error naming the flag, as ``watch`` reports it."""
+    from gpusteward.remediation.kubernetes import KubernetesBackend
+
+    try:
+        return KubernetesBackend(kube)
+    except ConfigError as error:
+        raise typer.BadParameter(str(error), param_hint="--kubeconfig") from error
+
+
 @schema_app.command("export")
-def schema_export(directory: Annotated[Path, typer.Argument(help="Output directory.")]) -> None:
+def schema_export(directory: Annotated[Path, typer.Argument(
+        callback=folder, help="Output directory.")]) -> None:
     """Write the JSON Schema of every topic's payload into DIRECTORY."""
     from gpusteward import topics
     from gpusteward.schema import json_schema
@@ -221,6 +248,9 @@ def main() -> None:
             raise
         for line in lines:
             typer.echo(f"error: {line}", err=True)
+        raise SystemExit(CONFIG_EXIT) from None
+    except SettingsError as error:  # a variable that is not even JSON
+        typer.echo(f"error: {settings_source_error(error)}", err=True)
         raise SystemExit(CONFIG_EXIT) from None
     except ConfigError as error:
         for line in str(error).splitlines():

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from gpusteward.cli.common import Bootstrap, configure_logging, kafka_settings
+from gpusteward.cli.common import Bootstrap, LogLevel, configure_logging, folder, kafka_settings
 
 if TYPE_CHECKING:
     from gpusteward.collectors.settings import CollectSettings
@@ -42,10 +42,10 @@ Interval = Annotated[float | None, typer.Option(
 MetricsPort = Annotated[int | None, typer.Option(
     "--metrics-port", help="Port of this collector's /metrics, 0 for none (default: 9401).")]
 BufferDir = Annotated[Path | None, typer.Option(
-    "--buffer-dir", help="Directory of the on-disk buffer used while Kafka is away.")]
+    "--buffer-dir", callback=folder,
+    help="Directory of the on-disk buffer used while Kafka is away.")]
 BufferMaxBytes = Annotated[int | None, typer.Option(
     "--buffer-max-bytes", help="Bytes the buffer may hold before dropping the oldest.")]
-LogLevel = Annotated[str, typer.Option("--loglevel", help="debug, info, warning or error.")]
 
 Runner = Callable[..., Awaitable[None]]
 

@@ -1,5 +1,6 @@
-"""What every command shares: Kafka settings from flags, topic creation, log set-up, and
-the one-line report of a bad setting.
+"""What every command shares: Kafka settings from flags, topic creation, log set-up, the
+options several commands take (each checked once, here), and the one-line report of a bad
+setting.
 
 Kept apart from the command modules so that none of them imports another
 (the report, collect and watch commands used to reach into the main CLI's
@@ -9,24 +10,64 @@ private helpers, and it into them).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import re
 import signal
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from pydantic import ValidationError
-from pydantic_settings import BaseSettings
+from pydantic_settings import BaseSettings, SettingsError
 
 from gpusteward.errors import cut
-from gpusteward.settings import Settings
+from gpusteward.settings import Settings, host_ports, not_a_file
+
+
+def _host_ports(value: str | None) -> str | None:
+    if not value:  # unset or empty: the settings' own value
+        return value
+    try:
+        return host_ports(value)
+    except ValueError as error:  # click names the variable when the value came from it
+        raise typer.BadParameter(str(error)) from error
+
 
 Bootstrap = Annotated[
     str | None,
     typer.Option("--bootstrap", envvar="GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS",
-                 help="Kafka bootstrap servers (host:port,...)."),
+                 callback=_host_ports, help="Kafka bootstrap servers (host:port,...)."),
 ]
+
+LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warning", "warn": "warning",
+              "error": "error", "critical": "critical", "crit": "critical"}
+"""The levels ``--loglevel`` takes, with Faust's short names, to the logging module's."""
+
+
+def _log_level(value: str) -> str:
+    level = LOG_LEVELS.get(value.lower())
+    if level is None:
+        raise typer.BadParameter(f"{value!r} is not a level: debug, info, warning, error or "
+                                 "critical")
+    return level
+
+
+LogLevel = Annotated[str, typer.Option(
+    "--loglevel", callback=_log_level, help="debug, info, warning, error or critical.")]
+
+
+def folder(value: Path | None) -> Path | None:
+    """The callback of an option naming a folder to write into: a file there is refused
+    before any work is done (the first write would fail, and the work be lost)."""
+    if value is None:
+        return None
+    try:
+        return not_a_file(value)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from error
 
 
 def kafka_settings(bootstrap: str | None = None) -> Settings:
@@ -143,10 +184,13 @@ def settings_errors(error: ValidationError,
         path = [part for part in problem["loc"] if isinstance(part, str)]
         depths = range(len(path), 0, -1) if delimiter else range(min(len(path), 1), 0, -1)
         candidates = [(prefix + (delimiter or "").join(path[:depth])).upper() for depth in depths]
-        found = next((spelt[c] for c in candidates if c in spelt), None)
+        depth, found = next(((d, spelt[c]) for d, c in zip(depths, candidates, strict=True)
+                             if c in spelt), (0, None))
         if found is not None:
             text = environ[found]
             where = f"{found}={cut(text, 80)!r}" if problem["input"] == text else found
+            if depth < len(path):  # a key inside the variable's JSON
+                where += f" (key {'.'.join(path[depth:])!r})"
         elif candidates and delimiter and problem["type"] == "missing":
             where = candidates[0]  # a nested field the variables beside it leave out
         elif candidates and delimiter and any(
@@ -156,3 +200,29 @@ def settings_errors(error: ValidationError,
             where = ".".join([model.__name__, *path])
         lines.append(f"{where}: {problem['msg']}")
     return lines
+
+
+def settings_source_error(error: SettingsError,
+                          environ: Mapping[str, str] | None = None) -> str:
+    """One line for a variable pydantic-settings could not even parse (a group or list
+    that is not JSON), naming the variable: its error names only the field."""
+    environ = os.environ if environ is None else environ
+    field = re.search(r'field "([^"]+)"', str(error))
+    cause = error.__cause__
+    why = f"must be JSON (a list or an object): {cause}" if cause is not None else str(error)
+    if field is not None:
+        suffix = "_" + field.group(1).upper()
+        named = [name for name in environ
+                 if name.upper().startswith("GPUSTEWARD_") and name.upper().endswith(suffix)]
+        named.sort(key=lambda name: _is_json(environ[name]))  # the unparsable one first
+        if named:
+            return f"{named[0]}={cut(environ[named[0]], 80)!r}: {why}"
+    return str(error)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

@@ -13,7 +13,14 @@ from typing import Annotated
 
 import typer
 
-from gpusteward.cli.common import Bootstrap, configure_logging, kafka_settings, run_consumer
+from gpusteward.cli.common import (
+    Bootstrap,
+    LogLevel,
+    configure_logging,
+    folder,
+    kafka_settings,
+    run_consumer,
+)
 
 SINKS = ("rollups", "queue", "findings", "results")
 
@@ -21,8 +28,8 @@ SINKS = ("rollups", "queue", "findings", "results")
 def report(
     week: Annotated[str | None, typer.Option(
         help="ISO week, e.g. 2026-W47 (default: the last complete week).")] = None,
-    out: Annotated[Path, typer.Option(help="Folder for report.html, .md, .json and "
-                                           "mig-parted.yaml.")] = Path("report"),
+    out: Annotated[Path, typer.Option(callback=folder, help="Folder for report.html, .md, "
+                                      ".json and mig-parted.yaml.")] = Path("report"),
     rollups: Annotated[Path | None, typer.Option(
         help="Rollup store folder (default: GPUSTEWARD_REPORT__ROLLUP_DIR or ./rollups).")
     ] = None,
@@ -112,9 +119,10 @@ def sink(
              "(gpusteward.action-results.v1 into the action-result store).")],
     bootstrap: Bootstrap = None,
     directory: Annotated[Path | None, typer.Option(
-        "--dir", help="Store folder (default: GPUSTEWARD_REPORT__ROLLUP_DIR, _QUEUE_DIR, "
-                      "_FINDINGS_DIR or _RESULTS_DIR).")] = None,
-    loglevel: Annotated[str, typer.Option(help="Log level.")] = "info",
+        "--dir", callback=folder,
+        help="Store folder (default: GPUSTEWARD_REPORT__ROLLUP_DIR, _QUEUE_DIR, "
+             "_FINDINGS_DIR or _RESULTS_DIR).")] = None,
+    loglevel: LogLevel = "info",
 ) -> None:
     """Run a sink: a topic into its Parquet store, until SIGTERM or Ctrl-C (then flush)."""
     from gpusteward.reports import policy as live_policy

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 import typer
+from pydantic import ValidationError
 
 from gpusteward.cli.common import Bootstrap, ensure_topics, kafka_settings
 
@@ -52,8 +53,12 @@ def simulate(
     from gpusteward.sandbox.simulator.engine import SimulatedCluster
 
     spec = scenarios.load(scenario)
-    if acceleration is not None:
-        spec = spec.model_copy(update={"acceleration": acceleration})
+    if acceleration is not None:  # checked as the scenario file's own value is
+        try:
+            spec = type(spec).model_validate({**spec.model_dump(), "acceleration": acceleration})
+        except ValidationError as error:
+            raise typer.BadParameter("; ".join(problem["msg"] for problem in error.errors()),
+                                     param_hint="--acceleration") from error
     settings = kafka_settings(bootstrap)
 
     async def main() -> None:
@@ -102,8 +107,7 @@ def replay(
     publish: Annotated[bool, typer.Option(
         "--publish/--no-publish", help="Also publish samples and allocations to Kafka.")
     ] = False,
-    bootstrap: Annotated[str | None, typer.Option(
-        "--bootstrap", envvar="GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS")] = None,
+    bootstrap: Bootstrap = None,
     through_pipeline: Annotated[bool, typer.Option(
         "--through-pipeline", help="Instead: start an embedded broker and the stream worker, "
         "replay the trace through them and compare the idle periods found with an offline "

@@ -206,13 +206,19 @@ def render(status: FleetStatus) -> Group:
     return Group(*parts)
 
 
+def _positive(seconds: float) -> float:
+    if seconds <= 0:  # 0 or less would redraw in a tight loop
+        raise typer.BadParameter(f"{seconds:g} is not a positive number of seconds")
+    return seconds
+
+
 def status(
     bootstrap: Bootstrap = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document, for scripts.")
                        ] = False,
     watch: Annotated[bool, typer.Option("--watch", help="Keep reading and redraw.")] = False,
-    interval: Annotated[float, typer.Option(help="Seconds between redraws with --watch.")
-                        ] = 5.0,
+    interval: Annotated[float, typer.Option(
+        callback=_positive, help="Seconds between redraws with --watch.")] = 5.0,
 ) -> None:
     """The fleet now: GPUs allocated vs busy, open findings, actions, breaker, queues, pending
     workloads with their start ETAs, lag."""
@@ -241,6 +247,9 @@ def status(
         asyncio.run(main())
     except KeyboardInterrupt:
         pass
+    except TimeoutError as error:  # no broker at --bootstrap: the message says where
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from error
 
 
 async def _watch(settings: Settings, follower: TopicFollower, snapshot: FleetStatus,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import signal
 import sys
 from typing import Annotated, Any
@@ -21,6 +20,7 @@ import msgspec
 import typer
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gpusteward.cli.common import Bootstrap, LogLevel, configure_logging, kafka_settings
 from gpusteward.collectors.kubernetes import KubeWatchSettings
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
 
@@ -65,16 +65,13 @@ def watch(
         help="Seconds between full relists diffed against what was published.")] = None,
     resources: Annotated[str | None, typer.Option(
         help="Comma-separated subset of nodes,pods,workloads,gangs.")] = None,
-    bootstrap: Annotated[str | None, typer.Option(
-        "--bootstrap", envvar="GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS",
-        help="Kafka bootstrap servers (host:port,...).")] = None,
+    bootstrap: Bootstrap = None,
     stdout: Annotated[bool, typer.Option(
         "--stdout", help="Print events as JSON lines instead of publishing to Kafka.")] = False,
-    loglevel: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    loglevel: LogLevel = "info",
 ) -> None:
     """Watch pods, nodes and Kueue workloads; publish allocation, inventory and queue events."""
-    logging.basicConfig(level=loglevel.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(loglevel)
     overrides: dict[str, Any] = {}
     if kubeconfig is not None:
         overrides["kubeconfig"] = kubeconfig
@@ -112,12 +109,8 @@ async def _main(kube: KubeWatchSettings, bootstrap: str | None, stdout: bool) ->
     from gpusteward import health, kafka, metrics
     from gpusteward.collectors.metrics import WatcherMetrics
     from gpusteward.collectors.transport.publisher import KafkaPublisher
-    from gpusteward.settings import Settings
 
-    settings = Settings()
-    if bootstrap:
-        settings = settings.model_copy(update={"kafka": settings.kafka.model_copy(
-            update={"bootstrap_servers": bootstrap})})
+    settings = kafka_settings(bootstrap)
     await kafka.wait_for_broker(settings)
     await kafka.ensure_topics(settings)
     # One registry: the publisher's delivery counters beside the watcher's own.

@@ -6,6 +6,8 @@ the missing setting, not later as an authentication timeout.
 
 from __future__ import annotations
 
+import re
+
 import faust
 import pytest
 from pydantic import ValidationError
@@ -54,10 +56,25 @@ def test_sasl_ssl_builds_a_tls_context_for_both_clients():
                       faust.SSLCredentials)
 
 
-def test_a_missing_ca_file_is_an_error_not_a_silent_fallback(tmp_path):
-    kafka = KafkaSettings(security_protocol="SSL", ssl_cafile=str(tmp_path / "absent.crt"))
-    with pytest.raises(OSError):
-        kafka.aiokafka_config()
+def test_a_missing_ca_file_is_an_error_at_start_not_a_silent_fallback(tmp_path):
+    absent = tmp_path / "absent.crt"
+    with pytest.raises(ValidationError, match=f"{absent}: no such file"):
+        KafkaSettings(security_protocol="SSL", ssl_cafile=str(absent))
+
+
+@pytest.mark.parametrize("servers", ["b1:9093,b2:9093", "kafka", "[::1]:9092",
+                                     " b1:9093 , b2:1"])
+def test_host_port_lists_are_accepted(servers):
+    assert KafkaSettings(bootstrap_servers=servers).bootstrap_servers == servers
+
+
+@pytest.mark.parametrize(("servers", "entry"), [
+    ("127.0.0.1:abc", "127.0.0.1:abc"), ("b1:9093,b2:0", "b2:0"), ("b1:70000", "b1:70000"),
+    ("b1:9093,,b2:9093", ""), (":9092", ":9092"), ("[::1]x", "[::1]x"),
+])
+def test_a_bad_host_port_names_the_entry(servers, entry):
+    with pytest.raises(ValidationError, match=re.escape(f"{entry!r} is not host:port")):
+        KafkaSettings(bootstrap_servers=servers)
 
 
 @pytest.mark.parametrize("missing", ["sasl_mechanism", "sasl_username", "sasl_password"])
