@@ -25,7 +25,11 @@ every rule's defaults, which are also what the shipped ``policy.yaml`` says.
 Errors name the file, the line and the field (``policy.yaml:12:
 rules.idle_holder.window_s: Input should be greater than 0``): the YAML is
 composed into nodes that keep their position, and each validation error's
-location is walked down that tree.
+location is walked down that tree. Every problem is reported at once: a key
+given twice in one mapping (YAML would keep the last silently), a section of
+the wrong shape, and each rule section's own errors. A value a rule only
+interprets at run time (a queue pattern, a request shape, a workload kind) is
+checked by its settings model, so a file that loads does not fail later.
 """
 
 from __future__ import annotations
@@ -233,8 +237,72 @@ def _issues(error: ValidationError, prefix: tuple[Any, ...],
     for detail in error.errors():
         loc = prefix + tuple(detail["loc"])
         name = ".".join(str(p) for p in loc if p != "[key]")
-        out.append(PolicyIssue(_line(root, loc), name, detail["msg"]))
+        # A settings model's own check (a pattern, a shape) says what is wrong in full.
+        message = detail["msg"].removeprefix("Value error, ")
+        out.append(PolicyIssue(_line(root, loc), name, message))
     return out
+
+
+def _duplicate_keys(root: yaml.Node | None) -> list[PolicyIssue]:
+    """Keys given twice in one mapping, at the line of each repeat: YAML keeps the last one
+    silently, so a rule or field overridden twice by mistake would go unnoticed."""
+    constructor = yaml.constructor.SafeConstructor()
+    issues: list[PolicyIssue] = []
+    seen: set[int] = set()
+
+    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
+        if id(node) in seen:  # an alias: its node was walked where the anchor is
+            return
+        seen.add(id(node))
+        children: list[tuple[str, yaml.Node]] = []
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[Any, int] = {}
+            for key_node, value_node in node.value:
+                children.append((str(key_node.value), value_node))
+                if not isinstance(key_node, yaml.ScalarNode) or \
+                        key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = constructor.construct_object(key_node)
+                line = key_node.start_mark.line + 1
+                if key in first_line:
+                    issues.append(PolicyIssue(line, ".".join((*path, str(key_node.value))),
+                                              f"duplicate key, first given on line "
+                                              f"{first_line[key]}"))
+                else:
+                    first_line[key] = line
+        elif isinstance(node, yaml.SequenceNode):
+            children = [(str(i), item) for i, item in enumerate(node.value)]
+        for name, child in children:
+            walk(child, (*path, name))
+
+    if root is not None:
+        walk(root, ())
+    return issues
+
+
+def _validate_shape(data: Any, root: yaml.Node | None
+                    ) -> tuple[PolicyFile | None, list[PolicyIssue]]:
+    """The file's sections, and the problems of their shape. An owner or section whose
+    shape is wrong is left out so that the rest can still be checked and every problem
+    reported at once; None when nothing is left to check (the file is not a mapping)."""
+    try:
+        return PolicyFile.model_validate(data), []
+    except ValidationError as error:
+        issues = _issues(error, (), root)
+        if not isinstance(data, dict):
+            return None, issues
+        usable = dict(data)
+        for detail in error.errors():
+            section, *rest = detail["loc"]
+            inner = usable.get(section)
+            if rest and isinstance(inner, dict):
+                usable[section] = {k: v for k, v in inner.items() if k != rest[0]}
+            else:
+                usable.pop(section, None)
+        try:
+            return PolicyFile.model_validate(usable), issues
+        except ValidationError:
+            return None, issues
 
 
 def parse_policy(text: str, origin: str = "<policy>", registry: Registry = REGISTRY) -> Policy:
@@ -246,13 +314,18 @@ def parse_policy(text: str, origin: str = "<policy>", registry: Registry = REGIS
         mark = error.problem_mark
         raise PolicyError(origin, [PolicyIssue(mark.line + 1 if mark else None, "",
                                                f"not valid YAML: {error.problem}")]) from error
+    except yaml.reader.ReaderError as error:  # a character YAML does not allow: no mark
+        line = text.count("\n", 0, error.position) + 1
+        raise PolicyError(origin, [PolicyIssue(line, "", f"not valid YAML: {error.reason} "
+                                               f"(character #x{error.character:04x})")]
+                          ) from error
     if data is None:
         data = {}
-    try:
-        shape = PolicyFile.model_validate(data)
-    except ValidationError as error:
-        raise PolicyError(origin, _issues(error, (), root)) from error
-    issues: list[PolicyIssue] = []
+    issues = _duplicate_keys(root)
+    shape, shape_issues = _validate_shape(data, root)
+    issues += shape_issues
+    if shape is None:
+        raise PolicyError(origin, issues)
     defaults: dict[str, dict[str, Any]] = {}
     for name, body in shape.rules.items():
         if _check_rule(registry, name, body, {}, ("rules", name), root, issues):
@@ -263,7 +336,7 @@ def parse_policy(text: str, origin: str = "<policy>", registry: Registry = REGIS
                 _check_rule(registry, name, body, defaults.get(name, {}),
                             (section, owner, name), root, issues)
     if issues:
-        raise PolicyError(origin, issues)
+        raise PolicyError(origin, sorted(issues, key=lambda i: (i.line is None, i.line or 0)))
     return Policy(node_pool_label=shape.node_pool_label, rules=defaults,
                   node_pools=shape.node_pools, queues=shape.queues, namespaces=shape.namespaces,
                   registry=registry)

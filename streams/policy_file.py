@@ -23,9 +23,13 @@ def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:
     if path is None:
         return Policy()
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as error:
         raise PolicyError(str(path), [PolicyIssue(None, "", f"cannot read: {error}")]) from error
+    except UnicodeDecodeError as error:
+        raise PolicyError(str(path), [PolicyIssue(
+            None, "", f"cannot read: not UTF-8 text (byte 0x{error.object[error.start]:02x} "
+            f"at offset {error.start})")]) from error
     return parse_policy(text, str(path))
 
 
