@@ -78,9 +78,48 @@ def compose(text: str, origin: str,
                                    f"not valid YAML: {cause.problem}")]) from cause
     except yaml.reader.ReaderError as cause:  # a character YAML does not allow (a NUL)
         line = text.count("\n", 0, cause.position) + 1
-        raise error(origin, [Issue(line, "", f"not valid YAML: {cause.reason}: "
-                                             f"{cause.character!r}")]) from cause
+        raise error(origin, [Issue(line, "", f"not valid YAML: {cause.reason} "
+                                             f"(character #x{cause.character:04x})")]) from cause
     return root, data
+
+
+def duplicate_keys(root: yaml.Node | None) -> list[Issue]:
+    """Keys given twice in one mapping, at the line of each repeat: YAML keeps the last one
+    silently, so a field given twice by mistake would go unnoticed. Keys compare as YAML
+    reads them (``13`` and ``+13`` are one); merge keys (``<<``) and aliases are not
+    repeats."""
+    constructor = yaml.constructor.SafeConstructor()
+    issues: list[Issue] = []
+    seen: set[int] = set()
+
+    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
+        if id(node) in seen:  # an alias: its node was walked where the anchor is
+            return
+        seen.add(id(node))
+        children: list[tuple[str, yaml.Node]] = []
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[Any, int] = {}
+            for key_node, value_node in node.value:
+                children.append((str(key_node.value), value_node))
+                if not isinstance(key_node, yaml.ScalarNode) or \
+                        key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = constructor.construct_object(key_node)
+                line = key_node.start_mark.line + 1
+                if key in first_line:
+                    issues.append(Issue(line, ".".join((*path, str(key_node.value))),
+                                        f"duplicate key, first given on line "
+                                        f"{first_line[key]}"))
+                else:
+                    first_line[key] = line
+        elif isinstance(node, yaml.SequenceNode):
+            children = [(str(i), item) for i, item in enumerate(node.value)]
+        for name, child in children:
+            walk(child, (*path, name))
+
+    if root is not None:
+        walk(root, ())
+    return issues
 
 
 def _key_node(node: yaml.Node, key: Any) -> tuple[yaml.Node | None, yaml.Node | None]:
@@ -122,5 +161,6 @@ def issues_of(error: ValidationError, root: yaml.Node | None,
     for detail in error.errors():
         loc = prefix + tuple(detail["loc"])
         name = ".".join(str(p) for p in loc if p != "[key]")
-        out.append(Issue(line_of(root, loc), name, detail["msg"]))
+        # A model's own check (a pattern, a shape) says what is wrong in full.
+        out.append(Issue(line_of(root, loc), name, detail["msg"].removeprefix("Value error, ")))
     return out

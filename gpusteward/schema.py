@@ -71,6 +71,9 @@ Counts = Annotated[dict[Name, Count], Meta(max_length=1024)]
 Names = Annotated[list[Key], Meta(max_length=4096)]
 GpuShare = Annotated[float, Meta(ge=0.0, le=1_000_000.0,
                                  description="Whole-GPU equivalents (a MIG device: its share).")]
+WORKLOAD_KINDS = ("notebook", "batch", "inference")
+"""The workload kinds a pod can be given (``workload_kind``): the watcher sets one of these
+or none, so the policy refuses any other name where it selects pods by kind."""
 
 
 class PodRef(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -11,8 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gpusteward.errors import ConfigError
 
 
 def host_ports(servers: str) -> str:
@@ -129,15 +131,6 @@ class KafkaSettings(BaseModel):
         ),
     )
 
-    @field_validator("ssl_cafile")
-    @classmethod
-    def _cafile_exists(cls, path: str | None) -> str | None:
-        # Read only when the first client connects, where a missing file is a bare
-        # FileNotFoundError; a set path that is no file is an error even on PLAINTEXT.
-        if path is not None and not Path(path).is_file():
-            raise ValueError(f"{path}: no such file")
-        return path
-
     @model_validator(mode="after")
     def _sasl_is_complete(self) -> KafkaSettings:
         # Caught here, at start, rather than as an opaque authentication failure later.
@@ -184,6 +177,12 @@ class KafkaSettings(BaseModel):
     def _ssl_context(self) -> Any:
         from aiokafka.helpers import create_ssl_context
 
+        # Checked here, where the first client needs it, and not when the settings are made:
+        # the file is mounted in the pod only (doctor and the manifests' tests read the same
+        # settings elsewhere). Unchecked, it is a bare FileNotFoundError naming nothing.
+        if self.ssl_cafile is not None and not Path(self.ssl_cafile).is_file():
+            raise ConfigError(f"GPUSTEWARD_KAFKA__SSL_CAFILE={self.ssl_cafile}: no such file "
+                              f"(the CA of the broker's TLS listener)")
         return create_ssl_context(cafile=self.ssl_cafile)
 
     def aiokafka_config(self) -> dict[str, Any]:

@@ -34,6 +34,7 @@ Two findings, one per episode:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Annotated
 
 import msgspec
 from pydantic import BaseModel, Field
@@ -68,15 +69,17 @@ PROJECTED_RUNBOOK = (
 class BudgetSettings(BaseModel):
     """Settings of team GPU-hour budgets."""
 
-    budgets_gpu_h: dict[str, float] = Field(
+    budgets_gpu_h: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict,
-        description="GPU-hours per team per week (ISO week, UTC), by team name. Empty: no "
-        "budgets, the rule does nothing; teams not listed have none.",
+        description="GPU-hours per team per week (ISO week, UTC), by team name; 0 or more (0: "
+        "any use crosses every threshold). Empty: no budgets, the rule does nothing; teams "
+        "not listed have none.",
     )
-    thresholds: list[float] = Field(
+    thresholds: list[Annotated[float, Field(gt=0)]] = Field(
         default_factory=lambda: [0.8, 1.0],
-        description="Shares of the budget at which a finding is raised as the week's use "
-        "crosses them: 80 % leaves a day or two to act, 100 % is the budget spent.",
+        description="Shares of the budget (> 0; 1.0 is the whole budget) at which a finding is "
+        "raised as the week's use crosses them: 80 % leaves a day or two to act, 100 % is "
+        "the budget spent.",
     )
     max_gap_s: float = Field(
         600, gt=0,

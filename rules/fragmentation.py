@@ -33,9 +33,10 @@ import bisect
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
 import msgspec
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 from gpusteward.rules.findings import finding_id, fingerprint, resolved
 from gpusteward.rules.registry import FleetRunner
@@ -67,6 +68,30 @@ class Shape(msgspec.Struct, frozen=True, order=True):
     milli: int = WHOLE
 
 
+def parse_shape(text: str) -> Shape:
+    """``'2x1000'`` -> Shape(2, 1000); raises ValueError naming the bad text."""
+    try:
+        gpus, milli = (int(part) for part in text.split("x"))
+    except ValueError as error:
+        raise ValueError(f"bad shape {text!r}: expected '<gpus>x<milli>'") from error
+    return Shape(gpus, milli)
+
+
+def _request_shape(text: str) -> str:
+    """A configured shape, checked as :func:`shapes` will parse it: whole GPUs or a share."""
+    shape = parse_shape(text)
+    if shape.gpus < 1 or not 0 < shape.milli <= WHOLE:
+        raise ValueError(f"bad shape {text!r}: expected at least 1 GPU and 1 to {WHOLE} "
+                         "milli of each")
+    return text
+
+
+RequestShape = Annotated[str, AfterValidator(_request_shape)]
+Popularity = Annotated[float, Field(gt=0)]
+"""A shape's weight: only the ratios matter, and a zero weight would leave nothing to
+divide by."""
+
+
 class FragmentationSettings(BaseModel):
     """Settings of the fleet fragmentation rule."""
 
@@ -91,20 +116,12 @@ class FragmentationSettings(BaseModel):
         description="Seconds a pending workload must stay stranded (fits the fleet's total "
         "free capacity but no node) before a finding: 5 min lets the scheduler act first.",
     )
-    default_shapes: dict[str, float] = Field(
+    default_shapes: dict[RequestShape, Popularity] = Field(
         default_factory=lambda: {"1x1000": 1.0},
-        description="Request shapes ('<gpus>x<milli>') and their popularity used until "
-        "workloads have been observed. One whole GPU is the commonest request.",
+        description="Request shapes ('<gpus>x<milli>': at least 1 GPU, 1 to 1000 milli of "
+        "each) and their popularity (> 0, relative weights) used until workloads have been "
+        "observed. One whole GPU is the commonest request.",
     )
-
-
-def parse_shape(text: str) -> Shape:
-    """``'2x1000'`` -> Shape(2, 1000); raises ValueError naming the bad text."""
-    try:
-        gpus, milli = (int(part) for part in text.split("x"))
-    except ValueError as error:
-        raise ValueError(f"bad shape {text!r}: expected '<gpus>x<milli>'") from error
-    return Shape(gpus, milli)
 
 
 def popularity(shapes: Iterable[Shape]) -> dict[Shape, float]:

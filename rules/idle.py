@@ -58,6 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
 from gpusteward.rules.registry import DeviceRunner, own_settings
+from gpusteward.rules.values import WorkloadKind
 from gpusteward.schema import Action, DeviceSample, Evidence, Finding, PodRef, Subject
 
 KIND = "idle_holder"
@@ -163,10 +164,11 @@ class IdleSettings(BaseModel):
         "from the start of the idle episode (14 days: a conference trip or a holiday, not a "
         "permanent reservation). 0 ignores the annotation.",
     )
-    kinds: dict[str, IdleKindSettings] = Field(
+    kinds: dict[WorkloadKind, IdleKindSettings] = Field(
         default_factory=_default_kinds,
         description="Overrides per workload kind (notebook, batch, inference, from the pod's "
-        "labels or owner chain); a pod of another or unknown kind uses the rule's values.",
+        "labels or owner chain; no other name is accepted); a pod of no known kind uses the "
+        "rule's values.",
     )
     exempt_namespaces: list[str] = Field(
         default_factory=list, description="Namespaces whose pods are never flagged.")

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.memory import GIB, Out, SustainTrack, free_bytes, pod_of, sustain
 from gpusteward.rules.registry import DeviceRunner, own_settings
+from gpusteward.rules.values import WorkloadKind
 from gpusteward.schema import DeviceSample
 
 KIND = "gpu_memory_low_free"
@@ -43,11 +44,12 @@ class LowFreeMemorySettings(BaseModel):
     max_gap_s: float = Field(
         120, gt=0, description="A gap between samples longer than this (seconds) restarts "
         "the run: no observations means no evidence.")
-    workload_kinds: list[str] = Field(
+    workload_kinds: list[WorkloadKind] = Field(
         default_factory=lambda: ["inference"],
         description="Workload kinds of the holder the rule watches (notebook, batch, "
-        "inference). Empty: every device, held or not. Inference by default: training fills "
-        "memory on purpose, a server needs headroom for the next request.")
+        "inference; no other name is accepted). Empty: every device, held or not. Inference "
+        "by default: training fills memory on purpose, a server needs headroom for the next "
+        "request.")
     notify: bool = Field(True, description="Notify the pod's owner when an episode opens.")
 
 

@@ -26,7 +26,11 @@ Errors name the file, the line and the field (``policy.yaml:12:
 rules.idle_holder.window_s: Input should be greater than 0``): the YAML is
 composed into nodes that keep their position, and each validation error's
 location is walked down that tree (:mod:`gpusteward.configfile`, shared with the
-simulated world's scenario files).
+simulated world's scenario files). Every problem is reported at once: a key
+given twice in one mapping (YAML would keep the last silently), a section of
+the wrong shape, and each rule section's own errors. A value a rule only
+interprets at run time (a queue pattern, a request shape, a workload kind) is
+checked by its settings model, so a file that loads does not fail later.
 """
 
 from __future__ import annotations
@@ -38,7 +42,14 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gpusteward.configfile import ConfigFileError, Issue, compose, issues_of, line_of
+from gpusteward.configfile import (
+    ConfigFileError,
+    Issue,
+    compose,
+    duplicate_keys,
+    issues_of,
+    line_of,
+)
 from gpusteward.rules import REGISTRY
 from gpusteward.rules.registry import (
     DeviceRunner,
@@ -182,16 +193,41 @@ class Policy:
         return resolved
 
 
+def _validate_shape(data: Any, root: yaml.Node | None
+                    ) -> tuple[PolicyFile | None, list[PolicyIssue]]:
+    """The file's sections, and the problems of their shape. An owner or section whose
+    shape is wrong is left out so that the rest can still be checked and every problem
+    reported at once; None when nothing is left to check (the file is not a mapping)."""
+    try:
+        return PolicyFile.model_validate(data), []
+    except ValidationError as error:
+        issues = issues_of(error, root)
+        if not isinstance(data, dict):
+            return None, issues
+        usable = dict(data)
+        for detail in error.errors():
+            section, *rest = detail["loc"]
+            inner = usable.get(section)
+            if rest and isinstance(inner, dict):
+                usable[section] = {k: v for k, v in inner.items() if k != rest[0]}
+            else:
+                usable.pop(section, None)
+        try:
+            return PolicyFile.model_validate(usable), issues
+        except ValidationError:
+            return None, issues
+
+
 def parse_policy(text: str, origin: str = "<policy>", registry: Registry = REGISTRY) -> Policy:
     """A policy from YAML text; :class:`PolicyError` lists every problem with its line."""
     root, data = compose(text, origin, PolicyError)
     if data is None:
         data = {}
-    try:
-        shape = PolicyFile.model_validate(data)
-    except ValidationError as error:
-        raise PolicyError(origin, issues_of(error, root)) from error
-    issues: list[PolicyIssue] = []
+    issues = duplicate_keys(root)
+    shape, shape_issues = _validate_shape(data, root)
+    issues += shape_issues
+    if shape is None:
+        raise PolicyError(origin, issues)
     defaults: dict[str, dict[str, Any]] = {}
     for name, body in shape.rules.items():
         if _check_rule(registry, name, body, {}, ("rules", name), root, issues):
@@ -202,7 +238,7 @@ def parse_policy(text: str, origin: str = "<policy>", registry: Registry = REGIS
                 _check_rule(registry, name, body, defaults.get(name, {}),
                             (section, owner, name), root, issues)
     if issues:
-        raise PolicyError(origin, issues)
+        raise PolicyError(origin, sorted(issues, key=lambda i: (i.line is None, i.line or 0)))
     return Policy(node_pool_label=shape.node_pool_label, rules=defaults,
                   node_pools=shape.node_pools, queues=shape.queues, namespaces=shape.namespaces,
                   registry=registry)

@@ -28,9 +28,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from typing import Annotated
 
 import msgspec
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 from gpusteward.rules.findings import finding_id, fingerprint, resolved
 from gpusteward.rules.registry import FleetRunner
@@ -63,14 +64,26 @@ _STATE_ORDER = {"pending": 0, "requeued": 0, "admitted": 1, "evicted": 2, "finis
 workload admitted within the same second), the later state is the newer event."""
 
 
+def _queue_pattern(pattern: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"not a regular expression: {error}") from error
+    return pattern
+
+
+QueuePattern = Annotated[str, AfterValidator(_queue_pattern)]
+Seconds = Annotated[float, Field(gt=0)]
+
+
 class QueueSloSettings(BaseModel):
     """Settings of the queue SLO rules."""
 
-    slo_s: dict[str, float] = Field(
+    slo_s: dict[QueuePattern, Seconds] = Field(
         default_factory=lambda: {"prod": 600.0, "research": 7200.0},
-        description="Wait-time SLO in seconds by queue-name pattern (regular expression "
-        "searched in the cluster-queue name), first match wins. Production queues get "
-        "10 min, research 2 h.",
+        description="Wait-time SLO in seconds (> 0) by queue-name pattern (Python regular "
+        "expression searched in the cluster-queue name), first match wins. Production "
+        "queues: 10 min, research: 2 h.",
     )
     default_slo_s: float = Field(
         3600.0, gt=0, description="SLO (seconds) of a queue no pattern matches.",

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
-from gpusteward.rules.policy import Policy, PolicyError, PolicyIssue, parse_policy
+from gpusteward.configfile import read_text
+from gpusteward.rules.policy import Policy, PolicyError, parse_policy
 
 POLICY_ENV = "GPUSTEWARD_POLICY_FILE"
 
@@ -22,10 +22,7 @@ def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:
     """The policy in ``path``, or the defaults when ``path`` is None."""
     if path is None:
         return Policy()
-    try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise PolicyError(str(path), [PolicyIssue(None, "", f"cannot read: {error}")]) from error
+    text = read_text(path, PolicyError)
     return parse_policy(text, str(path))
 
 

@@ -65,6 +65,7 @@ import msgspec
 from gpusteward.collectors.kubernetes.reflector import Delta, Obj
 from gpusteward.collectors.kubernetes.settings import KubeWatchSettings
 from gpusteward.schema import (
+    WORKLOAD_KINDS,
     AllocationEvent,
     NodeInventory,
     PodAllocation,
@@ -119,7 +120,6 @@ BATCH_OWNERS = frozenset({"Job", "CronJob", "JobSet", "RayJob", "RayCluster", "P
                           "Workflow"})
 INFERENCE_OWNERS = frozenset({"Deployment", "StatefulSet", "InferenceService",
                               "KnativeService", "LeaderWorkerSet"})
-WORKLOAD_KINDS = ("notebook", "batch", "inference")
 
 LABEL_KUEUE_POD_GROUP = "kueue.x-k8s.io/pod-group-name"
 ANNOTATION_KUEUE_POD_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"

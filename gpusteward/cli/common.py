@@ -198,7 +198,7 @@ def settings_errors(error: ValidationError,
             where = f"{candidates[0]}{delimiter}*"  # a group's check, such as SASL's
         else:
             where = ".".join([model.__name__, *path])
-        lines.append(f"{where}: {problem['msg']}")
+        lines.append(f"{where}: {problem['msg'].removeprefix('Value error, ')}")
     return lines
 
 

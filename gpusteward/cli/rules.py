@@ -14,7 +14,9 @@ from typing import Annotated, Any, Literal
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from gpusteward.rules import REGISTRY
 from gpusteward.rules import policy as policies
@@ -81,7 +83,7 @@ def explain(
                   f"node pool={node_pool}")
     for name, fields in effective.items():
         for field, value in fields.items():
-            table.add_row(name, field, _short(value))
+            table.add_row(name, field, Text(_short(value)))  # Text: no markup in values
     Console().print(table)
 
 
@@ -91,15 +93,16 @@ def list_rules() -> None:
     console = Console()
     for name, rule in sorted(REGISTRY.items()):
         owner = "" if rule.owner == "worker" else f", run by {rule.owner}"
-        console.print(f"[bold]{name}[/] ({rule.scope}{owner}): {rule.describe()}",
-                      highlight=False)
-        console.print(f"  emits: {', '.join(rule.emits)}", highlight=False)
+        # Values and descriptions are printed as they are: `[inference]` is a list, not markup.
+        console.print(f"[bold]{escape(name)}[/] ({rule.scope}{owner}): "
+                      f"{escape(rule.describe())}", highlight=False)
+        console.print(f"  emits: {', '.join(rule.emits)}", highlight=False, markup=False)
         if rule.settings is None:
             continue
         defaults = rule.settings().model_dump(mode="json")
         for field, info in rule.settings.model_fields.items():
             console.print(f"  {field} = {_short(defaults[field])}: {info.description or ''}",
-                          highlight=False)
+                          highlight=False, markup=False)
 
 
 @rules_app.command()

@@ -19,7 +19,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from gpusteward.configfile import ConfigFileError, Issue, compose, issues_of, read_text
+from gpusteward.configfile import (
+    ConfigFileError,
+    Issue,
+    compose,
+    duplicate_keys,
+    issues_of,
+    read_text,
+)
 
 Range = tuple[float, float]
 
@@ -221,7 +228,11 @@ def parse(text: str, origin: str = "<scenario>") -> Scenario:
         required = [name for name, info in Scenario.model_fields.items() if info.is_required()]
         raise ScenarioError(origin, [Issue(1, "", f"empty: a scenario needs at least "
                                                   f"{', '.join(required)}")])
+    issues = duplicate_keys(root)
     try:
-        return Scenario.model_validate(data)
+        scenario = Scenario.model_validate(data)
     except ValidationError as error:
-        raise ScenarioError(origin, issues_of(error, root)) from error
+        raise ScenarioError(origin, issues + issues_of(error, root)) from error
+    if issues:
+        raise ScenarioError(origin, issues)
+    return scenario

@@ -64,8 +64,8 @@ def model(settings: type[BaseSettings], *unused: str) -> Model:
     return Model(settings, frozenset(unused))
 
 
-# Settings' /metrics and health port: the worker and the consumers serve both
-# (cli/common.run_consumer), the watcher health only; the collectors and the simulator
+# Settings' /metrics and health port: the worker, the consumers (cli/common.run_consumer)
+# and the watcher serve both; the collectors and the simulator
 # neither (a collector serves its own /metrics, on collect.metrics_port).
 _SERVING = ("metrics", "health_port")
 _SOURCES = ("dcgm_url", "prometheus_url", "prometheus_nodes", "pod_labels", "nvml",
@@ -84,8 +84,8 @@ READS: dict[tuple[str, ...], tuple[Model | str, ...]] = {
     ("sink", "rollups"): (model(Settings), model(ReportSettings), POLICY_ENV),
     # report(): ReportSettings() and policy_from_env(); no Kafka.
     ("report",): (model(ReportSettings), POLICY_ENV),
-    # watch(): KubeWatchEnvSettings(), then Settings() for Kafka and the health port.
-    ("watch",): (model(Settings, "metrics"), model(KubeWatchEnvSettings)),
+    # watch(): KubeWatchEnvSettings(), then Settings() for Kafka, /metrics and health.
+    ("watch",): (model(Settings), model(KubeWatchEnvSettings)),
     ("collect", "nvml"): (
         model(Settings, *_SERVING),
         model(CollectSettings, *(s for s in _SOURCES if s not in ("nvml", "fake_nvml")))),

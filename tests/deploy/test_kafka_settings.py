@@ -12,6 +12,7 @@ import faust
 import pytest
 from pydantic import ValidationError
 
+from gpusteward.errors import ConfigError
 from gpusteward.settings import KafkaSettings, Settings
 
 pytestmark = pytest.mark.deploy
@@ -58,8 +59,11 @@ def test_sasl_ssl_builds_a_tls_context_for_both_clients():
 
 def test_a_missing_ca_file_is_an_error_at_start_not_a_silent_fallback(tmp_path):
     absent = tmp_path / "absent.crt"
-    with pytest.raises(ValidationError, match=f"{absent}: no such file"):
-        KafkaSettings(security_protocol="SSL", ssl_cafile=str(absent))
+    kafka = KafkaSettings(security_protocol="SSL", ssl_cafile=str(absent))
+    with pytest.raises(ConfigError, match=f"GPUSTEWARD_KAFKA__SSL_CAFILE={absent}: no such file"):
+        kafka.aiokafka_config()
+    with pytest.raises(ConfigError, match="no such file"):
+        kafka.faust_credentials()
 
 
 @pytest.mark.parametrize("servers", ["b1:9093,b2:9093", "kafka", "[::1]:9092",

@@ -82,6 +82,12 @@ def test_a_wrong_type_names_the_field_and_its_line(tmp_path: Path) -> None:
     ]
 
 
+def test_a_key_given_twice_is_refused_at_the_repeat(tmp_path: Path) -> None:
+    """YAML keeps the last of two equal keys silently: the first would be ignored."""
+    twice = GOOD.replace("duration_s: 600", "duration_s: 600\nduration_s: 60")
+    assert errors(tmp_path, twice) == ["3: duration_s: duplicate key, first given on line 2"]
+
+
 def test_a_file_that_is_not_utf8_names_the_line_of_the_first_bad_byte(
         tmp_path: Path) -> None:
     latin1 = GOOD.replace("[ada]", "[adé]").encode("latin-1")
