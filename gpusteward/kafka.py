@@ -131,7 +131,7 @@ class Sender(Protocol):
     """What a consumer's record handling sends through: :class:`Deliveries` (or a test's
     recorder)."""
 
-    async def send(self, topic: str, value: bytes, key: bytes | None = None) -> None: ...
+    async def send(self, topic: str, value: bytes, key: bytes | None = None) -> object: ...
 
 
 class Deliveries:
