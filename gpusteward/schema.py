@@ -398,7 +398,8 @@ ActionVerb = Literal["notify_owner", "cordon", "taint", "drain", "requeue", "set
 
 
 class Action(msgspec.Struct):
-    """A remediation the pipeline asks for. Topic ``actions``, key = subject.
+    """A remediation the pipeline asks for. Topic ``actions``, key = subject (its node, else
+    ``namespace/pod``, else its queue, else empty: :data:`gpusteward.topics.ACTIONS`).
 
     ``idempotency_key`` is deterministic (finding id + verb): executing the
     same key twice must have the effect of executing it once.
