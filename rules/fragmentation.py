@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import msgspec
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field, field_validator
 
 from gpusteward.rules.findings import finding_id, fingerprint, resolved
 from gpusteward.rules.registry import FleetRunner
@@ -87,9 +87,9 @@ def _request_shape(text: str) -> str:
 
 
 RequestShape = Annotated[str, AfterValidator(_request_shape)]
-Popularity = Annotated[float, Field(gt=0)]
-"""A shape's weight: only the ratios matter, and a zero weight would leave nothing to
-divide by."""
+Popularity = Annotated[float, Field(ge=0)]
+"""A shape's weight: only the ratios matter; 0 leaves a shape out (a default one: a
+policy's map is merged over the defaults, so it cannot drop a key)."""
 
 
 class FragmentationSettings(BaseModel):
@@ -119,9 +119,17 @@ class FragmentationSettings(BaseModel):
     default_shapes: dict[RequestShape, Popularity] = Field(
         default_factory=lambda: {"1x1000": 1.0},
         description="Request shapes ('<gpus>x<milli>': at least 1 GPU, 1 to 1000 milli of "
-        "each) and their popularity (> 0, relative weights) used until workloads have been "
-        "observed. One whole GPU is the commonest request.",
+        "each) and their popularity (relative weights; 0 leaves a default shape out, and "
+        "one must be above 0) used until workloads have been observed. One whole GPU is "
+        "the commonest request.",
     )
+
+    @field_validator("default_shapes")
+    @classmethod
+    def _some_shape(cls, weights: dict[str, float]) -> dict[str, float]:
+        if not any(weights.values()):
+            raise ValueError("needs a shape with a popularity above 0")
+        return weights
 
 
 def popularity(shapes: Iterable[Shape]) -> dict[Shape, float]:
@@ -394,7 +402,7 @@ def shapes(shape_counts: Mapping[str, float], settings: FragmentationSettings
     """The request shapes' popularity: observed ones, else the configured defaults."""
     counts = shape_counts or settings.default_shapes
     total = sum(counts.values())
-    return {parse_shape(k): v / total for k, v in counts.items()}
+    return {parse_shape(k): v / total for k, v in counts.items() if v}
 
 
 def _evaluate_fragmentation(track: FragmentationTrack, fleet: FleetView, now: float,

@@ -136,12 +136,16 @@ class PolicyError(ConfigFileError):
 
 
 def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
+    """``override`` over ``base``, map by map. The override's keys come first: where a map's
+    order matters (the queue SLO's patterns, first match wins), a policy's entries are tried
+    before the defaults, and a pool's or an owner's before the file's."""
+    merged: dict[str, Any] = {}
     for key, value in override.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = value
+        old = base.get(key)
+        merged[key] = (_deep_merge(old, value) if isinstance(value, Mapping)
+                       and isinstance(old, dict) else value)
+    for key, value in base.items():
+        merged.setdefault(key, value)
     return merged
 
 

@@ -153,7 +153,7 @@ RUN_TIME_VALUES = [
      "bad.yaml:3: rules.fragmentation.default_shapes.1x2000: bad shape '1x2000': expected "
      "at least 1 GPU and 1 to 1000 milli of each"),
     ("rules:\n  fragmentation:\n    default_shapes:\n      '1x1000': 0\n",
-     "bad.yaml:4: rules.fragmentation.default_shapes.1x1000: Input should be greater than 0"),
+     "bad.yaml:3: rules.fragmentation.default_shapes: needs a shape with a popularity above 0"),
     ("rules:\n  queue_wait_slo:\n    slo_s:\n      'prod[': 600\n",
      "bad.yaml:4: rules.queue_wait_slo.slo_s.prod[: not a regular expression: unterminated "
      "character set at position 4"),
@@ -203,6 +203,21 @@ def test_the_shipped_and_deployed_policies_and_valid_run_time_values_load() -> N
                                               fragmentation.Shape(1, 500): 0.2}
     assert custom.of(queue.WAIT_KIND, queue.QueueSloSettings).slo_for("gold-7") == 60
     assert custom.of(IDLE, IdleSettings).effective("notebook").window_s == 60
+
+
+def test_a_policy_s_own_entries_come_before_the_defaults_it_overrides() -> None:
+    """A policy's maps are merged over the defaults: its SLO patterns must be tried before
+    the default ones (first match wins), or `prod-gpu: 300` would never beat the default
+    `prod: 600`; and a default request shape is left out with a popularity of 0."""
+    resolved = policy.parse_policy(
+        "rules:\n"
+        "  queue_wait_slo: {slo_s: {prod-gpu: 300}}\n"
+        "  fragmentation: {default_shapes: {'1x1000': 0, '8x1000': 1}}\n").resolve()
+    slo = resolved.of(queue.WAIT_KIND, queue.QueueSloSettings)
+    assert (slo.slo_for("prod-gpu-east"), slo.slo_for("prod-east"), slo.slo_for("other")) == (
+        300, 600, 3600)
+    frag = resolved.of(fragmentation.KIND, fragmentation.FragmentationSettings)
+    assert fragmentation.shapes({}, frag) == {fragmentation.Shape(8, 1000): 1.0}
 
 
 # -- the file itself: encoding, characters, duplicate keys ---------------------------------
