@@ -172,6 +172,13 @@ class RemediationSettings(BaseSettings):
         description="Namespaces (glob patterns) whose pods are never acted on; drains leave "
         "their pods in place.",
     )
+    drain_bare_pods: bool = Field(
+        False, description="Whether a drain evicts pods without a controller, which nothing "
+        "recreates (kubectl drain's --force). Off: the drain leaves them and names them.")
+    drain_emptydir_pods: bool = Field(
+        False, description="Whether a drain evicts pods with emptyDir volumes, whose data is "
+        "lost (kubectl drain's --delete-emptydir-data). Off: the drain leaves them and names "
+        "them.")
     deny_nodes: set[str] = Field(
         default_factory=set, description="Nodes (glob patterns) that are never acted on.")
     allow_mig_config: bool = Field(
@@ -229,7 +236,9 @@ def describe(action: Action) -> str:
         "taint": f"taint node {where} with {params.get('key', 'gpusteward.io/unhealthy')}:"
                  f"{params.get('effect', 'NoSchedule')}",
         "drain": f"drain node {where}: cordon it, then evict its pods through the Eviction API "
-                 "(PodDisruptionBudgets respected; DaemonSet and mirror pods left)",
+                 "(PodDisruptionBudgets respected; DaemonSet, mirror and finished pods "
+                 "left, and pods without a controller or with emptyDir volumes unless "
+                 "allowed)",
         "requeue": f"requeue {where}: deactivate and reactivate its Kueue workload, or delete "
                    "the pod of a plain Job so its controller recreates it"
                    if params.get("reason") != RECLAIM_REASON else

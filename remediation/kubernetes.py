@@ -8,7 +8,10 @@ serving Kafka while a drain waits on a PodDisruptionBudget.
 
 Every verb reads before it writes and reports ``skipped`` when the effect is
 already there, so a replay after a crash between the write and the audit
-record changes nothing. Patches name their content type: this client
+record changes nothing; the node verbs (cordon, taint, set_mig_config) and the
+Kueue requeue write the action's idempotency key beside their effect and report
+a replay that finds its own key ``executed``, so the audit says what happened
+and the circuit breaker counts the node. Patches name their content type: this client
 version defaults ``patch_node`` to ``application/json-patch+json``, which
 the API server rejects for an object body. Nodes and pods get a strategic
 merge patch (as kubectl sends), custom objects a JSON merge patch.
@@ -17,15 +20,21 @@ What each verb does, and the API permissions it needs:
 
 - ``cordon``: ``spec.unschedulable=true`` plus annotations with the reason
   and the action's idempotency key (get, patch nodes);
-- ``taint``: adds ``gpusteward.io/<key>`` with NoSchedule or NoExecute
-  (get, patch nodes); the list is replaced with the node's resourceVersion
-  as a precondition, so a concurrent change makes it retry, not clobber;
+- ``taint``: adds ``gpusteward.io/<key>`` with NoSchedule or NoExecute and
+  the action's idempotency key in ``gpusteward.io/tainted-by``, so a replay
+  reports its own taint ``executed`` as cordon does (get, patch nodes); the
+  list is replaced with the node's resourceVersion as a precondition, so a
+  concurrent change makes it retry, not clobber;
 - ``drain``: cordon, then evict each pod through the Eviction API (create
   pods/eviction; list pods): DaemonSet pods, mirror (static) pods, finished
-  pods and pods in denied namespaces are left; a 429 (a PodDisruptionBudget
-  forbids it now) is retried with backoff until ``drain_timeout_s``, after
-  which the drain reports ``failed`` with the pods left. Pods are never
-  deleted directly;
+  pods and pods in denied namespaces are left, and, as ``kubectl drain``
+  without ``--force`` / ``--delete-emptydir-data``, pods without a
+  controller (evicting one deletes it for good) unless ``drain_bare_pods``
+  and pods with emptyDir volumes unless ``drain_emptydir_pods``; every pod
+  left is named in the detail, and leaving pods alone does not fail the
+  drain. A 429 (a PodDisruptionBudget forbids it now) is retried with
+  backoff until ``drain_timeout_s``, after which the drain reports
+  ``failed`` with the pods left. Pods are never deleted directly;
 - ``requeue``: a Kueue workload is deactivated (``spec.active=false``, the
   action's key in an annotation), then reactivated once Kueue has evicted it
   (get, patch workloads); one found inactive by someone else is left so; the pod
@@ -49,9 +58,15 @@ What each verb does, and the API permissions it needs:
 - ``notify_owner``: a Warning Event on the pod (create events) and a
   ``gpusteward.io/notice`` annotation (patch pods), both the action's reason: for an idle
   holder, the rule's owner notice (``rules.idle.owner_notice``), the words the chat message
-  and the alert carry too;
+  and the alert carry too. Only a notice on the pod counts as delivered: a pod that does
+  not exist is ``failed``, not ``skipped``, so no reclaim follows it;
+- ``requeue``, its idle reclaim and ``notify_owner`` refuse a pod whose live uid is not
+  the one the action names (``target.pod.uid``): a StatefulSet or Notebook recreated it
+  under the same name since, and its owner was told nothing; a pod named without a uid is
+  matched by name;
 - ``set_mig_config``: the ``nvidia.com/mig.config`` label, which the GPU
-  Operator's MIG manager applies (patch nodes); the executor only lets it
+  Operator's MIG manager applies, and the action's key in
+  ``gpusteward.io/mig-config-by`` (get, patch nodes); the executor only lets it
   through when policy allows.
 - the breaker's fleet size: list nodes.
 
@@ -108,6 +123,10 @@ NOTICE_ANNOTATION = "gpusteward.io/notice"
 CORDON_ANNOTATION = "gpusteward.io/cordon-reason"
 CORDONED_BY = "gpusteward.io/cordoned-by"
 """The idempotency key of the action that cordoned the node."""
+TAINTED_BY = "gpusteward.io/tainted-by"
+"""The idempotency key of the action that last tainted the node."""
+MIG_CONFIG_BY = "gpusteward.io/mig-config-by"
+"""The idempotency key of the action that last set the node's MIG config label."""
 REQUEUE_ANNOTATION = "gpusteward.io/requeued-by"
 """The idempotency key of the action that requeued a Kueue workload."""
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
@@ -156,6 +175,14 @@ class KubeSettings(BaseModel):
         default_factory=lambda: {"kube-system"},
         description="Namespaces (glob patterns, as the executor's) whose pods a drain leaves "
         "in place.")
+    drain_bare_pods: bool = Field(
+        False, description="Whether a drain evicts pods without a controller. Off, as "
+        "`kubectl drain` without --force: nothing recreates such a pod, so evicting it deletes "
+        "it for good; the drain leaves it and names it in its detail.")
+    drain_emptydir_pods: bool = Field(
+        False, description="Whether a drain evicts pods with emptyDir volumes. Off, as "
+        "`kubectl drain` without --delete-emptydir-data: the volume's data is lost with the "
+        "pod; the drain leaves it and names it in its detail.")
     request_timeout_s: float = Field(30.0, gt=0, description="Per API request, seconds.")
 
 
@@ -261,6 +288,9 @@ class KubernetesBackend:
         return "executed", f"cordoned {node}: no new pods will be scheduled there"
 
     async def taint(self, action: Action) -> tuple[Outcome, str]:
+        """Taint the node, naming the action on it (``gpusteward.io/tainted-by``): a try of the
+        same action that finds its taint reports it executed, as a cordon does; a taint
+        someone else set is skipped."""
         node = _require(action.target.node, "taint needs a node")
         key = action.params.get("key", "gpusteward.io/unhealthy")
         if not key.startswith(TAINT_PREFIX):
@@ -273,27 +303,41 @@ class KubernetesBackend:
             current = await self._node(node)
             taints = list(current.get("spec", {}).get("taints") or [])
             if any(t.get("key") == key and t.get("effect") == effect for t in taints):
+                if _annotations(current).get(TAINTED_BY) == action.idempotency_key:
+                    return "executed", (f"tainted {node} with {key}:{effect} (by an earlier "
+                                        "try of this action)")
                 return "skipped", f"{node} already has taint {key}:{effect}"
             taints.append({"key": key, "value": value, "effect": effect,
                            "timeAdded": _now_rfc3339()})
             version = current.get("metadata", {}).get("resourceVersion")
             try:
-                await self._patch_node(node, {"metadata": {"resourceVersion": version},
-                                              "spec": {"taints": taints}})
+                await self._patch_node(node, {
+                    "metadata": {"resourceVersion": version,
+                                 "annotations": {TAINTED_BY: action.idempotency_key}},
+                    "spec": {"taints": taints}})
             except Conflict:  # someone changed the node meanwhile: read again
                 continue
             return "executed", f"tainted {node} with {key}={value}:{effect}"
         return "failed", f"{node} kept changing under the taint patch (5 conflicts)"
 
     async def set_mig_config(self, action: Action) -> tuple[Outcome, str]:
+        """Set the node's MIG config label, naming the action on it
+        (``gpusteward.io/mig-config-by``): a try of the same action that finds its label
+        reports it executed, as a cordon does; a label someone else set is skipped."""
         node = _require(action.target.node, "set_mig_config needs a node")
         config = action.params.get("config")
         if not config:
             return "failed", "set_mig_config needs params.config (a mig-parted config name)"
-        labels = (await self._node(node)).get("metadata", {}).get("labels") or {}
+        current = await self._node(node)
+        labels = current.get("metadata", {}).get("labels") or {}
         if labels.get(MIG_CONFIG_LABEL) == config:
+            if _annotations(current).get(MIG_CONFIG_BY) == action.idempotency_key:
+                return "executed", (f"set {MIG_CONFIG_LABEL}={config} on {node} (by an "
+                                    "earlier try of this action)")
             return "skipped", f"{node} already has {MIG_CONFIG_LABEL}={config}"
-        await self._patch_node(node, {"metadata": {"labels": {MIG_CONFIG_LABEL: config}}})
+        await self._patch_node(node, {"metadata": {
+            "labels": {MIG_CONFIG_LABEL: config},
+            "annotations": {MIG_CONFIG_BY: action.idempotency_key}}})
         return "executed", (f"set {MIG_CONFIG_LABEL}={config} on {node} (was "
                             f"{labels.get(MIG_CONFIG_LABEL, 'unset')}); the MIG manager "
                             "applies it")
@@ -317,6 +361,13 @@ class KubernetesBackend:
             return "finished"
         if matches(meta.get("namespace"), self.settings.deny_namespaces):
             return "denied namespace"
+        if _controller(pod) is None and not self.settings.drain_bare_pods:
+            return ("no controller: evicting it would delete it for good; "
+                    "drain_bare_pods allows it")
+        if not self.settings.drain_emptydir_pods and any(
+                "emptyDir" in volume for volume in pod.get("spec", {}).get("volumes") or []):
+            return ("emptyDir volume: its data would be lost; "
+                    "drain_emptydir_pods allows it")
         return None
 
     async def _evict(self, namespace: str, name: str) -> tuple[str, str]:
@@ -420,6 +471,9 @@ class KubernetesBackend:
                 pod = await self._pod(pod_ref)
             except NotFound:
                 return "skipped", f"pod {pod_ref.namespace}/{pod_ref.name} is already gone"
+            replaced = _replaced(pod, pod_ref)
+            if replaced:
+                return "refused", replaced
             labels = pod["metadata"].get("labels") or {}
             annotations = pod["metadata"].get("annotations") or {}
             workload = (annotations.get("kueue.x-k8s.io/workload")
@@ -666,7 +720,13 @@ class KubernetesBackend:
         try:
             pod = await self._pod(ref)
         except NotFound:
-            return "skipped", f"pod {ref.namespace}/{ref.name} is gone"
+            # Not delivered: a pod recreated under this name (a StatefulSet's, a Notebook's)
+            # would otherwise be reclaimed with its owner never told.
+            return "failed", (f"pod {ref.namespace}/{ref.name} does not exist: no notice was "
+                              "delivered")
+        replaced = _replaced(pod, ref)
+        if replaced:
+            return "refused", f"{replaced}; no notice was delivered"
         annotations = pod["metadata"].get("annotations") or {}
         notice = action.reason[:1000]
         if annotations.get(NOTICE_ANNOTATION) == notice:
@@ -681,6 +741,24 @@ class KubernetesBackend:
                          _content_type=STRATEGIC, _preload_content=False)
         return "executed", (f"notified the owner of {ref.namespace}/{ref.name}: Warning event "
                             f"GpuStewardNotice and annotation {NOTICE_ANNOTATION}")
+
+
+def _annotations(obj: dict[str, Any]) -> dict[str, str]:
+    return obj.get("metadata", {}).get("annotations") or {}
+
+
+def _replaced(pod: dict[str, Any], ref: PodRef) -> str | None:
+    """Why the live ``pod`` is not the one ``ref`` names (another uid), or None.
+
+    A StatefulSet or a Notebook recreates its pod under the same name: an action about
+    the old one must not reach the new one, whose owner was told nothing. A ref without a
+    uid (a pod known by name only, as the kubelet reports it) matches by name.
+    """
+    live = pod.get("metadata", {}).get("uid")
+    if ref.uid is None or live == ref.uid:
+        return None
+    return (f"pod {ref.namespace}/{ref.name} was replaced: the live pod's uid is {live}, "
+            f"the action names {ref.uid}")
 
 
 def _controller(obj: dict[str, Any]) -> dict[str, Any] | None:

@@ -182,8 +182,10 @@ def act(
     if backend == "kubernetes":
         from gpusteward.remediation.kubernetes import KubeSettings
 
-        chosen = _kubernetes_backend(KubeSettings(kubeconfig=kubeconfig,
-                                                  deny_namespaces=policy.deny_namespaces))
+        chosen = _kubernetes_backend(KubeSettings(
+            kubeconfig=kubeconfig, deny_namespaces=policy.deny_namespaces,
+            drain_bare_pods=policy.drain_bare_pods,
+            drain_emptydir_pods=policy.drain_emptydir_pods))
     elif backend == "none":
         chosen = remediation.NoBackend()
     else:

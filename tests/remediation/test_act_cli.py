@@ -11,8 +11,12 @@ import time
 from pathlib import Path
 
 import msgspec
+import pytest
+import typer
+from typer.testing import CliRunner
 
-from gpusteward import kafka, topics
+from gpusteward import cli, kafka, topics
+from gpusteward.remediation.kubernetes import KubeSettings
 from gpusteward.schema import Action, PodRef, Subject
 from gpusteward.settings import Settings
 
@@ -65,3 +69,21 @@ def test_act_dry_run_prints_what_each_action_would_do(settings: Settings) -> Non
     assert "rule=ecc_dbe" in cordon
     assert notify.startswith("DRY_RUN  notify_owner   ml-alice/notebook-0")
     assert "(a Kubernetes Event and an annotation)" in notify
+
+
+def test_act_gives_the_kubernetes_backend_the_drain_policy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GPUSTEWARD_REMEDIATION__DRAIN_*_PODS`` reach the drain; both are off unless set."""
+    given: list[KubeSettings] = []
+
+    def backend(kube: KubeSettings) -> None:
+        given.append(kube)
+        raise typer.Exit(3)  # before the consumer starts
+
+    monkeypatch.setattr(cli, "_kubernetes_backend", backend)
+    args = ["act", "--execute", "--backend", "kubernetes"]
+    assert CliRunner().invoke(cli.app, args).exit_code == 3
+    monkeypatch.setenv("GPUSTEWARD_REMEDIATION__DRAIN_BARE_PODS", "true")
+    assert CliRunner().invoke(cli.app, args).exit_code == 3
+    assert [(k.drain_bare_pods, k.drain_emptydir_pods) for k in given] == [
+        (False, False), (True, False)]

@@ -5,8 +5,8 @@ an executor that dies after the API call and before the audit (a SIGKILL, a node
 leaves the action to be read again, and the audit topic does not list its key: the
 restarted executor decides again. What keeps the effect single is the backend, which
 reads before it writes and reports ``skipped`` when the effect is in place, or
-``executed`` where the effect names the action (a cordon, a Kueue requeue): then the
-audit says what happened and the circuit breaker counts the node. Here the
+``executed`` where the effect names the action (a cordon, a taint, a MIG relabel, a Kueue
+requeue): then the audit says what happened and the circuit breaker counts the node. Here the
 death is injected in exactly that window (after the real call returns, before the
 executor goes on), the executor is run again on the same group, and the API double counts
 the writes. ``make chaos`` does the same with ``gpusteward act`` processes and SIGKILL.
@@ -54,12 +54,16 @@ class DiesAfterActing:
 ACTIONS = {
     "cordon": Subject(node="gpu-1"),
     "taint": Subject(node="gpu-1"),
+    "set_mig_config": Subject(node="gpu-1"),
     "notify_owner": Subject(pod=PodRef("ml-alice", "notebook-0")),
     "requeue": Subject(pod=PodRef("ml-dave", "train-0")),
 }
-REPLAYED = {"cordon": "executed", "taint": "skipped", "notify_owner": "skipped",
-            "requeue": "executed"}
+PARAMS = {"set_mig_config": {"config": "all-3g.40gb"}}
+REPLAYED = {"cordon": "executed", "taint": "executed", "set_mig_config": "executed",
+            "notify_owner": "skipped", "requeue": "executed"}
 """The replay's outcome: executed where the effect names the action that made it."""
+DISRUPTING = {"cordon", "taint", "set_mig_config"}
+"""The verbs whose replay the circuit breaker counts against the node."""
 
 
 async def _run(executor: Executor, settings: Settings, timeout_s: float = 20.0
@@ -99,8 +103,8 @@ def test_an_action_carried_out_then_killed_before_its_audit_is_not_repeated(
     asyncio.run(kafka.ensure_topics(settings))
     action = Action(idempotency_key=f"f1/{verb}", verb=verb,  # type: ignore[arg-type]
                     target=ACTIONS[verb], reason="ECC DBE on GPU-1", rule="ecc_dbe",
-                    finding_ids=["f1"], ts=1000.0)
-    policy = RemediationSettings(enabled_rules={"ecc_dbe"})
+                    finding_ids=["f1"], ts=1000.0, params=PARAMS.get(verb, {}))
+    policy = RemediationSettings(enabled_rules={"ecc_dbe"}, allow_mig_config=True)
 
     async def publish() -> None:
         producer = kafka.producer(settings)
@@ -131,5 +135,6 @@ def test_an_action_carried_out_then_killed_before_its_audit_is_not_repeated(
     audit = asyncio.run(kafka.read_all(settings, topics.ACTION_RESULTS.name(settings)))
     assert [msgspec.json.decode(r.value or b"", type=ActionResult).outcome for r in audit] == \
         [REPLAYED[verb]]
-    # The cordon the dead executor made counts against the breaker's limit all the same.
-    assert list(restarted.breaker.disrupted) == (["gpu-1"] if verb == "cordon" else [])
+    # The cordon, taint or relabel the dead executor made counts against the breaker's
+    # limit all the same.
+    assert list(restarted.breaker.disrupted) == (["gpu-1"] if verb in DISRUPTING else [])

@@ -73,10 +73,35 @@ def test_taint_adds_a_gpusteward_taint_and_keeps_the_others(
     assert [(t["key"], t["effect"]) for t in taints] == [
         ("nvidia.com/gpu", "NoSchedule"), ("gpusteward.io/xid-79", "NoExecute")]
     assert taints[1]["value"] == "ecc_dbe"
-    assert run(backend, taint)[0] == "skipped"
     assert run(backend, action("taint", node_name="gpu-1", effect="PreferNoSchedule"))[0] == \
         "refused"
     assert len(kube.get("Node", "gpu-1")["spec"]["taints"]) == 2
+
+
+def test_a_taint_names_its_action_so_a_replay_counts_and_another_taint_does_not(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """As a cordon: the same action again (a retry after a lost reply, a replay after a
+    crash before the audit record) finds its own key and reports the taint executed, so the
+    circuit breaker counts the node; the same taint set by another action or by hand is
+    someone else's, skipped."""
+    by_hand = node("gpu-2")
+    by_hand["spec"]["taints"] = [{"key": "gpusteward.io/xid-79", "effect": "NoExecute"}]
+    kube.load([node("gpu-1"), by_hand])
+    backend = KubernetesBackend(kube_settings)
+    taint = action("taint", node_name="gpu-1", key="xid-79", effect="NoExecute")
+    assert run(backend, taint)[0] == "executed"
+    stored = kube.get("Node", "gpu-1")
+    assert stored["metadata"]["annotations"]["gpusteward.io/tainted-by"] == "f1/taint"
+    assert run(backend, taint) == (
+        "executed", "tainted gpu-1 with gpusteward.io/xid-79:NoExecute (by an earlier try of "
+        "this action)")
+    other = msgspec.structs.replace(taint, idempotency_key="f2/taint")
+    assert run(backend, other) == ("skipped", "gpu-1 already has taint "
+                                   "gpusteward.io/xid-79:NoExecute")
+    assert run(backend, msgspec.structs.replace(taint, target=Subject(node="gpu-2")))[0] == \
+        "skipped"
+    assert len(kube.get("Node", "gpu-1")["spec"]["taints"]) == 1
+    assert len(writes(kube)) == 1
 
 
 def drainable_node(kube: KubeApiServer, budget_allowed: int) -> None:
@@ -139,6 +164,48 @@ def test_a_drain_goes_on_once_the_pdb_allows_it(
     assert outcome == "executed", detail
     assert ("ml-bob", "serve-0") not in pods(kube)
     assert waits == [0.01, 0.02]  # exponential backoff between 429s
+
+
+def unsafe_to_evict(kube: KubeApiServer) -> None:
+    """A node with a pod nothing recreates, a pod with scratch data, and one safe to evict."""
+    scratch = pod("ml-bob", "scratch-0", "gpu-1")
+    scratch["spec"]["volumes"] = [{"name": "cache", "emptyDir": {}},
+                                  {"name": "data", "persistentVolumeClaim": {"claimName": "d"}}]
+    kube.load([node("gpu-1"), pod("ml-alice", "interactive", "gpu-1", owner_kind=None),
+               scratch, pod("ml-carol", "serve-0", "gpu-1")])
+
+
+def test_a_drain_leaves_pods_without_a_controller_or_with_emptydir_volumes(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """As ``kubectl drain`` without --force / --delete-emptydir-data: evicting a bare pod
+    deletes it for good and an emptyDir's data goes with its pod. Left pods are named, as
+    denied-namespace pods are, and do not fail the drain."""
+    unsafe_to_evict(kube)
+    outcome, detail = run(KubernetesBackend(kube_settings), action("drain", node_name="gpu-1"))
+    assert outcome == "executed", detail
+    assert kube.get("Node", "gpu-1")["spec"]["unschedulable"] is True
+    assert [(ns, name) for ns, name, _ in evictions(kube)] == [("ml-carol", "serve-0")]
+    assert {("ml-alice", "interactive"), ("ml-bob", "scratch-0")} <= pods(kube)
+    assert "evicted 1 pod(s); left 2" in detail
+    assert ("ml-alice/interactive (no controller: evicting it would delete it for good; "
+            "drain_bare_pods allows it)") in detail
+    assert ("ml-bob/scratch-0 (emptyDir volume: its data would be lost; drain_emptydir_pods "
+            "allows it)") in detail
+
+
+def test_a_drain_evicts_bare_and_emptydir_pods_only_when_each_is_allowed(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    unsafe_to_evict(kube)
+    bare_only = kube_settings.model_copy(update={"drain_bare_pods": True})
+    outcome, detail = run(KubernetesBackend(bare_only), action("drain", node_name="gpu-1"))
+    assert outcome == "executed", detail
+    assert {name for _, name, _ in evictions(kube)} == {"interactive", "serve-0"}
+    assert ("ml-bob", "scratch-0") in pods(kube)
+    both = bare_only.model_copy(update={"drain_emptydir_pods": True})
+    outcome, detail = run(KubernetesBackend(both), action("drain", node_name="gpu-1"))
+    assert outcome == "executed" and "left" not in detail, detail
+    assert pods(kube) == set()
+    assert not [r for r in kube.requests if r.method == "DELETE"]  # evicted, never deleted
 
 
 def test_requeue_deactivates_then_reactivates_a_kueue_workload(
@@ -242,15 +309,73 @@ def test_notify_owner_creates_an_event_and_annotates_the_pod_once(
     assert len(kube.objects("Event")) == 1
 
 
+def test_a_notice_to_a_pod_that_does_not_exist_is_not_delivered(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """``skipped`` would count as delivered, and let a reclaim of a pod recreated under the
+    same name go ahead with its owner never told."""
+    notify = action("notify_owner", pod_ref=PodRef("ml-alice", "notebook-0"))
+    assert run(KubernetesBackend(kube_settings), notify) == (
+        "failed", "pod ml-alice/notebook-0 does not exist: no notice was delivered")
+    assert writes(kube) == []
+
+
+def test_a_notice_to_a_pod_replaced_under_the_same_name_is_refused(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    kube.load(pod("ml-alice", "notebook-0", "gpu-1"))  # uid-ml-alice-notebook-0
+    backend = KubernetesBackend(kube_settings)
+    stale = action("notify_owner", pod_ref=PodRef("ml-alice", "notebook-0", uid="uid-old"))
+    assert run(backend, stale) == (
+        "refused", "pod ml-alice/notebook-0 was replaced: the live pod's uid is "
+        "uid-ml-alice-notebook-0, the action names uid-old; no notice was delivered")
+    assert writes(kube) == []
+    live = action("notify_owner",
+                  pod_ref=PodRef("ml-alice", "notebook-0", uid="uid-ml-alice-notebook-0"))
+    assert run(backend, live)[0] == "executed"
+
+
+def test_a_requeue_of_a_pod_replaced_under_the_same_name_is_refused(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    kube.load([pod("ml-erin", "job-x-1", "gpu-1", owner_kind="Job", owner_name="job-x"),
+               pod("ml-dave", "train-0", "gpu-1", owner_kind="Job",
+                   annotations={"kueue.x-k8s.io/workload": "job-train-abc12"}),
+               admitted_workload("ml-dave", "job-train-abc12")])
+    backend = KubernetesBackend(kube_settings)
+    for ref in (PodRef("ml-erin", "job-x-1", uid="uid-old"),
+                PodRef("ml-dave", "train-0", uid="uid-old")):
+        outcome, detail = run(backend, action("requeue", pod_ref=ref))
+        assert (outcome, detail.split(":")[0]) == (
+            "refused", f"pod {ref.namespace}/{ref.name} was replaced"), detail
+    assert writes(kube) == []
+    live = PodRef("ml-erin", "job-x-1", uid="uid-ml-erin-job-x-1")
+    assert run(backend, action("requeue", pod_ref=live))[0] == "executed"
+
+
 def test_set_mig_config_labels_the_node(kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     kube.load(node("gpu-1", labels={"nvidia.com/mig.config": "all-disabled"}))
     backend = KubernetesBackend(kube_settings)
     relabel = action("set_mig_config", node_name="gpu-1", config="all-3g.40gb")
     outcome, detail = run(backend, relabel)
     assert outcome == "executed" and "was all-disabled" in detail
-    assert kube.get("Node", "gpu-1")["metadata"]["labels"]["nvidia.com/mig.config"] == \
-        "all-3g.40gb"
-    assert run(backend, relabel)[0] == "skipped"
+    stored = kube.get("Node", "gpu-1")["metadata"]
+    assert stored["labels"]["nvidia.com/mig.config"] == "all-3g.40gb"
+    assert stored["annotations"]["gpusteward.io/mig-config-by"] == "f1/set_mig_config"
+    # The same action again finds its own label: executed, so the breaker counts the node;
+    # another action that asks for the label the node has is skipped.
+    assert run(backend, relabel) == (
+        "executed", "set nvidia.com/mig.config=all-3g.40gb on gpu-1 (by an earlier try of "
+        "this action)")
+    other = msgspec.structs.replace(relabel, idempotency_key="f2/set_mig_config")
+    assert run(backend, other) == (
+        "skipped", "gpu-1 already has nvidia.com/mig.config=all-3g.40gb")
+    assert len(writes(kube)) == 1
+
+
+def test_set_mig_config_skips_a_label_someone_else_set(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    kube.load(node("gpu-1", labels={"nvidia.com/mig.config": "all-3g.40gb"}))
+    relabel = action("set_mig_config", node_name="gpu-1", config="all-3g.40gb")
+    assert run(KubernetesBackend(kube_settings), relabel)[0] == "skipped"
+    assert writes(kube) == []
 
 
 def test_gpu_node_count_counts_only_gpu_nodes(

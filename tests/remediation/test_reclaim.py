@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from gpusteward import kafka, topics
+from gpusteward.remediation.executor import Executor, RemediationSettings
 from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
 from gpusteward.reports import findings
 from gpusteward.rules.idle import rfc3339
@@ -131,10 +132,11 @@ def job(api: KubeApiServer, annotations: dict[str, str] | None = None) -> Owned:
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def reclaim(pod: str, *, idle_since: float | None = None, **params: str) -> Action:
+def reclaim(pod: str, *, idle_since: float | None = None, uid: str | None = None,
+            **params: str) -> Action:
     return Action(
         idempotency_key=f"f1/requeue/{pod}", verb="requeue",
-        target=Subject(node="gpu-1", device="GPU-1", pod=PodRef(NS, pod)),
+        target=Subject(node="gpu-1", device="GPU-1", pod=PodRef(NS, pod, uid=uid)),
         reason="ml-alice/pod has held GPU-1 idle for 12.5 h: reclaiming it", rule="idle_holder",
         finding_ids=["f1"], ts=time.time(),
         params={"reason": "idle-reclaim",
@@ -309,6 +311,46 @@ def test_a_bare_pod_is_deleted_only_when_policy_allows(kube_api: KubeApiServer,
     assert writes(kube_api) == []
     assert act(backend, reclaim("bare-pod", delete_bare_pod="true"))[0] == "executed"
     assert kube_api.objects("Pod") == []
+
+
+def test_a_pod_recreated_under_its_name_is_not_reclaimed_unannounced(
+        kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
+    """A StatefulSet's pod restarting when the notice is sent, then recreated (a new uid)
+    when the reclaim comes: the notice reached no one, so it is not delivered, and the
+    reclaim, which names the old pod, is refused by the executor and by the backend."""
+    owned = statefulset(kube_api)
+    old_uid = kube_api.get("Pod", owned.pod, NS)["metadata"]["uid"]
+    kube_api.delete("Pod", owned.pod, NS)
+    executor = Executor(Settings(), backend, execute=True,
+                        remediation=RemediationSettings(enabled_rules={"idle_holder"}))
+    notice = Action(idempotency_key="f1/notify_owner", verb="notify_owner",
+                    target=Subject(node="gpu-1", pod=PodRef(NS, owned.pod, uid=old_uid)),
+                    reason="idle notice", rule="idle_holder", finding_ids=["f1"],
+                    ts=time.time())
+    result = asyncio.run(executor.decide(notice))
+    assert (result.outcome, result.detail) == (
+        "failed", f"pod {NS}/{owned.pod} does not exist: no notice was delivered")
+    assert executor.notified == set()
+
+    kube_api.create(_pod(owned.pod, kube_api.get("StatefulSet", owned.name, NS, "apps")))
+    new_uid = kube_api.get("Pod", owned.pod, NS)["metadata"]["uid"]
+    assert new_uid != old_uid
+    result = asyncio.run(executor.decide(reclaim(owned.pod, uid=old_uid)))
+    assert result.outcome == "refused" and "owner was not told first" in result.detail
+    # The backend refuses it too, whoever asks: the live pod is another one.
+    outcome, detail = act(backend, reclaim(owned.pod, uid=old_uid))
+    assert (outcome, detail) == ("refused", f"pod {NS}/{owned.pod} was replaced: the live "
+                                 f"pod's uid is {new_uid}, the action names {old_uid}")
+    stale = asyncio.run(backend.notify_owner(notice))
+    assert stale[0] == "refused" and "was replaced" in stale[1]
+    assert replicas(kube_api, owned) == 1
+    assert kube_api.objects("Event") == []
+    # The pod as it is now can be told, then reclaimed.
+    told = msgspec.structs.replace(notice, target=Subject(
+        node="gpu-1", pod=PodRef(NS, owned.pod, uid=new_uid)))
+    assert asyncio.run(executor.decide(told)).outcome == "executed"
+    assert act(backend, reclaim(owned.pod, uid=new_uid))[0] == "executed"
+    assert replicas(kube_api, owned) == 0
 
 
 def test_other_owners_are_refused(kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
