@@ -4,7 +4,8 @@
   (10.08 M and 100.8 M rows), written to the Parquet store once and kept in a
   cache folder (``BENCH_CACHE``, default ``~/.cache/gpusteward``) for later runs;
   from the store to the finished report (HTML, Markdown, JSON) in a child
-  process, whose peak RSS is the report's own. Store size per GPU-week and
+  process, whose peak RSS is the report's own, and the peak size of its spill on
+  disk (what the CronJob's spill volume must hold). Store size per GPU-week and
   the store's write rate are measured while the cache is filled.
 - MIG: layouts for 1,000 GPUs (two pools of 500: H100 and A100) and 10,000
   workloads with random smallest profiles and shares of the week; and one
@@ -56,6 +57,9 @@ render.write(report, Path(tempfile.mkdtemp(prefix="bench-report-out-")))
 print(json.dumps({"build_s": built - began, "build_cpu_s": cpu,
                   "render_s": time.perf_counter() - built,
                   "rows": report.data["totals"]["device_minutes"],
+                  "spill_bytes": report.spill_bytes,
+                  "held_device_minutes": sum(w["device_minutes"]
+                                             for w in report.data["workloads"]),
                   "load": os.getloadavg()[0],
                   "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
@@ -101,6 +105,10 @@ def _report(gpus: int) -> list[Figure]:
         Figure(f"load average (1 min) at the end of the build ({fleet})", built["load"], ""),
         Figure(f"render HTML, Markdown, JSON ({fleet})", built["render_s"], "s"),
         Figure(f"peak RSS of the report process ({fleet})", built["peak_mib"], "MiB"),
+        Figure(f"peak spill on disk of the report ({fleet})", built["spill_bytes"] / 2**20,
+               "MiB"),
+        Figure(f"spill per held device-minute ({fleet})",
+               built["spill_bytes"] / max(1, built["held_device_minutes"]), "B"),
     ]
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import polars as pl
 
-from gpusteward.reports import store
+from gpusteward.reports import compute, store
 
 MINUTE_S = 60.0
 COMPACT_EVERY = 8
@@ -79,7 +79,7 @@ class ActivityFold:
             pl.coalesce("team", "namespace", pl.lit("unattributed", dtype=pl.Categorical)
                         ).alias("team"),
             (pl.col("gpu_fraction").cast(pl.Float64) / 60).alias("gpu_hours"),
-            (pl.col("util_max").fill_null(0) < self.idle_threshold_pct).alias("idle"))
+            compute.idle_minute(self.idle_threshold_pct).alias("idle"))
         if rows.is_empty():
             return
         # Grouped by the hour's start, a number: a slice lies in one day, so it stands for

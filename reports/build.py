@@ -43,6 +43,13 @@ class Report:
     week: compute.Week
     data: dict[str, Any]
     mig_parted_yaml: str
+    spill_bytes: int = 0
+    """The peak size of the run's spill on disk (:attr:`ReportSettings.spill_dir`)."""
+
+    @property
+    def empty(self) -> bool:
+        """No rollups at all in the week: every figure is 0, and nobody should act on it."""
+        return not self.data["totals"]["device_minutes"]
 
 
 def build(directory: Path, week: compute.Week, settings: ReportSettings,
@@ -126,6 +133,8 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
         "daily": compute.records(tables.daily),
         "workloads": compute.records(tables.workloads),
         "recommendations": [r.as_dict() for r in advice],
+        # Held long enough for advice, without the activity readings advice needs.
+        "no_activity_data": recommend.no_activity_data(tables.need, settings),
         "actions": [t.as_dict() for t in recommend.per_team(advice, settings.actions_per_team)],
         "queues": compute.records(queues),
         "waiting": compute.records(waits),
@@ -163,12 +172,14 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     }
     data["trends"] = {
         "previous_week": previous["week"] if previous else None,
+        **trends.comparability(data, previous),
         "totals": trends.totals(data, previous),
         "teams": trends.teams(data, previous),
         "queues": trends.queues(data, previous),
     }
     return Report(week=week, data=data,
-                  mig_parted_yaml=yaml.safe_dump(plan.mig_parted, sort_keys=False))
+                  mig_parted_yaml=yaml.safe_dump(plan.mig_parted, sort_keys=False),
+                  spill_bytes=tables.spill_bytes)
 
 
 def _best_saving(advice: list[recommend.Recommendation]) -> float:

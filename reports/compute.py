@@ -12,8 +12,11 @@ reader can recompute any of them from the Parquet files (the tests do):
 - a workload is (namespace, owner kind, owner name): the pods of one
   Deployment, Job or notebook count together.
 
-Minutes without an activity reading count as allocated and not used: the
-report does not guess.
+Minutes without an activity reading (the NVML collector has none for a MIG
+instance without GPM, nor for a GPU's first GPM sample) count as allocated,
+not used and not idle: the report does not guess, as the live idle rule
+treats such a sample as no observation and the rollup sink's idle metric
+does not count it (:func:`idle_minute`).
 """
 
 from __future__ import annotations
@@ -100,6 +103,12 @@ def canonical_models(models: list[str], settings: ReportSettings,
     return mapping
 
 
+def idle_minute(threshold_pct: float) -> pl.Expr:
+    """A device-minute is idle when it has a peak activity reading below the threshold; a
+    minute without a reading is not (null compares as null, made False)."""
+    return (pl.col("util_max") < threshold_pct).fill_null(False)
+
+
 def prepare(rows: pl.DataFrame, settings: ReportSettings,
             geometries: Mapping[str, mig_geometry.Geometry]) -> pl.LazyFrame:
     """Rows read as :data:`READ` with the columns the report derives: models canonical,
@@ -120,7 +129,7 @@ def prepare(rows: pl.DataFrame, settings: ReportSettings,
     gpu_hours = pl.col("gpu_fraction").cast(pl.Float64) / 60
     cost = gpu_hours * model.replace_strict(prices, default=settings.default_hourly_usd,
                                             return_dtype=pl.Float64)
-    idle = pl.col("util_max").fill_null(0) < settings.idle_threshold_pct
+    idle = idle_minute(settings.idle_threshold_pct)
     return frame.lazy().with_columns(
         model.replace_strict(mapping, default=None, return_dtype=pl.Categorical)
         .alias("gpu_model"),

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 
 from gpusteward.errors import TemporaryError
+from gpusteward.reports.trends import missing_note
 
 TOP = 5
 """Idle holders and savings named in the summary."""
@@ -26,6 +27,12 @@ def summary(data: dict[str, Any], link: str | None = None) -> str:
              f"{totals['used_gpu_hours']:,.0f} used, {totals['idle_gpu_hours']:,.0f} idle "
              f"(${totals['idle_cost_usd']:,.0f}); advised saving "
              f"${totals['recommended_saving_usd']:,.0f}/week."]
+    if data.get("missing_days"):
+        lines.append(f"⚠ {missing_note(data)}")
+    trends = data.get("trends", {})
+    if trends.get("previous_week") and trends.get("not_comparable"):
+        lines.append(f"Not comparable with {trends['previous_week']}: "
+                     f"{trends['not_comparable']}.")
     holders = data.get("idle_holders", [])[:TOP]
     if holders:
         lines.append("*Top idle holders*")

@@ -1,21 +1,34 @@
 """Per-workload right-sizing in the style of krr: a percentile of demand plus headroom.
 
-A workload gets advice only with at least ``min_points`` minutes of data.
-Its demand per minute is the GPU-equivalents it used (sum over its devices
-of activity x device share) and the peak memory of each device. The
+A workload gets advice only with at least ``min_points`` minutes with an
+activity reading: a minute without one (the NVML collector has none for a MIG
+instance without GPM, nor for a GPU's first GPM sample) is no evidence of
+idleness or of use, and a workload held that long without enough readings is
+listed as having no activity data (:func:`no_activity_data`) instead of
+being told anything. Its demand per minute is the GPU-equivalents it used
+(sum over its devices of activity x device share) and the peak memory of
+each device; a device's compute need is its activity times its share of the
+GPU (a MIG instance's or a time-sliced holder's activity is relative to its
+share), so a pod on a quarter of a GPU is never advised more. The
 percentile (default p95) of that, plus ``headroom_pct``, is what it needs;
 memory uses its own percentile (default the week's peak) because running
 out of GPU memory kills the job. Four kinds of advice, each with the
 saving it would have made this week at the settings' prices:
 
-- ``give_back``: the workload's p95 activity stays under the idle
-  threshold: it held GPUs for nothing, and no smaller GPU fixes that
-  (saving: everything it was allocated);
+- ``give_back``: the workload's p95 activity (relative to what it holds, as
+  the idle rule reads it) stays under the idle threshold: it held GPUs for
+  nothing, and no smaller GPU fixes that (saving: everything it was
+  allocated);
 - ``fewer_gpus``: a multi-GPU workload whose need rounds up to fewer GPUs;
 - ``mig_profile``: a whole-GPU workload whose per-device need fits a MIG
-  profile of its model (saving: the compute share it gives back);
+  profile of its model (saving: the GPU-hours it held less the profile's
+  share for the same minutes);
 - ``cheaper_model``: the cheapest model whose memory holds it and whose
-  compute keeps it under ``target_util_pct``.
+  compute keeps it under ``target_util_pct`` (saving: what it paid less a
+  whole GPU of that model for the same device-minutes).
+
+Advice that would save nothing (a time-sliced pod already holds less than
+the profile or the cheaper GPU) is not given.
 
 A workload can earn several kinds; :func:`per_team` keeps one action per
 workload (the best saving, the others folded under it) and groups them by
@@ -24,7 +37,8 @@ team, biggest saving first, the long tail counted in one line.
 The MIG demand for the layout recommender comes from the same numbers:
 each device of a workload that fits a profile, with its share of the week;
 a workload told ``give_back`` asks for no slice (its GPU should be freed, not
-cut up for it).
+cut up for it), and a MIG workload without activity data asks for the profile
+it holds (nothing says it needs less).
 """
 
 from __future__ import annotations
@@ -64,21 +78,52 @@ def workload_name(namespace: str | None, owner_kind: str | None, owner_name: str
     return f"{namespace}/{(owner_kind or 'Pod').lower()}/{owner_name}"
 
 
-def percentile_activity_pct(row: Mapping[str, Any], settings: ReportSettings) -> float:
-    """A workload's activity at the settings' percentile (its need without the headroom)."""
-    return float(row["device_compute_needed"]) * 100 / (1 + settings.headroom_pct / 100)
+def percentile_activity_pct(row: Mapping[str, Any]) -> float:
+    """A workload's activity at the settings' percentile, relative to what it holds (a
+    MIG instance, a share of a GPU), over the minutes with a reading."""
+    return float(row["activity_pct"])
+
+
+def has_activity_data(row: Mapping[str, Any], settings: ReportSettings) -> bool:
+    """Enough minutes with an activity reading for advice."""
+    return bool(row["points"] >= settings.min_points)
+
+
+def no_activity_data(need: pl.DataFrame, settings: ReportSettings) -> list[dict[str, Any]]:
+    """Workloads held long enough for advice but with too few activity readings for any:
+    they get none, and the report says why."""
+    out = []
+    for row in need.iter_rows(named=True):
+        if row["minutes"] >= settings.min_points and not has_activity_data(row, settings):
+            out.append({"workload": workload_name(row["namespace"], row["owner_kind"],
+                                                  row["owner_name"]),
+                        "team": row["team"] or "", "gpu_hours": row["gpu_hours"],
+                        "minutes": row["minutes"], "minutes_with_activity": row["points"],
+                        "current": _held(row)})
+    return sorted(out, key=lambda r: (-r["gpu_hours"], r["workload"]))
+
+
+def _held(row: Mapping[str, Any]) -> str:
+    """What a workload holds: "2 x H100-80GB", "0.25 x A100-80GB" (a shared GPU), or
+    "1 x 1g.10gb" (MIG)."""
+    devices = max(1, round(row["device_minutes"] / row["minutes"]))
+    if row["uses_mig"] and row.get("mig_profile"):
+        return f"{devices} x {row['mig_profile']}"
+    held = row["gpus_held"]
+    return f"{held:.2g} x {row['gpu_model']}" if held < 0.995 else \
+        f"{devices} x {row['gpu_model']}"
 
 
 def idle_all_week(row: Mapping[str, Any], settings: ReportSettings) -> bool:
     """Told ``give_back``: its activity at the percentile stays under the idle threshold."""
-    return percentile_activity_pct(row, settings) < settings.idle_threshold_pct
+    return percentile_activity_pct(row) < settings.idle_threshold_pct
 
 
 def recommend(need: pl.DataFrame, settings: ReportSettings,
               geometries: Mapping[str, mig_geometry.Geometry]) -> list[Recommendation]:
     out: list[Recommendation] = []
     for row in need.iter_rows(named=True):
-        if row["points"] < settings.min_points:
+        if not has_activity_data(row, settings):
             continue
         name = workload_name(row["namespace"], row["owner_kind"], row["owner_name"])
         team = row["team"] or ""
@@ -94,7 +139,7 @@ def recommend(need: pl.DataFrame, settings: ReportSettings,
                 name, team, "give_back", f"{held:.1f} x {row['gpu_model']}", "release the GPU",
                 hours * hourly, hours, points,
                 f"p{settings.percentile:g} activity "
-                f"{percentile_activity_pct(row, settings):.1f}% is below the idle threshold "
+                f"{percentile_activity_pct(row):.1f}% is below the idle threshold "
                 f"({settings.idle_threshold_pct:g}%) over {points} min"))
         if not row["uses_mig"] and held > 1:
             mem_gpus = 0
@@ -111,12 +156,15 @@ def recommend(need: pl.DataFrame, settings: ReportSettings,
         if not row["uses_mig"] and geometry is not None:
             profile = smallest_fitting(geometry, row["device_mem_needed"],
                                        row["device_compute_needed"])
-            if profile is not None and profile.compute_slices < geometry.total_compute_slices:
-                share = profile.compute_slices / geometry.total_compute_slices
-                saved_hours = hours * (1 - share)
-                count = max(1, round(held))
+            share = (profile.compute_slices / geometry.total_compute_slices
+                     if profile is not None else 1.0)
+            # Against what it holds: a time-sliced pod on a quarter of a GPU saves nothing
+            # by moving to 2/7 of one.
+            saved_hours = hours - share * row["device_minutes"] / 60
+            if profile is not None and share < 1 and saved_hours > 1e-9:
+                count = max(1, round(row["device_minutes"] / row["minutes"]))
                 out.append(Recommendation(
-                    name, team, "mig_profile", f"{count} x {row['gpu_model']}",
+                    name, team, "mig_profile", _held(row),
                     f"{count} x {profile.name}", saved_hours * hourly, saved_hours,
                     points, f"peak memory {row['device_mem_needed'] / GIB:.1f} GiB and "
                     f"p{settings.percentile:g} activity "
@@ -124,7 +172,11 @@ def recommend(need: pl.DataFrame, settings: ReportSettings,
         cheaper = _cheaper_model(row, settings)
         if cheaper is not None and not row["uses_mig"]:
             model, price = cheaper
-            saved = hours * (hourly - price)
+            # A whole GPU of that model for each device-minute, against what it paid for its
+            # share: nothing saved for a pod holding a slice of a dearer GPU.
+            saved = hours * hourly - row["device_minutes"] / 60 * price
+            if saved <= 1e-9:
+                continue
             out.append(Recommendation(
                 name, team, "cheaper_model", row["gpu_model"], model, saved, 0.0, points,
                 f"needs {row['device_mem_needed'] / GIB:.1f} GiB and fits under "
@@ -254,21 +306,38 @@ def mig_demand(gpus: pl.DataFrame, devices: pl.DataFrame, need: pl.DataFrame,
     demand: dict[str, list[Demand]] = {}
     for row in need.iter_rows(named=True):
         geometry = geometries.get(row["gpu_model"])
-        if (geometry is None or row["points"] < settings.min_points
-                or idle_all_week(row, settings)):
+        if geometry is None or row["minutes"] < settings.min_points:
+            continue
+        if not has_activity_data(row, settings):
+            # Nothing says it needs less than it holds: a MIG workload keeps its profile.
+            profile = _current_profile(geometry, row)
+        elif idle_all_week(row, settings):
             continue  # an idle workload is told to give its GPU back, not given a slice
-        profile = smallest_fitting(geometry, row["device_mem_needed"],
-                                   row["device_compute_needed"])
+        else:
+            profile = smallest_fitting(geometry, row["device_mem_needed"],
+                                       row["device_compute_needed"])
         if profile is None:
             continue
         name = workload_name(row["namespace"], row["owner_kind"], row["owner_name"])
-        held = max(1, round(row["gpus_held"]))
+        # Devices held at once: GPUs, MIG instances, or one share of a shared GPU.
+        held = max(1, round(row["device_minutes"] / row["minutes"]))
         share = row["device_minutes"] / held / week_minutes
         for i in range(held):
             label = name if held == 1 else f"{name}#{i}"
             demand.setdefault(row["gpu_model"], []).append(Demand(label, profile.name,
                                                                    min(1.0, share)))
     return pools, demand, current_layouts(devices)
+
+
+def _current_profile(geometry: mig_geometry.Geometry,
+                     row: Mapping[str, Any]) -> mig_geometry.Profile | None:
+    """The MIG profile a workload holds, if it holds one its model's geometry knows."""
+    if not row["uses_mig"] or not row["mig_profile"]:
+        return None
+    try:
+        return geometry.profile(row["mig_profile"])
+    except mig_geometry.GeometryError:
+        return None
 
 
 def current_layouts(devices: pl.DataFrame) -> dict[str, list[dict[str, int] | None]]:

@@ -23,6 +23,7 @@ from typing import Any
 
 from gpusteward.reports import charts, waiting
 from gpusteward.reports.build import Report
+from gpusteward.reports.trends import missing_note
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;
@@ -35,6 +36,7 @@ td:first-child,th:first-child,td:last-child{text-align:left}
 .grid{display:grid;grid-template-columns:1fr 1fr;gap:12px}
 .chart{width:100%;height:auto;background:#fafafa;border:1px solid #eee}
 .kpi{display:inline-block;margin:4px 18px 4px 0}.kpi b{font-size:20px;display:block}
+.missing{background:#fdecea;border:1px solid #c0392b;padding:6px 10px}
 .worse{color:#c0392b}.better{color:#1e8449}.tail{color:#555;font-style:italic}
 details{font-size:12px;color:#444}
 pre{background:#f5f5f5;padding:8px;font-size:11px;overflow:auto}
@@ -103,9 +105,22 @@ POOL_COLUMNS = [("pool", "pool"), ("gpus", "GPUs"), ("gpus_used", "GPUs needed")
 CHANGE_COLUMNS = [("node", "node"), ("config_after", "nvidia.com/mig.config"),
                   ("gpus_changed", "GPUs changed"), ("instances_removed", "instances removed"),
                   ("instances_added", "instances added")]
+NO_DATA_COLUMNS = [("workload", "workload"), ("team", "team"), ("current", "holds"),
+                   ("gpu_hours", "GPU-h"), ("minutes", "minutes held"),
+                   ("minutes_with_activity", "minutes with activity")]
 HEATMAP_TEAMS = 4
 """Teams drawn as heatmaps, most allocated first (the JSON has every team)."""
 WEEKDAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+
+
+def arrows_shown(data: Data) -> bool:
+    """Arrows against last week only when the two weeks compare (no missing days)."""
+    return bool(data["trends"].get("comparable", data["trends"]["previous_week"]))
+
+
+def _not_comparable(data: Data) -> str:
+    return (f"Not comparable with {data['trends']['previous_week']}: "
+            f"{data['trends']['not_comparable']}; no arrows.")
 
 
 def _workload_label(row: Data) -> str:
@@ -118,12 +133,17 @@ def _action_rows(team: Data) -> list[Data]:
 
 
 def _trend_rows(data: Data) -> list[Data]:
-    """Team trend cells: each metric now with its arrow against last week."""
+    """Team trend cells: each metric now with its arrow against last week (or, when the
+    weeks do not compare, with last week's figure beside it)."""
     rows = []
+    arrows = arrows_shown(data)
     for row in data["trends"]["teams"]:
         cells: Data = {"team": row["team"]}
         for key, _, worse_up in TREND_METRICS:
-            arrow, _ = change(row[key], row[f"{key}_before"], worse_up)
+            if arrows:
+                arrow, _ = change(row[key], row[f"{key}_before"], worse_up)
+            else:
+                arrow = f"(was {_num(row[f'{key}_before'])})"
             cells[key] = f"{_num(row[key])} {arrow}".strip()
         rows.append(cells)
     return rows
@@ -212,8 +232,14 @@ def _html_table(rows: Sequence[Data], columns: Columns,
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
+def html_missing(data: Data, figures: dict[str, str]) -> str:
+    note = missing_note(data)
+    return f"<p class='missing'><b>{escape(note)}</b></p>" if note else ""
+
+
 def html_headline(data: Data, figures: dict[str, str]) -> str:
-    totals, before = data["totals"], data["trends"]["totals"]
+    totals = data["totals"]
+    before = data["trends"]["totals"] if arrows_shown(data) else {}
     # Physical GPUs: a time-sliced GPU's holders and a GPU's MIG devices count it once.
     kpis = [("GPUs seen", _num(totals["gpus"]), None, None, True)]
     for key, title, digits, worse_up in (
@@ -227,8 +253,11 @@ def html_headline(data: Data, figures: dict[str, str]) -> str:
         arrow, mood = change(now, was, worse_up)
         note = f" <small class='{mood}'>{escape(arrow)}</small>" if arrow else ""
         spans.append(f"<span class='kpi'><b>{shown}{note}</b>{escape(title)}</span>")
-    versus = (f"<p>Arrows: against {escape(data['trends']['previous_week'])}.</p>"
-              if data["trends"]["previous_week"] else "")
+    versus = ""
+    if arrows_shown(data):
+        versus = f"<p>Arrows: against {escape(data['trends']['previous_week'])}.</p>"
+    elif data["trends"]["previous_week"]:
+        versus = f"<p class='missing'>{escape(_not_comparable(data))}</p>"
     return f"<div>{''.join(spans)}</div>{versus}"
 
 
@@ -256,6 +285,11 @@ def html_actions(data: Data, figures: dict[str, str]) -> str:
         parts.append(_html_table(_action_rows(team), ACTION_COLUMNS))
         if team["tail_summary"]:
             parts.append(f"<p class='tail'>{escape(team['tail_summary'])}</p>")
+    if data.get("no_activity_data"):
+        parts.append("<h3>No activity data: no advice</h3><p>Held GPUs without enough "
+                     "minutes with an activity reading (e.g. MIG instances on a GPU without "
+                     "GPM): neither idle nor busy as far as the report knows.</p>"
+                     + _html_table(data["no_activity_data"], NO_DATA_COLUMNS))
     return "".join(parts)
 
 
@@ -264,13 +298,15 @@ def html_trends(data: Data, figures: dict[str, str]) -> str:
     if not trends["previous_week"]:
         return ("<h2>Against last week</h2><p><i>No report of the previous week was kept, "
                 "so there is nothing to compare with.</i></p>")
+    arrows = arrows_shown(data)
     marks = []
     for row in trends["teams"]:
-        marks.append({key: change(row[key], row[f"{key}_before"], worse_up)[1]
-                      for key, _, worse_up in TREND_METRICS})
-    queues = [{**q, "change": change(q["wait_p95_s"], q["wait_p95_s_before"])[0]}
-              for q in trends["queues"]]
-    return (f"<h2>Against last week ({escape(trends['previous_week'])})</h2>"
+        marks.append({key: change(row[key], row[f"{key}_before"], worse_up)[1] if arrows
+                      else "" for key, _, worse_up in TREND_METRICS})
+    queues = [{**q, "change": change(q["wait_p95_s"], q["wait_p95_s_before"])[0]
+               if arrows else "not comparable"} for q in trends["queues"]]
+    note = "" if arrows else f"<p class='missing'>{escape(_not_comparable(data))}</p>"
+    return (f"<h2>Against last week ({escape(trends['previous_week'])})</h2>" + note
             + _html_table(_trend_rows(data), [("team", "team"), *[(k, t) for k, t, _ in
                                                                    TREND_METRICS]], marks)
             + _html_table(queues, [("cluster_queue", "queue"), ("wait_p95_s", "p95 wait s"),
@@ -315,8 +351,9 @@ def html_waiting(data: Data, figures: dict[str, str]) -> str:
 
 
 Section = Callable[[Data, dict[str, str]], str]
-HTML_SECTIONS: list[Section] = [html_headline, html_idle_holders, html_actions, html_trends,
-                                html_usage, html_heatmaps, html_mig, html_fleet, html_waiting]
+HTML_SECTIONS: list[Section] = [html_missing, html_headline, html_idle_holders, html_actions,
+                                html_trends, html_usage, html_heatmaps, html_mig, html_fleet,
+                                html_waiting]
 """The page's sections in reading order; add a section by adding its function here."""
 
 
@@ -344,8 +381,14 @@ def _md_table(rows: Sequence[Data], columns: Columns) -> str:
     return "\n".join(lines) + "\n"
 
 
+def md_missing(data: Data) -> str:
+    note = missing_note(data)
+    return f"> **{note}**\n" if note else ""
+
+
 def md_headline(data: Data) -> str:
-    totals, before = data["totals"], data["trends"]["totals"]
+    totals = data["totals"]
+    before = data["trends"]["totals"] if arrows_shown(data) else {}
 
     def line(title: str, key: str, digits: int = 1, worse_up: bool = True) -> str:
         arrow = change(totals[key], before.get(key), worse_up)[0]
@@ -357,7 +400,9 @@ def md_headline(data: Data) -> str:
         line("used GPU-hours", "used_gpu_hours", worse_up=False),
         line("idle GPU-hours", "idle_gpu_hours"),
         line("idle cost $", "idle_cost_usd", 0),
-        line("advised saving $/week", "recommended_saving_usd", 0), ""])
+        line("advised saving $/week", "recommended_saving_usd", 0),
+        *([f"- {_not_comparable(data)}"] if data["trends"]["previous_week"]
+          and not arrows_shown(data) else []), ""])
 
 
 def md_idle_holders(data: Data) -> str:
@@ -372,15 +417,20 @@ def md_actions(data: Data) -> str:
         parts.append(_md_table(_action_rows(team), ACTION_COLUMNS))
         if team["tail_summary"]:
             parts.append(f"_{team['tail_summary']}_\n")
+    if data.get("no_activity_data"):
+        parts.append("### No activity data: no advice\n")
+        parts.append(_md_table(data["no_activity_data"], NO_DATA_COLUMNS))
     return "\n".join(parts)
 
 
 def md_trends(data: Data) -> str:
     if not data["trends"]["previous_week"]:
         return "## Against last week\n\n_no report of the previous week was kept_\n"
-    queues = [{**q, "change": change(q["wait_p95_s"], q["wait_p95_s_before"])[0]}
-              for q in data["trends"]["queues"]]
+    arrows = arrows_shown(data)
+    queues = [{**q, "change": change(q["wait_p95_s"], q["wait_p95_s_before"])[0]
+               if arrows else "not comparable"} for q in data["trends"]["queues"]]
     return (f"## Against last week ({data['trends']['previous_week']})\n\n"
+            + ("" if arrows else f"_{_not_comparable(data)}_\n\n")
             + _md_table(_trend_rows(data), [("team", "team"),
                                             *[(k, t) for k, t, _ in TREND_METRICS]]) + "\n"
             + _md_table(queues, [("cluster_queue", "queue"), ("wait_p95_s", "p95 wait s"),
@@ -408,7 +458,7 @@ def md_waiting(data: Data) -> str:
     return waiting.render(data["waiting"], "markdown")
 
 
-MD_SECTIONS: list[Callable[[Data], str]] = [md_headline, md_idle_holders, md_actions,
+MD_SECTIONS: list[Callable[[Data], str]] = [md_missing, md_headline, md_idle_holders, md_actions,
                                             md_trends, md_usage, md_mig, md_fleet,
                                             md_waiting]
 

@@ -70,6 +70,13 @@ class ReportSettings(BaseSettings):
         None, description="Folder that keeps every week's report (HTML, Markdown, JSON, "
         "mig-parted YAML) in a sub-folder named by ISO week; the previous week's JSON there "
         "is what the trends compare with. None: reports are not kept, no trends.")
+    spill_dir: Folder | None = Field(
+        None, description="Folder where the report spills the week's per-minute values for "
+        "its percentiles while it runs (removed at the end). It must hold about 50 bytes per "
+        "held device-minute (a whole GPU, a MIG instance or a shared GPU's holder, one "
+        "minute): 0.5 MB per device held all week, about 5 GB at 10,000 GPUs "
+        "(gpusteward.reports.weekly.SPILL_BYTES_PER_HELD_MINUTE). None: the system's "
+        "temporary folder (TMPDIR, else /tmp).")
     webhook_url: SecretStr | None = Field(
         None, description="Slack-compatible incoming webhook the Markdown summary is posted "
         "to after each report (a secret: it is the credential). None: nothing is posted.")

@@ -4,6 +4,11 @@ The previous week is read from its own report JSON (kept by
 :mod:`gpusteward.reports.archive`), not recomputed: the comparison costs
 nothing, and it compares with what readers were shown last week. A team or
 queue present in only one of the two weeks compares with nothing (None).
+
+Two weeks are comparable only when neither misses a day of rollups: a week
+whose sink was down for two days shows less idle time because it saw less,
+not because anyone gave a GPU back (:func:`comparability`; the report then
+shows both weeks' figures without arrows).
 """
 
 from __future__ import annotations
@@ -51,6 +56,37 @@ def queues(data: dict[str, Any], previous: dict[str, Any] | None) -> list[dict[s
     return [{"cluster_queue": r["cluster_queue"], "wait_p95_s": r["wait_p95_s"],
              "wait_p95_s_before": before.get(r["cluster_queue"], {}).get("wait_p95_s"),
              "slo_s": r["slo_s"]} for r in data.get("queues", [])]
+
+
+def missing_note(data: dict[str, Any]) -> str | None:
+    """The line that says the week lacks data, for every format and the webhook summary;
+    None when every day has rollups."""
+    days = data.get("missing_days") or []
+    if not days:
+        return None
+    if len(days) == 7:
+        return (f"Data missing for the whole week ({days[0]} to {days[-1]}): no rollups were "
+                "stored, so every figure is 0. Check the rollup sink.")
+    others = 7 - len(days)
+    return (f"Data missing for {', '.join(days)}: no rollups were stored on "
+            f"{'that day' if len(days) == 1 else 'those days'}, so the figures cover the "
+            f"other {others} day{'' if others == 1 else 's'} only.")
+
+
+def comparability(data: dict[str, Any], previous: dict[str, Any] | None
+                  ) -> dict[str, Any]:
+    """Whether this week compares with the previous one: ``comparable`` (False without a
+    previous week) and, when either misses days of rollups, ``not_comparable`` saying which."""
+    if previous is None:
+        return {"comparable": False, "not_comparable": None}
+    reasons = []
+    if data.get("missing_days"):
+        reasons.append(f"data missing this week ({', '.join(data['missing_days'])})")
+    if previous.get("missing_days"):
+        reasons.append(f"data missing in {previous['week']} "
+                       f"({', '.join(previous['missing_days'])})")
+    return {"comparable": not reasons,
+            "not_comparable": "; ".join(reasons) if reasons else None}
 
 
 def totals(data: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:

@@ -58,6 +58,23 @@ see :func:`store.slices`. Twice the slice cost 5 % less CPU and 300 MB more memo
 SPLIT_ROWS = 2_000_000
 """Rows of spilled values per split read back at the end (about 40 MB of them)."""
 
+SPILL_BYTES_PER_HELD_MINUTE = 50
+"""Most bytes the spill takes per held device-minute (a whole GPU, a MIG instance or one
+holder of a shared GPU, held for a minute): a value row (workload hash, activity, activity
+times its share of the GPU, memory: 24 bytes) and, for a workload on one device, a
+(workload, minute) row (24 bytes), plus Arrow's framing. Measured 40.5 on a synthetic week
+where most workloads hold one device, 31.3 where they hold four
+(``benchmarks/bench_report.py`` reports the peak). The spill lives until the run ends, so
+its folder (:attr:`ReportSettings.spill_dir`) must hold :func:`spill_bytes_for` the
+fleet: 5.0 GB for 10,000 devices held all week."""
+
+WEEK_MINUTES = 7 * 1440
+
+
+def spill_bytes_for(devices: int) -> int:
+    """The most the spill takes for ``devices`` held all week (one device per workload)."""
+    return devices * WEEK_MINUTES * SPILL_BYTES_PER_HELD_MINUTE
+
 COMPACT_EVERY = 24
 """Slices of partial tables kept before they are summed into one."""
 
@@ -84,6 +101,8 @@ class WeekTables:
     devices: pl.DataFrame
     """One row per device seen: node, index, uuid, kind, parent_uuid, mig_profile."""
     device_minutes: int
+    spill_bytes: int = 0
+    """The spill's peak size on disk (:data:`SPILL_BYTES_PER_HELD_MINUTE`)."""
 
 
 class _Partial:
@@ -137,6 +156,8 @@ class WeekFold:
         self.pending: list[tuple[pl.DataFrame, pl.DataFrame]] = []
         self.pending_rows = 0
         self.flushes = 0
+        self.spill_bytes = 0
+        """Bytes spilled so far: the spill's peak, since its files live until the run ends."""
 
     def add(self, rows: pl.DataFrame) -> None:
         """Fold one slice of store rows, read as :data:`compute.READ`: de-duplicated, all
@@ -171,10 +192,16 @@ class WeekFold:
                 .alias("throttled_device_minutes")),
             _fragmentation_part(frame, self.settings.fragmentation_shape_gpus),
             frame.select(*DEVICE, "gpu_model").unique(),
-            held.select(split, "wid", "util_mean", "mem_used_max"),
-            # GPU-hours per minute times 60 is GPU-equivalents in use and held that minute.
+            # Activity is relative to the device's share of its GPU (a MIG instance, one
+            # holder of a shared GPU): times the share, it is GPU-equivalents.
+            held.select(split, "wid", "util_mean",
+                        (pl.col("util_mean") * pl.col("gpu_fraction")).cast(pl.Float32)
+                        .alias("compute"), "mem_used_max"),
+            # GPU-hours per minute times 60 is GPU-equivalents in use and held that minute;
+            # a minute without any activity reading has no use (null), not none (0).
             held.group_by("wid", "ts").agg(
-                (pl.col("used_hours").sum() * 60).alias("used"),
+                pl.when(pl.col("util_mean").is_not_null().any())
+                .then(pl.col("used_hours").sum() * 60).alias("used"),
                 (pl.col("gpu_hours").sum() * 60).alias("held")).select(
                     split, "wid", "used", "held"),
         ])
@@ -200,7 +227,9 @@ class WeekFold:
                 folder.mkdir(parents=True, exist_ok=True)
                 # Arrow IPC, uncompressed: a sixth of the CPU of Parquet with lz4, and the
                 # files live for one run (about 30 bytes a held device-minute).
-                part.drop("split").write_ipc(folder / f"{self.flushes}.arrow")
+                path = folder / f"{self.flushes}.arrow"
+                part.drop("split").write_ipc(path)
+                self.spill_bytes += path.stat().st_size
         self.flushes += 1
         self.pending, self.pending_rows = [], 0
 
@@ -226,21 +255,22 @@ class WeekFold:
             "hour", (pl.col("free") / pl.col("minutes")).alias("free_gpus"),
             (1 - pl.col("usable") / pl.col("free")).fill_nan(0.0).alias("stranded_share"),
         ).sort("hour")
-        per_workload = self._per_workload(pairs)
+        devices = _table(self.devices, {"node": pl.String, "index": pl.Int16,
+                                         "uuid": pl.String, "kind": pl.String,
+                                         "parent_uuid": pl.String, "mig_profile": pl.String,
+                                         "gpu_model": pl.String})
+        per_workload = self._per_workload(pairs, devices)
         workloads = per_workload.select(
             *WORKLOAD, "gpu_model", "devices", "device_minutes", "minutes",
             *_hours_schema(), *[f"util_p{q}" for q in (5, 25, 50, 75, 95)],
             "mem_peak_bytes").sort("allocated_gpu_hours", descending=True)
         need = per_workload.select(
-            *WORKLOAD, pl.col("minutes").alias("points"), "gpus_needed", "gpus_held",
-            "device_compute_needed", "device_mem_needed", "uses_mig", "gpu_model",
+            *WORKLOAD, "points", "minutes", "gpus_needed", "gpus_held", "activity_pct",
+            "device_compute_needed", "device_mem_needed", "uses_mig", "mig_profile",
+            "gpu_model",
             "device_mem_total", pl.col("allocated_gpu_hours").alias("gpu_hours"), "devices",
             "device_minutes", (pl.col("usd_sum") / pl.col("device_minutes")).alias("hourly_usd"),
         ).sort(WORKLOAD)
-        devices = _table(self.devices, {"node": pl.String, "index": pl.Int16,
-                                         "uuid": pl.String, "kind": pl.String,
-                                         "parent_uuid": pl.String, "mig_profile": pl.String,
-                                         "gpu_model": pl.String})
         return WeekTables(
             teams=teams, daily=daily, workloads=workloads, faults=faults,
             fragmentation=fragmentation, need=need,
@@ -249,10 +279,11 @@ class WeekFold:
                 pl.when(pl.col("kind") == "mig").then(pl.col("parent_uuid"))
                 .otherwise(pl.col("uuid")).alias("gpu")).unique(),
             devices=devices.select(DEVICE).unique(),
-            device_minutes=self.device_minutes)
+            device_minutes=self.device_minutes, spill_bytes=self.spill_bytes)
 
-    def _per_workload(self, pairs: pl.DataFrame) -> pl.DataFrame:
-        """Per workload: the summed columns, its devices and model, and its percentiles."""
+    def _per_workload(self, pairs: pl.DataFrame, devices: pl.DataFrame) -> pl.DataFrame:
+        """Per workload: the summed columns, its devices, model and MIG profile, and its
+        percentiles."""
         sums = pairs.group_by("wid").agg(
             *[pl.col(c).first() for c in WORKLOAD],
             pl.col(PAIR_SUMS).sum(), pl.col("mem_peak_bytes", "device_mem_total").max(),
@@ -263,8 +294,15 @@ class WeekFold:
                   .sort(["wid", "device_minutes", "gpu_model"],
                         descending=[False, True, False])
                   .group_by("wid").agg(pl.col("gpu_model").first()))
+        # The MIG profile it held most (None for whole or shared GPUs), the same way.
+        profiles = (pairs.join(devices.select("uuid", "mig_profile").unique("uuid", keep="any"),
+                               on="uuid", how="left")
+                    .group_by("wid", "mig_profile").agg(pl.col("device_minutes").sum())
+                    .sort(["wid", "device_minutes", "mig_profile"],
+                          descending=[False, True, False], nulls_last=True)
+                    .group_by("wid").agg(pl.col("mig_profile").first()))
         percentiles = [self._split_percentiles(split) for split in range(self.splits)]
-        return (sums.join(models, on="wid", how="left")
+        return (sums.join(models, on="wid", how="left").join(profiles, on="wid", how="left")
                 .join(pl.concat(percentiles, how="vertical_relaxed"), on="wid", how="left"))
 
     def _split_percentiles(self, split: int) -> pl.DataFrame:
@@ -273,20 +311,25 @@ class WeekFold:
         mq = self.settings.memory_percentile / 100
         grow = 1 + self.settings.headroom_pct / 100
         values = _read(self.spill / "values" / str(split),
-                       {"wid": pl.UInt64, "util_mean": pl.Float32,
+                       {"wid": pl.UInt64, "util_mean": pl.Float32, "compute": pl.Float32,
                         "mem_used_max": pl.Int64})
         minutes = _read(self.spill / "minutes" / str(split),
                         {"wid": pl.UInt64, "used": pl.Float64, "held": pl.Float64})
+        # Percentiles over the readings there are: a device-minute without one (the NVML
+        # collector has none for a MIG instance without GPM) is not a minute at 0 %.
         per_device = values.group_by("wid").agg(
             *[pl.col("util_mean").quantile(p / 100, "linear").alias(f"util_p{p}")
               for p in (5, 25, 50, 75, 95)],
-            (pl.col("util_mean").fill_null(0).quantile(q, "linear") * grow / 100)
+            pl.col("util_mean").quantile(q, "linear").cast(pl.Float64).alias("activity_pct"),
+            (pl.col("compute").quantile(q, "linear") * grow / 100)
             .alias("device_compute_needed"),
             (pl.col("mem_used_max").fill_null(0).quantile(mq, "linear") * grow)
             .alias("device_mem_needed"))
         demand = minutes.group_by("wid").agg(
             # A workload's (workload, minute) rows are its minutes: each lies in one slice.
             pl.len().cast(pl.Int64).alias("minutes"),
+            # Minutes with an activity reading: the evidence advice needs.
+            pl.col("used").count().cast(pl.Int64).alias("points"),
             (pl.col("used").quantile(q, "linear") * grow).alias("gpus_needed"),
             pl.col("held").mean().alias("gpus_held"))
         return per_device.join(demand, on="wid", how="full", coalesce=True)
@@ -346,7 +389,10 @@ def fold_week(directory: Path, start: float, end: float, settings: ReportSetting
     columns = [*READ, *dict.fromkeys(c for f in also for c in f.columns
                                      if c not in read_names)]
     total = store.count_rows(directory, start, end)
-    spill = Path(tempfile.mkdtemp(prefix="gpusteward-report-"))
+    # In settings.spill_dir (None: TMPDIR or /tmp), which must hold spill_bytes_for the fleet.
+    if settings.spill_dir is not None:
+        settings.spill_dir.mkdir(parents=True, exist_ok=True)
+    spill = Path(tempfile.mkdtemp(prefix="gpusteward-report-", dir=settings.spill_dir))
     try:
         fold = WeekFold(settings, geometries, splits=-(-total // SPLIT_ROWS), spill=spill)
         read = 0

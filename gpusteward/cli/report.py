@@ -23,6 +23,10 @@ from gpusteward.cli.common import (
 )
 
 SINKS = ("rollups", "queue", "findings", "results")
+NO_DATA_EXIT = 4
+"""Exit status of a report whose week has no rollups at all (written and posted anyway, so
+the gap is seen): the CronJob fails the Job at once on it instead of retrying, since a
+rerun finds no more data (deploy/base/report.yaml, podFailurePolicy)."""
 
 
 def report(
@@ -41,7 +45,8 @@ def report(
 
     With GPUSTEWARD_REPORT__ARCHIVE_DIR set, the report is also kept there under its
     week's name and compared with the previous week's; with
-    GPUSTEWARD_REPORT__WEBHOOK_URL set, its summary is posted to that webhook.
+    GPUSTEWARD_REPORT__WEBHOOK_URL set, its summary is posted to that webhook. A week
+    without any rollups is written and posted too (it says so), then exits with status 4.
     """
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -91,9 +96,9 @@ def report(
     if settings.archive_dir is not None:
         for path in render.write(result, archive.folder(settings.archive_dir, chosen)):
             typer.echo(str(path))
-    totals = result.data["totals"]
-    if not totals["device_minutes"]:
-        console.print(f"[yellow]no rollups for {chosen.label} in {directory}[/]")
+    if result.empty:
+        console.print(f"[red]no rollups for {chosen.label} in {directory}: the report says "
+                      "so, and the job fails[/]")
     elif result.data["missing_days"]:
         console.print(f"[yellow]no rollups for {', '.join(result.data['missing_days'])} in "
                       f"{directory}: the report covers the other days[/]")
@@ -109,6 +114,8 @@ def report(
             console.print(f"[red]summary not posted: {error}[/]")
             raise typer.Exit(1) from error
         console.print("summary posted to the webhook")
+    if result.empty:
+        raise typer.Exit(NO_DATA_EXIT)
 
 
 def sink(

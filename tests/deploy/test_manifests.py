@@ -289,6 +289,53 @@ def test_report_cronjob_writes_to_a_volume(render):
     assert secret["optional"] is True and "value" not in env["GPUSTEWARD_REPORT__WEBHOOK_URL"]
 
 
+QUANTITY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
+            "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def _bytes(quantity: str) -> int:
+    """A Kubernetes quantity of bytes ("6Gi", "5G", "64Mi", "1000") as a number."""
+    for suffix in sorted(QUANTITY, key=len, reverse=True):
+        if quantity.endswith(suffix):
+            return int(float(quantity[: -len(suffix)]) * QUANTITY[suffix])
+    return int(quantity)
+
+
+def test_report_spill_volume_holds_a_10000_gpu_week(rendered):
+    """The report spills its percentile values (about 50 bytes a held device-minute) to
+    GPUSTEWARD_REPORT__SPILL_DIR until it ends: the volume there must hold the week of the
+    largest fleet the product is for, or the kubelet evicts the Monday report."""
+    from gpusteward.reports.weekly import spill_bytes_for
+
+    pod = pod_spec(rendered.component("report"))
+    container = pod["containers"][0]
+    folder = {e["name"]: e.get("value") for e in container["env"]}["GPUSTEWARD_REPORT__SPILL_DIR"]
+    (mount,) = [m for m in container["volumeMounts"]
+                if (folder.rstrip("/") + "/").startswith(m["mountPath"].rstrip("/") + "/")]
+    assert not mount.get("readOnly")
+    volume = {v["name"]: v for v in pod["volumes"]}[mount["name"]]
+    size = _bytes(volume["emptyDir"]["sizeLimit"])
+    assert size >= spill_bytes_for(10_000), (size, spill_bytes_for(10_000))
+    # Reserved on the node, so the pod is placed where it fits instead of evicted mid-run.
+    requested = _bytes(container["resources"]["requests"]["ephemeral-storage"])
+    assert requested >= size
+
+
+def test_report_with_no_rollups_fails_the_job_without_retrying(render):
+    """A week without rollups exits NO_DATA_EXIT after writing the report: a rerun finds no
+    more, so the Job fails at once; other failures (a refused webhook) are tried again,
+    a bounded number of times."""
+    from gpusteward.cli.report import NO_DATA_EXIT
+
+    job = render("production").component("report")["spec"]["jobTemplate"]["spec"]
+    assert job["template"]["spec"]["restartPolicy"] == "Never"
+    assert 0 < job["backoffLimit"] <= 3
+    (rule,) = job["podFailurePolicy"]["rules"]
+    assert rule["action"] == "FailJob"
+    assert rule["onExitCodes"] == {"containerName": "report", "operator": "In",
+                                   "values": [NO_DATA_EXIT]}
+
+
 def _env(rendered, workload, container: dict[str, Any] | None = None) -> dict[str, str]:
     """The environment a container of ``workload`` (the first unless given) sees from its
     ConfigMaps and values."""

@@ -74,27 +74,33 @@ def needs(frame: pl.DataFrame, settings: ReportSettings) -> pl.DataFrame:
     # numbers is several times faster than by four categoricals and a float.
     held = frame.filter(pl.col("allocated")).with_columns(
         pl.struct(WORKLOAD).hash(seed=0).alias("wid"),
-        pl.col("util_mean").fill_null(0), pl.col("mem_used_max").fill_null(0),
-        (pl.col("kind") == "mig").alias("mig"))
+        # Activity times the device's share of its GPU: GPU-equivalents. A missing reading
+        # stays missing: it is no minute at 0 %.
+        (pl.col("util_mean") * pl.col("gpu_fraction")).alias("compute"),
+        pl.col("mem_used_max").fill_null(0), (pl.col("kind") == "mig").alias("mig"))
     q = settings.percentile / 100
     mq = settings.memory_percentile / 100
     grow = 1 + settings.headroom_pct / 100
     # GPU-hours per minute times 60 is GPU-equivalents in use and held that minute.
     per_minute = held.group_by("wid", "ts").agg(
-        (pl.col("used_hours").sum() * 60).alias("used"),
+        pl.when(pl.col("util_mean").is_not_null().any())
+        .then(pl.col("used_hours").sum() * 60).alias("used"),
         (pl.col("gpu_hours").sum() * 60).alias("held"),
     )
     demand = per_minute.group_by("wid").agg(
-        pl.len().alias("points"),
+        pl.len().alias("minutes"),
+        pl.col("used").count().alias("points"),
         (pl.col("used").quantile(q, "linear") * grow).alias("gpus_needed"),
         pl.col("held").mean().alias("gpus_held"),
     )
     per_device = held.group_by("wid").agg(
         *[pl.col(c).first() for c in WORKLOAD],
-        (pl.col("util_mean").quantile(q, "linear") * grow / 100)
+        pl.col("util_mean").quantile(q, "linear").alias("activity_pct"),
+        (pl.col("compute").quantile(q, "linear") * grow / 100)
         .alias("device_compute_needed"),
         (pl.col("mem_used_max").quantile(mq, "linear") * grow).alias("device_mem_needed"),
         pl.col("mig").any().alias("uses_mig"),
+        pl.col("mig_profile").drop_nulls().mode().sort().first().alias("mig_profile"),
         pl.col("gpu_model").mode().first().alias("gpu_model"),
         pl.col("mem_total_bytes").max().alias("device_mem_total"),
         pl.col("gpu_hours").sum().alias("gpu_hours"),

@@ -8,6 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner, Result
 
 from gpusteward.cli import app
+from gpusteward.cli.report import NO_DATA_EXIT
 from gpusteward.reports import compute, store
 from gpusteward.sandbox import rollups as synthetic
 
@@ -53,11 +54,15 @@ def test_progress_names_the_stage_and_the_rows_read(tmp_path: Path) -> None:
     assert f"report {WEEK.label}: done" in result.output
 
 
-def test_an_empty_week_and_missing_days_are_said_not_raised(tmp_path: Path) -> None:
+def test_an_empty_week_is_written_then_fails_and_missing_days_are_said(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     empty = _report(tmp_path / "empty", tmp_path / "out")
-    assert empty.exit_code == 0 and empty.exception is None, empty.output
-    assert f"no rollups for {WEEK.label}" in empty.output
+    # Written (it says so), then a failure the CronJob does not retry: not a traceback.
+    assert empty.exit_code == NO_DATA_EXIT and isinstance(empty.exception, SystemExit), \
+        empty.output
+    assert f"no rollups for {WEEK.label}" in " ".join(empty.output.split())
+    assert "Data missing for the whole week" in (tmp_path / "out" / "report.md").read_text()
+    assert "Traceback" not in empty.output
 
     two_days = synthetic.week_of_rollups(WEEK.start, gpus=2, workloads=2, teams=1,
                                          minutes=2 * 1440)
@@ -67,6 +72,9 @@ def test_an_empty_week_and_missing_days_are_said_not_raised(tmp_path: Path) -> N
     named = " ".join(partial.output.split())  # rich wraps long lines
     assert f"no rollups for {WEEK.days[2].isoformat()}" in named
     assert "the report covers the other days" in named
+    missing = ", ".join(d.isoformat() for d in WEEK.days[2:])
+    for name in ("report.md", "report.html"):
+        assert f"Data missing for {missing}" in (tmp_path / "out2" / name).read_text()
 
 
 def test_a_store_written_by_another_version_is_a_message_not_a_traceback(

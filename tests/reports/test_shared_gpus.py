@@ -132,3 +132,47 @@ def test_holders_in_one_namespace_are_each_counted(tmp_path: Path) -> None:
     assert report.data["totals"]["gpus"] == 1
     per_workload = {w["owner_name"]: w for w in report.data["workloads"]}
     assert set(per_workload) == {"nb-a", "nb-b"}
+
+
+def _time_sliced_a100(util_of_share: float) -> list[Rollup]:
+    """One A100-80GB time-sliced four ways for 2 h: each holder (a Deployment of its own)
+    at ``util_of_share`` percent of its quarter, 8 GiB."""
+    return [Rollup(ts=WEEK.start + m * 60, node="ts-a", uuid="GPU-a100", index=0,
+                   model="NVIDIA A100-SXM4-80GB", gpu_fraction=0.25, samples=60,
+                   util_mean=util_of_share, util_max=util_of_share + 5,
+                   mem_used_max=8 * GIB, mem_total_bytes=80 * GIB, namespace="ml",
+                   pod=f"nb-{h}-0", owner_kind="Deployment", owner_name=f"nb-{h}", team="t")
+            for h in "abcd" for m in range(120)]
+
+
+@pytest.mark.parametrize("util_of_share", [20.0, 60.0])
+def test_a_shared_gpus_holders_are_advised_against_their_share(
+        tmp_path: Path, util_of_share: float) -> None:
+    """Activity relative to a quarter of a GPU is a quarter as much GPU: a holder at 60 %
+    of its quarter needs 0.15 GPU plus headroom (a 2g.20gb, more than the quarter it holds:
+    no MIG advice), one at 20 % needs 0.05 (a 1g.10gb, less). Every saving is what it holds
+    less what it would hold, and advice that saves nothing is not given."""
+    store.write(tmp_path, store.frame(_time_sliced_a100(util_of_share)))
+    report = build.build(tmp_path, WEEK, ReportSettings(min_points=60))
+    advice = report.data["recommendations"]
+    assert all(r["saving_usd"] > 0 for r in advice)
+    mig = [r for r in advice if r["kind"] == "mig_profile"]
+    hours, price = 2 * 0.25, 2.2
+    if util_of_share == 20.0:
+        assert {r["recommended"] for r in mig} == {"1 x 1g.10gb"} and len(mig) == 4
+        for r in mig:
+            assert r["current"] == "0.25 x A100-80GB"
+            assert r["saving_gpu_hours"] == pytest.approx(hours - 2 / 7)
+            assert r["saving_usd"] == pytest.approx((hours - 2 / 7) * price)
+    else:
+        # Neither a 2g.20gb (2/7 of a GPU) nor a whole L4 ($1.40 for the 2 h) costs less
+        # than the quarter of an A100 it holds ($1.10): nothing to advise.
+        assert advice == []
+    for r in advice:
+        if r["kind"] == "cheaper_model":
+            # A whole GPU of the cheaper model against a quarter of an A100.
+            cheaper = ReportSettings().gpu_models[r["recommended"]].hourly_usd
+            assert r["saving_usd"] == pytest.approx(hours * price - 2 * cheaper)
+    # Never advised more than it saves: the headline is less than what the pods cost.
+    assert report.data["totals"]["recommended_saving_usd"] < \
+        report.data["totals"]["allocated_cost_usd"]

@@ -117,3 +117,37 @@ def test_a_store_of_text_and_dictionary_files_folds_as_one_of_either(
     assert idle.holders.height > 0
     assert_frame_equal(store.scan(mixed, WEEK.start, WEEK.end).collect().sort("uuid", "ts"),
                        store.scan(new, WEEK.start, WEEK.end).collect().sort("uuid", "ts"))
+
+
+class _SpillWatch:
+    """A fold beside the weekly one that looks at the spill folder after each slice."""
+
+    columns: list[str] = []
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.bytes_seen = 0
+
+    def add(self, rows: pl.DataFrame) -> None:
+        self.bytes_seen = max(self.bytes_seen, sum(
+            f.stat().st_size for f in self.folder.rglob("*.arrow")))
+
+
+def test_the_spill_goes_to_the_spill_dir_and_stays_within_its_estimate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CronJob's spill volume is sized by SPILL_BYTES_PER_HELD_MINUTE (tests/deploy): the
+    spill must go where spill_dir says (not a 64Mi /tmp) and stay within that estimate in
+    its worst case, a workload per device (one (workload, minute) row per device-minute)."""
+    rows = synthetic.week_of_rollups(WEEK.start, gpus=12, workloads=12, teams=2, seed=5)
+    store.write(tmp_path / "rollups", rows)
+    monkeypatch.setattr(weekly, "SLICE_ROWS", 20_000)
+    monkeypatch.setattr(weekly, "SPLIT_ROWS", 30_000)
+    spill = tmp_path / "spill" / "made-when-absent"
+    watch = _SpillWatch(spill)
+    tables = weekly.fold_week(tmp_path / "rollups", WEEK.start, WEEK.end,
+                              ReportSettings(spill_dir=spill), geometry.load(), also=[watch])
+    held = int(tables.workloads["device_minutes"].sum())
+    assert held > 0 and watch.bytes_seen > 0
+    assert tables.spill_bytes >= watch.bytes_seen
+    assert tables.spill_bytes <= weekly.SPILL_BYTES_PER_HELD_MINUTE * held
+    assert list(spill.iterdir()) == []  # removed at the end
