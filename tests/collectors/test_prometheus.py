@@ -139,7 +139,9 @@ def test_auto_pod_labels_never_attribute_the_exporter_pod() -> None:
     # A node whose GPUs are all idle: no exported_* anywhere, only the target's labels.
     idle = [_series(**EXPORTER_POD)]
     assert pod_resolver(idle, "auto")(idle[0].labels) is None
-    assert pod_resolver(idle, "plain")(idle[0].labels) is not None, "plain trusts the labels"
+    # honorLabels: true still attaches the target's own pod labels to a series that has
+    # none (an unallocated GPU): plain mode must not credit the GPU to the exporter either.
+    assert pod_resolver(idle, "plain")(idle[0].labels) is None
 
     # The target's pod, learnt from a series that also has exported_*, is never a holder.
     busy = _series(**EXPORTER_POD, exported_pod="p", exported_namespace="ns")
@@ -206,6 +208,25 @@ def test_a_result_item_that_is_no_sample_is_skipped_not_the_tick() -> None:
     series, evaluated_at = series_of(result, refusals)
     assert [s.name for s in series] == ["DCGM_FI_DEV_GPU_TEMP"] and evaluated_at == 10.0
     assert refusals.count == 3
+
+
+def _honoured(page: str) -> list[dcgm.Series]:
+    """The page as Prometheus keeps it with ``honorLabels: true``: the exporter's own pod
+    labels stay; a series without them gets the target's (the exporter pod's)."""
+    return [dcgm.Series(s.name, {**EXPORTER_POD, **s.labels}, s.value)
+            for s in dcgm.parse_page(page)]
+
+
+def test_plain_pod_labels_never_credit_an_idle_gpu_to_the_exporter_pod(dcgm_page: str) -> None:
+    series = _honoured(dcgm_page)
+    idle = next(s for s in series if s.labels.get("GPU_I_ID") == "2")
+    assert idle.labels["pod"] == EXPORTER_POD["pod"], "the target's pod, on an unheld GPU"
+
+    source = PrometheusSource("http://prometheus.invalid", pod_labels="plain",
+                              client=_AnsweringPrometheus(series))
+    (sample,), _ = asyncio.run(source.collect())
+    pods = {d.uuid: d.pod for d in sample.devices}
+    assert pods == {GPU0: TRAINER, GPU1: None, f"MIG-{GPU1}/1": VLLM, f"MIG-{GPU1}/2": None}
 
 
 def test_a_mig_enabled_gpu_behind_prometheus_gets_its_parent(dcgm_page: str) -> None:
