@@ -14,6 +14,10 @@ NVML collector attributes a device to the same pod dcgm-exporter would:
   stripped; GKE's ``nvidia<i>/gi<g>`` names GPU instance ``g`` of GPU ``i``;
   the R450/R460 form ``MIG-GPU-<uuid>/<gi>/<ci>`` names GPU instance ``gi``
   of that GPU; index-style ids (``nvidia0``, ``0``) name whole GPUs.
+  ``nvidia<i>`` (GKE) is the device node ``/dev/nvidia<i>``: ``i`` is the
+  GPU's minor number, as in dcgm-exporter's ``device`` label, which need
+  not be its NVML enumeration index; a bare ``<i>`` (the NVIDIA device
+  plugin's ``index`` id strategy) is the NVML index.
 
 The messages carry no pod uid (dcgm-exporter gets it from the API server),
 so :class:`PodRef` has ``uid=None`` here. A device shared by several pods
@@ -77,28 +81,37 @@ class DeviceOwners:
                 return found
         return []
 
-    def gpu_holders(self, uuid: str, index: int) -> list[PodRef]:
-        """Every holder of a whole GPU (several under time-slicing or MPS)."""
-        return self._first_of(uuid, f"nvidia{index}", str(index))
+    def gpu_holders(self, uuid: str, index: int, minor: int | None = None) -> list[PodRef]:
+        """Every holder of a whole GPU (several under time-slicing or MPS).
+
+        ``index`` is the NVML index, ``minor`` the minor number (``/dev/nvidia<minor>``;
+        None: taken to equal the index).
+        """
+        minor = index if minor is None else minor
+        return self._first_of(uuid, f"nvidia{minor}", str(index))
 
     def mig_holders(self, uuid: str, *, parent_uuid: str, parent_index: int,
-                    gpu_instance_id: int | None) -> list[PodRef]:
-        """Every holder of a MIG device."""
+                    gpu_instance_id: int | None,
+                    parent_minor: int | None = None) -> list[PodRef]:
+        """Every holder of a MIG device (``parent_minor`` as ``minor`` of
+        :meth:`gpu_holders`: GKE's ``nvidia<minor>/gi<g>``)."""
         if gpu_instance_id is None:
             return self._first_of(uuid)
-        return self._first_of(uuid, f"gi:{parent_index}-{gpu_instance_id}",
+        minor = parent_index if parent_minor is None else parent_minor
+        return self._first_of(uuid, f"gi:{minor}-{gpu_instance_id}",
                               f"gi:{parent_uuid}/{gpu_instance_id}")
 
-    def gpu(self, uuid: str, index: int) -> PodRef | None:
+    def gpu(self, uuid: str, index: int, minor: int | None = None) -> PodRef | None:
         """The first holder of a whole GPU."""
-        return next(iter(self.gpu_holders(uuid, index)), None)
+        return next(iter(self.gpu_holders(uuid, index, minor)), None)
 
     def mig(self, uuid: str, *, parent_uuid: str, parent_index: int,
-            gpu_instance_id: int | None) -> PodRef | None:
+            gpu_instance_id: int | None, parent_minor: int | None = None) -> PodRef | None:
         """The first holder of a MIG device."""
         return next(iter(self.mig_holders(uuid, parent_uuid=parent_uuid,
                                           parent_index=parent_index,
-                                          gpu_instance_id=gpu_instance_id)), None)
+                                          gpu_instance_id=gpu_instance_id,
+                                          parent_minor=parent_minor)), None)
 
 
 def device_keys(device_id: str) -> list[str]:

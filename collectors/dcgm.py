@@ -29,7 +29,23 @@ name such a device ``MIG-<parent uuid>/<GPU_I_ID>`` (the driver's pre-R470
 MIG naming, without the compute-instance part): stable across scrapes and
 restarts, unique per node. Utilisation is not reported for MIG instances,
 so MIG devices carry ``engine_active_pct`` (DCGM_FI_PROF_GR_ENGINE_ACTIVE
-x 100) and no ``util_pct``.
+x 100) and no ``util_pct``. The page has no series of the MIG-enabled GPU
+itself: its device-wide readings (:data:`DEVICE_WIDE`: temperature, power,
+clocks, PCIe, NVLink, ECC, row remapping) repeat on every instance. They
+go on one ``kind="gpu"`` device per parent UUID made here, and off the
+instances, which is the shape the NVML reader gives: the hardware rules
+run on physical GPUs only and see each GPU once, and a device-wide
+counter opens one episode, not one per instance. XIDs are the parent's
+too (:class:`XidTracker`), as NVML reports them.
+
+Shared GPUs: with ``--kubernetes-virtual-gpus`` dcgm-exporter repeats a
+shared GPU's series once per pod with a ``vgpu`` label, and its GPU_UTIL
+and FB_USED series then hold that pod's processes' share (NVML's
+per-process calls). Each pod becomes a :class:`DeviceHolder` with its own
+activity and memory (``attribution="process"``), the device's utilisation
+is the highest share and its memory used the sum. Without the flag a
+time-sliced GPU names one pod only; several pods without ``vgpu`` labels
+(a merge of scrapes) are listed as ``shared``, readings not split.
 
 It stays one module: the page parser, the series-to-field map and the missing-family
 check read the same dcgm-exporter names.
@@ -55,7 +71,15 @@ from gpusteward.collectors.metrics import CollectorMetrics
 from gpusteward.collectors.settings import CollectSettings
 from gpusteward.collectors.source import SourceError, run_source
 from gpusteward.collectors.transport.publisher import Publisher
-from gpusteward.schema import INT64_MAX, DeviceHolder, DeviceSample, HwEvent, NodeSample, PodRef
+from gpusteward.schema import (
+    INT64_MAX,
+    Attribution,
+    DeviceHolder,
+    DeviceSample,
+    HwEvent,
+    NodeSample,
+    PodRef,
+)
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +183,21 @@ NVLINK_ERROR_FIELDS = (
 )
 XID_FIELD = "DCGM_FI_DEV_XID_ERRORS"
 
+PER_POD_FIELDS = {"DCGM_FI_DEV_GPU_UTIL": "util_pct", "DCGM_FI_DEV_FB_USED": "mem_used_bytes"}
+"""Metrics that hold one pod's share of a shared GPU when the series has a ``vgpu`` label
+(``--kubernetes-virtual-gpus``: dcgm-exporter splits them by process); the others repeat
+the device's reading in every pod's series."""
+VGPU_LABEL = "vgpu"
+
+DEVICE_WIDE = frozenset({
+    "temp_c", "power_w", "sm_clock_mhz", "clock_event_reasons", "ecc_sbe_volatile",
+    "ecc_dbe_volatile", "remapped_rows_correctable", "remapped_rows_uncorrectable",
+    "remap_pending", "remap_failure", "pcie_replay",
+})
+"""DeviceSample fields that describe the physical GPU (``nvlink_errors`` too): on a
+MIG-enabled GPU dcgm-exporter repeats them on every instance; they belong to the parent,
+where the NVML reader puts them."""
+
 MAPPED_METRICS: tuple[str, ...] = (*FIELDS, *FB_FIELDS, *NVLINK_ERROR_FIELDS, XID_FIELD)
 """Every metric this module reads; the Prometheus source asks for exactly these."""
 
@@ -208,6 +247,11 @@ FIELD_FAMILIES: tuple[FieldFamily, ...] = (
 )
 """What the rules read, by family; every metric here is in :data:`MAPPED_METRICS`."""
 
+NVML_ONLY_RULES: tuple[str, ...] = ("gpu_recovery_action",)
+"""Rules no dcgm-exporter field can feed, however its counters are set: the driver's
+recovery action (NVML field 230) has no DCGM field. They fire from the NVML collector only
+(an Xid 154 still reaches the ``xid`` rule)."""
+
 
 class FieldCoverage:
     """Notices the field families a source's answers lack: logged once, counted every read.
@@ -253,8 +297,12 @@ class _Device:
     model: str = ""
     mig_profile: str | None = None
     pods: list[PodRef] = field(default_factory=list)
-    """Every pod a series of the device names: dcgm-exporter repeats a time-sliced GPU's
-    series once per pod, all with the same device readings."""
+    """Every pod a series of the device names. Several only on a shared GPU with
+    ``--kubernetes-virtual-gpus`` (without it dcgm-exporter names one pod per GPU), where
+    GPU_UTIL and FB_USED are each pod's own (:attr:`shares`) and the rest repeat."""
+    shares: dict[tuple[str, str], dict[str, dict[str, float]]] = field(default_factory=dict)
+    """(namespace, pod) -> per-pod field -> ``vgpu`` label -> that series' reading (percent,
+    or MiB for memory)."""
     values: dict[str, Any] = field(default_factory=dict)
     framebuffer: dict[str, float] = field(default_factory=dict)
     nvlink_errors: int | None = None
@@ -266,13 +314,27 @@ class _Device:
         return mig_device_uuid(self.parent_uuid, self.gpu_instance_id)
 
     def sample(self, refusals: edge.Refusals) -> DeviceSample:
-        used = self.framebuffer.get("DCGM_FI_DEV_FB_USED")
-        total = None
-        if all(name in self.framebuffer for name in FB_FIELDS):
-            total = _kept("mem_total_bytes",
-                          int(sum(self.framebuffer[name] for name in FB_FIELDS) * MIB), refusals)
-        mig = self.gpu_instance_id is not None
         values = dict(self.values)
+        framebuffer = dict(self.framebuffer)
+        holders = [DeviceHolder(pod=pod) for pod in self.pods] if len(self.pods) > 1 else []
+        attribution: Attribution | None = (None if not self.pods else "device"
+                                           if len(self.pods) == 1 else "shared")
+        if self.shares:
+            holders = [self._holder(pod) for pod in self.pods]
+            attribution = "process"
+            activity = [h.activity_pct for h in holders if h.activity_pct is not None]
+            if activity:
+                values["util_pct"] = max(activity)
+            shared_mib = [sum(own.get("mem_used_bytes", {}).values())
+                          for own in self.shares.values() if own.get("mem_used_bytes")]
+            if shared_mib:
+                framebuffer["DCGM_FI_DEV_FB_USED"] = sum(shared_mib)
+        used = framebuffer.get("DCGM_FI_DEV_FB_USED")
+        total = None
+        if all(name in framebuffer for name in FB_FIELDS):
+            total = _kept("mem_total_bytes",
+                          int(sum(framebuffer[name] for name in FB_FIELDS) * MIB), refusals)
+        mig = self.gpu_instance_id is not None
         if mig:
             # dcgm-exporter does not report GPU_UTIL per GPU instance; should a release ever
             # repeat the parent's value there, it would not describe this device.
@@ -287,13 +349,22 @@ class _Device:
                             if used is not None else None),
             mem_total_bytes=total, nvlink_errors=self.nvlink_errors,
             pod=self.pods[0] if self.pods else None,
-            # Several pods: their readings cannot be told apart here (no per-process metrics),
-            # so the sample says so, and the rules treat the device's readings as everyone's.
-            holders=[DeviceHolder(pod=pod) for pod in self.pods] if len(self.pods) > 1 else [],
-            attribution=(None if not self.pods else "device" if len(self.pods) == 1
-                         else "shared"),
+            # Several pods without per-pod series ("shared"): their readings cannot be told
+            # apart, and the rules treat the device's readings as everyone's.
+            holders=holders, attribution=attribution,
             **values,
         )
+
+    def _holder(self, pod: PodRef) -> DeviceHolder:
+        """A pod's share from its ``vgpu`` series, summed over them as NVML's per-process
+        attribution sums a pod's processes; None where the pod had no such series."""
+        own = self.shares.get((pod.namespace, pod.name), {})
+        util = own.get("util_pct")
+        mib = own.get("mem_used_bytes")
+        return DeviceHolder(
+            pod=pod,
+            activity_pct=None if not util else min(100.0, sum(util.values())),
+            mem_used_bytes=None if not mib else int(sum(mib.values()) * MIB))
 
 
 def _kept(name: str, value: Any, refusals: edge.Refusals) -> Any:
@@ -331,17 +402,19 @@ def node_samples(series: Iterable[Series], ts: float, source: str,
             continue
         devices = nodes.setdefault(node_name, {})
         device = devices.get(ident)
+        pod = pod_resolver(item.labels)
         try:
             if device is None:
                 device = devices[ident] = _new_device(ident, item.labels)
-            _apply(device, item)
+            _apply(device, item, pod)
         except ValueError as error:
             refusals.note(item.name, "skipping series %s of %s: %s", item.name, ident[0], error)
             continue
-        pod = pod_resolver(item.labels)
         if pod is not None and all((p.namespace, p.name) != (pod.namespace, pod.name)
                                    for p in device.pods):
             device.pods.append(pod)
+    for devices in nodes.values():
+        _add_mig_parents(devices)
     return {
         name: NodeSample(ts=ts, node=name, source=source, devices=[
             device.sample(refusals) for device in sorted(
@@ -364,7 +437,44 @@ def _new_device(ident: tuple[str, str | None], labels: Mapping[str, str]) -> _De
     )
 
 
-def _apply(device: _Device, item: Series) -> None:
+def _add_mig_parents(devices: dict[tuple[str, str | None], _Device]) -> None:
+    """Give every MIG-enabled GPU a ``kind="gpu"`` device with its device-wide readings.
+
+    They are taken off the instances, which only repeat them (the highest value where a
+    release does not repeat them exactly: counters only grow). A parent with series of
+    its own (an exporter run with GPU entities too) keeps its own readings.
+    """
+    instances: dict[str, list[_Device]] = {}
+    for device in devices.values():
+        if device.gpu_instance_id is not None:
+            instances.setdefault(device.parent_uuid, []).append(device)
+    for parent_uuid, parts in instances.items():
+        parent = devices.get((parent_uuid, None))
+        if parent is None:
+            parent = devices[(parent_uuid, None)] = _Device(
+                parent_uuid=parent_uuid, gpu_instance_id=None, index=parts[0].index,
+                model=parts[0].model)
+        repeated: dict[str, Any] = {}
+        nvlink: int | None = None
+        for part in parts:
+            for name in DEVICE_WIDE & part.values.keys():
+                value = part.values.pop(name)
+                repeated[name] = max(repeated.get(name, value), value)
+            if part.nvlink_errors is not None:
+                nvlink = max(nvlink or 0, part.nvlink_errors)
+                part.nvlink_errors = None
+        parent.values = {**repeated, **parent.values}
+        if parent.nvlink_errors is None:
+            parent.nvlink_errors = nvlink
+
+
+def _apply(device: _Device, item: Series, pod: PodRef | None = None) -> None:
+    share = PER_POD_FIELDS.get(item.name)
+    if share is not None and pod is not None and VGPU_LABEL in item.labels:
+        bounded(share, float(item.value) if share == "util_pct" else int(item.value * MIB))
+        per_field = device.shares.setdefault((pod.namespace, pod.name), {})
+        per_field.setdefault(share, {})[item.labels[VGPU_LABEL]] = float(item.value)
+        return
     mapped = FIELDS.get(item.name)
     if mapped is not None:
         name, convert = mapped
@@ -384,6 +494,11 @@ class XidTracker:
     restart the fault may be new to the pipeline, and the consumers are
     idempotent, so a repeat costs less than a miss. Limitation: the same
     code raised twice in a row does not change the gauge and is seen once.
+
+    On a MIG-enabled GPU the gauge is read per GPU instance, but the event names
+    the parent GPU (the instance goes in its detail), as NVML's XID events do:
+    the XID rules judge physical GPUs, and a code every instance repeats is one
+    event, not one per instance.
     """
 
     def __init__(self) -> None:
@@ -392,6 +507,7 @@ class XidTracker:
     def events(self, series: Iterable[Series], ts: float, source: str,
                node: str | None = None) -> list[HwEvent]:
         found: list[HwEvent] = []
+        reported: set[tuple[str, str, int]] = set()
         for item in series:
             if item.name != XID_FIELD or not math.isfinite(item.value):
                 continue
@@ -400,17 +516,20 @@ class XidTracker:
             if ident is None or node_name is None:
                 continue
             parent, instance = ident
-            uuid = parent if instance is None else mig_device_uuid(parent, instance)
             code = int(item.value)
             if not 0 <= code <= INT64_MAX:
                 continue  # no XID code: node_samples counts the series it cannot read
-            previous = self._last.get((node_name, uuid))
-            self._last[(node_name, uuid)] = code
-            if code != 0 and code != previous:
-                found.append(HwEvent(
-                    ts=ts, node=node_name, kind="xid", uuid=uuid, xid=code,
-                    detail=item.labels.get("err_msg", ""), source=source,
-                ))
+            key = (node_name, parent if instance is None else mig_device_uuid(parent, instance))
+            previous = self._last.get(key)
+            self._last[key] = code
+            if code == 0 or code == previous or (node_name, parent, code) in reported:
+                continue
+            reported.add((node_name, parent, code))
+            detail = item.labels.get("err_msg", "")
+            if instance is not None:
+                detail = f"{detail} on GPU instance {instance}".strip()
+            found.append(HwEvent(ts=ts, node=node_name, kind="xid", uuid=parent, xid=code,
+                                 detail=detail, source=source))
         return found
 
 

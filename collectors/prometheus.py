@@ -52,7 +52,10 @@ def pod_resolver(series: Sequence[dcgm.Series], mode: PodLabels) -> dcgm.PodReso
     """How to read a series' pod for this query result.
 
     - ``exported``: only exported_* (and the old names);
-    - ``plain``: only what dcgm-exporter wrote (honorLabels: true);
+    - ``plain``: what dcgm-exporter wrote (honorLabels: true), unless the pod's
+      name says it is a dcgm-exporter: honorLabels keeps the exporter's labels
+      where it wrote them, but a series without them (a GPU no pod holds)
+      still gets the target's own ``pod``/``namespace``/``container``;
     - ``auto``: exported_* when present; else the plain labels, unless they
       name a scrape target's own pod: a pod seen as ``pod`` next to an
       ``exported_pod`` in the same result, or one whose name says it is a
@@ -62,7 +65,11 @@ def pod_resolver(series: Sequence[dcgm.Series], mode: PodLabels) -> dcgm.PodReso
     if mode == "exported":
         return lambda labels: dcgm.pod_of(labels, EXPORTED + OLD)
     if mode == "plain":
-        return lambda labels: dcgm.pod_of(labels, PLAIN + OLD)
+        def resolve_plain(labels: Mapping[str, str]) -> PodRef | None:
+            pod = dcgm.pod_of(labels, PLAIN + OLD)
+            return None if pod is None or _is_exporter(pod) else pod
+
+        return resolve_plain
     targets = {
         (labels.get("namespace"), labels.get("pod"))
         for labels in (item.labels for item in series)
@@ -74,11 +81,16 @@ def pod_resolver(series: Sequence[dcgm.Series], mode: PodLabels) -> dcgm.PodReso
         if pod is not None or "exported_pod" in labels:
             return pod
         pod = dcgm.pod_of(labels, PLAIN)
-        if pod is None or (pod.namespace, pod.name) in targets or "dcgm-exporter" in pod.name:
+        if pod is None or (pod.namespace, pod.name) in targets or _is_exporter(pod):
             return None
         return pod
 
     return resolve
+
+
+def _is_exporter(pod: PodRef) -> bool:
+    """A scrape target's own pod: dcgm-exporter's, by the name every install gives it."""
+    return "dcgm-exporter" in pod.name
 
 
 def _promql_regex_alternatives(values: Iterable[str]) -> str:

@@ -89,9 +89,11 @@ class DeviceHolder(msgspec.Struct, omit_defaults=True):
     """One pod's share of a device that several pods may use (time-slicing, MPS).
 
     Filled by the NVML collector from the processes running on the device,
-    each mapped to its pod through the host's ``/proc/<pid>/cgroup``; listed
-    without readings by sources that see the pods but cannot split the
-    device's readings between them (see ``DeviceSample.attribution``).
+    each mapped to its pod through the host's ``/proc/<pid>/cgroup``, and by
+    the dcgm and Prometheus sources from dcgm-exporter's per-pod series
+    (``--kubernetes-virtual-gpus``); listed without readings by sources that
+    see the pods but cannot split the device's readings between them (see
+    ``DeviceSample.attribution``).
     """
 
     pod: PodRef | None = None
@@ -113,8 +115,9 @@ class DeviceHolder(msgspec.Struct, omit_defaults=True):
 Attribution = Literal["device", "process", "shared"]
 """How the pods of a device were found: ``device``, one pod holds the whole device and the
 readings are its own; ``process``, the readings of each holder are its own processes'
-(NVML per-process); ``shared``, several pods hold the device and the source cannot split its
-readings between them (dcgm-exporter without per-process metrics, Prometheus)."""
+(NVML per-process, or dcgm-exporter's per-pod ``vgpu`` series); ``shared``, several pods
+hold the device and the source cannot split its readings between them (dcgm-exporter
+without per-pod series)."""
 
 
 class DeviceSample(msgspec.Struct, omit_defaults=True):

@@ -108,6 +108,8 @@ class FakeGpu:
     index: int
     uuid: str
     name: str
+    minor: int | None = None
+    """``/dev/nvidia<minor>``; None: the index (NVML's order and the minors usually agree)."""
     util_gpu: int = 0
     util_memory: int = 0
     mem_total: int = 80 << 30
@@ -327,6 +329,11 @@ class FakeNvml:
         gpu = self._check("nvmlDeviceGetName", handle)
         assert gpu is not None
         return f"{gpu.name} MIG {handle.mig.profile}" if handle.mig else gpu.name
+
+    def nvmlDeviceGetMinorNumber(self, handle: _Handle) -> int:
+        gpu = self._check("nvmlDeviceGetMinorNumber", handle)
+        assert gpu is not None
+        return gpu.index if gpu.minor is None else gpu.minor
 
     def nvmlDeviceGetMigMode(self, handle: _Handle) -> list[int]:
         gpu = self._check("nvmlDeviceGetMigMode", handle)

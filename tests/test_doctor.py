@@ -98,6 +98,9 @@ def test_doctor_passes_against_the_sandbox(
         settings, kubeconfig=str(kubeconfig), dcgm_url=full_exporter.url,
         kubelet_socket=kubelet_socket, policy=str(ROOT / "rules" / "policy.yaml")))
     assert failed(checks) == {}
+    dcgm_check = next(c for c in checks if c.name == "dcgm-exporter")
+    assert "gpu_recovery_action needs the NVML collector" in dcgm_check.detail, \
+        "no DCGM field feeds it: the check must not claim it is covered"
     assert [c.name for c in checks] == [
         "kafka", "kafka topics", "kubernetes", "rbac watcher", "rbac remediation",
         "dcgm-exporter", "kubelet socket", "policy"]

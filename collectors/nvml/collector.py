@@ -156,13 +156,17 @@ class NvmlCollector:
                 gi = device.gpu_instance_id
                 if gi is not None:
                     self.hw.mig_by_instance[(device.parent_uuid, gi)] = device.uuid
+                parent = by_uuid.get(device.parent_uuid)
                 self._attribute(device, owners.mig_holders(
                     device.uuid, parent_uuid=device.parent_uuid, parent_index=device.index,
-                    gpu_instance_id=gi), reading.processes.get(device.uuid))
+                    gpu_instance_id=gi, parent_minor=parent.minor if parent else None),
+                    reading.processes.get(device.uuid))
                 continue
             if self.hw.answers(device.uuid):
                 log.warning("GPU %s (%d) answers again", device.uuid, device.index)
-            self._attribute(device, owners.gpu_holders(device.uuid, device.index),
+            gpu = by_uuid.get(device.uuid)
+            self._attribute(device, owners.gpu_holders(device.uuid, device.index,
+                                                       gpu.minor if gpu else None),
                             reading.processes.get(device.uuid))
             events += self.hw.from_counters(device, now)
         sample = NodeSample(ts=now, node=self.node_name, source=SOURCE, devices=reading.devices)

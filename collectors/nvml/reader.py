@@ -74,6 +74,10 @@ class Gpu:
     handle: Any
     uuid: str
     model: str
+    minor: int = -1
+    """The minor number: ``/dev/nvidia<minor>``, GKE's ``nvidia<minor>`` device ids and
+    dcgm-exporter's ``device`` label. Not always the NVML index (which follows PCI bus
+    order); the index where the driver does not say."""
     gpm: bool | None = None
     """GPM support; None until asked."""
     process_samples_us: int = 0
@@ -161,8 +165,15 @@ class NvmlReader:
             except pynvml.NVMLError as e:
                 unreadable.append((index, e))
                 continue
-            self.gpus.append(Gpu(index=index, handle=handle, uuid=uuid, model=model))
+            self.gpus.append(Gpu(index=index, handle=handle, uuid=uuid, model=model,
+                                 minor=self._minor(handle, index)))
         return unreadable
+
+    def _minor(self, handle: Any, index: int) -> int:
+        try:
+            return int(self.nvml.nvmlDeviceGetMinorNumber(handle))
+        except pynvml.NVMLError:  # not supported here (or gone: reported by the first read)
+            return index
 
     def driver_version(self) -> str:
         try:

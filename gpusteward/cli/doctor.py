@@ -269,7 +269,8 @@ async def check_dcgm(url: str, timeout_s: float) -> Check:
                      "dcgm-exporter's counters file (deploy/components/dcgm-exporter/"
                      "dcgm-metrics.csv)")
     return Check("dcgm-exporter", True, f"all {len(dcgm.FIELD_FAMILIES)} field families "
-                 "present")
+                 f"present; {', '.join(dcgm.NVML_ONLY_RULES)} needs the NVML collector "
+                 "(no DCGM field carries it)")
 
 
 def check_kubelet_socket(path: str) -> Check:

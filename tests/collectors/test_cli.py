@@ -101,7 +101,7 @@ def test_dcgm_collector_process_publishes_and_serves_metrics(
     samples = [msgspec.json.decode(r.value or b"", type=NodeSample) for r in records]
     assert len(samples) >= 3
     assert {s.node for s in samples} == {"gpu-node-07"}
-    assert all(len(s.devices) == 3 for s in samples)
+    assert all(len(s.devices) == 4 for s in samples)  # 2 GPUs, 2 MIG instances
     assert [s.ts for s in samples] == sorted(s.ts for s in samples)
     hw = asyncio.run(kafka.read_all(settings, topics.HW_EVENTS.name(settings)))
     assert len(hw) == 1, "the XID of the page is reported once, not at every tick"

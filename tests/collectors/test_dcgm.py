@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Callable
+from typing import cast
 
 import aiohttp
 import pytest
@@ -40,7 +41,7 @@ def test_page_becomes_one_node_sample_with_gpu_and_mig_devices(exporter) -> None
     sample = samples[0]
     assert (sample.node, sample.source) == ("gpu-node-07", "dcgm")
     devices = by_uuid(sample)
-    assert list(devices) == [GPU0, f"MIG-{GPU1}/1", f"MIG-{GPU1}/2"]
+    assert list(devices) == [GPU0, GPU1, f"MIG-{GPU1}/1", f"MIG-{GPU1}/2"]
 
     gpu = devices[GPU0]
     assert (gpu.kind, gpu.index, gpu.model) == ("gpu", 0, "NVIDIA H100 80GB HBM3")
@@ -53,8 +54,18 @@ def test_page_becomes_one_node_sample_with_gpu_and_mig_devices(exporter) -> None
     assert gpu.remap_failure is False
     assert gpu.pod == TRAINER
 
+    # The MIG-enabled GPU has no series of its own: its device-wide readings, repeated on
+    # every instance, make a kind="gpu" parent, as the NVML reader emits one.
+    parent = devices[GPU1]
+    assert (parent.kind, parent.index, parent.model) == ("gpu", 1, "NVIDIA H100 80GB HBM3")
+    assert (parent.temp_c, parent.power_w, parent.sm_clock_mhz, parent.pcie_replay) == (
+        49.0, 287.915, 1755, 3)
+    assert parent.pod is None and parent.util_pct is None and parent.mem_used_bytes is None
+
     busy = devices[f"MIG-{GPU1}/1"]
     assert (busy.kind, busy.index, busy.parent_uuid) == ("mig", 1, GPU1)
+    assert (busy.temp_c, busy.power_w, busy.sm_clock_mhz, busy.pcie_replay) == (
+        None, None, None, None), "device-wide readings are the parent's only"
     assert (busy.mig_profile, busy.gpu_instance_id) == ("3g.40gb", 1)
     assert busy.util_pct is None, "GPU_UTIL is not a MIG measure"
     assert busy.engine_active_pct == pytest.approx(87.4512)
@@ -66,8 +77,9 @@ def test_page_becomes_one_node_sample_with_gpu_and_mig_devices(exporter) -> None
     assert idle.engine_active_pct == 0.0
     assert idle.pod is None
 
+    # NVML reports a MIG GPU's XIDs on the parent, the instance in the detail; so do we.
     assert [(e.kind, e.uuid, e.xid, e.detail) for e in events] == [
-        ("xid", f"MIG-{GPU1}/1", 31, "GPU memory page fault")]
+        ("xid", GPU1, 31, "GPU memory page fault on GPU instance 1")]
 
 
 def _old_spellings(page: str) -> str:
@@ -170,7 +182,7 @@ def test_truncated_page_is_refused_whole_and_counted(exporter, recorder, dcgm_pa
             await _run_until(source, recorder, metrics, lambda: bool(recorder.samples))
 
     asyncio.run(scenario())
-    assert len(recorder.samples[0].devices) == 3
+    assert len(recorder.samples[0].devices) == 4  # 2 GPUs (one MIG-enabled), 2 instances
 
 
 def test_unparseable_page_is_a_parse_error() -> None:
@@ -311,3 +323,131 @@ def test_a_time_sliced_gpu_with_several_pods_is_marked_shared() -> None:
     assert all(h.activity_pct is None for h in shared.holders)  # not split: not credited
     assert shared.pod == shared.holders[0].pod and shared.util_pct == 80
     assert (devices["GPU-one"].attribution, devices["GPU-one"].holders) == ("device", [])
+
+
+# -- MIG-enabled GPUs: one kind="gpu" parent per GPU, as the NVML reader emits -----------------
+
+def _set_all(page: str, metric: str, value: str, gpu: str | None = None) -> str:
+    """Every ``metric`` series of the page (of one GPU, by its ``gpu`` label) set to value."""
+    where = f'gpu="{gpu}"' if gpu is not None else ""
+    return re.sub(rf'^({metric}{{{where}[^}}]*}}) \S+$', rf"\g<1> {value}", page,
+                  flags=re.MULTILINE)
+
+
+def _offline_source() -> dcgm.DcgmSource:
+    """A source only asked to parse pages: it never opens its session."""
+    return dcgm.DcgmSource("http://x", None, session=cast(aiohttp.ClientSession, None))
+
+
+def _findings(page_at: Callable[[int], str], ticks: int) -> list[tuple[str, str, str]]:
+    from gpusteward.schema import Finding
+    from gpusteward.streams.node import NodeJoin, NodeState
+
+    source, join, state = _offline_source(), NodeJoin(), NodeState()
+    found: list[tuple[str, str, str]] = []
+    for tick in range(ticks):
+        sample, _ = source.parse(page_at(tick), 1_000_000.0 + 30 * tick)
+        found += [(out.kind, out.subject.device or "", out.state)
+                  for out in join.on_sample(state, sample) if isinstance(out, Finding)]
+    return found
+
+
+def test_a_hot_mig_enabled_gpu_opens_thermal_slowdown_once_on_its_parent(dcgm_page: str) -> None:
+    hot = _set_all(dcgm_page, "DCGM_FI_DEV_GPU_TEMP", "95", gpu="1")
+    found = _findings(lambda tick: hot, ticks=20)
+    assert ("thermal_slowdown", GPU1, "firing") in found
+    assert [f for f in found if f[0] == "thermal_slowdown"] == [
+        ("thermal_slowdown", GPU1, "firing")], "one episode, on the physical GPU"
+
+
+def test_growing_pcie_replays_on_a_mig_enabled_gpu_are_found(dcgm_page: str) -> None:
+    found = _findings(lambda tick: _set_all(dcgm_page, "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
+                                            str(50 * tick), gpu="1"), ticks=20)
+    assert ("pcie_replay", GPU1, "firing") in found
+
+
+def test_a_device_wide_dbe_counter_opens_one_ecc_episode_not_one_per_instance(
+        dcgm_page: str) -> None:
+    mig_line = next(line for line in dcgm_page.splitlines()
+                    if line.startswith("DCGM_FI_DEV_GPU_TEMP") and 'GPU_I_ID="1"' in line)
+    labels = mig_line.split("{", 1)[1].rsplit("}", 1)[0]
+    other = labels.split(",container=")[0].replace('GPU_I_ID="1"', 'GPU_I_ID="2"')
+    page = dcgm_page + "".join(f"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{{{instance}}} 2\n"
+                               for instance in (labels, other))
+    sample = dcgm.node_samples(dcgm.parse_page(page), 0.0, "dcgm", node="n")["n"]
+    devices = by_uuid(sample)
+    assert devices[GPU1].ecc_dbe_volatile == 2
+    assert devices[f"MIG-{GPU1}/1"].ecc_dbe_volatile is None
+    assert devices[f"MIG-{GPU1}/2"].ecc_dbe_volatile is None
+    assert [f for f in _findings(lambda tick: page, ticks=2) if f[0] == "ecc_dbe"] == [
+        ("ecc_dbe", GPU1, "firing")]
+
+
+def test_gpus_are_counted_before_the_node_inventory_arrives(dcgm_page: str) -> None:
+    from gpusteward.schema import NodeSummary
+    from gpusteward.streams.node import NodeJoin, NodeState
+
+    sample, _ = _offline_source().parse(dcgm_page, 1e6)
+    state = NodeState()
+    summaries = [o for o in NodeJoin().on_sample(state, sample) if isinstance(o, NodeSummary)]
+    assert state.gpu_count == 2
+    assert [s.gpus_total for s in summaries] == [2]
+
+
+def test_an_xid_every_instance_repeats_is_one_event_on_the_parent(dcgm_page: str) -> None:
+    fallen = re.sub(r'^(DCGM_FI_DEV_XID_ERRORS{gpu="1"[^}]*err_code=")\d+(",err_msg=")[^"]*'
+                    r'("[^}]*}) \d+$', r"\g<1>79\g<2>GPU has fallen off the bus\g<3> 79",
+                    dcgm_page, flags=re.MULTILINE)
+    assert fallen.count("} 79\n") == 2
+    events = dcgm.XidTracker().events(dcgm.parse_page(fallen), 1.0, "dcgm", node="n")
+    assert [(e.uuid, e.xid) for e in events] == [(GPU1, 79)]
+
+
+# -- shared GPUs with --kubernetes-virtual-gpus: each pod's own share -----------------------------
+
+VGPU_LABELS = ('gpu="0",UUID="GPU-1",pci_bus_id="00000000:18:00.0",device="nvidia0",'
+               'modelName="NVIDIA H100 80GB HBM3",Hostname="n1"')
+
+
+def _vgpu_page(busy_util: float = 95, idle_util: float = 0) -> str:
+    return "".join(
+        f'{metric}{{{VGPU_LABELS},container="c",namespace="nb",pod="{pod}",vgpu="{n}"}} '
+        f"{value}\n"
+        for metric, values in (("DCGM_FI_DEV_GPU_UTIL", (busy_util, idle_util)),
+                               ("DCGM_FI_DEV_FB_USED", (60000, 1000)),
+                               ("DCGM_FI_DEV_FB_FREE", (20000, 20000)),
+                               ("DCGM_FI_DEV_FB_RESERVED", (500, 500)),
+                               ("DCGM_FI_DEV_GPU_TEMP", (60, 60)))
+        for n, (pod, value) in enumerate(zip(("busy", "idle"), values, strict=True)))
+
+
+def test_virtual_gpu_series_give_each_pod_its_own_activity_and_memory() -> None:
+    (device,) = dcgm.node_samples(dcgm.parse_page(_vgpu_page()), 0.0, "dcgm")["n1"].devices
+    assert device.attribution == "process"
+    assert [(h.pod.name if h.pod else None, h.activity_pct, h.mem_used_bytes)
+            for h in device.holders] == [("busy", 95.0, 60000 * MIB), ("idle", 0.0, 1000 * MIB)]
+    assert device.util_pct == 95.0, "the device: its busiest share"
+    assert device.mem_used_bytes == 61000 * MIB, "the device: every share's memory"
+    assert device.mem_total_bytes == (61000 + 20000 + 500) * MIB
+    assert device.temp_c == 60.0
+
+
+def test_a_busy_pod_sharing_a_gpu_is_not_reported_idle() -> None:
+    from gpusteward.schema import Finding, PodAllocation
+    from gpusteward.streams.node import NodeJoin, NodeState
+
+    start = 1_000_000.0
+    join, state = NodeJoin(), NodeState()
+    for name in ("busy", "idle"):
+        join.on_allocation(state, PodAllocation(
+            ts=start, node="n1", pod=PodRef(namespace="nb", name=name, uid=f"u-{name}"),
+            phase="running", gpus=1, device_ids=["GPU-1"], started_at=start - 3600,
+            workload_kind="notebook", owner_kind="Notebook", owner_name=name, queue="q"))
+    source = _offline_source()
+    found = []
+    for tick in range(80):
+        sample, _ = source.parse(_vgpu_page(), start + 30 * tick)
+        found += [(f.kind, f.subject.pod.name if f.subject.pod else None)
+                  for f in join.on_sample(state, sample) if isinstance(f, Finding)]
+    assert ("idle_holder", "idle") in found
+    assert ("idle_holder", "busy") not in found

@@ -103,14 +103,15 @@ def test_samples_from_a_real_prometheus_with_exported_labels(prometheus: str) ->
     assert sample.source == "prometheus"
     assert abs(sample.ts - time.time()) < 60
     devices = {d.uuid: d for d in sample.devices}
-    assert list(devices) == [GPU0, f"MIG-{GPU1}/1", f"MIG-{GPU1}/2"]
+    assert list(devices) == [GPU0, GPU1, f"MIG-{GPU1}/1", f"MIG-{GPU1}/2"]
     assert devices[GPU0].util_pct == 97.0
+    assert (devices[GPU1].kind, devices[GPU1].temp_c) == ("gpu", 49.0), "the MIG GPU's parent"
+    assert devices[f"MIG-{GPU1}/1"].temp_c is None
     assert devices[GPU0].pod == TRAINER
     assert devices[f"MIG-{GPU1}/1"].pod == VLLM
     assert devices[f"MIG-{GPU1}/1"].engine_active_pct == pytest.approx(87.4512)
     assert devices[f"MIG-{GPU1}/2"].pod is None, "the exporter's own pod holds no GPU"
-    assert [(e.node, e.uuid, e.xid) for e in events] == [
-        ("gpu-node-07", f"MIG-{GPU1}/1", 31)]
+    assert [(e.node, e.uuid, e.xid) for e in events] == [("gpu-node-07", GPU1, 31)]
 
     only_this = asyncio.run(PrometheusSource(prometheus, nodes=["gpu-node-07"]).collect())[0]
     assert [s.node for s in only_this] == ["gpu-node-07"]
@@ -119,7 +120,7 @@ def test_samples_from_a_real_prometheus_with_exported_labels(prometheus: str) ->
     assert raised.value.reason == "empty"
 
     exported = asyncio.run(PrometheusSource(prometheus, pod_labels="exported").collect())[0][0]
-    assert [d.pod for d in exported.devices] == [TRAINER, VLLM, None]
+    assert [d.pod for d in exported.devices] == [TRAINER, None, VLLM, None]
 
 
 def test_unreachable_prometheus_is_a_source_error() -> None:
@@ -138,7 +139,9 @@ def test_auto_pod_labels_never_attribute_the_exporter_pod() -> None:
     # A node whose GPUs are all idle: no exported_* anywhere, only the target's labels.
     idle = [_series(**EXPORTER_POD)]
     assert pod_resolver(idle, "auto")(idle[0].labels) is None
-    assert pod_resolver(idle, "plain")(idle[0].labels) is not None, "plain trusts the labels"
+    # honorLabels: true still attaches the target's own pod labels to a series that has
+    # none (an unallocated GPU): plain mode must not credit the GPU to the exporter either.
+    assert pod_resolver(idle, "plain")(idle[0].labels) is None
 
     # The target's pod, learnt from a series that also has exported_*, is never a holder.
     busy = _series(**EXPORTER_POD, exported_pod="p", exported_namespace="ns")
@@ -205,3 +208,33 @@ def test_a_result_item_that_is_no_sample_is_skipped_not_the_tick() -> None:
     series, evaluated_at = series_of(result, refusals)
     assert [s.name for s in series] == ["DCGM_FI_DEV_GPU_TEMP"] and evaluated_at == 10.0
     assert refusals.count == 3
+
+
+def _honoured(page: str) -> list[dcgm.Series]:
+    """The page as Prometheus keeps it with ``honorLabels: true``: the exporter's own pod
+    labels stay; a series without them gets the target's (the exporter pod's)."""
+    return [dcgm.Series(s.name, {**EXPORTER_POD, **s.labels}, s.value)
+            for s in dcgm.parse_page(page)]
+
+
+def test_plain_pod_labels_never_credit_an_idle_gpu_to_the_exporter_pod(dcgm_page: str) -> None:
+    series = _honoured(dcgm_page)
+    idle = next(s for s in series if s.labels.get("GPU_I_ID") == "2")
+    assert idle.labels["pod"] == EXPORTER_POD["pod"], "the target's pod, on an unheld GPU"
+
+    source = PrometheusSource("http://prometheus.invalid", pod_labels="plain",
+                              client=_AnsweringPrometheus(series))
+    (sample,), _ = asyncio.run(source.collect())
+    pods = {d.uuid: d.pod for d in sample.devices}
+    assert pods == {GPU0: TRAINER, GPU1: None, f"MIG-{GPU1}/1": VLLM, f"MIG-{GPU1}/2": None}
+
+
+def test_a_mig_enabled_gpu_behind_prometheus_gets_its_parent(dcgm_page: str) -> None:
+    hot = re.sub(r'^(DCGM_FI_DEV_GPU_TEMP{gpu="1"[^}]*}) \S+$', r"\g<1> 95", dcgm_page,
+                 flags=re.MULTILINE)
+    source = PrometheusSource("http://prometheus.invalid",
+                              client=_AnsweringPrometheus(dcgm.parse_page(hot)))
+    (sample,), _ = asyncio.run(source.collect())
+    devices = {d.uuid: d for d in sample.devices}
+    assert (devices[GPU1].kind, devices[GPU1].temp_c) == ("gpu", 95.0)
+    assert [d.temp_c for d in sample.devices if d.kind == "mig"] == [None, None]

@@ -72,6 +72,30 @@ def _pods(device: DeviceSample) -> list[tuple[str, str]]:
     return [(pod.namespace, pod.name) for pod in pods]
 
 
+DEVICE_WIDE = ("temp_c", "power_w", "sm_clock_mhz", "clock_event_reasons", "ecc_sbe_volatile",
+               "ecc_dbe_volatile", "pcie_replay", "nvlink_errors", "remap_failure",
+               "remap_pending")
+
+
+def _expected_devices(devices: list[DeviceSample]) -> list[dict[str, object]]:
+    """The simulator's devices as the collector reads them back: a MIG-enabled GPU, which
+    the page shows only per GPU instance, is one ``kind="gpu"`` parent holding the
+    device-wide readings its instances repeat (the NVML reader's shape)."""
+    expected: list[dict[str, object]] = []
+    parents = {d.uuid for d in devices if d.kind == "gpu"}
+    for device in devices:
+        row = _expected(device)
+        if device.kind == "mig" and device.parent_uuid:
+            if device.parent_uuid not in parents:
+                parents.add(device.parent_uuid)
+                expected.append({name: None for name in row} | {
+                    "uuid": device.parent_uuid, "index": device.index, "model": device.model,
+                    "kind": "gpu", "pods": [], **{name: row[name] for name in DEVICE_WIDE}})
+            row.update(dict.fromkeys(DEVICE_WIDE))
+        expected.append(row)
+    return expected
+
+
 def _read(device: DeviceSample) -> dict[str, object]:
     values = {name: getattr(device, name) for name in _expected(device) if name != "pods"}
     values["pod"] = None if device.pod is None else (device.pod.namespace, device.pod.name)
@@ -102,7 +126,7 @@ async def _collect_through_pages(name: str, check_every: int
                 samples, events = await source.collect()
                 assert samples[0].node == node
                 read = [_read(d) for d in samples[0].devices]
-                assert read == [_expected(d) for d in feed.latest[node].devices], (node, tick)
+                assert read == _expected_devices(feed.latest[node].devices), (node, tick)
                 xids += [e.xid or 0 for e in events]
                 checked += len(read)
                 shared += sum(len(r["pods"]) > 1 for r in read)  # type: ignore[arg-type]

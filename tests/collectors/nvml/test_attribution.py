@@ -151,3 +151,43 @@ def test_a_shared_gpu_goes_to_the_first_pod_in_a_stable_order():
     ])
     assert owners_from_response(answer).gpu(WHOLE, 0) == PodRef(
         namespace="a", name="first", container="c")
+
+
+def test_nvidia_n_device_ids_name_the_gpu_by_its_minor_number(socket_path, fake_nvml, publisher):
+    # /dev/nvidiaN (GKE's nvidiaN ids, dcgm-exporter's device label) is the minor number,
+    # which need not follow NVML's enumeration order: here the two are swapped.
+    fake = fake_nvml("mixed-node")
+    fake.gpus[0].minor, fake.gpus[1].minor = 1, 0
+    kubelet = Kubelet(api_pb2.ListPodResourcesResponse(pod_resources=[
+        kubelet_pod("ml", "train-0", container("trainer", "nvidia.com/gpu", "nvidia1")),
+        kubelet_pod("serving", "llm-1", container("server", "nvidia.com/gpu", "nvidia0/gi1")),
+    ]))
+
+    async def scenario():
+        server = await serve_kubelet(kubelet, socket_path)
+        collector = NvmlCollector(fake, "node-a", publisher,
+                                  pod_resources=PodResourcesClient(str(socket_path), timeout_s=2))
+        collector.open()
+        try:
+            return await collector.tick()
+        finally:
+            collector.close()
+            assert collector.pod_resources is not None
+            await collector.pod_resources.close()
+            await server.stop(None)
+
+    pods = {d.uuid: d.pod for d in asyncio.run(scenario()).devices}
+    assert pods[WHOLE] == PodRef(namespace="ml", name="train-0", container="trainer")
+    assert pods[MIG_PARENT] is None
+    assert pods[MIG_1] == PodRef(namespace="serving", name="llm-1", container="server")
+
+
+def test_a_bare_index_device_id_is_the_nvml_index_not_the_minor():
+    # The NVIDIA device plugin's "index" id strategy names GPUs by NVML index.
+    owners = owners_from_response(api_pb2.ListPodResourcesResponse(pod_resources=[
+        kubelet_pod("ml", "by-index", container("c", "nvidia.com/gpu", "0")),
+        kubelet_pod("ml", "by-node", container("c", "nvidia.com/gpu", "nvidia3")),
+    ]))
+    assert [p.name for p in owners.gpu_holders(WHOLE, 0, minor=5)] == ["by-index"]
+    assert [p.name for p in owners.gpu_holders(MIG_PARENT, 1, minor=3)] == ["by-node"]
+    assert owners.gpu_holders(MIG_PARENT, 3, minor=1) == []
