@@ -13,6 +13,13 @@ every consumer's bad records do, and the consumer goes on with the next; the
 refusal is counted and logged once per kind of fault. Offsets are committed
 only once the batch's dead letters are on the broker: a dead letter the broker
 never took fails the batch uncommitted, and it is read again (at least once).
+
+``gpusteward_findings_open`` is rebuilt on start: the consumer resumes from its
+committed offsets, so before it consumes it reads the whole findings topic
+with a group-less reader (:func:`gpusteward.kafka.read_all`, as the executor
+rebuilds its breaker) and folds it into the gauge, latest event time per id as
+``gpusteward status`` folds. Nothing is delivered from that read: the records
+after the committed offsets are delivered when the consumer reaches them.
 """
 
 from __future__ import annotations
@@ -97,6 +104,7 @@ class FindingsConsumer:
         records_in = self.metrics.records_in.labels(topic)
         processing = self.metrics.processing.labels("alerting")
         deliveries = kafka.Deliveries(producer)
+        await self.rebuild_open(topic)
         await producer.start()
         await consumer.start()
         try:
@@ -127,6 +135,28 @@ class FindingsConsumer:
             for sink in self.sinks:
                 if isinstance(sink, RefreshingSink):
                     await sink.close()
+
+    async def rebuild_open(self, topic: str) -> int:
+        """Fold every finding on ``topic`` into the open-findings gauge; how many records.
+
+        A record that is no finding is skipped here (the consumer dead-letters it when it
+        reaches it). A topic that cannot be read to its end leaves the gauge as far as it
+        got, with a warning: alerting matters more than the gauge.
+        """
+        decode = msgspec.json.Decoder(Finding).decode
+        try:
+            records = await kafka.read_all(self.settings, topic)
+        except TimeoutError as error:
+            log.warning("open findings not rebuilt, the gauge counts from now on: %s", error)
+            return 0
+        for record in records:
+            try:
+                finding = decode(record.value or b"")
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            self._open.observe(finding.id, finding.kind, finding.severity, finding.state,
+                               finding.ts)
+        return len(records)
 
     async def _handle(self, producer: kafka.Sender, raw: bytes | None,
                       record_key: bytes | None = None, *, topic: str | None = None,

@@ -6,25 +6,48 @@ like and a process serves only its own series on ``/metrics``. The Kubernetes
 watcher publishes through the same publisher, so its :class:`WatcherMetrics`
 is the collector set (delivery, buffer, failures) plus its own families, on
 one registry.
+
+The registry also carries the process's own ``process_*`` series (resident
+memory, CPU seconds, open files: prometheus-client's ``ProcessCollector``),
+which the fleet dashboard draws for the collectors. The acknowledged-records
+counter of each topic the process publishes to exists at 0 from the start,
+so that a collector that never delivers has a series that says so
+(``GpustewardCollectorSilent``) and ``rate()`` counts its first deliveries.
 """
 
 from __future__ import annotations
 
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
+
+from gpusteward import topics
 
 
 class CollectorMetrics:
     """The counters and gauges of one collector process."""
 
+    PUBLISHES: tuple[topics.TopicSpec, ...] = (topics.SAMPLES,)
+    """The topics whose acknowledged-records series starts at 0 (a collector sends hardware
+    events too, but only when there are some)."""
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)
         self.records_sent = Counter(
             "gpusteward_collect_records_sent_total",
-            "Records the broker acknowledged, by topic.",
+            "Records the broker acknowledged, by topic (without the topic prefix).",
             ["topic"], registry=self.registry,
         )
+        for spec in self.PUBLISHES:
+            self.records_sent.labels(spec.suffix)
         self.records_buffered = Counter(
             "gpusteward_collect_records_buffered_total",
             "Records held back because a delivery attempt failed (counted once each).",
@@ -108,6 +131,8 @@ class WatcherMetrics(CollectorMetrics):
     ``resource`` is a reflector's name: nodes, pods, localqueues, workloads, or a gang
     resource's ``plural.group``; a resource not served (no CRD) has no series.
     """
+
+    PUBLISHES = (topics.ALLOCATIONS, topics.QUEUE)
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         super().__init__(registry)

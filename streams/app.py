@@ -20,7 +20,14 @@ and idempotency keys; consumers deduplicate on them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    Sequence,
+)
 from functools import partial
 from typing import Any, cast
 
@@ -270,10 +277,32 @@ class WorkerApp(faust.App):
     It also keeps the worker's :class:`Health`: ready once a rebalance has
     ended (partitions assigned, tables recovered, streams resumed), not ready
     while one is under way, and live while its loop beats and its topics exist.
+
+    Faust starts ``@app.task`` and ``@app.timer`` only once the first table
+    recovery has completed (``App.on_started``), which replaying a long
+    changelog can take minutes; a heartbeat there would fail liveness for all
+    that time and the kubelet would restart the worker into the same replay.
+    What must run from the start (the heartbeat, the ``/metrics`` server, the
+    topic watch) is registered with :meth:`early_task` instead.
     """
 
     gpusteward_settings: Settings
     health: Health
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._early_tasks: list[Callable[[], Awaitable[None]]] = []
+
+    def early_task(self, task: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+        """Run ``task`` on the app's loop from the app's start, table recovery included
+        (a decorator, like ``@app.task``); it is cancelled when the app stops."""
+        self._early_tasks.append(task)
+        return task
+
+    async def on_start(self) -> None:
+        await super().on_start()
+        for task in self._early_tasks:
+            self.add_future(task())
 
     def _new_transport(self) -> Any:
         transport = _transport_for(self.gpusteward_settings)
@@ -538,18 +567,20 @@ def _node(record: NodeSample | HwEvent) -> str:
 def _watch_health(app: WorkerApp, settings: Settings) -> None:
     """Beat while the loop turns; stop the worker, non-zero, when its topics disappear.
 
-    Faust retries UnknownTopicOrPartition forever (a broker restarted empty);
+    Both run from the app's start, through the table recovery
+    (:meth:`WorkerApp.early_task`): live means the process's loop turns, whatever it is
+    busy with. Faust retries UnknownTopicOrPartition forever (a broker restarted empty);
     crashing the app makes ``gpusteward worker`` exit with an error, and its
     supervisor's restart creates the topics and the group again.
     """
     inputs = [spec.name(settings) for spec in (topics.SAMPLES, topics.HW_EVENTS,
                                                 topics.ALLOCATIONS)]
 
-    @app.timer(1.0, on_leader=False)
+    @app.early_task
     async def beat() -> None:
-        app.health.beat()
+        await health.heartbeat(app.health)
 
-    @app.task
+    @app.early_task
     async def watch_topics() -> None:
         reason = await health.watch_topics(app.health, inputs,
                                            lambda: kafka.list_topics(settings))

@@ -5,8 +5,8 @@ the app's signals here so the agents only count (``outputs.py`` counts what
 goes out, the node join what comes in). The lag is the worker group's
 committed offsets against the partition ends, read every ``LAG_INTERVAL_S``
 with an admin request, the figure an operator compares with Kafka's own
-tools; the ``/metrics`` server starts with the app when
-``settings.metrics.port`` is set.
+tools; the ``/metrics`` server starts with the app, before its tables
+recover, when ``settings.metrics.port`` is set.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def worker_metrics(app: Any, settings: Settings) -> PipelineMetrics:
     names = [spec.name(settings) for spec in CONSUMED]
     server: list[MetricsServer] = []
 
-    @app.task
+    # From the app's start, not after its table recovery (WorkerApp.early_task): a worker
+    # replaying a long changelog is when its metrics are most wanted.
+    @app.early_task
     async def serve_metrics() -> None:
         server.append(serve(metrics.registry, settings.metrics.port, settings.metrics.addr))
 

@@ -9,6 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpusteward.collectors.metrics import CollectorMetrics, WatcherMetrics
 from gpusteward.metrics import OpenFindings, PipelineMetrics, metric_names, observe_many, serve
 
 
@@ -97,3 +98,17 @@ def test_observe_many_records_what_as_many_observations_record(value: float):
     assert expected[("gpusteward_processing_seconds_count", "")] == 7
     assert samples(at_once) == pytest.approx(expected)
 
+
+
+def test_a_collector_exports_its_process_and_a_zero_before_its_first_delivery():
+    """The fleet dashboard reads the collectors' resident memory, and
+    GpustewardCollectorSilent a collector's acknowledged samples: both exist from the
+    start, before anything was delivered (the watcher's for the topics it publishes)."""
+    collector = CollectorMetrics().registry
+    assert (collector.get_sample_value("process_resident_memory_bytes", {}) or 0) > 0
+    sent = "gpusteward_collect_records_sent_total"
+    assert collector.get_sample_value(sent, {"topic": "samples.v1"}) == 0
+    watcher = WatcherMetrics().registry
+    assert (watcher.get_sample_value("process_resident_memory_bytes", {}) or 0) > 0
+    assert watcher.get_sample_value(sent, {"topic": "allocations.v1"}) == 0
+    assert watcher.get_sample_value(sent, {"topic": "samples.v1"}) is None

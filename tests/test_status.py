@@ -17,6 +17,7 @@ from gpusteward.schema import (
     QueueEvent,
     Subject,
 )
+from gpusteward.settings import Settings
 from gpusteward.status import (
     BREAKER_RESET_PREFIX,
     BREAKER_TRIP_PREFIX,
@@ -210,3 +211,16 @@ def test_the_rich_view_shows_pools_findings_actions_breaker_and_lag():
     text = console.export_text()
     for expected in ("H100", "n1/GPU-1", "xid", "pending", "breaker: OPEN", "42", "vision"):
         assert expected in text, expected
+
+
+def test_the_lag_lists_every_sink_group_under_the_topic_prefix():
+    """The sinks' groups are named after the topic prefix (reports/sink.py); the status once
+    asked for fixed gpusteward-...-sink names and left the results sink out."""
+    from gpusteward.cli.status import consumer_groups
+
+    groups = consumer_groups(Settings(topic_prefix="acme"))
+    assert {group: [spec.suffix for spec in specs] for group, specs in groups.items()
+            if group.endswith("-sink")} == {
+        "acme-rollup-sink": ["rollups.v1"], "acme-queue-sink": ["queue.v1"],
+        "acme-findings-sink": ["findings.v1"], "acme-results-sink": ["action-results.v1"]}
+    assert all(group.startswith("acme-") for group in groups)

@@ -41,6 +41,20 @@ QUIET_MS = 300
 """A read is complete when no record arrived for this long (as :func:`kafka.read_all`)."""
 
 
+def sink_groups(settings: Settings) -> dict[str, list[topics.TopicSpec]]:
+    """Each sink's consumer group and topic, taken from the sinks ``gpusteward sink`` runs
+    (``reports/sink.py``'s factories), so the two never disagree."""
+    from gpusteward.reports import sink as sinks
+    from gpusteward.reports.settings import ReportSettings
+
+    # The defaults, not the environment: the groups do not depend on the report settings,
+    # and a bad GPUSTEWARD_REPORT__ variable is the sink's business, not the status's.
+    report = ReportSettings.model_construct()
+    built = [make(settings, report) for make in (sinks.rollup_sink, sinks.queue_sink,
+                                                 sinks.findings_sink, sinks.results_sink)]
+    return {sink.group_id: [sink.spec] for sink in built}
+
+
 def consumer_groups(settings: Settings) -> dict[str, list[topics.TopicSpec]]:
     """The pipeline's consumer groups and the topics each reads (their defaults)."""
     prefix = settings.topic_prefix
@@ -49,9 +63,7 @@ def consumer_groups(settings: Settings) -> dict[str, list[topics.TopicSpec]]:
                              topics.NODE_SUMMARIES, topics.QUEUE],
         f"{prefix}-alerts": [topics.FINDINGS],
         f"{prefix}-remediation": [topics.ACTIONS],
-        "gpusteward-rollup-sink": [topics.ROLLUPS],
-        "gpusteward-queue-sink": [topics.QUEUE],
-        "gpusteward-findings-sink": [topics.FINDINGS],
+        **sink_groups(settings),
     }
 
 

@@ -142,6 +142,70 @@ UNIT_TESTS: list[dict[str, Any]] = [
                                    "down, restarting, or its port is blocked."}}]},
         ],
     },
+    {
+        # The first burst of a (topic, reason) in a process: its series is created at 40,
+        # and increase() alone saw nothing in a series that begins inside its window.
+        "interval": "30s",
+        "input_series": [
+            {"series": f'gpusteward_dead_letters_total{{{LABELS}, topic="f", '
+                       'reason="ValidationError"}', "values": "_x10 40x40"},
+        ],
+        "alert_rule_test": [
+            {"eval_time": "4m", "alertname": "GpustewardDeadLetters", "exp_alerts": []},
+            {"eval_time": "10m", "alertname": "GpustewardDeadLetters", "exp_alerts": [{
+                "exp_labels": {"severity": "warning", "namespace": "gpusteward", "topic": "f",
+                               "reason": "ValidationError"},
+                "exp_annotations": _described(
+                    "GpustewardDeadLetters",
+                    "records from f were dead-lettered (ValidationError)")}]},
+            # Nothing new for 15 minutes after the burst: quiet again.
+            {"eval_time": "21m", "alertname": "GpustewardDeadLetters", "exp_alerts": []},
+        ],
+    },
+    {
+        # Collectors up for an hour that never delivered: one whose samples series sits
+        # at its initial 0 (collectors/metrics.py creates it), one with no series at all;
+        # a third delivering all along is not silent.
+        "interval": "1m",
+        "input_series": [
+            {"series": 'up{namespace="gpusteward", pod="c-0", container="collector"}',
+             "values": "1x60"},
+            {"series": 'gpusteward_collect_records_sent_total{namespace="gpusteward", '
+                       'pod="c-0", topic="samples.v1"}', "values": "0x60"},
+            {"series": 'up{namespace="gpusteward", pod="c-2", container="collector"}',
+             "values": "1x60"},
+            {"series": 'up{namespace="gpusteward", pod="c-3", container="collector"}',
+             "values": "1x60"},
+            {"series": 'gpusteward_collect_records_sent_total{namespace="gpusteward", '
+                       'pod="c-3", topic="samples.v1"}', "values": "0+10x60"},
+        ],
+        "alert_rule_test": [
+            {"eval_time": "60m", "alertname": "GpustewardCollectorSilent", "exp_alerts": [
+                {"exp_labels": {"severity": "warning", "namespace": "gpusteward", "pod": pod},
+                 "exp_annotations": _described(
+                     "GpustewardCollectorSilent",
+                     f"collector {pod} has published nothing for 10 minutes")}
+                for pod in ("c-0", "c-2")]},
+        ],
+    },
+    {
+        # A sink down (container "sink", deploy/base/sinks.yaml) for half an hour.
+        "interval": "1m",
+        "input_series": [
+            {"series": 'up{namespace="gpusteward", pod="gpusteward-rollup-sink-x", '
+                       'container="sink"}', "values": "0x30"},
+        ],
+        "alert_rule_test": [
+            {"eval_time": "30m", "alertname": "GpustewardProcessDown", "exp_alerts": [{
+                "exp_labels": {"severity": "critical", "namespace": "gpusteward",
+                               "pod": "gpusteward-rollup-sink-x", "container": "sink"},
+                "exp_annotations": {
+                    "summary": "sink in gpusteward cannot be scraped",
+                    "description": "gpusteward-rollup-sink-x has not answered on /metrics for "
+                                   "5 minutes: it is down, restarting, or its port is "
+                                   "blocked."}}]},
+        ],
+    },
 ]
 
 
@@ -198,3 +262,26 @@ def test_every_rule_names_series_some_process_exports():
         for rule in group["rules"]:
             named = set(re.findall(r"\bgpusteward_\w+", rule["expr"]))
             assert named <= exported, (rule["alert"], named - exported)
+
+
+def test_every_scraped_process_is_watched_for_being_down(render):
+    """Each long-running container that serves /metrics (GPUSTEWARD_METRICS__PORT) is in
+    GpustewardProcessDown's regex and in the pipeline dashboard's "Processes up"."""
+    import json
+
+    served = set()
+    for workload in render("production").workloads():
+        if workload["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        for container in workload["spec"]["template"]["spec"]["containers"]:
+            if any(e["name"] == "GPUSTEWARD_METRICS__PORT" for e in container.get("env", [])):
+                served.add(container["name"])
+    assert {"worker", "alerts", "remediation", "watcher", "sink"} <= served
+    rules = {rule["alert"]: rule for group in yaml.safe_load(RULE.read_text())["spec"]["groups"]
+             for rule in group["rules"]}
+    down = re.search(r'container=~"([^"]+)"', rules["GpustewardProcessDown"]["expr"])
+    assert down is not None and served <= set(down[1].split("|"))
+    pipeline = json.loads((REPO / "deploy/base/dashboards/gpusteward-pipeline.json").read_text())
+    panel = next(p for p in pipeline["panels"] if p.get("title") == "Processes up")
+    up = re.search(r'container=~\\"([^"\\]+)\\"', json.dumps(panel["targets"]))
+    assert up is not None and served <= set(up[1].split("|")), up

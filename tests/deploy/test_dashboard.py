@@ -118,6 +118,25 @@ def test_every_query_names_a_series_some_process_exports(dashboard):
         assert ours or EXTERNAL.search(expr), f"{title}: names no known series: {expr}"
 
 
+PROCESS = re.compile(r"\bprocess_\w+")
+
+
+def test_process_series_are_exported_by_the_process_they_are_read_from(dashboard):
+    """prometheus-client's ``process_*`` series exist only where a registry carries a
+    ProcessCollector: the collectors' does, the pipeline processes' does not."""
+    registries = {"collector": CollectorMetrics().registry,
+                  "watcher": WatcherMetrics().registry}
+    for title, expr in queries(dashboard):
+        named = set(PROCESS.findall(expr))
+        if not named:
+            continue
+        container = re.search(r'container="(\w+)"', expr)
+        assert container is not None, f"{title}: process_* of no one container: {expr}"
+        registry = registries.get(container[1], PipelineMetrics().registry)
+        exported = metric_names([registry])
+        assert named <= exported, f"{title}: {container[1]} exports no {named - exported}"
+
+
 def test_the_name_check_catches_a_misspelt_series():
     exported = metric_names([PipelineMetrics().registry])
     assert "gpusteward_records_in_total" in exported

@@ -275,6 +275,19 @@ def test_long_running_consumers_are_probed_on_their_health_port(render):
     assert instance["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
 
 
+def test_the_worker_has_minutes_to_start_before_liveness_counts(render):
+    """A startup probe on /livez holds the liveness probe off until the process answers
+    (imports, topic creation, the broker); the table recovery after it beats, so the
+    budget need not cover a changelog replay (tests/streams/test_recovery_liveness.py)."""
+    from gpusteward.health import LIVE_PATH
+
+    worker = pod_spec(render("production").component("worker"))["containers"][0]
+    startup = worker["startupProbe"]
+    assert startup["httpGet"] == worker["livenessProbe"]["httpGet"]
+    assert startup["httpGet"]["path"] == LIVE_PATH
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+
+
 def test_report_cronjob_writes_to_a_volume(render):
     report = render("production").component("report")
     assert report["kind"] == "CronJob"
