@@ -6,6 +6,7 @@ No broker, no API: :meth:`Executor.verdict` and :class:`CircuitBreaker` do no I/
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 
@@ -24,7 +25,7 @@ from gpusteward.settings import Settings
 def act(verb: ActionVerb = "cordon", *, node: str | None = "gpu-1", pod: PodRef | None = None,
         rule: str = "ecc_dbe", dry_run: bool = False, key: str = "f1/cordon") -> Action:
     return Action(idempotency_key=key, verb=verb, target=Subject(node=node, pod=pod),
-                  reason="uncorrectable ECC error", rule=rule, finding_ids=["f1"], ts=1.0,
+                  reason="uncorrectable ECC error", rule=rule, finding_ids=["f1"], ts=time.time(),
                   dry_run=dry_run)
 
 
@@ -82,7 +83,7 @@ def test_a_denied_namespace_in_the_params_is_refused_too() -> None:
     guarded = executor(enabled_rules={"*"}, deny_namespaces={"kube-*"})
     requeue = Action(idempotency_key="f1/requeue", verb="requeue",
                      target=Subject(pod=PodRef("ml", "train-0")), reason="spot", rule="spot",
-                     finding_ids=["f1"], ts=1.0,
+                     finding_ids=["f1"], ts=time.time(),
                      params={"workload": "critical", "namespace": "kube-system"})
     assert guarded.verdict(requeue) == ("refused", "namespace kube-system is on the deny-list")
     assert guarded.verdict(msgspec.structs.replace(
@@ -102,7 +103,7 @@ def test_a_reclaim_follows_only_a_delivered_owner_notice() -> None:
     acting = executor(enabled_rules={idle.KIND})
     reclaim = Action(idempotency_key="ep1/requeue", verb="requeue",
                      target=Subject(node="gpu-1", pod=PodRef("ml", "nb-0")), reason="idle",
-                     rule=idle.KIND, finding_ids=["ep1"], ts=1.0,
+                     rule=idle.KIND, finding_ids=["ep1"], ts=time.time(),
                      params={"reason": idle.RECLAIM_REASON})
     outcome, why = acting.verdict(reclaim) or ("acts", "")
     assert outcome == "refused" and why.startswith("the owner was not told first")
