@@ -358,7 +358,7 @@ def test_a_pod_recreated_under_its_name_is_not_reclaimed_unannounced(
     result = asyncio.run(executor.decide(notice))
     assert (result.outcome, result.detail) == (
         "failed", f"pod {NS}/{owned.pod} does not exist: no notice was delivered")
-    assert executor.notified == set()
+    assert executor.notified == {}
 
     kube_api.create(_pod(owned.pod, kube_api.get("StatefulSet", owned.name, NS, "apps")))
     new_uid = kube_api.get("Pod", owned.pod, NS)["metadata"]["uid"]
