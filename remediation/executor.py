@@ -477,7 +477,8 @@ class Executor:
         else:
             # The record does not say why a requeue was asked for; a requeue of an episode
             # whose owner was notified is a reclaim (only the idle ladders notify and then
-            # requeue, and a reclaim is carried out only after a delivered notice).
+            # requeue, and a reclaim is carried out only after a delivered notice; the audit
+            # topic has one partition, so the notice is read first).
             reclaim = (result.verb == "requeue"
                        and key.partition(RECLAIM_KEY)[0] in self.notified)
             self._fold(key, result.verb, result.outcome, result.attempt,
