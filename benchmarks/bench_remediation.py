@@ -33,7 +33,7 @@ from gpusteward.settings import Settings
 def _cordon(node: str, i: int) -> Action:
     return Action(idempotency_key=f"{node}-{i}/cordon", verb="cordon",
                   target=Subject(node=node), reason="DBE", rule="ecc_dbe",
-                  finding_ids=[f"{node}-{i}"], ts=1.0)
+                  finding_ids=[f"{node}-{i}"], ts=time.time())
 
 
 def dry_run_decisions(count: int = 20_000) -> Figure:

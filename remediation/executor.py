@@ -10,8 +10,10 @@ records one outcome on the audit topic (``action-results``):
 - ``skipped``: the idempotency key was already executed (a redelivery), or
   the backend found the effect already in place (the node was cordoned);
 - ``refused``: a guard said no: the target is on a deny-list, MIG relabels
-  are not allowed by policy, the backend lacks the verb, or the circuit
-  breaker is open;
+  are not allowed by policy, the action is older than ``max_action_age_s``
+  (a backlog replayed after an outage), an idle reclaim's owner was not told
+  ``min_notice_s`` before, the backend lacks the verb, or the circuit breaker
+  is open;
 - ``executed`` / ``failed``: the backend carried it out, or could not;
 - ``retrying``: one attempt met a temporary error (an API 503 or 429, a
   timeout, a refused connection: :class:`~gpusteward.errors.TemporaryError`)
@@ -23,19 +25,31 @@ records one outcome on the audit topic (``action-results``):
   any error that is not temporary) is a final ``failed`` at once.
 
 Guards, in the order they are checked: idempotency, deny-lists, the MIG
-policy, dry-run, the circuit breaker, then the backend. The guards are pure
+policy, dry-run, the action's age, an idle reclaim's notice, the circuit
+breaker, then the backend. The guards are pure given the executor's clock
 (:meth:`Executor.verdict`); only the backend call and the fleet size are I/O.
-The breaker counts
-distinct nodes disrupted (cordon, taint, drain, MIG relabel) in a sliding
-window and refuses a new node once the window holds ``breaker_max_nodes``
-nodes or ``breaker_max_fraction`` of the GPU nodes. When it trips it stays
-open, refusing every node-disrupting action, until an operator resets it
+
+Time is the executor's ``clock`` (the wall clock in production), compared with
+the action's event time (``Action.ts``, the finding's: when the samples were
+taken) for the age, and with the executor's own audit times for the notice: an
+owner notice counts from when it was delivered, not from when the rule asked
+for it, so a replayed backlog cannot notify and reclaim back to back.
+
+The breaker counts distinct nodes disrupted (cordon, taint, drain, MIG
+relabel) in a sliding window and refuses a new node once the window holds
+``breaker_max_nodes`` nodes or ``breaker_max_fraction`` of the GPU nodes; it
+counts idle reclaims in the same window and refuses one more once the window
+holds ``breaker_max_reclaims`` or ``breaker_max_reclaims_per_node`` per GPU
+node (telemetry reporting 0 % activity fleet-wide would otherwise stop every
+notebook in one pass). When it trips it stays open, refusing every
+node-disrupting action and every reclaim, until an operator resets it
 (``gpusteward act --reset-breaker``); it publishes a ``remediation_breaker``
 finding so someone is told.
 
 State survives restarts through the audit topic alone: on start the executor
-reads it and rebuilds the executed idempotency keys, the nodes disrupted in
-the current window and the breaker's state. Breaker transitions are audit
+reads it and rebuilds the executed idempotency keys, the owners notified and
+when, the nodes disrupted and the reclaims in the current window and the
+breaker's state. Breaker transitions are audit
 records of their own (idempotency key ``breaker/trip/...`` or
 ``breaker/reset/...``, verb ``cordon``), so downstream readers of the topic
 see them as ordinary results. While running, the executor follows the audit
@@ -73,7 +87,7 @@ from gpusteward.errors import TemporaryError, cut
 from gpusteward.metrics import PipelineMetrics, observe_lag, serve
 from gpusteward.rules import REGISTRY, REMEDIATION_BREAKER
 from gpusteward.rules.findings import finding_id, fingerprint
-from gpusteward.rules.idle import RECLAIM_REASON
+from gpusteward.rules.idle import RECLAIM_REASON, rfc3339
 from gpusteward.rules.registry import ALL_RULES
 from gpusteward.schema import (
     RESTORE_KEY_PREFIX,
@@ -97,18 +111,24 @@ MAX_AUDIT_DETAIL = TEXT_MAX
 """Longest detail an audit record carries (the schema's free text)."""
 NOTICE_KEY = "/notify_owner"
 """What follows the finding id in the idempotency key of an owner notice (``action_for``)."""
+RECLAIM_KEY = "/requeue"
+"""What follows the finding id in the idempotency key of a reclaim (``action_for``)."""
 
 
-def _disrupted(verb: str, outcome: Outcome, attempt: int) -> bool:
-    """Whether a decision may have taken capacity from its node, for the circuit breaker.
+def _may_have_acted(outcome: Outcome, attempt: int) -> bool:
+    """Whether a decision may have changed the cluster, for the circuit breaker.
 
     Executed, and also failed (a drain cordons before an eviction a budget blocks; a write
     may land although its reply was lost), and skipped on a retry (the earlier try did it):
-    a breaker that counts one node too many stops early, one that counts too few lets a bad
-    rule or bad telemetry go on disrupting nodes.
+    a breaker that counts one too many stops early, one that counts too few lets a bad
+    rule or bad telemetry go on disrupting nodes or stopping work.
     """
-    return verb in NODE_DISRUPTING and (
-        outcome in ("executed", "failed") or (outcome == "skipped" and attempt > 1))
+    return outcome in ("executed", "failed") or (outcome == "skipped" and attempt > 1)
+
+
+def _disrupted(verb: str, outcome: Outcome, attempt: int) -> bool:
+    """Whether a decision may have taken capacity from its node."""
+    return verb in NODE_DISRUPTING and _may_have_acted(outcome, attempt)
 
 
 def _is_reclaim(action: Action) -> bool:
@@ -131,7 +151,8 @@ class RemediationSettings(BaseSettings):
     """
 
     model_config = SettingsConfigDict(env_prefix="GPUSTEWARD_REMEDIATION__",
-                                      env_nested_delimiter="__", extra="ignore")
+                                      env_nested_delimiter="__", extra="ignore",
+                                      env_parse_none_str="null")
 
     enabled_rules: set[str] = Field(
         default_factory=set,
@@ -161,6 +182,39 @@ class RemediationSettings(BaseSettings):
     )
     breaker_max_nodes: int = Field(
         20, ge=1, description="Most nodes disrupted per window whatever the fleet size.")
+    breaker_max_reclaims: int = Field(
+        50, ge=1,
+        description="Most idle reclaims (requeue with params.reason idle-reclaim) per window "
+        "whatever the fleet size; one more trips the breaker. 50 per 10 min: a 10,000-GPU "
+        "fleet's ladder reclaims a few hundred GPUs a day, a handful per window; telemetry "
+        "reporting 0 % activity fleet-wide asks for thousands at once.",
+    )
+    breaker_max_reclaims_per_node: float = Field(
+        1.0, gt=0,
+        description="Most idle reclaims per window per GPU node (rounded up): one per node, "
+        "an eighth of an 8-GPU fleet's GPUs, so a small fleet is guarded too (10 nodes: 10 "
+        "per window). Applies when the GPU node count is known (fleet_gpu_nodes or the "
+        "backend).",
+    )
+    max_action_age_s: float | None = Field(
+        3600.0, gt=0,
+        description="Oldest action carried out, seconds between its event time (Action.ts, "
+        "its finding's) and the executor's clock; an older one is refused and audited. 1 h: "
+        "the pipeline acts within seconds, so an older action is a backlog replayed after "
+        "an outage, whose finding may have resolved since and whose owner notice and "
+        "reclaim would land back to back. None (null in the environment): no limit, for a "
+        "simulation whose event time is not the executor's clock.",
+    )
+    min_notice_s: float | None = Field(
+        1800.0, ge=0,
+        description="Least time, seconds by the executor's clock, between the delivery of "
+        "the first owner notice of an idle episode and its reclaim; an earlier reclaim is "
+        "refused, and the rule does not ask again, so the GPU stays with its owner for the "
+        "episode. 30 min: at most the shortest wait the shipped ladders promise (batch: 1 h "
+        "steps; demand-aware reclaim: notice at 30 min idle, reclaim at 2 h), enough for an "
+        "owner to read the notice. Keep it below the smallest reclaim_after_s of your "
+        "policy. None (null in the environment) or 0: only a delivered notice is required.",
+    )
     fleet_gpu_nodes: int | None = Field(
         None, ge=1,
         description="GPU nodes in the fleet for the fractional limit; None asks the backend "
@@ -280,6 +334,8 @@ class CircuitBreaker:
         self.settings = settings
         self.disrupted: dict[str, float] = {}
         """Node -> when it was last disrupted, within the window."""
+        self.reclaimed: dict[str, float] = {}
+        """Idempotency key of an idle reclaim -> when it was carried out, within the window."""
         self.tripped_at: float | None = None
         self.trip_reason = ""
 
@@ -294,15 +350,26 @@ class CircuitBreaker:
         by_fraction = math.ceil(self.settings.breaker_max_fraction * gpu_nodes)
         return max(1, min(self.settings.breaker_max_nodes, by_fraction))
 
+    def reclaim_limit(self, gpu_nodes: int | None) -> int:
+        """Most idle reclaims per window for a fleet of ``gpu_nodes`` GPU nodes."""
+        if gpu_nodes is None:
+            return self.settings.breaker_max_reclaims
+        per_node = math.ceil(self.settings.breaker_max_reclaims_per_node * gpu_nodes)
+        return max(1, min(self.settings.breaker_max_reclaims, per_node))
+
     def _expire(self, now: float) -> None:
         horizon = now - self.settings.breaker_window_s
         self.disrupted = {n: ts for n, ts in self.disrupted.items() if ts > horizon}
+        self.reclaimed = {k: ts for k, ts in self.reclaimed.items() if ts > horizon}
+
+    def _refuse_open(self) -> tuple[bool, str]:
+        return False, (f"circuit breaker open since {time.ctime(self.tripped_at)}: "
+                       f"{self.trip_reason}; reset with `gpusteward act --reset-breaker`")
 
     def admits(self, node: str, now: float, gpu_nodes: int | None) -> tuple[bool, str]:
         """Whether disrupting ``node`` now is allowed; trips the breaker when it is not."""
         if self.open:
-            return False, f"circuit breaker open since {time.ctime(self.tripped_at)}: " \
-                          f"{self.trip_reason}; reset with `gpusteward act --reset-breaker`"
+            return self._refuse_open()
         self._expire(now)
         if node in self.disrupted:
             return True, ""
@@ -314,8 +381,27 @@ class CircuitBreaker:
             return False, f"circuit breaker tripped: {self.trip_reason}"
         return True, ""
 
+    def admits_reclaim(self, key: str, now: float, gpu_nodes: int | None) -> tuple[bool, str]:
+        """Whether the idle reclaim ``key`` may go ahead now; trips the breaker when not."""
+        if self.open:
+            return self._refuse_open()
+        self._expire(now)
+        if key in self.reclaimed:  # a retry of one already counted
+            return True, ""
+        limit = self.reclaim_limit(gpu_nodes)
+        if len(self.reclaimed) + 1 > limit:
+            fleet = f" on {gpu_nodes} GPU nodes" if gpu_nodes else ""
+            self.trip(now, f"{len(self.reclaimed)} idle reclaims{fleet} already in the last "
+                           f"{self.settings.breaker_window_s:g} s (limit {limit}); refused "
+                           f"{key}")
+            return False, f"circuit breaker tripped: {self.trip_reason}"
+        return True, ""
+
     def record(self, node: str, ts: float) -> None:
         self.disrupted[node] = max(ts, self.disrupted.get(node, 0.0))
+
+    def record_reclaim(self, key: str, ts: float) -> None:
+        self.reclaimed[key] = max(ts, self.reclaimed.get(key, 0.0))
 
     def trip(self, now: float, reason: str) -> None:
         self.tripped_at, self.trip_reason = now, reason
@@ -323,6 +409,7 @@ class CircuitBreaker:
     def reset(self) -> None:
         self.tripped_at, self.trip_reason = None, ""
         self.disrupted.clear()
+        self.reclaimed.clear()
 
 
 Attempt = Callable[[ActionResult], Awaitable[None]]
@@ -353,8 +440,9 @@ class Executor:
         self._sleep = sleep
         self.breaker = CircuitBreaker(self.remediation)
         self.executed_keys: set[str] = set()
-        self.notified: set[str] = set()
-        """Findings whose owner notice was delivered (executed, or found already there)."""
+        self.notified: dict[str, float] = {}
+        """Finding -> when (executor's clock) its first owner notice was delivered (executed,
+        or found already there)."""
         self.sandbox = bool(getattr(backend, "sandbox", False))
         self._decode = edge.Edge[Action](Action)
         self._decode_result = edge.Edge[ActionResult](ActionResult)
@@ -387,19 +475,28 @@ class Executor:
         elif key.startswith(BREAKER_RESET_PREFIX):
             self.breaker.reset()
         else:
+            # The record does not say why a requeue was asked for; a requeue of an episode
+            # whose owner was notified is a reclaim (only the idle ladders notify and then
+            # requeue, and a reclaim is carried out only after a delivered notice; the audit
+            # topic has one partition, so the notice is read first).
+            reclaim = (result.verb == "requeue"
+                       and key.partition(RECLAIM_KEY)[0] in self.notified)
             self._fold(key, result.verb, result.outcome, result.attempt,
-                       result.target.node, result.ts)
+                       result.target.node, result.ts, reclaim=reclaim)
 
     def _fold(self, key: str, verb: str, outcome: Outcome, attempt: int, node: str | None,
-              ts: float) -> None:
+              ts: float, *, reclaim: bool = False) -> None:
         """What one final decision changes in the executor's state, whether it is read back
         from the audit topic or just made."""
         if outcome == "executed":
             self.executed_keys.add(key)
         if node and _disrupted(verb, outcome, attempt):
             self.breaker.record(node, ts)
+        if reclaim and _may_have_acted(outcome, attempt):
+            self.breaker.record_reclaim(key, ts)
         if verb == "notify_owner" and outcome in ("executed", "skipped") and NOTICE_KEY in key:
-            self.notified.add(key.rpartition(NOTICE_KEY)[0])
+            episode = key.rpartition(NOTICE_KEY)[0]
+            self.notified[episode] = min(ts, self.notified.get(episode, ts))
 
     # -- deciding --------------------------------------------------------------------------
 
@@ -441,11 +538,12 @@ class Executor:
             return f"{action.verb} needs a node"
         return None
 
-    def verdict(self, action: Action) -> tuple[Outcome, str] | None:
-        """The outcome the guards give ``action`` without the backend, or None to act.
+    def verdict(self, action: Action, now: float | None = None) -> tuple[Outcome, str] | None:
+        """The outcome the guards give ``action`` at ``now`` (the executor's clock when
+        None) without the backend, or None to act.
 
-        Pure: the executed keys, the owners notified, the policy and the mode decide; no
-        I/O.
+        Pure: the executed keys, the owners notified and when, the policy, the mode and
+        the time decide; no I/O.
         """
         refusal = self._guard(action)
         if action.idempotency_key in self.executed_keys:
@@ -459,11 +557,39 @@ class Executor:
         if not self._rule_enabled(action.rule):
             return "dry_run", (f"{describe(action)} [rule {action.rule} is not enabled; "
                                f"--enable-rule {action.rule} to act]")
-        if _is_reclaim(action) and not self.notified.intersection(action.finding_ids):
+        now = self.clock() if now is None else now
+        policy = self.remediation
+        age = now - action.ts
+        if policy.max_action_age_s is not None and age > policy.max_action_age_s:
+            # A backlog replayed after an outage: the finding may have resolved since, and
+            # a notice and its reclaim would land back to back.
+            return "refused", (
+                f"stale: asked for at {rfc3339(action.ts)}, {age / 3600:.1f} h ago, older "
+                f"than max_action_age_s={policy.max_action_age_s:g} s (a backlog replayed "
+                "after an outage?); its finding may have resolved since. Not carried out "
+                "and not asked again: check the finding's state and act by hand if it "
+                "still applies")
+        if _is_reclaim(action):
+            return self._notice_verdict(action, now)
+        return None
+
+    def _notice_verdict(self, action: Action, now: float) -> tuple[Outcome, str] | None:
+        """Whether the owner of the reclaim's episode was told first, long enough ago."""
+        told = [self.notified[f] for f in action.finding_ids if f in self.notified]
+        if not told:
             # E.g. an episode whose notices were dry runs, before --execute was switched on,
             # or whose notices failed: the owner may never have heard of it.
             return "refused", ("the owner was not told first: no notice of this idle "
                                "episode was delivered; a reclaim follows only a delivered one")
+        min_notice = self.remediation.min_notice_s or 0.0
+        told_at = min(told)
+        if now - told_at < min_notice:
+            return "refused", (
+                f"the owner was told only {now - told_at:.0f} s ago (notice delivered at "
+                f"{rfc3339(told_at)}); a reclaim follows a delivered notice by at least "
+                f"min_notice_s={min_notice:g} s, so not before {rfc3339(told_at + min_notice)}. "
+                "The rule does not ask again: the GPU stays with its owner for this idle "
+                "episode")
         return None
 
     async def decide(self, action: Action, on_attempt: Attempt | None = None) -> ActionResult:
@@ -475,13 +601,13 @@ class Executor:
         now = self.clock()
         error: str | None = None
         attempt = 1
-        decided = self.verdict(action)
+        decided = self.verdict(action, now)
         if decided is not None:
             outcome, detail = decided
         else:
             outcome, detail, error, attempt = await self._act(action, now, on_attempt)
         self._fold(action.idempotency_key, action.verb, outcome, attempt, action.target.node,
-                   now)
+                   now, reclaim=_is_reclaim(action))
         return self._result(action, outcome, detail, now, error=error, attempt=attempt)
 
     def _result(self, action: Action, outcome: Outcome, detail: str, ts: float, *,
@@ -502,10 +628,14 @@ class Executor:
         handler = getattr(self.backend, action.verb, None)
         if handler is None:
             return "refused", f"backend {self.backend.name} cannot {action.verb}", None, 1
-        if action.verb in NODE_DISRUPTING:
+        if action.verb in NODE_DISRUPTING or _is_reclaim(action):
             was_open = self.breaker.open
-            admitted, why = self.breaker.admits(action.target.node or "", now,
-                                                await self._gpu_nodes())
+            if action.verb in NODE_DISRUPTING:
+                admitted, why = self.breaker.admits(action.target.node or "", now,
+                                                    await self._gpu_nodes())
+            else:
+                admitted, why = self.breaker.admits_reclaim(action.idempotency_key, now,
+                                                            await self._gpu_nodes())
             if not admitted:
                 if not was_open:
                     self._pending_findings.append(self._breaker_finding("firing", now))
@@ -554,8 +684,9 @@ class Executor:
             ends_at=now if state == "resolved" else None,
             summary=(f"remediation circuit breaker tripped: {self.breaker.trip_reason}"
                      if state == "firing" else "remediation circuit breaker reset"),
-            runbook="Node-disrupting remediation is stopped. Check why so many nodes were "
-                    "flagged at once (a driver roll-out, a bad rule, bad telemetry), then run "
+            runbook="Node-disrupting remediation and idle reclaims are stopped. Check why so "
+                    "many nodes were flagged or GPUs found idle at once (a driver roll-out, a "
+                    "bad rule, bad telemetry such as 0 % activity fleet-wide), then run "
                     "`gpusteward act --reset-breaker`.",
         )
 

@@ -138,7 +138,8 @@ def test_enable_rule_accepts_it_and_enables_every_kind_it_emits() -> None:
     assert isinstance(page, Action)
 
     async def decide(remediation: RemediationSettings) -> ActionResult:
-        executor = Executor(Settings(), Cordoning(), execute=True, remediation=remediation)
+        executor = Executor(Settings(), Cordoning(), execute=True, remediation=remediation,
+                            clock=lambda: page.ts)  # the toy rule's event time
         return await executor.decide(page)
 
     assert asyncio.run(decide(enabled)).outcome == "executed"

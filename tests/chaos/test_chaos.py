@@ -234,7 +234,7 @@ def test_executor_killed_between_deciding_and_auditing(tmp_path: Path) -> None:
             for verb, target in pairs:
                 out.append(Action(idempotency_key=f"{name}-dbe/{verb}", verb=verb,
                                   target=target, reason=f"ECC DBE on {name}", rule="ecc_dbe",
-                                  finding_ids=[f"{name}-dbe"], ts=1000.0))
+                                  finding_ids=[f"{name}-dbe"], ts=time.time()))
         return out
 
     async def main(broker: EmbeddedBroker) -> Row:

@@ -19,7 +19,7 @@ import pytest
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
 from gpusteward.collectors.transport.publisher import KafkaPublisher
-from gpusteward.remediation.executor import Executor
+from gpusteward.remediation.executor import Executor, RemediationSettings
 from gpusteward.rules.idle import IdleSettings
 from gpusteward.sandbox.backend import SimulatorBackend
 from gpusteward.sandbox.pipeline import WorkerProcess
@@ -65,7 +65,12 @@ async def run_pipeline(settings: Settings, log_dir: Path, *, acceleration: float
         if action.verb == "cordon":
             cordon_seen.set()
 
-    executor = Executor(settings, SimulatorBackend(cluster), execute=True, on_result=on_result)
+    # The simulation runs hours a minute, or as fast as it can: no clock the executor keeps
+    # tells an action's age in its event time, so the time guards are off, as in the demo's
+    # overlay (deploy/overlays/local).
+    untimed = RemediationSettings(max_action_age_s=None, min_notice_s=None)
+    executor = Executor(settings, SimulatorBackend(cluster), execute=True, on_result=on_result,
+                        remediation=untimed)
     stop = asyncio.Event()
     executing = asyncio.create_task(executor.run(stop))
     publisher = KafkaPublisher(settings)

@@ -15,6 +15,7 @@ the writes. ``make chaos`` does the same with ``gpusteward act`` processes and S
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import msgspec
@@ -103,7 +104,7 @@ def test_an_action_carried_out_then_killed_before_its_audit_is_not_repeated(
     asyncio.run(kafka.ensure_topics(settings))
     action = Action(idempotency_key=f"f1/{verb}", verb=verb,  # type: ignore[arg-type]
                     target=ACTIONS[verb], reason="ECC DBE on GPU-1", rule="ecc_dbe",
-                    finding_ids=["f1"], ts=1000.0, params=PARAMS.get(verb, {}))
+                    finding_ids=["f1"], ts=time.time(), params=PARAMS.get(verb, {}))
     policy = RemediationSettings(enabled_rules={"ecc_dbe"}, allow_mig_config=True)
 
     async def publish() -> None:

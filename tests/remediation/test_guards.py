@@ -6,6 +6,9 @@ No broker, no API: :meth:`Executor.verdict` and :class:`CircuitBreaker` do no I/
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -17,14 +20,24 @@ from gpusteward.remediation.executor import (
     RemediationSettings,
 )
 from gpusteward.rules import idle
-from gpusteward.schema import Action, ActionResult, ActionVerb, Outcome, PodRef, Subject
+from gpusteward.schema import (
+    Action,
+    ActionResult,
+    ActionVerb,
+    Finding,
+    Outcome,
+    PodRef,
+    Subject,
+)
 from gpusteward.settings import Settings
+
+T = TypeVar("T")
 
 
 def act(verb: ActionVerb = "cordon", *, node: str | None = "gpu-1", pod: PodRef | None = None,
         rule: str = "ecc_dbe", dry_run: bool = False, key: str = "f1/cordon") -> Action:
     return Action(idempotency_key=key, verb=verb, target=Subject(node=node, pod=pod),
-                  reason="uncorrectable ECC error", rule=rule, finding_ids=["f1"], ts=1.0,
+                  reason="uncorrectable ECC error", rule=rule, finding_ids=["f1"], ts=time.time(),
                   dry_run=dry_run)
 
 
@@ -82,7 +95,7 @@ def test_a_denied_namespace_in_the_params_is_refused_too() -> None:
     guarded = executor(enabled_rules={"*"}, deny_namespaces={"kube-*"})
     requeue = Action(idempotency_key="f1/requeue", verb="requeue",
                      target=Subject(pod=PodRef("ml", "train-0")), reason="spot", rule="spot",
-                     finding_ids=["f1"], ts=1.0,
+                     finding_ids=["f1"], ts=time.time(),
                      params={"workload": "critical", "namespace": "kube-system"})
     assert guarded.verdict(requeue) == ("refused", "namespace kube-system is on the deny-list")
     assert guarded.verdict(msgspec.structs.replace(
@@ -102,7 +115,7 @@ def test_a_reclaim_follows_only_a_delivered_owner_notice() -> None:
     acting = executor(enabled_rules={idle.KIND})
     reclaim = Action(idempotency_key="ep1/requeue", verb="requeue",
                      target=Subject(node="gpu-1", pod=PodRef("ml", "nb-0")), reason="idle",
-                     rule=idle.KIND, finding_ids=["ep1"], ts=1.0,
+                     rule=idle.KIND, finding_ids=["ep1"], ts=time.time(),
                      params={"reason": idle.RECLAIM_REASON})
     outcome, why = acting.verdict(reclaim) or ("acts", "")
     assert outcome == "refused" and why.startswith("the owner was not told first")
@@ -159,3 +172,194 @@ def test_the_breaker_counts_nodes_a_failed_or_retried_action_disrupted() -> None
     for result in results:
         restarted.apply_audit(result)
     assert sorted(restarted.breaker.disrupted) == ["gpu-1", "gpu-2"]
+
+
+# -- time: stale actions and the owner's notice ----------------------------------------------
+
+NOW = 1_800_000_000.0
+"""The executor's clock in the tests below (2027-01-15)."""
+WEEK_S = 7 * 86400
+
+
+@dataclass
+class RecordingProducer:
+    """The executor's sender: what it publishes, by topic."""
+
+    sent: list[tuple[str, bytes]] = field(default_factory=list)
+
+    async def send(self, topic: str, value: bytes, key: bytes | None = None) -> None:
+        self.sent.append((topic, value))
+
+    def on(self, topic: str, kind: type[T]) -> list[T]:
+        return [msgspec.json.decode(value, type=kind) for t, value in self.sent if t == topic]
+
+
+class Owners:
+    """A backend that notifies owners, reclaims and cordons, and remembers what it did."""
+
+    name = "owners"
+
+    def __init__(self) -> None:
+        self.done: list[tuple[str, str]] = []
+
+    async def _did(self, action: Action) -> tuple[Outcome, str]:
+        self.done.append((action.verb, action.idempotency_key))
+        return "executed", f"{action.verb} done"
+
+    notify_owner = requeue = cordon = _did
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def acting(clock: Clock, backend: Owners | None = None, **policy: Any) -> Executor:
+    return Executor(Settings(), backend or Owners(), execute=True, clock=clock,
+                    remediation=RemediationSettings(enabled_rules={"*"}, **policy))
+
+
+def notice(episode: str, ts: float, step: str = "") -> Action:
+    return Action(idempotency_key=f"{episode}/notify_owner{step}", verb="notify_owner",
+                  target=Subject(node="gpu-1", pod=PodRef("ml", f"nb-{episode}")),
+                  reason="idle for 30 min", rule=idle.KIND, finding_ids=[episode], ts=ts)
+
+
+def reclaim(episode: str, ts: float) -> Action:
+    return Action(idempotency_key=f"{episode}/requeue", verb="requeue",
+                  target=Subject(node="gpu-1", pod=PodRef("ml", f"nb-{episode}")),
+                  reason="idle for 12 h: reclaiming it", rule=idle.KIND,
+                  finding_ids=[episode], ts=ts, params={"reason": idle.RECLAIM_REASON})
+
+
+def handle(executor: Executor, producer: RecordingProducer, action: Action) -> ActionResult:
+    result = asyncio.run(executor._handle(producer, msgspec.json.encode(action),
+                                          key=b"gpu-1", partition=0, offset=0))
+    assert result is not None
+    return result
+
+
+def test_an_action_older_than_max_action_age_s_is_refused_and_audited() -> None:
+    """A backlog replayed after an outage: a week-old cordon is not carried out, its finding
+    may have resolved since; the refusal is on the audit topic with why. An owner notice of
+    a week-old episode is refused too, so its reclaim, replayed right after, finds no
+    delivered notice."""
+    backend = Owners()
+    executor = acting(Clock(NOW), backend)
+    producer = RecordingProducer()
+    stale = msgspec.structs.replace(act("cordon", key="old/cordon"), ts=NOW - WEEK_S)
+    result = handle(executor, producer, stale)
+    assert result.outcome == "refused"
+    assert result.detail.startswith("stale: asked for at 2027-01-08T08:00:00Z, 168.0 h ago, "
+                                    "older than max_action_age_s=3600 s")
+    assert producer.on("gpusteward.action-results.v1", ActionResult) == [result]
+    assert backend.done == []
+
+    told = handle(executor, producer, notice("week", NOW - WEEK_S))
+    taken = handle(executor, producer, reclaim("week", NOW - WEEK_S + 12 * 3600))
+    assert (told.outcome, taken.outcome) == ("refused", "refused")
+    assert taken.detail.startswith("stale:")
+    assert backend.done == []
+
+    # Within the limit it acts, and with no limit (a simulation's clock) a week is no age.
+    fresh = msgspec.structs.replace(act("cordon", key="new/cordon"), ts=NOW - 3000)
+    assert handle(executor, producer, fresh).outcome == "executed"
+    unlimited = acting(Clock(NOW), max_action_age_s=None)
+    assert asyncio.run(unlimited.decide(stale)).outcome == "executed"
+
+
+def test_a_reclaim_waits_min_notice_s_after_the_owner_was_told() -> None:
+    """The notice and the reclaim of an idle episode replayed back to back: the owner was
+    told a moment ago, not the hours the ladder promises. The reclaim is refused with when it
+    would have been allowed; from min_notice_s after the first delivered notice it is
+    carried out, by a restarted executor too (the notice's time is on the audit topic)."""
+    clock = Clock(NOW)
+    backend = Owners()
+    executor = acting(clock, backend)
+    told = asyncio.run(executor.decide(notice("ep", NOW - 60)))
+    assert told.outcome == "executed"
+
+    clock.now = NOW + 0.15
+    early = asyncio.run(executor.decide(reclaim("ep", NOW)))
+    assert early.outcome == "refused"
+    assert early.detail.startswith("the owner was told only 0 s ago (notice delivered at "
+                                   "2027-01-15T08:00:00Z); a reclaim follows a delivered notice "
+                                   "by at least min_notice_s=1800 s, so not before "
+                                   "2027-01-15T08:30:00Z.")
+    assert "The rule does not ask again" in early.detail
+    assert backend.done == [("notify_owner", "ep/notify_owner")]
+
+    # A later notice of the same episode (the ladder's warning) does not restart the wait.
+    clock.now = NOW + 1000
+    assert asyncio.run(executor.decide(notice("ep", NOW + 1000, "/warn"))).outcome == "executed"
+    clock.now = NOW + 1799
+    assert asyncio.run(executor.decide(reclaim("ep", NOW + 1799))).outcome == "refused"
+
+    restarted = acting(clock)
+    restarted.apply_audit(told)
+    assert restarted.verdict(reclaim("ep", NOW + 1799))[0] == "refused"  # type: ignore[index]
+    clock.now = NOW + 1800
+    assert restarted.verdict(reclaim("ep", NOW + 1800)) is None
+    assert asyncio.run(executor.decide(reclaim("ep", NOW + 1800))).outcome == "executed"
+    assert backend.done[-1] == ("requeue", "ep/requeue")
+
+    # None or 0: a delivered notice is enough, as before.
+    at_once = acting(Clock(NOW), min_notice_s=None)
+    asyncio.run(at_once.decide(notice("ep", NOW)))
+    assert at_once.verdict(reclaim("ep", NOW)) is None
+
+
+def test_reclaims_past_the_window_limit_trip_the_breaker() -> None:
+    """Telemetry reporting 0 % activity fleet-wide asks to reclaim every GPU at once: on a
+    10-node fleet the 11th reclaim in the window trips the breaker, which is audited, tells
+    someone (the remediation_breaker finding) and refuses every disruptive action until
+    reset, after a restart too."""
+    clock = Clock(NOW)
+    backend = Owners()
+    executor = acting(clock, backend, fleet_gpu_nodes=10)
+    producer = RecordingProducer()
+    episodes = [f"ep{i}" for i in range(12)]
+    for episode in episodes:
+        handle(executor, producer, notice(episode, NOW))
+    clock.now = NOW + 3600
+    outcomes = [handle(executor, producer, reclaim(e, NOW + 3600)) for e in episodes]
+    assert [r.outcome for r in outcomes] == ["executed"] * 10 + ["refused"] * 2
+    assert outcomes[10].detail == ("circuit breaker tripped: 10 idle reclaims on 10 GPU nodes "
+                                   "already in the last 600 s (limit 10); refused ep10/requeue")
+    assert outcomes[11].detail.startswith("circuit breaker open since")
+    assert len([v for v, _ in backend.done if v == "requeue"]) == 10
+
+    audit = producer.on("gpusteward.action-results.v1", ActionResult)
+    trips = [r for r in audit if r.idempotency_key.startswith("breaker/trip/")]
+    assert [t.detail for t in trips] == [executor.breaker.trip_reason]
+    (alarm,) = producer.on("gpusteward.findings.v1", Finding)
+    assert (alarm.kind, alarm.state, alarm.severity) == ("remediation_breaker", "firing",
+                                                         "critical")
+    assert "10 idle reclaims" in alarm.summary and "reclaims are stopped" in alarm.runbook
+    # Open: a cordon is refused as well, and a restarted executor reads it all back.
+    assert handle(executor, producer, act("cordon", key="x/cordon")).outcome == "refused"
+    restarted = acting(clock, fleet_gpu_nodes=10)
+    for record in producer.on("gpusteward.action-results.v1", ActionResult):
+        restarted.apply_audit(record)
+    assert restarted.breaker.open and len(restarted.breaker.reclaimed) == 10
+    restarted.breaker.reset()
+    clock.now = NOW + 3600 + 601  # the window passed: reclaims go on
+    assert asyncio.run(restarted.decide(reclaim("ep11", NOW + 4201))).outcome == "executed"
+
+
+def test_the_reclaim_limit_follows_the_fleet_and_counts_only_idle_reclaims() -> None:
+    breaker = CircuitBreaker(RemediationSettings())
+    assert breaker.reclaim_limit(gpu_nodes=2) == 2
+    assert breaker.reclaim_limit(gpu_nodes=10) == 10
+    assert breaker.reclaim_limit(gpu_nodes=1250) == 50  # a 10,000-GPU fleet of 8-GPU nodes
+    assert breaker.reclaim_limit(gpu_nodes=None) == 50
+    # Read back from the audit topic: a requeue of a notified episode is a reclaim; a spot
+    # or gang requeue (no notice) and an operator's restore are not.
+    executor = acting(Clock(NOW))
+    executor.apply_audit(_audited("ep/notify_owner", "notify_owner", "executed"))
+    for key in ("ep/requeue", "spot/requeue", "restore/Notebook/ml/nb/1"):
+        executor.apply_audit(_audited(key, "requeue", "executed"))
+    assert list(executor.breaker.reclaimed) == ["ep/requeue"]

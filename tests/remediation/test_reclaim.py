@@ -219,6 +219,34 @@ def test_restore_keeps_a_scale_someone_made_since(kube_api: KubeApiServer,
                                                                   owned.name)
 
 
+def test_the_executor_reclaims_only_min_notice_s_after_the_owner_was_told(
+        kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
+    """An idle episode's notice and reclaim replayed back to back (a backlog after an
+    outage): the owner gets the notice, the notebook keeps running; from min_notice_s after
+    the notice was delivered the reclaim stops it."""
+    owned = notebook(kube_api)
+    clock = [time.time()]
+    executor = Executor(Settings(), backend, execute=True, clock=lambda: clock[0],
+                        remediation=RemediationSettings(enabled_rules={"idle_holder"}))
+    told = Action(idempotency_key="f1/notify_owner", verb="notify_owner",
+                  target=Subject(node="gpu-1", device="GPU-1", pod=PodRef(NS, owned.pod)),
+                  reason="idle for 30 min", rule="idle_holder", finding_ids=["f1"],
+                  ts=clock[0])
+    assert asyncio.run(executor.decide(told)).outcome == "executed"
+    assert [e["reason"] for e in events_about(kube_api, "Pod", owned.pod)] == [
+        "GpuStewardNotice"]
+
+    early = asyncio.run(executor.decide(reclaim(owned.pod)))
+    assert early.outcome == "refused" and "min_notice_s=1800 s" in early.detail
+    assert "kubeflow-resource-stopped" not in annotations_of(kube_api, "Notebook", owned.name)
+
+    clock[0] += 1800
+    later = msgspec.structs.replace(reclaim(owned.pod), ts=clock[0])
+    result = asyncio.run(executor.decide(later))
+    assert result.outcome == "executed", result.detail
+    assert "kubeflow-resource-stopped" in annotations_of(kube_api, "Notebook", owned.name)
+
+
 @pytest.mark.parametrize("kind", [*sorted(RESTORABLE), "Job", "Workload", "bare"])
 def test_keep_until_in_force_leaves_every_owner_kind_alone(
         kind: str, kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
@@ -330,7 +358,7 @@ def test_a_pod_recreated_under_its_name_is_not_reclaimed_unannounced(
     result = asyncio.run(executor.decide(notice))
     assert (result.outcome, result.detail) == (
         "failed", f"pod {NS}/{owned.pod} does not exist: no notice was delivered")
-    assert executor.notified == set()
+    assert executor.notified == {}
 
     kube_api.create(_pod(owned.pod, kube_api.get("StatefulSet", owned.name, NS, "apps")))
     new_uid = kube_api.get("Pod", owned.pod, NS)["metadata"]["uid"]

@@ -9,6 +9,7 @@ plain settings and the API double; one test runs the whole loop on the broker.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable
 
 import msgspec
@@ -36,7 +37,7 @@ def dbe_cordon(node_name: str, verb: ActionVerb = "cordon", rule: str = "ecc_dbe
                **params: str) -> Action:
     return Action(idempotency_key=f"{node_name}-dbe/{verb}", verb=verb,
                   target=Subject(node=node_name), reason=f"uncorrectable ECC error on {node_name}",
-                  rule=rule, finding_ids=[f"{node_name}-dbe"], ts=1000.0, params=params)
+                  rule=rule, finding_ids=[f"{node_name}-dbe"], ts=time.time(), params=params)
 
 
 def decide_all(executor: Executor, actions: Iterable[Action]) -> list[ActionResult]:
@@ -83,7 +84,7 @@ def test_deny_lists_and_mig_policy_refuse(
         dbe_cordon("gpu-01"),
         Action(idempotency_key="k/notify", verb="notify_owner",
                target=Subject(pod=PodRef("kube-system", "coredns-1")), reason="idle",
-               rule="idle_holder", finding_ids=["k"], ts=1.0),
+               rule="idle_holder", finding_ids=["k"], ts=time.time()),
         dbe_cordon("gpu-02", verb="set_mig_config", config="all-1g.10gb"),
     ])
     assert [r.outcome for r in results] == ["refused"] * 3

@@ -8,6 +8,7 @@ No broker: the attempts are collected from the executor's ``on_attempt`` hook.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from gpusteward.remediation.executor import Executor, RemediationSettings
 from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
@@ -20,7 +21,7 @@ from tests.remediation.cluster import cordoned, node
 def cordon(node_name: str) -> Action:
     return Action(idempotency_key=f"{node_name}-dbe/cordon", verb="cordon",
                   target=Subject(node=node_name), reason="uncorrectable ECC error",
-                  rule="ecc_dbe", finding_ids=[f"{node_name}-dbe"], ts=1000.0)
+                  rule="ecc_dbe", finding_ids=[f"{node_name}-dbe"], ts=time.time())
 
 
 class Run:
