@@ -6,13 +6,17 @@ broker with a topic prefix of the test's own, so no test sees another's data.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from aiokafka.errors import KafkaTimeoutError
 
+from gpusteward import kafka
 from gpusteward.broker import EmbeddedBroker
 from gpusteward.rules import REGISTRY
 from gpusteward.sandbox.kube_api import KubeApiServer
@@ -76,3 +80,28 @@ def metrics_page(port: int) -> str:
             return str(answer.read().decode())
     except OSError:  # not serving yet
         return ""
+
+
+@pytest.fixture
+def broker_refuses_records(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """Call it (with what the records are) to make every producer ``kafka.producer()`` builds
+    from then on one whose records the broker never takes: each delivery fails with a
+    KafkaTimeoutError, which aiokafka's ``flush()`` would not raise. ``monkeypatch.undo()``
+    ends it."""
+    real_producer = kafka.producer
+
+    def refuse(what: str) -> None:
+        def refusing_producer(settings: Settings, **overrides: object) -> Any:
+            producer = real_producer(settings, **overrides)
+
+            async def send(*_args: object, **_kwargs: object) -> asyncio.Future[None]:
+                failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                failed.set_exception(KafkaTimeoutError(f"{what} was never taken"))
+                return failed
+
+            producer.send = send
+            return producer
+
+        monkeypatch.setattr(kafka, "producer", refusing_producer)
+
+    return refuse

@@ -5,8 +5,8 @@ on the broker."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 import pytest
@@ -120,26 +120,13 @@ def test_the_alert_sink_dead_letters_what_is_no_finding_and_goes_on(settings: Se
 
 @pytest.mark.e2e
 def test_a_bad_record_is_committed_past_only_once_its_dead_letter_is_delivered(
-        settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+        settings: Settings, monkeypatch: pytest.MonkeyPatch,
+        broker_refuses_records: Callable[[str], None]) -> None:
     asyncio.run(kafka.ensure_topics(settings))
     asyncio.run(publish(settings, [b"{not json", msgspec.json.encode(finding("f-1"))]))
     group = f"{settings.topic_prefix}-alerts"
     partition = TopicPartition(topics.FINDINGS.name(settings), 0)
-    real_producer = kafka.producer
-
-    def refusing_producer(settings: Settings, **overrides: object) -> Any:
-        """A producer whose every record the broker never takes."""
-        producer = real_producer(settings, **overrides)
-
-        async def send(*_args: object, **_kwargs: object) -> asyncio.Future[None]:
-            failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            failed.set_exception(KafkaTimeoutError("the dead letter was never taken"))
-            return failed
-
-        producer.send = send
-        return producer
-
-    monkeypatch.setattr(kafka, "producer", refusing_producer)
+    broker_refuses_records("the dead letter")
     with pytest.raises(KafkaTimeoutError):
         asyncio.run(asyncio.wait_for(FindingsConsumer(settings, []).run(asyncio.Event()), 60))
     assert asyncio.run(kafka.committed(settings, group, [partition])) == {partition: -1}

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
+from gpusteward import kafka, topics
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_objects import gpu_node, gpu_pod, workload
+from gpusteward.schema import Action
+from gpusteward.settings import Settings
+from gpusteward.streams.outputs import subject_key
 
 Obj = dict[str, Any]
 
@@ -61,3 +67,16 @@ def writes(api: KubeApiServer) -> list[tuple[str, str, str]]:
     """(method, path, content type) of every request that may change something."""
     return [(r.method, r.path, r.content_type) for r in api.requests
             if r.method in ("PATCH", "POST", "PUT", "DELETE")]
+
+
+async def publish_actions(settings: Settings, *actions: Action) -> None:
+    """Put ``actions`` on the actions topic, keyed by their subject as the worker does."""
+    producer = kafka.producer(settings)
+    await producer.start()
+    try:
+        for action in actions:
+            await producer.send_and_wait(topics.ACTIONS.name(settings),
+                                         msgspec.json.encode(action),
+                                         key=subject_key(action.target).encode())
+    finally:
+        await producer.stop()

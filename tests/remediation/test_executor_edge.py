@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from gpusteward.edge import Edge
 from gpusteward.remediation.executor import Executor, NoBackend, ReviewPrinter
 from gpusteward.schema import TEXT_MAX, Action, ActionResult, DeadLetter, Subject
 from gpusteward.settings import Settings
+from tests.remediation.cluster import publish_actions
 
 
 @dataclass
@@ -88,7 +90,8 @@ def test_an_audit_record_of_the_longest_reason_stays_readable() -> None:
 
 @pytest.mark.e2e
 def test_an_action_is_committed_past_only_once_its_audit_record_is_delivered(
-        settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+        settings: Settings, monkeypatch: pytest.MonkeyPatch,
+        broker_refuses_records: Callable[[str], None]) -> None:
     """aiokafka's ``flush()`` does not raise for a record the broker never took: the
     executor once committed past an action whose audit record was lost that way, so the
     decision was neither audited nor taken again."""
@@ -96,31 +99,8 @@ def test_an_action_is_committed_past_only_once_its_audit_record_is_delivered(
     action = Action(idempotency_key="f1/cordon", verb="cordon", target=Subject(node="gpu-1"),
                     reason="ECC DBE on GPU-1", rule="ecc_dbe", finding_ids=["f1"], ts=1000.0)
 
-    async def publish() -> None:
-        producer = kafka.producer(settings)
-        await producer.start()
-        try:
-            await producer.send_and_wait(topics.ACTIONS.name(settings),
-                                         msgspec.json.encode(action), key=b"gpu-1")
-        finally:
-            await producer.stop()
-
-    asyncio.run(publish())
-    real_producer = kafka.producer
-
-    def refusing_producer(settings: Settings, **overrides: object) -> Any:
-        """A producer whose every record the broker never takes."""
-        producer = real_producer(settings, **overrides)
-
-        async def send(*_args: object, **_kwargs: object) -> asyncio.Future[None]:
-            failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            failed.set_exception(KafkaTimeoutError("the audit record was never taken"))
-            return failed
-
-        producer.send = send
-        return producer
-
-    monkeypatch.setattr(kafka, "producer", refusing_producer)
+    asyncio.run(publish_actions(settings, action))
+    broker_refuses_records("the audit record")
     with pytest.raises(KafkaTimeoutError):
         asyncio.run(asyncio.wait_for(
             Executor(settings, NoBackend(), group_id="executor").run(asyncio.Event()), 60))

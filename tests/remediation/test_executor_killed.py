@@ -27,7 +27,7 @@ from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.schema import Action, ActionResult, PodRef, Subject
 from gpusteward.settings import Settings
-from tests.remediation.cluster import admitted_workload, node, pod, writes
+from tests.remediation.cluster import admitted_workload, node, pod, publish_actions, writes
 
 
 class Killed(BaseException):
@@ -107,16 +107,7 @@ def test_an_action_carried_out_then_killed_before_its_audit_is_not_repeated(
                     finding_ids=["f1"], ts=time.time(), params=PARAMS.get(verb, {}))
     policy = RemediationSettings(enabled_rules={"ecc_dbe"}, allow_mig_config=True)
 
-    async def publish() -> None:
-        producer = kafka.producer(settings)
-        await producer.start()
-        try:
-            await producer.send_and_wait(topics.ACTIONS.name(settings),
-                                         msgspec.json.encode(action), key=b"gpu-1")
-        finally:
-            await producer.stop()
-
-    asyncio.run(publish())
+    asyncio.run(publish_actions(settings, action))
     dying = Executor(settings, DiesAfterActing(KubernetesBackend(kube_settings)), execute=True,
                      remediation=policy, group_id="executor")
     with pytest.raises(Killed):
