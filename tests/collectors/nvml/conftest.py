@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import msgspec
@@ -139,6 +140,29 @@ async def serve_kubelet(kubelet: Kubelet, path: Path) -> grpc.aio.Server:
     server.add_insecure_port(f"unix://{path}")
     await server.start()
     return server
+
+
+def tick_beside_kubelet(fake: FakeNvml, kubelet: Kubelet, path: Path,
+                        publisher: RecordingPublisher, **options: Any) -> NodeSample:
+    """One tick of the NVML collector on ``fake`` with ``kubelet`` answering on ``path``."""
+    from gpusteward.collectors.attribution import PodResourcesClient
+    from gpusteward.collectors.nvml import NvmlCollector
+
+    async def scenario() -> NodeSample:
+        server = await serve_kubelet(kubelet, path)
+        collector = NvmlCollector(fake, "node-a", publisher,
+                                  pod_resources=PodResourcesClient(str(path), timeout_s=2),
+                                  **options)
+        collector.open()
+        try:
+            return await collector.tick()
+        finally:
+            collector.close()
+            assert collector.pod_resources is not None
+            await collector.pod_resources.close()
+            await server.stop(None)
+
+    return asyncio.run(scenario())
 
 
 def run_collect_nvml(settings: Settings, socket_path: Path, kubelet: Kubelet, node: str,

@@ -26,6 +26,7 @@ from .conftest import (
     container,
     kubelet_pod,
     serve_kubelet,
+    tick_beside_kubelet,
 )
 
 
@@ -54,21 +55,7 @@ def test_client_reads_the_kubelet_over_its_unix_socket(socket_path):
 def test_collector_attributes_gpus_and_mig_devices_to_pods(socket_path, fake_nvml, publisher):
     kubelet = Kubelet(KUBELET_LIST)
 
-    async def scenario():
-        server = await serve_kubelet(kubelet, socket_path)
-        collector = NvmlCollector(
-            fake_nvml("mixed-node"), "node-a", publisher,
-            pod_resources=PodResourcesClient(str(socket_path), timeout_s=2))
-        collector.open()
-        try:
-            return await collector.tick()
-        finally:
-            collector.close()
-            assert collector.pod_resources is not None
-            await collector.pod_resources.close()
-            await server.stop(None)
-
-    sample = asyncio.run(scenario())
+    sample = tick_beside_kubelet(fake_nvml("mixed-node"), kubelet, socket_path, publisher)
     pods = {d.uuid: d.pod for d in sample.devices}
     assert pods[WHOLE] == PodRef(namespace="ml", name="train-0", container="trainer")
     assert pods[MIG_PARENT] is None  # the MIG devices are held, not the parent GPU
@@ -163,20 +150,8 @@ def test_nvidia_n_device_ids_name_the_gpu_by_its_minor_number(socket_path, fake_
         kubelet_pod("serving", "llm-1", container("server", "nvidia.com/gpu", "nvidia0/gi1")),
     ]))
 
-    async def scenario():
-        server = await serve_kubelet(kubelet, socket_path)
-        collector = NvmlCollector(fake, "node-a", publisher,
-                                  pod_resources=PodResourcesClient(str(socket_path), timeout_s=2))
-        collector.open()
-        try:
-            return await collector.tick()
-        finally:
-            collector.close()
-            assert collector.pod_resources is not None
-            await collector.pod_resources.close()
-            await server.stop(None)
-
-    pods = {d.uuid: d.pod for d in asyncio.run(scenario()).devices}
+    pods = {d.uuid: d.pod
+            for d in tick_beside_kubelet(fake, kubelet, socket_path, publisher).devices}
     assert pods[WHOLE] == PodRef(namespace="ml", name="train-0", container="trainer")
     assert pods[MIG_PARENT] is None
     assert pods[MIG_1] == PodRef(namespace="serving", name="llm-1", container="server")

@@ -20,7 +20,7 @@ from gpusteward.collectors.nvml import NvmlCollector
 from gpusteward.collectors.podresources import api_pb2
 from gpusteward.schema import DeviceHolder, PodRef
 
-from .conftest import Kubelet, container, kubelet_pod, serve_kubelet
+from .conftest import Kubelet, container, kubelet_pod, serve_kubelet, tick_beside_kubelet
 
 PROC = Path(__file__).resolve().parents[2] / "data" / "proc"
 GIB = 1 << 30
@@ -162,21 +162,9 @@ def test_without_host_proc_a_shared_gpu_is_marked_shared(socket_path, fake_nvml,
         kubelet_pod("ml", "train-0", container("trainer", "nvidia.com/gpu", EXCLUSIVE)),
     ]))
 
-    async def scenario():
-        server = await serve_kubelet(kubelet, socket_path)
-        collector = NvmlCollector(
-            fake_nvml("shared-node"), "node-a", publisher, interval_s=60, event_wait_ms=50,
-            pod_resources=PodResourcesClient(str(socket_path), timeout_s=2))
-        collector.open()
-        try:
-            return await collector.tick()
-        finally:
-            collector.close()
-            assert collector.pod_resources is not None
-            await collector.pod_resources.close()
-            await server.stop(None)
-
-    devices = {d.uuid: d for d in asyncio.run(scenario()).devices}
+    sample = tick_beside_kubelet(fake_nvml("shared-node"), kubelet, socket_path, publisher,
+                                 interval_s=60, event_wait_ms=50)
+    devices = {d.uuid: d for d in sample.devices}
     assert devices[SHARED].attribution == "shared"
     assert [h.pod for h in devices[SHARED].holders] == [
         PodRef(namespace="nb", name="busy"), PodRef(namespace="nb", name="idle")]
