@@ -106,7 +106,7 @@ def test_a_state_an_earlier_release_wrote_goes_on_where_it_stopped(release: str)
     the GPUs are busy, under the ids they fired with, and nothing fires again."""
     raw = (OLD_STATES / f"node-state-{release}.msgpack").read_bytes()
     states = NodeStates({b"n1": raw}, checkpoint_s=30.0)
-    join, writes = NodeJoin(), {}
+    join, writes = NodeJoin(), dict[bytes, bytes]()
     outputs: list[Output] = []
     for tick in range(500, 700):
         outputs += states.apply(writes, join.on_sample, _scenario_sample(tick))
