@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import finding_id, fingerprint, moved_enough, resolved
 from gpusteward.rules.fragmentation import FleetView
@@ -68,6 +68,8 @@ PROJECTED_RUNBOOK = (
 
 class BudgetSettings(BaseModel):
     """Settings of team GPU-hour budgets."""
+
+    model_config = ConfigDict(extra="forbid")
 
     budgets_gpu_h: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict,

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
 from gpusteward.rules.fragmentation import Demand, FleetView
@@ -57,6 +57,8 @@ RUNBOOK = (
 
 class DemandReclaimSettings(BaseModel):
     """Settings of demand-aware reclaim (idle holders that block waiting work)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     notify_after_s: float = Field(
         1800, gt=0,

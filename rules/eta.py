@@ -37,7 +37,7 @@ import statistics
 from collections.abc import Sequence
 
 import msgspec
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import finding_id, fingerprint, moved_enough
 from gpusteward.rules.fragmentation import FleetView
@@ -60,6 +60,8 @@ _ORDER = {"pending": 0, "requeued": 0, "admitted": 1, "evicted": 2, "finished": 
 
 class EtaSettings(BaseModel):
     """Settings of the start-ETA estimate of pending workloads."""
+
+    model_config = ConfigDict(extra="forbid")
 
     window_s: float = Field(
         3600, gt=0,

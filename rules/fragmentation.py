@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import msgspec
-from pydantic import AfterValidator, BaseModel, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from gpusteward.rules.findings import finding_id, fingerprint, resolved
 from gpusteward.rules.registry import FleetRunner
@@ -94,6 +94,8 @@ policy's map is merged over the defaults, so it cannot drop a key)."""
 
 class FragmentationSettings(BaseModel):
     """Settings of the fleet fragmentation rule."""
+
+    model_config = ConfigDict(extra="forbid")
 
     ratio_threshold: float = Field(
         0.5, gt=0, le=1,

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.budget import mig_gpus
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
@@ -57,6 +57,8 @@ _STATE_ORDER = {"pending": 0, "requeued": 0, "admitted": 1, "evicted": 2, "finis
 
 class GangSettings(BaseModel):
     """Settings of the partially placed gang rule."""
+
+    model_config = ConfigDict(extra="forbid")
 
     window_s: float = Field(
         900, gt=0,

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from typing import Annotated
 
 import msgspec
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import finding_id, fingerprint, resolved
 from gpusteward.rules.registry import FleetRunner
@@ -78,6 +78,8 @@ Seconds = Annotated[float, Field(gt=0)]
 
 class QueueSloSettings(BaseModel):
     """Settings of the queue SLO rules."""
+
+    model_config = ConfigDict(extra="forbid")
 
     slo_s: dict[QueuePattern, Seconds] = Field(
         default_factory=lambda: {"prod": 600.0, "research": 7200.0},

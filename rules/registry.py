@@ -24,6 +24,7 @@ one explicitly, name by name, and tests may register a rule of their own
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -42,6 +43,8 @@ from gpusteward.schema import (
     NodeSummary,
     QueueEvent,
 )
+
+log = logging.getLogger(__name__)
 
 Scope = Literal["device", "node", "fleet"]
 Layers = Literal["node", "workload"]
@@ -147,10 +150,20 @@ class Rule:
 def state_in(tracks: dict[str, Any], name: str, state_type: type) -> Any:
     """The state called ``name`` in ``tracks``, created, or turned back into ``state_type``
     when it was decoded from a changelog as plain data: how the node join and the fleet
-    agent keep the state of a rule they have no typed field for."""
+    agent keep the state of a rule they have no typed field for.
+
+    Plain data that is no ``state_type`` (written by a release whose rule kept another
+    shape: a rollback) is dropped with a warning and the rule starts afresh. Raised, it
+    failed every record that reached the rule, for ever (the state is read again from the
+    changelog after each failure)."""
     track = tracks.get(name)
     if type(track) is not state_type:
-        track = state_type() if track is None else msgspec.convert(track, state_type)
+        try:
+            track = state_type() if track is None else msgspec.convert(track, state_type)
+        except msgspec.ValidationError as error:
+            log.warning("the state of rule runner %r is no %s (written by another release?): "
+                        "dropped, the rule starts afresh: %s", name, state_type.__name__, error)
+            track = state_type()
         tracks[name] = track
     return track
 

@@ -27,7 +27,7 @@ episode.
 from __future__ import annotations
 
 import msgspec
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
 from gpusteward.schema import (
@@ -56,6 +56,8 @@ _PHASE_ORDER = {"pending": 0, "bound": 1, "running": 2, "finished": 3, "deleted"
 
 class SpotSettings(BaseModel):
     """Settings of the spot-interruption rule."""
+
+    model_config = ConfigDict(extra="forbid")
 
     termination_taints: list[str] = Field(
         default_factory=lambda: [

@@ -46,7 +46,14 @@ from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary,
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import FleetSettings, register_fleet_agent
 from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings
-from gpusteward.streams.outputs import OutputTopics, each_batch, raw_topic, still_current
+from gpusteward.streams.outputs import (
+    OutputTopics,
+    Undecodable,
+    each_batch,
+    raw_topic,
+    restore,
+    still_current,
+)
 from gpusteward.streams.policy_file import policy_from_env
 
 
@@ -412,7 +419,11 @@ def create_app(
 
     def apply(to_write: dict[bytes, bytes], event: Any) -> list[Output]:
         decode, handler = by_topic[event.message.topic]
-        return states.apply(to_write, handler, decode(event.value, event.key))
+        try:
+            return states.apply(to_write, handler, decode(event.value, event.key))
+        finally:
+            if states.dropped:
+                outputs_to.drop_states(state_table, event.message.partition, states.dropped)
 
     async def node_join(stream: Any) -> None:
         # Records are handled in batches, each record still validated and, if it fails,
@@ -451,6 +462,9 @@ class NodeStates:
         checkpoint. Cleared at every rebalance, when the table is the truth."""
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(NodeState).decode
+        self.dropped: list[Undecodable] = []
+        """Table values this build could not decode, dropped for a fresh state
+        (:func:`.outputs.restore`), until the caller reports them."""
 
     def apply(self, to_write: dict[bytes, bytes], handler: Callable[[NodeState, Any], list[Output]],
               record: Any) -> list[Output]:
@@ -459,8 +473,8 @@ class NodeStates:
         node = record.node.encode()
         entry = self.live.get(node)
         if entry is None:
-            stored = self.table.get(node)
-            entry = (self._decode(stored) if stored is not None else NodeState(), -1.0)
+            stored = restore(self._decode, node, self.table.get(node), self.dropped)
+            entry = (stored if stored is not None else NodeState(), -1.0)
         state, checkpointed_at = entry
         try:
             outputs = handler(state, record)

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -90,9 +90,11 @@ from gpusteward.schema import (
 from gpusteward.settings import Settings
 from gpusteward.streams.outputs import (
     OutputTopics,
+    Undecodable,
     crash_unread,
     each_batch,
     raw_topic,
+    restore,
     still_current,
 )
 
@@ -432,6 +434,8 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     queue_edge = Edge[QueueEvent](QueueEvent, key_of=lambda q: q.cluster_queue)
     alloc_edge = Edge[AllocationEvent](AllocationEvent, key_of=topics.allocation_key)
     state_key = b"fleet"
+    dropped: list[Undecodable] = []
+    """Table values this build could not decode, until reported (:func:`.outputs.restore`)."""
     # The decoded fleet state and the event time of its last checkpoint; dropped on every
     # rebalance, when the table becomes the truth again.
     live: dict[bytes, tuple[FleetState, float]] = {}
@@ -494,14 +498,32 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     app.on_partitions_revoked.connect(forget_live_state)  # type: ignore[arg-type]
     app.on_partitions_assigned.connect(forget_live_state)  # type: ignore[arg-type]
 
-    def load_state() -> FleetState:
-        """The fleet state as the tables hold it."""
+    def load_state(event: Any) -> FleetState:
+        """The fleet state as the tables hold it. A value this build cannot decode (a newer
+        release's, or corrupt) is dropped and reported (:func:`.outputs.restore`), and
+        deleted with the next write: the fleet state starts afresh, a node waits for its
+        next summary, a MIG workload is forgotten. ``event``: the record being processed,
+        whose partition the reports name."""
+        def restored(table: Any, decode: Callable[[bytes], Any],
+                     values: Iterable[tuple[bytes, bytes]]) -> dict[str, Any]:
+            kept: dict[str, Any] = {}
+            for key, value in values:
+                decoded = restore(decode, key, value, dropped)
+                if decoded is not None:
+                    kept[key.decode()] = decoded
+            if table is not fleet_table:  # the fleet state's fresh value replaces its own
+                for gone in dropped:
+                    recent[table, gone.key] = None
+            if dropped:
+                outputs_to.drop_states(table, event.message.partition, dropped)
+            return kept
+
         stored = fleet_table.get(state_key)
-        loaded = decode_fleet(stored) if stored is not None else FleetState()
-        loaded.nodes = {key.decode(): decode_summary(value)
-                        for key, value in nodes_table.items()}
-        loaded.mig.workloads = {key.decode(): decode_mig_workload(value)
-                                for key, value in mig_table.items()}
+        fleet_values = [] if stored is None else [(state_key, stored)]
+        loaded = (restored(fleet_table, decode_fleet, fleet_values).get(state_key.decode())
+                  or FleetState())
+        loaded.nodes = restored(nodes_table, decode_summary, nodes_table.items())
+        loaded.mig.workloads = restored(mig_table, decode_mig_workload, mig_table.items())
         return loaded
 
     queue_tp = TP(queue_name, 0)
@@ -527,7 +549,7 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     async def apply_fleet(event: Any) -> list[FleetOutput]:
         entry = live.get(state_key)
         if entry is None:
-            entry = live[state_key] = (load_state(), -1.0)
+            entry = live[state_key] = (load_state(event), -1.0)
         state, checkpointed_at = entry
         record = decode(event, state)  # a refused record changes nothing but the offset
         caught_up = queue_caught_up(state)
@@ -536,15 +558,15 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         except Exception:
             # The record may have half-changed the state: back to the state after the last
             # whole record, rebuilt from the tables and the records since the last write.
-            await roll_back()
+            await roll_back(event)
             raise
         since_written.append((event, caught_up))
         return outputs
 
-    async def roll_back() -> None:
+    async def roll_back(event: Any) -> None:
         folded = list(since_written)
         forget_unwritten()  # a MIG advice that failed too: its thread has ended
-        live[state_key] = (load_state(), -1.0)
+        live[state_key] = (load_state(event), -1.0)
         try:
             for event, caught_up in folded:
                 state, checkpointed_at = live[state_key]
@@ -612,8 +634,11 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             # The node join dead-letters the same record; once is enough.
             return None
         node = alloc.node.encode()
-        stored = spot_table.get(node)
-        track = decode_track(stored) if stored is not None else spot_rules.SpotNodeTrack()
+        track = restore(decode_track, node, spot_table.get(node), dropped)
+        if dropped:
+            outputs_to.drop_states(spot_table, event.message.partition, dropped)
+        if track is None:
+            track = spot_rules.SpotNodeTrack()
         # A failure leaves the table as it was: the track is written only when whole.
         outputs = spot_join.on_allocation(track, alloc)
         return outputs, node, encode_msgpack(track)

@@ -8,7 +8,10 @@ It is also where the agents' error policy lives: :meth:`OutputTopics.guarded`
 runs one record's processing and turns whatever that record breaks (the
 edge refusing it, a rule, the state encoder) into a dead letter, so that no
 single record can stop an agent. Faust would restart a crashed agent on the
-same record, forever.
+same record, forever. A state a table holds that this build cannot decode (a
+newer release's, read after a rollback, or a corrupt one) is the same kind
+of failure, of every record of its key: :func:`restore` starts that key afresh
+and :meth:`OutputTopics.drop_states` keeps the bytes as a dead letter.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import faust
 import msgspec
@@ -31,6 +34,34 @@ from gpusteward.streams.metrics import worker_metrics
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class Undecodable(NamedTuple):
+    """A table value this build could not decode, dropped for a fresh state."""
+
+    key: bytes
+    value: bytes
+    error: Exception
+
+
+def restore(decode: Callable[[bytes], T], key: bytes, stored: bytes | None,
+            dropped: list[Undecodable]) -> T | None:
+    """The state ``stored`` under ``key`` in a table, decoded; None when there is none, or when
+    it cannot be decoded, which is then noted in ``dropped`` for the caller to report
+    (:meth:`OutputTopics.drop_states`) once it knows the record that found it.
+
+    A value written by a newer release (read after a rollback) or corrupt fails on every
+    read: raised, it dead-lettered every record of its key for ever (the node's detection,
+    or the whole fleet agent's, stopped); the key starts afresh instead, and its next
+    checkpoint replaces the value on the changelog.
+    """
+    if stored is None:
+        return None
+    try:
+        return decode(stored)
+    except msgspec.DecodeError as error:  # ValidationError included
+        dropped.append(Undecodable(key, stored, error))
+        return None
 
 
 class RawSchema(faust.Schema):
@@ -211,6 +242,23 @@ class OutputTopics:
             await asyncio.gather(*[await self.dead_letter(event, failure, agent)
                                    for event, failure in failed])
         return out
+
+    def drop_states(self, table: Any, partition: int, dropped: list[Undecodable]) -> None:
+        """Report the states of ``table`` that :func:`restore` dropped: a warning naming the
+        key, ``gpusteward_dead_letters_total`` counted under the table's changelog topic, and
+        the bytes kept as a dead letter (offset -1: a table value, whose changelog offset the
+        store does not keep; ``partition``: that of the record that read it, which is the
+        key's). Sent without waiting for the broker: the state is gone whatever happens to
+        the dead letter, and the next read of a value not yet replaced reports it again."""
+        topic = table.changelog_topic.get_topic_name()
+        for key, value, error in dropped:
+            why = (f"undecodable state of {key.decode(errors='replace')!r} dropped, it starts "
+                   f"afresh (written by another release, or corrupt): {edge.reason(error)}")
+            log.warning("%s[%d]: %s", topic, partition, why)
+            record = edge.dead_letter(topic, partition, -1, key, value, why)
+            self._deadletter.send_soon(key=topic.encode(), value=self._encode(record))
+            self.metrics.dead_letters.labels(topic, "undecodable_state").inc()
+        dropped.clear()
 
     async def dead_letter(self, event: Any, error: BaseException, agent: str = ""
                           ) -> Awaitable[Any]:

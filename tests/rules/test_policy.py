@@ -100,6 +100,17 @@ def test_errors_name_file_line_and_field() -> None:
     assert len(lines) == 5
 
 
+@pytest.mark.parametrize("rule", sorted(REGISTRY.configurable()))
+def test_a_setting_no_rule_has_is_refused_with_its_file_line_and_field(rule: str) -> None:
+    """A policy kept across an upgrade may name a setting the new release renamed or
+    removed (team_budget's rate_window_s was): every rule refuses it, where it is. Seven of
+    them took it silently, the rule running on its default instead."""
+    with pytest.raises(policy.PolicyError) as caught:
+        policy.parse_policy(f"rules:\n  {rule}:\n    rate_window_s: 3600\n", "old.yaml")
+    assert caught.value.lines() == [
+        f"old.yaml:3: rules.{rule}.rate_window_s: Extra inputs are not permitted"]
+
+
 def test_yaml_syntax_and_shape_errors_are_located() -> None:
     with pytest.raises(policy.PolicyError, match=r"^bad.yaml:3: <top>: not valid YAML"):
         policy.parse_policy("rules:\n  idle_holder: {window_s: 1\n  x: [\n", "bad.yaml")

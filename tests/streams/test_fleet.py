@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
+import pytest
+
 from gpusteward.rules import fragmentation as frag
 from gpusteward.rules import queue as queue_rules
+from gpusteward.rules.eta import EtaState
 from gpusteward.schema import Finding, NodeSummary, QueueEvent
 from gpusteward.streams.fleet import FleetEvaluator, FleetOutput, FleetState
 
@@ -75,3 +79,19 @@ def test_summaries_move_the_clock_only_when_the_queue_is_caught_up() -> None:
     assert findings(behind) == [] and state.clock == 0
     caught_up = evaluator.on_summary(state, summary("n0", 3600, free=0))
     assert [f.kind for f in findings(caught_up)] == [queue_rules.WAIT_KIND]
+
+
+def test_a_rule_state_of_another_release_s_shape_is_dropped_and_the_rules_go_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """After a rollback, the changelog's fleet state may hold a fleet rule's state in the
+    shape a newer release gave it (kept as plain data until the rule first runs). The rule
+    starts afresh with a warning and the queue event is applied; the conversion used to
+    raise on every queue event, each one dead-lettered and the queue state frozen."""
+    stored = msgspec.msgpack.encode({"tracks": {"eta": {"pending": ["a newer shape"]}}})
+    state = msgspec.msgpack.decode(stored, type=FleetState)
+    evaluator = FleetEvaluator()
+    evaluator.on_queue(state, QueueEvent(ts=0, name="a", namespace="ml", cluster_queue="prod",
+                                         state="pending", created_at=0, gpus=1))
+    assert set(state.queue.waiting) == {"ml/a"}
+    assert isinstance(state.tracks["eta"], EtaState) and "ml/a" in state.tracks["eta"].pending
+    assert "'eta' is no EtaState" in caplog.text

@@ -21,15 +21,17 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from gpusteward import kafka, topics
 from gpusteward.broker import free_port
 from gpusteward.children import die_with_parent, stop_child
 from gpusteward.sandbox.pipeline import WorkerProcess, settings_env
-from gpusteward.schema import DeadLetter, QueueEvent
+from gpusteward.schema import DeadLetter, NodeSample, NodeSummary, QueueEvent
 from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
 from gpusteward.streams.fleet import FleetState
+from gpusteward.streams.node import NodeState
 from tests.streams import fleet_record_breaks
 
 pytestmark = pytest.mark.e2e
@@ -120,3 +122,75 @@ def test_a_refused_queue_record_alone_in_its_batch_is_checkpointed_as_read(
     assert written, (tmp_path / "worker.log").read_text()
     state = msgspec.msgpack.decode(written[-1].value, type=FleetState)
     assert state.queue_offset == 1 and set(state.queue.waiting) == {"ml/a"}
+
+
+def test_states_a_rollback_cannot_decode_are_dropped_and_the_worker_goes_on(
+        settings: Settings, tmp_path: Path) -> None:
+    """A rollback: the changelogs hold states a newer release wrote (here a node summary of
+    schema 2 and states this build's types cannot read) beside one the old release wrote. The
+    worker recovers, drops each undecodable state with a dead letter naming its changelog,
+    and goes on: the queue event and the node's sample after them are applied, not
+    dead-lettered. The undecodable states used to dead-letter every record of their key for
+    ever: for the fleet state, every queue event and node summary."""
+    asyncio.run(kafka.ensure_topics(settings))
+    group = worker_group(settings)
+    changelogs = {table: f"{group}-{table}-changelog"
+                  for table in ("fleet-state", "fleet-nodes", "node-state")}
+    newer_summary = msgspec.json.encode(NodeSummary(ts=T0, node="n2", gpu_model=None, gpus_total=8,
+                                                    gpus_free=8, healthy=True))
+    newer_summary = newer_summary.replace(b'"schema":1', b'"schema":2')
+    preload = [
+        (changelogs["fleet-state"], b"fleet", msgspec.msgpack.encode({"queue_offset": "x"})),
+        (changelogs["fleet-nodes"], b"n2", newer_summary),
+        (changelogs["fleet-nodes"], b"n3", msgspec.json.encode(NodeSummary(
+            ts=T0, node="n3", gpu_model=None, gpus_total=8, gpus_free=8, healthy=True))),
+        (changelogs["node-state"], b"n1", b"\xc1 not msgpack"),
+    ]
+
+    async def write_changelogs() -> None:
+        admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
+        await admin.start()
+        try:
+            await admin.create_topics([
+                NewTopic(name, settings.kafka.node_partitions if table == "node-state" else 1,
+                         settings.kafka.replication_factor,
+                         topic_configs={"cleanup.policy": "compact"})
+                for table, name in changelogs.items()])
+        finally:
+            await admin.close()
+        producer = kafka.producer(settings)
+        await producer.start()
+        try:
+            for topic, key, value in preload:
+                await producer.send(topic, value, key=key)
+            await producer.send(topics.SAMPLES.name(settings), msgspec.json.encode(NodeSample(
+                ts=T0, node="n1", source="t", devices=[])), key=b"n1")
+            await producer.flush()
+        finally:
+            await producer.stop()
+
+    asyncio.run(write_changelogs())
+    asyncio.run(_publish(settings, [_pending("a", 0)]))
+    worker = WorkerProcess(settings, tmp_path / "worker.log")
+    worker.start()
+    try:
+        asyncio.run(kafka.wait_consumed(settings, group, [topics.QUEUE.name(settings),
+                                                          topics.SAMPLES.name(settings)],
+                                        timeout_s=60))
+    finally:
+        worker.stop()
+    log = (tmp_path / "worker.log").read_text()
+    dead = [msgspec.json.decode(r.value, type=DeadLetter) for r in asyncio.run(
+        kafka.read_all(settings, topics.DEADLETTER.name(settings)))]
+    assert sorted((d.source_topic, d.key, d.offset) for d in dead) == sorted(
+        (topic, key, -1) for topic, key, _ in preload if key != b"n3"), log
+    assert all("undecodable state" in d.error for d in dead)
+    assert "undecodable state of 'n1' dropped" in log
+    fleet = asyncio.run(kafka.read_all(settings, changelogs["fleet-state"]))
+    state = msgspec.msgpack.decode(fleet[-1].value, type=FleetState)
+    assert set(state.queue.waiting) == {"ml/a"}
+    nodes = {r.key: r.value for r in asyncio.run(
+        kafka.read_all(settings, changelogs["fleet-nodes"]))}
+    assert nodes[b"n2"] is None, "the undecodable summary is deleted"
+    node = asyncio.run(kafka.read_all(settings, changelogs["node-state"]))
+    assert msgspec.msgpack.decode(node[-1].value, type=NodeState).gpu_count == 0

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 
-from gpusteward.schema import DeviceSample, NodeSample, PodAllocation, PodRef
+from gpusteward.schema import DeviceSample, Finding, NodeSample, PodAllocation, PodRef
 from gpusteward.streams.app import NodeStates
 from gpusteward.streams.node import NodeJoin, NodeState, Output
 
@@ -53,3 +55,63 @@ def test_a_record_that_breaks_with_nothing_encoded_goes_back_to_the_table() -> N
     with pytest.raises(ZeroDivisionError):
         states.apply(writes, _breaks, _sample(T0 + 1))
     assert b"n1" not in states.live and writes == {}
+
+
+def _undecodable_states() -> dict[str, bytes]:
+    newer = msgspec.msgpack.encode({"devices": {}, "gpu_count": "eight"})  # a type changed
+    return {"newer release": newer, "corrupt": b"\xc1\x00\xff"}
+
+
+@pytest.mark.parametrize("how", ["newer release", "corrupt"])
+def test_a_state_this_build_cannot_decode_is_dropped_and_the_node_goes_on(how: str) -> None:
+    """A changelog value written by a newer release (read after a rollback) or corrupt: the
+    node starts afresh, the value is kept for the caller to report, and the fresh state is
+    encoded for the checkpoint that replaces it. Raised, it dead-lettered every later record
+    of the node, for ever: its detection stopped."""
+    bad = _undecodable_states()[how]
+    join, table = NodeJoin(), {b"n1": bad}
+    states = NodeStates(table, checkpoint_s=30.0)
+    writes: dict[bytes, bytes] = {}
+    states.apply(writes, join.on_allocation, PodAllocation(
+        ts=T0, node="n1", pod=POD, phase="running", gpus=1, device_ids=["GPU-0"],
+        started_at=T0))
+    assert [(d.key, d.value) for d in states.dropped] == [(b"n1", bad)]
+    assert isinstance(states.dropped[0].error, msgspec.DecodeError)
+    assert list(msgspec.msgpack.decode(writes[b"n1"], type=NodeState).pods) == ["uid-1"]
+    states.dropped.clear()
+    states.live.clear()  # a rebalance: the table is the truth again
+    table.update(writes)
+    states.apply(writes, join.on_sample, _sample(T0 + 1))
+    assert states.dropped == [] and list(states.live[b"n1"][0].pods) == ["uid-1"]
+
+
+OLD_STATES = Path(__file__).parents[1] / "data" / "changelog"
+MODEL = "NVIDIA H100 80GB HBM3"
+
+
+def _scenario_sample(tick: int) -> NodeSample:
+    """A sample of the scenario the recorded states were written in (data/changelog): both
+    GPUs idle until tick 600, busy from then on."""
+    util = 80.0 if tick >= 600 else 0.0
+    return NodeSample(ts=T0 + tick * 10, node="n1", source="t", devices=[
+        DeviceSample(uuid="GPU-0", index=0, model=MODEL, util_pct=util, pod=POD),
+        DeviceSample(uuid="GPU-1", index=1, model=MODEL, util_pct=util, ecc_dbe_volatile=1,
+                     temp_c=70.0, pod=POD)])
+
+
+@pytest.mark.parametrize("release", ["2026-11-21", "2026-11-25"])
+def test_a_state_an_earlier_release_wrote_goes_on_where_it_stopped(release: str) -> None:
+    """An upgrade: the node's state as an earlier release checkpointed it, its XID, ECC and
+    idle findings open. This build decodes it and goes on: the idle findings resolve once
+    the GPUs are busy, under the ids they fired with, and nothing fires again."""
+    raw = (OLD_STATES / f"node-state-{release}.msgpack").read_bytes()
+    states = NodeStates({b"n1": raw}, checkpoint_s=30.0)
+    join, writes = NodeJoin(), dict[bytes, bytes]()
+    outputs: list[Output] = []
+    for tick in range(500, 700):
+        outputs += states.apply(writes, join.on_sample, _scenario_sample(tick))
+    assert states.dropped == []
+    findings = [(o.kind, o.state, o.id) for o in outputs if isinstance(o, Finding)]
+    assert sorted(findings) == [
+        ("idle_holder", "resolved", "68b72b48cd577d1b-1763683800000"),
+        ("idle_holder", "resolved", "bf1c618619b5d536-1763683800000")]
