@@ -191,8 +191,9 @@ class ThermalSettings(BaseModel):
     clear_s: float = Field(120, ge=0, description="Seconds without thermal throttling that close "
                            "an open episode (hysteresis: a GPU hovering at its limit gives one "
                            "episode, not one per crossing).")
-    max_gap_s: float = Field(120, gt=0, description="A gap between samples longer than this "
-                             "restarts the run: no observations means no evidence.")
+    max_gap_s: float = Field(150, gt=0, description="A gap between samples longer than this "
+                             "restarts the run: no observations means no evidence. 150 s: one "
+                             "missed reading of a collector polling every 60 s is no gap.")
     slowdown_c: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_SLOWDOWN_C),
         description="Slowdown temperature (°C) per GPU model, matched as a substring of the "

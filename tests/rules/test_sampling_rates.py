@@ -124,3 +124,20 @@ def test_readings_the_collector_does_not_give_raise_nothing(step: float) -> None
                nvlink_errors=None, ecc_sbe_volatile=None, mem_used_bytes=None)
     assert first_firing(lambda s: mig, step, 3 * 3600) == {}
     assert first_firing(lambda s: bare, step, 3 * 3600, "inference") == {}
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if CASES[name][2] < 1800])
+def test_one_missed_reading_of_a_60_s_collector_is_no_gap(name: str) -> None:
+    """A collector polling every 60 s misses a reading now and then (a query that timed out):
+    the next one comes 120 s and its own latency after the last. That is no gap; the run goes
+    on and the rule fires at the first reading past its window, not a window later."""
+    reading, kind, window_s, workload_kind = CASES[name]
+    join, state = NodeJoin(RuleSettings(policy=POLICY)), NodeState()
+    join.on_allocation(state, PodAllocation(
+        ts=T0 - 7200, node="n1", pod=POD, phase="running", gpus=1, device_ids=["GPU-1"],
+        started_at=T0 - 7200, workload_kind=workload_kind))
+    times = [0.0, 60.0] + [182.0 + i * 60 for i in range(12)]  # the reading at 120 s missed
+    fired = [s for s in times for out in join.on_sample(state, NodeSample(
+        ts=T0 + s, node="n1", source="prometheus", devices=[reading(s)]))
+        if isinstance(out, Finding) and out.state == "firing" and out.kind == kind]
+    assert fired[:1] == [min(s for s in times if s >= window_s)]
