@@ -29,7 +29,11 @@ Everything runs per device on every sample, so :func:`observe_sample` takes
 a fast path when nothing is open and no counter moved: a few comparisons.
 Samples at or before the last one seen for the device are ignored
 (duplicates, late arrivals): the counters are cumulative and the newest
-reading already holds them.
+reading already holds them. A sample without a counter, or without both the
+temperature and the clock-event reasons, is no reading of it: the next
+reading's gap is measured from the last real one, so an exporter that leaves a
+field out for an hour cannot make the increase of that hour look like a burst,
+nor two hot readings an hour apart look like an hour of throttling.
 
 It stays one module: the nine hardware rules share one per-GPU state and one call per
 sample (measured: split, the node join cost a third more).
@@ -187,8 +191,9 @@ class ThermalSettings(BaseModel):
     clear_s: float = Field(120, ge=0, description="Seconds without thermal throttling that close "
                            "an open episode (hysteresis: a GPU hovering at its limit gives one "
                            "episode, not one per crossing).")
-    max_gap_s: float = Field(120, gt=0, description="A gap between samples longer than this "
-                             "restarts the run: no observations means no evidence.")
+    max_gap_s: float = Field(150, gt=0, description="A gap between samples longer than this "
+                             "restarts the run: no observations means no evidence. 150 s: one "
+                             "missed reading of a collector polling every 60 s is no gap.")
     slowdown_c: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_SLOWDOWN_C),
         description="Slowdown temperature (°C) per GPU model, matched as a substring of the "
@@ -262,9 +267,15 @@ class CounterTrack(msgspec.Struct, omit_defaults=True):
     increments: list[tuple[float, int]] = []
     last_increment_ts: float | None = None
     open: Episode | None = None
+    read_until: float | None = None
+    """When a sample last carried the counter, while the samples since have not (a reading
+    the exporter or NVML did not give): the next reading's increase spans the whole time."""
 
 
 class ThermalTrack(msgspec.Struct, omit_defaults=True):
+    seen_ts: float | None = None
+    """The last sample with a temperature or clock-event reasons: a gap is measured from it,
+    so samples without either do not hide one."""
     hot_since: float | None = None
     hot_samples: int = 0
     max_temp_c: float = 0.0
@@ -329,6 +340,8 @@ def _counter(track: CounterTrack, value: int, kind: str, node: str, uuid: str, t
              settings: CounterBurstSettings, out: Out, since_last: float | None) -> None:
     last = track.last
     track.last = value
+    if track.read_until is not None:  # samples came without the counter: no readings
+        since_last, track.read_until = ts - track.read_until, None
     if since_last is not None and since_last > settings.window_s and track.open is None:
         # Samples stopped for longer than the window: the increase may be spread over all of
         # it, so it is no evidence of a burst. It becomes the new baseline.
@@ -365,11 +378,13 @@ def _counter(track: CounterTrack, value: int, kind: str, node: str, uuid: str, t
         track.increments = []
 
 
-def _thermal(track: ThermalTrack, device: DeviceSample, node: str, ts: float, gap: bool,
+def _thermal(track: ThermalTrack, device: DeviceSample, node: str, ts: float,
              settings: ThermalSettings, out: Out) -> None:
     temp, reasons = device.temp_c, device.clock_event_reasons
     if temp is None and reasons is None:
-        return
+        return  # no reading: neither evidence nor the end of a gap
+    gap = track.seen_ts is not None and ts - track.seen_ts > settings.max_gap_s
+    track.seen_ts = ts
     hot_reasons = (reasons or 0) & THERMAL_REASONS
     hot = bool(hot_reasons) or (temp is not None and temp >= settings.threshold_for(device.model))
     if not hot:
@@ -462,15 +477,25 @@ def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
     out: Out = []
     uuid = device.uuid
     since_last = None if last_ts is None else ts - last_ts
-    value = device.ecc_sbe_volatile
-    if value is not None and (value != track.sbe.last or track.sbe.open is not None):
-        _counter(track.sbe, value, SBE_KIND, node, uuid, ts, settings.sbe, out, since_last)
-    value = device.pcie_replay
-    if value is not None and (value != track.pcie.last or track.pcie.open is not None):
-        _counter(track.pcie, value, PCIE_KIND, node, uuid, ts, settings.pcie, out, since_last)
-    value = device.nvlink_errors
-    if value is not None and (value != track.nvlink.last or track.nvlink.open is not None):
-        _counter(track.nvlink, value, NVLINK_KIND, node, uuid, ts, settings.nvlink, out, since_last)
+    # A counter a sample lacks is no reading: its next reading is measured from the last one.
+    counter, value = track.sbe, device.ecc_sbe_volatile
+    if value is None:
+        if counter.last is not None and counter.read_until is None:
+            counter.read_until = last_ts
+    elif value != counter.last or counter.open is not None or counter.read_until is not None:
+        _counter(counter, value, SBE_KIND, node, uuid, ts, settings.sbe, out, since_last)
+    counter, value = track.pcie, device.pcie_replay
+    if value is None:
+        if counter.last is not None and counter.read_until is None:
+            counter.read_until = last_ts
+    elif value != counter.last or counter.open is not None or counter.read_until is not None:
+        _counter(counter, value, PCIE_KIND, node, uuid, ts, settings.pcie, out, since_last)
+    counter, value = track.nvlink, device.nvlink_errors
+    if value is None:
+        if counter.last is not None and counter.read_until is None:
+            counter.read_until = last_ts
+    elif value != counter.last or counter.open is not None or counter.read_until is not None:
+        _counter(counter, value, NVLINK_KIND, node, uuid, ts, settings.nvlink, out, since_last)
     flag = device.remap_failure
     if flag is not None and flag != (track.remap_failure is not None):
         track.remap_failure = _flag(track.remap_failure, flag, REMAP_FAILURE_KIND, node, uuid,
@@ -488,8 +513,7 @@ def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
             or (device.clock_event_reasons or 0) & THERMAL_REASONS
             or (temp is not None and temp >= settings.thermal.coolest_c
                 and temp >= settings.thermal.threshold_for(device.model))):
-        gap = last_ts is not None and ts - last_ts > settings.thermal.max_gap_s
-        _thermal(thermal, device, node, ts, gap, settings.thermal, out)
+        _thermal(thermal, device, node, ts, settings.thermal, out)
     reports = (device.temp_c is not None or device.util_pct is not None
                or device.mem_used_bytes is not None)
     if track.lost is not None and ts > track.lost.since and reports:

@@ -39,8 +39,9 @@ class HighMemorySettings(BaseModel):
     clear_s: float = Field(
         300, ge=0, description="Seconds below the threshold that close an open episode.")
     max_gap_s: float = Field(
-        120, gt=0, description="A gap between samples longer than this (seconds) restarts "
-        "the run: no observations means no evidence.")
+        150, gt=0, description="A gap between samples longer than this (seconds) restarts "
+        "the run: no observations means no evidence. 150 s: one missed reading of a "
+        "collector polling every 60 s is no gap.")
     notify: bool = Field(True, description="Notify the pod's owner when an episode opens.")
 
 

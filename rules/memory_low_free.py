@@ -42,8 +42,9 @@ class LowFreeMemorySettings(BaseModel):
         300, ge=0, description="Seconds above the floor that close an open episode (5 min: a "
         "server hovering at the floor gives one episode).")
     max_gap_s: float = Field(
-        120, gt=0, description="A gap between samples longer than this (seconds) restarts "
-        "the run: no observations means no evidence.")
+        150, gt=0, description="A gap between samples longer than this (seconds) restarts "
+        "the run: no observations means no evidence. 150 s: one missed reading of a "
+        "collector polling every 60 s is no gap.")
     workload_kinds: list[WorkloadKind] = Field(
         default_factory=lambda: ["inference"],
         description="Workload kinds of the holder the rule watches (notebook, batch, "

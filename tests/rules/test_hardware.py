@@ -343,3 +343,29 @@ def test_a_counter_jump_across_a_long_gap_is_not_a_burst() -> None:
     readings = [(T0, dev(ecc_sbe_volatile=0)), (T0 + 7200, dev(ecc_sbe_volatile=500)),
                 (T0 + 7230, dev(ecc_sbe_volatile=510))]
     assert feed(hardware.HwTrack(), readings) == []
+
+
+def test_samples_without_the_counter_do_not_hide_a_gap() -> None:
+    """An exporter that stops giving one counter for two hours while the GPU still reports:
+    the increase found when it returns is spread over those two hours, no burst."""
+    readings = [(T0, dev(pcie_replay=1000))]
+    readings += [(T0 + i * 15, dev(pcie_replay=None)) for i in range(1, 480)]
+    readings += [(T0 + 7200, dev(pcie_replay=1150)), (T0 + 7215, dev(pcie_replay=1150))]
+    assert feed(hardware.HwTrack(), readings) == []
+    # A missing reading or two inside a real burst still counts its increase.
+    burst = [(T0 + i * 15, dev(pcie_replay=None if i in (3, 4) else 40 * i)) for i in range(8)]
+    assert len(firing(feed(hardware.HwTrack(), burst), "pcie_replay")) == 1
+
+
+def test_samples_without_a_temperature_do_not_hide_a_gap() -> None:
+    """Hot, then ten minutes of samples without temperature or clock reasons (an exporter
+    that dropped the field), then hot again: two readings, not ten minutes of evidence."""
+    readings = [(T0, dev(temp_c=95.0))]
+    readings += [(T0 + i * 15, dev(temp_c=None, clock_event_reasons=None))
+                 for i in range(1, 40)]
+    readings += [(T0 + 600, dev(temp_c=95.0)), (T0 + 615, dev(temp_c=95.0))]
+    assert feed(hardware.HwTrack(), readings) == []
+    # A reading missing now and then inside a hot run is no gap.
+    hot = [(T0 + i * 30, dev(temp_c=95.0) if i % 4 != 1 else
+            dev(temp_c=None, clock_event_reasons=None)) for i in range(12)]
+    assert len(firing(feed(hardware.HwTrack(), hot), "thermal_slowdown")) == 1

@@ -131,13 +131,14 @@ def test_windowed_rules_fire_only_after_whole_windows_once_per_episode(rule, ste
 
 # --- leak trend -----------------------------------------------------------------------------
 
-def _leak(used_at, util_at, minutes: int, step: float = 15.0, **overrides) -> list:
+def _leak(used_at, util_at, minutes: int, step: float = 15.0, holder: Holder = INFERENCE,
+          **overrides) -> list:
     track, cfg = memory_leak.LeakTrack(), memory_leak.LeakSettings(**overrides)
     out: list = []
     for i in range(int(minutes * 60 / step)):
         ts = T0 + i * step
         out += memory_leak.observe(track, "n1", device(used_at(ts - T0), util=util_at(ts - T0)),
-                                   ts, cfg, INFERENCE)
+                                   ts, cfg, holder)
     return out
 
 
@@ -162,6 +163,42 @@ def test_no_leak_on_flat_memory_sawtooth_or_growth_with_more_work() -> None:
                           minutes=60)) == []
     # Memory grows because the work does (activity from 20 % to 80 %).
     assert findings(_leak(lambda s: 20 + s / 900, lambda s: 20 + s / 60, minutes=60)) == []
+
+
+def test_no_leak_when_memory_refills_to_a_level_it_held_before() -> None:
+    """A caching allocator releases memory and fills it again as requests come (the real
+    serving pods of the Alibaba GenAI trace do it every few hours, 15 GiB back in half an
+    hour): memory climbing back to its earlier high is no leak; climbing past it is."""
+    def refill(top: float):
+        def used(s: float) -> float:
+            if s < 2400:
+                return 30.0  # the cache, held for 40 min
+            if s < 2700:
+                return 15.0  # released
+            return min(top, 15 + (s - 2700) * (top - 15) / 1800)  # filled again in 30 min
+        return used
+    assert findings(_leak(refill(30.0), lambda s: 40.0, minutes=90)) == []
+    assert len([f for f in findings(_leak(refill(45.0), lambda s: 40.0, minutes=90))
+                if f.state == "firing"]) == 1
+
+
+def test_no_leak_when_memory_climbs_in_a_few_large_blocks() -> None:
+    """An allocator's cache grows by whole blocks as larger requests come (a real serving pod
+    of the GenAI trace: 16 -> 21 -> 24 -> 37 GiB in half an hour, then flat for hours); a
+    leak grows by many small steps."""
+    def staircase(s: float) -> float:
+        return 16.0 + 5 * (s >= 600) + 4 * (s >= 1200) + 4 * (s >= 1500) + 9 * (s >= 2100)
+    assert findings(_leak(staircase, lambda s: 40.0, minutes=60)) == []
+
+
+def test_the_pods_start_up_is_not_fitted() -> None:
+    """Loading the model grows memory once as the pod starts: the window is fitted from the
+    end of the start-up grace on."""
+    starting = Holder(SERVER, T0, "inference")
+    grows = lambda s: 5 + s * 20 / 3600  # noqa: E731
+    assert findings(_leak(grows, lambda s: 40.0, minutes=38, holder=starting)) == []
+    (finding,) = findings(_leak(grows, lambda s: 40.0, minutes=45, holder=starting))
+    assert finding.starts_at >= T0 + 600
 
 
 def test_a_leak_needs_a_window_of_observations() -> None:
