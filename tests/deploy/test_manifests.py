@@ -570,3 +570,32 @@ def test_the_namespace_admits_every_pod_at_the_strictest_level_they_allow(render
     beyond = {name for name, found in pods.items() if found["restricted"]}
     nvml = "nvml" in pod_spec(rendered.component("collector"))["containers"][0]["args"]
     assert beyond == ({"gpusteward-collector"} if nvml else set()), beyond
+
+
+CREDENTIALS = ("PASSWORD", "WEBHOOK_URL", "TOKEN", "SECRET")
+"""Settings whose value is a credential (a webhook's URL is one)."""
+
+
+def test_every_credential_comes_from_a_secret(rendered):
+    """No credential setting is written into a manifest or a ConfigMap, where `kubectl get`
+    shows it to whoever may read the namespace: each comes from a Secret. The alerting
+    consumer's webhook and the report's are read from their optional Secrets."""
+    literal = [
+        f"{w['metadata']['name']}: {e['name']}"
+        for w in rendered.workloads() for c in rendered.pod_spec(w)["containers"]
+        for e in c.get("env") or []
+        if any(word in e["name"] for word in CREDENTIALS) and "secretKeyRef" not in (
+            e.get("valueFrom") or {})]
+    literal += [f"ConfigMap {m['metadata']['name']}: {key}" for m in rendered.kind("ConfigMap")
+                for key in m.get("data") or {} if any(word in key for word in CREDENTIALS)]
+    assert not literal, literal
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"]
+           for component in ("alerts", "report")
+           for c in rendered.pod_spec(rendered.component(component))["containers"]
+           for e in c.get("env") or [] if "WEBHOOK_URL" in e["name"]}
+    assert env == {
+        "GPUSTEWARD_WEBHOOK_URL": {"name": "gpusteward-alerts", "key": "webhook-url",
+                                   "optional": True},
+        "GPUSTEWARD_REPORT__WEBHOOK_URL": {"name": "gpusteward-report", "key": "webhook-url",
+                                           "optional": True}}
+    assert "GPUSTEWARD_WEBHOOK_URL" in read_by(["alerts"])
