@@ -26,7 +26,7 @@ from typing import Any
 
 import aiohttp
 
-from gpusteward.errors import GpustewardError
+from gpusteward.errors import GpustewardError, shown_url, without_url
 from gpusteward.rules.idle import owner_notice
 from gpusteward.schema import Finding
 
@@ -94,6 +94,8 @@ class AlertmanagerSink:
         (a dashboard); the fingerprint is appended as ``?fingerprint=``.
         """
         self.url = url.rstrip("/")
+        self.shown = shown_url(self.url, keep_path=True)
+        """The URL as messages show it: without ``user:password@`` or a query."""
         self.resend_interval_s = resend_interval_s
         self.lifetime_s = resend_interval_s * lifetime_intervals
         self.generator_url = generator_url
@@ -169,7 +171,9 @@ class AlertmanagerSink:
                     body = (await response.text())[:300]
                     raise AlertmanagerError(f"Alertmanager answered {response.status}: {body}")
         except aiohttp.ClientError as error:
-            raise AlertmanagerError(f"cannot reach Alertmanager at {self.url}: {error}") from error
+            raise AlertmanagerError(f"cannot reach Alertmanager at {self.shown}: "
+                                    f"{without_url(str(error), self.url, keep_path=True)}"
+                                    ) from error
         self._last_post = self.clock()
 
     async def _post_quietly(self, alerts: list[dict[str, Any]]) -> bool:
@@ -193,7 +197,8 @@ class AlertmanagerSink:
                     raise AlertmanagerError(f"Alertmanager answered {response.status}")
                 active = await response.json()
         except (aiohttp.ClientError, AlertmanagerError, TimeoutError) as error:
-            log.warning("cannot look up alerts to resolve %s: %s", finding.fingerprint, error)
+            log.warning("cannot look up alerts to resolve %s: %s", finding.fingerprint,
+                        without_url(str(error), self.url, keep_path=True))
             # Fall back to the finding's own labels: right unless severity changed.
             return [{"labels": alert_labels(finding), "annotations": alert_annotations(finding),
                      "startsAt": rfc3339(finding.starts_at), "endsAt": rfc3339(ends_at),

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from gpusteward.errors import shown_url, without_url
 from gpusteward.rules.idle import owner_notice
 from gpusteward.schema import Finding
 
@@ -68,6 +69,8 @@ class WebhookSink:
                  timeout_s: float = 10.0, min_severity: str = "info") -> None:
         """``min_severity``: findings below it (info < warning < critical) are not sent."""
         self.url = url
+        self.shown = shown_url(url)
+        """Where log lines say the messages go: the path and query are the credential."""
         self.attempts = attempts
         self.backoff_s = backoff_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -106,14 +109,17 @@ class WebhookSink:
                         return True
                     problem = f"answered {response.status}: {(await response.text())[:200]}"
                     if 400 <= response.status < 500 and response.status != 429:
-                        log.error("webhook %s rejected a message (%s); dropping it", self.url,
-                                  problem)
+                        log.error("webhook %s rejected a message (%s); dropping it",
+                                  self.shown, problem)
                         return True
+            except aiohttp.InvalidURL:
+                problem = "not an http(s) URL"
             except (aiohttp.ClientError, TimeoutError) as error:
-                problem = str(error) or type(error).__name__
+                problem = without_url(str(error), self.url) or type(error).__name__
             if attempt + 1 < tries:
                 await asyncio.sleep(self.backoff_s * 2 ** attempt)
-        log.warning("webhook %s: %s; the message is kept for the next refresh", self.url, problem)
+        log.warning("webhook %s: %s; the message is kept for the next refresh", self.shown,
+                    problem)
         return False
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
+from urllib.parse import urlsplit
 
 MAX_DETAIL = 300
 """Characters of a server's message or body kept in an error's text: enough for a
@@ -51,6 +52,33 @@ def cut(text: str | bytes | None, limit: int = MAX_DETAIL) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
+def shown_url(url: str, keep_path: bool = False) -> str:
+    """``url`` as a log line or an error may show it: scheme, host and port (and its path
+    with ``keep_path``), never ``user:password@``, a query or a fragment.
+
+    A webhook's path and query are its credential (Slack's ``/services/T…/B…/<secret>``, a
+    ``?token=``); "/…" says something was left out.
+    """
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # not a URL at all: nothing of it is safe to show
+        return "<unreadable URL>"
+    if not parts.scheme or not parts.hostname:
+        return "<unreadable URL>"
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    where = f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
+    if keep_path:
+        where += parts.path.rstrip("/")
+    hidden = (not keep_path and parts.path.strip("/")) or parts.query or parts.fragment
+    return where + ("/…" if hidden else "")
+
+
+def without_url(text: str, url: str, keep_path: bool = False) -> str:
+    """``text`` (an error's message) with ``url`` in it replaced by :func:`shown_url`."""
+    return text.replace(url, shown_url(url, keep_path)) if url else text
 
 
 class GpustewardError(Exception):

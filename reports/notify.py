@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from gpusteward.errors import TemporaryError
+from gpusteward.errors import TemporaryError, without_url
 from gpusteward.reports.trends import missing_note
 
 TOP = 5
@@ -60,4 +60,6 @@ async def post(url: str, text: str, timeout_s: float = 10.0) -> None:
                 body = (await response.text())[:200]
                 raise TemporaryError(f"webhook answered {response.status}: {body}")
     except (TimeoutError, aiohttp.ClientError) as error:
-        raise TemporaryError(f"webhook not reached: {error}") from error
+        # The URL is the webhook's credential: an error naming it (an unreadable URL's)
+        # says only its host.
+        raise TemporaryError(f"webhook not reached: {without_url(str(error), url)}") from error

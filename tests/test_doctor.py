@@ -107,8 +107,12 @@ def test_doctor_passes_against_the_sandbox(
     # Asked about each component's account (with the groups its token carries), never
     # about the caller.
     asked = subject_reviews(kube_api)
-    assert len(asked) == len(COMPONENTS["watcher"].needs) + len(
-        COMPONENTS["remediation"].needs)
+    dry_run = COMPONENTS["remediation"]
+    assert not dry_run.needs and dry_run.must_lack
+    assert len(asked) == len(COMPONENTS["watcher"].needs) + len(dry_run.must_lack)
+    remediation = next(c for c in checks if c.name == "rbac remediation")
+    assert remediation.detail == (f"none of the {len(dry_run.must_lack)} verbs that change "
+                                  f"the cluster allowed to {REMEDIATION_USER}")
     assert {(spec["user"], tuple(spec["groups"])) for spec in asked} == {
         (f"system:serviceaccount:gpusteward:gpusteward-{name}",
          ("system:serviceaccounts", "system:serviceaccounts:gpusteward"))
@@ -122,19 +126,25 @@ def test_doctor_names_each_fault_of_a_broken_setup(
     nowhere = f"127.0.0.1:{free_port()}"
     wrong = settings.model_copy(update={"kafka": settings.kafka.model_copy(
         update={"bootstrap_servers": nowhere})})
-    grant_as_deployed(kube_api, BASE_RBAC, leave_out={("", "pods/eviction", "create")})
+    grant_as_deployed(kube_api, BASE_RBAC, leave_out={("", "pods", "watch")})
+    # The dry run's account bound to a role that lets it cordon (as deploy/ once shipped).
+    kube_api.grant(REMEDIATION_USER, "patch", "nodes")
     bad_policy = tmp_path / "policy.yaml"
     bad_policy.write_text("rules:\n  idle_holder:\n    window_s: -1\n")
     checks = asyncio.run(diagnose(
         wrong, kubeconfig=str(kubeconfig), dcgm_url=stock_exporter.url,
         kubelet_socket=str(tmp_path / "absent.sock"), policy=str(bad_policy), timeout_s=1))
     faults = failed(checks)
-    assert set(faults) == {"kafka", "rbac remediation", "dcgm-exporter", "kubelet socket",
-                           "policy"}
+    assert set(faults) == {"kafka", "rbac watcher", "rbac remediation", "dcgm-exporter",
+                           "kubelet socket", "policy"}
     assert f"no broker answers at {nowhere}" in faults["kafka"]
+    assert faults["rbac watcher"] == (
+        "denied to system:serviceaccount:gpusteward:gpusteward-watcher: watch pods; grant "
+        "them to gpusteward-watcher in gpusteward (deploy/base/rbac.yaml)")
     assert faults["rbac remediation"].startswith(
-        f"denied to {REMEDIATION_USER}: create pods/eviction; grant them to "
-        "gpusteward-remediation in gpusteward (deploy/base/rbac.yaml)")
+        f"allowed to {REMEDIATION_USER}, and must not be: patch nodes; a dry run calls no "
+        "Kubernetes API, and an account that may change the cluster leaves the dry run to a "
+        "flag; remove the binding")
     assert faults["dcgm-exporter"].startswith("counters off: ")
     for family in STOCK_MISSING:
         assert f"{family} (" in faults["dcgm-exporter"], family
@@ -146,9 +156,9 @@ def test_the_service_accounts_permissions_decide_not_the_callers(
         kubeconfig: Path, kube_api: KubeApiServer) -> None:
     client = kube_client(str(kubeconfig))
     # A caller allowed everything (an admin's laptop) learns what the account lacks.
-    grant_as_deployed(kube_api, BASE_RBAC, leave_out={("kueue.x-k8s.io", "workloads",
-                                                       "patch")})
-    lacking = check_rbac(client, "remediation", 5)
+    grant_as_deployed(kube_api, BASE_RBAC, EXECUTE_RBAC,
+                      leave_out={("kueue.x-k8s.io", "workloads", "patch")})
+    lacking = check_rbac(client, "remediation-execute", 5)
     assert not lacking.ok
     assert lacking.detail.startswith(f"denied to {REMEDIATION_USER}: patch "
                                      "workloads.kueue.x-k8s.io;")
@@ -169,13 +179,19 @@ def test_the_shipped_dry_run_lacks_what_acting_needs(
     execute = check_rbac(client, "remediation-execute", 5)
     assert not execute.ok
     denied = execute.detail.split(": ", 1)[1].split("; ")[0].split(", ")
-    assert denied[:3] == ["get nodes", "list nodes", "get pods"]
-    assert "delete pods" in denied and "create events" in denied
-    assert "patch nodes" not in denied  # the base role grants it
-    assert execute.detail.endswith("(deploy/base/rbac.yaml and "
-                                   "deploy/components/remediation-execute)")
+    # The base grants the dry run's account nothing, not even a cordon.
+    assert denied == [str(p) for p in COMPONENTS["remediation-execute"].needs]
+    assert denied[:3] == ["patch nodes", "create pods/eviction",
+                          "patch workloads.kueue.x-k8s.io"]
+    assert execute.detail.endswith("(deploy/components/remediation-execute)")
     grant_as_deployed(kube_api, BASE_RBAC, EXECUTE_RBAC)
     assert check_rbac(client, "remediation-execute", 5).ok
+    # Once it may act, the same account is no dry run any more, and doctor says so.
+    dry_run = check_rbac(client, "remediation", 5)
+    assert not dry_run.ok
+    assert dry_run.detail.startswith(f"allowed to {REMEDIATION_USER}, and must not be: patch "
+                                     "nodes, create pods/eviction, ")
+    assert dry_run.detail.endswith("check --component remediation-execute")
 
 
 def test_a_caller_that_may_not_ask_about_others_is_told_it_checked_itself(
@@ -190,7 +206,8 @@ def test_a_caller_that_may_not_ask_about_others_is_told_it_checked_itself(
             "(SelfSubjectAccessReview), which are its only when run as it: ")
     remediation = check_rbac(client, "remediation", 5)
     assert not remediation.ok
-    assert remediation.detail.startswith(f"{said}denied to you: create pods/eviction; ")
+    assert remediation.detail.startswith(
+        f"{said}allowed to you, and must not be: patch nodes, patch workloads.kueue.x-k8s.io, ")
     kube_api.requests.clear()
     execute = check_rbac(client, "remediation-execute", 5)
     assert not execute.ok and "denied to you: create pods/eviction; " in execute.detail

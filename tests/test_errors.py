@@ -19,6 +19,8 @@ from gpusteward.errors import (
     TemporaryError,
     TooManyRequests,
     api_error,
+    shown_url,
+    without_url,
 )
 
 STATUS = b'{"kind":"Status","status":"Failure","reason":"%s","message":"%s","code":%d}'
@@ -71,3 +73,16 @@ def test_existing_errors_sit_under_the_root_and_keep_their_old_bases() -> None:
     assert issubclass(UnknownRuleError, PermanentError) and issubclass(UnknownRuleError, KeyError)
     assert issubclass(SourceError, TemporaryError)
     assert issubclass(ConfigError, GpustewardError)
+
+
+def test_a_url_is_shown_without_what_makes_it_a_credential() -> None:
+    slack = "https://hooks.slack.com/services/T0/B0/s3cr3t"
+    assert shown_url(slack) == "https://hooks.slack.com/…"
+    assert shown_url("http://admin:pw@am.monitoring:9093") == "http://am.monitoring:9093"
+    assert shown_url("http://admin:pw@am:9093/prefix?token=t", keep_path=True) == (
+        "http://am:9093/prefix/…")
+    assert shown_url("http://[::1]:8080/x") == "http://[::1]:8080/…"
+    for unreadable in ("hooks.slack.com/services/T0/B0/s3cr3t", "http://h:port/", ""):
+        assert shown_url(unreadable) == "<unreadable URL>"
+    assert without_url(f"POST {slack} failed", slack) == (
+        "POST https://hooks.slack.com/… failed")

@@ -69,10 +69,15 @@ class Component:
     needs: tuple[Permission, ...]
     granted_in: str
     """The manifests that grant ``needs``: where to look when one is denied."""
+    must_lack: tuple[Permission, ...] = ()
+    """What its account must not be allowed: a grant here is a fault too."""
+    must_lack_why: str = ""
+    """Why, and what to do about such a grant."""
 
 
 KUEUE = "kueue.x-k8s.io"
 RBAC = "deploy/base/rbac.yaml"
+EXECUTE_RBAC = "deploy/components/remediation-execute"
 NAMESPACE = "gpusteward"
 """The namespace deploy/base puts every component in (its kustomization's ``namespace``)."""
 
@@ -86,29 +91,34 @@ WATCHER_NEEDS = (*_perms("get list watch", "pods"), *_perms("get list watch", "n
                  *_perms("get list watch", "jobsets", "jobset.x-k8s.io"),
                  *(p for kind in ("pytorchjobs", "mpijobs", "tfjobs")
                    for p in _perms("get list watch", kind, "kubeflow.org")))
-# ClusterRole gpusteward-remediation: what the shipped (dry-run) deployment is granted.
-DRY_RUN_NEEDS = (*_perms("patch", "nodes"), *_perms("create", "pods", subresource="eviction"),
-                 *_perms("patch", "workloads", KUEUE))
-# ClusterRole gpusteward-remediation-execute, which the remediation-execute component adds
-# for `act --execute`: the rest of remediation/kubernetes.py's verbs (its module docstring
-# lists them by action).
-EXECUTE_EXTRA_NEEDS = (*_perms("get list", "nodes"), *_perms("get list patch delete", "pods"),
-                       *_perms("create", "events"), *_perms("get", "workloads", KUEUE),
-                       *_perms("get", "replicasets", "apps"),
-                       *_perms("get patch", "deployments", "apps"),
-                       *_perms("get patch", "statefulsets", "apps"),
-                       *_perms("get patch", "notebooks", "kubeflow.org"))
+# ClusterRole gpusteward-remediation-execute, which the remediation-execute component binds
+# for `act --execute`: every verb of remediation/kubernetes.py (its module docstring lists
+# them by action). The shipped dry run (`act --dry-run`, no backend) calls no API, and its
+# account is granted nothing.
+EXECUTE_NEEDS = (*_perms("patch", "nodes"), *_perms("create", "pods", subresource="eviction"),
+                 *_perms("patch", "workloads", KUEUE),
+                 *_perms("get list", "nodes"), *_perms("get list patch delete", "pods"),
+                 *_perms("create", "events"), *_perms("get", "workloads", KUEUE),
+                 *_perms("get", "replicasets", "apps"),
+                 *_perms("get patch", "deployments", "apps"),
+                 *_perms("get patch", "statefulsets", "apps"),
+                 *_perms("get patch", "notebooks", "kubeflow.org"))
+EXECUTE_WRITES = tuple(p for p in EXECUTE_NEEDS if p.verb not in ("get", "list", "watch"))
+"""What lets the executor change the cluster: what a dry run's account must not hold."""
 
 COMPONENTS: dict[str, Component] = {
     "watcher": Component("gpusteward-watcher", WATCHER_NEEDS, RBAC),
-    "remediation": Component("gpusteward-remediation", DRY_RUN_NEEDS, RBAC),
-    "remediation-execute": Component(
-        "gpusteward-remediation", DRY_RUN_NEEDS + EXECUTE_EXTRA_NEEDS,
-        f"{RBAC} and deploy/components/remediation-execute"),
+    "remediation": Component(
+        "gpusteward-remediation", (), RBAC, must_lack=EXECUTE_WRITES,
+        must_lack_why="a dry run calls no Kubernetes API, and an account that may change "
+        "the cluster leaves the dry run to a flag; remove the binding that grants them, or, "
+        f"if the executor acts ({EXECUTE_RBAC}), check --component remediation-execute"),
+    "remediation-execute": Component("gpusteward-remediation", EXECUTE_NEEDS, EXECUTE_RBAC),
 }
-"""Whose RBAC ``--component`` can check: ``remediation`` is the shipped dry run,
-``remediation-execute`` the same account once the remediation-execute component lets it
-act. tests/deploy/test_rbac.py keeps each equal to what the rendered manifests grant."""
+"""Whose RBAC ``--component`` can check: ``remediation`` is the shipped dry run, whose
+account may change nothing, ``remediation-execute`` the same account once the
+remediation-execute component lets it act. tests/deploy/test_rbac.py keeps each equal to
+what the rendered manifests grant."""
 DEFAULT_COMPONENTS = ("watcher", "remediation")
 
 CHECKS = ("kafka", "kube", "dcgm", "kubelet", "policy")
@@ -219,9 +229,10 @@ def check_rbac(client: Any, component: str, timeout_s: float,
     name = f"rbac {component}"
     user, groups = service_account_user(namespace, wanted.service_account)
     authz = k8s.AuthorizationV1Api(client)
+    asked = wanted.needs + wanted.must_lack
     who, note = user, ""
     try:
-        denied = _subject_denied(authz, user, groups, wanted.needs, timeout_s)
+        refused = _subject_denied(authz, user, groups, asked, timeout_s)
     except ApiException as error:
         if error.status != 403:
             return Check(name, False, f"cannot ask the API server about {user} "
@@ -232,16 +243,25 @@ def check_rbac(client: Any, component: str, timeout_s: float,
                             f"to ask about {user}, so this checked your own permissions "
                             "(SelfSubjectAccessReview), which are its only when run as it: ")
         try:
-            denied = _self_denied(authz, wanted.needs, timeout_s)
+            refused = _self_denied(authz, asked, timeout_s)
         except Exception as error:  # reported as the check's failure
             return Check(name, False, f"{note}cannot ask the API server ({_cut(error)})")
     except Exception as error:  # reported as the check's failure
         return Check(name, False, f"cannot ask the API server about {user} ({_cut(error)})")
+    denied = [p for p in wanted.needs if p in refused]
+    excess = [p for p in wanted.must_lack if p not in refused]
     if denied:
         return Check(name, False, f"{note}denied to {who}: {', '.join(map(str, denied))}; "
                      f"grant them to {wanted.service_account} in {namespace} "
                      f"({wanted.granted_in})")
-    return Check(name, True, f"{note}all {len(wanted.needs)} verbs allowed to {who}")
+    if excess:
+        return Check(name, False, f"{note}allowed to {who}, and must not be: "
+                     f"{', '.join(map(str, excess))}; {wanted.must_lack_why}")
+    said = [f"all {len(wanted.needs)} verbs allowed to {who}"] if wanted.needs else []
+    if wanted.must_lack:
+        said.append(f"none of the {len(wanted.must_lack)} verbs that change the cluster "
+                    f"allowed to {who}")
+    return Check(name, True, note + "; ".join(said))
 
 
 async def check_dcgm(url: str, timeout_s: float) -> Check:
@@ -344,7 +364,7 @@ def doctor(
         help="Kubeconfig; none: in-cluster, else ~/.kube/config.")] = None,
     component: Annotated[list[str] | None, typer.Option(
         "--component", help="Whose RBAC to check, asked about its service account: "
-        "watcher, remediation (the dry run), remediation-execute (with the "
+        "watcher, remediation (the dry run: may change nothing), remediation-execute (with the "
         "remediation-execute component); repeat; default watcher and remediation.")] = None,
     namespace: Annotated[str, typer.Option(
         "--namespace", help="The namespace the components' service accounts are in.")

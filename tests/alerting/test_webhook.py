@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
+import pytest
 from aiohttp import web
 
+from gpusteward.alerting.alertmanager import AlertmanagerSink
 from gpusteward.alerting.webhook import WebhookSink
+from gpusteward.broker import free_port
 from gpusteward.rules.findings import resolved
 from gpusteward.schema import Finding, Subject
 
@@ -88,3 +92,51 @@ def test_findings_below_the_minimum_severity_are_not_sent() -> None:
         return len(received)
 
     assert asyncio.run(main()) == 1
+
+
+# A Slack incoming webhook's path is its credential; a token may ride in the query, and a
+# password in the URL itself.
+SECRET_PATH = "/services/T0001/B0001/s3cr3tW3bh00kT0k3n"
+
+
+def test_the_webhook_url_and_alertmanager_password_never_reach_the_log(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A refused message and an unreachable receiver are logged by host and port only: the
+    path, the query and ``user:password@`` are the credentials."""
+    async def main() -> tuple[str, str]:
+        async def refuse(request: web.Request) -> web.Response:
+            return web.Response(status=404, text="no_service")
+
+        app = web.Application()
+        app.router.add_post(SECRET_PATH, refuse)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        refusing = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        unreachable = f"http://127.0.0.1:{free_port()}"
+        for url in (f"{refusing}{SECRET_PATH}?token=qu3ryT0k3n", f"{unreachable}{SECRET_PATH}",
+                    "hooks.slack.com" + SECRET_PATH):  # no scheme: aiohttp's error quotes it
+            sink = WebhookSink(url, attempts=1)
+            await sink.deliver(finding())
+            await sink.close()
+        alertmanager = AlertmanagerSink(f"http://admin:hunt3rPassw0rd@{unreachable[7:]}",
+                                        timeout_s=2)
+        await alertmanager.deliver(finding())
+        await alertmanager.deliver(resolved("fp-1-1000", "fp-1", "ecc_dbe", finding().subject,
+                                            "GPU reset", 1000.0, 1100.0))
+        await alertmanager.close()
+        await runner.cleanup()
+        return refusing, unreachable
+
+    with caplog.at_level(logging.INFO, logger="gpusteward"):
+        refusing, unreachable = asyncio.run(main())
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("gpusteward")]
+    said = "\n".join(logged)
+    for secret in ("s3cr3tW3bh00kT0k3n", "qu3ryT0k3n", "hunt3rPassw0rd", "admin"):
+        assert secret not in said, said
+    assert f"webhook {refusing}/… rejected a message (answered 404: no_service)" in said
+    assert f"webhook {unreachable}/…: Cannot connect to host" in said
+    assert f"cannot reach Alertmanager at {unreachable}: Cannot connect" in said
+    assert "webhook <unreadable URL>: not an http(s) URL;" in said
+    assert len(logged) == 5, said  # each failure still said, once

@@ -179,7 +179,9 @@ def test_only_the_api_clients_mount_a_token(rendered):
         for w in _gpusteward_workloads(rendered)
         if rendered.pod_spec(w).get("automountServiceAccountToken", True)
     }
-    assert mounting == {"watcher", "remediation"}
+    # The remediation executor calls the API only where it acts (the execute component).
+    acting = {"remediation"} if rendered.variant.endswith("+execute") else set()
+    assert mounting == {"watcher"} | acting
 
 
 def test_nvml_collector_runs_on_gpu_nodes_with_the_pod_resources_socket(render):
@@ -484,3 +486,116 @@ def test_every_long_running_process_is_scraped(render):
     assert {p["port"] for p in policy["spec"]["ingress"][0]["ports"]} >= {9400, port}
     (rule,) = rendered.kind("PrometheusRule")
     assert rule["metadata"]["labels"]["release"] == monitor["metadata"]["labels"]["release"]
+
+
+# The Pod Security Standards (kubernetes.io/docs/concepts/security/pod-security-standards),
+# the controls the manifests could break. `baseline` forbids the host's namespaces, ports
+# and paths, privilege and added capabilities; `restricted` adds a non-root user, seccomp,
+# no escalation, every capability dropped and only these volume types.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}
+BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL",
+                         "MKNOD", "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP",
+                         "SETUID", "SYS_CHROOT"}
+LEVELS = ("restricted", "baseline", "privileged")
+
+
+def pod_security_violations(pod: dict[str, Any]) -> dict[str, list[str]]:
+    """What keeps ``pod`` out of each Pod Security level: level -> violations (the
+    restricted list includes the baseline one)."""
+    baseline: list[str] = []
+    extra: list[str] = []
+    for host in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(host):
+            baseline.append(host)
+    volumes = pod.get("volumes") or []
+    baseline += [f"hostPath volume {v['name']}" for v in volumes if "hostPath" in v]
+    extra += [f"volume {v['name']} of a type restricted forbids" for v in volumes
+              if not set(v) - {"name"} <= RESTRICTED_VOLUMES]
+    pod_context = pod.get("securityContext") or {}
+    containers = (pod.get("initContainers") or []) + pod["containers"]
+    for container in containers:
+        name, context = container["name"], container.get("securityContext") or {}
+        if context.get("privileged"):
+            baseline.append(f"{name}: privileged")
+        added = set((context.get("capabilities") or {}).get("add") or [])
+        if added - BASELINE_CAPABILITIES:
+            baseline.append(f"{name}: adds {sorted(added - BASELINE_CAPABILITIES)}")
+        if any(port.get("hostPort") for port in container.get("ports") or []):
+            baseline.append(f"{name}: hostPort")
+        if added - {"NET_BIND_SERVICE"}:
+            extra.append(f"{name}: adds capabilities")
+        if "ALL" not in ((context.get("capabilities") or {}).get("drop") or []):
+            extra.append(f"{name}: does not drop ALL capabilities")
+        if context.get("allowPrivilegeEscalation") is not False:
+            extra.append(f"{name}: allowPrivilegeEscalation")
+        if not context.get("runAsNonRoot", pod_context.get("runAsNonRoot")):
+            extra.append(f"{name}: runAsNonRoot")
+        if context.get("runAsUser", pod_context.get("runAsUser")) == 0:
+            extra.append(f"{name}: runAsUser 0")
+        seccomp = (context.get("seccompProfile") or pod_context.get("seccompProfile") or {})
+        if seccomp.get("type") not in ("RuntimeDefault", "Localhost"):
+            extra.append(f"{name}: seccomp")
+    return {"privileged": [], "baseline": baseline, "restricted": baseline + extra}
+
+
+def test_pod_security_violations_names_what_each_level_forbids(render):
+    """The checker itself, on the NVML collector: root and a hostPath keep it out of both."""
+    collector = pod_spec(render("production").component("collector"))
+    found = pod_security_violations(collector)
+    assert "hostPath volume pod-resources" in found["baseline"]
+    assert "collector: runAsUser 0" in found["restricted"]
+    assert "collector: runAsUser 0" not in found["baseline"]
+    assert found["privileged"] == []
+
+
+def test_the_namespace_admits_every_pod_at_the_strictest_level_they_allow(rendered):
+    """The namespace enforces the strictest Pod Security level every pod in it meets, and
+    audits at restricted: `privileged` only where the NVML collector (root, the
+    kubelet's socket by hostPath) runs there, `restricted` where it does not (the
+    dcgm-exporter component). A pod that meets no lower level fails here, not at admission."""
+    (namespace,) = [n for n in rendered.kind("Namespace")
+                    if n["metadata"]["name"] == "gpusteward"]
+    labels = namespace["metadata"]["labels"]
+    pods = {w["metadata"]["name"]: pod_security_violations(rendered.pod_spec(w))
+            for w in rendered.workloads()
+            if w["metadata"].get("namespace") == "gpusteward"}
+    strictest = next(level for level in LEVELS
+                     if not [v for found in pods.values() for v in found[level]])
+    assert labels["pod-security.kubernetes.io/enforce"] == strictest, {
+        name: found[strictest if strictest == "restricted" else "baseline"]
+        for name, found in pods.items()}
+    assert labels["pod-security.kubernetes.io/audit"] == "restricted"
+    # Only the NVML collector needs more than restricted.
+    beyond = {name for name, found in pods.items() if found["restricted"]}
+    nvml = "nvml" in pod_spec(rendered.component("collector"))["containers"][0]["args"]
+    assert beyond == ({"gpusteward-collector"} if nvml else set()), beyond
+
+
+CREDENTIALS = ("PASSWORD", "WEBHOOK_URL", "TOKEN", "SECRET")
+"""Settings whose value is a credential (a webhook's URL is one)."""
+
+
+def test_every_credential_comes_from_a_secret(rendered):
+    """No credential setting is written into a manifest or a ConfigMap, where `kubectl get`
+    shows it to whoever may read the namespace: each comes from a Secret. The alerting
+    consumer's webhook and the report's are read from their optional Secrets."""
+    literal = [
+        f"{w['metadata']['name']}: {e['name']}"
+        for w in rendered.workloads() for c in rendered.pod_spec(w)["containers"]
+        for e in c.get("env") or []
+        if any(word in e["name"] for word in CREDENTIALS) and "secretKeyRef" not in (
+            e.get("valueFrom") or {})]
+    literal += [f"ConfigMap {m['metadata']['name']}: {key}" for m in rendered.kind("ConfigMap")
+                for key in m.get("data") or {} if any(word in key for word in CREDENTIALS)]
+    assert not literal, literal
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"]
+           for component in ("alerts", "report")
+           for c in rendered.pod_spec(rendered.component(component))["containers"]
+           for e in c.get("env") or [] if "WEBHOOK_URL" in e["name"]}
+    assert env == {
+        "GPUSTEWARD_WEBHOOK_URL": {"name": "gpusteward-alerts", "key": "webhook-url",
+                                   "optional": True},
+        "GPUSTEWARD_REPORT__WEBHOOK_URL": {"name": "gpusteward-report", "key": "webhook-url",
+                                           "optional": True}}
+    assert "GPUSTEWARD_WEBHOOK_URL" in read_by(["alerts"])

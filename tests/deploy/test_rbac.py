@@ -35,25 +35,22 @@ EXPECTED: dict[str, set[tuple[str, str, str]]] = {
                                 ("kubeflow.org", "mpijobs"), ("kubeflow.org", "tfjobs"))
         for verb in ("get", "list", "watch")
     },
-    # Cordon/taint, evict, deactivate/requeue. No events, no delete, no reads.
-    REMEDIATION: {
-        ("", "nodes", "patch"),
-        ("", "pods/eviction", "create"),
-        ("kueue.x-k8s.io", "workloads", "patch"),
-    },
+    # The remediation account: nothing at all in the shipped dry run (`act --dry-run`
+    # calls no API), so a dry run is enforced by RBAC, not only by its flag.
 }
 
 
-# What the remediation-execute component adds for an executor that acts: reads
-# before writes, pods of a node to drain, GPU-node count for the breaker, owner
-# notices, deleting a plain Job's pod to requeue it, and reclaiming an idle
-# pod's GPUs through its owner (the owner chain read, Deployments/StatefulSets
+# What the remediation-execute component grants an executor that acts: cordon/taint,
+# evict, deactivate/requeue; reads before writes, pods of a node to drain, GPU-node count
+# for the breaker, owner notices, deleting a plain Job's pod to requeue it, and reclaiming
+# an idle pod's GPUs through its owner (the owner chain read, Deployments/StatefulSets
 # scaled, Notebooks stopped; restored by `act --restore`).
-EXECUTE_EXTRA: set[tuple[str, str, str]] = {
-    ("", "nodes", "get"), ("", "nodes", "list"),
+EXECUTE: set[tuple[str, str, str]] = {
+    ("", "nodes", "get"), ("", "nodes", "list"), ("", "nodes", "patch"),
+    ("", "pods/eviction", "create"),
     ("", "pods", "get"), ("", "pods", "list"), ("", "pods", "patch"), ("", "pods", "delete"),
     ("", "events", "create"),
-    ("kueue.x-k8s.io", "workloads", "get"),
+    ("kueue.x-k8s.io", "workloads", "get"), ("kueue.x-k8s.io", "workloads", "patch"),
     ("apps", "replicasets", "get"),
     ("apps", "deployments", "get"), ("apps", "deployments", "patch"),
     ("apps", "statefulsets", "get"), ("apps", "statefulsets", "patch"),
@@ -64,8 +61,23 @@ EXECUTE_EXTRA: set[tuple[str, str, str]] = {
 def test_rbac_grants_exactly_the_listed_verbs(rendered):
     expected = {account: set(triples) for account, triples in EXPECTED.items()}
     if rendered.variant.endswith("+execute"):
-        expected[REMEDIATION] |= EXECUTE_EXTRA
+        expected[REMEDIATION] = EXECUTE
     assert rendered.grants() == expected
+
+
+def test_the_dry_run_account_can_change_nothing(rendered):
+    """Where the executor only dry-runs, its account holds no grant and its pod mounts no
+    token: a pod started with --execute by mistake, or taken over, is refused by the API
+    server. Only the remediation-execute component binds the role and mounts the token."""
+    pod = rendered.pod_spec(rendered.component("remediation"))
+    acts = rendered.variant.endswith("+execute")
+    assert pod["automountServiceAccountToken"] is acts
+    assert (REMEDIATION in rendered.grants()) is acts
+    doctor = COMPONENTS["remediation"]
+    assert not doctor.needs
+    # What `doctor --component remediation` insists the dry run lacks is every write the
+    # execute role grants.
+    assert triples(doctor.must_lack) == {t for t in EXECUTE if t[2] not in ("get", "list")}
 
 
 def triples(needs: tuple[Permission, ...]) -> set[tuple[str, str, str]]:
@@ -86,7 +98,7 @@ def test_doctor_asks_about_exactly_what_the_manifests_grant(rendered):
         assert runs["metadata"]["namespace"] == NAMESPACE
         assert rendered.pod_spec(runs)["serviceAccountName"] == doctor.service_account
         assert len(triples(doctor.needs)) == len(doctor.needs), f"{component}: asked twice"
-        assert triples(doctor.needs) == granted[doctor.service_account], component
+        assert triples(doctor.needs) == granted.get(doctor.service_account, set()), component
 
 
 def test_no_wildcards_and_no_unbound_roles(rendered):

@@ -22,6 +22,7 @@ from gpusteward.schema import (
     Taint,
 )
 from tests.remediation.cluster import admitted_workload, node, pdb, pod, pods, writes
+from tests.remediation.test_reclaim import REPO, granted, rbac_triples
 
 
 def action(verb: ActionVerb, *, node_name: str | None = None, pod_ref: PodRef | None = None,
@@ -401,3 +402,31 @@ def test_an_idle_pods_event_is_the_owner_notice(
     [event] = kube.objects("Event")
     assert event["message"] == idle.owner_notice(finding)
     assert "gpusteward.io/keep-until=<RFC 3339 time>" in event["message"]
+
+
+def test_every_request_of_the_node_pod_and_kueue_verbs_is_granted_to_the_executor(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """Sent by the real verbs, not copied from their code: a request the execute component's
+    role does not grant is a 403 on a cluster (test_reclaim.py does the same for reclaim and
+    restore)."""
+    drainable_node(kube, budget_allowed=1)
+    kube.load([node("gpu-2"),
+               pod("ml-dave", "train-0", "gpu-2", owner_kind="Job",
+                   annotations={"kueue.x-k8s.io/workload": "job-train-abc12"}),
+               admitted_workload("ml-dave", "job-train-abc12"),
+               pod("ml-erin", "job-x-1", "gpu-2", owner_kind="Job", owner_name="job-x")])
+    backend = KubernetesBackend(kube_settings)
+    done = [run(backend, action("drain", node_name="gpu-1")),
+            run(backend, action("taint", node_name="gpu-2", key="xid-79")),
+            run(backend, action("set_mig_config", node_name="gpu-2", config="all-1g.10gb")),
+            run(backend, action("requeue", pod_ref=PodRef("ml-dave", "train-0"))),
+            run(backend, action("requeue", pod_ref=PodRef("ml-erin", "job-x-1"))),
+            run(backend, action("notify_owner", pod_ref=PodRef("ml-alice", "elsewhere")))]
+    assert [outcome for outcome, _ in done] == ["executed"] * len(done), done
+    assert asyncio.run(backend.gpu_node_count()) == 2
+    sent = rbac_triples(kube)
+    execute = granted(REPO / "deploy/components/remediation-execute/rbac.yaml")
+    assert sent <= execute, sent - execute
+    # Every write the role grants on nodes, pods and Kueue is one of these verbs'.
+    assert {t for t in execute if t[0] in ("", KUEUE_GROUP) and t[2] not in ("get", "list")
+            } <= sent
