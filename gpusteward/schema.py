@@ -306,6 +306,13 @@ class QueueEvent(msgspec.Struct):
     gang_size: Count | None = None
     """As :attr:`PodAllocation.gang_size`."""
 
+    @property
+    def waiting(self) -> bool:
+        """Whether it waits for admission: pending, evicted or requeued, and active. A
+        deactivated Kueue Workload (``spec.active: false``, e.g. ``kueuectl stop``) is
+        evicted and stays so, but Kueue admits it only once reactivated: it does not wait."""
+        return self.state in ("pending", "evicted", "requeued") and self.active
+
 
 class IdleHold(msgspec.Struct, frozen=True, omit_defaults=True):
     """A device of the node whose holder the idle rule has an open episode on."""

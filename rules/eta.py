@@ -53,7 +53,6 @@ RUNBOOK = (
     "arrives."
 )
 
-_PENDING = ("pending", "evicted", "requeued")
 _ORDER = {"pending": 0, "requeued": 0, "admitted": 1, "evicted": 2, "finished": 3,
           "deleted": 4}
 
@@ -139,7 +138,7 @@ def on_queue(state: EtaState, event: QueueEvent, settings: EtaSettings) -> list[
     state.last[key] = position
     queue = event.cluster_queue
     out: list[Finding] = []
-    if event.state in _PENDING:
+    if event.waiting:
         running = state.running.pop(key, None)
         if key not in state.pending:
             since = (event.created_at if event.state == "pending"

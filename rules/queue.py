@@ -6,7 +6,9 @@ an event-time clock the caller advances:
 - ``queue_wait_slo``: one pending workload has waited longer than its
   queue's SLO. One finding per episode (an episode starts when the workload
   becomes pending, or pending again after an eviction or requeue), resolved
-  when it is admitted, finishes or is deleted.
+  when it is admitted, finishes, is deleted or is deactivated (a Kueue
+  Workload with ``spec.active: false`` is not in the queue: Kueue admits it
+  only once reactivated, and its wait starts again then).
 - ``queue_p95_slo``: over a rolling window, the 95th percentile of the waits
   of the workloads admitted from a queue exceeds the queue's SLO (with a
   minimum number of admissions so one slow job is not a trend).
@@ -57,7 +59,6 @@ PROJECTED_RUNBOOK = (
     "clear. Add capacity or quota now, or pause low-priority submissions."
 )
 
-_OPEN_STATES = ("pending", "evicted", "requeued")
 _STATE_ORDER = {"pending": 0, "requeued": 0, "admitted": 1, "evicted": 2, "finished": 3,
                 "deleted": 4}
 """A workload's states in lifecycle order: of two events with the same time (a pending
@@ -164,7 +165,7 @@ def on_event(state: QueueState, event: QueueEvent, settings: QueueSloSettings) -
     queue = event.cluster_queue
     track = state.queues.setdefault(queue, QueueTrack(first_seen=event.ts))
     waiting = state.waiting.get(key)
-    if event.state in _OPEN_STATES:
+    if event.waiting:
         if waiting is None:
             # A first pending event carries the creation time; after an eviction the wait
             # counts again from the event, as Kueue's admission wait does.
@@ -184,8 +185,9 @@ def on_event(state: QueueState, event: QueueEvent, settings: QueueSloSettings) -
             track.admissions.sort()
         if waiting.open_id is not None:
             fp = fingerprint(WAIT_KIND, key)
+            how = event.state if event.active else "deactivated"
             out.append(resolved(waiting.open_id, fp, WAIT_KIND, _workload_subject(key, queue),
-                                f"{key} {event.state}", waiting.pending_since, event.ts))
+                                f"{key} {how}", waiting.pending_since, event.ts))
     return out
 
 

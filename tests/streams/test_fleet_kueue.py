@@ -1,0 +1,95 @@
+"""Kueue Workload objects, as the API serves them, through the watcher's translation into the
+fleet agent: the waits its queue SLO and stranded-capacity rules judge."""
+
+from __future__ import annotations
+
+from gpusteward.collectors.kubernetes.reflector import Delta, Obj
+from gpusteward.collectors.kubernetes.translate import Translator, parse_time
+from gpusteward.sandbox.kube_objects import rfc3339, set_condition, workload
+from gpusteward.schema import Finding, NodeSummary
+from gpusteward.streams.fleet import FleetEvaluator, FleetOutput, FleetState
+
+CREATED = parse_time("2026-11-20T10:00:00Z") or 0.0
+SLO = 600.0
+"""The shipped SLO of a ``prod`` queue."""
+
+
+class Fleet:
+    """A watcher's translator feeding a fleet agent, its clock moved by node summaries."""
+
+    def __init__(self, nodes: int = 4, free: int = 8) -> None:
+        self.translator, self.evaluator, self.state = Translator(), FleetEvaluator(), FleetState()
+        self.nodes, self.free = nodes, free
+        self.out: list[FleetOutput] = []
+
+    def see(self, obj: Obj, ts: float) -> None:
+        key = f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
+        for event in self.translator.apply(Delta("workloads", "MODIFIED", key, obj), ts):
+            self.out += self.evaluator.on_queue(self.state, event)  # type: ignore[arg-type]
+
+    def run_until(self, ts: float, step: float = 30.0) -> None:
+        t = self.state.clock or CREATED
+        while t <= ts:
+            for i in range(self.nodes):
+                self.out += self.evaluator.on_summary(self.state, NodeSummary(
+                    ts=t, node=f"gpu-{i}", gpu_model="A100", gpus_total=8,
+                    gpus_free=self.free))
+            t += step
+
+    def findings(self, kind: str) -> list[Finding]:
+        return [o for o in self.out if isinstance(o, Finding) and o.kind == kind]
+
+
+def admit(obj: Obj, at: float) -> None:
+    obj["status"]["admission"] = {"clusterQueue": "prod",
+                                  "podSetAssignments": [{"name": "main", "count": 1}]}
+    set_condition(obj, "QuotaReserved", "True", "QuotaReserved", rfc3339(at))
+    set_condition(obj, "Admitted", "True", "Admitted", rfc3339(at))
+    set_condition(obj, "Evicted", "False", "QuotaReserved", rfc3339(at))
+
+
+def evict(obj: Obj, at: float, reason: str) -> None:
+    obj["status"].pop("admission", None)
+    set_condition(obj, "QuotaReserved", "False", "Pending", rfc3339(at))
+    set_condition(obj, "Admitted", "False", "NoReservation", rfc3339(at))
+    set_condition(obj, "Evicted", "True", reason, rfc3339(at))
+    set_condition(obj, "Requeued", "False", reason, rfc3339(at))
+
+
+def test_a_deactivated_workload_is_not_waiting_and_raises_no_slo_breach() -> None:
+    # kueuectl stop: spec.active false; Kueue evicts it (reason Deactivated) and will not
+    # admit it until it is resumed. However long it stays stopped, nobody is kept waiting.
+    fleet = Fleet()
+    job = workload("train", queue="prod")
+    fleet.see(job, CREATED)
+    admit(job, CREATED + 60)
+    fleet.see(job, CREATED + 60)
+    job["spec"]["active"] = False
+    evict(job, CREATED + 120, "Deactivated")
+    fleet.see(job, CREATED + 120)
+    fleet.run_until(CREATED + 4 * 3600)
+    assert fleet.findings("queue_wait_slo") == []
+    assert "team-a/train" not in fleet.state.queue.waiting
+    assert "team-a/train" not in fleet.state.tracks["eta"].pending  # no start estimate
+    # Resumed: it waits again, from then, and a breach follows once that wait passes the SLO.
+    job["spec"]["active"] = True
+    set_condition(job, "Requeued", "True", "Reactivated", rfc3339(CREATED + 4 * 3600))
+    fleet.see(job, CREATED + 4 * 3600 + 5)
+    fleet.run_until(CREATED + 4 * 3600 + SLO + 60)
+    (breach,) = fleet.findings("queue_wait_slo")
+    assert breach.state == "firing" and breach.starts_at >= CREATED + 4 * 3600
+
+
+def test_deactivating_a_waiting_workload_closes_its_breach() -> None:
+    fleet = Fleet()
+    job = workload("stuck", queue="prod")
+    fleet.see(job, CREATED)
+    fleet.run_until(CREATED + SLO + 60)
+    (firing,) = fleet.findings("queue_wait_slo")
+    job["spec"]["active"] = False
+    fleet.see(job, CREATED + SLO + 90)
+    fleet.run_until(CREATED + 3 * 3600)
+    firing_again, closed = fleet.findings("queue_wait_slo")
+    assert firing_again == firing
+    assert closed.state == "resolved" and closed.id == firing.id
+    assert "deactivated" in closed.summary
