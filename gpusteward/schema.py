@@ -275,6 +275,15 @@ AllocationEvent = PodAllocation | NodeInventory
 WorkloadState = Literal["pending", "admitted", "evicted", "requeued", "finished", "deleted"]
 
 
+class PodSet(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Pods of one shape in a Kueue Workload: ``count`` pods of ``gpus`` GPUs and ``mig``
+    devices each."""
+
+    count: Count
+    gpus: Count = 0
+    mig: Counts = {}
+
+
 class QueueEvent(msgspec.Struct):
     """A queued workload (Kueue Workload or a pending pod). Topic ``queue``, key = cluster queue."""
 
@@ -305,6 +314,10 @@ class QueueEvent(msgspec.Struct):
     the pods it admits (its owner)."""
     gang_size: Count | None = None
     """As :attr:`PodAllocation.gang_size`."""
+    pod_sets: Annotated[list[PodSet], Meta(max_length=64)] = []
+    """A Kueue Workload's GPU pod sets (Kueue allows 18), whose pods together ask for
+    ``gpus`` and ``mig``: each pod needs room on some node, not the whole workload on one.
+    Empty for a pod (its ``gpus`` and ``mig`` are one pod's) and where not known."""
 
     @property
     def waiting(self) -> bool:

@@ -37,7 +37,7 @@ from pydantic import AfterValidator, BaseModel, Field
 
 from gpusteward.rules.findings import finding_id, fingerprint, resolved
 from gpusteward.rules.registry import FleetRunner
-from gpusteward.schema import Evidence, Finding, PodRef, QueueEvent, Subject
+from gpusteward.schema import Evidence, Finding, PodRef, PodSet, QueueEvent, Subject
 
 WAIT_KIND = "queue_wait_slo"
 P95_KIND = "queue_p95_slo"
@@ -118,6 +118,8 @@ class Waiting(msgspec.Struct):
     gpus: int = 0
     mig: dict[str, int] = {}
     open_id: str | None = None
+    pod_sets: list[PodSet] = []
+    """Its pods' shapes, for a workload of several pods (see :attr:`QueueEvent.pod_sets`)."""
 
 
 class QueueTrack(msgspec.Struct):
@@ -171,7 +173,7 @@ def on_event(state: QueueState, event: QueueEvent, settings: QueueSloSettings) -
             # counts again from the event, as Kueue's admission wait does.
             since = event.created_at if event.state == "pending" and event.created_at else event.ts
             state.waiting[key] = Waiting(queue=queue, pending_since=since, gpus=event.gpus,
-                                         mig=dict(event.mig))
+                                         mig=dict(event.mig), pod_sets=list(event.pod_sets))
         return []
     out: list[Finding] = []
     if waiting is not None:

@@ -71,6 +71,7 @@ from gpusteward.schema import (
     PodAllocation,
     PodPhase,
     PodRef,
+    PodSet,
     QueueEvent,
     Taint,
     WorkloadState,
@@ -636,11 +637,16 @@ class Translator:
             self.local_queues.get(f"{namespace}/{local}") if local else None
         ) or local or self.settings.default_cluster_queue
         resources: dict[str, int] = {}
+        pod_sets: list[PodSet] = []
         for pod_set in spec.get("podSets") or []:
             count = int(pod_set.get("count", 1))
-            for name, value in gpu_resources((pod_set.get("template") or {}).get("spec") or {}
-                                             ).items():
+            per_pod = gpu_resources((pod_set.get("template") or {}).get("spec") or {})
+            if not per_pod or count < 1:
+                continue
+            for name, value in per_pod.items():
                 resources[name] = resources.get(name, 0) + value * count
+            pod_gpus, pod_mig = self._gpus_and_mig(per_pod, None)
+            pod_sets.append(PodSet(count=count, gpus=pod_gpus, mig=pod_mig))
         gpus, mig = self._gpus_and_mig(resources, None)
         admitted = conditions.get("Admitted", {})
         priority_class = spec.get("priorityClassName") or (
@@ -654,4 +660,5 @@ class Translator:
             gpus=gpus, mig=mig, priority=spec.get("priority"), kind="workload",
             uid=meta.get("uid"), priority_class=priority_class, reason=reason,
             active=spec.get("active", True), gang=gang, gang_size=gang_size,
+            pod_sets=pod_sets,
         )

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from gpusteward.rules import fragmentation as frag
 from gpusteward.rules.fragmentation import Demand, Shape
-from gpusteward.schema import NodeSummary
+from gpusteward.schema import NodeSummary, PodSet
 
 SETTINGS = frag.FragmentationSettings()
 TRACE = Path("traces/alibaba-gpu-v2023")
@@ -345,3 +345,23 @@ def test_fleet_finding_only_after_a_whole_window_above_threshold(steps: list[boo
             else:
                 assert finding.id == open_id
                 open_id = None
+
+
+def test_placeable_gives_each_pod_a_node_with_room() -> None:
+    fleet = [_summary("a", 3), _summary("b", 1), _summary("c", 2)]
+    master_and_workers = [PodSet(count=1, gpus=1), PodSet(count=2, gpus=2)]
+    assert frag.placeable(master_and_workers, fleet)  # workers on a and c, master on b
+    assert not frag.placeable([PodSet(count=3, gpus=2)], fleet)  # 6 free, room for 2 pods
+    mig = [_summary("m1", 0, mig_free={"1g.10gb": 1}), _summary("m2", 0, mig_free={"1g.10gb": 2})]
+    assert frag.placeable([PodSet(count=3, mig={"1g.10gb": 1})], mig)
+    assert not frag.placeable([PodSet(count=2, mig={"1g.10gb": 2})], mig)
+
+
+def test_several_pods_are_stranded_only_when_no_placement_exists() -> None:
+    pods = (PodSet(count=4, gpus=2),)
+    spread = [_summary(n, 2) for n in "abcd"]
+    demand = Demand("ml/ddp", "research", gpus=8, pod_sets=pods)
+    assert frag.stranded_reason(demand, spread) is None
+    odd = [_summary("a", 3), _summary("b", 3), _summary("c", 1), _summary("d", 1)]
+    reason = frag.stranded_reason(demand, odd)
+    assert reason is not None and reason["pods"] == 4 and reason["fleet_free_gpus"] == 8

@@ -93,3 +93,46 @@ def test_deactivating_a_waiting_workload_closes_its_breach() -> None:
     assert firing_again == firing
     assert closed.state == "resolved" and closed.id == firing.id
     assert "deactivated" in closed.summary
+
+
+def training_job(name: str, workers: int, gpus_each: int) -> Obj:
+    """A Kueue Workload of a PyTorchJob: a GPU master and GPU workers, as two pod sets."""
+    job = workload(name, queue="research", gpus=gpus_each)
+    job["metadata"]["ownerReferences"] = [{"kind": "PyTorchJob", "name": name,
+                                           "controller": True}]
+    master = job["spec"]["podSets"][0]
+    master["name"] = "master"
+    job["spec"]["podSets"].append({**master, "name": "worker", "count": workers - 1})
+    return job
+
+
+def test_a_workload_of_several_pods_that_fit_a_node_each_is_not_stranded() -> None:
+    # 4 pods of 2 GPUs (8 in all) and 4 nodes with 2 free each: each pod has a node, so
+    # whatever keeps it waiting (quota), it is not the fleet's fragmentation.
+    fleet = Fleet(nodes=4, free=2)
+    job = training_job("ddp", workers=4, gpus_each=2)
+    fleet.see(job, CREATED)
+    (event,) = fleet.translator.workloads.values()
+    assert event.gpus == 8 and [(p.count, p.gpus) for p in event.pod_sets] == [(1, 2), (3, 2)]
+    fleet.run_until(CREATED + 3600)
+    assert fleet.findings("stranded_capacity") == []
+
+
+def test_a_workload_of_several_pods_no_nodes_can_hold_is_stranded() -> None:
+    # 4 pods of 4 GPUs, 16 free in all but 3 on each node: no pod has a node.
+    fleet = Fleet(nodes=6, free=3)
+    fleet.see(training_job("ddp", workers=4, gpus_each=4), CREATED)
+    fleet.run_until(CREATED + 3600)
+    (stranded,) = fleet.findings("stranded_capacity")
+    assert stranded.labels["shape"] == "4 pods of 4 GPUs"
+    assert stranded.evidence and stranded.evidence.values["pods"] == 4
+
+
+def test_pod_sets_without_gpus_are_left_out() -> None:
+    job = training_job("mpi", workers=3, gpus_each=1)
+    launcher = job["spec"]["podSets"][0]
+    job["spec"]["podSets"][0] = {"name": "launcher", "count": 1, "template": {"spec": {
+        "containers": [{"name": "l", "resources": {"requests": {"cpu": "1"}}}]}}}
+    assert launcher["name"] == "master"
+    event = Translator().workload_event(job, CREATED)
+    assert event.gpus == 2 and [(p.count, p.gpus) for p in event.pod_sets] == [(2, 1)]
