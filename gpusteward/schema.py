@@ -314,6 +314,10 @@ class QueueEvent(msgspec.Struct):
     the pods it admits (its owner)."""
     gang_size: Count | None = None
     """As :attr:`PodAllocation.gang_size`."""
+    waiting_since: Timestamp | None = None
+    """When its current wait began, as the API states it: for a Kueue Workload back in the
+    queue after an eviction, the time of its ``Requeued`` condition (else ``Evicted``). None:
+    a first wait (from ``created_at``), or not stated (from the event)."""
     pod_sets: Annotated[list[PodSet], Meta(max_length=64)] = []
     """A Kueue Workload's GPU pod sets (Kueue allows 18), whose pods together ask for
     ``gpus`` and ``mig``: each pod needs room on some node, not the whole workload on one.

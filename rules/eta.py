@@ -141,8 +141,9 @@ def on_queue(state: EtaState, event: QueueEvent, settings: EtaSettings) -> list[
     if event.waiting:
         running = state.running.pop(key, None)
         if key not in state.pending:
-            since = (event.created_at if event.state == "pending"
-                     and event.created_at is not None and running is None else event.ts)
+            since = event.waiting_since or (
+                event.created_at if event.state == "pending"
+                and event.created_at is not None and running is None else event.ts)
             state.pending[key] = Pending(queue=queue, since=since, gpus=event.gpus,
                                          mig=dict(event.mig), priority=event.priority or 0)
     elif event.state == "admitted":

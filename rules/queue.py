@@ -170,19 +170,22 @@ def on_event(state: QueueState, event: QueueEvent, settings: QueueSloSettings) -
     if event.waiting:
         if waiting is None:
             # A first pending event carries the creation time; after an eviction the wait
-            # counts again from the event, as Kueue's admission wait does.
-            since = event.created_at if event.state == "pending" and event.created_at else event.ts
+            # counts again from the requeue (or eviction) the event states, else from the
+            # event, as Kueue's admission wait does.
+            since = event.waiting_since or (
+                event.created_at if event.state == "pending" and event.created_at else event.ts)
             state.waiting[key] = Waiting(queue=queue, pending_since=since, gpus=event.gpus,
                                          mig=dict(event.mig), pod_sets=list(event.pod_sets))
         return []
     out: list[Finding] = []
     if waiting is not None:
         # The clock may not have ticked past the SLO while the workload waited (a quiet
-        # queue, a worker catching up): its wait is known now, so judge it now.
-        out += _judge_wait(key, waiting, event.ts, settings)
+        # queue, a worker catching up): its wait is known now, so judge it now, up to its
+        # admission where the event states it (a watcher that saw it late adds no wait).
+        admitted_at = (event.admitted_at or event.ts) if event.state == "admitted" else None
+        out += _judge_wait(key, waiting, admitted_at or event.ts, settings)
         del state.waiting[key]
-        if event.state == "admitted":
-            admitted_at = event.admitted_at or event.ts
+        if admitted_at is not None:
             track.admissions.append((admitted_at, max(0.0, admitted_at - waiting.pending_since)))
             track.admissions.sort()
         if waiting.open_id is not None:

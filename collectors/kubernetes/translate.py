@@ -649,6 +649,10 @@ class Translator:
             pod_sets.append(PodSet(count=count, gpus=pod_gpus, mig=pod_mig))
         gpus, mig = self._gpus_and_mig(resources, None)
         admitted = conditions.get("Admitted", {})
+        # Back in the queue after an eviction: the wait counts from the requeue (as Kueue's
+        # admission wait does), else the eviction, not from when the watcher saw it.
+        back = conditions.get("Requeued") if _true(conditions, "Requeued") else \
+            conditions.get("Evicted") if _true(conditions, "Evicted") else None
         priority_class = spec.get("priorityClassName") or (
             spec.get("priorityClassRef") or {}).get("name")
         gang, gang_size = workload_gang(workload)
@@ -661,4 +665,6 @@ class Translator:
             uid=meta.get("uid"), priority_class=priority_class, reason=reason,
             active=spec.get("active", True), gang=gang, gang_size=gang_size,
             pod_sets=pod_sets,
+            waiting_since=parse_time(back.get("lastTransitionTime"))
+            if back is not None and state in ("evicted", "requeued") else None,
         )

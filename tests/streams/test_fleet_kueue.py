@@ -136,3 +136,32 @@ def test_pod_sets_without_gpus_are_left_out() -> None:
     assert launcher["name"] == "master"
     event = Translator().workload_event(job, CREATED)
     assert event.gpus == 2 and [(p.count, p.gpus) for p in event.pod_sets] == [(2, 1)]
+
+
+def test_after_a_restart_the_wait_of_a_requeued_workload_counts_from_its_requeue() -> None:
+    # The watcher (re)lists a workload preempted at +0 and requeued at +60 (backoff over):
+    # it has waited since +60 whenever the watcher first sees it, so at +1200 it is past
+    # its 10 min SLO already.
+    fleet = Fleet()
+    job = workload("preempted", queue="prod")
+    evict(job, CREATED, "Preempted")
+    set_condition(job, "Preempted", "True", "InClusterQueue", rfc3339(CREATED))
+    set_condition(job, "Requeued", "True", "BackoffFinished", rfc3339(CREATED + 60))
+    fleet.see(job, CREATED + 1200)
+    (event,) = fleet.translator.workloads.values()
+    assert (event.state, event.waiting_since) == ("requeued", CREATED + 60)
+    assert fleet.state.tracks["eta"].pending["team-a/preempted"].since == CREATED + 60
+    fleet.run_until(CREATED + 1260)
+    (breach,) = fleet.findings("queue_wait_slo")
+    assert breach.starts_at == CREATED + 60 and breach.ts <= CREATED + 1230
+
+
+def test_an_admission_seen_late_is_judged_at_the_admission() -> None:
+    # Admitted at +300 (within the SLO); the watcher, restarted, reports it at +1500.
+    fleet = Fleet()
+    job = workload("late", queue="prod")
+    fleet.see(job, CREATED)
+    admit(job, CREATED + 300)
+    fleet.see(job, CREATED + 1500)
+    assert fleet.findings("queue_wait_slo") == []
+    assert fleet.state.queue.queues["prod"].admissions == [(CREATED + 300, 300.0)]
