@@ -365,6 +365,10 @@ class NodeSummary(msgspec.Struct):
     gpu_replicas: Count = 1
     """Pods each GPU is shared by (time-slicing or MPS replicas); ``gpus_total`` and
     ``gpus_free`` count physical GPUs, a GPU with any holder being not free."""
+    replicas_free: Count | None = None
+    """On a node whose GPUs are shared (``gpu_replicas`` > 1), the replicas no pod holds:
+    there a request of N ``nvidia.com/gpu`` asks N replicas, not N GPUs. None: not shared
+    (or not known), requests count in ``gpus_free``."""
     pool: Name | None = None
     """The node's pool (the policy's node-pool label), for demand matched by pool."""
     idle: Annotated[list[IdleHold], Meta(max_length=4096)] = []

@@ -20,7 +20,10 @@ Two measures over the fleet's free capacity, both pure functions:
   the fleet's total free GPUs but no single node, or a pending MIG workload
   that fits no node while free MIG slices of other profiles sit unused. It
   fires only when the condition held for the whole window, so a workload
-  the scheduler is about to place never raises it.
+  the scheduler is about to place never raises it. A workload of several
+  pods (a Kueue Workload's pod sets) needs a node for each pod, not one node
+  for all; on a node whose GPUs are shared (time-slicing, MPS) a request
+  counts in replicas, as the device plugin hands them out.
 
 The FGD computation sorts each node's free shares once and answers every
 shape with a bisection, and caches per distinct free vector: a fleet of
@@ -297,13 +300,21 @@ class StrandedTrack(msgspec.Struct):
     episodes: dict[str, StrandedEpisode] = {}
 
 
+def request_room(summary: NodeSummary) -> int:
+    """How many ``nvidia.com/gpu`` a pod can still get on a node: its free GPUs, or on shared
+    GPUs (time-slicing, MPS) its free replicas, which is what the device plugin hands out."""
+    if summary.gpu_replicas > 1 and summary.replicas_free is not None:
+        return summary.replicas_free
+    return summary.gpus_free
+
+
 class FreeView:
     """The schedulable free capacity of the fleet, summed once per evaluation."""
 
     def __init__(self, summaries: Iterable[NodeSummary]) -> None:
         self.usable = [s for s in summaries if s.healthy and not s.cordoned]
-        self.largest = max((s.gpus_free for s in self.usable), default=0)
-        self.total = sum(s.gpus_free for s in self.usable)
+        self.largest = max((request_room(s) for s in self.usable), default=0)
+        self.total = sum(request_room(s) for s in self.usable)
         self.mig_nodes = [s.mig_free for s in self.usable if s.mig_free]
         self.mig_total = sum(sum(free.values()) for free in self.mig_nodes)
         self.mig_by_profile: dict[str, int] = {}
@@ -315,8 +326,8 @@ class FreeView:
 def placeable(pods: Iterable[PodSet], nodes: Iterable[NodeSummary]) -> bool:
     """Whether each pod finds a node with room for it, taking what it uses (first fit,
     largest pods first: for pods of one shape this finds a placement whenever one exists)."""
-    open_nodes = [s for s in nodes if s.gpus_free > 0 or s.mig_free]
-    free_gpus = [s.gpus_free for s in open_nodes]
+    open_nodes = [s for s in nodes if request_room(s) > 0 or s.mig_free]
+    free_gpus = [request_room(s) for s in open_nodes]
     free_mig = [dict(s.mig_free) for s in open_nodes]
     for pod_set in sorted(pods, key=lambda p: (-p.gpus, -sum(p.mig.values()))):
         left = pod_set.count

@@ -365,3 +365,16 @@ def test_several_pods_are_stranded_only_when_no_placement_exists() -> None:
     odd = [_summary("a", 3), _summary("b", 3), _summary("c", 1), _summary("d", 1)]
     reason = frag.stranded_reason(demand, odd)
     assert reason is not None and reason["pods"] == 4 and reason["fleet_free_gpus"] == 8
+
+
+def test_a_request_on_shared_gpus_counts_in_replicas() -> None:
+    # Two nodes of one GPU time-sliced 4 ways, one replica held on each: 1 pod asking for
+    # 2 nvidia.com/gpu gets 2 replicas on either node; it is not stranded.
+    shared = [_summary(n, 0, total=1, gpu_replicas=4, replicas_free=3) for n in "ab"]
+    demand = Demand("ml/infer", "serving", gpus=2)
+    assert frag.stranded_reason(demand, shared) is None
+    # Wholly free shared GPUs too: 1 GPU x 4 replicas is room for 4, not 1.
+    idle = [_summary(n, 1, total=1, gpu_replicas=4, replicas_free=4) for n in "ab"]
+    assert frag.stranded_reason(Demand("ml/big", "serving", gpus=4), idle) is None
+    assert frag.stranded_reason(Demand("ml/huge", "serving", gpus=8), idle) == {
+        "fleet_free_gpus": 8.0, "largest_node_free_gpus": 4.0, "requested_gpus": 8.0}
