@@ -274,6 +274,10 @@ AllocationEvent = PodAllocation | NodeInventory
 
 WorkloadState = Literal["pending", "admitted", "evicted", "requeued", "finished", "deleted"]
 
+KUEUE_GATED = "SchedulingGated/kueue.x-k8s.io/admission"
+"""``QueueEvent.reason`` of a pod Kueue holds at its admission gate (its pod integration,
+pod groups): its Kueue Workload reports that wait, so the pod is not waiting on its own."""
+
 
 class PodSet(msgspec.Struct, frozen=True, omit_defaults=True):
     """Pods of one shape in a Kueue Workload: ``count`` pods of ``gpus`` GPUs and ``mig``
@@ -327,8 +331,10 @@ class QueueEvent(msgspec.Struct):
     def waiting(self) -> bool:
         """Whether it waits for admission: pending, evicted or requeued, and active. A
         deactivated Kueue Workload (``spec.active: false``, e.g. ``kueuectl stop``) is
-        evicted and stays so, but Kueue admits it only once reactivated: it does not wait."""
-        return self.state in ("pending", "evicted", "requeued") and self.active
+        evicted and stays so, but Kueue admits it only once reactivated: it does not wait.
+        Nor does a pod held at Kueue's admission gate: its Workload's event is the wait."""
+        return self.state in ("pending", "evicted", "requeued") and self.active and \
+            self.reason != KUEUE_GATED
 
 
 class IdleHold(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -65,6 +65,7 @@ import msgspec
 from gpusteward.collectors.kubernetes.reflector import Delta, Obj
 from gpusteward.collectors.kubernetes.settings import KubeWatchSettings
 from gpusteward.schema import (
+    KUEUE_GATED,
     WORKLOAD_KINDS,
     AllocationEvent,
     NodeInventory,
@@ -92,6 +93,8 @@ LABEL_MIG_STRATEGY = "nvidia.com/mig.strategy"
 LABEL_CLUSTER_QUEUE = "kueue.x-k8s.io/cluster-queue-name"
 LABEL_LOCAL_QUEUE = "kueue.x-k8s.io/local-queue-name"
 LABEL_QUEUE = "kueue.x-k8s.io/queue-name"
+KUEUE_ADMISSION_GATE = "kueue.x-k8s.io/admission"
+"""The scheduling gate Kueue puts on the pods it manages until their Workload is admitted."""
 
 SPOT_NODE_LABELS: dict[str, tuple[str, ...]] = {
     "karpenter.sh/capacity-type": ("spot",),
@@ -343,6 +346,9 @@ class _PodMemo:
     (admitted, then finished)."""
     gang: str | None = None
     """``namespace/gang`` of a gang member."""
+    ungated_at: float | None = None
+    """When a pod seen held at Kueue's admission gate was first seen without it."""
+    gated: bool = False
 
 
 Emitted = AllocationEvent | QueueEvent
@@ -507,6 +513,15 @@ class Translator:
         if not node:
             state: WorkloadState = "finished" if phase in ("Succeeded", "Failed") else "pending"
             queued = self._pending_pod(pod, resources, ts, state)
+            # A pod Kueue holds at its admission gate waits as its Workload, which reports
+            # it; once let through, its own wait for a node starts then, not at creation.
+            if any(g.get("name") == KUEUE_ADMISSION_GATE for g in spec.get("schedulingGates")
+                   or []):
+                memo.gated = True
+                queued = msgspec.structs.replace(queued, reason=KUEUE_GATED)
+            elif memo.gated:
+                memo.ungated_at = memo.ungated_at or ts
+                queued = msgspec.structs.replace(queued, waiting_since=memo.ungated_at)
             if memo.queued is None or msgspec.structs.replace(memo.queued, ts=ts) != queued:
                 out.append(queued)
             memo.queued = queued
@@ -521,7 +536,7 @@ class Translator:
             left: WorkloadState = "finished" if phase in ("Succeeded", "Failed") \
                 else "admitted"
             event = msgspec.structs.replace(
-                base, ts=ts, state=left,
+                base, ts=ts, state=left, reason=None,
                 admitted_at=base.admitted_at or parse_time(
                     scheduled.get("lastTransitionTime")) or ts)
             if memo.queued is not None or memo.member is None or \

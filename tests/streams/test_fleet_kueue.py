@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gpusteward.collectors.kubernetes.reflector import Delta, Obj
 from gpusteward.collectors.kubernetes.translate import Translator, parse_time
-from gpusteward.sandbox.kube_objects import rfc3339, set_condition, workload
+from gpusteward.sandbox.kube_objects import gpu_pod, rfc3339, set_condition, workload
 from gpusteward.schema import Finding, NodeSummary
 from gpusteward.streams.fleet import FleetEvaluator, FleetOutput, FleetState
 
@@ -22,9 +22,9 @@ class Fleet:
         self.nodes, self.free = nodes, free
         self.out: list[FleetOutput] = []
 
-    def see(self, obj: Obj, ts: float) -> None:
+    def see(self, obj: Obj, ts: float, resource: str = "workloads") -> None:
         key = f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
-        for event in self.translator.apply(Delta("workloads", "MODIFIED", key, obj), ts):
+        for event in self.translator.apply(Delta(resource, "MODIFIED", key, obj), ts):
             self.out += self.evaluator.on_queue(self.state, event)  # type: ignore[arg-type]
 
     def run_until(self, ts: float, step: float = 30.0) -> None:
@@ -165,3 +165,28 @@ def test_an_admission_seen_late_is_judged_at_the_admission() -> None:
     fleet.see(job, CREATED + 1500)
     assert fleet.findings("queue_wait_slo") == []
     assert fleet.state.queue.queues["prod"].admissions == [(CREATED + 300, 300.0)]
+
+
+def test_a_pod_held_at_kueues_gate_waits_once_as_its_workload() -> None:
+    # Kueue's pod integration: the pod is created gated, its Workload waits in the queue.
+    # One wait, one breach; and once admitted and let through, the pod's own wait for a
+    # node starts then, not at its creation an hour ago.
+    fleet = Fleet()
+    pod = gpu_pod("infer", owner=None, labels={"kueue.x-k8s.io/queue-name": "prod"})
+    pod["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/admission"}]
+    job = workload("pod-infer-1a2b3", queue="prod", gpus=1)
+    job["metadata"]["ownerReferences"] = [{"kind": "Pod", "name": "infer",
+                                           "controller": True}]
+    fleet.see(pod, CREATED, "pods")
+    fleet.see(job, CREATED)
+    assert list(fleet.state.queue.waiting) == ["team-a/pod-infer-1a2b3"]
+    fleet.run_until(CREATED + 3600)
+    (breach,) = fleet.findings("queue_wait_slo")
+    assert breach.subject.pod and breach.subject.pod.name == "pod-infer-1a2b3"
+    admit(job, CREATED + 3600)
+    fleet.see(job, CREATED + 3600)
+    del pod["spec"]["schedulingGates"]
+    fleet.see(pod, CREATED + 3605, "pods")
+    assert fleet.state.queue.waiting["team-a/infer"].pending_since == CREATED + 3605
+    fleet.run_until(CREATED + 3900)
+    assert [f.state for f in fleet.findings("queue_wait_slo")] == ["firing", "resolved"]
