@@ -274,6 +274,19 @@ AllocationEvent = PodAllocation | NodeInventory
 
 WorkloadState = Literal["pending", "admitted", "evicted", "requeued", "finished", "deleted"]
 
+KUEUE_GATED = "SchedulingGated/kueue.x-k8s.io/admission"
+"""``QueueEvent.reason`` of a pod Kueue holds at its admission gate (its pod integration,
+pod groups): its Kueue Workload reports that wait, so the pod is not waiting on its own."""
+
+
+class PodSet(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Pods of one shape in a Kueue Workload: ``count`` pods of ``gpus`` GPUs and ``mig``
+    devices each."""
+
+    count: Count
+    gpus: Count = 0
+    mig: Counts = {}
+
 
 class QueueEvent(msgspec.Struct):
     """A queued workload (Kueue Workload or a pending pod). Topic ``queue``, key = cluster queue."""
@@ -305,6 +318,23 @@ class QueueEvent(msgspec.Struct):
     the pods it admits (its owner)."""
     gang_size: Count | None = None
     """As :attr:`PodAllocation.gang_size`."""
+    waiting_since: Timestamp | None = None
+    """When its current wait began, as the API states it: for a Kueue Workload back in the
+    queue after an eviction, the time of its ``Requeued`` condition (else ``Evicted``). None:
+    a first wait (from ``created_at``), or not stated (from the event)."""
+    pod_sets: Annotated[list[PodSet], Meta(max_length=64)] = []
+    """A Kueue Workload's GPU pod sets (Kueue allows 18), whose pods together ask for
+    ``gpus`` and ``mig``: each pod needs room on some node, not the whole workload on one.
+    Empty for a pod (its ``gpus`` and ``mig`` are one pod's) and where not known."""
+
+    @property
+    def waiting(self) -> bool:
+        """Whether it waits for admission: pending, evicted or requeued, and active. A
+        deactivated Kueue Workload (``spec.active: false``, e.g. ``kueuectl stop``) is
+        evicted and stays so, but Kueue admits it only once reactivated: it does not wait.
+        Nor does a pod held at Kueue's admission gate: its Workload's event is the wait."""
+        return self.state in ("pending", "evicted", "requeued") and self.active and \
+            self.reason != KUEUE_GATED
 
 
 class IdleHold(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -341,6 +371,10 @@ class NodeSummary(msgspec.Struct):
     gpu_replicas: Count = 1
     """Pods each GPU is shared by (time-slicing or MPS replicas); ``gpus_total`` and
     ``gpus_free`` count physical GPUs, a GPU with any holder being not free."""
+    replicas_free: Count | None = None
+    """On a node whose GPUs are shared (``gpu_replicas`` > 1), the replicas no pod holds:
+    there a request of N ``nvidia.com/gpu`` asks N replicas, not N GPUs. None: not shared
+    (or not known), requests count in ``gpus_free``."""
     pool: Name | None = None
     """The node's pool (the policy's node-pool label), for demand matched by pool."""
     idle: Annotated[list[IdleHold], Meta(max_length=4096)] = []

@@ -53,7 +53,6 @@ RUNBOOK = (
     "arrives."
 )
 
-_PENDING = ("pending", "evicted", "requeued")
 _ORDER = {"pending": 0, "requeued": 0, "admitted": 1, "evicted": 2, "finished": 3,
           "deleted": 4}
 
@@ -141,11 +140,12 @@ def on_queue(state: EtaState, event: QueueEvent, settings: EtaSettings) -> list[
     state.last[key] = position
     queue = event.cluster_queue
     out: list[Finding] = []
-    if event.state in _PENDING:
+    if event.waiting:
         running = state.running.pop(key, None)
         if key not in state.pending:
-            since = (event.created_at if event.state == "pending"
-                     and event.created_at is not None and running is None else event.ts)
+            since = event.waiting_since or (
+                event.created_at if event.state == "pending"
+                and event.created_at is not None and running is None else event.ts)
             state.pending[key] = Pending(queue=queue, since=since, gpus=event.gpus,
                                          mig=dict(event.mig), priority=event.priority or 0)
     elif event.state == "admitted":

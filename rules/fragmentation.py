@@ -20,7 +20,10 @@ Two measures over the fleet's free capacity, both pure functions:
   the fleet's total free GPUs but no single node, or a pending MIG workload
   that fits no node while free MIG slices of other profiles sit unused. It
   fires only when the condition held for the whole window, so a workload
-  the scheduler is about to place never raises it.
+  the scheduler is about to place never raises it. A workload of several
+  pods (a Kueue Workload's pod sets) needs a node for each pod, not one node
+  for all; on a node whose GPUs are shared (time-slicing, MPS) a request
+  counts in replicas, as the device plugin hands them out.
 
 The FGD computation sorts each node's free shares once and answers every
 shape with a bisection, and caches per distinct free vector: a fleet of
@@ -40,7 +43,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from gpusteward.rules.findings import finding_id, fingerprint, resolved
 from gpusteward.rules.registry import FleetRunner
-from gpusteward.schema import Evidence, Finding, NodeSummary, PodRef, Subject
+from gpusteward.schema import Evidence, Finding, NodeSummary, PodRef, PodSet, Subject
 
 KIND = "fragmentation"
 STRANDED_KIND = "stranded_capacity"
@@ -276,6 +279,14 @@ class Demand(msgspec.Struct, frozen=True):
     mig: dict[str, int] = {}
     since: float | None = None
     """When it started waiting (event time); None where not known."""
+    pod_sets: tuple[PodSet, ...] = ()
+    """Its pods' shapes, for a workload of several pods (a Kueue Workload's pod sets); empty:
+    ``gpus`` and ``mig`` are one pod's."""
+
+    @property
+    def pods(self) -> tuple[PodSet, ...]:
+        """Its pods' shapes: each pod needs room on one node."""
+        return self.pod_sets or (PodSet(count=1, gpus=self.gpus, mig=self.mig),)
 
 
 class StrandedEpisode(msgspec.Struct):
@@ -291,13 +302,21 @@ class StrandedTrack(msgspec.Struct):
     episodes: dict[str, StrandedEpisode] = {}
 
 
+def request_room(summary: NodeSummary) -> int:
+    """How many ``nvidia.com/gpu`` a pod can still get on a node: its free GPUs, or on shared
+    GPUs (time-slicing, MPS) its free replicas, which is what the device plugin hands out."""
+    if summary.gpu_replicas > 1 and summary.replicas_free is not None:
+        return summary.replicas_free
+    return summary.gpus_free
+
+
 class FreeView:
     """The schedulable free capacity of the fleet, summed once per evaluation."""
 
     def __init__(self, summaries: Iterable[NodeSummary]) -> None:
         self.usable = [s for s in summaries if s.healthy and not s.cordoned]
-        self.largest = max((s.gpus_free for s in self.usable), default=0)
-        self.total = sum(s.gpus_free for s in self.usable)
+        self.largest = max((request_room(s) for s in self.usable), default=0)
+        self.total = sum(request_room(s) for s in self.usable)
         self.mig_nodes = [s.mig_free for s in self.usable if s.mig_free]
         self.mig_total = sum(sum(free.values()) for free in self.mig_nodes)
         self.mig_by_profile: dict[str, int] = {}
@@ -306,24 +325,60 @@ class FreeView:
                 self.mig_by_profile[profile] = self.mig_by_profile.get(profile, 0) + count
 
 
+def placeable(pods: Iterable[PodSet], nodes: Iterable[NodeSummary]) -> bool:
+    """Whether each pod finds a node with room for it, taking what it uses (first fit,
+    largest pods first: for pods of one shape this finds a placement whenever one exists)."""
+    open_nodes = [s for s in nodes if request_room(s) > 0 or s.mig_free]
+    free_gpus = [request_room(s) for s in open_nodes]
+    free_mig = [dict(s.mig_free) for s in open_nodes]
+    for pod_set in sorted(pods, key=lambda p: (-p.gpus, -sum(p.mig.values()))):
+        left = pod_set.count
+        for i, mig in enumerate(free_mig):
+            room = [free_gpus[i] // pod_set.gpus] if pod_set.gpus else []
+            room += [mig.get(p, 0) // n for p, n in pod_set.mig.items() if n]
+            taken = min(left, *room) if room else left
+            if taken <= 0:
+                continue
+            free_gpus[i] -= taken * pod_set.gpus
+            for p, n in pod_set.mig.items():
+                mig[p] = mig.get(p, 0) - taken * n
+            left -= taken
+            if not left:
+                break
+        if left:
+            return False
+    return True
+
+
 def stranded_reason(demand: Demand, fleet: FreeView | Iterable[NodeSummary]
                     ) -> dict[str, float] | None:
-    """Why ``demand`` is stranded (the figures for the evidence), or None when it is not."""
+    """Why ``demand`` is stranded (the figures for the evidence), or None when it is not.
+
+    Stranded: the fleet's free capacity adds up to what it asks for (MIG devices of any
+    profile), but its pods cannot each be given a node with room for them.
+    """
     view = fleet if isinstance(fleet, FreeView) else FreeView(fleet)
+    pods = sum(p.count for p in demand.pods)
+    several = {"pods": float(pods)} if pods > 1 else {}
     if demand.mig:
-        if any(all(free.get(p, 0) >= n for p, n in demand.mig.items())
-               for free in view.mig_nodes):
-            return None
         wanted = sum(demand.mig.values())
         if view.mig_total < wanted:
             return None
+        if pods == 1:  # the common case, without copying every node's free slices
+            if any(all(free.get(p, 0) >= n for p, n in demand.mig.items())
+                   for free in view.mig_nodes):
+                return None
+        elif placeable(demand.pods, view.usable):
+            return None
         return {"free_mig_devices": float(view.mig_total),
-                "requested_mig_devices": float(wanted),
+                "requested_mig_devices": float(wanted), **several,
                 **{f"free_mig_{p}": float(n) for p, n in sorted(view.mig_by_profile.items())}}
-    if demand.gpus <= 0 or view.largest >= demand.gpus or view.total < demand.gpus:
+    if demand.gpus <= 0 or view.total < demand.gpus:
+        return None
+    if view.largest >= demand.gpus or (pods > 1 and placeable(demand.pods, view.usable)):
         return None
     return {"fleet_free_gpus": float(view.total), "largest_node_free_gpus": float(view.largest),
-            "requested_gpus": float(demand.gpus)}
+            "requested_gpus": float(demand.gpus), **several}
 
 
 def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
@@ -351,8 +406,7 @@ def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
         fp = fingerprint(STRANDED_KIND, key)
         episode.open_id = finding_id(fp, episode.since)
         namespace, _, name = key.partition("/")
-        shape = (", ".join(f"{n}x {p}" for p, n in sorted(demand.mig.items())) if demand.mig
-                 else f"{demand.gpus} GPUs on one node")
+        shape = _shape(demand)
         labels = {"shape": shape, "namespace": namespace, "name": name}
         if demand.mig:
             # MIG layout advice: the free slices are there, in the wrong profiles.
@@ -371,6 +425,22 @@ def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
             runbook=STRANDED_RUNBOOK, labels=labels,
         ))
     return out
+
+
+def _shape(demand: Demand) -> str:
+    """What the workload asks for, in words: one pod's shape, or each pod set's."""
+
+    def one(gpus: int, mig: Mapping[str, int]) -> str:
+        return ", ".join(f"{n}x {p}" for p, n in sorted(mig.items())) if mig \
+            else f"{gpus} GPUs"
+
+    if sum(p.count for p in demand.pods) == 1:
+        return one(demand.gpus, demand.mig) + ("" if demand.mig else " on one node")
+    counts: dict[str, int] = {}  # pod sets of one shape (a master and its workers) together
+    for pod_set in demand.pods:
+        text = one(pod_set.gpus, pod_set.mig)
+        counts[text] = counts.get(text, 0) + pod_set.count
+    return " + ".join(f"{n} pod{'s' if n > 1 else ''} of {text}" for text, n in counts.items())
 
 
 def _stranded_subject(key: str, queue: str) -> Subject:

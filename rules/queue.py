@@ -6,7 +6,9 @@ an event-time clock the caller advances:
 - ``queue_wait_slo``: one pending workload has waited longer than its
   queue's SLO. One finding per episode (an episode starts when the workload
   becomes pending, or pending again after an eviction or requeue), resolved
-  when it is admitted, finishes or is deleted.
+  when it is admitted, finishes, is deleted or is deactivated (a Kueue
+  Workload with ``spec.active: false`` is not in the queue: Kueue admits it
+  only once reactivated, and its wait starts again then).
 - ``queue_p95_slo``: over a rolling window, the 95th percentile of the waits
   of the workloads admitted from a queue exceeds the queue's SLO (with a
   minimum number of admissions so one slow job is not a trend).
@@ -35,7 +37,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import finding_id, fingerprint, resolved
 from gpusteward.rules.registry import FleetRunner
-from gpusteward.schema import Evidence, Finding, PodRef, QueueEvent, Subject
+from gpusteward.schema import Evidence, Finding, PodRef, PodSet, QueueEvent, Subject
 
 WAIT_KIND = "queue_wait_slo"
 P95_KIND = "queue_p95_slo"
@@ -57,7 +59,6 @@ PROJECTED_RUNBOOK = (
     "clear. Add capacity or quota now, or pause low-priority submissions."
 )
 
-_OPEN_STATES = ("pending", "evicted", "requeued")
 _STATE_ORDER = {"pending": 0, "requeued": 0, "admitted": 1, "evicted": 2, "finished": 3,
                 "deleted": 4}
 """A workload's states in lifecycle order: of two events with the same time (a pending
@@ -119,6 +120,8 @@ class Waiting(msgspec.Struct):
     gpus: int = 0
     mig: dict[str, int] = {}
     open_id: str | None = None
+    pod_sets: list[PodSet] = []
+    """Its pods' shapes, for a workload of several pods (see :attr:`QueueEvent.pod_sets`)."""
 
 
 class QueueTrack(msgspec.Struct):
@@ -166,28 +169,32 @@ def on_event(state: QueueState, event: QueueEvent, settings: QueueSloSettings) -
     queue = event.cluster_queue
     track = state.queues.setdefault(queue, QueueTrack(first_seen=event.ts))
     waiting = state.waiting.get(key)
-    if event.state in _OPEN_STATES:
+    if event.waiting:
         if waiting is None:
             # A first pending event carries the creation time; after an eviction the wait
-            # counts again from the event, as Kueue's admission wait does.
-            since = event.created_at if event.state == "pending" and event.created_at else event.ts
+            # counts again from the requeue (or eviction) the event states, else from the
+            # event, as Kueue's admission wait does.
+            since = event.waiting_since or (
+                event.created_at if event.state == "pending" and event.created_at else event.ts)
             state.waiting[key] = Waiting(queue=queue, pending_since=since, gpus=event.gpus,
-                                         mig=dict(event.mig))
+                                         mig=dict(event.mig), pod_sets=list(event.pod_sets))
         return []
     out: list[Finding] = []
     if waiting is not None:
         # The clock may not have ticked past the SLO while the workload waited (a quiet
-        # queue, a worker catching up): its wait is known now, so judge it now.
-        out += _judge_wait(key, waiting, event.ts, settings)
+        # queue, a worker catching up): its wait is known now, so judge it now, up to its
+        # admission where the event states it (a watcher that saw it late adds no wait).
+        admitted_at = (event.admitted_at or event.ts) if event.state == "admitted" else None
+        out += _judge_wait(key, waiting, admitted_at or event.ts, settings)
         del state.waiting[key]
-        if event.state == "admitted":
-            admitted_at = event.admitted_at or event.ts
+        if admitted_at is not None:
             track.admissions.append((admitted_at, max(0.0, admitted_at - waiting.pending_since)))
             track.admissions.sort()
         if waiting.open_id is not None:
             fp = fingerprint(WAIT_KIND, key)
+            how = event.state if event.active else "deactivated"
             out.append(resolved(waiting.open_id, fp, WAIT_KIND, _workload_subject(key, queue),
-                                f"{key} {event.state}", waiting.pending_since, event.ts))
+                                f"{key} {how}", waiting.pending_since, event.ts))
     return out
 
 

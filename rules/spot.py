@@ -54,6 +54,11 @@ _PHASE_ORDER = {"pending": 0, "bound": 1, "running": 2, "finished": 3, "deleted"
 """Pod phases in lifecycle order, to order two events of a pod with the same time."""
 
 
+SPOT_NOTICE_TAINTS = frozenset({"aws-node-termination-handler/spot-itn"})
+"""Termination taints only a spot interruption notice sets: the node is spot whatever its
+labels say (a self-managed node group's nodes carry no capacity-type label)."""
+
+
 class SpotSettings(BaseModel):
     """Settings of the spot-interruption rule."""
 
@@ -78,7 +83,8 @@ class SpotSettings(BaseModel):
     )
     spot_only: bool = Field(
         True,
-        description="Act only on nodes marked spot. False also requeues on on-demand nodes "
+        description="Act only on nodes marked spot (by a capacity-type label, or by the "
+        "spot interruption notice taint itself). False also requeues on on-demand nodes "
         "that get a termination taint (e.g. Karpenter consolidation).",
     )
 
@@ -122,9 +128,9 @@ def on_inventory(track: SpotNodeTrack, event: NodeInventory,
     if track.inventory_ts is not None and event.ts < track.inventory_ts:
         return []
     track.inventory_ts = event.ts
-    track.spot = event.spot
     taint = None if event.deleted else _termination_taint(event, settings)
-    if taint is not None and (event.spot or not settings.spot_only):
+    track.spot = event.spot or taint in SPOT_NOTICE_TAINTS
+    if taint is not None and (track.spot or not settings.spot_only):
         if track.open_id is not None:
             return []
         fp = fingerprint(KIND, event.node)

@@ -256,7 +256,7 @@ class FleetEvaluator:
         fleet = frag.FleetView(
             nodes=list(state.nodes.values()),
             pending={key: frag.Demand(key=key, queue=w.queue, gpus=w.gpus, mig=w.mig,
-                                      since=w.pending_since)
+                                      since=w.pending_since, pod_sets=tuple(w.pod_sets))
                      for key, w in state.queue.waiting.items()},
             shape_counts=state.shape_counts)
         out: list[FleetOutput] = []

@@ -562,9 +562,11 @@ class NodeJoin:
         state.last_summary_ts, state.summary_dirty = ts, False
         holding = [h for h in state.pods.values() if h.ended_at is None]
         used = sum(h.gpus for h in holding)
+        replicas_free = None
         if state.gpu_replicas > 1:
             # Replicas of shared GPUs: a physical GPU is used when any replica of it is held
             # (by device ids; without them, as tightly packed as replicas allow).
+            replicas_free = max(0, state.gpu_count * state.gpu_replicas - used)
             physical = {d.split("::", 1)[0] for h in holding if h.gpus for d in h.devices}
             used = len(physical) if physical else -(-used // state.gpu_replicas)
         healthy = self._healthy(state)
@@ -582,6 +584,7 @@ class NodeJoin:
             ts=ts, node=node, gpu_model=state.gpu_model, gpus_total=state.gpu_count,
             gpus_free=max(0, state.gpu_count - used), healthy=healthy,
             cordoned=state.cordoned, spot=state.spot, gpu_replicas=state.gpu_replicas,
+            replicas_free=replicas_free,
             mig_free={profile: n for profile, n in mig_free.items() if n > 0},
             pool=state.pool, idle=self._idle_holds(state),
             held_by_team={team: gpus for team, gpus in teams.items() if gpus > 0},

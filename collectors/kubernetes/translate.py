@@ -65,12 +65,14 @@ import msgspec
 from gpusteward.collectors.kubernetes.reflector import Delta, Obj
 from gpusteward.collectors.kubernetes.settings import KubeWatchSettings
 from gpusteward.schema import (
+    KUEUE_GATED,
     WORKLOAD_KINDS,
     AllocationEvent,
     NodeInventory,
     PodAllocation,
     PodPhase,
     PodRef,
+    PodSet,
     QueueEvent,
     Taint,
     WorkloadState,
@@ -91,6 +93,8 @@ LABEL_MIG_STRATEGY = "nvidia.com/mig.strategy"
 LABEL_CLUSTER_QUEUE = "kueue.x-k8s.io/cluster-queue-name"
 LABEL_LOCAL_QUEUE = "kueue.x-k8s.io/local-queue-name"
 LABEL_QUEUE = "kueue.x-k8s.io/queue-name"
+KUEUE_ADMISSION_GATE = "kueue.x-k8s.io/admission"
+"""The scheduling gate Kueue puts on the pods it manages until their Workload is admitted."""
 
 SPOT_NODE_LABELS: dict[str, tuple[str, ...]] = {
     "karpenter.sh/capacity-type": ("spot",),
@@ -342,6 +346,9 @@ class _PodMemo:
     (admitted, then finished)."""
     gang: str | None = None
     """``namespace/gang`` of a gang member."""
+    ungated_at: float | None = None
+    """When a pod seen held at Kueue's admission gate was first seen without it."""
+    gated: bool = False
 
 
 Emitted = AllocationEvent | QueueEvent
@@ -506,6 +513,15 @@ class Translator:
         if not node:
             state: WorkloadState = "finished" if phase in ("Succeeded", "Failed") else "pending"
             queued = self._pending_pod(pod, resources, ts, state)
+            # A pod Kueue holds at its admission gate waits as its Workload, which reports
+            # it; once let through, its own wait for a node starts then, not at creation.
+            if any(g.get("name") == KUEUE_ADMISSION_GATE for g in spec.get("schedulingGates")
+                   or []):
+                memo.gated = True
+                queued = msgspec.structs.replace(queued, reason=KUEUE_GATED)
+            elif memo.gated:
+                memo.ungated_at = memo.ungated_at or ts
+                queued = msgspec.structs.replace(queued, waiting_since=memo.ungated_at)
             if memo.queued is None or msgspec.structs.replace(memo.queued, ts=ts) != queued:
                 out.append(queued)
             memo.queued = queued
@@ -520,7 +536,7 @@ class Translator:
             left: WorkloadState = "finished" if phase in ("Succeeded", "Failed") \
                 else "admitted"
             event = msgspec.structs.replace(
-                base, ts=ts, state=left,
+                base, ts=ts, state=left, reason=None,
                 admitted_at=base.admitted_at or parse_time(
                     scheduled.get("lastTransitionTime")) or ts)
             if memo.queued is not None or memo.member is None or \
@@ -636,13 +652,22 @@ class Translator:
             self.local_queues.get(f"{namespace}/{local}") if local else None
         ) or local or self.settings.default_cluster_queue
         resources: dict[str, int] = {}
+        pod_sets: list[PodSet] = []
         for pod_set in spec.get("podSets") or []:
             count = int(pod_set.get("count", 1))
-            for name, value in gpu_resources((pod_set.get("template") or {}).get("spec") or {}
-                                             ).items():
+            per_pod = gpu_resources((pod_set.get("template") or {}).get("spec") or {})
+            if not per_pod or count < 1:
+                continue
+            for name, value in per_pod.items():
                 resources[name] = resources.get(name, 0) + value * count
+            pod_gpus, pod_mig = self._gpus_and_mig(per_pod, None)
+            pod_sets.append(PodSet(count=count, gpus=pod_gpus, mig=pod_mig))
         gpus, mig = self._gpus_and_mig(resources, None)
         admitted = conditions.get("Admitted", {})
+        # Back in the queue after an eviction: the wait counts from the requeue (as Kueue's
+        # admission wait does), else the eviction, not from when the watcher saw it.
+        back = conditions.get("Requeued") if _true(conditions, "Requeued") else \
+            conditions.get("Evicted") if _true(conditions, "Evicted") else None
         priority_class = spec.get("priorityClassName") or (
             spec.get("priorityClassRef") or {}).get("name")
         gang, gang_size = workload_gang(workload)
@@ -654,4 +679,7 @@ class Translator:
             gpus=gpus, mig=mig, priority=spec.get("priority"), kind="workload",
             uid=meta.get("uid"), priority_class=priority_class, reason=reason,
             active=spec.get("active", True), gang=gang, gang_size=gang_size,
+            pod_sets=pod_sets,
+            waiting_since=parse_time(back.get("lastTransitionTime"))
+            if back is not None and state in ("evicted", "requeued") else None,
         )

@@ -53,6 +53,10 @@ class Profile:
     """Usable GiB as nvidia-smi reports it, when the research file knows it."""
     gi_profile_id: int | None = None
     """NVML's GPU-instance profile id (``nvidia-smi mig -lgip``), when the file knows it."""
+    placement_verified: bool = True
+    """Whether ``starts`` come from a capture of ``nvidia-smi mig -lgipp`` on the model; False:
+    inferred (from the memory fractions of a sibling model), so advice built on it must say
+    so. A profile the file does not mark verified is not."""
 
     @property
     def media(self) -> bool:
@@ -229,6 +233,7 @@ def _geometry(model: str, spec: dict[str, Any]) -> Geometry:
             starts=tuple(int(s) for s in p["placement"]["starts"]),
             size=int(p["placement"]["size"]),
             memory_gib=p.get("memory_gib_nvidia_smi"), gi_profile_id=p.get("gi_profile_id"),
+            placement_verified=p.get("placement_verified") is True,
         )
         for p in spec["profiles"]
     )

@@ -120,6 +120,9 @@ class PoolAdvice:
 
     whole_gpu: str | None = None
     """The full-GPU profile; a GPU planned as one such instance runs with MIG off."""
+    unverified: list[str] = field(default_factory=list)
+    """Profiles the plan uses whose placements are inferred, not captured on the model
+    (``placement_verified: false``): the layouts may not be creatable as planned."""
 
     @property
     def gpus_used(self) -> int:
@@ -322,6 +325,8 @@ def advise(geometries: Mapping[str, Geometry], pools: Sequence[Pool],
             unserved=sorted(d.workload for d in wanted if d.workload not in served),
             demand_share=sum(d.share for d in wanted),
             served_share=sum(d.share for d in wanted if d.workload in served),
+            unverified=sorted({name for layout in gpu_layouts for name in layout
+                               if not geometry.profile(name).placement_verified}),
         )
         # A GPU that is one full-size instance is a GPU with MIG off: plan it so, and
         # read today's such GPUs so, or the plan would churn them for nothing.
@@ -422,8 +427,10 @@ def advice_findings(advice: Advice, ts: float, window_start: float, *,
     ``period`` names what a share is a share of (the summary counts GPU-instance-
     ``period``s); ``source`` is where the runbook sends the reader for the whole config.
     Labels: ``pool``, ``node.<name>`` -> its planned config name (the first 20 changed
-    nodes), and ``config.<name>`` -> that config's mig-parted entries as JSON, so the
-    finding alone says what to apply.
+    nodes), ``config.<name>`` -> that config's mig-parted entries as JSON, so the
+    finding alone says what to apply, and ``placement_verified`` (``false`` when the plan
+    uses a profile whose placements were inferred for the model: the summary and runbook
+    then say to check ``nvidia-smi mig -lgipp`` first).
     """
     findings: list[Finding] = []
     configs = advice.mig_parted.get("mig-configs", {})
@@ -433,13 +440,18 @@ def advice_findings(advice: Advice, ts: float, window_start: float, *,
         print_ = fingerprint(KIND, pool.pool.name)
         shown = pool.changes[:20]
         names = sorted({c.config_after for c in shown})
+        caveat = (f" (placements of {', '.join(pool.unverified)} on {pool.pool.model} are "
+                  "inferred, not verified)") if pool.unverified else ""
+        check = ("First check that the GPUs offer these placements (nvidia-smi mig -lgipp "
+                 "on one node): they were inferred, not captured, for this model. "
+                 ) if pool.unverified else ""
         findings.append(Finding(
             id=finding_id(print_, window_start), fingerprint=print_, kind=KIND,
             severity="info", state="firing", subject=Subject(node=None),
             summary=(f"pool {pool.pool.name}: a MIG layout on {pool.gpus_used} of "
                      f"{pool.pool.gpus} GPUs serves {pool.served_share:.1f} of "
                      f"{pool.demand_share:.1f} GPU-instance-{period}s; relabel "
-                     f"{len(pool.changes)} node(s)"),
+                     f"{len(pool.changes)} node(s){caveat}"),
             starts_at=window_start, ts=ts,
             evidence=Evidence(window_start=window_start, window_end=ts,
                               values={"gpus_used": float(pool.gpus_used),
@@ -450,11 +462,12 @@ def advice_findings(advice: Advice, ts: float, window_start: float, *,
                                       "gpus_changed": float(sum(len(c.gpus_changed)
                                                                 for c in pool.changes))}),
             labels={"pool": pool.pool.name,
+                    "placement_verified": "false" if pool.unverified else "true",
                     **{f"node.{c.node}": c.config_after for c in shown},
                     **{f"config.{name}": json.dumps(configs[name], sort_keys=True,
                                                     separators=(",", ":"))
                        for name in names if name in configs}},
-            runbook=f"Apply the mig-parted config (labels config.*, or {source}), then set "
+            runbook=f"{check}Apply the mig-parted config (labels config.*, or {source}), then set "
                     f"{CONFIG_LABEL} on the listed nodes after draining their MIG pods.",
         ))
     return findings

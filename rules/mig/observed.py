@@ -54,9 +54,6 @@ from gpusteward.rules.mig import layout
 from gpusteward.rules.mig.geometry import Geometry, GeometryError, Layout
 from gpusteward.schema import NodeSummary, QueueEvent
 
-_ACTIVE = ("pending", "admitted", "evicted", "requeued")
-"""States in which a workload still wants its devices (an evicted one is requeued)."""
-
 
 class MigWorkload(msgspec.Struct, array_like=True):
     """A workload that asked for MIG devices: what, and when it wanted them.
@@ -89,7 +86,9 @@ def on_queue(observation: MigObservation, key: str, event: QueueEvent) -> None:
     """Fold a queue event in (``key``: the workload, as the queue rules name it)."""
     profiles = {p: n for p, n in event.mig.items() if n > 0}
     known = observation.workloads.get(key)
-    if event.state in _ACTIVE:
+    # It wants its devices while admitted or waiting (an evicted one is requeued); a
+    # deactivated one wants nothing until it is resumed.
+    if event.state == "admitted" or event.waiting:
         if known is None:
             if not profiles:
                 return

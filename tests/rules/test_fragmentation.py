@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from gpusteward.rules import fragmentation as frag
 from gpusteward.rules.fragmentation import Demand, Shape
-from gpusteward.schema import NodeSummary
+from gpusteward.schema import NodeSummary, PodSet
 
 SETTINGS = frag.FragmentationSettings()
 TRACE = Path("traces/alibaba-gpu-v2023")
@@ -345,3 +345,36 @@ def test_fleet_finding_only_after_a_whole_window_above_threshold(steps: list[boo
             else:
                 assert finding.id == open_id
                 open_id = None
+
+
+def test_placeable_gives_each_pod_a_node_with_room() -> None:
+    fleet = [_summary("a", 3), _summary("b", 1), _summary("c", 2)]
+    master_and_workers = [PodSet(count=1, gpus=1), PodSet(count=2, gpus=2)]
+    assert frag.placeable(master_and_workers, fleet)  # workers on a and c, master on b
+    assert not frag.placeable([PodSet(count=3, gpus=2)], fleet)  # 6 free, room for 2 pods
+    mig = [_summary("m1", 0, mig_free={"1g.10gb": 1}), _summary("m2", 0, mig_free={"1g.10gb": 2})]
+    assert frag.placeable([PodSet(count=3, mig={"1g.10gb": 1})], mig)
+    assert not frag.placeable([PodSet(count=2, mig={"1g.10gb": 2})], mig)
+
+
+def test_several_pods_are_stranded_only_when_no_placement_exists() -> None:
+    pods = (PodSet(count=4, gpus=2),)
+    spread = [_summary(n, 2) for n in "abcd"]
+    demand = Demand("ml/ddp", "research", gpus=8, pod_sets=pods)
+    assert frag.stranded_reason(demand, spread) is None
+    odd = [_summary("a", 3), _summary("b", 3), _summary("c", 1), _summary("d", 1)]
+    reason = frag.stranded_reason(demand, odd)
+    assert reason is not None and reason["pods"] == 4 and reason["fleet_free_gpus"] == 8
+
+
+def test_a_request_on_shared_gpus_counts_in_replicas() -> None:
+    # Two nodes of one GPU time-sliced 4 ways, one replica held on each: 1 pod asking for
+    # 2 nvidia.com/gpu gets 2 replicas on either node; it is not stranded.
+    shared = [_summary(n, 0, total=1, gpu_replicas=4, replicas_free=3) for n in "ab"]
+    demand = Demand("ml/infer", "serving", gpus=2)
+    assert frag.stranded_reason(demand, shared) is None
+    # Wholly free shared GPUs too: 1 GPU x 4 replicas is room for 4, not 1.
+    idle = [_summary(n, 1, total=1, gpu_replicas=4, replicas_free=4) for n in "ab"]
+    assert frag.stranded_reason(Demand("ml/big", "serving", gpus=4), idle) is None
+    assert frag.stranded_reason(Demand("ml/huge", "serving", gpus=8), idle) == {
+        "fleet_free_gpus": 8.0, "largest_node_free_gpus": 4.0, "requested_gpus": 8.0}

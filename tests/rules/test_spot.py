@@ -83,9 +83,22 @@ def test_placement_taints_and_on_demand_nodes_are_left_alone() -> None:
     track = spot.SpotNodeTrack()
     spot.on_pod(track, pod("train", 1), SETTINGS)
     assert spot.on_inventory(track, inv(10, aks), SETTINGS) == []
-    assert spot.on_inventory(track, inv(20, ITN, spot_node=False), SETTINGS) == []
+    # Karpenter consolidating an on-demand node: not an interruption.
+    disrupted = Taint("karpenter.sh/disrupted", "NoSchedule")
+    assert spot.on_inventory(track, inv(20, disrupted, spot_node=False), SETTINGS) == []
     anywhere = spot.SpotSettings(spot_only=False)
-    assert spot.on_inventory(spot.SpotNodeTrack(), inv(20, ITN, spot_node=False), anywhere)
+    assert spot.on_inventory(spot.SpotNodeTrack(), inv(20, disrupted, spot_node=False),
+                             anywhere)
+
+
+def test_a_spot_interruption_notice_marks_the_node_spot_without_a_label() -> None:
+    # aws-node-termination-handler on a self-managed node group: the nodes carry no
+    # capacity-type label, and spot-itn is only ever set on a spot interruption notice.
+    track = spot.SpotNodeTrack()
+    spot.on_pod(track, pod("train", 1), SETTINGS)
+    finding, action = spot.on_inventory(track, inv(20, ITN, spot_node=False), SETTINGS)
+    assert isinstance(finding, Finding) and finding.kind == spot.KIND
+    assert isinstance(action, Action) and action.verb == "requeue"
 
 
 @given(st.lists(st.tuples(st.integers(0, 20), st.booleans(), st.booleans()), max_size=40))

@@ -186,6 +186,7 @@ def test_summaries_count_physical_gpus_on_a_time_sliced_node() -> None:
     out = join.on_allocation(state, allocation(IDLE, ts=T0 + 2))
     (summary,) = [s for s in out if isinstance(s, NodeSummary)]
     assert (summary.gpus_total, summary.gpus_free) == (2, 1)
+    assert summary.replicas_free == 6  # what a pod asking nvidia.com/gpu can still get
 
 
 def whole(ts: float, util: float, pod: PodRef | None) -> NodeSample:

@@ -121,6 +121,22 @@ def test_advice_uses_fewest_gpus_and_writes_a_mig_parted_config() -> None:
     assert {c.node for c in advice.changes} == {"node-a"}
 
 
+def test_advice_on_inferred_placements_says_to_verify_them_first() -> None:
+    # The H200's placements are inferred from the H100's (placement_verified: false in
+    # mig_profiles.yaml); the H100's were captured. Same demand, same plan shape.
+    for model, small, large, verified in (("H100-80GB", "1g.10gb", "3g.40gb", True),
+                                          ("H200-141GB", "1g.18gb", "3g.71gb", False)):
+        assert all(p.placement_verified == verified for p in GEOMETRIES[model].profiles)
+        pool = Pool("p", model, ("node-a",), 2)
+        demand = {"p": [Demand(f"nb{i}", small, 0.5) for i in range(4)]
+                  + [Demand("train", large, 1.0)]}
+        advice = layout.advise(GEOMETRIES, [pool], demand)
+        (finding,) = layout.advice_findings(advice, ts=100.0, window_start=0.0)
+        assert finding.labels["placement_verified"] == str(verified).lower()
+        assert ("inferred" in finding.summary) is not verified
+        assert finding.runbook and ("nvidia-smi mig -lgipp" in finding.runbook) is not verified
+
+
 def test_todays_layout_is_kept_where_it_already_serves() -> None:
     pool = Pool("h100", "H100-80GB", ("n1",), 2)
     demand = {"h100": [Demand(f"w{i}", "1g.10gb", 1.0) for i in range(7)]}
