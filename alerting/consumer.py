@@ -35,7 +35,7 @@ import msgspec
 from rich.console import Console
 
 from gpusteward import edge, kafka, topics
-from gpusteward.metrics import OpenFindings, PipelineMetrics, observe_lag, serve
+from gpusteward.metrics import OpenFindings, PipelineMetrics, lag_followed, serve
 from gpusteward.schema import Finding
 from gpusteward.settings import Settings
 
@@ -108,25 +108,27 @@ class FindingsConsumer:
         await producer.start()
         await consumer.start()
         try:
-            while not stop.is_set():
-                batch = await consumer.getmany(timeout_ms=200)
-                for messages in batch.values():
-                    for message in messages:
-                        started = time.perf_counter()
-                        records_in.inc()
-                        await self._handle(deliveries, message.value, message.key,
-                                           topic=message.topic, partition=message.partition,
-                                           offset=message.offset)
-                        processing.observe(time.perf_counter() - started)
-                if batch:
-                    # The dead letters are on the broker before the offsets move past their
-                    # records; one the broker refused raises here and nothing is committed.
-                    await deliveries.delivered()
-                    await consumer.commit()
-                await observe_lag(self.metrics, consumer, self.group_id)
-                for sink in self.sinks:
-                    if isinstance(sink, RefreshingSink):
-                        await sink.refresh()
+            async with lag_followed(self.metrics, self.settings, self.group_id, [topic]):
+                while not stop.is_set():
+                    batch = await consumer.getmany(timeout_ms=200)
+                    for messages in batch.values():
+                        for message in messages:
+                            started = time.perf_counter()
+                            records_in.inc()
+                            await self._handle(deliveries, message.value, message.key,
+                                               topic=message.topic,
+                                               partition=message.partition,
+                                               offset=message.offset)
+                            processing.observe(time.perf_counter() - started)
+                    if batch:
+                        # The dead letters are on the broker before the offsets move past
+                        # their records; one the broker refused raises here and nothing is
+                        # committed.
+                        await deliveries.delivered()
+                        await consumer.commit()
+                    for sink in self.sinks:
+                        if isinstance(sink, RefreshingSink):
+                            await sink.refresh()
         finally:
             if server is not None:
                 server.stop()

@@ -277,13 +277,14 @@ async def committed(settings: Settings, group_id: str,
         await admin.close()
 
 
-async def group_lag(settings: Settings, group_id: str,
-                    topic_names: Iterable[str]) -> dict[str, int]:
-    """Records in ``topic_names`` that ``group_id`` has not committed yet, per topic.
+async def group_offsets(settings: Settings, group_id: str, topic_names: Iterable[str]
+                        ) -> dict[TopicPartition, tuple[int, int]]:
+    """(end offset, committed offset) of each partition of ``topic_names`` for ``group_id``.
 
-    A partition with no commit counts from its start (groups read from the earliest
-    offset). The embedded broker's end offsets may trail the last batch (see
-    :func:`read_all`), so there the figure can be briefly low, never high.
+    Read from the broker, not from a consumer of the group: the figure holds while the
+    group's own loop is stuck. A partition with no commit has committed offset 0 (groups
+    read from the earliest offset). The embedded broker's end offsets may trail the last
+    batch (see :func:`read_all`), so there the end can be briefly low, never high.
     """
     reader = consumer(settings, group_id=None)
     await reader.start()
@@ -295,9 +296,16 @@ async def group_lag(settings: Settings, group_id: str,
     finally:
         await reader.stop()
     done = await committed(settings, group_id, wanted) if wanted else {}
+    return {tp: (ends[tp], max(done[tp], 0)) for tp in wanted}
+
+
+async def group_lag(settings: Settings, group_id: str,
+                    topic_names: Iterable[str]) -> dict[str, int]:
+    """Records in ``topic_names`` that ``group_id`` has not committed yet, per topic
+    (:func:`group_offsets`)."""
     lag: dict[str, int] = {}
-    for tp in wanted:
-        lag[tp.topic] = lag.get(tp.topic, 0) + max(0, ends[tp] - max(done[tp], 0))
+    for tp, (end, done) in (await group_offsets(settings, group_id, topic_names)).items():
+        lag[tp.topic] = lag.get(tp.topic, 0) + max(0, end - done)
     return lag
 
 

@@ -12,12 +12,23 @@ use for empty (a labelled family with no children exports no sample).
 (``{"/healthz": handler}``), so liveness and readiness probes can share the
 port. The collectors keep their own families (``collectors/metrics.py``)
 and serve them the same way.
+
+A consumer's lag is read by :func:`lag_followed`, a task of its own beside the consume
+loop, from the group's committed offsets on the broker: a loop stuck on an HTTP call,
+a dead Alertmanager or a wedged API server commits nothing, so its lag grows on
+``/metrics`` instead of freezing at its last value. Besides records, the lag is kept as
+a time (:class:`LagClock`), which means the same on a 10-node fleet as on 1,250 nodes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -25,12 +36,25 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from gpusteward import kafka
+from gpusteward.settings import Settings
+
+log = logging.getLogger(__name__)
+
 Handler = Callable[[], tuple[int, bytes]]
 """An extra path's answer: (HTTP status, plain-text body), computed per request."""
 
 PROCESSING_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 """Seconds; the node join takes tens of microseconds per record, a Kubernetes call or a
 Parquet write up to seconds, so the buckets span both."""
+
+LAG_INTERVAL_S = 15.0
+"""Seconds between lag readings: the default scrape interval, so every scrape sees a fresh
+one, and the resolution of the lag in seconds."""
+LAG_HISTORY = 1000
+"""End offsets remembered per partition while its group is behind: one per reading at
+which the end moved, so at least 4 hours of readings; a group behind for longer reads as
+behind since the oldest one kept (the lag in seconds is then a lower bound)."""
 
 
 def new_registry() -> CollectorRegistry:
@@ -50,7 +74,15 @@ class PipelineMetrics:
             "gpusteward_records_out_total", "Records produced, by topic.", ["topic"], registry=r)
         self.consumer_lag = Gauge(
             "gpusteward_consumer_lag_records",
-            "Records between the group's position and the partition end, by group and topic.",
+            "Records the group has not committed yet, by group and topic (a group-wide "
+            "reading: every replica of a group reports the whole group).",
+            ["group", "topic"], registry=r)
+        self.consumer_caught_up = Gauge(
+            "gpusteward_consumer_caught_up_timestamp_seconds",
+            "Unix time up to which the group has consumed the topic: the last lag reading at "
+            "which no partition's end was past the group's commit now (the reading itself "
+            "when nothing is pending). time() minus it is the lag in seconds; it stops "
+            "moving when the group stops committing or its lag cannot be read.",
             ["group", "topic"], registry=r)
         self.processing = Histogram(
             "gpusteward_processing_seconds", "Time to handle one consumed record, by stage.",
@@ -117,20 +149,97 @@ class OpenFindings:
             self.metrics.findings_open.labels(kind, severity).inc()
 
 
-async def observe_lag(metrics: PipelineMetrics, consumer: Any, group: str) -> None:
-    """Set the lag gauge from an aiokafka consumer's own view (no request to the broker).
+class LagClock:
+    """Turns a group's successive offset readings into its lag in records and in time.
 
-    ``highwater`` is what the last fetch reported; a partition not fetched yet is skipped.
+    A reading at time ``t`` found each partition's end at ``e``; once the group's commit
+    is at ``e`` or past it, the group has consumed everything written before ``t``. So the
+    time the group is caught up to is the last reading whose end is at or below the commit
+    now, with the resolution of the readings; a group behind since before the first
+    reading is caught up to at most that reading's time. Pure: the caller reads the
+    offsets and the clock.
     """
-    by_topic: dict[str, int] = {}
-    for tp in consumer.assignment():
-        end = consumer.highwater(tp)
-        if end is None:
-            continue
-        position = await consumer.position(tp)
-        by_topic[tp.topic] = by_topic.get(tp.topic, 0) + max(0, end - position)
-    for topic, lag in by_topic.items():
-        metrics.consumer_lag.labels(group, topic).set(lag)
+
+    def __init__(self, history: int = LAG_HISTORY) -> None:
+        self.history = history
+        self._ends: dict[Hashable, deque[list[float]]] = {}
+        """Per partition: [first seen, last seen, end offset] for each end seen, oldest first."""
+
+    def caught_up_at(self, partition: Hashable, end: int, committed: int, now: float) -> float:
+        """The time up to which ``committed`` has consumed ``partition``, given its ``end`` now."""
+        seen = self._ends.get(partition)
+        if committed >= end or seen is None or end < seen[-1][2]:
+            # Caught up, the first reading, or an end moved back (a topic made again).
+            self._ends[partition] = deque([[now, now, end]], maxlen=self.history)
+            return now
+        if seen[-1][2] == end:
+            seen[-1][1] = now
+        else:
+            seen.append([now, now, end])
+        while len(seen) > 1 and seen[1][2] <= committed:
+            seen.popleft()
+        first_seen, last_seen, oldest_end = seen[0]
+        return last_seen if oldest_end <= committed else first_seen
+
+    def observe(self, metrics: PipelineMetrics, group: str,
+                offsets: Mapping[Any, tuple[int, int]], now: float) -> None:
+        """Set both lag gauges of ``group`` from one reading: (end, committed) by partition
+        (``TopicPartition``-like, with a ``topic``)."""
+        records: dict[str, int] = {}
+        caught_up: dict[str, float] = {}
+        for tp, (end, committed) in offsets.items():
+            records[tp.topic] = records.get(tp.topic, 0) + max(0, end - committed)
+            at = self.caught_up_at(tp, end, committed, now)
+            caught_up[tp.topic] = min(caught_up.get(tp.topic, at), at)
+        for topic, count in records.items():
+            metrics.consumer_lag.labels(group, topic).set(count)
+            metrics.consumer_caught_up.labels(group, topic).set(caught_up[topic])
+
+
+OffsetReader = Callable[[], Awaitable[Mapping[Any, tuple[int, int]]]]
+"""Reads (end, committed) by partition: :func:`gpusteward.kafka.group_offsets` bound to a
+group and its topics, or a test's double."""
+
+
+async def follow_lag(metrics: PipelineMetrics, group: str, read: OffsetReader,
+                     interval_s: float = LAG_INTERVAL_S,
+                     clock: Callable[[], float] = time.time) -> None:
+    """Read ``group``'s offsets every ``interval_s`` and set its lag gauges, until cancelled.
+
+    A failed reading is logged and changes nothing: the caught-up time stays where it was,
+    so a lag that cannot be read alerts like a lag that grows.
+    """
+    lag = LagClock()
+    while True:
+        try:
+            offsets = await read()
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # a lag reading must never stop the consumer
+            log.warning("cannot read the lag of %s: %s", group, error)
+        else:
+            lag.observe(metrics, group, offsets, clock())
+        await asyncio.sleep(interval_s)
+
+
+@contextlib.asynccontextmanager
+async def lag_followed(metrics: PipelineMetrics, settings: Settings, group: str,
+                       topic_names: Iterable[str]) -> AsyncIterator[None]:
+    """:func:`follow_lag` for ``group`` on ``topic_names`` while the block runs, beside it.
+
+    Nothing is read when no metrics port is set: no one could scrape the gauges.
+    """
+    if not settings.metrics.port:
+        yield
+        return
+    names = list(topic_names)
+    task = asyncio.create_task(follow_lag(
+        metrics, group, lambda: kafka.group_offsets(settings, group, names), LAG_INTERVAL_S))
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def observe_many(histogram: Any, value: float, count: int) -> None:

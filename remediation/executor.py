@@ -84,7 +84,7 @@ from rich.markup import escape
 
 from gpusteward import edge, kafka, topics
 from gpusteward.errors import TemporaryError, cut
-from gpusteward.metrics import PipelineMetrics, observe_lag, serve
+from gpusteward.metrics import PipelineMetrics, lag_followed, serve
 from gpusteward.rules import REGISTRY, REMEDIATION_BREAKER
 from gpusteward.rules.findings import finding_id, fingerprint
 from gpusteward.rules.idle import RECLAIM_REASON, rfc3339
@@ -713,24 +713,26 @@ class Executor:
         await producer.start()
         await consumer.start()
         try:
-            while not stop.is_set():
-                await self._read_resets(audit)
-                batch = await consumer.getmany(timeout_ms=200)
-                for tp, messages in batch.items():
-                    for message in messages:
-                        started = time.perf_counter()
-                        self.metrics.records_in.labels(tp.topic).inc()
-                        await self._handle(deliveries, message.value, key=message.key,
-                                           partition=tp.partition, offset=message.offset,
-                                           topic=tp.topic)
-                        processing.observe(time.perf_counter() - started)
-                if batch:
-                    # The audit records and dead letters are on the broker before the offsets
-                    # move on: one the broker never took raises here, and nothing is committed.
-                    await deliveries.delivered()
-                    await consumer.commit()
-                await observe_lag(self.metrics, consumer, self.group_id)
-                self.metrics.breaker_open.labels(self.group_id).set(int(self.breaker.open))
+            async with lag_followed(self.metrics, self.settings, self.group_id,
+                                    [topics.ACTIONS.name(self.settings)]):
+                while not stop.is_set():
+                    await self._read_resets(audit)
+                    batch = await consumer.getmany(timeout_ms=200)
+                    for tp, messages in batch.items():
+                        for message in messages:
+                            started = time.perf_counter()
+                            self.metrics.records_in.labels(tp.topic).inc()
+                            await self._handle(deliveries, message.value, key=message.key,
+                                               partition=tp.partition, offset=message.offset,
+                                               topic=tp.topic)
+                            processing.observe(time.perf_counter() - started)
+                    if batch:
+                        # The audit records and dead letters are on the broker before the
+                        # offsets move on: one the broker never took raises here, and nothing
+                        # is committed.
+                        await deliveries.delivered()
+                        await consumer.commit()
+                    self.metrics.breaker_open.labels(self.group_id).set(int(self.breaker.open))
         finally:
             if server is not None:
                 server.stop()

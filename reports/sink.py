@@ -36,7 +36,7 @@ import polars as pl
 from aiokafka import AIOKafkaProducer
 
 from gpusteward import edge, kafka, topics
-from gpusteward.metrics import PipelineMetrics, observe_lag, serve
+from gpusteward.metrics import PipelineMetrics, lag_followed, serve
 from gpusteward.reports import compute, findings, store
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry as mig_geometry
@@ -92,30 +92,30 @@ class RollupSink:
         await producer.start()
         last_flush = time.monotonic()
         try:
-            while not stop.is_set():
-                batch = await consumer.getmany(timeout_ms=200)
-                await observe_lag(self.metrics, consumer, self.group_id)
-                for messages in batch.values():
-                    for message in messages:
-                        records_in.inc()
-                        try:
-                            self._take(self._decode(message.value, message.key))
-                        except edge.Rejected as error:
-                            self.refusals.note(edge.kind_of(error),
-                                               "record at %s[%d]@%d is refused: %s",
-                                               message.topic, message.partition,
-                                               message.offset, error)
-                            await self._dead_letter(producer, message.topic, message.partition,
-                                                    message.offset, message.key,
-                                                    message.value, error)
-                due = time.monotonic() - last_flush >= self.report.flush_interval_s
-                flushed = False
-                if len(self.buffer) >= self.report.flush_rows or (due and self.buffer):
-                    await self._flush()
-                    last_flush, flushed = time.monotonic(), True
-                # Commit only what is on disk: with rows still buffered, wait for their file.
-                if (batch or flushed) and not self.buffer:
-                    await consumer.commit()
+            async with lag_followed(self.metrics, self.settings, self.group_id, [topic]):
+                while not stop.is_set():
+                    batch = await consumer.getmany(timeout_ms=200)
+                    for messages in batch.values():
+                        for message in messages:
+                            records_in.inc()
+                            try:
+                                self._take(self._decode(message.value, message.key))
+                            except edge.Rejected as error:
+                                self.refusals.note(edge.kind_of(error),
+                                                   "record at %s[%d]@%d is refused: %s",
+                                                   message.topic, message.partition,
+                                                   message.offset, error)
+                                await self._dead_letter(producer, message.topic,
+                                                        message.partition, message.offset,
+                                                        message.key, message.value, error)
+                    due = time.monotonic() - last_flush >= self.report.flush_interval_s
+                    flushed = False
+                    if len(self.buffer) >= self.report.flush_rows or (due and self.buffer):
+                        await self._flush()
+                        last_flush, flushed = time.monotonic(), True
+                    # Commit only what is on disk: with rows still buffered, wait for their file.
+                    if (batch or flushed) and not self.buffer:
+                        await consumer.commit()
             if self.buffer:
                 await self._flush()
                 await consumer.commit()

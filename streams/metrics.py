@@ -3,26 +3,22 @@
 One :class:`~gpusteward.metrics.PipelineMetrics` per worker app, wired to
 the app's signals here so the agents only count (``outputs.py`` counts what
 goes out, the node join what comes in). The lag is the worker group's
-committed offsets against the partition ends, read every ``LAG_INTERVAL_S``
-with an admin request, the figure an operator compares with Kafka's own
-tools; the ``/metrics`` server starts with the app, before its tables
-recover, when ``settings.metrics.port`` is set.
+committed offsets against the partition ends, read every
+:data:`~gpusteward.metrics.LAG_INTERVAL_S` with an admin request by
+:func:`~gpusteward.metrics.follow_lag` as every consumer's is, the figure an
+operator compares with Kafka's own tools. The ``/metrics`` server and the lag
+reading start with the app, before its tables recover, when
+``settings.metrics.port`` is set: a worker replaying a long changelog consumes
+nothing meanwhile, and its lag says so.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from typing import Any
 
 from gpusteward import kafka, topics
-from gpusteward.metrics import MetricsServer, PipelineMetrics, serve
+from gpusteward.metrics import MetricsServer, PipelineMetrics, follow_lag, serve
 from gpusteward.settings import Settings
-
-log = logging.getLogger(__name__)
-
-LAG_INTERVAL_S = 15.0
-"""Seconds between lag readings: the default scrape interval, so every scrape sees a fresh one."""
 
 CONSUMED = (topics.SAMPLES, topics.HW_EVENTS, topics.ALLOCATIONS, topics.NODE_SUMMARIES,
             topics.QUEUE)
@@ -51,21 +47,13 @@ def worker_metrics(app: Any, settings: Settings) -> PipelineMetrics:
     server: list[MetricsServer] = []
 
     # From the app's start, not after its table recovery (WorkerApp.early_task): a worker
-    # replaying a long changelog is when its metrics are most wanted.
+    # replaying a long changelog is when its metrics, its lag first, are most wanted.
     @app.early_task
     async def serve_metrics() -> None:
         server.append(serve(metrics.registry, settings.metrics.port, settings.metrics.addr))
 
-    @app.timer(LAG_INTERVAL_S)
-    async def follow_lag() -> None:
-        try:
-            lag = await kafka.group_lag(settings, group, names)
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # a lag reading must never stop the worker
-            log.warning("cannot read the worker's lag: %s", error)
-            return
-        for topic, records in lag.items():
-            metrics.consumer_lag.labels(group, topic).set(records)
+    @app.early_task
+    async def read_lag() -> None:
+        await follow_lag(metrics, group, lambda: kafka.group_offsets(settings, group, names))
 
     return metrics

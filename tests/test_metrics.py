@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import urllib.error
 import urllib.request
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpusteward.collectors.metrics import CollectorMetrics, WatcherMetrics
-from gpusteward.metrics import OpenFindings, PipelineMetrics, metric_names, observe_many, serve
+from gpusteward.metrics import (
+    LagClock,
+    OpenFindings,
+    PipelineMetrics,
+    follow_lag,
+    metric_names,
+    observe_many,
+    serve,
+)
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -112,3 +122,87 @@ def test_a_collector_exports_its_process_and_a_zero_before_its_first_delivery():
     assert (watcher.get_sample_value("process_resident_memory_bytes", {}) or 0) > 0
     assert watcher.get_sample_value(sent, {"topic": "allocations.v1"}) == 0
     assert watcher.get_sample_value(sent, {"topic": "samples.v1"}) is None
+
+
+class _TP(tuple[str, int]):
+    """A TopicPartition-like key: the lag clock needs only ``topic``."""
+
+    @property
+    def topic(self) -> str:
+        return self[0]
+
+
+def test_lag_clock_reads_a_stalled_group_behind_by_the_time_since_its_commit_was_the_end():
+    clock = LagClock()
+    p0 = _TP(("s", 0))
+    assert clock.caught_up_at(p0, end=100, committed=100, now=1000.0) == 1000.0
+    # The group stops committing at 100 while records keep arriving.
+    assert clock.caught_up_at(p0, end=120, committed=100, now=1015.0) == 1000.0
+    assert clock.caught_up_at(p0, end=140, committed=100, now=1030.0) == 1000.0
+    # It moves on to 120: caught up to the reading that saw the end there.
+    assert clock.caught_up_at(p0, end=160, committed=120, now=1045.0) == 1015.0
+    assert clock.caught_up_at(p0, end=160, committed=160, now=1060.0) == 1060.0
+
+
+def test_lag_clock_counts_a_rare_record_from_the_last_reading_before_it():
+    """One finding an hour, read between its write and its commit: seconds behind, not an
+    hour (the end stood still at the commit until the reading before)."""
+    clock = LagClock()
+    p0 = _TP(("findings", 0))
+    for minute in range(60):
+        assert clock.caught_up_at(p0, 7, 7, 60.0 * minute) == 60.0 * minute
+    assert clock.caught_up_at(p0, end=8, committed=7, now=3600.0) == 3540.0
+    # Stuck on that record (a dead Alertmanager): the lag grows with the clock.
+    assert clock.caught_up_at(p0, end=8, committed=7, now=4200.0) == 3540.0
+
+
+def test_lag_clock_bounds_a_group_behind_since_before_its_first_reading():
+    clock = LagClock(history=3)
+    p0 = _TP(("s", 0))
+    assert clock.caught_up_at(p0, end=500, committed=0, now=10.0) == 10.0
+    assert clock.caught_up_at(p0, end=600, committed=0, now=25.0) == 10.0
+    for now, end in ((40.0, 700), (55.0, 800), (70.0, 900)):
+        clock.caught_up_at(p0, end=end, committed=0, now=now)
+    # Only three ends kept: behind since the oldest of them at least.
+    assert clock.caught_up_at(p0, end=900, committed=0, now=85.0) == 40.0
+    # A topic made again (its end moved back) starts over.
+    assert clock.caught_up_at(p0, end=3, committed=0, now=100.0) == 100.0
+
+
+def test_lag_clock_sets_records_summed_and_the_topic_caught_up_to_its_slowest_partition():
+    metrics, clock = PipelineMetrics(), LagClock()
+    p0, p1 = _TP(("s", 0)), _TP(("s", 1))
+    clock.observe(metrics, "g", {p0: (10, 10), p1: (10, 10)}, 100.0)
+    clock.observe(metrics, "g", {p0: (30, 30), p1: (25, 10)}, 115.0)
+    labels = {"group": "g", "topic": "s"}
+    value = metrics.registry.get_sample_value
+    assert value("gpusteward_consumer_lag_records", labels) == 15
+    assert value("gpusteward_consumer_caught_up_timestamp_seconds", labels) == 100.0
+
+
+def test_follow_lag_reads_beside_the_loop_and_keeps_the_time_when_a_reading_fails(caplog):
+    metrics = PipelineMetrics()
+    readings: list[dict[Any, tuple[int, int]] | Exception] = [
+        {_TP(("s", 0)): (5, 5)}, RuntimeError("broker away"), {_TP(("s", 0)): (9, 5)}]
+    times = iter([100.0, 130.0])
+
+    async def read() -> dict[Any, tuple[int, int]]:
+        reading = readings.pop(0) if readings else {_TP(("s", 0)): (9, 5)}
+        if isinstance(reading, Exception):
+            raise reading
+        return reading
+
+    async def main() -> None:
+        task = asyncio.create_task(follow_lag(metrics, "g", read, 0.001,
+                                              clock=lambda: next(times, 130.0)))
+        await asyncio.sleep(0.2)  # a hundred readings at most, three of them scripted
+        assert not readings
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    labels = {"group": "g", "topic": "s"}
+    assert metrics.registry.get_sample_value("gpusteward_consumer_lag_records", labels) == 4
+    assert metrics.registry.get_sample_value(
+        "gpusteward_consumer_caught_up_timestamp_seconds", labels) == 100.0
+    assert "cannot read the lag of g: broker away" in caplog.text

@@ -41,24 +41,32 @@ def _described(alert: str, summary: str) -> dict[str, str]:
 # full label set and annotations of what fires, so a wrong `by` or template fails here.
 UNIT_TESTS: list[dict[str, Any]] = [
     {
+        # Lag in time, whatever the fleet's size. The worker group (two replicas, each
+        # reporting the whole group) stops committing one topic at 5m; the sink commits
+        # once per file, every 5 minutes; the alert sink is idle and caught up.
         "interval": "1m",
         "input_series": [
-            # A group falling further behind, and one catching up.
-            {"series": f'gpusteward_consumer_lag_records{{{LABELS}, group="g-worker", '
-                       'topic="t"}', "values": "6000+100x30"},
-            {"series": f'gpusteward_consumer_lag_records{{{LABELS}, group="g-alerts", '
-                       'topic="t"}', "values": "9000-100x30"},
+            *[{"series": f'gpusteward_consumer_caught_up_timestamp_seconds{{'
+                         f'namespace="gpusteward", pod="{pod}", group="g-worker", '
+                         f'topic="{topic}"}}', "values": values}
+              for pod in ("w-0", "w-1")
+              for topic, values in (("samples", "0+60x5 300x25"), ("allocations", "0+60x30"))],
+            {"series": f'gpusteward_consumer_caught_up_timestamp_seconds{{{LABELS}, '
+                       'group="g-sink", topic="rollups"}', "values": "0x5 300x5 600x5 900x5 "
+                                                                     "1200x5 1500x4"},
+            {"series": f'gpusteward_consumer_caught_up_timestamp_seconds{{{LABELS}, '
+                       'group="g-alerts", topic="findings"}', "values": "0+60x30"},
         ],
         "alert_rule_test": [
-            {"eval_time": "5m", "alertname": "GpustewardConsumerLagGrowing", "exp_alerts": []},
-            {"eval_time": "20m", "alertname": "GpustewardConsumerLagGrowing", "exp_alerts": [{
+            {"eval_time": "15m", "alertname": "GpustewardConsumerBehind", "exp_alerts": []},
+            {"eval_time": "17m", "alertname": "GpustewardConsumerBehind", "exp_alerts": []},
+            *[{"eval_time": eval_time, "alertname": "GpustewardConsumerBehind", "exp_alerts": [{
                 "exp_labels": {"severity": "warning", "namespace": "gpusteward",
                                "group": "g-worker"},
-                "exp_annotations": {
-                    "summary": "g-worker is 8k records behind and falling further behind",
-                    "description": "The consumer group's lag grew for 10 minutes. Check the "
-                                   "process's logs and CPU; the stream worker scales to one "
-                                   "replica per partition."}}]},
+                "exp_annotations": _described(
+                    "GpustewardConsumerBehind",
+                    f"g-worker has not consumed records written {behind} ago")}]}
+              for eval_time, behind in (("18m", "13m 0s"), ("30m", "25m 0s"))],
         ],
     },
     {
@@ -255,7 +263,7 @@ def test_every_rule_names_series_some_process_exports():
                              WatcherMetrics().registry])
     groups = yaml.safe_load(RULE.read_text())["spec"]["groups"]
     alerts = {rule["alert"] for group in groups for rule in group["rules"]}
-    assert {"GpustewardConsumerLagGrowing", "GpustewardDeadLetters",
+    assert {"GpustewardConsumerBehind", "GpustewardDeadLetters",
             "GpustewardRemediationBreakerOpen", "GpustewardProcessDown",
             "GpustewardCollectorSilent", "GpustewardWatcherSilent"} <= alerts
     for group in groups:

@@ -6,7 +6,8 @@ restarted the worker into the same replay, forever. The worker here counts itsel
 after 2 s without a beat (``short_liveness_worker.py``; it beats every second) and
 recovers a changelog that takes many seconds to replay: ``/livez`` must answer 200 at
 every probe while ``/readyz`` says 503, and ``/metrics`` must answer before the
-recovery ends.
+recovery ends, with the worker group's lag (a replaying worker consumes nothing: its
+lag is the figure an operator needs then).
 """
 
 from __future__ import annotations
@@ -89,13 +90,15 @@ def test_a_worker_recovering_a_long_changelog_stays_live(settings: Settings,
             time.sleep(0.05)
         first_answer = time.monotonic()
         live_answers: list[int | None] = []
-        metrics_while_recovering = False
+        metrics_while_recovering = lag_while_recovering = False
         while health.probe(health_port, health.READY_PATH) != 200:
             assert worker.poll() is None, log.read_text()
             assert time.monotonic() < deadline + 120, "the worker never became ready"
             live_answers.append(health.probe(health_port, health.LIVE_PATH))
-            metrics_while_recovering |= "gpusteward_records_in_total" in metrics_page(
-                metrics_port)
+            page = metrics_page(metrics_port)
+            metrics_while_recovering |= "gpusteward_records_in_total" in page
+            lag_while_recovering |= (f'gpusteward_consumer_caught_up_timestamp_seconds{{group='
+                                     f'"{worker_group(settings)}"') in page
             time.sleep(0.1)
         recovering_s = time.monotonic() - first_answer
         print(f"not ready for {recovering_s:.1f}s, {len(live_answers)} liveness probes")
@@ -103,5 +106,6 @@ def test_a_worker_recovering_a_long_changelog_stays_live(settings: Settings,
         assert recovering_s > 2 * short_liveness_worker.STALE_AFTER_S, recovering_s
         assert live_answers and set(live_answers) == {200}, live_answers
         assert metrics_while_recovering, "no /metrics page while the changelog replayed"
+        assert lag_while_recovering, "no lag on /metrics while the changelog replayed"
     finally:
         stop_child(worker, 15.0)
