@@ -14,7 +14,9 @@ that passes; if this process dies, its alerts resolve by themselves when
 alert stays pending and the next refresh posts it again. When a resolved
 finding arrives for an episode this process never saw fire (it restarted),
 the sink asks Alertmanager for the active alerts with that fingerprint and
-ends those.
+ends those. On start the consumer hands the sink the findings still open on the topic
+(:meth:`AlertmanagerSink.restore`), which it keeps alive from its first refresh: without
+them a restart let every open alert lapse at ``endsAt``, announced as resolved.
 """
 
 from __future__ import annotations
@@ -106,14 +108,22 @@ class AlertmanagerSink:
         self._last_post = 0.0
         self._session: aiohttp.ClientSession | None = None
 
+    def _alert(self, finding: Finding) -> dict[str, Any]:
+        """A firing finding's alert, without ``endsAt``."""
+        return {"labels": alert_labels(finding), "annotations": alert_annotations(finding),
+                "startsAt": rfc3339(finding.starts_at),
+                "generatorURL": self._generator(finding)}
+
+    def restore(self, findings: list[Finding]) -> None:
+        """Keep alive the alerts of ``findings``, open before this process started (read
+        back from the findings topic); the next :meth:`refresh` posts them, all at once."""
+        for finding in findings:
+            if finding.state == "firing":
+                self.firing[finding.fingerprint] = self._alert(finding)
+
     async def deliver(self, finding: Finding) -> None:
         if finding.state == "firing":
-            alert = {
-                "labels": alert_labels(finding),
-                "annotations": alert_annotations(finding),
-                "startsAt": rfc3339(finding.starts_at),
-                "generatorURL": self._generator(finding),
-            }
+            alert = self._alert(finding)
             self.firing[finding.fingerprint] = alert
             self.pending_resolved.pop(finding.fingerprint, None)
             await self._post_quietly([self._alive(alert)])
