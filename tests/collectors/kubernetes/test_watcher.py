@@ -614,4 +614,4 @@ def test_reflectors_wait_while_two_pages_are_not_published(
 
     asyncio.run(main())
     assert 0 < backlog[0] <= 3 * 3, backlog
-    assert [e.node for e in publisher.events] == [f"n{i:02d}" for i in range(30)]
+    assert [brief(e)[1] for e in publisher.events] == [f"n{i:02d}" for i in range(30)]
