@@ -11,10 +11,14 @@ Firing alerts are posted with ``endsAt`` a few resend intervals ahead (as
 Prometheus does), and :meth:`AlertmanagerSink.refresh` re-posts them before
 that passes; if this process dies, its alerts resolve by themselves when
 ``endsAt`` passes instead of firing forever. A failed post is not lost: the
-alert stays pending and the next refresh posts it again. When a resolved
+alert stays pending and the next refresh posts it again; after a failure the sink
+makes no request for a quarter of the resend interval (15 s), so that an Alertmanager
+that hangs costs one timeout per 15 s, not one per finding. When a resolved
 finding arrives for an episode this process never saw fire (it restarted),
 the sink asks Alertmanager for the active alerts with that fingerprint and
-ends those.
+ends those. On start the consumer hands the sink the findings still open on the topic
+(:meth:`AlertmanagerSink.restore`), which it keeps alive from its first refresh: without
+them a restart let every open alert lapse at ``endsAt``, announced as resolved.
 """
 
 from __future__ import annotations
@@ -106,16 +110,27 @@ class AlertmanagerSink:
         self.pending_resolved: dict[str, list[dict[str, Any]]] = {}
         """Resolved alerts not yet accepted by Alertmanager, by fingerprint."""
         self._last_post = 0.0
+        self._retry_at = 0.0
+        """After a failed request, no other is made before this (clock seconds): the
+        findings meanwhile are kept and sent by the refresh after it."""
         self._session: aiohttp.ClientSession | None = None
+
+    def _alert(self, finding: Finding) -> dict[str, Any]:
+        """A firing finding's alert, without ``endsAt``."""
+        return {"labels": alert_labels(finding), "annotations": alert_annotations(finding),
+                "startsAt": rfc3339(finding.starts_at),
+                "generatorURL": self._generator(finding)}
+
+    def restore(self, findings: list[Finding]) -> None:
+        """Keep alive the alerts of ``findings``, open before this process started (read
+        back from the findings topic); the next :meth:`refresh` posts them, all at once."""
+        for finding in findings:
+            if finding.state == "firing":
+                self.firing[finding.fingerprint] = self._alert(finding)
 
     async def deliver(self, finding: Finding) -> None:
         if finding.state == "firing":
-            alert = {
-                "labels": alert_labels(finding),
-                "annotations": alert_annotations(finding),
-                "startsAt": rfc3339(finding.starts_at),
-                "generatorURL": self._generator(finding),
-            }
+            alert = self._alert(finding)
             self.firing[finding.fingerprint] = alert
             self.pending_resolved.pop(finding.fingerprint, None)
             await self._post_quietly([self._alive(alert)])
@@ -131,10 +146,13 @@ class AlertmanagerSink:
             self.pending_resolved.pop(finding.fingerprint, None)
 
     async def refresh(self, force: bool = False) -> None:
-        """Re-post firing alerts (and unsent resolutions) when a resend interval has passed."""
+        """Re-post firing alerts (and unsent resolutions) when a resend interval has passed;
+        ``force``: now, a back-off after a failure included."""
         now = self.clock()
         if not force and now - self._last_post < self.resend_interval_s:
             return
+        if force:
+            self._retry_at = 0.0
         alerts = [self._alive(a) for a in self.firing.values()]
         for ended in self.pending_resolved.values():
             alerts.extend(ended)
@@ -176,13 +194,26 @@ class AlertmanagerSink:
                                     ) from error
         self._last_post = self.clock()
 
+    def _backing_off(self) -> bool:
+        return self.clock() < self._retry_at
+
+    def _failed(self) -> None:
+        # One request per retry interval while Alertmanager fails: a hung one costs the
+        # consumer a timeout per request, and a burst of findings posted one by one behind
+        # it held every sink (and the findings after) for hours.
+        self._retry_at = self.clock() + self.resend_interval_s / 4
+
     async def _post_quietly(self, alerts: list[dict[str, Any]]) -> bool:
-        """Post; on failure log and return False (the next refresh posts again)."""
+        """Post; on failure log and return False (the next refresh posts again). While
+        backing off after a failure, return False without a request."""
         if not alerts:
             return True
+        if self._backing_off():
+            return False
         try:
             await self.post(alerts)
         except (AlertmanagerError, TimeoutError) as error:
+            self._failed()
             log.warning("%s; %d alert(s) will be re-sent on the next refresh", error, len(alerts))
             return False
         return True
@@ -191,18 +222,22 @@ class AlertmanagerSink:
         """Alertmanager's active alerts for ``finding``'s fingerprint, ended at ``ends_at``."""
         params = {"filter": f'fingerprint="{finding.fingerprint}"', "silenced": "true",
                   "inhibited": "true"}
+        fallback = [{"labels": alert_labels(finding), "annotations": alert_annotations(finding),
+                     "startsAt": rfc3339(finding.starts_at), "endsAt": rfc3339(ends_at),
+                     "generatorURL": self._generator(finding)}]
+        if self._backing_off():
+            return fallback
         try:
             async with self._client().get(f"{self.url}/api/v2/alerts", params=params) as response:
                 if response.status != 200:
                     raise AlertmanagerError(f"Alertmanager answered {response.status}")
                 active = await response.json()
         except (aiohttp.ClientError, AlertmanagerError, TimeoutError) as error:
+            self._failed()
             log.warning("cannot look up alerts to resolve %s: %s", finding.fingerprint,
                         without_url(str(error), self.url, keep_path=True))
             # Fall back to the finding's own labels: right unless severity changed.
-            return [{"labels": alert_labels(finding), "annotations": alert_annotations(finding),
-                     "startsAt": rfc3339(finding.starts_at), "endsAt": rfc3339(ends_at),
-                     "generatorURL": self._generator(finding)}]
+            return fallback
         return [{"labels": a["labels"], "annotations": a.get("annotations", {}),
                  "startsAt": a["startsAt"], "endsAt": rfc3339(ends_at),
                  "generatorURL": a.get("generatorURL", "")}

@@ -18,8 +18,11 @@ never took fails the batch uncommitted, and it is read again (at least once).
 committed offsets, so before it consumes it reads the whole findings topic
 with a group-less reader (:func:`gpusteward.kafka.read_all`, as the executor
 rebuilds its breaker) and folds it into the gauge, latest event time per id as
-``gpusteward status`` folds. Nothing is delivered from that read: the records
-after the committed offsets are delivered when the consumer reaches them.
+``gpusteward status`` folds, one fetch at a time. Nothing is delivered from that
+read (the records after the committed offsets are delivered when the consumer reaches
+them), but the findings it leaves open are handed to the sinks that keep alerts alive
+(``restore``): the Alertmanager sink re-posts them with its next refresh, so a restart
+does not let their alerts lapse.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from datetime import UTC, datetime
 from typing import Protocol, runtime_checkable
 
 import msgspec
+from aiokafka import ConsumerRecord
 from rich.console import Console
 
 from gpusteward import edge, kafka, topics
@@ -53,6 +57,13 @@ class RefreshingSink(Protocol):
     async def refresh(self, force: bool = False) -> None: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class RestoringSink(Protocol):
+    """A sink that keeps open findings alive and takes them back after a restart."""
+
+    def restore(self, findings: list[Finding]) -> None: ...
 
 
 def _clock(ts: float) -> str:
@@ -141,24 +152,43 @@ class FindingsConsumer:
     async def rebuild_open(self, topic: str) -> int:
         """Fold every finding on ``topic`` into the open-findings gauge; how many records.
 
+        The topic is folded as it is read, never held (30 days of a large fleet's findings
+        are hundreds of thousands of records). Then every sink that keeps alerts alive
+        (:class:`RestoringSink`) is given the findings still open: the consumer resumes
+        after them, and without it their alerts would lapse at Alertmanager a few minutes
+        after a restart, announced as resolved while the problem lasts.
+
         A record that is no finding is skipped here (the consumer dead-letters it when it
         reaches it). A topic that cannot be read to its end leaves the gauge as far as it
-        got, with a warning: alerting matters more than the gauge.
+        got, with a warning, and restores nothing: alerting matters more than the gauge.
         """
         decode = msgspec.json.Decoder(Finding).decode
+        still_open: dict[str, Finding] = {}
+
+        def fold(records: list[ConsumerRecord]) -> None:
+            for record in records:
+                try:
+                    finding = decode(record.value or b"")
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                self._open.observe(finding.id, finding.kind, finding.severity, finding.state,
+                                   finding.ts)
+                if self._open.newest.get(finding.id) != finding.ts:
+                    continue  # older than a record already folded for its id
+                if finding.id in self._open.open:
+                    still_open[finding.id] = finding
+                else:
+                    still_open.pop(finding.id, None)
+
         try:
-            records = await kafka.read_all(self.settings, topic)
+            read = await kafka.read_each(self.settings, topic, fold)
         except TimeoutError as error:
             log.warning("open findings not rebuilt, the gauge counts from now on: %s", error)
             return 0
-        for record in records:
-            try:
-                finding = decode(record.value or b"")
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-            self._open.observe(finding.id, finding.kind, finding.severity, finding.state,
-                               finding.ts)
-        return len(records)
+        for sink in self.sinks:
+            if isinstance(sink, RestoringSink):
+                sink.restore(list(still_open.values()))
+        return read
 
     async def _handle(self, producer: kafka.Sender, raw: bytes | None,
                       record_key: bytes | None = None, *, topic: str | None = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
@@ -191,10 +191,22 @@ at 100 % of a core, and answered most fetches empty; at 500 ms it read all of th
 
 
 async def read_all(settings: Settings, topic: str, quiet_ms: int = 300) -> list[ConsumerRecord]:
+    """Every record of ``topic`` (:func:`read_each`), as one list: for small topics."""
+    records: list[ConsumerRecord] = []
+    await read_each(settings, topic, records.extend, quiet_ms)
+    return records
+
+
+async def read_each(settings: Settings, topic: str,
+                    fold: Callable[[list[ConsumerRecord]], object],
+                    quiet_ms: int = 300) -> int:
     """Every record of ``topic`` from its start to its end as it was at the call, and any
     that follow until none arrive for ``quiet_ms``.
 
-    Used to rebuild small derived state on start (the executor's completed idempotency
+    Each fetched batch is handed to ``fold`` and not kept, so a large topic is read in
+    the memory of one fetch; returns how many records were read.
+
+    Used to rebuild derived state on start (the executor's completed idempotency
     keys and its circuit breaker) and by tests. It reads up to the true end offsets
     (:func:`true_end_offsets`: the embedded broker's high watermark can trail the last
     batch) rather than stopping at the first quiet fetch, which a slow broker would have
@@ -207,21 +219,22 @@ async def read_all(settings: Settings, topic: str, quiet_ms: int = 300) -> list[
     try:
         assigned = await topic_partitions(reader, topic)
         if not assigned:
-            return []
+            return 0
         ends = await true_end_offsets(reader, assigned)
         reader.assign(assigned)
         await reader.seek_to_beginning(*assigned)
-        records: list[ConsumerRecord] = []
+        read = 0
         deadline = time.monotonic() + READ_ALL_DEADLINE_S
         while True:
             batch = await reader.getmany(timeout_ms=quiet_ms)
             for messages in batch.values():
-                records.extend(messages)
+                fold(messages)
+                read += len(messages)
             if batch:
                 continue
             short = [tp for tp in assigned if await reader.position(tp) < ends[tp]]
             if not short:
-                return records
+                return read
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{topic}: not read to its end within "
                                    f"{READ_ALL_DEADLINE_S:g} s (partitions "

@@ -101,6 +101,10 @@ class KubeWatcher:
         """``plural.group`` -> the version watched, for the gang resources served."""
         self._unserved_logged: set[str] = set()
         self._stop = threading.Event()
+        self._room = threading.Condition()
+        """Guards ``_outstanding``; notified as published deltas make room."""
+        self._outstanding = 0
+        """Deltas handed over by the reflectors and not yet published."""
         self._threads: list[threading.Thread] = []
         self._consumer: asyncio.Task[None]
 
@@ -180,8 +184,18 @@ class KubeWatcher:
         queue: asyncio.Queue[list[Delta]] = asyncio.Queue()
 
         def deliver(deltas: list[Delta]) -> None:
-            if deltas:
-                loop.call_soon_threadsafe(queue.put_nowait, deltas)
+            # On a reflector's thread: wait while two pages' worth of deltas are not
+            # published yet, so that a relist, delivered page by page, holds a few pages
+            # of decoded objects at a time rather than the whole list (the reflector
+            # decodes pages faster than the loop translates them).
+            if not deltas:
+                return
+            with self._room:
+                while (self._outstanding >= 2 * self.settings.page_size
+                       and not self._stop.is_set()):
+                    self._room.wait(0.1)
+                self._outstanding += len(deltas)
+            loop.call_soon_threadsafe(queue.put_nowait, deltas)
 
         def start(name: str, call: ListCall) -> Reflector:
             reflector = Reflector(name, call, deliver, self.settings, self._stop,
@@ -333,4 +347,7 @@ class KubeWatcher:
             if queue.empty():
                 await self.publisher.flush()
         finally:
+            with self._room:
+                self._outstanding -= len(deltas)
+                self._room.notify_all()
             queue.task_done()

@@ -178,3 +178,46 @@ def test_findings_consumer_feeds_alertmanager_from_the_topic(alertmanager: str,
 
     asyncio.run(main())
     assert active_alerts(alertmanager, "fp-topic") == []
+
+
+
+def test_a_failing_alertmanager_gets_one_request_per_retry_interval_not_one_per_finding(
+        ) -> None:
+    """Behind an Alertmanager that fails (or hangs, a timeout each), a burst of findings
+    posted one request each held the consumer, and every sink after this one, for one
+    failure per finding. After a failure the sink keeps what arrives and the refresh
+    after the retry interval sends it all in one request."""
+    from aiohttp import web
+
+    now = [1_000.0]
+    received: list[list[dict[str, Any]]] = []
+    statuses = [503]
+
+    async def alerts(request: web.Request) -> web.Response:
+        received.append(await request.json())
+        return web.Response(status=statuses.pop(0) if statuses else 200)
+
+    async def main() -> list[str]:
+        app = web.Application()
+        app.router.add_post("/api/v2/alerts", alerts)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        sink = AlertmanagerSink(f"http://127.0.0.1:{runner.addresses[0][1]}",
+                                clock=lambda: now[0])
+        try:
+            for i in range(5):
+                await sink.deliver(firing(f"fp-burst-{i}"))
+            assert len(received) == 1  # the first failed; the next four were kept
+            now[0] += 61.0
+            await sink.refresh()
+            return list(sink.firing)
+        finally:
+            await sink.close()
+            await runner.cleanup()
+
+    kept = asyncio.run(main())
+    burst = [f"fp-burst-{i}" for i in range(5)]
+    assert kept == burst
+    assert [sorted(a["labels"]["fingerprint"] for a in body) for body in received] == [
+        ["fp-burst-0"], burst]

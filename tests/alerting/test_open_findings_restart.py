@@ -2,7 +2,8 @@
 
 The gauge lived in memory and the consumer resumes from its committed offsets, so a
 restarted process showed no open findings until new ones arrived. It is now rebuilt
-from the whole findings topic before the consumer consumes.
+from the whole findings topic before the consumer consumes, and the findings it leaves
+open are handed to the Alertmanager sink, whose alerts had lapsed after a restart.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import msgspec
 import pytest
 
 from gpusteward import kafka, topics
+from gpusteward.alerting.alertmanager import AlertmanagerSink
 from gpusteward.alerting.consumer import FindingsConsumer
 from gpusteward.schema import Finding, Subject
 from gpusteward.settings import Settings
@@ -57,9 +59,16 @@ def test_the_open_findings_gauge_is_rebuilt_after_a_restart(settings: Settings) 
     asyncio.run(publish(settings, [b"{not a finding", msgspec.json.encode(
         _finding("c", "idle_holder", "warning", "resolved", T0 + 4))]))
     delivered: list[Finding] = []
-    restarted = FindingsConsumer(settings, [], on_finding=delivered.append)
+    # Nothing listens there: its posts fail and are kept for the next refresh.
+    alertmanager = AlertmanagerSink("http://127.0.0.1:9")
+    restarted = FindingsConsumer(settings, [alertmanager], on_finding=delivered.append)
     asyncio.run(consume_all(restarted))
     assert [(f.id, f.state) for f in delivered] == [("c", "resolved")]  # nothing re-announced
     assert _open(restarted) == {("idle_holder", "warning"): 1}
+    # The alert still open before the restart is kept alive (re-posted every refresh), not
+    # left to lapse at Alertmanager as if resolved; "c" was ended by its resolved record.
+    assert list(alertmanager.firing) == ["b"]
+    assert alertmanager.firing["b"]["labels"]["kind"] == "idle_holder"
+    assert list(alertmanager.pending_resolved) == ["c"]
     records = asyncio.run(kafka.read_all(settings, topics.DEADLETTER.name(settings)))
     assert len(records) == 1  # the bad record dead-lettered once, by the consumer

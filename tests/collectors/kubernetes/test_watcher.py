@@ -10,7 +10,7 @@ import pytest
 from kubernetes import client
 
 from gpusteward.collectors.kubernetes import KubeWatchSettings
-from gpusteward.collectors.kubernetes.reflector import Delta, Reflector, node_key
+from gpusteward.collectors.kubernetes.reflector import Delta, Gone, Reflector, node_key
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_objects import bind, gpu_node, gpu_pod, set_condition, start, workload
 from gpusteward.schema import NodeInventory, PodAllocation, PodRef, QueueEvent, Taint
@@ -506,3 +506,112 @@ def test_a_reflector_skips_malformed_objects_and_watch_lines() -> None:
     reflector.watch()
     assert [(d.type, d.key) for d in delivered] == [("ADDED", "n1"), ("ADDED", "n2")]
     assert reflector.stats.malformed == 4 and reflector.resource_version == "7"
+
+
+def _paged(objects: list[dict[str, Any]], page_size: int, fetched: list[str | None],
+           expire_after: int | None = None) -> Any:
+    """A list call serving ``objects`` in pages of ``page_size`` (resourceVersion "9"),
+    recording each page's continue token in ``fetched``; the continue token of page
+    ``expire_after`` (counting from 1) answers 410 once."""
+    expired = [False]
+
+    def list_call(**kwargs: Any) -> _Response:
+        token = kwargs.get("_continue")
+        fetched.append(token)
+        start = int(token or 0)
+        if expire_after is not None and start == expire_after * page_size and not expired[0]:
+            expired[0] = True
+            raise client.ApiException(status=410, reason="Expired")
+        rest = objects[start + page_size:]
+        meta: dict[str, Any] = {"resourceVersion": "9"}
+        if rest:
+            meta["continue"] = str(start + page_size)
+        return _Response(json.dumps({"metadata": meta,
+                                     "items": objects[start:start + page_size]}).encode())
+
+    return list_call
+
+
+def _nodes(count: int, version: str = "5") -> list[dict[str, Any]]:
+    nodes = [gpu_node(f"n{i}") for i in range(count)]
+    for node in nodes:
+        node["metadata"]["resourceVersion"] = version
+    return nodes
+
+
+def test_a_relist_delivers_each_page_before_fetching_the_next() -> None:
+    """A relist of 20,000 pods held whole before its diff took the watcher past its
+    memory limit: each page's changes go out as the page arrives."""
+    fetched: list[str | None] = []
+    deliveries: list[tuple[int, list[str]]] = []
+
+    def deliver(deltas: list[Delta]) -> None:
+        deliveries.append((len(fetched), [d.key for d in deltas]))
+
+    reflector = Reflector("nodes", _paged(_nodes(5), 2, fetched), deliver,
+                          KubeWatchSettings(page_size=2), threading.Event(), key_of=node_key)
+    reflector.relist()
+    # (pages fetched when delivered, what was delivered)
+    assert deliveries == [(1, ["n0", "n1"]), (2, ["n2", "n3"]), (3, ["n4"])]
+    assert reflector.resource_version == "9" and reflector.synced.is_set()
+
+
+def test_a_relist_cut_short_starts_over_without_delivering_anything_twice() -> None:
+    """The continue token expires after the first page was delivered: the relist starts
+    over, delivers only what its first attempt had not, and still finds the deletions."""
+    fetched: list[str | None] = []
+    delivered: list[Delta] = []
+    settings = KubeWatchSettings(page_size=2)
+    reflector = Reflector("nodes", _paged(_nodes(5), 2, fetched), delivered.extend, settings,
+                          threading.Event(), key_of=node_key)
+    reflector.relist()
+    delivered.clear()
+    # Since: n0 and n1 changed, n4 was deleted.
+    changed = _nodes(2, version="8") + _nodes(4)[2:]
+    reflector._list_call = _paged(changed, 2, fetched, expire_after=1)
+    with pytest.raises(Gone):
+        reflector.relist()
+    assert [(d.type, d.key) for d in delivered] == [("MODIFIED", "n0"), ("MODIFIED", "n1")]
+    reflector.relist()
+    assert [(d.type, d.key) for d in delivered] == [
+        ("MODIFIED", "n0"), ("MODIFIED", "n1"), ("DELETED", "n4")]
+    assert reflector.known == {"n0": "8", "n1": "8", "n2": "5", "n3": "5"}
+
+
+def test_reflectors_wait_while_two_pages_are_not_published(
+        kube_api: KubeApiServer, kubeconfig: Any) -> None:
+    """A publisher that stalls holds the reflectors back: at most two pages of deltas
+    (and the page in hand) wait for it, not the whole list."""
+    import asyncio
+
+    from gpusteward.collectors.kubernetes import KubeWatcher, api_client
+
+    from .conftest import RecordingPublisher
+
+    gate = threading.Event()
+
+    class Stalled(RecordingPublisher):
+        async def allocation(self, event: Any) -> None:
+            await asyncio.to_thread(gate.wait)
+            await super().allocation(event)
+
+    for i in range(30):
+        kube_api.create(gpu_node(f"n{i:02d}"))
+    settings = KubeWatchSettings(kubeconfig=str(kubeconfig), resources=["nodes"], page_size=3)
+    publisher = Stalled()
+    watcher = KubeWatcher(api_client(settings), publisher, settings)
+    backlog: list[float] = []
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(watcher.run(stop))
+        await asyncio.sleep(1.0)
+        backlog.append(watcher._backlog())
+        gate.set()
+        await asyncio.wait_for(watcher.synced.wait(), 10)
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(main())
+    assert 0 < backlog[0] <= 3 * 3, backlog
+    assert [brief(e)[1] for e in publisher.events] == [f"n{i:02d}" for i in range(30)]
