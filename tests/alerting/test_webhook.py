@@ -120,12 +120,13 @@ def test_the_webhook_url_and_alertmanager_password_never_reach_the_log(
             sink = WebhookSink(url, attempts=1)
             await sink.deliver(finding())
             await sink.close()
-        alertmanager = AlertmanagerSink(f"http://admin:hunt3rPassw0rd@{unreachable[7:]}",
-                                        timeout_s=2)
-        await alertmanager.deliver(finding())
-        await alertmanager.deliver(resolved("fp-1-1000", "fp-1", "ecc_dbe", finding().subject,
-                                            "GPU reset", 1000.0, 1100.0))
-        await alertmanager.close()
+        # One sink per failure: after one, a sink waits before its next request.
+        for record in (finding(), resolved("fp-1-1000", "fp-1", "ecc_dbe", finding().subject,
+                                           "GPU reset", 1000.0, 1100.0)):
+            alertmanager = AlertmanagerSink(f"http://admin:hunt3rPassw0rd@{unreachable[7:]}",
+                                            timeout_s=2)
+            await alertmanager.deliver(record)
+            await alertmanager.close()
         await runner.cleanup()
         return refusing, unreachable
 
