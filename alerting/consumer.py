@@ -87,6 +87,9 @@ class ConsoleSink:
         self.console.print(f"[{style}]FIRING {finding.severity}[/] {_clock(finding.ts)} "
                            f"{finding.kind}: {finding.summary}")
 
+FORGET_EVERY = 10_000
+"""New findings between two passes that forget those older than the topic's retention."""
+
 
 class FindingsConsumer:
     """Reads the findings topic and delivers each (id, state) once to every sink."""
@@ -98,7 +101,10 @@ class FindingsConsumer:
         self.sinks = list(sinks)
         self.group_id = group_id or f"{settings.topic_prefix}-alerts"
         self.on_finding = on_finding
-        self.seen: set[tuple[str, str]] = set()
+        self.seen: dict[tuple[str, str], float] = {}
+        """(id, state) of each finding delivered, with its event time; forgotten once older
+        than the topic's retention (:meth:`_forget_old`)."""
+        self._forget_at = FORGET_EVERY
         self._decode = edge.Edge[Finding](Finding)
         self._encode = msgspec.json.Encoder().encode
         self.refusals = edge.Refusals(log)
@@ -190,6 +196,15 @@ class FindingsConsumer:
                 sink.restore(list(still_open.values()))
         return read
 
+    def _forget_old(self, now: float) -> None:
+        """Forget the findings heard of longer ago than the findings topic keeps records: no
+        redelivery can bring them back, and a process running for months remembered every
+        finding ever seen (about 20 MB per 100,000)."""
+        cutoff = now - topics.FINDINGS.retention_ms / 1000
+        self.seen = {key: ts for key, ts in self.seen.items() if ts >= cutoff}
+        self._open.forget_before(cutoff)
+        self._forget_at = len(self.seen) + FORGET_EVERY
+
     async def _handle(self, producer: kafka.Sender, raw: bytes | None,
                       record_key: bytes | None = None, *, topic: str | None = None,
                       partition: int = -1, offset: int = -1) -> None:
@@ -212,7 +227,9 @@ class FindingsConsumer:
         key = (finding.id, finding.state)
         if key in self.seen:
             return
-        self.seen.add(key)
+        self.seen[key] = finding.ts
+        if len(self.seen) >= self._forget_at:
+            self._forget_old(finding.ts)
         self.metrics.findings.labels(finding.kind, finding.severity, finding.state).inc()
         self._open.observe(finding.id, finding.kind, finding.severity, finding.state,
                            finding.ts)

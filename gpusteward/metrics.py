@@ -148,6 +148,13 @@ class OpenFindings:
             self.open[finding_id] = (kind, severity)
             self.metrics.findings_open.labels(kind, severity).inc()
 
+    def forget_before(self, ts: float) -> None:
+        """Forget the closed findings last heard of before ``ts``: records older than the
+        topic's retention are never read again, so their ids need no memory (one entry per
+        finding ever seen kept a long-running process growing)."""
+        self.newest = {fid: seen for fid, seen in self.newest.items()
+                       if seen >= ts or fid in self.open}
+
 
 class LagClock:
     """Turns a group's successive offset readings into its lag in records and in time.

@@ -14,6 +14,7 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaTimeoutError
 
 from gpusteward import kafka, topics
+from gpusteward.alerting import consumer as consumer_module
 from gpusteward.alerting.consumer import FindingsConsumer
 from gpusteward.schema import DeadLetter, Finding, Subject
 from gpusteward.settings import Settings
@@ -138,3 +139,34 @@ def test_a_bad_record_is_committed_past_only_once_its_dead_letter_is_delivered(
     [record] = asyncio.run(kafka.read_all(settings, topics.DEADLETTER.name(settings)))
     letter = msgspec.json.decode(record.value or b"", type=DeadLetter)
     assert (letter.offset, letter.value) == (0, b"{not json")
+
+
+def test_findings_older_than_the_topic_keeps_are_forgotten_and_the_rest_still_delivered_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long-running alerts process remembers only what redelivery can bring back: the
+    findings of the topic's retention (30 days), and every finding still open."""
+    monkeypatch.setattr(consumer_module, "FORGET_EVERY", 1)  # a pass per new finding
+    delivered: list[Finding] = []
+    consumer = FindingsConsumer(Settings(), [], on_finding=delivered.append)
+    day = 86_400.0
+
+    def at(finding_id: str, ts: float, state: str = "firing") -> bytes:
+        return msgspec.json.encode(msgspec.structs.replace(
+            finding(finding_id), ts=ts, state=state))
+
+    records = [at("old-closed", T0), at("old-closed", T0 + 60, "resolved"),
+               at("old-open", T0), at("recent", T0 + 20 * day),
+               at("new", T0 + 40 * day), at("recent", T0 + 20 * day)]  # redelivered
+
+    async def main() -> None:
+        for offset, raw in enumerate(records):
+            await consumer._handle(RecordingProducer(), raw, b"f",
+                                   topic="gpusteward.findings.v1", partition=0, offset=offset)
+
+    asyncio.run(main())
+    assert [(f.id, f.state) for f in delivered] == [
+        ("old-closed", "firing"), ("old-closed", "resolved"), ("old-open", "firing"),
+        ("recent", "firing"), ("new", "firing")]
+    assert set(consumer.seen) == {("recent", "firing"), ("new", "firing")}
+    assert set(consumer._open.newest) == {"old-open", "recent", "new"}
+    assert set(consumer._open.open) == {"old-open", "recent", "new"}
