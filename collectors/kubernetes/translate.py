@@ -354,6 +354,14 @@ class _PodMemo:
 Emitted = AllocationEvent | QueueEvent
 
 
+def _unindex(index: dict[str, dict[str, None]], name: str, key: str) -> None:
+    keys = index.get(name)
+    if keys is not None:
+        keys.pop(key, None)
+        if not keys:
+            del index[name]
+
+
 @dataclass
 class Translator:
     """Turns deltas into contract events; emits only what changed. No I/O, no clock."""
@@ -369,6 +377,12 @@ class Translator:
     """A LocalQueue's object key -> its namespace/name (a relist reports deletions by key)."""
     gang_sizes: dict[str, int] = field(default_factory=dict)
     """``namespace/gang`` -> members it needs, from the objects that state it."""
+    gang_pods: dict[str, dict[str, None]] = field(default_factory=dict)
+    """``namespace/gang`` -> the keys of its members' pods (in the order first seen)."""
+    node_pods: dict[str, dict[str, None]] = field(default_factory=dict)
+    """Node -> the keys of the pods last seen bound to it. With ``gang_pods``, what a node's
+    or a gang's news touches is found without a scan of every pod: on a first list of
+    1,250 nodes and 20,000 pods, each node's first sight had looked at every pod."""
 
     def apply(self, delta: Delta, ts: float) -> list[Emitted]:
         if delta.resource == "nodes":
@@ -394,9 +408,8 @@ class Translator:
             return []
         self.gang_sizes[gang] = size
         out: list[Emitted] = []
-        for memo in self.pods.values():
-            if memo.gang != gang:
-                continue
+        for key in self.gang_pods.get(gang, ()):
+            memo = self.pods[key]
             for attr in ("queued", "member"):
                 event = getattr(memo, attr)
                 if event is not None and event.gang_size != size:
@@ -433,9 +446,9 @@ class Translator:
     def _reinterpret_pods(self, node: str, ts: float) -> list[Emitted]:
         """Pods seen before their node, or across a MIG strategy change, in the node's view."""
         out: list[Emitted] = []
-        for memo in self.pods.values():
-            if memo.last is None or memo.last.node != node:
-                continue
+        for key in self.node_pods.get(node, ()):
+            memo = self.pods[key]
+            assert memo.last is not None  # indexed with it
             gpus, mig = self._gpus_and_mig(memo.resources, node)
             if (gpus, mig) != (memo.last.gpus, memo.last.mig):
                 memo.last = msgspec.structs.replace(memo.last, ts=ts, gpus=gpus, mig=mig)
@@ -487,6 +500,10 @@ class Translator:
             self.pods.pop(delta.key, None)
             if memo is None:
                 return []
+            if memo.gang is not None:
+                _unindex(self.gang_pods, memo.gang, delta.key)
+            if memo.last is not None:
+                _unindex(self.node_pods, memo.last.node, delta.key)
             out: list[Emitted] = []
             last_queued = memo.queued or memo.member
             if last_queued is not None:
@@ -505,6 +522,7 @@ class Translator:
             gang, _ = pod_gang(pod["metadata"], *top_owner(pod["metadata"]))
             if gang is not None:
                 memo.gang = f"{pod['metadata'].get('namespace', '')}/{gang}"
+                self.gang_pods.setdefault(memo.gang, {})[delta.key] = None
         memo.resources = resources
         status = pod.get("status") or {}
         phase = status.get("phase", "Pending")
@@ -546,6 +564,10 @@ class Translator:
         allocation = self._allocation(pod, node, resources, phase, ts)
         if memo.last is None or msgspec.structs.replace(memo.last, ts=ts) != allocation:
             out.append(allocation)
+        if memo.last is None or memo.last.node != allocation.node:
+            if memo.last is not None:
+                _unindex(self.node_pods, memo.last.node, delta.key)
+            self.node_pods.setdefault(allocation.node, {})[delta.key] = None
         memo.last = allocation
         return out
 
