@@ -592,9 +592,10 @@ def pod_security_problems(rendered) -> list[str]:
         strictest = next(level for level in LEVELS
                          if not [v for found in pods.values() for v in found[level]])
         if own.get(ENFORCE) != strictest:
-            problems.append(f"{name} enforces {own.get(ENFORCE)}, its pods meet {strictest}: " + str({
-                pod: found[strictest if strictest == "restricted" else "baseline"]
-                for pod, found in pods.items()}))
+            why = {pod: found[strictest if strictest == "restricted" else "baseline"]
+                   for pod, found in pods.items()}
+            problems.append(f"{name} enforces {own.get(ENFORCE)}, its pods meet {strictest}: "
+                            f"{why}")
         if own.get(AUDIT) != "restricted":
             problems.append(f"{name} audits at {own.get(AUDIT)}, not restricted")
         beyond = {pod for pod, found in pods.items() if found["restricted"]}
