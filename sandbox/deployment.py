@@ -165,7 +165,10 @@ class Manifests:
 
     def __init__(self, objects: list[Obj]) -> None:
         self.objects = objects
-        self.config_maps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
+        # By namespace and name: a pod reads the ConfigMaps of its own namespace only (the
+        # Kafka settings are rendered once for gpusteward, once for gpusteward-node).
+        self.config_maps = {(o["metadata"].get("namespace"), o["metadata"]["name"]): o
+                            for o in objects if o["kind"] == "ConfigMap"}
         self.containers = containers(objects)
 
     @classmethod
@@ -207,7 +210,7 @@ class Manifests:
         env: dict[str, str] = {}
         for source in container.spec.get("envFrom", []):
             if "configMapRef" in source:
-                env.update(self._config_map(source["configMapRef"])
+                env.update(self._config_map(container, source["configMapRef"])
                            .get("data", {}))
             elif "secretRef" in source and not source["secretRef"].get("optional"):
                 raise DeploymentError(f"{container.name}: Secret {source['secretRef']['name']} "
@@ -220,7 +223,7 @@ class Manifests:
             source = item.get("valueFrom", {})
             if "configMapKeyRef" in source:
                 ref = source["configMapKeyRef"]
-                env[name] = str(self._config_map(ref)["data"][ref["key"]])
+                env[name] = str(self._config_map(container, ref)["data"][ref["key"]])
             elif "fieldRef" in source:
                 path = source["fieldRef"]["fieldPath"]
                 fields = {"spec.nodeName": node_name, "metadata.name": pod_name,
@@ -235,12 +238,13 @@ class Manifests:
                                           "and no Secret exists here")
         return env
 
-    def _config_map(self, ref: Obj) -> Obj:
+    def _config_map(self, container: Container, ref: Obj) -> Obj:
+        namespace = container.workload["metadata"].get("namespace")
         try:
-            return self.config_maps[ref["name"]]
+            return self.config_maps[(namespace, ref["name"])]
         except KeyError:
-            raise DeploymentError(f"ConfigMap {ref['name']} is referenced but not rendered"
-                                  ) from None
+            raise DeploymentError(f"ConfigMap {ref['name']} is referenced but not rendered "
+                                  f"in the namespace {namespace}") from None
 
     def _mounts(self, container: Container, root: Path) -> dict[str, Path]:
         volumes = {v["name"]: v for v in container.pod_spec.get("volumes", [])}
@@ -250,7 +254,7 @@ class Manifests:
             local = root / "mounts" / path.strip("/")
             volume = volumes.get(mount["name"], {})
             if "configMap" in volume:
-                data = self._config_map(volume["configMap"]).get("data", {})
+                data = self._config_map(container, volume["configMap"]).get("data", {})
                 sub = mount.get("subPath")
                 if sub:
                     local.parent.mkdir(parents=True, exist_ok=True)

@@ -79,7 +79,8 @@ KUEUE = "kueue.x-k8s.io"
 RBAC = "deploy/base/rbac.yaml"
 EXECUTE_RBAC = "deploy/components/remediation-execute"
 NAMESPACE = "gpusteward"
-"""The namespace deploy/base puts every component in (its kustomization's ``namespace``)."""
+"""The namespace deploy/base puts the watcher and the executor in (every component but the
+NVML collector, which calls no API and runs in ``gpusteward-node``)."""
 
 # ClusterRole gpusteward-watcher: it lists and watches. The gang kinds are watched only
 # where their CRDs are installed, but granted always.

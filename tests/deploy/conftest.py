@@ -56,10 +56,18 @@ class Rendered:
     def kind(self, kind: str) -> list[dict[str, Any]]:
         return [o for o in self.objects if o["kind"] == kind]
 
-    def named(self, kind: str, name: str) -> dict[str, Any]:
-        matches = [o for o in self.kind(kind) if o["metadata"]["name"] == name]
-        assert len(matches) == 1, f"{self.variant}: expected one {kind}/{name}, got {len(matches)}"
+    def named(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any]:
+        """The one ``kind``/``name`` (in ``namespace`` where given: the Kafka settings'
+        ConfigMap and some NetworkPolicies have the same name in both namespaces)."""
+        matches = [o for o in self.kind(kind) if o["metadata"]["name"] == name
+                   and namespace in (None, o["metadata"].get("namespace"))]
+        assert len(matches) == 1, (
+            f"{self.variant}: expected one {kind}/{name} in {namespace}, got {len(matches)}")
         return matches[0]
+
+    def config_map(self, workload: dict[str, Any], name: str) -> dict[str, Any]:
+        """The ConfigMap ``name`` that ``workload`` reads: the one in its own namespace."""
+        return self.named("ConfigMap", name, workload["metadata"].get("namespace"))
 
     def workloads(self) -> list[dict[str, Any]]:
         return [o for o in self.objects if o["kind"] in WORKLOAD_KINDS]

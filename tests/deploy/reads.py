@@ -241,7 +241,7 @@ def kubernetes_processes(rendered: Rendered) -> Iterator[Process]:
                 assert "configMapRef" in source, f"{where}: envFrom {source}: keys unknown"
                 name = source["configMapRef"]["name"]
                 seen |= {source.get("prefix", "") + key
-                         for key in rendered.named("ConfigMap", name).get("data", {})}
+                         for key in rendered.config_map(workload, name).get("data", {})}
             # value or valueFrom, both set it
             seen |= {variable["name"] for variable in container.get("env", [])}
             yield Process(f"{where} container {container['name']}",

@@ -74,13 +74,13 @@ def _mounted_policies(rendered: Rendered) -> Iterator[tuple[str, str]]:
     for workload in rendered.workloads():
         pod = rendered.pod_spec(workload)
         for container in pod["containers"]:
-            env = container_env(rendered, container)
+            env = container_env(rendered, workload, container)
             if POLICY_ENV not in env:
                 continue  # reads no policy (tests/deploy/test_environment.py)
             (mount,) = [m for m in container.get("volumeMounts", [])
                         if m["mountPath"] == env[POLICY_ENV]]
             (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-            data = rendered.named("ConfigMap", volume["configMap"]["name"])["data"]
+            data = rendered.config_map(workload, volume["configMap"]["name"])["data"]
             yield f"{workload['metadata']['name']}/{container['name']}", data[mount["subPath"]]
 
 
@@ -115,12 +115,14 @@ def test_rules_check_rejects_the_old_policy_format(tmp_path):
 # -- environment settings --------------------------------------------------------------
 
 
-def container_env(rendered: Rendered, container: dict[str, Any]) -> dict[str, str]:
-    """The variables a container starts with; a Secret's value is a placeholder."""
+def container_env(rendered: Rendered, workload: dict[str, Any],
+                  container: dict[str, Any]) -> dict[str, str]:
+    """The variables a container of ``workload`` starts with; a Secret's value is a
+    placeholder."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         if "configMapRef" in source:
-            env.update(rendered.named("ConfigMap", source["configMapRef"]["name"])["data"])
+            env.update(rendered.config_map(workload, source["configMapRef"]["name"])["data"])
     for entry in container.get("env", []):
         if "value" in entry:
             env[entry["name"]] = entry["value"]
@@ -131,19 +133,20 @@ def container_env(rendered: Rendered, container: dict[str, Any]) -> dict[str, st
     return env
 
 
-def _gpusteward_containers(rendered: Rendered) -> Iterator[tuple[str, dict[str, Any]]]:
+def _gpusteward_containers(
+        rendered: Rendered) -> Iterator[tuple[str, tuple[dict[str, Any], dict[str, Any]]]]:
     for workload in rendered.workloads():
         for container in rendered.pod_spec(workload)["containers"]:
             image = container.get("image", "")
             if "gpusteward" in image.split("/")[-1]:
-                yield f"{workload['metadata']['name']}/{container['name']}", container
+                yield f"{workload['metadata']['name']}/{container['name']}", (workload, container)
 
 
 def test_every_setting_in_the_manifests_is_valid(rendered, monkeypatch):
     containers = dict(_gpusteward_containers(rendered))
     assert len(containers) >= 6, rendered.variant
-    for container in containers.values():
-        load_every_model(container_env(rendered, container), monkeypatch)
+    for workload, container in containers.values():
+        load_every_model(container_env(rendered, workload, container), monkeypatch)
 
 
 def _compose_services() -> dict[str, dict[str, Any]]:

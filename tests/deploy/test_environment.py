@@ -69,7 +69,8 @@ def test_a_misspelt_or_misplaced_variable_is_reported(render, compose):
     collector = broken.pod_spec(broken.component("collector"))["containers"][0]
     collector["env"].append({"name": "GPUSTEWARD_COLLECT__DCGM_URL", "value": "http://x"})
     (kafka,) = [c for c in broken.kind("ConfigMap")
-                if c["metadata"]["name"].startswith("gpusteward-kafka")]
+                if c["metadata"]["name"].startswith("gpusteward-kafka")
+                and c["metadata"]["namespace"] == "gpusteward"]
     kafka["data"]["GPUSTEWARD_KAFKA__REBALANCE_TIMEOUT"] = "30"
     # A key only some of the ConfigMap's consumers read: the worker reads the policy file,
     # alerts does not.

@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 
 from gpusteward.settings import Settings
-from tests.deploy.conftest import REPO
+from tests.deploy.conftest import REPO, Rendered
 from tests.deploy.reads import read_by
 
 pytestmark = pytest.mark.deploy
@@ -87,10 +87,13 @@ def test_namespaced_objects_name_their_namespace(rendered):
 
 
 def test_references_resolve(rendered):
-    """Every ConfigMap, Secret-less volume, PVC and ServiceAccount a pod names is rendered."""
-    names = {(o["kind"], o["metadata"]["name"]) for o in rendered}
+    """Every ConfigMap, Secret-less volume, PVC and ServiceAccount a pod names is rendered
+    in the pod's own namespace (the only one a pod reads them from)."""
     problems = []
     for workload in rendered.workloads():
+        namespace = workload["metadata"]["namespace"]
+        names = {(o["kind"], o["metadata"]["name"]) for o in rendered
+                 if o["metadata"].get("namespace") == namespace}
         pod = rendered.pod_spec(workload)
         where = f"{workload['kind']}/{workload['metadata']['name']}"
         account = pod.get("serviceAccountName")
@@ -357,7 +360,7 @@ def _env(rendered, workload, container: dict[str, Any] | None = None) -> dict[st
     container = container or pod_spec(workload)["containers"][0]
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
-        env.update(rendered.named("ConfigMap", source["configMapRef"]["name"])["data"])
+        env.update(rendered.config_map(workload, source["configMapRef"]["name"])["data"])
     env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
     return env
 
@@ -419,7 +422,7 @@ def test_policy_configmap_is_mounted_where_the_setting_points(rendered):
         assert path == "/etc/gpusteward/policy.yaml"
         (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == path]
         (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-        policy_map = rendered.named("ConfigMap", volume["configMap"]["name"])
+        policy_map = rendered.config_map(workload, volume["configMap"]["name"])
         # What the worker reads is the shipped file (tests/deploy/test_config_files.py
         # checks the copy in deploy/ loads and equals it).
         assert policy_map["data"][mount["subPath"]] == (REPO / "rules" / "policy.yaml").read_text()
@@ -479,11 +482,22 @@ def test_every_long_running_process_is_scraped(render):
             "metrics": port, "health": health}
     (monitor,) = rendered.kind("PodMonitor")
     assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
-    policy = rendered.named("NetworkPolicy", "gpusteward-metrics-scrape")
+    policy = rendered.named("NetworkPolicy", "gpusteward-metrics-scrape", "gpusteward")
     (expression,) = policy["spec"]["podSelector"]["matchExpressions"]
-    assert {"collector", "worker", "alerts", "remediation", "watcher", *SINKS} <= set(
+    assert {"worker", "alerts", "remediation", "watcher", *SINKS} <= set(
         expression["values"])
-    assert {p["port"] for p in policy["spec"]["ingress"][0]["ports"]} >= {9400, port}
+    assert {p["port"] for p in policy["spec"]["ingress"][0]["ports"]} >= {port}
+    # The collector's 9400, in its own namespace, which the PodMonitor looks in too.
+    collector = rendered.component("collector")
+    namespace = collector["metadata"]["namespace"]
+    (container,) = pod_spec(collector)["containers"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"metrics": 9400}
+    assert set(monitor["spec"]["namespaceSelector"]["matchNames"]) == {
+        monitor["metadata"]["namespace"], namespace}
+    policy = rendered.named("NetworkPolicy", "gpusteward-metrics-scrape", namespace)
+    assert policy["spec"]["podSelector"] == {
+        "matchLabels": {"app.kubernetes.io/component": "collector"}}
+    assert [p["port"] for p in policy["spec"]["ingress"][0]["ports"]] == [9400]
     (rule,) = rendered.kind("PrometheusRule")
     assert rule["metadata"]["labels"]["release"] == monitor["metadata"]["labels"]["release"]
 
@@ -549,27 +563,113 @@ def test_pod_security_violations_names_what_each_level_forbids(render):
     assert found["privileged"] == []
 
 
-def test_the_namespace_admits_every_pod_at_the_strictest_level_they_allow(rendered):
-    """The namespace enforces the strictest Pod Security level every pod in it meets, and
-    audits at restricted: `privileged` only where the NVML collector (root, the
-    kubelet's socket by hostPath) runs there, `restricted` where it does not (the
-    dcgm-exporter component). A pod that meets no lower level fails here, not at admission."""
-    (namespace,) = [n for n in rendered.kind("Namespace")
-                    if n["metadata"]["name"] == "gpusteward"]
-    labels = namespace["metadata"]["labels"]
-    pods = {w["metadata"]["name"]: pod_security_violations(rendered.pod_spec(w))
-            for w in rendered.workloads()
-            if w["metadata"].get("namespace") == "gpusteward"}
-    strictest = next(level for level in LEVELS
-                     if not [v for found in pods.values() for v in found[level]])
-    assert labels["pod-security.kubernetes.io/enforce"] == strictest, {
-        name: found[strictest if strictest == "restricted" else "baseline"]
-        for name, found in pods.items()}
-    assert labels["pod-security.kubernetes.io/audit"] == "restricted"
-    # Only the NVML collector needs more than restricted.
-    beyond = {name for name, found in pods.items() if found["restricted"]}
+NAMESPACE = "gpusteward"
+NODE_NAMESPACE = "gpusteward-node"
+"""The NVML collector's own namespace: the one namespace that may admit a privileged pod."""
+ENFORCE = "pod-security.kubernetes.io/enforce"
+AUDIT = "pod-security.kubernetes.io/audit"
+
+
+def pod_security_problems(rendered) -> list[str]:
+    """What is wrong with the Pod Security labels of the namespaces ``rendered`` creates:
+    each must enforce the strictest level every pod in it meets and audit at restricted;
+    gpusteward must enforce restricted; only the NVML collector may need more, and only in
+    its own namespace, the one that may enforce `privileged` (`restricted` there too when
+    the dcgm-exporter component replaces it). Every workload must be in one of them."""
+    labels = {n["metadata"]["name"]: n["metadata"].get("labels") or {}
+              for n in rendered.kind("Namespace")}
+    problems = [f"{w['kind']}/{w['metadata']['name']} in {w['metadata'].get('namespace')}, "
+                "a namespace these manifests do not label"
+                for w in rendered.workloads() if w["metadata"].get("namespace") not in labels]
     nvml = "nvml" in pod_spec(rendered.component("collector"))["containers"][0]["args"]
-    assert beyond == ({"gpusteward-collector"} if nvml else set()), beyond
+    expected = {NAMESPACE: "restricted", NODE_NAMESPACE: "privileged" if nvml else "restricted"}
+    enforced = {name: own.get(ENFORCE) for name, own in labels.items()}
+    if enforced != expected:
+        problems.append(f"enforced {enforced}, expected {expected}")
+    for name, own in sorted(labels.items()):
+        pods = {w["metadata"]["name"]: pod_security_violations(rendered.pod_spec(w))
+                for w in rendered.workloads() if w["metadata"].get("namespace") == name}
+        strictest = next(level for level in LEVELS
+                         if not [v for found in pods.values() for v in found[level]])
+        if own.get(ENFORCE) != strictest:
+            why = {pod: found[strictest if strictest == "restricted" else "baseline"]
+                   for pod, found in pods.items()}
+            problems.append(f"{name} enforces {own.get(ENFORCE)}, its pods meet {strictest}: "
+                            f"{why}")
+        if own.get(AUDIT) != "restricted":
+            problems.append(f"{name} audits at {own.get(AUDIT)}, not restricted")
+        beyond = {pod for pod, found in pods.items() if found["restricted"]}
+        allowed = {"gpusteward-collector"} if nvml and name == NODE_NAMESPACE else set()
+        if beyond - allowed:
+            problems.append(f"{name}: {sorted(beyond - allowed)} need more than restricted")
+    return problems
+
+
+def test_each_namespace_admits_its_pods_at_the_strictest_level_they_allow(rendered):
+    """gpusteward enforces `restricted`, so nobody who may create pods there gets a
+    privileged one; the NVML collector (root, the kubelet's socket by hostPath) runs in a
+    namespace of its own that alone enforces `privileged`. A pod that meets no lower level
+    fails here, not at admission."""
+    assert pod_security_problems(rendered) == []
+
+
+def test_the_collector_reads_the_kafka_settings_the_pipeline_reads(rendered):
+    """The NVML collector's namespace has its own copy of the ConfigMap gpusteward-kafka
+    (a pod reads ConfigMaps of its own namespace only): each overlay merges both, and the
+    two must say the same, or the collector publishes to another broker, or not at all."""
+    copies = {m["metadata"]["namespace"]: m["data"] for m in rendered.kind("ConfigMap")
+              if m["metadata"]["name"].startswith("gpusteward-kafka-")}
+    assert set(copies) == {NAMESPACE, NODE_NAMESPACE}
+    assert copies[NODE_NAMESPACE] == copies[NAMESPACE]
+    # The broker's address works from both namespaces: a bare service name would resolve
+    # in the collector's namespace, where no broker runs.
+    for server in copies[NAMESPACE]["GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS"].split(","):
+        assert "." in server.rsplit(":", 1)[0], server
+    collector = rendered.component("collector")
+    assert collector["metadata"]["namespace"] == NODE_NAMESPACE
+    assert rendered.named("ServiceAccount", "gpusteward-collector")["metadata"][
+        "namespace"] == NODE_NAMESPACE
+
+
+def test_a_namespace_that_admits_too_much_fails_the_check(render):
+    """Controls: gpusteward back at `privileged`, the NVML collector moved back into
+    gpusteward, a privileged pod planted beside the collector, and an unlabelled namespace."""
+    rendered = render("production")
+
+    def planted(change) -> list[str]:
+        broken = Rendered("planted", copy.deepcopy(rendered.objects))
+        change(broken)
+        return pod_security_problems(broken)
+
+    def namespace(broken, name):
+        return broken.named("Namespace", name)["metadata"]
+
+    def loosen(broken):
+        namespace(broken, NAMESPACE)["labels"][ENFORCE] = "privileged"
+
+    def move_the_collector(broken):
+        broken.component("collector")["metadata"]["namespace"] = NAMESPACE
+
+    def plant_a_privileged_pod(broken):
+        pod = copy.deepcopy(broken.component("collector"))
+        pod["metadata"]["name"] = "debug"
+        pod["metadata"]["labels"] = {}
+        pod_spec(pod)["containers"][0]["securityContext"]["privileged"] = True
+        broken.objects.append(pod)
+
+    def plant_elsewhere(broken):
+        pod = copy.deepcopy(broken.component("watcher"))
+        pod["metadata"]["namespace"] = "default"
+        pod["metadata"]["labels"] = {}
+        broken.objects.append(pod)
+
+    assert any("enforced {'gpusteward': 'privileged'" in p for p in planted(loosen))
+    assert any("gpusteward enforces restricted, its pods meet privileged" in p
+               for p in planted(move_the_collector))
+    assert any("gpusteward-node: ['debug'] need more than restricted" in p
+               for p in planted(plant_a_privileged_pod))
+    assert any("in default, a namespace these manifests do not label" in p
+               for p in planted(plant_elsewhere))
 
 
 CREDENTIALS = ("PASSWORD", "WEBHOOK_URL", "TOKEN", "SECRET")

@@ -61,11 +61,14 @@ def _port_matches(entry: dict[str, Any], port: int) -> bool:
     return isinstance(first, int) and first <= port <= entry.get("endPort", first)
 
 
-def may_send(rendered: Rendered, labels: dict[str, str], host: str, port: int) -> bool:
-    """Whether a pod labelled ``labels`` may open TCP ``port`` on ``host`` (outside the
-    cluster) under the rendered NetworkPolicies of its namespace."""
+def may_send(rendered: Rendered, pod: tuple[str | None, dict[str, str]], host: str,
+             port: int) -> bool:
+    """Whether a pod (its namespace, its labels) may open TCP ``port`` on ``host`` (outside
+    the cluster) under the rendered NetworkPolicies of its namespace."""
+    namespace, labels = pod
     policies = [p for p in rendered.kind("NetworkPolicy")
-                if "Egress" in p["spec"].get("policyTypes", [])
+                if p["metadata"].get("namespace") == namespace
+                and "Egress" in p["spec"].get("policyTypes", [])
                 and selects(p["spec"]["podSelector"], labels)]
     if not policies:
         return True  # no Egress policy selects the pod: nothing is denied
@@ -79,13 +82,14 @@ def may_send(rendered: Rendered, labels: dict[str, str], host: str, port: int) -
     return False
 
 
-def pod_labels(rendered: Rendered, component: str) -> dict[str, str]:
+def pod_labels(rendered: Rendered, component: str) -> tuple[str, dict[str, str]]:
+    """The namespace and the labels of ``component``'s pods."""
     workload = rendered.component(component)
     spec = workload["spec"]
     if workload["kind"] == "CronJob":
         spec = spec["jobTemplate"]["spec"]
     labels: dict[str, str] = spec["template"]["metadata"]["labels"]
-    return labels
+    return workload["metadata"]["namespace"], labels
 
 
 def test_the_report_and_alerting_reach_their_https_webhooks(rendered):
@@ -119,8 +123,25 @@ def test_the_evaluation_follows_the_policy_rules():
     in_cluster = policy({"matchLabels": {"c": "b"}}, {
         "to": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": 443}]})
     rendered = Rendered("unit", [deny, https, in_cluster])
-    assert may_send(rendered, {"c": "a"}, WEBHOOK_HOST, HTTPS)
-    assert not may_send(rendered, {"c": "a"}, WEBHOOK_HOST, 80)
-    assert not may_send(rendered, {"c": "b"}, WEBHOOK_HOST, HTTPS)
-    assert not may_send(rendered, {"c": "z"}, WEBHOOK_HOST, HTTPS)
-    assert may_send(Rendered("unit", [https]), {"c": "z"}, WEBHOOK_HOST, HTTPS)
+    assert may_send(rendered, (None, {"c": "a"}), WEBHOOK_HOST, HTTPS)
+    assert not may_send(rendered, (None, {"c": "a"}), WEBHOOK_HOST, 80)
+    assert not may_send(rendered, (None, {"c": "b"}), WEBHOOK_HOST, HTTPS)
+    assert not may_send(rendered, (None, {"c": "z"}), WEBHOOK_HOST, HTTPS)
+    assert may_send(Rendered("unit", [https]), (None, {"c": "z"}), WEBHOOK_HOST, HTTPS)
+    # A policy applies in its own namespace only.
+    assert may_send(rendered, ("elsewhere", {"c": "b"}), WEBHOOK_HOST, HTTPS)
+
+
+def test_the_collector_gets_dns_and_kafka_in_its_own_namespace(rendered):
+    """The NVML collector runs in a namespace of its own: the same default deny there, and
+    the same DNS and Kafka egress as in gpusteward (so a patch narrowing Kafka's egress by
+    the policy's name, as the production overlay's, narrows both), and nothing else."""
+    namespace, labels = pod_labels(rendered, "collector")
+    assert namespace != "gpusteward"
+    assert not may_send(rendered, (namespace, labels), WEBHOOK_HOST, HTTPS)
+    deny = rendered.named("NetworkPolicy", "gpusteward-default-deny", namespace)["spec"]
+    assert deny == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
+    own = rendered.named("NetworkPolicy", "gpusteward-dns-and-kafka", namespace)["spec"]
+    pipeline = rendered.named("NetworkPolicy", "gpusteward-dns-and-kafka", "gpusteward")["spec"]
+    assert selects(own["podSelector"], labels)
+    assert own["egress"][:len(pipeline["egress"])] == pipeline["egress"]
