@@ -86,6 +86,18 @@ def test_namespaced_objects_name_their_namespace(rendered):
     assert not missing
 
 
+def test_every_cluster_wide_object_carries_the_part_of_label(rendered):
+    # Deleting the namespaces leaves the cluster-wide objects: a label selector must find
+    # them all, a component's own included.
+    unlabelled = [
+        f"{o['kind']}/{o['metadata']['name']}"
+        for o in rendered
+        if o["kind"] in CLUSTER_SCOPED
+        and (o["metadata"].get("labels") or {}).get("app.kubernetes.io/part-of") != "gpusteward"
+    ]
+    assert not unlabelled
+
+
 def test_references_resolve(rendered):
     """Every ConfigMap, Secret-less volume, PVC and ServiceAccount a pod names is rendered
     in the pod's own namespace (the only one a pod reads them from)."""
