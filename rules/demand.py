@@ -7,7 +7,11 @@ joins both sides, which only the fleet agent sees: the node summaries list
 each node's devices held by pods the idle rule has an open episode on
 (:class:`~gpusteward.schema.IdleHold`; an exempt pod never opens one), and
 the queue state holds the pending demand with its shape (whole GPUs on one
-node, or MIG devices by profile) and its age.
+node, or MIG devices by profile; for a Kueue Workload of several pods, its pod
+sets, each pod needing room on some node) and its age. Room is what the
+device plugin hands out: on nodes whose GPUs are time-sliced or shared by MPS,
+free replicas (:func:`~.fragmentation.request_room`), and reclaiming an idle
+holder there frees its replica.
 
 Why the fleet agent and not the node join: which idle holders to reclaim is
 a fleet-wide matching, not a per-node fact. Broadcasting the demand to every
@@ -16,6 +20,12 @@ node would make each node's idle rule escalate on its own, and one waiting
 each waiting workload (oldest first) is matched to the node where it needs
 the fewest reclaims (its free capacity counted first), and only those
 holders escalate; a holder counted for one workload is not counted again.
+A workload of several pods is matched across nodes: idle holders are added,
+nodes with the most room first, until its pods can each be placed
+(:func:`~.fragmentation.placeable`, the stranded-capacity rule's check, over
+the whole fleet's free room), then those the placement does not need are
+dropped again; one whose pods fit the free room already is not blocked by
+anyone.
 The node join's only part is to say which devices are idle in the summary it
 already sends.
 
@@ -40,10 +50,10 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
-from gpusteward.rules.fragmentation import Demand, FleetView
+from gpusteward.rules.fragmentation import Demand, FleetView, placeable, request_room
 from gpusteward.rules.idle import RECLAIM_REASON
 from gpusteward.rules.registry import FleetRunner
-from gpusteward.schema import Action, Evidence, Finding, IdleHold, NodeSummary, Subject
+from gpusteward.schema import Action, Evidence, Finding, IdleHold, NodeSummary, PodSet, Subject
 
 KIND = "idle_blocking_demand"
 
@@ -115,8 +125,26 @@ class _Node:
 
     summary: NodeSummary
     free_gpus: int
+    """Room for ``nvidia.com/gpu`` requests: free GPUs, or free replicas on shared GPUs."""
     free_mig: dict[str, int]
     holds: list[IdleHold] = field(default_factory=list)
+
+    def released(self, holds: Sequence[IdleHold] = ()) -> NodeSummary:
+        """Its summary with the room left to the matching, once ``holds`` are released."""
+        room = self.free_gpus + sum(h.gpus for h in holds)
+        mig = dict(self.free_mig)
+        for hold in holds:
+            if hold.mig_profile:
+                mig[hold.mig_profile] = mig.get(hold.mig_profile, 0) + 1
+        if self.summary.gpu_replicas > 1 and self.summary.replicas_free is not None:
+            return msgspec.structs.replace(self.summary, replicas_free=room, mig_free=mig)
+        return msgspec.structs.replace(self.summary, gpus_free=room, mig_free=mig)
+
+
+def _node(summary: NodeSummary, now: float) -> _Node:
+    return _Node(summary, request_room(summary), dict(summary.mig_free),
+                 sorted((h for h in summary.idle if h.kept_until is None or h.kept_until <= now),
+                        key=lambda h: h.idle_since))
 
 
 def hold_key(node: str, hold: IdleHold) -> str:
@@ -138,25 +166,88 @@ def _needed(demand: Demand, node: _Node) -> tuple[int, str | None] | None:
     return (short, None) if 0 < short <= available and demand.gpus > 0 else None
 
 
+def _frees(hold: IdleHold, pods: Sequence[PodSet]) -> bool:
+    """Whether releasing ``hold`` gives room to some of ``pods``."""
+    if hold.mig_profile:
+        return any(hold.mig_profile in p.mig for p in pods)
+    return hold.gpus > 0 and any(p.gpus for p in pods)
+
+
+def _reclaims_across(demand: Demand, nodes: list[_Node]
+                     ) -> list[tuple[_Node, IdleHold]] | None:
+    """The idle holders whose release lets a workload of several pods be placed, or None
+    when its pods fit the free room already or no release makes them fit."""
+    pods = demand.pods
+    # Each node's summary as it stands, made once: a try replaces only the nodes it releases on.
+    as_is = {id(n): n.released() for n in nodes if n.free_gpus > 0 or n.free_mig or n.holds}
+    if placeable(pods, as_is.values()):
+        return None  # nobody's idle GPU stands in its way
+    wanted_gpus = sum(p.count * p.gpus for p in pods)
+    room = sum(n.free_gpus for n in nodes)
+    # Nodes with the most room first: their holders complete a pod's place soonest.
+    order = [(n, h) for n in sorted(nodes, key=lambda n: (-n.free_gpus, n.summary.node))
+             for h in n.holds if _frees(h, pods)]
+    taken: list[tuple[_Node, IdleHold]] = []
+
+    def fits(chosen: list[tuple[_Node, IdleHold]]) -> bool:
+        released: dict[int, list[IdleHold]] = {}
+        for node, hold in chosen:
+            released.setdefault(id(node), []).append(hold)
+        on = {id(node): node for node, _ in chosen}
+        views = {**as_is, **{key: on[key].released(holds) for key, holds in released.items()}}
+        return placeable(pods, views.values())
+
+    for node, hold in order:
+        taken.append((node, hold))
+        room += hold.gpus
+        if room >= wanted_gpus and fits(taken):
+            break
+    else:
+        return None
+    # A holder taken on the way whose node still fits none of the pods is not needed.
+    for item in reversed(taken[:-1]):
+        trial = [t for t in taken if t is not item]
+        if fits(trial):
+            taken = trial
+    return taken
+
+
 def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
           ) -> dict[str, tuple[str, IdleHold, list[Demand]]]:
     """Idle holders whose release lets waiting work start: hold key -> (node, hold, demands).
 
-    Oldest waiting workload first; each takes the node where it needs the fewest reclaims
-    (then the longest idle holders), and the capacity it takes is not offered again.
+    Oldest waiting workload first; a workload of one pod takes the node where it needs the
+    fewest reclaims (then the longest idle holders), one of several pods the holders whose
+    release lets each pod find a node; the capacity it takes is not offered again.
     """
-    # Only nodes with idle holders can be matched: skipping the others first keeps an
-    # evaluation of a 1,200-node fleet from sorting 1,200 empty lists.
-    nodes = [_Node(s, s.gpus_free, dict(s.mig_free),
-                   sorted((h for h in s.idle if h.kept_until is None or h.kept_until <= now),
-                          key=lambda h: h.idle_since))
-             for s in fleet.nodes if s.idle and s.healthy and not s.cordoned]
-    nodes = [n for n in nodes if n.holds]
     waiting = sorted((d for d in fleet.pending.values()
                       if d.since is not None and now - d.since >= settings.min_wait_s),
                      key=lambda d: (d.since, d.key))
+    if not waiting:
+        return {}
+    usable = [s for s in fleet.nodes if s.healthy and not s.cordoned]
+    # A workload of one pod can only be matched to a node with idle holders: skipping the
+    # others keeps an evaluation of a 1,200-node fleet from sorting 1,200 empty lists. One of
+    # several pods may also use the free room of the others.
+    if any(sum(p.count for p in d.pods) > 1 for d in waiting):
+        everywhere = [_node(s, now) for s in usable]
+        nodes = [n for n in everywhere if n.holds]
+    else:
+        nodes = [n for s in usable if s.idle and (n := _node(s, now)).holds]
+        everywhere = nodes
     out: dict[str, tuple[str, IdleHold, list[Demand]]] = {}
     for demand in waiting:
+        if sum(p.count for p in demand.pods) > 1:
+            across = _reclaims_across(demand, everywhere)
+            for node, hold in across or ():
+                node.holds.remove(hold)
+                out[hold_key(node.summary.node, hold)] = (node.summary.node, hold, [demand])
+                # As for one pod: what it uses of this node's free room is gone for the next.
+                # (The free room it would use on nodes without a reclaim is not known to
+                # placeable's yes/no, and stays offered to the next workload.)
+                node.free_gpus = 0
+                node.free_mig = {}
+            continue
         options = [(need, node) for node in nodes if (need := _needed(demand, node))]
         if not options:
             continue
@@ -241,6 +332,9 @@ def _finding(key: str, episode: Blocking, demands: list[Demand], now: float,
 
 
 def _shape(demand: Demand) -> str:
+    if sum(p.count for p in demand.pods) > 1:
+        return " + ".join(f"{p.count} pods of {_shape(Demand('', '', p.gpus, p.mig))}"
+                          for p in demand.pods)
     if demand.mig:
         return ", ".join(f"{n}x {p}" for p, n in sorted(demand.mig.items()))
     return f"{demand.gpus} GPU" + ("s" if demand.gpus != 1 else "")
