@@ -24,8 +24,9 @@ A workload of several pods is matched across nodes: idle holders are added,
 nodes with the most room first, until its pods can each be placed
 (:func:`~.fragmentation.placeable`, the stranded-capacity rule's check, over
 the whole fleet's free room), then those the placement does not need are
-dropped again; one whose pods fit the free room already is not blocked by
-anyone.
+dropped again. A workload whose pods fit the free room already (on any node,
+with idle holders or not) is not blocked by anyone: it waits for quota or the
+scheduler, and reclaims nothing.
 The node join's only part is to say which devices are idle in the summary it
 already sends.
 
@@ -173,43 +174,79 @@ def _frees(hold: IdleHold, pods: Sequence[PodSet]) -> bool:
     return hold.gpus > 0 and any(p.gpus for p in pods)
 
 
-def _reclaims_across(demand: Demand, nodes: list[_Node]
-                     ) -> list[tuple[_Node, IdleHold]] | None:
-    """The idle holders whose release lets a workload of several pods be placed, or None
-    when its pods fit the free room already or no release makes them fit."""
+def _reclaims_across(demand: Demand, nodes: list[_Node], views: dict[int, NodeSummary],
+                     elsewhere: list[NodeSummary]) -> list[tuple[_Node, IdleHold]] | None:
+    """The idle holders whose release lets a workload of several pods be placed (on their
+    nodes and the free room ``elsewhere``), or None when no release makes them fit.
+    ``views`` holds each node's summary as it stands, by ``id`` of the node."""
     pods = demand.pods
-    # Each node's summary as it stands, made once: a try replaces only the nodes it releases on.
-    as_is = {id(n): n.released() for n in nodes if n.free_gpus > 0 or n.free_mig or n.holds}
-    if placeable(pods, as_is.values()):
-        return None  # nobody's idle GPU stands in its way
-    wanted_gpus = sum(p.count * p.gpus for p in pods)
-    room = sum(n.free_gpus for n in nodes)
+    wanted = sum(p.count for p in pods)
+    # For whole-GPU pods, how many of the smallest fit a node's room bounds how many pods fit
+    # the fleet: placeable is only asked once that bound allows it.
+    smallest = min((p.gpus for p in pods if p.gpus), default=0)
+    bounded = smallest > 0 and not any(p.mig for p in pods)
+
+    def slots(room: int) -> int:
+        return room // smallest if bounded else wanted
+
+    room = {id(n): n.free_gpus for n in nodes}
+    bound = sum(slots(r) for r in room.values()) + sum(slots(request_room(s))
+                                                       for s in elsewhere)
+    current = dict(views)  # the nodes with room, as released so far
+    released: dict[int, list[IdleHold]] = {}
+
+    def fits() -> bool:
+        return bound >= wanted and placeable(pods, [*elsewhere, *current.values()])
+
+    def release(node: _Node, hold: IdleHold, sign: int) -> None:
+        nonlocal bound
+        key = id(node)
+        if sign > 0:
+            released.setdefault(key, []).append(hold)
+        else:
+            released[key].remove(hold)
+        bound -= slots(room[key])
+        room[key] += sign * hold.gpus
+        bound += slots(room[key])
+        _keep_open(current, key, node.released(released[key]))
+
+    def useful(node: _Node) -> list[IdleHold]:
+        """Its holders whose release can give a pod room: for whole-GPU pods, not those
+        past the last whole place of the smallest pod their release can complete."""
+        holds = [h for h in node.holds if _frees(h, pods)]
+        if not bounded:
+            return holds
+        most = (node.free_gpus + sum(h.gpus for h in holds)) // smallest * smallest \
+            - node.free_gpus
+        return holds[:max(most, 0)]
+
     # Nodes with the most room first: their holders complete a pod's place soonest.
     order = [(n, h) for n in sorted(nodes, key=lambda n: (-n.free_gpus, n.summary.node))
-             for h in n.holds if _frees(h, pods)]
+             for h in useful(n)]
     taken: list[tuple[_Node, IdleHold]] = []
-
-    def fits(chosen: list[tuple[_Node, IdleHold]]) -> bool:
-        released: dict[int, list[IdleHold]] = {}
-        for node, hold in chosen:
-            released.setdefault(id(node), []).append(hold)
-        on = {id(node): node for node, _ in chosen}
-        views = {**as_is, **{key: on[key].released(holds) for key, holds in released.items()}}
-        return placeable(pods, views.values())
-
     for node, hold in order:
         taken.append((node, hold))
-        room += hold.gpus
-        if room >= wanted_gpus and fits(taken):
+        release(node, hold, +1)
+        if fits():
             break
     else:
         return None
     # A holder taken on the way whose node still fits none of the pods is not needed.
-    for item in reversed(taken[:-1]):
-        trial = [t for t in taken if t is not item]
-        if fits(trial):
-            taken = trial
+    for node, hold in reversed(taken[:-1]):
+        release(node, hold, -1)
+        if fits():
+            taken.remove((node, hold))
+        else:
+            release(node, hold, +1)
     return taken
+
+
+def _keep_open(views: dict[int, NodeSummary], key: int, view: NodeSummary) -> None:
+    """Keep ``view`` in ``views`` only while it has room (placeable skips the others)."""
+    if request_room(view) > 0 or any(view.mig_free.values()):
+        views[key] = view
+    else:
+        views.pop(key, None)
 
 
 def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
@@ -226,20 +263,22 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
     if not waiting:
         return {}
     usable = [s for s in fleet.nodes if s.healthy and not s.cordoned]
-    # A workload of one pod can only be matched to a node with idle holders: skipping the
-    # others keeps an evaluation of a 1,200-node fleet from sorting 1,200 empty lists. One of
-    # several pods may also use the free room of the others.
-    if any(sum(p.count for p in d.pods) > 1 for d in waiting):
-        everywhere = [_node(s, now) for s in usable]
-        nodes = [n for n in everywhere if n.holds]
-    else:
-        nodes = [n for s in usable if s.idle and (n := _node(s, now)).holds]
-        everywhere = nodes
+    # Only nodes with idle holders are matched: skipping the others keeps an evaluation of a
+    # 1,200-node fleet from sorting 1,200 empty lists. The free room of the others (never
+    # taken by the matching) still says whether a workload fits without any reclaim.
+    nodes = [n for s in usable if s.idle and (n := _node(s, now)).holds]
+    matched = {id(n.summary) for n in nodes}
+    elsewhere = [s for s in usable if id(s) not in matched and (request_room(s) > 0
+                                                                  or any(s.mig_free.values()))]
+    views: dict[int, NodeSummary] = {}  # the nodes with idle holders and room, by id
+    for node in nodes:
+        _keep_open(views, id(node), node.released())
     out: dict[str, tuple[str, IdleHold, list[Demand]]] = {}
     for demand in waiting:
+        if placeable(demand.pods, [*elsewhere, *views.values()]):
+            continue  # it fits without any reclaim: it waits for quota or the scheduler
         if sum(p.count for p in demand.pods) > 1:
-            across = _reclaims_across(demand, everywhere)
-            for node, hold in across or ():
+            for node, hold in _reclaims_across(demand, nodes, views, elsewhere) or ():
                 node.holds.remove(hold)
                 out[hold_key(node.summary.node, hold)] = (node.summary.node, hold, [demand])
                 # As for one pod: what it uses of this node's free room is gone for the next.
@@ -247,6 +286,7 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
                 # placeable's yes/no, and stays offered to the next workload.)
                 node.free_gpus = 0
                 node.free_mig = {}
+                _keep_open(views, id(node), node.released())
             continue
         options = [(need, node) for node in nodes if (need := _needed(demand, node))]
         if not options:
@@ -262,6 +302,7 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
             node.free_mig[profile] = 0
         else:
             node.free_gpus = 0
+        _keep_open(views, id(node), node.released())
     return out
 
 

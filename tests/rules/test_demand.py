@@ -109,6 +109,15 @@ def test_a_workload_of_several_pods_that_fits_or_never_fits_reclaims_nothing() -
     assert run({0: view(never, ddp(gpus=4))}, until=3 * 3600) == []
 
 
+def test_a_job_that_fits_a_node_without_idle_holders_reclaims_nothing() -> None:
+    """It waits for quota or the scheduler, not for anyone's idle GPU: node x has room."""
+    nodes = [node("x", 2, []), node("a", 0, [hold(0), hold(1)])]
+    assert run({0: view(nodes, job())}, until=3 * 3600) == []
+    # Nor one that fits a node with idle holders already, while another would need reclaims.
+    nodes = [node("a", 2, [hold(0)]), node("b", 0, [hold(1), hold(2)])]
+    assert run({0: view(nodes, job())}, until=3 * 3600) == []
+
+
 def test_time_sliced_node_counts_free_replicas_and_the_holders_replica() -> None:
     """On a time-sliced GPU a pod asks for replicas: 2 replicas free plus the idle holder's
     make room for a 3-replica request, though no physical GPU is free."""
