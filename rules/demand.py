@@ -7,7 +7,11 @@ joins both sides, which only the fleet agent sees: the node summaries list
 each node's devices held by pods the idle rule has an open episode on
 (:class:`~gpusteward.schema.IdleHold`; an exempt pod never opens one), and
 the queue state holds the pending demand with its shape (whole GPUs on one
-node, or MIG devices by profile) and its age.
+node, or MIG devices by profile; for a Kueue Workload of several pods, its pod
+sets, each pod needing room on some node) and its age. Room is what the
+device plugin hands out: on nodes whose GPUs are time-sliced or shared by MPS,
+free replicas (:func:`~.fragmentation.request_room`), and reclaiming an idle
+holder there frees its replica.
 
 Why the fleet agent and not the node join: which idle holders to reclaim is
 a fleet-wide matching, not a per-node fact. Broadcasting the demand to every
@@ -16,6 +20,13 @@ node would make each node's idle rule escalate on its own, and one waiting
 each waiting workload (oldest first) is matched to the node where it needs
 the fewest reclaims (its free capacity counted first), and only those
 holders escalate; a holder counted for one workload is not counted again.
+A workload of several pods is matched across nodes: idle holders are added,
+nodes with the most room first, until its pods can each be placed
+(:func:`~.fragmentation.placeable`, the stranded-capacity rule's check, over
+the whole fleet's free room), then those the placement does not need are
+dropped again. A workload whose pods fit the free room already (on any node,
+with idle holders or not) is not blocked by anyone: it waits for quota or the
+scheduler, and reclaims nothing.
 The node join's only part is to say which devices are idle in the summary it
 already sends.
 
@@ -40,10 +51,10 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
-from gpusteward.rules.fragmentation import Demand, FleetView
+from gpusteward.rules.fragmentation import Demand, FleetView, placeable, request_room
 from gpusteward.rules.idle import RECLAIM_REASON
 from gpusteward.rules.registry import FleetRunner
-from gpusteward.schema import Action, Evidence, Finding, IdleHold, NodeSummary, Subject
+from gpusteward.schema import Action, Evidence, Finding, IdleHold, NodeSummary, PodSet, Subject
 
 KIND = "idle_blocking_demand"
 
@@ -115,8 +126,26 @@ class _Node:
 
     summary: NodeSummary
     free_gpus: int
+    """Room for ``nvidia.com/gpu`` requests: free GPUs, or free replicas on shared GPUs."""
     free_mig: dict[str, int]
     holds: list[IdleHold] = field(default_factory=list)
+
+    def released(self, holds: Sequence[IdleHold] = ()) -> NodeSummary:
+        """Its summary with the room left to the matching, once ``holds`` are released."""
+        room = self.free_gpus + sum(h.gpus for h in holds)
+        mig = dict(self.free_mig)
+        for hold in holds:
+            if hold.mig_profile:
+                mig[hold.mig_profile] = mig.get(hold.mig_profile, 0) + 1
+        if self.summary.gpu_replicas > 1 and self.summary.replicas_free is not None:
+            return msgspec.structs.replace(self.summary, replicas_free=room, mig_free=mig)
+        return msgspec.structs.replace(self.summary, gpus_free=room, mig_free=mig)
+
+
+def _node(summary: NodeSummary, now: float) -> _Node:
+    return _Node(summary, request_room(summary), dict(summary.mig_free),
+                 sorted((h for h in summary.idle if h.kept_until is None or h.kept_until <= now),
+                        key=lambda h: h.idle_since))
 
 
 def hold_key(node: str, hold: IdleHold) -> str:
@@ -138,25 +167,127 @@ def _needed(demand: Demand, node: _Node) -> tuple[int, str | None] | None:
     return (short, None) if 0 < short <= available and demand.gpus > 0 else None
 
 
+def _frees(hold: IdleHold, pods: Sequence[PodSet]) -> bool:
+    """Whether releasing ``hold`` gives room to some of ``pods``."""
+    if hold.mig_profile:
+        return any(hold.mig_profile in p.mig for p in pods)
+    return hold.gpus > 0 and any(p.gpus for p in pods)
+
+
+def _reclaims_across(demand: Demand, nodes: list[_Node], views: dict[int, NodeSummary],
+                     elsewhere: list[NodeSummary]) -> list[tuple[_Node, IdleHold]] | None:
+    """The idle holders whose release lets a workload of several pods be placed (on their
+    nodes and the free room ``elsewhere``), or None when no release makes them fit.
+    ``views`` holds each node's summary as it stands, by ``id`` of the node."""
+    pods = demand.pods
+    wanted = sum(p.count for p in pods)
+    # For whole-GPU pods, how many of the smallest fit a node's room bounds how many pods fit
+    # the fleet: placeable is only asked once that bound allows it.
+    smallest = min((p.gpus for p in pods if p.gpus), default=0)
+    bounded = smallest > 0 and not any(p.mig for p in pods)
+
+    def slots(room: int) -> int:
+        return room // smallest if bounded else wanted
+
+    room = {id(n): n.free_gpus for n in nodes}
+    bound = sum(slots(r) for r in room.values()) + sum(slots(request_room(s))
+                                                       for s in elsewhere)
+    current = dict(views)  # the nodes with room, as released so far
+    released: dict[int, list[IdleHold]] = {}
+
+    def fits() -> bool:
+        return bound >= wanted and placeable(pods, [*elsewhere, *current.values()])
+
+    def release(node: _Node, hold: IdleHold, sign: int) -> None:
+        nonlocal bound
+        key = id(node)
+        if sign > 0:
+            released.setdefault(key, []).append(hold)
+        else:
+            released[key].remove(hold)
+        bound -= slots(room[key])
+        room[key] += sign * hold.gpus
+        bound += slots(room[key])
+        _keep_open(current, key, node.released(released[key]))
+
+    def useful(node: _Node) -> list[IdleHold]:
+        """Its holders whose release can give a pod room: for whole-GPU pods, not those
+        past the last whole place of the smallest pod their release can complete."""
+        holds = [h for h in node.holds if _frees(h, pods)]
+        if not bounded:
+            return holds
+        most = (node.free_gpus + sum(h.gpus for h in holds)) // smallest * smallest \
+            - node.free_gpus
+        return holds[:max(most, 0)]
+
+    # Nodes with the most room first: their holders complete a pod's place soonest.
+    order = [(n, h) for n in sorted(nodes, key=lambda n: (-n.free_gpus, n.summary.node))
+             for h in useful(n)]
+    taken: list[tuple[_Node, IdleHold]] = []
+    for node, hold in order:
+        taken.append((node, hold))
+        release(node, hold, +1)
+        if fits():
+            break
+    else:
+        return None
+    # A holder taken on the way whose node still fits none of the pods is not needed.
+    for node, hold in reversed(taken[:-1]):
+        release(node, hold, -1)
+        if fits():
+            taken.remove((node, hold))
+        else:
+            release(node, hold, +1)
+    return taken
+
+
+def _keep_open(views: dict[int, NodeSummary], key: int, view: NodeSummary) -> None:
+    """Keep ``view`` in ``views`` only while it has room (placeable skips the others)."""
+    if request_room(view) > 0 or any(view.mig_free.values()):
+        views[key] = view
+    else:
+        views.pop(key, None)
+
+
 def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
           ) -> dict[str, tuple[str, IdleHold, list[Demand]]]:
     """Idle holders whose release lets waiting work start: hold key -> (node, hold, demands).
 
-    Oldest waiting workload first; each takes the node where it needs the fewest reclaims
-    (then the longest idle holders), and the capacity it takes is not offered again.
+    Oldest waiting workload first; a workload of one pod takes the node where it needs the
+    fewest reclaims (then the longest idle holders), one of several pods the holders whose
+    release lets each pod find a node; the capacity it takes is not offered again.
     """
-    # Only nodes with idle holders can be matched: skipping the others first keeps an
-    # evaluation of a 1,200-node fleet from sorting 1,200 empty lists.
-    nodes = [_Node(s, s.gpus_free, dict(s.mig_free),
-                   sorted((h for h in s.idle if h.kept_until is None or h.kept_until <= now),
-                          key=lambda h: h.idle_since))
-             for s in fleet.nodes if s.idle and s.healthy and not s.cordoned]
-    nodes = [n for n in nodes if n.holds]
     waiting = sorted((d for d in fleet.pending.values()
                       if d.since is not None and now - d.since >= settings.min_wait_s),
                      key=lambda d: (d.since, d.key))
+    if not waiting:
+        return {}
+    usable = [s for s in fleet.nodes if s.healthy and not s.cordoned]
+    # Only nodes with idle holders are matched: skipping the others keeps an evaluation of a
+    # 1,200-node fleet from sorting 1,200 empty lists. The free room of the others (never
+    # taken by the matching) still says whether a workload fits without any reclaim.
+    nodes = [n for s in usable if s.idle and (n := _node(s, now)).holds]
+    matched = {id(n.summary) for n in nodes}
+    elsewhere = [s for s in usable if id(s) not in matched and (request_room(s) > 0
+                                                                  or any(s.mig_free.values()))]
+    views: dict[int, NodeSummary] = {}  # the nodes with idle holders and room, by id
+    for node in nodes:
+        _keep_open(views, id(node), node.released())
     out: dict[str, tuple[str, IdleHold, list[Demand]]] = {}
     for demand in waiting:
+        if placeable(demand.pods, [*elsewhere, *views.values()]):
+            continue  # it fits without any reclaim: it waits for quota or the scheduler
+        if sum(p.count for p in demand.pods) > 1:
+            for node, hold in _reclaims_across(demand, nodes, views, elsewhere) or ():
+                node.holds.remove(hold)
+                out[hold_key(node.summary.node, hold)] = (node.summary.node, hold, [demand])
+                # As for one pod: what it uses of this node's free room is gone for the next.
+                # (The free room it would use on nodes without a reclaim is not known to
+                # placeable's yes/no, and stays offered to the next workload.)
+                node.free_gpus = 0
+                node.free_mig = {}
+                _keep_open(views, id(node), node.released())
+            continue
         options = [(need, node) for node in nodes if (need := _needed(demand, node))]
         if not options:
             continue
@@ -171,6 +302,7 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
             node.free_mig[profile] = 0
         else:
             node.free_gpus = 0
+        _keep_open(views, id(node), node.released())
     return out
 
 
@@ -241,6 +373,9 @@ def _finding(key: str, episode: Blocking, demands: list[Demand], now: float,
 
 
 def _shape(demand: Demand) -> str:
+    if sum(p.count for p in demand.pods) > 1:
+        return " + ".join(f"{p.count} pods of {_shape(Demand('', '', p.gpus, p.mig))}"
+                          for p in demand.pods)
     if demand.mig:
         return ", ".join(f"{n}x {p}" for p, n in sorted(demand.mig.items()))
     return f"{demand.gpus} GPU" + ("s" if demand.gpus != 1 else "")

@@ -265,6 +265,9 @@ class Episode(msgspec.Struct):
 class CounterTrack(msgspec.Struct, omit_defaults=True):
     last: int | None = None
     increments: list[tuple[float, int]] = []
+    """(time of the reading before, increase) of each increase in the window: an increase is
+    seen at a reading but happened at some time since the one before, so its span starts
+    there (a burst of 500 between readings 15 s apart is 500 in 15 s, not in 0 s)."""
     last_increment_ts: float | None = None
     open: Episode | None = None
     read_until: float | None = None
@@ -351,7 +354,7 @@ def _counter(track: CounterTrack, value: int, kind: str, node: str, uuid: str, t
         if track.open is not None:
             return  # the episode goes on; only the time of the last increase matters now
         # Below the threshold every kept increase is >= 1, so fewer than `threshold` are kept.
-        track.increments.append((ts, value - last))
+        track.increments.append((ts - (since_last or 0.0), value - last))
         horizon = ts - settings.window_s
         if track.increments[0][0] <= horizon:
             track.increments = [i for i in track.increments if i[0] > horizon]

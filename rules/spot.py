@@ -4,13 +4,24 @@ A spot node that receives a termination taint (AWS node-termination-handler's
 ``spot-itn``, Karpenter's ``karpenter.sh/disrupted``, GKE's
 ``impending-node-termination``, cluster-autoscaler's scale-down taint) has
 seconds to minutes left. The rule opens one ``spot_interruption`` finding per
-episode (taint seen -> taint gone or node deleted) and asks for a
-``requeue`` action for every restartable pod on the node: pods owned by a
-Job-like controller or a Kueue Workload, whose work a checkpoint-and-restart
-elsewhere preserves. Other pods (notebooks, bare pods, StatefulSets) are
-named in the finding but not requeued: a restart loses their state, so a
-human decides. A restartable pod that lands on the node during the episode
-is requeued too.
+episode (taint seen -> taint gone or node deleted) and sorts the node's pods
+three ways, as the executor's Kubernetes backend can act on them:
+
+- requeued: a restartable pod (its owner in ``restartable_owners``) that the
+  backend can requeue: a Kueue workload's (owner ``Workload``, or the pod's
+  ``kueue.x-k8s.io/workload`` annotation or label, which the backend reads), or a
+  batch Job's pod (owner ``Job``, ``JobSet``, ``TrainJob``: the backend deletes it
+  and the Job recreates it). One ``requeue`` action each;
+- left to their controller: a restartable pod of another owner (Kubeflow's
+  PyTorchJob, TFJob, MPIJob, JAXJob, ..., KubeRay's RayCluster). The backend
+  refuses to delete those pods: whether the run survives losing one depends on
+  its restart policy (a worker of a ``restartPolicy: Never`` job fails the whole
+  job) and, for a Ray head, on GCS fault tolerance. So no action is asked: the
+  finding names them, and their operator recreates them when the node goes;
+- need a decision: every other pod (notebooks, bare pods, StatefulSets): a
+  restart loses their state, so a human decides.
+
+A pod that lands on the node during the episode is sorted and requeued too.
 
 AKS's ``kubernetes.azure.com/scalesetpriority=spot`` taint is on every node
 of a spot pool from its creation: it marks placement, not an eviction, and
@@ -43,11 +54,22 @@ from gpusteward.schema import (
 KIND = "spot_interruption"
 
 RUNBOOK = (
-    "The cloud is reclaiming this spot node. Restartable work has been requeued (check the "
-    "requeue actions and that the jobs resume from their last checkpoint elsewhere); move "
-    "the listed non-restartable pods by hand if their state matters. Nothing to fix on the "
-    "node itself."
+    "The cloud is reclaiming this spot node. The pods of Jobs, JobSets and Kueue workloads "
+    "have been requeued (check the requeue actions and that the jobs resume from their last "
+    "checkpoint elsewhere). Pods left to their controller (label left_to_controller: "
+    "PyTorchJob, MPIJob, RayCluster, ...) are not touched: their operator recreates them "
+    "when the node goes, and whether the run survives depends on its restart policy and "
+    "checkpoints; requeue or restart the job by hand if it cannot. Move the other listed pods "
+    "by hand if their state matters. Nothing to fix on the node itself."
 )
+
+REQUEUED_BY_JOB = frozenset({"Job", "JobSet", "TrainJob"})
+"""Owner kinds whose pods a batch Job controls (a JobSet's and a Kubeflow Trainer v2 TrainJob's
+pods are their Jobs'): the backend requeues such a pod by deleting it, and the Job recreates
+it. Other owners' pods are requeued only through a Kueue workload."""
+
+KUEUE_WORKLOAD_KEY = "kueue.x-k8s.io/workload"
+"""The pod annotation (or label) naming its Kueue workload, which the backend requeues."""
 
 
 _PHASE_ORDER = {"pending": 0, "bound": 1, "running": 2, "finished": 3, "deleted": 4}
@@ -76,10 +98,13 @@ class SpotSettings(BaseModel):
         "recommendations are left out: they are advice, and requeueing on them would churn.",
     )
     restartable_owners: list[str] = Field(
-        default_factory=lambda: ["Job", "Workload", "JobSet", "PyTorchJob", "TFJob",
-                                 "MPIJob", "RayJob", "RayCluster"],
-        description="Owner kinds whose pods are requeued: batch controllers that recreate "
-        "their pods and resume from checkpoints.",
+        default_factory=lambda: ["Job", "Workload", "JobSet", "TrainJob", "PyTorchJob",
+                                 "TFJob", "MPIJob", "JAXJob", "XGBoostJob", "PaddleJob",
+                                 "RayJob", "RayCluster"],
+        description="Owner kinds whose pods may restart elsewhere: batch controllers that "
+        "recreate their pods and resume from checkpoints. Of these, a Kueue workload's pods "
+        "and a Job's, JobSet's or TrainJob's are requeued; the others' are left to their "
+        "controller (the backend does not delete them) and named in the finding.",
     )
     spot_only: bool = Field(
         True,
@@ -95,6 +120,8 @@ class SpotPod(msgspec.Struct):
     owner_kind: str | None = None
     owner_name: str | None = None
     queue: str | None = None
+    kueue_workload: str | None = None
+    """The Kueue workload its annotation or label names, if any."""
 
 
 class SpotNodeTrack(msgspec.Struct):
@@ -164,8 +191,10 @@ def on_pod(track: SpotNodeTrack, event: PodAllocation,
         return []
     if event.phase not in ("bound", "running"):
         return []
-    track.pods[key] = SpotPod(pod=event.pod, ts=event.ts, owner_kind=event.owner_kind,
-                              owner_name=event.owner_name, queue=event.queue)
+    track.pods[key] = SpotPod(
+        pod=event.pod, ts=event.ts, owner_kind=event.owner_kind, owner_name=event.owner_name,
+        queue=event.queue, kueue_workload=(event.annotations.get(KUEUE_WORKLOAD_KEY)
+                                           or event.labels.get(KUEUE_WORKLOAD_KEY)))
     if track.open_id is None:
         return []
     finding = _finding(track, event.node, fingerprint(KIND, event.node), event.ts, settings)
@@ -183,32 +212,56 @@ def _restartable(pod: SpotPod, settings: SpotSettings) -> bool:
     return pod.owner_kind in settings.restartable_owners
 
 
+def _requeueable(pod: SpotPod, settings: SpotSettings) -> bool:
+    """Whether the pod is restartable and the backend's requeue carries it out (a Kueue
+    workload's pod, or a batch Job's), rather than refusing it."""
+    return _restartable(pod, settings) and (
+        pod.owner_kind == "Workload" or pod.kueue_workload is not None
+        or pod.owner_kind in REQUEUED_BY_JOB)
+
+
 def _finding(track: SpotNodeTrack, node: str, fp: str, ts: float,
              settings: SpotSettings) -> Finding:
     assert track.open_id is not None and track.open_since is not None
-    restartable = sorted(f"{p.pod.namespace}/{p.pod.name}" for p in track.pods.values()
-                         if _restartable(p, settings))
-    stuck = sorted(f"{p.pod.namespace}/{p.pod.name}" for p in track.pods.values()
-                   if not _restartable(p, settings))
+    pods = sorted(track.pods.values(), key=lambda p: (p.pod.namespace, p.pod.name))
+    requeued = [p for p in pods if _requeueable(p, settings)]
+    left = [p for p in pods if _restartable(p, settings) and not _requeueable(p, settings)]
+    stuck = [p for p in pods if not _restartable(p, settings)]
     return Finding(
         id=track.open_id, fingerprint=fp, kind=KIND, severity="critical", state="firing",
         subject=Subject(node=node),
         summary=f"spot node {node} is being reclaimed ({track.open_taint}): "
-        f"{len(restartable)} pods requeued, {len(stuck)} need a decision",
+        f"{len(requeued)} pods requeued, {len(left)} left to their controller to recreate "
+        f"({_owners(left)}), {len(stuck)} need a decision",
         starts_at=track.open_since, ts=ts,
         evidence=Evidence(window_start=track.open_since, window_end=ts,
-                          values={"restartable_pods": float(len(restartable)),
+                          values={"restartable_pods": float(len(requeued) + len(left)),
+                                  "requeued_pods": float(len(requeued)),
+                                  "left_to_controller_pods": float(len(left)),
                                   "other_pods": float(len(stuck))}),
         runbook=RUNBOOK,
-        labels={"taint": track.open_taint or "", "not_requeued": ",".join(stuck)[:1000]},
+        labels={"taint": track.open_taint or "",
+                "not_requeued": _names(left + stuck),
+                "left_to_controller": _names(left)},
     )
+
+
+def _names(pods: list[SpotPod]) -> str:
+    return ",".join(sorted(f"{p.pod.namespace}/{p.pod.name}" for p in pods))[:1000]
+
+
+def _owners(pods: list[SpotPod]) -> str:
+    """The owners of the pods left to their controller, for the summary: 'PyTorchJob ml/a'."""
+    owners = sorted({f"{p.owner_kind} {p.pod.namespace}/{p.owner_name}" for p in pods})
+    more = f" and {len(owners) - 5} more" if len(owners) > 5 else ""
+    return (", ".join(owners[:5]) + more) if owners else "none"
 
 
 def _requeue_all(track: SpotNodeTrack, finding: Finding, node: str,
                  settings: SpotSettings) -> list[Finding | Action]:
     out: list[Finding | Action] = []
     for key, pod in sorted(track.pods.items()):
-        if key in track.requeued or not _restartable(pod, settings):
+        if key in track.requeued or not _requeueable(pod, settings):
             continue
         track.requeued.append(key)
         target = Subject(node=node, pod=pod.pod, queue=pod.queue)

@@ -267,6 +267,46 @@ def test_a_spot_interruptions_requeue_reaches_its_kueue_workload(
     assert detail.startswith("requeued Kueue workload ml-dave/job-train-abc12")
 
 
+def test_every_requeue_the_spot_rule_asks_for_the_backend_carries_out(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """One pod of each default restartable owner on a reclaimed spot node, each with the
+    controller it has on a real cluster: the rule asks only for requeues the backend does
+    (no refusal), and the pods of Kubeflow training operators and Ray are left alone."""
+    settings = spot.SpotSettings()
+    # top owner (as the collector reports it) -> the live pod's controller kind
+    live_controller = {"Job": "Job", "JobSet": "Job", "TrainJob": "Job",
+                       "PyTorchJob": "PyTorchJob", "TFJob": "TFJob", "MPIJob": "MPIJob",
+                       "JAXJob": "JAXJob", "XGBoostJob": "XGBoostJob", "PaddleJob": "PaddleJob",
+                       "RayJob": "RayCluster", "RayCluster": "RayCluster"}
+    assert set(live_controller) | {"Workload"} == set(settings.restartable_owners)
+    track = spot.SpotNodeTrack()
+    live = [node("spot-1")]
+    for owner, controller in live_controller.items():
+        name = owner.lower() + "-0"
+        spot.on_pod(track, PodAllocation(
+            ts=1.0, node="spot-1", pod=PodRef("ml", name, uid=f"uid-ml-{name}"),
+            phase="running", gpus=1, owner_kind=owner, owner_name=owner.lower()), settings)
+        live.append(pod("ml", name, "spot-1", owner_kind=controller, owner_name=owner.lower()))
+    kube.load(live)
+    finding, *requeues = spot.on_inventory(track, NodeInventory(
+        ts=10.0, node="spot-1", gpu_count=8, spot=True,
+        taints=[Taint("aws-node-termination-handler/spot-itn", "NoSchedule", "evt-1")]),
+        settings)
+    assert isinstance(finding, Finding)
+    backend = KubernetesBackend(kube_settings)
+    outcomes = {}
+    for requeue in requeues:
+        assert isinstance(requeue, Action) and requeue.target.pod
+        outcomes[requeue.target.pod.name] = run(backend, requeue)[0]
+    assert outcomes == {"job-0": "executed", "jobset-0": "executed", "trainjob-0": "executed"}
+    left = {f"ml/{o.lower()}-0" for o in live_controller if live_controller[o] != "Job"}
+    assert set(finding.labels["left_to_controller"].split(",")) == left
+    assert {("ml", n.split("/")[1]) for n in left} <= pods(kube)
+    assert ("3 pods requeued, 8 left to their controller to recreate (JAXJob ml/jaxjob, "
+            "MPIJob ml/mpijob, PaddleJob ml/paddlejob, PyTorchJob ml/pytorchjob, RayCluster "
+            "ml/raycluster and 3 more), 0 need a decision") in finding.summary
+
+
 def test_a_drain_leaves_the_pods_of_namespaces_the_deny_patterns_match(
         kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     """The deny-list holds glob patterns, in the drain as in the executor's guard."""

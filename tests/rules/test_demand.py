@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
 from gpusteward.rules import demand as d
 from gpusteward.rules.fragmentation import Demand, FleetView
 from gpusteward.rules.idle import RECLAIM_REASON
-from gpusteward.schema import Action, Finding, IdleHold, NodeSummary, PodRef
+from gpusteward.schema import Action, Finding, IdleHold, NodeSummary, PodRef, PodSet
 
 SETTINGS = d.DemandReclaimSettings()
 
@@ -66,6 +67,66 @@ def test_two_idle_notebooks_reclaimed_on_the_short_ladder_for_a_waiting_2_gpu_jo
     first = findings[0]
     assert "ml/train-2gpu" in first.summary and first.labels["waiting"] == "ml/train-2gpu"
     assert first.evidence is not None and first.evidence.values["longest_wait_s"] == 1800
+
+
+def ddp(pods: int = 4, gpus: int = 2) -> Demand:
+    """A Kueue Workload of ``pods`` workers of ``gpus`` GPUs each."""
+    return Demand(key="ml/ddp", queue="research", gpus=pods * gpus, since=0,
+                  pod_sets=(PodSet(count=pods, gpus=gpus),))
+
+
+def reclaimed(out: list[Finding | Action]) -> set[str]:
+    return {a.target.device or "" for a in out
+            if isinstance(a, Action) and a.verb == "requeue"}
+
+
+def test_a_workload_of_several_pods_is_matched_across_nodes() -> None:
+    """4 workers x 2 GPUs need 2 GPUs on each of 4 nodes, not 8 on one: idle holders on four
+    full nodes block it, and node a's single holder (1 GPU, no worker fits) is not needed."""
+    nodes = [node("a", 0, [hold(0)]), *(node(n, 0, [hold(10 * i), hold(10 * i + 1)])
+                                        for i, n in enumerate("bcde", start=1))]
+    out = run({0: view(nodes, ddp())}, until=3 * 3600)
+    assert reclaimed(out) == {"GPU-10", "GPU-11", "GPU-20", "GPU-21", "GPU-30", "GPU-31",
+                              "GPU-40", "GPU-41"}
+    finding = next(o for o in out if isinstance(o, Finding))
+    assert "ml/ddp (4 pods of 2 GPUs, waiting" in finding.summary
+    assert finding.labels["waiting"] == "ml/ddp"
+
+
+def test_a_workload_of_several_pods_uses_free_room_elsewhere_first() -> None:
+    # Two workers fit the free room of x and y; the other two need b's and c's holders.
+    nodes = [node("x", 2, []), node("y", 2, []), node("b", 0, [hold(10), hold(11)]),
+             node("c", 0, [hold(20), hold(21)]), node("d", 0, [hold(30), hold(31)])]
+    assert reclaimed(run({0: view(nodes, ddp())}, until=3 * 3600)) == {
+        "GPU-10", "GPU-11", "GPU-20", "GPU-21"}
+
+
+def test_a_workload_of_several_pods_that_fits_or_never_fits_reclaims_nothing() -> None:
+    fits = [node(n, 2, [hold(i)]) for i, n in enumerate("abcd")]
+    assert run({0: view(fits, ddp())}, until=3 * 3600) == []
+    # Two nodes of 4 GPUs cannot hold 4 workers of 4 GPUs, whatever is reclaimed.
+    never = [node(n, 0, [hold(10 * i + k) for k in range(4)]) for i, n in enumerate("ab")]
+    assert run({0: view(never, ddp(gpus=4))}, until=3 * 3600) == []
+
+
+def test_a_job_that_fits_a_node_without_idle_holders_reclaims_nothing() -> None:
+    """It waits for quota or the scheduler, not for anyone's idle GPU: node x has room."""
+    nodes = [node("x", 2, []), node("a", 0, [hold(0), hold(1)])]
+    assert run({0: view(nodes, job())}, until=3 * 3600) == []
+    # Nor one that fits a node with idle holders already, while another would need reclaims.
+    nodes = [node("a", 2, [hold(0)]), node("b", 0, [hold(1), hold(2)])]
+    assert run({0: view(nodes, job())}, until=3 * 3600) == []
+
+
+def test_time_sliced_node_counts_free_replicas_and_the_holders_replica() -> None:
+    """On a time-sliced GPU a pod asks for replicas: 2 replicas free plus the idle holder's
+    make room for a 3-replica request, though no physical GPU is free."""
+    shared = NodeSummary(ts=0, node="ts", gpu_model="A100", gpus_total=1, gpus_free=0,
+                         gpu_replicas=4, replicas_free=2, idle=[hold(0)])
+    assert reclaimed(run({0: view([shared], job(gpus=3))}, until=3 * 3600)) == {"GPU-0"}
+    # With 3 replicas free it fits already: no reclaim.
+    roomy = msgspec.structs.replace(shared, replicas_free=3)
+    assert run({0: view([roomy], job(gpus=3))}, until=3 * 3600) == []
 
 
 def test_no_waiting_demand_no_finding() -> None:

@@ -53,7 +53,9 @@ def test_sbe_burst_opens_one_episode_and_quiet_closes_it() -> None:
     out = feed(track, readings)
     (finding,) = firing(out)
     assert finding.kind == "ecc_sbe_rate" and finding.severity == "warning"
-    assert finding.ts == T0 + 90 and finding.starts_at == T0 + 30
+    # The first increase happened after the reading at T0: the burst spans T0 .. T0 + 90.
+    assert finding.ts == T0 + 90 and finding.starts_at == T0
+    assert "120 in 90 s" in finding.summary
     assert finding.evidence is not None and finding.evidence.values["increase"] == 120
     assert finding.runbook
     assert not [o for o in out if isinstance(o, Action)]
@@ -62,6 +64,18 @@ def test_sbe_burst_opens_one_episode_and_quiet_closes_it() -> None:
     out = feed(track, quiet)
     (closing,) = resolved(out)
     assert closing.id == finding.id and closing.ends_at == T0 + 600 + 60 * 60
+
+
+def test_a_burst_seen_in_one_reading_spans_the_time_since_the_reading_before() -> None:
+    """500 PCIe replays between two readings 15 s apart: 500 in 15 s, not in 0 s."""
+    for kind, field in (("pcie_replay", "pcie_replay"), ("nvlink_errors", "nvlink_errors"),
+                        ("ecc_sbe_rate", "ecc_sbe_volatile")):
+        out = feed(hardware.HwTrack(), [(T0, dev(**{field: 0})), (T0 + 15, dev(**{field: 500}))])
+        (finding,) = firing(out)
+        assert finding.kind == kind
+        assert ": 500 in 15 s (threshold" in finding.summary
+        assert finding.starts_at == T0 and finding.evidence is not None
+        assert finding.evidence.window_start == T0
 
 
 def test_slow_sbe_trickle_never_fires() -> None:

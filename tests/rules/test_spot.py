@@ -26,11 +26,11 @@ def inv(ts: float, *taints: Taint, spot_node: bool = True, deleted: bool = False
                          taints=list(taints), deleted=deleted)
 
 
-def pod(name: str, ts: float, owner: str | None = "Job", phase: PodPhase = "running"
-        ) -> PodAllocation:
+def pod(name: str, ts: float, owner: str | None = "Job", phase: PodPhase = "running",
+        annotations: dict[str, str] | None = None) -> PodAllocation:
     return PodAllocation(ts=ts, node="spot-1", pod=PodRef("ml", name, uid=f"uid-{name}"),
                          phase=phase, gpus=1, owner_kind=owner, owner_name=f"{name}-owner",
-                         queue="batch")
+                         queue="batch", annotations=annotations or {})
 
 
 def test_termination_taint_requeues_restartable_pods_only() -> None:
@@ -54,6 +54,46 @@ def test_termination_taint_requeues_restartable_pods_only() -> None:
               and a.target.pod.name == "wl")
     assert (wl.params["workload"], wl.params["namespace"]) == ("wl-owner", "ml")
     assert wl.target.queue == "batch"
+
+
+def test_operator_pods_without_a_kueue_workload_are_left_to_their_controller() -> None:
+    """The backend deletes only a Job's pod or requeues a Kueue workload: a PyTorchJob's or a
+    RayCluster's pod gets no requeue action, and the finding does not count it requeued."""
+    track = spot.SpotNodeTrack()
+    for event in (pod("worker-1", 1, owner="PyTorchJob"), pod("ray-w", 2, owner="RayCluster"),
+                  pod("jax-0", 3, owner="JAXJob"), pod("job-0", 4)):
+        spot.on_pod(track, event, SETTINGS)
+    finding, *actions = spot.on_inventory(track, inv(10, ITN), SETTINGS)
+    assert isinstance(finding, Finding)
+    assert [a.target.pod.name for a in actions if isinstance(a, Action) and a.target.pod] == [
+        "job-0"]
+    assert (": 1 pods requeued, 3 left to their controller to recreate (JAXJob ml/jax-0-owner, "
+            "PyTorchJob ml/worker-1-owner, RayCluster ml/ray-w-owner), 0 need a decision"
+            ) in finding.summary
+    assert finding.labels["left_to_controller"] == "ml/jax-0,ml/ray-w,ml/worker-1"
+    assert finding.labels["not_requeued"] == "ml/jax-0,ml/ray-w,ml/worker-1"
+    assert finding.evidence and finding.evidence.values["requeued_pods"] == 1
+    assert finding.evidence.values["left_to_controller_pods"] == 3
+    assert "left_to_controller" in finding.runbook
+
+
+def test_an_operator_pod_of_a_kueue_workload_is_requeued_through_it() -> None:
+    track = spot.SpotNodeTrack()
+    spot.on_pod(track, pod("worker-1", 1, owner="PyTorchJob",
+                           annotations={"kueue.x-k8s.io/workload": "pytorchjob-x-1a2b3"}),
+                SETTINGS)
+    finding, action = spot.on_inventory(track, inv(10, ITN), SETTINGS)
+    assert isinstance(action, Action) and action.verb == "requeue"
+    assert isinstance(finding, Finding) and ": 1 pods requeued, 0 left" in finding.summary
+
+
+def test_kubeflow_trainer_and_training_operator_kinds_are_restartable() -> None:
+    for owner in ("JAXJob", "XGBoostJob", "PaddleJob", "TrainJob"):
+        assert owner in SETTINGS.restartable_owners
+    track = spot.SpotNodeTrack()
+    spot.on_pod(track, pod("trainer-0", 1, owner="TrainJob"), SETTINGS)
+    _, action = spot.on_inventory(track, inv(10, ITN), SETTINGS)
+    assert isinstance(action, Action) and action.verb == "requeue"
 
 
 def test_repeated_inventory_does_not_repeat_and_removal_resolves() -> None:
