@@ -497,6 +497,8 @@ class NodeStates:
                 # Encoded here, so that a state the encoder refuses dead-letters the record.
                 to_write[node] = self._encode(state)
                 checkpointed_at = record.ts
+        except Rejected:
+            raise  # refused before it changed the state (a clock gone back): nothing to undo
         except Exception:
             # The record may have half-changed the state: the node goes back to its last
             # checkpoint, as after a crash (a copy per record to roll back to would cost
