@@ -16,7 +16,8 @@ msgspec decodes. What a type cannot say is checked here, around the decode:
   (a sample keyed by another node lands in that node's partition, where it
   would split the node's state between two workers);
 - event time: not further ahead of the wall clock than any sane clock skew
-  allows (a record from 2090 would drag every event-time clock with it).
+  allows (a record from 2090 would drag every event-time clock with it); the
+  stream worker's bound is a setting, 15 minutes by default.
 
 :class:`Rejected` carries the reason; :func:`dead_letter` builds the record
 the dead-letter topic keeps, cut to fit a broker's message limit.
@@ -64,7 +65,9 @@ class Limits:
     max_key_bytes: int = 1024
     max_future_s: float = 366 * 86400.0
     """How far an event time may run ahead of this process's clock. A simulation or a
-    replay may run ahead of the wall clock by hours, never by a year."""
+    replay may run ahead of the wall clock by hours, never by a year. The stream worker,
+    whose event-time clocks a record from the future would drag along, takes the tighter
+    ``Settings.max_event_ahead_s``."""
 
 
 def nesting_depth_exceeds(raw: bytes, limit: int) -> bool:
@@ -122,9 +125,11 @@ class Edge(Generic[T]):
                 reason = f"unknown schema version (this build reads {SCHEMA_VERSION}): {reason}"
             raise Rejected(f"invalid: {reason}") from error
         ts: float = getattr(record, "ts", 0.0)
-        if ts > self._clock() + limits.max_future_s:
-            raise Rejected(f"event time {ts:.0f} is more than {limits.max_future_s:.0f} s "
-                           "ahead of the clock")
+        ahead = ts - self._clock()
+        if ahead > limits.max_future_s:
+            raise Rejected(f"event time {ts:.0f} is {ahead:.0f} s ahead of the clock (more "
+                           f"than {limits.max_future_s:.0f} s): the producer's clock is "
+                           "skewed or jumped")
         if self._key_of is not None and key_text != self._key_of(record):
             raise Rejected(f"key {key_text!r} is not the payload's {self._key_of(record)!r}")
         return record

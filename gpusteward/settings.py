@@ -238,3 +238,17 @@ class Settings(BaseSettings):
         "gpusteward",
         description="Prefix of every topic name; change it to run two pipelines on one cluster.",
     )
+    max_event_ahead_s: float = Field(
+        900.0,
+        gt=0,
+        description=(
+            "Seconds a record's event time (set by the clock of the node or watcher that "
+            "produced it) may run ahead of the stream worker's clock; a record further ahead "
+            "is dead-lettered with the skew it shows. Event time only moves forward in the "
+            "node join and the fleet agent, so one record from a collector whose clock is a "
+            "day (or four years) fast would make every later record of its node look late "
+            "for that long. 15 min: NTP keeps real clocks within a second, and a node 15 "
+            "minutes off is broken. Raise it for a simulation or replay whose event time "
+            "runs ahead of the wall clock."
+        ),
+    )

@@ -202,8 +202,10 @@ class RemediationSettings(BaseSettings):
         "its finding's) and the executor's clock; an older one is refused and audited. 1 h: "
         "the pipeline acts within seconds, so an older action is a backlog replayed after "
         "an outage, whose finding may have resolved since and whose owner notice and "
-        "reclaim would land back to back. None (null in the environment): no limit, for a "
-        "simulation whose event time is not the executor's clock.",
+        "reclaim would land back to back. An action further than this ahead of the "
+        "executor's clock is refused too: its event time is skewed, its age unknowable. "
+        "None (null in the environment): no limit, for a simulation whose event time is "
+        "not the executor's clock.",
     )
     min_notice_s: float | None = Field(
         1800.0, ge=0,
@@ -569,6 +571,15 @@ class Executor:
                 "after an outage?); its finding may have resolved since. Not carried out "
                 "and not asked again: check the finding's state and act by hand if it "
                 "still applies")
+        if policy.max_action_age_s is not None and -age > policy.max_action_age_s:
+            # Its age cannot be told: a worker whose event time runs that far ahead (a node's
+            # collector clock) would otherwise have a backlog carried out however old it is.
+            return "refused", (
+                f"asked for at {rfc3339(action.ts)}, {-age / 3600:.1f} h ahead of the "
+                f"executor's clock, more than max_action_age_s={policy.max_action_age_s:g} s: "
+                "the clock of the node its finding came from is skewed, so the action's "
+                "age cannot be judged. Not carried out and not asked again: fix the node's "
+                "clock, check the finding and act by hand if it still applies")
         if _is_reclaim(action):
             return self._notice_verdict(action, now)
         return None

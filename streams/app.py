@@ -40,7 +40,7 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP, Message
 
 from gpusteward import health, kafka, topics
-from gpusteward.edge import Edge
+from gpusteward.edge import Edge, Limits, Rejected
 from gpusteward.health import Health
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary, Rollup
 from gpusteward.settings import Settings
@@ -406,10 +406,15 @@ def create_app(
     app.on_partitions_assigned.connect(forget_live_states)  # type: ignore[arg-type]
 
     # Each topic's edge (bounds, key, depth: gpusteward.edge) and the join's handler for it.
+    # Event time only moves forward in a node's state: a record from a clock far ahead is
+    # refused here, before it makes its node's later records look late.
+    limits = Limits(max_future_s=settings.max_event_ahead_s)
     by_topic: dict[str, tuple[Edge[Any], Any]] = {
-        samples_name: (Edge[NodeSample](NodeSample, key_of=_node), join.on_sample),
-        hw_name: (Edge[HwEvent](HwEvent, key_of=_node), join.on_hw_event),
-        alloc_name: (Edge[AllocationEvent](AllocationEvent, key_of=topics.allocation_key),
+        samples_name: (Edge[NodeSample](NodeSample, key_of=_node, limits=limits),
+                       join.on_sample),
+        hw_name: (Edge[HwEvent](HwEvent, key_of=_node, limits=limits), join.on_hw_event),
+        alloc_name: (Edge[AllocationEvent](AllocationEvent, key_of=topics.allocation_key,
+                                           limits=limits),
                      join.on_allocation),
     }
 
@@ -492,6 +497,8 @@ class NodeStates:
                 # Encoded here, so that a state the encoder refuses dead-letters the record.
                 to_write[node] = self._encode(state)
                 checkpointed_at = record.ts
+        except Rejected:
+            raise  # refused before it changed the state (a clock gone back): nothing to undo
         except Exception:
             # The record may have half-changed the state: the node goes back to its last
             # checkpoint, as after a crash (a copy per record to roll back to would cost

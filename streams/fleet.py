@@ -68,7 +68,7 @@ import msgspec
 from faust.types import TP
 
 from gpusteward import topics
-from gpusteward.edge import Edge, Rejected
+from gpusteward.edge import Edge, Limits, Rejected
 from gpusteward.rules import REGISTRY, Registry
 from gpusteward.rules import fragmentation as frag
 from gpusteward.rules import queue as queue_rules
@@ -430,9 +430,11 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                 state.mig, workloads={}, touched=[])))
 
     # The edges of the fleet's inputs (bounds, key, depth: gpusteward.edge).
-    summary_edge = Edge[NodeSummary](NodeSummary, key_of=lambda s: s.node)
-    queue_edge = Edge[QueueEvent](QueueEvent, key_of=lambda q: q.cluster_queue)
-    alloc_edge = Edge[AllocationEvent](AllocationEvent, key_of=topics.allocation_key)
+    limits = Limits(max_future_s=settings.max_event_ahead_s)
+    summary_edge = Edge[NodeSummary](NodeSummary, key_of=lambda s: s.node, limits=limits)
+    queue_edge = Edge[QueueEvent](QueueEvent, key_of=lambda q: q.cluster_queue, limits=limits)
+    alloc_edge = Edge[AllocationEvent](AllocationEvent, key_of=topics.allocation_key,
+                                       limits=limits)
     state_key = b"fleet"
     dropped: list[Undecodable] = []
     """Table values this build could not decode, until reported (:func:`.outputs.restore`)."""

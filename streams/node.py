@@ -35,6 +35,7 @@ from typing import Any
 
 import msgspec
 
+from gpusteward.edge import Rejected
 from gpusteward.rules import budget, ecc, hardware, idle, memory, memory_leak, rollup
 from gpusteward.rules import policy as policies
 from gpusteward.rules.registry import DeviceRunner, SampleHook, state_in
@@ -191,6 +192,14 @@ class RuleSettings:
     rollup_lateness_s: float = 60.0
     """Event-time seconds a minute stays open after its end for late samples before its
     rollup is published; a sample later than that is counted and dropped."""
+    clock_back_s: float = 600.0
+    """Event-time seconds a node's sample may lie before the newest one of the node and
+    still be taken as a duplicate or a straggler (ignored by the rules, counted late by
+    the rollups). One further back says the collector's clock went back (an NTP step, a
+    VM restored from a snapshot): it is refused as a dead letter naming the jump, so the
+    node's blindness until its clock catches up is counted and seen instead of silent.
+    10 min: a redelivered batch (a crash between a checkpoint and its commit) spans
+    seconds of a node's samples, not minutes."""
     team_labels: tuple[str, ...] = rollup.DEFAULT_TEAM_LABELS
     """Pod labels naming the owning team in the rollups, first match wins; else the
     namespace. The weekly report groups by the team the rollups carry."""
@@ -355,6 +364,15 @@ class NodeJoin:
         return found
 
     def on_sample(self, state: NodeState, sample: NodeSample) -> list[Output]:
+        newest = state.rollups.watermark
+        if newest is not None and sample.ts < newest - self.settings.clock_back_s:
+            # Raised before anything changed: the state needs no rollback.
+            raise Rejected(
+                f"event time {sample.ts:.0f} is {newest - sample.ts:.0f} s before node "
+                f"{sample.node}'s newest sample ({newest:.0f}; more than clock_back_s="
+                f"{self.settings.clock_back_s:g} s): its collector's clock went back; the "
+                "node's rules and rollups take no sample older than the newest, so its "
+                "samples are refused until its clock passes that time again")
         out: list[Output] = []
         holders = _Holders(state.pods, sample.ts, self.settings.rollup_lateness_s)
         for key in holders.expired:

@@ -8,7 +8,14 @@ import msgspec
 import pytest
 
 from gpusteward import topics
-from gpusteward.edge import DEADLETTER_MAX_BYTES, Edge, Rejected, dead_letter, nesting_depth_exceeds
+from gpusteward.edge import (
+    DEADLETTER_MAX_BYTES,
+    Edge,
+    Limits,
+    Rejected,
+    dead_letter,
+    nesting_depth_exceeds,
+)
 from gpusteward.schema import (
     AllocationEvent,
     DeadLetter,
@@ -17,6 +24,7 @@ from gpusteward.schema import (
     PodAllocation,
     PodRef,
 )
+from gpusteward.settings import Settings
 
 NOW = 1_763_683_200.0
 SAMPLE = NodeSample(ts=NOW, node="n1", source="test", devices=[
@@ -96,3 +104,14 @@ def test_a_dead_letter_too_large_for_the_broker_is_cut_and_says_so() -> None:
     small = dead_letter("t", 0, 7, b"k", b"v", "malformed")
     assert not small.truncated and small.value == b"v"
     assert msgspec.json.decode(msgspec.json.encode(small), type=DeadLetter) == small
+
+
+def test_the_worker_refuses_a_record_from_a_clock_far_ahead_naming_the_skew() -> None:
+    """A collector whose clock jumped a day ahead (or was set to 2030): the worker's edge
+    refuses the record with the skew, instead of letting it move its node's event time a
+    day on and make the node's correct samples late for that day. Minutes of skew pass."""
+    worker = Edge[NodeSample](NodeSample, key_of=lambda s: s.node, clock=lambda: NOW,
+                              limits=Limits(max_future_s=Settings().max_event_ahead_s))
+    with pytest.raises(Rejected, match=r"is 86400 s ahead of the clock \(more than 900 s\)"):
+        worker(_wire(ts=NOW + 86400), b"n1")
+    assert worker(_wire(ts=NOW + 600), b"n1").ts == NOW + 600

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.e2e
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 GIB = 1 << 30
-T0 = 1_800_000_000.0
+T0 = 1_763_683_200.0  # in the past: the worker refuses event time 15 min ahead of its clock
 TICK_S = 30.0
 TICKS = 80  # 40 min: past the idle window (30 min) and the leak window (30 min)
 LEAK_GIB_PER_H = 6.0

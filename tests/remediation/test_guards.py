@@ -271,6 +271,30 @@ def test_an_action_older_than_max_action_age_s_is_refused_and_audited() -> None:
     assert asyncio.run(unlimited.decide(stale)).outcome == "executed"
 
 
+def test_an_action_from_a_clock_far_ahead_is_refused_its_age_unknowable() -> None:
+    """A node whose collector clock runs a day fast gives findings and actions a day ahead:
+    their age would read negative for a day, so a backlog of them replayed any time that day
+    would pass the age guard. Further ahead than max_action_age_s is refused, with why; a
+    few minutes of skew acts, and the owner's notice still counts by the executor's clock."""
+    backend = Owners()
+    clock = Clock(NOW)
+    executor = acting(clock, backend)
+    producer = RecordingProducer()
+    ahead = msgspec.structs.replace(act("cordon", key="ahead/cordon"), ts=NOW + 86400)
+    result = handle(executor, producer, ahead)
+    assert result.outcome == "refused"
+    assert result.detail.startswith("asked for at 2027-01-16T08:00:00Z, 24.0 h ahead of the "
+                                    "executor's clock, more than max_action_age_s=3600 s")
+    assert backend.done == []
+
+    told = handle(executor, producer, notice("skewed", NOW + 600))
+    assert told.outcome == "executed"
+    clock.now = NOW + 60  # the reclaim's event time: 40 min after the notice's; the executor's: 1
+    early = handle(executor, producer, reclaim("skewed", NOW + 600 + 2400))
+    assert early.outcome == "refused" and "min_notice_s=1800 s" in early.detail
+    assert [verb for verb, _ in backend.done] == ["notify_owner"]
+
+
 def test_a_reclaim_waits_min_notice_s_after_the_owner_was_told() -> None:
     """The notice and the reclaim of an idle episode replayed back to back: the owner was
     told a moment ago, not the hours the ladder promises. The reclaim is refused with when it

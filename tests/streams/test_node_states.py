@@ -7,6 +7,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from gpusteward.edge import Rejected
 from gpusteward.schema import DeviceSample, Finding, NodeSample, PodAllocation, PodRef
 from gpusteward.streams.app import NodeStates
 from gpusteward.streams.node import NodeJoin, NodeState, Output
@@ -115,3 +116,20 @@ def test_a_state_an_earlier_release_wrote_goes_on_where_it_stopped(release: str)
     assert sorted(findings) == [
         ("idle_holder", "resolved", "68b72b48cd577d1b-1763683800000"),
         ("idle_holder", "resolved", "bf1c618619b5d536-1763683800000")]
+
+
+def test_a_sample_from_a_clock_gone_back_is_refused_without_a_rollback() -> None:
+    """A collector's clock stepped back an hour: each of its samples is refused (a dead
+    letter naming the jump), and the node keeps what its samples since the last checkpoint
+    taught it; rolled back per refused sample, the node would forget them, acknowledged."""
+    join = NodeJoin()
+    states = NodeStates({}, checkpoint_s=30.0)
+    writes: dict[bytes, bytes] = {}
+    states.apply(writes, join.on_sample, _sample(T0))  # the first sample: checkpointed
+    writes.clear()
+    states.apply(writes, join.on_sample, _sample(T0 + 10))  # not yet due: not written
+    assert writes == {}
+    with pytest.raises(Rejected, match="clock went back"):
+        states.apply(writes, join.on_sample, _sample(T0 - 3600))
+    state = states.live[b"n1"][0]
+    assert state.rollups.watermark == T0 + 10 and state.devices["GPU-0"].idle.last_ts == T0 + 10
