@@ -100,7 +100,8 @@ def replay(
         help="Write per-minute rollups into this store (default: the settings' rollup_dir).")
     ] = None,
     queue: Annotated[Path | None, typer.Option(
-        help="Also write the openb trace's queue events (last 7 days, moved to --week) into "
+        help="Also write the openb trace's queue events (last 7 days, moved to --week, else to "
+             "last week) into "
              "this store (default: the settings' queue_dir).")] = None,
     openb: Annotated[bool, typer.Option(
         "--openb/--no-openb", help="Replay the openb trace's queue events too.")] = True,
@@ -141,7 +142,10 @@ def replay(
                f"under {directory}")
     events = []
     if openb:
-        queue_start = start if start is not None else compute.week_of(time.time()).start
+        # The last whole week, as `report` defaults to: the current one would put events
+        # ahead of the clock, which the worker refuses (GPUSTEWARD_MAX_EVENT_AHEAD_S).
+        queue_start = (start if start is not None
+                       else compute.week_of(time.time() - 7 * 86400).start)
         try:
             events = trace_io.openb_queue_events(traces, queue_start)
         except trace_io.TraceError as error:

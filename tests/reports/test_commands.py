@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from typer.testing import CliRunner, Result
@@ -94,3 +95,18 @@ def test_a_store_written_by_another_version_is_a_message_not_a_traceback(
     garbage = _report(tmp_path / "old", tmp_path / "out")
     assert garbage.exit_code == 1 and isinstance(garbage.exception, SystemExit)
     assert "is not a readable Parquet file" in " ".join(garbage.output.split())
+
+
+def test_replay_without_a_week_puts_the_queue_on_last_week_behind_the_clock(
+        shared_data: Path, tmp_path: Path) -> None:
+    # The worker refuses events ahead of its clock: a default on the current week put
+    # the rest of the week's queue events there, and `report` reads last week by default.
+    replay = CliRunner().invoke(app, [
+        "replay", "--traces", str(shared_data / "traces"),
+        "--rollups", str(tmp_path / "rollups"), "--queue", str(tmp_path / "queue")])
+    assert replay.exit_code == 0, replay.output
+    last_week = compute.week_of(time.time() - 7 * 86400)
+    events = store.scan_queue(tmp_path / "queue", 0.0, 4e9)
+    assert events.height > 0
+    assert events["ts"].min() >= last_week.start
+    assert events["ts"].max() < last_week.end + 60 < time.time()
