@@ -366,6 +366,8 @@ class NodeSummary(msgspec.Struct):
     mig_free: Annotated[dict[Name, Int64], Meta(max_length=1024)] = {}
     healthy: bool = True
     cordoned: bool = False
+    """The node takes no new pods: cordoned, or tainted NoSchedule/NoExecute by Kubernetes
+    (not ready, unreachable) or by gpusteward (``gpusteward.io/*``)."""
     spot: bool = False
     schema: Version = SCHEMA_VERSION
     gpu_replicas: Count = 1

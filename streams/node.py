@@ -22,7 +22,9 @@ A device several pods hold (a sample listing several ``holders``) runs the
 runners that judge a holder (``per_holder``, e.g. idleness) once per holder,
 on that holder's share of the device and with state of its own
 (``DeviceState.shares``), so one busy pod neither hides nor is credited to
-another; the other runners run once on the device.
+another; the other runners run once on the device. A device out of service (a runner's
+health check finds an open episode) runs no ``per_holder`` runner: its holder's idleness
+is the fault's consequence, not a second problem.
 
 It stays one module: the node's state, the pod-identity index and the loop over the
 registry's runners are one hot path; splitting it would add calls per sample.
@@ -53,6 +55,7 @@ from gpusteward.schema import (
     PodAllocation,
     PodRef,
     Rollup,
+    Taint,
 )
 
 
@@ -292,6 +295,30 @@ def _share_holding(state: NodeState, holders: _Holders, share: DeviceHolder
     return None, None
 
 
+_OFF_TAINTS = frozenset({"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable",
+                         "node.kubernetes.io/unschedulable",
+                         "node.kubernetes.io/network-unavailable"})
+"""Taints Kubernetes sets on a node that takes no new pods (NotReady, unreachable)."""
+
+
+def _keeps_pods_off(taint: Taint) -> bool:
+    """Whether ``taint`` keeps new GPU pods off the node, as a cordon does: Kubernetes' own
+    taints of a node not ready, and gpusteward's (``gpusteward.io/gpu-reset-required``).
+    Other taints (``nvidia.com/gpu:NoSchedule``) are ones GPU pods tolerate."""
+    return taint.effect in ("NoSchedule", "NoExecute") and (
+        taint.key in _OFF_TAINTS or taint.key.startswith("gpusteward.io/"))
+
+
+def _out_of_service(dev: DeviceState, checks: tuple[tuple[str, bool, type, Any], ...]
+                    ) -> bool:
+    """Whether a runner's health check finds an episode that takes the device out of
+    service (``checks``: :attr:`_Prepared.checks`)."""
+    for name, typed, state_type, unhealthy in checks:
+        if unhealthy(getattr(dev, name) if typed else state_in(dev.tracks, name, state_type)):
+            return True
+    return False
+
+
 def _same_pod(a: PodRef, b: PodRef) -> bool:
     """One pod: by uid where both have one (a pod restarted under its name is another),
     else by namespace and name."""
@@ -378,7 +405,9 @@ class NodeJoin:
         for key in holders.expired:
             self._held.pop(id(state.pods.pop(key)), None)
         pool = state.pool
-        node_plans = self._prepare(None, None, pool).plans
+        node_prepared = self._prepare(None, None, pool)
+        node_plans, checks = node_prepared.plans, node_prepared.checks
+        devices = state.devices
         held_cache = self._held
         node, ts = sample.node, sample.ts
         fold, minutes = self.fold, state.rollups
@@ -390,8 +419,18 @@ class NodeJoin:
             if dev is None:
                 dev = state.devices[device.uuid] = DeviceState()
             shared = len(device.holders) > 1
+            # A device out of service (lost, an uncorrectable error, a fatal XID) is not
+            # judged for its holders: a pod idle on a dead GPU is the fault's consequence,
+            # already reported, not a second problem to notify and reclaim. A MIG device is
+            # as sick as its GPU, whose state holds the hardware episodes. An idle episode
+            # open before the fault goes on (that idleness was real) and ends as usual.
+            sick = bool(checks) and dev.idle.open_id is None and (
+                _out_of_service(dev, checks) or (
+                    device.parent_uuid is not None and device.parent_uuid in devices
+                    and _out_of_service(devices[device.parent_uuid], checks)))
             if shared:
-                out += self._on_shares(state, holders, dev, device, node, ts, bucket)
+                out += self._on_shares(state, holders, dev, device, node, ts, bucket,
+                                       judge=not sick)
             holding = self._holding(dev, device, holders, ts)
             holder: idle.Holder | None
             if holding is not None:
@@ -409,7 +448,7 @@ class NodeJoin:
                 who = holding.who if holding is not None else None
                 fold.add(bucket, device, ts, who or self._who(holding, device.pod))
             for hook, name, typed, state_type, settings in plans[2 * (device.kind == "gpu")
-                                                                 + shared]:
+                                                                 + (shared or sick)]:
                 track = getattr(dev, name) if typed else state_in(dev.tracks, name, state_type)
                 found = hook(track, node, device, ts, settings, holder)
                 if found:  # almost never: no list to extend
@@ -422,9 +461,11 @@ class NodeJoin:
 
     def _on_shares(self, state: NodeState, holders: _Holders, dev: DeviceState,
                    device: DeviceSample, node: str, ts: float,
-                   bucket: dict[str, rollup.Minute] | None) -> list[Output]:
-        """Run the per-holder runners once per holder of a shared device, on its share, and
-        fold each holder's share into a rollup row of its own."""
+                   bucket: dict[str, rollup.Minute] | None, *, judge: bool = True
+                   ) -> list[Output]:
+        """Run the per-holder runners once per holder of a shared device, on its share
+        (unless not ``judge``: the device is out of service), and fold each holder's share
+        into a rollup row of its own."""
         out: list[Output] = []
         pool = state.pool
         for share in device.holders:
@@ -436,6 +477,8 @@ class NodeJoin:
                        else self._who(None, share.pod))
                 self.fold.add_share(bucket, device, share, ts, who)
             own = dev.shares.get(key)
+            if not judge and (own is None or own.idle.open_id is None):
+                continue
             if own is None:
                 own = dev.shares[key] = DeviceState(attributed=share.pod, attributed_since=ts)
             view = _share_view(device, share)
@@ -484,7 +527,7 @@ class NodeJoin:
         state.gpu_model = event.gpu_product or state.gpu_model
         state.gpu_count = event.gpu_count or state.gpu_count
         state.gpu_replicas = event.gpu_replicas
-        state.cordoned = event.unschedulable
+        state.cordoned = event.unschedulable or any(map(_keeps_pods_off, event.taints))
         state.spot = event.spot
         state.pool = event.labels.get(self.policy.node_pool_label)
         prefix = "nvidia.com/mig-"
@@ -613,10 +656,8 @@ class NodeJoin:
         generator over (device, check) pairs: it runs for every summary of every node."""
         checks = self._prepare(None, None, state.pool).checks
         for dev in state.devices.values():
-            for name, typed, state_type, unhealthy in checks:
-                if unhealthy(getattr(dev, name) if typed
-                             else state_in(dev.tracks, name, state_type)):
-                    return False
+            if _out_of_service(dev, checks):
+                return False
         return True
 
     @staticmethod

@@ -124,3 +124,55 @@ def test_mig_devices_repeating_the_parents_readings_do_not_double_episodes() -> 
                                                 devices=devices))
     assert [(f.kind, f.subject.device) for f in findings(out)] == [
         ("thermal_slowdown", "GPU-0")]
+
+
+def held_sample(ts: float, util: float, dbe: int = 0) -> NodeSample:
+    return NodeSample(ts=ts, node="n1", source="test", devices=[
+        DeviceSample(uuid="GPU-0", index=0, model="NVIDIA H100 80GB HBM3", util_pct=util,
+                     temp_c=50.0, ecc_dbe_volatile=dbe, pod=POD)])
+
+
+def test_a_pod_idle_on_a_gpu_out_of_service_is_neither_notified_nor_reclaimed() -> None:
+    """One problem, one alert: a DBE cordons the node; the training pod crash-looping on the
+    broken GPU (0 % for hours) is its consequence, not an idle holder to notify and reclaim."""
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    join.on_allocation(state, PodAllocation(
+        ts=T0, node="n1", pod=POD, phase="running", device_ids=["GPU-0"], gpus=1,
+        workload_kind="batch", started_at=T0, owner_kind="Job", owner_name="train-a"))
+    join.on_sample(state, held_sample(T0 + 10, util=90.0))
+    out = join.on_hw_event(state, HwEvent(ts=T0 + 20, node="n1", kind="ecc_dbe",
+                                          uuid="GPU-0", count=1))
+    assert [o.kind for o in findings(out)] == ["ecc_dbe"]
+    for i in range(1, 12 * 120):  # 12 h at 30 s
+        out += join.on_sample(state, held_sample(T0 + 20 + i * 30, util=0.0, dbe=1))
+    assert [o.kind for o in findings(out)] == ["ecc_dbe"]
+    assert [o.verb for o in out if isinstance(o, Action)] == ["cordon"]
+    # The GPU is reset (the counter reads 0): the pod is judged again, from a fresh window.
+    reset = T0 + 20 + 12 * 3600 + 60
+    out = []
+    for i in range(40):
+        out += join.on_sample(state, held_sample(reset + i * 30, util=0.0))
+    assert [(o.kind, o.state) for o in findings(out)] == [("ecc_dbe", "resolved"),
+                                                          ("idle_holder", "firing")]
+    assert findings(out)[1].starts_at >= reset
+
+
+def test_a_node_tainted_by_gpusteward_or_not_ready_offers_no_free_gpus() -> None:
+    """The fleet's free capacity leaves out a node gpusteward tainted for a GPU reset, or
+    Kubernetes tainted not-ready: its free GPUs are not stranded capacity."""
+    from gpusteward.schema import Taint
+
+    join, state = NodeJoin(policy=POLICY), NodeState()
+
+    def inventory(*taints: Taint) -> NodeSummary:
+        (summary,) = join.on_allocation(state, NodeInventory(
+            ts=T0, node="n1", gpu_product="NVIDIA H100 80GB HBM3", gpu_count=8,
+            taints=list(taints)))
+        assert isinstance(summary, NodeSummary)
+        return summary
+
+    assert not inventory(Taint("nvidia.com/gpu", "NoSchedule")).cordoned
+    assert inventory(Taint("gpusteward.io/gpu-reset-required", "NoSchedule")).cordoned
+    assert inventory(Taint("node.kubernetes.io/unreachable", "NoExecute")).cordoned
+    assert not inventory(Taint("gpusteward.io/gpu-reset-required", "PreferNoSchedule")).cordoned
+    assert not inventory().cordoned
