@@ -102,6 +102,11 @@ class DeviceState(msgspec.Struct):
     shares: dict[str, DeviceState] = {}
     """Per-holder state of a device several pods hold, by pod key (uid, or namespace/name):
     the state of the ``per_holder`` runners for that holder's share."""
+    out_of_service: bool | None = None
+    """Whether a runner's health check finds the device out of service (:func:`_sick`);
+    None: to be asked again, after a hook reported something on the device or an event
+    reached it (the only times an episode opens or closes). Kept, not asked per sample:
+    asking costs a call per health check per device per sample."""
 
 
 _TYPED_TRACKS = frozenset({"idle", "ecc", "hw", "mem_low_free", "mem_high", "mem_leak",
@@ -319,6 +324,14 @@ def _out_of_service(dev: DeviceState, checks: tuple[tuple[str, bool, type, Any],
     return False
 
 
+def _sick(dev: DeviceState, checks: tuple[tuple[str, bool, type, Any], ...]) -> bool:
+    """Whether ``dev`` is out of service, asked of the health checks only when not known."""
+    sick = dev.out_of_service
+    if sick is None:
+        sick = dev.out_of_service = bool(checks) and _out_of_service(dev, checks)
+    return sick
+
+
 def _same_pod(a: PodRef, b: PodRef) -> bool:
     """One pod: by uid where both have one (a pod restarted under its name is another),
     else by namespace and name."""
@@ -424,10 +437,13 @@ class NodeJoin:
             # already reported, not a second problem to notify and reclaim. A MIG device is
             # as sick as its GPU, whose state holds the hardware episodes. An idle episode
             # open before the fault goes on (that idleness was real) and ends as usual.
-            sick = bool(checks) and dev.idle.open_id is None and (
-                _out_of_service(dev, checks) or (
-                    device.parent_uuid is not None and device.parent_uuid in devices
-                    and _out_of_service(devices[device.parent_uuid], checks)))
+            sick = dev.out_of_service
+            if sick is None:
+                sick = _sick(dev, checks)
+            if device.parent_uuid is not None and not sick:
+                parent = devices.get(device.parent_uuid)
+                sick = parent is not None and _sick(parent, checks)
+            sick = sick and dev.idle.open_id is None
             if shared:
                 out += self._on_shares(state, holders, dev, device, node, ts, bucket,
                                        judge=not sick)
@@ -453,6 +469,7 @@ class NodeJoin:
                 found = hook(track, node, device, ts, settings, holder)
                 if found:  # almost never: no list to extend
                     out += found
+                    dev.out_of_service = None  # an episode may have opened or closed
         if state.gpu_model is None and sample.devices:
             state.gpu_model = sample.devices[0].model
             state.gpu_count = state.gpu_count or sum(d.kind == "gpu" for d in sample.devices)
@@ -513,6 +530,7 @@ class NodeJoin:
         out: list[Output] = []
         for runner, hook, settings in hooks:
             out += hook(track_of(dev, runner), event, uuid, settings)
+        dev.out_of_service = None
         if out:
             state.summary_dirty = True
             out += self._maybe_summary(state, event.node, event.ts)
