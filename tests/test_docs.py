@@ -11,9 +11,17 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+RULES = ROOT / "deploy" / "components" / "monitoring" / "prometheusrule.yaml"
+DASHBOARDS = sorted((ROOT / "deploy" / "base" / "dashboards").glob("*.json"))
+# gpusteward's own alerts (GpuSteward<Kind>, the findings', are spelt otherwise).
+ALERT = re.compile(r"\bGpusteward(?!Error\b)[A-Z]\w+")
+# Alerts renamed, old name to new: the upgrade notes (docs/deploy.md) may name the old one.
+RENAMED = {"GpustewardConsumerLagGrowing": "GpustewardConsumerBehind"}
 
 
 def anchors(page: Path) -> set[str]:
@@ -69,3 +77,15 @@ def test_control_a_broken_link_and_anchor_are_caught(tmp_path: Path) -> None:
     problems = [line.split(": ", 1)[1] for line in broken_links_in(tmp_path, [page])]
     assert problems == ["c.md (no such file)", "#nope (no such heading)",
                         "b.md#none (no such heading)"]
+
+
+def test_every_alert_the_pages_and_dashboards_name_is_one_the_rules_define() -> None:
+    """A renamed alert left in a page or a dashboard sends an operator looking for an
+    alert that never fires (the lag alert was renamed GpustewardConsumerBehind)."""
+    rules = yaml.safe_load(RULES.read_text())
+    alerts = {r["alert"] for g in rules["spec"]["groups"] for r in g["rules"] if "alert" in r}
+    assert set(RENAMED.values()) <= alerts and not set(RENAMED) & alerts
+    for page in [*PAGES, *DASHBOARDS]:
+        named = set(ALERT.findall(page.read_text()))
+        known = alerts | set(RENAMED) if page.name == "deploy.md" else alerts
+        assert named <= known, f"{page.name}: {sorted(named - known)}"

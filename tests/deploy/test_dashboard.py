@@ -165,3 +165,33 @@ def test_dashboards_ship_as_a_grafana_sidecar_configmap(render):
     assert set(configmap["data"]) == {p.name for p in DASHBOARDS}
     for path in DASHBOARDS:
         assert json.loads(configmap["data"][path.name]) == load(path)
+
+
+MATCHER = re.compile(r'\b(namespace|container)(=~|=)"([^"]*)"')
+
+
+def selects(matchers: list[tuple[str, str, str]], label: str, value: str) -> bool:
+    """Whether a query's ``label`` matchers (``=`` and ``=~``; none: any) accept ``value``."""
+    return all(value == want if op == "=" else re.fullmatch(want, value) is not None
+               for name, op, want in matchers if name == label)
+
+
+def test_a_panel_finds_each_process_in_the_namespace_it_runs_in(dashboard, render):
+    """The collectors run in a namespace of their own (gpusteward-node), everything else
+    in gpusteward: a panel that reads the collectors' series with the pipeline's namespace
+    draws nothing (the watcher exports gpusteward_collect_* too, so it draws only it)."""
+    rendered = render("production")
+    namespaces = {c["name"]: w["metadata"]["namespace"] for w in rendered.workloads()
+                  for c in rendered.pod_spec(w)["containers"]}
+    assert namespaces["collector"] == "gpusteward-node" and namespaces["worker"] == "gpusteward"
+    for title, expr in queries(dashboard):
+        matchers = MATCHER.findall(expr)
+        if not any(name == "namespace" for name, _, _ in matchers):
+            continue
+        if any(name == "container" for name, _, _ in matchers):
+            containers = {c for c in namespaces if selects(matchers, "container", c)}
+        else:  # by the series: the collectors' set, or the pipeline processes'
+            containers = {"collector" if "gpusteward_collect_" in expr else "worker"}
+        for container in containers:
+            assert selects(matchers, "namespace", namespaces[container]), (
+                f"{title}: {container} runs in {namespaces[container]}: {expr}")

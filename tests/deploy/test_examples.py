@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from gpusteward.remediation.executor import RemediationSettings
-from tests.deploy.conftest import DEPLOY, REPO, Rendered, kustomize
+from tests.deploy.conftest import DEPLOY, REPO, VARIANTS, Rendered, kustomize
 from tests.deploy.reads import kubernetes_processes, unread
 from tests.deploy.test_network_policies import may_send, pod_labels
 
@@ -99,3 +99,75 @@ def test_the_documented_enabled_rules_patch_lets_the_executor_act_for_that_rule(
     settings = RemediationSettings()
     assert settings.enables("ecc_dbe")
     assert not settings.enables("idle_holder")
+
+
+DEPLOY_DOC = REPO / "docs" / "deploy.md"
+UPGRADE = "Upgrading from a release"
+# kubectl's names for the kinds the pages name as `kind/name`.
+KINDS = {"deploy": "Deployment", "deployment": "Deployment", "statefulset": "StatefulSet",
+         "daemonset": "DaemonSet", "serviceaccount": "ServiceAccount", "cronjob": "CronJob",
+         "kafkauser": "KafkaUser", "kafkatopic": "KafkaTopic", "clusterrole": "ClusterRole",
+         "clusterrolebinding": "ClusterRoleBinding", "secret": "Secret"}
+TARGET = rf"(?:{'|'.join(KINDS)})/[\w.-]+(?![\w./-])"  # not deploy/overlays/...
+COMMAND = re.compile(rf"kubectl (?:-n ([\w-]+) )?([a-z]+(?: [a-z]+)?) (?:-\w )*((?:{TARGET} ?)+)")
+# What the release before the collector's own namespace and the dry run without a role
+# (2026-11-26) had that no variant renders now: the upgrade steps must delete each.
+PREVIOUS_RELEASE_ONLY = {
+    ("DaemonSet", "gpusteward", "gpusteward-collector"),
+    ("ServiceAccount", "gpusteward", "gpusteward-collector"),
+    ("ClusterRole", None, "gpusteward-remediation"),
+    ("ClusterRoleBinding", None, "gpusteward-remediation"),
+}
+
+
+def named_objects(text: str) -> list[tuple[str, str, str | None, str]]:
+    """(verb, kind, namespace, name) for each `kind/name` a kubectl command names; a
+    command's lines joined, as the pages wrap them."""
+    found = []
+    for namespace, verb, targets in COMMAND.findall(re.sub(r"\s+", " ", text)):
+        for target in targets.split():
+            kind, name = target.split("/", 1)
+            found.append((verb, KINDS[kind], namespace or None, name))
+    return found
+
+
+def ids(rendered: Rendered) -> set[tuple[str, str | None, str]]:
+    return {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in rendered}
+
+
+def test_each_object_a_command_in_the_pages_names_is_where_the_manifests_put_it(render):
+    """`kubectl -n gpusteward logs daemonset/gpusteward-collector` after the collector moved
+    answers NotFound: every kind/name a page's command names (the upgrade's deletions
+    aside) is rendered by some variant, in the namespace the command gives."""
+    rendered = set().union(*(ids(render(variant)) for variant in VARIANTS))
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    named = [(page.name, verb, kind, namespace, name) for page in pages
+             for verb, kind, namespace, name in named_objects(page.read_text())]
+    assert any(kind == "DaemonSet" and namespace == "gpusteward-node"
+               for _, _, kind, namespace, _ in named)
+    for page, verb, kind, namespace, name in named:
+        if verb == "delete":
+            continue
+        assert (kind, namespace, name) in rendered, f"{page}: kubectl {verb} {kind} {name} " \
+            f"in {namespace}: no variant renders it there"
+
+
+def test_the_upgrade_deletes_what_the_previous_release_left_and_gives_the_collector_its_secret(
+        render):
+    """`kubectl apply -k` deletes nothing: an old collector DaemonSet would publish beside
+    the new one, and the old ClusterRoleBinding would let the dry run's account act."""
+    text = DEPLOY_DOC.read_text()
+    upgrade = text[text.index(UPGRADE):text.index("Uninstall:")]
+    deleted = {(kind, namespace, name)
+               for verb, kind, namespace, name in named_objects(upgrade) if verb == "delete"}
+    assert deleted == PREVIOUS_RELEASE_ONLY
+    for variant in VARIANTS:
+        assert not PREVIOUS_RELEASE_ONLY & ids(render(variant)), variant
+    block = re.search(r"```\n(.*?)```", upgrade, re.S)
+    assert block, "docs/deploy.md: the upgrade's commands are not in a code block"
+    steps = re.sub(r"\s+", " ", block.group(1))
+    assert "kubectl -n gpusteward-node create secret generic gpusteward-kafka" in steps
+    assert steps.index("create secret") < steps.index("kubectl apply -k")
+    # The old binding goes only once the new role is applied: an executor that acts keeps
+    # its permissions.
+    assert steps.index("kubectl apply -k") < steps.index("delete clusterrolebinding")

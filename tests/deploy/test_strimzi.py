@@ -7,10 +7,13 @@ kafka.node_partitions), cleanup policy and retention must be the ones
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from gpusteward import topics
 from gpusteward.settings import Settings
+from tests.deploy.conftest import REPO
 
 pytestmark = pytest.mark.deploy
 
@@ -59,3 +62,15 @@ def test_kafka_user_reaches_only_gpusteward_topics_and_groups(render):
     assert resources == {("topic", "gpusteward", "prefix"), ("group", "gpusteward", "prefix")}
     for acl in user["spec"]["authorization"]["acls"]:
         assert "All" not in acl["operations"] and "Delete" not in acl["operations"]
+
+
+def test_the_documented_wait_selects_gpusteward_topics_alone(render):
+    """Step 4 waits for the topics: by the cluster's label it would wait for every topic
+    of a shared Kafka cluster, other teams' included (one of theirs not Ready fails the
+    install), so it selects by gpusteward's own label, which every KafkaTopic carries."""
+    text = (REPO / "docs" / "deploy.md").read_text()
+    waits = re.findall(r"kubectl -n kafka wait (kafkatopic|kafkauser)\S* (-l \S+|\S+)", text)
+    assert ("kafkatopic", "-l app.kubernetes.io/part-of=gpusteward") in waits
+    assert all(selector != "-l strimzi.io/cluster=kafka" for _, selector in waits)
+    for topic in render("production").kind("KafkaTopic"):
+        assert topic["metadata"]["labels"]["app.kubernetes.io/part-of"] == "gpusteward"
