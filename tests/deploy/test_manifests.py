@@ -86,13 +86,15 @@ def test_namespaced_objects_name_their_namespace(rendered):
     assert not missing
 
 
-def test_every_cluster_wide_object_carries_the_part_of_label(rendered):
-    # Deleting the namespaces leaves the cluster-wide objects: a label selector must find
-    # them all, a component's own included.
+def test_what_deleting_the_namespaces_leaves_carries_the_part_of_label(rendered):
+    # Deleting gpusteward's namespaces leaves the cluster-wide objects and those in other
+    # namespaces (Strimzi's, gpu-operator's): a label selector must find them all, a
+    # component's own included.
+    ours = {o["metadata"]["name"] for o in rendered.kind("Namespace")}
     unlabelled = [
         f"{o['kind']}/{o['metadata']['name']}"
         for o in rendered
-        if o["kind"] in CLUSTER_SCOPED
+        if (o["kind"] in CLUSTER_SCOPED or o["metadata"].get("namespace") not in ours)
         and (o["metadata"].get("labels") or {}).get("app.kubernetes.io/part-of") != "gpusteward"
     ]
     assert not unlabelled
