@@ -91,6 +91,11 @@ class PipelineMetrics:
             "gpusteward_dead_letters_total",
             "Records sent to the dead-letter topic, by source topic and reason (error type).",
             ["topic", "reason"], registry=r)
+        self.clock_steps = Counter(
+            "gpusteward_clock_steps_total",
+            "Times the node join took a node's new clock after its collector's clock stepped "
+            "back (docs/reliability.md, Clocks); the worker's log names the node and step.",
+            registry=r)
         self.rebalances = Counter(
             "gpusteward_rebalances_total", "Partition assignments this process received.",
             ["group"], registry=r)

@@ -121,7 +121,15 @@ def _unhealthy(track: EccTrack) -> bool:
     return track.open_id is not None
 
 
+def clock_step(track: EccTrack, step: float) -> None:
+    """The node's clock went back ``step`` s: samples count from the new clock on; an open
+    episode goes on, its start moved back by the step (a zero count after it closes it)."""
+    track.last_sample_ts = None
+    if track.open_since is not None:
+        track.open_since -= step
+
+
 RUNNER = DeviceRunner(state="ecc", state_type=EccTrack, settings_from=own_settings(KIND),
                       on_sample=observe_sample, events={"ecc_dbe": observe_dbe_event},
-                      unhealthy=_unhealthy)
+                      on_clock_step=clock_step, unhealthy=_unhealthy)
 """How the node join runs the rule: every device sample and the urgent DBE event."""

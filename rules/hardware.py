@@ -572,9 +572,33 @@ def _on_remap_failure(track: HwTrack, event: HwEvent, uuid: str,
                                        settings=settings)
 
 
+def clock_step(track: HwTrack, step: float) -> None:
+    """The node's clock went back ``step`` s: the counters' windows and the thermal run start
+    over on the new clock, as after a gap (a counter's next reading is its new baseline);
+    open episodes go on, their times moved back by the step, and close when the samples
+    say so. XIDs keep their windows, moved back by the step."""
+    track.last_ts = None
+    for counter in (track.sbe, track.pcie, track.nvlink):
+        counter.increments, counter.read_until = [], None
+        if counter.open is None:
+            counter.last = None
+        else:
+            counter.open.since -= step
+        if counter.last_increment_ts is not None:
+            counter.last_increment_ts -= step
+    thermal = track.thermal
+    thermal.seen_ts = thermal.hot_since = thermal.cool_since = None
+    thermal.hot_samples, thermal.max_temp_c, thermal.reasons = 0, 0.0, 0
+    for episode in (thermal.open, track.remap_failure, track.remap_pending, track.lost,
+                    track.recovery):
+        if episode is not None:
+            episode.since -= step
+    xid_rule.clock_step(track.xid, step)
+
+
 RUNNER = DeviceRunner(
     state="hw", state_type=HwTrack, settings_from=HardwareSettings.from_rules,
-    on_sample=observe_sample, gpu_only=True,
+    on_sample=observe_sample, on_clock_step=clock_step, gpu_only=True,
     events={"xid": _on_xid, "gpu_lost": _on_lost, "remap_failure": _on_remap_failure},
     # A GPU lost before the collector could read its UUID is still a node problem.
     events_without_uuid=frozenset({"gpu_lost"}), unhealthy=HwTrack.unhealthy,

@@ -575,6 +575,20 @@ def _close(track: IdleTrack, node: str, uuid: str, ts: float, why: str) -> Findi
     return finding
 
 
+def clock_step(track: IdleTrack, step: float) -> None:
+    """The node's clock went back ``step`` s: the idle run starts over on the new clock, as
+    after a gap; an open episode goes on (its start and its ladder step moved back by the
+    step), so idle samples keep it open under its id, its next step waits out its wait from
+    the new run's start, and a busy sample closes it."""
+    track.last_ts = None
+    track.below_since, track.below_samples, track.below_max_pct = None, 0, 0.0
+    if track.open_since is not None:
+        track.open_since -= step
+    if track.stage_ts is not None:
+        track.stage_ts -= step
+
+
 RUNNER = DeviceRunner(state="idle", state_type=IdleTrack, settings_from=own_settings(KIND),
-                      on_sample=observe, on_release=release, per_holder=True)
+                      on_sample=observe, on_release=release, on_clock_step=clock_step,
+                      per_holder=True)
 """How the node join runs the rule: on every device sample, and when a holder lets go."""

@@ -47,6 +47,15 @@ class SustainTrack(msgspec.Struct, omit_defaults=True):
     open: Episode | None = None
 
 
+def clock_step(track: SustainTrack, step: float) -> None:
+    """The node's clock went back ``step`` s: the run (and a clearing run) starts over on the
+    new clock, as after a gap; an open episode goes on, its start moved back by the step."""
+    track.last_ts = track.since = track.clear_since = None
+    track.samples, track.peak = 0, 0.0
+    if track.open is not None:
+        track.open.since -= step
+
+
 def free_bytes(sample: DeviceSample) -> int | None:
     """Free framebuffer memory of the device; None when not reported."""
     if sample.mem_used_bytes is None or sample.mem_total_bytes is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpusteward.rules.memory import Out, SustainTrack, pod_of, sustain, used_pct
+from gpusteward.rules.memory import Out, SustainTrack, clock_step, pod_of, sustain, used_pct
 from gpusteward.rules.registry import DeviceRunner, own_settings
 from gpusteward.schema import DeviceSample
 
@@ -70,4 +70,4 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
 
 
 RUNNER = DeviceRunner(state=STATE, state_type=SustainTrack, settings_from=own_settings(KIND),
-                      on_sample=observe)
+                      on_sample=observe, on_clock_step=clock_step)

@@ -205,7 +205,9 @@ def _evaluate(track: LeakTrack, node: str, sample: DeviceSample, ts: float,
     if not trend:
         track.unnamed_since = None
         episode = track.open
-        if episode is None:
+        if episode is None or not covered:
+            # A window not filled again since a gap or a clock step is no evidence that the
+            # growth stopped: the open episode waits for a whole window to judge it by.
             return []
         if track.clear_since is None:
             track.clear_since = ts
@@ -253,5 +255,16 @@ def _evaluate(track: LeakTrack, node: str, sample: DeviceSample, ts: float,
     return out
 
 
+def clock_step(track: LeakTrack, step: float) -> None:
+    """The node's clock went back ``step`` s: the window starts over on the new clock, as
+    after a gap; an open episode goes on, its start moved back by the step, until a whole
+    window on the new clock shows no trend."""
+    _reset(track, 0.0)
+    track.last_ts = track.bucket_start = None
+    track.clear_since = track.unnamed_since = None
+    if track.open is not None:
+        track.open.since -= step
+
+
 RUNNER = DeviceRunner(state=STATE, state_type=LeakTrack, settings_from=own_settings(KIND),
-                      on_sample=observe, per_holder=True)
+                      on_sample=observe, on_clock_step=clock_step, per_holder=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpusteward.rules.memory import GIB, Out, SustainTrack, pod_of, sustain
+from gpusteward.rules.memory import GIB, Out, SustainTrack, clock_step, pod_of, sustain
 from gpusteward.rules.registry import DeviceRunner, own_settings
 from gpusteward.schema import DeviceSample
 
@@ -92,4 +92,4 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
 
 
 RUNNER = DeviceRunner(state=STATE, state_type=SustainTrack, settings_from=own_settings(KIND),
-                      on_sample=observe)
+                      on_sample=observe, on_clock_step=clock_step)

@@ -61,6 +61,9 @@ EventHook = Callable[[Any, HwEvent, str, Any], Out]
 """``(track, event, device uuid, settings) -> outputs``."""
 ReleaseHook = Callable[[Any, str, str, float], Out]
 """``(track, node, device uuid, ts) -> outputs``: the device's holder let it go."""
+ClockStepHook = Callable[[Any, float], None]
+"""``(track, step seconds)``: the node's clock went back ``step`` s and the join takes its
+new clock (:meth:`gpusteward.streams.node.NodeJoin.on_sample`)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,6 +85,13 @@ class DeviceRunner:
     events_without_uuid: frozenset[str] = frozenset()
     """Event kinds that count even without a device UUID (filed under ``GPU-unknown``)."""
     on_release: ReleaseHook | None = None
+    on_clock_step: ClockStepHook | None = None
+    """Called on the device's state when its node's collector clock stepped back and the
+    join takes the new clock: the rule forgets its runs and windows, as after a gap longer
+    than its ``max_gap_s`` (the step is a gap of unknown length), and moves the start of an
+    open episode back by the step, so the episode goes on under its id on the new clock and
+    ends only when the samples say so. None: the state is left as it is, and the rule
+    ignores the node's samples until they pass its last one again."""
     per_holder: bool = False
     """On a device several pods hold (time-slicing, MPS), run once per holder on its share
     (its own activity and memory where the source split them, the device's readings marked

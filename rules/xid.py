@@ -307,6 +307,16 @@ def _open_rma(track: XidTrack, node: str, uuid: str, subject: Subject,
     return out
 
 
+def clock_step(track: XidTrack, step: float) -> None:
+    """The node's clock went back ``step`` s: every time the track keeps moves back by it,
+    so the XIDs before the step still count in their windows on the new clock."""
+    track.recent = [(ts - step, xid, cls, fatal) for ts, xid, cls, fatal in track.recent]
+    for episode in track.open.values():
+        episode.since -= step
+        episode.last_ts -= step
+    track.closed_until = {cls: ts - step for cls, ts in track.closed_until.items()}
+
+
 def expire(track: XidTrack, *, node: str, uuid: str, ts: float,
            settings: XidSettings) -> list[Finding | Action]:
     """Close the episodes with no XID of their class for their window (called on samples)."""

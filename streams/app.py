@@ -380,13 +380,13 @@ def create_app(
     app.health = Health()
     _watch_health(app, settings)
     policy = rules.policy if rules is not None and rules.policy else policy_from_env()
-    join = NodeJoin(rules, policy=policy)
-
     samples_name = topics.SAMPLES.name(settings)
     hw_name = topics.HW_EVENTS.name(settings)
     alloc_name = topics.ALLOCATIONS.name(settings)
 
     outputs_to = OutputTopics(app, settings)
+    clock_steps = outputs_to.metrics.clock_steps
+    join = NodeJoin(rules, policy=policy, on_clock_step=lambda node, step: clock_steps.inc())
 
     # Values are msgpack-encoded NodeState bytes: the changelog carries exactly these.
     # The changelog partition of a node comes from its key, as its input records' does
@@ -490,7 +490,9 @@ class NodeStates:
             # deduplicate. A node summary alone does not count: the next one replaces it; nor
             # does a rollup: one re-emitted after a crash has the same (device, minute) name,
             # and the store keeps one per name.
-            due = record.ts - checkpointed_at >= self.checkpoint_s
+            # Either way: a node whose clock stepped back, its new clock taken, is written
+            # again at once, not once its clock passes the last checkpoint again.
+            due = abs(record.ts - checkpointed_at) >= self.checkpoint_s
             decisive = bool(outputs) and any(not isinstance(output, NodeSummary | Rollup)
                                              for output in outputs)
             if decisive or due or not isinstance(record, NodeSample):
@@ -498,7 +500,10 @@ class NodeStates:
                 to_write[node] = self._encode(state)
                 checkpointed_at = record.ts
         except Rejected:
-            raise  # refused before it changed the state (a clock gone back): nothing to undo
+            # Refused before it changed the state, but for the node's count of samples from a
+            # clock gone back (how long they have kept to it), which is kept.
+            self.live[node] = (state, checkpointed_at)
+            raise
         except Exception:
             # The record may have half-changed the state: the node goes back to its last
             # checkpoint, as after a crash (a copy per record to roll back to would cost

@@ -32,6 +32,8 @@ registry's runners are one hot path; splitting it would add calls per sample.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +59,8 @@ from gpusteward.schema import (
     Rollup,
     Taint,
 )
+
+log = logging.getLogger(__name__)
 
 
 class Holding(msgspec.Struct):
@@ -178,6 +182,11 @@ class NodeState(msgspec.Struct):
     summary_dirty: bool = True
     rollups: rollup.RollupTrack = msgspec.field(default_factory=rollup.RollupTrack)
     """The node's open per-device minutes."""
+    behind_since: float | None = None
+    """The first of the node's samples refused in a row as too far back (its clock stepped
+    back), on their own clock; None while its samples are in order."""
+    behind_last: float | None = None
+    """The newest of those refused samples."""
 
 
 Output = Finding | Action | NodeSummary | Rollup
@@ -204,10 +213,18 @@ class RuleSettings:
     """Event-time seconds a node's sample may lie before the newest one of the node and
     still be taken as a duplicate or a straggler (ignored by the rules, counted late by
     the rollups). One further back says the collector's clock went back (an NTP step, a
-    VM restored from a snapshot): it is refused as a dead letter naming the jump, so the
-    node's blindness until its clock catches up is counted and seen instead of silent.
+    VM restored from a snapshot): it is refused as a dead letter naming the jump, until
+    the node's samples have kept to their new clock for ``clock_step_after_s``.
     10 min: a redelivered batch (a crash between a checkpoint and its commit) spans
     seconds of a node's samples, not minutes."""
+    clock_step_after_s: float = 300.0
+    """Event-time seconds, on their own clock, that a node's samples must keep coming too
+    far back (refused by ``clock_back_s``), each after the one before and within
+    ``clock_back_s`` of it, before the join takes their clock as the node's new one: its
+    rules' runs start over as after a gap, their open episodes go on under their ids, its
+    open rollup minutes are emitted. The node's blindness after a step back is this long,
+    not the step's length. 5 min: ten samples of a collector polling every 30 s; a replay
+    of a few old records never keeps coming for that long."""
     team_labels: tuple[str, ...] = rollup.DEFAULT_TEAM_LABELS
     """Pod labels naming the owning team in the rollups, first match wins; else the
     namespace. The weekly report groups by the team the rollups carry."""
@@ -364,9 +381,13 @@ class NodeJoin:
     """Folds records into :class:`NodeState` and runs the per-node rules."""
 
     def __init__(self, settings: RuleSettings | None = None,
-                 policy: policies.Policy | None = None) -> None:
+                 policy: policies.Policy | None = None,
+                 on_clock_step: Callable[[str, float], None] | None = None) -> None:
         self.settings = settings or RuleSettings()
         self.policy = policy or self.settings.policy or policies.Policy()
+        self.on_clock_step = on_clock_step
+        """Called with the node and the step (seconds) when the join takes a node's new
+        clock after a step back (the worker counts it in a metric)."""
         self.fold = rollup.MinuteFold(self.settings.rollup_lateness_s)
         # What a sample needs per resolution and per holding, made once: resolving the
         # policy and building the idle rule's holder for each device of each sample cost as
@@ -405,15 +426,22 @@ class NodeJoin:
 
     def on_sample(self, state: NodeState, sample: NodeSample) -> list[Output]:
         newest = state.rollups.watermark
-        if newest is not None and sample.ts < newest - self.settings.clock_back_s:
-            # Raised before anything changed: the state needs no rollback.
-            raise Rejected(
-                f"event time {sample.ts:.0f} is {newest - sample.ts:.0f} s before node "
-                f"{sample.node}'s newest sample ({newest:.0f}; more than clock_back_s="
-                f"{self.settings.clock_back_s:g} s): its collector's clock went back; the "
-                "node's rules and rollups take no sample older than the newest, so its "
-                "samples are refused until its clock passes that time again")
         out: list[Output] = []
+        if newest is not None and sample.ts < newest - self.settings.clock_back_s:
+            # Raised with nothing changed but the record of the run of such samples.
+            if not self._behind(state, sample.ts):
+                behind = (state.behind_last or sample.ts) - (state.behind_since or sample.ts)
+                raise Rejected(
+                    f"event time {sample.ts:.0f} is {newest - sample.ts:.0f} s before node "
+                    f"{sample.node}'s newest sample ({newest:.0f}; more than clock_back_s="
+                    f"{self.settings.clock_back_s:g} s): its collector's clock went back; "
+                    f"its samples are refused until they have kept to their new clock for "
+                    f"clock_step_after_s={self.settings.clock_step_after_s:g} s ({behind:.0f}"
+                    " s so far), then the node's rules and rollups take that clock")
+            out = self._take_new_clock(state, sample.node, newest - (state.behind_since
+                                                                     or sample.ts))
+        elif state.behind_since is not None:
+            state.behind_since = state.behind_last = None  # the clock came back: no step
         holders = _Holders(state.pods, sample.ts, self.settings.rollup_lateness_s)
         for key in holders.expired:
             self._held.pop(id(state.pods.pop(key)), None)
@@ -476,6 +504,48 @@ class NodeJoin:
         out += fold.advance(minutes, node, ts)
         return out + self._maybe_summary(state, sample.node, sample.ts)
 
+    def _behind(self, state: NodeState, ts: float) -> bool:
+        """Count a sample too far back in the node's run of them; True once the run has
+        kept to its own clock for ``clock_step_after_s``. A sample more than
+        ``clock_back_s`` off the run's newest (either way) starts a new run; one at or
+        before it (a redelivery) neither extends nor breaks it."""
+        last = state.behind_last
+        if last is None or abs(ts - last) > self.settings.clock_back_s:
+            state.behind_since = state.behind_last = last = ts
+        elif ts > last:
+            state.behind_last = last = ts
+        assert state.behind_since is not None
+        return last - state.behind_since >= self.settings.clock_step_after_s
+
+    def _take_new_clock(self, state: NodeState, node: str, step: float) -> list[Output]:
+        """Take the node's new clock after a step back of ``step`` s: the open rollup
+        minutes of the old clock are emitted as they stand, and each rule's state is moved
+        to the new clock by its runner's ``on_clock_step`` (runs start over, open episodes go
+        on). Once per step, so it may loop over every device."""
+        log.warning("node %s: its collector's clock went back %.0f s and kept to it for "
+                    "%g s; taking the new clock (open episodes go on, runs start over)",
+                    node, step, self.settings.clock_step_after_s)
+        if self.on_clock_step is not None:
+            self.on_clock_step(node, step)
+        minutes = state.rollups
+        out: list[Output] = list(self.fold.flush(minutes, node))
+        minutes.watermark = minutes.closed_before = None
+        state.behind_since = state.behind_last = None
+        state.last_summary_ts, state.summary_dirty = None, True
+        hooks = [(runner, runner.on_clock_step)
+                 for runner, _ in self.policy.registry.device_runners()
+                 if runner.on_clock_step is not None]
+        for dev in state.devices.values():
+            for own in (dev, *dev.shares.values()):
+                for runner, hook in hooks:
+                    if own is dev or runner.per_holder:
+                        if runner.state in _TYPED_TRACKS or runner.state in own.tracks:
+                            hook(track_of(own, runner), step)
+                if own.attributed_since is not None:
+                    own.attributed_since -= step
+            dev.out_of_service = None
+        return out
+
     def _on_shares(self, state: NodeState, holders: _Holders, dev: DeviceState,
                    device: DeviceSample, node: str, ts: float,
                    bucket: dict[str, rollup.Minute] | None, *, judge: bool = True
@@ -513,6 +583,18 @@ class NodeJoin:
         return out
 
     def on_hw_event(self, state: NodeState, event: HwEvent) -> list[Output]:
+        newest = state.rollups.watermark
+        if newest is not None and event.ts < newest - self.settings.clock_back_s:
+            # As a sample's: the rules would take it for one long past, or skip it unseen.
+            # The node's samples alone decide when its new clock is taken.
+            raise Rejected(
+                f"event time {event.ts:.0f} of the {event.kind} event is "
+                f"{newest - event.ts:.0f} s before node {event.node}'s newest sample "
+                f"({newest:.0f}; more than clock_back_s={self.settings.clock_back_s:g} s): "
+                "its collector's clock went back (or the event is that late); its hardware "
+                "events that far back are refused, and after a step back until "
+                "the node's samples have kept to the new clock for clock_step_after_s="
+                f"{self.settings.clock_step_after_s:g} s")
         # Only the kinds some runner takes: throttle_start/stop and ecc_sbe are left to the
         # samples, since the thermal and SBE rules need the whole window of readings.
         if event.kind == "xid" and event.uuid is not None:

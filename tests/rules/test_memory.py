@@ -269,3 +269,21 @@ def test_a_full_gpu_with_one_holder_is_not_overcommitted() -> None:
     for i in range(40, 80):  # and none listed at all (an exclusive GPU)
         out += memory_overcommit.observe(track, "n1", device(79.0), T0 + i * 10, cfg, None)
     assert findings(out) == []
+
+
+def test_a_leak_open_across_a_gap_is_neither_resolved_nor_found_again() -> None:
+    """Samples stop for 10 min (more than max_gap_s) while the leak goes on: the window
+    starts over, and until it is whole again nothing says the growth stopped, so the open
+    episode goes on under its id. It used to be resolved clear_s after the gap and found
+    again under a new id once the window refilled."""
+    rate = 4 / 3600
+    track, cfg = memory_leak.LeakTrack(), memory_leak.LeakSettings()
+    out: list = []
+    for i in range(int(150 * 60 / 15)):
+        ts = T0 + i * 15
+        if 40 * 60 <= ts - T0 < 50 * 60:
+            continue  # the gap
+        out += memory_leak.observe(track, "n1", device(20 + rate * (ts - T0), util=40.0), ts,
+                                   cfg, INFERENCE)
+    (firing,) = findings(out)
+    assert firing.state == "firing" and firing.ts < T0 + 40 * 60

@@ -3,7 +3,8 @@
 Event time comes from the collector on each node; the node's rules and rollups never go
 back in it. A clock stepped back (an NTP correction, a VM restored from a snapshot) makes
 the node's samples older than what the join has seen, for as long as the step: they are
-refused, each a dead letter naming the jump, so the blindness is counted and seen.
+refused, each a dead letter naming the jump, until they have kept to their new clock for
+clock_step_after_s; then the join takes it: runs start over, open episodes go on.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from gpusteward.edge import Rejected
-from gpusteward.schema import Finding, Rollup
+from gpusteward.schema import DeviceSample, Finding, HwEvent, NodeSample, Rollup
 from gpusteward.streams.node import NodeJoin, NodeState
 from tests.streams.test_node_join import T0, allocation, findings, node_sample
 
@@ -63,3 +64,111 @@ def test_a_collector_ahead_of_the_watcher_moves_the_grace_by_its_skew_only() -> 
     assert firing.subject.pod is not None and firing.subject.pod.name == "nb-a"
     assert firing.starts_at == T0 + 600  # the node's first idle sample; grace already over
     assert firing.ts == T0 + 600 + 1800  # 30 min of the node's samples: 10 min early, no more
+
+
+STEP = 3600.0
+"""The collector's clock steps back an hour."""
+
+
+def _feed(join: NodeJoin, state: NodeState, samples: list) -> tuple[list, int]:
+    """Every sample through the join: the outputs, and how many were refused."""
+    out: list = []
+    refused = 0
+    for sample in samples:
+        try:
+            out += join.on_sample(state, sample)
+        except Rejected:
+            refused += 1
+    return out, refused
+
+
+def test_a_node_whose_clock_stepped_back_an_hour_finds_an_idle_holder_again() -> None:
+    """Busy for two hours, then the clock steps back an hour and the pod goes idle: after
+    clock_step_after_s (300 s) of refused samples the node's new clock is taken, the idle
+    run starts there, and the finding comes one window (30 min) later, not an hour later."""
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, allocation("running", T0))
+    before, _ = _feed(join, state, [node_sample(T0 + i * 30, 90.0) for i in range(241)])
+    assert not findings(before)
+    newest = T0 + 7200
+    back = newest - STEP + 30  # the first sample on the new clock
+    out, refused = _feed(join, state, [node_sample(back + i * 30, 0.0) for i in range(80)])
+    assert refused == 10  # 300 s of samples on the new clock, each a dead letter
+    taken = back + 300
+    (firing,) = findings(out)
+    assert firing.state == "firing" and firing.kind == "idle_holder"
+    assert firing.starts_at == taken and firing.ts == taken + 1800
+    # The rollups go on on the new clock: its minutes are emitted, none is counted late.
+    assert any(isinstance(o, Rollup) and o.ts >= taken for o in out)
+    assert not state.rollups.late
+
+
+def test_an_idle_episode_open_before_the_step_goes_on_under_its_id() -> None:
+    """The step neither resolves the open episode nor finds it again under a new id; the
+    pod's first busy sample on the new clock resolves it, same id."""
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, allocation("running", T0))
+    before, _ = _feed(join, state, [node_sample(T0 + i * 30, 0.0) for i in range(121)])
+    (firing,) = findings(before)
+    back = T0 + 3600 - STEP + 30
+    idle, refused = _feed(join, state, [node_sample(back + i * 30, 0.0) for i in range(200)])
+    assert refused == 10
+    assert {(f.id, f.state) for f in findings(idle)} <= {(firing.id, "firing")}
+    busy, refused = _feed(join, state, [node_sample(back + 200 * 30, 90.0)])
+    (resolved,) = findings(busy)
+    assert not refused and resolved.state == "resolved" and resolved.id == firing.id
+    assert resolved.ends_at is not None and resolved.ends_at >= resolved.starts_at
+
+
+def _hot(ts: float, temp: float) -> NodeSample:
+    return NodeSample(ts=ts, node="n1", source="test", devices=[
+        DeviceSample(uuid="GPU-1", index=0, model="NVIDIA H100 80GB HBM3", util_pct=90.0,
+                     temp_c=temp)])
+
+
+def test_a_thermal_episode_goes_on_across_the_step_and_a_new_one_is_found_after_it() -> None:
+    join, state = NodeJoin(), NodeState()
+    before, _ = _feed(join, state, [_hot(T0 + i * 30, 95.0) for i in range(60)])
+    (firing,) = findings(before)
+    back = T0 + 1770 - STEP + 30
+    hot, refused = _feed(join, state, [_hot(back + i * 30, 95.0) for i in range(40)])
+    assert refused == 10 and not findings(hot)  # still hot: the same episode, unresolved
+    cool, _ = _feed(join, state, [_hot(back + 1200 + i * 30, 50.0) for i in range(5)])
+    (resolved,) = findings(cool)  # clear_s (120 s) of cool samples on the new clock
+    assert resolved.state == "resolved" and resolved.id == firing.id
+    again, _ = _feed(join, state, [_hot(back + 1500 + i * 30, 95.0) for i in range(11)])
+    (second,) = findings(again)  # window_s (300 s) of hot samples: a new episode
+    assert second.state == "firing" and second.id != firing.id
+    assert second.starts_at == back + 1500
+
+
+def test_a_hardware_event_from_a_clock_stepped_back_is_refused_naming_the_jump() -> None:
+    """An XID stamped an hour back is a dead letter, as a sample is, not counted late or
+    skipped unseen; once the node's new clock is taken its XIDs count again."""
+    join, state = NodeJoin(), NodeState()
+    _feed(join, state, [_hot(T0 + i * 30, 50.0) for i in range(11)])
+    newest = T0 + 300
+    xid = HwEvent(ts=newest - STEP, node="n1", kind="xid", uuid="GPU-1", xid=119)
+    with pytest.raises(Rejected, match=r"xid event is 3600 s before node n1's newest sample"):
+        join.on_hw_event(state, xid)
+    assert not state.devices["GPU-1"].hw.xid.recent
+    _, refused = _feed(join, state, [_hot(newest - STEP + 30 + i * 30, 50.0) for i in range(12)])
+    assert refused == 10
+    out = join.on_hw_event(state, HwEvent(ts=newest - STEP + 360, node="n1", kind="xid",
+                                          uuid="GPU-1", xid=119))
+    (finding,) = findings(out)
+    assert finding.state == "firing" and finding.starts_at == newest - STEP + 360
+
+
+def test_samples_back_in_the_old_range_keep_the_node_on_its_clock() -> None:
+    """A run of samples too far back broken by ones in range (a replay beside live ones) is
+    never taken as a new clock: only a clock kept to for clock_step_after_s is."""
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, allocation("running", T0))
+    _feed(join, state, [node_sample(T0 + i * 30, 90.0) for i in range(21)])
+    mixed = []
+    for i in range(40):
+        mixed.append(node_sample(T0 - STEP + i * 30, 0.0))
+        mixed.append(node_sample(T0 + 630 + i * 30, 90.0))
+    _, refused = _feed(join, state, mixed)
+    assert refused == 40 and state.rollups.watermark == T0 + 630 + 39 * 30

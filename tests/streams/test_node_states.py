@@ -133,3 +133,31 @@ def test_a_sample_from_a_clock_gone_back_is_refused_without_a_rollback() -> None
         states.apply(writes, join.on_sample, _sample(T0 - 3600))
     state = states.live[b"n1"][0]
     assert state.rollups.watermark == T0 + 10 and state.devices["GPU-0"].idle.last_ts == T0 + 10
+
+
+def test_a_node_restored_from_the_table_takes_its_stepped_back_clock_and_is_written() -> None:
+    """The worker restarted: the node's state comes from the table, and its collector's
+    clock has stepped back an hour. The refused samples' count is kept between records (not
+    re-read from the table at each), the new clock is taken after clock_step_after_s, and
+    the node is checkpointed on it at once, not once its clock passes the old checkpoint."""
+    join = NodeJoin(on_clock_step=lambda node, step: steps.append((node, step)))
+    steps: list[tuple[str, float]] = []
+    states = NodeStates({}, checkpoint_s=30.0)
+    writes: dict[bytes, bytes] = {}
+    for i in range(11):
+        states.apply(writes, join.on_sample, _sample(T0 + i * 30))
+    restarted = NodeStates(dict(writes), checkpoint_s=30.0)
+    writes.clear()
+    back = T0 + 300 - 3600 + 30
+    for i in range(10):
+        with pytest.raises(Rejected, match="clock went back"):
+            restarted.apply(writes, join.on_sample, _sample(back + i * 30))
+    assert writes == {} and steps == []
+    restarted.apply(writes, join.on_sample, _sample(back + 300))
+    assert steps == [("n1", 3570.0)]
+    written = msgspec.msgpack.decode(writes[b"n1"], type=NodeState)
+    assert written.rollups.watermark == back + 300 and written.behind_since is None
+    writes.clear()
+    restarted.apply(writes, join.on_sample, _sample(back + 330))
+    restarted.apply(writes, join.on_sample, _sample(back + 360))  # 30 s on: due again
+    assert b"n1" in writes
