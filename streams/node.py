@@ -584,9 +584,13 @@ class NodeJoin:
 
     def on_hw_event(self, state: NodeState, event: HwEvent) -> list[Output]:
         newest = state.rollups.watermark
-        if newest is not None and event.ts < newest - self.settings.clock_back_s:
-            # As a sample's: the rules would take it for one long past, or skip it unseen.
-            # The node's samples alone decide when its new clock is taken.
+        if (state.behind_since is not None and newest is not None
+                and event.ts < newest - self.settings.clock_back_s):
+            # While the node's samples say its collector's clock went back, as a sample's:
+            # the rules would take it for one long past, or skip it unseen. The node's
+            # samples alone decide when its new clock is taken. Otherwise an event that far
+            # behind is a late one (the worker reading the hardware events behind the
+            # samples after an outage), and an XID is a fact however late: it is judged.
             raise Rejected(
                 f"event time {event.ts:.0f} of the {event.kind} event is "
                 f"{newest - event.ts:.0f} s before node {event.node}'s newest sample "

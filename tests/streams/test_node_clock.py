@@ -148,16 +148,30 @@ def test_a_hardware_event_from_a_clock_stepped_back_is_refused_naming_the_jump()
     join, state = NodeJoin(), NodeState()
     _feed(join, state, [_hot(T0 + i * 30, 50.0) for i in range(11)])
     newest = T0 + 300
+    _, refused = _feed(join, state, [_hot(newest - STEP + 30, 50.0)])  # the step shows
+    assert refused == 1
     xid = HwEvent(ts=newest - STEP, node="n1", kind="xid", uuid="GPU-1", xid=119)
     with pytest.raises(Rejected, match=r"xid event is 3600 s before node n1's newest sample"):
         join.on_hw_event(state, xid)
     assert not state.devices["GPU-1"].hw.xid.recent
-    _, refused = _feed(join, state, [_hot(newest - STEP + 30 + i * 30, 50.0) for i in range(12)])
-    assert refused == 10
+    _, refused = _feed(join, state, [_hot(newest - STEP + 30 + i * 30, 50.0)
+                                     for i in range(1, 12)])
+    assert refused == 9
     out = join.on_hw_event(state, HwEvent(ts=newest - STEP + 360, node="n1", kind="xid",
                                           uuid="GPU-1", xid=119))
     (finding,) = findings(out)
     assert finding.state == "firing" and finding.starts_at == newest - STEP + 360
+
+
+def test_a_late_hardware_event_is_judged_while_the_node_keeps_its_clock() -> None:
+    """An XID read an hour behind the samples (the worker catching up on the hardware
+    events after an outage), with no sample stepping back: a fact, late, not a clock."""
+    join, state = NodeJoin(), NodeState()
+    _feed(join, state, [_hot(T0 + 3600 + i * 30, 50.0) for i in range(11)])
+    out = join.on_hw_event(state, HwEvent(ts=T0 + 60, node="n1", kind="xid", uuid="GPU-1",
+                                          xid=119))
+    (finding,) = findings(out)
+    assert finding.state == "firing" and finding.starts_at == T0 + 60
 
 
 def test_samples_back_in_the_old_range_keep_the_node_on_its_clock() -> None:
