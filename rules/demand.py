@@ -22,11 +22,16 @@ the fewest reclaims (its free capacity counted first), and only those
 holders escalate; a holder counted for one workload is not counted again.
 A workload of several pods is matched across nodes: idle holders are added,
 nodes with the most room first, until its pods can each be placed
-(:func:`~.fragmentation.placeable`, the stranded-capacity rule's check, over
+(:func:`~.fragmentation.placement`, the stranded-capacity rule's check, over
 the whole fleet's free room), then those the placement does not need are
 dropped again. A workload whose pods fit the free room already (on any node,
 with idle holders or not) is not blocked by anyone: it waits for quota or the
-scheduler, and reclaims nothing.
+scheduler, and reclaims nothing. Whatever a workload's placement
+(:func:`~.fragmentation.placement`) uses, free room on any node and the
+holders reclaimed for it, is taken before the next workload is matched, a
+workload that fits without reclaims included: it will start on that room
+when admitted, and two workloads counting the same free GPUs would be told
+they need fewer reclaims than they do.
 The node join's only part is to say which devices are idle in the summary it
 already sends.
 
@@ -51,7 +56,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
-from gpusteward.rules.fragmentation import Demand, FleetView, placeable, request_room
+from gpusteward.rules.fragmentation import Demand, FleetView, Room, placement, request_room
 from gpusteward.rules.idle import RECLAIM_REASON
 from gpusteward.rules.registry import FleetRunner
 from gpusteward.schema import Action, Evidence, Finding, IdleHold, NodeSummary, PodSet, Subject
@@ -174,15 +179,16 @@ def _frees(hold: IdleHold, pods: Sequence[PodSet]) -> bool:
     return hold.gpus > 0 and any(p.gpus for p in pods)
 
 
-def _reclaims_across(demand: Demand, nodes: list[_Node], views: dict[int, NodeSummary],
-                     elsewhere: list[NodeSummary]) -> list[tuple[_Node, IdleHold]] | None:
-    """The idle holders whose release lets a workload of several pods be placed (on their
-    nodes and the free room ``elsewhere``), or None when no release makes them fit.
-    ``views`` holds each node's summary as it stands, by ``id`` of the node."""
+def _reclaims_across(demand: Demand, nodes: list[_Node], views: dict[int, NodeSummary]
+                     ) -> tuple[list[tuple[_Node, IdleHold]], dict[int, Room]] | None:
+    """The idle holders on ``nodes`` whose release lets a workload of several pods be placed
+    (on their nodes and the rest of the room ``views`` offers), and the room that placement
+    takes by ``id`` of the node; None when no release makes them fit. ``views`` holds each
+    node's summary with the room it still offers, by ``id`` of the node."""
     pods = demand.pods
     wanted = sum(p.count for p in pods)
     # For whole-GPU pods, how many of the smallest fit a node's room bounds how many pods fit
-    # the fleet: placeable is only asked once that bound allows it.
+    # the fleet: the placement is only tried once that bound allows it.
     smallest = min((p.gpus for p in pods if p.gpus), default=0)
     bounded = smallest > 0 and not any(p.mig for p in pods)
 
@@ -190,13 +196,15 @@ def _reclaims_across(demand: Demand, nodes: list[_Node], views: dict[int, NodeSu
         return room // smallest if bounded else wanted
 
     room = {id(n): n.free_gpus for n in nodes}
-    bound = sum(slots(r) for r in room.values()) + sum(slots(request_room(s))
-                                                       for s in elsewhere)
-    current = dict(views)  # the nodes with room, as released so far
+    bound = sum(slots(r) for r in room.values()) + sum(
+        slots(request_room(v)) for key, v in views.items() if key not in room)
+    # The nodes as released so far. A node stays in its place even when a release is undone:
+    # first fit depends on the order, and the placement kept must be one that was found.
+    current = dict(views)
     released: dict[int, list[IdleHold]] = {}
 
     def fits() -> bool:
-        return bound >= wanted and placeable(pods, [*elsewhere, *current.values()])
+        return bound >= wanted and placement(pods, list(current.values())) is not None
 
     def release(node: _Node, hold: IdleHold, sign: int) -> None:
         nonlocal bound
@@ -208,7 +216,7 @@ def _reclaims_across(demand: Demand, nodes: list[_Node], views: dict[int, NodeSu
         bound -= slots(room[key])
         room[key] += sign * hold.gpus
         bound += slots(room[key])
-        _keep_open(current, key, node.released(released[key]))
+        current[key] = node.released(released[key])
 
     def useful(node: _Node) -> list[IdleHold]:
         """Its holders whose release can give a pod room: for whole-GPU pods, not those
@@ -238,11 +246,15 @@ def _reclaims_across(demand: Demand, nodes: list[_Node], views: dict[int, NodeSu
             taken.remove((node, hold))
         else:
             release(node, hold, +1)
-    return taken
+    keys = list(current)
+    placed = placement(pods, list(current.values()))
+    if placed is None:  # cannot happen: the state left is one fits() said yes to
+        return None
+    return taken, {keys[i]: r for i, r in placed.items()}
 
 
 def _keep_open(views: dict[int, NodeSummary], key: int, view: NodeSummary) -> None:
-    """Keep ``view`` in ``views`` only while it has room (placeable skips the others)."""
+    """Keep ``view`` in ``views`` only while it has room (the placement skips the others)."""
     if request_room(view) > 0 or any(view.mig_free.values()):
         views[key] = view
     else:
@@ -255,7 +267,9 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
 
     Oldest waiting workload first; a workload of one pod takes the node where it needs the
     fewest reclaims (then the longest idle holders), one of several pods the holders whose
-    release lets each pod find a node; the capacity it takes is not offered again.
+    release lets each pod find a node; the capacity it takes (free room and holders, on
+    every node its placement uses) is not offered again, nor is the free room a workload
+    that fits without reclaims would take.
     """
     waiting = sorted((d for d in fleet.pending.values()
                       if d.since is not None and now - d.since >= settings.min_wait_s),
@@ -264,29 +278,50 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
         return {}
     usable = [s for s in fleet.nodes if s.healthy and not s.cordoned]
     # Only nodes with idle holders are matched: skipping the others keeps an evaluation of a
-    # 1,200-node fleet from sorting 1,200 empty lists. The free room of the others (never
-    # taken by the matching) still says whether a workload fits without any reclaim.
+    # 1,200-node fleet from sorting 1,200 empty lists. The free room of the others says
+    # whether a workload fits without any reclaim, and is taken as workloads are placed.
     nodes = [n for s in usable if s.idle and (n := _node(s, now)).holds]
     matched = {id(n.summary) for n in nodes}
-    elsewhere = [s for s in usable if id(s) not in matched and (request_room(s) > 0
-                                                                  or any(s.mig_free.values()))]
-    views: dict[int, NodeSummary] = {}  # the nodes with idle holders and room, by id
+    elsewhere = [_Node(s, request_room(s), dict(s.mig_free)) for s in usable
+                 if id(s) not in matched and (request_room(s) > 0 or any(s.mig_free.values()))]
+    by_id = {id(n): n for n in [*elsewhere, *nodes]}
+    # The room each node offers the next workload, by id of the node: free room without
+    # reclaims first, so a placement uses it before a reclaimed holder's.
+    views: dict[int, NodeSummary] = {id(n): n.summary for n in elsewhere}
     for node in nodes:
         _keep_open(views, id(node), node.released())
+
+    def use(spent: dict[int, Room], reclaimed: Sequence[tuple[_Node, IdleHold]] = ()) -> None:
+        """Take what a placement uses from the free room offered to the next workload (the
+        room a reclaimed holder gives is used first; a holder reclaimed for one workload
+        is not offered again)."""
+        for key, room in spent.items():
+            node = by_id[key]
+            holds = [h for n, h in reclaimed if n is node]
+            node.free_gpus -= max(0, room.gpus - sum(h.gpus for h in holds))
+            for profile, count in room.mig.items():
+                freed = sum(h.mig_profile == profile for h in holds)
+                node.free_mig[profile] = node.free_mig.get(profile, 0) - max(0, count - freed)
+            _keep_open(views, key, node.released())
+
     out: dict[str, tuple[str, IdleHold, list[Demand]]] = {}
     for demand in waiting:
-        if placeable(demand.pods, [*elsewhere, *views.values()]):
-            continue  # it fits without any reclaim: it waits for quota or the scheduler
+        placed = placement(demand.pods, list(views.values()))
+        if placed is not None:
+            # It fits without any reclaim: it waits for quota or the scheduler, and the room
+            # it would start on is not the next workload's.
+            keys = list(views)
+            use({keys[i]: r for i, r in placed.items()})
+            continue
         if sum(p.count for p in demand.pods) > 1:
-            for node, hold in _reclaims_across(demand, nodes, views, elsewhere) or ():
+            across = _reclaims_across(demand, nodes, views)
+            if across is None:
+                continue
+            reclaimed, spent = across
+            for node, hold in reclaimed:
                 node.holds.remove(hold)
                 out[hold_key(node.summary.node, hold)] = (node.summary.node, hold, [demand])
-                # As for one pod: what it uses of this node's free room is gone for the next.
-                # (The free room it would use on nodes without a reclaim is not known to
-                # placeable's yes/no, and stays offered to the next workload.)
-                node.free_gpus = 0
-                node.free_mig = {}
-                _keep_open(views, id(node), node.released())
+            use(spent, reclaimed)
             continue
         options = [(need, node) for node in nodes if (need := _needed(demand, node))]
         if not options:

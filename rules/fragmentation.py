@@ -36,7 +36,7 @@ import bisect
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import msgspec
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
@@ -325,29 +325,49 @@ class FreeView:
                 self.mig_by_profile[profile] = self.mig_by_profile.get(profile, 0) + count
 
 
-def placeable(pods: Iterable[PodSet], nodes: Iterable[NodeSummary]) -> bool:
-    """Whether each pod finds a node with room for it, taking what it uses (first fit,
-    largest pods first: for pods of one shape this finds a placement whenever one exists)."""
-    open_nodes = [s for s in nodes if request_room(s) > 0 or s.mig_free]
-    free_gpus = [request_room(s) for s in open_nodes]
-    free_mig = [dict(s.mig_free) for s in open_nodes]
+class Room(NamedTuple):
+    """Room a placement takes on one node: ``nvidia.com/gpu`` (GPUs or replicas) and MIG
+    devices by profile."""
+
+    gpus: int = 0
+    mig: dict[str, int] = {}
+
+
+def placement(pods: Iterable[PodSet], nodes: Sequence[NodeSummary]) -> dict[int, Room] | None:
+    """Where each pod finds a node with room for it, taking what it uses (first fit, in the
+    order of ``nodes``, largest pods first: for pods of one shape this finds a placement
+    whenever one exists): the room taken on the nodes it uses, by their position in
+    ``nodes``, or None when some pod finds none."""
+    taken: dict[int, Room] = {}
+    open_nodes = [i for i, s in enumerate(nodes) if request_room(s) > 0 or s.mig_free]
+    free_gpus = [request_room(nodes[i]) for i in open_nodes]
+    free_mig = [dict(nodes[i].mig_free) for i in open_nodes]
     for pod_set in sorted(pods, key=lambda p: (-p.gpus, -sum(p.mig.values()))):
         left = pod_set.count
         for i, mig in enumerate(free_mig):
             room = [free_gpus[i] // pod_set.gpus] if pod_set.gpus else []
             room += [mig.get(p, 0) // n for p, n in pod_set.mig.items() if n]
-            taken = min(left, *room) if room else left
-            if taken <= 0:
+            count = min(left, *room) if room else left
+            if count <= 0:
                 continue
-            free_gpus[i] -= taken * pod_set.gpus
+            free_gpus[i] -= count * pod_set.gpus
+            used = taken.get(open_nodes[i], Room())
+            used_mig = dict(used.mig)
             for p, n in pod_set.mig.items():
-                mig[p] = mig.get(p, 0) - taken * n
-            left -= taken
+                mig[p] = mig.get(p, 0) - count * n
+                used_mig[p] = used_mig.get(p, 0) + count * n
+            taken[open_nodes[i]] = Room(used.gpus + count * pod_set.gpus, used_mig)
+            left -= count
             if not left:
                 break
         if left:
-            return False
-    return True
+            return None
+    return taken
+
+
+def placeable(pods: Iterable[PodSet], nodes: Iterable[NodeSummary]) -> bool:
+    """Whether each pod finds a node with room for it (:func:`placement`)."""
+    return placement(pods, list(nodes)) is not None
 
 
 def stranded_reason(demand: Demand, fleet: FreeView | Iterable[NodeSummary]

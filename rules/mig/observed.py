@@ -34,6 +34,10 @@ guess is said here once:
   (the node join has it) and not only what is free. The node's
   ``nvidia.com/mig.config`` label is not in the summaries either, so changes
   carry no "before" config name.
+- Cordoned and unhealthy nodes (as the latest summary says) are in no pool, as
+  the other fleet rules count none of their room: a plan that serves demand
+  on a node the scheduler will not use serves nobody. Their free devices
+  still tell their layout, for when they come back.
 - A pool with no MIG demand in the window gets no advice (not "switch MIG
   off"): the queue may simply not report the MIG requests.
 
@@ -139,7 +143,8 @@ def share(workload: MigWorkload, start: float, end: float) -> float:
 
 def pools(geometries: Mapping[str, Geometry], summaries: Iterable[NodeSummary],
           instances: Mapping[str, Mapping[str, int]] | None = None) -> list[layout.Pool]:
-    """One pool per MIG-capable GPU model, named by the geometry's model, nodes sorted.
+    """One pool per MIG-capable GPU model, named by the geometry's model, nodes sorted;
+    cordoned and unhealthy nodes are left out (the scheduler will not use them).
 
     A node's GPUs: its summary's count, or the GPUs its ``instances`` need if more.
     Under the device plugin's ``mixed`` strategy a partitioned GPU is not an
@@ -151,7 +156,7 @@ def pools(geometries: Mapping[str, Geometry], summaries: Iterable[NodeSummary],
     instances = instances or {}
     members: dict[tuple[str, int], list[str]] = {}
     for summary in summaries:
-        if not summary.gpu_model:
+        if not summary.gpu_model or summary.cordoned or not summary.healthy:
             continue
         found = mig_geometry.find(geometries, summary.gpu_model)
         if found is None:

@@ -69,9 +69,9 @@ def test_two_idle_notebooks_reclaimed_on_the_short_ladder_for_a_waiting_2_gpu_jo
     assert first.evidence is not None and first.evidence.values["longest_wait_s"] == 1800
 
 
-def ddp(pods: int = 4, gpus: int = 2) -> Demand:
+def ddp(pods: int = 4, gpus: int = 2, *, key: str = "ml/ddp", since: float = 0) -> Demand:
     """A Kueue Workload of ``pods`` workers of ``gpus`` GPUs each."""
-    return Demand(key="ml/ddp", queue="research", gpus=pods * gpus, since=0,
+    return Demand(key=key, queue="research", gpus=pods * gpus, since=since,
                   pod_sets=(PodSet(count=pods, gpus=gpus),))
 
 
@@ -99,6 +99,43 @@ def test_a_workload_of_several_pods_uses_free_room_elsewhere_first() -> None:
              node("c", 0, [hold(20), hold(21)]), node("d", 0, [hold(30), hold(31)])]
     assert reclaimed(run({0: view(nodes, ddp())}, until=3 * 3600)) == {
         "GPU-10", "GPU-11", "GPU-20", "GPU-21"}
+
+
+def test_free_room_a_workload_of_several_pods_uses_is_not_offered_to_the_next() -> None:
+    """Two jobs of 4 workers x 2 GPUs; x and y have room for two workers. The older job takes
+    it and b's and c's holders; the younger needs four nodes' holders, and only d and e
+    are left: it cannot start, so nothing is reclaimed for it."""
+    def fleet(holders: str) -> FleetView:
+        nodes = [node("x", 2, []), node("y", 2, []),
+                 *(node(n, 0, [hold(10 * i), hold(10 * i + 1)])
+                   for i, n in enumerate(holders, start=1))]
+        return view(nodes, ddp(key="ml/old"), ddp(key="ml/new", since=100))
+
+    out = run({0: fleet("bcde")}, until=3 * 3600)
+    assert reclaimed(out) == {"GPU-10", "GPU-11", "GPU-20", "GPU-21"}
+    assert {f.labels["waiting"] for f in out if isinstance(f, Finding)} == {"ml/old"}
+    # With six nodes of holders the younger job is matched to the four it needs.
+    holders = d.match(fleet("bcdefg"), 3600, SETTINGS)
+    assert {h.device for node, h, waits in holders.values() if waits[0].key == "ml/new"} == {
+        f"GPU-{10 * i + k}" for i in range(3, 7) for k in range(2)}
+
+
+def test_free_room_a_fitting_workload_would_start_on_is_not_offered_to_the_next() -> None:
+    """The older job fits x, y, z and w without reclaims (it waits for quota): the younger
+    one, of the same shape, needs the holders of b, c, d and e to start."""
+    nodes = [*(node(n, 2, []) for n in "xyzw"),
+             *(node(n, 0, [hold(10 * i), hold(10 * i + 1)])
+               for i, n in enumerate("bcde", start=1))]
+    holders = d.match(view(nodes, ddp(key="ml/old"), ddp(key="ml/new", since=100)), 3600,
+                      SETTINGS)
+    assert {waits[0].key for _, _, waits in holders.values()} == {"ml/new"}
+    assert len(holders) == 8
+    # A single-pod job that fits node x leaves the others' room to a workload of several.
+    nodes = [node("x", 2, []), node("y", 2, []), node("z", 2, []),
+             node("b", 0, [hold(10), hold(11)])]
+    holders = d.match(view(nodes, job(key="ml/one"), ddp(3, key="ml/ddp", since=100)), 3600,
+                      SETTINGS)
+    assert {h.device for _, h, _ in holders.values()} == {"GPU-10", "GPU-11"}
 
 
 def test_a_workload_of_several_pods_that_fits_or_never_fits_reclaims_nothing() -> None:

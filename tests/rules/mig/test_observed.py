@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from gpusteward.rules.mig import geometry, layout, observed
@@ -162,3 +163,29 @@ def test_no_change_no_finding() -> None:
 def test_slots_are_aligned_on_the_epoch() -> None:
     assert observed.slot_of(21_599.0, 21_600) == 0.0
     assert observed.slot_of(21_600.0, 21_600) == 21_600.0
+
+
+@pytest.mark.parametrize("down", [{"cordoned": True}, {"healthy": False}])
+def test_cordoned_and_unhealthy_nodes_are_planned_for_nobody(down: dict[str, bool]) -> None:
+    """The only node with 2g.20gb slices is cordoned (or unhealthy): the reranker is not
+    served there, so the node the scheduler uses is re-partitioned for it."""
+    seen = MigObservation()
+    usable = summary("a100-1g", 0, {"1g.10gb": 14})
+    nodes = [usable, msgspec.structs.replace(summary("a100-2g", 0, {"2g.20gb": 6}), **down)]
+    for node in nodes:
+        observed.on_summary(seen, node)
+    for i in range(10):
+        observed.on_queue(seen, f"svc/chat-{i}", event(f"chat-{i}", "admitted", 0,
+                                                        {"1g.10gb": 1}))
+    observed.on_queue(seen, "svc/rerank", event("rerank", "pending", 0, {"2g.20gb": 1}))
+    assert observed.pools(GEOMETRIES, nodes) == [
+        layout.Pool("A100-80GB", "A100-80GB", ("a100-1g",), 2)]
+    advice = observed.advise(GEOMETRIES, nodes, seen, now=3600, window_s=3600)
+    (pool,) = advice.pools
+    assert pool.served["svc/rerank"] == "2g.20gb"
+    assert {c.node for c in pool.changes} == {"a100-1g"}
+    # Back in service, it is planned again, with the layout seen while it was out.
+    back = [usable, summary("a100-2g", 0, {})]
+    assert observed.pools(GEOMETRIES, back, seen.instances) == [
+        layout.Pool("A100-80GB", "A100-80GB", ("a100-1g", "a100-2g"), 2)]
+    assert seen.instances["a100-2g"] == {"2g.20gb": 6}
