@@ -148,6 +148,15 @@ def test_every_hardware_family_is_found_once_and_nothing_else(run: Run) -> None:
     assert all(len(v) == 1 for v in ids.values()), ids
 
 
+def test_a_lost_gpu_stays_lost_until_reset(run: Run) -> None:
+    # Xid 79 takes the GPU off the bus, as the gpu_lost fault does: its finding is not
+    # resolved while the GPU reads nothing (the simulation never resets it).
+    lost = [f for f in run.findings if f.kind == "gpu_lost"]
+    assert {f.state for f in lost} == {"firing"}, [(f.subject.device, f.state) for f in lost]
+    assert any(f.subject.device == fault.device for f in lost
+               for fault in run.truth.faults if fault.kind == "xid" and fault.xid == 79)
+
+
 def test_near_misses_stay_quiet(run: Run) -> None:
     """Faults below their rule's bar (a 2-minute thermal spike, a small SBE burst, three
     application XIDs, a benign XID) give no finding on their GPU."""
