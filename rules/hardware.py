@@ -14,8 +14,10 @@ same id). Repeated samples inside an episode emit nothing.
   taint the node ``gpusteward.io/gpu-reset-required`` since a reset makes
   the remap take effect): open while the flag reads true, close when it
   reads false.
-- **GPU lost** (``gpu_lost``, from the urgent event): drain the node (a GPU
-  off the bus needs a host restart); closes when the GPU reports again.
+- **GPU lost** (``gpu_lost``, from the urgent event or Xid 79, which the
+  XID rule leaves to it): drain the node (a GPU off the bus needs a host
+  restart); closes when the GPU reports again: a sample with a reading no
+  lost GPU gives (:func:`_answers`), not one a source filled with zeros.
 - **GPU recovery action** (``gpu_recovery_action``): the driver's own
   verdict (NVML field 230, the same news as Xid 154): GPU reset, drain and
   reset or bus reset -> taint for a reset; node or system reboot -> drain.
@@ -517,14 +519,23 @@ def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
             or (temp is not None and temp >= settings.thermal.coolest_c
                 and temp >= settings.thermal.threshold_for(device.model))):
         _thermal(thermal, device, node, ts, settings.thermal, out)
-    reports = (device.temp_c is not None or device.util_pct is not None
-               or device.mem_used_bytes is not None)
-    if track.lost is not None and ts > track.lost.since and reports:
+    if track.lost is not None and ts > track.lost.since and _answers(device):
         out.append(_close(track.lost, GPU_LOST_KIND, node, uuid, ts, "the GPU reports again"))
         track.lost = None
     if track.xid.open:
         out += xid_rule.expire(track.xid, node=node, uuid=uuid, ts=ts, settings=settings.xid)
     return out
+
+
+def _answers(device: DeviceSample) -> bool:
+    """Whether a sample shows the GPU answering again: a temperature, a framebuffer size,
+    memory in use or activity above zero. NVML reads none of them from a lost GPU (the call
+    fails with GPU_IS_LOST and the collector sends no sample of it), and dcgm-exporter leaves
+    the series out; a source that fills a lost GPU's fields with zeros shows no GPU, so a
+    bare ``util 0`` is no sign of life. A live GPU reads a temperature above 0 °C and its
+    framebuffer size in every real shape (NVML, dcgm-exporter's GPU_TEMP and FB_* fields)."""
+    return ((device.temp_c or 0.0) > 0 or (device.mem_total_bytes or 0) > 0
+            or (device.mem_used_bytes or 0) > 0 or (device.util_pct or 0.0) > 0)
 
 
 def observe_lost(track: HwTrack, *, node: str, uuid: str, ts: float, detail: str,
@@ -557,8 +568,15 @@ def observe_remap_failure_event(track: HwTrack, *, node: str, uuid: str, ts: flo
 def _on_xid(track: HwTrack, event: HwEvent, uuid: str, settings: HardwareSettings) -> Out:
     if event.xid is None:
         return []
-    return xid_rule.observe_event(track.xid, node=event.node, uuid=uuid, xid=event.xid,
-                                  ts=event.ts, settings=settings.xid)
+    out = xid_rule.observe_event(track.xid, node=event.node, uuid=uuid, xid=event.xid,
+                                 ts=event.ts, settings=settings.xid)
+    if event.xid == xid_rule.XID_OFF_THE_BUS and settings.xid.hands_off(event.xid):
+        # The same fault as NVML's GPU-unavailable event, whichever arrives first: one
+        # gpu_lost episode, one drain (a source that sends only XIDs still drains).
+        detail = f"Xid {event.xid}" + (f": {event.detail}" if event.detail else "")
+        out += observe_lost(track, node=event.node, uuid=uuid, ts=event.ts, detail=detail,
+                            settings=settings)
+    return out
 
 
 def _on_lost(track: HwTrack, event: HwEvent, uuid: str, settings: HardwareSettings) -> Out:

@@ -17,6 +17,16 @@ follow_workflow     cordon (fatal, needs NVIDIA's workflow)      1
 none, follow_other  nothing                                      off
 ==================  ==========================================  ==============
 
+Two XIDs are news another rule reports with more to go on: Xid 48 (double-bit
+ECC) is the ``ecc_dbe`` rule's, which also reads the DBE counter and closes
+when a reset clears it; Xid 79 (fallen off the bus) is ``gpu_lost``'s, which
+also takes NVML's GPU-unavailable event and closes when the GPU reports
+again. One fault arrives as both the XID and the other signal, so this rule
+leaves those XIDs to that rule (:data:`HANDED_OFF`), which opens its
+episode on the XID alone as well: one fault, one finding, one action, and a
+source that sends only XIDs still gets them. A policy that reclassifies
+either XID, or disables its class, keeps it here (or ignored) as before.
+
 On top of that, fatal XIDs (the catalog's ``fatal_nvsentinel: FATAL``)
 repeating on one GPU despite the per-class actions (default 5 in 24 h)
 open an ``xid_rma`` episode: cordon and escalate to the vendor.
@@ -51,6 +61,13 @@ ActionClass = Literal[
 MAX_RECENT = 256
 """Most XIDs remembered per GPU."""
 
+XID_DBE = 48
+"""ROBUST_CHANNEL_GPU_ECC_DBE: reported by the ``ecc_dbe`` rule."""
+XID_OFF_THE_BUS = 79
+"""ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS: reported by the ``gpu_lost`` rule."""
+HANDED_OFF: dict[int, str] = {XID_DBE: "ecc_dbe", XID_OFF_THE_BUS: "gpu_lost"}
+"""XID -> the rule that reports it in place of this one (:meth:`XidSettings.hands_off`)."""
+
 RESET_TAINT = {"key": "gpusteward.io/gpu-reset-required", "effect": "NoSchedule"}
 
 RUNBOOKS: dict[str, str] = {
@@ -68,7 +85,7 @@ RUNBOOKS: dict[str, str] = {
     "CONTACT_SUPPORT). The node is cordoned: drain it, collect `nvidia-bug-report.sh` and open a "
     "support case / RMA with the vendor.",
     "follow_workflow": "A fatal XID whose handling depends on details (NVIDIA WORKFLOW_* "
-    "bucket, e.g. Xid 48 DBE or Xid 74 NVLink). The node is cordoned: follow NVIDIA's workflow "
+    "bucket, e.g. Xid 74 NVLink). The node is cordoned: follow NVIDIA's workflow "
     "for this XID in the XID catalog; usually a GPU reset, an RMA if it recurs.",
 }
 
@@ -170,6 +187,15 @@ class XidSettings(BaseModel):
         cls: ActionClass = info.action_class if info else self.unknown_class
         return self.reclassify.get(xid, cls), bool(info and info.fatal)
 
+    def hands_off(self, xid: int) -> bool:
+        """True for an XID this rule leaves to the rule :data:`HANDED_OFF` names: one this
+        rule would act on as the catalog classes it (not reclassified, its class enabled).
+        It still counts towards ``rma_count``."""
+        if xid not in HANDED_OFF or xid in self.reclassify:
+            return False
+        policy = self.classes.get(self.classify(xid)[0])
+        return policy is not None and policy.enabled
+
 
 class XidEpisode(msgspec.Struct):
     id: str
@@ -236,14 +262,17 @@ def observe_event(track: XidTrack, *, node: str, uuid: str, xid: int, ts: float,
         del track.recent[:-MAX_RECENT]
     out: list[Finding | Action] = []
     subject = Subject(node=node, device=uuid)
-    episode = track.open.get(cls)
-    if episode is not None:
-        episode.last_ts = max(episode.last_ts, ts)
-    elif (policy is not None and policy.enabled
-          and ts > track.closed_until.get(cls, float("-inf"))):
-        in_window = _densest([r for r in track.recent if r[2] == cls], ts, policy.window_s)
-        if len(in_window) >= policy.min_count:
-            out += _open(track, cls, node, uuid, subject, in_window, ts)
+    if not settings.hands_off(xid):  # else another rule's finding: only the RMA count below
+        episode = track.open.get(cls)
+        if episode is not None:
+            episode.last_ts = max(episode.last_ts, ts)
+        elif (policy is not None and policy.enabled
+              and ts > track.closed_until.get(cls, float("-inf"))):
+            in_window = _densest([r for r in track.recent
+                                  if r[2] == cls and not settings.hands_off(r[1])],
+                                 ts, policy.window_s)
+            if len(in_window) >= policy.min_count:
+                out += _open(track, cls, node, uuid, subject, in_window, ts)
     rma = track.open.get(RMA_KIND)
     if fatal and rma is not None:
         rma.last_ts = max(rma.last_ts, ts)  # still failing: the RMA episode goes on

@@ -513,6 +513,13 @@ class SimulatedCluster:
         for n in range(fault.count):
             event_ts = self.start + fault.at_s + n * fault.every_s
             if now - interval < event_ts <= now:
+                # What the GPU does beside its XID, as a real one: Xid 79 is the GPU fallen
+                # off the bus (no readings until it is reset), Xid 48 a double-bit ECC error
+                # (the volatile DBE counter moves).
+                if fault.xid == 79:
+                    gpu.lost = True
+                elif fault.xid == 48:
+                    gpu.dbe += 1
                 self.truth.faults.append(FaultRecord("xid", fault.node, gpu.uuid, event_ts,
                                                      xid=fault.xid))
                 await publisher.hw_event(HwEvent(

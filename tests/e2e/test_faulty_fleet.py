@@ -21,7 +21,7 @@ import pytest
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
 from gpusteward.collectors.transport.publisher import KafkaPublisher
-from gpusteward.rules import hardware
+from gpusteward.rules import hardware, xid
 from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import FaultRecord, GroundTruth, SimulatedCluster
@@ -111,8 +111,14 @@ def _expected(truth: GroundTruth) -> dict[Key, str | None]:
                 expected[(kind, fault.device, "")] = None
     verbs = {"reset_gpu": "taint", "reboot_node": "drain", "drain_and_rma": "cordon",
              "follow_workflow": "cordon", "restart_app": None}
+    handed_verbs = {"ecc_dbe": "cordon", "gpu_lost": "drain"}
     for device, events in xids.items():
-        classes = Counter(HW.xid.classify(e.xid or 0)[0] for e in events)
+        for event in events:  # Xid 48 and 79 are the ecc_dbe and gpu_lost rules' findings
+            if HW.xid.hands_off(event.xid or 0):
+                kind = xid.HANDED_OFF[event.xid or 0]
+                expected[(kind, device, "")] = handed_verbs[kind]
+        classes = Counter(HW.xid.classify(e.xid or 0)[0] for e in events
+                          if not HW.xid.hands_off(e.xid or 0))
         for cls, count in classes.items():
             policy = HW.xid.classes.get(cls)
             if policy is not None and policy.enabled and count >= policy.min_count:
@@ -142,6 +148,15 @@ def test_every_hardware_family_is_found_once_and_nothing_else(run: Run) -> None:
     assert all(len(v) == 1 for v in ids.values()), ids
 
 
+def test_a_lost_gpu_stays_lost_until_reset(run: Run) -> None:
+    # Xid 79 takes the GPU off the bus, as the gpu_lost fault does: its finding is not
+    # resolved while the GPU reads nothing (the simulation never resets it).
+    lost = [f for f in run.findings if f.kind == "gpu_lost"]
+    assert {f.state for f in lost} == {"firing"}, [(f.subject.device, f.state) for f in lost]
+    assert any(f.subject.device == fault.device for f in lost
+               for fault in run.truth.faults if fault.kind == "xid" and fault.xid == 79)
+
+
 def test_near_misses_stay_quiet(run: Run) -> None:
     """Faults below their rule's bar (a 2-minute thermal spike, a small SBE burst, three
     application XIDs, a benign XID) give no finding on their GPU."""
@@ -168,8 +183,11 @@ def test_each_class_asks_for_its_action(run: Run) -> None:
 def test_detection_is_prompt_and_evidence_covers_the_window(run: Run) -> None:
     interval = run.truth.sample_interval_s
     first: dict[tuple[str, str], float] = {}
-    for fault in run.truth.faults:
-        first.setdefault((fault.kind, fault.device), fault.ts)
+    for fault in sorted(run.truth.faults, key=lambda f: f.ts):
+        kind = fault.kind
+        if kind == "xid" and HW.xid.hands_off(fault.xid or 0):
+            kind = xid.HANDED_OFF[fault.xid or 0]
+        first.setdefault((kind, fault.device), fault.ts)
     for finding in (f for f in run.findings if f.state == "firing"):
         assert finding.evidence is not None
         device = finding.subject.device or ""

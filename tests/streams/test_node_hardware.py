@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from gpusteward.rules import policy
 from gpusteward.schema import (
@@ -176,3 +177,83 @@ def test_a_node_tainted_by_gpusteward_or_not_ready_offers_no_free_gpus() -> None
     assert inventory(Taint("node.kubernetes.io/unreachable", "NoExecute")).cordoned
     assert not inventory(Taint("gpusteward.io/gpu-reset-required", "PreferNoSchedule")).cordoned
     assert not inventory().cordoned
+
+
+def hw(ts: float, kind: str, **fields: object) -> HwEvent:
+    return HwEvent(ts=ts, node="n1", kind=kind, uuid="GPU-1", **fields)  # type: ignore[arg-type]
+
+
+def outcome(out: list) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(kind, state) of every finding and (verb, rule) of every action: what gets paged."""
+    return ([(f.kind, f.state) for f in findings(out)],
+            [(a.verb, a.rule) for a in out if isinstance(a, Action)])
+
+
+@pytest.mark.parametrize("xid_first", [True, False])
+def test_xid_48_and_the_dbe_event_are_one_finding_and_one_cordon(xid_first: bool) -> None:
+    """One double-bit error arrives as Xid 48, NVML's DBE event and the DBE counter: one
+    ecc_dbe finding, one cordon, whichever comes first; the reset's zero closes it."""
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    join.on_sample(state, sample(T0))
+    events = [hw(T0 + 5, "xid", xid=48), hw(T0 + 6, "ecc_dbe", count=1)]
+    out = []
+    for event in events if xid_first else events[::-1]:
+        out += join.on_hw_event(state, event)
+    dbe = sample(T0 + 30)
+    dbe.devices[1].ecc_dbe_volatile = 1
+    out += join.on_sample(state, dbe)
+    assert outcome(out) == ([("ecc_dbe", "firing")], [("cordon", "ecc_dbe")])
+    assert outcome(join.on_sample(state, sample(T0 + 60)))[0] == [("ecc_dbe", "resolved")]
+
+
+@pytest.mark.parametrize("xid_first", [True, False])
+def test_xid_79_and_the_gpu_lost_event_are_one_finding_and_one_drain(xid_first: bool) -> None:
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    join.on_sample(state, sample(T0))
+    events = [hw(T0 + 5, "xid", xid=79), hw(T0 + 6, "gpu_lost", detail="GPU is lost")]
+    out = []
+    for event in events if xid_first else events[::-1]:
+        out += join.on_hw_event(state, event)
+    assert outcome(out) == ([("gpu_lost", "firing")], [("drain", "gpu_lost")])
+
+
+def xid_only_sample(ts: float) -> NodeSample:
+    """A source with no ECC or lost-GPU signal of its own: temperatures and XIDs only."""
+    return NodeSample(ts=ts, node="n1", source="test", devices=[
+        DeviceSample(uuid=f"GPU-{g}", index=g, model="NVIDIA H100 80GB HBM3", temp_c=50.0)
+        for g in range(2)])
+
+
+def test_xids_alone_still_cordon_on_48_and_drain_on_79() -> None:
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    join.on_sample(state, xid_only_sample(T0))
+    out = join.on_hw_event(state, hw(T0 + 5, "xid", xid=48))
+    assert outcome(out)[1] == [("cordon", "ecc_dbe")]
+    (summary,) = [o for o in out if isinstance(o, NodeSummary)]
+    assert not summary.healthy
+    # No counter will ever read 0 here: the episode closes after a day with no Xid 48, as
+    # the XID rule's did (and a repeat inside the day keeps it open).
+    out = join.on_hw_event(state, hw(T0 + 3600, "xid", xid=48))
+    out += join.on_sample(state, xid_only_sample(T0 + 3600 + 86000))
+    assert outcome(out) == ([], [])
+    out = join.on_sample(state, xid_only_sample(T0 + 3600 + 86400))
+    assert outcome(out)[0] == [("ecc_dbe", "resolved")]
+    out = join.on_hw_event(state, hw(T0 + 90030, "xid", xid=79, detail="pci 0000:2a:00.0"))
+    assert outcome(out) == ([("gpu_lost", "firing")], [("drain", "gpu_lost")])
+    assert "Xid 79" in findings(out)[0].summary
+
+
+@pytest.mark.parametrize("reading", [
+    {"util_pct": 0.0},
+    {"util_pct": 0.0, "mem_used_bytes": 0, "temp_c": 0.0},
+])
+def test_a_lost_gpu_is_not_back_on_a_sample_filled_with_zeros(reading: dict) -> None:
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    join.on_sample(state, sample(T0))
+    assert outcome(join.on_hw_event(state, hw(T0 + 5, "gpu_lost")))[0] == [
+        ("gpu_lost", "firing")]
+    zeros = NodeSample(ts=T0 + 30, node="n1", source="test", devices=[
+        DeviceSample(uuid="GPU-1", index=1, model="NVIDIA H100 80GB HBM3", **reading)])
+    assert findings(join.on_sample(state, zeros)) == []
+    # A real reading (NVML's shape: temperature, memory, utilisation) is the GPU back.
+    assert outcome(join.on_sample(state, sample(T0 + 60)))[0] == [("gpu_lost", "resolved")]
