@@ -383,6 +383,13 @@ def _counter(track: CounterTrack, value: int, kind: str, node: str, uuid: str, t
         track.increments = []
 
 
+def _unread(track: CounterTrack, last_ts: float | None) -> None:
+    """A sample without the counter: its next reading is measured from the last one that
+    had it (``last_ts``, the sample before this one)."""
+    if track.last is not None and track.read_until is None:
+        track.read_until = last_ts
+
+
 def _thermal(track: ThermalTrack, device: DeviceSample, node: str, ts: float,
              settings: ThermalSettings, out: Out) -> None:
     temp, reasons = device.temp_c, device.clock_event_reasons
@@ -485,20 +492,17 @@ def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
     # A counter a sample lacks is no reading: its next reading is measured from the last one.
     counter, value = track.sbe, device.ecc_sbe_volatile
     if value is None:
-        if counter.last is not None and counter.read_until is None:
-            counter.read_until = last_ts
+        _unread(counter, last_ts)
     elif value != counter.last or counter.open is not None or counter.read_until is not None:
         _counter(counter, value, SBE_KIND, node, uuid, ts, settings.sbe, out, since_last)
     counter, value = track.pcie, device.pcie_replay
     if value is None:
-        if counter.last is not None and counter.read_until is None:
-            counter.read_until = last_ts
+        _unread(counter, last_ts)
     elif value != counter.last or counter.open is not None or counter.read_until is not None:
         _counter(counter, value, PCIE_KIND, node, uuid, ts, settings.pcie, out, since_last)
     counter, value = track.nvlink, device.nvlink_errors
     if value is None:
-        if counter.last is not None and counter.read_until is None:
-            counter.read_until = last_ts
+        _unread(counter, last_ts)
     elif value != counter.last or counter.open is not None or counter.read_until is not None:
         _counter(counter, value, NVLINK_KIND, node, uuid, ts, settings.nvlink, out, since_last)
     flag = device.remap_failure
