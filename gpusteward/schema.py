@@ -385,6 +385,22 @@ class NodeSummary(msgspec.Struct):
     held_by_team: Annotated[dict[Name, GpuShare], Meta(max_length=1024)] = {}
     """GPUs held on the node by team (whole-GPU equivalents; a MIG device counts its share
     of compute slices), for team GPU-hour budgets."""
+    clock_steps: Count = 0
+    """How many stepped-back clocks of the node the node join has taken (see
+    docs/reliability.md "Clocks"): a summary with more is on a newer clock and follows one
+    with fewer however old its time (:func:`summary_follows`)."""
+
+
+def summary_follows(summary: NodeSummary, ts: float, clock_steps: int) -> bool:
+    """``summary`` is newer than the node's last one, of time ``ts`` after ``clock_steps``
+    clock steps: on a clock taken since (its time may be an hour before the last one's
+    after an hour's step), or later on the same one. A summary of an earlier clock is not,
+    however late its time (a redelivered one): where the node join's count restarted (its
+    state dropped, or an older release's), the fleet agent takes the node's summaries
+    again once it has let the node go as stale (``node_stale_s``)."""
+    if summary.clock_steps != clock_steps:
+        return summary.clock_steps > clock_steps
+    return summary.ts > ts
 
 
 Severity = Literal["info", "warning", "critical"]

@@ -36,6 +36,7 @@ from gpusteward.schema import (
     PodAllocation,
     QueueEvent,
     Subject,
+    summary_follows,
 )
 
 IDLE_KIND = "idle_holder"
@@ -199,7 +200,8 @@ class StatusFold:
 
     def summary(self, summary: NodeSummary) -> None:
         known = self.summaries.get(summary.node)
-        if known is None or summary.ts >= known.ts:
+        if known is None or summary_follows(summary, known.ts, known.clock_steps) or (
+                summary.ts, summary.clock_steps) == (known.ts, known.clock_steps):
             self.summaries[summary.node] = summary
 
     def allocation(self, event: PodAllocation | NodeInventory) -> None:

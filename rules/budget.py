@@ -43,7 +43,7 @@ from gpusteward.rules.findings import finding_id, fingerprint, moved_enough, res
 from gpusteward.rules.fragmentation import FleetView
 from gpusteward.rules.idle import rfc3339
 from gpusteward.rules.registry import FleetRunner
-from gpusteward.schema import Evidence, Finding, NodeSummary, Subject
+from gpusteward.schema import Evidence, Finding, NodeSummary, Subject, summary_follows
 
 KIND = "team_budget"
 PROJECTED_KIND = "team_budget_projected"
@@ -129,6 +129,8 @@ class NodeLevel(msgspec.Struct):
 
     ts: float
     held: dict[str, float] = {}
+    clock_steps: int = 0
+    """The summary's ``clock_steps``: the node's clock it is on."""
 
 
 class BudgetState(msgspec.Struct):
@@ -168,11 +170,14 @@ def on_summary(state: BudgetState, summary: NodeSummary, settings: BudgetSetting
     if not settings.budgets_gpu_h:
         return []
     last = state.nodes.get(summary.node)
-    if last is not None and summary.ts <= last.ts:
+    if last is not None and not summary_follows(summary, last.ts, last.clock_steps):
         return []  # a duplicate or a late summary of this node
-    state.nodes[summary.node] = NodeLevel(ts=summary.ts, held=dict(summary.held_by_team))
+    state.nodes[summary.node] = NodeLevel(ts=summary.ts, held=dict(summary.held_by_team),
+                                          clock_steps=summary.clock_steps)
     out: list[Finding] = []
-    if last is not None:
+    # Across a clock step the time between the two summaries is unknown (as after a gap
+    # longer than max_gap_s): the held GPUs are not spread over it.
+    if last is not None and last.clock_steps == summary.clock_steps:
         start = max(last.ts, summary.ts - settings.max_gap_s)
         for team, gpus in last.held.items():
             if team in settings.budgets_gpu_h and gpus > 0:

@@ -49,6 +49,7 @@ let go or became busy).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -179,6 +180,27 @@ def _frees(hold: IdleHold, pods: Sequence[PodSet]) -> bool:
     return hold.gpus > 0 and any(p.gpus for p in pods)
 
 
+def _useful(node: _Node, pods: Sequence[PodSet]) -> list[IdleHold]:
+    """The node's holders, in its order, whose release can give one of ``pods`` room: for
+    whole-GPU pods, not those released past the most GPUs the pods can take on it (pods
+    of 4 and 8 GPUs take a multiple of 4, so of three 2-GPU holders on a node with none
+    free, the third is not needed; pods of 4 and 6 take multiples of 2)."""
+    holds = [h for h in node.holds if _frees(h, pods)]
+    sizes = [p.gpus for p in pods if p.gpus]
+    if not sizes or any(p.mig for p in pods):
+        return holds
+    step = math.gcd(*sizes)
+    room = node.free_gpus + sum(h.gpus for h in holds)
+    most = room // step * step - node.free_gpus  # GPUs worth releasing, from the first
+    useful: list[IdleHold] = []
+    for hold in holds:
+        if most <= 0:
+            break
+        useful.append(hold)
+        most -= hold.gpus
+    return useful
+
+
 def _reclaims_across(demand: Demand, nodes: list[_Node], views: dict[int, NodeSummary]
                      ) -> tuple[list[tuple[_Node, IdleHold]], dict[int, Room]] | None:
     """The idle holders on ``nodes`` whose release lets a workload of several pods be placed
@@ -218,19 +240,9 @@ def _reclaims_across(demand: Demand, nodes: list[_Node], views: dict[int, NodeSu
         bound += slots(room[key])
         current[key] = node.released(released[key])
 
-    def useful(node: _Node) -> list[IdleHold]:
-        """Its holders whose release can give a pod room: for whole-GPU pods, not those
-        past the last whole place of the smallest pod their release can complete."""
-        holds = [h for h in node.holds if _frees(h, pods)]
-        if not bounded:
-            return holds
-        most = (node.free_gpus + sum(h.gpus for h in holds)) // smallest * smallest \
-            - node.free_gpus
-        return holds[:max(most, 0)]
-
     # Nodes with the most room first: their holders complete a pod's place soonest.
     order = [(n, h) for n in sorted(nodes, key=lambda n: (-n.free_gpus, n.summary.node))
-             for h in useful(n)]
+             for h in _useful(n, pods)]
     taken: list[tuple[_Node, IdleHold]] = []
     for node, hold in order:
         taken.append((node, hold))

@@ -86,6 +86,7 @@ from gpusteward.schema import (
     NodeInventory,
     NodeSummary,
     QueueEvent,
+    summary_follows,
 )
 from gpusteward.settings import Settings
 from gpusteward.streams.outputs import (
@@ -196,7 +197,7 @@ class FleetEvaluator:
         """Fold a node summary in. ``queue_caught_up``: every queue event published so far
         has been applied, so the queue state is true up to the summaries' time too."""
         known = state.nodes.get(summary.node)
-        if known is None or summary.ts > known.ts:
+        if known is None or summary_follows(summary, known.ts, known.clock_steps):
             state.nodes[summary.node] = summary
         mig_observed.on_summary(state.mig, summary)
         out: list[FleetOutput] = []

@@ -187,6 +187,8 @@ class NodeState(msgspec.Struct):
     back), on their own clock; None while its samples are in order."""
     behind_last: float | None = None
     """The newest of those refused samples."""
+    clock_steps: int = 0
+    """Stepped-back clocks of the node taken so far (``NodeSummary.clock_steps``)."""
 
 
 Output = Finding | Action | NodeSummary | Rollup
@@ -532,6 +534,7 @@ class NodeJoin:
         minutes.watermark = minutes.closed_before = None
         state.behind_since = state.behind_last = None
         state.last_summary_ts, state.summary_dirty = None, True
+        state.clock_steps += 1  # the fleet agent takes the next summary however old
         hooks = [(runner, runner.on_clock_step)
                  for runner, _ in self.policy.registry.device_runners()
                  if runner.on_clock_step is not None]
@@ -753,6 +756,7 @@ class NodeJoin:
             mig_free={profile: n for profile, n in mig_free.items() if n > 0},
             pool=state.pool, idle=self._idle_holds(state),
             held_by_team={team: gpus for team, gpus in teams.items() if gpus > 0},
+            clock_steps=state.clock_steps,
         )]
 
     def _healthy(self, state: NodeState) -> bool:

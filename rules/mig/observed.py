@@ -37,7 +37,9 @@ guess is said here once:
 - Cordoned and unhealthy nodes (as the latest summary says) are in no pool, as
   the other fleet rules count none of their room: a plan that serves demand
   on a node the scheduler will not use serves nobody. Their free devices
-  still tell their layout, for when they come back.
+  still tell their layout, for when they come back, and their GPU count still
+  splits their model's pools, so a pool's name (and its advice's id) does not
+  change while one is out.
 - A pool with no MIG demand in the window gets no advice (not "switch MIG
   off"): the queue may simply not report the MIG requests.
 
@@ -151,12 +153,14 @@ def pools(geometries: Mapping[str, Geometry], summaries: Iterable[NodeSummary],
     ``nvidia.com/gpu``, so a fully partitioned node reports none; one whose instances
     were never seen free is then left out. A pool plans the same number of GPUs on
     each node, so a model whose nodes differ in GPU count is split into one pool per
-    count, named ``<model>/<n>gpu``.
+    count, named ``<model>/<n>gpu``. The split counts the cordoned and unhealthy nodes
+    too: a pool keeps its name (and its advice its id) while one of them is out.
     """
     instances = instances or {}
     members: dict[tuple[str, int], list[str]] = {}
+    shapes: set[tuple[str, int]] = set()
     for summary in summaries:
-        if not summary.gpu_model or summary.cordoned or not summary.healthy:
+        if not summary.gpu_model:
             continue
         found = mig_geometry.find(geometries, summary.gpu_model)
         if found is None:
@@ -164,10 +168,13 @@ def pools(geometries: Mapping[str, Geometry], summaries: Iterable[NodeSummary],
         held = instances.get(summary.node, {})
         gpus = max(summary.gpus_total,
                    sum(1 for g in gpu_layouts(found, held, sum(held.values())) if g))
-        if gpus > 0:
+        if gpus <= 0:
+            continue
+        shapes.add((found.model, gpus))
+        if not summary.cordoned and summary.healthy:
             members.setdefault((found.model, gpus), []).append(summary.node)
     counts: dict[str, int] = {}
-    for model, _ in members:
+    for model, _ in shapes:
         counts[model] = counts.get(model, 0) + 1
     return [layout.Pool(name=model if counts[model] == 1 else f"{model}/{gpus}gpu",
                         model=model, nodes=tuple(sorted(nodes)), gpus_per_node=gpus)

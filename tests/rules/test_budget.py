@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -167,3 +168,23 @@ def test_the_projection_follows_the_burn_rate_under_its_id() -> None:
     # 500 GPU-hours at 32 GPUs from Monday 00:00: 15.6 h; at 24 it would have been 20.8 h.
     assert abs(second.evidence.values["crossing_ts"] - (MONDAY + 500 / 32 * 3600)) <= 120
     assert state.teams["llm"].projected_crossing == second.evidence.values["crossing_ts"]
+
+
+def test_a_node_s_clock_stepped_back_counts_its_gpu_hours_on_the_new_clock() -> None:
+    """8 GPUs held for an hour, then the node's clock steps back 30 minutes and they are
+    held another hour: the node's summaries on the new clock (``clock_steps`` 1) count at
+    once, not only once they pass the old clock's last one; the time across the step is
+    unknown and counts nothing."""
+    settings = b.BudgetSettings(budgets_gpu_h={"llm": 10_000})
+    state = b.BudgetState()
+    old = [summary(MONDAY + i * 300, {"llm": 8}) for i in range(13)]
+    new = [msgspec.structs.replace(summary(MONDAY + 1800 + i * 300, {"llm": 8}),
+                                   clock_steps=1) for i in range(13)]
+    for s in [*old, *new]:
+        b.on_summary(state, s, settings)
+        b.evaluate(state, EMPTY, s.ts, settings)
+    counted = state.teams["llm"].used_gpu_h + sum(state.slots.get("llm", {}).values())
+    assert abs(counted - 2 * 8.0) < 1e-9
+    # A redelivered summary of the old clock counts nothing more.
+    b.on_summary(state, old[-1], settings)
+    assert state.nodes["n"].ts == new[-1].ts

@@ -230,3 +230,23 @@ def test_finding_only_when_reclaim_lets_a_waiting_workload_start(holds: int, fre
         assert len(firing) == want - free
         verbs = [a.verb for a in out if isinstance(a, Action)]
         assert verbs.count("requeue") == verbs.count("notify_owner") == want - free
+
+
+def _holds_2gpu(*devices: int) -> list[IdleHold]:
+    return [msgspec.structs.replace(hold(i), gpus=2) for i in devices]
+
+
+def test_holders_past_the_last_place_a_pod_can_take_are_not_offered() -> None:
+    """Three 2-GPU holders on a full node: for 4-GPU workers the third frees no place
+    (6 GPUs hold one worker, as 4 do); for workers of 4 and 6 GPUs it does."""
+    full = d._node(node("a", 0, _holds_2gpu(0, 1, 2), total=6), now=0)
+    fours = [PodSet(count=2, gpus=4)]
+    assert [h.device for h in d._useful(full, fours)] == ["GPU-0", "GPU-1"]
+    assert [h.device for h in d._useful(full, [*fours, PodSet(count=1, gpus=6)])] == [
+        "GPU-0", "GPU-1", "GPU-2"]
+    # 2 GPUs free: one holder completes a worker's place, the other two a second one.
+    roomy = d._node(node("b", 2, _holds_2gpu(3, 4, 5), total=8), now=0)
+    assert [h.device for h in d._useful(roomy, fours)] == ["GPU-3", "GPU-4", "GPU-5"]
+    # Eight 1-GPU holders, 8-GPU workers: all eight, none cut by counting holders.
+    ones = d._node(node("c", 0, [hold(i) for i in range(10, 19)], total=9), now=0)
+    assert len(d._useful(ones, [PodSet(count=1, gpus=8)])) == 8

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from gpusteward.edge import Rejected
-from gpusteward.schema import DeviceSample, Finding, HwEvent, NodeSample, Rollup
+from gpusteward.schema import DeviceSample, Finding, HwEvent, NodeSample, NodeSummary, Rollup
+from gpusteward.streams.fleet import FleetEvaluator, FleetState
 from gpusteward.streams.node import NodeJoin, NodeState
 from tests.streams.test_node_join import T0, allocation, findings, node_sample
 
@@ -186,3 +187,25 @@ def test_samples_back_in_the_old_range_keep_the_node_on_its_clock() -> None:
         mixed.append(node_sample(T0 + 630 + i * 30, 90.0))
     _, refused = _feed(join, state, mixed)
     assert refused == 40 and state.rollups.watermark == T0 + 630 + 39 * 30
+
+
+def test_the_fleet_agent_takes_the_node_s_summaries_on_its_new_clock() -> None:
+    """After the join takes the stepped-back clock, the node's summaries are an hour before
+    its last one: the fleet agent takes them at once (not when the new clock passes the old
+    one, nor after dropping the node as stale), and still ignores a redelivered summary of
+    the old clock, or a late one of the new."""
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, allocation("running", T0))
+    before, _ = _feed(join, state, [node_sample(T0 + i * 30, 90.0) for i in range(241)])
+    back = T0 + 7200 - STEP + 30
+    after, _ = _feed(join, state, [node_sample(back + i * 30, 0.0) for i in range(80)])
+    old = [o for o in before if isinstance(o, NodeSummary)]
+    new = [o for o in after if isinstance(o, NodeSummary)]
+    assert old and len(new) > 2 and new[0].ts < old[-1].ts - STEP / 2
+    fleet, fleet_state = FleetEvaluator(), FleetState()
+    for summary in [*old, *new]:
+        fleet.on_summary(fleet_state, summary)
+        assert fleet_state.nodes["n1"] == summary
+    fleet.on_summary(fleet_state, old[-1])
+    fleet.on_summary(fleet_state, new[-2])
+    assert fleet_state.nodes["n1"] == new[-1]

@@ -189,3 +189,32 @@ def test_cordoned_and_unhealthy_nodes_are_planned_for_nobody(down: dict[str, boo
     assert observed.pools(GEOMETRIES, back, seen.instances) == [
         layout.Pool("A100-80GB", "A100-80GB", ("a100-1g", "a100-2g"), 2)]
     assert seen.instances["a100-2g"] == {"2g.20gb": 6}
+
+
+@pytest.mark.parametrize("down", [{"cordoned": True}, {"healthy": False}])
+def test_a_pool_keeps_its_name_and_its_advice_its_id_while_a_node_is_out(
+        down: dict[str, bool]) -> None:
+    """The only 1-GPU A100 node is cordoned (or unhealthy) for a while: it is planned for
+    nobody, but the 2-GPU nodes' pool is still ``A100-80GB/2gpu`` and its advice keeps its
+    fingerprint, so it is not republished under a new id while the node is out and again
+    when it comes back."""
+    seen = MigObservation()
+    small = summary("a100-3g-1", 0, {"3g.40gb": 2}, gpus=1)
+    nodes = [summary("a100-1g-1", 0, {"1g.10gb": 14}), summary("a100-1g-2", 0, {"1g.10gb": 14}),
+             small]
+    for node in nodes:
+        observed.on_summary(seen, node)
+    for i in range(10):
+        observed.on_queue(seen, f"svc/chat-{i}", event(f"chat-{i}", "admitted", 0,
+                                                        {"1g.10gb": 1}))
+    observed.on_queue(seen, "svc/rerank", event("rerank", "pending", 900, {"2g.20gb": 1}))
+
+    def advice(fleet: list[NodeSummary]) -> tuple[list[str], set[str]]:
+        advised = observed.advise(GEOMETRIES, fleet, seen, now=3600, window_s=3600)
+        findings = layout.advice_findings(advised, ts=3600, window_start=0)
+        return [p.pool.name for p in advised.pools], {f.fingerprint for f in findings}
+
+    in_service = advice(nodes)
+    out = advice([*nodes[:2], msgspec.structs.replace(small, **down)])
+    assert out[0] == ["A100-80GB/2gpu"]
+    assert in_service[0] == ["A100-80GB/2gpu"] and out[1] == in_service[1] != set()
