@@ -549,10 +549,15 @@ class LostGpus:
     drained of its driver) is no answer and moves nothing, and one missed scrape is no
     loss. A GPU that comes back is forgotten as lost, so a second loss is reported again.
 
+    A MIG-enabled GPU is not followed: dcgm-exporter reports it only through its GPU
+    instances, and a MIG reconfiguration (mig-parted destroys every instance, then makes
+    the new layout) leaves it with none and no series for as long as that takes; reported
+    lost, the gpu_lost rule would drain a node under reconfiguration. The NVML collector
+    reports a lost MIG-enabled GPU.
+
     Limitations: a GPU already gone when this collector starts is never seen, so never
     reported (the NVML collector reports it); a node's last GPU leaves an empty page,
-    which is a scrape error, not a loss; a MIG-enabled GPU left with no GPU instances has
-    no series either and is reported lost like a GPU off the bus.
+    which is a scrape error, not a loss.
     """
 
     def __init__(self, source: str, after: int = LOST_AFTER_SCRAPES) -> None:
@@ -573,11 +578,15 @@ class LostGpus:
             present = {d.uuid: d.index for d in sample.devices if d.kind == "gpu"}
             if not present:
                 continue
+            mig = {d.parent_uuid for d in sample.devices if d.parent_uuid is not None}
             known = self._known.setdefault(sample.node, {})
             for uuid, index in present.items():
-                known[uuid] = index
                 self._missing.pop((sample.node, uuid), None)
                 self._reported.discard((sample.node, uuid))
+                if uuid in mig:  # its instances may all go in a reconfiguration
+                    known.pop(uuid, None)
+                else:
+                    known[uuid] = index
             for uuid, index in known.items():
                 key = (sample.node, uuid)
                 if uuid in present or key in self._reported:
