@@ -129,21 +129,38 @@ class AlertmanagerSink:
                 self.firing[finding.fingerprint] = self._alert(finding)
 
     async def deliver(self, finding: Finding) -> None:
-        if finding.state == "firing":
-            alert = self._alert(finding)
-            self.firing[finding.fingerprint] = alert
-            self.pending_resolved.pop(finding.fingerprint, None)
-            await self._post_quietly([self._alive(alert)])
+        await self.deliver_many([finding])
+
+    async def deliver_many(self, findings: list[Finding]) -> None:
+        """Post the alerts of ``findings`` (a consumer batch, in record order) in one request.
+
+        An episode that both fires and resolves in the batch is posted once, as resolved.
+        A failed post loses nothing: firing alerts stay in :attr:`firing` and unsent
+        resolutions in :attr:`pending_resolved`, and the next refresh posts them.
+        """
+        posting: dict[str, list[dict[str, Any]]] = {}
+        for finding in findings:
+            fingerprint = finding.fingerprint
+            if finding.state == "firing":
+                alert = self._alert(finding)
+                self.firing[fingerprint] = alert
+                self.pending_resolved.pop(fingerprint, None)
+                posting[fingerprint] = [self._alive(alert)]
+                continue
+            ends_at = finding.ends_at if finding.ends_at is not None else finding.ts
+            known = self.firing.pop(fingerprint, None)
+            if known is not None:
+                ended = [{**known, "endsAt": rfc3339(ends_at)}]
+            else:
+                ended = await self._active_alerts_for(finding, ends_at)
+            self.pending_resolved[fingerprint] = ended
+            posting[fingerprint] = ended
+        alerts = [alert for group in posting.values() for alert in group]
+        if not alerts:
             return
-        ends_at = finding.ends_at if finding.ends_at is not None else finding.ts
-        known = self.firing.pop(finding.fingerprint, None)
-        if known is not None:
-            ended = [{**known, "endsAt": rfc3339(ends_at)}]
-        else:
-            ended = await self._active_alerts_for(finding, ends_at)
-        self.pending_resolved[finding.fingerprint] = ended
-        if await self._post_quietly(ended):
-            self.pending_resolved.pop(finding.fingerprint, None)
+        if await self._post_quietly(alerts):
+            for fingerprint in posting:
+                self.pending_resolved.pop(fingerprint, None)
 
     async def refresh(self, force: bool = False) -> None:
         """Re-post firing alerts (and unsent resolutions) when a resend interval has passed;

@@ -51,6 +51,13 @@ class AlertSink(Protocol):
 
 
 @runtime_checkable
+class BatchingSink(Protocol):
+    """A sink that takes the new findings of one consumer batch at once (one request)."""
+
+    async def deliver_many(self, findings: list[Finding]) -> None: ...
+
+
+@runtime_checkable
 class RefreshingSink(Protocol):
     """A sink that keeps state alive (Alertmanager) or retries (webhook) between findings."""
 
@@ -128,6 +135,7 @@ class FindingsConsumer:
             async with lag_followed(self.metrics, self.settings, self.group_id, [topic]):
                 while not stop.is_set():
                     batch = await consumer.getmany(timeout_ms=200)
+                    new: list[Finding] = []
                     for messages in batch.values():
                         for message in messages:
                             started = time.perf_counter()
@@ -135,8 +143,9 @@ class FindingsConsumer:
                             await self._handle(deliveries, message.value, message.key,
                                                topic=message.topic,
                                                partition=message.partition,
-                                               offset=message.offset)
+                                               offset=message.offset, batch=new)
                             processing.observe(time.perf_counter() - started)
+                    await self._deliver(new)
                     if batch:
                         # The dead letters are on the broker before the offsets move past
                         # their records; one the broker refused raises here and nothing is
@@ -207,10 +216,12 @@ class FindingsConsumer:
 
     async def _handle(self, producer: kafka.Sender, raw: bytes | None,
                       record_key: bytes | None = None, *, topic: str | None = None,
-                      partition: int = -1, offset: int = -1) -> None:
-        """Deliver the finding of one record to every sink, or send the record to the
-        dead-letter topic when it is no valid finding (the caller awaits its delivery
-        before it commits past the record)."""
+                      partition: int = -1, offset: int = -1,
+                      batch: list[Finding] | None = None) -> None:
+        """Deliver the finding of one record to every sink (or, with ``batch``, add it
+        there for :meth:`_deliver`), or send the record to the dead-letter topic when it
+        is no valid finding (the caller awaits its delivery before it commits past the
+        record)."""
         try:
             finding = self._decode(raw, record_key)
         except edge.Rejected as error:
@@ -235,5 +246,19 @@ class FindingsConsumer:
                            finding.ts)
         if self.on_finding:
             self.on_finding(finding)
+        if batch is not None:
+            batch.append(finding)
+            return
+        await self._deliver([finding])
+
+    async def _deliver(self, findings: list[Finding]) -> None:
+        """Hand new findings to every sink: all at once to a :class:`BatchingSink`
+        (Alertmanager: one request for a burst), one by one to the others."""
+        if not findings:
+            return
         for sink in self.sinks:
-            await sink.deliver(finding)
+            if isinstance(sink, BatchingSink):
+                await sink.deliver_many(findings)
+                continue
+            for finding in findings:
+                await sink.deliver(finding)

@@ -533,6 +533,76 @@ class XidTracker:
         return found
 
 
+LOST_AFTER_SCRAPES = 3
+"""Readable answers in a row a known GPU must be missing from before it is reported lost."""
+
+
+class LostGpus:
+    """Turns a GPU that left a node's page into one ``gpu_lost`` event.
+
+    dcgm-exporter says nothing of a GPU fallen off the bus: DCGM answers blank values
+    for it, dcgm-exporter skips blank values, and the GPU's series leave the page (an
+    Xid 79 rarely makes it to ``DCGM_FI_DEV_XID_ERRORS`` first). So a physical GPU
+    (parent UUID, which a MIG reconfiguration keeps) seen on a node is reported lost
+    once it is missing from ``after`` answers in a row that had the node's other GPUs:
+    a scrape that fails or has no GPU series at all (the exporter down, the node gone or
+    drained of its driver) is no answer and moves nothing, and one missed scrape is no
+    loss. A GPU that comes back is forgotten as lost, so a second loss is reported again.
+
+    A MIG-enabled GPU is not followed: dcgm-exporter reports it only through its GPU
+    instances, and a MIG reconfiguration (mig-parted destroys every instance, then makes
+    the new layout) leaves it with none and no series for as long as that takes; reported
+    lost, the gpu_lost rule would drain a node under reconfiguration. The NVML collector
+    reports a lost MIG-enabled GPU.
+
+    Limitations: a GPU already gone when this collector starts is never seen, so never
+    reported (the NVML collector reports it); a node's last GPU leaves an empty page,
+    which is a scrape error, not a loss.
+    """
+
+    def __init__(self, source: str, after: int = LOST_AFTER_SCRAPES) -> None:
+        if after < 1:
+            raise ValueError(f"after must be at least 1, not {after}")
+        self.source = source
+        self.after = after
+        self._known: dict[str, dict[str, int]] = {}
+        """node -> parent UUID -> GPU index, of every GPU seen."""
+        self._missing: dict[tuple[str, str], int] = {}
+        """(node, UUID) -> answers in a row without it."""
+        self._reported: set[tuple[str, str]] = set()
+
+    def events(self, samples: Iterable[NodeSample], ts: float) -> list[HwEvent]:
+        """The GPUs the answer's nodes lost, each once; a node not in it is not judged."""
+        found: list[HwEvent] = []
+        for sample in samples:
+            present = {d.uuid: d.index for d in sample.devices if d.kind == "gpu"}
+            if not present:
+                continue
+            mig = {d.parent_uuid for d in sample.devices if d.parent_uuid is not None}
+            known = self._known.setdefault(sample.node, {})
+            for uuid, index in present.items():
+                self._missing.pop((sample.node, uuid), None)
+                self._reported.discard((sample.node, uuid))
+                if uuid in mig:  # its instances may all go in a reconfiguration
+                    known.pop(uuid, None)
+                else:
+                    known[uuid] = index
+            for uuid, index in known.items():
+                key = (sample.node, uuid)
+                if uuid in present or key in self._reported:
+                    continue
+                self._missing[key] = count = self._missing.get(key, 0) + 1
+                if count < self.after:
+                    continue
+                self._reported.add(key)
+                found.append(HwEvent(
+                    ts=ts, node=sample.node, kind="gpu_lost", uuid=uuid, source=self.source,
+                    detail=f"GPU {index} gone from dcgm-exporter's series ({self.source}) for "
+                           f"{count} reads while the node's other GPUs are reported; "
+                           "fallen off the bus?"))
+        return found
+
+
 # -- the scrape --------------------------------------------------------------------------------
 
 def parse_page(text: str) -> list[Series]:
@@ -575,6 +645,7 @@ class DcgmSource:
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._xids = XidTracker()
+        self._lost = LostGpus(self.source)
         self.coverage = FieldCoverage(self.source, metrics)
         self.refusals = edge.Refusals(log)
         """Series skipped as unreadable, by metric."""
@@ -610,9 +681,10 @@ class DcgmSource:
         if sample is None or not sample.devices:
             raise SourceError("empty", f"{self.url} reports no GPU series")
         self.coverage.check(item.name for item in series)
-        # Only a page that made a sample moves the XID state on, so an event is never
+        # Only a page that made a sample moves the XID and lost-GPU state on, so an event is never
         # consumed by a tick whose sample was refused.
-        return sample, self._xids.events(series, ts, self.source, node=node)
+        events = self._xids.events(series, ts, self.source, node=node)
+        return sample, events + self._lost.events([sample], ts)
 
     async def collect(self) -> tuple[list[NodeSample], list[HwEvent]]:
         text = await self.fetch()

@@ -152,6 +152,7 @@ class PrometheusSource:
             url, disable_ssl=True, retry=Retry(total=1, backoff_factor=0.1))
         self._query = build_query(self.nodes)
         self._xids = dcgm.XidTracker()
+        self._lost = dcgm.LostGpus(self.source)
         # Judged over the whole answer: a family any node reports is switched on in the
         # exporters' counters file.
         self.coverage = dcgm.FieldCoverage(self.source, metrics)
@@ -183,9 +184,11 @@ class PrometheusSource:
         samples = dcgm.node_samples(series, evaluated_at, self.source,
                                     pod_resolver=pod_resolver(series, self.pod_labels),
                                     refusals=self.refusals)
+        nodes = [samples[node] for node in sorted(samples)]
         events = self._xids.events(series, evaluated_at, self.source)
+        events += self._lost.events(nodes, evaluated_at)
         self.coverage.check(item.name for item in series)
-        return [samples[node] for node in sorted(samples)], events
+        return nodes, events
 
 
 async def run_prometheus_collector(settings: CollectSettings, publisher: Publisher,

@@ -10,6 +10,7 @@ import urllib.request
 from typing import Any
 
 import msgspec
+import pytest
 
 from gpusteward import kafka, topics
 from gpusteward.alerting.alertmanager import AlertmanagerSink
@@ -221,3 +222,91 @@ def test_a_failing_alertmanager_gets_one_request_per_retry_interval_not_one_per_
     assert kept == burst
     assert [sorted(a["labels"]["fingerprint"] for a in body) for body in received] == [
         ["fp-burst-0"], burst]
+
+
+def _recording_alertmanager(statuses: list[int]) -> tuple[Any, list[list[dict[str, Any]]]]:
+    """An aiohttp app that records each POSTed body and answers ``statuses`` in turn (200
+    once they run out)."""
+    from aiohttp import web
+
+    received: list[list[dict[str, Any]]] = []
+
+    async def alerts(request: web.Request) -> web.Response:
+        received.append(await request.json())
+        return web.Response(status=statuses.pop(0) if statuses else 200)
+
+    app = web.Application()
+    app.router.add_post("/api/v2/alerts", alerts)
+    return app, received
+
+
+def test_a_burst_of_findings_in_one_consumer_batch_is_one_request() -> None:
+    """A healthy Alertmanager got one POST per new finding: a burst of 1,000 findings was
+    1,000 requests. The consumer hands a batch's new findings to the sink at once, and it
+    posts them in one request; an episode that fires and resolves in the batch is sent
+    once, resolved."""
+    from aiohttp import web
+
+    settings = Settings()
+    app, received = _recording_alertmanager([])
+
+    async def main() -> AlertmanagerSink:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        sink = AlertmanagerSink(f"http://127.0.0.1:{runner.addresses[0][1]}")
+        consumer = FindingsConsumer(settings, [sink], group_id="am-batch")
+        burst = [firing(f"fp-many-{i}") for i in range(1000)]
+        new: list[Finding] = []
+        try:
+            for finding in [*burst, ending(burst[0])]:
+                await consumer._handle(None, msgspec.json.encode(finding),  # type: ignore[arg-type]
+                                       finding.fingerprint.encode(), batch=new)
+            await consumer._deliver(new)
+            return sink
+        finally:
+            await sink.close()
+            await runner.cleanup()
+
+    sink = asyncio.run(main())
+    assert len(received) == 1
+    by_fingerprint = {a["labels"]["fingerprint"]: a for a in received[0]}
+    assert len(received[0]) == len(by_fingerprint) == 1000
+    assert ends_at(by_fingerprint["fp-many-0"]) < time.time()  # ended, not alive
+    assert ends_at(by_fingerprint["fp-many-1"]) > time.time()
+    assert "fp-many-0" not in sink.firing and len(sink.firing) == 999
+    assert sink.pending_resolved == {}
+
+
+def test_a_failed_batch_post_is_posted_again_by_the_next_refresh() -> None:
+    from aiohttp import web
+
+    now = [1_000.0]
+    app, received = _recording_alertmanager([503])
+    ended = ending(firing("fp-retry-0"))
+
+    async def main() -> AlertmanagerSink:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        sink = AlertmanagerSink(f"http://127.0.0.1:{runner.addresses[0][1]}",
+                                clock=lambda: now[0])
+        try:
+            opened = [firing(f"fp-retry-{i}") for i in range(3)]
+            await sink.deliver_many(opened[:2])
+            await sink.deliver_many([ended])  # backing off: kept, not posted
+            assert len(received) == 1
+            now[0] += 61.0
+            await sink.refresh()
+            return sink
+        finally:
+            await sink.close()
+            await runner.cleanup()
+
+    sink = asyncio.run(main())
+    assert [sorted(a["labels"]["fingerprint"] for a in body) for body in received] == [
+        ["fp-retry-0", "fp-retry-1"], ["fp-retry-0", "fp-retry-1"]]
+    resent = {a["labels"]["fingerprint"]: a for a in received[1]}
+    assert ends_at(resent["fp-retry-0"]) == pytest.approx(ended.ends_at)  # the resolution
+    assert ends_at(resent["fp-retry-1"]) == pytest.approx(now[0] + sink.lifetime_s)
+    assert sink.pending_resolved == {}

@@ -103,15 +103,17 @@ def _read(device: DeviceSample) -> dict[str, object]:
     return values
 
 
-async def _collect_through_pages(name: str, check_every: int
+async def _collect_through_pages(name: str, check_every: int,
+                                 lost: list[tuple[float, HwEvent]] | None = None
                                  ) -> tuple[int, int, list[int], set[str]]:
     """Step the scenario; every ``check_every`` ticks read every node's page with the
     production collector and compare it with the simulator's sample. Returns the devices
     checked, how many of them were on several pods, the XIDs read, the missing field
-    families."""
+    families; the ``gpu_lost`` events read go in ``lost``, with the scenario's time."""
     spec = scenarios.load(name)
     cluster = SimulatedCluster(spec)
     checked, shared, xids = 0, 0, []
+    lost = lost if lost is not None else []
     async with DcgmPages() as pages, aiohttp.ClientSession() as session:
         feed = _Feed(pages)
         sources = {node: dcgm.DcgmSource(pages.url(node), node, session)
@@ -127,7 +129,9 @@ async def _collect_through_pages(name: str, check_every: int
                 assert samples[0].node == node
                 read = [_read(d) for d in samples[0].devices]
                 assert read == _expected_devices(feed.latest[node].devices), (node, tick)
-                xids += [e.xid or 0 for e in events]
+                xids += [e.xid or 0 for e in events if e.kind == "xid"]
+                lost += [(cluster.now - cluster.start, e) for e in events
+                         if e.kind == "gpu_lost"]
                 checked += len(read)
                 shared += sum(len(r["pods"]) > 1 for r in read)  # type: ignore[arg-type]
         missing = set.union(*(s.coverage.missing for s in sources.values()))
@@ -146,6 +150,26 @@ def test_faulty_fleet_pages_read_back_as_the_simulated_readings() -> None:
     # but 79, whose GPU is off the bus from that moment and leaves the page with its
     # readings (the simulator sends the XID as an urgent event, as the NVML collector does).
     assert set(xids) == {46, 13, 31, 119, 43}
+
+
+def test_a_gpu_that_leaves_the_page_is_reported_lost_once() -> None:
+    # dcgm-exporter has no series for a GPU off the bus (its values are blank), and the
+    # XID 79 does not reach the page: the collector reports the GPU whose series left a page
+    # that still has the node's other GPUs, after LOST_AFTER_SCRAPES reads without it.
+    lost: list[tuple[float, HwEvent]] = []
+    asyncio.run(_collect_through_pages("faulty-fleet", check_every=1, lost=lost))
+    spec = scenarios.load("faulty-fleet")
+    interval = spec.sample_interval_s
+    cluster = SimulatedCluster(spec)
+    uuid = {(node, gpu.index): gpu.uuid for node, n in cluster.nodes.items() for gpu in n.gpus}
+    # The Xid 79 at 1500 s on h100-1 GPU 1 and the gpu_lost fault at 2400 s on h100-2 GPU 3.
+    assert [(e.node, e.uuid, e.source) for _, e in lost] == [
+        ("h100-1", uuid[("h100-1", 1)], "dcgm"), ("h100-2", uuid[("h100-2", 3)], "dcgm")]
+    assert [at for at, _ in lost] == [
+        pytest.approx(at, abs=interval)
+        for at in (1500 + dcgm.LOST_AFTER_SCRAPES * interval,
+                   2400 + dcgm.LOST_AFTER_SCRAPES * interval)]
+    assert all("dcgm-exporter" in e.detail for _, e in lost)
 
 
 def test_mig_instances_are_exported_per_gpu_instance_under_the_parent() -> None:
