@@ -191,16 +191,9 @@ def test_a_failing_alertmanager_gets_one_request_per_retry_interval_not_one_per_
     from aiohttp import web
 
     now = [1_000.0]
-    received: list[list[dict[str, Any]]] = []
-    statuses = [503]
-
-    async def alerts(request: web.Request) -> web.Response:
-        received.append(await request.json())
-        return web.Response(status=statuses.pop(0) if statuses else 200)
+    app, received = _recording_alertmanager([503])
 
     async def main() -> list[str]:
-        app = web.Application()
-        app.router.add_post("/api/v2/alerts", alerts)
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
