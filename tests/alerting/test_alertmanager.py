@@ -188,16 +188,13 @@ def test_a_failing_alertmanager_gets_one_request_per_retry_interval_not_one_per_
     posted one request each held the consumer, and every sink after this one, for one
     failure per finding. After a failure the sink keeps what arrives and the refresh
     after the retry interval sends it all in one request."""
-    from aiohttp import web
 
     now = [1_000.0]
     app, received = _recording_alertmanager([503])
 
     async def main() -> list[str]:
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        sink = AlertmanagerSink(f"http://127.0.0.1:{runner.addresses[0][1]}",
+        runner, url = await _serve(app)
+        sink = AlertmanagerSink(url,
                                 clock=lambda: now[0])
         try:
             for i in range(5):
@@ -215,6 +212,16 @@ def test_a_failing_alertmanager_gets_one_request_per_retry_interval_not_one_per_
     assert kept == burst
     assert [sorted(a["labels"]["fingerprint"] for a in body) for body in received] == [
         ["fp-burst-0"], burst]
+
+
+async def _serve(app: Any) -> tuple[Any, str]:
+    """Start ``app`` on a free local port: its runner (to clean up) and its URL."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
 def _recording_alertmanager(statuses: list[int]) -> tuple[Any, list[list[dict[str, Any]]]]:
@@ -238,16 +245,13 @@ def test_a_burst_of_findings_in_one_consumer_batch_is_one_request() -> None:
     1,000 requests. The consumer hands a batch's new findings to the sink at once, and it
     posts them in one request; an episode that fires and resolves in the batch is sent
     once, resolved."""
-    from aiohttp import web
 
     settings = Settings()
     app, received = _recording_alertmanager([])
 
     async def main() -> AlertmanagerSink:
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        sink = AlertmanagerSink(f"http://127.0.0.1:{runner.addresses[0][1]}")
+        runner, url = await _serve(app)
+        sink = AlertmanagerSink(url)
         consumer = FindingsConsumer(settings, [sink], group_id="am-batch")
         burst = [firing(f"fp-many-{i}") for i in range(1000)]
         new: list[Finding] = []
@@ -272,17 +276,14 @@ def test_a_burst_of_findings_in_one_consumer_batch_is_one_request() -> None:
 
 
 def test_a_failed_batch_post_is_posted_again_by_the_next_refresh() -> None:
-    from aiohttp import web
 
     now = [1_000.0]
     app, received = _recording_alertmanager([503])
     ended = ending(firing("fp-retry-0"))
 
     async def main() -> AlertmanagerSink:
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        sink = AlertmanagerSink(f"http://127.0.0.1:{runner.addresses[0][1]}",
+        runner, url = await _serve(app)
+        sink = AlertmanagerSink(url,
                                 clock=lambda: now[0])
         try:
             opened = [firing(f"fp-retry-{i}") for i in range(3)]
