@@ -71,3 +71,23 @@ def test_unknown_rule_names_the_valid_ones() -> None:
         assert "ecc_dbe" in str(error) and "idle_holder" in str(error)
     else:
         raise AssertionError("expected UnknownRuleError")
+
+
+def test_a_clock_step_moves_the_quiet_window_of_an_episode_no_counter_can_close() -> None:
+    """An Xid 48 episode on a GPU whose samples carry no DBE counter closes after the quiet
+    window; after the node's clock is stepped back an hour, the window runs on the new
+    clock (left on the old one, the GPU would stay out of service an hour too long)."""
+    from gpusteward.rules import xid as xid_rule
+    from gpusteward.schema import DeviceSample, HwEvent
+
+    run = ecc.EccRun(SETTINGS, takes_xid=True, quiet_s=3600.0)
+    track = ecc.EccTrack()
+    event = HwEvent(ts=10_000.0, node="n1", kind="xid", uuid="GPU-1", xid=xid_rule.XID_DBE)
+    assert ecc.observe_xid_event(track, event, "GPU-1", run)
+    ecc.clock_step(track, 3600.0)
+    device = DeviceSample(uuid="GPU-1", index=0, model="A100", temp_c=40.0)
+    # 3,600 s after the Xid on the new clock: 10,000 - 3,600 + 3,600.
+    assert ecc.observe_sample(track, "n1", device, 10_000.0 - 1.0, run) == []
+    (closed,) = ecc.observe_sample(track, "n1", device, 10_000.0, run)
+    assert isinstance(closed, Finding) and closed.state == "resolved"
+    assert closed.starts_at == 10_000.0 - 3600.0
