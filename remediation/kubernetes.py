@@ -32,9 +32,12 @@ What each verb does, and the API permissions it needs:
   controller (evicting one deletes it for good) unless ``drain_bare_pods``
   and pods with emptyDir volumes unless ``drain_emptydir_pods``; every pod
   left is named in the detail, and leaving pods alone does not fail the
-  drain. A 429 (a PodDisruptionBudget forbids it now) is retried with
-  backoff until ``drain_timeout_s``, after which the drain reports
-  ``failed`` with the pods left. Pods are never deleted directly;
+  drain. A 429 (a PodDisruptionBudget forbids it now), and any other
+  temporary error of an eviction but a 500 (a 503, a timeout: the API server
+  restarting), is retried with backoff until ``drain_timeout_s``, after which
+  the drain reports ``failed`` with the pods left and why; a 500 (several
+  budgets select the pod, a misconfiguration) is reported at once. Pods are
+  never deleted directly;
 - ``requeue``: a Kueue workload is deactivated (``spec.active=false``, the
   action's key in an annotation), then reactivated once Kueue has evicted it
   (get, patch workloads); one found inactive by someone else is left so; the pod
@@ -101,6 +104,7 @@ from urllib3.exceptions import TimeoutError as TransportTimeout
 
 from gpusteward.errors import (
     ApiError,
+    ApiTemporaryError,
     ApiTimeout,
     ApiUnreachable,
     ConfigError,
@@ -371,7 +375,12 @@ class KubernetesBackend:
         return None
 
     async def _evict(self, namespace: str, name: str) -> tuple[str, str]:
-        """One eviction attempt: ('evicted'|'gone'|'blocked'|'error', message)."""
+        """One eviction attempt: ('evicted'|'gone'|'blocked'|'unavailable'|'error', message).
+
+        'blocked' (a 429: a PodDisruptionBudget) and 'unavailable' (another temporary error:
+        a 503 or a timeout while the API server restarts) are tried again until the drain's
+        deadline; a 500 is the Eviction API's answer to a misconfiguration (several budgets
+        select the pod), which no retry mends, so it is an 'error' reported at once."""
         delete_options = None
         if self.settings.eviction_grace_period_s is not None:
             delete_options = k8s.V1DeleteOptions(
@@ -388,6 +397,10 @@ class KubernetesBackend:
             return "gone", "already gone"
         except TooManyRequests as error:  # a PodDisruptionBudget forbids it now
             return "blocked", error.message
+        except ApiTemporaryError as error:
+            if error.status != 500:
+                return "unavailable", str(error)
+            return "error", str(error)
         except ApiError as error:
             return "error", str(error)
         return "evicted", ""
@@ -409,17 +422,23 @@ class KubernetesBackend:
         evicted: list[str] = []
         blocked: dict[str, str] = {}
         errors: dict[str, str] = {}
+        unavailable: dict[str, str] = {}
+        """Pods whose last eviction met a temporary error other than a budget's 429."""
         pending = list(to_evict)
         while pending:
             retry: list[tuple[str, str]] = []
             for namespace, name in pending:
                 state, message = await self._evict(namespace, name)
                 ref = f"{namespace}/{name}"
+                blocked.pop(ref, None)
+                unavailable.pop(ref, None)
                 if state in ("evicted", "gone"):
                     evicted.append(ref)
-                    blocked.pop(ref, None)
                 elif state == "blocked":
                     blocked[ref] = message
+                    retry.append((namespace, name))
+                elif state == "unavailable":
+                    unavailable[ref] = message
                     retry.append((namespace, name))
                 else:
                     errors[ref] = message
@@ -431,11 +450,13 @@ class KubernetesBackend:
         cordon_note = "already cordoned" if cordon_outcome == "skipped" else "cordoned"
         summary = (f"{node} {cordon_note}; evicted {len(evicted)} pod(s)"
                    + (f"; left {len(left)}: {', '.join(left)}" if left else ""))
+        errors.update(unavailable)
         if blocked or errors:
             problems = [f"{ref} blocked by a PodDisruptionBudget ({why})"
                         for ref, why in blocked.items()]
             problems += [f"{ref}: {why}" for ref, why in errors.items()]
-            timed = (f" after {self.settings.drain_timeout_s:g} s" if blocked else "")
+            timed = (f" after {self.settings.drain_timeout_s:g} s"
+                     if blocked or unavailable else "")
             return "failed", f"drain incomplete{timed}: {summary}; not evicted: " + "; ".join(
                 problems)
         return "executed", summary

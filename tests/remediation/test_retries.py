@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
+
 from gpusteward.remediation.executor import Executor, RemediationSettings
 from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.schema import Action, ActionResult, Subject
 from gpusteward.settings import Settings
-from tests.remediation.cluster import cordoned, node
+from tests.remediation.cluster import cordoned, node, pdb, pod, pods
 
 
 def cordon(node_name: str) -> Action:
@@ -122,3 +124,48 @@ def test_retries_stop_at_the_attempt_limit_and_at_the_time_budget(
     assert "a wait of 4 s would pass the retry budget of 5 s" in result.detail
     assert budgeted.waits == [1.0, 2.0]
     assert cordoned(kube) == []
+
+
+def drain(node_name: str) -> Action:
+    return msgspec.structs.replace(cordon(node_name), idempotency_key=f"{node_name}-lost/drain",
+                                   verb="drain", rule="gpu_lost")
+
+
+def test_a_drain_whose_eviction_meets_a_503_or_a_timeout_retries_it_and_completes(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """An API server restarting mid-drain answers one eviction 503 and drops another: both
+    are temporary, as on every other call, so the drain tries them again within its
+    drain_timeout_s instead of reporting the node drained incomplete with pods on it."""
+    kube.load([node("gpu-1"), pod("ml-alice", "train-0", "gpu-1"),
+               pod("ml-bob", "serve-0", "gpu-1")])
+    kube.fail("POST", 1, status=503, path="/pods/train-0/eviction$")
+    kube.fail("POST", 1, hang_s=0.05, path="/pods/serve-0/eviction$")
+    run = Run(kube_settings)
+    result = run.decide(drain("gpu-1"))
+    assert result.outcome == "executed", result.detail
+    assert result.detail == "gpu-1 cordoned; evicted 2 pod(s)"
+    assert pods(kube) == set()
+    statuses = sorted((r.path.split("/")[6], r.status) for r in kube.requests
+                      if r.path.endswith("/eviction"))
+    assert statuses == [("serve-0", 0), ("serve-0", 201), ("train-0", 201), ("train-0", 503)]
+
+
+def test_a_drain_reports_a_misconfigured_budget_at_once_and_an_outage_past_its_timeout(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """Two PodDisruptionBudgets selecting one pod make every eviction a 500 (the Eviction
+    API's misconfiguration answer): retrying cannot help, so it is reported at once. An
+    eviction that stays 503 is retried until drain_timeout_s, then reported with its error;
+    neither pod is deleted."""
+    kube.load([node("gpu-1"), pod("ml-bob", "serve-0", "gpu-1", labels={"app": "serve"}),
+               pdb("ml-bob", "one", {"app": "serve"}, 1), pdb("ml-bob", "two", {"app": "serve"}, 1),
+               pod("ml-alice", "train-0", "gpu-1")])
+    kube.fail("POST", 1000, status=503, path="/pods/train-0/eviction$")
+    result = Run(kube_settings).decide(drain("gpu-1"))
+    assert result.outcome == "failed"
+    assert "ml-bob/serve-0: 500 InternalError: This pod has more than one" in result.detail
+    assert "ml-alice/train-0: 503 ServiceUnavailable" in result.detail
+    assert result.detail.startswith("drain incomplete after 0.5 s")
+    assert [(r.path.split("/")[6], r.status) for r in kube.requests
+            if r.path.endswith("/serve-0/eviction")] == [("serve-0", 500)]
+    assert len([r for r in kube.requests if r.path.endswith("/train-0/eviction")]) >= 3
+    assert pods(kube) == {("ml-bob", "serve-0"), ("ml-alice", "train-0")}
