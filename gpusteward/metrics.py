@@ -108,6 +108,12 @@ class PipelineMetrics:
         self.actions = Counter(
             "gpusteward_actions_total", "Action decisions, by verb and outcome.",
             ["verb", "outcome"], registry=r)
+        self.actions_stale = Counter(
+            "gpusteward_actions_stale_total",
+            "Actions the executor would have carried out but refused as stale (older than "
+            "max_action_age_s, or that far ahead of its clock), by verb and rule: a "
+            "remediation not done, and not asked again, whose fault may persist. Each is on "
+            "the audit topic with its target.", ["verb", "rule"], registry=r)
         self.breaker_open = Gauge(
             "gpusteward_breaker_open", "1 while the remediation circuit breaker is open.",
             ["group"], registry=r)

@@ -11,7 +11,9 @@ records one outcome on the audit topic (``action-results``):
   the backend found the effect already in place (the node was cordoned);
 - ``refused``: a guard said no: the target is on a deny-list, MIG relabels
   are not allowed by policy, the action is older than ``max_action_age_s``
-  (a backlog replayed after an outage), an idle reclaim's owner was not told
+  (a backlog replayed after an outage: not asked again, so such a refusal of an
+  action that would have been carried out is also counted in
+  ``gpusteward_actions_stale_total`` for the operator's alert), an idle reclaim's owner was not told
   ``min_notice_s`` before, the backend lacks the verb, or the circuit breaker
   is open;
 - ``executed`` / ``failed``: the backend carried it out, or could not;
@@ -560,12 +562,21 @@ class Executor:
             return "dry_run", (f"{describe(action)} [rule {action.rule} is not enabled; "
                                f"--enable-rule {action.rule} to act]")
         now = self.clock() if now is None else now
+        stale = self._age_refusal(action, now)
+        if stale is not None:
+            return "refused", stale
+        if _is_reclaim(action):
+            return self._notice_verdict(action, now)
+        return None
+
+    def _age_refusal(self, action: Action, now: float) -> str | None:
+        """Why ``action`` is too old, or too far ahead of ``now``, to be carried out, or None."""
         policy = self.remediation
         age = now - action.ts
         if policy.max_action_age_s is not None and age > policy.max_action_age_s:
             # A backlog replayed after an outage: the finding may have resolved since, and
             # a notice and its reclaim would land back to back.
-            return "refused", (
+            return (
                 f"stale: asked for at {rfc3339(action.ts)}, {age / 3600:.1f} h ago, older "
                 f"than max_action_age_s={policy.max_action_age_s:g} s (a backlog replayed "
                 "after an outage?); its finding may have resolved since. Not carried out "
@@ -574,14 +585,12 @@ class Executor:
         if policy.max_action_age_s is not None and -age > policy.max_action_age_s:
             # Its age cannot be told: a worker whose event time runs that far ahead (a node's
             # collector clock) would otherwise have a backlog carried out however old it is.
-            return "refused", (
+            return (
                 f"asked for at {rfc3339(action.ts)}, {-age / 3600:.1f} h ahead of the "
                 f"executor's clock, more than max_action_age_s={policy.max_action_age_s:g} s: "
                 "the clock of the node its finding came from is skewed, so the action's "
                 "age cannot be judged. Not carried out and not asked again: fix the node's "
                 "clock, check the finding and act by hand if it still applies")
-        if _is_reclaim(action):
-            return self._notice_verdict(action, now)
         return None
 
     def _notice_verdict(self, action: Action, now: float) -> tuple[Outcome, str] | None:
@@ -793,6 +802,13 @@ class Executor:
 
             result = await self.decide(action, audit_attempt)
             self.metrics.actions.labels(result.verb, result.outcome).inc()
+            if result.outcome == "refused" and result.detail == self._age_refusal(action,
+                                                                                   result.ts):
+                # A remediation not done and not asked again, whose fault may persist: the
+                # GpustewardActionsStale alert tells an operator, who acts by hand.
+                self.metrics.actions_stale.labels(action.verb, action.rule).inc()
+                log.warning("%s %s of %s refused as stale: %s", action.idempotency_key,
+                            action.verb, _where(action.target), result.detail)
         except Exception as error:  # one record's failure is that record's: never a crash loop
             why = edge.reason(error, "" if isinstance(error, edge.Rejected) else "executor")
             self.refusals.note(f"action {edge.kind_of(error)}",

@@ -95,6 +95,24 @@ UNIT_TESTS: list[dict[str, Any]] = [
         ],
     },
     {
+        # One cordon refused as stale at 3m: warned for the hour after it, then not.
+        "interval": "1m",
+        "input_series": [
+            {"series": f'gpusteward_actions_stale_total{{{LABELS}, verb="cordon", '
+                       'rule="ecc_dbe"}', "values": "_ _ _ 1x90"},
+        ],
+        "alert_rule_test": [
+            {"eval_time": "2m", "alertname": "GpustewardActionsStale", "exp_alerts": []},
+            *[{"eval_time": eval_time, "alertname": "GpustewardActionsStale", "exp_alerts": [{
+                "exp_labels": {"severity": "warning", "namespace": "gpusteward",
+                               "verb": "cordon", "rule": "ecc_dbe"},
+                "exp_annotations": _described(
+                    "GpustewardActionsStale", "cordon actions of ecc_dbe were refused as "
+                    "stale and not carried out")}]} for eval_time in ("3m", "60m")],
+            {"eval_time": "70m", "alertname": "GpustewardActionsStale", "exp_alerts": []},
+        ],
+    },
+    {
         "interval": "1m",
         "input_series": [
             {"series": 'up{namespace="gpusteward", pod="w-0", container="worker"}',
@@ -264,7 +282,7 @@ def test_every_rule_names_series_some_process_exports():
     groups = yaml.safe_load(RULE.read_text())["spec"]["groups"]
     alerts = {rule["alert"] for group in groups for rule in group["rules"]}
     assert {"GpustewardConsumerBehind", "GpustewardDeadLetters",
-            "GpustewardRemediationBreakerOpen", "GpustewardProcessDown",
+            "GpustewardRemediationBreakerOpen", "GpustewardActionsStale", "GpustewardProcessDown",
             "GpustewardCollectorSilent", "GpustewardWatcherSilent"} <= alerts
     for group in groups:
         for rule in group["rules"]:

@@ -26,9 +26,10 @@ from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.schema import Action, ActionResult, ActionVerb, DeadLetter, Finding, PodRef, Subject
 from gpusteward.settings import Settings
-from tests.remediation.cluster import cordoned, node, pod, writes
+from tests.remediation.cluster import cordoned, node, pod, publish_actions, writes
 
 ENABLED = RemediationSettings(enabled_rules={"ecc_dbe"})
+encode = msgspec.json.encode
 OFFLINE = Settings()
 """Settings for the decision tests: they never reach the broker these name."""
 
@@ -247,3 +248,33 @@ def test_no_backend_refuses_and_dry_run_only_describes() -> None:
     executor = Executor(OFFLINE, NoBackend(), execute=True, remediation=ENABLED)
     [result] = decide_all(executor, [dbe_cordon("gpu-1")])
     assert (result.outcome, result.detail) == ("refused", "backend none cannot cordon")
+
+
+def test_a_cordon_read_after_the_executor_was_down_is_refused_audited_and_alerted(
+        kube: KubeApiServer, kube_settings: KubeSettings, settings: Settings) -> None:
+    """The worker asked for a cordon; the executor came back two hours later. It must not act
+    on facts that old, but the DBE may persist and nothing asks again: the refusal is on the
+    audit topic with why and what to do, and counted by verb and rule for the
+    GpustewardActionsStale alert, so an operator is told. Dry runs and other refusals are
+    not counted: nothing would have been carried out."""
+    asyncio.run(kafka.ensure_topics(settings))
+    fleet(kube, 3)
+    asyncio.run(publish_actions(settings, dbe_cordon("gpu-00"),
+                                dbe_cordon("gpu-01", rule="idle_holder")))
+    back_later = Executor(settings, KubernetesBackend(kube_settings), execute=True,
+                          group_id="late", remediation=RemediationSettings(
+                              enabled_rules={"ecc_dbe"}, deny_nodes={"gpu-02"}),
+                          clock=lambda: time.time() + 2 * 3600)
+    results = asyncio.run(run_until(back_later, settings, [encode(dbe_cordon("gpu-02"))], 3))
+    assert [(r.target.node, r.outcome) for r in results] == [
+        ("gpu-00", "refused"), ("gpu-01", "dry_run"), ("gpu-02", "refused")]
+    assert results[0].detail.startswith("stale: asked for at ")
+    assert "check the finding's state and act by hand" in results[0].detail
+    assert cordoned(kube) == []
+    audit = decode_all(settings, topics.ACTION_RESULTS.name(settings), ActionResult)
+    assert [(r.target.node, r.outcome) for r in audit] == [
+        (r.target.node, r.outcome) for r in results]
+    stale = back_later.metrics.registry.get_sample_value
+    assert stale("gpusteward_actions_stale_total", {"verb": "cordon", "rule": "ecc_dbe"}) == 1
+    assert stale("gpusteward_actions_stale_total", {"verb": "cordon",
+                                                    "rule": "idle_holder"}) is None
