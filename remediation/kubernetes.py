@@ -40,7 +40,9 @@ What each verb does, and the API permissions it needs:
   never deleted directly;
 - ``requeue``: a Kueue workload is deactivated (``spec.active=false``, the
   action's key in an annotation), then reactivated once Kueue has evicted it
-  (get, patch workloads); one found inactive by someone else is left so; the pod
+  (get, patch workloads); retries that run out in between fail it saying the
+  workload is left inactive and how to resume it; one found inactive by someone
+  else is left so; the pod
   of a plain Job is deleted so the Job controller recreates it (delete
   pods); a pod without a controller is refused, deleting it would lose it;
 - ``requeue`` with ``params.reason`` ``idle-reclaim`` (the idle rule's last
@@ -111,6 +113,7 @@ from gpusteward.errors import (
     Conflict,
     NotFound,
     PermanentError,
+    TemporaryError,
     TooManyRequests,
     api_error,
     cut,
@@ -218,6 +221,8 @@ class KubernetesBackend:
         self.apps = k8s.AppsV1Api(api_client)
         self.custom = k8s.CustomObjectsApi(api_client)
         self._sleep = sleep
+        self._left_inactive: set[str] = set()
+        """Keys of requeues that deactivated a Kueue workload and have not reactivated it."""
 
     def _load_client(self) -> k8s.ApiClient:
         if self.settings.kubeconfig is None:
@@ -516,7 +521,26 @@ class KubernetesBackend:
         """Deactivate, wait for Kueue's eviction, reactivate. The deactivation names the
         action (``gpusteward.io/requeued-by``), so that a replay of it after a crash, which
         finds a requeued workload looking like one never touched, does not requeue it twice,
-        and one found inactive is reactivated only when this action left it so."""
+        and one found inactive is reactivated only when this action left it so.
+
+        A temporary error between the two patches leaves the job stopped until a retry
+        reactivates it; should the retries run out, the error says so first, and how to
+        resume it, since Kueue never admits an inactive workload again by itself."""
+        try:
+            outcome = await self._requeue_workload_once(namespace, name, key)
+        except TemporaryError as error:
+            if key not in self._left_inactive:
+                raise
+            raise TemporaryError(
+                f"Kueue workload {namespace}/{name} is left inactive (spec.active=false) by "
+                f"this action until a retry reactivates it; if none does, resume it with "
+                f"`kueuectl resume workload {name} -n {namespace}`: {error}",
+                delay=error.delay) from error
+        self._left_inactive.discard(key)
+        return outcome
+
+    async def _requeue_workload_once(self, namespace: str, name: str, key: str
+                                     ) -> tuple[Outcome, str]:
         current = await self._workload(namespace, name)
         ours = (current.get("metadata", {}).get("annotations") or {}).get(
             REQUEUE_ANNOTATION) == key
@@ -531,6 +555,7 @@ class KubernetesBackend:
             return "executed", (f"Kueue workload {namespace}/{name} was requeued by an earlier "
                                 "try of this action (its audit record was lost)")
         await self._set_active(namespace, name, False, by=key)
+        self._left_inactive.add(key)
         deadline = time.monotonic() + self.settings.requeue_timeout_s
         evicted = False
         while time.monotonic() < deadline:

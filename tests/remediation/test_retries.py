@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import msgspec
 
 from gpusteward.remediation.executor import Executor, RemediationSettings
 from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
-from gpusteward.sandbox.kube_api import KubeApiServer
-from gpusteward.schema import Action, ActionResult, Subject
+from gpusteward.sandbox.kube_api import KUEUE_GROUP, KubeApiServer
+from gpusteward.schema import Action, ActionResult, PodRef, Subject
 from gpusteward.settings import Settings
-from tests.remediation.cluster import cordoned, node, pdb, pod, pods
+from tests.remediation.cluster import admitted_workload, cordoned, node, pdb, pod, pods
 
 
 def cordon(node_name: str) -> Action:
@@ -169,3 +170,32 @@ def test_a_drain_reports_a_misconfigured_budget_at_once_and_an_outage_past_its_t
             if r.path.endswith("/serve-0/eviction")] == [("serve-0", 500)]
     assert len([r for r in kube.requests if r.path.endswith("/train-0/eviction")]) >= 3
     assert pods(kube) == {("ml-bob", "serve-0"), ("ml-alice", "train-0")}
+
+
+def test_a_requeue_cut_short_by_an_outage_says_its_workload_is_left_inactive(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """The API server goes away right after the requeue deactivated the Kueue workload: the
+    retries run out with the job stopped (spec.active=false), which Kueue never admits
+    again by itself. The audit must say so and how to resume it, not only the 503."""
+    kube.load([pod("ml-dave", "train-0", "gpu-1", owner_kind="Job",
+                   annotations={"kueue.x-k8s.io/workload": "job-train"}),
+               admitted_workload("ml-dave", "job-train")])
+
+    def outage_once_deactivated(api: KubeApiServer, before: Any, after: Any) -> None:
+        if after["spec"].get("active") is False and (before or {}).get("spec", {}).get(
+                "active", True):
+            api.fail("GET", 100, status=503, path="/workloads/job-train$")
+            api.fail("PATCH", 100, status=503, path="/workloads/job-train$")
+
+    kube.add_controller("Workload", outage_once_deactivated, group=KUEUE_GROUP)
+    requeue = Action(idempotency_key="spot-1/requeue", verb="requeue",
+                     target=Subject(node="gpu-1", pod=PodRef("ml-dave", "train-0")),
+                     reason="spot interruption", rule="spot_interruption",
+                     finding_ids=["spot-1"], ts=time.time())
+    result = Run(kube_settings).decide(requeue)
+    assert (result.outcome, result.attempt) == ("failed", 5)
+    assert kube.get("Workload", "job-train", "ml-dave", KUEUE_GROUP)["spec"]["active"] is False
+    assert ("Kueue workload ml-dave/job-train is left inactive (spec.active=false) by this "
+            "action") in result.detail
+    assert "kueuectl resume workload job-train -n ml-dave" in result.detail
+    assert "503 ServiceUnavailable" in result.detail
