@@ -468,8 +468,8 @@ class NodeStates:
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(NodeState).decode
         self.dropped: list[Undecodable] = []
-        """Table values this build could not decode, dropped for a fresh state
-        (:func:`.outputs.restore`), until the caller reports them."""
+        """Table values this build could not decode, dropped for a fresh state in whole or
+        in part (:func:`.outputs.restore`), until the caller reports them."""
 
     def apply(self, to_write: dict[bytes, bytes], handler: Callable[[NodeState, Any], list[Output]],
               record: Any) -> list[Output]:
@@ -478,7 +478,8 @@ class NodeStates:
         node = record.node.encode()
         entry = self.live.get(node)
         if entry is None:
-            stored = restore(self._decode, node, self.table.get(node), self.dropped)
+            stored = restore(self._decode, node, self.table.get(node), self.dropped,
+                             NodeState)
             entry = (stored if stored is not None else NodeState(), -1.0)
         state, checkpointed_at = entry
         try:

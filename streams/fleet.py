@@ -504,14 +504,17 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     def load_state(event: Any) -> FleetState:
         """The fleet state as the tables hold it. A value this build cannot decode (a newer
         release's, or corrupt) is dropped and reported (:func:`.outputs.restore`), and
-        deleted with the next write: the fleet state starts afresh, a node waits for its
-        next summary, a MIG workload is forgotten. ``event``: the record being processed,
-        whose partition the reports name."""
+        deleted with the next write: a node waits for its next summary, a MIG workload is
+        forgotten; the fleet state and a node's spot track keep each of their fields that
+        decodes on its own (the queue, the fragmentation episodes, a rule's track) and start
+        the others afresh. ``event``: the record being processed, whose partition the
+        reports name."""
         def restored(table: Any, decode: Callable[[bytes], Any],
-                     values: Iterable[tuple[bytes, bytes]]) -> dict[str, Any]:
+                     values: Iterable[tuple[bytes, bytes]],
+                     loose: type | None = None) -> dict[str, Any]:
             kept: dict[str, Any] = {}
             for key, value in values:
-                decoded = restore(decode, key, value, dropped)
+                decoded = restore(decode, key, value, dropped, loose)
                 if decoded is not None:
                     kept[key.decode()] = decoded
             if table is not fleet_table:  # the fleet state's fresh value replaces its own
@@ -523,8 +526,8 @@ def register_fleet_agent(app: faust.App, settings: Settings,
 
         stored = fleet_table.get(state_key)
         fleet_values = [] if stored is None else [(state_key, stored)]
-        loaded = (restored(fleet_table, decode_fleet, fleet_values).get(state_key.decode())
-                  or FleetState())
+        loaded = (restored(fleet_table, decode_fleet, fleet_values, FleetState)
+                  .get(state_key.decode()) or FleetState())
         loaded.nodes = restored(nodes_table, decode_summary, nodes_table.items())
         loaded.mig.workloads = restored(mig_table, decode_mig_workload, mig_table.items())
         return loaded
@@ -637,7 +640,8 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             # The node join dead-letters the same record; once is enough.
             return None
         node = alloc.node.encode()
-        track = restore(decode_track, node, spot_table.get(node), dropped)
+        track = restore(decode_track, node, spot_table.get(node), dropped,
+                        spot_rules.SpotNodeTrack)
         if dropped:
             outputs_to.drop_states(spot_table, event.message.partition, dropped)
         if track is None:

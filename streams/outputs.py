@@ -10,8 +10,9 @@ edge refusing it, a rule, the state encoder) into a dead letter, so that no
 single record can stop an agent. Faust would restart a crashed agent on the
 same record, forever. A state a table holds that this build cannot decode (a
 newer release's, read after a rollback, or a corrupt one) is the same kind
-of failure, of every record of its key: :func:`restore` starts that key afresh
-and :meth:`OutputTopics.drop_states` keeps the bytes as a dead letter.
+of failure, of every record of its key: :func:`restore` keeps of it what decodes
+(:func:`salvage`), starting the rest afresh, and :meth:`OutputTopics.drop_states`
+keeps the bytes as a dead letter.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, get_args, get_origin
 
 import faust
 import msgspec
@@ -34,18 +35,24 @@ from gpusteward.streams.metrics import worker_metrics
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+S = TypeVar("S", bound=msgspec.Struct)
+"""A table's state: a msgspec Struct."""
 
 
 class Undecodable(NamedTuple):
-    """A table value this build could not decode, dropped for a fresh state."""
+    """A table value this build could not decode, dropped for a fresh state in whole or in
+    part."""
 
     key: bytes
     value: bytes
     error: Exception
+    lost: tuple[str, ...] | None = None
+    """The parts of the value dropped while the rest was kept (:func:`salvage`), e.g.
+    ``devices['GPU-1']``; None: the whole value was dropped."""
 
 
-def restore(decode: Callable[[bytes], T], key: bytes, stored: bytes | None,
-            dropped: list[Undecodable]) -> T | None:
+def restore(decode: Callable[[bytes], S], key: bytes, stored: bytes | None,
+            dropped: list[Undecodable], loose: type[S] | None = None) -> S | None:
     """The state ``stored`` under ``key`` in a table, decoded; None when there is none, or when
     it cannot be decoded, which is then noted in ``dropped`` for the caller to report
     (:meth:`OutputTopics.drop_states`) once it knows the record that found it.
@@ -53,15 +60,80 @@ def restore(decode: Callable[[bytes], T], key: bytes, stored: bytes | None,
     A value written by a newer release (read after a rollback) or corrupt fails on every
     read: raised, it dead-lettered every record of its key for ever (the node's detection,
     or the whole fleet agent's, stopped); the key starts afresh instead, and its next
-    checkpoint replaces the value on the changelog.
+    checkpoint replaces the value on the changelog. With ``loose`` (the msgpack Struct that
+    ``decode`` reads), what of the value decodes on its own is kept (:func:`salvage`) and
+    only the rest starts afresh: dropped whole, a node's state lost the findings its
+    devices held open, never to be resolved. Tried only once ``decode`` has failed: the
+    reads that succeed pay nothing for it.
     """
     if stored is None:
         return None
     try:
         return decode(stored)
     except msgspec.DecodeError as error:  # ValidationError included
-        dropped.append(Undecodable(key, stored, error))
+        salvaged = None if loose is None else salvage(loose, stored)
+        if salvaged is None:
+            dropped.append(Undecodable(key, stored, error))
+            return None
+        state, lost = salvaged
+        dropped.append(Undecodable(key, stored, error, lost))
+        return state
+
+
+def salvage(state_type: type[S], stored: bytes) -> tuple[S, tuple[str, ...]] | None:
+    """What of the msgpack value ``stored`` decodes as a ``state_type`` part by part, and the
+    names of the parts that do not; None when nothing does (not msgpack, not a map, no field
+    that decodes): the value is garbage, not another release's state.
+
+    The parts are the Struct's fields and, for a field mapping names to Structs (a node's
+    devices, its pod holdings), each entry of it: one device in another release's shape
+    costs that device's state, not its neighbours' open findings. A part that is absent
+    takes its default, as in a strict decode. Deeper than that nothing is taken apart: a
+    device's rule tracks, or a rollup's minutes, are one state and kept or dropped as one.
+    """
+    try:
+        raw = msgspec.msgpack.decode(stored)
+    except msgspec.DecodeError:
         return None
+    if not isinstance(raw, dict):
+        return None
+    kept: dict[str, Any] = {}
+    lost: list[str] = []
+    for field in msgspec.structs.fields(state_type):
+        if field.encode_name not in raw:
+            continue
+        value = raw[field.encode_name]
+        try:
+            kept[field.name] = msgspec.convert(value, field.type)
+            continue
+        except msgspec.ValidationError:
+            pass
+        entry_type = _struct_values(field.type)
+        if entry_type is None or not isinstance(value, dict):
+            lost.append(field.name)
+            continue
+        entries: dict[str, Any] = {}
+        for name, entry in value.items():
+            try:
+                if not isinstance(name, str):
+                    raise msgspec.ValidationError(f"a key of {type(name).__name__}")
+                entries[name] = msgspec.convert(entry, entry_type)
+            except msgspec.ValidationError:
+                lost.append(f"{field.name}[{name!r}]")
+        if entries:
+            kept[field.name] = entries
+    if not kept:
+        return None
+    return state_type(**kept), tuple(lost)
+
+
+def _struct_values(field_type: Any) -> type | None:
+    """The Struct a ``dict[str, Struct]`` field maps to; None for any other type."""
+    args = get_args(field_type)
+    if get_origin(field_type) is dict and len(args) == 2 and args[0] is str \
+            and isinstance(args[1], type) and issubclass(args[1], msgspec.Struct):
+        return args[1]
+    return None
 
 
 class RawSchema(faust.Schema):
@@ -245,15 +317,21 @@ class OutputTopics:
 
     def drop_states(self, table: Any, partition: int, dropped: list[Undecodable]) -> None:
         """Report the states of ``table`` that :func:`restore` dropped: a warning naming the
-        key, ``gpusteward_dead_letters_total`` counted under the table's changelog topic, and
-        the bytes kept as a dead letter (offset -1: a table value, whose changelog offset the
-        store does not keep; ``partition``: that of the record that read it, which is the
-        key's). Sent without waiting for the broker: the state is gone whatever happens to
-        the dead letter, and the next read of a value not yet replaced reports it again."""
+        key and, where the rest was kept, the parts dropped; ``gpusteward_dead_letters_total``
+        counted under the table's changelog topic; and the whole bytes kept as a dead letter
+        (offset -1: a table value, whose changelog offset the store does not keep;
+        ``partition``: that of the record that read it, which is the key's). Sent without
+        waiting for the broker: the state is gone whatever happens to the dead letter, and
+        the next read of a value not yet replaced reports it again."""
         topic = table.changelog_topic.get_topic_name()
-        for key, value, error in dropped:
-            why = (f"undecodable state of {key.decode(errors='replace')!r} dropped, it starts "
-                   f"afresh (written by another release, or corrupt): {edge.reason(error)}")
+        for key, value, error, lost in dropped:
+            name = key.decode(errors="replace")
+            if lost is None:
+                what = f"undecodable state of {name!r} dropped, it starts afresh"
+            else:
+                what = (f"undecodable state of {name!r} dropped in part: "
+                        f"{', '.join(lost) or 'nothing'}, the rest kept")
+            why = f"{what} (written by another release, or corrupt): {edge.reason(error)}"
             log.warning("%s[%d]: %s", topic, partition, why)
             record = edge.dead_letter(topic, partition, -1, key, value, why)
             self._deadletter.send_soon(key=topic.encode(), value=self._encode(record))

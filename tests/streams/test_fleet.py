@@ -7,9 +7,11 @@ import pytest
 
 from gpusteward.rules import fragmentation as frag
 from gpusteward.rules import queue as queue_rules
+from gpusteward.rules import spot as spot_rules
 from gpusteward.rules.eta import EtaState
-from gpusteward.schema import Finding, NodeSummary, QueueEvent
+from gpusteward.schema import Finding, NodeSummary, PodRef, QueueEvent
 from gpusteward.streams.fleet import FleetEvaluator, FleetOutput, FleetState
+from gpusteward.streams.outputs import Undecodable, restore
 
 
 def findings(outputs: list[FleetOutput]) -> list[Finding]:
@@ -95,3 +97,18 @@ def test_a_rule_state_of_another_release_s_shape_is_dropped_and_the_rules_go_on(
     assert set(state.queue.waiting) == {"ml/a"}
     assert isinstance(state.tracks["eta"], EtaState) and "ml/a" in state.tracks["eta"].pending
     assert "'eta' is no EtaState" in caplog.text
+
+
+def test_a_spot_track_keeps_its_open_finding_when_one_pod_is_in_another_shape() -> None:
+    """A node's spot track after a rollback, one of its pods in a shape this build does not
+    know: the track keeps its open interruption finding and its other pods, and names the
+    pod dropped; dropped whole, the finding was never resolved."""
+    track = spot_rules.SpotNodeTrack(
+        pods={"uid-1": spot_rules.SpotPod(pod=PodRef("ml", "a", uid="uid-1"), ts=1.0)},
+        spot=True, open_id="spot-1", open_since=1.0)
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(track))
+    raw["pods"]["uid-2"] = {"pod": "ml/b", "ts": 2.0}
+    stored, dropped = msgspec.msgpack.encode(raw), list[Undecodable]()
+    decode = msgspec.msgpack.Decoder(spot_rules.SpotNodeTrack).decode
+    assert restore(decode, b"n1", stored, dropped, spot_rules.SpotNodeTrack) == track
+    assert [(d.key, d.value, d.lost) for d in dropped] == [(b"n1", stored, ("pods['uid-2']",))]

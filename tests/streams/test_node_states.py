@@ -11,6 +11,7 @@ from gpusteward.edge import Rejected
 from gpusteward.schema import DeviceSample, Finding, NodeSample, PodAllocation, PodRef
 from gpusteward.streams.app import NodeStates
 from gpusteward.streams.node import NodeJoin, NodeState, Output
+from gpusteward.streams.outputs import salvage
 
 T0 = 1_763_683_200.0
 POD = PodRef("ml", "train-0", uid="uid-1")
@@ -66,8 +67,9 @@ def _undecodable_states() -> dict[str, bytes]:
 @pytest.mark.parametrize("how", ["newer release", "corrupt"])
 def test_a_state_this_build_cannot_decode_is_dropped_and_the_node_goes_on(how: str) -> None:
     """A changelog value written by a newer release (read after a rollback) or corrupt: the
-    node starts afresh, the value is kept for the caller to report, and the fresh state is
-    encoded for the checkpoint that replaces it. Raised, it dead-lettered every later record
+    node starts afresh (nothing of either that matters decodes on its own), the value is
+    kept for the caller to report, and the fresh state is encoded for the checkpoint that
+    replaces it. Raised, it dead-lettered every later record
     of the node, for ever: its detection stopped."""
     bad = _undecodable_states()[how]
     join, table = NodeJoin(), {b"n1": bad}
@@ -90,7 +92,7 @@ OLD_STATES = Path(__file__).parents[1] / "data" / "changelog"
 MODEL = "NVIDIA H100 80GB HBM3"
 
 
-def _scenario_sample(tick: int) -> NodeSample:
+def scenario_sample(tick: int) -> NodeSample:
     """A sample of the scenario the recorded states were written in (data/changelog): both
     GPUs idle until tick 600, busy from then on."""
     util = 80.0 if tick >= 600 else 0.0
@@ -110,12 +112,21 @@ def test_a_state_an_earlier_release_wrote_goes_on_where_it_stopped(release: str)
     join, writes = NodeJoin(), dict[bytes, bytes]()
     outputs: list[Output] = []
     for tick in range(500, 700):
-        outputs += states.apply(writes, join.on_sample, _scenario_sample(tick))
+        outputs += states.apply(writes, join.on_sample, scenario_sample(tick))
     assert states.dropped == []
     findings = [(o.kind, o.state, o.id) for o in outputs if isinstance(o, Finding)]
     assert sorted(findings) == [
         ("idle_holder", "resolved", "68b72b48cd577d1b-1763683800000"),
         ("idle_holder", "resolved", "bf1c618619b5d536-1763683800000")]
+
+
+@pytest.mark.parametrize("release", ["2026-11-21", "2026-11-25"])
+def test_a_loose_read_of_a_state_this_build_reads_is_the_strict_read(release: str) -> None:
+    """The part-by-part read that keeps what it can of an undecodable state (after a
+    rollback) reads a whole state as the strict decoder does, and drops nothing: what it
+    keeps is the state, not an approximation of it."""
+    raw = (OLD_STATES / f"node-state-{release}.msgpack").read_bytes()
+    assert salvage(NodeState, raw) == (msgspec.msgpack.decode(raw, type=NodeState), ())
 
 
 def test_a_sample_from_a_clock_gone_back_is_refused_without_a_rollback() -> None:
