@@ -283,33 +283,78 @@ async def committed(settings: Settings, group_id: str,
     admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
     await admin.start()
     try:
-        wanted = list(partitions)
-        offsets = await admin.list_consumer_group_offsets(group_id, partitions=wanted)
-        return {tp: offsets[tp].offset if tp in offsets else -1 for tp in wanted}
+        return await _committed(admin, group_id, list(partitions))
     finally:
         await admin.close()
 
 
-async def group_offsets(settings: Settings, group_id: str, topic_names: Iterable[str]
-                        ) -> dict[TopicPartition, tuple[int, int]]:
-    """(end offset, committed offset) of each partition of ``topic_names`` for ``group_id``.
+async def _committed(admin: AIOKafkaAdminClient, group_id: str,
+                     wanted: list[TopicPartition]) -> dict[TopicPartition, int]:
+    offsets = await admin.list_consumer_group_offsets(group_id, partitions=wanted)
+    return {tp: offsets[tp].offset if tp in offsets else -1 for tp in wanted}
+
+
+class GroupOffsets:
+    """Reads (end offset, committed offset) of each partition of ``topic_names`` for
+    ``group_id``, as often as it is called, over one consumer and one admin client: opened
+    at the first reading, kept open, closed by :meth:`close` (or ``async with``).
 
     Read from the broker, not from a consumer of the group: the figure holds while the
     group's own loop is stuck. A partition with no commit has committed offset 0 (groups
     read from the earliest offset). The embedded broker's end offsets may trail the last
     batch (see :func:`read_all`), so there the end can be briefly low, never high.
+    A process reading its lag every 15 s opened two clients per reading until 2026-11-27:
+    two connections, their metadata requests (and on a secured Kafka their TLS and SASL
+    handshakes) per reading, on every broker the clients met. A reading that fails closes
+    both; the next one opens them again.
     """
-    reader = consumer(settings, group_id=None)
-    await reader.start()
-    try:
-        wanted: list[TopicPartition] = []
-        for name in topic_names:
-            wanted += await topic_partitions(reader, name)
-        ends = await reader.end_offsets(wanted) if wanted else {}
-    finally:
-        await reader.stop()
-    done = await committed(settings, group_id, wanted) if wanted else {}
-    return {tp: (ends[tp], max(done[tp], 0)) for tp in wanted}
+
+    def __init__(self, settings: Settings, group_id: str, topic_names: Iterable[str]) -> None:
+        self.settings = settings
+        self.group_id = group_id
+        self.topic_names = list(topic_names)
+        self._reader: AIOKafkaConsumer | None = None
+        self._admin: AIOKafkaAdminClient | None = None
+
+    async def __aenter__(self) -> GroupOffsets:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def __call__(self) -> dict[TopicPartition, tuple[int, int]]:
+        try:
+            if self._reader is None:
+                self._reader = consumer(self.settings, group_id=None)
+                await self._reader.start()
+            if self._admin is None:
+                self._admin = AIOKafkaAdminClient(**self.settings.kafka.aiokafka_config())
+                await self._admin.start()
+            wanted: list[TopicPartition] = []
+            for name in self.topic_names:
+                wanted += await topic_partitions(self._reader, name)
+            if not wanted:
+                return {}
+            ends = await self._reader.end_offsets(wanted)
+            done = await _committed(self._admin, self.group_id, wanted)
+        except BaseException:
+            await self.close()
+            raise
+        return {tp: (ends[tp], max(done[tp], 0)) for tp in wanted}
+
+    async def close(self) -> None:
+        reader, admin, self._reader, self._admin = self._reader, self._admin, None, None
+        if reader is not None:
+            await reader.stop()
+        if admin is not None:
+            await admin.close()
+
+
+async def group_offsets(settings: Settings, group_id: str, topic_names: Iterable[str]
+                        ) -> dict[TopicPartition, tuple[int, int]]:
+    """One reading of :class:`GroupOffsets`, its clients closed after it."""
+    async with GroupOffsets(settings, group_id, topic_names) as read:
+        return await read()
 
 
 async def group_lag(settings: Settings, group_id: str,

@@ -215,8 +215,8 @@ class LagClock:
 
 
 OffsetReader = Callable[[], Awaitable[Mapping[Any, tuple[int, int]]]]
-"""Reads (end, committed) by partition: :func:`gpusteward.kafka.group_offsets` bound to a
-group and its topics, or a test's double."""
+"""Reads (end, committed) by partition: a :class:`gpusteward.kafka.GroupOffsets` (its
+clients kept open between readings), or a test's double."""
 
 
 async def follow_lag(metrics: PipelineMetrics, group: str, read: OffsetReader,
@@ -250,14 +250,13 @@ async def lag_followed(metrics: PipelineMetrics, settings: Settings, group: str,
     if not settings.metrics.port:
         yield
         return
-    names = list(topic_names)
-    task = asyncio.create_task(follow_lag(
-        metrics, group, lambda: kafka.group_offsets(settings, group, names), LAG_INTERVAL_S))
-    try:
-        yield
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    async with kafka.GroupOffsets(settings, group, topic_names) as read:
+        task = asyncio.create_task(follow_lag(metrics, group, read, LAG_INTERVAL_S))
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def observe_many(histogram: Any, value: float, count: int) -> None:

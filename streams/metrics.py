@@ -54,6 +54,7 @@ def worker_metrics(app: Any, settings: Settings) -> PipelineMetrics:
 
     @app.early_task
     async def read_lag() -> None:
-        await follow_lag(metrics, group, lambda: kafka.group_offsets(settings, group, names))
+        async with kafka.GroupOffsets(settings, group, names) as read:
+            await follow_lag(metrics, group, read)
 
     return metrics

@@ -109,6 +109,49 @@ def test_read_all_reads_to_the_end_through_slow_fetches(
     assert len(asyncio.run(kafka.read_all(settings, name, quiet_ms=50))) == 40
 
 
+def test_a_group_s_offsets_are_read_again_and_again_over_the_same_two_clients(
+        settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every process reads its lag every 15 s: each reading opened a consumer and an admin
+    client (connections, metadata, on a secured Kafka TLS and SASL handshakes) until they are
+    kept. A reading that fails closes them, and the next one opens them again."""
+    name = f"{settings.topic_prefix}.lagged"
+    started: list[str] = []
+    for client in (AIOKafkaConsumer, AIOKafkaAdminClient):
+        def counted(self: object, start: object = client.start) -> object:
+            started.append(type(self).__name__)
+            return start(self)  # type: ignore[operator]
+        monkeypatch.setattr(client, "start", counted)
+    end_offsets = AIOKafkaConsumer.end_offsets
+    fail = [False]
+
+    async def flaky(self: AIOKafkaConsumer, partitions: list[TopicPartition]) -> object:
+        if fail[0]:
+            fail[0] = False
+            raise ConnectionError("broker gone")
+        return await end_offsets(self, partitions)
+
+    monkeypatch.setattr(AIOKafkaConsumer, "end_offsets", flaky)
+
+    async def main() -> tuple[list[dict[TopicPartition, tuple[int, int]]], int, int]:
+        await _create_topic(settings, name, partitions=2)
+        started.clear()
+        readings = []
+        async with kafka.GroupOffsets(settings, "g", [name]) as read:
+            readings += [await read(), await read(), await read()]
+            opened = len(started)
+            fail[0] = True
+            with pytest.raises(ConnectionError):
+                await read()
+            readings.append(await read())
+        return readings, opened, len(started)
+
+    readings, opened, opened_in_all = asyncio.run(main())
+    idle = {TopicPartition(name, p): (0, 0) for p in (0, 1)}
+    assert readings == [idle] * 4
+    assert opened == 2  # one consumer and one admin client, three readings
+    assert opened_in_all - opened == 2  # opened again after the failed reading only
+
+
 def test_gpusteward_broker_command_serves_and_stops_on_sigterm() -> None:
     port = free_port()
     process = subprocess.Popen([sys.executable, "-P", "-m", "gpusteward.cli", "broker",
