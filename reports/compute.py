@@ -38,10 +38,12 @@ WORKLOAD = ["team", "namespace", "owner_kind", "owner_name"]
 COLUMNS = ["ts", "node", "index", "uuid", "model", "kind", "parent_uuid", "mig_profile",
            "gpu_fraction", "util_mean", "util_max", "mem_used_max", "mem_total_bytes",
            "throttled_samples", "ecc_dbe_new", "xid_count", "namespace", "owner_kind",
-           "owner_name", "team", "pod"]
-"""The store columns the report reads as they are. ``pod`` is needed although the tables
-group by workload: a shared GPU has a row per holding pod, and the rows are named (and
-redelivered copies dropped) by device, minute and pod (:data:`store.ROW_NAME`)."""
+           "owner_name", "team", "pod", "clock"]
+"""The store columns the report reads as they are. ``pod`` and ``clock`` are needed
+although the tables group by workload: a shared GPU has a row per holding pod, a node
+whose clock stepped back names some minutes again on its new clock, and the rows are
+named (and redelivered copies dropped) by device, minute, pod and clock
+(:data:`store.ROW_NAME`)."""
 
 ALLOCATED = pl.col("pod").is_not_null().alias("allocated")
 """A device-minute is allocated when a pod held it."""
