@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import polars as pl
 import pytest
 
 from gpusteward.reports import build, compute, render, store
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.sandbox import rollups as synthetic
-from gpusteward.schema import Rollup
+from gpusteward.schema import DeviceSample, NodeSample, Rollup
+from gpusteward.streams.node import NodeJoin, NodeState
+from tests.streams.test_node_join import POD, allocation
 
 WEEK = compute.parse_week("2026-W47")
 PRICES = {"NVIDIA H100 80GB HBM3": 3.5, "NVIDIA A100-SXM4-80GB": 2.2}
@@ -143,3 +147,41 @@ def test_recommendations_follow_percentile_headroom_and_minimum_points(tmp_path:
     pools = {p["pool"]: p for p in report.data["mig"]["pools"]}
     assert pools["H100-80GB"]["gpus"] == 6
     assert pools["H100-80GB"]["instances"].get("1g.10gb", 0) >= 5
+
+
+def _a100_sample(ts: float) -> NodeSample:
+    """Node n1's A100 held by the join tests' pod, 10 % busy with 6 GiB in use."""
+    return NodeSample(ts=ts, node="n1", source="test", devices=[
+        DeviceSample(uuid="GPU-1", index=0, model="NVIDIA A100-SXM4-80GB", util_pct=10.0,
+                     pod=POD, mem_used_bytes=6 * GIB, mem_total_bytes=80 * GIB)])
+
+
+def test_a_workload_whose_team_label_changed_mid_week_is_one_workload(tmp_path: Path) -> None:
+    """A Deployment's pod relabeled from team vision to team speech half-way: the node
+    join's rollups carry each minute's team, the team table gives each team the GPU-hours
+    it held, and the workload is one workload of its latest team, advised once on all of
+    its minutes (not twice, each on half of the evidence and half of the saving)."""
+    join, state = NodeJoin(), NodeState()
+    start = WEEK.start + 86400
+    held = msgspec.structs.replace(allocation("running", start), started_at=start,
+                                   owner_kind="Deployment", owner_name="train")
+    out: list[Any] = []
+    for team, first in (("vision", 0), ("speech", 240)):
+        join.on_allocation(state, msgspec.structs.replace(
+            held, ts=start + first * 30, labels={"team": team}))
+        out += [o for i in range(first, first + 240)
+                for o in join.on_sample(state, _a100_sample(start + i * 30))]
+    out += join.fold.flush(state.rollups, "n1")
+    store.write(tmp_path, store.frame([o for o in out if isinstance(o, Rollup)]))
+
+    data = build.build(tmp_path, WEEK, ReportSettings(min_points=60)).data
+    teams = {t["team"]: t["allocated_gpu_hours"] for t in data["teams"]}
+    assert teams == pytest.approx({"vision": 2.0, "speech": 2.0})
+    (workload,) = data["workloads"]
+    assert (workload["team"], workload["owner_name"]) == ("speech", "train")
+    assert workload["allocated_gpu_hours"] == pytest.approx(4.0)
+    assert workload["minutes"] == 240
+    advised = [r for r in data["recommendations"] if r["workload"].endswith("/train")]
+    assert advised and {r["team"] for r in advised} == {"speech"}
+    assert len({r["kind"] for r in advised}) == len(advised)  # each advice once
+    assert {r["points"] for r in advised} == {240}
