@@ -20,6 +20,7 @@ from gpusteward.reports import (
     activity,
     compute,
     findings,
+    gaps,
     recommend,
     store,
     trends,
@@ -79,8 +80,9 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     advance(STEPS[0])
     missing = store.missing_days(directory, week.start, week.end)
     holders = activity.ActivityFold(settings.idle_threshold_pct)
+    unseen = gaps.GapFold()
     tables = weekly.fold_week(directory, week.start, week.end, settings, geometries, rows,
-                              also=[holders])
+                              also=[holders, unseen])
     advance(STEPS[1])
     if isinstance(queue, Path):
         queue = store.scan_queue(queue, week.start, week.end)
@@ -117,6 +119,8 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
         "start": week.start,
         "end": week.end,
         "missing_days": [day.isoformat() for day in missing],
+        # Minutes a node sent no rollup between two it sent: no data, not idleness.
+        "gaps": gaps.per_node(unseen.finish()),
         "settings": {
             "idle_threshold_pct": settings.idle_threshold_pct,
             "percentile": settings.percentile,

@@ -73,6 +73,21 @@ def missing_note(data: dict[str, Any]) -> str | None:
             f"other {others} day{'' if others == 1 else 's'} only.")
 
 
+def gaps_note(data: dict[str, Any]) -> str | None:
+    """The line that says nodes sent no data for part of the week (``gaps``: a collector
+    or the pipeline down), for every format and the webhook summary; None without gaps."""
+    found = data.get("gaps") or []
+    if not found:
+        return None
+    hours = sum(g["minutes"] for g in found) / 60
+    top = found[0]
+    nodes = f"{len(found)} node{'' if len(found) == 1 else 's'}"
+    return (f"No data from {nodes} for {hours:,.1f} node-hours in all (longest: {top['node']}, "
+            f"{top['longest_minutes'] / 60:,.1f} h from {top['longest_start']}): the collector "
+            "or the pipeline was down. Those minutes count as neither allocated nor idle, "
+            "so the GPU-hours are short by them.")
+
+
 def comparability(data: dict[str, Any], previous: dict[str, Any] | None
                   ) -> dict[str, Any]:
     """Whether this week compares with the previous one: ``comparable`` (False without a

@@ -10,12 +10,12 @@ import msgspec
 import polars as pl
 import pytest
 
-from gpusteward.reports import build, compute, render, store
+from gpusteward.reports import build, compute, notify, render, store
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.sandbox import rollups as synthetic
 from gpusteward.schema import DeviceSample, NodeSample, Rollup
 from gpusteward.streams.node import NodeJoin, NodeState
-from tests.streams.test_node_join import POD, allocation
+from tests.streams.test_node_join import POD, allocation, node_sample
 
 WEEK = compute.parse_week("2026-W47")
 PRICES = {"NVIDIA H100 80GB HBM3": 3.5, "NVIDIA A100-SXM4-80GB": 2.2}
@@ -185,3 +185,33 @@ def test_a_workload_whose_team_label_changed_mid_week_is_one_workload(tmp_path: 
     assert advised and {r["team"] for r in advised} == {"speech"}
     assert len({r["kind"] for r in advised}) == len(advised)  # each advice once
     assert {r["points"] for r in advised} == {240}
+
+
+def test_a_node_s_collector_down_for_hours_is_a_gap_not_idleness(tmp_path: Path) -> None:
+    """Node n1's collector stops for three hours while its pod sits idle, then comes back.
+    The node join emits no rollup for those minutes; the report counts them as neither
+    allocated nor idle and says so (JSON ``gaps``, a line in Markdown, HTML and the
+    webhook summary) instead of reporting less GPU time without a word. A node that
+    joins or leaves mid-week has no gap before its first or after its last minute."""
+    join, state = NodeJoin(), NodeState()
+    start = WEEK.start + 2 * 86400
+    join.on_allocation(state, msgspec.structs.replace(allocation("running", start),
+                                                      started_at=start))
+    out: list[Any] = []
+    for first in (0, 600):  # minutes 0-119, then 300-419: nothing from minute 120 to 300
+        out += [o for i in range(first, first + 240)
+                for o in join.on_sample(state, node_sample(start + i * 30, 0.0))]
+    out += join.fold.flush(state.rollups, "n1")
+    store.write(tmp_path, store.frame([o for o in out if isinstance(o, Rollup)]))
+
+    report = build.build(tmp_path, WEEK, ReportSettings())
+    data = report.data
+    assert data["totals"]["allocated_gpu_hours"] == pytest.approx(4.0)
+    assert data["totals"]["idle_gpu_hours"] == pytest.approx(4.0)
+    assert data["gaps"] == [{"node": "n1", "minutes": 180, "gaps": 1,
+                             "longest_start": "2026-11-18T02:00:00Z",
+                             "longest_end": "2026-11-18T05:00:00Z", "longest_minutes": 180}]
+    note = ("No data from 1 node for 3.0 node-hours in all (longest: n1, 3.0 h from "
+            "2026-11-18T02:00:00Z)")
+    assert note in render.markdown(report) and note in render.html(report)
+    assert note in notify.summary(data)
