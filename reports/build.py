@@ -8,6 +8,7 @@ disagree.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,8 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
         "missing_days": [day.isoformat() for day in missing],
         # Minutes a node sent no rollup between two it sent: no data, not idleness.
         "gaps": gaps.per_node(unseen.finish()),
+        # The week's data stopping early: rollups not yet stored when the report ran.
+        "data_ends": gaps.data_ends(unseen.last, week.end, time.time(), missing),
         "settings": {
             "idle_threshold_pct": settings.idle_threshold_pct,
             "percentile": settings.percentile,

@@ -9,6 +9,11 @@ row between its first and its last of the week are its gaps; before its first
 and after its last it was not in the fleet (joined or left mid-week), which is
 no gap.
 
+The same holds for the whole fleet at the week's end: rollups that had not
+reached the store when the report ran (the stream worker or the rollup sink
+behind or down over Sunday night) count nowhere, and every node merely seems
+to stop early. :func:`data_ends` names that.
+
 Folded from the weekly fold's slices (:func:`gpusteward.reports.weekly.fold_week`'s
 ``also``), as runs of minutes per node, joined across slices: bounded by the
 nodes and their gaps, not by rows.
@@ -16,9 +21,16 @@ nodes and their gaps, not by rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import UTC, date, datetime
+
 import polars as pl
 
 MINUTE_S = 60.0
+TAIL_S = 15 * 60.0
+"""How long before the week's end (or before now, for a week not over) the store's data
+may stop without a word: the worker publishes a minute a lateness (60 s) after its end
+and the sink writes every ``flush_interval_s`` (300 s)."""
 COMPACT_EVERY = 8
 """Slices of runs kept before they are joined."""
 SPAN_SCHEMA = {"node": pl.String, "first": pl.Float64, "last": pl.Float64}
@@ -35,10 +47,14 @@ class GapFold:
 
     def __init__(self) -> None:
         self.spans: list[pl.DataFrame] = []
+        self.last: float | None = None
+        """The newest minute with data in the week."""
 
     def add(self, rows: pl.DataFrame) -> None:
         if rows.is_empty():
             return
+        newest = float(rows["ts"].max())  # type: ignore[arg-type]
+        self.last = newest if self.last is None else max(self.last, newest)
         # A node's minutes, once each (a row per device), before any text is made.
         minutes = rows.select("node", "ts").unique()
         self.spans.append(_joined(minutes.select(
@@ -59,6 +75,30 @@ class GapFold:
                         ((pl.col("first") - pl.col("before")) / MINUTE_S - 1)
                         .round().cast(pl.Int64).alias("minutes"))
                 .sort(["minutes", "node", "start"], descending=[True, False, False]))
+
+
+def data_ends(last: float | None, end: float, now: float, missing: Sequence[date] = ()
+              ) -> dict[str, object] | None:
+    """When the week's data stops more than :data:`TAIL_S` before its end (or before
+    ``now``, in a week not over): the first minute without data and the end (ISO UTC),
+    and the minutes between; None otherwise, and for a week without data. The week's last
+    ``missing`` days (no file at all, named as such) are not counted again."""
+    until = min(end, now)
+    while _day_before(until) in missing:
+        until -= 86400
+    if last is None or until - (last + MINUTE_S) <= TAIL_S:
+        return None
+    after = last + MINUTE_S
+    return {"after": _iso(after), "until": _iso(until),
+            "minutes": round((until - after) / MINUTE_S)}
+
+
+def _day_before(ts: float) -> date:
+    return datetime.fromtimestamp(ts - 1, UTC).date()
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def per_node(found: pl.DataFrame) -> list[dict[str, object]]:

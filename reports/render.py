@@ -23,7 +23,7 @@ from typing import Any
 
 from gpusteward.reports import charts, waiting
 from gpusteward.reports.build import Report
-from gpusteward.reports.trends import gaps_note, missing_note
+from gpusteward.reports.trends import data_ends_note, gaps_note, missing_note
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;
@@ -233,7 +233,8 @@ def _html_table(rows: Sequence[Data], columns: Columns,
 
 
 def html_missing(data: Data, figures: dict[str, str]) -> str:
-    notes = [note for note in (missing_note(data), gaps_note(data)) if note]
+    notes = [note for note in (missing_note(data), data_ends_note(data), gaps_note(data))
+             if note]
     return "".join(f"<p class='missing'><b>{escape(note)}</b></p>" for note in notes)
 
 
@@ -382,7 +383,8 @@ def _md_table(rows: Sequence[Data], columns: Columns) -> str:
 
 
 def md_missing(data: Data) -> str:
-    notes = [note for note in (missing_note(data), gaps_note(data)) if note]
+    notes = [note for note in (missing_note(data), data_ends_note(data), gaps_note(data))
+             if note]
     return "\n".join(f"> **{note}**\n" for note in notes)
 
 

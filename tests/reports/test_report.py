@@ -10,7 +10,7 @@ import msgspec
 import polars as pl
 import pytest
 
-from gpusteward.reports import build, compute, notify, render, store
+from gpusteward.reports import build, compute, notify, render, store, trends
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.sandbox import rollups as synthetic
 from gpusteward.schema import DeviceSample, NodeSample, Rollup
@@ -215,3 +215,38 @@ def test_a_node_s_collector_down_for_hours_is_a_gap_not_idleness(tmp_path: Path)
             "2026-11-18T02:00:00Z)")
     assert note in render.markdown(report) and note in render.html(report)
     assert note in notify.summary(data)
+
+
+def test_rollups_not_stored_by_the_report_s_run_are_named_and_a_rerun_counts_them(
+        tmp_path: Path) -> None:
+    """The stream worker falls six hours behind on Sunday: when the report runs, the
+    store's data stops at 18:00 and the last hours count nowhere. The report says so
+    (JSON ``data_ends``, a line in every format); run again once the late rollups are
+    stored, it counts them and the line is gone. The week's days without any file are
+    named as missing days, not again as data ending early."""
+    join, state = NodeJoin(), NodeState()
+    sunday = WEEK.start + 6 * 86400
+    join.on_allocation(state, msgspec.structs.replace(allocation("running", sunday),
+                                                      started_at=sunday))
+    out: list[Any] = []
+    for i in range(0, 2 * 1440):  # Sunday, every 30 s
+        out += join.on_sample(state, node_sample(sunday + i * 30, 50.0))
+    out += join.fold.flush(state.rollups, "n1")
+    rollups = [o for o in out if isinstance(o, Rollup)]
+    on_time = [r for r in rollups if r.ts < sunday + 18 * 3600]
+    store.write(tmp_path, store.frame(on_time))
+
+    report = build.build(tmp_path, WEEK, ReportSettings())
+    assert report.data["data_ends"] == {"after": "2026-11-22T18:00:00Z",
+                                        "until": "2026-11-23T00:00:00Z", "minutes": 360}
+    assert report.data["totals"]["allocated_gpu_hours"] == pytest.approx(18.0)
+    note = "No data from 2026-11-22T18:00:00Z to 2026-11-23T00:00:00Z (6.0 h)"
+    assert note in render.markdown(report) and note in notify.summary(report.data)
+    assert len(report.data["missing_days"]) == 6
+    assert "no data this week from 2026-11-22T18:00:00Z" in trends.comparability(
+        {**report.data, "missing_days": []}, {"week": "2026-W46"})["not_comparable"]
+
+    store.write(tmp_path, store.frame([r for r in rollups if r.ts >= sunday + 18 * 3600]))
+    again = build.build(tmp_path, WEEK, ReportSettings())
+    assert again.data["data_ends"] is None and note not in render.markdown(again)
+    assert again.data["totals"]["allocated_gpu_hours"] == pytest.approx(24.0)
