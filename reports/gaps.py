@@ -84,8 +84,8 @@ def data_ends(last: float | None, end: float, now: float, missing: Sequence[date
     and the minutes between; None otherwise, and for a week without data. The week's last
     ``missing`` days (no file at all, named as such) are not counted again."""
     until = min(end, now)
-    while _day_before(until) in missing:
-        until -= 86400
+    while (day := _day_before(until)) in missing:
+        until = datetime(day.year, day.month, day.day, tzinfo=UTC).timestamp()
     if last is None or until - (last + MINUTE_S) <= TAIL_S:
         return None
     after = last + MINUTE_S

@@ -10,7 +10,7 @@ import msgspec
 import polars as pl
 import pytest
 
-from gpusteward.reports import build, compute, notify, render, store, trends
+from gpusteward.reports import build, compute, gaps, notify, render, store, trends
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.sandbox import rollups as synthetic
 from gpusteward.schema import DeviceSample, NodeSample, Rollup
@@ -250,3 +250,15 @@ def test_rollups_not_stored_by_the_report_s_run_are_named_and_a_rerun_counts_the
     again = build.build(tmp_path, WEEK, ReportSettings())
     assert again.data["data_ends"] is None and note not in render.markdown(again)
     assert again.data["totals"]["allocated_gpu_hours"] == pytest.approx(24.0)
+
+
+def test_data_stopping_before_days_without_files_is_named_up_to_the_first_of_them() -> None:
+    """Data until Monday 01:00 of a week not over (Thursday 02:00 now), Tuesday to
+    Thursday without files: those days are the missing days' note; the data-ends note
+    covers Monday 01:00 to Tuesday 00:00 only."""
+    missing = WEEK.days[1:4]
+    ends = gaps.data_ends(WEEK.start + 3600 - 60, WEEK.end, WEEK.start + 3 * 86400 + 7200,
+                          missing)
+    assert ends == {"after": "2026-11-16T01:00:00Z", "until": "2026-11-17T00:00:00Z",
+                    "minutes": 23 * 60}
+    assert gaps.data_ends(WEEK.end - 600, WEEK.end, WEEK.end + 86400) is None
