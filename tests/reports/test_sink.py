@@ -290,3 +290,41 @@ def test_minutes_a_node_names_again_on_its_new_clock_are_all_reported(settings: 
     assert team["idle_gpu_hours"] == pytest.approx(36 / 60)
     (holder,) = data["idle_holders"]
     assert holder["pod"] == POD.name and holder["idle_gpu_hours"] == pytest.approx(36 / 60)
+
+
+class _Killed(Exception):
+    """The sink's process killed (OOM, node lost) right after a file is in place."""
+
+
+@pytest.mark.e2e
+def test_a_sink_killed_between_its_file_and_its_commit_loses_and_doubles_nothing(
+        settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sink writes a day's file and is killed before it commits: nothing committed,
+    its next start re-reads the topic from the group's last commit and writes the same
+    rollups again. The store then holds each twice; the report counts each minute once,
+    the two hours held and nothing else."""
+    week = compute.parse_week("2026-W47")
+    rollups = [Rollup(ts=week.start + 60 * i, node="n0", uuid="GPU-0", model="H100-80GB",
+                      samples=6, util_mean=0.0, util_max=0.0, namespace="ml", pod="nb",
+                      team="t") for i in range(120)]
+    report = ReportSettings(flush_rows=1000, flush_interval_s=0.3)
+    first = rollup_sink(settings, report, directory=tmp_path)
+    written = first._flush
+
+    async def killed_after_the_file() -> None:
+        await written()
+        raise _Killed
+
+    monkeypatch.setattr(first, "_flush", killed_after_the_file)
+    with pytest.raises(_Killed):
+        asyncio.run(_drain(first, topics.ROLLUPS, rollups, key=b"n0", count=len(rollups)))
+    assert first.rows_written == len(rollups)
+
+    again = asyncio.run(_drain(rollup_sink(settings, report, directory=tmp_path),
+                               topics.ROLLUPS, [], key=b"n0", count=len(rollups)))
+    assert again.rows_written == len(rollups)  # re-read from the last commit: none
+    assert store.count_rows(tmp_path, week.start, week.end) == 2 * len(rollups)
+    data = build.build(tmp_path, week, ReportSettings()).data
+    assert data["totals"]["allocated_gpu_hours"] == pytest.approx(2.0)
+    assert data["totals"]["idle_gpu_hours"] == pytest.approx(2.0)
+    assert data["totals"]["device_minutes"] == len(rollups)
