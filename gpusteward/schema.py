@@ -541,6 +541,11 @@ class Rollup(msgspec.Struct, omit_defaults=True):
     share (its own SM utilisation of the whole device times the holders: above
     100 when it used more than its share; the device's own where the source
     cannot split), so ``gpu_fraction x util`` is its used GPU time.
+
+    ``clock`` tells a node's clocks apart: after its collector's clock steps back
+    and the node join takes the new one, minutes already named on the old clock
+    are named again, and each is a minute of its own, so a row is named by
+    (uuid, ts, namespace, pod, clock).
     """
 
     ts: Timestamp
@@ -577,4 +582,7 @@ class Rollup(msgspec.Struct, omit_defaults=True):
     team: Name | None = None
     workload_kind: Name | None = None
     queue: Name | None = None
+    clock: Count = 0
+    """The node's clock the minute was read on: 0, and one more each time the node join
+    took a node's stepped-back clock (``NodeSummary.clock_steps``)."""
     schema: Version = SCHEMA_VERSION

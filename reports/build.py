@@ -8,6 +8,7 @@ disagree.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from gpusteward.reports import (
     activity,
     compute,
     findings,
+    gaps,
     recommend,
     store,
     trends,
@@ -79,8 +81,9 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     advance(STEPS[0])
     missing = store.missing_days(directory, week.start, week.end)
     holders = activity.ActivityFold(settings.idle_threshold_pct)
+    unseen = gaps.GapFold()
     tables = weekly.fold_week(directory, week.start, week.end, settings, geometries, rows,
-                              also=[holders])
+                              also=[holders, unseen])
     advance(STEPS[1])
     if isinstance(queue, Path):
         queue = store.scan_queue(queue, week.start, week.end)
@@ -117,6 +120,10 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
         "start": week.start,
         "end": week.end,
         "missing_days": [day.isoformat() for day in missing],
+        # Minutes a node sent no rollup between two it sent: no data, not idleness.
+        "gaps": gaps.per_node(unseen.finish()),
+        # The week's data stopping early: rollups not yet stored when the report ran.
+        "data_ends": gaps.data_ends(unseen.last, week.end, time.time(), missing),
         "settings": {
             "idle_threshold_pct": settings.idle_threshold_pct,
             "percentile": settings.percentile,

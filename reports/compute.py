@@ -10,7 +10,8 @@ reader can recompute any of them from the Parquet files (the tests do):
   activity stayed below the idle threshold;
 - cost is GPU-hours times the model's hourly price from the settings;
 - a workload is (namespace, owner kind, owner name): the pods of one
-  Deployment, Job or notebook count together.
+  Deployment, Job or notebook count together, under the team its latest
+  rollups carried; the team tables count each minute for the team it carried.
 
 Minutes without an activity reading (the NVML collector has none for a MIG
 instance without GPM, nor for a GPU's first GPM sample) count as allocated,
@@ -35,13 +36,20 @@ from gpusteward.rules.mig import geometry as mig_geometry
 from gpusteward.rules.queue import QueueSloSettings
 
 WORKLOAD = ["team", "namespace", "owner_kind", "owner_name"]
+"""A workload's columns in the report's tables: what names it and its team."""
+WORKLOAD_NAME = ["namespace", "owner_kind", "owner_name"]
+"""What names a workload. Its team is not part of the name: a pod whose team label changed
+mid-week stays one workload, of the team its latest rollups carried, while the team tables
+give each team the GPU-hours it held."""
 COLUMNS = ["ts", "node", "index", "uuid", "model", "kind", "parent_uuid", "mig_profile",
            "gpu_fraction", "util_mean", "util_max", "mem_used_max", "mem_total_bytes",
            "throttled_samples", "ecc_dbe_new", "xid_count", "namespace", "owner_kind",
-           "owner_name", "team", "pod"]
-"""The store columns the report reads as they are. ``pod`` is needed although the tables
-group by workload: a shared GPU has a row per holding pod, and the rows are named (and
-redelivered copies dropped) by device, minute and pod (:data:`store.ROW_NAME`)."""
+           "owner_name", "team", "pod", "clock"]
+"""The store columns the report reads as they are. ``pod`` and ``clock`` are needed
+although the tables group by workload: a shared GPU has a row per holding pod, a node
+whose clock stepped back names some minutes again on its new clock, and the rows are
+named (and redelivered copies dropped) by device, minute, pod and clock
+(:data:`store.ROW_NAME`)."""
 
 ALLOCATED = pl.col("pod").is_not_null().alias("allocated")
 """A device-minute is allocated when a pod held it."""

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 
 from gpusteward.errors import TemporaryError, without_url
-from gpusteward.reports.trends import missing_note
+from gpusteward.reports.trends import data_ends_note, gaps_note, missing_note
 
 TOP = 5
 """Idle holders and savings named in the summary."""
@@ -29,6 +29,10 @@ def summary(data: dict[str, Any], link: str | None = None) -> str:
              f"${totals['recommended_saving_usd']:,.0f}/week."]
     if data.get("missing_days"):
         lines.append(f"⚠ {missing_note(data)}")
+    if data.get("data_ends"):
+        lines.append(f"⚠ {data_ends_note(data)}")
+    if data.get("gaps"):
+        lines.append(f"⚠ {gaps_note(data)}")
     trends = data.get("trends", {})
     if trends.get("previous_week") and trends.get("not_comparable"):
         lines.append(f"Not comparable with {trends['previous_week']}: "

@@ -23,7 +23,7 @@ from typing import Any
 
 from gpusteward.reports import charts, waiting
 from gpusteward.reports.build import Report
-from gpusteward.reports.trends import missing_note
+from gpusteward.reports.trends import data_ends_note, gaps_note, missing_note
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;
@@ -233,8 +233,9 @@ def _html_table(rows: Sequence[Data], columns: Columns,
 
 
 def html_missing(data: Data, figures: dict[str, str]) -> str:
-    note = missing_note(data)
-    return f"<p class='missing'><b>{escape(note)}</b></p>" if note else ""
+    notes = [note for note in (missing_note(data), data_ends_note(data), gaps_note(data))
+             if note]
+    return "".join(f"<p class='missing'><b>{escape(note)}</b></p>" for note in notes)
 
 
 def html_headline(data: Data, figures: dict[str, str]) -> str:
@@ -382,8 +383,9 @@ def _md_table(rows: Sequence[Data], columns: Columns) -> str:
 
 
 def md_missing(data: Data) -> str:
-    note = missing_note(data)
-    return f"> **{note}**\n" if note else ""
+    notes = [note for note in (missing_note(data), data_ends_note(data), gaps_note(data))
+             if note]
+    return "\n".join(f"> **{note}**\n" for note in notes)
 
 
 def md_headline(data: Data) -> str:

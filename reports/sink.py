@@ -11,8 +11,9 @@ holds ``flush_rows`` rows, when ``flush_interval_s`` has passed, and on
 stop. Offsets are committed only after the file is in place, so a crash
 replays the unwritten records (at-least-once). Repeats are dropped twice
 over: the sink skips a record whose name it has seen in the last
-``dedup_window_s`` of event time (a rollup is named by device, minute and
-holding pod: a shared GPU has a row per holder; a
+``dedup_window_s`` of event time (a rollup is named by device, minute,
+holding pod and the node's clock: a shared GPU has a row per holder, and a node
+whose clock stepped back names minutes again on its new clock; a
 queue event by workload, state and time: the worker re-publishes the same
 names after a crash), and the store's readers keep one row per name, which
 covers a sink restarted in between. A record refused at the edge
@@ -55,7 +56,7 @@ class RollupSink:
                  to_frame: Callable[[list[Any]], pl.DataFrame] = store.frame,
                  schema: dict[str, Any] | None = None,
                  name: Callable[[Any], Hashable] = lambda r: (r.uuid, r.ts, r.namespace,
-                                                              r.pod),
+                                                              r.pod, r.clock),
                  dedup_window_s: float = 3600.0) -> None:
         self.settings = settings
         self.report = report or ReportSettings()

@@ -5,8 +5,9 @@ is written under a dot-prefixed temporary name in its day folder and then
 renamed with :func:`os.replace`, which is atomic on one filesystem, so a
 reader sees a whole file or none; readers ignore dot files. Retention
 removes whole day folders. Delivery into the store is at-least-once (the
-sink commits offsets after a write), so readers drop repeated
-(device, minute) rows: :func:`scan` keeps one (redelivered rollups are equal).
+sink commits offsets after a write), so readers drop repeated rows, named by
+:data:`ROW_NAME`: :func:`scan` keeps one (redelivered rollups are equal). Files
+written before a column was added (:data:`ADDED`) read as its old value.
 
 The rollups' text columns are written as Parquet dictionaries (polars
 categoricals, :data:`STORED`): a device's uuid, node and pod repeat every
@@ -44,9 +45,13 @@ SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
     "throttled_samples": pl.Int32, "ecc_dbe_new": pl.Int32, "xid_count": pl.Int32,
     "namespace": pl.String, "pod": pl.String, "owner_kind": pl.String,
     "owner_name": pl.String, "team": pl.String, "workload_kind": pl.String,
-    "queue": pl.String,
+    "queue": pl.String, "clock": pl.Int32,
 }
 """Column types of the store; the Rollup fields less ``schema``."""
+
+ADDED: dict[str, int] = {"clock": 0}
+"""Columns added since the store's first version, with the value a file written before
+holds (read as that, not refused as another version's)."""
 
 STORED: dict[str, pl.DataType | type[pl.DataType]] = {
     c: pl.Categorical() if t == pl.String else t for c, t in SCHEMA.items()}
@@ -88,7 +93,10 @@ def write(directory: Path, rows: pl.DataFrame, schema: dict[str, Any] | None = N
     of ``schema`` (default: the rollups', :data:`STORED`); return the files."""
     if rows.is_empty():
         return []
-    rows = rows.select([pl.col(c).cast(t) for c, t in (schema or STORED).items()])
+    # A frame made without a column added since (:data:`ADDED`) holds its old value.
+    rows = rows.select([(pl.col(c) if c in rows.columns or c not in ADDED
+                         else pl.lit(ADDED[c])).cast(t).alias(c)
+                        for c, t in (schema or STORED).items()])
     days = rows.with_columns(
         (pl.col("ts") * 1000).cast(pl.Int64).cast(pl.Datetime("ms", "UTC")).dt.date()
         .alias("_day"))
@@ -153,14 +161,14 @@ def _checked(paths: list[Path], wanted: list[str]) -> list[dict[str, pl.DataType
             found = pl.read_parquet_schema(path)
         except (OSError, pl.exceptions.PolarsError) as error:
             raise StoreError(f"{path} is not a readable Parquet file: {error}") from error
-        missing = [c for c in wanted if c not in found]
+        missing = [c for c in wanted if c not in found and c not in ADDED]
         if missing:
             raise StoreError(
                 f"{path} was written by another version of gpusteward: it lacks "
                 f"{', '.join(missing)}. Re-write the store with this version's sink, or "
                 "read it with the version that wrote it.")
         for column in wanted:
-            if not _castable(found[column], SCHEMA[column]):
+            if column in found and not _castable(found[column], SCHEMA[column]):
                 raise StoreError(
                     f"{path} was written by another version of gpusteward: column "
                     f"{column} is {found[column]}, this version reads {SCHEMA[column]}.")
@@ -179,9 +187,10 @@ def _scan_files(paths: list[Path], types: dict[str, Any], exprs: Sequence[pl.Exp
     needed = list(dict.fromkeys([*types, *(n for e in exprs for n in e.meta.root_names())]))
     schemas = _checked(paths, needed)
     runs = itertools.groupby(zip(paths, schemas, strict=True),
-                             key=lambda found: [found[1][c] for c in needed])
+                             key=lambda found: [found[1].get(c) for c in needed])
     scans = [pl.scan_parquet([path for path, _ in run], extra_columns="ignore").select(
-        *[pl.col(c).cast(t) for c, t in types.items()], *exprs) for _, run in runs]
+        *[(pl.col(c) if kinds[needed.index(c)] is not None else pl.lit(ADDED[c]))
+          .cast(t).alias(c) for c, t in types.items()], *exprs) for kinds, run in runs]
     return scans[0] if len(scans) == 1 else pl.concat(scans)
 
 
@@ -256,9 +265,10 @@ def slices(directory: Path, start: float, end: float, columns: Sequence[str | pl
             slice_start = slice_end
 
 
-ROW_NAME = ("uuid", "ts", "namespace", "pod")
-"""What names a rollup row: device, minute and holding pod (a shared GPU has a row per
-holder). Readers keep the first row of each name."""
+ROW_NAME = ("uuid", "ts", "namespace", "pod", "clock")
+"""What names a rollup row: device, minute, holding pod (a shared GPU has a row per
+holder) and the node's clock (a minute named again on a node's stepped-back clock is a
+minute of its own). Readers keep the first row of each name."""
 
 
 def _name(columns: Iterable[str]) -> list[str]:
@@ -269,13 +279,14 @@ def _name(columns: Iterable[str]) -> list[str]:
 
 
 def _distinct(rows: pl.DataFrame, start: float) -> pl.DataFrame:
-    """``rows`` with each name (device, minute, pod) once.
+    """``rows`` with each name (device, minute, pod, clock) once.
 
     Counting distinct keys is a quarter of the cost of marking the first of each,
     and a store rarely holds a redelivered row: count first. The count's key (the
     uuid's category code and whole seconds since ``start``, then the pod's code
     beside it where shared GPUs give a device several rows a minute) is equal for
-    equal rows, so a redelivery is never missed; a rare false alarm costs the exact pass.
+    equal rows, so a redelivery is never missed; a rare false alarm (or a minute named on
+    two clocks of a node) costs the exact pass.
     """
     if rows.schema["uuid"] == pl.Categorical:
         key = (pl.col("uuid").to_physical().cast(pl.UInt64) * (1 << 32)
@@ -290,7 +301,7 @@ def _distinct(rows: pl.DataFrame, start: float) -> pl.DataFrame:
 
 def scan(directory: Path, start: float, end: float, columns: list[str] | None = None,
          categorical: bool = False) -> pl.LazyFrame:
-    """Rollups with ``start <= ts < end``, one row per (device, minute, holding pod).
+    """Rollups with ``start <= ts < end``, one row per (device, minute, holding pod, clock).
 
     Name the ``columns`` you need: the de-duplication has to read every column
     it keeps, so a narrow scan is several times faster. ``categorical`` reads the
@@ -302,9 +313,11 @@ def scan(directory: Path, start: float, end: float, columns: list[str] | None = 
     paths = files(directory, start, end)
     if not paths:
         return pl.LazyFrame(schema=types)
+    _checked(paths, list(dict.fromkeys([*wanted, *ROW_NAME])))
     # Dictionary columns (this version's files) are read as the text they hold.
-    return (pl.scan_parquet(paths, schema=SCHEMA,
+    return (pl.scan_parquet(paths, schema=SCHEMA, missing_columns="insert",
                             cast_options=pl.ScanCastOptions(categorical_to_string="allow"))
+            .with_columns([pl.col(c).fill_null(v) for c, v in ADDED.items()])
             .select(list(dict.fromkeys([*wanted, *ROW_NAME])))
             .cast(types)  # type: ignore[arg-type]
             .filter((pl.col("ts") >= start) & (pl.col("ts") < end))

@@ -5,7 +5,8 @@ The previous week is read from its own report JSON (kept by
 nothing, and it compares with what readers were shown last week. A team or
 queue present in only one of the two weeks compares with nothing (None).
 
-Two weeks are comparable only when neither misses a day of rollups: a week
+Two weeks are comparable only when neither misses a day of rollups nor has its
+data stop early (rollups not yet stored when it was reported): a week
 whose sink was down for two days shows less idle time because it saw less,
 not because anyone gave a GPU back (:func:`comparability`; the report then
 shows both weeks' figures without arrows).
@@ -73,10 +74,39 @@ def missing_note(data: dict[str, Any]) -> str | None:
             f"other {others} day{'' if others == 1 else 's'} only.")
 
 
+def gaps_note(data: dict[str, Any]) -> str | None:
+    """The line that says nodes sent no data for part of the week (``gaps``: a collector
+    or the pipeline down), for every format and the webhook summary; None without gaps."""
+    found = data.get("gaps") or []
+    if not found:
+        return None
+    hours = sum(g["minutes"] for g in found) / 60
+    top = found[0]
+    nodes = f"{len(found)} node{'' if len(found) == 1 else 's'}"
+    return (f"No data from {nodes} for {hours:,.1f} node-hours in all (longest: {top['node']}, "
+            f"{top['longest_minutes'] / 60:,.1f} h from {top['longest_start']}): the collector "
+            "or the pipeline was down. Those minutes count as neither allocated nor idle, "
+            "so the GPU-hours are short by them.")
+
+
+def data_ends_note(data: dict[str, Any]) -> str | None:
+    """The line that says the week's data stops before its end (``data_ends``: rollups
+    not yet stored when the report ran), for every format and the webhook summary."""
+    ends = data.get("data_ends")
+    if not ends:
+        return None
+    return (f"No data from {ends['after']} to {ends['until']} ({ends['minutes'] / 60:,.1f} h), "
+            "the end of the week's data: "
+            "rollups that had not reached the store when the report ran (the stream worker "
+            "or the rollup sink behind or down) count nowhere. Run the report for "
+            f"{data['week']} again once they are in.")
+
+
 def comparability(data: dict[str, Any], previous: dict[str, Any] | None
                   ) -> dict[str, Any]:
     """Whether this week compares with the previous one: ``comparable`` (False without a
-    previous week) and, when either misses days of rollups, ``not_comparable`` saying which."""
+    previous week) and, when either misses days of rollups or has its data stop early,
+    ``not_comparable`` saying which."""
     if previous is None:
         return {"comparable": False, "not_comparable": None}
     reasons = []
@@ -85,6 +115,11 @@ def comparability(data: dict[str, Any], previous: dict[str, Any] | None
     if previous.get("missing_days"):
         reasons.append(f"data missing in {previous['week']} "
                        f"({', '.join(previous['missing_days'])})")
+    # Data stopping early (rollups not yet stored) is missing data too.
+    for week, which in ((data, "this week"), (previous, f"in {previous['week']}")):
+        ends = week.get("data_ends")
+        if ends:
+            reasons.append(f"no data {which} from {ends['after']} to {ends['until']}")
     return {"comparable": not reasons,
             "not_comparable": "; ".join(reasons) if reasons else None}
 

@@ -47,7 +47,7 @@ from typing import Any, Protocol
 import polars as pl
 
 from gpusteward.reports import store
-from gpusteward.reports.compute import READ, WORKLOAD, hours_and_costs, prepare
+from gpusteward.reports.compute import READ, WORKLOAD, WORKLOAD_NAME, hours_and_costs, prepare
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.rules.mig import geometry as mig_geometry
 
@@ -144,11 +144,14 @@ class WeekFold:
         self.splits = max(1, splits)
         self.spill = spill
         self.device_minutes = 0
-        # Per workload, device, model and day: the team, day, workload and model tables
-        # are all sums of it, so each slice is grouped once for the four of them.
-        self.pairs = _Partial(["wid", "uuid", "gpu_model", "day"], {
-            **{c: "first" for c in WORKLOAD}, **dict.fromkeys(PAIR_SUMS, "sum"),
-            "mem_peak_bytes": "max", "device_mem_total": "max", "uses_mig": "any"})
+        # Per workload, team, device, model and day: the team, day, workload and model
+        # tables are all sums of it, so each slice is grouped once for the four of them.
+        # The team is a key, not part of the workload's name: a workload whose team label
+        # changed mid-week is one workload, and each team gets the minutes it held.
+        self.pairs = _Partial(["wid", "team", "uuid", "gpu_model", "day"], {
+            **{c: "first" for c in WORKLOAD_NAME}, **dict.fromkeys(PAIR_SUMS, "sum"),
+            "mem_peak_bytes": "max", "device_mem_total": "max", "uses_mig": "any",
+            "last_ts": "max"})
         self.faults = _Partial(["day"], {"xid_events": "sum", "ecc_dbe_errors": "sum",
                                          "throttled_device_minutes": "sum"})
         self.hours = _Partial(["hour"], {"free": "sum", "usable": "sum", "minutes": "sum"})
@@ -169,16 +172,18 @@ class WeekFold:
             raise ValueError(f"a slice spans {first} to {last}: fold one day at a time")
         frame = prepare(rows, self.settings, self.geometries)
         held = frame.filter(pl.col("allocated")).with_columns(
-            # One 64-bit hash stands for the four workload columns: grouping by one number
-            # is several times faster. It hashes the categoricals' codes (the same for a
+            # One 64-bit hash stands for the workload's name: grouping by one number is
+            # several times faster. It hashes the categoricals' codes (the same for a
             # text everywhere in this process): hashing the text took as long again.
-            pl.struct([pl.col(c).to_physical() for c in WORKLOAD]).hash(seed=0).alias("wid"))
+            pl.struct([pl.col(c).to_physical() for c in WORKLOAD_NAME]).hash(seed=0)
+            .alias("wid"))
         split = (pl.col("wid") % self.splits).alias("split")
         # One plan for every output of the slice: polars reads each derived column once
         # and runs the aggregations side by side.
         pairs, faults, hours, devices, values, minutes = pl.collect_all([
-            held.group_by("wid", "uuid", "gpu_model").agg(
-                *[pl.col(c).first() for c in WORKLOAD],
+            held.group_by("wid", "team", "uuid", "gpu_model").agg(
+                *[pl.col(c).first() for c in WORKLOAD_NAME],
+                pl.col("ts").max().alias("last_ts"),
                 pl.len().cast(pl.Int64).alias("device_minutes"),
                 *hours_and_costs(),
                 pl.col("hourly_usd").sum().alias("usd_sum"),
@@ -240,7 +245,7 @@ class WeekFold:
             "wid": pl.UInt64, "uuid": pl.String, "gpu_model": pl.String, "day": pl.Date,
             **dict.fromkeys(WORKLOAD, pl.String), "device_minutes": pl.Int64,
             **_hours_schema(), "usd_sum": pl.Float64, "mem_peak_bytes": pl.Int64,
-            "device_mem_total": pl.Int64, "uses_mig": pl.Boolean})
+            "device_mem_total": pl.Int64, "uses_mig": pl.Boolean, "last_ts": pl.Float64})
         teams = pairs.group_by("team").agg(pl.col(_HOURS).sum()).with_columns(
             (pl.col("used_gpu_hours") / pl.col("allocated_gpu_hours") * 100)
             .alias("efficiency_pct")).sort("allocated_gpu_hours", descending=True)
@@ -282,10 +287,11 @@ class WeekFold:
             device_minutes=self.device_minutes, spill_bytes=self.spill_bytes)
 
     def _per_workload(self, pairs: pl.DataFrame, devices: pl.DataFrame) -> pl.DataFrame:
-        """Per workload: the summed columns, its devices, model and MIG profile, and its
-        percentiles."""
+        """Per workload: the summed columns, its devices, model and MIG profile, its team
+        (the latest its rows carried), and its percentiles."""
         sums = pairs.group_by("wid").agg(
-            *[pl.col(c).first() for c in WORKLOAD],
+            pl.col("team").sort_by("last_ts").last(),
+            *[pl.col(c).first() for c in WORKLOAD_NAME],
             pl.col(PAIR_SUMS).sum(), pl.col("mem_peak_bytes", "device_mem_total").max(),
             pl.col("uses_mig").any(), pl.col("uuid").n_unique().cast(pl.UInt32)
             .alias("devices"))

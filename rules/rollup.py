@@ -11,8 +11,12 @@ Event time decides. A minute is emitted once the node's newest sample is
 is late: counted in ``RollupTrack.late`` and otherwise ignored, because a
 rollup downstream is final. A sample at or before the last one a device's
 minute has counted (a redelivery after a crash, a duplicate) is not counted
-again. A rollup is named by (device uuid, minute start): a redelivered one
-is equal to or a partial copy of the first, and the store keeps one per name.
+again. A rollup is named by (device uuid, minute start, holding pod, the
+node's clock): a redelivered one is equal to or a partial copy of the first,
+and the store keeps one per name. After a node's collector clock steps back
+and the caller takes the new clock (:meth:`MinuteFold.new_clock`), a minute
+already named on the old clock may be named again: it is another minute the
+device was read, told apart by ``clock``, and the store keeps both.
 
 Who held the device comes from the caller as an :class:`Attribution` (the
 worker's node join knows the pod's owner, labels and queue from the
@@ -56,7 +60,7 @@ ROLLUP_FIELDS = (
     "gpu_fraction", "util_min", "util_mean", "util_max", "mem_used_mean", "mem_used_max",
     "mem_total_bytes", "power_mean", "power_max", "temp_max", "throttled_samples",
     "ecc_dbe_new", "xid_count", "namespace", "pod", "owner_kind", "owner_name", "team",
-    "workload_kind", "queue",
+    "workload_kind", "queue", "clock",
 )
 """The Rollup fields :meth:`MinuteFold._rollup` fills, in the schema's order."""
 _COMPUTE = re.compile(r"^(?:\d+c\.)?(\d+)g\.")
@@ -163,6 +167,9 @@ class RollupTrack(msgspec.Struct):
     """Per device, the highest double-bit ECC count seen: the baseline of ``ecc_dbe_new``."""
     late: int = 0
     """Device readings dropped because their minute was already emitted."""
+    clock: int = 0
+    """The node's clock, as ``Rollup.clock``: one more each time the caller takes a
+    stepped-back clock (:meth:`MinuteFold.new_clock`)."""
 
 
 class MinuteFold:
@@ -305,6 +312,16 @@ class MinuteFold:
         """Emit every open minute (at the end of a replay)."""
         return self._close(track, node, float("inf"))
 
+    def new_clock(self, track: RollupTrack, node: str) -> list[Rollup]:
+        """The node's clock stepped back and the caller takes the new one: emit the open
+        minutes of the old clock and start the new one. Its minutes may be named again
+        (the same minute start), and each is a minute of its own, so they carry the next
+        ``clock``: the store keeps both."""
+        out = self.flush(track, node)
+        track.watermark = track.closed_before = None
+        track.clock += 1
+        return out
+
     def _close(self, track: RollupTrack, node: str, before: float) -> list[Rollup]:
         minutes = track.minutes
         done = [m for m in minutes if m + MINUTE <= before]
@@ -351,7 +368,7 @@ class MinuteFold:
             open_.power_sum / open_.power_n if open_.power_n else None, open_.power_max,
             open_.temp_max, open_.throttled, dbe_new, open_.xids,
             who.namespace, who.pod, who.owner_kind, who.owner_name, who.team,
-            who.workload_kind, who.queue,
+            who.workload_kind, who.queue, track.clock,
         )
 
     def _gpu_fraction(self, device: DeviceSample) -> float:

@@ -113,6 +113,7 @@ def _rows(start: float, rng: np.random.Generator, minute: np.ndarray, device: np
         pl.when(is_held).then(pl.lit("default")).alias("queue"),
         pl.lit(None, dtype=pl.String).alias("parent_uuid"),
         pl.lit(None, dtype=pl.String).alias("mig_profile"),
+        pl.lit(0).alias("clock"),
     )
     return frame.select([pl.col(c).cast(t) for c, t in SCHEMA.items()])
 

@@ -529,9 +529,7 @@ class NodeJoin:
                     node, step, self.settings.clock_step_after_s)
         if self.on_clock_step is not None:
             self.on_clock_step(node, step)
-        minutes = state.rollups
-        out: list[Output] = list(self.fold.flush(minutes, node))
-        minutes.watermark = minutes.closed_before = None
+        out: list[Output] = list(self.fold.new_clock(state.rollups, node))
         state.behind_since = state.behind_last = None
         state.last_summary_ts, state.summary_dirty = None, True
         state.clock_steps += 1  # the fleet agent takes the next summary however old

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from gpusteward.reports.compute import WORKLOAD, hours_and_costs
+from gpusteward.reports.compute import WORKLOAD, WORKLOAD_NAME, hours_and_costs
 from gpusteward.reports.settings import ReportSettings
 
 
@@ -31,7 +31,9 @@ def daily_table(frame: pl.DataFrame) -> pl.DataFrame:
 
 def workload_table(frame: pl.DataFrame) -> pl.DataFrame:
     held = frame.filter(pl.col("allocated"))
-    return (held.group_by(WORKLOAD).agg(
+    # A workload is its name; its team the latest its rows carried.
+    return (held.group_by(WORKLOAD_NAME).agg(
+        pl.col("team").sort_by("ts").last(),
         pl.col("gpu_model").mode().first().alias("gpu_model"),
         pl.col("uuid").n_unique().alias("devices"),
         pl.len().alias("device_minutes"),
@@ -73,7 +75,7 @@ def needs(frame: pl.DataFrame, settings: ReportSettings) -> pl.DataFrame:
     # One 64-bit hash stands for the four workload columns: grouping 10 M rows by two
     # numbers is several times faster than by four categoricals and a float.
     held = frame.filter(pl.col("allocated")).with_columns(
-        pl.struct(WORKLOAD).hash(seed=0).alias("wid"),
+        pl.struct(WORKLOAD_NAME).hash(seed=0).alias("wid"),
         # Activity times the device's share of its GPU: GPU-equivalents. A missing reading
         # stays missing: it is no minute at 0 %.
         (pl.col("util_mean") * pl.col("gpu_fraction")).alias("compute"),
@@ -94,7 +96,8 @@ def needs(frame: pl.DataFrame, settings: ReportSettings) -> pl.DataFrame:
         pl.col("held").mean().alias("gpus_held"),
     )
     per_device = held.group_by("wid").agg(
-        *[pl.col(c).first() for c in WORKLOAD],
+        pl.col("team").sort_by("ts").last(),
+        *[pl.col(c).first() for c in WORKLOAD_NAME],
         pl.col("util_mean").quantile(q, "linear").alias("activity_pct"),
         (pl.col("compute").quantile(q, "linear") * grow / 100)
         .alias("device_compute_needed"),

@@ -45,9 +45,10 @@ def _week(start: float, idle_scale: float) -> list[Rollup]:
             + _held(start + 3 * 86400, "nb-carol-0", "nlp", 1, 2.0, 2))
     for day in range(5):
         rows += _held(start + day * 86400 + 9 * HOUR, f"train-{day}-0", "nlp", 8, 60.0, 3)
-    # The weekend: the training GPU free, so that no day lacks rollups (the weeks compare).
-    for day in (5, 6):
-        rows.append(Rollup(ts=start + day * 86400 + 12 * HOUR, node="node-a", uuid="GPU-3",
+    # The weekend: the training GPU free, so that no day lacks rollups and the data reaches
+    # the week's last minute (the weeks compare).
+    for at in (5 * 86400 + 12 * HOUR, 6 * 86400 + 12 * HOUR, 7 * 86400 - 60):
+        rows.append(Rollup(ts=start + at, node="node-a", uuid="GPU-3",
                            index=3, model="NVIDIA H100 80GB HBM3", samples=4, util_mean=0.0,
                            util_max=0.0, mem_used_max=0, mem_total_bytes=80 << 30))
     return rows

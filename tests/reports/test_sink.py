@@ -18,8 +18,9 @@ from aiokafka import ConsumerRecord
 
 from gpusteward import kafka, topics
 from gpusteward.broker import free_port
+from gpusteward.edge import Rejected
 from gpusteward.health import probe
-from gpusteward.reports import findings, store
+from gpusteward.reports import build, compute, findings, store
 from gpusteward.reports.settings import ReportSettings
 from gpusteward.reports.sink import RollupSink, findings_sink, results_sink, rollup_sink
 from gpusteward.sandbox.pipeline import settings_env
@@ -34,8 +35,10 @@ from gpusteward.schema import (
     Subject,
 )
 from gpusteward.settings import Settings
+from gpusteward.streams.node import NodeJoin, NodeState
 from gpusteward.topics import TopicSpec
 from tests.conftest import metrics_page
+from tests.streams.test_node_join import POD, allocation, node_sample
 
 T0 = 1_763_337_600.0
 
@@ -245,3 +248,83 @@ async def _publish(settings: Settings, rollups: list[Rollup]) -> None:
                             key=rollup.node.encode())
     await producer.flush()
     await producer.stop()
+
+
+@pytest.mark.e2e
+def test_minutes_a_node_names_again_on_its_new_clock_are_all_reported(settings: Settings,
+                                                                      tmp_path: Path) -> None:
+    """A node's collector clock steps back an hour (an NTP step, a VM restored from a
+    snapshot) while its pod is held: two hours busy, then idle on the new clock. Once the
+    node join takes the new clock it names again minutes it named on the old one; each is
+    a minute the pod held its GPU. Through the topic, the sink and the store, the report
+    counts every one of them: none dropped as a repeat of the other clock's minute."""
+    week = compute.parse_week("2026-W47")
+    start = week.start + 86400
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, msgspec.structs.replace(allocation("running", start),
+                                                      started_at=start))
+    out: list[Any] = []
+    samples = ([node_sample(start + i * 30, 90.0) for i in range(241)]
+               + [node_sample(start + 3630 + i * 30, 0.0) for i in range(80)])
+    refused = 0
+    for sample in samples:
+        try:
+            out += join.on_sample(state, sample)
+        except Rejected:
+            refused += 1
+    out += join.fold.flush(state.rollups, "n1")
+    rollups = [o for o in out if isinstance(o, Rollup)]
+    held = [r for r in rollups if r.pod is not None]
+    busy = [r for r in held if r.util_max is not None and r.util_max >= 5]
+    idle = [r for r in held if r.util_max is not None and r.util_max < 5]
+    assert refused == 10 and (len(busy), len(idle)) == (121, 36)
+    assert {r.ts for r in idle} <= {r.ts for r in busy}  # the new clock's minutes, again
+
+    sink = asyncio.run(_drain(rollup_sink(settings, ReportSettings(flush_interval_s=0.3),
+                                          directory=tmp_path),
+                              topics.ROLLUPS, rollups, key=b"n1", count=len(rollups)))
+    assert (sink.rows_written, sink.duplicates) == (len(rollups), 0)
+    data = build.build(tmp_path, week, ReportSettings()).data
+    team = {t["team"]: t for t in data["teams"]}[POD.namespace]
+    assert team["allocated_gpu_hours"] == pytest.approx(157 / 60)
+    assert team["idle_gpu_hours"] == pytest.approx(36 / 60)
+    (holder,) = data["idle_holders"]
+    assert holder["pod"] == POD.name and holder["idle_gpu_hours"] == pytest.approx(36 / 60)
+
+
+class _Killed(Exception):
+    """The sink's process killed (OOM, node lost) right after a file is in place."""
+
+
+@pytest.mark.e2e
+def test_a_sink_killed_between_its_file_and_its_commit_loses_and_doubles_nothing(
+        settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sink writes a day's file and is killed before it commits: nothing committed,
+    its next start re-reads the topic from the group's last commit and writes the same
+    rollups again. The store then holds each twice; the report counts each minute once,
+    the two hours held and nothing else."""
+    week = compute.parse_week("2026-W47")
+    rollups = [Rollup(ts=week.start + 60 * i, node="n0", uuid="GPU-0", model="H100-80GB",
+                      samples=6, util_mean=0.0, util_max=0.0, namespace="ml", pod="nb",
+                      team="t") for i in range(120)]
+    report = ReportSettings(flush_rows=1000, flush_interval_s=0.3)
+    first = rollup_sink(settings, report, directory=tmp_path)
+    written = first._flush
+
+    async def killed_after_the_file() -> None:
+        await written()
+        raise _Killed
+
+    monkeypatch.setattr(first, "_flush", killed_after_the_file)
+    with pytest.raises(_Killed):
+        asyncio.run(_drain(first, topics.ROLLUPS, rollups, key=b"n0", count=len(rollups)))
+    assert first.rows_written == len(rollups)
+
+    again = asyncio.run(_drain(rollup_sink(settings, report, directory=tmp_path),
+                               topics.ROLLUPS, [], key=b"n0", count=len(rollups)))
+    assert again.rows_written == len(rollups)  # re-read from the last commit: none
+    assert store.count_rows(tmp_path, week.start, week.end) == 2 * len(rollups)
+    data = build.build(tmp_path, week, ReportSettings()).data
+    assert data["totals"]["allocated_gpu_hours"] == pytest.approx(2.0)
+    assert data["totals"]["idle_gpu_hours"] == pytest.approx(2.0)
+    assert data["totals"]["device_minutes"] == len(rollups)
