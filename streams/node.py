@@ -639,7 +639,9 @@ class NodeJoin:
         state.gpu_model = event.gpu_product or state.gpu_model
         state.gpu_count = event.gpu_count or state.gpu_count
         state.gpu_replicas = event.gpu_replicas
-        state.gpu_allocatable = event.allocatable.get("nvidia.com/gpu")
+        # A deleted node offers nothing, though its last summary lingers in the fleet's view
+        # until it is stale; the same name created again states its allocatable anew.
+        state.gpu_allocatable = 0 if event.deleted else event.allocatable.get("nvidia.com/gpu")
         state.cordoned = event.unschedulable or any(map(_keeps_pods_off, event.taints))
         state.spot = event.spot
         state.pool = event.labels.get(self.policy.node_pool_label)

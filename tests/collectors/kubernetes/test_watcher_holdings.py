@@ -135,3 +135,23 @@ def test_a_pod_with_dra_claims_is_said_unseen_once(
     assert lines == ["pod team-a/llm-dra gets devices through Dynamic Resource Allocation "
                      "(claims gpu): the watcher does not read ResourceClaims, so GPUs "
                      "allocated to it this way are not reported"] * 2
+
+
+def test_a_deleted_node_offers_nothing_and_its_name_comes_back_as_a_new_node(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """A node scaled down (or replaced under the same name, as cloud node pools do) is
+    deleted: its GPUs must stop counting as free capacity at once, not only once its last
+    summary goes stale in the fleet's view."""
+    kube_api.create(gpu_node("n1", gpus=8))
+    watcher = start_watcher()
+    assert free_gpus(watcher, "n1") == 8
+
+    mark = len(watcher.events)
+    kube_api.delete("Node", "n1")
+    (gone,) = watcher.new_events(mark)
+    assert isinstance(gone, NodeInventory) and gone.deleted
+    assert free_gpus(watcher, "n1") == 0
+
+    kube_api.create(gpu_node("n1", gpus=4))
+    watcher.settle()
+    assert free_gpus(watcher, "n1") == 4
