@@ -168,6 +168,14 @@ class WatcherMetrics(CollectorMetrics):
             "resync period.",
             ["resource"], registry=self.registry,
         )
+        self.dra_pods = Counter(
+            "gpusteward_watch_dra_pods_total",
+            "Pods seen that get devices through Dynamic Resource Allocation "
+            "(spec.resourceClaims), by namespace, each counted once: the watcher does not "
+            "read ResourceClaims, so GPUs allocated this way are not reported; a log line "
+            "names each pod.",
+            ["namespace"], registry=self.registry,
+        )
         self.backlog = Gauge(
             "gpusteward_watch_backlog_deltas",
             "Object changes the reflectors delivered and the watcher has not yet published: "

@@ -64,6 +64,8 @@ watch event), :meth:`~KubeApiServer.drop_watches` (breaks every open watch
 connection mid-stream), :meth:`~KubeApiServer.outage` (a context in which
 every request fails with 503 and watches are dropped),
 :meth:`~KubeApiServer.compact` (older resourceVersions then get 410),
+:attr:`~KubeApiServer.end_watches_at_once` (every watch ends, cleanly, right after
+its headers),
 :meth:`~KubeApiServer.fail` (the next N requests of a method answer an error
 status, optionally with ``Retry-After``, or hang and are dropped, so that a
 client's timeout fires), :meth:`~KubeApiServer.add_controller` (a function run
@@ -402,6 +404,10 @@ class KubeApiServer:
         """Answer a watch from a compacted resourceVersion with HTTP 410 instead of an
         ``ERROR`` event in a 200 stream (what some proxies and older servers do)."""
         self.bookmark_interval_s = bookmark_interval_s
+        self.end_watches_at_once = False
+        """End every watch right after its headers, cleanly and without an event (a
+        proxy that cuts streams short, a server going down): the client must back off
+        rather than ask again at once."""
         self.requests: list[RecordedRequest] = []
         self.record_requests = True
         self._store = _Store()
@@ -991,6 +997,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
+        if api.end_watches_at_once:
+            self._chunk(b"")
+            return
         initial: list[bytes] = []
         with api._cond:
             generation = api._drop_generation

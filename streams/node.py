@@ -189,6 +189,11 @@ class NodeState(msgspec.Struct):
     """The newest of those refused samples."""
     clock_steps: int = 0
     """Stepped-back clocks of the node taken so far (``NodeSummary.clock_steps``)."""
+    gpu_allocatable: int | None = None
+    """``nvidia.com/gpu`` in the node's allocatable (replicas when shared): the kubelet
+    takes a GPU its device plugin reports unhealthy out of allocatable, not out of capacity
+    (``gpu_count``), and every GPU while the plugin restarts; the scheduler places nothing
+    on what it left out. None until an inventory states it."""
 
 
 Output = Finding | Action | NodeSummary | Rollup
@@ -632,6 +637,9 @@ class NodeJoin:
         state.gpu_model = event.gpu_product or state.gpu_model
         state.gpu_count = event.gpu_count or state.gpu_count
         state.gpu_replicas = event.gpu_replicas
+        # A deleted node offers nothing, though its last summary lingers in the fleet's view
+        # until it is stale; the same name created again states its allocatable anew.
+        state.gpu_allocatable = 0 if event.deleted else event.allocatable.get("nvidia.com/gpu")
         state.cordoned = event.unschedulable or any(map(_keeps_pods_off, event.taints))
         state.spot = event.spot
         state.pool = event.labels.get(self.policy.node_pool_label)
@@ -728,11 +736,17 @@ class NodeJoin:
         state.last_summary_ts, state.summary_dirty = ts, False
         holding = [h for h in state.pods.values() if h.ended_at is None]
         used = sum(h.gpus for h in holding)
+        # Free is what the scheduler could still place: a GPU out of allocatable (failed,
+        # or its device plugin restarting) is not free, though the node still has it.
+        offered = state.gpu_count * state.gpu_replicas
+        if state.gpu_allocatable is not None:
+            offered = min(offered, state.gpu_allocatable)
+        schedulable = offered // state.gpu_replicas
         replicas_free = None
         if state.gpu_replicas > 1:
             # Replicas of shared GPUs: a physical GPU is used when any replica of it is held
             # (by device ids; without them, as tightly packed as replicas allow).
-            replicas_free = max(0, state.gpu_count * state.gpu_replicas - used)
+            replicas_free = max(0, offered - used)
             physical = {d.split("::", 1)[0] for h in holding if h.gpus for d in h.devices}
             used = len(physical) if physical else -(-used // state.gpu_replicas)
         healthy = self._healthy(state)
@@ -748,7 +762,7 @@ class NodeJoin:
             teams[team] = gpus
         return [NodeSummary(
             ts=ts, node=node, gpu_model=state.gpu_model, gpus_total=state.gpu_count,
-            gpus_free=max(0, state.gpu_count - used), healthy=healthy,
+            gpus_free=max(0, schedulable - used), healthy=healthy,
             cordoned=state.cordoned, spot=state.spot, gpu_replicas=state.gpu_replicas,
             replicas_free=replicas_free,
             mig_free={profile: n for profile, n in mig_free.items() if n > 0},

@@ -8,7 +8,8 @@ the last resourceVersion seen; 410 Gone (as an HTTP status or as an
 against what was already delivered, so deletions missed while disconnected
 come out as deletions and unchanged objects come out not at all. It
 remembers the resourceVersion delivered per object and never delivers the
-same one twice. Errors back off exponentially, with jitter, up to a cap. It
+same one twice. Errors back off exponentially, with jitter, up to a cap; so
+does a watch that ends at once without an event. It
 reads raw JSON (``_preload_content=False``): the client's model classes cost
 milliseconds per pod, which a 10,000-pod relist cannot afford.
 
@@ -58,6 +59,10 @@ class Gone(TemporaryError):
 class WatchError(TemporaryError):
     """The server ended a watch with an error other than 410."""
 
+
+SHORT_WATCH_S = 1.0
+"""A watch that ends sooner without a single event is an error and backs off, as
+client-go's reflector treats such a "very short watch"."""
 
 ListCall = Callable[..., Any]
 """A client ``list_*`` method (or a partial of one) that accepts list and watch arguments."""
@@ -243,10 +248,12 @@ class Reflector:
         self._response = response
         self.stats.watches += 1
         self._watches.inc()
+        opened, heard = time.monotonic(), False
         try:
             for line in _lines(response):
                 if self._stop.is_set():
                     return
+                heard = True
                 self._heard.set_to_current_time()
                 try:
                     event = _decoder.decode(line)
@@ -260,6 +267,10 @@ class Reflector:
         finally:
             self._response = None
             response.release_conn()
+        if not heard and time.monotonic() - opened < SHORT_WATCH_S and not self._stop.is_set():
+            # Ended cleanly at once (a proxy cutting streams, a server going down): asking
+            # again at once would be a hot loop against the API server; back off instead.
+            raise WatchError("very short watch: it ended at once without an event")
 
     def _malformed(self, error: BaseException, what: object) -> None:
         """Count one unreadable object or line and log it (once per kind at warning level)."""

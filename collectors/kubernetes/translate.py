@@ -166,7 +166,10 @@ def mig_profile(resource: str) -> str | None:
 
 
 def gpu_resources(spec: Obj) -> dict[str, int]:
-    """The effective GPU and MIG requests of a pod spec (Kubernetes' init-container rule)."""
+    """The effective GPU and MIG requests of a pod spec, as the scheduler computes them
+    (``PodRequests`` in k8s.io/component-helpers): the app containers' sum plus every
+    sidecar's (an init container with ``restartPolicy: Always`` runs beside them), or more
+    when an init container needs more, counted with the sidecars started before it."""
 
     def of(container: Obj) -> dict[str, int]:
         resources = container.get("resources") or {}
@@ -174,14 +177,35 @@ def gpu_resources(spec: Obj) -> dict[str, int]:
         return {k: quantity(v) for k, v in merged.items()
                 if k == GPU or k.startswith(MIG_PREFIX)}
 
+    def add(into: dict[str, int], more: dict[str, int]) -> None:
+        for name, count in more.items():
+            into[name] = into.get(name, 0) + count
+
     total: dict[str, int] = {}
     for container in spec.get("containers") or []:
-        for name, count in of(container).items():
-            total[name] = total.get(name, 0) + count
+        add(total, of(container))
+    sidecars: dict[str, int] = {}
+    init_peak: dict[str, int] = {}
     for init in spec.get("initContainers") or []:
-        for name, count in of(init).items():
-            total[name] = max(total.get(name, 0), count)
+        needs = of(init)
+        if init.get("restartPolicy") == "Always":
+            add(total, needs)
+            add(sidecars, needs)
+            needs = dict(sidecars)
+        else:
+            add(needs, sidecars)
+        for name, count in needs.items():
+            init_peak[name] = max(init_peak.get(name, 0), count)
+    for name, count in init_peak.items():
+        total[name] = max(total.get(name, 0), count)
     return {k: v for k, v in total.items() if v > 0}
+
+
+def resource_claims(spec: Obj) -> list[str]:
+    """The names of a pod's Dynamic Resource Allocation claims (``spec.resourceClaims``):
+    devices, GPUs among them, that the pod gets through ResourceClaims rather than an
+    extended resource, and that :func:`gpu_resources` therefore cannot count."""
+    return [str(claim.get("name", "")) for claim in spec.get("resourceClaims") or []]
 
 
 @dataclass

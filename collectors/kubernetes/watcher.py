@@ -34,7 +34,12 @@ from gpusteward.collectors.kubernetes.reflector import (
     object_key,
 )
 from gpusteward.collectors.kubernetes.settings import KubeWatchSettings
-from gpusteward.collectors.kubernetes.translate import KUEUE_GROUP, Emitted, Translator
+from gpusteward.collectors.kubernetes.translate import (
+    KUEUE_GROUP,
+    Emitted,
+    Translator,
+    resource_claims,
+)
 from gpusteward.collectors.metrics import WatcherMetrics
 from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.schema import NodeInventory, QueueEvent
@@ -100,6 +105,8 @@ class KubeWatcher:
         self.gang_versions: dict[str, str] = {}
         """``plural.group`` -> the version watched, for the gang resources served."""
         self._unserved_logged: set[str] = set()
+        self._dra_pods: set[str] = set()
+        """Keys of the live pods already reported as holding DRA claims (once per pod)."""
         self._stop = threading.Event()
         self._room = threading.Condition()
         """Guards ``_outstanding``; notified as published deltas make room."""
@@ -318,12 +325,33 @@ class KubeWatcher:
         into something out of the schema's bounds (counted, logged once per kind): one
         odd object must not stop the watcher, nor make the worker refuse its record."""
         try:
+            if delta.resource == "pods":
+                self._note_dra(delta)
             return [edge.conforming(event) for event in self.translator.apply(delta, self.clock())]
         except Exception as error:  # an object the translator cannot read is that object's
             self.refusals.note(f"{delta.resource} {edge.kind_of(error)}",
                                "skipping %s %s %s: %s", delta.resource, delta.type, delta.key,
                                edge.reason(error))
             return []
+
+    def _note_dra(self, delta: Delta) -> None:
+        """Say once per pod that its Dynamic Resource Allocation claims go unseen: such a
+        pod may hold GPUs that no event reports (docs/collectors.md, "Limits")."""
+        if delta.type == "DELETED":
+            self._dra_pods.discard(delta.key)
+            return
+        if delta.key in self._dra_pods or delta.obj is None:
+            return
+        claims = resource_claims(delta.obj.get("spec") or {})
+        if not claims:
+            return
+        self._dra_pods.add(delta.key)
+        meta = delta.obj["metadata"]
+        namespace = meta.get("namespace", "")
+        self.metrics.dra_pods.labels(namespace).inc()
+        log.warning("pod %s/%s gets devices through Dynamic Resource Allocation (claims %s): "
+                    "the watcher does not read ResourceClaims, so GPUs allocated to it this "
+                    "way are not reported", namespace, meta.get("name"), ", ".join(claims))
 
     def _backlog(self) -> float:
         """Deltas delivered by the reflectors and not yet through :meth:`_publish`."""

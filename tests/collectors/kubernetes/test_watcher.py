@@ -240,6 +240,27 @@ def test_errors_back_off_and_recover(kube_api: KubeApiServer,
     assert [brief(e) for e in watcher.new_events(1)] == [("node", "n1", True, None, False)]
 
 
+def test_watches_cut_short_back_off_and_lose_nothing(kube_api: KubeApiServer,
+                                                    start_watcher: WatcherFactory) -> None:
+    """A proxy that ends every stream at once, or a server going down, answers each watch
+    with a clean, empty 200: asking again at once would hammer the API server (client-go
+    calls it a very short watch and backs off)."""
+    kube_api.create(gpu_node("n1"))
+    watcher = start_watcher(resources=["nodes"], backoff_initial_s=0.1, backoff_max_s=0.4)
+    import time
+
+    kube_api.end_watches_at_once = True
+    before = kube_api.watch_count()
+    kube_api.drop_watches()  # the watch open since the start
+    time.sleep(1.2)
+    cut_short = kube_api.watch_count() - before
+    # 0.1 + 0.2 + 0.4 + 0.4 ... : about 4 attempts in 1.2 s, not a hot loop.
+    assert 2 <= cut_short <= 8, cut_short
+    kube_api.patch("Node", "n1", {"spec": {"unschedulable": True}})
+    kube_api.end_watches_at_once = False
+    assert [brief(e) for e in watcher.new_events(1)] == [("node", "n1", True, None, False)]
+
+
 def test_periodic_resync_relists_without_publishing_duplicates(
         kube_api_loaded: KubeApiServer, start_watcher: WatcherFactory) -> None:
     watcher = start_watcher(resync_period_s=0.3)

@@ -1,0 +1,157 @@
+"""What a node holds and offers, as the API server states it, through the watcher and the join.
+
+Each test writes pods and nodes as the kubelet, the scheduler and the device
+plugin leave them into the API-server double, lets the real watcher (the
+``kubernetes`` client) read them, and folds its events into the worker's node
+join, whose node summaries say how many GPUs a node has free for the fleet's
+rules (fragmentation, waiting work, start ETAs).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from gpusteward.sandbox.kube_api import KubeApiServer
+from gpusteward.sandbox.kube_objects import gpu_node, gpu_pod
+from gpusteward.schema import NodeInventory, NodeSummary, PodAllocation
+from gpusteward.streams.node import NodeJoin, NodeState
+
+from .conftest import RunningWatcher, WatcherFactory, wait_until
+
+
+def free_gpus(watcher: RunningWatcher, node: str) -> int:
+    """GPUs the worker's node join says ``node`` has free after the watcher's events."""
+    join, state = NodeJoin(), NodeState()
+    summaries: list[NodeSummary] = []
+    for event in watcher.events:
+        if isinstance(event, (PodAllocation, NodeInventory)) and event.node == node:
+            summaries += [o for o in join.on_allocation(state, event)
+                          if isinstance(o, NodeSummary)]
+    return summaries[-1].gpus_free
+
+
+def container(name: str, gpus: int, **extra: Any) -> dict[str, Any]:
+    limits = {"nvidia.com/gpu": str(gpus)}
+    return {"name": name, "image": "pytorch:25.01", **extra,
+            "resources": {"limits": limits, "requests": dict(limits)}}
+
+
+def test_a_sidecar_holding_a_gpu_counts_beside_the_app_containers(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """A sidecar (an init container with restartPolicy Always) runs beside the app
+    containers for the pod's whole life: the scheduler adds its GPUs to theirs
+    (k8s.io/component-helpers ``PodRequests``), and so must what the pod is said to hold."""
+    kube_api.create(gpu_node("n1", gpus=8))
+    pod = gpu_pod("serve", node="n1", phase="Running")
+    pod["spec"]["initContainers"] = [
+        container("fetch-weights", 1),  # a plain init container: done before the rest start
+        container("profiler", 1, restartPolicy="Always"),
+    ]
+    pod["spec"]["containers"] = [container("main", 2)]
+    kube_api.create(pod)
+    # An init container after the sidecar runs while the sidecar holds its GPU.
+    late = gpu_pod("warmup", node="n1", phase="Running")
+    late["spec"]["initContainers"] = [container("agent", 1, restartPolicy="Always"),
+                                      container("burn-in", 3)]
+    late["spec"]["containers"] = [container("main", 1)]
+    kube_api.create(late)
+    watcher = start_watcher()
+
+    held = {e.pod.name: e.gpus for e in watcher.events if isinstance(e, PodAllocation)}
+    assert held == {"serve": 3, "warmup": 4}  # 2 + sidecar 1; max(1 + 1, sidecar 1 + 3)
+    assert free_gpus(watcher, "n1") == 1
+
+
+def test_a_gpu_that_leaves_allocatable_is_not_offered_as_free(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """The device plugin reports a failed GPU unhealthy: the kubelet keeps it in
+    capacity and takes it out of allocatable, so the scheduler places nothing on it. A
+    device plugin restart takes every GPU out of allocatable until it registers again."""
+    kube_api.create(gpu_node("n1", gpus=8))
+    kube_api.create(gpu_pod("train", node="n1", phase="Running",
+                            resources={"nvidia.com/gpu": "2"}))
+    watcher = start_watcher()
+    assert free_gpus(watcher, "n1") == 6
+
+    mark = len(watcher.events)
+    kube_api.mutate("Node", "n1", lambda n: n["status"]["allocatable"].update(
+        {"nvidia.com/gpu": "7"}))
+    (inventory,) = watcher.new_events(mark)
+    assert (inventory.gpu_count, inventory.allocatable) == (8, {"nvidia.com/gpu": 7})
+    assert free_gpus(watcher, "n1") == 5
+
+    kube_api.mutate("Node", "n1", lambda n: n["status"]["allocatable"].update(
+        {"nvidia.com/gpu": "0"}))
+    watcher.settle()
+    assert free_gpus(watcher, "n1") == 0
+
+    kube_api.mutate("Node", "n1", lambda n: n["status"]["allocatable"].update(
+        {"nvidia.com/gpu": "8"}))
+    watcher.settle()
+    assert free_gpus(watcher, "n1") == 6
+
+
+def dra_pod(name: str) -> dict[str, Any]:
+    """A pod of NVIDIA's DRA driver examples: its GPU comes from a ResourceClaim made from
+    a template, with no ``nvidia.com/gpu`` anywhere in its resources."""
+    pod = gpu_pod(name, node="n1", phase="Running", resources={"cpu": "4"})
+    pod["spec"]["resourceClaims"] = [{"name": "gpu",
+                                      "resourceClaimTemplateName": "single-gpu"}]
+    pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpu"}]
+    pod["status"]["resourceClaimStatuses"] = [{"name": "gpu",
+                                               "resourceClaimName": f"{name}-gpu-x7k2q"}]
+    return pod
+
+
+def test_a_pod_with_dra_claims_is_said_unseen_once(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """GPUs allocated through Dynamic Resource Allocation are not read (docs/collectors.md,
+    "Limits"): the watcher must say so, once per pod, rather than stay silent."""
+    caplog.set_level(logging.WARNING, "gpusteward.collectors.kubernetes.watcher")
+    kube_api.create(gpu_node("n1", gpus=8))
+    kube_api.create(dra_pod("llm-dra"))
+    watcher = start_watcher()
+    registry = watcher.watcher.metrics.registry
+
+    def counted() -> float:
+        return registry.get_sample_value("gpusteward_watch_dra_pods_total",
+                                         {"namespace": "team-a"}) or 0.0
+
+    assert counted() == 1
+    mark = len(watcher.events)
+    kube_api.mutate("Pod", "llm-dra", lambda p: p["status"].update(podIP="10.0.0.9"),
+                    namespace="team-a")
+    assert watcher.new_events(mark) == []  # no GPU holding is made up for it
+    kube_api.delete("Pod", "llm-dra", namespace="team-a")
+    kube_api.create(dra_pod("llm-dra"))  # re-created: another pod, said again
+    watcher.settle()
+    wait_until(lambda: counted() == 2, 5, "the re-created pod")
+    lines = [r.getMessage() for r in caplog.records if "Dynamic Resource Allocation" in
+             r.getMessage()]
+    assert lines == ["pod team-a/llm-dra gets devices through Dynamic Resource Allocation "
+                     "(claims gpu): the watcher does not read ResourceClaims, so GPUs "
+                     "allocated to it this way are not reported"] * 2
+
+
+def test_a_deleted_node_offers_nothing_and_its_name_comes_back_as_a_new_node(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """A node scaled down (or replaced under the same name, as cloud node pools do) is
+    deleted: its GPUs must stop counting as free capacity at once, not only once its last
+    summary goes stale in the fleet's view."""
+    kube_api.create(gpu_node("n1", gpus=8))
+    watcher = start_watcher()
+    assert free_gpus(watcher, "n1") == 8
+
+    mark = len(watcher.events)
+    kube_api.delete("Node", "n1")
+    (gone,) = watcher.new_events(mark)
+    assert isinstance(gone, NodeInventory) and gone.deleted
+    assert free_gpus(watcher, "n1") == 0
+
+    kube_api.create(gpu_node("n1", gpus=4))
+    watcher.settle()
+    assert free_gpus(watcher, "n1") == 4
