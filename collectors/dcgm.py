@@ -305,7 +305,10 @@ class _Device:
     or MiB for memory)."""
     values: dict[str, Any] = field(default_factory=dict)
     framebuffer: dict[str, float] = field(default_factory=dict)
-    nvlink_errors: int | None = None
+    nvlink: dict[str, int] = field(default_factory=dict)
+    """NVLink error counter -> its reading; ``nvlink_errors`` is their sum. Kept per counter,
+    not added up series by series, so a counter Prometheus holds twice (the exporter
+    scraped by two jobs) is counted once."""
 
     @property
     def uuid(self) -> str:
@@ -347,7 +350,9 @@ class _Device:
             gpu_instance_id=int(self.gpu_instance_id) if self.gpu_instance_id else None,
             mem_used_bytes=(_kept("mem_used_bytes", int(used * MIB), refusals)
                             if used is not None else None),
-            mem_total_bytes=total, nvlink_errors=self.nvlink_errors,
+            mem_total_bytes=total,
+            nvlink_errors=(_kept("nvlink_errors", sum(self.nvlink.values()), refusals)
+                           if self.nvlink else None),
             pod=self.pods[0] if self.pods else None,
             # Several pods without per-pod series ("shared"): their readings cannot be told
             # apart, and the rules treat the device's readings as everyone's.
@@ -455,17 +460,16 @@ def _add_mig_parents(devices: dict[tuple[str, str | None], _Device]) -> None:
                 parent_uuid=parent_uuid, gpu_instance_id=None, index=parts[0].index,
                 model=parts[0].model)
         repeated: dict[str, Any] = {}
-        nvlink: int | None = None
+        nvlink: dict[str, int] = {}
         for part in parts:
             for name in DEVICE_WIDE & part.values.keys():
                 value = part.values.pop(name)
                 repeated[name] = max(repeated.get(name, value), value)
-            if part.nvlink_errors is not None:
-                nvlink = max(nvlink or 0, part.nvlink_errors)
-                part.nvlink_errors = None
+            for name, count in part.nvlink.items():
+                nvlink[name] = max(nvlink.get(name, count), count)
+            part.nvlink = {}
         parent.values = {**repeated, **parent.values}
-        if parent.nvlink_errors is None:
-            parent.nvlink_errors = nvlink
+        parent.nvlink = parent.nvlink or nvlink
 
 
 def _apply(device: _Device, item: Series, pod: PodRef | None = None) -> None:
@@ -482,8 +486,9 @@ def _apply(device: _Device, item: Series, pod: PodRef | None = None) -> None:
     elif item.name in FB_FIELDS:
         device.framebuffer[item.name] = item.value
     elif item.name in NVLINK_ERROR_FIELDS:
-        device.nvlink_errors = bounded("nvlink_errors",
-                                       (device.nvlink_errors or 0) + int(item.value))
+        # The same counter twice (two scrape jobs, one behind): the higher is the newer.
+        count = bounded("nvlink_errors", int(item.value))
+        device.nvlink[item.name] = max(device.nvlink.get(item.name, count), count)
 
 
 class XidTracker:
