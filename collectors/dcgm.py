@@ -382,16 +382,18 @@ def _kept(name: str, value: Any, refusals: edge.Refusals) -> Any:
 
 
 PodResolver = Callable[[Mapping[str, str]], PodRef | None]
+NodeResolver = Callable[[Mapping[str, str]], str | None]
 
 
 def node_samples(series: Iterable[Series], ts: float, source: str,
                  node: str | None = None, pod_resolver: PodResolver = pod_of,
-                 refusals: edge.Refusals | None = None) -> dict[str, NodeSample]:
+                 refusals: edge.Refusals | None = None,
+                 node_resolver: NodeResolver = node_of) -> dict[str, NodeSample]:
     """Group series by node and device into one NodeSample per node.
 
     ``node`` pins every series to one node (a per-node scrape, where the node
-    name comes from the settings); otherwise the ``Hostname`` label decides
-    and series without one are skipped. Devices are ordered by GPU index,
+    name comes from the settings); otherwise ``node_resolver`` (the ``Hostname``
+    label) decides and series it names no node for are skipped. Devices are ordered by GPU index,
     then GPU-instance id. A series that cannot be a reading (a value out of
     its field's range, a GPU-instance id that is no number) is skipped and
     counted in ``refusals``, logged once per metric.
@@ -402,7 +404,7 @@ def node_samples(series: Iterable[Series], ts: float, source: str,
         if not math.isfinite(item.value):
             continue
         ident = device_id(item.labels)
-        node_name = node or node_of(item.labels)
+        node_name = node or node_resolver(item.labels)
         if ident is None or node_name is None:
             continue
         devices = nodes.setdefault(node_name, {})
@@ -510,14 +512,15 @@ class XidTracker:
         self._last: dict[tuple[str, str], int] = {}
 
     def events(self, series: Iterable[Series], ts: float, source: str,
-               node: str | None = None) -> list[HwEvent]:
+               node: str | None = None, node_resolver: NodeResolver = node_of,
+               ) -> list[HwEvent]:
         found: list[HwEvent] = []
         reported: set[tuple[str, str, int]] = set()
         for item in series:
             if item.name != XID_FIELD or not math.isfinite(item.value):
                 continue
             ident = device_id(item.labels)
-            node_name = node or node_of(item.labels)
+            node_name = node or node_resolver(item.labels)
             if ident is None or node_name is None:
                 continue
             parent, instance = ident

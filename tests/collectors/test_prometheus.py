@@ -268,6 +268,42 @@ NODE_RELABEL = [{"source_labels": ["__meta_kubernetes_pod_node_name"], "target_l
 """What a PodMonitor/ServiceMonitor relabelling of the exporter pod's node writes."""
 
 
+def _hostname_is_the_pod(page: str) -> str:
+    """The page of a dcgm-exporter without NODE_NAME nor host networking: its Hostname is
+    its pod's host name, the pod name."""
+    return page.replace('Hostname="gpu-node-07"', f'Hostname="{EXPORTER_POD["pod"]}"')
+
+
+@pytest.mark.e2e
+def test_samples_are_keyed_by_the_kubernetes_node_not_the_exporter_pods_hostname(
+        dcgm_page: str, exporter_factory: Callable[..., FakeExporter],
+        prometheus_factory: Callable[..., str], caplog: pytest.LogCaptureFixture) -> None:
+    # The watcher's allocations for these pods are keyed by spec.nodeName, "gpu-node-07";
+    # samples keyed by anything else meet none of them in the worker's join.
+    target = _target(exporter_factory(_hostname_is_the_pod(dcgm_page)).start())
+    relabelled = prometheus_factory(
+        _job("podmonitor", target, relabel_configs=NODE_RELABEL),
+        _job("servicemonitor", target, honor_labels=True, relabel_configs=[
+            {"source_labels": ["__meta_kubernetes_pod_node_name"], "target_label": "instance"}]))
+
+    sources = [lambda: PrometheusSource(relabelled),
+               lambda: PrometheusSource(relabelled, nodes=["gpu-node-07"]),
+               # (the podmonitor job's instance is its address: asked for by node only)
+               lambda: PrometheusSource(relabelled, nodes=["gpu-node-07"], node_label="instance")]
+    for source in sources:
+        (sample,), _ = asyncio.run(source().collect())
+        assert sample.node == "gpu-node-07"
+        assert [d.pod for d in sample.devices] == [TRAINER, None, VLLM, None]
+
+    # No label names the node: refused with the remedy, not published under the pod's name.
+    bare = prometheus_factory(_job("servicemonitor", target))
+    with caplog.at_level("WARNING", logger="gpusteward.collectors.dcgm"):
+        with pytest.raises(SourceError) as raised:
+            asyncio.run(PrometheusSource(bare).collect())
+    assert "PROMETHEUS_NODE_LABEL" in str(raised.value)
+    assert "NODE_NAME" in caplog.text and EXPORTER_POD["pod"] in caplog.text
+
+
 NVLINK_FLIT = "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"
 
 
