@@ -305,7 +305,10 @@ class _Device:
     or MiB for memory)."""
     values: dict[str, Any] = field(default_factory=dict)
     framebuffer: dict[str, float] = field(default_factory=dict)
-    nvlink_errors: int | None = None
+    nvlink: dict[str, int] = field(default_factory=dict)
+    """NVLink error counter -> its reading; ``nvlink_errors`` is their sum. Kept per counter,
+    not added up series by series, so a counter Prometheus holds twice (the exporter
+    scraped by two jobs) is counted once."""
 
     @property
     def uuid(self) -> str:
@@ -347,7 +350,9 @@ class _Device:
             gpu_instance_id=int(self.gpu_instance_id) if self.gpu_instance_id else None,
             mem_used_bytes=(_kept("mem_used_bytes", int(used * MIB), refusals)
                             if used is not None else None),
-            mem_total_bytes=total, nvlink_errors=self.nvlink_errors,
+            mem_total_bytes=total,
+            nvlink_errors=(_kept("nvlink_errors", sum(self.nvlink.values()), refusals)
+                           if self.nvlink else None),
             pod=self.pods[0] if self.pods else None,
             # Several pods without per-pod series ("shared"): their readings cannot be told
             # apart, and the rules treat the device's readings as everyone's.
@@ -377,16 +382,18 @@ def _kept(name: str, value: Any, refusals: edge.Refusals) -> Any:
 
 
 PodResolver = Callable[[Mapping[str, str]], PodRef | None]
+NodeResolver = Callable[[Mapping[str, str]], str | None]
 
 
 def node_samples(series: Iterable[Series], ts: float, source: str,
                  node: str | None = None, pod_resolver: PodResolver = pod_of,
-                 refusals: edge.Refusals | None = None) -> dict[str, NodeSample]:
+                 refusals: edge.Refusals | None = None,
+                 node_resolver: NodeResolver = node_of) -> dict[str, NodeSample]:
     """Group series by node and device into one NodeSample per node.
 
     ``node`` pins every series to one node (a per-node scrape, where the node
-    name comes from the settings); otherwise the ``Hostname`` label decides
-    and series without one are skipped. Devices are ordered by GPU index,
+    name comes from the settings); otherwise ``node_resolver`` (the ``Hostname``
+    label) decides and series it names no node for are skipped. Devices are ordered by GPU index,
     then GPU-instance id. A series that cannot be a reading (a value out of
     its field's range, a GPU-instance id that is no number) is skipped and
     counted in ``refusals``, logged once per metric.
@@ -397,7 +404,7 @@ def node_samples(series: Iterable[Series], ts: float, source: str,
         if not math.isfinite(item.value):
             continue
         ident = device_id(item.labels)
-        node_name = node or node_of(item.labels)
+        node_name = node or node_resolver(item.labels)
         if ident is None or node_name is None:
             continue
         devices = nodes.setdefault(node_name, {})
@@ -455,17 +462,16 @@ def _add_mig_parents(devices: dict[tuple[str, str | None], _Device]) -> None:
                 parent_uuid=parent_uuid, gpu_instance_id=None, index=parts[0].index,
                 model=parts[0].model)
         repeated: dict[str, Any] = {}
-        nvlink: int | None = None
+        nvlink: dict[str, int] = {}
         for part in parts:
             for name in DEVICE_WIDE & part.values.keys():
                 value = part.values.pop(name)
                 repeated[name] = max(repeated.get(name, value), value)
-            if part.nvlink_errors is not None:
-                nvlink = max(nvlink or 0, part.nvlink_errors)
-                part.nvlink_errors = None
+            for name, count in part.nvlink.items():
+                nvlink[name] = max(nvlink.get(name, count), count)
+            part.nvlink = {}
         parent.values = {**repeated, **parent.values}
-        if parent.nvlink_errors is None:
-            parent.nvlink_errors = nvlink
+        parent.nvlink = parent.nvlink or nvlink
 
 
 def _apply(device: _Device, item: Series, pod: PodRef | None = None) -> None:
@@ -482,8 +488,9 @@ def _apply(device: _Device, item: Series, pod: PodRef | None = None) -> None:
     elif item.name in FB_FIELDS:
         device.framebuffer[item.name] = item.value
     elif item.name in NVLINK_ERROR_FIELDS:
-        device.nvlink_errors = bounded("nvlink_errors",
-                                       (device.nvlink_errors or 0) + int(item.value))
+        # The same counter twice (two scrape jobs, one behind): the higher is the newer.
+        count = bounded("nvlink_errors", int(item.value))
+        device.nvlink[item.name] = max(device.nvlink.get(item.name, count), count)
 
 
 class XidTracker:
@@ -505,14 +512,15 @@ class XidTracker:
         self._last: dict[tuple[str, str], int] = {}
 
     def events(self, series: Iterable[Series], ts: float, source: str,
-               node: str | None = None) -> list[HwEvent]:
+               node: str | None = None, node_resolver: NodeResolver = node_of,
+               ) -> list[HwEvent]:
         found: list[HwEvent] = []
         reported: set[tuple[str, str, int]] = set()
         for item in series:
             if item.name != XID_FIELD or not math.isfinite(item.value):
                 continue
             ident = device_id(item.labels)
-            node_name = node or node_of(item.labels)
+            node_name = node or node_resolver(item.labels)
             if ident is None or node_name is None:
                 continue
             parent, instance = ident

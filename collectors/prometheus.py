@@ -3,8 +3,16 @@
 One collector per cluster (not per node) asks Prometheus for the DCGM
 series this project reads, in one instant query per tick, and maps them
 with the same code as the direct scrape (:func:`dcgm.node_samples`): one
-NodeSample per node (dcgm-exporter's ``Hostname`` label), optionally only
-for the nodes in ``prometheus_nodes``.
+NodeSample per node, optionally only for the nodes in ``prometheus_nodes``.
+
+The node is the record key the watcher's allocations join on, so it must be
+the Kubernetes node name. dcgm-exporter's ``Hostname`` is that only when the
+exporter has ``NODE_NAME`` set (from ``spec.nodeName``) or host networking;
+otherwise it is the exporter pod's own host name, its pod name, and samples
+keyed by it would join nothing. So a label that a scrape relabelled from
+``__meta_kubernetes_pod_node_name`` (``node``, or the one ``node_label``
+names) wins over ``Hostname``, and a ``Hostname`` that is the scraped pod's
+name is refused, loudly, rather than published (:func:`node_resolver`).
 
 Pod labels are the trap here. dcgm-exporter writes ``pod``/``namespace``/
 ``container``; a scrape with ``honorLabels: false`` (the default of its Helm
@@ -88,6 +96,50 @@ def pod_resolver(series: Sequence[dcgm.Series], mode: PodLabels) -> dcgm.PodReso
     return resolve
 
 
+NODE_LABELS = ("node",)
+"""Labels a scrape sets from ``__meta_kubernetes_pod_node_name`` (the prometheus-community
+chart's kubernetes-pods job writes ``node``), trusted before ``Hostname`` when no
+``node_label`` is configured."""
+
+
+def node_resolver(series: Sequence[dcgm.Series], node_label: str | None = None,
+                  refusals: edge.Refusals | None = None) -> dcgm.NodeResolver:
+    """How to read a series' Kubernetes node name for this query result.
+
+    ``node_label`` set: that label, nothing else (a series without it names no node).
+    Otherwise a :data:`NODE_LABELS` label where the series has one, else dcgm-exporter's
+    ``Hostname``/``hostname``, unless that is the host name of the scraped exporter pod: a
+    ``Hostname`` equal to a series' target ``pod`` label (every series with ``honorLabels:
+    false``, those of unheld GPUs with ``honorLabels: true``), or one that reads like a
+    dcgm-exporter pod's name. Its series are then skipped, each refusal counted in
+    ``refusals`` and the first logged, naming the remedies.
+    """
+    if node_label:
+        return lambda labels: labels.get(node_label) or None
+    pod_hostnames = {name for name in (dcgm.node_of(item.labels) for item in series
+                                       if item.labels.get("pod") == dcgm.node_of(item.labels)
+                                       or "dcgm-exporter" in (dcgm.node_of(item.labels) or ""))
+                     if name}
+
+    def resolve(labels: Mapping[str, str]) -> str | None:
+        for name in NODE_LABELS:
+            if labels.get(name):
+                return labels[name]
+        hostname = dcgm.node_of(labels)
+        if hostname in pod_hostnames:
+            if refusals is not None:
+                refusals.note(
+                    "hostname_is_pod", "skipping the series of Hostname %r: it is the "
+                    "dcgm-exporter pod's host name, not a Kubernetes node name. Set NODE_NAME "
+                    "on dcgm-exporter (fieldRef spec.nodeName), or relabel "
+                    "__meta_kubernetes_pod_node_name into a label and name it in "
+                    "PROMETHEUS_NODE_LABEL", hostname)
+            return None
+        return hostname
+
+    return resolve
+
+
 def _is_exporter(pod: PodRef) -> bool:
     """A scrape target's own pod: dcgm-exporter's, by the name every install gives it."""
     return "dcgm-exporter" in pod.name
@@ -99,15 +151,16 @@ def _promql_regex_alternatives(values: Iterable[str]) -> str:
     return "|".join(re.escape(value) for value in values).replace("\\", "\\\\")
 
 
-def build_query(nodes: Sequence[str] = ()) -> str:
+def build_query(nodes: Sequence[str] = (), node_label: str | None = None) -> str:
     """The one instant query per tick: every mapped DCGM metric, for ``nodes`` or all."""
     names = "|".join(dcgm.MAPPED_METRICS)
     if not nodes:
         return f'{{__name__=~"{names}"}}'
     wanted = _promql_regex_alternatives(nodes)
-    # The node label is spelt Hostname or hostname depending on the exporter release.
-    return " or ".join(f'{{__name__=~"{names}",{label}=~"{wanted}"}}'
-                       for label in ("Hostname", "hostname"))
+    # Without a configured label the node is in a relabelled one or in Hostname, spelt
+    # Hostname or hostname depending on the exporter release.
+    labels = (node_label,) if node_label else (*NODE_LABELS, "Hostname", "hostname")
+    return " or ".join(f'{{__name__=~"{names}",{label}=~"{wanted}"}}' for label in labels)
 
 
 def series_of(result: list[dict[str, Any]], refusals: edge.Refusals | None = None
@@ -142,15 +195,17 @@ class PrometheusSource:
 
     def __init__(self, url: str, nodes: Sequence[str] = (), pod_labels: PodLabels = "auto",
                  timeout_s: float = 5.0, client: PrometheusConnect | None = None,
-                 metrics: CollectorMetrics | None = None) -> None:
+                 metrics: CollectorMetrics | None = None, node_label: str | None = None,
+                 ) -> None:
         self.url = url
         self.nodes = tuple(nodes)
         self.pod_labels = pod_labels
+        self.node_label = node_label
         self.timeout_s = timeout_s
         # One quick retry: the loop itself retries at the next tick.
         self._client = client or PrometheusConnect(
             url, disable_ssl=True, retry=Retry(total=1, backoff_factor=0.1))
-        self._query = build_query(self.nodes)
+        self._query = build_query(self.nodes, node_label)
         self._xids = dcgm.XidTracker()
         self._lost = dcgm.LostGpus(self.source)
         # Judged over the whole answer: a family any node reports is switched on in the
@@ -181,11 +236,17 @@ class PrometheusSource:
         if not series or evaluated_at is None:
             scope = f" for nodes {', '.join(self.nodes)}" if self.nodes else ""
             raise SourceError("empty", f"{self.url} has no DCGM series{scope}")
+        node_of = node_resolver(series, self.node_label, self.refusals)
         samples = dcgm.node_samples(series, evaluated_at, self.source,
                                     pod_resolver=pod_resolver(series, self.pod_labels),
-                                    refusals=self.refusals)
+                                    refusals=self.refusals, node_resolver=node_of)
+        if not samples:
+            how = (f"label {self.node_label!r}" if self.node_label
+                   else f"label {' or '.join(NODE_LABELS)}, or a Hostname that is no pod's")
+            raise SourceError("parse", f"{self.url}: no DCGM series names its Kubernetes node "
+                              f"(by {how}); see PROMETHEUS_NODE_LABEL in docs/collectors.md")
         nodes = [samples[node] for node in sorted(samples)]
-        events = self._xids.events(series, evaluated_at, self.source)
+        events = self._xids.events(series, evaluated_at, self.source, node_resolver=node_of)
         events += self._lost.events(nodes, evaluated_at)
         self.coverage.check(item.name for item in series)
         return nodes, events
@@ -196,5 +257,6 @@ async def run_prometheus_collector(settings: CollectSettings, publisher: Publish
                                    metrics: CollectorMetrics | None = None) -> None:
     """Query Prometheus every ``settings.interval_s`` until ``stop``."""
     source = PrometheusSource(settings.prometheus_url, settings.prometheus_nodes,
-                              settings.pod_labels, settings.scrape_timeout_s, metrics=metrics)
+                              settings.pod_labels, settings.scrape_timeout_s, metrics=metrics,
+                              node_label=settings.prometheus_node_label)
     await run_source(source, publisher, stop, settings.interval_s, metrics)

@@ -95,8 +95,21 @@ class CollectSettings(BaseSettings):
     prometheus_nodes: list[str] = Field(
         default_factory=list,
         description=(
-            "Nodes (dcgm-exporter's Hostname label) the Prometheus source asks for; empty means "
-            "every node Prometheus knows, for one central collector per cluster."
+            "Kubernetes nodes the Prometheus source asks for (by the node label, see "
+            "prometheus_node_label); empty means every node Prometheus knows, for one central "
+            "collector per cluster."
+        ),
+    )
+    prometheus_node_label: str | None = Field(
+        None, min_length=1,
+        description=(
+            "The series label that holds the Kubernetes node name, which the samples are keyed "
+            "by and the watcher's allocations join on: set when a scrape relabels "
+            "__meta_kubernetes_pod_node_name into a label other than 'node' (some "
+            "ServiceMonitors write it into 'instance'). None: 'node' where a series has it, else "
+            "dcgm-exporter's Hostname, which names the node only when the exporter has "
+            "NODE_NAME or host networking (a Hostname that is the exporter pod's name is "
+            "refused)."
         ),
     )
     pod_labels: Literal["auto", "exported", "plain"] = Field(

@@ -134,6 +134,9 @@ def prometheus(
     ] = None,
     pod_labels: Annotated[str | None, typer.Option(
         "--pod-labels", help="auto, exported or plain (see docs/collectors.md).")] = None,
+    node_label: Annotated[str | None, typer.Option(
+        "--node-label", help="The label that holds the Kubernetes node name (default: node, "
+                             "else Hostname; see docs/collectors.md).")] = None,
     interval: Interval = None, metrics_port: MetricsPort = None,
     buffer_dir: BufferDir = None, buffer_max_bytes: BufferMaxBytes = None,
     bootstrap: Bootstrap = None, loglevel: LogLevel = "info",
@@ -143,7 +146,8 @@ def prometheus(
 
     configure_logging(loglevel)
     collect = _settings(prometheus_url=url, prometheus_nodes=only_node or None,
-                        pod_labels=pod_labels, interval_s=interval,
+                        pod_labels=pod_labels, prometheus_node_label=node_label,
+                        interval_s=interval,
                         metrics_port=metrics_port, buffer_dir=buffer_dir,
                         buffer_max_bytes=buffer_max_bytes)
     run_collector(run_prometheus_collector, collect, kafka_settings(bootstrap))

@@ -18,7 +18,7 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from gpusteward.collectors.metrics import CollectorMetrics
 from gpusteward.collectors.prometheus import PrometheusSource, build_query, pod_resolver, series_of
 from gpusteward.collectors.source import SourceError
 from gpusteward.schema import PodRef
+from tests.collectors.conftest import FakeExporter
 
 GPU0 = "GPU-3f2a9c4e-8b71-4d2e-9a65-1c7e0b5d2f18"
 GPU1 = "GPU-9c04e1b7-2a6d-4f83-b5e0-7d19a3c8e642"
@@ -47,49 +48,72 @@ def _query(url: str, promql: str) -> list[dict[str, Any]]:
         return json.load(answer)["data"]["result"]
 
 
+def _job(name: str, target: str, honor_labels: bool = False, **extra: Any) -> dict[str, Any]:
+    """A scrape job of one exporter, its target labelled as the exporter pod (what a
+    ServiceMonitor or PodMonitor attaches), plus ``extra`` config (relabel_configs...)."""
+    return {"job_name": name, "honor_labels": honor_labels,
+            "static_configs": [{"targets": [target], "labels": {
+                **EXPORTER_POD, "__meta_kubernetes_pod_node_name": "gpu-node-07"}}], **extra}
+
+
 @pytest.fixture
-def prometheus(tmp_path: Path, exporter) -> Iterator[str]:
-    """A real Prometheus on a free loopback port that has scraped the exporter once."""
+def prometheus_factory(tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """Starts real Prometheus servers on free loopback ports, each with the scrape jobs it is
+    given; returns a server's URL once every job has scraped its target."""
     if not Path(PROMETHEUS).exists():
         pytest.skip(f"{PROMETHEUS} is absent (Debian package 'prometheus'; .ci/system-deps)")
-    port = free_port()
-    target = exporter.url.removeprefix("http://").removesuffix("/metrics")
-    config = tmp_path / "prometheus.yml"
-    config.write_text(json.dumps({  # JSON is YAML
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{
-            "job_name": "dcgm-exporter", "honor_labels": False,
-            "static_configs": [{"targets": [target], "labels": EXPORTER_POD}],
-        }],
-    }))
-    log = tmp_path / "prometheus.log"
-    with log.open("wb") as log_file:
-        process = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(*jobs: dict[str, Any]) -> str:
+        port = free_port()
+        home = tmp_path / f"prometheus-{port}"
+        home.mkdir()
+        config = home / "prometheus.yml"
+        config.write_text(json.dumps({  # JSON is YAML
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": list(jobs),
+        }))
+        log = home / "prometheus.log"
+        with log.open("wb") as log_file:
+            started.append(subprocess.Popen(
+                [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={home / 'tsdb'}",
+                 f"--web.listen-address=127.0.0.1:{port}"],
+                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
         while True:
-            if process.poll() is not None:
+            if started[-1].poll() is not None:
                 pytest.fail(f"prometheus exited: {log.read_text()[-2000:]}")
             try:
-                if _query(url, "DCGM_FI_DEV_XID_ERRORS"):
-                    break
+                scraped = {item["metric"]["job"]
+                           for item in _query(url, "DCGM_FI_DEV_XID_ERRORS")}
+                if len(scraped) == len(jobs):
+                    return url
             except OSError:
                 pass
             if time.monotonic() > deadline:
                 pytest.fail(f"no scrape within 30 s: {log.read_text()[-2000:]}")
             time.sleep(0.2)
-        yield url
-    finally:
+
+    yield start
+    for process in started:
         process.terminate()
         try:
             process.wait(10)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def _target(exporter: FakeExporter) -> str:
+    return exporter.url.removeprefix("http://").removesuffix("/metrics")
+
+
+@pytest.fixture
+def prometheus(prometheus_factory: Callable[..., str], exporter: FakeExporter) -> str:
+    """A real Prometheus that has scraped the exporter once, as the dcgm-exporter Helm chart
+    and the GPU Operator's ServiceMonitor do (``honorLabels: false``)."""
+    return prometheus_factory(_job("dcgm-exporter", _target(exporter)))
 
 
 @pytest.mark.e2e
@@ -238,3 +262,69 @@ def test_a_mig_enabled_gpu_behind_prometheus_gets_its_parent(dcgm_page: str) -> 
     devices = {d.uuid: d for d in sample.devices}
     assert (devices[GPU1].kind, devices[GPU1].temp_c) == ("gpu", 95.0)
     assert [d.temp_c for d in sample.devices if d.kind == "mig"] == [None, None]
+
+
+NODE_RELABEL = [{"source_labels": ["__meta_kubernetes_pod_node_name"], "target_label": "node"}]
+"""What a PodMonitor/ServiceMonitor relabelling of the exporter pod's node writes."""
+
+
+def _hostname_is_the_pod(page: str) -> str:
+    """The page of a dcgm-exporter without NODE_NAME nor host networking: its Hostname is
+    its pod's host name, the pod name."""
+    return page.replace('Hostname="gpu-node-07"', f'Hostname="{EXPORTER_POD["pod"]}"')
+
+
+@pytest.mark.e2e
+def test_samples_are_keyed_by_the_kubernetes_node_not_the_exporter_pods_hostname(
+        dcgm_page: str, exporter_factory: Callable[..., FakeExporter],
+        prometheus_factory: Callable[..., str], caplog: pytest.LogCaptureFixture) -> None:
+    # The watcher's allocations for these pods are keyed by spec.nodeName, "gpu-node-07";
+    # samples keyed by anything else meet none of them in the worker's join.
+    target = _target(exporter_factory(_hostname_is_the_pod(dcgm_page)).start())
+    relabelled = prometheus_factory(
+        _job("podmonitor", target, relabel_configs=NODE_RELABEL),
+        _job("servicemonitor", target, honor_labels=True, relabel_configs=[
+            {"source_labels": ["__meta_kubernetes_pod_node_name"], "target_label": "instance"}]))
+
+    sources = [lambda: PrometheusSource(relabelled),
+               lambda: PrometheusSource(relabelled, nodes=["gpu-node-07"]),
+               # (the podmonitor job's instance is its address: asked for by node only)
+               lambda: PrometheusSource(relabelled, nodes=["gpu-node-07"], node_label="instance")]
+    for source in sources:
+        (sample,), _ = asyncio.run(source().collect())
+        assert sample.node == "gpu-node-07"
+        assert [d.pod for d in sample.devices] == [TRAINER, None, VLLM, None]
+
+    # No label names the node: refused with the remedy, not published under the pod's name.
+    bare = prometheus_factory(_job("servicemonitor", target))
+    with caplog.at_level("WARNING", logger="gpusteward.collectors.dcgm"):
+        with pytest.raises(SourceError) as raised:
+            asyncio.run(PrometheusSource(bare).collect())
+    assert "PROMETHEUS_NODE_LABEL" in str(raised.value)
+    assert "NODE_NAME" in caplog.text and EXPORTER_POD["pod"] in caplog.text
+
+
+NVLINK_FLIT = "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"
+
+
+@pytest.mark.e2e
+def test_an_exporter_scraped_by_two_jobs_is_counted_once(
+        dcgm_page: str, exporter_factory: Callable[..., FakeExporter],
+        prometheus_factory: Callable[..., str]) -> None:
+    # A ServiceMonitor (honorLabels: false) and the kubernetes-pods annotation job
+    # (honor_labels: true) both scraping the exporter: Prometheus holds every series twice.
+    gpu0 = next(line for line in dcgm_page.splitlines()
+                if line.startswith('DCGM_FI_DEV_GPU_UTIL{gpu="0"'))
+    labels = gpu0.rsplit(" ", 1)[0].removeprefix("DCGM_FI_DEV_GPU_UTIL")
+    page = dcgm_page + (f"# HELP {NVLINK_FLIT} Total number of NVLink flow-control CRC errors.\n"
+                        f"# TYPE {NVLINK_FLIT} counter\n{NVLINK_FLIT}{labels} 7\n")
+    target = _target(exporter_factory(page).start())
+    url = prometheus_factory(_job("servicemonitor", target, relabel_configs=NODE_RELABEL),
+                             _job("kubernetes-pods", target, honor_labels=True,
+                                  relabel_configs=NODE_RELABEL))
+    assert len(_query(url, NVLINK_FLIT)) == 2, "the same counter twice"
+
+    (sample,), _ = asyncio.run(PrometheusSource(url).collect())
+    devices = {d.uuid: d for d in sample.devices}
+    assert devices[GPU0].nvlink_errors == 7, "7 errors, not 14: a doubled counter is a burst"
+    assert [d.pod for d in sample.devices] == [TRAINER, None, VLLM, None]
