@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from gpusteward import kafka, topics
-from gpusteward.alerting.alertmanager import AlertmanagerSink
+from gpusteward.alerting.alertmanager import AlertmanagerSink, parse_targets
 from gpusteward.alerting.consumer import FindingsConsumer
 from gpusteward.rules.findings import resolved
 from gpusteward.schema import Evidence, Finding, PodRef, Subject
@@ -135,7 +135,7 @@ def test_an_unreachable_alertmanager_keeps_the_alert_for_the_next_refresh(
     async def main() -> None:
         await sink.deliver(finding)  # connection refused: logged, kept
         assert "fp-retry" in sink.firing
-        sink.url = alertmanager  # Alertmanager is back
+        sink.targets = parse_targets(alertmanager)  # Alertmanager is back
         await sink.refresh(force=True)
         await sink.close()
 
