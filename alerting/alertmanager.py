@@ -19,6 +19,12 @@ the sink asks Alertmanager for the active alerts with that fingerprint and
 ends those. On start the consumer hands the sink the findings still open on the topic
 (:meth:`AlertmanagerSink.restore`), which it keeps alive from its first refresh: without
 them a restart let every open alert lapse at ``endsAt``, announced as resolved.
+
+An HA Alertmanager's replicas gossip silences and the notification log, not alerts, so
+every alert goes to every replica (:func:`parse_targets`: a comma-separated list, and
+``dns+`` entries whose addresses are looked up again at each refresh). Each replica has
+its own back-off and unsent resolutions; all are posted to at once, so one that is down
+or hangs holds none of the others back, and resolving after a restart asks all of them.
 """
 
 from __future__ import annotations

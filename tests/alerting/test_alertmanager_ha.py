@@ -214,3 +214,19 @@ def test_a_bad_url_list_names_the_setting_and_the_entry(value: str, says: str) -
     result = CliRunner().invoke(app, ["alerts"], env={"GPUSTEWARD_ALERTMANAGER_URL": value})
     assert result.exit_code == 2 and "GPUSTEWARD_ALERTMANAGER_URL" in result.output
     assert "s3cret" not in result.output
+
+
+def test_a_dns_entry_is_looked_up_with_the_system_resolver(alertmanager: str) -> None:
+    """``dns+http://localhost:PORT`` through the real resolver: its 127.0.0.1 record is the
+    Alertmanager (a ::1 record, where the resolver gives one, is a replica that is down)."""
+    port = alertmanager.rsplit(":", 1)[1]
+    sink = AlertmanagerSink(f"dns+http://localhost:{port}", timeout_s=2)
+
+    async def main() -> list[str]:
+        await sink.deliver(firing("fp-resolver"))
+        await sink.close()
+        return list(sink.replicas)
+
+    replicas = asyncio.run(main())
+    assert f"http://127.0.0.1:{port}" in replicas
+    assert len(active_alerts(alertmanager, "fp-resolver")) == 1
