@@ -12,8 +12,8 @@ Prometheus does), and :meth:`AlertmanagerSink.refresh` re-posts them before
 that passes; if this process dies, its alerts resolve by themselves when
 ``endsAt`` passes instead of firing forever. A failed post is not lost: the
 alert stays pending and the next refresh posts it again; after a failure the sink
-makes no request for a quarter of the resend interval (15 s), so that an Alertmanager
-that hangs costs one timeout per 15 s, not one per finding. When a resolved
+makes no request to that Alertmanager for a quarter of the resend interval (15 s), so
+that one that hangs costs one timeout per 15 s, not one per finding. When a resolved
 finding arrives for an episode this process never saw fire (it restarted),
 the sink asks Alertmanager for the active alerts with that fingerprint and
 ends those. On start the consumer hands the sink the findings still open on the topic
@@ -23,8 +23,11 @@ them a restart let every open alert lapse at ``endsAt``, announced as resolved.
 An HA Alertmanager's replicas gossip silences and the notification log, not alerts, so
 every alert goes to every replica (:func:`parse_targets`: a comma-separated list, and
 ``dns+`` entries whose addresses are looked up again at each refresh). Each replica has
-its own back-off and unsent resolutions; all are posted to at once, so one that is down
-or hangs holds none of the others back, and resolving after a restart asks all of them.
+its own back-off and unsent resolutions; all are posted to at once, and one that failed
+is re-sent everything by the refresh in the background, so one that is down or hangs
+holds neither the others nor the consumer back. Resolving after a restart asks all of
+them. Each replica is re-sent every firing alert once per resend interval, whatever
+else was posted to it meanwhile (new findings' posts do not count as the re-send).
 """
 
 from __future__ import annotations
@@ -169,16 +172,25 @@ class Replica:
     server_hostname: str | None = None
     """For HTTPS to an address looked up from a name: the name its certificate holds."""
     host_header: str | None = None
+    last_resend: float = 0.0
+    """When every firing alert was last posted to it (clock seconds)."""
+    has: set[str] = field(default_factory=set)
+    """Fingerprints of the firing alerts it has accepted (a subset of the sink's
+    ``firing``); one missing is posted by the next refresh."""
+    pending_resolved: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Resolved alerts this replica has not accepted yet, by fingerprint."""
+    failures: int = 0
+    """Posts that failed in a row; while above 0 the replica is posted to only by the
+    refresh, in the background, so a replica that hangs holds up no other."""
     retry_at: float = 0.0
     """After a failed request, no other is made to this replica before this (clock
     seconds); what arrives meanwhile is sent by the refresh after it."""
-    last_post: float = 0.0
-    """When this replica last accepted a post (clock seconds)."""
-    behind: bool = False
-    """A post to it failed or was skipped since it last took every firing alert (or it
-    is new): its next refresh, after any back-off, sends it everything."""
-    pending_resolved: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    """Resolved alerts this replica has not accepted yet, by fingerprint."""
+    inflight: asyncio.Task[None] | None = None
+    """Its background re-send while it recovers: nothing else is posted to it meanwhile."""
+
+    def ready(self, now: float) -> bool:
+        """Whether a request may be made to it now: not backing off, none in flight."""
+        return now >= self.retry_at and (self.inflight is None or self.inflight.done())
 
 
 def _with_host(url: str, address: str) -> str:
@@ -244,7 +256,8 @@ class AlertmanagerSink:
             if not target.dns:
                 urls.append(target.url)
                 self.replicas.setdefault(target.url, Replica(
-                    target.url, shown_url(target.url, keep_path=True)))
+                    target.url, shown_url(target.url, keep_path=True),
+                    last_resend=self.clock()))
                 continue
             parts = urlsplit(target.url)
             host, port = parts.hostname or "", parts.port or 0
@@ -264,7 +277,7 @@ class AlertmanagerSink:
                 self.replicas.setdefault(replica_url, Replica(
                     replica_url, shown_url(replica_url, keep_path=True),
                     server_hostname=host if parts.scheme == "https" else None,
-                    host_header=f"{host}:{port}", behind=True))
+                    host_header=f"{host}:{port}", last_resend=self.clock()))
         self.replicas = {u: self.replicas[u] for u in dict.fromkeys(urls)}
         self._looked_up_at = self.clock()
 
@@ -316,35 +329,60 @@ class AlertmanagerSink:
             posting[fingerprint] = ended
         for replica in self.replicas.values():
             replica.pending_resolved.update(resolved)
+            replica.has.difference_update(resolved)
         alerts = [alert for group in posting.values() for alert in group]
-        if alerts:
-            await self._post_all({url: alerts for url in self.replicas}, list(posting))
+        if not alerts:
+            return
+        opened = [fingerprint for fingerprint in posting if fingerprint not in resolved]
+        now = self.clock()
+        # A replica that failed gets these from its refresh (it has them pending, or misses
+        # them from ``has``): a post to one that hangs held the batch for its timeout.
+        await asyncio.gather(*(self._post_one(r, alerts, opened, resolved)
+                               for r in self.replicas.values()
+                               if r.failures == 0 and r.ready(now)))
 
     async def refresh(self, force: bool = False) -> None:
-        """Re-post firing alerts (and unsent resolutions) to each replica a resend interval
-        after its last post, looking the ``dns+`` names up again first; ``force``: to
-        every replica now, a back-off after a failure included."""
+        """Re-post every firing alert (and unsent resolutions) to each replica a resend
+        interval after the last time, or at once to one that misses some, looking the
+        ``dns+`` names up again first; ``force``: to every replica now, a back-off after a
+        failure included. A replica that failed is posted to in the background."""
         now = self.clock()
         if (self._looked_up_at is None or force
                 or now - self._looked_up_at >= self.resend_interval_s):
             await self.discover()
-        if force:
-            for replica in self.replicas.values():
+        waiting = []
+        for replica in list(self.replicas.values()):
+            if force:
+                if replica.inflight is not None:
+                    await replica.inflight
                 replica.retry_at = 0.0
-        due = [r for r in self.replicas.values() if now >= r.retry_at and (
-            force or r.behind or now - r.last_post >= self.resend_interval_s)]
-        posts: dict[str, list[dict[str, Any]]] = {}
-        for replica in due:
+            if not replica.ready(now):
+                continue
+            # ``has`` holds only firing fingerprints: fewer means some are missing.
+            due = (force or replica.pending_resolved or len(replica.has) < len(self.firing)
+                   or now - replica.last_resend >= self.resend_interval_s)
+            if not due:
+                continue
             alerts = [self._alive(a) for a in self.firing.values()]
             for ended in replica.pending_resolved.values():
                 alerts.extend(ended)
-            if alerts:
-                posts[replica.url] = alerts
+            if not alerts:
+                replica.last_resend = now
+                continue
+            post = self._post_one(replica, alerts, list(self.firing),
+                                  dict(replica.pending_resolved), resend=True)
+            if replica.failures and not force:
+                replica.inflight = asyncio.create_task(post)
             else:
-                replica.last_post, replica.behind = now, False
-        await self._post_all(posts, None)
+                waiting.append(post)
+        await asyncio.gather(*waiting)
 
     async def close(self) -> None:
+        """Wait for the background re-sends (each within its timeout), then close."""
+        for replica in self.replicas.values():
+            if replica.inflight is not None:
+                await replica.inflight
+                replica.inflight = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -396,42 +434,29 @@ class AlertmanagerSink:
         # it held every sink (and the findings after) for hours. The other replicas are
         # posted to at the same time and keep their own pace.
         replica.retry_at = self.clock() + self.resend_interval_s / 4
-        replica.behind = True
+        replica.failures += 1
 
-    async def _post_all(self, posts: dict[str, list[dict[str, Any]]],
-                        fingerprints: list[str] | None) -> None:
-        """Post each replica its alerts, all replicas at once; a replica that fails is
-        logged, backs off and gets everything at its next refresh, and no other waits for
-        it beyond its answer. A replica that accepts drops the resolutions it was sent
-        (those of ``fingerprints``; ``None``: all it had)."""
-        replicas = [self.replicas[url] for url in posts if url in self.replicas]
-        now = self.clock()
-        sending = [r for r in replicas if now >= r.retry_at]
-        for replica in replicas:
-            if replica not in sending:
-                replica.behind = True  # backing off: everything at its next refresh
-        answers = await asyncio.gather(*(self._post_one(r, posts[r.url]) for r in sending))
-        for replica, accepted in zip(sending, answers, strict=True):
-            if not accepted:
-                continue
-            if fingerprints is None:
-                replica.pending_resolved.clear()
-                replica.last_post, replica.behind = self.clock(), False
-                continue
-            for fingerprint in fingerprints:
-                replica.pending_resolved.pop(fingerprint, None)
-            if not replica.behind:
-                replica.last_post = self.clock()
-
-    async def _post_one(self, replica: Replica, alerts: list[dict[str, Any]]) -> bool:
+    async def _post_one(self, replica: Replica, alerts: list[dict[str, Any]],
+                        opened: list[str], resolutions: dict[str, list[dict[str, Any]]],
+                        *, resend: bool = False) -> None:
+        """Post ``alerts`` (those firing of ``opened``, the ended ones of ``resolutions``)
+        to ``replica``; ``resend``: every firing alert. A failure is logged and backs the
+        replica off; what it did not take stays missing or pending for its next refresh."""
+        started = self.clock()
         try:
             await self.post(replica, alerts)
         except AlertmanagerError as error:
             self._failed(replica)
             log.warning("%s; %d alert(s) will be re-sent on its next refresh", error,
                         len(alerts))
-            return False
-        return True
+            return
+        replica.failures = 0
+        replica.has.update(f for f in opened if f in self.firing)
+        for fingerprint, ended in resolutions.items():
+            if replica.pending_resolved.get(fingerprint) is ended:
+                del replica.pending_resolved[fingerprint]
+        if resend:
+            replica.last_resend = started
 
     async def _active_alerts_for(self, finding: Finding, ends_at: float) -> list[dict[str, Any]]:
         """Every replica's active alerts for ``finding``'s fingerprint, ended at
@@ -440,7 +465,7 @@ class AlertmanagerSink:
                      "startsAt": rfc3339(finding.starts_at), "endsAt": rfc3339(ends_at),
                      "generatorURL": self._generator(finding)}]
         now = self.clock()
-        asking = [r for r in self.replicas.values() if now >= r.retry_at]
+        asking = [r for r in self.replicas.values() if r.ready(now)]
         answers = await asyncio.gather(*(self._active_on(r, finding) for r in asking))
         found: dict[frozenset[tuple[str, str]], dict[str, Any]] = {}
         for active in answers:
