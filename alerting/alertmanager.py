@@ -235,12 +235,15 @@ class AlertmanagerSink:
         """The Alertmanagers posted to, by URL: the static entries, and the addresses of
         the ``dns+`` ones as last looked up."""
         self._looked_up_at: float | None = None
+        self._unplaced: dict[str, list[dict[str, Any]]] = {}
+        """Resolutions that came while no replica was known (a ``dns+`` name not yet
+        looked up): the first replicas found are sent them."""
         self._session: aiohttp.ClientSession | None = None
 
     @property
     def pending_resolved(self) -> dict[str, list[dict[str, Any]]]:
         """Resolved alerts not yet accepted by every replica, by fingerprint."""
-        pending: dict[str, list[dict[str, Any]]] = {}
+        pending: dict[str, list[dict[str, Any]]] = dict(self._unplaced)
         for replica in self.replicas.values():
             for fingerprint, ended in replica.pending_resolved.items():
                 pending.setdefault(fingerprint, ended)
@@ -280,6 +283,11 @@ class AlertmanagerSink:
                     host_header=f"{host}:{port}", last_resend=self.clock()))
         self.replicas = {u: self.replicas[u] for u in dict.fromkeys(urls)}
         self._looked_up_at = self.clock()
+        if self.replicas and self._unplaced:
+            for replica in self.replicas.values():
+                for fingerprint, ended in self._unplaced.items():
+                    replica.pending_resolved.setdefault(fingerprint, ended)
+            self._unplaced.clear()
 
     def _alert(self, finding: Finding) -> dict[str, Any]:
         """A firing finding's alert, without ``endsAt``."""
@@ -327,6 +335,10 @@ class AlertmanagerSink:
                 ended = await self._active_alerts_for(finding, ends_at)
             resolved[fingerprint] = ended
             posting[fingerprint] = ended
+        for fingerprint in self._unplaced.keys() & posting.keys():
+            del self._unplaced[fingerprint]
+        if not self.replicas:
+            self._unplaced.update(resolved)
         for replica in self.replicas.values():
             replica.pending_resolved.update(resolved)
             replica.has.difference_update(resolved)

@@ -260,3 +260,38 @@ def test_a_dns_entry_is_looked_up_with_the_system_resolver(alertmanager: str) ->
     replicas = asyncio.run(main())
     assert f"http://127.0.0.1:{port}" in replicas
     assert len(active_alerts(alertmanager, "fp-resolver")) == 1
+
+
+def test_a_resolution_while_no_replica_can_be_looked_up_is_sent_once_one_is(
+        alertmanager: str) -> None:
+    """The process restarts while DNS fails: the alert it restored from the topic ends,
+    and the replica found later is told so, not left to time the alert out."""
+    port = int(alertmanager.rsplit(":", 1)[1])
+    dns_up = [False]
+    now = [time.time()]
+
+    async def resolve(host: str, port: int) -> list[str]:
+        if not dns_up[0]:
+            raise OSError("Temporary failure in name resolution")
+        return ["127.0.0.1"]
+
+    finding = firing("fp-no-dns")
+
+    async def main() -> None:
+        before = AlertmanagerSink(alertmanager)
+        await before.deliver(finding)  # posted by the process before the restart
+        await before.close()
+        sink = AlertmanagerSink(f"dns+http://alertmanager-operated:{port}", resolve=resolve,
+                                clock=lambda: now[0])
+        sink.restore([finding])
+        await sink.refresh()  # no replica: nothing sent, nothing lost
+        await sink.deliver(ending(finding))
+        assert list(sink.pending_resolved) == ["fp-no-dns"]
+        dns_up[0] = True
+        now[0] += 61
+        await sink.refresh()
+        assert sink.pending_resolved == {}
+        await sink.close()
+
+    asyncio.run(main())
+    assert active_alerts(alertmanager, "fp-no-dns") == []
