@@ -265,13 +265,13 @@ class AlertmanagerSink:
             parts = urlsplit(target.url)
             host, port = parts.hostname or "", parts.port or 0
             try:
-                addresses = await self.resolve(host, port)
-            except OSError as error:
-                kept = [u for u, r in self.replicas.items()
-                        if r.server_hostname == host or r.host_header == f"{host}:{port}"]
+                async with asyncio.timeout(self.timeout.total):
+                    addresses = await self.resolve(host, port)
+            except OSError as error:  # TimeoutError included
+                kept = [u for u, r in self.replicas.items() if r.host_header == f"{host}:{port}"]
                 log.warning("cannot look up the Alertmanagers of dns+%s (%s); posting to the "
                             "%d address(es) it had", shown_url(target.url, keep_path=True),
-                            error, len(kept))
+                            str(error) or "timed out", len(kept))
                 urls.extend(kept)
                 continue
             for address in addresses:
@@ -281,6 +281,9 @@ class AlertmanagerSink:
                     replica_url, shown_url(replica_url, keep_path=True),
                     server_hostname=host if parts.scheme == "https" else None,
                     host_header=f"{host}:{port}", last_resend=self.clock()))
+        for url, gone in self.replicas.items():
+            if url not in urls and gone.inflight is not None:
+                gone.inflight.cancel()
         self.replicas = {u: self.replicas[u] for u in dict.fromkeys(urls)}
         self._looked_up_at = self.clock()
         if self.replicas and self._unplaced:
