@@ -108,7 +108,10 @@ def worker(
 def alerts(
     bootstrap: Bootstrap = None,
     alertmanager: Annotated[str | None, typer.Option(
-        envvar="GPUSTEWARD_ALERTMANAGER_URL", help="Alertmanager base URL to post alerts to.")
+        envvar="GPUSTEWARD_ALERTMANAGER_URL", help="Alertmanager base URLs to post every "
+        "alert to, comma-separated: each replica of an HA cluster, or "
+        "dns+http://HOST:PORT for every address of a headless Service "
+        "(dns+http://alertmanager-operated.monitoring.svc:9093).")
     ] = None,
     webhook: Annotated[str | None, typer.Option(
         envvar="GPUSTEWARD_WEBHOOK_URL", help="Slack-compatible webhook URL.")] = None,
@@ -120,7 +123,10 @@ def alerts(
 
     settings = kafka_settings(bootstrap)
     sinks: list[AlertSink] = [ConsoleSink()]
-    sinks += [AlertmanagerSink(alertmanager)] if alertmanager else []
+    try:
+        sinks += [AlertmanagerSink(alertmanager)] if alertmanager else []
+    except ConfigError as error:
+        raise typer.BadParameter(str(error), param_hint="--alertmanager") from error
     sinks += [WebhookSink(webhook)] if webhook else []
     run_consumer(settings, lambda stop: FindingsConsumer(settings, sinks).run(stop))
 

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from gpusteward import kafka, topics
-from gpusteward.alerting.alertmanager import AlertmanagerSink
+from gpusteward.alerting.alertmanager import AlertmanagerSink, parse_targets
 from gpusteward.alerting.consumer import FindingsConsumer
 from gpusteward.rules.findings import resolved
 from gpusteward.schema import Evidence, Finding, PodRef, Subject
@@ -135,7 +135,7 @@ def test_an_unreachable_alertmanager_keeps_the_alert_for_the_next_refresh(
     async def main() -> None:
         await sink.deliver(finding)  # connection refused: logged, kept
         assert "fp-retry" in sink.firing
-        sink.url = alertmanager  # Alertmanager is back
+        sink.targets = parse_targets(alertmanager)  # Alertmanager is back
         await sink.refresh(force=True)
         await sink.close()
 
@@ -304,3 +304,23 @@ def test_a_failed_batch_post_is_posted_again_by_the_next_refresh() -> None:
     assert ends_at(resent["fp-retry-0"]) == pytest.approx(ended.ends_at)  # the resolution
     assert ends_at(resent["fp-retry-1"]) == pytest.approx(now[0] + sink.lifetime_s)
     assert sink.pending_resolved == {}
+
+
+def test_a_steady_stream_of_new_findings_does_not_stop_the_resends(alertmanager: str) -> None:
+    """Every accepted post counted as the resend: with a new finding at least once a
+    minute (any large fleet), the alerts already firing were never re-posted and lapsed at
+    their ``endsAt``, four minutes on, announced as resolved while still firing."""
+    now = [time.time()]
+    sink = AlertmanagerSink(alertmanager, clock=lambda: now[0])
+
+    async def main() -> None:
+        await sink.deliver(firing("fp-steady"))
+        for i in range(6):  # a new finding every 50 s for 5 minutes
+            now[0] += 50
+            await sink.deliver(firing(f"fp-steady-{i}"))
+            await sink.refresh()
+        await sink.close()
+
+    asyncio.run(main())
+    [alert] = active_alerts(alertmanager, "fp-steady")
+    assert ends_at(alert) > now[0] + 60  # re-posted within the last minute: still firing

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from gpusteward.alerting.alertmanager import Target, parse_targets
 from gpusteward.remediation.executor import RemediationSettings
 from tests.deploy.conftest import DEPLOY, REPO, VARIANTS, Rendered, kustomize
 from tests.deploy.reads import kubernetes_processes, unread
@@ -76,7 +77,9 @@ def test_the_commented_alertmanager_patch_points_the_alerts_pod_at_alertmanager(
                               "Findings to Alertmanager")
     rendered = render_with(kubectl, tmp_path, patches)
     url = env_of(rendered, "alerts")["GPUSTEWARD_ALERTMANAGER_URL"]
-    assert url == "http://alertmanager-operated.monitoring:9093"
+    # Every replica of kube-prometheus-stack's Alertmanager, by its headless Service.
+    assert parse_targets(url) == [
+        Target("http://alertmanager-operated.monitoring.svc:9093", dns=True)]
     assert not unread(kubernetes_processes(rendered))
     # The NetworkPolicies let the alerting pod out to that port.
     port = urlsplit(url).port
