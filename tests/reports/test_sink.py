@@ -18,7 +18,6 @@ from aiokafka import ConsumerRecord
 
 from gpusteward import kafka, topics
 from gpusteward.broker import free_port
-from gpusteward.edge import Rejected
 from gpusteward.health import probe
 from gpusteward.reports import build, compute, findings, store
 from gpusteward.reports.settings import ReportSettings
@@ -38,6 +37,7 @@ from gpusteward.settings import Settings
 from gpusteward.streams.node import NodeJoin, NodeState
 from gpusteward.topics import TopicSpec
 from tests.conftest import metrics_page
+from tests.streams.test_node_clock import feed
 from tests.streams.test_node_join import POD, allocation, node_sample
 
 T0 = 1_763_337_600.0
@@ -263,15 +263,8 @@ def test_minutes_a_node_names_again_on_its_new_clock_are_all_reported(settings: 
     join, state = NodeJoin(), NodeState()
     join.on_allocation(state, msgspec.structs.replace(allocation("running", start),
                                                       started_at=start))
-    out: list[Any] = []
-    samples = ([node_sample(start + i * 30, 90.0) for i in range(241)]
-               + [node_sample(start + 3630 + i * 30, 0.0) for i in range(80)])
-    refused = 0
-    for sample in samples:
-        try:
-            out += join.on_sample(state, sample)
-        except Rejected:
-            refused += 1
+    out, refused = feed(join, state, [node_sample(start + i * 30, 90.0) for i in range(241)]
+                        + [node_sample(start + 3630 + i * 30, 0.0) for i in range(80)])
     out += join.fold.flush(state.rollups, "n1")
     rollups = [o for o in out if isinstance(o, Rollup)]
     held = [r for r in rollups if r.pod is not None]

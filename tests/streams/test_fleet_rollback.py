@@ -209,13 +209,14 @@ def test_states_a_rollback_cannot_decode_are_dropped_and_the_worker_goes_on(
     assert msgspec.msgpack.decode(node[-1].value, type=NodeState).gpu_count == 0
 
 
-def _run_worker(settings: Settings, tmp_path: Path) -> str:
-    """Start the worker, wait until it has read every sample, stop it: its log."""
+def _run_worker(settings: Settings, tmp_path: Path, topic: topics.TopicSpec = topics.SAMPLES,
+                timeout_s: float = 90) -> str:
+    """Start the worker, wait until it has read every record of ``topic``, stop it: its log."""
     worker = WorkerProcess(settings, tmp_path / "worker.log")
     worker.start()
     try:
         asyncio.run(kafka.wait_consumed(settings, worker_group(settings),
-                                        [topics.SAMPLES.name(settings)], timeout_s=90))
+                                        [topic.name(settings)], timeout_s=timeout_s))
     finally:
         worker.stop()
     return (tmp_path / "worker.log").read_text()
@@ -305,14 +306,7 @@ def test_a_fleet_state_with_one_field_in_another_shape_keeps_the_queue_s_open_fi
     admitted = msgspec.structs.replace(_pending("a", 1000), state="admitted")
     asyncio.run(_publish(settings, [admitted]))
 
-    worker = WorkerProcess(settings, tmp_path / "worker.log")
-    worker.start()
-    try:
-        asyncio.run(kafka.wait_consumed(settings, worker_group(settings),
-                                        [topics.QUEUE.name(settings)], timeout_s=60))
-    finally:
-        worker.stop()
-    log = (tmp_path / "worker.log").read_text()
+    log = _run_worker(settings, tmp_path, topics.QUEUE, timeout_s=60)
 
     findings = [msgspec.json.decode(r.value, type=Finding) for r in asyncio.run(
         kafka.read_all(settings, topics.FINDINGS.name(settings)))]

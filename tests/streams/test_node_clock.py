@@ -71,7 +71,7 @@ STEP = 3600.0
 """The collector's clock steps back an hour."""
 
 
-def _feed(join: NodeJoin, state: NodeState, samples: list) -> tuple[list, int]:
+def feed(join: NodeJoin, state: NodeState, samples: list) -> tuple[list, int]:
     """Every sample through the join: the outputs, and how many were refused."""
     out: list = []
     refused = 0
@@ -89,11 +89,11 @@ def test_a_node_whose_clock_stepped_back_an_hour_finds_an_idle_holder_again() ->
     run starts there, and the finding comes one window (30 min) later, not an hour later."""
     join, state = NodeJoin(), NodeState()
     join.on_allocation(state, allocation("running", T0))
-    before, _ = _feed(join, state, [node_sample(T0 + i * 30, 90.0) for i in range(241)])
+    before, _ = feed(join, state, [node_sample(T0 + i * 30, 90.0) for i in range(241)])
     assert not findings(before)
     newest = T0 + 7200
     back = newest - STEP + 30  # the first sample on the new clock
-    out, refused = _feed(join, state, [node_sample(back + i * 30, 0.0) for i in range(80)])
+    out, refused = feed(join, state, [node_sample(back + i * 30, 0.0) for i in range(80)])
     assert refused == 10  # 300 s of samples on the new clock, each a dead letter
     taken = back + 300
     (firing,) = findings(out)
@@ -109,13 +109,13 @@ def test_an_idle_episode_open_before_the_step_goes_on_under_its_id() -> None:
     pod's first busy sample on the new clock resolves it, same id."""
     join, state = NodeJoin(), NodeState()
     join.on_allocation(state, allocation("running", T0))
-    before, _ = _feed(join, state, [node_sample(T0 + i * 30, 0.0) for i in range(121)])
+    before, _ = feed(join, state, [node_sample(T0 + i * 30, 0.0) for i in range(121)])
     (firing,) = findings(before)
     back = T0 + 3600 - STEP + 30
-    idle, refused = _feed(join, state, [node_sample(back + i * 30, 0.0) for i in range(200)])
+    idle, refused = feed(join, state, [node_sample(back + i * 30, 0.0) for i in range(200)])
     assert refused == 10
     assert {(f.id, f.state) for f in findings(idle)} <= {(firing.id, "firing")}
-    busy, refused = _feed(join, state, [node_sample(back + 200 * 30, 90.0)])
+    busy, refused = feed(join, state, [node_sample(back + 200 * 30, 90.0)])
     (resolved,) = findings(busy)
     assert not refused and resolved.state == "resolved" and resolved.id == firing.id
     assert resolved.ends_at is not None and resolved.ends_at >= resolved.starts_at
@@ -129,15 +129,15 @@ def _hot(ts: float, temp: float) -> NodeSample:
 
 def test_a_thermal_episode_goes_on_across_the_step_and_a_new_one_is_found_after_it() -> None:
     join, state = NodeJoin(), NodeState()
-    before, _ = _feed(join, state, [_hot(T0 + i * 30, 95.0) for i in range(60)])
+    before, _ = feed(join, state, [_hot(T0 + i * 30, 95.0) for i in range(60)])
     (firing,) = findings(before)
     back = T0 + 1770 - STEP + 30
-    hot, refused = _feed(join, state, [_hot(back + i * 30, 95.0) for i in range(40)])
+    hot, refused = feed(join, state, [_hot(back + i * 30, 95.0) for i in range(40)])
     assert refused == 10 and not findings(hot)  # still hot: the same episode, unresolved
-    cool, _ = _feed(join, state, [_hot(back + 1200 + i * 30, 50.0) for i in range(5)])
+    cool, _ = feed(join, state, [_hot(back + 1200 + i * 30, 50.0) for i in range(5)])
     (resolved,) = findings(cool)  # clear_s (120 s) of cool samples on the new clock
     assert resolved.state == "resolved" and resolved.id == firing.id
-    again, _ = _feed(join, state, [_hot(back + 1500 + i * 30, 95.0) for i in range(11)])
+    again, _ = feed(join, state, [_hot(back + 1500 + i * 30, 95.0) for i in range(11)])
     (second,) = findings(again)  # window_s (300 s) of hot samples: a new episode
     assert second.state == "firing" and second.id != firing.id
     assert second.starts_at == back + 1500
@@ -147,15 +147,15 @@ def test_a_hardware_event_from_a_clock_stepped_back_is_refused_naming_the_jump()
     """An XID stamped an hour back is a dead letter, as a sample is, not counted late or
     skipped unseen; once the node's new clock is taken its XIDs count again."""
     join, state = NodeJoin(), NodeState()
-    _feed(join, state, [_hot(T0 + i * 30, 50.0) for i in range(11)])
+    feed(join, state, [_hot(T0 + i * 30, 50.0) for i in range(11)])
     newest = T0 + 300
-    _, refused = _feed(join, state, [_hot(newest - STEP + 30, 50.0)])  # the step shows
+    _, refused = feed(join, state, [_hot(newest - STEP + 30, 50.0)])  # the step shows
     assert refused == 1
     xid = HwEvent(ts=newest - STEP, node="n1", kind="xid", uuid="GPU-1", xid=119)
     with pytest.raises(Rejected, match=r"xid event is 3600 s before node n1's newest sample"):
         join.on_hw_event(state, xid)
     assert not state.devices["GPU-1"].hw.xid.recent
-    _, refused = _feed(join, state, [_hot(newest - STEP + 30 + i * 30, 50.0)
+    _, refused = feed(join, state, [_hot(newest - STEP + 30 + i * 30, 50.0)
                                      for i in range(1, 12)])
     assert refused == 9
     out = join.on_hw_event(state, HwEvent(ts=newest - STEP + 360, node="n1", kind="xid",
@@ -168,7 +168,7 @@ def test_a_late_hardware_event_is_judged_while_the_node_keeps_its_clock() -> Non
     """An XID read an hour behind the samples (the worker catching up on the hardware
     events after an outage), with no sample stepping back: a fact, late, not a clock."""
     join, state = NodeJoin(), NodeState()
-    _feed(join, state, [_hot(T0 + 3600 + i * 30, 50.0) for i in range(11)])
+    feed(join, state, [_hot(T0 + 3600 + i * 30, 50.0) for i in range(11)])
     out = join.on_hw_event(state, HwEvent(ts=T0 + 60, node="n1", kind="xid", uuid="GPU-1",
                                           xid=119))
     (finding,) = findings(out)
@@ -180,12 +180,12 @@ def test_samples_back_in_the_old_range_keep_the_node_on_its_clock() -> None:
     never taken as a new clock: only a clock kept to for clock_step_after_s is."""
     join, state = NodeJoin(), NodeState()
     join.on_allocation(state, allocation("running", T0))
-    _feed(join, state, [node_sample(T0 + i * 30, 90.0) for i in range(21)])
+    feed(join, state, [node_sample(T0 + i * 30, 90.0) for i in range(21)])
     mixed = []
     for i in range(40):
         mixed.append(node_sample(T0 - STEP + i * 30, 0.0))
         mixed.append(node_sample(T0 + 630 + i * 30, 90.0))
-    _, refused = _feed(join, state, mixed)
+    _, refused = feed(join, state, mixed)
     assert refused == 40 and state.rollups.watermark == T0 + 630 + 39 * 30
 
 
@@ -196,9 +196,9 @@ def test_the_fleet_agent_takes_the_node_s_summaries_on_its_new_clock() -> None:
     the old clock, or a late one of the new."""
     join, state = NodeJoin(), NodeState()
     join.on_allocation(state, allocation("running", T0))
-    before, _ = _feed(join, state, [node_sample(T0 + i * 30, 90.0) for i in range(241)])
+    before, _ = feed(join, state, [node_sample(T0 + i * 30, 90.0) for i in range(241)])
     back = T0 + 7200 - STEP + 30
-    after, _ = _feed(join, state, [node_sample(back + i * 30, 0.0) for i in range(80)])
+    after, _ = feed(join, state, [node_sample(back + i * 30, 0.0) for i in range(80)])
     old = [o for o in before if isinstance(o, NodeSummary)]
     new = [o for o in after if isinstance(o, NodeSummary)]
     assert old and len(new) > 2 and new[0].ts < old[-1].ts - STEP / 2
