@@ -13,7 +13,10 @@ runs the very code path it runs on a real node.
 What it models, and on purpose no more:
 
 - GPUs with their readings, and calls listed under ``unsupported`` raise
-  ``NVMLError_NotSupported``; a MIG-enabled GPU refuses utilisation, and
+  ``NVMLError_NotSupported``; calls under ``failing`` raise the pynvml error named
+  (``NoPermission`` in a restricted container, ``Unknown`` mid-poll...), and
+  ``init_error`` makes ``nvmlInit`` fail (``LibRmVersionMismatch`` after a driver
+  upgrade without a reboot); a MIG-enabled GPU refuses utilisation, and
   remapped rows while it has MIG devices, as NVML documents;
 - MIG devices (uuid, GPU-instance profile name and id, instance ids, memory,
   graphics-engine activity through the GPM calls); a MIG handle answers
@@ -75,6 +78,19 @@ def _error(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
 
 
+def _named_error(name: str) -> pynvml.NVMLError:
+    """pynvml's error by its class suffix: ``NoPermission`` -> ``NVMLError_NoPermission``."""
+    kind = getattr(pynvml, f"NVMLError_{name}", None)
+    if not (isinstance(kind, type) and issubclass(kind, pynvml.NVMLError)):
+        raise ValueError(f"no pynvml error NVMLError_{name}")
+    for constant in dir(pynvml):
+        code = getattr(pynvml, constant)
+        if (constant.startswith("NVML_ERROR_") and isinstance(code, int)
+                and type(_error(code)) is kind):
+            return _error(code)
+    raise ValueError(f"NVMLError_{name} has no NVML return code")
+
+
 @dataclass
 class FakeProcess:
     """A process with a context on a device."""
@@ -132,6 +148,8 @@ class FakeGpu:
     mig: list[FakeMig] = field(default_factory=list)
     processes: list[FakeProcess] = field(default_factory=list)
     unsupported: set[str] = field(default_factory=set)
+    failing: dict[str, str] = field(default_factory=dict)
+    """pynvml call -> the NVMLError it raises, by class suffix (``NoPermission``, ``Unknown``)."""
     supported_events: int = pynvml.nvmlEventTypeAll
     lost: bool = False
 
@@ -176,6 +194,9 @@ class FakeNvml:
 
     def __init__(self, description: Mapping[str, Any]) -> None:
         self.driver_version = str(description.get("driver_version", "550.54.15"))
+        init_error = description.get("init_error")
+        self.init_error = None if init_error is None else _named_error(str(init_error))
+        """What ``nvmlInit`` raises; None: it succeeds."""
         self.gpus = _gpus(description.get("gpus", []))
         self._faults: list[dict[str, Any]] = list(description.get("faults", []))
         self.current_step = 0
@@ -202,7 +223,7 @@ class FakeNvml:
         wrong in it as ``FILE:LINE: field: message``, as for a scenario file."""
         origin = str(path)
         root, description = compose(read_text(path, ScenarioError), origin, ScenarioError)
-        shape = {"driver_version": str, "gpus": list, "faults": list}
+        shape = {"driver_version": str, "init_error": str, "gpus": list, "faults": list}
         if not isinstance(description, dict):
             raise ScenarioError(origin, [Issue(line_of(root, ()) or 1, "", (
                 "a fake NVML description is a mapping of " + ", ".join(shape)))])
@@ -219,6 +240,9 @@ class FakeNvml:
         except _BadGpu as error:
             raise ScenarioError(origin, [Issue(line_of(root, ("gpus", error.index)),
                                                f"gpus.{error.index}", str(error))]) from error
+        except ValueError as error:  # a misspelt init_error
+            raise ScenarioError(origin, [Issue(line_of(root, ("init_error",)) or 1,
+                                               "init_error", str(error))]) from error
 
     # --- faults ---------------------------------------------------------
 
@@ -295,10 +319,14 @@ class FakeNvml:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         if call in handle.gpu.unsupported:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if call in handle.gpu.failing:
+            raise _named_error(handle.gpu.failing[call])
         return handle.gpu
 
     def nvmlInit(self) -> None:
         self.calls += 1
+        if self.init_error is not None:
+            raise self.init_error
         self.initialised = True
 
     def nvmlShutdown(self) -> None:
@@ -671,6 +699,8 @@ def _gpu(index: int, spec: Mapping[str, Any]) -> FakeGpu:
     if "remapped_rows" in values:
         values["remapped_rows"] = tuple(values["remapped_rows"])
     values["processes"] = _processes(spec.get("processes", ()))
+    for name in (values.get("failing") or {}).values():
+        _named_error(str(name))  # a misspelt error name is a mistake in the file
     gpu = FakeGpu(index=index, unsupported=set(spec.get("unsupported", ())),
                   **{k: v for k, v in values.items() if k != "unsupported"})
     mig = spec.get("mig")

@@ -43,6 +43,16 @@ from gpusteward.schema import DeviceHolder, DeviceSample, HwEvent, NodeSample, P
 
 log = logging.getLogger(__name__)
 
+_START_HINTS: dict[type, str] = {
+    pynvml.NVMLError_LibRmVersionMismatch: "the NVML library and the loaded kernel driver "
+    "differ, as after a driver upgrade without a reboot: reboot the node",
+    pynvml.NVMLError_DriverNotLoaded: "no NVIDIA kernel driver is loaded on this node",
+    pynvml.NVMLError_LibraryNotFound: "libnvidia-ml.so is not in the container: run it with "
+    "the NVIDIA container runtime",
+    pynvml.NVMLError_NoPermission: "the container may not open /dev/nvidia*",
+}
+"""What to do about an NVML that fails at start, by error."""
+
 
 class NvmlCollector:
     """Samples every GPU and MIG device of a node and publishes them, with hardware events."""
@@ -79,7 +89,7 @@ class NvmlCollector:
         self.reader = NvmlReader(nvml, on_error=self._count_error,
                                  processes=self.cgroups is not None)
         self.hw = HardwareEvents(node_name)
-        self._logged: set[tuple[str, str]] = set()
+        self._logged: set[tuple[str, str, str]] = set()
         self._owners = DeviceOwners()
         self._owners_at: float | None = None
         self._owners_tried: float | None = None
@@ -93,7 +103,9 @@ class NvmlCollector:
             self.nvml.nvmlInit()
             unreadable = self.reader.open()
         except pynvml.NVMLError as e:
-            raise NvmlUnavailable(f"NVML cannot be used here: {type(e).__name__}: {e}") from e
+            hint = _START_HINTS.get(type(e), "")
+            raise NvmlUnavailable(f"NVML cannot be used here: {type(e).__name__}: {e}"
+                                  + (f" ({hint})" if hint else "")) from e
         for index, error in unreadable:
             log.error("GPU %d cannot be read at start (%s); it is not monitored", index, error)
             self.metrics.source_errors.labels(SOURCE, "enumerate").inc()
@@ -177,12 +189,15 @@ class NvmlCollector:
         (sample,), _events = await collect_once(self, self.publisher, self.metrics)
         return sample
 
-    def _count_error(self, where: str, error: BaseException) -> None:
+    def _count_error(self, where: str, error: BaseException, device: str = "") -> None:
+        """Count a failed NVML call; log it once per device, call and kind of error (a broken
+        counter must not flood the log, nor one GPU's failure hide another's)."""
         self.metrics.source_errors.labels(SOURCE, where).inc()
-        key = (where, type(error).__name__)
-        if key not in self._logged:  # once per kind: a broken counter must not flood the log
+        key = (device, where, type(error).__name__)
+        if key not in self._logged:
             self._logged.add(key)
-            log.warning("NVML collector: %s failed: %s (further ones only counted)", where, error)
+            log.warning("NVML collector: %s%s failed: %s: %s (further ones only counted)",
+                        f"{device}: " if device else "", where, type(error).__name__, error)
 
     # --- events from the listener ---------------------------------------------
 

@@ -187,7 +187,7 @@ class EventListener:
 
     def __init__(self, nvml: Nvml, gpus: list[Gpu], wait_ms: int,
                  deliver: Callable[[RawEvent], object],
-                 on_error: Callable[[str, BaseException], None]) -> None:
+                 on_error: Callable[[str, BaseException, str], None]) -> None:
         self.nvml = nvml
         self.gpus = gpus
         self.wait_ms = wait_ms
@@ -211,7 +211,7 @@ class EventListener:
         try:
             event_set = self.nvml.nvmlEventSetCreate()
         except pynvml.NVMLError as e:
-            self.on_error("nvmlEventSetCreate", e)
+            self.on_error("nvmlEventSetCreate", e, "")
             return None
         for gpu in self.gpus:
             try:
@@ -220,7 +220,8 @@ class EventListener:
                     self.nvml.nvmlDeviceRegisterEvents(gpu.handle, mask, event_set)
                     self.registered[_handle_key(gpu.handle)] = gpu.uuid
             except pynvml.NVMLError as e:
-                self.on_error("nvmlDeviceRegisterEvents", e)
+                self.on_error("nvmlDeviceRegisterEvents", e,
+                              f"GPU {gpu.index} ({gpu.model}, {gpu.uuid})")
         if not self.registered:
             log.warning("NVML events: no GPU accepts event registration; XIDs are not watched")
         return event_set
@@ -237,7 +238,7 @@ class EventListener:
                 except pynvml.NVMLError_Timeout:
                     continue
                 except pynvml.NVMLError as e:
-                    self.on_error("nvmlEventSetWait", e)
+                    self.on_error("nvmlEventSetWait", e, "")
                     self._stop.wait(self.wait_ms / 1000)  # no busy loop on a persistent error
                     continue
                 try:

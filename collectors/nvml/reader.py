@@ -9,8 +9,11 @@ decides events lives on the event loop, not here.
 - "Not supported" (and its relatives: a missing symbol on an old driver, no
   such link, no permission) is a normal answer: the reading is ``None``.
   NVML documents several (utilisation on MIG-enabled GPUs, remapped rows on
-  GPUs with MIG instances, ECC on boards without it). Newer calls fall back
-  to the older ones they replace on drivers that lack them.
+  GPUs with MIG instances or before Ampere, ECC on boards without it). Newer
+  calls fall back to the older ones they replace on drivers that lack them.
+  Each GPU's first such answer per call is logged, once: INFO for what the
+  GPU or driver lacks, WARNING for "no permission" (a restricted container:
+  something to fix); other errors go to ``on_error`` with the GPU named.
 - A GPU that falls off the bus (``NVMLError_GpuIsLost`` and relatives) ends
   its own reading only: it is listed in :attr:`Reading.unavailable` and the
   other GPUs are read on.
@@ -31,6 +34,7 @@ from a newer call to the one it replaces, so a driver difference is found in one
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +64,8 @@ _VALUE_MEMBER = {
     pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
 }
 _PROFILE = re.compile(r"(\d+g\.\d+gb(?:\+[a-z]+)*)")
+
+log = logging.getLogger(__name__)
 
 
 class GpuUnavailable(TemporaryError):
@@ -135,9 +141,9 @@ def _float(value: int | None) -> float | None:
 
 class NvmlReader:
     """Reads every GPU and MIG device once per call; NVML errors other than "absent" go to
-    ``on_error(where, error)``."""
+    ``on_error(where, error, gpu)``."""
 
-    def __init__(self, nvml: Nvml, on_error: Callable[[str, BaseException], None], *,
+    def __init__(self, nvml: Nvml, on_error: Callable[[str, BaseException, str], None], *,
                  processes: bool = False) -> None:
         self.nvml = nvml
         self.on_error = on_error
@@ -149,6 +155,10 @@ class NvmlReader:
         """MIG device uuid -> its handle, from the latest read (for the process calls)."""
         self._missing_symbols: set[tuple[str, tuple[str, ...]]] = set()
         """Newer NVML calls this driver lacks (NVMLError_FunctionNotFound once seen)."""
+        self._reading: Gpu | None = None
+        """The GPU being read (its MIG devices included): names it in logs and errors."""
+        self._absent_logged: set[tuple[str, str]] = set()
+        """(GPU uuid, call) whose absent answer was logged: once per GPU, not per tick."""
 
     def open(self) -> list[tuple[int, pynvml.NVMLError]]:
         """Enumerate the GPUs (NVML initialised); returns those that cannot be read, by index.
@@ -194,6 +204,7 @@ class NvmlReader:
         reading = Reading()
         seen_mig: set[str] = set()
         for gpu in self.gpus:
+            self._reading = gpu
             try:
                 devices = self._read_gpu(gpu, seen_mig)
                 if self.processes:
@@ -201,6 +212,7 @@ class NvmlReader:
                 reading.devices += devices
             except GpuUnavailable as e:
                 reading.unavailable[gpu.uuid] = str(e)
+        self._reading = None
         for uuid in set(self._mig_handles) - seen_mig:
             del self._mig_handles[uuid]
         for uuid in set(self._gpm) - seen_mig:  # MIG device gone (re-partitioned): free GPM buffers
@@ -219,17 +231,41 @@ class NvmlReader:
         """
         try:
             return getattr(self.nvml, call)(*args, **kwargs)
-        except pynvml.NVMLError_FunctionNotFound:
+        except pynvml.NVMLError_FunctionNotFound as e:
             if symbol_required:
                 raise
+            self._absent(call, e)
             return None
         except UNAVAILABLE as e:
             raise GpuUnavailable(f"{call}: {type(e).__name__}: {e}") from e
-        except ABSENT:
+        except ABSENT as e:
+            self._absent(call, e)
             return None
         except pynvml.NVMLError as e:
-            self.on_error(call, e)
+            self._failed(call, e)
             return None
+
+    def _gpu_name(self) -> str:
+        gpu = self._reading
+        return "" if gpu is None else f"GPU {gpu.index} ({gpu.model}, {gpu.uuid})"
+
+    def _absent(self, call: str, error: pynvml.NVMLError) -> None:
+        """Log the first absent answer of ``call`` on the GPU being read; later ones are the
+        same news every tick."""
+        gpu = self._reading
+        key = ("" if gpu is None else gpu.uuid, call)
+        if key in self._absent_logged or call == "nvmlDeviceGetMigDeviceHandleByIndex":
+            return  # (an empty MIG slot answers NotFound: no reading is missing)
+        self._absent_logged.add(key)
+        if isinstance(error, pynvml.NVMLError_NoPermission):
+            log.warning("%s: %s: no permission in this container; its reading stays absent "
+                        "(docs/collectors.md, NVML collector)", self._gpu_name() or "NVML", call)
+        else:
+            log.info("%s: %s: %s; its reading is absent", self._gpu_name() or "NVML", call,
+                     type(error).__name__.removeprefix("NVMLError_"))
+
+    def _failed(self, call: str, error: BaseException) -> None:
+        self.on_error(call, error, self._gpu_name())
 
     def _newest(self, newer: str, older: str, *args: Any, **newer_kwargs: Any) -> Any:
         """``newer`` while this driver has it, else the ``older`` call it replaces."""
@@ -376,10 +412,11 @@ class NvmlReader:
             return {}
         except UNAVAILABLE as e:
             raise GpuUnavailable(f"nvmlDeviceGetProcessUtilization: {e}") from e
-        except ABSENT:
+        except ABSENT as e:
+            self._absent("nvmlDeviceGetProcessUtilization", e)
             return None
         except pynvml.NVMLError as e:
-            self.on_error("nvmlDeviceGetProcessUtilization", e)
+            self._failed("nvmlDeviceGetProcessUtilization", e)
             return None
         totals: dict[int, list[float]] = {}
         for sample in samples:

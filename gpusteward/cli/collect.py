@@ -168,7 +168,7 @@ def nvml(
     event wait); GPUSTEWARD_COLLECT__FAKE_NVML samples a YAML-described fake node.
     """
     try:
-        from gpusteward.collectors.nvml import run_nvml_collector
+        from gpusteward.collectors.nvml import NvmlUnavailable, run_nvml_collector
     except ImportError as error:
         typer.echo(f"the NVML collector is not available in this build: {error}", err=True)
         raise typer.Exit(2) from error
@@ -182,4 +182,8 @@ def nvml(
         from gpusteward.sandbox.nvml_fake import FakeNvml
 
         runner = functools.partial(run_nvml_collector, nvml=FakeNvml.from_yaml(collect.fake_nvml))
-    run_collector(runner, collect, kafka_settings(bootstrap))
+    try:
+        run_collector(runner, collect, kafka_settings(bootstrap))
+    except NvmlUnavailable as error:  # no traceback: the one line says what is wrong
+        typer.echo(f"gpusteward collect nvml: {error}", err=True)
+        raise typer.Exit(1) from error

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pynvml
 import pytest
@@ -402,3 +406,51 @@ def test_a_gpu_already_lost_at_start_is_reported_by_index(publisher):
     assert [d.uuid for d in first.devices] == ["GPU-0"] == [d.uuid for d in second.devices]
     (lost,) = publisher.events_of("gpu_lost")
     assert lost.uuid is None and "GPU 1" in lost.detail and "GpuIsLost" in lost.detail
+
+
+def test_restricted_container_readings_are_absent_and_each_gpu_is_logged_once(
+        fake_nvml, publisher, caplog):
+    """NoPermission (GPM on H100 MIG devices) and an Unknown answer mid-poll, on two GPUs,
+    over three ticks: the readings are absent, and the log names each GPU once per call,
+    not once per tick, nor only the first GPU."""
+    caplog.set_level(logging.INFO, logger="gpusteward.collectors.nvml")
+    collector = _collector(fake_nvml("restricted-container"), publisher)
+    *_, last = asyncio.run(_ticks(collector, 3))
+
+    h100s = [d for d in last.devices if d.kind == "gpu" and "H100" in (d.model or "")]
+    migs = [d for d in last.devices if d.kind == "mig"]
+    assert len(h100s) == 2 and len(migs) == 2
+    assert all(m.engine_active_pct is None for m in migs)  # absent, never a 0 % reading
+    assert all(g.pcie_replay is None and g.temp_c is not None for g in h100s)
+    (t4,) = [d for d in last.devices if d.model == "Tesla T4"]
+    assert t4.remapped_rows_correctable is None and t4.remap_pending is None
+
+    def lines(level: int, call: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.levelno == level and call in r.getMessage()]
+
+    no_permission = lines(logging.WARNING, "nvmlGpmMigSampleGet")
+    assert sorted(line.split(" (")[0] for line in no_permission) == ["GPU 0", "GPU 1"]
+    assert all("no permission" in line for line in no_permission)
+    unknown = lines(logging.WARNING, "nvmlDeviceGetPcieReplayCounter")
+    assert sorted(sum(h.uuid in line for line in unknown) for h in h100s) == [1, 1]
+    assert len(lines(logging.INFO, "nvmlDeviceGetRemappedRows")) == 3  # 2 MIG H100s + the T4
+    assert not lines(logging.INFO, "nvmlDeviceGetMigDeviceHandleByIndex")  # empty MIG slots
+    # Every failed call is still counted, tick by tick.
+    assert _metric(collector, "gpusteward_collect_source_errors_total",
+                   reason="nvmlDeviceGetPcieReplayCounter") == 6
+
+
+def test_driver_library_mismatch_at_start_is_one_clear_line(nvml_data):
+    """`gpusteward collect nvml` on a node whose driver was upgraded without a reboot: it
+    stops with one line saying so and what to do, not a traceback."""
+    command = [str(Path(sys.executable).parent / "gpusteward"), "collect", "nvml",
+               "--fake-nvml", str(nvml_data / "driver-mismatch.yaml"), "--node", "node-a",
+               "--metrics-port", "0", "--bootstrap", "127.0.0.1:1", "--loglevel", "warning"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if "LibRmVersionMismatch" in x]
+    assert line.startswith("gpusteward collect nvml: NVML cannot be used here")
+    assert "reboot the node" in line

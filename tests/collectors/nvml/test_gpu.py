@@ -83,7 +83,7 @@ def test_the_real_driver_accepts_event_registration(gpu_count, publisher):
     collector.open()
     try:
         listener = EventListener(pynvml, collector.reader.gpus, 100, deliver=lambda raw: None,
-                                 on_error=lambda where, e: errors.append((where, e)))
+                                 on_error=lambda where, e, gpu: errors.append((where, e)))
         listener.start()
         assert listener.ready.wait(30)
         listener.stop(5)
