@@ -86,6 +86,9 @@ class Gpu:
     order); the index where the driver does not say."""
     gpm: bool | None = None
     """GPM support; None until asked."""
+    mig_enabled: bool = False
+    """MIG mode as last read: a failed read (``NVMLError_Unknown`` mid-poll) keeps it, so the
+    GPU's MIG devices do not vanish from one tick."""
     process_samples_us: int = 0
     """Timestamp of the newest per-process utilisation sample read (NVML's lastSeenTimeStamp,
     microseconds): each read asks only for newer samples."""
@@ -310,7 +313,9 @@ class NvmlReader:
     def _read_gpu(self, gpu: Gpu, seen_mig: set[str]) -> list[DeviceSample]:
         handle = gpu.handle
         mig_mode = self._get("nvmlDeviceGetMigMode", handle)
-        mig_enabled = bool(mig_mode) and mig_mode[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+        if mig_mode is not None:
+            gpu.mig_enabled = mig_mode[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+        mig_enabled = gpu.mig_enabled
         util = self._get("nvmlDeviceGetUtilizationRates", handle)
         memory = self._memory(handle)
         power_mw = self._get("nvmlDeviceGetPowerUsage", handle)

@@ -454,3 +454,26 @@ def test_driver_library_mismatch_at_start_is_one_clear_line(nvml_data):
     (line,) = [x for x in done.stderr.splitlines() if "LibRmVersionMismatch" in x]
     assert line.startswith("gpusteward collect nvml: NVML cannot be used here")
     assert "reboot the node" in line
+
+
+def test_a_failed_mig_mode_read_keeps_the_mig_devices(fake_nvml, publisher):
+    """An Unknown answer to nvmlDeviceGetMigMode mid-poll on a MIG-partitioned H100: its MIG
+    devices stay in the sample, and their engine activity goes on (GPM stays primed)."""
+    fake = fake_nvml("mig-node")
+    collector = _collector(fake, publisher)
+
+    async def scenario():
+        collector.open()
+        try:
+            first = await collector.tick()
+            fake.gpu(0).failing = {"nvmlDeviceGetMigMode": "Unknown"}
+            return first, await collector.tick()
+        finally:
+            collector.close()
+
+    first, second = asyncio.run(scenario())
+    migs = {d.uuid: d for d in second.devices if d.kind == "mig"}
+    assert set(migs) == {d.uuid for d in first.devices if d.kind == "mig"}
+    assert migs["MIG-0a1b2c3d-0000-4000-8000-000000000001"].engine_active_pct == 62.5
+    assert _metric(collector, "gpusteward_collect_source_errors_total",
+                   reason="nvmlDeviceGetMigMode") == 1
