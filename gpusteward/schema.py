@@ -32,6 +32,7 @@ so docs/topics.md and the JSON Schemas are generated from one file.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -268,6 +269,43 @@ class NodeInventory(msgspec.Struct, tag="node"):
     ``capacity`` the advertised replicas."""
     gpu_sharing: Name | None = None
     """``nvidia.com/gpu.sharing-strategy``: ``time-slicing``, ``mps`` or ``none``."""
+
+
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+"""The device plugin's extended resources under the ``mixed`` strategy, one per profile."""
+
+
+def mig_resource_profile(resource: str) -> str | None:
+    """The MIG profile of a resource name, or None when it is not a MIG resource.
+
+    ``nvidia.com/mig-1g.10gb`` -> ``1g.10gb``; ``nvidia.com/mig-1g.10gb.me`` ->
+    ``1g.10gb+me`` (the device plugin writes a profile's ``+`` as ``.``). Every reader of
+    ``allocatable``, ``capacity`` and pod requests spells profiles this way, as NVML and
+    ``mig_profiles.yaml`` do, so a held ``+me`` device is taken off the free one.
+    """
+    if not resource.startswith(MIG_RESOURCE_PREFIX):
+        return None
+    name = resource[len(MIG_RESOURCE_PREFIX):]
+    match = _DOTTED_VARIANT.fullmatch(name)
+    return f"{match[1]}+{match[2]}" if match else name
+
+
+def single_strategy_profile(product: str | None) -> str | None:
+    """The MIG profile a ``single``-strategy node advertises as ``nvidia.com/gpu``, from its
+    ``nvidia.com/gpu.product`` label (``NVIDIA-A100-SXM4-40GB-MIG-1g.5gb`` -> ``1g.5gb``);
+    None when the label names none or the strategy is invalid on the node (``-MIG-INVALID``).
+
+    GFD drops characters a label value cannot hold, ``+`` among them: ``1g.10gbme`` is
+    ``1g.10gb+me``."""
+    _, sep, profile = (product or "").rpartition("-MIG-")
+    if not sep or not profile or profile == "INVALID":
+        return None
+    match = _LABELLED_VARIANT.fullmatch(profile)
+    return f"{match[1]}+{match[2]}" if match else profile
+
+
+_DOTTED_VARIANT = re.compile(r"(\d+g\.\d+gb)\.(\w+)")
+_LABELLED_VARIANT = re.compile(r"(\d+g\.\d+gb)(me|gfx)")
 
 
 AllocationEvent = PodAllocation | NodeInventory

@@ -58,13 +58,22 @@ def pod_for(workload: Workload, cluster_queue: str) -> dict[str, Any]:
         labels = {**workload.spec.labels, JOBSET_LABEL: workload.spec.group,
                   "kueue.x-k8s.io/cluster-queue-name": cluster_queue}
     pod = gpu_pod(workload.name, workload.namespace,
-                  resources={"nvidia.com/gpu": str(workload.spec.gpus)},
+                  resources=_resources(workload),
                   labels=labels, owner=(kind, owner_name), uid=workload.uid,
                   created=rfc3339(workload.arrive))
     if kind != "Job":  # the pod's controller is one of owners_for's objects
         (reference,) = pod["metadata"]["ownerReferences"]
         reference.update(apiVersion="apps/v1", uid=f"{kind.lower()}-{owner_name}")
     return pod
+
+
+def _resources(workload: Workload) -> dict[str, str]:
+    """What the pod requests: its MIG devices as the device plugin names them under
+    ``mixed`` (a profile's ``+`` written ``.``), else whole GPUs."""
+    if workload.spec.mig:
+        return {f"nvidia.com/mig-{profile.replace('+', '.')}": str(count)
+                for profile, count in workload.spec.mig.items()}
+    return {"nvidia.com/gpu": str(workload.spec.gpus)}
 
 
 def _owned(kind: str, api_version: str, name: str, namespace: str, owner: dict[str, Any] | None,
@@ -110,7 +119,8 @@ def owners_for(workload: Workload, gang_size: int = 0) -> list[dict[str, Any]]:
 
 def node_for(event: NodeInventory) -> dict[str, Any]:
     """The Node the GPU Operator would label for a simulated node's inventory."""
-    labels = {"nvidia.com/gpu.count": str(event.gpu_count), "nvidia.com/mig.strategy": "none"}
+    labels = {"nvidia.com/gpu.count": str(event.gpu_count),
+              "nvidia.com/mig.strategy": event.mig_strategy or "none"}
     if event.gpu_product:
         labels["nvidia.com/gpu.product"] = event.gpu_product.replace(" ", "-")
     if event.spot:
@@ -120,7 +130,13 @@ def node_for(event: NodeInventory) -> dict[str, Any]:
         # capacity is then the replicas, gpu.count the physical GPUs.
         labels["nvidia.com/gpu.replicas"] = str(event.gpu_replicas)
         labels["nvidia.com/gpu.sharing-strategy"] = event.gpu_sharing or "time-slicing"
-    node = gpu_node(event.node, event.gpu_count * event.gpu_replicas, labels=labels)
+    # MIG devices as the device plugin advertises them under ``mixed`` (the simulator
+    # already spells them so: nvidia.com/mig-1g.10gb.me).
+    resources = {"nvidia.com/gpu": str(event.gpu_count * event.gpu_replicas),
+                 **{k: str(v) for k, v in event.allocatable.items()
+                    if k.startswith("nvidia.com/mig-")}}
+    node = gpu_node(event.node, event.gpu_count * event.gpu_replicas, labels=labels,
+                    resources=resources)
     if event.unschedulable:
         node["spec"]["unschedulable"] = True
     return node

@@ -232,7 +232,8 @@ class NodeGpus:
                     mig_device = seen.get(mig.uuid)
                     if mig_device is not None:
                         _set_mig(mig, mig_device)
-                        assignments += _assignment(mig_device, f"nvidia.com/mig-{mig.profile}")
+                        assignments += _assignment(
+                            mig_device, f"nvidia.com/mig-{mig.profile.replace('+', '.')}")
                 continue
             if device is None:
                 # gone from the readings without an event: the GPU no longer answers

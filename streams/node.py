@@ -58,6 +58,8 @@ from gpusteward.schema import (
     PodRef,
     Rollup,
     Taint,
+    mig_resource_profile,
+    single_strategy_profile,
 )
 
 log = logging.getLogger(__name__)
@@ -643,10 +645,18 @@ class NodeJoin:
         state.cordoned = event.unschedulable or any(map(_keeps_pods_off, event.taints))
         state.spot = event.spot
         state.pool = event.labels.get(self.policy.node_pool_label)
-        prefix = "nvidia.com/mig-"
-        state.mig_allocatable = {key.removeprefix(prefix): count
-                                 for key, count in event.allocatable.items()
-                                 if key.startswith(prefix)}
+        # Profiles as pods request them (``1g.10gb+me``, not the resource's ``1g.10gb.me``),
+        # or a held device would never be taken off the free ones.
+        state.mig_allocatable = {profile: count for key, count in event.allocatable.items()
+                                 if (profile := mig_resource_profile(key)) is not None}
+        single = single_strategy_profile(event.gpu_product) \
+            if event.mig_strategy == "single" else None
+        if single is not None and not event.deleted:
+            # Under ``single`` every nvidia.com/gpu is a MIG device of the labelled profile
+            # (the watcher reports pods' GPUs so): they are MIG devices free, not GPUs.
+            state.mig_allocatable[single] = state.mig_allocatable.get(single, 0) + \
+                (state.gpu_allocatable or 0)
+            state.gpu_allocatable = 0
         state.summary_dirty = True
         return self._maybe_summary(state, event.node, event.ts)
 

@@ -55,7 +55,6 @@ with ``gpus=0``, and the node's ``gpu_count`` is 0 (no whole GPUs).
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -66,6 +65,7 @@ from gpusteward.collectors.kubernetes.reflector import Delta, Obj
 from gpusteward.collectors.kubernetes.settings import KubeWatchSettings
 from gpusteward.schema import (
     KUEUE_GATED,
+    MIG_RESOURCE_PREFIX,
     WORKLOAD_KINDS,
     AllocationEvent,
     NodeInventory,
@@ -76,10 +76,12 @@ from gpusteward.schema import (
     QueueEvent,
     Taint,
     WorkloadState,
+    mig_resource_profile,
 )
+from gpusteward.schema import single_strategy_profile as product_profile
 
 GPU = "nvidia.com/gpu"
-MIG_PREFIX = "nvidia.com/mig-"
+MIG_PREFIX = MIG_RESOURCE_PREFIX
 KUEUE_GROUP = "kueue.x-k8s.io"
 LABEL_PRODUCT = "nvidia.com/gpu.product"
 LABEL_COUNT = "nvidia.com/gpu.count"
@@ -153,16 +155,8 @@ def quantity(value: object) -> int:
 
 
 def mig_profile(resource: str) -> str | None:
-    """The MIG profile of a resource name, or None when it is not a MIG resource.
-
-    ``nvidia.com/mig-1g.10gb`` -> ``1g.10gb``; ``nvidia.com/mig-1g.10gb.me`` ->
-    ``1g.10gb+me`` (the device plugin writes a profile's ``+`` as ``.``).
-    """
-    if not resource.startswith(MIG_PREFIX):
-        return None
-    name = resource[len(MIG_PREFIX):]
-    match = re.fullmatch(r"(\d+g\.\d+gb)\.(\w+)", name)
-    return f"{match[1]}+{match[2]}" if match else name
+    """The MIG profile of a resource name (:func:`gpusteward.schema.mig_resource_profile`)."""
+    return mig_resource_profile(resource)
 
 
 def gpu_resources(spec: Obj) -> dict[str, int]:
@@ -220,9 +214,7 @@ def single_strategy_profile(labels: dict[str, str]) -> str | None:
     """The MIG profile a ``single``-strategy node advertises as ``nvidia.com/gpu``."""
     if labels.get(LABEL_MIG_STRATEGY) != "single":
         return None
-    product = labels.get(LABEL_PRODUCT, "")
-    _, sep, profile = product.rpartition("-MIG-")
-    return profile if sep and profile != "INVALID" else None
+    return product_profile(labels.get(LABEL_PRODUCT))
 
 
 def top_owner(meta: Obj) -> tuple[str | None, str | None]:

@@ -242,16 +242,31 @@ def _geometry(model: str, spec: dict[str, Any]) -> Geometry:
                     profiles=profiles, aliases=tuple(spec.get("aliases", ())))
 
 
+DRIVER_NAMES: dict[str, str] = {
+    "NVIDIA H200": "H200-141GB",
+    "NVIDIA H100 PCIe": "H100-80GB",
+    "NVIDIA A100 80GB PCIe": "A100-80GB",
+}
+"""Product names the driver reports (``nvidia-smi``, NVML, GFD's ``nvidia.com/gpu.product``
+with ``-`` for spaces) that no model key or alias of the research file spells: an H200
+SXM is plain ``NVIDIA H200`` (captured on a real one, docs/collectors.md), the PCIe
+H100 and the 80 GB PCIe A100 carry their form factor, not the SXM part number."""
+
+
 def find(geometries: Mapping[str, Geometry], product: str) -> Geometry | None:
     """The geometry of a GPU as the driver or a node label names it, if it supports MIG.
 
     ``NVIDIA A100-SXM4-80GB``, ``NVIDIA-A100-SXM4-80GB`` and ``A100-80GB`` all find
     ``A100-80GB``: names are compared without the vendor prefix, spaces and dashes,
-    against the model key and its aliases.
+    against the model key, its aliases and :data:`DRIVER_NAMES`. A MIG device's name
+    (``NVIDIA A100-SXM4-40GB MIG 1g.5gb``) and a ``single``-strategy node's product label
+    (``NVIDIA-A100-SXM4-40GB-MIG-1g.5gb``) find their GPU's model.
     """
     wanted = _squash(product)
     for geometry in geometries.values():
         names = [geometry.model]
+        names.extend(driver for driver, model in DRIVER_NAMES.items()
+                     if model == geometry.model)
         for alias in geometry.aliases:
             # "H100-SXM5-80GB (NVIDIA H100 80GB HBM3)": both spellings name the model.
             names.extend(part.strip(" )") for part in alias.split(" ("))
@@ -260,6 +275,9 @@ def find(geometries: Mapping[str, Geometry], product: str) -> Geometry | None:
     return None
 
 
+_MIG_SUFFIX = re.compile(r"[\s\-_]MIG([\s\-_].*)?$", re.IGNORECASE)
+
+
 def _squash(name: str) -> str:
-    name = name.upper().removeprefix("NVIDIA").replace("-MIG", "")
+    name = _MIG_SUFFIX.sub("", name.strip()).upper().removeprefix("NVIDIA")
     return re.sub(r"[\s\-_]", "", name)

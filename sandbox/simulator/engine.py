@@ -620,7 +620,8 @@ class SimulatedCluster:
         # Shared GPUs are advertised once per replica; gpu_count stays the physical GPUs.
         allocatable = {"nvidia.com/gpu": whole * replicas}
         for mig in (m for g in node.gpus for m in g.mig):
-            resource = f"nvidia.com/mig-{mig.profile}"
+            # The device plugin writes a profile's "+" as "." (nvidia.com/mig-1g.10gb.me).
+            resource = f"nvidia.com/mig-{mig.profile.replace('+', '.')}"
             allocatable[resource] = allocatable.get(resource, 0) + 1
         return NodeInventory(
             ts=self.now, node=node.name, gpu_product=node.gpus[0].model,

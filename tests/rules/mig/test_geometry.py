@@ -108,3 +108,24 @@ def test_find_matches_driver_and_label_spellings() -> None:
     assert geometry.find(GEOMETRIES, "H100-SXM5-80GB") is GEOMETRIES["H100-80GB"]
     assert geometry.find(GEOMETRIES, "A30") is GEOMETRIES["A30-24GB"]
     assert geometry.find(GEOMETRIES, "Tesla T4") is None
+
+
+@pytest.mark.parametrize(("product", "model"), [
+    ("NVIDIA H200", "H200-141GB"),            # the driver's name of an H200 SXM
+    ("NVIDIA-H200", "H200-141GB"),            # GFD's label of it
+    ("NVIDIA H200 NVL", "H200-141GB"),
+    ("NVIDIA H100 PCIe", "H100-80GB"),
+    ("NVIDIA A100 80GB PCIe", "A100-80GB"),
+    ("NVIDIA A100-PCIE-40GB", "A100-SXM4-40GB"),
+    ("NVIDIA-H100-NVL", "H100-NVL-94GB"),
+    ("NVIDIA B200", "B200-180GB"),
+    ("NVIDIA A30", "A30-24GB"),
+    # A single-strategy node's product label and a MIG device's NVML name.
+    ("NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", "A100-SXM4-40GB"),
+    ("NVIDIA-H100-80GB-HBM3-MIG-1g.10gbme", "H100-80GB"),
+    ("NVIDIA A100-SXM4-80GB MIG 1g.10gb", "A100-80GB"),
+    ("NVIDIA GH200 480GB", None),             # no placement table in the research file
+])
+def test_find_every_targeted_model_by_its_real_names(product: str, model: str | None) -> None:
+    found = geometry.find(GEOMETRIES, product)
+    assert (found.model if found else None) == model
