@@ -778,9 +778,19 @@ class KubernetesBackend:
         if annotations.get(NOTICE_ANNOTATION) == notice:
             return "skipped", f"{ref.namespace}/{ref.name} already carries this notice"
         now = _now_rfc3339()
-        await self._event(ref.namespace, k8s.V1ObjectReference(
-            api_version="v1", kind="Pod", name=ref.name, namespace=ref.namespace,
-            uid=pod["metadata"].get("uid")), "GpuStewardNotice", notice)
+        try:
+            await self._event(ref.namespace, k8s.V1ObjectReference(
+                api_version="v1", kind="Pod", name=ref.name, namespace=ref.namespace,
+                uid=pod["metadata"].get("uid")), "GpuStewardNotice", notice)
+        except ApiError as error:
+            if error.status != 403:
+                raise
+            # RBAC (or an admission policy) keeps Events out of this namespace: say what it
+            # costs, not only the API's words; the reclaim refused later names no cause.
+            return "failed", (f"may not create Events in namespace {ref.namespace} "
+                              f"({error.status} {error.reason}: {error.message}): no notice "
+                              "was delivered, so no reclaim of this pod will follow; grant "
+                              "create events there (deploy/components/remediation-execute)")
         await self._call(self.core.patch_namespaced_pod, ref.name, ref.namespace,
                          {"metadata": {"annotations": {NOTICE_ANNOTATION: notice,
                                                        f"{NOTICE_ANNOTATION}-at": now}}},

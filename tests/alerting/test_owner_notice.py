@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from gpusteward.alerting.alertmanager import AlertmanagerSink
-from gpusteward.alerting.webhook import WebhookSink
+from gpusteward.alerting.webhook import WebhookSink, slack_escape
 from gpusteward.rules import idle
 from gpusteward.schema import DeviceSample, Finding, PodRef
 from tests.alerting.test_alertmanager import active_alerts
@@ -42,7 +42,10 @@ def test_the_slack_message_says_the_owner_notice() -> None:
         return received
 
     [message] = asyncio.run(main())
-    assert message["text"] == f"[FIRING info] idle_holder: {notice}"
+    # Word for word as Slack shows it: its formatting reads <RFC 3339 time> as a link, and
+    # the owner's kubectl command lost its placeholder.
+    assert message["text"] == f"[FIRING info] idle_holder: {slack_escape(notice)}"
+    assert "keep-until=&lt;RFC 3339 time&gt;" in message["text"]
     assert message["attachments"][0]["fallback"] == message["text"]
 
 

@@ -247,6 +247,29 @@ def test_the_executor_reclaims_only_min_notice_s_after_the_owner_was_told(
     assert "kubeflow-resource-stopped" in annotations_of(kube_api, "Notebook", owned.name)
 
 
+def test_a_notice_the_namespace_forbids_says_so_and_no_reclaim_follows(
+        kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
+    """A namespace where RBAC keeps the executor from creating Events (403): the notice is
+    audited ``failed`` saying what it costs (no reclaim follows, which grant is missing),
+    not only the API's words; the reclaim after it is refused, the notebook keeps running."""
+    owned = notebook(kube_api)
+    executor = Executor(Settings(), backend, execute=True,
+                        remediation=RemediationSettings(enabled_rules={"idle_holder"},
+                                                        min_notice_s=None))
+    kube_api.fail("POST", status=403, path=f"/namespaces/{NS}/events")
+    told = Action(idempotency_key="f1/notify_owner", verb="notify_owner",
+                  target=Subject(node="gpu-1", device="GPU-1", pod=PodRef(NS, owned.pod)),
+                  reason="idle for 30 min", rule="idle_holder", finding_ids=["f1"],
+                  ts=time.time())
+    notice = asyncio.run(executor.decide(told))
+    assert notice.outcome == "failed"
+    assert f"may not create Events in namespace {NS} (403" in notice.detail
+    assert "no reclaim of this pod will follow; grant create events" in notice.detail
+    refused = asyncio.run(executor.decide(reclaim(owned.pod)))
+    assert refused.outcome == "refused" and "the owner was not told first" in refused.detail
+    assert "kubeflow-resource-stopped" not in annotations_of(kube_api, "Notebook", owned.name)
+
+
 @pytest.mark.parametrize("kind", [*sorted(RESTORABLE), "Job", "Workload", "bare"])
 def test_keep_until_in_force_leaves_every_owner_kind_alone(
         kind: str, kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
