@@ -647,8 +647,10 @@ class NodeJoin:
         state.pool = event.labels.get(self.policy.node_pool_label)
         # Profiles as pods request them (``1g.10gb+me``, not the resource's ``1g.10gb.me``),
         # or a held device would never be taken off the free ones.
-        state.mig_allocatable = {profile: count for key, count in event.allocatable.items()
-                                 if (profile := mig_resource_profile(key)) is not None}
+        # A deleted node offers no MIG device either.
+        state.mig_allocatable = {} if event.deleted else {
+            profile: count for key, count in event.allocatable.items()
+            if (profile := mig_resource_profile(key)) is not None}
         single = single_strategy_profile(event.gpu_product) \
             if event.mig_strategy == "single" else None
         if single is not None and not event.deleted:

@@ -83,6 +83,20 @@ def test_summary_reports_free_gpus_health_and_cordon() -> None:
     assert (last.gpus_total, last.gpus_free, last.healthy, last.cordoned) == (2, 1, False, True)
 
 
+def test_a_deleted_mig_node_offers_no_mig_device() -> None:
+    """A deleted node's GPUs stop counting as free at once; its MIG devices too, or the
+    fleet placed pending MIG pods on a node that is gone until its summary went stale."""
+    join, state = NodeJoin(), NodeState()
+    mig = {"nvidia.com/mig-1g.10gb": 7}
+    first = join.on_allocation(state, NodeInventory(
+        ts=T0, node="n1", gpu_product="A100", mig_strategy="mixed", allocatable=mig))
+    gone = join.on_allocation(state, NodeInventory(
+        ts=T0 + 1, node="n1", gpu_product="A100", mig_strategy="mixed", allocatable=mig,
+        deleted=True))
+    summaries = [o for o in first + gone if isinstance(o, NodeSummary)]
+    assert [s.mig_free for s in summaries] == [{"1g.10gb": 7}, {}]
+
+
 def test_state_survives_the_changelog_encoding() -> None:
     join, state = NodeJoin(), NodeState()
     join.on_allocation(state, allocation("running", T0))
