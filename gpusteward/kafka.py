@@ -107,7 +107,9 @@ async def _poll_metadata(settings: Settings, deadline: float) -> Exception | Non
         # KeyError, ValueError: aiokafka's SCRAM client on a server message it cannot read.
         except (KafkaConnectionError, KafkaError, OSError, KeyError, ValueError) as error:
             last_error = error
-            refused = await refusal(settings)
+            # Bounded by the time left: a broker that hangs is asked twice, not for longer.
+            left = deadline - asyncio.get_running_loop().time()
+            refused = await refusal(settings, timeout_s=max(0.1, min(2.0, left)))
             if refused is not None:
                 raise refused from error
             await asyncio.sleep(0.1)
@@ -152,6 +154,9 @@ async def refusal(settings: Settings, timeout_s: float = 2.0) -> ConfigError | N
                 "a client certificate")
         except (SaslAuthenticationFailed, AuthenticationFailedError, UnsupportedSaslMechanismError,
                 IllegalSaslStateError, KeyError, ValueError) as error:
+            if not sasl:  # KeyError, ValueError: only aiokafka's SCRAM client is expected
+                raise
+            # A SCRAM server message aiokafka cannot read (KeyError 'v') is a refusal too.
             reason = str(error) if isinstance(error, KafkaError) else "login refused"
             refused = ConfigError(
                 f"Kafka at {where} refused the SASL login ({reason}): check "
