@@ -79,14 +79,16 @@ class TlsListener:
         self.port = self._server.getsockname()[1]
         self._backend_port = backend_port
         self._context = context
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._accept, daemon=True)
 
     def _accept(self) -> None:
-        while True:
+        self._server.settimeout(0.1)  # a closed socket does not wake a blocked accept()
+        while not self._stopping.is_set():
             try:
                 client, _ = self._server.accept()
-            except OSError:  # closed: the listener stops
-                return
+            except TimeoutError:
+                continue
             threading.Thread(target=self._relay, args=(client,), daemon=True).start()
 
     def _relay(self, client: socket.socket) -> None:
@@ -120,8 +122,9 @@ class TlsListener:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.close()
+        self._stopping.set()
         self._thread.join(10)
+        self._server.close()
 
 
 def tansu(port: int, advertised: int, *flags: str) -> subprocess.Popen[bytes]:
@@ -309,18 +312,23 @@ def test_a_refused_password_stops_the_start_at_once_and_is_never_printed(
 def test_a_collector_says_why_kafka_refuses_it_while_it_buffers(scram_kafka, tmp_path):
     """A collector keeps collecting through a Kafka outage; a refused login is not one,
     and its log says so, naming the settings, within seconds."""
-    collector = subprocess.Popen(
-        [sys.executable, "-P", "-m", "gpusteward.cli", "collect", "dcgm", "--node", "n1",
-         "--url", f"http://127.0.0.1:{free_port()}/metrics"],
-        env=environment(scram_kafka), cwd=tmp_path, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "collector.log"
+    with log.open("w") as out:
+        collector = subprocess.Popen(
+            [sys.executable, "-P", "-m", "gpusteward.cli", "collect", "dcgm", "--node", "n1",
+             "--url", f"http://127.0.0.1:{free_port()}/metrics"],
+            env=environment(scram_kafka), cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
     try:
-        time.sleep(8)
+        deadline = time.monotonic() + 15
+        while "refused the SASL login" not in log.read_text():
+            assert collector.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
     finally:
         collector.terminate()
-        output, _ = collector.communicate(timeout=30)
-    assert "refused the SASL login" in output and "GPUSTEWARD_KAFKA__SASL_PASSWORD" in output
-    assert PASSWORD not in output
+        collector.wait(30)
+    output = log.read_text()
+    assert "GPUSTEWARD_KAFKA__SASL_PASSWORD" in output and PASSWORD not in output
 
 
 def test_tls_files_under_a_protocol_without_tls_are_refused(pki):

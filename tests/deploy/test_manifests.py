@@ -486,7 +486,7 @@ def test_every_kafka_client_pod_gets_the_same_security_settings(render):
     certificate and key: optional keys) at the same paths: one that lacked any would connect
     in plaintext, or unauthenticated, while the others did not."""
     rendered = render("production")
-    seen: dict[str, list[object]] = {}
+    seen: dict[str, list[Any]] = {}
     for workload in _gpusteward_workloads(rendered):
         pod = pod_spec(workload)
         for container in pod["containers"]:
@@ -507,12 +507,13 @@ def test_every_kafka_client_pod_gets_the_same_security_settings(render):
                 files, volume["secret"].get("optional")]
     assert len(seen) >= 9, seen  # collector, watcher, worker, alerts, remediation, 4 sinks
     assert len({json.dumps(value, sort_keys=True) for value in seen.values()}) == 1, seen
-    kafka, secrets, files, optional = next(iter(seen.values()))
-    assert secrets == {"GPUSTEWARD_KAFKA__SASL_USERNAME": "username",
-                       "GPUSTEWARD_KAFKA__SASL_PASSWORD": "password"}
-    assert files[kafka["GPUSTEWARD_KAFKA__SSL_CAFILE"]] == "ca.crt"
-    directory = kafka["GPUSTEWARD_KAFKA__SSL_CAFILE"].rsplit("/", 1)[0]
-    assert (files[f"{directory}/user.crt"], files[f"{directory}/user.key"]) == (
+    common_env, common_secrets, common_files, optional = next(iter(seen.values()))
+    assert common_secrets == {"GPUSTEWARD_KAFKA__SASL_USERNAME": "username",
+                              "GPUSTEWARD_KAFKA__SASL_PASSWORD": "password"}
+    cafile = common_env["GPUSTEWARD_KAFKA__SSL_CAFILE"]
+    assert common_files[cafile] == "ca.crt"
+    directory = cafile.rsplit("/", 1)[0]
+    assert (common_files[f"{directory}/user.crt"], common_files[f"{directory}/user.key"]) == (
         "user.crt", "user.key")
     assert optional is True
 
