@@ -10,16 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, KafkaError
+from aiokafka.conn import collect_hosts, create_conn
+from aiokafka.errors import (
+    AuthenticationFailedError,
+    IllegalSaslStateError,
+    KafkaConnectionError,
+    KafkaError,
+    SaslAuthenticationFailed,
+    UnsupportedSaslMechanismError,
+)
 from aiokafka.partitioner import DefaultPartitioner
 
 from gpusteward import topics
+from gpusteward.errors import ConfigError
 from gpusteward.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -84,7 +94,9 @@ async def wait_for_broker(settings: Settings, timeout_s: float = 30.0) -> None:
 
 
 async def _poll_metadata(settings: Settings, deadline: float) -> Exception | None:
-    """None once the broker answers; the last error if the deadline passes first."""
+    """None once the broker answers; the last error if the deadline passes first; a
+    :class:`ConfigError` at once when the broker answers but refuses this client's TLS or
+    SASL settings (see :func:`refusal`)."""
     last_error: Exception = TimeoutError("no answer")
     while asyncio.get_running_loop().time() < deadline:
         admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config(), request_timeout_ms=2000)
@@ -92,12 +104,81 @@ async def _poll_metadata(settings: Settings, deadline: float) -> Exception | Non
             await admin.start()
             await admin.list_topics()
             return None
-        except (KafkaConnectionError, KafkaError, OSError) as error:
+        # KeyError, ValueError: aiokafka's SCRAM client on a server message it cannot read.
+        except (KafkaConnectionError, KafkaError, OSError, KeyError, ValueError) as error:
             last_error = error
+            # Bounded by the time left: a broker that hangs is asked twice, not for longer.
+            left = deadline - asyncio.get_running_loop().time()
+            refused = await refusal(settings, timeout_s=max(0.1, min(2.0, left)))
+            if refused is not None:
+                raise refused from error
             await asyncio.sleep(0.1)
         finally:
             await admin.close()
     return last_error
+
+
+async def refusal(settings: Settings, timeout_s: float = 2.0) -> ConfigError | None:
+    """Why the brokers refuse this client for good (an untrusted certificate, a TLS
+    handshake that fails, a SASL login refused), naming the settings to correct; None when
+    a broker accepts it or none answers yet (an outage passes, a refusal does not).
+
+    aiokafka's clients log the cause and raise "Unable to bootstrap" without it, and every
+    process retried that for its whole start timeout and then said the broker "did not
+    answer": so one connection is opened here, as the clients open theirs, to see it.
+    The message never holds the password.
+    """
+    kafka = settings.kafka
+    config = kafka.aiokafka_config()
+    sasl = {key: value for key, value in config.items() if key.startswith("sasl_")}
+    refused: ConfigError | None = None
+    for host, port, _ in collect_hosts(kafka.bootstrap_servers):
+        where = f"{host}:{port}"
+        try:
+            connection = await create_conn(
+                host, port, request_timeout_ms=int(timeout_s * 1000),
+                security_protocol=kafka.security_protocol,
+                ssl_context=config.get("ssl_context"), **sasl)
+        except ssl.SSLCertVerificationError as error:
+            trusted = (f"GPUSTEWARD_KAFKA__SSL_CAFILE={kafka.ssl_cafile}" if kafka.ssl_cafile
+                       else "the system's CAs (GPUSTEWARD_KAFKA__SSL_CAFILE is unset)")
+            refused = ConfigError(
+                f"Kafka at {where}: its TLS certificate is not trusted "
+                f"({error.verify_message}): {trusted} must hold the CA that signed the "
+                "brokers' certificates (Strimzi: the cluster CA's ca.crt)")
+        except ssl.SSLError as error:
+            refused = ConfigError(
+                f"Kafka at {where}: the TLS handshake failed ({error.reason or error}): check "
+                f"GPUSTEWARD_KAFKA__SECURITY_PROTOCOL={kafka.security_protocol} against the "
+                "listener, and GPUSTEWARD_KAFKA__SSL_CERTFILE/SSL_KEYFILE where it asks for "
+                "a client certificate")
+        except (SaslAuthenticationFailed, AuthenticationFailedError, UnsupportedSaslMechanismError,
+                IllegalSaslStateError, KeyError, ValueError) as error:
+            if not sasl:  # KeyError, ValueError: only aiokafka's SCRAM client is expected
+                raise
+            # A SCRAM server message aiokafka cannot read (KeyError 'v') is a refusal too.
+            reason = str(error) if isinstance(error, KafkaError) else "login refused"
+            refused = ConfigError(
+                f"Kafka at {where} refused the SASL login ({reason}): check "
+                f"GPUSTEWARD_KAFKA__SASL_USERNAME={kafka.sasl_username}, "
+                "GPUSTEWARD_KAFKA__SASL_PASSWORD (from the Secret) and "
+                f"GPUSTEWARD_KAFKA__SASL_MECHANISM={kafka.sasl_mechanism}")
+        except (KafkaError, OSError, TimeoutError) as error:
+            # Not answering (yet): an outage, not a refusal; unless the broker ended the
+            # session with a TLS alert after the handshake (under TLS 1.3, a listener that
+            # wants a client certificate), which aiokafka reports as a closed connection.
+            alert = error.__cause__
+            if isinstance(alert, ssl.SSLError):
+                refused = ConfigError(
+                    f"Kafka at {where} ended the TLS session ({alert.reason or alert}): "
+                    "where the listener asks for a client certificate (mutual TLS), set "
+                    "GPUSTEWARD_KAFKA__SSL_CERTFILE and GPUSTEWARD_KAFKA__SSL_KEYFILE to one "
+                    "its CA signed")
+            continue
+        else:
+            connection.close()
+            return None
+    return refused
 
 
 def node_partitioner(key: bytes | None, all_partitions: list[int],

@@ -77,6 +77,17 @@ class KafkaSettings(BaseModel):
             "None trusts the system's CAs."
         ),
     )
+    ssl_certfile: str | None = Field(
+        None,
+        description=(
+            "Client certificate (PEM) for mutual TLS, e.g. the user.crt of a Strimzi KafkaUser "
+            "with `tls` authentication or an MSK client certificate; None presents none. "
+            "Needs ssl_keyfile."
+        ),
+    )
+    ssl_keyfile: str | None = Field(
+        None, description="Private key (PEM, unencrypted) of ssl_certfile; None without it."
+    )
     fetch_max_wait_ms: int = Field(
         20,
         ge=1,
@@ -150,6 +161,18 @@ class KafkaSettings(BaseModel):
                 f"kafka.sasl_mechanism is set but security_protocol is {self.security_protocol}; "
                 "use SASL_SSL or SASL_PLAINTEXT"
             )
+        # A CA or a client certificate under a protocol without TLS would be ignored: the
+        # process would connect in plaintext to a listener it was meant to trust.
+        tls_files = [name for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile")
+                     if getattr(self, name) is not None]
+        if tls_files and not self.security_protocol.endswith("SSL"):
+            raise ValueError(
+                ", ".join(f"kafka.{name}" for name in tls_files)
+                + f" set but security_protocol is {self.security_protocol}, which uses no TLS; "
+                "use SSL or SASL_SSL"
+            )
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("kafka.ssl_certfile and kafka.ssl_keyfile go together (mutual TLS)")
         return self
 
     def faust_credentials(self) -> Any:
@@ -175,15 +198,28 @@ class KafkaSettings(BaseModel):
         )
 
     def _ssl_context(self) -> Any:
+        import ssl
+
         from aiokafka.helpers import create_ssl_context
 
         # Checked here, where the first client needs it, and not when the settings are made:
-        # the file is mounted in the pod only (doctor and the manifests' tests read the same
-        # settings elsewhere). Unchecked, it is a bare FileNotFoundError naming nothing.
-        if self.ssl_cafile is not None and not Path(self.ssl_cafile).is_file():
-            raise ConfigError(f"GPUSTEWARD_KAFKA__SSL_CAFILE={self.ssl_cafile}: no such file "
-                              f"(the CA of the broker's TLS listener)")
-        return create_ssl_context(cafile=self.ssl_cafile)
+        # the files are mounted in the pod only (doctor and the manifests' tests read the same
+        # settings elsewhere). Unchecked, it is a bare FileNotFoundError or SSLError naming
+        # nothing.
+        files = {"SSL_CAFILE": (self.ssl_cafile, "the CA of the broker's TLS listener"),
+                 "SSL_CERTFILE": (self.ssl_certfile, "this client's certificate"),
+                 "SSL_KEYFILE": (self.ssl_keyfile, "the key of this client's certificate")}
+        for name, (path, what) in files.items():
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"GPUSTEWARD_KAFKA__{name}={path}: no such file ({what})")
+        try:
+            return create_ssl_context(cafile=self.ssl_cafile, certfile=self.ssl_certfile,
+                                      keyfile=self.ssl_keyfile)
+        except ssl.SSLError as error:
+            named = ", ".join(f"GPUSTEWARD_KAFKA__{name}={path}"
+                              for name, (path, _) in files.items() if path is not None)
+            raise ConfigError(f"{named}: not usable as PEM ({error.reason or error}): a CA "
+                              "bundle, a certificate and its matching key") from error
 
     def aiokafka_config(self) -> dict[str, Any]:
         """Connection keyword arguments for aiokafka producers, consumers and admin clients."""

@@ -68,7 +68,14 @@ async def _ensure_topics_eventually(settings: Settings, stop: asyncio.Event) -> 
         except asyncio.CancelledError:
             raise
         except Exception as error:
-            log.debug("cannot create topics yet: %r", error)
+            # A refused login or certificate does not pass with time as an outage does: said
+            # at every try, naming the setting, while the records wait in the buffer.
+            refused = await kafka.refusal(settings)
+            if refused is not None:
+                log.error("%s; records are buffered until it is corrected and the "
+                          "collector restarted", refused)
+            else:
+                log.debug("cannot create topics yet: %r", error)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), delay)
         delay = min(delay * 2, 60.0)

@@ -30,6 +30,7 @@ from typing import Annotated, Any, NamedTuple
 import typer
 
 from gpusteward.cli.common import Bootstrap, kafka_settings
+from gpusteward.errors import ConfigError
 from gpusteward.settings import Settings
 
 
@@ -133,6 +134,8 @@ async def check_kafka(settings: Settings, timeout_s: float) -> list[Check]:
     try:
         await kafka.wait_for_broker(settings, timeout_s)
         present = set(await kafka.list_topics(settings))
+    except ConfigError as error:  # it answers, and refuses this client's TLS or SASL
+        return [Check("kafka", False, str(error))]
     except (TimeoutError, OSError) as error:
         return [Check("kafka", False, f"no broker answers at {where} ({error}); set "
                       "--bootstrap or GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS to a reachable "

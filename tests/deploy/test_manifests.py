@@ -480,6 +480,44 @@ def test_production_kafka_settings_load_as_sasl_scram_over_tls(render, monkeypat
 SINKS = ("rollup-sink", "queue-sink", "findings-sink", "results-sink")
 
 
+def test_every_kafka_client_pod_gets_the_same_security_settings(render):
+    """Each container that connects to Kafka reads the same ConfigMap, the SASL user and
+    password from the Secret, and finds the Secret's CA (and, for mutual TLS, the client
+    certificate and key: optional keys) at the same paths: one that lacked any would connect
+    in plaintext, or unauthenticated, while the others did not."""
+    rendered = render("production")
+    seen: dict[str, list[Any]] = {}
+    for workload in _gpusteward_workloads(rendered):
+        pod = pod_spec(workload)
+        for container in pod["containers"]:
+            env = _env(rendered, workload, container)
+            if "GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS" not in env:
+                continue
+            secrets = {e["name"]: e["valueFrom"]["secretKeyRef"]
+                       for e in container.get("env", [])
+                       if "secretKeyRef" in e.get("valueFrom", {})}
+            (volume,) = [v for v in pod["volumes"]
+                         if v.get("secret", {}).get("secretName") == "gpusteward-kafka"]
+            (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+            files = {f"{mount['mountPath']}/{item['path']}": item["key"]
+                     for item in volume["secret"]["items"]}
+            kafka = {k: v for k, v in env.items() if k.startswith("GPUSTEWARD_KAFKA__")}
+            seen[f"{workload['metadata']['name']}/{container['name']}"] = [
+                kafka, {n: r["key"] for n, r in secrets.items() if "KAFKA" in n},
+                files, volume["secret"].get("optional")]
+    assert len(seen) >= 9, seen  # collector, watcher, worker, alerts, remediation, 4 sinks
+    assert len({json.dumps(value, sort_keys=True) for value in seen.values()}) == 1, seen
+    common_env, common_secrets, common_files, optional = next(iter(seen.values()))
+    assert common_secrets == {"GPUSTEWARD_KAFKA__SASL_USERNAME": "username",
+                              "GPUSTEWARD_KAFKA__SASL_PASSWORD": "password"}
+    cafile = common_env["GPUSTEWARD_KAFKA__SSL_CAFILE"]
+    assert common_files[cafile] == "ca.crt"
+    directory = cafile.rsplit("/", 1)[0]
+    assert (common_files[f"{directory}/user.crt"], common_files[f"{directory}/user.key"]) == (
+        "user.crt", "user.key")
+    assert optional is True
+
+
 def test_every_long_running_process_is_scraped(render):
     """Worker, alerting, remediation, the sinks and the watcher declare a `metrics` port
     that their settings serve on, the PodMonitor scrapes that port name, and the network
