@@ -152,6 +152,6 @@ def test_fake_nvml_syntax_unknown_fields_and_shape_are_located(tmp_path: Path) -
     assert fake_nvml_errors(tmp_path, FAKE_NVML.replace("temp: 40", "tempp: 40")) == [
         "5: gpus.1: fake GPU 1: unknown keys ['tempp']"]
     assert fake_nvml_errors(tmp_path, FAKE_NVML.replace("gpus:", "gpu:")) == [
-        "2: gpu: unknown field; known: driver_version, gpus, faults"]
+        "2: gpu: unknown field; known: driver_version, init_error, gpus, faults"]
     assert fake_nvml_errors(tmp_path, "") == [
-        "1: <top>: a fake NVML description is a mapping of driver_version, gpus, faults"]
+        "1: <top>: a fake NVML description is a mapping of driver_version, init_error, gpus, faults"]
