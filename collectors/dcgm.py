@@ -168,6 +168,9 @@ FIELDS: dict[str, tuple[str, Callable[[float], Any]]] = {
     "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": ("remapped_rows_uncorrectable", int),
     "DCGM_FI_DEV_ROW_REMAP_PENDING": ("remap_pending", _flag),
     "DCGM_FI_DEV_ROW_REMAP_FAILURE": ("remap_failure", _flag),
+    "DCGM_FI_DEV_RETIRED_SBE": ("retired_pages_sbe", int),
+    "DCGM_FI_DEV_RETIRED_DBE": ("retired_pages_dbe", int),
+    "DCGM_FI_DEV_RETIRED_PENDING": ("retired_pages_pending", _flag),
     "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": ("pcie_replay", int),
 }
 """dcgm-exporter metric -> (DeviceSample field, conversion)."""
@@ -192,7 +195,8 @@ VGPU_LABEL = "vgpu"
 DEVICE_WIDE = frozenset({
     "temp_c", "power_w", "sm_clock_mhz", "clock_event_reasons", "ecc_sbe_volatile",
     "ecc_dbe_volatile", "remapped_rows_correctable", "remapped_rows_uncorrectable",
-    "remap_pending", "remap_failure", "pcie_replay",
+    "remap_pending", "remap_failure", "pcie_replay", "retired_pages_sbe", "retired_pages_dbe",
+    "retired_pages_pending",
 })
 """DeviceSample fields that describe the physical GPU (``nvlink_errors`` too): on a
 MIG-enabled GPU dcgm-exporter repeats them on every instance; they belong to the parent,
@@ -241,7 +245,16 @@ FIELD_FAMILIES: tuple[FieldFamily, ...] = (
     FieldFamily("ecc_dbe", ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",), "ecc_dbe"),
     FieldFamily("xid", (XID_FIELD,), "xid"),
     FieldFamily("row_remap_failure", ("DCGM_FI_DEV_ROW_REMAP_FAILURE",), "remap_failure"),
-    FieldFamily("row_remap_pending", ("DCGM_FI_DEV_ROW_REMAP_PENDING",), "remap_pending"),
+    # One family for both mechanisms: a GPU has row remapping (Ampere and newer) or page
+    # retirement (before), never both, so either series means the reset news is read.
+    FieldFamily("row_remap_pending", ("DCGM_FI_DEV_ROW_REMAP_PENDING",
+                                      "DCGM_FI_DEV_RETIRED_PENDING"),
+                "remap_pending and retired_pages_pending"),
+    # Likewise the counts: remapped rows (stock) on Ampere and newer, retired pages before.
+    FieldFamily("retired_memory", ("DCGM_FI_DEV_RETIRED_SBE", "DCGM_FI_DEV_RETIRED_DBE",
+                                   "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+                                   "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS"),
+                "retired_pages on pre-Ampere GPUs"),
     FieldFamily("nvlink_errors", NVLINK_ERROR_FIELDS, "nvlink_errors"),
     FieldFamily("pcie_replay", ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER",), "pcie_replay"),
 )

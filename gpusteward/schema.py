@@ -153,6 +153,15 @@ class DeviceSample(msgspec.Struct, omit_defaults=True):
     remapped_rows_uncorrectable: Count | None = None
     remap_pending: bool | None = None
     remap_failure: bool | None = None
+    retired_pages_sbe: Count | None = None
+    """Framebuffer pages retired for repeated single-bit ECC errors (dynamic page retirement,
+    pre-Ampere GPUs such as T4 and V100; NVML nvmlDeviceGetRetiredPages, DCGM_FI_DEV_RETIRED_SBE).
+    None on Ampere and newer, where row remapping replaces it."""
+    retired_pages_dbe: Count | None = None
+    """Framebuffer pages retired for a double-bit ECC error (DCGM_FI_DEV_RETIRED_DBE)."""
+    retired_pages_pending: bool | None = None
+    """A page waits for retirement, which takes effect at the next GPU reset or driver reload
+    (nvmlDeviceGetRetiredPagesPendingStatus, DCGM_FI_DEV_RETIRED_PENDING)."""
     pcie_replay: Count | None = None
     nvlink_errors: Count | None = None
     recovery_action: Count | None = None

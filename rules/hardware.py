@@ -14,6 +14,13 @@ same id). Repeated samples inside an episode emit nothing.
   taint the node ``gpusteward.io/gpu-reset-required`` since a reset makes
   the remap take effect): open while the flag reads true, close when it
   reads false.
+- **Page retirement** (Turing, Volta and older; Ampere and newer remap rows instead):
+  ``retired_pages_pending`` is ``remap_pending``'s twin: a page waits for retirement,
+  which takes effect at the next GPU reset, so the node is tainted
+  ``gpusteward.io/gpu-reset-required`` while the flag reads true, and the episode closes
+  when it reads false. ``retired_pages``: the pages retired for single- and double-bit
+  errors together reach ``threshold``; a finding that recommends replacing the GPU (no
+  action: the GPU still works), closed if the count reads below the threshold again.
 - **GPU lost** (``gpu_lost``, from the urgent event or Xid 79, which the
   XID rule leaves to it): drain the node (a GPU off the bus needs a host
   restart); closes when the GPU reports again: a sample with a reading no
@@ -37,7 +44,7 @@ reading's gap is measured from the last real one, so an exporter that leaves a
 field out for an hour cannot make the increase of that hour look like a burst,
 nor two hot readings an hour apart look like an hour of throttling.
 
-It stays one module: the nine hardware rules share one per-GPU state and one call per
+It stays one module: the eleven hardware rules share one per-GPU state and one call per
 sample (measured: split, the node join cost a third more).
 """
 
@@ -63,6 +70,8 @@ REMAP_PENDING_KIND = "remap_pending"
 GPU_LOST_KIND = "gpu_lost"
 THERMAL_KIND = "thermal_slowdown"
 RECOVERY_KIND = "gpu_recovery_action"
+RETIRED_PENDING_KIND = "retired_pages_pending"
+RETIRED_PAGES_KIND = "retired_pages"
 
 RECOVERY_ACTIONS: dict[int, tuple[str, ActionVerb | None]] = {
     1: ("GPU reset required", "taint"), 2: ("node reboot required", "drain"),
@@ -92,6 +101,16 @@ RUNBOOKS = {
     REMAP_PENDING_KIND: "A memory row is marked for remapping and takes effect only after a GPU "
     "reset. The node is tainted gpusteward.io/gpu-reset-required:NoSchedule. Reset the GPU "
     "(`nvidia-smi -r -i <index>`) when its pods are done, then remove the taint.",
+    RETIRED_PENDING_KIND: "A framebuffer page is marked for retirement (dynamic page retirement, "
+    "Xid 63) and is retired only at the next GPU reset or driver reload; until then the bad "
+    "page can still be handed out. The node is tainted gpusteward.io/gpu-reset-required:"
+    "NoSchedule. Reset the GPU (`nvidia-smi -r -i <index>`) or reboot the node when its pods "
+    "are done, then remove the taint; `nvidia-smi -q -d PAGE_RETIREMENT` shows the pages.",
+    RETIRED_PAGES_KIND: "This GPU has retired many framebuffer pages for ECC errors (dynamic "
+    "page retirement). Each retired page is memory lost for good, and a board that keeps "
+    "retiring pages is failing: NVIDIA's guidance is to replace a GPU that reaches its "
+    "retirement limit. Check `nvidia-smi -q -d PAGE_RETIREMENT`, plan to drain the node and "
+    "open an RMA for the GPU.",
     GPU_LOST_KIND: "The GPU fell off the bus (NVML cannot reach it; Xid 79). The node is drained. "
     "Reboot it; if the GPU is still missing, check power and seating and open an RMA.",
     RECOVERY_KIND: "The driver says this GPU needs a recovery action (NVML GPU recovery action, "
@@ -158,6 +177,28 @@ class RemapPendingSettings(BaseModel):
     taint: bool = Field(True, description="Ask to taint the node "
                         "gpusteward.io/gpu-reset-required:NoSchedule while a remap waits for "
                         "a GPU reset.")
+
+
+class RetiredPagesPendingSettings(BaseModel):
+    """Settings of the pending page-retirement rule (pre-Ampere GPUs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    taint: bool = Field(True, description="Ask to taint the node "
+                        "gpusteward.io/gpu-reset-required:NoSchedule while a page waits for "
+                        "retirement (it takes effect at the next GPU reset).")
+
+
+class RetiredPagesSettings(BaseModel):
+    """Settings of the retired-page count rule (pre-Ampere GPUs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    threshold: int = Field(60, ge=1, description="Retired pages (single- and double-bit causes "
+                           "together) at or above which the GPU is reported for replacement. "
+                           "60: NVIDIA's dynamic page retirement guidance treats a board that "
+                           "has retired about this many pages as due for replacement (the "
+                           "InfoROM holds 64 on many boards); set your vendor's RMA figure.")
 
 
 class GpuLostSettings(BaseModel):
@@ -238,6 +279,9 @@ class HardwareSettings(BaseModel):
     nvlink: NvlinkErrorSettings = Field(default_factory=NvlinkErrorSettings)
     remap_failure: RemapFailureSettings = Field(default_factory=RemapFailureSettings)
     remap_pending: RemapPendingSettings = Field(default_factory=RemapPendingSettings)
+    retired_pending: RetiredPagesPendingSettings = Field(
+        default_factory=RetiredPagesPendingSettings)
+    retired_pages: RetiredPagesSettings = Field(default_factory=RetiredPagesSettings)
     gpu_lost: GpuLostSettings = Field(default_factory=GpuLostSettings)
     recovery: RecoveryActionSettings = Field(default_factory=RecoveryActionSettings)
     thermal: ThermalSettings = Field(default_factory=ThermalSettings)
@@ -253,7 +297,8 @@ _MEMBERS = {
     SBE_KIND: "sbe", PCIE_KIND: "pcie", NVLINK_KIND: "nvlink",
     REMAP_FAILURE_KIND: "remap_failure", REMAP_PENDING_KIND: "remap_pending",
     GPU_LOST_KIND: "gpu_lost", THERMAL_KIND: "thermal", xid_rule.KIND: "xid",
-    RECOVERY_KIND: "recovery",
+    RECOVERY_KIND: "recovery", RETIRED_PENDING_KIND: "retired_pending",
+    RETIRED_PAGES_KIND: "retired_pages",
 }
 """Rule name -> field of :class:`HardwareSettings`: the rules this family's runner serves."""
 
@@ -301,6 +346,8 @@ class HwTrack(msgspec.Struct, omit_defaults=True):
     lost: Episode | None = None
     recovery: Episode | None = None
     recovery_value: int = 0
+    retired_pending: Episode | None = None
+    retired_pages: Episode | None = None
     thermal: ThermalTrack = msgspec.field(default_factory=ThermalTrack)
     xid: xid_rule.XidTrack = msgspec.field(default_factory=xid_rule.XidTrack)
 
@@ -429,13 +476,19 @@ def _thermal(track: ThermalTrack, device: DeviceSample, node: str, ts: float,
         out.append(finding)
 
 
+_FLAG_NEWS = {
+    REMAP_FAILURE_KIND: "row remapping failed",
+    REMAP_PENDING_KIND: "a row remap is pending a GPU reset",
+    RETIRED_PENDING_KIND: "a page retirement is pending a GPU reset",
+}
+
+
 def _flag(episode: Episode | None, flag: bool, kind: str, node: str, uuid: str, ts: float,
           out: Out, *, act: bool) -> Episode | None:
     if flag and episode is None:
         severity: Literal["warning", "critical"] = ("critical" if kind == REMAP_FAILURE_KIND
                                                     else "warning")
-        what = ("row remapping failed" if kind == REMAP_FAILURE_KIND
-                else "a row remap is pending a GPU reset")
+        what = _FLAG_NEWS[kind]
         finding = _finding(kind, severity, node, uuid, ts, ts, f"{uuid} ({node}): {what}", 1,
                            {kind: 1.0})
         out.append(finding)
@@ -478,6 +531,25 @@ def _recovery(track: HwTrack, value: int, node: str, uuid: str, ts: float,
         out.append(_act(finding, verb, node, params))
 
 
+def _retired(track: HwTrack, device: DeviceSample, node: str, ts: float,
+             settings: RetiredPagesSettings, out: Out) -> None:
+    sbe, dbe = device.retired_pages_sbe or 0, device.retired_pages_dbe or 0
+    over = sbe + dbe >= settings.threshold
+    if over and track.retired_pages is None:
+        finding = _finding(
+            RETIRED_PAGES_KIND, "warning", node, device.uuid, ts, ts,
+            f"{device.uuid} ({node}) has retired {sbe + dbe} memory pages ({sbe} for single-bit, "
+            f"{dbe} for double-bit errors; threshold {settings.threshold}): replace the GPU", 1,
+            {"retired_pages": float(sbe + dbe), "retired_pages_sbe": float(sbe),
+             "retired_pages_dbe": float(dbe), "threshold": float(settings.threshold)})
+        track.retired_pages = Episode(finding.id, finding.fingerprint, ts)
+        out.append(finding)
+    elif not over and track.retired_pages is not None and ts > track.retired_pages.since:
+        out.append(_close(track.retired_pages, RETIRED_PAGES_KIND, node, device.uuid, ts,
+                          f"{sbe + dbe} retired pages, below {settings.threshold}"))
+        track.retired_pages = None
+
+
 def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
                    settings: HardwareSettings, holder: object = None) -> Out:
     """Fold one device sample into ``track``; return the findings and actions it causes.
@@ -513,6 +585,12 @@ def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
     if flag is not None and flag != (track.remap_pending is not None):
         track.remap_pending = _flag(track.remap_pending, flag, REMAP_PENDING_KIND, node, uuid,
                                     ts, out, act=settings.remap_pending.taint)
+    flag = device.retired_pages_pending
+    if flag is not None and flag != (track.retired_pending is not None):
+        track.retired_pending = _flag(track.retired_pending, flag, RETIRED_PENDING_KIND, node,
+                                      uuid, ts, out, act=settings.retired_pending.taint)
+    if device.retired_pages_sbe is not None or device.retired_pages_dbe is not None:
+        _retired(track, device, node, ts, settings.retired_pages, out)
     value = device.recovery_action
     if value is not None and value != track.recovery_value:
         _recovery(track, value, node, uuid, ts, settings.recovery, out)
@@ -612,7 +690,7 @@ def clock_step(track: HwTrack, step: float) -> None:
     thermal.seen_ts = thermal.hot_since = thermal.cool_since = None
     thermal.hot_samples, thermal.max_temp_c, thermal.reasons = 0, 0.0, 0
     for episode in (thermal.open, track.remap_failure, track.remap_pending, track.lost,
-                    track.recovery):
+                    track.recovery, track.retired_pending, track.retired_pages):
         if episode is not None:
             episode.since -= step
     xid_rule.clock_step(track.xid, step)

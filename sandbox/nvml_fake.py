@@ -17,7 +17,8 @@ What it models, and on purpose no more:
   (``NoPermission`` in a restricted container, ``Unknown`` mid-poll...), and
   ``init_error`` makes ``nvmlInit`` fail (``LibRmVersionMismatch`` after a driver
   upgrade without a reboot); a MIG-enabled GPU refuses utilisation, and
-  remapped rows while it has MIG devices, as NVML documents;
+  remapped rows while it has MIG devices, as NVML documents; retired pages
+  (``retired_pages``) on the pre-Ampere GPUs given them, NotSupported elsewhere;
 - MIG devices (uuid, GPU-instance profile name and id, instance ids, memory,
   graphics-engine activity through the GPM calls); a MIG handle answers
   only what NVML answers per instance;
@@ -62,6 +63,8 @@ _MIG_HANDLE_CALLS = frozenset({
     "nvmlDeviceGetGpuInstanceId", "nvmlDeviceGetComputeInstanceId",
     "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses",
 })
+_TUPLES = ("remapped_rows", "retired_pages")
+"""FakeGpu readings given as lists in YAML and held as tuples."""
 _NO_INSTANCE = 0xFFFFFFFF
 """gpuInstanceId/computeInstanceId of a process on a GPU without MIG."""
 
@@ -138,6 +141,10 @@ class FakeGpu:
     ecc_sbe: int = 0
     ecc_dbe: int = 0
     remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)
+    retired_pages: tuple[int, int, int] | None = None
+    """Dynamic page retirement (pre-Ampere: T4, V100): pages retired for multiple single-bit
+    errors, for double-bit errors, and 1 while a retirement is pending. None: the calls answer
+    NotSupported, as on Ampere and newer, where row remapping replaces page retirement."""
     pcie_replay: int = 0
     nvlink: dict[str, int] | None = None
     """Error totals by counter (crc_flit, crc_data, replay, recovery); None: no NVLink."""
@@ -268,7 +275,8 @@ class FakeNvml:
             for name, value in fault["set"].items():
                 if not hasattr(gpu, name):
                     raise KeyError(f"fake GPU has no reading {name!r}")
-                setattr(gpu, name, tuple(value) if name == "remapped_rows" else value)
+                setattr(gpu, name, tuple(value) if name in _TUPLES and value is not None
+                        else value)
         if "xid" in fault:
             self.xid(gpu.uuid, int(fault["xid"]), fault.get("gpu_instance_id"))
         if "dbe" in fault:
@@ -500,6 +508,26 @@ class FakeNvml:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return gpu.remapped_rows
 
+    def nvmlDeviceGetRetiredPages(self, handle: _Handle, sourceFilter: int) -> list[int]:
+        gpu = self._check("nvmlDeviceGetRetiredPages", handle)
+        assert gpu is not None
+        if gpu.retired_pages is None:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if sourceFilter not in (pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+                                pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR):
+            raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        count = gpu.retired_pages[sourceFilter]
+        # The pages' hardware addresses, as pynvml returns them (one 4 KiB page each).
+        base = 0x1000_0000 * (sourceFilter + 1)
+        return [base + page * 0x1000 for page in range(count)]
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: _Handle) -> int:
+        gpu = self._check("nvmlDeviceGetRetiredPagesPendingStatus", handle)
+        assert gpu is not None
+        if gpu.retired_pages is None:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return int(bool(gpu.retired_pages[2]))
+
     def nvmlDeviceGetPcieReplayCounter(self, handle: _Handle) -> int:
         gpu = self._check("nvmlDeviceGetPcieReplayCounter", handle)
         assert gpu is not None
@@ -696,8 +724,9 @@ def _gpu(index: int, spec: Mapping[str, Any]) -> FakeGpu:
     for key in ("mem_total", "mem_used", "mem_reserved"):
         if key in values:
             values[key] = _bytes(values[key])
-    if "remapped_rows" in values:
-        values["remapped_rows"] = tuple(values["remapped_rows"])
+    for key in _TUPLES:
+        if values.get(key) is not None:
+            values[key] = tuple(values[key])
     values["processes"] = _processes(spec.get("processes", ()))
     for name in (values.get("failing") or {}).values():
         _named_error(str(name))  # a misspelt error name is a mistake in the file

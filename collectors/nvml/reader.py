@@ -9,7 +9,10 @@ decides events lives on the event loop, not here.
 - "Not supported" (and its relatives: a missing symbol on an old driver, no
   such link, no permission) is a normal answer: the reading is ``None``.
   NVML documents several (utilisation on MIG-enabled GPUs, remapped rows on
-  GPUs with MIG instances or before Ampere, ECC on boards without it). Newer
+  GPUs with MIG instances or before Ampere, ECC on boards without it).
+- Retired pages (dynamic page retirement) are what a pre-Ampere GPU (T4, V100)
+  has instead of row remapping: they are asked only of a GPU that gave no
+  remapped rows, so an Ampere or newer GPU costs no extra call per tick. Newer
   calls fall back to the older ones they replace on drivers that lack them.
   Each GPU's first such answer per call is logged, once: INFO for what the
   GPU or driver lacks, WARNING for "no permission" (a restricted container:
@@ -310,6 +313,17 @@ class NvmlReader:
         return (sum(nvlink) if nvlink else None,
                 read.get(pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION))
 
+    def _retired_pages(self, handle: Any) -> tuple[int | None, int | None, bool | None]:
+        """Pages retired for multiple single-bit and for double-bit errors, and whether a
+        retirement waits for a reset; None each where the GPU does not retire pages."""
+        sbe = self._get("nvmlDeviceGetRetiredPages", handle,
+                        pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
+        dbe = self._get("nvmlDeviceGetRetiredPages", handle,
+                        pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
+        pending = self._get("nvmlDeviceGetRetiredPagesPendingStatus", handle)
+        return (None if sbe is None else len(sbe), None if dbe is None else len(dbe),
+                None if pending is None else bool(pending))
+
     def _read_gpu(self, gpu: Gpu, seen_mig: set[str]) -> list[DeviceSample]:
         handle = gpu.handle
         mig_mode = self._get("nvmlDeviceGetMigMode", handle)
@@ -324,6 +338,9 @@ class NvmlReader:
         dbe = self._get("nvmlDeviceGetTotalEccErrors", handle,
                         pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)
         rows = self._get("nvmlDeviceGetRemappedRows", handle)
+        retired_sbe = retired_dbe = retired_pending = None
+        if rows is None:
+            retired_sbe, retired_dbe, retired_pending = self._retired_pages(handle)
         nvlink, recovery = self._fields(handle)
         sample = DeviceSample(
             uuid=gpu.uuid, index=gpu.index, model=gpu.model, kind="gpu",
@@ -340,6 +357,9 @@ class NvmlReader:
             remapped_rows_uncorrectable=None if rows is None else int(rows[1]),
             remap_pending=None if rows is None else bool(rows[2]),
             remap_failure=None if rows is None else bool(rows[3]),
+            retired_pages_sbe=retired_sbe,
+            retired_pages_dbe=retired_dbe,
+            retired_pages_pending=retired_pending,
             pcie_replay=self._get("nvmlDeviceGetPcieReplayCounter", handle),
             nvlink_errors=nvlink,
             recovery_action=recovery,

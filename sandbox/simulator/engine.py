@@ -688,7 +688,8 @@ class SimulatedCluster:
                 sm_clock_mhz=1410 if util > 0 else 210, clock_event_reasons=reasons,
                 ecc_sbe_volatile=gpu.sbe, ecc_dbe_volatile=gpu.dbe, pcie_replay=gpu.pcie_replay,
                 nvlink_errors=gpu.nvlink_errors, remap_failure=gpu.remap_failure,
-                remap_pending=False, pod=self._attributed(holder), holders=holders,
+                remap_pending=False, remapped_rows_correctable=0, remapped_rows_uncorrectable=0,
+                pod=self._attributed(holder), holders=holders,
                 attribution="process" if holders else None,
             ))
         return NodeSample(ts=now, node=node.name, source="simulator", devices=devices)

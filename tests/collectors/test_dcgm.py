@@ -451,3 +451,67 @@ def test_a_busy_pod_sharing_a_gpu_is_not_reported_idle() -> None:
                   for f in join.on_sample(state, sample) if isinstance(f, Finding)]
     assert ("idle_holder", "idle") in found
     assert ("idle_holder", "busy") not in found
+
+
+def t4_page(page: str, *, sbe: int, dbe: int, pending: int) -> str:
+    """The page with GPU 0 a T4 (Turing), as dcgm-exporter writes one with deploy/'s counters:
+    no remapped-row series (page retirement instead), the three RETIRED fields."""
+    lines = [line.replace('modelName="NVIDIA H100 80GB HBM3"', 'modelName="Tesla T4"')
+             if 'gpu="0"' in line else line for line in page.splitlines()
+             if not (line.startswith(("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS{gpu=\"0\"",
+                                      "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS{gpu=\"0\"",
+                                      "DCGM_FI_DEV_ROW_REMAP_")) and 'gpu="0"' in line)]
+    temp = next(line for line in lines if line.startswith('DCGM_FI_DEV_GPU_TEMP{gpu="0"'))
+    labels = temp[len("DCGM_FI_DEV_GPU_TEMP"):temp.rindex("}") + 1]
+    for metric, value in (("DCGM_FI_DEV_RETIRED_SBE", sbe), ("DCGM_FI_DEV_RETIRED_DBE", dbe),
+                          ("DCGM_FI_DEV_RETIRED_PENDING", pending)):
+        lines += [f"# HELP {metric} Retired pages.", f"# TYPE {metric} counter",
+                  f"{metric}{labels} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+def test_t4_page_retirement_on_the_page_taints_then_resolves_and_reports_a_worn_gpu(
+        dcgm_page: str, exporter_factory) -> None:
+    """dcgm-exporter's RETIRED fields, read by the production source from a served page, reach
+    the node join: pending -> a taint for a GPU reset until none is pending; the retired
+    pages reaching the threshold (60) -> a finding that recommends replacing the GPU."""
+    from gpusteward.schema import Action, Finding
+    from gpusteward.streams.node import NodeJoin, NodeState
+
+    pages = [t4_page(dcgm_page, sbe=2, dbe=0, pending=0),
+             t4_page(dcgm_page, sbe=2, dbe=1, pending=1),
+             t4_page(dcgm_page, sbe=2, dbe=1, pending=0),
+             t4_page(dcgm_page, sbe=57, dbe=3, pending=0)]
+    exporter = exporter_factory(pages[0]).start()
+    join, state = NodeJoin(), NodeState()
+    seen: list[tuple[str, str, str]] = []
+    actions: list[Action] = []
+    for tick, page in enumerate(pages):
+        exporter.body = page
+        (sample,), _ = asyncio.run(collect_once(exporter.url))
+        device = by_uuid(sample)[GPU0]
+        assert device.model == "Tesla T4" and device.remap_pending is None
+        assert device.retired_pages_dbe == (0 if tick == 0 else 3 if tick == 3 else 1)
+        sample.ts = 1_000_000.0 + 30 * tick
+        out = join.on_sample(state, sample)
+        seen += [(o.kind, o.state, str(tick)) for o in out if isinstance(o, Finding)
+                 and o.kind.startswith("retired_pages")]
+        actions += [o for o in out if isinstance(o, Action)]
+    assert seen == [("retired_pages_pending", "firing", "1"),
+                    ("retired_pages_pending", "resolved", "2"),
+                    ("retired_pages", "firing", "3")]
+    (taint,) = actions
+    assert taint.verb == "taint" and taint.params["key"] == "gpusteward.io/gpu-reset-required"
+
+
+def test_a_t4_page_without_the_retired_fields_names_the_missing_family(dcgm_page: str) -> None:
+    """Stock counters leave the RETIRED fields off: on a T4 node (no remapped rows either)
+    the retired-page rules would be blind, and the source says so."""
+    page = t4_page(dcgm_page, sbe=0, dbe=0, pending=0)
+    stock = "\n".join(line for line in page.splitlines() if "RETIRED" not in line
+                      and 'gpu="1"' not in line) + "\n"
+    source = _offline_source()
+    source.parse(stock, 1e6)
+    assert {"row_remap_pending", "retired_memory"} <= source.coverage.missing
+    source.parse(page, 1e6 + 30)
+    assert not {"row_remap_pending", "retired_memory"} & source.coverage.missing

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -383,3 +384,19 @@ def test_samples_without_a_temperature_do_not_hide_a_gap() -> None:
     hot = [(T0 + i * 30, dev(temp_c=95.0) if i % 4 != 1 else
             dev(temp_c=None, clock_event_reasons=None)) for i in range(12)]
     assert len(firing(feed(hardware.HwTrack(), hot), "thermal_slowdown")) == 1
+
+
+def test_retired_pages_threshold_is_a_validated_policy_setting() -> None:
+    from gpusteward.rules import policy
+
+    custom = policy.parse_policy("rules:\n  retired_pages: {threshold: 10}\n").resolve()
+    settings = hardware.HardwareSettings.from_rules(custom.rules)
+    out = feed(hardware.HwTrack(), [(T0, dev(retired_pages_sbe=9, retired_pages_dbe=0)),
+                                    (T0 + 30, dev(retired_pages_sbe=9, retired_pages_dbe=1))],
+               settings)
+    (finding,) = firing(out)
+    assert finding.kind == "retired_pages" and not [o for o in out if isinstance(o, Action)]
+    assert finding.evidence is not None and finding.evidence.values["threshold"] == 10.0
+    with pytest.raises(policy.PolicyError) as caught:
+        policy.parse_policy("rules:\n  retired_pages:\n    threshold: 0\n", "p.yaml")
+    assert caught.value.lines()[0].startswith("p.yaml:3: rules.retired_pages.threshold")
