@@ -261,6 +261,10 @@ bounds is the rest (the holdings of nodes a rebalance took away), at a few hundr
 each. A worker holding more live pods than this gets no worse than no cache."""
 
 
+_UNKNOWN_GPU = "GPU-unknown"
+"""The device a hardware event without a UUID is filed under."""
+
+
 def _pod_key(pod: PodRef) -> str:
     return pod.uid or f"{pod.namespace}/{pod.name}"
 
@@ -547,6 +551,10 @@ class NodeJoin:
             return out  # after a failure its episodes stay open, as the warning says
         answering = {device.parent_uuid or device.uuid for device in sample.devices
                      if hardware.answers(device)}
+        if len(answering) >= max(1, state.gpu_count):
+            # Every GPU answers: a loss reported before its UUID could be read (the NVML
+            # collector started during the reset) is over too.
+            answering.add(_UNKNOWN_GPU)
         for uuid in answering:
             dev = state.devices.get(uuid)
             if dev is not None and reconfig.unsettled(dev.hw, since, until):
@@ -661,7 +669,7 @@ class NodeJoin:
         uuid = event.uuid
         if uuid is None:
             hooks = tuple(h for h in hooks if event.kind in h[0].events_without_uuid)
-            uuid = "GPU-unknown"
+            uuid = _UNKNOWN_GPU
         if not hooks:
             return []
         dev = state.devices.get(uuid)

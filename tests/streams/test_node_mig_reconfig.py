@@ -71,3 +71,17 @@ def test_a_failed_reconfiguration_keeps_its_episodes_and_a_deletion_resolves_it(
     out = join.on_allocation(state, inventory(T0 + 120, "failed", deleted=True))
     assert [(f.kind, f.state, f.id) for f in out if isinstance(f, Finding)] == [
         ("mig_config_failed", "resolved", warning.id)]
+
+
+def test_a_loss_without_a_uuid_during_the_window_settles_when_every_gpu_answers() -> None:
+    # The NVML collector restarted during the reset and could not read a GPU's UUID.
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, inventory(T0, "pending"))
+    out = join.on_hw_event(state, HwEvent(ts=T0 + 20, node="n1", kind="gpu_lost",
+                                          detail="GPU 1 unreadable at start"))
+    assert verbs(out) == [] and [f.kind for f in out if isinstance(f, Finding)] == ["gpu_lost"]
+    join.on_allocation(state, inventory(T0 + 60, "success"))
+    settled = join.on_sample(state, sample(T0 + 90))
+    assert [(f.kind, f.state) for f in settled if isinstance(f, Finding)] == [
+        ("gpu_lost", "resolved")]
+    assert state.mig_reconfig_since is None
