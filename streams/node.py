@@ -548,7 +548,7 @@ class NodeJoin:
             return reconfig.hold(out, state.mig_config_state or "", state.mig_config)
         until = state.mig_reconfig_until
         if sample is None or state.mig_config_state != "success" or until is None:
-            return out  # after a failure its episodes stay open, as the warning says
+            return out  # after a failure its episodes close as usual; the warning is the news
         answering = {device.parent_uuid or device.uuid for device in sample.devices
                      if hardware.answers(device)}
         if len(answering) >= max(1, state.gpu_count):
