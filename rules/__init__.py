@@ -31,6 +31,7 @@ from gpusteward.rules import gang as fleet_gang
 from gpusteward.rules import queue as fleet_queue
 from gpusteward.rules import spot as fleet_spot
 from gpusteward.rules.mig import advice as mig_advice
+from gpusteward.rules.mig import reconfig as mig_reconfig
 from gpusteward.rules.registry import Registry, Rule, UnknownRuleError
 
 __all__ = ["REGISTRY", "REMEDIATION_BREAKER", "Registry", "Rule", "UnknownRuleError",
@@ -66,6 +67,11 @@ REGISTRY = Registry([
          device=memory_leak.RUNNER),
     Rule(memory_overcommit.KIND, memory_overcommit.OvercommitSettings, "device",
          device=memory_overcommit.RUNNER),
+    # Per node, in the node join from the node's inventory: nothing to configure.
+    Rule(mig_reconfig.FAILED_KIND, None, "node",
+         summary="mig-manager reported nvidia.com/mig.config.state=failed: the node is not "
+         "in the MIG layout its nvidia.com/mig.config asks for (one warning, resolved by a "
+         "success)."),
     # Per node, beside the node join (the fleet agent's ``fleet-spot``, partitioned by node).
     Rule(fleet_spot.KIND, fleet_spot.SpotSettings, "node"),
     # Fleet-wide, run by the fleet agent (streams/fleet.py).

@@ -24,7 +24,7 @@ same id). Repeated samples inside an episode emit nothing.
 - **GPU lost** (``gpu_lost``, from the urgent event or Xid 79, which the
   XID rule leaves to it): drain the node (a GPU off the bus needs a host
   restart); closes when the GPU reports again: a sample with a reading no
-  lost GPU gives (:func:`_answers`), not one a source filled with zeros.
+  lost GPU gives (:func:`answers`), not one a source filled with zeros.
 - **GPU recovery action** (``gpu_recovery_action``): the driver's own
   verdict (NVML field 230, the same news as Xid 154): GPU reset, drain and
   reset or bus reset -> taint for a reset; node or system reboot -> drain.
@@ -601,7 +601,7 @@ def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
             or (temp is not None and temp >= settings.thermal.coolest_c
                 and temp >= settings.thermal.threshold_for(device.model))):
         _thermal(thermal, device, node, ts, settings.thermal, out)
-    if track.lost is not None and ts > track.lost.since and _answers(device):
+    if track.lost is not None and ts > track.lost.since and answers(device):
         out.append(_close(track.lost, GPU_LOST_KIND, node, uuid, ts, "the GPU reports again"))
         track.lost = None
     if track.xid.open:
@@ -609,7 +609,7 @@ def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
     return out
 
 
-def _answers(device: DeviceSample) -> bool:
+def answers(device: DeviceSample) -> bool:
     """Whether a sample shows the GPU answering again: a temperature, a framebuffer size,
     memory in use or activity above zero. NVML reads none of them from a lost GPU (the call
     fails with GPU_IS_LOST and the collector sends no sample of it), and dcgm-exporter leaves

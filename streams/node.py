@@ -42,6 +42,7 @@ import msgspec
 from gpusteward.edge import Rejected
 from gpusteward.rules import budget, ecc, hardware, idle, memory, memory_leak, rollup
 from gpusteward.rules import policy as policies
+from gpusteward.rules.mig import reconfig
 from gpusteward.rules.registry import DeviceRunner, SampleHook, state_in
 from gpusteward.schema import (
     Action,
@@ -196,6 +197,20 @@ class NodeState(msgspec.Struct):
     takes a GPU its device plugin reports unhealthy out of allocatable, not out of capacity
     (``gpu_count``), and every GPU while the plugin restarts; the scheduler places nothing
     on what it left out. None until an inventory states it."""
+    mig_config: str | None = None
+    """The MIG config the node's ``nvidia.com/mig.config`` label asks for."""
+    mig_config_state: str | None = None
+    """``nvidia.com/mig.config.state``; while pending or rebooting the node is under
+    reconfiguration (:mod:`gpusteward.rules.mig.reconfig`): its reset's hardware findings
+    act on nothing, its holders are not judged idle, it offers no free capacity."""
+    mig_reconfig_since: float | None = None
+    """When the node's reconfiguration began (the inventory that said so); kept after it
+    succeeds until each GPU with an episode opened since has answered and had it closed.
+    None: no reconfiguration to settle."""
+    mig_reconfig_until: float | None = None
+    """When it succeeded: episodes opened after that are not the reconfiguration's."""
+    mig_failed: hardware.Episode | None = None
+    """The open ``mig_config_failed`` warning: the state read ``failed``, no success since."""
 
 
 Output = Finding | Action | NodeSummary | Rollup
@@ -244,6 +259,10 @@ _CACHE_LIMIT = 32_768
 cleared and rebuilt. A holding leaves its cache when replaced or forgotten; what this
 bounds is the rest (the holdings of nodes a rebalance took away), at a few hundred bytes
 each. A worker holding more live pods than this gets no worse than no cache."""
+
+
+_UNKNOWN_GPU = "GPU-unknown"
+"""The device a hardware event without a UUID is filed under."""
 
 
 def _pod_key(pod: PodRef) -> str:
@@ -464,6 +483,9 @@ class NodeJoin:
         bucket = fold.bucket(minutes, ts)
         if bucket is None:
             fold.late(minutes, len(sample.devices))
+        # mig-manager stops every GPU client before it resets the GPUs: an idle holder now
+        # is one it is evicting, not one to notify and reclaim.
+        reconfiguring = state.mig_config_state in reconfig.RECONFIGURING
         for device in sample.devices:
             dev = state.devices.get(device.uuid)
             if dev is None:
@@ -480,7 +502,7 @@ class NodeJoin:
             if device.parent_uuid is not None and not sick:
                 parent = devices.get(device.parent_uuid)
                 sick = parent is not None and _sick(parent, checks)
-            sick = sick and dev.idle.open_id is None
+            sick = reconfiguring or (sick and dev.idle.open_id is None)
             if shared:
                 out += self._on_shares(state, holders, dev, device, node, ts, bucket,
                                        judge=not sick)
@@ -510,8 +532,40 @@ class NodeJoin:
         if state.gpu_model is None and sample.devices:
             state.gpu_model = sample.devices[0].model
             state.gpu_count = state.gpu_count or sum(d.kind == "gpu" for d in sample.devices)
+        if state.mig_reconfig_since is not None:
+            out = self._reconfig(state, out, sample)
         out += fold.advance(minutes, node, ts)
         return out + self._maybe_summary(state, sample.node, sample.ts)
+
+    def _reconfig(self, state: NodeState, out: list[Output], sample: NodeSample | None
+                  ) -> list[Output]:
+        """``out`` of a node under (or just out of) MIG reconfiguration: while it lasts its
+        reset's findings ask for no node action; after a success, each GPU the ``sample``
+        shows answering has the episodes the reconfiguration opened closed."""
+        since = state.mig_reconfig_since
+        assert since is not None
+        if state.mig_config_state in reconfig.RECONFIGURING:
+            return reconfig.hold(out, state.mig_config_state or "", state.mig_config)
+        until = state.mig_reconfig_until
+        if sample is None or state.mig_config_state != "success" or until is None:
+            return out  # after a failure its episodes close as usual; the warning is the news
+        answering = {device.parent_uuid or device.uuid for device in sample.devices
+                     if hardware.answers(device)}
+        if len(answering) >= max(1, state.gpu_count):
+            # Every GPU answers: a loss reported before its UUID could be read (the NVML
+            # collector started during the reset) is over too.
+            answering.add(_UNKNOWN_GPU)
+        for uuid in answering:
+            dev = state.devices.get(uuid)
+            if dev is not None and reconfig.unsettled(dev.hw, since, until):
+                out += reconfig.settle(dev.hw, node=sample.node, uuid=uuid, since=since,
+                                       until=until, ts=sample.ts)
+                dev.out_of_service = None
+                state.summary_dirty = True
+        if not any(reconfig.unsettled(dev.hw, since, until)
+                   for dev in state.devices.values()):
+            state.mig_reconfig_since = state.mig_reconfig_until = None
+        return out
 
     def _behind(self, state: NodeState, ts: float) -> bool:
         """Count a sample too far back in the node's run of them; True once the run has
@@ -615,7 +669,7 @@ class NodeJoin:
         uuid = event.uuid
         if uuid is None:
             hooks = tuple(h for h in hooks if event.kind in h[0].events_without_uuid)
-            uuid = "GPU-unknown"
+            uuid = _UNKNOWN_GPU
         if not hooks:
             return []
         dev = state.devices.get(uuid)
@@ -625,6 +679,8 @@ class NodeJoin:
         for runner, hook, settings in hooks:
             out += hook(track_of(dev, runner), event, uuid, settings)
         dev.out_of_service = None
+        if out and state.mig_reconfig_since is not None:
+            out = self._reconfig(state, out, None)
         if out:
             state.summary_dirty = True
             out += self._maybe_summary(state, event.node, event.ts)
@@ -660,7 +716,31 @@ class NodeJoin:
                 (state.gpu_allocatable or 0)
             state.gpu_allocatable = 0
         state.summary_dirty = True
-        return self._maybe_summary(state, event.node, event.ts)
+        return self._mig_config(state, event) + self._maybe_summary(state, event.node, event.ts)
+
+    @staticmethod
+    def _mig_config(state: NodeState, event: NodeInventory) -> list[Output]:
+        """Follow mig-manager's state of the node: a reconfiguration's window, and one
+        warning per failed one (resolved by a success, or the node's deletion)."""
+        state.mig_config, state.mig_config_state = event.mig_config, event.mig_config_state
+        now = None if event.deleted else event.mig_config_state
+        out: list[Output] = []
+        if now in reconfig.RECONFIGURING:
+            if state.mig_reconfig_since is None:
+                state.mig_reconfig_since = event.ts
+            state.mig_reconfig_until = None
+        elif now == "success" and state.mig_reconfig_since is not None:
+            state.mig_reconfig_until = state.mig_reconfig_until or event.ts
+        elif now is None:  # deleted, or no longer managed by mig-manager
+            state.mig_reconfig_since = state.mig_reconfig_until = None
+        if now == "failed" and state.mig_failed is None:
+            finding, state.mig_failed = reconfig.failed(event.node, event.mig_config, event.ts)
+            out.append(finding)
+        elif now not in ("failed", *reconfig.RECONFIGURING) and state.mig_failed is not None:
+            out.append(reconfig.recovered(state.mig_failed, event.node, event.mig_config,
+                                          event.ts))
+            state.mig_failed = None
+        return out
 
     def _on_pod(self, state: NodeState, event: PodAllocation) -> list[Output]:
         key = _pod_key(event.pod)
@@ -763,6 +843,11 @@ class NodeJoin:
             used = len(physical) if physical else -(-used // state.gpu_replicas)
         healthy = self._healthy(state)
         mig_free = dict(state.mig_allocatable)
+        if state.mig_config_state in reconfig.RECONFIGURING:
+            # mig-manager is tearing down and remaking the node's GPU instances: nothing
+            # placed there now would run, whatever allocatable still says.
+            schedulable, mig_free = 0, {}
+            replicas_free = 0 if replicas_free is not None else None
         teams: dict[str, float] = {}
         for held in holding:  # by the team the rollups name (team budgets count it)
             team = (held.who or self._holding_who(held)).team
@@ -796,7 +881,9 @@ class NodeJoin:
     def _idle_holds(state: NodeState) -> list[IdleHold]:
         """The devices the idle rule has an open episode on: the fleet agent's input for
         demand-aware reclaim (it matches them with the demand waiting fleet-wide)."""
-        holds = []
+        holds: list[IdleHold] = []
+        if state.mig_config_state in reconfig.RECONFIGURING:
+            return holds  # its pods are being evicted: nothing to reclaim
         for uuid, dev in state.devices.items():
             track = dev.idle
             if track.open_id is None or track.open_pod is None or track.open_since is None:
