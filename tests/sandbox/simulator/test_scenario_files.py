@@ -154,4 +154,5 @@ def test_fake_nvml_syntax_unknown_fields_and_shape_are_located(tmp_path: Path) -
     assert fake_nvml_errors(tmp_path, FAKE_NVML.replace("gpus:", "gpu:")) == [
         "2: gpu: unknown field; known: driver_version, init_error, gpus, faults"]
     assert fake_nvml_errors(tmp_path, "") == [
-        "1: <top>: a fake NVML description is a mapping of driver_version, init_error, gpus, faults"]
+        "1: <top>: a fake NVML description is a mapping of driver_version, init_error, gpus, "
+        "faults"]
