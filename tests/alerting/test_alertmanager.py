@@ -193,7 +193,7 @@ def test_a_failing_alertmanager_gets_one_request_per_retry_interval_not_one_per_
     app, received = _recording_alertmanager([503])
 
     async def main() -> list[str]:
-        runner, url = await _serve(app)
+        runner, url = await serve_app(app)
         sink = AlertmanagerSink(url,
                                 clock=lambda: now[0])
         try:
@@ -214,7 +214,7 @@ def test_a_failing_alertmanager_gets_one_request_per_retry_interval_not_one_per_
         ["fp-burst-0"], burst]
 
 
-async def _serve(app: Any) -> tuple[Any, str]:
+async def serve_app(app: Any) -> tuple[Any, str]:
     """Start ``app`` on a free local port: its runner (to clean up) and its URL."""
     from aiohttp import web
 
@@ -250,7 +250,7 @@ def test_a_burst_of_findings_in_one_consumer_batch_is_one_request() -> None:
     app, received = _recording_alertmanager([])
 
     async def main() -> AlertmanagerSink:
-        runner, url = await _serve(app)
+        runner, url = await serve_app(app)
         sink = AlertmanagerSink(url)
         consumer = FindingsConsumer(settings, [sink], group_id="am-batch")
         burst = [firing(f"fp-many-{i}") for i in range(1000)]
@@ -282,7 +282,7 @@ def test_a_failed_batch_post_is_posted_again_by_the_next_refresh() -> None:
     ended = ending(firing("fp-retry-0"))
 
     async def main() -> AlertmanagerSink:
-        runner, url = await _serve(app)
+        runner, url = await serve_app(app)
         sink = AlertmanagerSink(url,
                                 clock=lambda: now[0])
         try:

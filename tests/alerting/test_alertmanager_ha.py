@@ -29,7 +29,7 @@ from gpusteward.schema import Finding
 from gpusteward.settings import Settings
 
 from .conftest import free_port, start_alertmanager, stop_alertmanager
-from .test_alertmanager import _serve, active_alerts, ending, firing
+from .test_alertmanager import active_alerts, ending, firing, serve_app
 
 HOSTS = ("127.0.0.1", "127.0.0.2")
 """The replicas' addresses: one port, two loopback addresses, as a headless Service's
@@ -200,7 +200,7 @@ def test_a_hanging_replica_does_not_hold_up_the_other(alertmanager: str) -> None
     hanging.router.add_post("/api/v2/alerts", hang)
 
     async def main() -> dict[str, float]:
-        runner, url = await _serve(hanging)
+        runner, url = await serve_app(hanging)
         # A resend interval of 2 s (60 s deployed): a 0.5 s back-off, over several times.
         sink = AlertmanagerSink(f"{url},{alertmanager}", timeout_s=2, resend_interval_s=2)
         try:

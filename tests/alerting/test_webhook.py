@@ -19,6 +19,7 @@ from gpusteward.broker import free_port
 from gpusteward.rules.findings import resolved
 from gpusteward.schema import Finding, Subject
 from gpusteward.settings import Settings
+from tests.alerting.test_alertmanager import serve_app
 from tests.alerting.test_consumer_edge import T0, consume_all, publish
 
 
@@ -40,12 +41,8 @@ async def receiver(statuses: list[int]) -> tuple[web.AppRunner, str, list[dict[s
 
     app = web.Application()
     app.router.add_post("/hook", hook)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://127.0.0.1:{port}/hook", received
+    runner, url = await serve_app(app)
+    return runner, f"{url}/hook", received
 
 
 def test_firing_and_resolved_findings_are_sent_as_slack_messages() -> None:
@@ -172,11 +169,8 @@ async def slack_double(rate_s: float = 1.0, retry_after: str = "1"
 
     app = web.Application()
     app.router.add_post("/hook", hook)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/hook", taken, arrivals
+    runner, url = await serve_app(app)
+    return runner, f"{url}/hook", taken, arrivals
 
 
 def _ids(message: dict[str, Any]) -> list[str]:
