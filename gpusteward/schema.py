@@ -143,6 +143,10 @@ class DeviceSample(msgspec.Struct, omit_defaults=True):
     mem_used_bytes: Count | None = None
     mem_total_bytes: Count | None = None
     temp_c: Celsius | None = None
+    slowdown_temp_c: Celsius | None = None
+    """The GPU's own slowdown temperature (NVML's NVML_TEMPERATURE_THRESHOLD_SLOWDOWN, what
+    ``nvidia-smi -q`` calls "GPU Slowdown Temp"); None where the source does not say, and
+    the thermal rule's per-model table stands in."""
     power_w: Watts | None = None
     sm_clock_mhz: Megahertz | None = None
     clock_event_reasons: Count | None = None

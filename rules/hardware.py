@@ -240,8 +240,10 @@ class ThermalSettings(BaseModel):
     slowdown_c: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_SLOWDOWN_C),
         description="Slowdown temperature (°C) per GPU model, matched as a substring of the "
-        "model name (longest match wins). Typical `nvidia-smi -q` 'GPU Slowdown Temp' values; "
-        "set yours from nvmlDeviceGetTemperatureThreshold(SLOWDOWN).",
+        "model name (longest match wins), for samples that do not carry the GPU's own "
+        "(dcgm-exporter, Prometheus; the NVML collector reads each GPU's). Typical "
+        "`nvidia-smi -q` 'GPU Slowdown Temp' values; set yours from "
+        "nvmlDeviceGetTemperatureThreshold(SLOWDOWN).",
     )
     default_slowdown_c: float = Field(
         90.0, description="Slowdown temperature for a model not listed in slowdown_c.")
@@ -257,6 +259,13 @@ class ThermalSettings(BaseModel):
         """The lowest slowdown temperature of any model: a reading below it is below every
         model's, so the per-sample check needs no lookup by model name."""
         return min(self.default_slowdown_c, *self.slowdown_c.values())
+
+    def slowdown_of(self, device: DeviceSample) -> float:
+        """The slowdown temperature of ``device``: its own where the source read it (NVML),
+        else its model's (:meth:`threshold_for`): the table's, matched on the name, or the
+        default. A table cannot know every board (an L40S matches the L4 entry)."""
+        own = device.slowdown_temp_c
+        return own if own is not None else self.threshold_for(device.model)
 
     def threshold_for(self, model: str) -> float:
         """The slowdown temperature of ``model`` (cached per model name)."""
@@ -445,7 +454,7 @@ def _thermal(track: ThermalTrack, device: DeviceSample, node: str, ts: float,
     gap = track.seen_ts is not None and ts - track.seen_ts > settings.max_gap_s
     track.seen_ts = ts
     hot_reasons = (reasons or 0) & THERMAL_REASONS
-    hot = bool(hot_reasons) or (temp is not None and temp >= settings.threshold_for(device.model))
+    hot = bool(hot_reasons) or (temp is not None and temp >= settings.slowdown_of(device))
     if not hot:
         track.hot_since = None
         if track.open is not None:
@@ -464,7 +473,7 @@ def _thermal(track: ThermalTrack, device: DeviceSample, node: str, ts: float,
     if temp is not None:
         track.max_temp_c = max(track.max_temp_c, temp)
     if track.open is None and ts - track.hot_since >= settings.window_s:
-        threshold = settings.threshold_for(device.model)
+        threshold = settings.slowdown_of(device)
         finding = _finding(
             THERMAL_KIND, "warning", node, device.uuid, track.hot_since, ts,
             f"{device.uuid} ({node}) thermally throttled for {(ts - track.hot_since) / 60:.0f} min "
@@ -598,8 +607,9 @@ def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
     temp = device.temp_c
     if (thermal.open is not None or thermal.hot_since is not None
             or (device.clock_event_reasons or 0) & THERMAL_REASONS
-            or (temp is not None and temp >= settings.thermal.coolest_c
-                and temp >= settings.thermal.threshold_for(device.model))):
+            or (temp is not None
+                and temp >= (device.slowdown_temp_c or settings.thermal.coolest_c)
+                and temp >= settings.thermal.slowdown_of(device))):
         _thermal(thermal, device, node, ts, settings.thermal, out)
     if track.lost is not None and ts > track.lost.since and answers(device):
         out.append(_close(track.lost, GPU_LOST_KIND, node, uuid, ts, "the GPU reports again"))

@@ -135,6 +135,8 @@ class FakeGpu:
     mem_reserved: int = 512 << 20
     mem_used: int = 0
     temp: int = 35
+    slowdown_temp: int | None = None
+    """NVML_TEMPERATURE_THRESHOLD_SLOWDOWN; None: the call answers NotSupported."""
     power_mw: int = 70_000
     sm_clock: int = 1410
     clocks_event_reasons: int = 0
@@ -463,6 +465,13 @@ class FakeNvml:
         if sensor != pynvml.NVML_TEMPERATURE_GPU:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return gpu.temp
+
+    def nvmlDeviceGetTemperatureThreshold(self, handle: _Handle, threshold: int) -> int:
+        gpu = self._check("nvmlDeviceGetTemperatureThreshold", handle)
+        assert gpu is not None
+        if threshold != pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN or gpu.slowdown_temp is None:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu.slowdown_temp
 
     def nvmlDeviceGetTemperature(self, handle: _Handle, sensor: int) -> int:
         gpu = self._check("nvmlDeviceGetTemperature", handle)

@@ -92,6 +92,9 @@ class Gpu:
     mig_enabled: bool = False
     """MIG mode as last read: a failed read (``NVMLError_Unknown`` mid-poll) keeps it, so the
     GPU's MIG devices do not vanish from one tick."""
+    slowdown_c: float | None = None
+    """The GPU's slowdown temperature, once read (it does not change); asked again each
+    tick while unread (a board that does not say costs one call per tick)."""
     process_samples_us: int = 0
     """Timestamp of the newest per-process utilisation sample read (NVML's lastSeenTimeStamp,
     microseconds): each read asks only for newer samples."""
@@ -292,6 +295,14 @@ class NvmlReader:
                              pynvml.NVML_TEMPERATURE_GPU)
         return None if value is None else int(value)
 
+    def _slowdown(self, gpu: Gpu) -> float | None:
+        """The GPU's own slowdown temperature (read once): the thermal rule's threshold for it,
+        where a per-model table can only guess (an L40S is not an L4)."""
+        if gpu.slowdown_c is None:
+            gpu.slowdown_c = _float(self._get("nvmlDeviceGetTemperatureThreshold", gpu.handle,
+                                              pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN))
+        return gpu.slowdown_c
+
     def _clock_reasons(self, handle: Any) -> int | None:
         value = self._newest("nvmlDeviceGetCurrentClocksEventReasons",
                              "nvmlDeviceGetCurrentClocksThrottleReasons", handle)
@@ -348,6 +359,7 @@ class NvmlReader:
             mem_used_bytes=None if memory is None else int(memory.used),
             mem_total_bytes=None if memory is None else int(memory.total),
             temp_c=_float(self._temperature(handle)),
+            slowdown_temp_c=self._slowdown(gpu),
             power_w=None if power_mw is None else power_mw / 1000,
             sm_clock_mhz=self._get("nvmlDeviceGetClockInfo", handle, pynvml.NVML_CLOCK_SM),
             clock_event_reasons=self._clock_reasons(handle),
