@@ -20,8 +20,9 @@ T4_PENDING = "GPU-77777777-0000-4000-8000-000000000002"
 T4_WORN = "GPU-77777777-0000-4000-8000-000000000003"
 
 
-async def _ticks_with_faults(fake, publisher, steps: int) -> list[NodeSample]:
-    """A tick, then one more after each scheduled fault step."""
+async def ticks_with_faults(fake, publisher, steps: int) -> list[NodeSample]:
+    """A tick, then one more after each scheduled fault step (a step without one is a
+    plain tick)."""
     collector = NvmlCollector(fake, "node-t4", publisher, interval_s=60.0, event_wait_ms=50)
     collector.open()
     try:
@@ -36,7 +37,7 @@ async def _ticks_with_faults(fake, publisher, steps: int) -> list[NodeSample]:
 
 def test_t4_page_retirement_reaches_the_node_join(fake_nvml, publisher) -> None:
     fake = fake_nvml("turing-node")
-    samples = asyncio.run(_ticks_with_faults(fake, publisher, steps=2))
+    samples = asyncio.run(ticks_with_faults(fake, publisher, steps=2))
     first = {d.uuid: d for d in samples[0].devices}
     # The L4 remaps rows: its page-retirement readings are absent, never zero.
     assert first[L4].remapped_rows_correctable == 0
@@ -81,7 +82,7 @@ def test_ampere_and_newer_are_not_asked_and_answer_not_supported(fake_nvml, publ
             asked.append(handle.gpu.uuid)
             return _call(handle, *args)
         setattr(fake, name, spy)
-    asyncio.run(_ticks_with_faults(fake, publisher, steps=0))
+    asyncio.run(ticks_with_faults(fake, publisher, steps=0))
     assert set(asked) == {T4_PENDING, T4_WORN}, "the L4 remaps rows: no calls per tick"
     # Asked anyway (a MIG-enabled A100 with instances gives no remapped rows), NVML says
     # NotSupported, and the reading is absent.
@@ -92,6 +93,6 @@ def test_ampere_and_newer_are_not_asked_and_answer_not_supported(fake_nvml, publ
     ampere.nvmlInit()
     with pytest.raises(pynvml.NVMLError_NotSupported):
         ampere.nvmlDeviceGetRetiredPagesPendingStatus(ampere.nvmlDeviceGetHandleByIndex(0))
-    (sample,) = asyncio.run(_ticks_with_faults(ampere, publisher, steps=0))
+    (sample,) = asyncio.run(ticks_with_faults(ampere, publisher, steps=0))
     gpu = next(d for d in sample.devices if d.kind == "gpu")
     assert (gpu.retired_pages_sbe, gpu.retired_pages_pending) == (None, None)

@@ -6,25 +6,16 @@ from __future__ import annotations
 
 import asyncio
 
-from gpusteward.collectors.nvml import NvmlCollector
-from gpusteward.schema import Finding, NodeSample
+from gpusteward.schema import Finding
 from gpusteward.streams.node import NodeJoin, NodeState
+from tests.collectors.nvml.test_retired_pages import ticks_with_faults
 
 L40S = "GPU-40540540-0000-4000-8000-000000000001"
 A100 = "GPU-a100a100-0000-4000-8000-000000000002"
 
 
-async def _ticks(fake, publisher, count: int) -> list[NodeSample]:
-    collector = NvmlCollector(fake, "node-hot", publisher, interval_s=60.0, event_wait_ms=50)
-    collector.open()
-    try:
-        return [await collector.tick() for _ in range(count)]
-    finally:
-        collector.close()
-
-
 def test_a_gpu_is_judged_hot_against_its_own_slowdown_temperature(fake_nvml, publisher) -> None:
-    samples = asyncio.run(_ticks(fake_nvml("hot-boards"), publisher, 12))
+    samples = asyncio.run(ticks_with_faults(fake_nvml("hot-boards"), publisher, steps=11))
     read = {d.uuid: d.slowdown_temp_c for d in samples[0].devices}
     assert read == {L40S: 94.0, A100: 85.0}
 
