@@ -14,7 +14,8 @@ What it models, and on purpose no more:
 
 - GPUs with their readings, and calls listed under ``unsupported`` raise
   ``NVMLError_NotSupported``; calls under ``failing`` raise the pynvml error named
-  (``NoPermission`` in a restricted container, ``Unknown`` mid-poll...), and
+  (``NoPermission`` in a restricted container, ``Unknown`` mid-poll...), a ``broken``
+  GPU raises its error on every call, its handle's included, and
   ``init_error`` makes ``nvmlInit`` fail (``LibRmVersionMismatch`` after a driver
   upgrade without a reboot); a MIG-enabled GPU refuses utilisation, and
   remapped rows while it has MIG devices, as NVML documents; retired pages
@@ -161,6 +162,10 @@ class FakeGpu:
     """pynvml call -> the NVMLError it raises, by class suffix (``NoPermission``, ``Unknown``)."""
     supported_events: int = pynvml.nvmlEventTypeAll
     lost: bool = False
+    broken: str | None = None
+    """A GPU in a bad state that answers every call with this NVMLError (by class suffix),
+    its handle included: ``Unknown`` is nvidia-smi's "Unable to determine the device handle
+    for GPU ...: Unknown Error", a GPU that needs a reset or a reboot."""
 
 
 @dataclass(eq=False)
@@ -325,6 +330,8 @@ class FakeNvml:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if handle.gpu.lost:
             raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if handle.gpu.broken is not None:
+            raise _named_error(handle.gpu.broken)
         if handle.mig is not None and call not in _MIG_HANDLE_CALLS:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         if call in handle.gpu.unsupported:
@@ -356,6 +363,9 @@ class FakeNvml:
         if not 0 <= index < len(self.gpus):
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         # NVML hands out handles of lost GPUs too; calls on them then fail.
+        broken = self.gpus[index].broken
+        if broken is not None:
+            raise _named_error(broken)
         return self._handle(self.gpus[index])
 
     def nvmlDeviceGetUUID(self, handle: _Handle) -> str:
@@ -737,7 +747,7 @@ def _gpu(index: int, spec: Mapping[str, Any]) -> FakeGpu:
         if values.get(key) is not None:
             values[key] = tuple(values[key])
     values["processes"] = _processes(spec.get("processes", ()))
-    for name in (values.get("failing") or {}).values():
+    for name in [*(values.get("failing") or {}).values(), *filter(None, [values.get("broken")])]:
         _named_error(str(name))  # a misspelt error name is a mistake in the file
     gpu = FakeGpu(index=index, unsupported=set(spec.get("unsupported", ())),
                   **{k: v for k, v in values.items() if k != "unsupported"})

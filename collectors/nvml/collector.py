@@ -33,7 +33,7 @@ from gpusteward.collectors.attribution import (
     attribute,
 )
 from gpusteward.collectors.metrics import CollectorMetrics
-from gpusteward.collectors.nvml.api import UNAVAILABLE, Nvml, NvmlUnavailable
+from gpusteward.collectors.nvml.api import ABSENT, Nvml, NvmlUnavailable
 from gpusteward.collectors.nvml.events import SOURCE, EventListener, HardwareEvents, RawEvent
 from gpusteward.collectors.nvml.reader import NvmlReader
 from gpusteward.collectors.settings import CollectSettings
@@ -109,7 +109,10 @@ class NvmlCollector:
         for index, error in unreadable:
             log.error("GPU %d cannot be read at start (%s); it is not monitored", index, error)
             self.metrics.source_errors.labels(SOURCE, "enumerate").inc()
-            if isinstance(error, UNAVAILABLE):  # reported as gpu_lost on the first tick
+            if not isinstance(error, ABSENT):  # reported as gpu_lost on the first tick
+                # Gone (GpuIsLost) or broken ("Unable to determine the device handle for GPU
+                # ...: Unknown Error"): either way it takes no work. No permission is the
+                # container's setting, not the GPU's fault: logged above, not reported.
                 self._lost_at_start.append((index, f"{type(error).__name__}: {error}"))
         log.info("NVML: %d GPU(s) on %s, driver %s", len(self.reader.gpus), self.node_name,
                  self.reader.driver_version())

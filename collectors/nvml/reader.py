@@ -19,7 +19,11 @@ decides events lives on the event loop, not here.
   something to fix); other errors go to ``on_error`` with the GPU named.
 - A GPU that falls off the bus (``NVMLError_GpuIsLost`` and relatives) ends
   its own reading only: it is listed in :attr:`Reading.unavailable` and the
-  other GPUs are read on.
+  other GPUs are read on. So is a GPU that answers none of its readings
+  (utilisation, memory, temperature, power) with anything but an error
+  (``NVMLError_Unknown`` on every call: a GPU in a bad state, which nvidia-smi
+  shows as "Unknown Error") for ``SILENT_TICKS`` reads in a row: it is as
+  unusable as a lost one, and the error names it.
 - MIG devices carry the GPU-instance profile *name* (``3g.40gb``; ids differ
   between GPU models) and, on GPUs with GPM (Hopper and newer), the
   graphics-engine activity: NVML has no utilisation for MIG devices, and
@@ -66,6 +70,9 @@ _VALUE_MEMBER = {
     pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
     pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
 }
+SILENT_TICKS = 3
+"""Reads in a row in which a GPU answered none of its readings, each with an error, before
+it is listed unavailable (one such read may be a driver's hiccup)."""
 _PROFILE = re.compile(r"(\d+g\.\d+gb(?:\+[a-z]+)*)")
 
 log = logging.getLogger(__name__)
@@ -95,6 +102,8 @@ class Gpu:
     slowdown_c: float | None = None
     """The GPU's slowdown temperature, once read (it does not change); asked again each
     tick while unread (a board that does not say costs one call per tick)."""
+    silent: int = 0
+    """Reads in a row in which the GPU answered none of its readings, only errors."""
     process_samples_us: int = 0
     """Timestamp of the newest per-process utilisation sample read (NVML's lastSeenTimeStamp,
     microseconds): each read asks only for newer samples."""
@@ -166,6 +175,8 @@ class NvmlReader:
         """Newer NVML calls this driver lacks (NVMLError_FunctionNotFound once seen)."""
         self._reading: Gpu | None = None
         """The GPU being read (its MIG devices included): names it in logs and errors."""
+        self._errors: list[str] = []
+        """The calls that failed on the GPU being read, as ``call: NVMLError_...``."""
         self._absent_logged: set[tuple[str, str]] = set()
         """(GPU uuid, call) whose absent answer was logged: once per GPU, not per tick."""
 
@@ -213,9 +224,10 @@ class NvmlReader:
         reading = Reading()
         seen_mig: set[str] = set()
         for gpu in self.gpus:
-            self._reading = gpu
+            self._reading, self._errors = gpu, []
             try:
                 devices = self._read_gpu(gpu, seen_mig)
+                self._silence(gpu, devices[0])
                 if self.processes:
                     self._read_processes(gpu, devices, reading.processes)
                 reading.devices += devices
@@ -274,7 +286,23 @@ class NvmlReader:
                      type(error).__name__.removeprefix("NVMLError_"))
 
     def _failed(self, call: str, error: BaseException) -> None:
+        self._errors.append(f"{call}: {type(error).__name__}")
         self.on_error(call, error, self._gpu_name())
+
+    def _silence(self, gpu: Gpu, sample: DeviceSample) -> None:
+        """Count a read in which ``gpu`` answered none of its readings, each with an error;
+        raise :class:`GpuUnavailable` at the ``SILENT_TICKS``-th in a row."""
+        if not self._errors or any(value is not None for value in (
+                sample.util_pct, sample.mem_used_bytes, sample.temp_c, sample.power_w)):
+            gpu.silent = 0
+            return
+        gpu.silent += 1
+        if gpu.silent >= SILENT_TICKS:
+            kinds = ", ".join(dict.fromkeys(e.split(": ", 1)[1] for e in self._errors))
+            raise GpuUnavailable(
+                f"answered none of its readings for {gpu.silent} reads in a row, only errors "
+                f"({kinds} on {len(self._errors)} calls, first {self._errors[0]}): the GPU "
+                "needs a reset or the node a reboot")
 
     def _newest(self, newer: str, older: str, *args: Any, **newer_kwargs: Any) -> Any:
         """``newer`` while this driver has it, else the ``older`` call it replaces."""

@@ -477,3 +477,80 @@ def test_a_failed_mig_mode_read_keeps_the_mig_devices(fake_nvml, publisher):
     assert migs["MIG-0a1b2c3d-0000-4000-8000-000000000001"].engine_active_pct == 62.5
     assert _metric(collector, "gpusteward_collect_source_errors_total",
                    reason="nvmlDeviceGetMigMode") == 1
+
+
+def test_a_gpu_answering_only_errors_is_reported_lost_after_three_reads(fake_nvml, publisher):
+    """A GPU in a bad state answers every call with NVMLError_Unknown (nvidia-smi: "Unknown
+    Error"): it reads as nothing at all, so unreported it would keep taking work. After
+    three such reads in a row it is reported lost, once, by uuid, and left out of the
+    samples; the other GPUs are sampled throughout; when it answers again it is sampled."""
+    fake = fake_nvml("faults")
+    collector = _collector(fake, publisher)
+    broken_uuid = "GPU-a2a2a2a2-0000-4000-8000-000000000002"
+
+    async def scenario():
+        collector.open()
+        try:
+            before = await collector.tick()
+            fake.gpu(2).broken = "Unknown"
+            during = [await collector.tick() for _ in range(4)]
+            fake.gpu(2).broken = None
+            return before, during, await collector.tick()
+        finally:
+            collector.close()
+
+    before, during, after = asyncio.run(scenario())
+    assert len(before.devices) == 3
+    # The first two reads may be a hiccup: the GPU is in them, with no reading at all.
+    for sample in during[:2]:
+        (silent,) = [d for d in sample.devices if d.uuid == broken_uuid]
+        assert (silent.util_pct, silent.temp_c, silent.mem_used_bytes) == (None, None, None)
+    for sample in during[2:]:
+        assert [d.index for d in sample.devices] == [0, 1]
+        assert all(d.util_pct is not None for d in sample.devices)
+    (lost,) = publisher.events_of("gpu_lost")
+    assert lost.uuid == broken_uuid and lost.node == "node-a"
+    assert "NVMLError_Unknown" in lost.detail and "3 reads in a row" in lost.detail
+    assert len(after.devices) == 3  # answers again: sampled again
+
+
+def test_one_failed_read_of_a_gpu_is_not_a_lost_gpu(fake_nvml, publisher):
+    """Errors on every call in two reads, then an answer: a hiccup, not a loss."""
+    fake = fake_nvml("faults")
+    collector = _collector(fake, publisher)
+
+    async def scenario():
+        collector.open()
+        try:
+            for _ in range(3):
+                fake.gpu(2).broken = "Unknown"
+                await collector.tick()
+                await collector.tick()
+                fake.gpu(2).broken = None
+                await collector.tick()
+        finally:
+            collector.close()
+
+    asyncio.run(scenario())
+    assert publisher.events_of("gpu_lost") == []
+
+
+@pytest.mark.parametrize(("error", "lost"), [("Unknown", True), ("NoPermission", False)])
+def test_a_gpu_whose_handle_fails_at_start_is_reported_unless_it_is_the_container(
+        publisher, error, lost):
+    """"Unable to determine the device handle for GPU 1: Unknown Error" at start: the GPU is
+    broken and reported lost by index; a handle refused for lack of permission is this
+    container's setting (logged), not the GPU's fault."""
+    fake = FakeNvml({"gpus": [
+        {"uuid": "GPU-0", "name": "NVIDIA L4"},
+        {"uuid": "GPU-1", "name": "NVIDIA L4", "broken": error},
+    ]})
+    collector = _collector(fake, publisher)
+    first, _ = asyncio.run(_ticks(collector, 2))
+    assert [d.uuid for d in first.devices] == ["GPU-0"]
+    events = publisher.events_of("gpu_lost")
+    if lost:
+        (event,) = events
+        assert event.uuid is None and "GPU 1" in event.detail and error in event.detail
+    else:
+        assert events == []
