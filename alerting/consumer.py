@@ -14,6 +14,14 @@ refusal is counted and logged once per kind of fault. Offsets are committed
 only once the batch's dead letters are on the broker: a dead letter the broker
 never took fails the batch uncommitted, and it is read again (at least once).
 
+A sink that keeps what it could not send yet (the webhook through a chat outage,
+:class:`HoldingSink`) holds the commit back: each partition is committed no further than
+the oldest record of a finding it still holds, so a restart reads those records again and
+their messages are sent then (at least once). The consumer itself reads on, so the other
+sinks (Alertmanager) get every finding as it comes; the commit moves on as soon as the
+kept messages are sent, new records or not, so a restart after the outage sends nothing
+twice.
+
 ``gpusteward_findings_open`` is rebuilt on start: the consumer resumes from its
 committed offsets, so before it consumes it reads the whole findings topic
 with a group-less reader (:func:`gpusteward.kafka.read_all`, as the executor
@@ -35,7 +43,7 @@ from datetime import UTC, datetime
 from typing import Protocol, runtime_checkable
 
 import msgspec
-from aiokafka import ConsumerRecord
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from rich.console import Console
 
 from gpusteward import edge, kafka, topics
@@ -71,6 +79,15 @@ class RestoringSink(Protocol):
     """A sink that keeps open findings alive and takes them back after a restart."""
 
     def restore(self, findings: list[Finding]) -> None: ...
+
+
+@runtime_checkable
+class HoldingSink(Protocol):
+    """A sink that keeps findings it could not send yet (the webhook, through an outage)."""
+
+    def holding(self) -> set[tuple[str, str]]:
+        """(id, state) of each finding handed over and not sent yet."""
+        ...
 
 
 def _clock(ts: float) -> str:
@@ -118,6 +135,10 @@ class FindingsConsumer:
         """Records that were no valid finding: each went to the dead-letter topic."""
         self.metrics = PipelineMetrics()
         self._open = OpenFindings(self.metrics)
+        self._read_at: dict[tuple[str, str], tuple[TopicPartition, int]] = {}
+        """Where each finding handed to the sinks was read, while a :class:`HoldingSink`
+        still holds it: the commit stops there."""
+        self._committed: dict[TopicPartition, int] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         topic = topics.FINDINGS.name(self.settings)
@@ -146,15 +167,14 @@ class FindingsConsumer:
                                                offset=message.offset, batch=new)
                             processing.observe(time.perf_counter() - started)
                     await self._deliver(new)
-                    if batch:
-                        # The dead letters are on the broker before the offsets move past
-                        # their records; one the broker refused raises here and nothing is
-                        # committed.
-                        await deliveries.delivered()
-                        await consumer.commit()
+                    # The dead letters are on the broker before the offsets move past
+                    # their records; one the broker refused raises here and nothing is
+                    # committed.
+                    await deliveries.delivered()
                     for sink in self.sinks:
                         if isinstance(sink, RefreshingSink):
                             await sink.refresh()
+                    await self._commit(consumer)
         finally:
             if server is not None:
                 server.stop()
@@ -163,6 +183,23 @@ class FindingsConsumer:
             for sink in self.sinks:
                 if isinstance(sink, RefreshingSink):
                     await sink.close()
+
+    async def _commit(self, consumer: AIOKafkaConsumer) -> None:
+        """Commit what was read, but no further on a partition than the oldest record of a
+        finding a sink still holds; only when that moved (a batch read, a kept message sent).
+        """
+        held: set[tuple[str, str]] = set()
+        for sink in self.sinks:
+            if isinstance(sink, HoldingSink):
+                held |= sink.holding()
+        self._read_at = {key: at for key, at in self._read_at.items() if key in held}
+        offsets = {tp: await consumer.position(tp) for tp in consumer.assignment()}
+        for tp, offset in self._read_at.values():
+            if tp in offsets:
+                offsets[tp] = min(offsets[tp], offset)
+        if offsets and offsets != self._committed:
+            await consumer.commit(offsets)
+            self._committed = offsets
 
     async def rebuild_open(self, topic: str) -> int:
         """Fold every finding on ``topic`` into the open-findings gauge; how many records.
@@ -246,6 +283,8 @@ class FindingsConsumer:
                            finding.ts)
         if self.on_finding:
             self.on_finding(finding)
+        if topic is not None and partition >= 0:
+            self._read_at[key] = (TopicPartition(topic, partition), offset)
         if batch is not None:
             batch.append(finding)
             return

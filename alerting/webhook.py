@@ -22,8 +22,10 @@ what Slack allows (about one message per second per webhook, then 429 with
 A failed post is retried with backoff a few times; after that the message
 is kept and re-sent on the next :meth:`WebhookSink.refresh`, and while messages are kept
 new ones queue behind them (in order, and an unreachable receiver costs one timeout, not
-one per finding), so a chat outage delays notifications but does not lose them while
-the process runs. A receiver that refuses a message for good (4xx other than 429: 404
+one per finding), so a chat outage delays notifications but does not lose them. Kept
+messages live in memory, so the sink says which findings they carry (:meth:`holding`):
+the consumer commits no further than the oldest of those, and a restarted process reads
+them again and sends them then. A receiver that refuses a message for good (4xx other than 429: 404
 or 410 is a revoked or mistyped webhook) drops it, said once per status.
 """
 
@@ -34,6 +36,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -148,6 +151,14 @@ def digest_message(findings: list[Finding]) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A message not sent yet, and the (id, state) of each finding it carries."""
+
+    message: dict[str, Any]
+    findings: tuple[tuple[str, str], ...]
+
+
 class WebhookSink:
     """POSTs findings to ``url`` as Slack-compatible JSON, a digest for a burst."""
 
@@ -164,7 +175,7 @@ class WebhookSink:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.min_rank = _RANK[min_severity]
         self.min_interval_s = min_interval_s
-        self.unsent: list[dict[str, Any]] = []
+        self.unsent: list[Kept] = []
         self._session: aiohttp.ClientSession | None = None
         self._next_post = 0.0
         """Monotonic time before which no post is made (the pace, or a ``Retry-After``)."""
@@ -184,13 +195,20 @@ class WebhookSink:
         wanted = self._wanted(findings)
         if not wanted:
             return
-        messages = ([digest_message(wanted)] if len(wanted) > DIGEST_OVER
-                    else [slack_message(f) for f in wanted])
-        for message in messages:
+        messages = ([Kept(digest_message(wanted), tuple((f.id, f.state) for f in wanted))]
+                    if len(wanted) > DIGEST_OVER
+                    else [Kept(slack_message(f), ((f.id, f.state),)) for f in wanted])
+        for kept in messages:
             # Behind messages kept from a failure: in order, and a receiver that is down
             # costs the refresh one timeout rather than every new finding its retries.
-            if self.unsent or not await self._send(message):
-                self.unsent.append(message)
+            if self.unsent or not await self._send(kept.message):
+                self.unsent.append(kept)
+
+    def holding(self) -> set[tuple[str, str]]:
+        """(id, state) of every finding whose message is kept, not sent yet: the consumer
+        commits no further than the oldest of their records, so none is lost to a
+        restart."""
+        return {key for kept in self.unsent for key in kept.findings}
 
     async def refresh(self, force: bool = False) -> None:
         """Try the messages that could not be sent earlier, oldest first, as far as the
@@ -199,15 +217,16 @@ class WebhookSink:
         while self.unsent:
             if not force and time.monotonic() < self._next_post:
                 return
-            if not await self._send(self.unsent[0], attempts=1):
+            if not await self._send(self.unsent[0].message, attempts=1):
                 return
             self.unsent.pop(0)
 
     async def close(self) -> None:
         if self.unsent:
-            log.warning("webhook %s: %d message(s) not sent are lost as the process stops; "
-                        "their findings are on the findings topic and in Alertmanager",
-                        self.shown, len(self.unsent))
+            log.warning("webhook %s: %d message(s) not sent as the process stops; the "
+                        "consumer committed no further than their findings, so the next "
+                        "start reads them again and sends them", self.shown,
+                        len(self.unsent))
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -9,8 +9,10 @@ Defaults differ per workload kind (``kinds``: notebook, batch, inference),
 and pods can be exempted by namespace, label or annotation. An open episode
 climbs a ladder while the device stays idle: the first finding notifies the
 owner; ``warn_after_s`` later the finding is re-issued at severity warning
-with a second notice; ``reclaim_after_s`` after that the rule asks to
-reclaim the GPU (verb ``requeue`` on the pod with ``params.reason``
+with a second notice; ``remind_before_s`` before the reclaim is due the owner is told a
+last time (a Kubernetes Event lives an hour, the API server's ``--event-ttl``, and the
+warning's was gone hours before the reclaim); ``reclaim_after_s`` after the warning the
+rule asks to reclaim the GPU (verb ``requeue`` on the pod with ``params.reason``
 ``idle-reclaim``, a dry run unless ``reclaim_execute``; the Kubernetes
 backend reclaims per owner kind, reversibly). Each step has its own
 idempotency key.
@@ -147,6 +149,16 @@ class IdleSettings(BaseModel):
         8 * 3600, gt=0,
         description="Seconds after the warning, still idle, before the rule asks to reclaim "
         "the GPU (verb requeue on the pod).",
+    )
+    remind_before_s: float = Field(
+        3600, ge=0,
+        description="Seconds before a reclaim is due at which the owner is told once more "
+        "(a notify_owner action, so a fresh Kubernetes Event): the API server deletes Events "
+        "after its --event-ttl, 1 h by default, so the warning's Event is gone long before "
+        "the reclaim 8 h later. 1 h: the reminder's Event lasts until the reclaim, and "
+        "leaves an hour to keep or release the GPU. No reminder is sent when the wait from the "
+        "warning to the reclaim is no longer than this (the warning's Event still stands); "
+        "0: never.",
     )
     reclaim: bool = Field(True, description="Ask to reclaim at the last step of the ladder.")
     reclaim_execute: bool = Field(
@@ -394,6 +406,8 @@ class IdleTrack(msgspec.Struct):
     stage_ts: float | None = None
     held_until: float | None = None
     """The keep-until time last reported on the open episode, so a hold is said once."""
+    reminded: bool = False
+    """Whether the owner was reminded of the coming reclaim (``remind_before_s``)."""
 
 
 def activity_pct(sample: DeviceSample) -> float | None:
@@ -511,7 +525,14 @@ def _climb(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts
         return [_ladder_finding(track, node, sample, holder, ts, settings, eff, current,
                                 f"{summary}; {_held(held)}", track.stage, track.stage_ts, held)]
     # A gap since the last step restarted the idle run: the wait counts from its new start.
-    if ts - max(stage_ts, track.below_since) < wait:
+    waited_from = max(stage_ts, track.below_since)
+    if ts - waited_from < wait:
+        if step == "reclaim" and not track.reminded and (
+                0 < settings.remind_before_s < wait
+                and ts >= waited_from + wait - settings.remind_before_s):
+            track.reminded = True
+            return [_reminder(track, node, sample, holder, ts, settings, eff, waited_from,
+                              summary)]
         return []
     if step == "reclaim":
         summary += ": reclaiming it"
@@ -532,6 +553,20 @@ def _climb(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts
                          "keep_until_max_s": repr(settings.keep_until_max_s),
                          "delete_bare_pod": str(settings.reclaim_bare_pods).lower()}
     return [finding, action]
+
+
+def _reminder(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts: float,
+              settings: IdleSettings, eff: Effective, waited_from: float,
+              summary: str) -> Action:
+    """The owner's last notice before the reclaim: the warning's words, the reclaim time
+    as it now stands, under a key of its own (one Event per episode, whatever redelivers
+    it)."""
+    warned = _ladder_finding(track, node, sample, holder, ts, settings, eff, "warning",
+                             summary, 2, waited_from, None)
+    action = action_for(warned, "notify_owner", warned.subject,
+                        f"Reminder: {owner_notice(warned) or warned.summary}")
+    action.idempotency_key = f"{warned.id}/notify_owner/remind"
+    return action
 
 
 def _ladder_finding(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder,
@@ -572,6 +607,7 @@ def _close(track: IdleTrack, node: str, uuid: str, ts: float, why: str) -> Findi
     track.open_id = track.open_fingerprint = None
     track.open_since = track.open_pod = None
     track.stage, track.stage_ts = 0, None
+    track.reminded = False
     return finding
 
 

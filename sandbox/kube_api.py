@@ -49,6 +49,11 @@ CRD would; for each:
   "subjectaccessreviews", "authorization.k8s.io")``), as RBAC answers a caller
   without that grant.
 
+With ``event_ttl_s`` Events expire as the API server's ``--event-ttl`` (1 h by default)
+has them expire: each write of an Event (create or update) gives it that long from then,
+by the double's ``clock``, and an expired Event is deleted (a ``DELETED`` watch event)
+before the next request is answered or :meth:`KubeApiServer.objects` is read.
+
 Selectors filter watch events on the object's new state (a real watch cache
 also sends DELETED when an object stops matching). Deliberate
 simplifications: deletion is immediate (no graceful
@@ -392,7 +397,8 @@ class KubeApiServer:
 
     def __init__(self, *, kueue: bool = True, kueue_versions: tuple[str, ...] = (
                  "v1beta1", "v1beta2"), bookmark_interval_s: float = 1.0, port: int = 0,
-                 absent: Iterable[str] = ()) -> None:
+                 absent: Iterable[str] = (), event_ttl_s: float | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.kueue = kueue
         """Whether the Kueue API group is served (False: as if Kueue were not installed)."""
         self.absent = frozenset(absent)
@@ -404,6 +410,12 @@ class KubeApiServer:
         """Answer a watch from a compacted resourceVersion with HTTP 410 instead of an
         ``ERROR`` event in a 200 stream (what some proxies and older servers do)."""
         self.bookmark_interval_s = bookmark_interval_s
+        self.event_ttl_s = event_ttl_s
+        """Seconds an Event lives after its last write (the API server's ``--event-ttl``);
+        None: for ever."""
+        self.clock = clock
+        """What the Event TTL is measured by (seconds): tests move it along."""
+        self._event_expiry: dict[tuple[str, str, str, str], float] = {}
         self.end_watches_at_once = False
         """End every watch right after its headers, cleanly and without an event (a
         proxy that cuts streams short, a server going down): the client must back off
@@ -562,6 +574,7 @@ class KubeApiServer:
         """Copies of every stored object of a kind."""
         resource = _BY_KIND[(group, kind)]
         with self._cond:
+            self._expire_events()
             return [copy.deepcopy(o) for k, o in self._store.objects.items()
                     if k[:2] == (resource.group, resource.plural)]
 
@@ -692,12 +705,23 @@ class KubeApiServer:
         self._store.rv += 1
         meta["resourceVersion"] = str(self._store.rv)
         self._store.objects[key] = obj
+        if resource.kind == "Event" and self.event_ttl_s is not None:
+            self._event_expiry[key] = self.clock() + self.event_ttl_s
         self._store.history.append(_Change(self._store.rv, resource, event, obj))
         self._cond.notify_all()
         written = copy.deepcopy(obj)
         for controller in self._controllers.get((resource.group, resource.kind), ()):
             controller(self, copy.deepcopy(current) if current else None, copy.deepcopy(obj))
         return written
+
+    def _expire_events(self) -> None:
+        """Delete the Events whose TTL has run out, as etcd's lease does on a cluster."""
+        now = self.clock()
+        for key, expiry in list(self._event_expiry.items()):
+            if expiry <= now:
+                del self._event_expiry[key]
+                if key in self._store.objects:
+                    self._delete(_BY_KIND[(key[0], "Event")], key[2], key[3])
 
     @staticmethod
     def _cordon_taint(node: Obj) -> None:
@@ -876,6 +900,8 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ApiError(fault.status, _REASONS.get(fault.status, "Failure"),
                                f"injected failure of {method} {parts.path}",
                                retry_after=fault.retry_after)
+            with api._cond:
+                api._expire_events()
             code, body = self._route(method, parts.path, query, request)
         except ApiError as e:
             code, body = e.code, msgspec.json.encode(e.status())

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from gpusteward.remediation.executor import Executor, RemediationSettings
 from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
 from gpusteward.rules import idle, spot
 from gpusteward.sandbox.kube_api import KUEUE_GROUP, KubeApiServer
@@ -21,6 +23,7 @@ from gpusteward.schema import (
     Subject,
     Taint,
 )
+from gpusteward.settings import Settings
 from tests.remediation.cluster import admitted_workload, node, pdb, pod, pods, writes
 from tests.remediation.test_reclaim import REPO, granted, rbac_triples
 
@@ -470,3 +473,80 @@ def test_every_request_of_the_node_pod_and_kueue_verbs_is_granted_to_the_executo
     # Every write the role grants on nodes, pods and Kueue is one of these verbs'.
     assert {t for t in execute if t[0] in ("", KUEUE_GROUP) and t[2] not in ("get", "list")
             } <= sent
+
+
+def _idle_ladder(workload_kind: str) -> list[Action]:
+    """The actions the idle rule asks for, one sample a minute, a pod idle from its start
+    (1000) until its reclaim."""
+    holder = idle.Holder(PodRef("ml-alice", "notebook-0", uid="uid-ml-alice-notebook-0"),
+                         1000.0, workload_kind)
+    sample = DeviceSample(uuid="GPU-1", index=0, model="A100", util_pct=0.0)
+    track, ts = idle.IdleTrack(), 1000.0
+    asked: list[Action] = []
+    while not any(a.verb == "requeue" for a in asked):
+        asked += [out for out in idle.observe(track, "gpu-1", sample, ts, idle.IdleSettings(),
+                                              holder) if isinstance(out, Action)]
+        ts += 60
+        assert ts < 100_000
+    return asked
+
+
+def test_the_owner_finds_the_notice_event_in_the_hour_before_the_reclaim(
+        tmp_path: Path) -> None:
+    """The API server deletes Events after its --event-ttl (1 h by default), and the default
+    ladder reclaims 8 h after the warning: the owner who ran `kubectl describe pod` in the
+    hour before the reclaim found no Event. The rule now reminds them `remind_before_s` (1 h)
+    before it is due, a fresh Event that says when; redelivered it is still one Event, and
+    a dry run makes none."""
+    now = [0.0]
+    asked = _idle_ladder("notebook")
+    reclaim, notices_asked = asked[-1], [a for a in asked if a.verb == "notify_owner"]
+    with KubeApiServer(event_ttl_s=3600, clock=lambda: now[0]) as kube:
+        kube.load(pod("ml-alice", "notebook-0", "gpu-1"))
+        backend = KubernetesBackend(KubeSettings(
+            kubeconfig=str(kube.write_kubeconfig(tmp_path / "kubeconfig"))))
+
+        def executor(execute: bool = True) -> Executor:
+            return Executor(Settings(), backend, execute=execute, clock=lambda: now[0],
+                            remediation=RemediationSettings(enabled_rules=["idle_holder"]))
+
+        def notices(at: float) -> list[dict[str, Any]]:
+            """The notice Events on the pod when its owner looks at ``at``."""
+            now[0] = at
+            return [e for e in kube.objects("Event") if e["reason"] == "GpuStewardNotice"
+                    and e["involvedObject"]["name"] == "notebook-0"]
+
+        def decide(by: Executor, act: Action) -> str:
+            now[0] = act.ts  # the executor acts as the action arrives
+            return asyncio.run(by.decide(act)).outcome
+
+        executing, dry_run = executor(), executor(execute=False)
+        first, warn = notices_asked[:2]
+        assert [decide(executing, a) for a in (first, warn)] == ["executed"] * 2
+        assert notices(warn.ts + 3600 + 60) == []  # the warning's Event has expired
+        for later in notices_asked[2:]:
+            assert decide(dry_run, later) == "dry_run"
+            assert notices(later.ts) == []
+            assert decide(executing, later) == "executed"
+        for looked in (reclaim.ts - 3000, reclaim.ts - 60):
+            [event] = notices(looked)
+            assert f"a reclaim at {idle.rfc3339(reclaim.ts)}" in event["message"]
+            assert event["type"] == "Warning"
+        remind = notices_asked[-1]
+        assert event["message"] == remind.reason[:1000]
+        assert remind.reason.startswith("Reminder: ")
+        assert reclaim.ts - 3600 <= remind.ts < reclaim.ts - 3540
+        # Redelivered: skipped by its key, and by a restarted executor that has not read the
+        # audit back, because the pod already carries the notice: still one Event.
+        assert decide(executing, remind) == "skipped"
+        assert decide(executor(), remind) == "skipped"
+        assert len(notices(remind.ts)) == 1
+        annotations = kube.get("Pod", "notebook-0", "ml-alice")["metadata"]["annotations"]
+        assert annotations["gpusteward.io/notice"] == remind.reason[:1000]
+
+
+def test_no_reminder_where_the_warnings_event_lasts_until_the_reclaim() -> None:
+    """A batch pod is reclaimed an hour after its warning: the warning's Event still stands,
+    and a reminder would be a second Event for nothing."""
+    assert [a.verb for a in _idle_ladder("batch")] == ["notify_owner", "notify_owner",
+                                                       "requeue"]

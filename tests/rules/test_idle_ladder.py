@@ -13,6 +13,8 @@ from gpusteward.schema import Action, DeviceSample, Finding, PodRef
 POD = PodRef(namespace="ml-alice", name="nb-alice", uid="u1")
 START = 1_000_000.0
 SETTINGS = idle.IdleSettings()
+REMIND_S = SETTINGS.reclaim_after_s - SETTINGS.remind_before_s
+"""From the warning to the owner's reminder, remind_before_s before the reclaim."""
 
 
 def run(holder: idle.Holder, hours: float, s: idle.IdleSettings = SETTINGS,
@@ -32,9 +34,16 @@ def test_ladder_notifies_then_warns_then_asks_a_dry_run_reclaim() -> None:
     acts = [o for o in out if isinstance(o, Action)]
     assert [f.severity for f in findings] == ["info", "warning", "warning"]
     assert len({f.id for f in findings}) == 1
-    assert [a.verb for a in acts] == ["notify_owner", "notify_owner", "requeue"]
-    assert len({a.idempotency_key for a in acts}) == 3
+    assert [a.verb for a in acts] == ["notify_owner"] * 3 + ["requeue"]
+    assert len({a.idempotency_key for a in acts}) == 4
     first = START + SETTINGS.grace_s + SETTINGS.window_s
+    # The reminder: the warning's notice again, an hour before the reclaim (the warning's
+    # Kubernetes Event is long gone by then), with the reclaim's time.
+    warned, reminded = acts[1], acts[2]
+    assert reminded.ts == first + SETTINGS.warn_after_s + REMIND_S
+    assert reminded.reason.startswith("Reminder: ")
+    assert reminded.reason.removeprefix("Reminder: ").split(" Next: ")[1] == (
+        warned.reason.split(" Next: ")[1])
     assert [f.ts for f in findings] == [
         first, first + SETTINGS.warn_after_s,
         first + SETTINGS.warn_after_s + SETTINGS.reclaim_after_s]
@@ -184,7 +193,8 @@ def test_keep_until_holds_the_ladder_and_the_finding_says_so() -> None:
     assert findings[0].evidence and findings[0].evidence.values["kept_until"] == hold_end
     # When it ends: the warning at once, the reclaim reclaim_after_s later.
     assert [(a.verb, a.ts) for a in acts] == [
-        ("notify_owner", hold_end), ("requeue", hold_end + SETTINGS.reclaim_after_s)]
+        ("notify_owner", hold_end), ("notify_owner", hold_end + REMIND_S),
+        ("requeue", hold_end + SETTINGS.reclaim_after_s)]
     assert [f.severity for f in findings] == ["info", "warning", "warning"]
 
 
@@ -207,7 +217,8 @@ def test_keep_until_added_after_the_first_notice_is_reported_once() -> None:
     assert len(held) == 1 and held[0].ts == START + 2 * 3600 + 60
     assert [(a.verb, a.ts) for a in acts] == [
         ("notify_owner", START + SETTINGS.grace_s + SETTINGS.window_s),
-        ("notify_owner", hold_end), ("requeue", hold_end + SETTINGS.reclaim_after_s)]
+        ("notify_owner", hold_end), ("notify_owner", hold_end + REMIND_S),
+        ("requeue", hold_end + SETTINGS.reclaim_after_s)]
 
 
 def test_keep_until_is_capped_by_policy() -> None:
@@ -218,11 +229,12 @@ def test_keep_until_is_capped_by_policy() -> None:
     assert findings[0].starts_at == idle_since
     assert findings[0].evidence and findings[0].evidence.values["kept_until"] == (
         idle_since + 36000)
-    assert [a.ts for a in acts] == [idle_since + 36000,
+    assert [a.ts for a in acts] == [idle_since + 36000, idle_since + 36000 + REMIND_S,
                                     idle_since + 36000 + SETTINGS.reclaim_after_s]
     # 0 ignores the annotation: the ordinary ladder.
     _, acts = _kept("2099-01-01T00:00:00Z", keep_until_max_s=0)
     assert [a.ts for a in acts] == [first, first + SETTINGS.warn_after_s,
+                                    first + SETTINGS.warn_after_s + REMIND_S,
                                     first + SETTINGS.warn_after_s + SETTINGS.reclaim_after_s]
 
 
