@@ -112,8 +112,15 @@ class PipelineMetrics:
             "gpusteward_actions_stale_total",
             "Actions the executor would have carried out but refused as stale (older than "
             "max_action_age_s, or that far ahead of its clock), by verb and rule: a "
-            "remediation not done, and not asked again, whose fault may persist. Each is on "
-            "the audit topic with its target.", ["verb", "rule"], registry=r)
+            "remediation not done, whose fault may persist (a node action of a hardware "
+            "finding is asked for again while the finding stays open). Each is on the audit "
+            "topic with its target.", ["verb", "rule"], registry=r)
+        self.actions_reasked = Counter(
+            "gpusteward_actions_reasked_total",
+            "Re-asks of a node action (the same idempotency key, asked for again while its "
+            "finding stays open) that the executor decided as it last decided that key, by "
+            "verb and outcome: not audited again, nor counted in gpusteward_actions_total.",
+            ["verb", "outcome"], registry=r)
         self.breaker_open = Gauge(
             "gpusteward_breaker_open", "1 while the remediation circuit breaker is open.",
             ["group"], registry=r)

@@ -521,6 +521,12 @@ class Action(msgspec.Struct):
     dry_run: bool = False
     """Set when the rule's policy wants only a dry run: no executor carries it out."""
     params: Labels = {}
+    reask: Count = 0
+    """How many times the worker has asked for this action again while its finding stays
+    open: 0 the first ask; each re-ask (every ``reask_s`` of the node's event time, node
+    actions of hardware findings only) has the same ``idempotency_key`` and a fresh ``ts``.
+    An executor still carries a key out once; a re-ask lets an action refused as stale, or
+    never delivered, be decided on fresh facts."""
     schema: Version = SCHEMA_VERSION
 
 

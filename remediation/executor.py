@@ -11,9 +11,11 @@ records one outcome on the audit topic (``action-results``):
   the backend found the effect already in place (the node was cordoned);
 - ``refused``: a guard said no: the target is on a deny-list, MIG relabels
   are not allowed by policy, the action is older than ``max_action_age_s``
-  (a backlog replayed after an outage: not asked again, so such a refusal of an
-  action that would have been carried out is also counted in
-  ``gpusteward_actions_stale_total`` for the operator's alert), an idle reclaim's owner was not told
+  (a backlog replayed after an outage; such a refusal of an action that would
+  have been carried out is also counted in ``gpusteward_actions_stale_total``
+  for the operator's alert; the worker asks again for a node action of a
+  hardware finding every ``reask_s`` while the finding stays open, and the
+  fresh re-ask is decided as any action), an idle reclaim's owner was not told
   ``min_notice_s`` before, the backend lacks the verb, or the circuit breaker
   is open;
 - ``executed`` / ``failed``: the backend carried it out, or could not;
@@ -25,6 +27,14 @@ records one outcome on the audit topic (``action-results``):
   each such record carries its attempt number and the error, and the last
   record of the action its final outcome. A permanent error (a 404, a 422,
   any error that is not temporary) is a final ``failed`` at once.
+
+A re-ask (``Action.reask`` > 0: the same idempotency key asked for again
+while its finding stays open) that the executor decides as it last decided
+that key (skipped because executed, the same dry run, the same refusal; a
+stale refusal whatever its age), touching nothing, writes no audit record: it
+is counted in ``gpusteward_actions_reasked_total`` and logged at debug. The
+last decision of each node action's key is rebuilt from the audit topic with
+the rest, so a restarted executor stays as quiet.
 
 Guards, in the order they are checked: idempotency, deny-lists, the MIG
 policy, dry-run, the action's age, an idle reclaim's notice, the circuit
@@ -131,6 +141,18 @@ def _may_have_acted(outcome: Outcome, attempt: int) -> bool:
 def _disrupted(verb: str, outcome: Outcome, attempt: int) -> bool:
     """Whether a decision may have taken capacity from its node."""
     return verb in NODE_DISRUPTING and _may_have_acted(outcome, attempt)
+
+
+_STALE_PREFIXES = ("stale: ", "asked for at ")
+"""How the details of the age guard's refusals start (:meth:`Executor._age_refusal`)."""
+
+
+def _decision(outcome: Outcome, detail: str) -> str:
+    """What a re-ask's decision must differ in from its key's last to be audited again: the
+    outcome and its detail, a refusal as stale (or skewed) whatever the age it names."""
+    if outcome == "refused" and detail.startswith(_STALE_PREFIXES):
+        return "refused: stale"
+    return f"{outcome}: {detail}"
 
 
 def _is_reclaim(action: Action) -> bool:
@@ -444,6 +466,9 @@ class Executor:
         self._sleep = sleep
         self.breaker = CircuitBreaker(self.remediation)
         self.executed_keys: set[str] = set()
+        self.decided: dict[str, str] = {}
+        """Idempotency key of a node action (the verbs the worker asks for again) -> its
+        last final decision (:func:`_decision`), to tell a re-ask that changes nothing."""
         self.notified: dict[str, float] = {}
         """Finding -> when (executor's clock) its first owner notice was delivered (executed,
         or found already there)."""
@@ -486,14 +511,16 @@ class Executor:
             reclaim = (result.verb == "requeue"
                        and key.partition(RECLAIM_KEY)[0] in self.notified)
             self._fold(key, result.verb, result.outcome, result.attempt,
-                       result.target.node, result.ts, reclaim=reclaim)
+                       result.target.node, result.ts, reclaim=reclaim, detail=result.detail)
 
     def _fold(self, key: str, verb: str, outcome: Outcome, attempt: int, node: str | None,
-              ts: float, *, reclaim: bool = False) -> None:
+              ts: float, *, reclaim: bool = False, detail: str = "") -> None:
         """What one final decision changes in the executor's state, whether it is read back
         from the audit topic or just made."""
         if outcome == "executed":
             self.executed_keys.add(key)
+        if verb in NODE_DISRUPTING and outcome != "retrying":
+            self.decided[key] = _decision(outcome, detail)
         if node and _disrupted(verb, outcome, attempt):
             self.breaker.record(node, ts)
         if reclaim and _may_have_acted(outcome, attempt):
@@ -579,9 +606,10 @@ class Executor:
             return (
                 f"stale: asked for at {rfc3339(action.ts)}, {age / 3600:.1f} h ago, older "
                 f"than max_action_age_s={policy.max_action_age_s:g} s (a backlog replayed "
-                "after an outage?); its finding may have resolved since. Not carried out "
-                "and not asked again: check the finding's state and act by hand if it "
-                "still applies")
+                "after an outage?); its finding may have resolved since. Not carried out; "
+                "the worker asks again for a node action of a hardware finding every "
+                "reask_s while the finding stays open, and a fresh re-ask is carried out. "
+                "Otherwise check the finding's state and act by hand if it still applies")
         if policy.max_action_age_s is not None and -age > policy.max_action_age_s:
             # Its age cannot be told: a worker whose event time runs that far ahead (a node's
             # collector clock) would otherwise have a backlog carried out however old it is.
@@ -589,8 +617,9 @@ class Executor:
                 f"asked for at {rfc3339(action.ts)}, {-age / 3600:.1f} h ahead of the "
                 f"executor's clock, more than max_action_age_s={policy.max_action_age_s:g} s: "
                 "the clock of the node its finding came from is skewed, so the action's "
-                "age cannot be judged. Not carried out and not asked again: fix the node's "
-                "clock, check the finding and act by hand if it still applies")
+                "age cannot be judged. Not carried out (a re-ask from that clock is refused "
+                "too): fix the node's clock, check the finding and act by hand if it still "
+                "applies")
         return None
 
     def _notice_verdict(self, action: Action, now: float) -> tuple[Outcome, str] | None:
@@ -627,7 +656,7 @@ class Executor:
         else:
             outcome, detail, error, attempt = await self._act(action, now, on_attempt)
         self._fold(action.idempotency_key, action.verb, outcome, attempt, action.target.node,
-                   now, reclaim=_is_reclaim(action))
+                   now, reclaim=_is_reclaim(action), detail=detail)
         return self._result(action, outcome, detail, now, error=error, attempt=attempt)
 
     def _result(self, action: Action, outcome: Outcome, detail: str, ts: float, *,
@@ -794,6 +823,8 @@ class Executor:
         try:
             action = self._decode(raw, key)
             was_open = self.breaker.open
+            last = self.decided.get(action.idempotency_key)
+            done = action.idempotency_key in self.executed_keys
 
             async def audit_attempt(record: ActionResult) -> None:
                 await producer.send(self._audit_topic, self._encode(record),
@@ -801,11 +832,22 @@ class Executor:
                 self.metrics.actions.labels(record.verb, record.outcome).inc()
 
             result = await self.decide(action, audit_attempt)
+            if (action.reask and last is not None and self.breaker.open == was_open
+                    and not _may_have_acted(result.outcome, result.attempt)
+                    and (done or _decision(result.outcome, result.detail) == last)):
+                # Asked again while its finding stays open, and decided as before: the audit
+                # topic already says so (a dry run would otherwise add a record per node
+                # fault every reask_s).
+                self.metrics.actions_reasked.labels(result.verb, result.outcome).inc()
+                log.debug("%s asked again (%d): %s, as before: %s", action.idempotency_key,
+                          action.reask, result.outcome, result.detail)
+                return result
             self.metrics.actions.labels(result.verb, result.outcome).inc()
             if result.outcome == "refused" and result.detail == self._age_refusal(action,
                                                                                    result.ts):
-                # A remediation not done and not asked again, whose fault may persist: the
-                # GpustewardActionsStale alert tells an operator, who acts by hand.
+                # A remediation not done, whose fault may persist: the GpustewardActionsStale
+                # alert tells an operator. A node action of a hardware finding is asked for
+                # again while the finding stays open, and a fresh re-ask is carried out.
                 self.metrics.actions_stale.labels(action.verb, action.rule).inc()
                 log.warning("%s %s of %s refused as stale: %s", action.idempotency_key,
                             action.verb, _where(action.target), result.detail)

@@ -211,6 +211,12 @@ class NodeState(msgspec.Struct):
     """When it succeeded: episodes opened after that are not the reconfiguration's."""
     mig_failed: hardware.Episode | None = None
     """The open ``mig_config_failed`` warning: the state read ``failed``, no success since."""
+    asks: dict[str, Action] = {}
+    """The node actions (:data:`REASKED_VERBS`) of the node's open hardware findings, by
+    idempotency key, each as last asked for: asked for again every ``reask_s`` while its
+    finding stays open (:meth:`NodeJoin._reask`), forgotten when it resolves."""
+    asks_due: float | None = None
+    """Event time from which the next of ``asks`` is due; None with none."""
 
 
 Output = Finding | Action | NodeSummary | Rollup
@@ -249,6 +255,18 @@ class RuleSettings:
     open rollup minutes are emitted. The node's blindness after a step back is this long,
     not the step's length. 5 min: ten samples of a collector polling every 30 s; a replay
     of a few old records never keeps coming for that long."""
+    reask_s: float | None = 600.0
+    """Event-time seconds between two asks for a node action (cordon, taint, drain) of a
+    hardware finding that stays open: the same idempotency key, a fresh ``ts``
+    (``Action.reask`` counts them). The executor refuses an action older than its
+    ``max_action_age_s`` (an outage's backlog) and carries a key out once, so asking again
+    is what gets a faulty node cordoned on a fresh look after such a refusal, or after an
+    ask that never reached it; a re-ask of a key it already decided the same way is not
+    audited again. A cordon or taint is not asked again while the node's inventory says it
+    takes no new pods (cordoned, or tainted by gpusteward): that is in place. 10 min: well
+    inside the executor's 1 h, so a backlog holds a fresh re-ask, and six records an hour
+    per open fault. Idle reclaims and owner notices are never asked again (their ladder
+    has its own timing). None: ask once."""
     team_labels: tuple[str, ...] = rollup.DEFAULT_TEAM_LABELS
     """Pod labels naming the owning team in the rollups, first match wins; else the
     namespace. The weekly report groups by the team the rollups carry."""
@@ -259,6 +277,12 @@ _CACHE_LIMIT = 32_768
 cleared and rebuilt. A holding leaves its cache when replaced or forgotten; what this
 bounds is the rest (the holdings of nodes a rebalance took away), at a few hundred bytes
 each. A worker holding more live pods than this gets no worse than no cache."""
+
+
+REASKED_VERBS = frozenset({"cordon", "taint", "drain"})
+"""Verbs of the node actions the join asks for again while their finding stays open."""
+_KEPT_OFF = frozenset({"cordon", "taint"})
+"""Of those, the ones a node that takes no new pods has in place."""
 
 
 _UNKNOWN_GPU = "GPU-unknown"
@@ -534,6 +558,11 @@ class NodeJoin:
             state.gpu_count = state.gpu_count or sum(d.kind == "gpu" for d in sample.devices)
         if state.mig_reconfig_since is not None:
             out = self._reconfig(state, out, sample)
+        if out:  # almost never
+            self._note_asks(state, out)
+        due = state.asks_due
+        if due is not None and ts >= due:  # at most once per reask_s per node
+            out += self._reask(state, ts)
         out += fold.advance(minutes, node, ts)
         return out + self._maybe_summary(state, sample.node, sample.ts)
 
@@ -567,6 +596,50 @@ class NodeJoin:
             state.mig_reconfig_since = state.mig_reconfig_until = None
         return out
 
+    def _note_asks(self, state: NodeState, out: list[Output]) -> None:
+        """Keep the node actions the rules asked for in ``out``, to ask for them again while
+        their findings stay open; forget those of the findings ``out`` resolves."""
+        every = self.settings.reask_s
+        if every is None:
+            return
+        asks = state.asks
+        for item in out:
+            if isinstance(item, Action):
+                if item.verb in REASKED_VERBS and item.reask == 0:
+                    asks[item.idempotency_key] = item
+            elif isinstance(item, Finding) and item.state == "resolved" and asks:
+                for key in [k for k, ask in asks.items() if item.id in ask.finding_ids]:
+                    del asks[key]
+        self._due(state)
+
+    def _due(self, state: NodeState) -> None:
+        """When the first of the node's asks is due again (None: none, or never asked)."""
+        every = self.settings.reask_s
+        asks = state.asks
+        state.asks_due = (min(ask.ts for ask in asks.values()) + every
+                          if asks and every is not None else None)
+
+    def _reask(self, state: NodeState, ts: float) -> list[Output]:
+        """The node's asks due at ``ts`` (its sample's event time), asked for again under
+        their idempotency keys with ``ts``; a cordon or taint of a node that takes no new
+        pods waits."""
+        every = self.settings.reask_s
+        assert every is not None
+        out: list[Output] = []
+        due: list[float] = []
+        for key, ask in state.asks.items():
+            if ts - ask.ts < every:
+                due.append(ask.ts + every)
+            elif state.cordoned and ask.verb in _KEPT_OFF:
+                due.append(ts + every)
+            else:
+                again = state.asks[key] = msgspec.structs.replace(ask, ts=ts,
+                                                                   reask=ask.reask + 1)
+                out.append(again)
+                due.append(ts + every)
+        state.asks_due = min(due) if due else None
+        return out
+
     def _behind(self, state: NodeState, ts: float) -> bool:
         """Count a sample too far back in the node's run of them; True once the run has
         kept to its own clock for ``clock_step_after_s``. A sample more than
@@ -594,6 +667,10 @@ class NodeJoin:
         state.behind_since = state.behind_last = None
         state.last_summary_ts, state.summary_dirty = None, True
         state.clock_steps += 1  # the fleet agent takes the next summary however old
+        if state.asks:  # asked for on the old clock: due on the new one as long after
+            state.asks = {key: msgspec.structs.replace(ask, ts=ask.ts - step)
+                          for key, ask in state.asks.items()}
+            state.asks_due = None if state.asks_due is None else state.asks_due - step
         hooks = [(runner, runner.on_clock_step)
                  for runner, _ in self.policy.registry.device_runners()
                  if runner.on_clock_step is not None]
@@ -682,6 +759,7 @@ class NodeJoin:
         if out and state.mig_reconfig_since is not None:
             out = self._reconfig(state, out, None)
         if out:
+            self._note_asks(state, out)
             state.summary_dirty = True
             out += self._maybe_summary(state, event.node, event.ts)
         return out
@@ -700,6 +778,10 @@ class NodeJoin:
         state.gpu_allocatable = 0 if event.deleted else event.allocatable.get("nvidia.com/gpu")
         state.cordoned = event.unschedulable or any(map(_keeps_pods_off, event.taints))
         state.spot = event.spot
+        if event.deleted:  # nothing left to act on
+            state.asks = {}
+        if state.asks_due is not None:  # a cordon that waited may be due as the node reopens
+            self._due(state)
         state.pool = event.labels.get(self.policy.node_pool_label)
         # Profiles as pods request them (``1g.10gb+me``, not the resource's ``1g.10gb.me``),
         # or a held device would never be taken off the free ones.

@@ -43,8 +43,9 @@ class Score:
     false_resolutions: list[tuple[str, str, str]] = field(default_factory=list)
     under_two_ids: list[tuple[str, str, str]] = field(default_factory=list)
     actions_repeated: int = 0
-    """Actions published more than once under one idempotency key (redeliveries; the
-    executor must carry each out once)."""
+    """First asks published more than once under one idempotency key (redeliveries; the
+    executor must carry each out once). The worker's re-asks of an open fault's node action
+    (``Action.reask`` > 0) are meant, not counted."""
 
     @property
     def clean(self) -> bool:
@@ -57,7 +58,7 @@ def score(truth: GroundTruth, findings: Sequence[Finding], actions: Sequence[Act
     ids: dict[tuple[str, str, str], set[str]] = {}
     for finding in firing:
         ids.setdefault(_key(finding), set()).add(finding.id)
-    keys = [a.idempotency_key for a in actions]
+    keys = [a.idempotency_key for a in actions if not a.reask]
     return Score(
         missed=sorted(set(expected) - set(ids)),
         false=sorted(set(ids) - set(expected)),

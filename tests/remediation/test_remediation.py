@@ -253,10 +253,10 @@ def test_no_backend_refuses_and_dry_run_only_describes() -> None:
 def test_a_cordon_read_after_the_executor_was_down_is_refused_audited_and_alerted(
         kube: KubeApiServer, kube_settings: KubeSettings, settings: Settings) -> None:
     """The worker asked for a cordon; the executor came back two hours later. It must not act
-    on facts that old, but the DBE may persist and nothing asks again: the refusal is on the
-    audit topic with why and what to do, and counted by verb and rule for the
-    GpustewardActionsStale alert, so an operator is told. Dry runs and other refusals are
-    not counted: nothing would have been carried out."""
+    on facts that old, but the DBE may persist: the refusal is on the audit topic with why
+    and what follows (the worker's re-ask: tests/e2e/test_reask.py), and counted by verb and
+    rule for the GpustewardActionsStale alert, so an operator is told. Dry runs and other
+    refusals are not counted: nothing would have been carried out."""
     asyncio.run(kafka.ensure_topics(settings))
     fleet(kube, 3)
     asyncio.run(publish_actions(settings, dbe_cordon("gpu-00"),

@@ -147,7 +147,9 @@ def test_a_pod_idle_on_a_gpu_out_of_service_is_neither_notified_nor_reclaimed() 
     for i in range(1, 12 * 120):  # 12 h at 30 s
         out += join.on_sample(state, held_sample(T0 + 20 + i * 30, util=0.0, dbe=1))
     assert [o.kind for o in findings(out)] == ["ecc_dbe"]
-    assert [o.verb for o in out if isinstance(o, Action)] == ["cordon"]
+    # One cordon (asked for again while the DBE holds), no notice, no reclaim.
+    assert [o.verb for o in out if isinstance(o, Action) and not o.reask] == ["cordon"]
+    assert {o.verb for o in out if isinstance(o, Action)} == {"cordon"}
     # The GPU is reset (the counter reads 0): the pod is judged again, from a fresh window.
     reset = T0 + 20 + 12 * 3600 + 60
     out = []
@@ -235,7 +237,9 @@ def test_xids_alone_still_cordon_on_48_and_drain_on_79() -> None:
     # the XID rule's did (and a repeat inside the day keeps it open).
     out = join.on_hw_event(state, hw(T0 + 3600, "xid", xid=48))
     out += join.on_sample(state, xid_only_sample(T0 + 3600 + 86000))
-    assert outcome(out) == ([], [])
+    # Nothing new: only the open episode's cordon, asked for again (its first sample since).
+    assert outcome(out) == ([], [("cordon", "ecc_dbe")])
+    assert [a.reask for a in out if isinstance(a, Action)] == [1]
     out = join.on_sample(state, xid_only_sample(T0 + 3600 + 86400))
     assert outcome(out)[0] == [("ecc_dbe", "resolved")]
     out = join.on_hw_event(state, hw(T0 + 90030, "xid", xid=79, detail="pci 0000:2a:00.0"))
@@ -257,3 +261,77 @@ def test_a_lost_gpu_is_not_back_on_a_sample_filled_with_zeros(reading: dict) -> 
     assert findings(join.on_sample(state, zeros)) == []
     # A real reading (NVML's shape: temperature, memory, utilisation) is the GPU back.
     assert outcome(join.on_sample(state, sample(T0 + 60)))[0] == [("gpu_lost", "resolved")]
+
+
+# -- asking again for a node action while its finding stays open -----------------------------
+
+
+def dbe_sample(ts: float, dbe: int = 1, reboot: bool = False) -> NodeSample:
+    """The node's sample with GPU-1's volatile DBE counter at ``dbe``; with ``reboot``, GPU-0's
+    driver asks for a node reboot (a drain)."""
+    reading = sample(ts)
+    reading.devices[1].ecc_dbe_volatile = dbe
+    reading.devices[0].recovery_action = 2 if reboot else 0
+    return reading
+
+
+def actions(out: list) -> list[Action]:
+    return [o for o in out if isinstance(o, Action)]
+
+
+def test_an_open_dbe_asks_for_its_cordon_again_every_reask_s_until_it_resolves() -> None:
+    """The executor may have refused the cordon as stale (it was down) or never got it:
+    while the DBE holds, the join asks again under the same key with a fresh event time,
+    once per reask_s however many samples; the state it keeps for that rides the changelog;
+    once the GPU is reset the episode resolves and nothing more is asked."""
+    join, state = NodeJoin(RuleSettings(policy=POLICY, reask_s=600)), NodeState()
+    asked = actions(join.on_sample(state, dbe_sample(T0)))
+    for i in range(1, 41):  # 20 minutes of samples every 30 s
+        asked += actions(join.on_sample(state, dbe_sample(T0 + 30 * i)))
+        if i == 25:  # a worker restart: the node's state comes back from the changelog
+            state = msgspec.msgpack.Decoder(NodeState).decode(msgspec.msgpack.encode(state))
+            join = NodeJoin(RuleSettings(policy=POLICY, reask_s=600))
+    assert [(a.verb, a.reask, a.ts) for a in asked] == [
+        ("cordon", 0, T0), ("cordon", 1, T0 + 600), ("cordon", 2, T0 + 1200)]
+    assert {a.idempotency_key for a in asked} == {asked[0].idempotency_key}
+    assert {tuple(a.finding_ids) for a in asked} == {tuple(asked[0].finding_ids)}
+    # The GPU is reset: the counter reads 0, the episode resolves, nothing is asked again.
+    out = join.on_sample(state, dbe_sample(T0 + 1230, dbe=0))
+    assert outcome(out) == ([("ecc_dbe", "resolved")], [])
+    later = [join.on_sample(state, dbe_sample(T0 + 1230 + 30 * i, dbe=0)) for i in range(1, 80)]
+    assert [a for out in later for a in actions(out)] == []
+    assert (state.asks, state.asks_due) == ({}, None)
+
+
+def test_a_cordon_waits_while_the_node_takes_no_new_pods_and_a_drain_does_not() -> None:
+    """A node cordoned (by the executor, or by hand) has what a cordon or a taint asked for:
+    those are not asked again until it is uncordoned. A drain still is (a cordoned node may
+    still run the pods of a lost GPU), and no idle notice or reclaim ever is."""
+    join, state = NodeJoin(RuleSettings(policy=POLICY, reask_s=600)), NodeState()
+    inventory = NodeInventory(ts=T0, node="n1", gpu_product="NVIDIA H100 80GB HBM3",
+                              gpu_count=2, unschedulable=True)
+    join.on_allocation(state, inventory)
+    asked = []
+    for i in range(41):
+        asked += actions(join.on_sample(state, dbe_sample(T0 + 30 * i, reboot=True)))
+    assert sorted((a.verb, a.reask) for a in asked) == [
+        ("cordon", 0), ("drain", 0), ("drain", 1), ("drain", 2)]
+    # Uncordoned by hand while the DBE holds: the cordon is asked for again at once.
+    join.on_allocation(state, msgspec.structs.replace(inventory, ts=T0 + 1230,
+                                                      unschedulable=False))
+    again = actions(join.on_sample(state, dbe_sample(T0 + 1230, reboot=True)))
+    assert [(a.verb, a.reask, a.ts) for a in again] == [("cordon", 1, T0 + 1230)]
+
+
+def test_a_node_deleted_is_asked_for_nothing_more() -> None:
+    join, state = NodeJoin(RuleSettings(policy=POLICY, reask_s=600)), NodeState()
+    assert [a.verb for a in actions(join.on_sample(state, dbe_sample(T0)))] == ["cordon"]
+    join.on_allocation(state, NodeInventory(ts=T0 + 10, node="n1", deleted=True))
+    later = [join.on_sample(state, dbe_sample(T0 + 30 * i)) for i in range(1, 41)]
+    assert [a for out in later for a in actions(out)] == []
+
+
+def test_reask_s_none_asks_once() -> None:
+    join, state = NodeJoin(RuleSettings(policy=POLICY, reask_s=None)), NodeState()
+    out = [join.on_sample(state, dbe_sample(T0 + 30 * i)) for i in range(80)]
+    assert [(a.verb, a.reask) for o in out for a in actions(o)] == [("cordon", 0)]

@@ -1,0 +1,198 @@
+"""A node action refused as stale is asked for again while its fault holds, and carried out.
+
+The simulator's world (a GPU with a double-bit ECC error that lasts, two idle
+notebooks) drives the real stream worker, a child process; the remediation
+executor runs in-process against the API-server double, with the wall clock
+as in production: the scenario's event time ends now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gpusteward import kafka, topics
+from gpusteward.broker import EmbeddedBroker
+from gpusteward.collectors.transport.publisher import KafkaPublisher
+from gpusteward.remediation.executor import Executor, RemediationSettings
+from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
+from gpusteward.sandbox.kube_api import KubeApiServer
+from gpusteward.sandbox.pipeline import WorkerProcess
+from gpusteward.sandbox.simulator.engine import SimulatedCluster
+from gpusteward.sandbox.simulator.scenario import Scenario
+from gpusteward.schema import Action, ActionResult
+from gpusteward.settings import Settings
+from gpusteward.streams.app import worker_group
+from tests.remediation.cluster import cordoned, node
+
+pytestmark = pytest.mark.e2e
+
+HOURS = 2
+INTERVAL_S = 60.0
+REASK_S = 600.0
+"""The worker's default ``reask_s``."""
+FAULTY = "h100-1"
+
+
+def scenario() -> Scenario:
+    """Two hours of three one-GPU nodes whose event time ends now: a DBE on h100-1 at 10 min
+    that lasts (the node keeps taking work until it is cordoned), and two notebooks left
+    idle, whose owner notices must not be asked again."""
+    return Scenario.model_validate({
+        "name": "dbe-while-the-executor-is-down", "seed": 5,
+        "start_ts": time.time() - HOURS * 3600 - INTERVAL_S,
+        "duration_s": HOURS * 3600, "sample_interval_s": INTERVAL_S, "acceleration": 0,
+        "nodes": [{"prefix": "h100", "count": 3, "gpu_model": "NVIDIA H100 80GB HBM3",
+                   "gpus": 1, "mem_gib": 80}],
+        "users": ["alice", "bob"],
+        "workloads": [{"group": "nb", "count": 2, "kind": "notebook", "mem_gib": [10, 20],
+                       "phases": [{"for_s": [300, 300], "util": [30, 60]},
+                                  {"util": [0, 1]}]}],
+        "faults": [{"kind": "ecc_dbe", "node": FAULTY, "gpu": 0, "at_s": 600}],
+    })
+
+
+def _fresh(broker: EmbeddedBroker, name: str) -> Settings:
+    return broker.settings().model_copy(update={"topic_prefix": name})
+
+
+async def _read(settings: Settings, spec: topics.TopicSpec, kind: type) -> list:
+    decode = msgspec.json.Decoder(kind).decode  # type: ignore[var-annotated]
+    return [decode(r.value) for r in await kafka.read_all(settings, spec.name(settings))]
+
+
+async def _simulate(settings: Settings, log_dir: Path, cluster: SimulatedCluster,
+                    between: asyncio.Event | None = None,
+                    resume: asyncio.Event | None = None) -> None:
+    """Run the world through the worker until the worker has read all of it. With
+    ``between``, stop the world half-way, wait until the worker has read that far, set
+    ``between`` and wait for ``resume`` before the second half."""
+    publisher = KafkaPublisher(settings)
+    await publisher.start()
+    worker = WorkerProcess(settings, log_dir / "worker.log", loglevel="info")
+    worker.start()
+    names = [t.name(settings) for t in (topics.SAMPLES, topics.HW_EVENTS, topics.ALLOCATIONS)]
+    try:
+        half = asyncio.Event()
+        ticks = int(cluster.scenario.duration_s // INTERVAL_S)
+        cluster.on_tick = lambda world: half.set() if (
+            between is not None and world.now >= world.start + ticks // 2 * INTERVAL_S) else None
+        await cluster.run(publisher, stop=half)
+        if between is not None and resume is not None:
+            await kafka.wait_consumed(settings, worker_group(settings), names, timeout_s=180)
+            between.set()
+            await resume.wait()
+            for tick in range(ticks // 2 + 1, ticks + 1):  # the second half, as run() steps
+                cluster.now = cluster.start + tick * INTERVAL_S
+                await cluster.step(publisher)
+            await publisher.flush()
+        await kafka.wait_consumed(settings, worker_group(settings), names, timeout_s=180)
+        assert worker.alive
+    finally:
+        worker.stop()
+        await publisher.stop()
+
+
+async def _execute(executor: Executor, settings: Settings, stop: asyncio.Event) -> None:
+    """Run ``executor`` until ``stop``, then until it has decided every action published."""
+    running = asyncio.create_task(executor.run(done := asyncio.Event()))
+    await stop.wait()
+    await kafka.wait_consumed(settings, executor.group_id, [topics.ACTIONS.name(settings)])
+    done.set()
+    await running
+
+
+def _kube(kube_api: KubeApiServer, kubeconfig: Path) -> KubernetesBackend:
+    kube_api.load(node(f"h100-{i}", gpus=1) for i in (1, 2, 3))
+    return KubernetesBackend(KubeSettings(kubeconfig=str(kubeconfig), request_timeout_s=5))
+
+
+def _cordons(records: list) -> list:
+    return [r for r in records if r.verb == "cordon" and r.target.node == FAULTY]
+
+
+def test_a_cordon_refused_as_stale_is_carried_out_when_the_worker_asks_again(
+        broker: EmbeddedBroker, tmp_path: Path, kube_api: KubeApiServer,
+        kubeconfig: Path) -> None:
+    """The executor was down for the two hours: the cordon the worker asked for when the DBE
+    hit is refused as stale (audited, counted for the alert), the worker's re-asks since
+    are decided afresh, the first within max_action_age_s cordons the node, and the later
+    ones add nothing to the audit trail."""
+    settings = _fresh(broker, "e2e-reask-stale")
+    asyncio.run(kafka.ensure_topics(settings))
+    asyncio.run(_simulate(settings, tmp_path, SimulatedCluster(scenario())))
+    backend = _kube(kube_api, kubeconfig)
+    executor = Executor(settings, backend, execute=True, group_id="back-after-2h",
+                        remediation=RemediationSettings(enabled_rules={"ecc_dbe"}))
+    (go := asyncio.Event()).set()
+    asyncio.run(_execute(executor, settings, go))
+
+    actions = asyncio.run(_read(settings, topics.ACTIONS, Action))
+    asked = _cordons(actions)
+    # Asked when the DBE hit, then every 10 min of the node's event time while it holds,
+    # under one key with a fresh event time each.
+    assert [a.reask for a in asked] == list(range(len(asked)))
+    assert len(asked) == int((HOURS * 3600 - 600) // REASK_S) + 1
+    assert {a.idempotency_key for a in asked} == {asked[0].idempotency_key}
+    assert {round(b.ts - a.ts) for a, b in itertools.pairwise(asked)} == {REASK_S}
+    # Owner notices and idle reclaims are never asked again; no other node is acted on.
+    ladder = [a for a in actions if a.verb in ("notify_owner", "requeue")]
+    assert ladder, "the idle notebooks were noticed"
+    assert all(a.reask == 0 for a in ladder)
+    assert len({a.idempotency_key for a in ladder}) == len(ladder)
+    assert {a.target.node for a in actions if a.verb in ("cordon", "taint", "drain")} == {FAULTY}
+
+    audit = _cordons(asyncio.run(_read(settings, topics.ACTION_RESULTS, ActionResult)))
+    assert [r.outcome for r in audit] == ["refused", "executed"]
+    assert audit[0].detail.startswith("stale: asked for at ")
+    assert "the worker asks again" in audit[0].detail
+    assert cordoned(kube_api) == [FAULTY]
+    metric = executor.metrics.registry.get_sample_value
+    assert metric("gpusteward_actions_stale_total", {"verb": "cordon", "rule": "ecc_dbe"}) == 1
+    stale_again = sum(1 for a in asked[1:] if a.ts < time.time() - 3600)
+    assert metric("gpusteward_actions_reasked_total", {"verb": "cordon",
+                                                       "outcome": "refused"}) == stale_again
+    assert metric("gpusteward_actions_reasked_total", {"verb": "cordon", "outcome": "skipped"}) \
+        == len(asked) - 2 - stale_again
+
+
+def test_in_dry_run_the_re_asks_add_no_audit_record_across_an_executor_restart(
+        broker: EmbeddedBroker, tmp_path: Path, kube_api: KubeApiServer,
+        kubeconfig: Path) -> None:
+    """The shipped default: the executor in dry-run, up all along. The cordon is audited as
+    a dry run once, not once per re-ask, and an executor restarted half-way (its state
+    rebuilt from the audit topic) stays as quiet."""
+    settings = _fresh(broker, "e2e-reask-dry")
+    asyncio.run(kafka.ensure_topics(settings))
+    backend = _kube(kube_api, kubeconfig)
+
+    def dry() -> Executor:
+        return Executor(settings, backend, group_id="dry")
+
+    async def main() -> None:
+        half, resume, first_stop, second_stop = (asyncio.Event() for _ in range(4))
+        world = asyncio.create_task(_simulate(settings, tmp_path, SimulatedCluster(scenario()),
+                                              between=half, resume=resume))
+        first = asyncio.create_task(_execute(dry(), settings, first_stop))
+        await half.wait()
+        first_stop.set()
+        await first
+        second = asyncio.create_task(_execute(dry(), settings, second_stop))
+        resume.set()
+        await world
+        second_stop.set()
+        await second
+
+    asyncio.run(main())
+    asked = _cordons(asyncio.run(_read(settings, topics.ACTIONS, Action)))
+    assert len(asked) > 4 and [a.reask for a in asked] == list(range(len(asked)))
+    half_way = asked[0].ts - 600 + HOURS * 3600 / 2
+    assert [a for a in asked if a.ts > half_way], "re-asks came after the restart"
+    audit = _cordons(asyncio.run(_read(settings, topics.ACTION_RESULTS, ActionResult)))
+    assert [r.outcome for r in audit] == ["dry_run"]
+    assert cordoned(kube_api) == []
