@@ -211,6 +211,9 @@ class NodeState(msgspec.Struct):
     """When it succeeded: episodes opened after that are not the reconfiguration's."""
     mig_failed: hardware.Episode | None = None
     """The open ``mig_config_failed`` warning: the state read ``failed``, no success since."""
+    deleted: bool = False
+    """The node's last inventory said it was deleted: its summaries are tombstones
+    (``NodeSummary.deleted``) until an inventory says it exists again."""
 
 
 Output = Finding | Action | NodeSummary | Rollup
@@ -695,8 +698,9 @@ class NodeJoin:
         state.gpu_model = event.gpu_product or state.gpu_model
         state.gpu_count = event.gpu_count or state.gpu_count
         state.gpu_replicas = event.gpu_replicas
-        # A deleted node offers nothing, though its last summary lingers in the fleet's view
-        # until it is stale; the same name created again states its allocatable anew.
+        # A deleted node offers nothing and leaves the fleet's view (its summaries are
+        # tombstones); the same name created again states its allocatable anew.
+        state.deleted = event.deleted
         state.gpu_allocatable = 0 if event.deleted else event.allocatable.get("nvidia.com/gpu")
         state.cordoned = event.unschedulable or any(map(_keeps_pods_off, event.taints))
         state.spot = event.spot
@@ -826,6 +830,15 @@ class NodeJoin:
         if not (state.summary_dirty or due):
             return []
         state.last_summary_ts, state.summary_dirty = ts, False
+        if state.deleted:
+            # A tombstone: the node is gone, whatever its pods' last events still say
+            # (they are deleted after it); nothing on it is free, held or reclaimable.
+            return [NodeSummary(
+                ts=ts, node=node, gpu_model=state.gpu_model, gpus_total=0, gpus_free=0,
+                healthy=self._healthy(state), cordoned=state.cordoned, spot=state.spot,
+                gpu_replicas=state.gpu_replicas,
+                replicas_free=0 if state.gpu_replicas > 1 else None, pool=state.pool,
+                clock_steps=state.clock_steps, deleted=True)]
         holding = [h for h in state.pods.values() if h.ended_at is None]
         used = sum(h.gpus for h in holding)
         # Free is what the scheduler could still place: a GPU out of allocatable (failed,
