@@ -354,6 +354,16 @@ _OFF_TAINTS = frozenset({"node.kubernetes.io/not-ready", "node.kubernetes.io/unr
 """Taints Kubernetes sets on a node that takes no new pods (NotReady, unreachable)."""
 
 
+def _states_gpu_count(event: NodeInventory) -> bool:
+    """The inventory's ``gpu_count`` is the node's, 0 included: it states the
+    ``nvidia.com/gpu`` capacity and no MIG strategy hides GPUs from it (under ``single``
+    it counts none, and under ``mixed`` a partitioned GPU is no ``nvidia.com/gpu``), so a
+    node whose device plugin went counts no GPU. Otherwise a 0 means "not stated" (an
+    inventory of a MIG node, or one without capacity) and the count known is kept."""
+    return ("nvidia.com/gpu" in event.capacity and event.mig_strategy != "single"
+            and not any(mig_resource_profile(key) for key in event.capacity))
+
+
 def _keeps_pods_off(taint: Taint) -> bool:
     """Whether ``taint`` keeps new GPU pods off the node, as a cordon does: Kubernetes' own
     taints of a node not ready, and gpusteward's (``gpusteward.io/gpu-reset-required``).
@@ -696,7 +706,10 @@ class NodeJoin:
 
     def _on_inventory(self, state: NodeState, event: NodeInventory) -> list[Output]:
         state.gpu_model = event.gpu_product or state.gpu_model
-        state.gpu_count = event.gpu_count or state.gpu_count
+        if _states_gpu_count(event):
+            state.gpu_count = event.gpu_count  # 0 included: the node has lost its GPUs
+        else:
+            state.gpu_count = event.gpu_count or state.gpu_count
         state.gpu_replicas = event.gpu_replicas
         # A deleted node offers nothing and leaves the fleet's view (its summaries are
         # tombstones); the same name created again states its allocatable anew.
