@@ -12,15 +12,20 @@ shows as a gap shorter than the server asked for.
 from __future__ import annotations
 
 import itertools
+import json
+import threading
 import time
+from typing import Any
 
 import pytest
 
+from gpusteward.collectors.kubernetes import KubeWatchSettings
+from gpusteward.collectors.kubernetes.reflector import Reflector, node_key
 from gpusteward.sandbox.kube_api import KubeApiServer, RecordedRequest
 from gpusteward.sandbox.kube_objects import gpu_node
 
 from .conftest import WatcherFactory, wait_until
-from .test_watcher import brief
+from .test_watcher import _Response, brief
 
 RETRY_AFTER_S = 1
 THROTTLED = 4
@@ -91,3 +96,27 @@ def test_a_retry_after_beyond_the_cap_waits_the_cap(
     wait_until(lambda: len(watcher.events) > 1, 5, "the watch to resume after the cap")
     assert time.monotonic() - asked < 5
     assert [brief(e) for e in watcher.events[1:]] == [("node", "n1", True, None, False)]
+
+
+def test_a_watch_error_event_asking_to_wait_is_waited_for() -> None:
+    """A watch may also end with an ERROR event whose Status asks for a wait
+    (``details.retryAfterSeconds``, as API Priority and Fairness writes it)."""
+    page = json.dumps({"metadata": {"resourceVersion": "5"}, "items": []}).encode()
+    error = json.dumps({"type": "ERROR", "object": {
+        "kind": "Status", "code": 429, "reason": "TooManyRequests", "message": "throttled",
+        "details": {"retryAfterSeconds": 2}}}).encode() + b"\n"
+    stop = threading.Event()
+    pauses: list[float] = []
+
+    def list_call(**kwargs: Any) -> _Response:
+        return _Response(error if kwargs.get("watch") else page)
+
+    def sleep(seconds: float) -> bool:
+        pauses.append(seconds)
+        stop.set()
+        return True
+
+    settings = KubeWatchSettings(backoff_initial_s=0.05, backoff_max_s=0.2)
+    Reflector("nodes", list_call, lambda deltas: None, settings, stop, key_of=node_key,
+              sleep=sleep).run()
+    assert pauses == [2.0]
