@@ -440,6 +440,14 @@ class NodeSummary(msgspec.Struct):
     """How many stepped-back clocks of the node the node join has taken (see
     docs/reliability.md "Clocks"): a summary with more is on a newer clock and follows one
     with fewer however old its time (:func:`summary_follows`)."""
+    deleted: bool = False
+    """The node was deleted from Kubernetes: this summary is its tombstone. It offers and
+    holds nothing (``gpus_total``, ``gpus_free`` 0, no MIG devices, idle holds or team
+    holdings) and the node leaves the fleet's view (capacity, fragmentation, start
+    estimates, MIG advice, ``gpusteward status``) until a later summary says otherwise: the
+    node created again under its name. A consumer that ignores the field counts no GPU of
+    it either. Every summary the node join sends for the node until then is one, so a
+    redelivered or late one keeps it out."""
 
 
 def summary_follows(summary: NodeSummary, ts: float, clock_steps: int) -> bool:

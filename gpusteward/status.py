@@ -300,6 +300,8 @@ class StatusFold:
             team.busy = team.allocated - team.idle
         pools: dict[str, PoolStatus] = {}
         for node, summary in self.summaries.items():
+            if summary.deleted:
+                continue  # the node's tombstone, kept so that no older summary revives it
             name = self.pool(node)
             pool = pools.setdefault(name, PoolStatus(name, 0, 0, 0, 0, 0, 0))
             allocated = summary.gpus_total - summary.gpus_free

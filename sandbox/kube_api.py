@@ -197,6 +197,9 @@ class Fault:
     status: int = 503
     path: str = ""
     """A regular expression searched in the request path; empty matches every path."""
+    query: str = ""
+    """A regular expression searched in the request's query string (``continue=``,
+    ``watch=true``); empty matches every query."""
     retry_after: float | None = None
     """Seconds sent as ``Retry-After``; None sends no header."""
     hang_s: float = 0.0
@@ -259,6 +262,8 @@ class RecordedRequest:
     content_type: str
     body: Any
     status: int = 0
+    at: float = field(default_factory=time.monotonic)
+    """When it arrived (``time.monotonic``), for assertions on the pace of retries."""
 
 
 @dataclass
@@ -632,23 +637,24 @@ class KubeApiServer:
                 self._refusing = False
 
     def fail(self, method: str, count: int = 1, *, status: int = 503, path: str = "",
-             retry_after: float | None = None, hang_s: float = 0.0) -> Fault:
-        """Make the next ``count`` ``method`` requests (whose path matches ``path``) fail.
+             retry_after: float | None = None, hang_s: float = 0.0, query: str = "") -> Fault:
+        """Make the next ``count`` ``method`` requests (whose path matches ``path`` and query
+        string ``query``) fail.
 
         They answer ``status`` (with ``Retry-After`` when given) without being
         served, or with ``hang_s`` are held and dropped unanswered. Faults added
         earlier are used up first. Returns the fault, whose ``remaining`` counts down.
         """
-        fault = Fault(method.upper(), count, status, path, retry_after, hang_s)
+        fault = Fault(method.upper(), count, status, path, query, retry_after, hang_s)
         with self._cond:
             self._faults.append(fault)
         return fault
 
-    def _take_fault(self, method: str, path: str) -> Fault | None:
+    def _take_fault(self, method: str, path: str, query: str = "") -> Fault | None:
         with self._cond:
             for fault in self._faults:
-                if fault.remaining > 0 and fault.method == method and re.search(fault.path,
-                                                                                 path):
+                if fault.remaining > 0 and fault.method == method and re.search(
+                        fault.path, path) and re.search(fault.query, query):
                     fault.remaining -= 1
                     return fault
         return None
@@ -890,7 +896,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if api._refusing:
                 raise ApiError(503, "ServiceUnavailable", "the double is in an outage")
-            fault = api._take_fault(method, parts.path)
+            fault = api._take_fault(method, parts.path, parts.query)
             if fault is not None and fault.hang_s > 0:
                 with api._cond:
                     api._cond.wait_for(lambda: api._closed, timeout=fault.hang_s)

@@ -198,8 +198,14 @@ class FleetEvaluator:
         has been applied, so the queue state is true up to the summaries' time too."""
         known = state.nodes.get(summary.node)
         if known is None or summary_follows(summary, known.ts, known.clock_steps):
+            # A deleted node's tombstone is kept as its latest summary, out of every view
+            # (:func:`live_nodes`), so that an older summary redelivered after it does
+            # not bring the node back; it goes as any node does, once stale.
             state.nodes[summary.node] = summary
-        mig_observed.on_summary(state.mig, summary)
+        if state.nodes[summary.node].deleted:
+            state.mig.instances.pop(summary.node, None)
+        else:
+            mig_observed.on_summary(state.mig, summary)
         out: list[FleetOutput] = []
         for runner, settings in self._summary_runners:
             assert runner.on_summary is not None
@@ -244,7 +250,7 @@ class FleetEvaluator:
 
     def fragmentation(self, state: FleetState) -> frag.FragmentationReport:
         settings = self.rules.of(frag.KIND, frag.FragmentationSettings)
-        return frag.cluster_fragmentation((frag.free_milli(s) for s in state.nodes.values()),
+        return frag.cluster_fragmentation((frag.free_milli(s) for s in live_nodes(state)),
                                           frag.shapes(state.shape_counts, settings))
 
     def evaluate(self, state: FleetState, now: float) -> list[FleetOutput]:
@@ -255,7 +261,7 @@ class FleetEvaluator:
             del state.nodes[node]
             state.departed.append(node)
         fleet = frag.FleetView(
-            nodes=list(state.nodes.values()),
+            nodes=live_nodes(state),
             pending={key: frag.Demand(key=key, queue=w.queue, gpus=w.gpus, mig=w.mig,
                                       since=w.pending_since, pod_sets=tuple(w.pod_sets))
                      for key, w in state.queue.waiting.items()},
@@ -289,7 +295,7 @@ class FleetEvaluator:
         """
         window_s = self.mig_advice_settings.window_s
         try:
-            advice = mig_observed.advise(self.geometries, state.nodes.values(), state.mig,
+            advice = mig_observed.advise(self.geometries, live_nodes(state), state.mig,
                                          now=slot, window_s=window_s)
             out: list[FleetOutput] = list(mig_layout.advice_findings(
                 advice, ts=slot, window_start=slot - window_s,
@@ -298,9 +304,15 @@ class FleetEvaluator:
             # A failed search must not stop the fleet rules: say so, try next interval.
             log.warning("MIG layout advice at %.0f failed: %s", slot, error)
             out = []
-        mig_observed.restart_interval(state.mig, slot, state.nodes.values(),
+        mig_observed.restart_interval(state.mig, slot, live_nodes(state),
                                       forget_before=slot - window_s)
         return out
+
+
+def live_nodes(state: FleetState) -> list[NodeSummary]:
+    """The latest summary of every node in the fleet: the deleted nodes' tombstones left
+    out."""
+    return [s for s in state.nodes.values() if not s.deleted]
 
 
 def _period(seconds: float) -> str:

@@ -217,6 +217,9 @@ class NodeState(msgspec.Struct):
     finding stays open (:meth:`NodeJoin._reask`), forgotten when it resolves."""
     asks_due: float | None = None
     """Event time from which the next of ``asks`` is due; None with none."""
+    deleted: bool = False
+    """The node's last inventory said it was deleted: its summaries are tombstones
+    (``NodeSummary.deleted``) until an inventory says it exists again."""
 
 
 Output = Finding | Action | NodeSummary | Rollup
@@ -373,6 +376,16 @@ _OFF_TAINTS = frozenset({"node.kubernetes.io/not-ready", "node.kubernetes.io/unr
                          "node.kubernetes.io/unschedulable",
                          "node.kubernetes.io/network-unavailable"})
 """Taints Kubernetes sets on a node that takes no new pods (NotReady, unreachable)."""
+
+
+def _states_gpu_count(event: NodeInventory) -> bool:
+    """The inventory's ``gpu_count`` is the node's, 0 included: it states the
+    ``nvidia.com/gpu`` capacity and no MIG strategy hides GPUs from it (under ``single``
+    it counts none, and under ``mixed`` a partitioned GPU is no ``nvidia.com/gpu``), so a
+    node whose device plugin went counts no GPU. Otherwise a 0 means "not stated" (an
+    inventory of a MIG node, or one without capacity) and the count known is kept."""
+    return ("nvidia.com/gpu" in event.capacity and event.mig_strategy != "single"
+            and not any(mig_resource_profile(key) for key in event.capacity))
 
 
 def _keeps_pods_off(taint: Taint) -> bool:
@@ -771,10 +784,14 @@ class NodeJoin:
 
     def _on_inventory(self, state: NodeState, event: NodeInventory) -> list[Output]:
         state.gpu_model = event.gpu_product or state.gpu_model
-        state.gpu_count = event.gpu_count or state.gpu_count
+        if _states_gpu_count(event):
+            state.gpu_count = event.gpu_count  # 0 included: the node has lost its GPUs
+        else:
+            state.gpu_count = event.gpu_count or state.gpu_count
         state.gpu_replicas = event.gpu_replicas
-        # A deleted node offers nothing, though its last summary lingers in the fleet's view
-        # until it is stale; the same name created again states its allocatable anew.
+        # A deleted node offers nothing and leaves the fleet's view (its summaries are
+        # tombstones); the same name created again states its allocatable anew.
+        state.deleted = event.deleted
         state.gpu_allocatable = 0 if event.deleted else event.allocatable.get("nvidia.com/gpu")
         state.cordoned = event.unschedulable or any(map(_keeps_pods_off, event.taints))
         state.spot = event.spot
@@ -908,6 +925,15 @@ class NodeJoin:
         if not (state.summary_dirty or due):
             return []
         state.last_summary_ts, state.summary_dirty = ts, False
+        if state.deleted:
+            # A tombstone: the node is gone, whatever its pods' last events still say
+            # (they are deleted after it); nothing on it is free, held or reclaimable.
+            return [NodeSummary(
+                ts=ts, node=node, gpu_model=state.gpu_model, gpus_total=0, gpus_free=0,
+                healthy=self._healthy(state), cordoned=state.cordoned, spot=state.spot,
+                gpu_replicas=state.gpu_replicas,
+                replicas_free=0 if state.gpu_replicas > 1 else None, pool=state.pool,
+                clock_steps=state.clock_steps, deleted=True)]
         holding = [h for h in state.pods.values() if h.ended_at is None]
         used = sum(h.gpus for h in holding)
         # Free is what the scheduler could still place: a GPU out of allocatable (failed,

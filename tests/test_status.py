@@ -79,6 +79,17 @@ def test_pools_and_teams_count_allocated_and_busy_gpus():
     assert teams == {"vision": (1, 4, 4, 0), "nlp": (2, 6, 4, 2)}
 
 
+def test_a_deleted_node_leaves_the_pools_and_an_older_summary_does_not_bring_it_back():
+    fold = fleet()
+    before = fold.summaries["n3"]
+    fold.summary(msgspec.structs.replace(before, ts=60.0, gpus_total=0, gpus_free=0,
+                                         deleted=True))
+    fold.summary(before)  # redelivered after the tombstone (the topic is read again)
+    assert {p.pool: p.nodes for p in fold.snapshot(NOW).pools} == {"H100": 2}
+    fold.summary(msgspec.structs.replace(before, ts=70.0))  # created again
+    assert {p.pool: p.nodes for p in fold.snapshot(NOW).pools} == {"H100": 2, "A100": 1}
+
+
 def test_open_findings_are_the_latest_firing_state_per_id():
     fold = fleet()
     fold.finding(finding("a", "xid", "firing", Subject(node="n1", device="GPU-1"),

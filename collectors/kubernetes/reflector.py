@@ -9,7 +9,12 @@ against what was already delivered, so deletions missed while disconnected
 come out as deletions and unchanged objects come out not at all. It
 remembers the resourceVersion delivered per object and never delivers the
 same one twice. Errors back off exponentially, with jitter, up to a cap; so
-does a watch that ends at once without an event. It
+does a watch that ends at once without an event. An answer with ``Retry-After``
+(a 429 of API Priority and Fairness, a 5xx of an overloaded server; for a watch
+also an ``ERROR`` event's ``retryAfterSeconds``) waits at least that long, capped
+by ``retry_after_max_s``, as client-go's rest client does, and a LIST page
+refused so is asked again with the same continue token rather than starting the
+list over, which would ask a throttled server for every page again. It
 reads raw JSON (``_preload_content=False``): the client's model classes cost
 milliseconds per pod, which a 10,000-pod relist cannot afford.
 
@@ -33,7 +38,7 @@ import msgspec
 from gpusteward import edge
 from gpusteward.collectors.kubernetes.settings import KubeWatchSettings
 from gpusteward.collectors.metrics import WatcherMetrics
-from gpusteward.errors import TemporaryError, cut
+from gpusteward.errors import TemporaryError, cut, retry_after
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,17 @@ class Gone(TemporaryError):
 
 class WatchError(TemporaryError):
     """The server ended a watch with an error other than 410."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        """The ``retryAfterSeconds`` of the ERROR event's Status; None when it gave none."""
+
+
+THROTTLE_RETRIES = 10
+"""Times one LIST page is asked again after answers with ``Retry-After`` before the error
+is the relist's (which then backs off and starts over): client-go's rest client's
+default, ``maxRetries`` 10."""
 
 
 SHORT_WATCH_S = 1.0
@@ -144,10 +160,22 @@ class Reflector:
                     return
                 self.stats.errors += 1
                 self._metrics.errors.labels(self.resource, error_reason(e)).inc()
-                pause = delay * random.uniform(0.8, 1.2)
+                pause = max(delay * random.uniform(0.8, 1.2), self._asked_to_wait(e) or 0.0)
                 log.warning("%s: %s; retrying in %.1f s", self.resource, brief_error(e), pause)
                 self._sleep(pause)
                 delay = min(delay * 2, self._settings.backoff_max_s)
+
+    def _asked_to_wait(self, error: BaseException) -> float | None:
+        """The seconds the server asked for before the next request (its ``Retry-After``
+        on a 429 or 5xx, or a watch ERROR event's ``retryAfterSeconds``), capped by
+        ``retry_after_max_s``; None when it asked for nothing."""
+        if isinstance(error, WatchError):
+            asked = error.retry_after_s
+        else:
+            asked = server_retry_after(error)
+        if asked is None:
+            return None
+        return min(asked, self._settings.retry_after_max_s)
 
     def stop(self) -> None:
         """Unblock a watch read at once (the stop event must be set first)."""
@@ -173,14 +201,7 @@ class Reflector:
         token: str | None = None
         list_rv = ""
         while True:
-            try:
-                response = self._list_call(
-                    limit=settings.page_size, _continue=token, _preload_content=False,
-                    _request_timeout=(settings.request_timeout_s, settings.request_timeout_s))
-            except Exception as e:
-                if getattr(e, "status", None) == 410:
-                    raise Gone() from e  # the continue token expired: start over
-                raise
+            response = self._list_page(token)
             page = _decoder.decode(_body(response))
             meta = page.get("metadata") or {}
             list_rv = list_rv or meta.get("resourceVersion", "")
@@ -203,6 +224,29 @@ class Reflector:
         # the new resourceVersion also sees them as outstanding.
         self.resource_version = list_rv
         self.synced.set()
+
+    def _list_page(self, token: str | None) -> Any:
+        """One LIST page; a page the server throttles (``Retry-After``) is asked again with
+        the same token once the wait is over, up to :data:`THROTTLE_RETRIES` times."""
+        settings = self._settings
+        for attempt in range(THROTTLE_RETRIES + 1):
+            try:
+                return self._list_call(
+                    limit=settings.page_size, _continue=token, _preload_content=False,
+                    _request_timeout=(settings.request_timeout_s, settings.request_timeout_s))
+            except Exception as e:
+                if getattr(e, "status", None) == 410:
+                    raise Gone() from e  # the continue token expired: start over
+                wait = self._asked_to_wait(e)
+                if wait is None or attempt == THROTTLE_RETRIES or self._stop.is_set():
+                    raise
+                self.stats.errors += 1
+                self._metrics.errors.labels(self.resource, error_reason(e)).inc()
+                log.info("%s: %s; asking for the page again in %.1f s", self.resource,
+                         brief_error(e), wait)
+                if self._sleep(wait):
+                    raise  # stopping
+        raise AssertionError("unreachable")
 
     def _changed(self, items: list[Obj], seen: dict[str, str]) -> list[Delta]:
         """The deltas of one list page against what was delivered; notes each object's
@@ -282,8 +326,11 @@ class Reflector:
         if kind == "ERROR":
             if obj.get("code") == 410:
                 raise Gone()
+            asked = (obj.get("details") or {}).get("retryAfterSeconds")
             raise WatchError(f"{obj.get('code')} {obj.get('reason')}: "
-                             f"{str(obj.get('message'))[:200]}")
+                             f"{str(obj.get('message'))[:200]}",
+                             retry_after_s=float(asked) if isinstance(asked, int | float)
+                             and asked >= 0 else None)
         version = obj["metadata"]["resourceVersion"]
         if kind == "BOOKMARK":
             self.resource_version = version
@@ -320,6 +367,17 @@ def _lines(response: Any) -> Iterator[bytes]:
                 yield line
     if buffer.strip():
         yield buffer
+
+
+def server_retry_after(error: BaseException) -> float | None:
+    """The ``Retry-After`` seconds of a failed request's answer, where the server sent
+    one with a 429 or a 5xx (client-go heeds it on those only), else None."""
+    status = getattr(error, "status", None)
+    if not isinstance(status, int) or not (status == 429 or 500 <= status <= 599):
+        return None
+    headers = getattr(error, "headers", None) or {}
+    value = next((v for k, v in headers.items() if k.lower() == "retry-after"), None)
+    return retry_after(value)
 
 
 def error_reason(error: BaseException) -> str:

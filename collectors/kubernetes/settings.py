@@ -43,6 +43,11 @@ class KubeWatchSettings(BaseModel):
     backoff_initial_s: float = Field(0.5, gt=0, description="First retry delay after an error.")
     backoff_max_s: float = Field(
         30.0, gt=0, description="Retry delay cap; delays double per consecutive failure.")
+    retry_after_max_s: float = Field(
+        60.0, gt=0, description="Longest wait a server's Retry-After (a 429 of API Priority "
+        "and Fairness, a 5xx) imposes before the next request, seconds. The reflector waits "
+        "at least what the server asks, up to this: the apiserver asks for 1 s or a few, "
+        "and a proxy asking for an hour must not leave the watcher blind for an hour.")
     kueue_versions: list[str] = Field(
         ["v1beta2", "v1beta1"], description="Kueue API versions in order of preference; the "
         "first one the server serves is used.")

@@ -446,11 +446,17 @@ class Translator:
             return [msgspec.structs.replace(last, ts=ts, deleted=True)]
         assert delta.obj is not None
         event = self.node_inventory(delta.obj, ts)
+        last = self.node_events.get(name)
+        if last is not None and GPU in last.capacity and GPU not in event.capacity:
+            # Its GPUs left the node's status altogether (a kubelet restarted after the
+            # device plugin went): say 0, or the worker, reading an inventory that states
+            # nothing, kept the node's last count and offered it all as free.
+            event = msgspec.structs.replace(event, capacity={**event.capacity, GPU: 0},
+                                            allocatable={**event.allocatable, GPU: 0})
         labels = event.labels
         view = NodeView(labels.get(LABEL_MIG_STRATEGY), single_strategy_profile(labels))
         previous_view = self.nodes.get(name)
         self.nodes[name] = view
-        last = self.node_events.get(name)
         self.node_events[name] = event
         out: list[Emitted] = []
         if last is None or msgspec.structs.replace(last, ts=ts) != event:

@@ -60,17 +60,26 @@ Kubeflow training jobs (replica counts). Each is watched where its CRD is served
 
 
 def api_client(settings: KubeWatchSettings) -> Any:
-    """A ``kubernetes`` ApiClient from a kubeconfig or the in-cluster service account."""
+    """A ``kubernetes`` ApiClient from a kubeconfig or the in-cluster service account.
+
+    Its urllib3 pool retries a refused or dropped connection as by default, but not an
+    answer with ``Retry-After``: urllib3 would sleep whatever the server asks, three times,
+    inside the request, uncapped and deaf to a stop, and unseen by the watcher's metrics.
+    The reflector heeds it instead (:mod:`.reflector`).
+    """
     import os
 
     from kubernetes import client, config
+    from urllib3.util.retry import Retry
 
+    configuration = client.Configuration()
+    configuration.retries = Retry(Retry.DEFAULT.total, respect_retry_after_header=False)
     if settings.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-        configuration = client.Configuration()
         config.load_incluster_config(client_configuration=configuration)
         return client.ApiClient(configuration)
     return config.new_client_from_config(config_file=settings.kubeconfig,
-                                         context=settings.context)
+                                         context=settings.context,
+                                         client_configuration=configuration)
 
 
 class KubeWatcher:

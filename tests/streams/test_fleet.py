@@ -53,6 +53,27 @@ def test_stale_nodes_leave_the_fleet() -> None:
     assert set(state.nodes) == {"stays"}
 
 
+def test_a_deleted_node_leaves_the_view_at_once_and_stays_out_under_redelivery() -> None:
+    """The tombstone takes the node out of every fleet figure; the same tombstone again, or
+    an older summary of the node redelivered after it, changes nothing; a later summary
+    (the node created again) brings it back."""
+    evaluator = FleetEvaluator()
+    state = FleetState()
+    before = summary("gone", 0, free=8)
+    evaluator.on_summary(state, before)
+    evaluator.on_summary(state, summary("stays", 0, free=2, total=4))
+    assert evaluator.fragmentation(state).nodes == 2
+    tombstone = msgspec.structs.replace(summary("gone", 60, free=0, total=0), deleted=True)
+    for redelivered in (tombstone, tombstone, before):
+        evaluator.on_summary(state, redelivered)
+        report = evaluator.fragmentation(state)
+        assert (report.nodes, report.unallocated_milli) == (1, 2_000)
+    # Kept as the node's latest summary (its table value), until it is stale.
+    assert state.nodes["gone"].deleted
+    evaluator.on_summary(state, summary("gone", 120, free=8))
+    assert evaluator.fragmentation(state).nodes == 2
+
+
 def test_queue_wait_breach_through_the_evaluator() -> None:
     evaluator = FleetEvaluator()
     state = FleetState()

@@ -97,6 +97,28 @@ def test_a_deleted_mig_node_offers_no_mig_device() -> None:
     assert [s.mig_free for s in summaries] == [{"1g.10gb": 7}, {}]
 
 
+def test_a_deleted_node_sends_tombstones_until_it_is_created_again() -> None:
+    """Every summary of a deleted node is a tombstone that counts nothing, whatever still
+    arrives for it (its pod's deletion, a last sample); the node created again under its
+    name counts again."""
+    join, state = NodeJoin(), NodeState()
+    inventory = NodeInventory(ts=T0, node="n1", gpu_product="A100", gpu_count=2,
+                              allocatable={"nvidia.com/gpu": 2})
+    join.on_allocation(state, inventory)
+    join.on_allocation(state, allocation("running", T0))
+    out = join.on_allocation(state, msgspec.structs.replace(inventory, ts=T0 + 60,
+                                                            deleted=True))
+    out += join.on_sample(state, node_sample(T0 + 200, 0.0))
+    out += join.on_allocation(state, allocation("deleted", T0 + 260))
+    gone = [o for o in out if isinstance(o, NodeSummary)]
+    assert len(gone) >= 2 and all(
+        s.deleted and (s.gpus_total, s.gpus_free, s.idle, s.held_by_team) == (0, 0, [], {})
+        for s in gone), gone
+    back = join.on_allocation(state, msgspec.structs.replace(inventory, ts=T0 + 300))
+    (summary,) = [o for o in back if isinstance(o, NodeSummary)]
+    assert not summary.deleted and (summary.gpus_total, summary.gpus_free) == (2, 2)
+
+
 def test_state_survives_the_changelog_encoding() -> None:
     join, state = NodeJoin(), NodeState()
     join.on_allocation(state, allocation("running", T0))

@@ -155,3 +155,39 @@ def test_a_deleted_node_offers_nothing_and_its_name_comes_back_as_a_new_node(
     kube_api.create(gpu_node("n1", gpus=4))
     watcher.settle()
     assert free_gpus(watcher, "n1") == 4
+
+
+
+@pytest.mark.parametrize("resource", ["zero", "gone"])
+def test_a_node_that_loses_its_gpus_counts_none(kube_api: KubeApiServer,
+                                                start_watcher: WatcherFactory,
+                                                resource: str) -> None:
+    """The GPU Operator taken off a node: its labels go and the kubelet reports the device
+    plugin's resource as 0 ("zero"), or, after a kubelet restart, not at all ("gone"). The
+    node has no GPU for the fleet's rules: before, it kept its 8 in every total, and with
+    the resource gone it offered all 8 as free."""
+    kube_api.create(gpu_node("n1", gpus=8))
+    watcher = start_watcher(resources=["nodes"])
+
+    def ungpu(node: dict[str, Any]) -> None:
+        labels = node["metadata"]["labels"]
+        for key in [k for k in labels if k.startswith("nvidia.com/")]:
+            del labels[key]
+        for part in ("capacity", "allocatable"):
+            if resource == "zero":
+                node["status"][part]["nvidia.com/gpu"] = "0"
+            else:
+                del node["status"][part]["nvidia.com/gpu"]
+
+    def last_summary() -> tuple[int, int]:
+        join, state = NodeJoin(), NodeState()
+        summaries = [o for e in watcher.events for o in join.on_allocation(state, e)
+                     if isinstance(o, NodeSummary)]
+        return summaries[-1].gpus_total, summaries[-1].gpus_free
+
+    watcher.settle()
+    assert last_summary() == (8, 8)
+    kube_api.mutate("Node", "n1", ungpu)
+    watcher.settle()
+    assert len(watcher.events) == 2
+    assert last_summary() == (0, 0)
