@@ -5,7 +5,9 @@ built from what names the problem (kind, fingerprint, subject) and are kept
 exactly as first sent: the resolved record of an episode carries severity
 ``info`` in the findings topic, and sending that would open a second alert
 instead of ending the first. A resolved finding ends its alert by re-posting
-the firing labels with ``endsAt`` set to the finding's end.
+the firing labels with ``endsAt`` set to the finding's end. An episode re-issued at
+another severity (the idle rule's warning after its notice) is a new label set, so its
+alert replaces the old one: the old is ended in the same post.
 
 Firing alerts are posted with ``endsAt`` a few resend intervals ahead (as
 Prometheus does), and :meth:`AlertmanagerSink.refresh` re-posts them before
@@ -320,10 +322,17 @@ class AlertmanagerSink:
             await self.discover()
         posting: dict[str, list[dict[str, Any]]] = {}
         resolved: dict[str, list[dict[str, Any]]] = {}
+        superseded: list[dict[str, Any]] = []
         for finding in findings:
             fingerprint = finding.fingerprint
             if finding.state == "firing":
                 alert = self._alert(finding)
+                known = self.firing.get(fingerprint)
+                if known is not None and known["labels"] != alert["labels"]:
+                    # Re-issued at another severity (an idle episode's warning after its
+                    # notice): a new label set is a new alert, so the old one is ended
+                    # now rather than left to lapse at its endsAt. (Unsent, it lapses.)
+                    superseded.append({**known, "endsAt": rfc3339(finding.ts)})
                 self.firing[fingerprint] = alert
                 resolved.pop(fingerprint, None)
                 for replica in self.replicas.values():
@@ -345,7 +354,7 @@ class AlertmanagerSink:
         for replica in self.replicas.values():
             replica.pending_resolved.update(resolved)
             replica.has.difference_update(resolved)
-        alerts = [alert for group in posting.values() for alert in group]
+        alerts = [*superseded, *(alert for group in posting.values() for alert in group)]
         if not alerts:
             return
         opened = [fingerprint for fingerprint in posting if fingerprint not in resolved]

@@ -81,12 +81,24 @@ class RestoringSink(Protocol):
     def restore(self, findings: list[Finding]) -> None: ...
 
 
+News = tuple[str, str, str]
+"""What makes a finding record news to the sinks (:func:`news`)."""
+
+
+def news(finding: Finding) -> News:
+    """A finding record is news to the sinks once per episode (its id), state and severity:
+    a redelivery is not, but an episode re-issued at another severity is (the idle rule's
+    warning after its first notice: Alertmanager routes and chat are told of the
+    escalation, not only of the notice)."""
+    return (finding.id, finding.state, finding.severity)
+
+
 @runtime_checkable
 class HoldingSink(Protocol):
     """A sink that keeps findings it could not send yet (the webhook, through an outage)."""
 
-    def holding(self) -> set[tuple[str, str]]:
-        """(id, state) of each finding handed over and not sent yet."""
+    def holding(self) -> set[News]:
+        """:func:`news` of each finding handed over and not sent yet."""
         ...
 
 
@@ -125,7 +137,7 @@ class FindingsConsumer:
         self.sinks = list(sinks)
         self.group_id = group_id or f"{settings.topic_prefix}-alerts"
         self.on_finding = on_finding
-        self.seen: dict[tuple[str, str], float] = {}
+        self.seen: dict[News, float] = {}
         """(id, state) of each finding delivered, with its event time; forgotten once older
         than the topic's retention (:meth:`_forget_old`)."""
         self._forget_at = FORGET_EVERY
@@ -135,7 +147,7 @@ class FindingsConsumer:
         """Records that were no valid finding: each went to the dead-letter topic."""
         self.metrics = PipelineMetrics()
         self._open = OpenFindings(self.metrics)
-        self._read_at: dict[tuple[str, str], tuple[TopicPartition, int]] = {}
+        self._read_at: dict[News, tuple[TopicPartition, int]] = {}
         """Where each finding handed to the sinks was read, while a :class:`HoldingSink`
         still holds it: the commit stops there."""
         self._committed: dict[TopicPartition, int] = {}
@@ -188,7 +200,7 @@ class FindingsConsumer:
         """Commit what was read, but no further on a partition than the oldest record of a
         finding a sink still holds; only when that moved (a batch read, a kept message sent).
         """
-        held: set[tuple[str, str]] = set()
+        held: set[News] = set()
         for sink in self.sinks:
             if isinstance(sink, HoldingSink):
                 held |= sink.holding()
@@ -272,7 +284,7 @@ class FindingsConsumer:
                                 key=source.encode())
             self.metrics.dead_letters.labels(source, edge.kind_of(error)).inc()
             return
-        key = (finding.id, finding.state)
+        key = news(finding)
         if key in self.seen:
             return
         self.seen[key] = finding.ts

@@ -42,6 +42,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from gpusteward.alerting.consumer import News, news
 from gpusteward.errors import retry_after, shown_url, without_url
 from gpusteward.rules.idle import owner_notice
 from gpusteward.schema import Finding
@@ -156,7 +157,7 @@ class Kept:
     """A message not sent yet, and the (id, state) of each finding it carries."""
 
     message: dict[str, Any]
-    findings: tuple[tuple[str, str], ...]
+    findings: tuple[News, ...]
 
 
 class WebhookSink:
@@ -195,19 +196,19 @@ class WebhookSink:
         wanted = self._wanted(findings)
         if not wanted:
             return
-        messages = ([Kept(digest_message(wanted), tuple((f.id, f.state) for f in wanted))]
+        messages = ([Kept(digest_message(wanted), tuple(map(news, wanted)))]
                     if len(wanted) > DIGEST_OVER
-                    else [Kept(slack_message(f), ((f.id, f.state),)) for f in wanted])
+                    else [Kept(slack_message(f), (news(f),)) for f in wanted])
         for kept in messages:
             # Behind messages kept from a failure: in order, and a receiver that is down
             # costs the refresh one timeout rather than every new finding its retries.
             if self.unsent or not await self._send(kept.message):
                 self.unsent.append(kept)
 
-    def holding(self) -> set[tuple[str, str]]:
-        """(id, state) of every finding whose message is kept, not sent yet: the consumer
-        commits no further than the oldest of their records, so none is lost to a
-        restart."""
+    def holding(self) -> set[News]:
+        """:func:`~gpusteward.alerting.consumer.news` of every finding whose message is
+        kept, not sent yet: the consumer commits no further than the oldest of their
+        records, so none is lost to a restart."""
         return {key for kept in self.unsent for key in kept.findings}
 
     async def refresh(self, force: bool = False) -> None:

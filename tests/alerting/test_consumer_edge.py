@@ -167,6 +167,6 @@ def test_findings_older_than_the_topic_keeps_are_forgotten_and_the_rest_still_de
     assert [(f.id, f.state) for f in delivered] == [
         ("old-closed", "firing"), ("old-closed", "resolved"), ("old-open", "firing"),
         ("recent", "firing"), ("new", "firing")]
-    assert set(consumer.seen) == {("recent", "firing"), ("new", "firing")}
+    assert {key[:2] for key in consumer.seen} == {("recent", "firing"), ("new", "firing")}
     assert set(consumer._open.newest) == {"old-open", "recent", "new"}
     assert set(consumer._open.open) == {"old-open", "recent", "new"}
