@@ -18,8 +18,10 @@ devices through ResourceClaims instead of an extended resource such as
 
 :class:`DraIndex` keeps the last two (for the drivers watched only) and
 resolves a claim, for one pod, to the GPUs and MIG devices it holds, by GPU
-or MIG uuid: what the worker's join matches samples with. Pure, like the
-translator that uses it.
+or MIG uuid: what the worker's join matches samples with. It also counts what
+each node's slices publish (whole GPUs, MIG devices by profile), which is a DRA
+node's capacity: no device plugin advertises ``nvidia.com/gpu`` there. Pure,
+like the translator that uses it.
 
 What is left out, deliberately: a device allocated for admin access
 (``adminAccess``: monitoring, not a hold); a claim shared by several pods is
@@ -32,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpusteward.collectors.kubernetes.reflector import Delta, Obj
+from gpusteward.schema import MIG_RESOURCE_PREFIX
 
 DRA_GROUP = "resource.k8s.io"
 DRA_VERSION = "v1"
@@ -95,6 +98,17 @@ def attribute(device: Obj, name: str, driver: str) -> str | None:
     return None
 
 
+def capacity_name(device: DraDevice) -> str | None:
+    """The extended resource a device plugin would advertise the device as: a whole GPU as
+    ``nvidia.com/gpu``, a MIG device as ``nvidia.com/mig-<profile>`` (a ``+`` written ``.``,
+    as the device plugin writes it); None for another type."""
+    if device.type in GPU_TYPES:
+        return "nvidia.com/gpu"
+    if device.type == MIG_TYPE and device.profile:
+        return MIG_RESOURCE_PREFIX + device.profile.replace("+", ".")
+    return None
+
+
 def pod_claims(pod: Obj) -> list[str]:
     """``namespace/name`` of the claims a pod's spec names, as far as they are named: a
     claim from a template is named once the resourceclaim controller made it (and not at
@@ -123,25 +137,66 @@ class DraIndex:
     """``namespace/name`` -> the claim."""
     claim_names: dict[str, str] = field(default_factory=dict)
     """A claim's object key -> its ``namespace/name`` (a relist reports deletions by key)."""
+    slice_nodes: dict[str, str] = field(default_factory=dict)
+    """A node-local slice's object key -> its node."""
+    node_slices: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    """Node -> its slices' keys -> the devices each publishes, counted as a device plugin
+    would advertise them (``nvidia.com/gpu``, ``nvidia.com/mig-<profile>``)."""
 
-    def on_slice(self, delta: Delta) -> None:
+    def on_slice(self, delta: Delta) -> set[str]:
+        """Keep a slice's change; the nodes whose published devices it changed."""
         for key in self.slices.pop(delta.key, ()):
             self.devices.pop(key, None)
+        touched: set[str] = set()
+        before = self.slice_nodes.pop(delta.key, None)
+        if before is not None:
+            touched.add(before)
+            of_node = self.node_slices[before]
+            del of_node[delta.key]
+            if not of_node:
+                del self.node_slices[before]
         if delta.type == "DELETED" or delta.obj is None:
-            return
+            return touched
         spec = delta.obj.get("spec") or {}
         driver = spec.get("driver", "")
         if driver not in self.drivers:
-            return
+            return touched
         pool = (spec.get("pool") or {}).get("name", "")
         published = []
+        counts: dict[str, int] = {}
         for device in spec.get("devices") or []:
             key = (driver, pool, str(device["name"]))
-            self.devices[key] = DraDevice(uuid=attribute(device, "uuid", driver),
-                                          type=attribute(device, "type", driver),
-                                          profile=attribute(device, "profile", driver))
+            found = self.devices[key] = DraDevice(
+                uuid=attribute(device, "uuid", driver), type=attribute(device, "type", driver),
+                profile=attribute(device, "profile", driver))
             published.append(key)
+            # A partitionable device (KEP-4815: a GPU and the MIG devices that may be carved
+            # from it, all drawing on shared counters) is a possibility, not capacity.
+            if not device.get("consumesCounters"):
+                resource = capacity_name(found)
+                if resource is not None:
+                    counts[resource] = counts.get(resource, 0) + 1
         self.slices[delta.key] = published
+        node = spec.get("nodeName")
+        if node:
+            self.slice_nodes[delta.key] = node
+            self.node_slices.setdefault(node, {})[delta.key] = counts
+            touched.add(node)
+        return touched
+
+    def node_capacity(self, node: str) -> dict[str, int]:
+        """What the watched drivers' slices of ``node`` publish, counted by resource name;
+        empty when they publish nothing there. Whole GPUs are counted even when there are
+        none (every GPU partitioned), as the device plugin's mixed strategy advertises
+        ``nvidia.com/gpu: 0``: a partitioned GPU is no free GPU."""
+        slices = self.node_slices.get(node)
+        if not slices:
+            return {}
+        total: dict[str, int] = {"nvidia.com/gpu": 0}
+        for counts in slices.values():
+            for resource, count in counts.items():
+                total[resource] = total.get(resource, 0) + count
+        return total
 
     def on_claim(self, delta: Delta) -> str | None:
         """Keep a claim's change; its ``namespace/name``, None for one never seen."""

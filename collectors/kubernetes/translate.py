@@ -45,6 +45,11 @@ fleet agent sees every member in one place; a size learnt after its members
 were reported is sent again with their latest events. A pod that waited for
 a node is followed the same way once bound (admitted, finished, deleted).
 
+Dynamic Resource Allocation (:mod:`.dra`): a bound pod's ResourceClaims of
+the watched drivers add their GPUs and MIG devices to what it holds, named by
+uuid in ``device_ids``; a pod waiting only for DRA devices is not queued; a
+node advertising no GPU resource counts what its ResourceSlices publish.
+
 MIG: under the ``mixed`` strategy a pod's ``nvidia.com/mig-<profile>``
 requests become ``mig={profile: count}``; under ``single`` the node
 advertises MIG devices as ``nvidia.com/gpu`` and labels
@@ -390,6 +395,8 @@ class Translator:
     settings: KubeWatchSettings = field(default_factory=KubeWatchSettings)
     nodes: dict[str, NodeView] = field(default_factory=dict)
     node_events: dict[str, NodeInventory] = field(default_factory=dict)
+    node_stated: dict[str, NodeInventory] = field(default_factory=dict)
+    """A node's inventory as the Node object states it, before its DRA slices' devices."""
     pods: dict[str, _PodMemo] = field(default_factory=dict)
     workloads: dict[str, QueueEvent] = field(default_factory=dict)
     local_queues: dict[str, str] = field(default_factory=dict)
@@ -431,8 +438,12 @@ class Translator:
             self._local_queue(delta)
         if delta.resource in DRA_RESOURCES:
             if delta.resource == "resourceslices":
-                self.dra.on_slice(delta)
-                return self._dra_refresh(list(self.dra_waiting), ts)
+                out: list[Emitted] = []
+                for node in sorted(self.dra.on_slice(delta)):
+                    inventory = self.node_stated.get(node)
+                    if inventory is not None:
+                        out += self._node_event(msgspec.structs.replace(inventory, ts=ts))
+                return out + self._dra_refresh(list(self.dra_waiting), ts)
             claim = self.dra.on_claim(delta)
             return self._dra_refresh([key for key in self.claim_pods.get(claim or "", ())
                                       if key in self.dra_waiting], ts)
@@ -467,6 +478,7 @@ class Translator:
         name = delta.key
         if delta.type == "DELETED":
             self.nodes.pop(name, None)
+            self.node_stated.pop(name, None)
             last = self.node_events.pop(name, None)
             if last is None:
                 return []
@@ -477,14 +489,29 @@ class Translator:
         view = NodeView(labels.get(LABEL_MIG_STRATEGY), single_strategy_profile(labels))
         previous_view = self.nodes.get(name)
         self.nodes[name] = view
-        last = self.node_events.get(name)
-        self.node_events[name] = event
-        out: list[Emitted] = []
-        if last is None or msgspec.structs.replace(last, ts=ts) != event:
-            out.append(event)
+        self.node_stated[name] = event
+        out = self._node_event(event)
         if previous_view != view:
             out += self._reinterpret_pods(name, ts)
         return out
+
+    def _node_event(self, stated: NodeInventory) -> list[Emitted]:
+        """The node's inventory, with its DRA devices where no device plugin advertises
+        GPUs, when it changed."""
+        event = stated
+        published = self.dra.node_capacity(stated.node)
+        if published and not stated.capacity:
+            # A DRA node: its slices say what it has, as a device plugin's capacity would
+            # (whole GPUs, MIG devices by profile); GFD's gpu.count label counts
+            # MIG-partitioned GPUs too.
+            event = msgspec.structs.replace(stated, capacity=published,
+                                            allocatable=dict(published),
+                                            gpu_count=published.get(GPU, 0))
+        last = self.node_events.get(stated.node)
+        self.node_events[stated.node] = event
+        if last is None or msgspec.structs.replace(last, ts=event.ts) != event:
+            return [event]
+        return []
 
     def _reinterpret_pods(self, node: str, ts: float) -> list[Emitted]:
         """Pods seen before their node, or across a MIG strategy change, in the node's view."""

@@ -1,11 +1,11 @@
 """The process-level Kubernetes watcher: reflectors in threads, translation on asyncio.
 
 :class:`KubeWatcher` starts one :class:`Reflector` per watched resource
-(nodes first, then Dynamic Resource Allocation's ResourceSlices and
-ResourceClaims, then pods, then Kueue's LocalQueues and Workloads, because
-pods need their node's MIG strategy and their claims' devices, and workloads
-their LocalQueue's ClusterQueue, then the objects that state a gang's size),
-hops their deltas
+(Dynamic Resource Allocation's ResourceSlices and ResourceClaims first, then
+nodes, then pods, then Kueue's LocalQueues and Workloads, because a node's
+GPUs may be its slices' devices, pods need their node's MIG strategy and
+their claims, and workloads their LocalQueue's ClusterQueue, then the objects
+that state a gang's size), hops their deltas
 onto the event loop, runs them through the :class:`Translator` and hands the
 events to a :class:`~gpusteward.collectors.transport.Publisher`. It is the
 one module of the collectors that calls the ``kubernetes`` client
@@ -244,11 +244,12 @@ class KubeWatcher:
 
         consumer = self._consumer = asyncio.create_task(self._consume(queue))
         try:
-            # Order matters for the first pass: pods need their node's MIG strategy and
-            # workloads their LocalQueue's ClusterQueue.
+            # Order matters for the first pass: nodes need their DRA slices' devices, pods
+            # their node's MIG strategy and their claims, workloads their LocalQueue's
+            # ClusterQueue.
+            if "claims" in self.settings.resources:
+                await self._start_dra(start, queue, stop)
             for name, call in self._list_calls().items():
-                if name == "pods" and "claims" in self.settings.resources:
-                    await self._start_dra(start, queue, stop)
                 reflector = start(name, call)
                 await self._await_synced(reflector, queue, stop)
             if "workloads" in self.settings.resources:

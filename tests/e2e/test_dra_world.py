@@ -44,6 +44,8 @@ class Run:
     truth: GroundTruth
     held_at_end: dict[str, int]
     """Node -> whole GPUs its running pods hold when the world stops."""
+    mig_held_at_end: dict[str, int]
+    """MIG profile -> devices the running pods hold when the world stops."""
     findings: list[Finding]
     summaries: list[NodeSummary]
     samples: list[NodeSample]
@@ -70,10 +72,13 @@ async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
             await world.settle()
             await deployment.drain(settings, processes)
         held: dict[str, int] = {}
+        mig_held: dict[str, int] = {}
         for workload in cluster.running:
             if workload.node is not None and not workload.spec.mig:
                 held[workload.node.name] = held.get(workload.node.name, 0) + \
                     workload.spec.gpus
+            for profile, count in workload.spec.mig.items():
+                mig_held[profile] = mig_held.get(profile, 0) + count
     finally:
         for process in processes:
             process.stop()
@@ -82,7 +87,7 @@ async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
     async def read(topic: topics.TopicSpec) -> list[bytes]:
         return [r.value or b"" for r in await kafka.read_all(settings, topic.name(settings))]
 
-    return Run(truth, held,
+    return Run(truth, held, mig_held,
                [msgspec.json.decode(v, type=Finding) for v in await read(topics.FINDINGS)],
                [msgspec.json.decode(v, type=NodeSummary)
                 for v in await read(topics.NODE_SUMMARIES)],
@@ -116,6 +121,8 @@ def test_idle_holders_of_dra_gpus_and_mig_devices_are_found_on_their_devices(
 
 
 def test_gpus_held_through_claims_are_not_offered_as_free(run: Run) -> None:
+    """No device plugin advertises the nodes' GPUs: the capacity is what the slices
+    publish (whole GPUs, MIG devices by profile), less what the claims hold."""
     last = {s.node: s for s in run.summaries}
     whole = {node: summary for node, summary in last.items() if node.startswith("h100-dra")}
     assert {node: s.gpus_total for node, s in whole.items()} == {"h100-dra-1": 2,
@@ -123,3 +130,6 @@ def test_gpus_held_through_claims_are_not_offered_as_free(run: Run) -> None:
     assert sum(run.held_at_end.values()) == 3
     assert {node: s.gpus_free for node, s in whole.items()} == {
         node: 2 - run.held_at_end.get(node, 0) for node in whole}
+    mig = last["a100-mig-dra-1"]
+    assert run.mig_held_at_end == {"3g.40gb": 2}
+    assert (mig.gpus_free, mig.mig_free) == (0, {})  # its one GPU is partitioned

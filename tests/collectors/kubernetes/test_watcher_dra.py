@@ -30,10 +30,10 @@ from gpusteward.sandbox.kube_objects import (
     resource_slice,
     start,
 )
-from gpusteward.schema import PodAllocation
+from gpusteward.schema import NodeInventory, NodeSummary, PodAllocation
+from gpusteward.streams.node import NodeJoin, NodeState
 
 from .conftest import RunningWatcher, WatcherFactory, wait_until
-from .test_watcher_holdings import free_gpus
 
 H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -78,6 +78,17 @@ def allocated(name: str, pod: dict[str, Any], node: str, devices: list[str], *,
     return claim
 
 
+def summary(watcher: RunningWatcher, node: str) -> NodeSummary:
+    """The worker's node join's last summary of ``node`` after the watcher's events."""
+    join, state = NodeJoin(), NodeState()
+    summaries: list[NodeSummary] = []
+    for event in watcher.events:
+        if isinstance(event, (PodAllocation, NodeInventory)) and event.node == node:
+            summaries += [o for o in join.on_allocation(state, event)
+                          if isinstance(o, NodeSummary)]
+    return summaries[-1]
+
+
 def holdings(events: list[Any]) -> dict[str, tuple[str, int, dict[str, int], list[str]]]:
     """Pod name -> (phase, GPUs, MIG devices, device ids) of its last allocation event."""
     return {e.pod.name: (e.phase, e.gpus, dict(e.mig), list(e.device_ids)) for e in events
@@ -93,7 +104,8 @@ def test_gpus_and_mig_devices_held_through_claims_are_reported_by_uuid(
         kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
     """A training pod with two whole GPUs (and a NIC of another driver) and an inference
     pod with a MIG device, all through claims made from templates: each is reported
-    holding them, by the uuids the slices publish, and the node's free GPUs count them."""
+    holding them, by the uuids the slices publish. No device plugin advertises the nodes'
+    GPUs: their slices do, so the nodes offer what those publish, less what is held."""
     kube_api.create(dra_node("n1", gpus=4))
     kube_api.create(dra_node("m1", gpus=1, product="NVIDIA-A100-SXM4-80GB"))
     kube_api.create(h100_slice())
@@ -115,7 +127,15 @@ def test_gpus_and_mig_devices_held_through_claims_are_reported_by_uuid(
         "train-0": ("running", 2, {}, UUIDS[:2]),
         "infer": ("running", 0, {"3g.40gb": 1}, [MIG_UUIDS[1]]),
     }
-    assert free_gpus(watcher, "n1") == 2
+    # Slices are listed before nodes: each node's first inventory counts their devices.
+    assert [(e.node, e.gpu_count, e.capacity) for e in watcher.events
+            if isinstance(e, NodeInventory)] == [
+        ("m1", 0, {"nvidia.com/gpu": 0, "nvidia.com/mig-3g.40gb": 2}),
+        ("n1", 4, {"nvidia.com/gpu": 4})]
+    n1, m1 = summary(watcher, "n1"), summary(watcher, "m1")
+    assert (n1.gpus_total, n1.gpus_free) == (4, 2)
+    # GFD labels m1 with one GPU; it is partitioned: no whole GPU is free, one 3g.40gb is.
+    assert (m1.gpus_free, m1.mig_free) == (0, {"3g.40gb": 1})
     assert unresolved(watcher) == 0
 
 
@@ -170,9 +190,15 @@ def test_a_slice_published_late_completes_the_pods_waiting_for_it(
     assert holdings(watcher.events) == {}
     assert unresolved(watcher) == 1
 
+    assert summary(watcher, "n1").gpus_free == 4  # GFD's count, nothing known held
+
     mark = len(watcher.events)
     kube_api.create(h100_slice())
-    assert holdings(watcher.new_events(mark)) == {"train-0": ("running", 1, {}, [UUIDS[2]])}
+    new = watcher.new_events(mark)
+    assert holdings(new) == {"train-0": ("running", 1, {}, [UUIDS[2]])}
+    assert [e.capacity for e in new if isinstance(e, NodeInventory)] == [
+        {"nvidia.com/gpu": 4}]
+    assert summary(watcher, "n1").gpus_free == 3
     assert unresolved(watcher) == 1
 
 
@@ -199,7 +225,7 @@ def test_only_claims_it_cannot_resolve_are_said_once_per_pod(
 
     watcher = start_watcher()
     assert holdings(watcher.events) == {"ray-head": ("running", 1, {}, [UUIDS[0]])}
-    assert free_gpus(watcher, "n1") == 3
+    assert summary(watcher, "n1").gpus_free == 3
     mark = len(watcher.events)
     kube_api.mutate("Pod", "ray-worker", lambda p: p["status"].update(podIP="10.0.0.9"),
                     "team-a")
