@@ -364,16 +364,23 @@ class _PodMemo:
     ungated_at: float | None = None
     """When a pod seen held at Kueue's admission gate was first seen without it."""
     gated: bool = False
+    dra: _DraMemo | None = None
+    """A bound pod with DRA claims: what the translator keeps of them. None for the many
+    pods without: their memo carries nothing more."""
+
+
+@dataclass
+class _DraMemo:
+    base: PodAllocation
+    """The pod's allocation before its DRA devices, to add them to when a claim or a
+    slice resolves later."""
     claims: list[str] = field(default_factory=list)
-    """``namespace/name`` of the DRA claims the pod names (see :mod:`.dra`)."""
-    dra_held: dict[str, Held] = field(default_factory=dict)
+    """``namespace/name`` of the claims the pod names (see :mod:`.dra`)."""
+    held: dict[str, Held] = field(default_factory=dict)
     """What each resolved claim gives the pod: kept for the pod's life, as a claim reserved
     for a pod keeps its allocation until the pod is done (its release after the pod's end
     must not look like the pod letting go of its GPUs while it runs)."""
-    base: PodAllocation | None = None
-    """A bound pod with claims: its allocation before its DRA devices, to add them to
-    when a claim or slice resolves later."""
-    dra_said: bool = False
+    said: bool = False
     """Whether a claim the watcher cannot resolve was reported for it."""
 
 
@@ -574,7 +581,7 @@ class Translator:
                 _unindex(self.gang_pods, memo.gang, delta.key)
             if memo.last is not None:
                 _unindex(self.node_pods, memo.last.node, delta.key)
-            for claim in memo.claims:
+            for claim in memo.dra.claims if memo.dra is not None else ():
                 _unindex(self.claim_pods, claim, delta.key)
             self.dra_waiting.pop(delta.key, None)
             out: list[Emitted] = []
@@ -641,11 +648,13 @@ class Translator:
         allocation: PodAllocation | None = self._allocation(pod, node, resources, phase, ts)
         if claimed:
             assert allocation is not None
+            if memo.dra is None:
+                memo.dra = _DraMemo(allocation)
+            memo.dra.base = allocation
             for claim in pod_claims(pod):
-                if claim not in memo.claims:
-                    memo.claims.append(claim)
+                if claim not in memo.dra.claims:
+                    memo.dra.claims.append(claim)
                     self.claim_pods.setdefault(claim, {})[delta.key] = None
-            memo.base = allocation
             allocation = self._with_dra(delta.key, memo, allocation)
         return out + self._emitted(delta.key, memo, allocation)
 
@@ -671,7 +680,7 @@ class Translator:
         in its node's view, and its resolved DRA claims."""
         gpus, mig = self._gpus_and_mig(memo.resources, node)
         device_ids: list[str] = []
-        for held in memo.dra_held.values():
+        for held in memo.dra.held.values() if memo.dra is not None else ():
             gpus += held.gpus
             for profile, count in held.mig:
                 mig[profile] = mig.get(profile, 0) + count
@@ -686,19 +695,21 @@ class Translator:
             reasons.append("ResourceClaims are not read: resource.k8s.io/v1 is not served "
                            "(Kubernetes before 1.34) or claims are not among the resources "
                            "watched")
-        for claim in memo.claims:
-            if claim not in memo.dra_held:
+        dra = memo.dra
+        assert dra is not None
+        for claim in dra.claims:
+            if claim not in dra.held:
                 held, reason = self.dra.resolve(claim, base.pod.uid, base.pod.name)
                 if held is not None:
-                    memo.dra_held[claim] = held
+                    dra.held[claim] = held
                 if reason is not None:
                     reasons.append(reason)
-        if base.phase == "finished" or len(memo.dra_held) == len(memo.claims):
+        if base.phase == "finished" or len(dra.held) == len(dra.claims):
             self.dra_waiting.pop(key, None)
         else:
             self.dra_waiting[key] = None
-        if reasons and not memo.dra_said:
-            memo.dra_said = True
+        if reasons and not dra.said:
+            dra.said = True
             self.dra_unresolved.append((base.pod.namespace, base.pod.name, reasons))
         gpus, mig, device_ids = self._holding(memo, base.node)
         if not gpus and not mig and memo.last is None:
@@ -710,9 +721,9 @@ class Translator:
         out: list[Emitted] = []
         for key in keys:
             memo = self.pods.get(key)
-            if memo is None or memo.base is None:
+            if memo is None or memo.dra is None:
                 continue
-            base = msgspec.structs.replace(memo.base, ts=ts)
+            base = msgspec.structs.replace(memo.dra.base, ts=ts)
             out += self._emitted(key, memo, self._with_dra(key, memo, base))
         return out
 
