@@ -507,10 +507,10 @@ class Translator:
         GPUs, when it changed."""
         event = stated
         published = self.dra.node_capacity(stated.node)
-        if published and not stated.capacity:
-            # A DRA node: its slices say what it has, as a device plugin's capacity would
-            # (whole GPUs, MIG devices by profile); GFD's gpu.count label counts
-            # MIG-partitioned GPUs too.
+        if published and not any(stated.capacity.values()):
+            # A DRA node (no device plugin advertises a GPU, or one no longer does): its
+            # slices say what it has, as a device plugin's capacity would (whole GPUs, MIG
+            # devices by profile); GFD's gpu.count label counts MIG-partitioned GPUs too.
             event = msgspec.structs.replace(stated, capacity=published,
                                             allocatable=dict(published),
                                             gpu_count=published.get(GPU, 0))

@@ -139,6 +139,18 @@ def test_gpus_and_mig_devices_held_through_claims_are_reported_by_uuid(
     assert unresolved(watcher) == 0
 
 
+def test_a_node_moved_from_the_device_plugin_to_dra_offers_its_slices_devices(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """A node whose device plugin was removed for the DRA driver may still state
+    ``nvidia.com/gpu: 0``: what its slices publish is what it has."""
+    kube_api.create(gpu_node("n1", 4, resources={"nvidia.com/gpu": "0"}))
+    kube_api.create(h100_slice())
+    watcher = start_watcher()
+    (inventory,) = [e for e in watcher.events if isinstance(e, NodeInventory)]
+    assert (inventory.gpu_count, inventory.allocatable) == (4, {"nvidia.com/gpu": 4})
+    assert summary(watcher, "n1").gpus_free == 4
+
+
 def test_a_claim_allocated_after_its_pod_was_seen_bound_completes_the_pod(
         kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
     """The claims' and the pods' watches are separate streams: a pod may be read bound
