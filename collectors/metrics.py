@@ -170,10 +170,10 @@ class WatcherMetrics(CollectorMetrics):
         )
         self.dra_pods = Counter(
             "gpusteward_watch_dra_pods_total",
-            "Pods seen that get devices through Dynamic Resource Allocation "
-            "(spec.resourceClaims), by namespace, each counted once: the watcher does not "
-            "read ResourceClaims, so GPUs allocated this way are not reported; a log line "
-            "names each pod.",
+            "Pods with a Dynamic Resource Allocation claim the watcher cannot resolve to "
+            "GPUs (ResourceClaims not served, a device in no ResourceSlice or without a "
+            "uuid, a claim shared with another pod), by namespace, each counted once; a log "
+            "line names each pod and why.",
             ["namespace"], registry=self.registry,
         )
         self.backlog = Gauge(

@@ -11,8 +11,9 @@ What it serves (``/api/v1`` and ``/apis/<group>/<version>``): pods, nodes,
 events, PodDisruptionBudgets, Kueue's workloads and queues, ``apps/v1``
 Deployments, ReplicaSets and StatefulSets, Kubeflow Notebooks, and what states
 a gang's size (coscheduling and Volcano PodGroups, JobSets, PyTorchJobs,
-MPIJobs, TFJobs); ``absent`` leaves out any of them, as a cluster without its
-CRD would; for each:
+MPIJobs, TFJobs), and Dynamic Resource Allocation's ResourceClaims and
+ResourceSlices (``resource.k8s.io/v1``); ``absent`` leaves out any of them, as a
+cluster without its CRD (or, for DRA, before Kubernetes 1.34) would; for each:
 
 - ``GET`` list (``limit``/``continue`` paging, ``labelSelector``,
   ``fieldSelector`` on ``metadata.name``, ``metadata.namespace``,
@@ -114,6 +115,7 @@ Obj = dict[str, Any]
 KUEUE_GROUP = "kueue.x-k8s.io"
 KUBEFLOW_GROUP = "kubeflow.org"
 NOTEBOOK_GROUP = KUBEFLOW_GROUP
+DRA_GROUP = "resource.k8s.io"
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,11 @@ RESOURCES: tuple[Resource, ...] = (
     Resource(KUBEFLOW_GROUP, "pytorchjobs", "PyTorchJob", True, ("v1",)),
     Resource(KUBEFLOW_GROUP, "mpijobs", "MPIJob", True, ("v1", "v2beta1")),
     Resource(KUBEFLOW_GROUP, "tfjobs", "TFJob", True, ("v1",)),
+    # Dynamic Resource Allocation, GA in Kubernetes 1.34: the claims that hand pods their
+    # devices and the drivers' slices that publish them. A cluster before 1.34 serves no
+    # resource.k8s.io/v1: ``absent`` leaves both out.
+    Resource(DRA_GROUP, "resourceclaims", "ResourceClaim", True, ("v1",)),
+    Resource(DRA_GROUP, "resourceslices", "ResourceSlice", False, ("v1",)),
 )
 _BY_KIND = {(r.group, r.kind): r for r in RESOURCES}
 AUTHORIZATION_GROUP = "authorization.k8s.io"
@@ -980,8 +987,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _discovery(self, path: str) -> tuple[int, bytes]:
         if path == "/version":
-            return 200, msgspec.json.encode({"major": "1", "minor": "33",
-                                             "gitVersion": "v1.33.0-double"})
+            return 200, msgspec.json.encode({"major": "1", "minor": "34",
+                                             "gitVersion": "v1.34.0-double"})
         if path == "/api":
             return 200, msgspec.json.encode({"kind": "APIVersions", "versions": ["v1"]})
         served = {resource: versions for resource in RESOURCES if resource.group

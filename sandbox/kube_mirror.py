@@ -13,15 +13,36 @@ event times are the simulation's.
 
 Pod uids are the simulator's, so sample attribution (which names pods by
 uid) and the watcher's events agree.
+
+On a node group whose GPUs go through Dynamic Resource Allocation
+(``allocation: dra``) the objects are NVIDIA's DRA driver's: a ResourceSlice
+per node publishes its GPUs and MIG devices (no ``nvidia.com/gpu`` capacity);
+a pod asks through a claim template, the resourceclaim controller's claim
+(``<pod>-gpu-<suffix>``) is created with it and named in its status; the
+scheduler allocates the claim to the simulator's devices and reserves it for
+the pod before binding; the claim is released once the pod is done and
+deleted with it.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any
 
 from gpusteward.collectors.transport.publisher import Publisher
-from gpusteward.sandbox.kube_api import KubeApiServer
-from gpusteward.sandbox.kube_objects import gpu_node, gpu_pod, rfc3339
+from gpusteward.rules.mig import geometry
+from gpusteward.sandbox.kube_api import DRA_GROUP, KubeApiServer
+from gpusteward.sandbox.kube_objects import (
+    allocate,
+    claim_pod,
+    dra_gpu,
+    dra_mig,
+    gpu_node,
+    gpu_pod,
+    resource_claim,
+    resource_slice,
+    rfc3339,
+)
 from gpusteward.schema import (
     AllocationEvent,
     HwEvent,
@@ -32,7 +53,7 @@ from gpusteward.schema import (
 )
 
 if TYPE_CHECKING:
-    from gpusteward.sandbox.simulator.engine import SimulatedCluster, Workload
+    from gpusteward.sandbox.simulator.engine import SimNode, SimulatedCluster, Workload
 
 _OWNERS = {"notebook": ("StatefulSet", "notebook-name"), "batch": ("Job", "job-name"),
            "inference": ("ReplicaSet", "pod-template-hash")}
@@ -42,12 +63,52 @@ _HASH = "5d8f9c"
 JOBSET_LABEL = "jobset.sigs.k8s.io/jobset-name"
 
 
-def pod_for(workload: Workload, cluster_queue: str) -> dict[str, Any]:
+def dra_claim_name(pod: str) -> str:
+    """The claim the resourceclaim controller makes for a pod's ``gpu`` claim template:
+    ``<pod>-gpu-<5 random characters>`` (here derived from the pod's name)."""
+    suffix = hashlib.sha1(pod.encode()).hexdigest()[:5]
+    return f"{pod}-gpu-{suffix}"
+
+
+def dra_device_names(node: SimNode) -> dict[str, str]:
+    """GPU or MIG uuid -> its DRA device name, as NVIDIA's driver names them: ``gpu-<i>``,
+    ``gpu-<i>-mig-<GI profile id>-<placement start>-<size>``."""
+    names: dict[str, str] = {}
+    for gpu in node.gpus:
+        names[gpu.uuid] = f"gpu-{gpu.index}"
+        start = 0
+        found = geometry.find(geometry.load(), gpu.model) if gpu.mig else None
+        for mig in gpu.mig:
+            assert found is not None, f"no MIG geometry for {gpu.model!r}"
+            profile = found.profile(mig.profile)
+            names[mig.uuid] = f"gpu-{gpu.index}-mig-{profile.gi_profile_id}-{start}-" \
+                              f"{profile.size}"
+            start += profile.size
+    return names
+
+
+def node_slice(node: SimNode) -> dict[str, Any]:
+    """The ResourceSlice NVIDIA's DRA driver publishes for a node: its whole GPUs, and
+    the MIG devices of its partitioned ones."""
+    names = dra_device_names(node)
+    devices = []
+    for gpu in node.gpus:
+        if not gpu.mig:
+            devices.append(dra_gpu(gpu.index, gpu.uuid, gpu.model))
+        for mig in gpu.mig:
+            _, _, profile_id, start, size = names[mig.uuid].rsplit("-", 4)
+            devices.append(dra_mig(gpu.index, gpu.uuid, mig.uuid, mig.profile,
+                                   int(profile_id), int(start), int(size), gpu.model))
+    return resource_slice(node.name, devices)
+
+
+def pod_for(workload: Workload, cluster_queue: str, dra: bool = False) -> dict[str, Any]:
     """The pod a controller would create for a simulated workload (pending, no node).
 
     A gang member is a pod of its JobSet's Job (``<jobset>-workers-0``), labelled with
     the JobSet's name as the JobSet controller labels it; the scenario's pod labels (a
-    team) are carried as they are.
+    team) are carried as they are. With ``dra`` it asks for its GPUs through a claim
+    template (named in its status, as the resourceclaim controller does at once).
     """
     kind, label = _OWNERS[workload.spec.kind]
     owner_name = f"{workload.name}-{_HASH}" if kind == "ReplicaSet" else workload.name
@@ -64,7 +125,18 @@ def pod_for(workload: Workload, cluster_queue: str) -> dict[str, Any]:
     if kind != "Job":  # the pod's controller is one of owners_for's objects
         (reference,) = pod["metadata"]["ownerReferences"]
         reference.update(apiVersion="apps/v1", uid=f"{kind.lower()}-{owner_name}")
+    if dra:
+        claim_pod(pod, {"gpu": dra_claim_name(workload.name)})
     return pod
+
+
+def claim_for(workload: Workload, pod: dict[str, Any]) -> dict[str, Any]:
+    """The claim the resourceclaim controller makes from the pod's template: MIG devices
+    of the workload's profile (NVIDIA's ``mig.nvidia.com`` class), else whole GPUs."""
+    mig = workload.spec.mig
+    return resource_claim(dra_claim_name(workload.name), workload.namespace, owner=pod,
+                          device_class="mig.nvidia.com" if mig else "gpu.nvidia.com",
+                          count=sum(mig.values()) if mig else workload.spec.gpus)
 
 
 def _resources(workload: Workload) -> dict[str, str]:
@@ -117,8 +189,10 @@ def owners_for(workload: Workload, gang_size: int = 0) -> list[dict[str, Any]]:
     return []
 
 
-def node_for(event: NodeInventory) -> dict[str, Any]:
-    """The Node the GPU Operator would label for a simulated node's inventory."""
+def node_for(event: NodeInventory, dra: bool = False) -> dict[str, Any]:
+    """The Node the GPU Operator would label for a simulated node's inventory; with
+    ``dra``, one whose GPUs NVIDIA's DRA driver hands out: GPU feature discovery labels
+    it, and no device plugin advertises ``nvidia.com/gpu`` or MIG resources."""
     labels = {"nvidia.com/gpu.count": str(event.gpu_count),
               "nvidia.com/mig.strategy": event.mig_strategy or "none"}
     if event.gpu_product:
@@ -136,7 +210,7 @@ def node_for(event: NodeInventory) -> dict[str, Any]:
                  **{k: str(v) for k, v in event.allocatable.items()
                     if k.startswith("nvidia.com/mig-")}}
     node = gpu_node(event.node, event.gpu_count * event.gpu_replicas, labels=labels,
-                    resources=resources)
+                    resources={} if dra else resources)
     if event.unschedulable:
         node["spec"]["unschedulable"] = True
     return node
@@ -176,6 +250,7 @@ class KubeMirrorPublisher:
         self.inner = inner
         self.api = api
         self.cluster = cluster
+        self._any_dra = any(g.allocation == "dra" for g in cluster.scenario.nodes)
 
     def _workload(self, namespace: str, name: str) -> Workload:
         cluster = self.cluster
@@ -195,9 +270,7 @@ class KubeMirrorPublisher:
 
     async def queue(self, event: QueueEvent) -> None:
         if event.state == "pending":
-            workload = self._workload(event.namespace, event.name)
-            self._create_owners(workload)
-            self.api.create(pod_for(workload, event.cluster_queue))
+            self._create_pod(self._workload(event.namespace, event.name), event.cluster_queue)
         # "admitted" needs no write: the allocation event that follows binds the pod.
 
     async def allocation(self, event: AllocationEvent) -> None:
@@ -207,29 +280,74 @@ class KubeMirrorPublisher:
             self._pod(event)
 
     def _node(self, event: NodeInventory) -> None:
-        node = node_for(event)
+        simulated = self.cluster.nodes.get(event.node)
+        dra = simulated is not None and simulated.dra
+        node = node_for(event, dra)
         try:
             current = self.api.get("Node", event.node)
         except KeyError:
             self.api.create(node)
+            if dra:  # the DRA driver's kubelet plugin publishes the node's devices
+                assert simulated is not None
+                self.api.create(node_slice(simulated))
             return
         node["metadata"] = {**current["metadata"], "labels": node["metadata"]["labels"]}
         self.api.update(node)
 
     def _pod(self, event: PodAllocation) -> None:
         name, namespace = event.pod.name, event.pod.namespace
+        # Looked up only in a world with DRA nodes: it scans every simulated workload.
+        workload = self._workload(namespace, name) if self._any_dra else None
+        dra = workload is not None and self.cluster.scenario.asks_through_dra(workload.spec)
         if event.phase == "deleted":
             self.api.delete("Pod", name, namespace=namespace)
+            if dra:  # owned by the pod: the garbage collector deletes it
+                self.api.delete("ResourceClaim", dra_claim_name(name), namespace, DRA_GROUP)
             return
         try:
-            self.api.mutate("Pod", name, lambda pod: bind_and_start(pod, event),
-                            namespace=namespace)
-        except KeyError:
-            workload = self._workload(namespace, name)
+            pod = self.api.get("Pod", name, namespace=namespace)
+        except KeyError:  # first seen placed: created, bound and started at once
+            workload = workload or self._workload(namespace, name)
+            pod = pod_for(workload, self.cluster.scenario.cluster_queue, dra)
             self._create_owners(workload)
-            pod = pod_for(workload, self.cluster.scenario.cluster_queue)
+            if dra:
+                self.api.create(claim_for(workload, pod))
+            if dra and event.phase in ("bound", "running"):
+                self._allocate(workload, pod)
             bind_and_start(pod, event)
             self.api.create(pod)
+            return
+        if dra and event.phase in ("bound", "running"):
+            assert workload is not None
+            self._allocate(workload, pod)  # the scheduler, before it binds the pod
+        self.api.mutate("Pod", name, lambda pod: bind_and_start(pod, event),
+                        namespace=namespace)
+        if dra and event.phase == "finished":
+            # The resourceclaim controller releases the claim of a pod that is done.
+            self.api.mutate("ResourceClaim", dra_claim_name(name),
+                            lambda claim: claim.update(status={}), namespace, DRA_GROUP)
+
+    def _create_pod(self, workload: Workload, cluster_queue: str) -> None:
+        self._create_owners(workload)
+        dra = self.cluster.scenario.asks_through_dra(workload.spec)
+        pod = pod_for(workload, cluster_queue, dra)
+        if dra:  # the resourceclaim controller makes the pod's claim from its template
+            self.api.create(claim_for(workload, pod))
+        self.api.create(pod)
+
+    def _allocate(self, workload: Workload, pod: dict[str, Any]) -> None:
+        """Allocate the pod's claim to the devices the simulator placed it on."""
+        assert workload.node is not None
+        node = workload.node
+        names = dra_device_names(node)
+
+        claim = dra_claim_name(workload.name)
+        if self.api.get("ResourceClaim", claim, workload.namespace, DRA_GROUP)["status"].get(
+                "allocation"):
+            return
+        self.api.mutate("ResourceClaim", claim, lambda c: allocate(
+            c, node.name, [names[d.uuid] for d in workload.devices], [pod]),
+            workload.namespace, DRA_GROUP)
 
     def _create_owners(self, workload: Workload) -> None:
         size = self.cluster.gangs.get(f"{workload.namespace}/{workload.spec.group}", 0)

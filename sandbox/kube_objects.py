@@ -90,3 +90,98 @@ def rfc3339(ts: float) -> str:
 
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
+
+
+# --- Dynamic Resource Allocation (resource.k8s.io/v1) --------------------------------------
+
+NVIDIA_DRA_DRIVER = "gpu.nvidia.com"
+
+
+def dra_gpu(index: int, uuid: str, product: str) -> Obj:
+    """A whole GPU as NVIDIA's DRA driver publishes it (``gpu-<minor>``, its attributes
+    and memory capacity; cmd/gpu-kubelet-plugin/deviceinfo.go)."""
+    return {"name": f"gpu-{index}", "attributes": {
+        "type": {"string": "gpu"}, "uuid": {"string": uuid}, "index": {"int": index},
+        "minor": {"int": index}, "productName": {"string": product},
+        "brand": {"string": "Nvidia"}, "architecture": {"string": "Ampere"},
+        "cudaComputeCapability": {"version": "8.0.0"},
+        "driverVersion": {"version": "570.158.1"}, "cudaDriverVersion": {"version": "12.8.0"},
+        "pcieBusID": {"string": f"0000:{0x18 + index:02x}:00.0"}},
+        "capacity": {"memory": {"value": "80Gi"}}}
+
+
+def dra_mig(parent_index: int, parent_uuid: str, uuid: str, profile: str, profile_id: int,
+            start: int, size: int, product: str) -> Obj:
+    """A MIG device as NVIDIA's DRA driver publishes it
+    (``gpu-<minor>-mig-<GI profile id>-<placement start>-<size>``)."""
+    return {"name": f"gpu-{parent_index}-mig-{profile_id}-{start}-{size}", "attributes": {
+        "type": {"string": "mig"}, "uuid": {"string": uuid},
+        "parentUUID": {"string": parent_uuid}, "profile": {"string": profile},
+        "productName": {"string": product}, "brand": {"string": "Nvidia"},
+        "architecture": {"string": "Ampere"}}, "capacity": {
+        f"memorySlice{i}": {"value": "1"} for i in range(start, start + size)}}
+
+
+def resource_slice(node: str, devices: list[Obj], driver: str = NVIDIA_DRA_DRIVER,
+                   generation: int = 1) -> Obj:
+    """A driver's ResourceSlice of one node: one pool named after the node."""
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": f"{node}-{driver}-x8k2p", "uid": f"slice-{node}-{driver}"},
+            "spec": {"driver": driver, "nodeName": node,
+                     "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
+                     "devices": devices}}
+
+
+def resource_claim(name: str, namespace: str, *, device_class: str = NVIDIA_DRA_DRIVER,
+                   count: int = 1, owner: Obj | None = None) -> Obj:
+    """A ResourceClaim, unallocated; from a template when ``owner`` (its pod) is given, as
+    the resourceclaim controller makes it (``<pod>-<claim>-<suffix>``, owned by the pod)."""
+    meta: Obj = {"name": name, "namespace": namespace, "uid": f"claim-{namespace}-{name}",
+                 "creationTimestamp": "2026-11-20T10:00:00Z"}
+    if owner is not None:
+        meta["annotations"] = {"resource.kubernetes.io/pod-claim-name": "gpu"}
+        meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod",
+                                    "name": owner["metadata"]["name"],
+                                    "uid": owner["metadata"].get("uid", ""),
+                                    "controller": True, "blockOwnerDeletion": True}]
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": meta,
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": device_class, "allocationMode": "ExactCount",
+                "count": count}}]}},
+            "status": {}}
+
+
+def allocate(claim: Obj, node: str, devices: list[str], pods: list[Obj],
+             driver: str = NVIDIA_DRA_DRIVER, admin_access: bool = False) -> None:
+    """What the scheduler writes into a claim it allocates on ``node`` and reserves for
+    ``pods``: one result per device, the node selector, the consumers."""
+    results: list[Obj] = [{"request": "gpu", "driver": driver, "pool": node, "device": device}
+                          for device in devices]
+    if admin_access:
+        for result in results:
+            result["adminAccess"] = True
+    claim["status"] = {
+        "allocation": {
+            "devices": {"results": results},
+            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [node]}]}]},
+            "allocationTimestamp": "2026-11-20T10:01:00Z"},
+        "reservedFor": [{"resource": "pods", "name": pod["metadata"]["name"],
+                         "uid": pod["metadata"].get("uid", "")} for pod in pods]}
+
+
+def claim_pod(pod: Obj, claims: dict[str, str], from_template: bool = True) -> Obj:
+    """``pod`` asking for its devices through DRA claims (``{claim name in the pod: the
+    ResourceClaim's name}``) instead of extended resources: from templates, named in its
+    status by the resourceclaim controller, or (``from_template=False``) claims made
+    beforehand, named in its spec."""
+    spec = pod["spec"]
+    spec["resourceClaims"] = [
+        {"name": entry, "resourceClaimTemplateName": f"{entry}-template"} if from_template
+        else {"name": entry, "resourceClaimName": made} for entry, made in claims.items()]
+    for container in spec["containers"]:
+        container["resources"] = {"claims": [{"name": entry} for entry in claims]}
+    if from_template:
+        pod["status"]["resourceClaimStatuses"] = [
+            {"name": entry, "resourceClaimName": made} for entry, made in claims.items()]
+    return pod

@@ -31,11 +31,19 @@ class Assignment:
     resource: str
     """``nvidia.com/gpu`` or ``nvidia.com/mig-<profile>`` (the mixed MIG strategy)."""
     device_id: str
-    """The GPU or MIG uuid, as the NVIDIA device plugin reports it."""
+    """The GPU or MIG uuid, as the NVIDIA device plugin reports it; for a DRA device, the
+    driver's device name (``gpu-0``)."""
+    claim: str | None = None
+    """The ResourceClaim (in the pod's namespace) of a device the DRA driver gave: the
+    kubelet then names it as a dynamic resource (driver, pool, device), not by uuid."""
+    driver: str = "gpu.nvidia.com"
+    pool: str = ""
+    """A DRA device's pool: NVIDIA's driver names it after the node."""
 
 
 def list_response(assignments: Iterable[Assignment]) -> api_pb2.ListPodResourcesResponse:
-    """``List``'s answer: one PodResources per pod, one ContainerResources per container."""
+    """``List``'s answer: one PodResources per pod, one ContainerResources per container;
+    a DRA device among the container's ``dynamic_resources``, by claim."""
     pods: dict[tuple[str, str], dict[str, list[Assignment]]] = {}
     for item in assignments:
         pods.setdefault((item.namespace, item.pod), {}).setdefault(item.container, []
@@ -45,7 +53,15 @@ def list_response(assignments: Iterable[Assignment]) -> api_pb2.ListPodResources
         answer.append(api_pb2.PodResources(namespace=namespace, name=name, containers=[
             api_pb2.ContainerResources(name=container, devices=[
                 api_pb2.ContainerDevices(resource_name=item.resource,
-                                         device_ids=[item.device_id]) for item in items])
+                                         device_ids=[item.device_id])
+                for item in items if item.claim is None], dynamic_resources=[
+                api_pb2.DynamicResource(
+                    claim_name=item.claim, claim_namespace=namespace, claim_resources=[
+                        api_pb2.ClaimResource(
+                            driver_name=item.driver, pool_name=item.pool,
+                            device_name=item.device_id, cdi_devices=[api_pb2.CDIDevice(
+                                name=f"k8s.{item.driver}/device={item.device_id}")])])
+                for item in items if item.claim is not None])
             for container, items in sorted(containers.items())]))
     return api_pb2.ListPodResourcesResponse(pod_resources=answer)
 

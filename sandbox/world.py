@@ -15,8 +15,13 @@ sources read, and lets the production readers read it:
   (containerd under the systemd driver, cgroup v2, as on most nodes), and one
   replica device id per pod (``<uuid>::<n>``) at the kubelet: the collector
   splits the GPU between its pods as it does on a real node;
-- the Kubernetes API-server double holding the Nodes and Pods a real cluster
-  would hold, and the production
+- on a node whose GPUs NVIDIA's DRA driver hands out (``allocation: dra``), the
+  kubelet names each pod's devices as dynamic resources (claim, pool, device
+  name), not by uuid, as a kubelet does for DRA: the collector, which reads
+  device-plugin ids, attributes none of them;
+- the Kubernetes API-server double holding the Nodes and Pods (and, for DRA,
+  the ResourceSlices and ResourceClaims) a real cluster would hold, and the
+  production
   :class:`~gpusteward.collectors.kubernetes.KubeWatcher` listing and
   watching it;
 - optionally (``dcgm_pages``), the dcgm-exporter page of every node
@@ -65,7 +70,11 @@ from gpusteward.remediation.kubernetes import (
 from gpusteward.rules.mig import geometry
 from gpusteward.sandbox.dcgm_pages import DcgmPages
 from gpusteward.sandbox.kube_api import KubeApiServer
-from gpusteward.sandbox.kube_mirror import KubeMirrorPublisher
+from gpusteward.sandbox.kube_mirror import (
+    KubeMirrorPublisher,
+    dra_claim_name,
+    dra_device_names,
+)
 from gpusteward.sandbox.kubelet import Assignment, KubeletPodResources
 from gpusteward.sandbox.nvml_fake import FakeGpu, FakeMig, FakeNvml, FakeProcess
 from gpusteward.schema import (
@@ -154,6 +163,8 @@ class NodeGpus:
         self._pids: dict[tuple[str, str, str], int] = {}
         """(GPU uuid, namespace, pod) -> the pid of the pod's process on the GPU."""
         self.assignments: list[Assignment] = []
+        self.dra_names = dra_device_names(node) if node.dra else None
+        """GPU or MIG uuid -> its DRA device name, on a node whose GPUs DRA hands out."""
         self.kubelet = KubeletPodResources(socket_dir / f"{node.name}.sock",
                                            lambda: self.assignments)
         self.publisher = _CountingPublisher(publisher)
@@ -232,7 +243,7 @@ class NodeGpus:
                     mig_device = seen.get(mig.uuid)
                     if mig_device is not None:
                         _set_mig(mig, mig_device)
-                        assignments += _assignment(
+                        assignments += self._assignment(
                             mig_device, f"nvidia.com/mig-{mig.profile.replace('+', '.')}")
                 continue
             if device is None:
@@ -241,10 +252,21 @@ class NodeGpus:
                 continue
             _set_gpu(gpu, device)
             gpu.processes = self._processes(device)
-            assignments += _assignment(device, "nvidia.com/gpu")
+            assignments += self._assignment(device, "nvidia.com/gpu")
         self.assignments = assignments
         await self.collector.tick()
 
+
+    def _assignment(self, device: DeviceSample, resource: str) -> list[Assignment]:
+        """What the kubelet names for the device: the device plugin's id, or on a DRA
+        node the pod's claim and the device's DRA name (no uuid: the NVML collector,
+        which reads device-plugin ids only, attributes none)."""
+        if self.dra_names is None or device.pod is None:
+            return _assignment(device, resource)
+        pod = device.pod
+        return [Assignment(pod.namespace, pod.name, "main", resource,
+                           self.dra_names[device.uuid], claim=dra_claim_name(pod.name),
+                           pool=self.name)]
 
     def _processes(self, device: DeviceSample) -> list[FakeProcess]:
         """The pods' processes on a shared GPU, each with its cgroup under the world's /proc.

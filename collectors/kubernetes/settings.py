@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-ResourceName = Literal["pods", "nodes", "workloads", "gangs"]
+ResourceName = Literal["pods", "nodes", "workloads", "gangs", "claims"]
 
 
 class KubeWatchSettings(BaseModel):
@@ -23,11 +23,18 @@ class KubeWatchSettings(BaseModel):
         "(KUBERNETES_SERVICE_HOST set), else the default kubeconfig (~/.kube/config).")
     context: str | None = Field(None, description="Kubeconfig context; None: the current one.")
     resources: list[ResourceName] = Field(
-        ["nodes", "pods", "workloads", "gangs"],
+        ["nodes", "pods", "workloads", "gangs", "claims"],
         description="Which resources to watch. Workloads are watched only where Kueue serves "
         "them; the watcher runs without Kueue and picks it up when it appears. Gangs are the "
         "objects that state a gang's size (coscheduling and Volcano PodGroups, JobSets, "
-        "PyTorchJobs, MPIJobs, TFJobs), each watched where its CRD is served.")
+        "PyTorchJobs, MPIJobs, TFJobs), each watched where its CRD is served. Claims are "
+        "Dynamic Resource Allocation's ResourceClaims and ResourceSlices (resource.k8s.io/v1, "
+        "Kubernetes 1.34 and later), which say what GPUs a pod holds through DRA; watched "
+        "where that version is served, looked for again at each resync.")
+    dra_drivers: list[str] = Field(
+        ["gpu.nvidia.com"], description="DRA drivers whose allocated devices are GPUs or MIG "
+        "devices to report (NVIDIA's DRA driver is gpu.nvidia.com); other drivers' devices "
+        "(NICs, other accelerators, NVIDIA's ComputeDomains) are ignored.")
     resync_period_s: float = Field(
         600.0, gt=0, description="Seconds between two full relists diffed against what was "
         "delivered. A relist costs one paged LIST; 10 min bounds how long a lost update "

@@ -45,6 +45,11 @@ fleet agent sees every member in one place; a size learnt after its members
 were reported is sent again with their latest events. A pod that waited for
 a node is followed the same way once bound (admitted, finished, deleted).
 
+Dynamic Resource Allocation (:mod:`.dra`): a bound pod's ResourceClaims of
+the watched drivers add their GPUs and MIG devices to what it holds, named by
+uuid in ``device_ids``; a pod waiting only for DRA devices is not queued; a
+node advertising no GPU resource counts what its ResourceSlices publish.
+
 MIG: under the ``mixed`` strategy a pod's ``nvidia.com/mig-<profile>``
 requests become ``mig={profile: count}``; under ``single`` the node
 advertises MIG devices as ``nvidia.com/gpu`` and labels
@@ -61,6 +66,7 @@ from datetime import datetime
 
 import msgspec
 
+from gpusteward.collectors.kubernetes.dra import DRA_RESOURCES, DraIndex, Held, pod_claims
 from gpusteward.collectors.kubernetes.reflector import Delta, Obj
 from gpusteward.collectors.kubernetes.settings import KubeWatchSettings
 from gpusteward.schema import (
@@ -193,13 +199,6 @@ def gpu_resources(spec: Obj) -> dict[str, int]:
     for name, count in init_peak.items():
         total[name] = max(total.get(name, 0), count)
     return {k: v for k, v in total.items() if v > 0}
-
-
-def resource_claims(spec: Obj) -> list[str]:
-    """The names of a pod's Dynamic Resource Allocation claims (``spec.resourceClaims``):
-    devices, GPUs among them, that the pod gets through ResourceClaims rather than an
-    extended resource, and that :func:`gpu_resources` therefore cannot count."""
-    return [str(claim.get("name", "")) for claim in spec.get("resourceClaims") or []]
 
 
 @dataclass
@@ -365,6 +364,24 @@ class _PodMemo:
     ungated_at: float | None = None
     """When a pod seen held at Kueue's admission gate was first seen without it."""
     gated: bool = False
+    dra: _DraMemo | None = None
+    """A bound pod with DRA claims: what the translator keeps of them. None for the many
+    pods without: their memo carries nothing more."""
+
+
+@dataclass
+class _DraMemo:
+    base: PodAllocation
+    """The pod's allocation before its DRA devices, to add them to when a claim or a
+    slice resolves later."""
+    claims: list[str] = field(default_factory=list)
+    """``namespace/name`` of the claims the pod names (see :mod:`.dra`)."""
+    held: dict[str, Held] = field(default_factory=dict)
+    """What each resolved claim gives the pod: kept for the pod's life, as a claim reserved
+    for a pod keeps its allocation until the pod is done (its release after the pod's end
+    must not look like the pod letting go of its GPUs while it runs)."""
+    said: bool = False
+    """Whether a claim the watcher cannot resolve was reported for it."""
 
 
 Emitted = AllocationEvent | QueueEvent
@@ -385,6 +402,8 @@ class Translator:
     settings: KubeWatchSettings = field(default_factory=KubeWatchSettings)
     nodes: dict[str, NodeView] = field(default_factory=dict)
     node_events: dict[str, NodeInventory] = field(default_factory=dict)
+    node_stated: dict[str, NodeInventory] = field(default_factory=dict)
+    """A node's inventory as the Node object states it, before its DRA slices' devices."""
     pods: dict[str, _PodMemo] = field(default_factory=dict)
     workloads: dict[str, QueueEvent] = field(default_factory=dict)
     local_queues: dict[str, str] = field(default_factory=dict)
@@ -399,6 +418,21 @@ class Translator:
     """Node -> the keys of the pods last seen bound to it. With ``gang_pods``, what a node's
     or a gang's news touches is found without a scan of every pod: on a first list of
     1,250 nodes and 20,000 pods, each node's first sight had looked at every pod."""
+    dra: DraIndex = field(init=False)
+    dra_watched: bool = False
+    """Whether claims and slices are watched (resource.k8s.io/v1 served); set by the watcher
+    before it lists pods. Without them a pod's claims cannot be resolved."""
+    claim_pods: dict[str, dict[str, None]] = field(default_factory=dict)
+    """``namespace/name`` of a claim -> the keys of the bound pods naming it."""
+    dra_waiting: dict[str, None] = field(default_factory=dict)
+    """Keys of the bound pods with a claim not resolved yet: what a claim's or a slice's
+    news may complete."""
+    dra_unresolved: list[tuple[str, str, list[str]]] = field(default_factory=list)
+    """(namespace, pod, reasons) of the pods with a claim the watcher cannot resolve, once
+    per pod, for the watcher to report (and clear)."""
+
+    def __post_init__(self) -> None:
+        self.dra = DraIndex(frozenset(self.settings.dra_drivers))
 
     def apply(self, delta: Delta, ts: float) -> list[Emitted]:
         if delta.resource == "nodes":
@@ -409,6 +443,17 @@ class Translator:
             return self._workload(delta, ts)
         if delta.resource == "localqueues":
             self._local_queue(delta)
+        if delta.resource in DRA_RESOURCES:
+            if delta.resource == "resourceslices":
+                out: list[Emitted] = []
+                for node in sorted(self.dra.on_slice(delta)):
+                    inventory = self.node_stated.get(node)
+                    if inventory is not None:
+                        out += self._node_event(msgspec.structs.replace(inventory, ts=ts))
+                return out + self._dra_refresh(list(self.dra_waiting), ts)
+            claim = self.dra.on_claim(delta)
+            return self._dra_refresh([key for key in self.claim_pods.get(claim or "", ())
+                                      if key in self.dra_waiting], ts)
         # A gang resource's reflector is named plural.group (two groups serve podgroups).
         plural = delta.resource.partition(".")[0]
         if plural in GANG_RESOURCES and delta.obj is not None and delta.type != "DELETED":
@@ -440,13 +485,14 @@ class Translator:
         name = delta.key
         if delta.type == "DELETED":
             self.nodes.pop(name, None)
+            self.node_stated.pop(name, None)
             last = self.node_events.pop(name, None)
             if last is None:
                 return []
             return [msgspec.structs.replace(last, ts=ts, deleted=True)]
         assert delta.obj is not None
         event = self.node_inventory(delta.obj, ts)
-        last = self.node_events.get(name)
+        last = self.node_stated.get(name)
         if last is not None and GPU in last.capacity and GPU not in event.capacity:
             # Its GPUs left the node's status altogether (a kubelet restarted after the
             # device plugin went): say 0, or the worker, reading an inventory that states
@@ -457,13 +503,29 @@ class Translator:
         view = NodeView(labels.get(LABEL_MIG_STRATEGY), single_strategy_profile(labels))
         previous_view = self.nodes.get(name)
         self.nodes[name] = view
-        self.node_events[name] = event
-        out: list[Emitted] = []
-        if last is None or msgspec.structs.replace(last, ts=ts) != event:
-            out.append(event)
+        self.node_stated[name] = event
+        out = self._node_event(event)
         if previous_view != view:
             out += self._reinterpret_pods(name, ts)
         return out
+
+    def _node_event(self, stated: NodeInventory) -> list[Emitted]:
+        """The node's inventory, with its DRA devices where no device plugin advertises
+        GPUs, when it changed."""
+        event = stated
+        published = self.dra.node_capacity(stated.node)
+        if published and not any(stated.capacity.values()):
+            # A DRA node (no device plugin advertises a GPU, or one no longer does): its
+            # slices say what it has, as a device plugin's capacity would (whole GPUs, MIG
+            # devices by profile); GFD's gpu.count label counts MIG-partitioned GPUs too.
+            event = msgspec.structs.replace(stated, capacity=published,
+                                            allocatable=dict(published),
+                                            gpu_count=published.get(GPU, 0))
+        last = self.node_events.get(stated.node)
+        self.node_events[stated.node] = event
+        if last is None or msgspec.structs.replace(last, ts=event.ts) != event:
+            return [event]
+        return []
 
     def _reinterpret_pods(self, node: str, ts: float) -> list[Emitted]:
         """Pods seen before their node, or across a MIG strategy change, in the node's view."""
@@ -471,7 +533,7 @@ class Translator:
         for key in self.node_pods.get(node, ()):
             memo = self.pods[key]
             assert memo.last is not None  # indexed with it
-            gpus, mig = self._gpus_and_mig(memo.resources, node)
+            gpus, mig, _ = self._holding(memo, node)
             if (gpus, mig) != (memo.last.gpus, memo.last.mig):
                 memo.last = msgspec.structs.replace(memo.last, ts=ts, gpus=gpus, mig=mig)
                 out.append(memo.last)
@@ -526,6 +588,9 @@ class Translator:
                 _unindex(self.gang_pods, memo.gang, delta.key)
             if memo.last is not None:
                 _unindex(self.node_pods, memo.last.node, delta.key)
+            for claim in memo.dra.claims if memo.dra is not None else ():
+                _unindex(self.claim_pods, claim, delta.key)
+            self.dra_waiting.pop(delta.key, None)
             out: list[Emitted] = []
             last_queued = memo.queued or memo.member
             if last_queued is not None:
@@ -537,8 +602,12 @@ class Translator:
         pod = delta.obj
         spec = pod.get("spec") or {}
         resources = gpu_resources(spec)
-        if not resources:
-            return []  # not a GPU pod: nothing of it concerns the fleet
+        node = spec.get("nodeName")
+        claimed = bool(spec.get("resourceClaims"))
+        # Not a GPU pod (nothing of it concerns the fleet), or one whose DRA devices, if any,
+        # are known only once it is bound: a pod waiting for DRA devices is not on the queue.
+        if not resources and not (claimed and node):
+            return []
         if memo is None:
             memo = self.pods[delta.key] = _PodMemo()
             gang, _ = pod_gang(pod["metadata"], *top_owner(pod["metadata"]))
@@ -548,7 +617,6 @@ class Translator:
         memo.resources = resources
         status = pod.get("status") or {}
         phase = status.get("phase", "Pending")
-        node = spec.get("nodeName")
         out = []
         if not node:
             state: WorkloadState = "finished" if phase in ("Succeeded", "Failed") else "pending"
@@ -566,7 +634,8 @@ class Translator:
                 out.append(queued)
             memo.queued = queued
             return out
-        if memo.queued is not None or memo.member is not None or memo.gang is not None:
+        if resources and (memo.queued is not None or memo.member is not None
+                          or memo.gang is not None):
             # A pod that waited is followed on the queue topic to its end (how long work
             # runs is the history the start ETAs need), and so is a gang member even when
             # first seen already bound (the gang rule needs every member).
@@ -583,14 +652,86 @@ class Translator:
                     msgspec.structs.replace(memo.member, ts=ts) != event:
                 out.append(event)
             memo.member, memo.queued = event, None
-        allocation = self._allocation(pod, node, resources, phase, ts)
-        if memo.last is None or msgspec.structs.replace(memo.last, ts=ts) != allocation:
+        allocation: PodAllocation | None = self._allocation(pod, node, resources, phase, ts)
+        if claimed:
+            assert allocation is not None
+            if memo.dra is None:
+                memo.dra = _DraMemo(allocation)
+            memo.dra.base = allocation
+            for claim in pod_claims(pod):
+                if claim not in memo.dra.claims:
+                    memo.dra.claims.append(claim)
+                    self.claim_pods.setdefault(claim, {})[delta.key] = None
+            allocation = self._with_dra(delta.key, memo, allocation)
+        return out + self._emitted(delta.key, memo, allocation)
+
+    def _emitted(self, key: str, memo: _PodMemo, allocation: PodAllocation | None
+                 ) -> list[Emitted]:
+        """The pod's allocation when it changed (none yet for a pod holding no GPU)."""
+        if allocation is None:
+            return []
+        out: list[Emitted] = []
+        if memo.last is None or msgspec.structs.replace(memo.last, ts=allocation.ts) != \
+                allocation:
             out.append(allocation)
         if memo.last is None or memo.last.node != allocation.node:
             if memo.last is not None:
-                _unindex(self.node_pods, memo.last.node, delta.key)
-            self.node_pods.setdefault(allocation.node, {})[delta.key] = None
+                _unindex(self.node_pods, memo.last.node, key)
+            self.node_pods.setdefault(allocation.node, {})[key] = None
         memo.last = allocation
+        return out
+
+    def _holding(self, memo: _PodMemo, node: str | None
+                 ) -> tuple[int, dict[str, int], list[str]]:
+        """(GPUs, MIG devices by profile, device uuids) a pod holds: its extended resources
+        in its node's view, and its resolved DRA claims."""
+        gpus, mig = self._gpus_and_mig(memo.resources, node)
+        device_ids: list[str] = []
+        for held in memo.dra.held.values() if memo.dra is not None else ():
+            gpus += held.gpus
+            for profile, count in held.mig:
+                mig[profile] = mig.get(profile, 0) + count
+            device_ids += held.device_ids
+        return gpus, mig, device_ids
+
+    def _with_dra(self, key: str, memo: _PodMemo, base: PodAllocation
+                  ) -> PodAllocation | None:
+        """A bound pod's allocation with its DRA devices; None while it holds no GPU."""
+        reasons: list[str] = []
+        if not self.dra_watched:
+            reasons.append("ResourceClaims are not read: resource.k8s.io/v1 is not served "
+                           "(Kubernetes before 1.34) or claims are not among the resources "
+                           "watched")
+        dra = memo.dra
+        assert dra is not None
+        for claim in dra.claims:
+            if claim not in dra.held:
+                held, reason = self.dra.resolve(claim, base.pod.uid, base.pod.name)
+                if held is not None:
+                    dra.held[claim] = held
+                if reason is not None:
+                    reasons.append(reason)
+        if base.phase == "finished" or len(dra.held) == len(dra.claims):
+            self.dra_waiting.pop(key, None)
+        else:
+            self.dra_waiting[key] = None
+        if reasons and not dra.said:
+            dra.said = True
+            self.dra_unresolved.append((base.pod.namespace, base.pod.name, reasons))
+        gpus, mig, device_ids = self._holding(memo, base.node)
+        if not gpus and not mig and memo.last is None:
+            return None
+        return msgspec.structs.replace(base, gpus=gpus, mig=mig, device_ids=device_ids)
+
+    def _dra_refresh(self, keys: list[str], ts: float) -> list[Emitted]:
+        """The allocations of waiting pods that a claim's or a slice's news completes."""
+        out: list[Emitted] = []
+        for key in keys:
+            memo = self.pods.get(key)
+            if memo is None or memo.dra is None:
+                continue
+            base = msgspec.structs.replace(memo.dra.base, ts=ts)
+            out += self._emitted(key, memo, self._with_dra(key, memo, base))
         return out
 
     def _gpus_and_mig(self, resources: dict[str, int], node: str | None

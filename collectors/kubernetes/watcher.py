@@ -1,17 +1,20 @@
 """The process-level Kubernetes watcher: reflectors in threads, translation on asyncio.
 
 :class:`KubeWatcher` starts one :class:`Reflector` per watched resource
-(nodes first, then pods, then Kueue's LocalQueues and Workloads, because
-pods need their node's MIG strategy and workloads their LocalQueue's
-ClusterQueue, then the objects that state a gang's size), hops their deltas
+(Dynamic Resource Allocation's ResourceSlices and ResourceClaims first, then
+nodes, then pods, then Kueue's LocalQueues and Workloads, because a node's
+GPUs may be its slices' devices, pods need their node's MIG strategy and
+their claims, and workloads their LocalQueue's ClusterQueue, then the objects
+that state a gang's size), hops their deltas
 onto the event loop, runs them through the :class:`Translator` and hands the
 events to a :class:`~gpusteward.collectors.transport.Publisher`. It is the
 one module of the collectors that calls the ``kubernetes`` client
 (read-only).
 
-Kueue and the gang objects are optional: a cluster without their CRD is
-watched without them (one log line), and they are looked for again at every
-resync, so installing the CRD later needs no restart. A gang resource's
+Kueue, the gang objects and DRA are optional: a cluster without their CRD
+(for DRA, without ``resource.k8s.io/v1``: Kubernetes before 1.34) is watched
+without them (one log line), and they are looked for again at every resync,
+so installing the CRD or upgrading the cluster later needs no restart. A gang resource's
 reflector is named ``plural.group`` (two groups serve ``podgroups``).
 """
 
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpusteward import edge
+from gpusteward.collectors.kubernetes.dra import DRA_GROUP, DRA_VERSION
 from gpusteward.collectors.kubernetes.reflector import (
     Delta,
     ListCall,
@@ -38,7 +42,6 @@ from gpusteward.collectors.kubernetes.translate import (
     KUEUE_GROUP,
     Emitted,
     Translator,
-    resource_claims,
 )
 from gpusteward.collectors.metrics import WatcherMetrics
 from gpusteward.collectors.transport.publisher import Publisher
@@ -59,6 +62,13 @@ size: the coscheduling plugin's and Volcano's PodGroups (``minMember``), JobSets
 Kubeflow training jobs (replica counts). Each is watched where its CRD is served."""
 
 
+POOL_SIZE = 32
+"""HTTP connections kept to the API server: each reflector holds one through its watch
+(up to 12: nodes, pods, Kueue's two, six gang kinds, DRA's two), and the client's default
+(five per CPU) is 10 on a two-CPU node, where the surplus were dropped, with a warning,
+at every watch's end."""
+
+
 def api_client(settings: KubeWatchSettings) -> Any:
     """A ``kubernetes`` ApiClient from a kubeconfig or the in-cluster service account.
 
@@ -74,6 +84,8 @@ def api_client(settings: KubeWatchSettings) -> Any:
 
     configuration = client.Configuration()
     configuration.retries = Retry(Retry.DEFAULT.total, respect_retry_after_header=False)
+    configuration.connection_pool_maxsize = max(configuration.connection_pool_maxsize,
+                                                POOL_SIZE)
     if settings.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
         config.load_incluster_config(client_configuration=configuration)
         return client.ApiClient(configuration)
@@ -114,8 +126,6 @@ class KubeWatcher:
         self.gang_versions: dict[str, str] = {}
         """``plural.group`` -> the version watched, for the gang resources served."""
         self._unserved_logged: set[str] = set()
-        self._dra_pods: set[str] = set()
-        """Keys of the live pods already reported as holding DRA claims (once per pod)."""
         self._stop = threading.Event()
         self._room = threading.Condition()
         """Guards ``_outstanding``; notified as published deltas make room."""
@@ -156,6 +166,22 @@ class KubeWatcher:
             return call
 
         return {"localqueues": lister("localqueues"), "workloads": lister("workloads")}
+
+    def discover_dra(self) -> bool:
+        """Whether the server serves Dynamic Resource Allocation's GA version."""
+        from kubernetes import client
+
+        groups = client.ApisApi(self.client).get_api_versions(
+            _request_timeout=self.settings.request_timeout_s)
+        return any(v.version == DRA_VERSION for g in groups.groups or [] if g.name == DRA_GROUP
+                   for v in g.versions or [])
+
+    def _dra_calls(self) -> dict[str, ListCall]:
+        from kubernetes import client
+
+        api = client.ResourceV1Api(self.client)
+        return {"resourceslices": api.list_resource_slice,
+                "resourceclaims": api.list_resource_claim_for_all_namespaces}
 
     def discover_gangs(self) -> dict[str, tuple[str, str, str]]:
         """The gang resources served and not watched yet: ``plural.group`` -> (group,
@@ -226,8 +252,11 @@ class KubeWatcher:
 
         consumer = self._consumer = asyncio.create_task(self._consume(queue))
         try:
-            # Order matters for the first pass: pods need their node's MIG strategy and
-            # workloads their LocalQueue's ClusterQueue.
+            # Order matters for the first pass: nodes need their DRA slices' devices, pods
+            # their node's MIG strategy and their claims, workloads their LocalQueue's
+            # ClusterQueue.
+            if "claims" in self.settings.resources:
+                await self._start_dra(start, queue, stop)
             for name, call in self._list_calls().items():
                 reflector = start(name, call)
                 await self._await_synced(reflector, queue, stop)
@@ -254,6 +283,9 @@ class KubeWatcher:
                         if "gangs" in self.settings.resources and \
                                 len(self.gang_versions) < len(GANG_SOURCES):
                             await self._start_gangs(start, queue, stop)
+                        if "claims" in self.settings.resources and \
+                                not self.translator.dra_watched:
+                            await self._start_dra(start, queue, stop)
             finally:
                 stopped.cancel()
         finally:
@@ -286,6 +318,26 @@ class KubeWatcher:
         for name, call in self._kueue_calls(version).items():
             reflector = start(name, call)
             await self._await_synced(reflector, queue, stop)
+
+    async def _start_dra(self, start: Callable[[str, ListCall], Reflector],
+                         queue: asyncio.Queue[list[Delta]], stop: asyncio.Event) -> None:
+        try:
+            served = await asyncio.to_thread(self.discover_dra)
+        except Exception as e:
+            log.warning("DRA discovery failed (%s); retrying at the next resync",
+                        brief_error(e))
+            return
+        if not served:
+            if DRA_GROUP not in self._unserved_logged:
+                self._unserved_logged.add(DRA_GROUP)
+                log.info("%s/%s is not served (Kubernetes before 1.34): watching without "
+                         "ResourceClaims, so GPUs pods get through DRA are not reported",
+                         DRA_GROUP, DRA_VERSION)
+            return
+        # Before the claims' first list is translated: a waiting pod is completed by it.
+        self.translator.dra_watched = True
+        for name, call in self._dra_calls().items():
+            await self._await_synced(start(name, call), queue, stop)
 
     async def _start_gangs(self, start: Callable[[str, ListCall], Reflector],
                            queue: asyncio.Queue[list[Delta]], stop: asyncio.Event) -> None:
@@ -334,33 +386,26 @@ class KubeWatcher:
         into something out of the schema's bounds (counted, logged once per kind): one
         odd object must not stop the watcher, nor make the worker refuse its record."""
         try:
-            if delta.resource == "pods":
-                self._note_dra(delta)
-            return [edge.conforming(event) for event in self.translator.apply(delta, self.clock())]
+            events = self.translator.apply(delta, self.clock())
+            self._note_unresolved()
+            return [edge.conforming(event) for event in events]
         except Exception as error:  # an object the translator cannot read is that object's
             self.refusals.note(f"{delta.resource} {edge.kind_of(error)}",
                                "skipping %s %s %s: %s", delta.resource, delta.type, delta.key,
                                edge.reason(error))
             return []
 
-    def _note_dra(self, delta: Delta) -> None:
-        """Say once per pod that its Dynamic Resource Allocation claims go unseen: such a
-        pod may hold GPUs that no event reports (docs/collectors.md, "Limits")."""
-        if delta.type == "DELETED":
-            self._dra_pods.discard(delta.key)
-            return
-        if delta.key in self._dra_pods or delta.obj is None:
-            return
-        claims = resource_claims(delta.obj.get("spec") or {})
-        if not claims:
-            return
-        self._dra_pods.add(delta.key)
-        meta = delta.obj["metadata"]
-        namespace = meta.get("namespace", "")
-        self.metrics.dra_pods.labels(namespace).inc()
-        log.warning("pod %s/%s gets devices through Dynamic Resource Allocation (claims %s): "
-                    "the watcher does not read ResourceClaims, so GPUs allocated to it this "
-                    "way are not reported", namespace, meta.get("name"), ", ".join(claims))
+    def _note_unresolved(self) -> None:
+        """Say once per pod that a DRA claim of it cannot be resolved to GPUs: such a pod
+        may hold GPUs that no event reports (docs/collectors.md, "Dynamic Resource
+        Allocation")."""
+        unresolved = self.translator.dra_unresolved
+        for namespace, pod, reasons in unresolved:
+            self.metrics.dra_pods.labels(namespace).inc()
+            log.warning("pod %s/%s gets devices through Dynamic Resource Allocation that the "
+                        "watcher cannot resolve to GPUs, so they may go unreported: %s",
+                        namespace, pod, "; ".join(reasons))
+        unresolved.clear()
 
     def _backlog(self) -> float:
         """Deltas delivered by the reflectors and not yet through :meth:`_publish`."""

@@ -237,6 +237,8 @@ class SimNode:
     """The node group's prefix (a workload's ``node_group`` selects it)."""
     sharing: str | None = None
     """time-slicing or mps when its GPUs have replicas."""
+    dra: bool = False
+    """Its GPUs are handed out by NVIDIA's DRA driver, not the device plugin."""
     cordoned: bool = False
     taints: list[Taint] = field(default_factory=list)
     gone: bool = False
@@ -332,7 +334,8 @@ class SimulatedCluster:
                 ]
                 self.nodes[name] = SimNode(
                     name, gpus, group.spot, group=group.prefix,
-                    sharing=group.sharing if group.replicas > 1 else None)
+                    sharing=group.sharing if group.replicas > 1 else None,
+                    dra=group.allocation == "dra")
         self.gangs: dict[str, int] = {}
         """namespace/JobSet name -> members, for the gangs' events and the truth."""
         self.workloads = self._make_workloads()

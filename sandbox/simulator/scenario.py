@@ -53,6 +53,12 @@ class NodeGroup(BaseModel):
         "time-slicing", description="How replicas share a GPU (label "
         "nvidia.com/gpu.sharing-strategy): time-slicing, or MPS, whose pods run as MPS "
         "clients of one server context.")
+    allocation: Literal["device-plugin", "dra"] = Field(
+        "device-plugin", description="How pods get the nodes' GPUs: the NVIDIA device "
+        "plugin's extended resources (nvidia.com/gpu, nvidia.com/mig-*), or Dynamic Resource "
+        "Allocation through NVIDIA's DRA driver (gpu.nvidia.com): ResourceSlices publish the "
+        "GPUs and MIG devices, each pod gets them through a ResourceClaim, and the kubelet's "
+        "PodResources names them as DRA devices, not device-plugin ones.")
 
 
 class Phase(BaseModel):
@@ -192,7 +198,22 @@ class Scenario(BaseModel):
             if workload.node_group is not None and workload.node_group not in prefixes:
                 raise ValueError(f"workload group {workload.group!r} asks for unknown node "
                                  f"group {workload.node_group!r}")
+            kinds = {g.allocation for g in self._candidates(workload)}
+            if len(kinds) > 1:
+                raise ValueError(f"workload group {workload.group!r} may run on device-plugin "
+                                 "and DRA nodes alike, and its pod must ask one way: give it "
+                                 "a node_group")
         return self
+
+    def _candidates(self, workload: WorkloadGroup) -> list[NodeGroup]:
+        """The node groups a workload may run on: its node_group, MIG nodes for MIG."""
+        return [g for g in self.nodes if workload.node_group in (None, g.prefix)
+                and bool(g.mig_layout) == bool(workload.mig)]
+
+    def asks_through_dra(self, workload: WorkloadGroup) -> bool:
+        """Whether the workload's pods get their GPUs through DRA claims."""
+        candidates = self._candidates(workload)
+        return bool(candidates) and all(g.allocation == "dra" for g in candidates)
 
 
 class ScenarioError(ConfigFileError):

@@ -23,8 +23,8 @@ WATCHER = "gpusteward-watcher"
 REMEDIATION = "gpusteward-remediation"
 
 EXPECTED: dict[str, set[tuple[str, str, str]]] = {
-    # Reads what it publishes: pods, nodes, Kueue workloads and their LocalQueues, and the
-    # objects that state a gang's size.
+    # Reads what it publishes: pods, nodes, Kueue workloads and their LocalQueues, the
+    # objects that state a gang's size, and DRA's ResourceClaims and ResourceSlices.
     WATCHER: {
         (group, resource, verb)
         for group, resource in (("", "pods"), ("", "nodes"), ("kueue.x-k8s.io", "workloads"),
@@ -32,7 +32,9 @@ EXPECTED: dict[str, set[tuple[str, str, str]]] = {
                                 ("scheduling.x-k8s.io", "podgroups"),
                                 ("scheduling.volcano.sh", "podgroups"),
                                 ("jobset.x-k8s.io", "jobsets"), ("kubeflow.org", "pytorchjobs"),
-                                ("kubeflow.org", "mpijobs"), ("kubeflow.org", "tfjobs"))
+                                ("kubeflow.org", "mpijobs"), ("kubeflow.org", "tfjobs"),
+                                ("resource.k8s.io", "resourceclaims"),
+                                ("resource.k8s.io", "resourceslices"))
         for verb in ("get", "list", "watch")
     },
     # The remediation account: nothing at all in the shipped dry run (`act --dry-run`
@@ -152,4 +154,5 @@ def test_the_watcher_is_granted_every_request_it_sends(rendered, watcher_request
     without a grant (a 403 retried forever in a cluster) fails here."""
     assert ("kueue.x-k8s.io", "localqueues", "watch") in watcher_requests
     assert ("kubeflow.org", "pytorchjobs", "list") in watcher_requests
+    assert ("resource.k8s.io", "resourceclaims", "watch") in watcher_requests
     assert watcher_requests <= rendered.grants()[WATCHER]

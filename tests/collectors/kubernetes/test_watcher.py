@@ -369,9 +369,11 @@ def test_runs_without_kueue() -> None:
                 kubeconfig=str(kubeconfig))).start()
             try:
                 assert watcher.watcher.kueue_version is None
-                # No Kueue reflector; the gang resources the double serves are watched.
-                assert set(watcher.watcher.reflectors) == {"nodes", "pods",
-                                                           *watcher.watcher.gang_versions}
+                # No Kueue reflector; the gang and DRA resources the double serves are
+                # watched.
+                assert set(watcher.watcher.reflectors) == {
+                    "nodes", "pods", "resourceslices", "resourceclaims",
+                    *watcher.watcher.gang_versions}
                 assert not any("kueue" in name for name in watcher.watcher.reflectors)
                 assert [brief(e) for e in watcher.events] == [
                     ("node", "n1", False, None, False), ("pod", "n1", "team-a/p", "running", 1, {})]

@@ -9,17 +9,14 @@ rules (fragmentation, waiting work, start ETAs).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-import pytest
 
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_objects import gpu_node, gpu_pod
 from gpusteward.schema import NodeInventory, NodeSummary, PodAllocation
 from gpusteward.streams.node import NodeJoin, NodeState
 
-from .conftest import RunningWatcher, WatcherFactory, wait_until
+from .conftest import RunningWatcher, WatcherFactory
 
 
 def free_gpus(watcher: RunningWatcher, node: str) -> int:
@@ -92,49 +89,6 @@ def test_a_gpu_that_leaves_allocatable_is_not_offered_as_free(
         {"nvidia.com/gpu": "8"}))
     watcher.settle()
     assert free_gpus(watcher, "n1") == 6
-
-
-def dra_pod(name: str) -> dict[str, Any]:
-    """A pod of NVIDIA's DRA driver examples: its GPU comes from a ResourceClaim made from
-    a template, with no ``nvidia.com/gpu`` anywhere in its resources."""
-    pod = gpu_pod(name, node="n1", phase="Running", resources={"cpu": "4"})
-    pod["spec"]["resourceClaims"] = [{"name": "gpu",
-                                      "resourceClaimTemplateName": "single-gpu"}]
-    pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpu"}]
-    pod["status"]["resourceClaimStatuses"] = [{"name": "gpu",
-                                               "resourceClaimName": f"{name}-gpu-x7k2q"}]
-    return pod
-
-
-def test_a_pod_with_dra_claims_is_said_unseen_once(
-        kube_api: KubeApiServer, start_watcher: WatcherFactory,
-        caplog: pytest.LogCaptureFixture) -> None:
-    """GPUs allocated through Dynamic Resource Allocation are not read (docs/collectors.md,
-    "Limits"): the watcher must say so, once per pod, rather than stay silent."""
-    caplog.set_level(logging.WARNING, "gpusteward.collectors.kubernetes.watcher")
-    kube_api.create(gpu_node("n1", gpus=8))
-    kube_api.create(dra_pod("llm-dra"))
-    watcher = start_watcher()
-    registry = watcher.watcher.metrics.registry
-
-    def counted() -> float:
-        return registry.get_sample_value("gpusteward_watch_dra_pods_total",
-                                         {"namespace": "team-a"}) or 0.0
-
-    assert counted() == 1
-    mark = len(watcher.events)
-    kube_api.mutate("Pod", "llm-dra", lambda p: p["status"].update(podIP="10.0.0.9"),
-                    namespace="team-a")
-    assert watcher.new_events(mark) == []  # no GPU holding is made up for it
-    kube_api.delete("Pod", "llm-dra", namespace="team-a")
-    kube_api.create(dra_pod("llm-dra"))  # re-created: another pod, said again
-    watcher.settle()
-    wait_until(lambda: counted() == 2, 5, "the re-created pod")
-    lines = [r.getMessage() for r in caplog.records if "Dynamic Resource Allocation" in
-             r.getMessage()]
-    assert lines == ["pod team-a/llm-dra gets devices through Dynamic Resource Allocation "
-                     "(claims gpu): the watcher does not read ResourceClaims, so GPUs "
-                     "allocated to it this way are not reported"] * 2
 
 
 def test_a_deleted_node_offers_nothing_and_its_name_comes_back_as_a_new_node(

@@ -1,0 +1,260 @@
+"""Dynamic Resource Allocation: which GPUs a pod holds through its ResourceClaims.
+
+With DRA (``resource.k8s.io/v1``, GA in Kubernetes 1.34) a pod asks for
+devices through ResourceClaims instead of an extended resource such as
+``nvidia.com/gpu``. Three objects say what it holds:
+
+- the pod names its claims: ``spec.resourceClaims[].resourceClaimName`` for a
+  claim made beforehand, or ``resourceClaimTemplateName``, whose claim the
+  resourceclaim controller creates and names in
+  ``status.resourceClaimStatuses[].resourceClaimName``;
+- the claim, once the scheduler allocated it, lists the devices in
+  ``status.allocation.devices.results[]`` as (``driver``, ``pool``,
+  ``device``) and the pods it is reserved for in ``status.reservedFor``;
+- the driver's ResourceSlices publish each device of a pool by name with its
+  attributes: NVIDIA's driver (``gpu.nvidia.com``) sets ``type`` (``gpu``,
+  ``mig``, ``vfio``), ``uuid``, ``profile`` (a MIG device's, ``1g.10gb``) and
+  ``productName``.
+
+:class:`DraIndex` keeps the last two (for the drivers watched only) and
+resolves a claim, for one pod, to the GPUs and MIG devices it holds, by GPU
+or MIG uuid: what the worker's join matches samples with. It also counts what
+each node's slices publish (whole GPUs, MIG devices by profile), which is a DRA
+node's capacity: no device plugin advertises ``nvidia.com/gpu`` there. Pure,
+like the translator that uses it.
+
+What is left out, deliberately: a device allocated for admin access
+(``adminAccess``: monitoring, not a hold); a claim shared by several pods is
+reported with the first pod it is reserved for only, so a GPU is never
+counted twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpusteward.collectors.kubernetes.reflector import Delta, Obj
+from gpusteward.schema import MIG_RESOURCE_PREFIX
+
+DRA_GROUP = "resource.k8s.io"
+DRA_VERSION = "v1"
+"""The GA version (Kubernetes 1.34). Clusters before it serve only v1beta1/v1beta2
+(or nothing): the watcher then runs without claims and says so."""
+DRA_RESOURCES = ("resourceslices", "resourceclaims")
+"""In the order they are listed: a claim's devices are looked up in the slices."""
+
+DeviceKey = tuple[str, str, str]
+"""(driver, pool, device name): how a claim's allocation names a device."""
+
+GPU_TYPES = frozenset({"gpu", "vfio"})
+"""NVIDIA driver device types that are a whole physical GPU (``vfio``: passed through
+to a virtual machine)."""
+MIG_TYPE = "mig"
+
+
+@dataclass(frozen=True, slots=True)
+class DraDevice:
+    """A device of a watched driver, as its ResourceSlice publishes it."""
+
+    uuid: str | None
+    type: str | None
+    """The driver's ``type`` attribute: gpu, mig or vfio for NVIDIA's."""
+    profile: str | None
+    """A MIG device's profile (``3g.40gb``), None otherwise."""
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What one claim gives one pod."""
+
+    gpus: int = 0
+    mig: tuple[tuple[str, int], ...] = ()
+    """(profile, count), sorted."""
+    device_ids: tuple[str, ...] = ()
+    """GPU and MIG uuids, in the allocation's order."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What the watcher keeps of a ResourceClaim."""
+
+    allocated: bool
+    results: tuple[DeviceKey, ...]
+    """The allocated devices of the watched drivers, admin access left out."""
+    consumers: tuple[tuple[str | None, str], ...]
+    """(uid, name) of the pods it is reserved for, in the API's order."""
+
+
+def attribute(device: Obj, name: str, driver: str) -> str | None:
+    """A device attribute's value as text; a name without a domain is the driver's own,
+    so ``uuid`` and ``gpu.nvidia.com/uuid`` are one attribute."""
+    attributes = device.get("attributes") or {}
+    value = attributes.get(name) or attributes.get(f"{driver}/{name}")
+    if not isinstance(value, dict):
+        return None
+    for kind in ("string", "version", "int", "bool"):
+        if value.get(kind) is not None:
+            return str(value[kind])
+    return None
+
+
+def capacity_name(device: DraDevice) -> str | None:
+    """The extended resource a device plugin would advertise the device as: a whole GPU as
+    ``nvidia.com/gpu``, a MIG device as ``nvidia.com/mig-<profile>`` (a ``+`` written ``.``,
+    as the device plugin writes it); None for another type."""
+    if device.type in GPU_TYPES:
+        return "nvidia.com/gpu"
+    if device.type == MIG_TYPE and device.profile:
+        return MIG_RESOURCE_PREFIX + device.profile.replace("+", ".")
+    return None
+
+
+def pod_claims(pod: Obj) -> list[str]:
+    """``namespace/name`` of the claims a pod's spec names, as far as they are named: a
+    claim from a template is named once the resourceclaim controller made it (and not at
+    all when no claim was needed)."""
+    meta, spec = pod["metadata"], pod.get("spec") or {}
+    namespace = meta.get("namespace", "")
+    made = {status.get("name"): status.get("resourceClaimName")
+            for status in (pod.get("status") or {}).get("resourceClaimStatuses") or []}
+    names = []
+    for claim in spec.get("resourceClaims") or []:
+        name = claim.get("resourceClaimName") or made.get(claim.get("name"))
+        if name:
+            names.append(f"{namespace}/{name}")
+    return names
+
+
+@dataclass
+class DraIndex:
+    """The watched drivers' devices and the claims, and what a claim gives a pod."""
+
+    drivers: frozenset[str]
+    devices: dict[DeviceKey, DraDevice] = field(default_factory=dict)
+    slices: dict[str, list[DeviceKey]] = field(default_factory=dict)
+    """A slice's object key -> the devices it published (a pool may span slices)."""
+    claims: dict[str, Claim] = field(default_factory=dict)
+    """``namespace/name`` -> the claim."""
+    claim_names: dict[str, str] = field(default_factory=dict)
+    """A claim's object key -> its ``namespace/name`` (a relist reports deletions by key)."""
+    slice_nodes: dict[str, str] = field(default_factory=dict)
+    """A node-local slice's object key -> its node."""
+    node_slices: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    """Node -> its slices' keys -> the devices each publishes, counted as a device plugin
+    would advertise them (``nvidia.com/gpu``, ``nvidia.com/mig-<profile>``)."""
+
+    def on_slice(self, delta: Delta) -> set[str]:
+        """Keep a slice's change; the nodes whose published devices it changed."""
+        for key in self.slices.pop(delta.key, ()):
+            self.devices.pop(key, None)
+        touched: set[str] = set()
+        before = self.slice_nodes.pop(delta.key, None)
+        if before is not None:
+            touched.add(before)
+            of_node = self.node_slices[before]
+            del of_node[delta.key]
+            if not of_node:
+                del self.node_slices[before]
+        if delta.type == "DELETED" or delta.obj is None:
+            return touched
+        spec = delta.obj.get("spec") or {}
+        driver = spec.get("driver", "")
+        if driver not in self.drivers:
+            return touched
+        pool = (spec.get("pool") or {}).get("name", "")
+        published = []
+        counts: dict[str, int] = {}
+        for device in spec.get("devices") or []:
+            key = (driver, pool, str(device["name"]))
+            found = self.devices[key] = DraDevice(
+                uuid=attribute(device, "uuid", driver), type=attribute(device, "type", driver),
+                profile=attribute(device, "profile", driver))
+            published.append(key)
+            # A partitionable device (KEP-4815: a GPU and the MIG devices that may be carved
+            # from it, all drawing on shared counters) is a possibility, not capacity.
+            if not device.get("consumesCounters"):
+                resource = capacity_name(found)
+                if resource is not None:
+                    counts[resource] = counts.get(resource, 0) + 1
+        self.slices[delta.key] = published
+        node = spec.get("nodeName")
+        if node:
+            self.slice_nodes[delta.key] = node
+            self.node_slices.setdefault(node, {})[delta.key] = counts
+            touched.add(node)
+        return touched
+
+    def node_capacity(self, node: str) -> dict[str, int]:
+        """What the watched drivers' slices of ``node`` publish, counted by resource name;
+        empty when they publish nothing there. Whole GPUs are counted even when there are
+        none (every GPU partitioned), as the device plugin's mixed strategy advertises
+        ``nvidia.com/gpu: 0``: a partitioned GPU is no free GPU."""
+        slices = self.node_slices.get(node)
+        if not slices:
+            return {}
+        total: dict[str, int] = {"nvidia.com/gpu": 0}
+        for counts in slices.values():
+            for resource, count in counts.items():
+                total[resource] = total.get(resource, 0) + count
+        return total
+
+    def on_claim(self, delta: Delta) -> str | None:
+        """Keep a claim's change; its ``namespace/name``, None for one never seen."""
+        if delta.type == "DELETED" or delta.obj is None:
+            name = self.claim_names.pop(delta.key, None)
+            if name is not None:
+                self.claims.pop(name, None)
+            return name
+        meta, status = delta.obj["metadata"], delta.obj.get("status") or {}
+        name = f"{meta.get('namespace', '')}/{meta['name']}"
+        self.claim_names[delta.key] = name
+        allocation = status.get("allocation")
+        results = ((allocation or {}).get("devices") or {}).get("results") or []
+        self.claims[name] = Claim(
+            allocated=allocation is not None,
+            results=tuple((r["driver"], r.get("pool", ""), r["device"]) for r in results
+                          if r.get("driver") in self.drivers and not r.get("adminAccess")),
+            consumers=tuple((c.get("uid"), c.get("name", ""))
+                            for c in status.get("reservedFor") or []
+                            if c.get("resource") == "pods" and not c.get("apiGroup")))
+        return name
+
+    def resolve(self, claim_name: str, uid: str | None, pod: str) -> tuple[Held | None,
+                                                                              str | None]:
+        """What claim ``namespace/name`` gives the pod (``uid``, name ``pod``), with the
+        reason it cannot tell where it cannot.
+
+        (held, None): resolved for good (a claim reserved for a pod keeps its allocation
+        until the pod is done). (None, None): not yet: the claim is not seen, not allocated
+        or not reserved for the pod. (None, reason): allocated to the pod, but a device is
+        not in any slice or says no uuid or no type this index knows. (Held(), reason): a
+        claim shared with other pods, reported with the first of them.
+        """
+        claim = self.claims.get(claim_name)
+        if claim is None or not claim.allocated:
+            return None, None
+        mine = [i for i, (their_uid, name) in enumerate(claim.consumers)
+                if (their_uid == uid if uid and their_uid else name == pod)]
+        if not mine:
+            return None, None
+        if mine[0] > 0:
+            first = claim.consumers[0][1]
+            return Held(), (f"claim {claim_name} is shared by {len(claim.consumers)} pods: "
+                            f"its devices are reported with pod {first} only")
+        gpus, ids = 0, []
+        mig: dict[str, int] = {}
+        for key in claim.results:
+            device = self.devices.get(key)
+            where = f"claim {claim_name}: device {key[0]} {key[1]}/{key[2]}"
+            if device is None:
+                return None, f"{where} is in no ResourceSlice"
+            if device.uuid is None:
+                return None, f"{where} has no uuid attribute"
+            if device.type == MIG_TYPE and device.profile:
+                mig[device.profile] = mig.get(device.profile, 0) + 1
+            elif device.type in GPU_TYPES:
+                gpus += 1
+            else:
+                return None, f"{where} is of type {device.type!r}, neither a GPU nor MIG"
+            ids.append(device.uuid)
+        return Held(gpus, tuple(sorted(mig.items())), tuple(ids)), None

@@ -1,0 +1,135 @@
+"""GPUs handed out through Dynamic Resource Allocation, judged by the deployed worker.
+
+The ``dra-gpus`` world: NVIDIA's DRA driver publishes the nodes' GPUs and MIG
+devices as ResourceSlices, each pod gets its own through a ResourceClaim
+(allocated by the simulated scheduler, reserved for the pod), and nothing
+advertises ``nvidia.com/gpu``. The kubelet's PodResources names such devices
+by claim, pool and device name, not by uuid, so the NVML collector attributes
+none of them: only the Kubernetes watcher, reading claims and slices from the
+API-server double through the real client, can say who holds which GPU. The
+worker runs as ``deploy/`` declares it (command, environment, mounted policy).
+
+What must hold, against the simulator's ground truth: the notebooks left idle
+on whole GPUs and on a MIG device are found, each on its own device, and no
+busy pod is; the nodes' summaries do not offer the held GPUs as free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gpusteward import kafka, topics
+from gpusteward.broker import EmbeddedBroker
+from gpusteward.collectors.transport.publisher import KafkaPublisher
+from gpusteward.sandbox import deployment
+from gpusteward.sandbox.demo import _expected_idle_pods
+from gpusteward.sandbox.simulator import scenario as scenarios
+from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
+from gpusteward.sandbox.world import World
+from gpusteward.schema import Finding, NodeSample, NodeSummary
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+OVERLAY = REPO / "deploy" / "overlays" / "local"
+
+
+@dataclass
+class Run:
+    truth: GroundTruth
+    held_at_end: dict[str, int]
+    """Node -> whole GPUs its running pods hold when the world stops."""
+    mig_held_at_end: dict[str, int]
+    """MIG profile -> devices the running pods hold when the world stops."""
+    findings: list[Finding]
+    summaries: list[NodeSummary]
+    samples: list[NodeSample]
+
+
+async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
+    manifests = deployment.Manifests.from_overlay(OVERLAY)
+    spec = scenarios.load("dra-gpus").model_copy(update={"acceleration": 0.0})
+    cluster = SimulatedCluster(spec)
+    local = deployment.Local(broker.bootstrap, workdir, topic_prefix="e2e-dra",
+                             kubeconfig=workdir / "kubeconfig")
+    settings = manifests.launch("collector", local).settings()
+    await kafka.ensure_topics(settings)
+    publisher = KafkaPublisher(settings)
+    await publisher.start()
+    processes: list[deployment.Process] = []
+    try:
+        world = World(cluster, publisher, workdir)
+        assert world.kubeconfig == local.kubeconfig
+        processes = list(deployment.start(manifests, ["worker"], local))
+        await deployment.wait_ready(processes)
+        async with world:
+            truth = await cluster.run(world)
+            await world.settle()
+            await deployment.drain(settings, processes)
+        held: dict[str, int] = {}
+        mig_held: dict[str, int] = {}
+        for workload in cluster.running:
+            if workload.node is not None and not workload.spec.mig:
+                held[workload.node.name] = held.get(workload.node.name, 0) + \
+                    workload.spec.gpus
+            for profile, count in workload.spec.mig.items():
+                mig_held[profile] = mig_held.get(profile, 0) + count
+    finally:
+        for process in processes:
+            process.stop()
+        await publisher.stop()
+
+    async def read(topic: topics.TopicSpec) -> list[bytes]:
+        return [r.value or b"" for r in await kafka.read_all(settings, topic.name(settings))]
+
+    return Run(truth, held, mig_held,
+               [msgspec.json.decode(v, type=Finding) for v in await read(topics.FINDINGS)],
+               [msgspec.json.decode(v, type=NodeSummary)
+                for v in await read(topics.NODE_SUMMARIES)],
+               [msgspec.json.decode(v, type=NodeSample) for v in await read(topics.SAMPLES)])
+
+
+@pytest.fixture(scope="module")
+def run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return asyncio.run(_run(broker, tmp_path_factory.mktemp("dra-world")))
+
+
+def test_no_device_is_attributed_by_the_node(run: Run) -> None:
+    """The premise: the kubelet names DRA devices by claim, so the collector's samples
+    name no holder; whatever the worker finds, it found through the watcher's claims."""
+    devices = [d for s in run.samples if s.source == "nvml" for d in s.devices]
+    assert devices and all(d.pod is None for d in devices)
+
+
+def test_idle_holders_of_dra_gpus_and_mig_devices_are_found_on_their_devices(
+        run: Run) -> None:
+    expected = _expected_idle_pods(run.truth)
+    idle = {(p.namespace, p.pod, p.devices[0]) for p in run.truth.pods
+            if f"{p.namespace}/{p.pod}" in expected}
+    assert {pod.split("/", 1)[1].rsplit("-", 1)[0] for pod in expected} == {
+        "nb-idle", "nb-mig-idle"}
+    assert len(idle) == 3 and any(device.startswith("MIG-") for _, _, device in idle)
+    found = {(f.subject.pod.namespace, f.subject.pod.name, f.subject.device)
+             for f in run.findings
+             if f.kind == "idle_holder" and f.state == "firing" and f.subject.pod}
+    assert found == idle
+
+
+def test_gpus_held_through_claims_are_not_offered_as_free(run: Run) -> None:
+    """No device plugin advertises the nodes' GPUs: the capacity is what the slices
+    publish (whole GPUs, MIG devices by profile), less what the claims hold."""
+    last = {s.node: s for s in run.summaries}
+    whole = {node: summary for node, summary in last.items() if node.startswith("h100-dra")}
+    assert {node: s.gpus_total for node, s in whole.items()} == {"h100-dra-1": 2,
+                                                                  "h100-dra-2": 2}
+    assert sum(run.held_at_end.values()) == 3
+    assert {node: s.gpus_free for node, s in whole.items()} == {
+        node: 2 - run.held_at_end.get(node, 0) for node in whole}
+    mig = last["a100-mig-dra-1"]
+    assert run.mig_held_at_end == {"3g.40gb": 2}
+    assert (mig.gpus_free, mig.mig_free) == (0, {})  # its one GPU is partitioned
