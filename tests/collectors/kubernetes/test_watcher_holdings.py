@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_objects import gpu_node, gpu_pod
 from gpusteward.schema import NodeInventory, NodeSummary, PodAllocation
