@@ -9,6 +9,7 @@ pipeline is designed for at-least-once delivery with idempotent effects.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
@@ -27,6 +28,7 @@ from aiokafka.errors import (
     UnsupportedSaslMechanismError,
 )
 from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.protocol.admin import ApiVersionRequest
 
 from gpusteward import topics
 from gpusteward.errors import ConfigError
@@ -174,11 +176,53 @@ async def refusal(settings: Settings, timeout_s: float = 2.0) -> ConfigError | N
                     "where the listener asks for a client certificate (mutual TLS), set "
                     "GPUSTEWARD_KAFKA__SSL_CERTFILE and GPUSTEWARD_KAFKA__SSL_KEYFILE to one "
                     "its CA signed")
+            elif "SSL" not in kafka.security_protocol and await _speaks_tls(host, port,
+                                                                           timeout_s):
+                refused = _plaintext_on_tls(where, kafka.security_protocol)
             continue
         else:
-            connection.close()
+            try:
+                if "SSL" not in kafka.security_protocol:
+                    # A TCP connection is no answer: a TLS listener takes one too, and then
+                    # drops the request as a malformed handshake.
+                    await connection.send(ApiVersionRequest())
+            except (KafkaError, OSError, TimeoutError):
+                if await _speaks_tls(host, port, timeout_s):
+                    refused = _plaintext_on_tls(where, kafka.security_protocol)
+                continue
+            finally:
+                connection.close()
             return None
     return refused
+
+
+def _plaintext_on_tls(where: str, protocol: str) -> ConfigError:
+    wanted = "SASL_SSL" if protocol == "SASL_PLAINTEXT" else "SSL"
+    return ConfigError(
+        f"Kafka at {where} speaks TLS on this port, and GPUSTEWARD_KAFKA__SECURITY_PROTOCOL="
+        f"{protocol} does not: set it to {wanted}, and GPUSTEWARD_KAFKA__SSL_CAFILE to the CA "
+        "that signed the brokers' certificates (Strimzi: the cluster CA's ca.crt), or point "
+        "GPUSTEWARD_KAFKA__BOOTSTRAP_SERVERS at the plaintext listener")
+
+
+async def _speaks_tls(host: str, port: int, timeout_s: float) -> bool:
+    """Whether ``host:port`` answers a TLS handshake (its certificate unchecked: only the
+    protocol is in question). Asked only after a plaintext client got no answer there, so
+    a plaintext broker never sees the handshake."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=context),
+                                           timeout_s)
+    except ssl.SSLError as error:
+        # The server's alert (it wants a client certificate, under TLS 1.2) is TLS too.
+        return "ALERT" in str(error.reason or "")
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError, ssl.SSLError):
+        await writer.wait_closed()
+    return True
 
 
 def node_partitioner(key: bytes | None, all_partitions: list[int],

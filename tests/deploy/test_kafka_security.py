@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
 
 from gpusteward import kafka, topics
 from gpusteward.broker import free_port, tansu_binary
@@ -284,6 +285,35 @@ def test_an_untrusted_broker_certificate_stops_the_start_naming_the_ca_setting(
         return await kafka.refusal(with_kafka(tls_kafka, ssl_cafile=None))
 
     assert "GPUSTEWARD_KAFKA__SSL_CAFILE is unset" in str(asyncio.run(refused()))
+
+
+@pytest.mark.parametrize("protocol", ["PLAINTEXT", "SASL_PLAINTEXT"])
+def test_a_plaintext_client_on_a_tls_listener_is_told_to_speak_tls(tls_kafka, tmp_path,
+                                                                   protocol):
+    """The commonest slip on a Strimzi or MSK TLS listener (port 9093 or 9094): the
+    protocol left at its default. The TCP connection opens, the listener drops the request
+    as a malformed handshake, and the process said only "did not answer" after its whole
+    start timeout."""
+    plain = with_kafka(tls_kafka, security_protocol=protocol, ssl_cafile=None,
+                       ssl_certfile=None, ssl_keyfile=None,
+                       **({"sasl_mechanism": "SCRAM-SHA-512", "sasl_username": "gpusteward",
+                           "sasl_password": SecretStr(PASSWORD)} if "SASL" in protocol else {}))
+    result, took = start_refused(tmp_path, plain, "alerts")
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = result.stderr.splitlines()
+    wanted = "SASL_SSL" if "SASL" in protocol else "SSL"
+    assert line.startswith(f"error: Kafka at {tls_kafka.kafka.bootstrap_servers} speaks TLS "
+                           f"on this port, and GPUSTEWARD_KAFKA__SECURITY_PROTOCOL={protocol}")
+    assert f"set it to {wanted}" in line and PASSWORD not in result.stderr
+    assert took < 15
+
+
+def test_a_plaintext_broker_is_never_refused_as_tls(settings):
+    """The probe runs only after a plaintext request went unanswered: a plaintext broker
+    that answers is no refusal, one that is down is an outage, not TLS."""
+    assert asyncio.run(kafka.refusal(settings)) is None
+    gone = with_kafka(settings, bootstrap_servers=f"127.0.0.1:{free_port()}")
+    assert asyncio.run(kafka.refusal(gone)) is None
 
 
 @pytest.mark.parametrize("tls_kafka", ["mutual-tls"], indirect=True)
