@@ -1,5 +1,6 @@
-"""A deleted node leaves the fleet's view, end to end: API double -> Kubernetes watcher ->
-Kafka -> stream worker (node join and fleet agent) -> findings and node summaries.
+"""A deleted node leaves the fleet's view and its findings resolve, end to end: API double
+-> Kubernetes watcher -> Kafka -> stream worker (node join and fleet agent) -> findings and
+node summaries (-> the alerts process and a real Alertmanager, for the findings).
 
 Three A100 nodes, ``big`` with 8 GPUs and ``s1``, ``s2`` with 4, all free. ``big`` is
 deleted; then a pod asking for 8 GPUs on one node is created and waits. With ``big``
