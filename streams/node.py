@@ -26,6 +26,11 @@ another; the other runners run once on the device. A device out of service (a ru
 health check finds an open episode) runs no ``per_holder`` runner: its holder's idleness
 is the fault's consequence, not a second problem.
 
+The join keeps the findings open on each node as its rules emit them
+(``NodeState.findings``, touched only when a rule emits something), so that a node
+deleted from the cluster has each of them resolved under its own id, whatever rule opened
+it; its rules' state goes with it, and they judge nothing of it until it exists again.
+
 It stays one module: the node's state, the pod-identity index and the loop over the
 registry's runners are one hot path; splitting it would add calls per sample.
 """
@@ -42,6 +47,7 @@ import msgspec
 from gpusteward.edge import Rejected
 from gpusteward.rules import budget, ecc, hardware, idle, memory, memory_leak, rollup
 from gpusteward.rules import policy as policies
+from gpusteward.rules.findings import resolved
 from gpusteward.rules.mig import reconfig
 from gpusteward.rules.registry import DeviceRunner, SampleHook, state_in
 from gpusteward.schema import (
@@ -58,6 +64,7 @@ from gpusteward.schema import (
     PodAllocation,
     PodRef,
     Rollup,
+    Subject,
     Taint,
     mig_resource_profile,
     single_strategy_profile,
@@ -166,6 +173,16 @@ class _Prepared:
         """(state name, typed field, state type, check) of every runner with a health check."""
 
 
+class OpenFinding(msgspec.Struct):
+    """A finding open on the node, as its rule emitted it: what its resolution needs."""
+
+    fingerprint: str
+    kind: str
+    subject: Subject
+    since: float
+    """Its ``starts_at``."""
+
+
 class NodeState(msgspec.Struct):
     """What the worker knows about one node."""
 
@@ -219,7 +236,12 @@ class NodeState(msgspec.Struct):
     """Event time from which the next of ``asks`` is due; None with none."""
     deleted: bool = False
     """The node's last inventory said it was deleted: its summaries are tombstones
-    (``NodeSummary.deleted``) until an inventory says it exists again."""
+    (``NodeSummary.deleted``) and its rules run on nothing until an inventory says it
+    exists again."""
+    findings: dict[str, OpenFinding] = {}
+    """The findings open on the node, by id, as its rules emitted them (a firing one adds,
+    its resolution takes it out; :meth:`NodeJoin._note`): what the node's deletion resolves.
+    Empty in a state written before it was kept: the findings open then are not known."""
 
 
 Output = Finding | Action | NodeSummary | Rollup
@@ -523,6 +545,9 @@ class NodeJoin:
         # mig-manager stops every GPU client before it resets the GPUs: an idle holder now
         # is one it is evicting, not one to notify and reclaim.
         reconfiguring = state.mig_config_state in reconfig.RECONFIGURING
+        # A deleted node's samples (read late, or its collector's last) are folded into the
+        # rollups but judged by no rule: a finding opened now would have nothing to resolve it.
+        judging = not state.deleted
         for device in sample.devices:
             dev = state.devices.get(device.uuid)
             if dev is None:
@@ -542,7 +567,7 @@ class NodeJoin:
             sick = reconfiguring or (sick and dev.idle.open_id is None)
             if shared:
                 out += self._on_shares(state, holders, dev, device, node, ts, bucket,
-                                       judge=not sick)
+                                       judge=judging and not sick)
             holding = self._holding(dev, device, holders, ts)
             holder: idle.Holder | None
             if holding is not None:
@@ -559,6 +584,8 @@ class NodeJoin:
             if bucket is not None and not shared:  # a shared device: a row per holder
                 who = holding.who if holding is not None else None
                 fold.add(bucket, device, ts, who or self._who(holding, device.pod))
+            if not judging:
+                continue
             for hook, name, typed, state_type, settings in plans[2 * (device.kind == "gpu")
                                                                  + (shared or sick)]:
                 track = getattr(dev, name) if typed else state_in(dev.tracks, name, state_type)
@@ -572,7 +599,7 @@ class NodeJoin:
         if state.mig_reconfig_since is not None:
             out = self._reconfig(state, out, sample)
         if out:  # almost never
-            self._note_asks(state, out)
+            self._note(state, out)
         due = state.asks_due
         if due is not None and ts >= due:  # at most once per reask_s per node
             out += self._reask(state, ts)
@@ -608,6 +635,20 @@ class NodeJoin:
                    for dev in state.devices.values()):
             state.mig_reconfig_since = state.mig_reconfig_until = None
         return out
+
+    def _note(self, state: NodeState, out: list[Output]) -> None:
+        """Keep the findings ``out`` opens on the node (re-issued ones replace themselves)
+        and forget those it resolves; then the node actions (:meth:`_note_asks`). Called
+        only with outputs: never per sample."""
+        opened = state.findings
+        for item in out:
+            if isinstance(item, Finding):
+                if item.state == "firing":
+                    opened[item.id] = OpenFinding(item.fingerprint, item.kind, item.subject,
+                                                  item.starts_at)
+                else:
+                    opened.pop(item.id, None)
+        self._note_asks(state, out)
 
     def _note_asks(self, state: NodeState, out: list[Output]) -> None:
         """Keep the node actions the rules asked for in ``out``, to ask for them again while
@@ -755,6 +796,8 @@ class NodeJoin:
         # samples, since the thermal and SBE rules need the whole window of readings.
         if event.kind == "xid" and event.uuid is not None:
             self.fold.count_xid(state.rollups, event.uuid, event.ts)
+        if state.deleted:  # judged by no rule, as its samples
+            return []
         hooks = self.policy.resolve(None, None, state.pool).events.get(event.kind, ())
         uuid = event.uuid
         if uuid is None:
@@ -772,7 +815,7 @@ class NodeJoin:
         if out and state.mig_reconfig_since is not None:
             out = self._reconfig(state, out, None)
         if out:
-            self._note_asks(state, out)
+            self._note(state, out)
             state.summary_dirty = True
             out += self._maybe_summary(state, event.node, event.ts)
         return out
@@ -795,8 +838,6 @@ class NodeJoin:
         state.gpu_allocatable = 0 if event.deleted else event.allocatable.get("nvidia.com/gpu")
         state.cordoned = event.unschedulable or any(map(_keeps_pods_off, event.taints))
         state.spot = event.spot
-        if event.deleted:  # nothing left to act on
-            state.asks = {}
         if state.asks_due is not None:  # a cordon that waited may be due as the node reopens
             self._due(state)
         state.pool = event.labels.get(self.policy.node_pool_label)
@@ -815,7 +856,28 @@ class NodeJoin:
                 (state.gpu_allocatable or 0)
             state.gpu_allocatable = 0
         state.summary_dirty = True
-        return self._mig_config(state, event) + self._maybe_summary(state, event.node, event.ts)
+        out = self._mig_config(state, event)  # a failed reconfiguration's warning resolves
+        if out:
+            self._note(state, out)
+        if event.deleted:
+            out += self._gone(state, event.node, event.ts)
+        return out + self._maybe_summary(state, event.node, event.ts)
+
+    @staticmethod
+    def _gone(state: NodeState, node: str, ts: float) -> list[Output]:
+        """The node was deleted: every finding open on it resolves under its id, and its
+        rules' state and asks are forgotten, so nothing fires again from them and the node
+        created again under its name starts afresh. Once: a redelivered deletion finds
+        nothing open (or, read again from an older checkpoint, resolves the same ids at the
+        same time)."""
+        why = f"node {node} deleted from the cluster"
+        out: list[Output] = [
+            resolved(finding_id, open_.fingerprint, open_.kind, open_.subject, why,
+                     open_.since, max(ts, open_.since))
+            for finding_id, open_ in state.findings.items()]
+        state.findings, state.devices = {}, {}
+        state.asks, state.asks_due = {}, None  # nothing left to act on
+        return out
 
     @staticmethod
     def _mig_config(state: NodeState, event: NodeInventory) -> list[Output]:
@@ -879,6 +941,8 @@ class NodeJoin:
             )
             rollup.reattribute(state.rollups, self._holding_who(holding))
             state.summary_dirty = True
+        if out:
+            self._note(state, out)
         return out + self._maybe_summary(state, event.node, event.ts)
 
     def _who(self, holding: Holding | None, attributed: PodRef | None

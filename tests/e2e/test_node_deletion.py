@@ -1,5 +1,6 @@
-"""A deleted node leaves the fleet's view, end to end: API double -> Kubernetes watcher ->
-Kafka -> stream worker (node join and fleet agent) -> findings and node summaries.
+"""A deleted node leaves the fleet's view and its findings resolve, end to end: API double
+-> Kubernetes watcher -> Kafka -> stream worker (node join and fleet agent) -> findings and
+node summaries (-> the alerts process and a real Alertmanager, for the findings).
 
 Three A100 nodes, ``big`` with 8 GPUs and ``s1``, ``s2`` with 4, all free. ``big`` is
 deleted; then a pod asking for 8 GPUs on one node is created and waits. With ``big``
@@ -17,6 +18,8 @@ promised the pod a start "now" on a node that no longer existed, and the status 
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,8 @@ import msgspec
 import pytest
 
 from gpusteward import kafka, topics
+from gpusteward.alerting.alertmanager import AlertmanagerSink
+from gpusteward.alerting.consumer import FindingsConsumer
 from gpusteward.collectors.kubernetes import KubeWatcher, KubeWatchSettings, api_client
 from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.rules import eta
@@ -31,11 +36,13 @@ from gpusteward.rules import fragmentation as frag
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_objects import gpu_node, gpu_pod, rfc3339
 from gpusteward.sandbox.pipeline import WorkerProcess
-from gpusteward.schema import DeviceSample, Finding, NodeSample, NodeSummary
+from gpusteward.schema import DeviceSample, Finding, NodeSample, NodeSummary, PodRef
 from gpusteward.settings import Settings
 from gpusteward.status import StatusFold
 from gpusteward.streams.app import worker_group
 from gpusteward.streams.fleet import fleet_group
+from tests.alerting.conftest import free_port, start_alertmanager, stop_alertmanager
+from tests.alerting.test_consumer_edge import consume_all
 
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 STEP_S = 30.0
@@ -49,6 +56,23 @@ def _page(node: str, ts: float) -> NodeSample:
     return NodeSample(ts=ts, node=node, source="dcgm", devices=[
         DeviceSample(uuid=f"GPU-{node}-{i}", index=i, model=MODEL, util_pct=0.0, temp_c=40.0,
                      mem_total_bytes=80 << 30) for i in range(GPUS[node])])
+
+
+async def _caught_up(settings: Settings, api: KubeApiServer, watcher: KubeWatcher,
+                     publisher: KafkaPublisher) -> None:
+    """Everything the watcher and the collectors sent, read by the worker."""
+    latest = str(api.resource_version)
+    for _ in range(500):
+        reflectors = list(watcher.reflectors.values())
+        if all(r.resource_version == latest for r in reflectors) and (
+                sum(r.stats.deltas for r in reflectors) == watcher.processed):
+            break
+        await asyncio.sleep(0.02)
+    else:
+        raise AssertionError("the watcher did not catch up in 10 s")
+    await publisher.flush()
+    await kafka.wait_consumed(settings, worker_group(settings), [
+        t.name(settings) for t in (topics.SAMPLES, topics.ALLOCATIONS)], 90)
 
 
 @pytest.mark.e2e
@@ -66,7 +90,6 @@ def test_a_deleted_node_leaves_the_fleet_and_counts_again_when_re_added(
         publisher = KafkaPublisher(settings)
         await publisher.start()
         stop = asyncio.Event()
-        node_topics = [t.name(settings) for t in (topics.SAMPLES, topics.ALLOCATIONS)]
         try:
             with KubeApiServer(bookmark_interval_s=0.2) as api:
                 api.load([gpu_node(node, gpus=gpus) for node, gpus in GPUS.items()])
@@ -76,18 +99,7 @@ def test_a_deleted_node_leaves_the_fleet_and_counts_again_when_re_added(
                 await asyncio.wait_for(watcher.synced.wait(), 30)
 
                 async def caught_up() -> None:
-                    """Everything the watcher and the collectors sent, read by the worker."""
-                    latest = str(api.resource_version)
-                    for _ in range(500):
-                        reflectors = list(watcher.reflectors.values())
-                        if all(r.resource_version == latest for r in reflectors) and (
-                                sum(r.stats.deltas for r in reflectors) == watcher.processed):
-                            break
-                        await asyncio.sleep(0.02)
-                    else:
-                        raise AssertionError("the watcher did not catch up in 10 s")
-                    await publisher.flush()
-                    await kafka.wait_consumed(settings, worker_group(settings), node_topics, 90)
+                    await _caught_up(settings, api, watcher, publisher)
 
                 async def pages(nodes: tuple[str, ...], steps: int) -> None:
                     nonlocal now
@@ -158,3 +170,135 @@ def test_a_deleted_node_leaves_the_fleet_and_counts_again_when_re_added(
             fold.summary(summary)
     pools = fold.snapshot(re_added).pools
     assert [(p.nodes, p.gpus, p.allocated) for p in pools] == [(2, 8, 0)], pools
+
+
+REPAIRED = "n1"
+"""The node removed for repair: a notebook idle on GPU 0, a double-bit ECC error on GPU 1."""
+KEPT = "n2"
+"""A node that stays, with a double-bit ECC error of its own."""
+NOTEBOOK = PodRef(namespace="team-a", name="nb")
+
+
+def _faulty_page(node: str, ts: float, *, faulty: bool = True) -> NodeSample:
+    """``node``'s dcgm page: on n1 the notebook idle on GPU 0; a DBE on its last GPU while
+    ``faulty``."""
+    gpus = 2 if node == REPAIRED else 1
+    return NodeSample(ts=ts, node=node, source="dcgm", devices=[
+        DeviceSample(uuid=f"GPU-{node}-{i}", index=i, model=MODEL, util_pct=0.0, temp_c=40.0,
+                     mem_total_bytes=80 << 30, ecc_dbe_volatile=int(faulty and i == gpus - 1),
+                     pod=NOTEBOOK if node == REPAIRED and faulty and i == 0 else None)
+        for i in range(gpus)])
+
+
+def _open_gauge(consumer: FindingsConsumer) -> dict[tuple[str, str], float]:
+    """``gpusteward_findings_open``'s non-zero children: (kind, severity) -> open findings."""
+    return {(sample.labels["kind"], sample.labels["severity"]): sample.value
+            for family in consumer.metrics.registry.collect()
+            if family.name == "gpusteward_findings_open"
+            for sample in family.samples if sample.value}
+
+
+def _active_alerts(url: str) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(f"{url}/api/v2/alerts?active=true", timeout=5) as response:
+        alerts: list[dict[str, Any]] = json.loads(response.read())
+    return alerts
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_the_findings_of_a_deleted_node_resolve_and_its_alerts_end(
+        settings: Settings, tmp_path: Path) -> None:
+    """A node deleted from the cluster (taken out for repair) has every finding open on it
+    resolved, under its own id, naming the deletion: its alerts end at Alertmanager and the
+    open-findings gauge drops; another node's finding stays open; the node created again
+    under its name, repaired, raises nothing from its old state.
+
+    Before, no resolution ever came: the alerts process re-posted n1's alerts every minute
+    and counted them open for ever."""
+    now = T0
+    phases: dict[str, float] = {}
+
+    async def main() -> list[Finding]:
+        nonlocal now
+        await kafka.ensure_topics(settings)
+        worker = WorkerProcess(settings, tmp_path / "worker.log")
+        worker.start()
+        publisher = KafkaPublisher(settings)
+        await publisher.start()
+        stop = asyncio.Event()
+        try:
+            with KubeApiServer(bookmark_interval_s=0.2) as api:
+                api.load([gpu_node(REPAIRED, gpus=2), gpu_node(KEPT, gpus=1)])
+                kube = KubeWatchSettings(kubeconfig=str(api.write_kubeconfig(tmp_path / "kc")))
+                watcher = KubeWatcher(api_client(kube), publisher, kube, clock=lambda: now)
+                watching = asyncio.create_task(watcher.run(stop))
+                await asyncio.wait_for(watcher.synced.wait(), 30)
+                api.create(gpu_pod(NOTEBOOK.name, NOTEBOOK.namespace, node=REPAIRED,
+                                   uid="uid-nb", phase="Running", created=rfc3339(now)))
+                await _caught_up(settings, api, watcher, publisher)
+
+                async def pages(nodes: tuple[str, ...], steps: int, faulty: bool = True
+                                ) -> None:
+                    nonlocal now
+                    for _ in range(steps):
+                        for node in nodes:
+                            await publisher.sample(_faulty_page(node, now, faulty=faulty))
+                        now += STEP_S
+                    await _caught_up(settings, api, watcher, publisher)
+
+                # 45 min: the DBEs at once, the notebook idle past grace and window (40 min).
+                await pages((REPAIRED, KEPT), 90)
+                phases["deleted"] = now
+                api.delete("Node", REPAIRED)  # its collector goes with it
+                await _caught_up(settings, api, watcher, publisher)
+                await pages((KEPT,), 4)
+                phases["re-added"] = now
+                api.create(gpu_node(REPAIRED, gpus=2))  # repaired: no DBE, no pod
+                await _caught_up(settings, api, watcher, publisher)
+                await pages((REPAIRED,), 4, faulty=False)
+                stop.set()
+                await watching
+                await publisher.flush()
+            assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
+            records = await kafka.read_all(settings, topics.FINDINGS.name(settings))
+            return [msgspec.json.decode(r.value or b"", type=Finding) for r in records]
+        finally:
+            await publisher.stop()
+            worker.stop()
+
+    findings = asyncio.run(main())
+    deleted = phases["deleted"]
+    on_n1 = [f for f in findings if f.subject.node == REPAIRED]
+    fired = {f.id: f for f in on_n1 if f.state == "firing"}
+    assert {f.kind for f in fired.values()} == {"idle_holder", "ecc_dbe"}, on_n1
+    # Each resolved once, under its id and fingerprint, at the deletion, naming it.
+    ends = [f for f in on_n1 if f.state == "resolved"]
+    assert sorted((f.id, f.fingerprint, f.kind, f.ts) for f in ends) == sorted(
+        (f.id, f.fingerprint, f.kind, deleted) for f in fired.values()), ends
+    assert {f.summary for f in ends} == {f"node {REPAIRED} deleted from the cluster"}
+    assert not [f for f in on_n1 if f.ts > deleted], "nothing after the deletion"
+    # The node that stays keeps its finding open.
+    assert [(f.kind, f.state) for f in findings if f.subject.node == KEPT] == [
+        ("ecc_dbe", "firing")]
+
+    # The alerts process, reading the topic, against a real Alertmanager.
+    port = free_port()
+    alertmanager = start_alertmanager(tmp_path / "alertmanager", port=port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        consumer = FindingsConsumer(settings, [sink := AlertmanagerSink(url)],
+                                    group_id="alerts-after-deletion")
+
+        async def alerts() -> None:
+            await consume_all(consumer)
+            await sink.refresh()
+            await sink.close()
+
+        asyncio.run(alerts())
+        active = _active_alerts(url)
+        assert [(a["labels"]["kind"], a["labels"]["node"]) for a in active] == [
+            ("ecc_dbe", KEPT)], active
+        assert _open_gauge(consumer) == {("ecc_dbe", "critical"): 1}
+        assert {a["labels"]["node"] for a in sink.firing.values()} == {KEPT}
+    finally:
+        stop_alertmanager(alertmanager)

@@ -335,3 +335,87 @@ def test_reask_s_none_asks_once() -> None:
     join, state = NodeJoin(RuleSettings(policy=POLICY, reask_s=None)), NodeState()
     out = [join.on_sample(state, dbe_sample(T0 + 30 * i)) for i in range(80)]
     assert [(a.verb, a.reask) for o in out for a in actions(o)] == [("cordon", 0)]
+
+
+def _held(ts: float, phase: str = "running") -> PodAllocation:
+    """train-a (namespace ml-a: idle after 10 min) holding GPU-0."""
+    return PodAllocation(ts=ts, node="n1", pod=POD, phase=phase, gpus=1,  # type: ignore[arg-type]
+                         device_ids=["GPU-0"], started_at=T0)
+
+
+def _faulty_and_idle(join: NodeJoin, state: NodeState) -> list[Finding]:
+    """n1 with GPU-0 held and idle for 20 min and a DBE on GPU-1: two findings open."""
+    join.on_allocation(state, NodeInventory(ts=T0, node="n1", gpu_product="NVIDIA H100 80GB "
+                                            "HBM3", gpu_count=2))
+    join.on_allocation(state, _held(T0))
+    out = []
+    for i in range(41):
+        reading = sample(T0 + 30 * i, util=0.0)
+        reading.devices[1].ecc_dbe_volatile = 1
+        out += join.on_sample(state, reading)
+    fired = findings(out)
+    assert {(f.kind, f.state) for f in fired} == {("idle_holder", "firing"),
+                                                  ("ecc_dbe", "firing")}, fired
+    return fired
+
+
+def test_a_deleted_node_resolves_every_finding_open_on_it_once() -> None:
+    """A node deleted from the cluster (for repair, say) has its open findings resolved,
+    each under its own id and fingerprint and with the reason; nothing fires again on it
+    from the old state, a redelivered deletion resolves nothing twice, and the node created
+    again under its name starts afresh. Before, they stayed open, alerted every minute,
+    for ever."""
+    join, state = NodeJoin(RuleSettings(policy=POLICY, reask_s=600)), NodeState()
+    fired = _faulty_and_idle(join, state)
+    gone = T0 + 1300
+    deletion = NodeInventory(ts=gone, node="n1", deleted=True)
+    out = join.on_allocation(state, deletion)
+    closed = findings(out)
+    opened = {f.id: f for f in fired}
+    assert sorted((f.kind, f.state, f.id, f.fingerprint, f.subject, f.starts_at, f.ends_at)
+                  for f in closed) == sorted(
+        (f.kind, "resolved", f.id, f.fingerprint, f.subject, f.starts_at, gone)
+        for f in opened.values())
+    assert all(f.summary == "node n1 deleted from the cluster" for f in closed)
+    assert [s.deleted for s in out if isinstance(s, NodeSummary)] == [True]
+
+    # Read again from the checkpoint before it (a crash before the commit): the same records.
+    assert findings(join.on_allocation(state, deletion)) == []  # redelivered: nothing more
+    # What still arrives for the gone node (late samples, an XID, its pod's deletion) raises
+    # nothing: no finding would ever resolve it.
+    late: list = []
+    for i in range(1, 41):
+        late += join.on_sample(state, dbe_sample(gone + 30 * i))
+    late += join.on_hw_event(state, HwEvent(ts=gone + 5, node="n1", kind="xid",
+                                            uuid="GPU-1", xid=79))
+    late += join.on_allocation(state, _held(gone + 1300, "deleted"))
+    assert [o for o in late if isinstance(o, Finding | Action)] == []
+    assert state.findings == {} and state.asks == {}
+
+    # Created again under its name, still with the DBE: a new episode, a new id.
+    join.on_allocation(state, NodeInventory(ts=gone + 1400, node="n1", gpu_count=2))
+    again = findings(join.on_sample(state, dbe_sample(gone + 1410)))
+    assert [(f.kind, f.state) for f in again] == [("ecc_dbe", "firing")]
+    assert again[0].id not in opened
+
+
+def test_a_deletion_read_again_from_an_older_checkpoint_resolves_the_same_records() -> None:
+    join, state = NodeJoin(RuleSettings(policy=POLICY)), NodeState()
+    _faulty_and_idle(join, state)
+    checkpoint = msgspec.msgpack.encode(state)
+    deletion = NodeInventory(ts=T0 + 1300, node="n1", deleted=True)
+    first = findings(join.on_allocation(state, deletion))
+    replayed = findings(join.on_allocation(
+        msgspec.msgpack.decode(checkpoint, type=NodeState), deletion))
+    assert len(first) == 2 and replayed == first
+
+
+def test_a_finding_resolved_before_the_deletion_is_not_resolved_again() -> None:
+    join, state = NodeJoin(RuleSettings(policy=POLICY)), NodeState()
+    fired = _faulty_and_idle(join, state)
+    released = findings(join.on_allocation(state, _held(T0 + 1250, "finished")))
+    assert [(f.kind, f.state) for f in released] == [("idle_holder", "resolved")]
+    closed = findings(join.on_allocation(state, NodeInventory(ts=T0 + 1300, node="n1",
+                                                              deleted=True)))
+    assert [(f.kind, f.id) for f in closed] == [
+        (f.kind, f.id) for f in fired if f.kind == "ecc_dbe"]

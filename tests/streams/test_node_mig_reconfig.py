@@ -3,7 +3,8 @@
 The deployed path (watcher, dcgm loss tracker, join) is in
 ``tests/collectors/kubernetes/test_mig_reconfig.py``; these pin the edges of the window
 on the join alone: faults a GPU reset does not cause, and faults after the window, still
-act; ``rebooting`` holds as ``pending`` does; a deleted node's warning resolves.
+act; ``rebooting`` holds as ``pending`` does; a deleted node's warning resolves, and its
+held episodes with it.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def test_a_failed_reconfiguration_keeps_its_episodes_and_a_deletion_resolves_it(
         "mig_config_failed", "firing", "warning")
     assert verbs(join.on_hw_event(state, lost(T0 + 90))) == []  # one episode, no drain
     out = join.on_allocation(state, inventory(T0 + 120, "failed", deleted=True))
-    assert [(f.kind, f.state, f.id) for f in out if isinstance(f, Finding)] == [
-        ("mig_config_failed", "resolved", warning.id)]
+    # The warning resolves as a deletion ends a failed reconfiguration; the GPU's held loss
+    # as every finding open on a deleted node does.
+    assert [(f.kind, f.state, f.id == warning.id) for f in out if isinstance(f, Finding)] == [
+        ("mig_config_failed", "resolved", True), ("gpu_lost", "resolved", False)]
 
 
 def test_a_loss_without_a_uuid_during_the_window_settles_when_every_gpu_answers() -> None:

@@ -8,7 +8,14 @@ import msgspec
 import pytest
 
 from gpusteward.edge import Rejected
-from gpusteward.schema import DeviceSample, Finding, NodeSample, PodAllocation, PodRef
+from gpusteward.schema import (
+    DeviceSample,
+    Finding,
+    NodeInventory,
+    NodeSample,
+    PodAllocation,
+    PodRef,
+)
 from gpusteward.streams.app import NodeStates
 from gpusteward.streams.node import NodeJoin, NodeState, Output
 from gpusteward.streams.outputs import salvage
@@ -172,3 +179,35 @@ def test_a_node_restored_from_the_table_takes_its_stepped_back_clock_and_is_writ
     restarted.apply(writes, join.on_sample, _sample(back + 330))
     restarted.apply(writes, join.on_sample, _sample(back + 360))  # 30 s on: due again
     assert b"n1" in writes
+
+
+@pytest.mark.parametrize("release", ["2026-11-21", "2026-11-25"])
+def test_a_node_an_earlier_release_checkpointed_is_deleted_and_created_again_afresh(
+        release: str) -> None:
+    """The node's state as an earlier release checkpointed it (XID, ECC and idle findings
+    open), then the node is deleted. That release kept no record of its open findings, so
+    those are not resolved (docs/detection.md says so); findings opened since the upgrade
+    are. Its rules' state goes all the same: the node created again under its name, its DBE
+    still there, opens a new episode, and nothing of the old ones resolves late."""
+    raw = (OLD_STATES / f"node-state-{release}.msgpack").read_bytes()
+    states = NodeStates({b"n1": raw}, checkpoint_s=30.0)
+    join, writes = NodeJoin(), dict[bytes, bytes]()
+    states.apply(writes, join.on_sample, scenario_sample(500))
+    failing = NodeSample(ts=T0 + 5010, node="n1", source="t", devices=[
+        DeviceSample(uuid="GPU-0", index=0, model=MODEL, util_pct=0.0, pod=POD),
+        DeviceSample(uuid="GPU-1", index=1, model=MODEL, util_pct=0.0, ecc_dbe_volatile=1,
+                     temp_c=70.0, pod=POD, remap_failure=True)])
+    opened = [o for o in states.apply(writes, join.on_sample, failing)
+              if isinstance(o, Finding)]
+    assert [(f.kind, f.state) for f in opened] == [("remap_failure", "firing")]
+    gone = states.apply(writes, join.on_allocation,
+                        NodeInventory(ts=T0 + 5020, node="n1", deleted=True))
+    assert [(o.kind, o.state, o.id) for o in gone if isinstance(o, Finding)] == [
+        ("remap_failure", "resolved", opened[0].id)]
+    states.apply(writes, join.on_allocation, NodeInventory(ts=T0 + 6000, node="n1",
+                                                           gpu_count=2))
+    again: list[Output] = []
+    for tick in range(600, 700):
+        again += states.apply(writes, join.on_sample, scenario_sample(tick))
+    assert [(o.kind, o.state) for o in again if isinstance(o, Finding)] == [
+        ("ecc_dbe", "firing")]
