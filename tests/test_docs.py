@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -89,3 +90,47 @@ def test_every_alert_the_pages_and_dashboards_name_is_one_the_rules_define() -> 
         named = set(ALERT.findall(page.read_text()))
         known = alerts | set(RENAMED) if page.name == "deploy.md" else alerts
         assert named <= known, f"{page.name}: {sorted(named - known)}"
+
+
+def _commands() -> dict[str, Any]:
+    import typer
+
+    from gpusteward.cli import app
+
+    commands: dict[str, Any] = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    return commands
+
+
+def test_the_processes_page_lists_every_command() -> None:
+    """docs/processes.md's table is where a user looks for what the CLI can run."""
+    table = [line for line in (ROOT / "docs" / "processes.md").read_text().splitlines()
+             if line.startswith("| `gpusteward ")]
+    listed = {word for row in table for cell in row.split("|")[1:2]
+              for word in re.findall(r"`gpusteward ([a-z-]+)", cell)}
+    assert sorted(set(_commands()) - listed) == []
+
+
+def _documented(variable: str, prefix: str, text: str) -> bool:
+    """Named in full, or by its name under the prefix in backticks (`INTERVAL_S` in a table
+    of GPUSTEWARD_COLLECT__ settings)."""
+    short = variable.removeprefix(prefix)
+    return bool(re.search(rf"\b{variable}\b", text)) or f"`{short}`" in text
+
+
+def test_every_setting_has_a_documented_variable() -> None:
+    """A setting whose variable no page names is one a user cannot find without reading the
+    code; the variables the pages name are read by some process
+    (tests/deploy/test_environment.py)."""
+    from tests.deploy.reads import READS, Model, model_names
+
+    text = "\n".join(page.read_text() for page in PAGES)
+    models = {read.settings for reads in READS.values() for read in reads
+              if isinstance(read, Model)}
+    missing = []
+    for settings in sorted(models, key=lambda m: m.__name__):
+        names = model_names(Model(settings))
+        prefix = str(settings.model_config.get("env_prefix", "")).upper()
+        groups = {n for n in names.exact if any(o.startswith(f"{n}__") for o in names.exact)}
+        missing += [f"{settings.__name__}: {name}" for name in sorted(names.exact - groups)
+                    if not _documented(name, prefix, text)]
+    assert missing == [], "\n".join(missing)
