@@ -134,3 +134,33 @@ def test_every_setting_has_a_documented_variable() -> None:
         missing += [f"{settings.__name__}: {name}" for name in sorted(names.exact - groups)
                     if not _documented(name, prefix, text)]
     assert missing == [], "\n".join(missing)
+
+
+def unknown_flags(text: str) -> list[str]:
+    """`gpusteward CMD ... --flag` written in ``text`` (in backticks or at a line's start
+    in a code block) whose command has no such option."""
+    commands = _commands()
+    problems = []
+    for line in (re.findall(r"`(gpusteward [^`]*)`", text)
+                 + re.findall(r"^\s*(gpusteward [^#\n]*)", text, re.M)):
+        words = line.split()[1:]
+        command: Any = None
+        group = commands
+        while words and words[0] in group:
+            command = group[words.pop(0)]
+            group = getattr(command, "commands", {})
+        if command is None or getattr(command, "commands", None):
+            continue
+        options = {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+        problems += [f"{line}: {flag}" for word in words
+                     for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", word)
+                     if flag not in options]
+    return problems
+
+
+def test_every_flag_the_pages_give_a_command_is_one_it_has() -> None:
+    assert [p for page in PAGES for p in unknown_flags(page.read_text())] == []
+    assert unknown_flags("run `gpusteward doctor --skip kafka --skp kube` or\n"
+                         "    gpusteward collect nvml --node a --nodes b   # x\n") == [
+        "gpusteward doctor --skip kafka --skp kube: --skp",
+        "gpusteward collect nvml --node a --nodes b   : --nodes"]
