@@ -3,14 +3,17 @@
 Read from the environment with the ``GPUSTEWARD_REPORT__`` prefix (the same
 spelling a nested ``report`` group of the root settings would have), e.g.
 ``GPUSTEWARD_REPORT__ROLLUP_DIR=/data/rollups`` or
-``GPUSTEWARD_REPORT__GPU_MODELS='{"H100-80GB": {"hourly_usd": 3.2, ...}}'``.
+``GPUSTEWARD_REPORT__GPU_MODELS__H100-80GB__HOURLY_USD=3.2``. Models given change the
+shipped price table or add to it, never replace it whole.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpusteward.rules.idle import IdleSettings
@@ -102,6 +105,28 @@ class ReportSettings(BaseSettings):
         description="Price and capacity per GPU model, keyed like mig_profiles.yaml.")
     default_hourly_usd: float = Field(
         2.0, gt=0, description="Price used for a model missing from gpu_models.")
+
+    @field_validator("gpu_models", mode="before")
+    @classmethod
+    def _over_the_shipped_models(cls, given: Any) -> Any:
+        """Models given change the shipped table field by field, or add to it.
+
+        pydantic-settings replaces a dict wholesale and takes ``__`` variables' names in
+        lower case: ``GPU_MODELS__H100-80GB__HOURLY_USD=3.1`` alone would leave one model,
+        ``h100-80gb``, with no memory or compute, and every other model at
+        ``default_hourly_usd``. A shipped model is matched whatever the case.
+        """
+        if not isinstance(given, Mapping):
+            return given
+        table: dict[str, Any] = {name: model.model_dump()
+                                 for name, model in _default_models().items()}
+        shipped = {name.lower(): name for name in table}
+        for key, value in given.items():
+            name = shipped.get(str(key).lower(), str(key))
+            if isinstance(value, Mapping):
+                value = {**table.get(name, {}), **value}
+            table[name] = value
+        return table
     team_labels: list[str] = Field(
         default_factory=lambda: ["team", "gpusteward.io/team", "app.kubernetes.io/part-of"],
         description="Pod labels naming the owning team, first match wins; else the namespace.")

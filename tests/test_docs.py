@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -89,3 +90,77 @@ def test_every_alert_the_pages_and_dashboards_name_is_one_the_rules_define() -> 
         named = set(ALERT.findall(page.read_text()))
         known = alerts | set(RENAMED) if page.name == "deploy.md" else alerts
         assert named <= known, f"{page.name}: {sorted(named - known)}"
+
+
+def _commands() -> dict[str, Any]:
+    import typer
+
+    from gpusteward.cli import app
+
+    commands: dict[str, Any] = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    return commands
+
+
+def test_the_processes_page_lists_every_command() -> None:
+    """docs/processes.md's table is where a user looks for what the CLI can run."""
+    table = [line for line in (ROOT / "docs" / "processes.md").read_text().splitlines()
+             if line.startswith("| `gpusteward ")]
+    listed = {word for row in table for cell in row.split("|")[1:2]
+              for word in re.findall(r"`gpusteward ([a-z-]+)", cell)}
+    assert sorted(set(_commands()) - listed) == []
+
+
+def _documented(variable: str, prefix: str, text: str) -> bool:
+    """Named in full, or by its name under the prefix in backticks (`INTERVAL_S` in a table
+    of GPUSTEWARD_COLLECT__ settings)."""
+    short = variable.removeprefix(prefix)
+    return bool(re.search(rf"\b{variable}\b", text)) or f"`{short}`" in text
+
+
+def test_every_setting_has_a_documented_variable() -> None:
+    """A setting whose variable no page names is one a user cannot find without reading the
+    code; the variables the pages name are read by some process
+    (tests/deploy/test_environment.py)."""
+    from tests.deploy.reads import READS, Model, model_names
+
+    text = "\n".join(page.read_text() for page in PAGES)
+    models = {read.settings for reads in READS.values() for read in reads
+              if isinstance(read, Model)}
+    missing = []
+    for settings in sorted(models, key=lambda m: m.__name__):
+        names = model_names(Model(settings))
+        prefix = str(settings.model_config.get("env_prefix", "")).upper()
+        groups = {n for n in names.exact if any(o.startswith(f"{n}__") for o in names.exact)}
+        missing += [f"{settings.__name__}: {name}" for name in sorted(names.exact - groups)
+                    if not _documented(name, prefix, text)]
+    assert missing == [], "\n".join(missing)
+
+
+def unknown_flags(text: str) -> list[str]:
+    """`gpusteward CMD ... --flag` written in ``text`` (in backticks or at a line's start
+    in a code block) whose command has no such option."""
+    commands = _commands()
+    problems = []
+    for line in (re.findall(r"`(gpusteward [^`]*)`", text)
+                 + re.findall(r"^\s*(gpusteward [^#\n]*)", text, re.M)):
+        words = line.split()[1:]
+        command: Any = None
+        group = commands
+        while words and words[0] in group:
+            command = group[words.pop(0)]
+            group = getattr(command, "commands", {})
+        if command is None or getattr(command, "commands", None):
+            continue
+        options = {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+        problems += [f"{line}: {flag}" for word in words
+                     for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", word)
+                     if flag not in options]
+    return problems
+
+
+def test_every_flag_the_pages_give_a_command_is_one_it_has() -> None:
+    assert [p for page in PAGES for p in unknown_flags(page.read_text())] == []
+    assert unknown_flags("run `gpusteward doctor --skip kafka --skp kube` or\n"
+                         "    gpusteward collect nvml --node a --nodes b   # x\n") == [
+        "gpusteward doctor --skip kafka --skp kube: --skp",
+        "gpusteward collect nvml --node a --nodes b   : --nodes"]

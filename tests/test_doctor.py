@@ -246,3 +246,15 @@ def test_the_command_exits_non_zero_and_says_what_to_fix(tmp_path: Path) -> None
     assert lines[1].startswith("FAIL  kubelet socket: ")
     assert lines[2] == "ok    policy: no file named: the defaults"
     assert "2 fault(s): kafka, kubelet socket" in result.output
+
+
+def test_a_kubeconfig_that_is_not_there_is_named(tmp_path: Path) -> None:
+    """A mistyped path, or a kubeconfig volume not mounted: the client reads a missing file as
+    an empty configuration ("No configuration found"), so doctor names the file itself."""
+    missing = tmp_path / "kubeconfig"
+    result = CliRunner().invoke(app, ["doctor", "--skip", "kafka", "--skip", "policy"],
+                                env={"GPUSTEWARD_KUBE__KUBECONFIG": str(missing)})
+    assert result.exit_code == 1, result.output
+    assert result.output.splitlines()[0] == (
+        f"FAIL  kubernetes: cannot load the Kubernetes configuration from {missing} (no such "
+        "file); correct --kubeconfig or GPUSTEWARD_KUBE__KUBECONFIG")

@@ -341,8 +341,7 @@ async def diagnose(settings: Settings, *, kubeconfig: str | None = None,
         try:
             client = kube_client(kubeconfig)
         except Exception as error:  # no configuration is a finding too
-            found.append(Check("kubernetes", False, f"no configuration ({_cut(error)}); set "
-                               "--kubeconfig or run in the cluster"))
+            found.append(Check("kubernetes", False, _no_configuration(kubeconfig, error)))
         else:
             access = await asyncio.to_thread(check_kube_access, client, timeout_s)
             found.append(access)
@@ -357,6 +356,18 @@ async def diagnose(settings: Settings, *, kubeconfig: str | None = None,
     if "policy" not in skipped:
         found.append(check_policy(policy))
     return found
+
+
+def _no_configuration(kubeconfig: str | None, error: BaseException) -> str:
+    """What to fix when no client can be made: the file named, where one was."""
+    if kubeconfig is None:
+        return (f"no configuration ({_cut(error)}); set --kubeconfig (or "
+                "GPUSTEWARD_KUBE__KUBECONFIG) or run in the cluster")
+    # The client takes a file that is not there for an empty configuration ("No
+    # configuration found"), which hides a mistyped path or a volume not mounted.
+    found = _cut(error) if os.path.isfile(kubeconfig) else "no such file"
+    return (f"cannot load the Kubernetes configuration from {kubeconfig} ({found}); "
+            "correct --kubeconfig or GPUSTEWARD_KUBE__KUBECONFIG")
 
 
 def _cut(error: BaseException, limit: int = 300) -> str:

@@ -262,3 +262,21 @@ def test_data_stopping_before_days_without_files_is_named_up_to_the_first_of_the
     assert ends == {"after": "2026-11-16T01:00:00Z", "until": "2026-11-17T00:00:00Z",
                     "minutes": 23 * 60}
     assert gaps.data_ends(WEEK.end - 600, WEEK.end, WEEK.end + 86400) is None
+
+
+def test_one_price_set_by_variable_reprices_that_model_alone(
+        built: tuple[Path, build.Report, pl.DataFrame], monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPUSTEWARD_REPORT__GPU_MODELS__<MODEL>__HOURLY_USD changes one price: the other
+    models keep theirs (a dict setting is otherwise replaced whole, and the variable's
+    name arrives in lower case)."""
+    directory, _, week = built
+    monkeypatch.setenv("GPUSTEWARD_REPORT__GPU_MODELS__H100-80GB__HOURLY_USD", "4.0")
+    settings = ReportSettings()
+    assert settings.gpu_models["H100-80GB"].memory_gib == 80
+    assert settings.gpu_models["A100-80GB"].hourly_usd == 2.2
+    report = build.build(directory, WEEK, settings)
+    held = week.filter(pl.col("pod").is_not_null())
+    price = pl.col("model").replace_strict({**PRICES, "NVIDIA H100 80GB HBM3": 4.0},
+                                           return_dtype=pl.Float64)
+    assert report.data["totals"]["allocated_cost_usd"] == pytest.approx(
+        held.select((price / 60).sum()).item())
