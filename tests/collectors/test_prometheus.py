@@ -10,16 +10,10 @@ exporter's pod: the case that must not become a false attribution.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
-import shutil
-import subprocess
 import time
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -32,6 +26,7 @@ from gpusteward.collectors.prometheus import PrometheusSource, build_query, pod_
 from gpusteward.collectors.source import SourceError
 from gpusteward.schema import PodRef
 from tests.collectors.conftest import FakeExporter
+from tests.collectors.conftest import prometheus_query as _query
 
 GPU0 = "GPU-3f2a9c4e-8b71-4d2e-9a65-1c7e0b5d2f18"
 GPU1 = "GPU-9c04e1b7-2a6d-4f83-b5e0-7d19a3c8e642"
@@ -39,13 +34,6 @@ TRAINER = PodRef(namespace="ml-training", name="llama-ft-worker-0", container="t
 VLLM = PodRef(namespace="inference", name="vllm-infer-7c9d8b6f5-qx2lm", container="vllm")
 EXPORTER_POD = {"namespace": "gpu-operator", "pod": "nvidia-dcgm-exporter-x7k2p",
                 "container": "nvidia-dcgm-exporter"}
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
-
-
-def _query(url: str, promql: str) -> list[dict[str, Any]]:
-    address = f"{url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
-    with urllib.request.urlopen(address, timeout=2) as answer:
-        return json.load(answer)["data"]["result"]
 
 
 def _job(name: str, target: str, honor_labels: bool = False, **extra: Any) -> dict[str, Any]:
@@ -54,55 +42,6 @@ def _job(name: str, target: str, honor_labels: bool = False, **extra: Any) -> di
     return {"job_name": name, "honor_labels": honor_labels,
             "static_configs": [{"targets": [target], "labels": {
                 **EXPORTER_POD, "__meta_kubernetes_pod_node_name": "gpu-node-07"}}], **extra}
-
-
-@pytest.fixture
-def prometheus_factory(tmp_path: Path) -> Iterator[Callable[..., str]]:
-    """Starts real Prometheus servers on free loopback ports, each with the scrape jobs it is
-    given; returns a server's URL once every job has scraped its target."""
-    if not Path(PROMETHEUS).exists():
-        pytest.skip(f"{PROMETHEUS} is absent (Debian package 'prometheus'; .ci/system-deps)")
-    started: list[subprocess.Popen[bytes]] = []
-
-    def start(*jobs: dict[str, Any]) -> str:
-        port = free_port()
-        home = tmp_path / f"prometheus-{port}"
-        home.mkdir()
-        config = home / "prometheus.yml"
-        config.write_text(json.dumps({  # JSON is YAML
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": list(jobs),
-        }))
-        log = home / "prometheus.log"
-        with log.open("wb") as log_file:
-            started.append(subprocess.Popen(
-                [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={home / 'tsdb'}",
-                 f"--web.listen-address=127.0.0.1:{port}"],
-                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            if started[-1].poll() is not None:
-                pytest.fail(f"prometheus exited: {log.read_text()[-2000:]}")
-            try:
-                scraped = {item["metric"]["job"]
-                           for item in _query(url, "DCGM_FI_DEV_XID_ERRORS")}
-                if len(scraped) == len(jobs):
-                    return url
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"no scrape within 30 s: {log.read_text()[-2000:]}")
-            time.sleep(0.2)
-
-    yield start
-    for process in started:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _target(exporter: FakeExporter) -> str:
@@ -328,3 +267,4 @@ def test_an_exporter_scraped_by_two_jobs_is_counted_once(
     devices = {d.uuid: d for d in sample.devices}
     assert devices[GPU0].nvlink_errors == 7, "7 errors, not 14: a doubled counter is a burst"
     assert [d.pod for d in sample.devices] == [TRAINER, None, VLLM, None]
+
