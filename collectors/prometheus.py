@@ -22,6 +22,12 @@ pod) takes the name. A GPU that no pod uses then carries only the target's
 ``pod``: read naively, the exporter pod would own every idle GPU. See
 :func:`pod_resolver` for how each ``pod_labels`` setting decides.
 
+An HA pair behind one Service answers each query from either replica, and
+the replicas scrape at their own phases: read in turn, their answers move a
+gauge or counter back and forth. Each node's readings are therefore taken
+once per scrape and in scrape order (:class:`NewestScrapes`), by the scrape
+times the same query asks for.
+
 prometheus-api-client is synchronous (requests); its calls run in a worker
 thread so the event loop keeps publishing.
 """
@@ -33,6 +39,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
+import msgspec
 import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 from urllib3.util.retry import Retry
@@ -151,16 +158,85 @@ def _promql_regex_alternatives(values: Iterable[str]) -> str:
     return "|".join(re.escape(value) for value in values).replace("\\", "\\\\")
 
 
+SCRAPED_AT = "gpusteward_scraped_at_seconds"
+"""The name the query gives ``timestamp(DCGM_FI_DEV_XID_ERRORS)``: when Prometheus scraped each
+device's page, which tells a replica's older answer from news (:class:`NewestScrapes`)."""
+SCRAPED_LABEL = "gpusteward_scraped"
+"""A label only those series carry: ``or`` matches label sets without the metric name, and
+would drop them as copies of the XID gauges."""
+
+
 def build_query(nodes: Sequence[str] = (), node_label: str | None = None) -> str:
-    """The one instant query per tick: every mapped DCGM metric, for ``nodes`` or all."""
+    """The one instant query per tick: every mapped DCGM metric, for ``nodes`` or all, and the
+    time each device's XID gauge was scraped (:data:`SCRAPED_AT`: ``timestamp()`` drops the
+    metric name, ``label_replace`` gives it one so the series cannot pass for a reading)."""
     names = "|".join(dcgm.MAPPED_METRICS)
     if not nodes:
-        return f'{{__name__=~"{names}"}}'
-    wanted = _promql_regex_alternatives(nodes)
-    # Without a configured label the node is in a relabelled one or in Hostname, spelt
-    # Hostname or hostname depending on the exporter release.
-    labels = (node_label,) if node_label else (*NODE_LABELS, "Hostname", "hostname")
-    return " or ".join(f'{{__name__=~"{names}",{label}=~"{wanted}"}}' for label in labels)
+        matchers = [""]
+    else:
+        wanted = _promql_regex_alternatives(nodes)
+        # Without a configured label the node is in a relabelled one or in Hostname, spelt
+        # Hostname or hostname depending on the exporter release.
+        labels = (node_label,) if node_label else (*NODE_LABELS, "Hostname", "hostname")
+        matchers = [f',{label}=~"{wanted}"' for label in labels]
+    readings = [f'{{__name__=~"{names}"{matcher}}}' for matcher in matchers]
+    scraped = [f'label_replace(label_replace(timestamp({{__name__="{dcgm.XID_FIELD}"{matcher}}}), '
+               f'"__name__", "{SCRAPED_AT}", "", ""), "{SCRAPED_LABEL}", "1", "", "")'
+               for matcher in matchers]
+    return " or ".join(readings + scraped)
+
+
+class NewestScrapes:
+    """Per node, the newest scrape the collector has published; anything older is no news.
+
+    Behind a Service over an HA pair each query reaches either replica, and the replicas
+    scrape dcgm-exporter at their own phases: for part of every scrape interval after a
+    change one answers with the new page and the other with the old one. Read in turn,
+    an XID gauge goes 0, 46, 0, 46 (each 46 a new XID), a DBE counter 1, 0, 1 (an episode
+    closed as a GPU reset and opened again, a second cordon). Prometheus scrapes every
+    series of a page at one instant, so a node's scrape time orders the answers of both
+    replicas as the exporter's own pages were ordered: a node whose scrape is not newer
+    than the last one published (the lagging replica, or the same scrape read again at an
+    interval shorter than the scrape interval) is left out of the tick. One float per node;
+    it needs no setting for the replicas' lag and no knowledge of which replica answered.
+    """
+
+    def __init__(self) -> None:
+        self._newest: dict[str, float] = {}
+
+    def news(self, node: str, scraped_at: float) -> bool:
+        """Whether a scrape of ``node`` at ``scraped_at`` is newer than any published."""
+        if scraped_at <= self._newest.get(node, float("-inf")):
+            return False
+        self._newest[node] = scraped_at
+        return True
+
+
+def newest_xids(xids: Iterable[dcgm.Series], scraped: Mapping[frozenset[tuple[str, str]], float],
+                node_of: dcgm.NodeResolver
+                ) -> dict[str, tuple[float | None, list[dcgm.Series]]]:
+    """Per node, its newest scrape time (None when the answer has none) and the XID gauges
+    of that scrape.
+
+    A device read twice in one answer (two scrape jobs of one exporter, or a querier that
+    does not deduplicate replicas) keeps its newest copy: applied in turn, an old copy's 0
+    after a new copy's code would make the code news again at every tick.
+    """
+    newest: dict[tuple[str, tuple[str, str | None]], tuple[float | None, dcgm.Series]] = {}
+    for item in xids:
+        at = scraped.get(frozenset(item.labels.items()))
+        node, ident = node_of(item.labels), dcgm.device_id(item.labels)
+        if node is None or ident is None:
+            continue
+        held = newest.get((node, ident))
+        if held is None or (at is not None and (held[0] is None or at > held[0])):
+            newest[(node, ident)] = (at, item)
+    nodes: dict[str, tuple[float | None, list[dcgm.Series]]] = {}
+    for (node, _), (at, item) in newest.items():
+        latest, items = nodes.get(node, (None, []))
+        nodes[node] = (at if latest is None else latest if at is None else max(latest, at),
+                       [*items, item])
+    return nodes
 
 
 def series_of(result: list[dict[str, Any]], refusals: edge.Refusals | None = None
@@ -207,6 +283,7 @@ class PrometheusSource:
             url, disable_ssl=True, retry=Retry(total=1, backoff_factor=0.1))
         self._query = build_query(self.nodes, node_label)
         self._xids = dcgm.XidTracker()
+        self._scrapes = NewestScrapes()
         self._lost = dcgm.LostGpus(self.source)
         # Judged over the whole answer: a family any node reports is switched on in the
         # exporters' counters file.
@@ -229,10 +306,11 @@ class PrometheusSource:
     async def collect(self) -> tuple[list[NodeSample], list[HwEvent]]:
         result = await self._ask()
         try:
-            series, evaluated_at = series_of(result, self.refusals)
+            answer, evaluated_at = series_of(result, self.refusals)
         except (KeyError, TypeError, ValueError) as error:
             raise SourceError("parse", f"{self.url}: unexpected result shape: {error!r}"
                               ) from error
+        series = [item for item in answer if item.name != SCRAPED_AT]
         if not series or evaluated_at is None:
             scope = f" for nodes {', '.join(self.nodes)}" if self.nodes else ""
             raise SourceError("empty", f"{self.url} has no DCGM series{scope}")
@@ -245,10 +323,25 @@ class PrometheusSource:
                    else f"label {' or '.join(NODE_LABELS)}, or a Hostname that is no pod's")
             raise SourceError("parse", f"{self.url}: no DCGM series names its Kubernetes node "
                               f"(by {how}); see PROMETHEUS_NODE_LABEL in docs/collectors.md")
-        nodes = [samples[node] for node in sorted(samples)]
-        events = self._xids.events(series, evaluated_at, self.source, node_resolver=node_of)
-        events += self._lost.events(nodes, evaluated_at)
         self.coverage.check(item.name for item in series)
+        scraped = {frozenset((label, value) for label, value in item.labels.items()
+                             if label != SCRAPED_LABEL): item.value
+                   for item in answer if item.name == SCRAPED_AT}
+        xids = newest_xids((item for item in series if item.name == dcgm.XID_FIELD), scraped,
+                           node_of)
+        nodes: list[NodeSample] = []
+        events: list[HwEvent] = []
+        for name in sorted(samples):
+            scraped_at, node_xids = xids.get(name, (None, []))
+            if scraped_at is not None and not self._scrapes.news(name, scraped_at):
+                continue
+            # Stamped with the scrape, the time of the reading; a node without a scrape time
+            # (no XID gauge in its exporter's counters) with the evaluation, every tick.
+            at = evaluated_at if scraped_at is None else scraped_at
+            sample = msgspec.structs.replace(samples[name], ts=at)
+            nodes.append(sample)
+            events += self._xids.events(node_xids, at, self.source, node=name)
+            events += self._lost.events([sample], at)
         return nodes, events
 
 

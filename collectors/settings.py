@@ -90,7 +90,12 @@ class CollectSettings(BaseSettings):
     )
     prometheus_url: str = Field(
         "http://127.0.0.1:9090",
-        description="Base URL of the Prometheus that scrapes dcgm-exporter.",
+        description=(
+            "Base URL of the Prometheus that scrapes dcgm-exporter: one server, one pinned "
+            "replica, a deduplicating querier (Thanos Query, Mimir; recommended for an HA "
+            "pair) or the Service in front of an HA pair. Each node's readings are published "
+            "once per scrape, in scrape order, whichever replica answers (docs/collectors.md)."
+        ),
     )
     prometheus_nodes: list[str] = Field(
         default_factory=list,

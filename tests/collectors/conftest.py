@@ -7,10 +7,17 @@ read it exactly as they would read dcgm-exporter.
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
 import threading
+import time
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,6 +78,67 @@ class FakeExporter:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+
+
+def prometheus_query(url: str, promql: str) -> list[dict[str, Any]]:
+    address = f"{url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
+    with urllib.request.urlopen(address, timeout=2) as answer:
+        return json.load(answer)["data"]["result"]
+
+
+@pytest.fixture
+def prometheus_factory(tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """Starts real Prometheus servers on free loopback ports, each with the scrape jobs it is
+    given (``external_labels``: an HA replica's own, which also shifts its scrape phase);
+    returns a server's URL once every job has scraped its target."""
+    if not Path(PROMETHEUS).exists():
+        pytest.skip(f"{PROMETHEUS} is absent (Debian package 'prometheus'; .ci/system-deps)")
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(*jobs: dict[str, Any], scrape_interval: str = "1s",
+              external_labels: dict[str, str] | None = None) -> str:
+        port = free_port()
+        home = tmp_path / f"prometheus-{port}"
+        home.mkdir()
+        config = home / "prometheus.yml"
+        config.write_text(json.dumps({  # JSON is YAML
+            "global": {"scrape_interval": scrape_interval, "evaluation_interval": "1s",
+                       "external_labels": external_labels or {}},
+            "scrape_configs": list(jobs),
+        }))
+        log = home / "prometheus.log"
+        with log.open("wb") as log_file:
+            started.append(subprocess.Popen(
+                [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={home / 'tsdb'}",
+                 f"--web.listen-address=127.0.0.1:{port}"],
+                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            if started[-1].poll() is not None:
+                pytest.fail(f"prometheus exited: {log.read_text()[-2000:]}")
+            try:
+                scraped = {item["metric"]["job"]
+                           for item in prometheus_query(url, "DCGM_FI_DEV_XID_ERRORS")}
+                if len(scraped) == len(jobs):
+                    return url
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"no scrape within 30 s: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+
+    yield start
+    for process in started:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 RESEARCH = Path(__file__).resolve().parents[1] / "data" / "research"

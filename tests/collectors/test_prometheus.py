@@ -10,16 +10,10 @@ exporter's pod: the case that must not become a false attribution.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
-import shutil
-import subprocess
 import time
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,10 +22,18 @@ from gpusteward import edge
 from gpusteward.broker import free_port
 from gpusteward.collectors import dcgm
 from gpusteward.collectors.metrics import CollectorMetrics
-from gpusteward.collectors.prometheus import PrometheusSource, build_query, pod_resolver, series_of
+from gpusteward.collectors.prometheus import (
+    SCRAPED_AT,
+    SCRAPED_LABEL,
+    PrometheusSource,
+    build_query,
+    pod_resolver,
+    series_of,
+)
 from gpusteward.collectors.source import SourceError
 from gpusteward.schema import PodRef
 from tests.collectors.conftest import FakeExporter
+from tests.collectors.conftest import prometheus_query as _query
 
 GPU0 = "GPU-3f2a9c4e-8b71-4d2e-9a65-1c7e0b5d2f18"
 GPU1 = "GPU-9c04e1b7-2a6d-4f83-b5e0-7d19a3c8e642"
@@ -39,13 +41,6 @@ TRAINER = PodRef(namespace="ml-training", name="llama-ft-worker-0", container="t
 VLLM = PodRef(namespace="inference", name="vllm-infer-7c9d8b6f5-qx2lm", container="vllm")
 EXPORTER_POD = {"namespace": "gpu-operator", "pod": "nvidia-dcgm-exporter-x7k2p",
                 "container": "nvidia-dcgm-exporter"}
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
-
-
-def _query(url: str, promql: str) -> list[dict[str, Any]]:
-    address = f"{url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
-    with urllib.request.urlopen(address, timeout=2) as answer:
-        return json.load(answer)["data"]["result"]
 
 
 def _job(name: str, target: str, honor_labels: bool = False, **extra: Any) -> dict[str, Any]:
@@ -54,55 +49,6 @@ def _job(name: str, target: str, honor_labels: bool = False, **extra: Any) -> di
     return {"job_name": name, "honor_labels": honor_labels,
             "static_configs": [{"targets": [target], "labels": {
                 **EXPORTER_POD, "__meta_kubernetes_pod_node_name": "gpu-node-07"}}], **extra}
-
-
-@pytest.fixture
-def prometheus_factory(tmp_path: Path) -> Iterator[Callable[..., str]]:
-    """Starts real Prometheus servers on free loopback ports, each with the scrape jobs it is
-    given; returns a server's URL once every job has scraped its target."""
-    if not Path(PROMETHEUS).exists():
-        pytest.skip(f"{PROMETHEUS} is absent (Debian package 'prometheus'; .ci/system-deps)")
-    started: list[subprocess.Popen[bytes]] = []
-
-    def start(*jobs: dict[str, Any]) -> str:
-        port = free_port()
-        home = tmp_path / f"prometheus-{port}"
-        home.mkdir()
-        config = home / "prometheus.yml"
-        config.write_text(json.dumps({  # JSON is YAML
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": list(jobs),
-        }))
-        log = home / "prometheus.log"
-        with log.open("wb") as log_file:
-            started.append(subprocess.Popen(
-                [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={home / 'tsdb'}",
-                 f"--web.listen-address=127.0.0.1:{port}"],
-                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            if started[-1].poll() is not None:
-                pytest.fail(f"prometheus exited: {log.read_text()[-2000:]}")
-            try:
-                scraped = {item["metric"]["job"]
-                           for item in _query(url, "DCGM_FI_DEV_XID_ERRORS")}
-                if len(scraped) == len(jobs):
-                    return url
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"no scrape within 30 s: {log.read_text()[-2000:]}")
-            time.sleep(0.2)
-
-    yield start
-    for process in started:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _target(exporter: FakeExporter) -> str:
@@ -328,3 +274,67 @@ def test_an_exporter_scraped_by_two_jobs_is_counted_once(
     devices = {d.uuid: d for d in sample.devices}
     assert devices[GPU0].nvlink_errors == 7, "7 errors, not 14: a doubled counter is a burst"
     assert [d.pod for d in sample.devices] == [TRAINER, None, VLLM, None]
+
+
+def _scrape(at: float, xid: int = 0, dbe: int = 0, gpus: tuple[str, ...] = (GPU0, GPU1),
+            job: str = "dcgm-exporter") -> list[dict[str, Any]]:
+    """What a Prometheus that scraped gpu-node-07's page at ``at`` answers the collector's
+    query: GPU0's readings with XID ``xid`` and DBE count ``dbe``, and each XID gauge's
+    scrape time as the query names it."""
+    items: list[dict[str, Any]] = []
+    for index, uuid in enumerate((GPU0, GPU1)):
+        if uuid not in gpus:
+            continue
+        labels = {"gpu": str(index), "UUID": uuid, "Hostname": "gpu-node-07", "job": job}
+        code = xid if uuid == GPU0 else 0
+        gauge = {**labels, "err_code": str(code)}
+        items += [
+            {"metric": {"__name__": "DCGM_FI_DEV_GPU_TEMP", **labels}, "value": [at + 5, "50"]},
+            {"metric": {"__name__": "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", **labels},
+             "value": [at + 5, str(dbe if uuid == GPU0 else 0)]},
+            {"metric": {"__name__": dcgm.XID_FIELD, **gauge}, "value": [at + 5, str(code)]},
+            {"metric": {"__name__": SCRAPED_AT, SCRAPED_LABEL: "1", **gauge},
+             "value": [at + 5, str(at)]},
+        ]
+    return items
+
+
+class _Replicas:
+    """A PrometheusConnect stand-in giving the answers it holds, one per query, in turn."""
+
+    def __init__(self, *answers: list[dict[str, Any]]) -> None:
+        self.answers = list(answers)
+
+    def custom_query(self, query: str, timeout: float | None = None) -> list[dict[str, Any]]:
+        return self.answers.pop(0)
+
+
+def _collect(source: PrometheusSource) -> tuple[list[tuple[float, int | None]], list[str]]:
+    samples, events = asyncio.run(source.collect())
+    return ([(s.ts, s.devices[0].ecc_dbe_volatile) for s in samples],
+            [f"{e.kind} {e.xid or ''}".strip() for e in events])
+
+
+def test_an_older_scrape_from_the_other_replica_is_no_news() -> None:
+    # Two replicas out of phase behind one Service: B scraped the XID and the DBE at 101,
+    # A's newest scrape (100) is still the page before them.
+    source = PrometheusSource("http://prometheus.invalid", client=_Replicas(
+        _scrape(100), _scrape(101, xid=48, dbe=1), _scrape(100), _scrape(101, xid=48, dbe=1),
+        _scrape(102, xid=48, dbe=1),
+        # Two copies of each device in one answer (the exporter scraped by two jobs, or a
+        # querier that does not deduplicate replicas): the newer XID gauge is the one read.
+        _scrape(103, xid=48, dbe=1, job="a") + _scrape(102.5, job="b"),
+        _scrape(104, xid=48, dbe=1, job="a") + _scrape(102.5, job="b")))
+    assert [_collect(source) for _ in range(5)] == [
+        ([(100, 0)], []), ([(101, 1)], ["xid 48"]), ([], []), ([], []), ([(102, 1)], [])]
+    assert [_collect(source)[1] for _ in range(2)] == [[], []]
+
+
+def test_one_scrape_read_again_and_again_is_one_reading() -> None:
+    # INTERVAL_S shorter than the scrape interval: the GPU missing from one scrape is one
+    # missing reading, not three in a row (a GPU lost is three scrapes without it).
+    without = (GPU1,)
+    source = PrometheusSource("http://prometheus.invalid", client=_Replicas(
+        _scrape(100), *[_scrape(101, gpus=without)] * 3, _scrape(102),
+        *[_scrape(at, gpus=without) for at in (103, 104, 105)]))
+    assert [_collect(source)[1] for _ in range(8)] == [[]] * 7 + [["gpu_lost"]]
