@@ -70,21 +70,20 @@ def dra_claim_name(pod: str) -> str:
     return f"{pod}-gpu-{suffix}"
 
 
-def mig_placements(gpu: SimGpu) -> dict[str, tuple[int, int, int]]:
+def mig_placements(gpu: SimGpu) -> dict[str, tuple[int | None, int, int]]:
     """MIG uuid -> (GPU-instance profile id, placement start, size) of a simulated GPU's MIG
     devices, laid out in order from memory slice 0: what NVML's ``nvmlGpuInstanceGetInfo``
-    reports and NVIDIA's DRA driver names the device by."""
+    reports and NVIDIA's DRA driver names the device by. The profile id is None where the
+    geometry file has none (B200's)."""
     if not gpu.mig:
         return {}
     found = geometry.find(geometry.load(), gpu.model)
     if found is None:
         raise ValueError(f"no MIG geometry for {gpu.model!r}")
-    placements: dict[str, tuple[int, int, int]] = {}
+    placements: dict[str, tuple[int | None, int, int]] = {}
     start = 0
     for mig in gpu.mig:
         profile = found.profile(mig.profile)
-        if profile.gi_profile_id is None:
-            raise ValueError(f"no GPU-instance profile id for {mig.profile} on {gpu.model!r}")
         placements[mig.uuid] = (profile.gi_profile_id, start, profile.size)
         start += profile.size
     return placements
