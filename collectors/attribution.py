@@ -19,6 +19,25 @@ NVML collector attributes a device to the same pod dcgm-exporter would:
   not be its NVML enumeration index; a bare ``<i>`` (the NVIDIA device
   plugin's ``index`` id strategy) is the NVML index.
 
+Devices handed out through Dynamic Resource Allocation come in a container's
+``dynamic_resources`` instead (beta and on by default from Kubernetes 1.34,
+feature gate ``KubeletPodResourcesDynamicResources``): per claim, each
+device as (driver, pool, device name) with its CDI device ids. Neither
+carries a uuid: NVIDIA's DRA driver (``gpu.nvidia.com``, NVIDIA/k8s-dra-driver-gpu)
+names its devices after the GPU's minor number, and its CDI ids are
+``k8s.gpu.nvidia.com/device=<device name>`` (or ``.../claim=<claim uid>-<device
+name>``), so the name is what there is (:func:`dra_device_key`):
+
+- ``gpu-<minor>``: the whole GPU ``/dev/nvidia<minor>`` (released drivers since
+  v25.3.0; its release candidates used the NVML index);
+- ``gpu-<minor>-mig-<profile>-<GI profile id>-<placement start>`` (v25.12 on, the
+  profile name without dots) or ``gpu-<minor>-mig-<GI profile id>-<placement
+  start>-<placement size>`` (v25.3, v25.8): the MIG device of that GPU whose GPU
+  instance has that profile id and placement, as ``nvmlGpuInstanceGetInfo``
+  reports them;
+- ``gpu-vfio-<i>``: a GPU passed through to a virtual machine, which NVML does
+  not see.
+
 The messages carry no pod uid (dcgm-exporter gets it from the API server),
 so :class:`PodRef` has ``uid=None`` here. A device shared by several pods
 (time slicing, MPS) keeps all of them (:meth:`DeviceOwners.gpu_holders`);
@@ -59,6 +78,15 @@ _GKE_MIG = re.compile(r"^nvidia([0-9]+)/gi([0-9]+)(/vgpu[0-9]+)?$")
 _OLD_MIG = re.compile(r"^MIG-(GPU-[0-9a-fA-F-]+)/([0-9]+)/([0-9]+)$")
 _GKE_SHARED = re.compile(r"^(.+)/vgpu[0-9]+$")
 
+NVIDIA_DRA_DRIVER = "gpu.nvidia.com"
+_DRA_GPU = re.compile(r"^gpu-([0-9]+)$")
+# v25.3 and v25.8: minor, GI profile id, placement start, placement size.
+_DRA_MIG_SIZED = re.compile(r"^gpu-([0-9]+)-mig-([0-9]+)-([0-9]+)-[0-9]+$")
+# v25.12 on: minor, profile name (``1g10gb``, ``1g10gb-me``: always a letter), GI profile id,
+# placement start.
+_DRA_MIG_NAMED = re.compile(r"^gpu-([0-9]+)-mig-[a-z0-9-]*[a-z][a-z0-9-]*-([0-9]+)-([0-9]+)$")
+_DRA_VFIO = re.compile(r"^gpu-vfio-[0-9]+$")
+
 
 class PodResourcesError(TemporaryError):
     """The kubelet's PodResources service could not be read."""
@@ -70,6 +98,9 @@ class DeviceOwners:
     (namespace, name, container) order."""
 
     by_key: dict[str, list[PodRef]] = field(default_factory=dict)
+    unnamed: tuple[str, ...] = ()
+    """DRA devices of the watched drivers (``driver pool/device``) whose name says no GPU or
+    MIG device this module knows: held, but credited to no device."""
 
     def __len__(self) -> int:
         return len(self.by_key)
@@ -91,27 +122,36 @@ class DeviceOwners:
         return self._first_of(uuid, f"nvidia{minor}", str(index))
 
     def mig_holders(self, uuid: str, *, parent_uuid: str, parent_index: int,
-                    gpu_instance_id: int | None,
-                    parent_minor: int | None = None) -> list[PodRef]:
+                    gpu_instance_id: int | None, parent_minor: int | None = None,
+                    placement: tuple[int, int] | None = None) -> list[PodRef]:
         """Every holder of a MIG device (``parent_minor`` as ``minor`` of
-        :meth:`gpu_holders`: GKE's ``nvidia<minor>/gi<g>``)."""
-        if gpu_instance_id is None:
-            return self._first_of(uuid)
+        :meth:`gpu_holders`: GKE's ``nvidia<minor>/gi<g>``, NVIDIA's DRA device names).
+
+        ``placement`` is (GPU-instance profile id, placement start) of its GPU instance
+        (``nvmlGpuInstanceGetInfo``), which NVIDIA's DRA driver names a MIG device by;
+        None: not known, and DRA holders cannot be found.
+        """
         minor = parent_index if parent_minor is None else parent_minor
-        return self._first_of(uuid, f"gi:{minor}-{gpu_instance_id}",
-                              f"gi:{parent_uuid}/{gpu_instance_id}")
+        keys = [uuid]
+        if gpu_instance_id is not None:
+            keys += [f"gi:{minor}-{gpu_instance_id}", f"gi:{parent_uuid}/{gpu_instance_id}"]
+        if placement is not None:
+            keys.append(_mig_placement_key(minor, *placement))
+        return self._first_of(*keys)
 
     def gpu(self, uuid: str, index: int, minor: int | None = None) -> PodRef | None:
         """The first holder of a whole GPU."""
         return next(iter(self.gpu_holders(uuid, index, minor)), None)
 
     def mig(self, uuid: str, *, parent_uuid: str, parent_index: int,
-            gpu_instance_id: int | None, parent_minor: int | None = None) -> PodRef | None:
+            gpu_instance_id: int | None, parent_minor: int | None = None,
+            placement: tuple[int, int] | None = None) -> PodRef | None:
         """The first holder of a MIG device."""
         return next(iter(self.mig_holders(uuid, parent_uuid=parent_uuid,
                                           parent_index=parent_index,
                                           gpu_instance_id=gpu_instance_id,
-                                          parent_minor=parent_minor)), None)
+                                          parent_minor=parent_minor,
+                                          placement=placement)), None)
 
 
 def device_keys(device_id: str) -> list[str]:
@@ -130,30 +170,59 @@ def device_keys(device_id: str) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
+def _mig_placement_key(minor: int, profile_id: int, placement_start: int) -> str:
+    return f"mig:{minor}/{profile_id}/{placement_start}"
+
+
+def dra_device_key(device_name: str) -> str | None:
+    """The lookup key of a device NVIDIA's DRA driver names ``device_name``: the whole GPU
+    by its minor number (the key GKE's ``nvidia<minor>`` has), a MIG device by its parent's
+    minor and its GPU instance's profile id and placement start. None for any other name."""
+    if match := _DRA_GPU.match(device_name):
+        return f"nvidia{int(match.group(1))}"
+    if match := _DRA_MIG_SIZED.match(device_name) or _DRA_MIG_NAMED.match(device_name):
+        return _mig_placement_key(*(int(group) for group in match.groups()))
+    return None
+
+
 def is_gpu_resource(name: str, extra: Iterable[str] = ()) -> bool:
     return name == GPU_RESOURCE or name.startswith(MIG_RESOURCE_PREFIX) or name in extra
 
 
 def owners_from_response(response: api_pb2.ListPodResourcesResponse,
-                         extra_resources: Iterable[str] = ()) -> DeviceOwners:
-    """Map every NVIDIA device id in a List answer to its pod and container."""
-    extra = frozenset(extra_resources)
-    held: list[tuple[tuple[str, str, str], str]] = []
+                         extra_resources: Iterable[str] = (),
+                         dra_drivers: Iterable[str] = (NVIDIA_DRA_DRIVER,)) -> DeviceOwners:
+    """Map every NVIDIA device in a List answer to its pod and container: the device
+    plugin's ids, and the devices the ``dra_drivers`` gave through ResourceClaims."""
+    extra, drivers = frozenset(extra_resources), frozenset(dra_drivers)
+    held: list[tuple[tuple[str, str, str], list[str]]] = []
+    unnamed: list[str] = []
     for pod in response.pod_resources:
         for container in pod.containers:
+            holder = (pod.namespace, pod.name, container.name)
             for devices in container.devices:
                 if not is_gpu_resource(devices.resource_name, extra):
                     continue
                 for device_id in devices.device_ids:
-                    held.append(((pod.namespace, pod.name, container.name), device_id))
+                    held.append((holder, device_keys(device_id)))
+            for claim in container.dynamic_resources:
+                for device in claim.claim_resources:
+                    if device.driver_name not in drivers:
+                        continue
+                    key = dra_device_key(device.device_name)
+                    if key is not None:
+                        held.append((holder, [key]))
+                    elif not _DRA_VFIO.match(device.device_name):  # no NVML device: not held here
+                        unnamed.append(f"{device.driver_name} {device.pool_name}/"
+                                       f"{device.device_name}")
     by_key: dict[str, list[PodRef]] = {}
-    for (namespace, name, container_name), device_id in sorted(held):
+    for (namespace, name, container_name), keys in sorted(held):
         ref = PodRef(namespace=namespace, name=name, container=container_name or None)
-        for key in device_keys(device_id):
+        for key in keys:
             holders = by_key.setdefault(key, [])
             if ref not in holders:  # several replicas (::0, ::1) of one GPU to one pod
                 holders.append(ref)
-    return DeviceOwners(by_key)
+    return DeviceOwners(by_key, tuple(sorted(set(unnamed))))
 
 
 # --- per-process attribution ------------------------------------------------------------
@@ -286,10 +355,12 @@ class PodResourcesClient:
     """An asyncio client of ``v1.PodResourcesLister`` on a unix socket."""
 
     def __init__(self, socket_path: str = DEFAULT_SOCKET, *, timeout_s: float = 5.0,
-                 extra_resources: Iterable[str] = ()) -> None:
+                 extra_resources: Iterable[str] = (),
+                 dra_drivers: Iterable[str] = (NVIDIA_DRA_DRIVER,)) -> None:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self.extra_resources = tuple(extra_resources)
+        self.dra_drivers = tuple(dra_drivers)
         self._channel: grpc.aio.Channel | None = None
         self._stub: api_pb2_grpc.PodResourcesListerStub | None = None
 
@@ -312,7 +383,7 @@ class PodResourcesClient:
         return response
 
     async def owners(self) -> DeviceOwners:
-        return owners_from_response(await self.list(), self.extra_resources)
+        return owners_from_response(await self.list(), self.extra_resources, self.dra_drivers)
 
     async def close(self) -> None:
         if self._channel is not None:

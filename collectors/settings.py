@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gpusteward.collectors.attribution import DEFAULT_SOCKET
+from gpusteward.collectors.attribution import DEFAULT_SOCKET, NVIDIA_DRA_DRIVER
 from gpusteward.settings import Folder
 
 Compression = Literal["auto", "lz4", "gzip", "zstd", "snappy", "none"]
@@ -53,6 +53,11 @@ class NvmlSettings(BaseModel):
         "alone. A path that does not exist attributes nothing by process.")
     extra_gpu_resources: list[str] = Field(
         [], description="Resource names counted besides nvidia.com/gpu and nvidia.com/mig-*.")
+    dra_drivers: list[str] = Field(
+        [NVIDIA_DRA_DRIVER], description="DRA drivers whose devices, in the kubelet's "
+        "dynamic_resources, are GPUs or MIG devices named as NVIDIA's DRA driver "
+        "(gpu.nvidia.com) names them; other drivers' devices are ignored. Empty: DRA "
+        "devices attribute nothing (the watcher's claims still do).")
 
 
 class CollectSettings(BaseSettings):

@@ -53,7 +53,7 @@ from gpusteward.schema import (
 )
 
 if TYPE_CHECKING:
-    from gpusteward.sandbox.simulator.engine import SimNode, SimulatedCluster, Workload
+    from gpusteward.sandbox.simulator.engine import SimGpu, SimNode, SimulatedCluster, Workload
 
 _OWNERS = {"notebook": ("StatefulSet", "notebook-name"), "batch": ("Job", "job-name"),
            "inference": ("ReplicaSet", "pod-template-hash")}
@@ -70,20 +70,34 @@ def dra_claim_name(pod: str) -> str:
     return f"{pod}-gpu-{suffix}"
 
 
+def mig_placements(gpu: SimGpu) -> dict[str, tuple[int | None, int, int]]:
+    """MIG uuid -> (GPU-instance profile id, placement start, size) of a simulated GPU's MIG
+    devices, laid out in order from memory slice 0: what NVML's ``nvmlGpuInstanceGetInfo``
+    reports and NVIDIA's DRA driver names the device by. The profile id is None where the
+    geometry file has none (B200's)."""
+    if not gpu.mig:
+        return {}
+    found = geometry.find(geometry.load(), gpu.model)
+    if found is None:
+        raise ValueError(f"no MIG geometry for {gpu.model!r}")
+    placements: dict[str, tuple[int | None, int, int]] = {}
+    start = 0
+    for mig in gpu.mig:
+        profile = found.profile(mig.profile)
+        placements[mig.uuid] = (profile.gi_profile_id, start, profile.size)
+        start += profile.size
+    return placements
+
+
 def dra_device_names(node: SimNode) -> dict[str, str]:
-    """GPU or MIG uuid -> its DRA device name, as NVIDIA's driver names them: ``gpu-<i>``,
-    ``gpu-<i>-mig-<GI profile id>-<placement start>-<size>``."""
+    """GPU or MIG uuid -> its DRA device name, as NVIDIA's driver (v25.3, v25.8) names
+    them: ``gpu-<minor>``, ``gpu-<minor>-mig-<GI profile id>-<placement start>-<size>``
+    (a simulated GPU's minor is its index)."""
     names: dict[str, str] = {}
     for gpu in node.gpus:
         names[gpu.uuid] = f"gpu-{gpu.index}"
-        start = 0
-        found = geometry.find(geometry.load(), gpu.model) if gpu.mig else None
-        for mig in gpu.mig:
-            assert found is not None, f"no MIG geometry for {gpu.model!r}"
-            profile = found.profile(mig.profile)
-            names[mig.uuid] = f"gpu-{gpu.index}-mig-{profile.gi_profile_id}-{start}-" \
-                              f"{profile.size}"
-            start += profile.size
+        for uuid, (profile_id, start, size) in mig_placements(gpu).items():
+            names[uuid] = f"gpu-{gpu.index}-mig-{profile_id}-{start}-{size}"
     return names
 
 

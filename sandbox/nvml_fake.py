@@ -116,6 +116,10 @@ class FakeMig:
     profile_id: int
     gpu_instance_id: int
     compute_instance_id: int = 0
+    placement_start: int | None = None
+    """The GPU instance's placement start (memory slice); None: its position among the
+    GPU's MIG devices."""
+    placement_size: int = 1
     mem_total: int = 40 << 30
     mem_used: int = 0
     engine_active: float | None = None
@@ -201,6 +205,8 @@ class FakeGpuInstanceInfo:
     device: Any
     id: int
     profileId: int
+    placement: Any
+    """A ``c_nvmlGpuInstancePlacement_t`` (start, size)."""
 
 
 class FakeNvml:
@@ -428,9 +434,13 @@ class FakeNvml:
 
     def nvmlGpuInstanceGetInfo(self, gpu_instance: _Handle) -> FakeGpuInstanceInfo:
         self._check("nvmlGpuInstanceGetInfo")
-        assert gpu_instance.mig is not None
-        return FakeGpuInstanceInfo(self._handle(gpu_instance.gpu), gpu_instance.mig.gpu_instance_id,
-                                   gpu_instance.mig.profile_id)
+        mig = gpu_instance.mig
+        assert mig is not None
+        start = gpu_instance.gpu.mig.index(mig) if mig.placement_start is None \
+            else mig.placement_start
+        return FakeGpuInstanceInfo(self._handle(gpu_instance.gpu), mig.gpu_instance_id,
+                                   mig.profile_id, pynvml.c_nvmlGpuInstancePlacement_t(
+                                       start=start, size=mig.placement_size))
 
     def nvmlDeviceGetGpuInstanceProfileInfoById(self, handle: _Handle, profile_id: int) -> Any:
         gpu = self._check("nvmlDeviceGetGpuInstanceProfileInfoById", handle)

@@ -17,8 +17,9 @@ sources read, and lets the production readers read it:
   splits the GPU between its pods as it does on a real node;
 - on a node whose GPUs NVIDIA's DRA driver hands out (``allocation: dra``), the
   kubelet names each pod's devices as dynamic resources (claim, pool, device
-  name), not by uuid, as a kubelet does for DRA: the collector, which reads
-  device-plugin ids, attributes none of them;
+  name), not by uuid, as a kubelet does for DRA: the collector maps the driver's
+  device names to the GPUs (by minor number) and MIG devices (by GPU-instance
+  profile and placement) the fake NVML reports;
 - the Kubernetes API-server double holding the Nodes and Pods (and, for DRA,
   the ResourceSlices and ResourceClaims) a real cluster would hold, and the
   production
@@ -67,13 +68,13 @@ from gpusteward.remediation.kubernetes import (
     NOTICE_ANNOTATION,
     RECLAIMED_BECAUSE,
 )
-from gpusteward.rules.mig import geometry
 from gpusteward.sandbox.dcgm_pages import DcgmPages
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_mirror import (
     KubeMirrorPublisher,
     dra_claim_name,
     dra_device_names,
+    mig_placements,
 )
 from gpusteward.sandbox.kubelet import Assignment, KubeletPodResources
 from gpusteward.sandbox.nvml_fake import FakeGpu, FakeMig, FakeNvml, FakeProcess
@@ -132,20 +133,20 @@ class _CountingPublisher:
 def fake_gpu(gpu: Any) -> dict[str, Any]:
     """A simulated GPU as the fake NVML's description (its YAML keys).
 
-    A MIG device's GPU-instance profile id comes from the MIG geometry file, so the
-    collector maps it back to the profile name as on a real GPU.
+    A MIG device's GPU-instance profile id and placement come from the MIG geometry file
+    (:func:`~gpusteward.sandbox.kube_mirror.mig_placements`), so the collector maps them back
+    to the profile name, and to the device NVIDIA's DRA driver names, as on a real GPU.
     """
     spec: dict[str, Any] = {"uuid": gpu.uuid, "name": gpu.model, "mem_total": gpu.mem_total,
                             "nvlink": {"crc_flit": 0, "crc_data": 0, "replay": 0,
                                        "recovery": 0}}
     if gpu.mig:
-        found = geometry.find(geometry.load(), gpu.model)
-        if found is None:
-            raise ValueError(f"no MIG geometry for {gpu.model!r}")
+        placements = mig_placements(gpu)
         spec["gpm"] = True  # the simulator reports MIG engine activity on every model
         spec["mig"] = {"enabled": True, "devices": [
             {"uuid": mig.uuid, "profile": mig.profile,
-             "profile_id": found.profile(mig.profile).gi_profile_id,
+             "profile_id": placements[mig.uuid][0], "placement_start": placements[mig.uuid][1],
+             "placement_size": placements[mig.uuid][2],
              "gpu_instance_id": mig.gpu_instance_id} for mig in gpu.mig]}
     return spec
 
@@ -259,8 +260,7 @@ class NodeGpus:
 
     def _assignment(self, device: DeviceSample, resource: str) -> list[Assignment]:
         """What the kubelet names for the device: the device plugin's id, or on a DRA
-        node the pod's claim and the device's DRA name (no uuid: the NVML collector,
-        which reads device-plugin ids only, attributes none)."""
+        node the pod's claim and the device's DRA name (no uuid)."""
         if self.dra_names is None or device.pod is None:
             return _assignment(device, resource)
         pod = device.pod

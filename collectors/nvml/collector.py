@@ -174,7 +174,8 @@ class NvmlCollector:
                 parent = by_uuid.get(device.parent_uuid)
                 self._attribute(device, owners.mig_holders(
                     device.uuid, parent_uuid=device.parent_uuid, parent_index=device.index,
-                    gpu_instance_id=gi, parent_minor=parent.minor if parent else None),
+                    gpu_instance_id=gi, parent_minor=parent.minor if parent else None,
+                    placement=self.reader.mig_placement(device.uuid)),
                     reading.processes.get(device.uuid))
                 continue
             if self.hw.answers(device.uuid):
@@ -234,6 +235,13 @@ class NvmlCollector:
             self._owners_at = now
         except PodResourcesError as e:
             self._count_error("pod_resources", e)
+            return
+        for device in self._owners.unnamed:  # counted per List, logged once
+            self.metrics.source_errors.labels(SOURCE, "dra_device_name").inc()
+            if (device, "dra_device_name", "") not in self._logged:
+                self._logged.add((device, "dra_device_name", ""))
+                log.warning("the kubelet lists DRA device %s, whose name says no GPU or MIG "
+                            "device: its holder is not attributed", device)
 
     def _attribute(self, device: DeviceSample, candidates: list[PodRef],
                    processes: list[ProcessShare] | None) -> None:
@@ -292,7 +300,8 @@ async def run_nvml_collector(
     if own.pod_resources_socket:
         pod_resources = PodResourcesClient(own.pod_resources_socket,
                                            timeout_s=own.pod_resources_timeout_s,
-                                           extra_resources=own.extra_gpu_resources)
+                                           extra_resources=own.extra_gpu_resources,
+                                           dra_drivers=own.dra_drivers)
     collector = NvmlCollector(
         nvml if nvml is not None else pynvml, settings.node_name, publisher,
         pod_resources=pod_resources, interval_s=settings.interval_s,

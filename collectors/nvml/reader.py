@@ -114,6 +114,9 @@ class _MigInfo:
     gpu_instance_id: int | None
     compute_instance_id: int | None
     profile: str | None
+    placement: tuple[int, int] | None = None
+    """(GPU-instance profile id, placement start): what NVIDIA's DRA driver names the MIG
+    device by; None where the GPU instance could not be read."""
 
 
 @dataclass
@@ -493,12 +496,14 @@ class NvmlReader:
         gi = self._get("nvmlDeviceGetGpuInstanceId", mig_handle)
         ci = self._get("nvmlDeviceGetComputeInstanceId", mig_handle)
         profile: str | None = None
+        placement: tuple[int, int] | None = None
         # The profile name by the documented route: GPU instance -> profile id -> profile info.
         instance = None if gi is None else self._get("nvmlDeviceGetGpuInstanceById",
                                                       gpu.handle, gi)
         if instance is not None:
             info = self._get("nvmlGpuInstanceGetInfo", instance)
             if info is not None:
+                placement = (int(info.profileId), int(info.placement.start))
                 profile_info = self._get("nvmlDeviceGetGpuInstanceProfileInfoById", gpu.handle,
                                          info.profileId)
                 if profile_info is not None:
@@ -506,7 +511,14 @@ class NvmlReader:
         if profile is None:  # e.g. no privilege to open the instance: the device name has it
             name = self._get("nvmlDeviceGetName", mig_handle)
             profile = profile_name(decode(name)) if name is not None else None
-        return _MigInfo(gpu_instance_id=gi, compute_instance_id=ci, profile=profile)
+        return _MigInfo(gpu_instance_id=gi, compute_instance_id=ci, profile=profile,
+                        placement=placement)
+
+    def mig_placement(self, uuid: str) -> tuple[int, int] | None:
+        """(GPU-instance profile id, placement start) of a MIG device read before; None
+        when unknown."""
+        info = self._mig_info.get(uuid)
+        return None if info is None else info.placement
 
     def _engine_active(self, gpu: Gpu, uuid: str, gpu_instance_id: int) -> float | None:
         if gpu.gpm is None:

@@ -4,14 +4,16 @@ The ``dra-gpus`` world: NVIDIA's DRA driver publishes the nodes' GPUs and MIG
 devices as ResourceSlices, each pod gets its own through a ResourceClaim
 (allocated by the simulated scheduler, reserved for the pod), and nothing
 advertises ``nvidia.com/gpu``. The kubelet's PodResources names such devices
-by claim, pool and device name, not by uuid, so the NVML collector attributes
-none of them: only the Kubernetes watcher, reading claims and slices from the
-API-server double through the real client, can say who holds which GPU. The
-worker runs as ``deploy/`` declares it (command, environment, mounted policy).
+by claim, pool and the driver's device name, not by uuid; the NVML collector
+maps the names to its devices, and the Kubernetes watcher, reading claims and
+slices from the API-server double through the real client, names their uuids.
+The worker runs as ``deploy/`` declares it (command, environment, mounted
+policy).
 
-What must hold, against the simulator's ground truth: the notebooks left idle
-on whole GPUs and on a MIG device are found, each on its own device, and no
-busy pod is; the nodes' summaries do not offer the held GPUs as free.
+What must hold, against the simulator's ground truth: the nodes' samples name
+each device's holder; the notebooks left idle on whole GPUs and on a MIG device
+are found, each on its own device, and no busy pod is; the nodes' summaries do
+not offer the held GPUs as free.
 """
 
 from __future__ import annotations
@@ -99,11 +101,16 @@ def run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run
     return asyncio.run(_run(broker, tmp_path_factory.mktemp("dra-world")))
 
 
-def test_no_device_is_attributed_by_the_node(run: Run) -> None:
-    """The premise: the kubelet names DRA devices by claim, so the collector's samples
-    name no holder; whatever the worker finds, it found through the watcher's claims."""
-    devices = [d for s in run.samples if s.source == "nvml" for d in s.devices]
-    assert devices and all(d.pod is None for d in devices)
+def test_the_nodes_name_the_holders_of_dra_gpus_and_mig_devices(run: Run) -> None:
+    """The kubelet names DRA devices by claim and the driver's device name, not by uuid:
+    the NVML collector maps the names to its GPUs (by minor number) and MIG devices (by
+    GPU-instance profile and placement), so its samples name every holder, on its own
+    device, without the watcher."""
+    held = {(p.namespace, p.pod, device) for p in run.truth.pods for device in p.devices}
+    named = {(d.pod.namespace, d.pod.name, d.uuid)
+             for s in run.samples if s.source == "nvml" for d in s.devices if d.pod}
+    assert any(device.startswith("MIG-") for _, _, device in held)
+    assert named == held
 
 
 def test_idle_holders_of_dra_gpus_and_mig_devices_are_found_on_their_devices(
