@@ -221,6 +221,19 @@ def test_no_leak_when_memory_climbs_in_a_few_large_blocks() -> None:
     assert findings(_leak(staircase, lambda s: 40.0, minutes=60)) == []
 
 
+def test_no_leak_when_a_training_cache_fills_in_minutes_and_stops() -> None:
+    """A training job's caching allocator fills as training starts after a long data load,
+    or as a new phase brings longer sequences: 40 GiB by small steps in ten or twelve
+    minutes at full activity, then flat. A good line over half an hour, but it grew in one
+    part of the window; a leak grows all through it."""
+    training = Holder(PodRef(namespace="ml", name="train"), T0, "batch")
+    for start_min, minutes in ((15, 10), (12, 12), (30, 10)):
+        def warm_up(s: float, a: float = start_min * 60, d: float = minutes * 60) -> float:
+            return 30 + 40 * min(1.0, max(0.0, (s - a) / d))
+        out = _leak(warm_up, lambda s: 97.0, minutes=150, holder=training)
+        assert findings(out) == [], (start_min, minutes)
+
+
 def test_the_pods_start_up_is_not_fitted() -> None:
     """Loading the model grows memory once as the pod starts: the window is fitted from the
     end of the start-up grace on."""
