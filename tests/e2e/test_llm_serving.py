@@ -2,14 +2,16 @@
 
 The ``llm-serving`` scenario runs vLLM servers as fleets run them: each reserves 0.9 of its
 GPU (plus its CUDA graphs) when it starts and holds it whatever the load, on an L4, a T4
-and an H100, with bursty traffic. It runs in :class:`~gpusteward.sandbox.world.World` (the
-fake NVML and kubelet on each node, the production NVML collector, the watcher on the API
-double) and the stream worker runs as a child process with the shipped policy.
+and an H100, and two share an H100 at 0.45 each, with bursty traffic. It runs in
+:class:`~gpusteward.sandbox.world.World` (the fake NVML and kubelet on each node, the
+production NVML collector, the watcher on the API double) and the stream worker runs as a
+child process with the shipped policy.
 
 What must hold: no memory finding, and no notice, names a healthy server (the shipped
-policy once told each of them its GPU was nearly full, and the L4 and T4 ones that they
-were short of memory); the server that has really run out and the training job living at
-the edge of its GPU's memory are found, and only they.
+policy once told each of them its GPU was nearly full, the L4 and T4 ones that they were
+short of memory, and the two sharing an H100 that they over-committed it); the server that
+has really run out and the training job living at the edge of its GPU's memory are found,
+and only they.
 """
 
 from __future__ import annotations
@@ -85,9 +87,14 @@ def test_the_collector_read_the_servers_reserved_memory(run: Run) -> None:
                 used.setdefault(device.pod.name.split("-")[1], []).append(mem / total)
                 if device.model in ("NVIDIA L4", "Tesla T4"):
                     assert total - mem < 2 << 30
-    assert set(used) == {"l4", "t4", "h100"}
+    assert set(used) == {"l4", "t4", "h100", "pair"}
     assert all(min(shares) > 0.9 for shares in used.values())
     assert min(len(shares) for shares in used.values()) >= 30
+    # The pair sharing an H100: each one's own memory, 91 % of it together.
+    pair = [d for s in run.samples for d in s.devices if len(d.holders) == 2]
+    assert len(pair) >= 30
+    assert all(sum(h.mem_used_bytes or 0 for h in d.holders) / (d.mem_total_bytes or 1) > 0.9
+               for d in pair)
 
 
 def test_no_memory_finding_or_notice_names_a_healthy_server(run: Run) -> None:

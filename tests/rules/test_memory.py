@@ -304,6 +304,23 @@ def test_overcommitted_shared_gpu_names_the_largest_holder() -> None:
     assert "nb/nb-0" in finding.summary and "nb/nb-1" in finding.summary
 
 
+def test_llm_servers_sharing_a_gpu_at_their_reserved_shares_are_not_overcommitted() -> None:
+    """Two vLLM servers at gpu_memory_utilization 0.45 on one GPU (vLLM's advice for sharing
+    one) hold 91 % of it from their start and never ask for more."""
+    def run(holder: Holder, **overrides: Any) -> list[Finding]:
+        track, cfg = SustainTrack(), memory_overcommit.OvercommitSettings(**overrides)
+        out: list = []
+        for i in range(60):  # 10 min at 10 s
+            out += memory_overcommit.observe(track, "n1", _shared([0.45 * 80 + 0.4] * 2),
+                                             T0 + i * 10, cfg, holder)
+        return findings(out)
+
+    assert run(INFERENCE) == []
+    assert not memory_overcommit.watches(memory_overcommit.OvercommitSettings(), "inference")
+    assert len(run(Holder(PodRef(namespace="nb", name="nb-0"), T0, "notebook"))) == 1
+    assert len(run(INFERENCE, exempt_kinds=[])) == 1
+
+
 def test_a_full_gpu_with_one_holder_is_not_overcommitted() -> None:
     track, cfg = SustainTrack(), memory_overcommit.OvercommitSettings()
     out: list = []
