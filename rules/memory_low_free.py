@@ -85,7 +85,9 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
         return []
     free = free_bytes(sample)
     floor = settings.floor_bytes
-    if sample.mem_total_bytes is not None:
+    if free is not None and free < floor and sample.mem_total_bytes is not None:
+        # Only below floor_bytes can the device's share be the lower floor: the fast path
+        # of a device with room to spare costs nothing more.
         floor = min(floor, int(sample.mem_total_bytes * settings.floor_pct / 100))
     if free is not None and free >= floor and track.open is None:  # the fast path
         if track.last_ts is None or ts > track.last_ts:
