@@ -97,9 +97,11 @@ def _default_kinds() -> dict[str, IdleKindSettings]:
         # A batch pod idle for long is usually stuck (a hung collective, a dead data loader):
         # reclaim sooner.
         "batch": IdleKindSettings(warn_after_s=3600, reclaim_after_s=3600),
-        # Serving pods idle at night are doing their job (waiting for traffic): flag, warn
-        # late, never reclaim (scale-to-zero belongs to the autoscaler).
-        "inference": IdleKindSettings(window_s=4 * 3600, reclaim=False),
+        # Serving pods idle at night are doing their job (waiting for traffic): a window of a
+        # whole day, longer than any night's trough (8 to 14 h without requests is common),
+        # so only a server unused around the clock is flagged; never reclaimed
+        # (scale-to-zero belongs to the autoscaler).
+        "inference": IdleKindSettings(window_s=24 * 3600, reclaim=False),
     }
 
 

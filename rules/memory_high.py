@@ -1,10 +1,14 @@
 """Sustained high GPU-memory use: a device that has been nearly full for minutes.
 
 Seed 003 alerts on memory above 90 % for 5 minutes. Unlike low free memory
-(serving devices, absolute headroom) this watches every device's used
-share, whoever holds it: a job that lives at the edge is one larger batch
-from an out-of-memory crash. Episodes follow
-:func:`gpusteward.rules.memory.sustain`.
+(serving devices, absolute headroom) this watches the used share of devices
+whatever holds them, but serving pods (``exempt_kinds``): a job that lives at
+the edge is one larger batch from an out-of-memory crash. An LLM server is
+not: vLLM (``gpu_memory_utilization`` 0.9), TGI and TensorRT-LLM (90 % of the
+memory left after the weights) reserve their KV cache when they start and
+hold it whatever the load, so every one of them reads 90 % or more at every
+sample, healthy; whether a server is short of memory is the low-free rule's
+question. Episodes follow :func:`gpusteward.rules.memory.sustain`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.memory import Out, SustainTrack, clock_step, pod_of, sustain, used_pct
 from gpusteward.rules.registry import DeviceRunner, own_settings
+from gpusteward.rules.values import WorkloadKind
 from gpusteward.schema import DeviceSample
 
 KIND = "gpu_memory_high"
@@ -42,7 +47,19 @@ class HighMemorySettings(BaseModel):
         150, gt=0, description="A gap between samples longer than this (seconds) restarts "
         "the run: no observations means no evidence. 150 s: one missed reading of a "
         "collector polling every 60 s is no gap.")
+    exempt_kinds: list[WorkloadKind] = Field(
+        default_factory=lambda: ["inference"],
+        description="Workload kinds of the holder whose devices the rule does not judge "
+        "(notebook, batch, inference; no other name is accepted). Inference by default: LLM "
+        "servers (vLLM's gpu_memory_utilization 0.9, TGI, TensorRT-LLM) reserve their KV "
+        "cache at start and read 90 % or more at every sample whatever the load; "
+        "gpu_memory_low_free judges their headroom. Empty: every device.")
     notify: bool = Field(True, description="Notify the pod's owner when an episode opens.")
+
+
+def watches(settings: HighMemorySettings, workload_kind: str | None) -> bool:
+    """Whether a device held by a pod of ``workload_kind`` (None: no pod) is judged."""
+    return workload_kind is None or workload_kind not in settings.exempt_kinds
 
 
 def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
@@ -55,6 +72,8 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
         if track.last_ts is None or ts > track.last_ts:
             track.last_ts, track.since, track.samples = ts, None, 0
         return []
+    if not watches(settings, getattr(holder, "workload_kind", None)):
+        return []  # the node join does not call it for these; a direct caller gets the same
 
     def describe(run: SustainTrack, now: float) -> tuple[str, dict[str, float]]:
         return (f"{sample.uuid} on {node} has used more than {threshold:g} % of its memory for "
@@ -70,4 +89,4 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
 
 
 RUNNER = DeviceRunner(state=STATE, state_type=SustainTrack, settings_from=own_settings(KIND),
-                      on_sample=observe, on_clock_step=clock_step)
+                      on_sample=observe, on_clock_step=clock_step, watches=watches)

@@ -18,7 +18,14 @@ filled again, so the growth must end above the highest per-minute mean the
 window has left behind (``high_before``); it grows by whole blocks as larger
 requests come, so no step between two points may carry more than
 ``max_step_share`` of the fitted growth; and the model loads as the pod
-starts, so the first ``grace_s`` after the pod's start are not fitted.
+starts, so the first ``grace_s`` after the pod's start are not fitted. A
+training job's allocator does the same after its start-up, by many small
+steps: a warm-up after a long data load, a new phase with longer sequences, a
+compile with dynamic shapes fill the cache over ten or twenty minutes at full
+activity and stop. Fitted over half an hour that is a good line and a fast
+leak, though it grew in one part of the window and has been flat since; a
+leak grows all through it, so each third of the window must carry at least
+``min_third_share`` of the growth (a steady leak gives each a third).
 
 It runs per holder (``per_holder``): on a shared GPU each pod's own memory
 is fitted (per-process attribution), so the leaking pod is the one named.
@@ -87,6 +94,12 @@ class LeakSettings(BaseModel):
         0.25, gt=0, le=1, description="Most of the window's fitted growth that one step between "
         "two points may carry: a leak grows by many small steps, an allocator's cache by a few "
         "large blocks as larger requests come (real serving pods: 10 GiB in a minute).")
+    min_third_share: float = Field(
+        0.15, ge=0, le=1 / 3, description="Least share of the window's growth each third of "
+        "the window must carry: a leak grows all through it (a steady one gives each third a "
+        "third), an allocator's warm-up or a new phase fills its cache in minutes and stops. "
+        "0.15: a ramp shorter than half the window never counts, a leak by four or more "
+        "even steps always does.")
     clear_s: float = Field(
         600, ge=0, description="Seconds without the trend that close an open episode.")
     notify: bool = Field(True, description="Notify the pod's owner when an episode opens.")
@@ -199,9 +212,13 @@ def _evaluate(track: LeakTrack, node: str, sample: DeviceSample, ts: float,
         activity_slope, _ = fit(xs, [p[2] for p in points])
         rise = activity_slope * (xs[-1] - xs[0])
         step = max(b - a for a, b in itertools.pairwise(used))
+        n = len(used)
+        thirds = (used[n // 3] - used[0], used[2 * n // 3] - used[n // 3],
+                  used[-1] - used[2 * n // 3])
         trend = (growth * 3600 >= settings.min_growth_bytes_per_h and r2 >= settings.min_fit
                  and rise <= settings.max_activity_rise_pct
-                 and step <= settings.max_step_share * growth * (xs[-1] - xs[0]))
+                 and step <= settings.max_step_share * growth * (xs[-1] - xs[0])
+                 and min(thirds) >= settings.min_third_share * (used[-1] - used[0]))
     if not trend:
         track.unnamed_since = None
         episode = track.open

@@ -3,9 +3,14 @@
 Seed 002 alerts on ``DCGM_FI_DEV_FB_FREE < 2000`` (MB) on serving nodes: an
 inference server whose KV cache or batch grows needs headroom, and running
 out means failed requests, not a slow job. The rule fires when the device's
-free framebuffer memory stays below ``floor_bytes`` for ``window_s`` on a
-device held by a pod of one of ``workload_kinds`` (inference by default;
-training jobs fill memory on purpose). Episodes follow
+free framebuffer memory stays below its floor for ``window_s`` on a device
+held by a pod of one of ``workload_kinds`` (inference by default; training
+jobs fill memory on purpose). The floor is ``floor_bytes`` or ``floor_pct``
+of the device's memory, whichever is lower: LLM servers reserve their KV
+cache at start (vLLM's ``gpu_memory_utilization`` 0.9 leaves a tenth of the
+device free and holds the rest whatever the load), and a tenth of a 24 GiB
+L4, a 16 GiB T4 or a 10 GiB MIG slice is below 2 GiB: a fixed 2 GiB floor
+called every healthy server on them short of memory. Episodes follow
 :func:`gpusteward.rules.memory.sustain`.
 """
 
@@ -43,6 +48,12 @@ class LowFreeMemorySettings(BaseModel):
         2 * GIB, ge=0,
         description="Free framebuffer memory (bytes) below which a sample counts. 2 GiB: seed "
         "002's DCGM_FI_DEV_FB_FREE < 2000 MB, about one more batch of a 7B model's KV cache.")
+    floor_pct: float = Field(
+        5.0, gt=0, le=100,
+        description="Free memory below which a sample counts, as a share of the device's "
+        "memory (percent), where that is lower than floor_bytes. 5 %: half of what vLLM's "
+        "default gpu_memory_utilization (0.9) leaves free, which is less than 2 GiB on a 24 "
+        "GiB L4, a 16 GiB T4 or a MIG slice; on an 80 GiB GPU floor_bytes applies.")
     window_s: float = Field(
         60, gt=0, description="Seconds free memory must stay below the floor, at every "
         "sample, before the rule fires (1 min: an allocator's transient peak does not count).")
@@ -74,6 +85,10 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
         return []
     free = free_bytes(sample)
     floor = settings.floor_bytes
+    if free is not None and free < floor and sample.mem_total_bytes is not None:
+        # Only below floor_bytes can the device's share be the lower floor: the fast path
+        # of a device with room to spare costs nothing more.
+        floor = min(floor, int(sample.mem_total_bytes * settings.floor_pct / 100))
     if free is not None and free >= floor and track.open is None:  # the fast path
         if track.last_ts is None or ts > track.last_ts:
             track.last_ts, track.since, track.samples = ts, None, 0

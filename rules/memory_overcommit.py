@@ -9,6 +9,13 @@ by at least two pods has its holders' memory (per-process attribution, or
 the device's used memory where the source cannot split) above
 ``threshold_pct`` of its capacity for ``window_s``. The finding names every
 holder and notifies the one using the most memory.
+
+Devices held by serving pods are left alone (``exempt_kinds``): LLM servers
+reserve their share when they start and never ask for more, so two vLLM
+servers at vLLM's own advice for sharing a GPU (``gpu_memory_utilization``
+0.45 to 0.5 each) fill 91 % or more of it at every sample, healthy. Whether a
+server is short of memory is the low-free rule's question, which watches
+shared serving devices too.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.memory import GIB, Out, SustainTrack, clock_step, pod_of, sustain
 from gpusteward.rules.registry import DeviceRunner, own_settings
+from gpusteward.rules.values import WorkloadKind
 from gpusteward.schema import DeviceSample
 
 KIND = "gpu_memory_overcommit"
@@ -24,8 +32,9 @@ STATE = "mem_overcommit"
 """Its per-device state: a field of the node join's device state."""
 RUNBOOK = (
     "Pods sharing this GPU (time-slicing or MPS) together use nearly all its memory, with no "
-    "isolation between them: cap each one's memory (e.g. PyTorch's memory fraction, vLLM's "
-    "gpu-memory-utilization), lower the replicas per GPU, or move one pod elsewhere.")
+    "isolation between them: cap each one's memory (e.g. PyTorch's "
+    "torch.cuda.set_per_process_memory_fraction, TensorFlow's memory limit), lower the replicas "
+    "per GPU, or move one pod elsewhere.")
 
 
 class OvercommitSettings(BaseModel):
@@ -48,7 +57,19 @@ class OvercommitSettings(BaseModel):
         150, gt=0, description="A gap between samples longer than this (seconds) restarts "
         "the run: no observations means no evidence. 150 s: one missed reading of a "
         "collector polling every 60 s is no gap.")
+    exempt_kinds: list[WorkloadKind] = Field(
+        default_factory=lambda: ["inference"],
+        description="Workload kinds of the holder whose devices the rule does not judge "
+        "(notebook, batch, inference; no other name is accepted). Inference by default: LLM "
+        "servers sharing a GPU reserve their shares at start (two vLLM servers at "
+        "gpu_memory_utilization 0.45 each read 91 %) and never ask for more; "
+        "gpu_memory_low_free judges their headroom. Empty: every shared device.")
     notify: bool = Field(True, description="Notify the owner of the pod using the most memory.")
+
+
+def watches(settings: OvercommitSettings, workload_kind: str | None) -> bool:
+    """Whether a device held by a pod of ``workload_kind`` (None: no pod) is judged."""
+    return workload_kind is None or workload_kind not in settings.exempt_kinds
 
 
 def committed_bytes(sample: DeviceSample) -> int | None:
@@ -67,6 +88,8 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
             return []  # not shared: the fast path of almost every device
         holds: bool | None = False  # no longer shared: the condition is gone
         pct = 0.0
+    elif not watches(settings, getattr(holder, "workload_kind", None)):
+        return []  # the node join does not call it for these; a direct caller gets the same
     else:
         committed = committed_bytes(sample)
         total = sample.mem_total_bytes
@@ -92,4 +115,4 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
 
 
 RUNNER = DeviceRunner(state=STATE, state_type=SustainTrack, settings_from=own_settings(KIND),
-                      on_sample=observe, on_clock_step=clock_step)
+                      on_sample=observe, on_clock_step=clock_step, watches=watches)

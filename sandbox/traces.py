@@ -271,7 +271,7 @@ def openb_node_summaries(directory: Path, ts: float) -> list[NodeSummary]:
 GENAI_IDLE_POLICY = """\
 # gpusteward policy for replaying the Alibaba GenAI trace: the idle definition of
 # "30+ min below 5 %" for its serving pods. The shipped policy gives inference pods a
-# 4 h window (serving pods wait for traffic at night); this override, scoped to the
+# 24 h window (serving pods wait for traffic at night); this override, scoped to the
 # trace's namespace, brings them back to the rule's base window so the replay checks
 # the same definition as the offline computation (traces.offline_idle_periods).
 namespaces:

@@ -107,9 +107,9 @@ def test_trace_policy_gives_inference_pods_the_base_definition() -> None:
     assert (effective.threshold_pct, effective.window_s, effective.grace_s) == (
         definition.threshold_pct, definition.window_s, definition.grace_s)
     assert policy.resolve("genai").of(IDLE, IdleSettings).max_gap_s == definition.max_gap_s
-    # Other namespaces keep the shipped 4 h window for serving pods.
+    # Other namespaces keep the shipped 24 h window for serving pods.
     serving = policy.resolve("ml-serving").of(IDLE, IdleSettings)
-    assert serving.effective("inference").window_s == 4 * 3600
+    assert serving.effective("inference").window_s == 24 * 3600
 
 
 def test_empty_trace_is_a_clear_error(tmp_path: Path) -> None:

@@ -65,7 +65,24 @@ def test_batch_climbs_faster_and_inference_is_never_reclaimed() -> None:
     acts = [o.verb for o in serving if isinstance(o, Action)]
     assert acts == ["notify_owner", "notify_owner"]
     first = next(o for o in serving if isinstance(o, Finding))
-    assert first.ts == START + SETTINGS.grace_s + 4 * 3600
+    assert first.ts == START + SETTINGS.grace_s + 24 * 3600
+
+
+def test_a_serving_pod_idle_every_night_is_not_an_idle_holder() -> None:
+    """A business-hours LLM server: bursty requests by day (most 60 s readings catch no
+    kernel), none for 13 h at night, for a week. Waiting for traffic is its job: no finding
+    and no notice, night after night (the old 4 h window told its owner twice a night)."""
+    holder = idle.Holder(POD, START, "inference")
+    day = [0.0, 0.0, 0.0, 12.0, 0.0, 40.0] * (11 * 10)  # 11 h of readings a minute apart
+    night = [0.0] * (13 * 60)
+    track, out = idle.IdleTrack(), []
+    for i, util in enumerate((day + night) * 7):
+        sample = DeviceSample(uuid="GPU-1", index=0, model="L4", util_pct=util)
+        out += idle.observe(track, node="n1", sample=sample, holder=holder,
+                            ts=START + i * 60, settings=SETTINGS)
+    assert out == []
+    # One that gets no request for a whole day is still found, and its owner told.
+    assert [o.verb for o in run(holder, 25) if isinstance(o, Action)] == ["notify_owner"]
 
 
 def test_unknown_kind_uses_the_rules_values() -> None:

@@ -1,0 +1,114 @@
+"""LLM servers in the simulated world, through the production collectors and the worker.
+
+The ``llm-serving`` scenario runs vLLM servers as fleets run them: each reserves 0.9 of its
+GPU (plus its CUDA graphs) when it starts and holds it whatever the load, on an L4, a T4
+and an H100, and two share an H100 at 0.45 each, with bursty traffic. It runs in
+:class:`~gpusteward.sandbox.world.World` (the fake NVML and kubelet on each node, the
+production NVML collector, the watcher on the API double) and the stream worker runs as a
+child process with the shipped policy.
+
+What must hold: no memory finding, and no notice, names a healthy server (the shipped
+policy once told each of them its GPU was nearly full, the L4 and T4 ones that they were
+short of memory, and the two sharing an H100 that they over-committed it); the server that
+has really run out and the training job living at the edge of its GPU's memory are found,
+and only they.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gpusteward import kafka, topics
+from gpusteward.broker import EmbeddedBroker
+from gpusteward.collectors.transport.publisher import KafkaPublisher
+from gpusteward.sandbox.pipeline import WorkerProcess
+from gpusteward.sandbox.simulator import scenario as scenarios
+from gpusteward.sandbox.simulator.engine import SimulatedCluster
+from gpusteward.sandbox.world import World
+from gpusteward.schema import Action, Finding, NodeSample
+from gpusteward.streams.app import worker_group
+
+pytestmark = pytest.mark.e2e
+
+
+@dataclass
+class Run:
+    samples: list[NodeSample]
+    findings: list[Finding]
+    actions: list[Action]
+
+
+async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
+    settings = broker.settings().model_copy(update={"topic_prefix": "e2e-llm-serving"})
+    await kafka.ensure_topics(settings)
+    spec = scenarios.load("llm-serving").model_copy(update={"acceleration": 0.0})
+    cluster = SimulatedCluster(spec)
+    worker = WorkerProcess(settings, workdir / "worker.log")
+    worker.start()
+    publisher = KafkaPublisher(settings)
+    await publisher.start()
+    try:
+        async with World(cluster, publisher, workdir) as world:
+            await cluster.run(world)
+            await world.settle()
+        names = [t.name(settings) for t in (topics.SAMPLES, topics.ALLOCATIONS)]
+        await kafka.wait_consumed(settings, worker_group(settings), names, timeout_s=120)
+        assert worker.alive
+    finally:
+        worker.stop()
+        await publisher.stop()
+
+    async def read(topic: topics.TopicSpec) -> list[bytes]:
+        return [r.value for r in await kafka.read_all(settings, topic.name(settings))]
+
+    return Run([msgspec.json.decode(v, type=NodeSample) for v in await read(topics.SAMPLES)],
+               [msgspec.json.decode(v, type=Finding) for v in await read(topics.FINDINGS)],
+               [msgspec.json.decode(v, type=Action) for v in await read(topics.ACTIONS)])
+
+
+@pytest.fixture(scope="module")
+def run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return asyncio.run(_run(broker, tmp_path_factory.mktemp("llm-serving")))
+
+
+def test_the_collector_read_the_servers_reserved_memory(run: Run) -> None:
+    """The world is what the scenario says: vLLM's share read through NVML, over 90 % of
+    each GPU, under 2 GiB free on the L4 and the T4, at every reading."""
+    used: dict[str, list[float]] = {}
+    for sample in run.samples:
+        for device in sample.devices:
+            if device.pod is not None and device.pod.name.startswith("vllm-"):
+                total, mem = device.mem_total_bytes or 0, device.mem_used_bytes or 0
+                used.setdefault(device.pod.name.split("-")[1], []).append(mem / total)
+                if device.model in ("NVIDIA L4", "Tesla T4"):
+                    assert total - mem < 2 << 30
+    assert set(used) == {"l4", "t4", "h100", "pair"}
+    assert all(min(shares) > 0.9 for shares in used.values())
+    assert min(len(shares) for shares in used.values()) >= 30
+    # The pair sharing an H100: each one's own memory, 91 % of it together.
+    pair = [d for s in run.samples for d in s.devices if len(d.holders) == 2]
+    assert len(pair) >= 30
+    assert all(sum(h.mem_used_bytes or 0 for h in d.holders) / (d.mem_total_bytes or 1) > 0.9
+               for d in pair)
+
+
+def test_no_memory_finding_or_notice_names_a_healthy_server(run: Run) -> None:
+    memory = [f for f in run.findings if f.kind.startswith("gpu_memory_") and f.subject.pod]
+    assert not [f for f in memory if f.subject.pod and f.subject.pod.name.startswith("vllm-")]
+    assert not [a for a in run.actions
+                if a.target.pod is not None and a.target.pod.name.startswith("vllm-")]
+
+
+def test_the_starved_server_and_the_training_job_at_the_edge_are_found(run: Run) -> None:
+    firing = {(f.kind, f.subject.pod.name) for f in run.findings
+              if f.state == "firing" and f.kind.startswith("gpu_memory_") and f.subject.pod}
+    assert firing == {("gpu_memory_low_free", "starved-svc-d"),
+                      ("gpu_memory_high", "train-svc-e")}
+    notified = {a.target.pod.name for a in run.actions
+                if a.verb == "notify_owner" and a.target.pod is not None}
+    assert notified == {"starved-svc-d", "train-svc-e"}

@@ -1,0 +1,76 @@
+"""Healthy LLM serving through the node join, under the shipped policy: no finding.
+
+vLLM reserves ``gpu_memory_utilization`` (0.9) of the GPU when it starts, KV cache included,
+and holds it whatever the load; CUDA graphs add a few hundred MiB outside that share.
+Traffic is bursty by day (most readings catch no kernel) and stops at night. Every finding
+on such a pod would be noise sent to its owner; a training job living at the edge of its
+memory, and a server that runs out of it, are still found.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from gpusteward.schema import DeviceSample, Finding, NodeSample, PodAllocation, PodRef
+from gpusteward.streams.node import NodeJoin, NodeState, RuleSettings
+from gpusteward.streams.policy_file import load_policy
+
+REPO = Path(__file__).resolve().parents[2]
+MIB = 1 << 20
+T0 = 1_000_000.0
+STEP = 30.0
+DAY_TICKS, NIGHT_TICKS = int(11 * 3600 / STEP), int(13 * 3600 / STEP)
+
+GPUS = {  # uuid -> (model, memory in MiB, the server's CUDA-graph memory outside its share)
+    "GPU-l4": ("NVIDIA L4", 23034, 400),
+    "GPU-t4": ("Tesla T4", 15360, 300),
+    "GPU-h100": ("NVIDIA H100 80GB HBM3", 81559, 500),
+}
+
+
+def server(uuid: str) -> PodRef:
+    return PodRef(namespace="serving", name=f"vllm-{uuid.lower()}", uid=f"u-{uuid}")
+
+
+def allocation(uuid: str, kind: str = "inference") -> PodAllocation:
+    pod = server(uuid) if kind == "inference" else PodRef(namespace="ml", name="train",
+                                                          uid="u-train")
+    return PodAllocation(ts=T0 - 3600, node="n1", pod=pod, phase="running", gpus=1,
+                         device_ids=[uuid], started_at=T0 - 3600, workload_kind=kind,
+                         owner_kind="ReplicaSet", owner_name=pod.name)
+
+
+def device(uuid: str, util: float, used_mib: float | None = None) -> DeviceSample:
+    model, total_mib, graphs_mib = GPUS.get(uuid, ("NVIDIA H100 80GB HBM3", 81559, 0))
+    used = used_mib if used_mib is not None else 0.9 * total_mib + graphs_mib
+    return DeviceSample(uuid=uuid, index=0, model=model, util_pct=util, temp_c=62.0,
+                        mem_used_bytes=int(used * MIB), mem_total_bytes=total_mib * MIB)
+
+
+def run(extra: list[str], used_extra: float, days: int) -> Counter[tuple[str, str | None]]:
+    join = NodeJoin(RuleSettings(policy=load_policy(REPO / "deploy" / "base" / "policy.yaml")))
+    state = NodeState()
+    kinds = {uuid: "inference" for uuid in GPUS} | {uuid: "batch" for uuid in extra}
+    out = []
+    for uuid, kind in kinds.items():
+        out += join.on_allocation(state, allocation(uuid, kind))
+    bursts = [0.0, 0.0, 0.0, 35.0, 0.0, 8.0]
+    utils = ([bursts[i % len(bursts)] for i in range(DAY_TICKS)] + [0.0] * NIGHT_TICKS) * days
+    for i, util in enumerate(utils):
+        devices = [device(uuid, util) for uuid in GPUS]
+        devices += [device(uuid, 97.0, used_extra) for uuid in extra]
+        out += join.on_sample(state, NodeSample(ts=T0 + i * STEP, node="n1", source="test",
+                                                devices=devices))
+    return Counter((o.kind, o.subject.device) for o in out
+                   if isinstance(o, Finding) and o.state == "firing")
+
+
+def test_vllm_servers_raise_nothing_day_or_night() -> None:
+    assert run([], 0.0, days=3) == Counter()
+
+
+def test_a_training_job_at_the_edge_of_its_memory_is_still_found() -> None:
+    # 78 of 79.6 GiB for days: the high-memory rule still judges batch pods' devices.
+    found = run(["GPU-train"], 78 * 1024, days=1)
+    assert found == Counter({("gpu_memory_high", "GPU-train"): 1})
