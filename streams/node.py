@@ -222,10 +222,16 @@ class NodeState(msgspec.Struct):
     act on nothing, its holders are not judged idle, it offers no free capacity."""
     mig_reconfig_since: float | None = None
     """When the node's reconfiguration began (the inventory that said so); kept after it
-    succeeds until each GPU with an episode opened since has answered and had it closed.
-    None: no reconfiguration to settle."""
+    succeeds until the node's samples are ``mig_settle_s`` past the success. None: no
+    reconfiguration to settle."""
     mig_reconfig_until: float | None = None
     """When it succeeded: episodes opened after that are not the reconfiguration's."""
+    mig_held: dict[str, reconfig.Held] = {}
+    """The reset's findings whose episodes are open (raised while the node read pending or
+    rebooting, or read after the success with an event time in the window), by id, with the
+    node actions held back from them: settled when their GPU answers after the success,
+    raised again with those actions when it has not within ``mig_settle_s``. Empty outside
+    a reconfiguration."""
     mig_failed: hardware.Episode | None = None
     """The open ``mig_config_failed`` warning: the state read ``failed``, no success since."""
     asks: dict[str, Action] = {}
@@ -292,6 +298,15 @@ class RuleSettings:
     inside the executor's 1 h, so a backlog holds a fresh re-ask, and six records an hour
     per open fault. Idle reclaims and owner notices are never asked again (their ladder
     has its own timing). None: ask once."""
+    mig_settle_s: float = 300.0
+    """Event-time seconds, on the node's samples' clock, that a GPU has after its node's
+    MIG reconfiguration succeeded (``nvidia.com/mig.config.state=success``, as of the
+    watcher's event) to answer again. One still silent then is a fault: the findings held
+    during the reconfiguration (``gpu_lost``, an XID, a recovery action) are raised again
+    saying so, with the cordon, taint or drain their rules asked for. 5 min: mig-manager
+    sets success once the GPU instances exist and the operator's pods (dcgm-exporter,
+    device plugin) are restarting; they are back in a minute or two, and a lost GPU waits
+    that long at most before its node is drained."""
     team_labels: tuple[str, ...] = rollup.DEFAULT_TEAM_LABELS
     """Pod labels naming the owning team in the rollups, first match wins; else the
     namespace. The weekly report groups by the team the rollups carry."""
@@ -610,14 +625,29 @@ class NodeJoin:
                   ) -> list[Output]:
         """``out`` of a node under (or just out of) MIG reconfiguration: while it lasts its
         reset's findings ask for no node action; after a success, each GPU the ``sample``
-        shows answering has the episodes the reconfiguration opened closed."""
+        shows answering has the episodes the reconfiguration opened closed, and those of a
+        GPU still silent ``mig_settle_s`` later act."""
         since = state.mig_reconfig_since
         assert since is not None
+        held = state.mig_held
+        if held and out:  # an episode held that closed as usual is settled
+            for item in out:
+                if isinstance(item, Finding) and item.state == "resolved":
+                    held.pop(item.id, None)
         if state.mig_config_state in reconfig.RECONFIGURING:
-            return reconfig.hold(out, state.mig_config_state or "", state.mig_config)
+            return reconfig.hold(out, state.mig_config_state or "", state.mig_config, held)
         until = state.mig_reconfig_until
-        if sample is None or state.mig_config_state != "success" or until is None:
+        if state.mig_config_state != "success" or until is None:
             return out  # after a failure its episodes close as usual; the warning is the news
+        grace = self.settings.mig_settle_s
+        if sample is None:
+            # A hardware event of the reset read after the success (the worker read the
+            # node's allocations ahead of its hardware events; the loss tracker waits a few
+            # scrapes): held as during the window, by its own event time, the watcher's
+            # ends widened by the grace (the two clocks may be that far apart). A sample's
+            # findings are a live GPU's, not held.
+            return reconfig.hold(out, "success", state.mig_config, held,
+                                 between=(since - grace, until + grace))
         answering = {device.parent_uuid or device.uuid for device in sample.devices
                      if hardware.answers(device)}
         if len(answering) >= max(1, state.gpu_count):
@@ -626,15 +656,29 @@ class NodeJoin:
             answering.add(_UNKNOWN_GPU)
         for uuid in answering:
             dev = state.devices.get(uuid)
-            if dev is not None and reconfig.unsettled(dev.hw, since, until):
-                out += reconfig.settle(dev.hw, node=sample.node, uuid=uuid, since=since,
-                                       until=until, ts=sample.ts)
+            if dev is not None and reconfig.unsettled(dev.hw, since, until, held):
+                settled = reconfig.settle(dev.hw, node=sample.node, uuid=uuid, since=since,
+                                          until=until, ts=sample.ts, held=held)
+                for finding in settled:
+                    held.pop(finding.id, None)
+                out += settled
                 dev.out_of_service = None
                 state.summary_dirty = True
-        if not any(reconfig.unsettled(dev.hw, since, until)
-                   for dev in state.devices.values()):
-            state.mig_reconfig_since = state.mig_reconfig_until = None
+        if sample.ts >= until + grace:
+            # Not back by now: a fault, not the reset. Its held actions are asked for now,
+            # and re-asked as any (:meth:`_note_asks`); the window ends, and with it this
+            # method's cost per sample of the node.
+            for kept in held.values():
+                out += reconfig.overdue(kept, config=state.mig_config, after_s=grace,
+                                        ts=sample.ts)
+            self._end_reconfig(state)
         return out
+
+    @staticmethod
+    def _end_reconfig(state: NodeState) -> None:
+        """Nothing left of the node's reconfiguration to settle."""
+        state.mig_reconfig_since = state.mig_reconfig_until = None
+        state.mig_held = {}
 
     def _note(self, state: NodeState, out: list[Output]) -> None:
         """Keep the findings ``out`` opens on the node (re-issued ones replace themselves)
@@ -676,15 +720,19 @@ class NodeJoin:
     def _reask(self, state: NodeState, ts: float) -> list[Output]:
         """The node's asks due at ``ts`` (its sample's event time), asked for again under
         their idempotency keys with ``ts``; a cordon or taint of a node that takes no new
-        pods waits."""
+        pods waits, and so does an action of a GPU reset's finding while the node's MIG
+        reconfiguration is unsettled (one its worker read ahead of the ``pending``: it was
+        asked for once, before the join knew)."""
         every = self.settings.reask_s
         assert every is not None
         out: list[Output] = []
         due: list[float] = []
+        settling = state.mig_reconfig_since is not None
         for key, ask in state.asks.items():
             if ts - ask.ts < every:
                 due.append(ask.ts + every)
-            elif state.cordoned and ask.verb in _KEPT_OFF:
+            elif ((state.cordoned and ask.verb in _KEPT_OFF)
+                  or (settling and ask.rule in reconfig.HELD_KINDS)):
                 due.append(ts + every)
             else:
                 again = state.asks[key] = msgspec.structs.replace(ask, ts=ts,
@@ -721,6 +769,8 @@ class NodeJoin:
         state.behind_since = state.behind_last = None
         state.last_summary_ts, state.summary_dirty = None, True
         state.clock_steps += 1  # the fleet agent takes the next summary however old
+        if state.mig_reconfig_until is not None:  # its grace ends as long after on the new
+            state.mig_reconfig_until -= step
         if state.asks:  # asked for on the old clock: due on the new one as long after
             state.asks = {key: msgspec.structs.replace(ask, ts=ask.ts - step)
                           for key, ask in state.asks.items()}
@@ -893,7 +943,7 @@ class NodeJoin:
         elif now == "success" and state.mig_reconfig_since is not None:
             state.mig_reconfig_until = state.mig_reconfig_until or event.ts
         elif now is None:  # deleted, or no longer managed by mig-manager
-            state.mig_reconfig_since = state.mig_reconfig_until = None
+            NodeJoin._end_reconfig(state)
         if now == "failed" and state.mig_failed is None:
             finding, state.mig_failed = reconfig.failed(event.node, event.mig_config, event.ts)
             out.append(finding)

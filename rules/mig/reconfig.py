@@ -9,20 +9,28 @@ driver may log the reset's XIDs: faults, to the hardware rules, that would drain
 someone is reconfiguring on purpose.
 
 So while the state is pending or rebooting, the findings of those rules
-(:data:`HELD_KINDS`) are raised, marked with the state and config, with no node action
-(:func:`hold`); once the state is back to ``success``, each GPU that answers again has
-the episodes that opened during the window closed (:func:`settle`). Faults a reset does
-not cause (a double-bit ECC error, a failed row remap) keep their actions. A ``failed``
-state is one warning naming the node and the config asked for, resolved by a later
-success (:func:`failed`, :func:`recovered`).
+(:data:`HELD_KINDS`) are raised, marked with the state and config, with no node action;
+the join keeps each with the actions held back from it (:func:`hold`, :class:`Held`).
+Once the state is back to ``success``, each GPU that answers again has the episodes the
+reconfiguration opened closed (:func:`settle`): the ones held, whatever their event time
+(the window's ends are the watcher's clock, the episodes the node's collectors'), and
+the ones a worker read ahead of the ``pending`` (catching up) whose event time falls in
+the window. A GPU still silent a grace period after the success is a fault: its held
+findings are raised again saying so, with their actions (:func:`overdue`). Faults a reset
+does not cause (a double-bit ECC error, a failed row remap) keep their actions. A
+``failed`` state is one warning naming the node and the config asked for, resolved by a
+later success (:func:`failed`, :func:`recovered`).
 
 Pure functions of the node join's state: the join keeps the state (it has the node's
-inventory) and calls these; no settings, since there is nothing to tune.
+inventory) and calls these; its ``mig_settle_s`` is the grace period.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Any
+
+import msgspec
 
 from gpusteward.rules import hardware
 from gpusteward.rules import xid as xid_rule
@@ -48,31 +56,75 @@ FAILED_RUNBOOK = (
     "back to the previous config. The finding resolves when a reconfiguration succeeds.")
 
 
-def hold(out: list[Any], state: str, config: str | None) -> list[Any]:
-    """``out`` with its :data:`HELD_KINDS` findings marked as seen during a reconfiguration
-    and the node actions they ask for left out (they act on no one: the node is busy being
-    reconfigured on purpose)."""
-    held: set[str] = set()
+class Held(msgspec.Struct):
+    """A finding raised during a reconfiguration, kept until its episode closes or the
+    GPU is overdue (:func:`overdue`)."""
+
+    finding: Finding
+    """As raised (labelled, its summary saying no action was taken)."""
+    cause: str
+    """Its summary as the rule wrote it, before the reconfiguration's note."""
+    actions: list[Action] = []
+    """The node actions its rule asked for and :func:`hold` left out."""
+
+
+def hold(out: list[Any], state: str, config: str | None, held: dict[str, Held],
+         between: tuple[float, float] | None = None) -> list[Any]:
+    """``out`` with its :data:`HELD_KINDS` findings (those that started ``between`` two
+    event times, if given) marked as seen during a reconfiguration and the node actions
+    they ask for left out (they act on no one: the node is busy being reconfigured on
+    purpose); each such finding is kept in ``held`` by id, with those actions."""
+    now: dict[str, Held] = {}
+    note = (f"during a MIG reconfiguration to {config or '?'}, mig.config.state={state}: "
+            "no node action taken" if state in RECONFIGURING else
+            f"as a MIG reconfiguration to {config or '?'} ends (mig.config.state={state}): "
+            "no node action taken unless the GPU stays silent")
     for item in out:
-        if isinstance(item, Finding) and item.kind in HELD_KINDS and item.state == "firing":
-            held.add(item.id)
+        if (isinstance(item, Finding) and item.kind in HELD_KINDS and item.state == "firing"
+                and (between is None or between[0] <= item.starts_at <= between[1])):
+            cause = item.summary
             item.labels = {**item.labels, "mig_config_state": state,
                            "mig_config": config or ""}
-            item.summary += (f" (during a MIG reconfiguration to {config or '?'}, "
-                             f"mig.config.state={state}: no node action taken)")
-    if not held:
+            item.summary += f" ({note})"
+            now[item.id] = held[item.id] = Held(item, cause)
+    if not now:
         return out
-    return [item for item in out if not (isinstance(item, Action)
-                                         and held.intersection(item.finding_ids))]
+    kept: list[Any] = []
+    for item in out:
+        if isinstance(item, Action) and (of := next(
+                (now[i] for i in item.finding_ids if i in now), None)) is not None:
+            of.actions.append(item)
+        else:
+            kept.append(item)
+    return kept
+
+
+def overdue(held: Held, *, config: str | None, after_s: float, ts: float) -> list[Any]:
+    """The held finding of a GPU not back ``after_s`` after the reconfiguration succeeded,
+    raised again under its id saying so, and the node actions its rule asked for, asked for
+    now (their idempotency keys are the ones held: never carried out before)."""
+    why = (f"{held.cause}: not back {after_s / 60:g} min after the MIG reconfiguration to "
+           f"{config or '?'} succeeded, so a fault, not the reconfiguration's reset")
+    if held.actions:
+        why += f" ({', '.join(a.verb for a in held.actions)} asked for)"
+    finding = msgspec.structs.replace(held.finding, summary=why, ts=ts,
+                                      labels={**held.finding.labels, "mig_settle": "overdue"})
+    return [finding, *(msgspec.structs.replace(a, reason=why, ts=ts) for a in held.actions)]
 
 
 def settle(track: hardware.HwTrack, *, node: str, uuid: str, since: float, until: float,
-           ts: float) -> list[Finding]:
-    """Close the :data:`HELD_KINDS` episodes of GPU ``uuid`` that opened from ``since`` to
-    ``until`` (the reconfiguration's start and its success), now that it answers again;
-    the XIDs of the window stop counting towards an RMA."""
+           ts: float, held: Container[str]) -> list[Finding]:
+    """Close the :data:`HELD_KINDS` episodes of GPU ``uuid`` the reconfiguration opened
+    (those ``held``, and those that opened from ``since`` to ``until``: its start and its
+    success), now that it answers again; the XIDs of the window stop counting towards an
+    RMA."""
     out: list[Finding] = []
     why = "answers again after a successful MIG reconfiguration"
+    # The window on the node's clock as far as its held episodes tell: the watcher's
+    # ``since`` and ``until`` may be off it by the two clocks' skew.
+    for episode in (track.lost, track.recovery, *track.xid.open.values()):
+        if episode is not None and episode.id in held:
+            since, until = min(since, episode.since), max(until, episode.since)
     for attr, kind in (("lost", hardware.GPU_LOST_KIND), ("recovery", hardware.RECOVERY_KIND)):
         episode = getattr(track, attr)
         if episode is not None and since <= episode.since <= until:
@@ -93,11 +145,11 @@ def settle(track: hardware.HwTrack, *, node: str, uuid: str, since: float, until
     return out
 
 
-def unsettled(track: hardware.HwTrack, since: float, until: float) -> bool:
+def unsettled(track: hardware.HwTrack, since: float, until: float, held: Container[str]
+              ) -> bool:
     """Whether GPU ``track`` still has an episode :func:`settle` would close."""
-    return (any(e is not None and since <= e.since <= until
-                for e in (track.lost, track.recovery))
-            or any(since <= e.since <= until for e in track.xid.open.values()))
+    return any(e is not None and (e.id in held or since <= e.since <= until)
+               for e in (track.lost, track.recovery, *track.xid.open.values()))
 
 
 def failed(node: str, config: str | None, ts: float) -> tuple[Finding, hardware.Episode]:
