@@ -178,12 +178,17 @@ FIELDS: dict[str, tuple[str, Callable[[float], Any]]] = {
 FB_FIELDS = ("DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_FB_RESERVED")
 """Framebuffer MiB: used, free, reserved; total = their sum (NVML's total includes reserved)."""
 
-NVLINK_ERROR_FIELDS = (
-    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
-    "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL",
+NVLINK_REPLAY_FIELDS = (
     "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL",
     "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
 )
+"""Summed into ``nvlink_errors``: replays and recoveries, the link's real trouble."""
+NVLINK_CRC_FIELDS = (
+    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
+    "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL",
+)
+"""Summed into ``nvlink_crc_errors``: routine on a healthy link, judged on their rate."""
+NVLINK_ERROR_FIELDS = (*NVLINK_CRC_FIELDS, *NVLINK_REPLAY_FIELDS)
 XID_FIELD = "DCGM_FI_DEV_XID_ERRORS"
 
 PER_POD_FIELDS = {"DCGM_FI_DEV_GPU_UTIL": "util_pct", "DCGM_FI_DEV_FB_USED": "mem_used_bytes"}
@@ -198,7 +203,7 @@ DEVICE_WIDE = frozenset({
     "remap_pending", "remap_failure", "pcie_replay", "retired_pages_sbe", "retired_pages_dbe",
     "retired_pages_pending",
 })
-"""DeviceSample fields that describe the physical GPU (``nvlink_errors`` too): on a
+"""DeviceSample fields that describe the physical GPU (the NVLink errors too): on a
 MIG-enabled GPU dcgm-exporter repeats them on every instance; they belong to the parent,
 where the NVML reader puts them."""
 
@@ -255,7 +260,8 @@ FIELD_FAMILIES: tuple[FieldFamily, ...] = (
                                    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
                                    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS"),
                 "retired_pages on pre-Ampere GPUs"),
-    FieldFamily("nvlink_errors", NVLINK_ERROR_FIELDS, "nvlink_errors"),
+    FieldFamily("nvlink_errors", NVLINK_REPLAY_FIELDS, "nvlink_errors"),
+    FieldFamily("nvlink_crc_errors", NVLINK_CRC_FIELDS, "nvlink_crc_errors"),
     FieldFamily("pcie_replay", ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER",), "pcie_replay"),
 )
 """What the rules read, by family; every metric here is in :data:`MAPPED_METRICS`."""
@@ -319,7 +325,8 @@ class _Device:
     values: dict[str, Any] = field(default_factory=dict)
     framebuffer: dict[str, float] = field(default_factory=dict)
     nvlink: dict[str, int] = field(default_factory=dict)
-    """NVLink error counter -> its reading; ``nvlink_errors`` is their sum. Kept per counter,
+    """NVLink error counter -> its reading; ``nvlink_errors`` sums the replay and recovery
+    counters, ``nvlink_crc_errors`` the CRC ones. Kept per counter,
     not added up series by series, so a counter Prometheus holds twice (the exporter
     scraped by two jobs) is counted once."""
 
@@ -364,14 +371,21 @@ class _Device:
             mem_used_bytes=(_kept("mem_used_bytes", int(used * MIB), refusals)
                             if used is not None else None),
             mem_total_bytes=total,
-            nvlink_errors=(_kept("nvlink_errors", sum(self.nvlink.values()), refusals)
-                           if self.nvlink else None),
+            nvlink_errors=self._nvlink("nvlink_errors", NVLINK_REPLAY_FIELDS, refusals),
+            nvlink_crc_errors=self._nvlink("nvlink_crc_errors", NVLINK_CRC_FIELDS, refusals),
             pod=self.pods[0] if self.pods else None,
             # Several pods without per-pod series ("shared"): their readings cannot be told
             # apart, and the rules treat the device's readings as everyone's.
             holders=holders, attribution=attribution,
             **values,
         )
+
+    def _nvlink(self, name: str, metrics: tuple[str, ...],
+                refusals: edge.Refusals) -> int | None:
+        """The sum of the NVLink counters ``metrics`` the page has, for field ``name``; None
+        when it has none of them."""
+        counts = [self.nvlink[metric] for metric in metrics if metric in self.nvlink]
+        return _kept(name, sum(counts), refusals) if counts else None
 
     def _holder(self, pod: PodRef) -> DeviceHolder:
         """A pod's share from its ``vgpu`` series, summed over them as NVML's per-process

@@ -168,6 +168,16 @@ class DeviceSample(msgspec.Struct, omit_defaults=True):
     (nvmlDeviceGetRetiredPagesPendingStatus, DCGM_FI_DEV_RETIRED_PENDING)."""
     pcie_replay: Count | None = None
     nvlink_errors: Count | None = None
+    """NVLink replay + recovery errors, summed over the GPU's links (NVML / DCGM
+    ``*_NVLINK_REPLAY_ERROR_COUNT_TOTAL`` + ``*_NVLINK_RECOVERY_ERROR_COUNT_TOTAL``): the
+    errors DCGM's health check fails on at the first one. CRC errors are not in it (see
+    ``nvlink_crc_errors``); a collector older than that field sent CRC + replay + recovery
+    here, and it is judged as it was."""
+    nvlink_crc_errors: Count | None = None
+    """NVLink CRC errors, flit + data, summed over the GPU's links (NVML / DCGM
+    ``*_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL`` + ``*_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL``).
+    Routine on a healthy link (link training, a slow trickle): judged on its own rate.
+    None where the GPU has no NVLink or the source does not read it."""
     recovery_action: Count | None = None
     """NVML GPU recovery action (0 none, 1 GPU reset, 2 node reboot, ...)."""
     pod: PodRef | None = None

@@ -47,6 +47,8 @@ REGISTRY = Registry([
     Rule(hardware.SBE_KIND, hardware.SbeRateSettings, "device", device=hardware.RUNNER),
     Rule(hardware.PCIE_KIND, hardware.PcieReplaySettings, "device", device=hardware.RUNNER),
     Rule(hardware.NVLINK_KIND, hardware.NvlinkErrorSettings, "device", device=hardware.RUNNER),
+    Rule(hardware.NVLINK_CRC_KIND, hardware.NvlinkCrcSettings, "device",
+         device=hardware.RUNNER),
     Rule(hardware.REMAP_FAILURE_KIND, hardware.RemapFailureSettings, "device",
          device=hardware.RUNNER),
     Rule(hardware.REMAP_PENDING_KIND, hardware.RemapPendingSettings, "device",

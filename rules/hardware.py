@@ -6,10 +6,13 @@ per verb) and a later observation closes it (one resolved finding with the
 same id). Repeated samples inside an episode emit nothing.
 
 - **Error-counter bursts** (``ecc_sbe_rate``, ``pcie_replay``,
-  ``nvlink_errors``): the counters are cumulative since the driver loaded;
-  an episode opens when their increments within ``window_s`` reach
+  ``nvlink_errors``, ``nvlink_crc_errors``): the counters are cumulative since the driver
+  loaded; an episode opens when their increments within ``window_s`` reach
   ``threshold`` and closes after ``window_s`` with no increment. A counter
-  that goes down was reset with the GPU: it is the new baseline.
+  that goes down was reset with the GPU: it is the new baseline. NVLink replay and
+  recovery errors (``nvlink_errors``) are the link's real trouble; its CRC errors are routine
+  on a healthy link (link training, a slow trickle) and count only at DCGM's failing rate,
+  so they are their own counter with their own threshold.
 - **Row remapping** (``remap_failure``: cordon, critical; ``remap_pending``:
   taint the node ``gpusteward.io/gpu-reset-required`` since a reset makes
   the remap take effect): open while the flag reads true, close when it
@@ -44,7 +47,7 @@ reading's gap is measured from the last real one, so an exporter that leaves a
 field out for an hour cannot make the increase of that hour look like a burst,
 nor two hot readings an hour apart look like an hour of throttling.
 
-It stays one module: the eleven hardware rules share one per-GPU state and one call per
+It stays one module: the twelve hardware rules share one per-GPU state and one call per
 sample (measured: split, the node join cost a third more).
 """
 
@@ -65,6 +68,7 @@ from gpusteward.schema import Action, ActionVerb, DeviceSample, Evidence, Findin
 SBE_KIND = "ecc_sbe_rate"
 PCIE_KIND = "pcie_replay"
 NVLINK_KIND = "nvlink_errors"
+NVLINK_CRC_KIND = "nvlink_crc_errors"
 REMAP_FAILURE_KIND = "remap_failure"
 REMAP_PENDING_KIND = "remap_pending"
 GPU_LOST_KIND = "gpu_lost"
@@ -92,9 +96,14 @@ RUNBOOKS = {
     PCIE_KIND: "PCIe replays (link-level retransmissions) are bursting: the link to this GPU is "
     "marginal. Expect slower transfers and Xid 32/79 later. Check `nvidia-smi -q -d PCIE` link "
     "width and generation, reseat the card or riser at the next maintenance window.",
-    NVLINK_KIND: "NVLink errors are bursting on this GPU; multi-GPU jobs will slow down or fail "
-    "(Xid 74). Check `nvidia-smi nvlink -e`; reset the GPU, and if the errors return, the "
-    "remote end or the baseboard needs service.",
+    NVLINK_KIND: "NVLink replay or recovery errors are bursting on this GPU; multi-GPU jobs will "
+    "slow down or fail (Xid 74). Check `nvidia-smi nvlink -e`; reset the GPU, and if the errors "
+    "return, the remote end or the baseboard needs service.",
+    NVLINK_CRC_KIND: "NVLink CRC errors are arriving at about 100 per second or more, the rate "
+    "at which DCGM's health check fails a link (a few at boot or a slow trickle are normal and "
+    "raise nothing): the link is degrading and replays will follow. Check `nvidia-smi nvlink "
+    "-e` for the link; reset the GPU, and if the rate returns, the remote end or the "
+    "baseboard needs service.",
     REMAP_FAILURE_KIND: "Row remapping failed: the GPU ran out of spare rows for an "
     "uncorrectable memory error. The node is cordoned. Drain it and open an RMA; the GPU cannot "
     "be repaired in the field.",
@@ -155,9 +164,26 @@ class PcieReplaySettings(CounterBurstSettings):
 class NvlinkErrorSettings(CounterBurstSettings):
     """Settings of the NVLink error burst rule (``nvlink_errors``)."""
 
-    threshold: int = Field(10, ge=1, description="NVLink errors (CRC, replay, recovery summed "
-                           "by the collector) within window_s that open an episode.")
+    threshold: int = Field(10, ge=1, description="NVLink replay + recovery errors (summed by "
+                           "the collector) within window_s that open an episode. CRC errors are "
+                           "not in it: nvlink_crc_errors judges them. A collector older than "
+                           "that split sends CRC + replay + recovery here, judged as before.")
     window_s: float = Field(300, gt=0, description="Sliding window, seconds (5 min).")
+
+
+class NvlinkCrcSettings(CounterBurstSettings):
+    """Settings of the NVLink CRC error rate rule (``nvlink_crc_errors``)."""
+
+    threshold: int = Field(30_000, ge=1, description="NVLink CRC errors (flit + data) within "
+                           "window_s that open an episode. 30000 per 300 s is 100 per second, "
+                           "DCGM's own line (DCGM_LIMIT_MAX_NVLINK_CRC_ERROR: its NVLink health "
+                           "watch fails a link at 100 CRC errors/s and only warns below): a "
+                           "healthy link counts CRC errors at link training and in a slow "
+                           "trickle.")
+    window_s: float = Field(300, gt=0, description="Sliding window, seconds (5 min: DCGM "
+                            "judges the rate over 1 min, but a collector reading every 60 s "
+                            "would put a single reading in that window; five minutes hold "
+                            "several).")
 
 
 class RemapFailureSettings(BaseModel):
@@ -286,6 +312,7 @@ class HardwareSettings(BaseModel):
     sbe: SbeRateSettings = Field(default_factory=SbeRateSettings)
     pcie: PcieReplaySettings = Field(default_factory=PcieReplaySettings)
     nvlink: NvlinkErrorSettings = Field(default_factory=NvlinkErrorSettings)
+    nvlink_crc: NvlinkCrcSettings = Field(default_factory=NvlinkCrcSettings)
     remap_failure: RemapFailureSettings = Field(default_factory=RemapFailureSettings)
     remap_pending: RemapPendingSettings = Field(default_factory=RemapPendingSettings)
     retired_pending: RetiredPagesPendingSettings = Field(
@@ -303,7 +330,7 @@ class HardwareSettings(BaseModel):
 
 
 _MEMBERS = {
-    SBE_KIND: "sbe", PCIE_KIND: "pcie", NVLINK_KIND: "nvlink",
+    SBE_KIND: "sbe", PCIE_KIND: "pcie", NVLINK_KIND: "nvlink", NVLINK_CRC_KIND: "nvlink_crc",
     REMAP_FAILURE_KIND: "remap_failure", REMAP_PENDING_KIND: "remap_pending",
     GPU_LOST_KIND: "gpu_lost", THERMAL_KIND: "thermal", xid_rule.KIND: "xid",
     RECOVERY_KIND: "recovery", RETIRED_PENDING_KIND: "retired_pending",
@@ -329,6 +356,9 @@ class CounterTrack(msgspec.Struct, omit_defaults=True):
     read_until: float | None = None
     """When a sample last carried the counter, while the samples since have not (a reading
     the exporter or NVML did not give): the next reading's increase spans the whole time."""
+    read_ts: float | None = None
+    """When a sample last carried the counter, kept at every reading instead (the CRC
+    counter's way): a sample without the counter then costs one test and no bookkeeping."""
 
 
 class ThermalTrack(msgspec.Struct, omit_defaults=True):
@@ -350,6 +380,7 @@ class HwTrack(msgspec.Struct, omit_defaults=True):
     sbe: CounterTrack = msgspec.field(default_factory=CounterTrack)
     pcie: CounterTrack = msgspec.field(default_factory=CounterTrack)
     nvlink: CounterTrack = msgspec.field(default_factory=CounterTrack)
+    nvlink_crc: CounterTrack = msgspec.field(default_factory=CounterTrack)
     remap_failure: Episode | None = None
     remap_pending: Episode | None = None
     lost: Episode | None = None
@@ -586,6 +617,15 @@ def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
         _unread(counter, last_ts)
     elif value != counter.last or counter.open is not None or counter.read_until is not None:
         _counter(counter, value, NVLINK_KIND, node, uuid, ts, settings.nvlink, out, since_last)
+    # Absent on most GPUs (no NVLink, an older collector): one test, no bookkeeping; the gap
+    # since the last reading is the counter's own.
+    value = device.nvlink_crc_errors
+    if value is not None:
+        counter = track.nvlink_crc
+        read_ts, counter.read_ts = counter.read_ts, ts
+        if value != counter.last or counter.open is not None:
+            _counter(counter, value, NVLINK_CRC_KIND, node, uuid, ts, settings.nvlink_crc, out,
+                     None if read_ts is None else ts - read_ts)
     flag = device.remap_failure
     if flag is not None and flag != (track.remap_failure is not None):
         track.remap_failure = _flag(track.remap_failure, flag, REMAP_FAILURE_KIND, node, uuid,
@@ -688,8 +728,8 @@ def clock_step(track: HwTrack, step: float) -> None:
     open episodes go on, their times moved back by the step, and close when the samples
     say so. XIDs keep their windows, moved back by the step."""
     track.last_ts = None
-    for counter in (track.sbe, track.pcie, track.nvlink):
-        counter.increments, counter.read_until = [], None
+    for counter in (track.sbe, track.pcie, track.nvlink, track.nvlink_crc):
+        counter.increments, counter.read_until, counter.read_ts = [], None, None
         if counter.open is None:
             counter.last = None
         else:

@@ -326,7 +326,8 @@ def _set_gpu(gpu: FakeGpu, device: DeviceSample) -> None:
     gpu.ecc_dbe = device.ecc_dbe_volatile or 0
     gpu.pcie_replay = device.pcie_replay or 0
     if gpu.nvlink is not None:
-        gpu.nvlink = {**gpu.nvlink, "crc_flit": device.nvlink_errors or 0}
+        gpu.nvlink = {**gpu.nvlink, "replay": device.nvlink_errors or 0,
+                      "crc_flit": device.nvlink_crc_errors or 0}
     gpu.remapped_rows = (0, 0, 0, 1 if device.remap_failure else 0)
     if device.retired_pages_pending is not None or device.retired_pages_sbe is not None:
         gpu.retired_pages = (device.retired_pages_sbe or 0, device.retired_pages_dbe or 0,

@@ -55,12 +55,16 @@ from gpusteward.errors import TemporaryError
 from gpusteward.schema import DeviceSample
 
 _NVLINK_FIELDS = (
-    pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL,
-    pynvml.NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL,
     pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL,
     pynvml.NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL,
 )
-_FIELDS = [*_NVLINK_FIELDS, pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION]
+"""Summed into ``nvlink_errors``: the link's real trouble."""
+_NVLINK_CRC_FIELDS = (
+    pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL,
+    pynvml.NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL,
+)
+"""Summed into ``nvlink_crc_errors``: routine on a healthy link, judged on their rate."""
+_FIELDS = [*_NVLINK_FIELDS, *_NVLINK_CRC_FIELDS, pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION]
 _VALUE_MEMBER = {
     pynvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
     pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
@@ -339,11 +343,12 @@ class NvmlReader:
                              "nvmlDeviceGetCurrentClocksThrottleReasons", handle)
         return None if value is None else int(value)
 
-    def _fields(self, handle: Any) -> tuple[int | None, int | None]:
-        """NVLink error total (CRC flit + CRC data + replay + recovery) and recovery action."""
+    def _fields(self, handle: Any) -> tuple[int | None, int | None, int | None]:
+        """NVLink replay + recovery errors, NVLink CRC errors (flit + data) and the recovery
+        action; None each the GPU does not report."""
         values = self._get("nvmlDeviceGetFieldValues", handle, _FIELDS)
         if values is None:
-            return None, None
+            return None, None, None
         read: dict[int, int] = {}
         for value in values:
             if value.nvmlReturn != pynvml.NVML_SUCCESS:
@@ -352,7 +357,8 @@ class NvmlReader:
             if member is not None:
                 read[value.fieldId] = int(getattr(value.value, member))
         nvlink = [read[f] for f in _NVLINK_FIELDS if f in read]
-        return (sum(nvlink) if nvlink else None,
+        crc = [read[f] for f in _NVLINK_CRC_FIELDS if f in read]
+        return (sum(nvlink) if nvlink else None, sum(crc) if crc else None,
                 read.get(pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION))
 
     def _retired_pages(self, handle: Any) -> tuple[int | None, int | None, bool | None]:
@@ -383,7 +389,7 @@ class NvmlReader:
         retired_sbe = retired_dbe = retired_pending = None
         if rows is None:
             retired_sbe, retired_dbe, retired_pending = self._retired_pages(handle)
-        nvlink, recovery = self._fields(handle)
+        nvlink, nvlink_crc, recovery = self._fields(handle)
         sample = DeviceSample(
             uuid=gpu.uuid, index=gpu.index, model=gpu.model, kind="gpu",
             util_pct=None if util is None else float(util.gpu),
@@ -405,6 +411,7 @@ class NvmlReader:
             retired_pages_pending=retired_pending,
             pcie_replay=self._get("nvmlDeviceGetPcieReplayCounter", handle),
             nvlink_errors=nvlink,
+            nvlink_crc_errors=nvlink_crc,
             recovery_action=recovery,
         )
         devices = [sample]

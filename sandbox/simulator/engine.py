@@ -204,6 +204,7 @@ class SimGpu:
     sbe: int = 0
     pcie_replay: int = 0
     nvlink_errors: int = 0
+    nvlink_crc_errors: int = 0
     hot: bool = False
     lost: bool = False
     remap_failure: bool = False
@@ -539,6 +540,8 @@ class SimulatedCluster:
                 gpu.sbe += fault.count
             elif fault.kind == "pcie_replay":
                 gpu.pcie_replay += fault.count
+            elif fault.kind == "nvlink_crc_errors":
+                gpu.nvlink_crc_errors += fault.count
             else:
                 gpu.nvlink_errors += fault.count
         if active and not any(r.kind == fault.kind and r.device == gpu.uuid
@@ -690,7 +693,8 @@ class SimulatedCluster:
                 temp_c=temp, power_w=round(60 + util * 3.3, 1),
                 sm_clock_mhz=1410 if util > 0 else 210, clock_event_reasons=reasons,
                 ecc_sbe_volatile=gpu.sbe, ecc_dbe_volatile=gpu.dbe, pcie_replay=gpu.pcie_replay,
-                nvlink_errors=gpu.nvlink_errors, remap_failure=gpu.remap_failure,
+                nvlink_errors=gpu.nvlink_errors, nvlink_crc_errors=gpu.nvlink_crc_errors,
+                remap_failure=gpu.remap_failure,
                 remap_pending=False, remapped_rows_correctable=0, remapped_rows_uncorrectable=0,
                 pod=self._attributed(holder), holders=holders,
                 attribution="process" if holders else None,

@@ -115,8 +115,8 @@ class WorkloadGroup(BaseModel):
 
 
 FaultKind = Literal[
-    "ecc_dbe", "xid", "sbe_burst", "pcie_replay", "nvlink_errors", "thermal", "gpu_lost",
-    "remap_failure", "spot_termination",
+    "ecc_dbe", "xid", "sbe_burst", "pcie_replay", "nvlink_errors", "nvlink_crc_errors",
+    "thermal", "gpu_lost", "remap_failure", "spot_termination",
 ]
 
 
@@ -125,8 +125,9 @@ class Fault(BaseModel):
 
     ``ecc_dbe``, ``gpu_lost`` and ``remap_failure`` happen once at ``at_s`` (with the urgent
     event the NVML collector would send) and last to the end; ``xid`` sends ``count`` XID
-    events ``every_s`` apart; ``sbe_burst``, ``pcie_replay`` and ``nvlink_errors`` add
-    ``count`` to the device's counter at every sample for ``for_s``; ``thermal`` holds the
+    events ``every_s`` apart; ``sbe_burst``, ``pcie_replay``, ``nvlink_errors`` (replay +
+    recovery) and ``nvlink_crc_errors`` add ``count`` to the device's counter at every sample
+    for ``for_s``; ``thermal`` holds the
     GPU above its slowdown temperature, with the thermal clock-event bits, for ``for_s``.
     """
 

@@ -8,6 +8,7 @@ read it exactly as they would read dcgm-exporter.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import threading
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 
 from gpusteward.broker import free_port
+from gpusteward.collectors import dcgm
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, QueueEvent
 
 
@@ -139,6 +141,18 @@ def prometheus_factory(tmp_path: Path) -> Iterator[Callable[..., str]]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+class AnsweringPrometheus:
+    """A PrometheusConnect stand-in answering every instant query with fixed series."""
+
+    def __init__(self, series: list[dcgm.Series]) -> None:
+        self.series = series
+
+    def custom_query(self, query: str, timeout: float | None = None) -> list[dict[str, Any]]:
+        wanted = set(re.search(r'__name__=~"([^"]+)"', query)[1].split("|"))  # type: ignore[index]
+        return [{"metric": {"__name__": s.name, **s.labels}, "value": [1.7e9, repr(s.value)]}
+                for s in self.series if s.name in wanted]
 
 
 RESEARCH = Path(__file__).resolve().parents[1] / "data" / "research"

@@ -234,7 +234,7 @@ def test_node_name_comes_from_the_page_unless_configured(exporter, recorder, mon
 
 
 STOCK_MISSING = {"clock_event_reasons", "ecc_sbe", "ecc_dbe", "row_remap_pending",
-                 "nvlink_errors"}
+                 "nvlink_errors", "nvlink_crc_errors"}
 """Field families the rules read that stock dcgm-exporter's counters leave off."""
 
 

@@ -32,7 +32,7 @@ from gpusteward.collectors.prometheus import (
 )
 from gpusteward.collectors.source import SourceError
 from gpusteward.schema import PodRef
-from tests.collectors.conftest import FakeExporter
+from tests.collectors.conftest import AnsweringPrometheus, FakeExporter
 from tests.collectors.conftest import prometheus_query as _query
 
 GPU0 = "GPU-3f2a9c4e-8b71-4d2e-9a65-1c7e0b5d2f18"
@@ -136,29 +136,17 @@ def test_query_selects_nodes_by_either_hostname_spelling() -> None:
     assert "DCGM_FI_PROF_GR_ENGINE_ACTIVE" in build_query()
 
 
-class _AnsweringPrometheus:
-    """A PrometheusConnect stand-in answering every instant query with fixed series."""
-
-    def __init__(self, series: list[dcgm.Series]) -> None:
-        self.series = series
-
-    def custom_query(self, query: str, timeout: float | None = None) -> list[dict[str, Any]]:
-        wanted = set(re.search(r'__name__=~"([^"]+)"', query)[1].split("|"))  # type: ignore[index]
-        return [{"metric": {"__name__": s.name, **s.labels}, "value": [1.7e9, repr(s.value)]}
-                for s in self.series if s.name in wanted]
-
-
 def test_stock_exporters_behind_prometheus_are_reported_missing_families(
         dcgm_page: str, caplog: pytest.LogCaptureFixture) -> None:
     metrics = CollectorMetrics()
-    client = _AnsweringPrometheus(dcgm.parse_page(dcgm_page))
+    client = AnsweringPrometheus(dcgm.parse_page(dcgm_page))
     source = PrometheusSource("http://prometheus.invalid", client=client,
                               metrics=metrics)
     with caplog.at_level("WARNING", logger="gpusteward.collectors.dcgm"):
         asyncio.run(source.collect())
         asyncio.run(source.collect())
     missing = {"clock_event_reasons", "ecc_sbe", "ecc_dbe", "row_remap_pending",
-               "nvlink_errors"}
+               "nvlink_errors", "nvlink_crc_errors"}
     assert source.coverage.missing == missing
     assert len(caplog.records) == len(missing)
     assert all(r.getMessage().startswith("prometheus: no ") for r in caplog.records)
@@ -193,7 +181,7 @@ def test_plain_pod_labels_never_credit_an_idle_gpu_to_the_exporter_pod(dcgm_page
     assert idle.labels["pod"] == EXPORTER_POD["pod"], "the target's pod, on an unheld GPU"
 
     source = PrometheusSource("http://prometheus.invalid", pod_labels="plain",
-                              client=_AnsweringPrometheus(series))
+                              client=AnsweringPrometheus(series))
     (sample,), _ = asyncio.run(source.collect())
     pods = {d.uuid: d.pod for d in sample.devices}
     assert pods == {GPU0: TRAINER, GPU1: None, f"MIG-{GPU1}/1": VLLM, f"MIG-{GPU1}/2": None}
@@ -203,7 +191,7 @@ def test_a_mig_enabled_gpu_behind_prometheus_gets_its_parent(dcgm_page: str) -> 
     hot = re.sub(r'^(DCGM_FI_DEV_GPU_TEMP{gpu="1"[^}]*}) \S+$', r"\g<1> 95", dcgm_page,
                  flags=re.MULTILINE)
     source = PrometheusSource("http://prometheus.invalid",
-                              client=_AnsweringPrometheus(dcgm.parse_page(hot)))
+                              client=AnsweringPrometheus(dcgm.parse_page(hot)))
     (sample,), _ = asyncio.run(source.collect())
     devices = {d.uuid: d for d in sample.devices}
     assert (devices[GPU1].kind, devices[GPU1].temp_c) == ("gpu", 95.0)
@@ -272,7 +260,8 @@ def test_an_exporter_scraped_by_two_jobs_is_counted_once(
 
     (sample,), _ = asyncio.run(PrometheusSource(url).collect())
     devices = {d.uuid: d for d in sample.devices}
-    assert devices[GPU0].nvlink_errors == 7, "7 errors, not 14: a doubled counter is a burst"
+    assert devices[GPU0].nvlink_crc_errors == 7, "7 errors, not 14: a doubled counter is a burst"
+    assert devices[GPU0].nvlink_errors is None, "CRC errors are not replays"
     assert [d.pod for d in sample.devices] == [TRAINER, None, VLLM, None]
 
 

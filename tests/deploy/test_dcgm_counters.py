@@ -67,7 +67,7 @@ def test_it_extends_the_stock_set_and_adds_what_the_stock_set_lacks(shared_data:
     assert stock <= ours, "dropping a stock counter would break dashboards built on it"
     added = {f.name for f in dcgm.FIELD_FAMILIES if stock.isdisjoint(f.metrics)}
     assert added == {"clock_event_reasons", "ecc_sbe", "ecc_dbe", "row_remap_pending",
-                     "nvlink_errors"}
+                     "nvlink_errors", "nvlink_crc_errors"}
 
 
 def test_the_component_renders_the_configmap_the_gpu_operator_values_name(render) -> None:

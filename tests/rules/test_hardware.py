@@ -99,6 +99,41 @@ def test_pcie_and_nvlink_bursts() -> None:
     assert len(firing(out)) == 2
 
 
+def test_nvlink_crc_errors_are_judged_on_their_own_rate() -> None:
+    """CRC errors are routine on a healthy link: a jump of 412 between two readings and a
+    trickle of 2 a minute raise nothing; 200 a second (DCGM fails a link at 100) opens one
+    nvlink_crc_errors episode, which quiet closes. Replays stay nvlink_errors'."""
+    healthy = [(T0, dev(nvlink_crc_errors=0)), (T0 + 15, dev(nvlink_crc_errors=412))]
+    healthy += [(T0 + 15 + 30 * i, dev(nvlink_crc_errors=412 + i)) for i in range(1, 241)]
+    track = hardware.HwTrack()
+    assert feed(track, healthy) == []
+    start = T0 + 15 + 30 * 241
+    storm = [(start + 15 * i, dev(nvlink_crc_errors=652 + 3000 * i)) for i in range(12)]
+    (finding,) = firing(feed(track, storm))
+    assert finding.kind == "nvlink_crc_errors" and finding.ts == start + 150
+    # The trickle's last few count too: they are in the window.
+    assert "30003 in 270 s (threshold 30000 per 300 s)" in finding.summary
+    quiet = [(start + 180 + 60 * i, dev(nvlink_crc_errors=652 + 3000 * 11)) for i in range(6)]
+    (closing,) = resolved(feed(track, quiet))
+    assert closing.id == finding.id and closing.kind == "nvlink_crc_errors"
+
+
+def test_an_nvlink_crc_reading_after_samples_without_it_spans_the_whole_gap() -> None:
+    """An exporter that leaves the CRC counter out for an hour: the 100,000 counted meanwhile
+    are 28 a second, not 6,667 in the 15 s since the sample before."""
+    readings = [(T0, dev(nvlink_crc_errors=0))]
+    readings += [(T0 + 15 * i, dev()) for i in range(1, 240)]
+    readings += [(T0 + 3600, dev(nvlink_crc_errors=100_000))]
+    assert feed(hardware.HwTrack(), readings) == []
+
+
+def test_an_older_collectors_nvlink_sum_is_judged_as_before() -> None:
+    """A collector from before the split sends CRC + replay + recovery in nvlink_errors and
+    no nvlink_crc_errors: 412 in 15 s fires nvlink_errors, as it always did."""
+    out = feed(hardware.HwTrack(), [(T0, dev(nvlink_errors=0)), (T0 + 15, dev(nvlink_errors=412))])
+    assert [f.kind for f in firing(out)] == ["nvlink_errors"]
+
+
 def test_remap_failure_cordons_once_and_clears_on_reset() -> None:
     track = hardware.HwTrack()
     out = feed(track, [(T0 + i * 30, dev(remap_failure=True)) for i in range(10)])

@@ -91,13 +91,14 @@ def test_a_windowed_rule_fires_when_its_window_is_covered(name: str, step: float
 @pytest.mark.parametrize(("name", "kind", "counter", "per_reading"), [
     ("pcie", "pcie_replay", "pcie_replay", 30),  # 100 per 5 min
     ("nvlink", "nvlink_errors", "nvlink_errors", 4),  # 10 per 5 min
+    ("nvlink crc", "nvlink_crc_errors", "nvlink_crc_errors", 7500),  # 30000 per 5 min
 ])
 def test_a_counter_burst_fires_at_any_rate(name: str, kind: str, counter: str,
                                            per_reading: int, step: float) -> None:
     """A burst that crosses the threshold within the window is found however the readings
     are spaced: by the first reading whose increase since the burst began reaches it."""
     found = first_firing(lambda s: dev(**{counter: int(s / step) * per_reading}), step, 900)
-    threshold = {"pcie_replay": 100, "nvlink_errors": 10}[kind]
+    threshold = {"pcie_replay": 100, "nvlink_errors": 10, "nvlink_crc_errors": 30000}[kind]
     assert found.get(kind) == -(-threshold // per_reading) * step
 
 

@@ -56,6 +56,7 @@ def _expected(device: DeviceSample) -> dict[str, object]:
         "clock_event_reasons": device.clock_event_reasons,
         "ecc_sbe_volatile": device.ecc_sbe_volatile, "ecc_dbe_volatile": device.ecc_dbe_volatile,
         "pcie_replay": device.pcie_replay, "nvlink_errors": device.nvlink_errors,
+        "nvlink_crc_errors": device.nvlink_crc_errors,
         "remap_failure": device.remap_failure, "remap_pending": device.remap_pending,
         "retired_pages_sbe": device.retired_pages_sbe,
         "retired_pages_dbe": device.retired_pages_dbe,
@@ -76,8 +77,9 @@ def _pods(device: DeviceSample) -> list[tuple[str, str]]:
 
 
 DEVICE_WIDE = ("temp_c", "power_w", "sm_clock_mhz", "clock_event_reasons", "ecc_sbe_volatile",
-               "ecc_dbe_volatile", "pcie_replay", "nvlink_errors", "remap_failure",
-               "remap_pending", "retired_pages_sbe", "retired_pages_dbe", "retired_pages_pending")
+               "ecc_dbe_volatile", "pcie_replay", "nvlink_errors", "nvlink_crc_errors",
+               "remap_failure", "remap_pending", "retired_pages_sbe", "retired_pages_dbe",
+               "retired_pages_pending")
 
 
 def _expected_devices(devices: list[DeviceSample]) -> list[dict[str, object]]:

@@ -92,7 +92,8 @@ def test_mixed_node_reads_every_field_in_schema_units(fake_nvml, publisher):
     assert (whole.remapped_rows_correctable, whole.remapped_rows_uncorrectable) == (2, 0)
     assert (whole.remap_pending, whole.remap_failure) == (False, False)
     assert whole.pcie_replay == 1
-    assert whole.nvlink_errors == 7  # CRC flit + CRC data + replay + recovery totals
+    assert whole.nvlink_errors == 2  # replay + recovery totals
+    assert whole.nvlink_crc_errors == 5  # CRC flit + CRC data totals
     assert whole.recovery_action == 0
     assert whole.pod is None  # no PodResources client: nothing attributed
     assert parent.util_pct is None and parent.temp_c == 39.0

@@ -10,7 +10,16 @@ import pytest
 
 from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import GIB, GroundTruth, SimulatedCluster
-from gpusteward.schema import AllocationEvent, HwEvent, NodeInventory, NodeSample, QueueEvent
+from gpusteward.schema import (
+    AllocationEvent,
+    Finding,
+    HwEvent,
+    NodeInventory,
+    NodeSample,
+    QueueEvent,
+)
+from gpusteward.streams.node import NodeJoin, NodeState, RuleSettings
+from gpusteward.streams.policy_file import load_policy
 
 
 class Recorder:
@@ -136,3 +145,32 @@ def test_shared_gpus_tell_their_story() -> None:
     steady = [h.mem_used_bytes or 0 for s in samples if s.node == "mps-1" for d in s.devices
               for h in d.holders if h.pod is not None and h.pod.name == "serve-steady-cai"]
     assert len(set(steady)) > 1 and max(steady) - min(steady) <= GIB
+
+
+def test_simulated_nvlink_crc_errors_reach_the_node_join_apart_from_replays() -> None:
+    """The simulator's CRC counter: a jump at link training and a trickle of 2 a minute
+    (routine) raise nothing under the shipped policy; 200 a second (DCGM fails a link at
+    100) fires nvlink_crc_errors; replays still fire nvlink_errors."""
+    faults = [scenarios.Fault(kind="nvlink_crc_errors", node="a100-1", at_s=300, count=412,
+                              for_s=30),
+              scenarios.Fault(kind="nvlink_crc_errors", node="a100-1", at_s=600, count=1,
+                              for_s=7200),
+              scenarios.Fault(kind="nvlink_crc_errors", node="a100-2", at_s=600, count=6000,
+                              for_s=300),
+              scenarios.Fault(kind="nvlink_errors", node="a100-3", at_s=600, count=4,
+                              for_s=120)]
+    spec = scenarios.load("eight-a100").model_copy(update={"acceleration": 0.0,
+                                                           "faults": faults})
+    recorder = Recorder()
+    asyncio.run(SimulatedCluster(spec).run(recorder))
+    policy = load_policy(Path(__file__).resolve().parents[3] / "deploy" / "base" / "policy.yaml")
+    join, states = NodeJoin(RuleSettings(policy=policy)), dict[str, NodeState]()
+    fired: set[tuple[str, str]] = set()
+    for topic, record in recorder.records:
+        if topic == "samples":
+            sample = msgspec.json.decode(record, type=NodeSample)
+            state = states.setdefault(sample.node, NodeState())
+            fired |= {(o.kind, sample.node) for o in join.on_sample(state, sample)
+                      if isinstance(o, Finding) and o.kind.startswith("nvlink")
+                      and o.state == "firing"}
+    assert fired == {("nvlink_crc_errors", "a100-2"), ("nvlink_errors", "a100-3")}
