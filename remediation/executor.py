@@ -663,11 +663,6 @@ class Executor:
         error: str | None = None
         attempt = 1
         decided = self.verdict(action, now)
-        if decided is None and self._audit is not None:
-            # About to act: first what the other executors decided up to now (a key they
-            # carried out, a node they disrupted, a notice they delivered, a trip).
-            await self._catch_up(self._audit)
-            decided = self.verdict(action, now)
         if decided is not None:
             outcome, detail = decided
         else:
@@ -867,6 +862,10 @@ class Executor:
         source = topic or topics.ACTIONS.name(self.settings)
         try:
             action = self._decode(raw, key)
+            if self._audit is not None and self.verdict(action) is None:
+                # About to act: first what the other executors decided up to now (a key
+                # they carried out, a node they disrupted, a notice they delivered, a trip).
+                await self._catch_up(self._audit)
             was_open = self.breaker.open
             last = self.decided.get(action.idempotency_key)
             done = action.idempotency_key in self.executed_keys
