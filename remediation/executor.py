@@ -842,8 +842,16 @@ class Executor:
         """Fold the audit topic up to its end as it is now, within ``CATCH_UP_S``.
 
         An end the embedded broker reports short (the first record of the last batch)
-        is passed by fetching that batch, which brings the whole of it."""
-        ends = await audit.end_offsets(list(audit.assignment()))
+        is passed by fetching that batch, which brings the whole of it. A broker that does
+        not answer costs a warning, not the action: it is decided on what was read."""
+        try:
+            ends = await audit.end_offsets(list(audit.assignment()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            log.warning("cannot read the audit topic's end (%s); deciding on what was read",
+                        _error_text(error))
+            return
         deadline = time.monotonic() + CATCH_UP_S
         while True:
             behind = [tp for tp, end in ends.items() if await audit.position(tp) < end]
