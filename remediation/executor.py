@@ -65,7 +65,13 @@ breaker's state. Breaker transitions are audit
 records of their own (idempotency key ``breaker/trip/...`` or
 ``breaker/reset/...``, verb ``cordon``), so downstream readers of the topic
 see them as ordinary results. While running, the executor follows the audit
-topic for resets written by the CLI.
+topic and folds every record into the same state: the CLI's resets, and the
+decisions and trips of any other executor running at once (a pod on a lost node
+still running beside its replacement, a scale to 2), so the limits, the notice
+lead and the idempotency keys are fleet-wide, whatever the number of executors.
+Before it carries an action out it reads the topic to its end; what stays open is
+an action another executor is carrying out at that instant (at most one per other
+executor: each acts on one action at a time), see docs/alerting-remediation.md.
 
 Malformed action records (refused at :mod:`gpusteward.edge`) and any action
 whose handling raises go to the dead-letter topic with the reason.
@@ -125,6 +131,9 @@ NOTICE_KEY = "/notify_owner"
 """What follows the finding id in the idempotency key of an owner notice (``action_for``)."""
 RECLAIM_KEY = "/requeue"
 """What follows the finding id in the idempotency key of a reclaim (``action_for``)."""
+CATCH_UP_S = 5.0
+"""Longest wait, seconds, to read the audit topic to its end before carrying an action out
+(:meth:`Executor._catch_up`): a few fetches on a healthy broker."""
 
 
 def _may_have_acted(outcome: Outcome, attempt: int) -> bool:
@@ -481,6 +490,8 @@ class Executor:
         self._audit_topic = topics.ACTION_RESULTS.name(settings)
         self._pending_findings: list[Finding] = []
         self._fleet_cache: tuple[float, int | None] | None = None
+        self._audit: Any = None
+        """The reader following the audit topic while :meth:`run` runs."""
         self.metrics = PipelineMetrics()
 
     # -- state from the audit topic -------------------------------------------------------
@@ -500,7 +511,8 @@ class Executor:
         """Fold one audit record (ours or another executor's) into the executor's state."""
         key = result.idempotency_key
         if key.startswith(BREAKER_TRIP_PREFIX):
-            self.breaker.trip(result.ts, result.detail)
+            if not self.breaker.open:  # open since the first trip, whoever tripped it
+                self.breaker.trip(result.ts, result.detail)
         elif key.startswith(BREAKER_RESET_PREFIX):
             self.breaker.reset()
         else:
@@ -750,10 +762,12 @@ class Executor:
     # -- running ---------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
+        # The follower's place is taken before the history is read, so no record written
+        # meanwhile is missed (those read twice fold to the same state).
+        audit = self._audit = await self._follow_audit()
         await self.load_history()
         consumer = kafka.consumer(self.settings, topics.ACTIONS.name(self.settings),
                                   group_id=self.group_id)
-        audit = await self._follow_audit()
         producer = kafka.producer(self.settings)
         port = self.settings.metrics.port
         server = serve(self.metrics.registry, port, self.settings.metrics.addr) if port else None
@@ -765,7 +779,7 @@ class Executor:
             async with lag_followed(self.metrics, self.settings, self.group_id,
                                     [topics.ACTIONS.name(self.settings)]):
                 while not stop.is_set():
-                    await self._read_resets(audit)
+                    await self._read_audit(audit)
                     batch = await consumer.getmany(timeout_ms=200)
                     for tp, messages in batch.items():
                         for message in messages:
@@ -786,11 +800,13 @@ class Executor:
             if server is not None:
                 server.stop()
             await consumer.stop()
+            self._audit = None
             await audit.stop()
             await producer.stop()
 
     async def _follow_audit(self) -> Any:
-        """A reader positioned at the audit topic's end, to see resets written elsewhere."""
+        """A reader positioned at the audit topic's end now, to follow what is written
+        from here on: other executors' decisions and breaker trips, the CLI's resets."""
         from aiokafka import TopicPartition
 
         reader = kafka.consumer(self.settings, group_id=None)
@@ -802,19 +818,51 @@ class Executor:
         assigned = [TopicPartition(self._audit_topic, p) for p in sorted(partitions)]
         reader.assign(assigned)
         await reader.seek_to_end(*assigned)
+        for partition in assigned:
+            await reader.position(partition)  # the end now, not when first fetched
         return reader
 
-    async def _read_resets(self, audit: Any) -> None:
-        batch = await audit.getmany(timeout_ms=0)
+    async def _read_audit(self, audit: Any, timeout_ms: int = 0) -> None:
+        """Fold the audit records read since the last call, every executor's (ours again
+        too: folding is idempotent, and the topic's one partition keeps their order)."""
+        batch = await audit.getmany(timeout_ms=timeout_ms)
         for messages in batch.values():
             for message in messages:
                 try:
                     result = self._decode_result(message.value, message.key)
                 except edge.Rejected:
                     continue  # counted where the history is read
-                if result.idempotency_key.startswith(BREAKER_RESET_PREFIX) and self.breaker.open:
-                    log.warning("circuit breaker reset: %s", result.detail)
-                    self.breaker.reset()
+                was_open = self.breaker.open
+                self.apply_audit(result)
+                if was_open != self.breaker.open:
+                    log.warning("circuit breaker %s: %s",
+                                "open" if self.breaker.open else "reset", result.detail)
+
+    async def _catch_up(self, audit: Any) -> None:
+        """Fold the audit topic up to its end as it is now, within ``CATCH_UP_S``.
+
+        An end the embedded broker reports short (the first record of the last batch)
+        is passed by fetching that batch, which brings the whole of it. A broker that does
+        not answer costs a warning, not the action: it is decided on what was read."""
+        try:
+            ends = await audit.end_offsets(list(audit.assignment()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            log.warning("cannot read the audit topic's end (%s); deciding on what was read",
+                        _error_text(error))
+            return
+        deadline = time.monotonic() + CATCH_UP_S
+        while True:
+            behind = [tp for tp, end in ends.items() if await audit.position(tp) < end]
+            if not behind:
+                break
+            if time.monotonic() > deadline:
+                log.warning("the audit topic was not read to its end within %g s; deciding "
+                            "on what was read", CATCH_UP_S)
+                break
+            await self._read_audit(audit, timeout_ms=100)
+        await self._read_audit(audit)
 
     async def _handle(self, producer: kafka.Sender, raw: bytes | None, *,
                       key: bytes | None = None, partition: int = -1, offset: int = -1,
@@ -822,6 +870,10 @@ class Executor:
         source = topic or topics.ACTIONS.name(self.settings)
         try:
             action = self._decode(raw, key)
+            if self._audit is not None and self.verdict(action) is None:
+                # About to act: first what the other executors decided up to now (a key
+                # they carried out, a node they disrupted, a notice they delivered, a trip).
+                await self._catch_up(self._audit)
             was_open = self.breaker.open
             last = self.decided.get(action.idempotency_key)
             done = action.idempotency_key in self.executed_keys
