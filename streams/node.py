@@ -858,9 +858,10 @@ class NodeJoin:
         dev = state.devices.get(uuid)
         if dev is None:
             dev = state.devices[uuid] = DeviceState()
+        holder = self._event_holder(state, dev, uuid, event.ts)
         out: list[Output] = []
         for runner, hook, settings in hooks:
-            out += hook(track_of(dev, runner), event, uuid, settings)
+            out += hook(track_of(dev, runner), event, uuid, settings, holder)
         dev.out_of_service = None
         if out and state.mig_reconfig_since is not None:
             out = self._reconfig(state, out, None)
@@ -1013,6 +1014,23 @@ class NodeJoin:
                 owner_name=holding.owner_name, workload_kind=holding.workload_kind,
                 queue=holding.queue, team_labels=self.settings.team_labels)
         return holding.who
+
+    def _event_holder(self, state: NodeState, dev: DeviceState, uuid: str, ts: float
+                      ) -> idle.Holder | None:
+        """Who held the device at a hardware event's time (an event names no pod): the
+        allocation holding it by device id, else the pod the collector last attributed it to
+        (by its allocation where one matches). Unlike a sample's holder, a pod the collector
+        saw leave the device still holds it: a crash-looping pod's container is gone between
+        its XID and its restart, and its allocation is not. Built per event, not kept:
+        events are rare and samples must not pay for them."""
+        holders = _Holders(state.pods, ts, self.settings.rollup_lateness_s)
+        holding = holders.by_device.get(uuid)
+        attributed = dev.attributed
+        if holding is None and attributed is not None:
+            holding = holders.find(attributed)
+            if holding is None:
+                return idle.Holder(attributed, dev.attributed_since or ts)
+        return _idle_holder(holding) if holding is not None else None
 
     @staticmethod
     def _holding(dev: DeviceState, device: DeviceSample, holders: _Holders,
