@@ -1018,16 +1018,22 @@ class NodeJoin:
     def _event_holder(self, state: NodeState, dev: DeviceState, uuid: str, ts: float
                       ) -> idle.Holder | None:
         """Who held the device at a hardware event's time (an event names no pod): the
-        allocation holding it by device id, else the pod the collector last attributed it to
-        (by its allocation where one matches). Unlike a sample's holder, a pod the collector
-        saw leave the device still holds it: a crash-looping pod's container is gone between
-        its XID and its restart, and its allocation is not. Built per event, not kept:
-        events are rare and samples must not pay for them."""
-        holders = _Holders(state.pods, ts, self.settings.rollup_lateness_s)
-        holding = holders.by_device.get(uuid)
+        allocation holding it by device id then (started by ``ts``, not ended; the latest
+        started), else the pod the collector last attributed it to (by its allocation where
+        one matches). Event time decides, as the events may be read after the allocations
+        of a later pod on the device. Unlike a sample's holder, a pod the collector saw leave
+        the device still holds it: a crash-looping pod's container is gone between its XID
+        and its restart, and its allocation is not. Looked up per event, never kept: events
+        are rare and samples must not pay for them."""
+        holding: Holding | None = None
+        for held in state.pods.values():
+            if (uuid in held.devices and held.started_at <= ts
+                    and (held.ended_at is None or ts < held.ended_at)
+                    and (holding is None or held.started_at >= holding.started_at)):
+                holding = held
         attributed = dev.attributed
         if holding is None and attributed is not None:
-            holding = holders.find(attributed)
+            holding = _Holders(state.pods, ts, self.settings.rollup_lateness_s).find(attributed)
             if holding is None:
                 return idle.Holder(attributed, dev.attributed_since or ts)
         return _idle_holder(holding) if holding is not None else None

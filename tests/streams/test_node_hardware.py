@@ -421,23 +421,33 @@ def test_a_finding_resolved_before_the_deletion_is_not_resolved_again() -> None:
         (f.kind, f.id) for f in fired if f.kind == "ecc_dbe"]
 
 
-def _job(name: str, ts: float, phase: str = "running", devices: bool = True) -> PodAllocation:
+def _job(name: str, ts: float, phase: str = "running", devices: bool = True,
+         started_at: float | None = None) -> PodAllocation:
     """A pod of the Job ``name`` on GPU-1 (by device id, or as the watcher without them)."""
     return PodAllocation(ts=ts, node="n1", pod=PodRef(namespace="ml-a", name=f"{name}-x1",
                                                       uid=f"uid-{name}"),
                          phase=phase, gpus=1,  # type: ignore[arg-type]
-                         device_ids=["GPU-1"] if devices else [], started_at=ts,
+                         device_ids=["GPU-1"] if devices else [],
+                         started_at=ts if started_at is None else started_at,
                          owner_kind="Job", owner_name=name, workload_kind="batch")
 
 
-def test_app_xids_are_told_apart_by_the_pod_the_allocations_say_held_the_gpu() -> None:
+@pytest.mark.parametrize("allocations_first", [False, True])
+def test_app_xids_are_told_apart_by_the_pod_the_allocations_say_held_the_gpu(
+        allocations_first: bool) -> None:
     """A crash-looping pod's Xid 13s (the events name no pod; its allocation holds GPU-1)
     are that workload's error: an info finding naming it, the node still healthy. Once
     another workload's pod hits an application XID on the same GPU, the episode is the
-    hardware-suspect warning."""
+    hardware-suspect warning. Event time decides who held the GPU, also when the worker
+    reads the later pod's allocation before the earlier pod's XIDs."""
     join, state = NodeJoin(policy=POLICY), NodeState()
     join.on_allocation(state, _job("train", T0))
     join.on_sample(state, sample(T0 + 10))
+    # The Job ends; another workload's pod gets the GPU.
+    later = [_job("train", T0 + 3000, phase="finished", started_at=T0), _job("eval", T0 + 3100)]
+    if allocations_first:
+        for event in later:
+            join.on_allocation(state, event)
     out = []
     for i in range(5):
         out += join.on_hw_event(state, hw(T0 + 60 + i * 300, "xid", xid=13))
@@ -446,9 +456,10 @@ def test_app_xids_are_told_apart_by_the_pod_the_allocations_say_held_the_gpu() -
     assert (info.subject.pod.name, info.labels["workload"]) == ("train-x1", "ml-a/Job/train")
     assert [o for o in out if isinstance(o, Action)] == []
     assert all(s.healthy for s in out if isinstance(s, NodeSummary))
-    # The Job ends; another workload's pod gets the GPU and hits Xid 31 there.
-    join.on_allocation(state, _job("train", T0 + 3000, phase="finished"))
-    join.on_allocation(state, _job("eval", T0 + 3100))
+    if not allocations_first:
+        for event in later:
+            join.on_allocation(state, event)
+    # The new pod hits Xid 31 on the same GPU.
     out = join.on_hw_event(state, hw(T0 + 3200, "xid", xid=31))
     (warning,) = findings(out)
     assert (warning.severity, warning.id) == ("warning", info.id)
