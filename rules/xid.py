@@ -213,6 +213,13 @@ class XidSettings(BaseModel):
         cls: ActionClass = info.action_class if info else self.unknown_class
         return self.reclassify.get(xid, cls), bool(info and info.fatal)
 
+    def judges_by_holder(self, xid: int) -> bool:
+        """True for an XID whose judgement depends on who held the GPU: one of the
+        application class, enabled (:data:`APP_CLASS`)."""
+        cls, fatal = self.classify(xid)
+        policy = self.classes.get(cls)
+        return cls == APP_CLASS and not fatal and policy is not None and policy.enabled
+
     def hands_off(self, xid: int) -> bool:
         """True for an XID this rule leaves to the rule :data:`HANDED_OFF` names: one this
         rule would act on as the catalog classes it (not reclassified, its class enabled).

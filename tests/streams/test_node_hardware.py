@@ -479,3 +479,23 @@ def test_app_xids_find_their_pod_through_the_collectors_attribution() -> None:
         out += join.on_hw_event(state, hw(T0 + 60 + i * 300, "xid", xid=13))
     (info,) = findings(out)
     assert (info.severity, info.labels["workload"]) == ("info", "ml-a/Job/train")
+
+
+def test_app_xids_read_ahead_of_the_nodes_samples_wait_for_them_to_name_the_holder() -> None:
+    """The hardware events have an agent of their own: a worker catching up reads a
+    crash-looping pod's XIDs before its node's allocations and samples. They wait (through
+    the changelog) for the samples to reach their time, then are judged with the holder
+    known: the workload's info finding, not a warning for a holder not known."""
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    out = []
+    for i in range(5):
+        out += join.on_hw_event(state, hw(T0 + 60 + i * 300, "xid", xid=13))
+    assert out == [] and len(state.waiting_xids) == 5
+    state = msgspec.msgpack.Decoder(NodeState).decode(msgspec.msgpack.encode(state))
+    join.on_allocation(state, _job("train", T0))
+    for i in range(60):
+        out += join.on_sample(state, sample(T0 + i * 30))
+    (info,) = findings(out)
+    assert (info.severity, info.labels["workload"]) == ("info", "ml-a/Job/train")
+    assert info.evidence is not None and info.evidence.values["count"] == 5
+    assert not state.waiting_xids
