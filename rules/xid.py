@@ -9,7 +9,7 @@ class's repeat threshold is reached:
 ==================  ==========================================  ==============
 class               action                                      default
 ==================  ==========================================  ==============
-restart_app         finding only (the workload restarts itself)  5 in 24 h
+restart_app         finding only: warning across workloads       5 in 24 h
 reset_gpu           taint ``gpusteward.io/gpu-reset-required``   1
 reboot_node         drain the node                               1
 drain_and_rma       cordon, critical, RMA runbook                1
@@ -187,8 +187,9 @@ class XidSettings(BaseModel):
     classes: dict[ActionClass, XidClassPolicy] = Field(
         default_factory=_default_classes,
         description="Repeat threshold per action class. Defaults: act on the first fatal XID "
-        "(reset_gpu, reboot_node, drain_and_rma, follow_workflow); application-class XIDs only "
-        "when 5 hit one GPU within 24 h (one is a program bug, five suggest the GPU); 'none' and "
+        "(reset_gpu, reboot_node, drain_and_rma, follow_workflow); application-class XIDs when 5 "
+        "hit one GPU within 24 h (one is a program bug; five from two workloads suggest the "
+        "GPU, a warning; five from one are its own error, an info finding); 'none' and "
         "'follow_other_xid' (45, 154: they accompany another XID) are ignored.",
     )
     reclassify: dict[int, ActionClass] = Field(
