@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules import xid as xid_rule
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
+from gpusteward.rules.idle import Holder
 from gpusteward.rules.registry import DeviceRunner
 from gpusteward.schema import Action, DeviceSample, Evidence, Finding, HwEvent, Subject
 
@@ -173,16 +174,16 @@ def _quiet(track: EccTrack, node: str, uuid: str, ts: float,
     return [closing]
 
 
-def observe_dbe_event(track: EccTrack, event: HwEvent, uuid: str,
-                      settings: EccRun) -> list[Finding | Action]:
+def observe_dbe_event(track: EccTrack, event: HwEvent, uuid: str, settings: EccRun,
+                      holder: Holder | None = None) -> list[Finding | Action]:
     """The urgent ``ecc_dbe`` event: one DBE unless it says how many."""
     return observe(track, node=event.node, uuid=uuid,
                    dbe_count=event.count if event.count is not None else 1, ts=event.ts,
                    settings=settings.ecc, from_sample=False)
 
 
-def observe_xid_event(track: EccTrack, event: HwEvent, uuid: str,
-                      settings: EccRun) -> list[Finding | Action]:
+def observe_xid_event(track: EccTrack, event: HwEvent, uuid: str, settings: EccRun,
+                      holder: Holder | None = None) -> list[Finding | Action]:
     """Xid 48, which the XID rule leaves to this rule: one DBE, at once."""
     if event.xid != xid_rule.XID_DBE or not settings.takes_xid:
         return []

@@ -62,6 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules import xid as xid_rule
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
+from gpusteward.rules.idle import Holder
 from gpusteward.rules.registry import DeviceRunner
 from gpusteward.schema import Action, ActionVerb, DeviceSample, Evidence, Finding, HwEvent, Subject
 
@@ -697,11 +698,12 @@ def observe_remap_failure_event(track: HwTrack, *, node: str, uuid: str, ts: flo
     return out
 
 
-def _on_xid(track: HwTrack, event: HwEvent, uuid: str, settings: HardwareSettings) -> Out:
+def _on_xid(track: HwTrack, event: HwEvent, uuid: str, settings: HardwareSettings,
+            holder: Holder | None = None) -> Out:
     if event.xid is None:
         return []
     out = xid_rule.observe_event(track.xid, node=event.node, uuid=uuid, xid=event.xid,
-                                 ts=event.ts, settings=settings.xid)
+                                 ts=event.ts, settings=settings.xid, holder=holder)
     if event.xid == xid_rule.XID_OFF_THE_BUS and settings.xid.hands_off(event.xid):
         # The same fault as NVML's GPU-unavailable event, whichever arrives first: one
         # gpu_lost episode, one drain (a source that sends only XIDs still drains).
@@ -711,13 +713,14 @@ def _on_xid(track: HwTrack, event: HwEvent, uuid: str, settings: HardwareSetting
     return out
 
 
-def _on_lost(track: HwTrack, event: HwEvent, uuid: str, settings: HardwareSettings) -> Out:
+def _on_lost(track: HwTrack, event: HwEvent, uuid: str, settings: HardwareSettings,
+             holder: Holder | None = None) -> Out:
     return observe_lost(track, node=event.node, uuid=uuid, ts=event.ts, detail=event.detail,
                         settings=settings)
 
 
 def _on_remap_failure(track: HwTrack, event: HwEvent, uuid: str,
-                      settings: HardwareSettings) -> Out:
+                      settings: HardwareSettings, holder: Holder | None = None) -> Out:
     return observe_remap_failure_event(track, node=event.node, uuid=uuid, ts=event.ts,
                                        settings=settings)
 

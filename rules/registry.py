@@ -57,8 +57,10 @@ Out = list[Finding | Action]
 SampleHook = Callable[[Any, str, DeviceSample, float, Any, Any], Out]
 """``(track, node, device sample, ts, settings, holder or None) -> outputs``, called
 positionally, so a rule's own observe function can be the hook with no wrapper."""
-EventHook = Callable[[Any, HwEvent, str, Any], Out]
-"""``(track, event, device uuid, settings) -> outputs``."""
+EventHook = Callable[[Any, HwEvent, str, Any, Any], Out]
+"""``(track, event, device uuid, settings, holder or None) -> outputs``: the holder is the
+pod that held the device at the event's time, as the node join knows it (an event names
+no pod)."""
 ReleaseHook = Callable[[Any, str, str, float], Out]
 """``(track, node, device uuid, ts) -> outputs``: the device's holder let it go."""
 ClockStepHook = Callable[[Any, float], None]

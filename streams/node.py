@@ -47,6 +47,7 @@ import msgspec
 from gpusteward.edge import Rejected
 from gpusteward.rules import budget, ecc, hardware, idle, memory, memory_leak, rollup
 from gpusteward.rules import policy as policies
+from gpusteward.rules import xid as xid_rule
 from gpusteward.rules.findings import resolved
 from gpusteward.rules.mig import reconfig
 from gpusteward.rules.registry import DeviceRunner, SampleHook, state_in
@@ -248,7 +249,15 @@ class NodeState(msgspec.Struct):
     """The findings open on the node, by id, as its rules emitted them (a firing one adds,
     its resolution takes it out; :meth:`NodeJoin._note`): what the node's deletion resolves.
     Empty in a state written before it was kept: the findings open then are not known."""
+    waiting_xids: list[HwEvent] = []
+    """Application-class XIDs read before the node's samples reached their time, with no
+    allocation holding their GPU then (:meth:`NodeJoin._waits`): judged at the first sample
+    at or past their time, when the node's inputs say who held the GPU. At most
+    :data:`MAX_WAITING_XIDS`."""
 
+
+MAX_WAITING_XIDS = 64
+"""Most XIDs a node keeps waiting for its samples; more are judged at once."""
 
 Output = Finding | Action | NodeSummary | Rollup
 
@@ -618,6 +627,8 @@ class NodeJoin:
         due = state.asks_due
         if due is not None and ts >= due:  # at most once per reask_s per node
             out += self._reask(state, ts)
+        if state.waiting_xids:  # almost never: XIDs read ahead of their node's samples
+            out += self._judge_waiting(state, ts)
         out += fold.advance(minutes, node, ts)
         return out + self._maybe_summary(state, sample.node, sample.ts)
 
@@ -771,6 +782,9 @@ class NodeJoin:
         state.clock_steps += 1  # the fleet agent takes the next summary however old
         if state.mig_reconfig_until is not None:  # its grace ends as long after on the new
             state.mig_reconfig_until -= step
+        if state.waiting_xids:  # judged on the new clock as long after
+            state.waiting_xids = [msgspec.structs.replace(event, ts=event.ts - step)
+                                  for event in state.waiting_xids]
         if state.asks:  # asked for on the old clock: due on the new one as long after
             state.asks = {key: msgspec.structs.replace(ask, ts=ask.ts - step)
                           for key, ask in state.asks.items()}
@@ -846,6 +860,10 @@ class NodeJoin:
         # samples, since the thermal and SBE rules need the whole window of readings.
         if event.kind == "xid" and event.uuid is not None:
             self.fold.count_xid(state.rollups, event.uuid, event.ts)
+        return self._judge_event(state, event, may_wait=True)
+
+    def _judge_event(self, state: NodeState, event: HwEvent, *, may_wait: bool
+                     ) -> list[Output]:
         if state.deleted:  # judged by no rule, as its samples
             return []
         hooks = self.policy.resolve(None, None, state.pool).events.get(event.kind, ())
@@ -858,9 +876,13 @@ class NodeJoin:
         dev = state.devices.get(uuid)
         if dev is None:
             dev = state.devices[uuid] = DeviceState()
+        holder = self._event_holder(state, dev, uuid, event.ts)
+        if holder is None and may_wait and self._waits(state, event):
+            state.waiting_xids.append(event)
+            return []
         out: list[Output] = []
         for runner, hook, settings in hooks:
-            out += hook(track_of(dev, runner), event, uuid, settings)
+            out += hook(track_of(dev, runner), event, uuid, settings, holder)
         dev.out_of_service = None
         if out and state.mig_reconfig_since is not None:
             out = self._reconfig(state, out, None)
@@ -1013,6 +1035,56 @@ class NodeJoin:
                 owner_name=holding.owner_name, workload_kind=holding.workload_kind,
                 queue=holding.queue, team_labels=self.settings.team_labels)
         return holding.who
+
+    def _waits(self, state: NodeState, event: HwEvent) -> bool:
+        """Whether an XID with no holder known waits for the node's samples: an
+        application-class one (judged by who held the GPU) read before the node's samples
+        reached its time. The hardware events have an agent of their own, and one reading
+        them ahead of the samples and allocations (catching up after an outage) would
+        otherwise take every such XID for one of a holder not known, and so the GPU for the
+        suspect. An XID of any other class is judged at once: it acts on its own."""
+        newest = state.rollups.watermark
+        if event.kind != "xid" or event.xid is None or (newest is not None
+                                                         and event.ts <= newest):
+            return False
+        if len(state.waiting_xids) >= MAX_WAITING_XIDS:
+            return False
+        xids = self.policy.resolve(None, None, state.pool).rules.get(xid_rule.KIND)
+        return isinstance(xids, xid_rule.XidSettings) and xids.judges_by_holder(event.xid)
+
+    def _judge_waiting(self, state: NodeState, ts: float) -> list[Output]:
+        """Judge the waiting XIDs the node's samples have now reached (at ``ts``)."""
+        due = [event for event in state.waiting_xids if event.ts <= ts]
+        if not due:
+            return []
+        state.waiting_xids = [event for event in state.waiting_xids if event.ts > ts]
+        out: list[Output] = []
+        for event in due:
+            out += self._judge_event(state, event, may_wait=False)
+        return out
+
+    def _event_holder(self, state: NodeState, dev: DeviceState, uuid: str, ts: float
+                      ) -> idle.Holder | None:
+        """Who held the device at a hardware event's time (an event names no pod): the
+        allocation holding it by device id then (started by ``ts``, not ended; the latest
+        started), else the pod the collector last attributed it to (by its allocation where
+        one matches). Event time decides, as the events may be read after the allocations
+        of a later pod on the device. Unlike a sample's holder, a pod the collector saw leave
+        the device still holds it: a crash-looping pod's container is gone between its XID
+        and its restart, and its allocation is not. Looked up per event, never kept: events
+        are rare and samples must not pay for them."""
+        holding: Holding | None = None
+        for held in state.pods.values():
+            if (uuid in held.devices and held.started_at <= ts
+                    and (held.ended_at is None or ts < held.ended_at)
+                    and (holding is None or held.started_at >= holding.started_at)):
+                holding = held
+        attributed = dev.attributed
+        if holding is None and attributed is not None:
+            holding = _Holders(state.pods, ts, self.settings.rollup_lateness_s).find(attributed)
+            if holding is None:
+                return idle.Holder(attributed, dev.attributed_since or ts)
+        return _idle_holder(holding) if holding is not None else None
 
     @staticmethod
     def _holding(dev: DeviceState, device: DeviceSample, holders: _Holders,

@@ -141,7 +141,7 @@ def settle(track: hardware.HwTrack, *, node: str, uuid: str, since: float, until
             out.append(resolved(episode.id, episode.fingerprint, kind,
                                 Subject(node=node, device=uuid), f"{uuid} on {node}: {why}",
                                 episode.since, ts))
-    xids.recent = [r for r in xids.recent if not since <= r[0] <= until]
+    xids.recent = [r for r in xids.recent if not since <= r.ts <= until]
     return out
 
 

@@ -96,6 +96,9 @@ class FaultRecord(msgspec.Struct):
     xid: int | None = None
     count: int = 0
     """Counter increase per sample of a burst fault."""
+    workload: str | None = None
+    """An xid fault: the workload whose pod held the GPU then (``namespace/OwnerKind/owner``,
+    as the watcher names a pod's top owner); None: no pod held it."""
 
 
 class InterruptionRecord(msgspec.Struct):
@@ -524,8 +527,11 @@ class SimulatedCluster:
                     gpu.lost = True
                 elif fault.xid == 48:
                     gpu.dbe += 1
-                self.truth.faults.append(FaultRecord("xid", fault.node, gpu.uuid, event_ts,
-                                                     xid=fault.xid))
+                holder = gpu.holder
+                self.truth.faults.append(FaultRecord(
+                    "xid", fault.node, gpu.uuid, event_ts, xid=fault.xid,
+                    workload=None if holder is None else "/".join(
+                        (holder.namespace, self._owner_kind(holder), self._owner_name(holder)))))
                 await publisher.hw_event(HwEvent(
                     ts=event_ts, node=fault.node, kind="xid", uuid=gpu.uuid, xid=fault.xid,
                     detail=f"Xid {fault.xid} (simulated)", source="simulator"))
@@ -575,6 +581,10 @@ class SimulatedCluster:
         if workload.spec.gang:
             return "JobSet"
         return "Notebook" if workload.spec.kind == "notebook" else "Job"
+
+    @staticmethod
+    def _owner_name(workload: Workload) -> str:
+        return workload.spec.group if workload.spec.gang else workload.name
 
     def _gang(self, workload: Workload) -> tuple[str | None, int | None]:
         """The gang fields of a workload's events, as the watcher reports a JobSet's pods."""
@@ -648,7 +658,7 @@ class SimulatedCluster:
             device_ids=[g.uuid for g in workload.devices] if self._by_uid else [],
             started_at=workload.started_at, workload_kind=workload.spec.kind,
             owner_kind=self._owner_kind(workload),
-            owner_name=workload.spec.group if workload.spec.gang else workload.name,
+            owner_name=self._owner_name(workload),
             queue=self.scenario.cluster_queue, labels=dict(workload.spec.labels),
             gang=gang, gang_size=size,
         )

@@ -6,6 +6,9 @@ broker; the stream worker runs as a child process with the shipped policy.
 What it finds is compared with what the simulator injected: every family
 found once per episode with the action its class asks for, and nothing else
 (no finding on a healthy GPU, none on a near miss, no idle holder).
+Application-class XIDs are judged by the workloads that hit them: one crash-looping
+job's repeats are its own error (an info finding naming its pod), two jobs' repeats on
+one GPU the hardware-suspect warning.
 """
 
 from __future__ import annotations
@@ -129,6 +132,19 @@ def _expected(truth: GroundTruth) -> dict[Key, str | None]:
     return expected
 
 
+def _app_severities(truth: GroundTruth) -> dict[str, str]:
+    """Device -> the severity its application-class XID finding must end at: ``info`` when
+    one workload's pod held the GPU at every one of them, ``warning`` when they came from
+    two or more (or from no pod)."""
+    workloads: dict[str, set[str | None]] = {}
+    for fault in truth.faults:
+        if fault.kind == "xid" and HW.xid.classify(fault.xid or 0)[0] == xid.APP_CLASS:
+            workloads.setdefault(fault.device, set()).add(fault.workload)
+    return {device: "info" if len(seen) == 1 and None not in seen else "warning"
+            for device, seen in workloads.items()
+            if ("xid", device, xid.APP_CLASS) in _expected(truth)}
+
+
 def _key(finding: Finding) -> Key:
     return (finding.kind, finding.subject.device or "", finding.labels.get("action_class", ""))
 
@@ -146,6 +162,28 @@ def test_every_hardware_family_is_found_once_and_nothing_else(run: Run) -> None:
     for finding in firing:
         ids.setdefault(_key(finding), set()).add(finding.id)
     assert all(len(v) == 1 for v in ids.values()), ids
+
+
+def test_application_xids_warn_only_when_two_workloads_hit_the_gpu(run: Run) -> None:
+    """The crash-looping job's Xid 13s on h100-3 are its own error: an info finding naming
+    its pod, no hardware warning; solo-1's GPU, hit by the two jobs that held it one after
+    the other, is the hardware suspect: a warning."""
+    expected = _app_severities(run.truth)
+    assert sorted(expected.values()) == ["info", "warning"]
+    last: dict[str, Finding] = {}
+    for finding in run.findings:
+        if finding.state == "firing" and finding.labels.get("action_class") == xid.APP_CLASS:
+            last[finding.subject.device or ""] = finding
+    assert {device: f.severity for device, f in last.items()} == expected
+    for device, finding in last.items():
+        if expected[device] == "info":
+            (workload,) = {f.workload for f in run.truth.faults if f.device == device}
+            assert finding.labels["workload"] == workload
+            assert finding.subject.pod is not None and workload is not None
+            assert workload.endswith("/" + finding.subject.pod.name)
+            assert "application's error" in finding.summary
+        else:
+            assert len(finding.labels["workloads"].split(", ")) == 2
 
 
 def test_a_lost_gpu_stays_lost_until_reset(run: Run) -> None:

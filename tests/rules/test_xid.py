@@ -5,12 +5,14 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpusteward.rules import xid
-from gpusteward.schema import Action, Finding
+from gpusteward.rules import hardware, xid
+from gpusteward.rules.idle import Holder
+from gpusteward.schema import Action, Finding, PodRef
 
 T0 = 1_000_000.0
 SETTINGS = xid.XidSettings()
@@ -18,11 +20,20 @@ HEADER_LINES = 3
 
 
 def events(track: xid.XidTrack, seq: list[tuple[float, int]],
-           s: xid.XidSettings = SETTINGS) -> list[Finding | Action]:
+           s: xid.XidSettings = SETTINGS, holder: Holder | None = None
+           ) -> list[Finding | Action]:
     out: list[Finding | Action] = []
+    who = {} if holder is None else {"holder": holder}  # no holder: as a caller that knows none
     for ts, number in seq:
-        out += xid.observe_event(track, node="n1", uuid="GPU-1", xid=number, ts=ts, settings=s)
+        out += xid.observe_event(track, node="n1", uuid="GPU-1", xid=number, ts=ts, settings=s,
+                                 **who)
     return out
+
+
+def job_pod(job: str, attempt: int = 0) -> Holder:
+    """A pod of the Job ``job`` (its ``attempt``-th: a retry is a new pod of one workload)."""
+    return Holder(PodRef(namespace="ml-a", name=f"{job}-{attempt}", uid=f"{job}-{attempt}"),
+                  T0, owner_kind="Job", owner_name=job)
 
 
 def firing(out: list[Finding | Action]) -> list[Finding]:
@@ -80,6 +91,71 @@ def test_app_class_xid_needs_five_in_a_day_and_asks_nothing_of_the_node() -> Non
     assert finding.severity == "warning" and finding.evidence is not None
     assert finding.evidence.values["count"] == 5 and finding.starts_at == T0
     assert actions(out) == []
+
+
+def test_app_class_xids_of_one_crash_looping_workload_are_its_error_not_the_gpus() -> None:
+    """A buggy kernel restarting every few minutes repeats its Xid 13 on the GPU it holds:
+    an info finding that names the pod and blames the application, no hardware warning,
+    nothing asked of the node, the GPU still in service. A Job's retries are new pods of
+    the same workload."""
+    track = xid.XidTrack()
+    out: list[Finding | Action] = []
+    for i in range(8):
+        out += events(track, [(T0 + i * 300, 13)], holder=job_pod("train", attempt=i // 3))
+    (finding,) = firing(out)
+    assert finding.severity == "info" and finding.kind == "xid"
+    assert finding.subject.pod is not None and finding.subject.pod.name == "train-1"
+    assert finding.labels["workload"] == "ml-a/Job/train"
+    assert "application's error" in finding.summary and "ml-a/Job/train" in finding.summary
+    assert finding.runbook == xid.APP_RUNBOOK and actions(out) == []
+    hw = hardware.HwTrack(xid=track)
+    assert not hw.unhealthy()
+
+
+def test_app_class_xids_from_two_workloads_on_one_gpu_suspect_the_hardware() -> None:
+    """The runbook's reasoning: a repeat on the same GPU across workloads points at the GPU.
+    One workload's episode is re-issued as the warning (same id) when another hits it."""
+    track = xid.XidTrack()
+    out = events(track, [(T0 + i * 600, 13) for i in range(5)], holder=job_pod("train"))
+    (info,) = firing(out)
+    assert info.severity == "info"
+    out = events(track, [(T0 + 4 * 3600, 31)], holder=job_pod("eval"))
+    (warning,) = firing(out)
+    assert (warning.severity, warning.id, warning.starts_at) == ("warning", info.id, T0)
+    assert warning.labels["workloads"] == "ml-a/Job/eval, ml-a/Job/train"
+    assert warning.runbook == xid.RUNBOOKS["restart_app"] and actions(out) == []
+    # Escalated once: more XIDs of either workload go on in the same episode.
+    assert events(track, [(T0 + 5 * 3600, 13)], holder=job_pod("train")) == []
+    assert events(track, [(T0 + 5 * 3600 + 60, 13)], holder=job_pod("eval")) == []
+    # Two workloads from the start: the warning at the threshold.
+    mixed = xid.XidTrack()
+    out = []
+    for i in range(5):
+        out += events(mixed, [(T0 + i * 600, 13)], holder=job_pod("train" if i < 3 else "eval"))
+    assert [f.severity for f in firing(out)] == ["warning"]
+
+
+def test_app_class_xids_with_a_holder_not_known_still_warn() -> None:
+    track = xid.XidTrack()
+    out = events(track, [(T0 + i * 600, 13) for i in range(4)], holder=job_pod("train"))
+    out += events(track, [(T0 + 4 * 600, 13)])  # the join knew no pod on the GPU then
+    (finding,) = firing(out)
+    assert finding.severity == "warning" and "unknown" in finding.labels["workloads"]
+
+
+def test_an_xid_state_from_before_workloads_decodes_and_counts_as_holder_unknown() -> None:
+    """The track rides the changelog: a state written by the previous build (occurrences as
+    4-tuples, episodes with no workload) decodes and goes on, its XIDs of no known holder."""
+    old = (b'{"recent":[[1000000.0,13,"restart_app",false],[1000600.0,13,"restart_app",false],'
+           b'[1001200.0,31,"restart_app",false],[1001800.0,13,"restart_app",false]],'
+           b'"open":{"reset_gpu":{"id":"x1","fingerprint":"f1","since":1000000.0,'
+           b'"last_ts":1000000.0}},"closed_until":{}}')
+    track = msgspec.json.decode(old, type=xid.XidTrack)
+    assert track.recent[0].workload is None and track.open["reset_gpu"].workload is None
+    out = events(track, [(T0 + 4 * 600, 13)], holder=job_pod("train"))
+    assert [f.severity for f in firing(out)] == ["warning"]
+    again = msgspec.msgpack.decode(msgspec.msgpack.encode(track), type=xid.XidTrack)
+    assert again == track
 
 
 def test_app_class_xids_spread_over_more_than_a_day_do_not_fire() -> None:

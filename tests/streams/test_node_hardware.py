@@ -419,3 +419,83 @@ def test_a_finding_resolved_before_the_deletion_is_not_resolved_again() -> None:
                                                               deleted=True)))
     assert [(f.kind, f.id) for f in closed] == [
         (f.kind, f.id) for f in fired if f.kind == "ecc_dbe"]
+
+
+def _job(name: str, ts: float, phase: str = "running", devices: bool = True,
+         started_at: float | None = None) -> PodAllocation:
+    """A pod of the Job ``name`` on GPU-1 (by device id, or as the watcher without them)."""
+    return PodAllocation(ts=ts, node="n1", pod=PodRef(namespace="ml-a", name=f"{name}-x1",
+                                                      uid=f"uid-{name}"),
+                         phase=phase, gpus=1,  # type: ignore[arg-type]
+                         device_ids=["GPU-1"] if devices else [],
+                         started_at=ts if started_at is None else started_at,
+                         owner_kind="Job", owner_name=name, workload_kind="batch")
+
+
+@pytest.mark.parametrize("allocations_first", [False, True])
+def test_app_xids_are_told_apart_by_the_pod_the_allocations_say_held_the_gpu(
+        allocations_first: bool) -> None:
+    """A crash-looping pod's Xid 13s (the events name no pod; its allocation holds GPU-1)
+    are that workload's error: an info finding naming it, the node still healthy. Once
+    another workload's pod hits an application XID on the same GPU, the episode is the
+    hardware-suspect warning. Event time decides who held the GPU, also when the worker
+    reads the later pod's allocation before the earlier pod's XIDs."""
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    join.on_allocation(state, _job("train", T0))
+    join.on_sample(state, sample(T0 + 10))
+    # The Job ends; another workload's pod gets the GPU.
+    later = [_job("train", T0 + 3000, phase="finished", started_at=T0), _job("eval", T0 + 3100)]
+    if allocations_first:
+        for event in later:
+            join.on_allocation(state, event)
+    out = []
+    for i in range(5):
+        out += join.on_hw_event(state, hw(T0 + 60 + i * 300, "xid", xid=13))
+    (info,) = findings(out)
+    assert info.severity == "info" and info.subject.pod is not None
+    assert (info.subject.pod.name, info.labels["workload"]) == ("train-x1", "ml-a/Job/train")
+    assert [o for o in out if isinstance(o, Action)] == []
+    assert all(s.healthy for s in out if isinstance(s, NodeSummary))
+    if not allocations_first:
+        for event in later:
+            join.on_allocation(state, event)
+    # The new pod hits Xid 31 on the same GPU.
+    out = join.on_hw_event(state, hw(T0 + 3200, "xid", xid=31))
+    (warning,) = findings(out)
+    assert (warning.severity, warning.id) == ("warning", info.id)
+    assert warning.labels["workloads"] == "ml-a/Job/eval, ml-a/Job/train"
+
+
+def test_app_xids_find_their_pod_through_the_collectors_attribution() -> None:
+    """Without device ids on the allocations (the watcher's), the collector's attribution
+    names the pod, matched to its allocation by name: still one workload, an info finding."""
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    join.on_allocation(state, _job("train", T0, devices=False))
+    reading = sample(T0 + 10)
+    reading.devices[1].pod = PodRef(namespace="ml-a", name="train-x1")
+    join.on_sample(state, reading)
+    out = []
+    for i in range(5):
+        out += join.on_hw_event(state, hw(T0 + 60 + i * 300, "xid", xid=13))
+    (info,) = findings(out)
+    assert (info.severity, info.labels["workload"]) == ("info", "ml-a/Job/train")
+
+
+def test_app_xids_read_ahead_of_the_nodes_samples_wait_for_them_to_name_the_holder() -> None:
+    """The hardware events have an agent of their own: a worker catching up reads a
+    crash-looping pod's XIDs before its node's allocations and samples. They wait (through
+    the changelog) for the samples to reach their time, then are judged with the holder
+    known: the workload's info finding, not a warning for a holder not known."""
+    join, state = NodeJoin(policy=POLICY), NodeState()
+    out = []
+    for i in range(5):
+        out += join.on_hw_event(state, hw(T0 + 60 + i * 300, "xid", xid=13))
+    assert out == [] and len(state.waiting_xids) == 5
+    state = msgspec.msgpack.Decoder(NodeState).decode(msgspec.msgpack.encode(state))
+    join.on_allocation(state, _job("train", T0))
+    for i in range(60):
+        out += join.on_sample(state, sample(T0 + i * 30))
+    (info,) = findings(out)
+    assert (info.severity, info.labels["workload"]) == ("info", "ml-a/Job/train")
+    assert info.evidence is not None and info.evidence.values["count"] == 5
+    assert not state.waiting_xids
