@@ -18,8 +18,10 @@ promised the pod a start "now" on a node that no longer existed, and the status 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,69 +77,88 @@ async def _caught_up(settings: Settings, api: KubeApiServer, watcher: KubeWatche
         t.name(settings) for t in (topics.SAMPLES, topics.ALLOCATIONS)], 90)
 
 
+class _Clock:
+    """The simulated time both the watcher's clock and the pages read."""
+
+    def __init__(self) -> None:
+        self.now = T0
+
+
+@contextlib.asynccontextmanager
+async def _deployed(settings: Settings, tmp_path: Path, nodes: list[dict[str, Any]],
+                    clock: _Clock) -> AsyncIterator[tuple[KubeApiServer, KafkaPublisher,
+                                                           Callable[[], Awaitable[None]]]]:
+    """The deployed worker, a publisher for the collectors' samples, and the Kubernetes
+    watcher on an API double holding ``nodes``; yields the double, the publisher and a
+    wait until the worker has read all they sent. The watcher stops and the publisher is
+    flushed when the block ends, the worker (checked alive) after."""
+    await kafka.ensure_topics(settings)
+    worker = WorkerProcess(settings, tmp_path / "worker.log")
+    worker.start()
+    publisher = KafkaPublisher(settings)
+    await publisher.start()
+    stop = asyncio.Event()
+    try:
+        with KubeApiServer(bookmark_interval_s=0.2) as api:
+            api.load(nodes)
+            kube = KubeWatchSettings(kubeconfig=str(api.write_kubeconfig(tmp_path / "kc")))
+            watcher = KubeWatcher(api_client(kube), publisher, kube, clock=lambda: clock.now)
+            watching = asyncio.create_task(watcher.run(stop))
+            await asyncio.wait_for(watcher.synced.wait(), 30)
+
+            async def caught_up() -> None:
+                await _caught_up(settings, api, watcher, publisher)
+
+            yield api, publisher, caught_up
+            stop.set()
+            await watching
+            await publisher.flush()
+        assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
+    finally:
+        await publisher.stop()
+        worker.stop()
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_a_deleted_node_leaves_the_fleet_and_counts_again_when_re_added(
         settings: Settings, tmp_path: Path) -> None:
-    now = T0
+    clock = _Clock()
     phases: dict[str, float] = {}
 
     async def main() -> tuple[list[Finding], list[NodeSummary]]:
-        nonlocal now
-        await kafka.ensure_topics(settings)
-        worker = WorkerProcess(settings, tmp_path / "worker.log")
-        worker.start()
-        publisher = KafkaPublisher(settings)
-        await publisher.start()
-        stop = asyncio.Event()
-        try:
-            with KubeApiServer(bookmark_interval_s=0.2) as api:
-                api.load([gpu_node(node, gpus=gpus) for node, gpus in GPUS.items()])
-                kube = KubeWatchSettings(kubeconfig=str(api.write_kubeconfig(tmp_path / "kc")))
-                watcher = KubeWatcher(api_client(kube), publisher, kube, clock=lambda: now)
-                watching = asyncio.create_task(watcher.run(stop))
-                await asyncio.wait_for(watcher.synced.wait(), 30)
+        nodes = [gpu_node(node, gpus=gpus) for node, gpus in GPUS.items()]
+        async with _deployed(settings, tmp_path, nodes, clock) as (api, publisher, caught_up):
 
-                async def caught_up() -> None:
-                    await _caught_up(settings, api, watcher, publisher)
+            async def pages(names: tuple[str, ...], steps: int) -> None:
+                for _ in range(steps):
+                    for node in names:
+                        await publisher.sample(_page(node, clock.now))
+                    clock.now += STEP_S
+                await caught_up()
 
-                async def pages(nodes: tuple[str, ...], steps: int) -> None:
-                    nonlocal now
-                    for _ in range(steps):
-                        for node in nodes:
-                            await publisher.sample(_page(node, now))
-                        now += STEP_S
-                    await caught_up()
-
-                await pages(tuple(GPUS), 6)
-                phases["deleted"] = now
-                api.delete("Node", "big")  # its collector goes with it
-                await caught_up()
-                now += STEP_S
-                api.create(gpu_pod("wide", node=None, resources={"nvidia.com/gpu": "8"},
-                                   uid="uid-wide", created=rfc3339(now)))
-                await caught_up()
-                await pages(("s1", "s2"), 14)  # 7 min: stranded, and under node_stale_s
-                phases["re-added"] = now
-                api.create(gpu_node("big", gpus=GPUS["big"]))
-                await caught_up()
-                await pages(tuple(GPUS), 6)
-                stop.set()
-                await watching
-                await publisher.flush()
+            await pages(tuple(GPUS), 6)
+            phases["deleted"] = clock.now
+            api.delete("Node", "big")  # its collector goes with it
+            await caught_up()
+            clock.now += STEP_S
+            api.create(gpu_pod("wide", node=None, resources={"nvidia.com/gpu": "8"},
+                               uid="uid-wide", created=rfc3339(clock.now)))
+            await caught_up()
+            await pages(("s1", "s2"), 14)  # 7 min: stranded, and under node_stale_s
+            phases["re-added"] = clock.now
+            api.create(gpu_node("big", gpus=GPUS["big"]))
+            await caught_up()
+            await pages(tuple(GPUS), 6)
             await kafka.wait_consumed(settings, fleet_group(settings), [
                 t.name(settings) for t in (topics.NODE_SUMMARIES, topics.QUEUE)], 120)
-            assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
 
-            async def read(spec: topics.TopicSpec, kind: Any) -> list[Any]:
-                records = await kafka.read_all(settings, spec.name(settings))
-                return [msgspec.json.decode(r.value or b"", type=kind) for r in records]
+        async def read(spec: topics.TopicSpec, kind: Any) -> list[Any]:
+            records = await kafka.read_all(settings, spec.name(settings))
+            return [msgspec.json.decode(r.value or b"", type=kind) for r in records]
 
-            return await read(topics.FINDINGS, Finding), await read(topics.NODE_SUMMARIES,
-                                                                   NodeSummary)
-        finally:
-            await publisher.stop()
-            worker.stop()
+        return await read(topics.FINDINGS, Finding), await read(topics.NODE_SUMMARIES,
+                                                               NodeSummary)
 
     findings, summaries = asyncio.run(main())
     deleted, re_added = phases["deleted"], phases["re-added"]
@@ -215,56 +236,35 @@ def test_the_findings_of_a_deleted_node_resolve_and_its_alerts_end(
 
     Before, no resolution ever came: the alerts process re-posted n1's alerts every minute
     and counted them open for ever."""
-    now = T0
+    clock = _Clock()
     phases: dict[str, float] = {}
 
     async def main() -> list[Finding]:
-        nonlocal now
-        await kafka.ensure_topics(settings)
-        worker = WorkerProcess(settings, tmp_path / "worker.log")
-        worker.start()
-        publisher = KafkaPublisher(settings)
-        await publisher.start()
-        stop = asyncio.Event()
-        try:
-            with KubeApiServer(bookmark_interval_s=0.2) as api:
-                api.load([gpu_node(REPAIRED, gpus=2), gpu_node(KEPT, gpus=1)])
-                kube = KubeWatchSettings(kubeconfig=str(api.write_kubeconfig(tmp_path / "kc")))
-                watcher = KubeWatcher(api_client(kube), publisher, kube, clock=lambda: now)
-                watching = asyncio.create_task(watcher.run(stop))
-                await asyncio.wait_for(watcher.synced.wait(), 30)
-                api.create(gpu_pod(NOTEBOOK.name, NOTEBOOK.namespace, node=REPAIRED,
-                                   uid="uid-nb", phase="Running", created=rfc3339(now)))
-                await _caught_up(settings, api, watcher, publisher)
+        nodes = [gpu_node(REPAIRED, gpus=2), gpu_node(KEPT, gpus=1)]
+        async with _deployed(settings, tmp_path, nodes, clock) as (api, publisher, caught_up):
+            api.create(gpu_pod(NOTEBOOK.name, NOTEBOOK.namespace, node=REPAIRED,
+                               uid="uid-nb", phase="Running", created=rfc3339(clock.now)))
+            await caught_up()
 
-                async def pages(nodes: tuple[str, ...], steps: int, faulty: bool = True
-                                ) -> None:
-                    nonlocal now
-                    for _ in range(steps):
-                        for node in nodes:
-                            await publisher.sample(_faulty_page(node, now, faulty=faulty))
-                        now += STEP_S
-                    await _caught_up(settings, api, watcher, publisher)
+            async def pages(names: tuple[str, ...], steps: int, faulty: bool = True) -> None:
+                for _ in range(steps):
+                    for node in names:
+                        await publisher.sample(_faulty_page(node, clock.now, faulty=faulty))
+                    clock.now += STEP_S
+                await caught_up()
 
-                # 45 min: the DBEs at once, the notebook idle past grace and window (40 min).
-                await pages((REPAIRED, KEPT), 90)
-                phases["deleted"] = now
-                api.delete("Node", REPAIRED)  # its collector goes with it
-                await _caught_up(settings, api, watcher, publisher)
-                await pages((KEPT,), 4)
-                phases["re-added"] = now
-                api.create(gpu_node(REPAIRED, gpus=2))  # repaired: no DBE, no pod
-                await _caught_up(settings, api, watcher, publisher)
-                await pages((REPAIRED,), 4, faulty=False)
-                stop.set()
-                await watching
-                await publisher.flush()
-            assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
-            records = await kafka.read_all(settings, topics.FINDINGS.name(settings))
-            return [msgspec.json.decode(r.value or b"", type=Finding) for r in records]
-        finally:
-            await publisher.stop()
-            worker.stop()
+            # 45 min: the DBEs at once, the notebook idle past grace and window (40 min).
+            await pages((REPAIRED, KEPT), 90)
+            phases["deleted"] = clock.now
+            api.delete("Node", REPAIRED)  # its collector goes with it
+            await caught_up()
+            await pages((KEPT,), 4)
+            phases["re-added"] = clock.now
+            api.create(gpu_node(REPAIRED, gpus=2))  # repaired: no DBE, no pod
+            await caught_up()
+            await pages((REPAIRED,), 4, faulty=False)
+        records = await kafka.read_all(settings, topics.FINDINGS.name(settings))
+        return [msgspec.json.decode(r.value or b"", type=Finding) for r in records]
 
     findings = asyncio.run(main())
     deleted = phases["deleted"]
