@@ -18,6 +18,7 @@ running out of GPU memory is the owner's to fix, and nothing here evicts.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -45,6 +46,14 @@ class SustainTrack(msgspec.Struct, omit_defaults=True):
     """The run's most extreme value of the rule's measure."""
     clear_since: float | None = None
     open: Episode | None = None
+
+
+def judges_kind(settings: Any, workload_kind: str | None) -> bool:
+    """The registry's ``watches`` of a rule whose settings leave devices of some holders'
+    kinds alone (``exempt_kinds``: the high-memory and overcommit rules): whether a device
+    held by a pod of ``workload_kind`` (None: no pod) is judged."""
+    exempt: list[str] = settings.exempt_kinds
+    return workload_kind is None or workload_kind not in exempt
 
 
 def clock_step(track: SustainTrack, step: float) -> None:

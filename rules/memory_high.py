@@ -15,7 +15,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpusteward.rules.memory import Out, SustainTrack, clock_step, pod_of, sustain, used_pct
+from gpusteward.rules.memory import (
+    Out,
+    SustainTrack,
+    clock_step,
+    judges_kind,
+    pod_of,
+    sustain,
+    used_pct,
+)
 from gpusteward.rules.registry import DeviceRunner, own_settings
 from gpusteward.rules.values import WorkloadKind
 from gpusteward.schema import DeviceSample
@@ -57,9 +65,8 @@ class HighMemorySettings(BaseModel):
     notify: bool = Field(True, description="Notify the pod's owner when an episode opens.")
 
 
-def watches(settings: HighMemorySettings, workload_kind: str | None) -> bool:
-    """Whether a device held by a pod of ``workload_kind`` (None: no pod) is judged."""
-    return workload_kind is None or workload_kind not in settings.exempt_kinds
+watches = judges_kind
+"""Devices of ``exempt_kinds`` holders are not judged (:func:`.memory.judges_kind`)."""
 
 
 def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,

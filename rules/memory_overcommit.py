@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpusteward.rules.memory import GIB, Out, SustainTrack, clock_step, pod_of, sustain
+from gpusteward.rules.memory import GIB, Out, SustainTrack, clock_step, judges_kind, pod_of, sustain
 from gpusteward.rules.registry import DeviceRunner, own_settings
 from gpusteward.rules.values import WorkloadKind
 from gpusteward.schema import DeviceSample
@@ -67,9 +67,8 @@ class OvercommitSettings(BaseModel):
     notify: bool = Field(True, description="Notify the owner of the pod using the most memory.")
 
 
-def watches(settings: OvercommitSettings, workload_kind: str | None) -> bool:
-    """Whether a device held by a pod of ``workload_kind`` (None: no pod) is judged."""
-    return workload_kind is None or workload_kind not in settings.exempt_kinds
+watches = judges_kind
+"""Devices of ``exempt_kinds`` holders are not judged (:func:`.memory.judges_kind`)."""
 
 
 def committed_bytes(sample: DeviceSample) -> int | None:
