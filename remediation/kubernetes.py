@@ -119,7 +119,13 @@ from gpusteward.errors import (
     cut,
 )
 from gpusteward.remediation.executor import matches
-from gpusteward.rules.idle import KEEP_UNTIL_ANNOTATION, RECLAIM_REASON, kept_until, rfc3339
+from gpusteward.rules.idle import (
+    KEEP_UNTIL_ANNOTATION,
+    RECLAIM_REASON,
+    exemption,
+    kept_until,
+    rfc3339,
+)
 from gpusteward.schema import Action, Outcome, PodRef
 
 log = logging.getLogger(__name__)
@@ -506,7 +512,7 @@ class KubernetesBackend:
                         or labels.get("kueue.x-k8s.io/workload"))
         if pod is not None and pod_ref is not None and (
                 action.params.get("reason") == RECLAIM_REASON):
-            kept = _keep_until_refusal(pod, action)
+            kept = _keep_until_refusal(pod, action) or _exempt_refusal(pod, action)
             if kept:
                 return "refused", kept
         if workload:
@@ -836,6 +842,22 @@ def _keep_until_refusal(pod: dict[str, Any], action: Action) -> str | None:
         return None
     return (f"{pod['metadata'].get('namespace')}/{pod['metadata']['name']} is left alone until "
             f"{rfc3339(until)} ({KEEP_UNTIL_ANNOTATION}: {annotations[KEEP_UNTIL_ANNOTATION]})")
+
+
+def _exempt_refusal(pod: dict[str, Any], action: Action) -> str | None:
+    """Why the live pod is exempt from idle detection now (the owner labelled it after the
+    rule asked to reclaim it), by the exemptions the action carries; None if it is not."""
+    try:
+        exempt = json.loads(action.params.get("exempt") or "{}")
+    except ValueError:
+        return None
+    if not isinstance(exempt, dict):
+        return None
+    meta = pod["metadata"]
+    why = exemption(exempt, meta.get("namespace", ""), meta.get("labels") or {},
+                    meta.get("annotations") or {})
+    return None if why is None else (
+        f"{meta.get('namespace')}/{meta['name']} is exempt from idle detection ({why})")
 
 
 def _require(value: str | None, message: str) -> str:

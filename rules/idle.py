@@ -51,9 +51,11 @@ episode state; the notice text must say what the ladder will do.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
@@ -221,14 +223,33 @@ class IdleSettings(BaseModel):
 
     def exempt(self, holder: Holder) -> bool:
         """True when the holder's namespace, labels or annotations exempt it."""
-        if holder.pod.namespace in self.exempt_namespaces:
-            return True
-        for wanted, have in ((self.exempt_labels, holder.labels),
-                             (self.exempt_annotations, holder.annotations)):
-            for key, value in wanted.items():
-                if key in have and value in ("*", have[key]):
-                    return True
-        return False
+        return self.exemption(holder) is not None
+
+    def exemption(self, holder: Holder) -> str | None:
+        """What exempts the holder (its namespace, a label or an annotation), or None."""
+        return exemption(self.exempt_params, holder.pod.namespace, holder.labels,
+                         holder.annotations)
+
+    @functools.cached_property
+    def exempt_params(self) -> dict[str, Any]:
+        """The exemptions as the reclaim action carries them (``params.exempt``, JSON), for
+        the backend to check the live pod again before it acts."""
+        return {"namespaces": self.exempt_namespaces, "labels": self.exempt_labels,
+                "annotations": self.exempt_annotations}
+
+
+def exemption(exempt: Mapping[str, Any], namespace: str, labels: Mapping[str, str],
+              annotations: Mapping[str, str]) -> str | None:
+    """What in ``exempt`` (:meth:`IdleSettings.exempt_params`) exempts a pod of
+    ``namespace`` with these labels and annotations from idle detection, or None."""
+    if namespace in exempt.get("namespaces", ()):
+        return f"namespace {namespace}"
+    for what, wanted, have in (("label", exempt.get("labels") or {}, labels),
+                               ("annotation", exempt.get("annotations") or {}, annotations)):
+        for key, value in wanted.items():
+            if key in have and value in ("*", have[key]):
+                return f"{what} {key}={have[key]}"
+    return None
 
 
 def _pick(override: float | None, base: float) -> float:
@@ -463,6 +484,11 @@ def observe(
     if holder is None:
         return out
     if track.open_id is not None:
+        # The owner may exempt the pod as the notice says (a label), or the policy its
+        # namespace, while the episode is open: it closes, and the ladder climbs no further.
+        why = settings.exemption(holder)
+        if why is not None:
+            return [_close(track, node, sample.uuid, ts, f"exempt from idle detection ({why})")]
         return _climb(track, node, sample, holder, ts, settings, eff)
     counted_from = max(track.below_since, holder.started_at + eff.grace_s)
     if ts - counted_from < eff.window_s or settings.exempt(holder):
@@ -553,7 +579,8 @@ def _climb(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts
         # keep-until again, and whether a bare pod may be deleted.
         action.params = {"reason": RECLAIM_REASON, "idle_since": repr(track.open_since),
                          "keep_until_max_s": repr(settings.keep_until_max_s),
-                         "delete_bare_pod": str(settings.reclaim_bare_pods).lower()}
+                         "delete_bare_pod": str(settings.reclaim_bare_pods).lower(),
+                         "exempt": json.dumps(settings.exempt_params, sort_keys=True)}
     return [finding, action]
 
 

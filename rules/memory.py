@@ -13,6 +13,11 @@ so a device hovering at a threshold gives one episode, not one per crossing.
 Memory findings name the pod that holds the device (on a device several
 pods hold, the one with the most memory) and ask only for notifications:
 running out of GPU memory is the owner's to fix, and nothing here evicts.
+An episode is about its holders' use of the device, so when a holder lets the
+device go (:func:`releaser`) the run ends and an open episode closes: the next
+holder starts afresh, and one the rule leaves alone (a serving pod, for the
+high-memory and overcommit rules) never inherits a finding that nothing would
+close.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 import msgspec
 
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
+from gpusteward.rules.registry import ReleaseHook
 from gpusteward.schema import Action, DeviceSample, Evidence, Finding, PodRef, Subject
 
 Out = list[Finding | Action]
@@ -54,6 +60,29 @@ def judges_kind(settings: Any, workload_kind: str | None) -> bool:
     held by a pod of ``workload_kind`` (None: no pod) is judged."""
     exempt: list[str] = settings.exempt_kinds
     return workload_kind is None or workload_kind not in exempt
+
+
+def releaser(kind: str) -> ReleaseHook:
+    """The release hook of memory rule ``kind``: a holder let the device go, so the rule's
+    state starts afresh (its run, its window's points) and an open episode closes."""
+
+    def release(track: Any, node: str, uuid: str, ts: float) -> Out:
+        episode: Episode | None = track.open
+        blank = type(track)(last_ts=track.last_ts)  # samples already seen stay seen
+        for name in track.__struct_fields__:
+            setattr(track, name, getattr(blank, name))
+        if episode is None:
+            return []
+        return [resolved(episode.id, episode.fingerprint, kind,
+                         Subject(node=node, device=uuid, pod=episode.pod),
+                         f"{uuid} on {node}: {_named(episode.pod)} released the GPU", episode.since,
+                         max(ts, episode.since))]
+
+    return release
+
+
+def _named(pod: PodRef | None) -> str:
+    return "its holder" if pod is None else f"{pod.namespace}/{pod.name}"
 
 
 def clock_step(track: SustainTrack, step: float) -> None:

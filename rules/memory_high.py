@@ -21,6 +21,7 @@ from gpusteward.rules.memory import (
     clock_step,
     judges_kind,
     pod_of,
+    releaser,
     sustain,
     used_pct,
 )
@@ -96,4 +97,5 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
 
 
 RUNNER = DeviceRunner(state=STATE, state_type=SustainTrack, settings_from=own_settings(KIND),
-                      on_sample=observe, on_clock_step=clock_step, watches=watches)
+                      on_sample=observe, on_release=releaser(KIND),
+                      on_clock_step=clock_step, watches=watches)

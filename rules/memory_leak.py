@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
 from gpusteward.rules.idle import activity_pct, rfc3339
-from gpusteward.rules.memory import GIB, Episode, Out, free_bytes, pod_of
+from gpusteward.rules.memory import GIB, Episode, Out, free_bytes, pod_of, releaser
 from gpusteward.rules.registry import DeviceRunner, own_settings
 from gpusteward.schema import DeviceSample, Evidence, Finding, PodRef, Subject
 
@@ -284,4 +284,5 @@ def clock_step(track: LeakTrack, step: float) -> None:
 
 
 RUNNER = DeviceRunner(state=STATE, state_type=LeakTrack, settings_from=own_settings(KIND),
-                      on_sample=observe, on_clock_step=clock_step, per_holder=True)
+                      on_sample=observe, on_release=releaser(KIND),
+                      on_clock_step=clock_step, per_holder=True)

@@ -25,6 +25,7 @@ from gpusteward.rules.memory import (
     clock_step,
     free_bytes,
     pod_of,
+    releaser,
     sustain,
 )
 from gpusteward.rules.registry import DeviceRunner, own_settings
@@ -108,4 +109,5 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
 
 
 RUNNER = DeviceRunner(state=STATE, state_type=SustainTrack, settings_from=own_settings(KIND),
-                      on_sample=observe, on_clock_step=clock_step, watches=watches)
+                      on_sample=observe, on_release=releaser(KIND),
+                      on_clock_step=clock_step, watches=watches)

@@ -22,7 +22,16 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpusteward.rules.memory import GIB, Out, SustainTrack, clock_step, judges_kind, pod_of, sustain
+from gpusteward.rules.memory import (
+    GIB,
+    Out,
+    SustainTrack,
+    clock_step,
+    judges_kind,
+    pod_of,
+    releaser,
+    sustain,
+)
 from gpusteward.rules.registry import DeviceRunner, own_settings
 from gpusteward.rules.values import WorkloadKind
 from gpusteward.schema import DeviceSample
@@ -114,4 +123,5 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
 
 
 RUNNER = DeviceRunner(state=STATE, state_type=SustainTrack, settings_from=own_settings(KIND),
-                      on_sample=observe, on_clock_step=clock_step, watches=watches)
+                      on_sample=observe, on_release=releaser(KIND),
+                      on_clock_step=clock_step, watches=watches)

@@ -10,6 +10,7 @@ holds the execute component's RBAC to exactly the requests these made.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -29,7 +30,7 @@ from gpusteward import kafka, topics
 from gpusteward.remediation.executor import Executor, RemediationSettings
 from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
 from gpusteward.reports import findings
-from gpusteward.rules.idle import rfc3339
+from gpusteward.rules.idle import IdleSettings, rfc3339
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.schema import Action, ActionResult, PodRef, Subject
 from gpusteward.settings import Settings
@@ -302,6 +303,25 @@ def test_keep_until_past_or_beyond_the_policy_maximum_does_not_hold(
     outcome, detail = act(backend, reclaim(held.pod, idle_since=time.time() - 86400))
     assert outcome == "refused"
     assert f"left alone until {rfc3339(time.time() - 86400 + 1209600)[:13]}" in detail
+
+
+def test_a_pod_labelled_exempt_after_the_reclaim_was_asked_is_left_alone(
+        kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
+    # The owner did as the idle notice says (the exemption label) while the reclaim was on its
+    # way: the live pod is checked against the exemptions the action carries.
+    exempt = json.dumps(IdleSettings().exempt_params, sort_keys=True)
+    owned = deployment(kube_api)
+    kube_api.patch("Pod", owned.pod, {"metadata": {"labels": {"gpusteward.io/idle-exempt":
+                                                              "true"}}}, NS)
+    before = len(writes(kube_api))
+    outcome, detail = act(backend, reclaim(owned.pod, exempt=exempt))
+    assert (outcome, detail) == ("refused", f"{NS}/{owned.pod} is exempt from idle detection "
+                                 "(label gpusteward.io/idle-exempt=true)")
+    assert len(writes(kube_api)) == before
+    # Without the label (or with an exemption the policy does not list) it is reclaimed.
+    other = statefulset(kube_api, None)
+    outcome, _ = act(backend, reclaim(other.pod, exempt=exempt))
+    assert outcome == "executed"
 
 
 def test_a_jobs_pod_is_requeued_as_before(kube_api: KubeApiServer,

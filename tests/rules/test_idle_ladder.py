@@ -269,4 +269,7 @@ def test_reclaim_action_carries_what_the_backend_rechecks() -> None:
                if isinstance(o, Action)][-1]
     assert reclaim.params == {"reason": "idle-reclaim",
                               "idle_since": repr(START + s.grace_s),
-                              "keep_until_max_s": "3600.0", "delete_bare_pod": "true"}
+                              "keep_until_max_s": "3600.0", "delete_bare_pod": "true",
+                              "exempt": '{"annotations": {}, "labels": '
+                                        '{"gpusteward.io/idle-exempt": "true"}, '
+                                        '"namespaces": []}'}
