@@ -131,6 +131,9 @@ NOTICE_KEY = "/notify_owner"
 """What follows the finding id in the idempotency key of an owner notice (``action_for``)."""
 RECLAIM_KEY = "/requeue"
 """What follows the finding id in the idempotency key of a reclaim (``action_for``)."""
+FORGET_EVERY = 10_000
+"""New idempotency keys between two passes that forget those older than the audit topic's
+retention."""
 CATCH_UP_S = 5.0
 """Longest wait, seconds, to read the audit topic to its end before carrying an action out
 (:meth:`Executor._catch_up`): a few fetches on a healthy broker."""
@@ -481,6 +484,10 @@ class Executor:
         self.notified: dict[str, float] = {}
         """Finding -> when (executor's clock) its first owner notice was delivered (executed,
         or found already there)."""
+        self._heard: dict[str, float] = {}
+        """Idempotency key -> the time of its latest final decision: the three above forget
+        what the audit topic no longer keeps (:meth:`_forget_old`)."""
+        self._forget_at = FORGET_EVERY
         self.sandbox = bool(getattr(backend, "sandbox", False))
         self._decode = edge.Edge[Action](Action)
         self._decode_result = edge.Edge[ActionResult](ActionResult)
@@ -529,6 +536,9 @@ class Executor:
               ts: float, *, reclaim: bool = False, detail: str = "") -> None:
         """What one final decision changes in the executor's state, whether it is read back
         from the audit topic or just made."""
+        if len(self._heard) >= self._forget_at:
+            self._forget_old(ts)
+        self._heard[key] = max(ts, self._heard.get(key, ts))
         if outcome == "executed":
             self.executed_keys.add(key)
         if verb in NODE_DISRUPTING and outcome != "retrying":
@@ -540,6 +550,19 @@ class Executor:
         if verb == "notify_owner" and outcome in ("executed", "skipped") and NOTICE_KEY in key:
             episode = key.rpartition(NOTICE_KEY)[0]
             self.notified[episode] = min(ts, self.notified.get(episode, ts))
+
+    def _forget_old(self, now: float) -> None:
+        """Forget the keys decided, and the notices delivered, longer ago than the audit
+        topic keeps records: a restarted executor, rebuilt from that topic, knows no more.
+        A process running for months kept every key it ever decided (about 215 bytes each)."""
+        cutoff = now - topics.ACTION_RESULTS.retention_ms / 1000
+        old = [key for key, ts in self._heard.items() if ts < cutoff]
+        for key in old:
+            del self._heard[key]
+            self.executed_keys.discard(key)
+            self.decided.pop(key, None)
+        self.notified = {episode: ts for episode, ts in self.notified.items() if ts >= cutoff}
+        self._forget_at = len(self._heard) + FORGET_EVERY
 
     # -- deciding --------------------------------------------------------------------------
 

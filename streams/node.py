@@ -418,6 +418,21 @@ def _share_holding(state: NodeState, holders: _Holders, share: DeviceHolder
     return None, None
 
 
+def _share_keys(state: NodeState, holding: Holding, key: str) -> tuple[str, ...]:
+    """The keys the ended ``holding`` (``state.pods[key]``) may have shares under: its
+    key, and its namespace/name where the collector names holders without a uid
+    (dcgm-exporter's per-pod series, :func:`_share_holding`), unless a live holding of the
+    node has that name (a pod restarted under it: the share is that pod's now)."""
+    pod = holding.pod
+    if pod.uid is None:
+        return (key,)
+    name = (pod.namespace, pod.name)
+    if any(other is not holding and other.ended_at is None
+           and (other.pod.namespace, other.pod.name) == name for other in state.pods.values()):
+        return (key,)
+    return (key, f"{pod.namespace}/{pod.name}")
+
+
 _OFF_TAINTS = frozenset({"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable",
                          "node.kubernetes.io/unschedulable",
                          "node.kubernetes.io/network-unavailable"})
@@ -554,8 +569,8 @@ class NodeJoin:
         elif state.behind_since is not None:
             state.behind_since = state.behind_last = None  # the clock came back: no step
         holders = _Holders(state.pods, sample.ts, self.settings.rollup_lateness_s)
-        for key in holders.expired:
-            self._held.pop(id(state.pods.pop(key)), None)
+        if holders.expired:  # once per pod, when the node's samples are past its end
+            self._expire(state, holders.expired)
         pool = state.pool
         node_prepared = self._prepare(None, None, pool)
         node_plans, checks = node_prepared.plans, node_prepared.checks
@@ -683,7 +698,26 @@ class NodeJoin:
                 out += reconfig.overdue(kept, config=state.mig_config, after_s=grace,
                                         ts=sample.ts)
             self._end_reconfig(state)
+            self._forget_old_layout(state, sample)
         return out
+
+    def _forget_old_layout(self, state: NodeState, sample: NodeSample) -> None:
+        """Forget the MIG devices of the layout a reconfiguration replaced: those ``sample``
+        (the node's first ``mig_settle_s`` after the success) does not show, with nothing
+        open on them. NVML names each new GPU instance with a new UUID, so a node
+        repartitioned every day otherwise kept every MIG device it ever had, in every
+        changelog write of its state. A whole GPU is kept however silent: its hardware
+        history is its own, and a lost one has its finding open."""
+        shown = {device.uuid for device in sample.devices}
+        shown.update(device.parent_uuid for device in sample.devices if device.parent_uuid)
+        named = {finding.subject.device for finding in state.findings.values()}
+        checks = self._prepare(None, None, state.pool).checks
+        gone = [uuid for uuid, dev in state.devices.items()
+                if uuid.startswith("MIG-") and uuid not in shown and uuid not in named
+                and dev.idle.open_id is None and not _out_of_service(dev, checks)]
+        for uuid in gone:
+            del state.devices[uuid]
+            state.rollups.last_dbe.pop(uuid, None)
 
     @staticmethod
     def _end_reconfig(state: NodeState) -> None:
@@ -990,13 +1024,15 @@ class NodeJoin:
                     if dev is not None:
                         for runner, release in releases:
                             out += release(track_of(dev, runner), event.node, uuid, event.ts)
+                keys = _share_keys(state, holding, key)
                 for uuid, dev in state.devices.items():  # its shares of shared devices
-                    share = dev.shares.pop(key, None)
-                    if share is not None:
-                        for runner, release in releases:
-                            if runner.per_holder:
-                                out += release(track_of(share, runner), event.node, uuid,
-                                               event.ts)
+                    for share_key in keys:
+                        share = dev.shares.pop(share_key, None)
+                        if share is not None:
+                            for runner, release in releases:
+                                if runner.per_holder:
+                                    out += release(track_of(share, runner), event.node, uuid,
+                                                   event.ts)
                 state.summary_dirty = True
         elif event.phase in ("bound", "running"):
             known = state.pods.get(key)
@@ -1016,6 +1052,20 @@ class NodeJoin:
         if out:
             self._note(state, out)
         return out + self._maybe_summary(state, event.node, event.ts)
+
+    def _expire(self, state: NodeState, expired: list[str]) -> None:
+        """Forget the ended holdings the node's samples are well past, and their shares of
+        shared devices: those late samples made again after the pod's end was released
+        (the worker read the end ahead of them). Otherwise a time-sliced GPU's state kept
+        one share per pod that ever ran on it, on every changelog write of the node."""
+        for key in expired:
+            holding = state.pods.pop(key)
+            self._held.pop(id(holding), None)
+            keys = _share_keys(state, holding, key)
+            for dev in state.devices.values():
+                if dev.shares:
+                    for share_key in keys:
+                        dev.shares.pop(share_key, None)
 
     def _who(self, holding: Holding | None, attributed: PodRef | None
              ) -> rollup.Attribution | None:

@@ -412,6 +412,10 @@ class Translator:
     """A LocalQueue's object key -> its namespace/name (a relist reports deletions by key)."""
     gang_sizes: dict[str, int] = field(default_factory=dict)
     """``namespace/gang`` -> members it needs, from the objects that state it."""
+    gang_objects: dict[str, str] = field(default_factory=dict)
+    """``resource/key`` of an object that states a gang's size -> the gang: its deletion
+    forgets the size (a relist reports deletions by key). Without it the watcher kept the
+    size of every gang it ever saw."""
     gang_pods: dict[str, dict[str, None]] = field(default_factory=dict)
     """``namespace/gang`` -> the keys of its members' pods (in the order first seen)."""
     node_pods: dict[str, dict[str, None]] = field(default_factory=dict)
@@ -456,11 +460,18 @@ class Translator:
                                       if key in self.dra_waiting], ts)
         # A gang resource's reflector is named plural.group (two groups serve podgroups).
         plural = delta.resource.partition(".")[0]
-        if plural in GANG_RESOURCES and delta.obj is not None and delta.type != "DELETED":
-            stated = gang_size_of(plural, delta.obj)
-            if stated is not None:
+        if plural in GANG_RESOURCES:
+            source = f"{delta.resource}/{delta.key}"
+            if delta.type == "DELETED":
+                gang = self.gang_objects.pop(source, None)
+                if gang is not None and gang not in self.gang_objects.values():
+                    self.gang_sizes.pop(gang, None)  # no other object states it
+                return []
+            stated = gang_size_of(plural, delta.obj) if delta.obj is not None else None
+            if delta.obj is not None and stated is not None:
                 namespace = delta.obj["metadata"].get("namespace", "")
-                return self._gang_size(f"{namespace}/{stated[0]}", stated[1], ts)
+                gang = self.gang_objects[source] = f"{namespace}/{stated[0]}"
+                return self._gang_size(gang, stated[1], ts)
         return []
 
     def _gang_size(self, gang: str, size: int, ts: float) -> list[Emitted]:

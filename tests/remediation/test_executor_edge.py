@@ -17,7 +17,7 @@ from rich.console import Console
 
 from gpusteward import kafka, topics
 from gpusteward.edge import Edge
-from gpusteward.remediation.executor import Executor, NoBackend, ReviewPrinter
+from gpusteward.remediation.executor import FORGET_EVERY, Executor, NoBackend, ReviewPrinter
 from gpusteward.schema import TEXT_MAX, Action, ActionResult, DeadLetter, Subject
 from gpusteward.settings import Settings
 from tests.remediation.cluster import publish_actions
@@ -121,3 +121,24 @@ def test_an_action_is_committed_past_only_once_its_audit_record_is_delivered(
     [record] = asyncio.run(kafka.read_all(settings, topics.ACTION_RESULTS.name(settings)))
     audited = msgspec.json.decode(record.value or b"", type=ActionResult)
     assert (audited.idempotency_key, audited.outcome) == ("f1/cordon", "dry_run")
+
+
+def test_a_long_running_executor_remembers_the_keys_its_audit_topic_keeps_not_more() -> None:
+    """An executor up for years held every idempotency key it ever decided (about 215
+    bytes each); a restarted one knows what the audit topic keeps (a year). It forgets
+    what the topic no longer keeps, and still skips a redelivery of any key it keeps."""
+    executor = Executor(Settings(), NoBackend())
+    hour, decisions = 3600.0, 3 * 365 * 24  # one executed cordon an hour for three years
+    for n in range(decisions):
+        executor.apply_audit(ActionResult(
+            idempotency_key=f"finding-{n}/cordon", verb="cordon",
+            target=Subject(node=f"n{n % 100}"), outcome="executed", detail="", actor="x",
+            ts=n * hour))
+    year = topics.ACTION_RESULTS.retention_ms / 1000 / hour
+    assert len(executor.executed_keys) <= year + FORGET_EVERY
+    assert len(executor.decided) <= year + FORGET_EVERY
+    last = Action(idempotency_key=f"finding-{decisions - 1}/cordon", verb="cordon",
+                  target=Subject(node="n1"), reason="r", rule="ecc_dbe", finding_ids=["f"],
+                  ts=decisions * hour)
+    assert executor.verdict(last, now=decisions * hour) == (
+        "skipped", "already executed (redelivered action)")

@@ -144,3 +144,22 @@ def test_gang_resources_can_be_left_out(kube_api: KubeApiServer,
     watcher = start_watcher(resources=["nodes", "pods", "workloads"])
     assert not set(watcher.watcher.reflectors) & ALL_GANG_RESOURCES
     assert not [r for r in kube_api.requests if "podgroups" in r.path]
+
+
+def test_the_sizes_of_gangs_deleted_are_forgotten(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    # A fleet runs thousands of training jobs a week: the watcher, up for months, keeps
+    # the sizes of the gangs that exist, not of every gang it ever saw.
+    kube_api.create(pytorch_job("resident", 3))
+    watcher = start_watcher()
+    for n in range(200):
+        kube_api.create(pytorch_job(f"run-{n}", 1))
+        kube_api.create(pod_group(f"pg-{n}", "scheduling.x-k8s.io", 2))
+    translator = watcher.watcher.translator
+    watcher.settle(20)
+    assert len(translator.gang_sizes) == 401
+    for n in range(200):
+        kube_api.delete("PyTorchJob", f"run-{n}", "ml", group="kubeflow.org")
+        kube_api.delete("PodGroup", f"pg-{n}", "ml", group="scheduling.x-k8s.io")
+    watcher.settle(20)
+    assert translator.gang_sizes == {"ml/PyTorchJob/resident": 4}
