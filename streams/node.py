@@ -117,6 +117,9 @@ class DeviceState(msgspec.Struct):
     shares: dict[str, DeviceState] = {}
     """Per-holder state of a device several pods hold, by pod key (uid, or namespace/name):
     the state of the ``per_holder`` runners for that holder's share."""
+    index: int | None = None
+    """A physical GPU's index (minor number) when it was first seen; None for a MIG device
+    and for a GPU first seen by a build before this field."""
     out_of_service: bool | None = None
     """Whether a runner's health check finds the device out of service (:func:`_sick`);
     None: to be asked again, after a hook reported something on the device or an event
@@ -591,6 +594,9 @@ class NodeJoin:
             dev = state.devices.get(device.uuid)
             if dev is None:
                 dev = state.devices[device.uuid] = DeviceState()
+                if device.kind == "gpu":
+                    dev.index = device.index
+                    out += self._replaced(state, device, sample)
             shared = len(device.holders) > 1
             # A device out of service (lost, an uncorrectable error, a fatal XID) is not
             # judged for its holders: a pod idle on a dead GPU is the fault's consequence,
@@ -699,6 +705,30 @@ class NodeJoin:
                                         ts=sample.ts)
             self._end_reconfig(state)
             self._forget_old_layout(state, sample)
+        return out
+
+    @staticmethod
+    def _replaced(state: NodeState, device: DeviceSample, sample: NodeSample) -> list[Output]:
+        """A GPU new to the node: the GPU it replaced (one at its index the sample does not
+        show) is gone from the node for good. Every finding open on the old one resolves and
+        its state is forgotten, so a repaired node's lost or failed GPU neither alerts for
+        ever nor has its drain asked again every ``reask_s``. A GPU missing without a new one
+        in its place (fallen off the bus, the node rebooted without it: the others' indices
+        may shift then, but their uuids are known) is still missing."""
+        shown = {d.uuid for d in sample.devices}
+        out: list[Output] = []
+        for uuid, old in list(state.devices.items()):
+            if old.index != device.index or uuid in shown:
+                continue
+            why = (f"{uuid} was replaced by {device.uuid} (GPU {device.index} of node "
+                   f"{sample.node})")
+            out += [resolved(finding_id, open_.fingerprint, open_.kind, open_.subject, why,
+                             open_.since, max(sample.ts, open_.since))
+                    for finding_id, open_ in state.findings.items()
+                    if open_.subject.device == uuid]
+            del state.devices[uuid]
+            state.rollups.last_dbe.pop(uuid, None)
+            state.summary_dirty = True
         return out
 
     def _forget_old_layout(self, state: NodeState, sample: NodeSample) -> None:
