@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 _OWNERS = {"notebook": ("StatefulSet", "notebook-name"), "batch": ("Job", "job-name"),
            "inference": ("ReplicaSet", "pod-template-hash")}
 _HASH = "5d8f9c"
+_TRAINING_JOBS = ("TFJob", "JAXJob", "PyTorchJob")
+"""Kubeflow training jobs a batch workload may run under (``WorkloadGroup.owner``); their
+controller is not served by the API double: the pod names it, as a Job's does."""
 
 
 JOBSET_LABEL = "jobset.sigs.k8s.io/jobset-name"
@@ -128,6 +131,8 @@ def pod_for(workload: Workload, cluster_queue: str, dra: bool = False) -> dict[s
     owner_name = f"{workload.name}-{_HASH}" if kind == "ReplicaSet" else workload.name
     labels = {**workload.spec.labels, label: _HASH if kind == "ReplicaSet" else workload.name,
               "kueue.x-k8s.io/cluster-queue-name": cluster_queue}
+    if workload.spec.kind == "batch":
+        kind = workload.spec.owner
     if workload.spec.gang:
         kind, owner_name = "Job", f"{workload.spec.group}-workers-0"
         labels = {**workload.spec.labels, JOBSET_LABEL: workload.spec.group,
@@ -138,7 +143,8 @@ def pod_for(workload: Workload, cluster_queue: str, dra: bool = False) -> dict[s
                   created=rfc3339(workload.arrive))
     if kind != "Job":  # the pod's controller is one of owners_for's objects
         (reference,) = pod["metadata"]["ownerReferences"]
-        reference.update(apiVersion="apps/v1", uid=f"{kind.lower()}-{owner_name}")
+        reference.update(apiVersion="kubeflow.org/v1" if kind in _TRAINING_JOBS else "apps/v1",
+                         uid=f"{kind.lower()}-{owner_name}")
     if dra:
         claim_pod(pod, {"gpu": dra_claim_name(workload.name)})
     return pod

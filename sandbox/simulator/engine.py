@@ -580,7 +580,9 @@ class SimulatedCluster:
     def _owner_kind(workload: Workload) -> str:
         if workload.spec.gang:
             return "JobSet"
-        return "Notebook" if workload.spec.kind == "notebook" else "Job"
+        if workload.spec.kind == "notebook":
+            return "Notebook"
+        return workload.spec.owner if workload.spec.kind == "batch" else "Job"
 
     @staticmethod
     def _owner_name(workload: Workload) -> str:
