@@ -119,7 +119,7 @@ class WorkloadGroup(BaseModel):
 
 FaultKind = Literal[
     "ecc_dbe", "xid", "sbe_burst", "pcie_replay", "nvlink_errors", "nvlink_crc_errors",
-    "thermal", "gpu_lost", "remap_failure", "spot_termination",
+    "thermal", "thermal_target", "gpu_lost", "remap_failure", "spot_termination",
 ]
 
 
@@ -131,7 +131,10 @@ class Fault(BaseModel):
     events ``every_s`` apart; ``sbe_burst``, ``pcie_replay``, ``nvlink_errors`` (replay +
     recovery) and ``nvlink_crc_errors`` add ``count`` to the device's counter at every sample
     for ``for_s``; ``thermal`` holds the
-    GPU above its slowdown temperature, with the thermal clock-event bits, for ``for_s``.
+    GPU above its slowdown temperature, with the thermal clock-event bits, for ``for_s``;
+    ``thermal_target`` holds it at its max operating temperature (87 °C, an H100 SXM's),
+    its clocks trimmed by SW thermal slowdown (0x20) alone, for ``for_s``: no fault, a busy
+    GPU in a warm rack keeping itself at its thermal target.
     """
 
     model_config = ConfigDict(extra="forbid")
