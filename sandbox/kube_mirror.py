@@ -133,7 +133,12 @@ def pod_for(workload: Workload, cluster_queue: str, dra: bool = False) -> dict[s
               "kueue.x-k8s.io/cluster-queue-name": cluster_queue}
     if workload.spec.kind == "batch":
         kind = workload.spec.owner
-    if workload.spec.gang:
+    if workload.spec.gang and workload.spec.elastic_min is not None:
+        kind, owner_name = "PyTorchJob", workload.spec.group
+        labels = {**workload.spec.labels, "training.kubeflow.org/job-name": workload.spec.group,
+                  "training.kubeflow.org/replica-type": "worker",
+                  "kueue.x-k8s.io/cluster-queue-name": cluster_queue}
+    elif workload.spec.gang:
         kind, owner_name = "Job", f"{workload.spec.group}-workers-0"
         labels = {**workload.spec.labels, JOBSET_LABEL: workload.spec.group,
                   "kueue.x-k8s.io/cluster-queue-name": cluster_queue}
@@ -182,6 +187,7 @@ def _owned(kind: str, api_version: str, name: str, namespace: str, owner: dict[s
 def owners_for(workload: Workload, gang_size: int = 0) -> list[dict[str, Any]]:
     """The objects above a simulated workload's pod, as its controllers would have made them.
 
+    An elastic gang's is a PyTorchJob with its elasticPolicy.
     A notebook is a Kubeflow Notebook whose controller runs a one-replica StatefulSet;
     an inference server a Deployment with its ReplicaSet. Reclaim acts on these (stop
     the Notebook, scale the Deployment to zero), so they must exist. A batch pod's Job
@@ -193,6 +199,13 @@ def owners_for(workload: Workload, gang_size: int = 0) -> list[dict[str, Any]]:
     if workload.spec.gang:
         template = {"spec": {"containers": [{"name": "worker", "resources": {"limits": {
             "nvidia.com/gpu": str(workload.spec.gpus)}}}]}}
+        if workload.spec.elastic_min is not None:
+            return [_owned("PyTorchJob", "kubeflow.org/v1", workload.spec.group, namespace,
+                           None, {"elasticPolicy": {
+                               "rdzvBackend": "c10d", "minReplicas": workload.spec.elastic_min,
+                               "maxReplicas": gang_size},
+                               "pytorchReplicaSpecs": {"Worker": {
+                                   "replicas": gang_size, "template": template}}})]
         return [_owned("JobSet", "jobset.x-k8s.io/v1alpha2", workload.spec.group, namespace,
                        None, {"replicatedJobs": [{"name": "workers", "replicas": 1, "template": {
                            "spec": {"parallelism": gang_size, "completions": gang_size,

@@ -588,7 +588,7 @@ class SimulatedCluster:
     @staticmethod
     def _owner_kind(workload: Workload) -> str:
         if workload.spec.gang:
-            return "JobSet"
+            return "JobSet" if workload.spec.elastic_min is None else "PyTorchJob"
         if workload.spec.kind == "notebook":
             return "Notebook"
         return workload.spec.owner if workload.spec.kind == "batch" else "Job"
@@ -598,11 +598,13 @@ class SimulatedCluster:
         return workload.spec.group if workload.spec.gang else workload.name
 
     def _gang(self, workload: Workload) -> tuple[str | None, int | None]:
-        """The gang fields of a workload's events, as the watcher reports a JobSet's pods."""
+        """The gang fields of a workload's events, as the watcher reports a JobSet's pods
+        (all its members needed) or an elastic PyTorchJob's (its minReplicas)."""
         if not workload.spec.gang:
             return None, None
-        return (f"JobSet/{workload.spec.group}",
-                self.gangs[f"{workload.namespace}/{workload.spec.group}"])
+        members = self.gangs[f"{workload.namespace}/{workload.spec.group}"]
+        return (f"{self._owner_kind(workload)}/{workload.spec.group}",
+                min(members, workload.spec.elastic_min or members))
 
     async def _schedule(self, publisher: Publisher, now: float) -> None:
         for workload in list(self.queue):

@@ -105,6 +105,11 @@ class WorkloadGroup(BaseModel):
         "named after the group, in one namespace): they only work together, but the "
         "simulator's scheduler places them one by one, as the default scheduler does.",
     )
+    elastic_min: int | None = Field(
+        None, ge=1, description="With gang: the gang is an elastic PyTorchJob named after the "
+        "group (Kubeflow's elasticPolicy.minReplicas, torchrun --nnodes=<this>:<count>), "
+        "which trains once this many of its workers run; None: a JobSet, which needs them "
+        "all.")
     namespace: str | None = Field(
         None, description="Namespace of the group's workloads; None: one per user "
         "(ml-<user>). A gang without one lives in ml-<group>.",
