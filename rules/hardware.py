@@ -33,9 +33,13 @@ same id). Repeated samples inside an episode emit nothing.
   reset or bus reset -> taint for a reset; node or system reboot -> drain.
   Open while the field reads non-zero, closed when it reads 0 (none).
 - **Thermal slowdown** (``thermal_slowdown``): the GPU is at or above its
-  model's slowdown temperature, or its clock-event reasons carry a thermal
-  bit (SW 0x20, HW 0x40), at every sample for ``window_s``; closes after
-  ``clear_s`` without either.
+  model's slowdown temperature, or its clock-event reasons carry HW thermal
+  slowdown (0x40), at every sample for ``window_s``; closes after ``clear_s``
+  without either. SW thermal slowdown (0x20) alone is not counted: it is the
+  GPU trimming its clocks to stay at its max operating temperature (NVML's
+  definition of the bit), which a busy GPU reaches by design (an H100 SXM at
+  87 °C under full load), below the slowdown temperature where HW protection
+  engages.
 
 Everything runs per device on every sample, so :func:`observe_sample` takes
 a fast path when nothing is open and no counter moved: a few comparisons.
@@ -86,8 +90,12 @@ RECOVERY_ACTIONS: dict[int, tuple[str, ActionVerb | None]] = {
 }
 """NVML ``NVML_GPU_RECOVERY_ACTION_*`` values -> (meaning, the node action they ask for)."""
 
-THERMAL_REASONS = 0x20 | 0x40
-"""NVML clock-event reasons SwThermalSlowdown | HwThermalSlowdown."""
+THERMAL_REASONS = 0x40
+"""NVML clock-event reason HwThermalSlowdown: the hardware's protection clamping the clocks.
+SwThermalSlowdown (0x20) is left out: the driver optimises the clocks so that the GPU stays at
+its max operating temperature (NVML), the steady state of a busy GPU in a warm rack; NVIDIA's
+NVSentinel (ADR-042) likewise takes the HW slowdown line, not SW thermal capping, as the
+actionable boundary. The rollups still count both as throttled minutes."""
 
 RUNBOOKS = {
     SBE_KIND: "Correctable (single-bit) ECC errors are arriving fast on this GPU. They do not "

@@ -8,7 +8,12 @@ not: vLLM (``gpu_memory_utilization`` 0.9), TGI and TensorRT-LLM (90 % of the
 memory left after the weights) reserve their KV cache when they start and
 hold it whatever the load, so every one of them reads 90 % or more at every
 sample, healthy; whether a server is short of memory is the low-free rule's
-question. Episodes follow :func:`gpusteward.rules.memory.sustain`.
+question. Nor is a TensorFlow or JAX training job (``exempt_owner_kinds``: pods of
+Kubeflow's TFJob and JAXJob): both frameworks reserve their memory pool when the
+first operation runs (TensorFlow nearly all of the GPU, JAX 75 % of it or
+``XLA_PYTHON_CLIENT_MEM_FRACTION``) and allocate inside it, so the used memory NVML
+reads is the pool's configured size, not the job's need, and says nothing of how near
+an out-of-memory error it is. Episodes follow :func:`gpusteward.rules.memory.sustain`.
 """
 
 from __future__ import annotations
@@ -63,6 +68,13 @@ class HighMemorySettings(BaseModel):
         "servers (vLLM's gpu_memory_utilization 0.9, TGI, TensorRT-LLM) reserve their KV "
         "cache at start and read 90 % or more at every sample whatever the load; "
         "gpu_memory_low_free judges their headroom. Empty: every device.")
+    exempt_owner_kinds: list[str] = Field(
+        default_factory=lambda: ["TFJob", "JAXJob"],
+        description="Top owner kinds of the holder whose devices the rule does not judge. "
+        "Kubeflow's TFJob and JAXJob by default: TensorFlow maps nearly all of a GPU's memory "
+        "when it starts and JAX preallocates 75 % of it (XLA_PYTHON_CLIENT_MEM_FRACTION), "
+        "so their devices read the pool's configured size, not the job's need. Empty: the "
+        "owner exempts none.")
     notify: bool = Field(True, description="Notify the pod's owner when an episode opens.")
 
 
@@ -82,6 +94,10 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
         return []
     if not watches(settings, getattr(holder, "workload_kind", None)):
         return []  # the node join does not call it for these; a direct caller gets the same
+    pooled = getattr(holder, "owner_kind", None) in settings.exempt_owner_kinds
+    if pooled and track.open is None:
+        return []  # a preallocating framework's pool (an episode opened before, under
+        # another policy, is cleared below as if the memory had fallen)
 
     def describe(run: SustainTrack, now: float) -> tuple[str, dict[str, float]]:
         return (f"{sample.uuid} on {node} has used more than {threshold:g} % of its memory for "
@@ -89,7 +105,8 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
                 {"max_used_pct": run.peak, "threshold_pct": threshold})
 
     return sustain(track, kind=KIND, node=node, sample=sample, ts=ts,
-                   holds=None if pct is None else pct > threshold, value=pct or 0.0,
+                   holds=None if pct is None else pct > threshold and not pooled,
+                   value=pct or 0.0,
                    window_s=settings.window_s, clear_s=settings.clear_s,
                    max_gap_s=settings.max_gap_s, notify=settings.notify,
                    pod=pod_of(sample, getattr(holder, "pod", None)), higher_is_worse=True,

@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 _OWNERS = {"notebook": ("StatefulSet", "notebook-name"), "batch": ("Job", "job-name"),
            "inference": ("ReplicaSet", "pod-template-hash")}
 _HASH = "5d8f9c"
+_TRAINING_JOBS = ("TFJob", "JAXJob", "PyTorchJob")
+"""Kubeflow training jobs a batch workload may run under (``WorkloadGroup.owner``); their
+controller is not served by the API double: the pod names it, as a Job's does."""
 
 
 JOBSET_LABEL = "jobset.sigs.k8s.io/jobset-name"
@@ -128,7 +131,14 @@ def pod_for(workload: Workload, cluster_queue: str, dra: bool = False) -> dict[s
     owner_name = f"{workload.name}-{_HASH}" if kind == "ReplicaSet" else workload.name
     labels = {**workload.spec.labels, label: _HASH if kind == "ReplicaSet" else workload.name,
               "kueue.x-k8s.io/cluster-queue-name": cluster_queue}
-    if workload.spec.gang:
+    if workload.spec.kind == "batch":
+        kind = workload.spec.owner
+    if workload.spec.gang and workload.spec.elastic_min is not None:
+        kind, owner_name = "PyTorchJob", workload.spec.group
+        labels = {**workload.spec.labels, "training.kubeflow.org/job-name": workload.spec.group,
+                  "training.kubeflow.org/replica-type": "worker",
+                  "kueue.x-k8s.io/cluster-queue-name": cluster_queue}
+    elif workload.spec.gang:
         kind, owner_name = "Job", f"{workload.spec.group}-workers-0"
         labels = {**workload.spec.labels, JOBSET_LABEL: workload.spec.group,
                   "kueue.x-k8s.io/cluster-queue-name": cluster_queue}
@@ -138,7 +148,8 @@ def pod_for(workload: Workload, cluster_queue: str, dra: bool = False) -> dict[s
                   created=rfc3339(workload.arrive))
     if kind != "Job":  # the pod's controller is one of owners_for's objects
         (reference,) = pod["metadata"]["ownerReferences"]
-        reference.update(apiVersion="apps/v1", uid=f"{kind.lower()}-{owner_name}")
+        reference.update(apiVersion="kubeflow.org/v1" if kind in _TRAINING_JOBS else "apps/v1",
+                         uid=f"{kind.lower()}-{owner_name}")
     if dra:
         claim_pod(pod, {"gpu": dra_claim_name(workload.name)})
     return pod
@@ -176,6 +187,7 @@ def _owned(kind: str, api_version: str, name: str, namespace: str, owner: dict[s
 def owners_for(workload: Workload, gang_size: int = 0) -> list[dict[str, Any]]:
     """The objects above a simulated workload's pod, as its controllers would have made them.
 
+    An elastic gang's is a PyTorchJob with its elasticPolicy.
     A notebook is a Kubeflow Notebook whose controller runs a one-replica StatefulSet;
     an inference server a Deployment with its ReplicaSet. Reclaim acts on these (stop
     the Notebook, scale the Deployment to zero), so they must exist. A batch pod's Job
@@ -187,6 +199,13 @@ def owners_for(workload: Workload, gang_size: int = 0) -> list[dict[str, Any]]:
     if workload.spec.gang:
         template = {"spec": {"containers": [{"name": "worker", "resources": {"limits": {
             "nvidia.com/gpu": str(workload.spec.gpus)}}}]}}
+        if workload.spec.elastic_min is not None:
+            return [_owned("PyTorchJob", "kubeflow.org/v1", workload.spec.group, namespace,
+                           None, {"elasticPolicy": {
+                               "rdzvBackend": "c10d", "minReplicas": workload.spec.elastic_min,
+                               "maxReplicas": gang_size},
+                               "pytorchReplicaSpecs": {"Worker": {
+                                   "replicas": gang_size, "template": template}}})]
         return [_owned("JobSet", "jobset.x-k8s.io/v1alpha2", workload.spec.group, namespace,
                        None, {"replicatedJobs": [{"name": "workers", "replicas": 1, "template": {
                            "spec": {"parallelism": gang_size, "completions": gang_size,

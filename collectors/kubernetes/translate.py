@@ -39,7 +39,9 @@ together. A pod's gang is its Kueue pod group (label
 or a Kubeflow training job. Sizes come from the objects that state them: a
 Kueue Workload's pod sets (the gang of its owner), a PodGroup's
 ``minMember``, a JobSet's replicated jobs and a training job's replica specs
-(GPU replicas only: a launcher without a GPU never shows up as a member). A
+(GPU replicas only: a launcher without a GPU never shows up as a member; an elastic
+PyTorchJob's workers count up to its ``elasticPolicy.minReplicas``, the workers
+torchrun needs to train, not the most it may scale to). A
 gang member pod is reported on the queue topic through its whole life, so the
 fleet agent sees every member in one place; a size learnt after its members
 were reported is sent again with their latest events. A pod that waited for
@@ -329,9 +331,14 @@ def gang_size_of(resource: str, obj: Obj) -> tuple[str, int] | None:
                 size += int(replicated.get("replicas", 1)) * int(job.get("parallelism", 1))
         return (f"JobSet/{name}", size) if size else None
     kind = obj.get("kind") or ""
-    size = sum(int(replica.get("replicas", 1))
+    # An elastic PyTorchJob (elasticPolicy.minReplicas) runs torchrun --nnodes=min:max: it
+    # trains once minReplicas of its workers have joined, so those are all it needs.
+    elastic_min = (spec.get("elasticPolicy") or {}).get("minReplicas")
+    size = sum(min(int(replica.get("replicas", 1)), int(elastic_min))
+               if role == "Worker" and elastic_min is not None
+               else int(replica.get("replicas", 1))
                for key, replicas in spec.items() if key.endswith("ReplicaSpecs")
-               for replica in (replicas or {}).values()
+               for role, replica in (replicas or {}).items()
                if _gpu_template(replica.get("template")))
     return (f"{kind}/{name}", size) if kind and size else None
 

@@ -48,6 +48,11 @@ HOT_TEMP_C = 94.0
 """Temperature of a GPU under a thermal fault: above every model's slowdown threshold."""
 THERMAL_REASONS = 0x20 | 0x40
 """NVML clock-event bits SwThermalSlowdown | HwThermalSlowdown."""
+TARGET_TEMP_C = 87.0
+"""Temperature of a GPU at its thermal target: an H100 SXM's max operating temperature, 2 °C
+below its slowdown temperature (89 °C)."""
+SW_THERMAL = 0x20
+"""NVML clock-event bit SwThermalSlowdown: the clocks trimmed to hold the thermal target."""
 
 GIB = 1 << 30
 
@@ -209,6 +214,7 @@ class SimGpu:
     nvlink_errors: int = 0
     nvlink_crc_errors: int = 0
     hot: bool = False
+    at_target: bool = False
     lost: bool = False
     remap_failure: bool = False
     mig: list[SimMig] = field(default_factory=list)
@@ -477,7 +483,8 @@ class SimulatedCluster:
         interval = self.scenario.sample_interval_s
         for node in self.nodes.values():
             for sim_gpu in node.gpus:
-                sim_gpu.hot = False  # thermal faults active at this tick set it again
+                sim_gpu.hot = sim_gpu.at_target = False  # thermal faults active at this
+                # tick set them again
         for fault in self.scenario.faults:
             fault_ts = self.start + fault.at_s
             starts_now = now - interval < fault_ts <= now
@@ -541,6 +548,8 @@ class SimulatedCluster:
         active = fault_ts <= now < fault_ts + fault.for_s
         if fault.kind == "thermal":
             gpu.hot = gpu.hot or active
+        elif fault.kind == "thermal_target":
+            gpu.at_target = gpu.at_target or active
         elif active:
             if fault.kind == "sbe_burst":
                 gpu.sbe += fault.count
@@ -579,19 +588,23 @@ class SimulatedCluster:
     @staticmethod
     def _owner_kind(workload: Workload) -> str:
         if workload.spec.gang:
-            return "JobSet"
-        return "Notebook" if workload.spec.kind == "notebook" else "Job"
+            return "JobSet" if workload.spec.elastic_min is None else "PyTorchJob"
+        if workload.spec.kind == "notebook":
+            return "Notebook"
+        return workload.spec.owner if workload.spec.kind == "batch" else "Job"
 
     @staticmethod
     def _owner_name(workload: Workload) -> str:
         return workload.spec.group if workload.spec.gang else workload.name
 
     def _gang(self, workload: Workload) -> tuple[str | None, int | None]:
-        """The gang fields of a workload's events, as the watcher reports a JobSet's pods."""
+        """The gang fields of a workload's events, as the watcher reports a JobSet's pods
+        (all its members needed) or an elastic PyTorchJob's (its minReplicas)."""
         if not workload.spec.gang:
             return None, None
-        return (f"JobSet/{workload.spec.group}",
-                self.gangs[f"{workload.namespace}/{workload.spec.group}"])
+        members = self.gangs[f"{workload.namespace}/{workload.spec.group}"]
+        return (f"{self._owner_kind(workload)}/{workload.spec.group}",
+                min(members, workload.spec.elastic_min or members))
 
     async def _schedule(self, publisher: Publisher, now: float) -> None:
         for workload in list(self.queue):
@@ -697,6 +710,8 @@ class SimulatedCluster:
             temp, reasons = round(32 + util * 0.4, 1), 0 if util else 1
             if gpu.hot:
                 temp, reasons = HOT_TEMP_C, reasons | THERMAL_REASONS
+            elif gpu.at_target and util:
+                temp, reasons = TARGET_TEMP_C, reasons | SW_THERMAL
             devices.append(DeviceSample(
                 uuid=gpu.uuid, index=gpu.index, model=gpu.model, util_pct=util,
                 mem_used_bytes=mem, mem_total_bytes=gpu.mem_total,

@@ -105,6 +105,11 @@ class WorkloadGroup(BaseModel):
         "named after the group, in one namespace): they only work together, but the "
         "simulator's scheduler places them one by one, as the default scheduler does.",
     )
+    elastic_min: int | None = Field(
+        None, ge=1, description="With gang: the gang is an elastic PyTorchJob named after the "
+        "group (Kubeflow's elasticPolicy.minReplicas, torchrun --nnodes=<this>:<count>), "
+        "which trains once this many of its workers run; None: a JobSet, which needs them "
+        "all.")
     namespace: str | None = Field(
         None, description="Namespace of the group's workloads; None: one per user "
         "(ml-<user>). A gang without one lives in ml-<group>.",
@@ -112,11 +117,14 @@ class WorkloadGroup(BaseModel):
     labels: dict[str, str] = Field(
         default_factory=dict, description="Pod labels (e.g. team, gpusteward.io/idle-exempt), "
         "as the watcher reports them.")
+    owner: Literal["Job", "TFJob", "JAXJob", "PyTorchJob"] = Field(
+        "Job", description="The controller of a batch workload's pods that is not a gang: a "
+        "Job, or one of Kubeflow's training jobs (which the framework it runs follows from).")
 
 
 FaultKind = Literal[
     "ecc_dbe", "xid", "sbe_burst", "pcie_replay", "nvlink_errors", "nvlink_crc_errors",
-    "thermal", "gpu_lost", "remap_failure", "spot_termination",
+    "thermal", "thermal_target", "gpu_lost", "remap_failure", "spot_termination",
 ]
 
 
@@ -128,7 +136,10 @@ class Fault(BaseModel):
     events ``every_s`` apart; ``sbe_burst``, ``pcie_replay``, ``nvlink_errors`` (replay +
     recovery) and ``nvlink_crc_errors`` add ``count`` to the device's counter at every sample
     for ``for_s``; ``thermal`` holds the
-    GPU above its slowdown temperature, with the thermal clock-event bits, for ``for_s``.
+    GPU above its slowdown temperature, with the thermal clock-event bits, for ``for_s``;
+    ``thermal_target`` holds it at its max operating temperature (87 °C, an H100 SXM's),
+    its clocks trimmed by SW thermal slowdown (0x20) alone, for ``for_s``: no fault, a busy
+    GPU in a warm rack keeping itself at its thermal target.
     """
 
     model_config = ConfigDict(extra="forbid")

@@ -28,7 +28,7 @@ from gpusteward.rules import hardware, xid
 from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import FaultRecord, GroundTruth, SimulatedCluster
-from gpusteward.schema import Action, Finding
+from gpusteward.schema import Action, Finding, NodeSample
 from gpusteward.streams.app import worker_group
 
 pytestmark = pytest.mark.e2e
@@ -44,6 +44,8 @@ class Run:
     truth: GroundTruth
     findings: list[Finding]
     actions: list[Action]
+    readings: dict[str, list[tuple[float | None, int | None]]]
+    """Device -> (temperature, clock-event reasons) of each sample the worker read."""
 
 
 async def _run(broker: EmbeddedBroker, log_dir: Path) -> Run:
@@ -65,10 +67,16 @@ async def _run(broker: EmbeddedBroker, log_dir: Path) -> Run:
         await publisher.stop()
     findings = msgspec.json.Decoder(Finding).decode
     actions = msgspec.json.Decoder(Action).decode
+    readings: dict[str, list[tuple[float | None, int | None]]] = {}
+    for record in await kafka.read_all(settings, topics.SAMPLES.name(settings)):
+        for device in msgspec.json.decode(record.value, type=NodeSample).devices:
+            readings.setdefault(device.uuid, []).append(
+                (device.temp_c, device.clock_event_reasons))
     return Run(
         truth,
         [findings(r.value) for r in await kafka.read_all(settings, topics.FINDINGS.name(settings))],
         [actions(r.value) for r in await kafka.read_all(settings, topics.ACTIONS.name(settings))],
+        readings,
     )
 
 
@@ -102,6 +110,8 @@ def _expected(truth: GroundTruth) -> dict[Key, str | None]:
             expected[(fault.kind, fault.device, "")] = "cordon"
         elif fault.kind == "gpu_lost":
             expected[("gpu_lost", fault.device, "")] = "drain"
+        elif fault.kind == "thermal_target":
+            continue  # SW thermal slowdown alone, below the slowdown temperature: no fault
         elif fault.kind == "thermal":
             ticks = _ticks(truth, fault)
             if ticks and ticks[-1] - ticks[0] >= HW.thermal.window_s:
@@ -197,10 +207,16 @@ def test_a_lost_gpu_stays_lost_until_reset(run: Run) -> None:
 
 def test_near_misses_stay_quiet(run: Run) -> None:
     """Faults below their rule's bar (a 2-minute thermal spike, a small SBE burst, three
-    application XIDs, a benign XID) give no finding on their GPU."""
+    application XIDs, a benign XID) give no finding on their GPU, nor does a busy GPU held
+    an hour at its max operating temperature by SW thermal slowdown (87 °C, bit 0x20 at
+    every sample: the thermal rule once called that a slowdown)."""
     expected_devices = {k[1] for k in _expected(run.truth)}
     near_misses = {f.device for f in run.truth.faults} - expected_devices
-    assert len(near_misses) == 4
+    assert len(near_misses) == 5
+    (target,) = [f for f in run.truth.faults if f.kind == "thermal_target"]
+    assert target.device in near_misses
+    held = [r for r in run.readings[target.device] if r == (87.0, 0x20)]
+    assert len(held) >= 3600 / run.truth.sample_interval_s - 1
     assert not [f for f in run.findings if f.subject.device in near_misses]
 
 

@@ -11,7 +11,9 @@ What must hold: no memory finding, and no notice, names a healthy server (the sh
 policy once told each of them its GPU was nearly full, the L4 and T4 ones that they were
 short of memory, and the two sharing an H100 that they over-committed it); the server that
 has really run out and the training job living at the edge of its GPU's memory are found,
-and only they.
+and only they. A TFJob and a JAXJob read as full as that job (TensorFlow's and JAX's memory
+pools, reserved when they start) and are not told: their owner is the watcher's, from the
+pod's controller, as in a cluster.
 """
 
 from __future__ import annotations
@@ -112,3 +114,18 @@ def test_the_starved_server_and_the_training_job_at_the_edge_are_found(run: Run)
     notified = {a.target.pod.name for a in run.actions
                 if a.verb == "notify_owner" and a.target.pod is not None}
     assert notified == {"starved-svc-d", "train-svc-e"}
+
+
+def test_tensorflow_and_jax_training_pools_raise_no_memory_finding(run: Run) -> None:
+    """The TFJob's and the JAXJob's GPUs read over 95 % used at every sample (the pools
+    TensorFlow and JAX reserve), as the Job's at the edge does; only the Job is told (the
+    test above), and nothing names the two."""
+    pooled = {"tf-train-svc-c", "jax-train-svc-d"}
+    shares = [(d.mem_used_bytes or 0) / (d.mem_total_bytes or 1) for s in run.samples
+              for d in s.devices if d.pod is not None and d.pod.name in pooled]
+    assert len(shares) >= 60 and min(shares) > 0.95
+    assert not [f for f in run.findings
+                if f.kind.startswith("gpu_memory_") and f.subject.pod
+                and f.subject.pod.name in pooled]
+    assert not [a for a in run.actions if a.target.pod is not None
+                and a.target.pod.name in pooled]

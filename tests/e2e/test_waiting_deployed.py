@@ -182,6 +182,38 @@ def test_a_half_placed_gang_known_through_the_watcher_is_found_in_its_window(
 
 
 @pytest.fixture(scope="module")
+def elastic_run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The elastic-gang scenario as fast as it goes, its gangs known only through the
+    watcher (the PyTorchJob and JobSet objects and their pods' owners and labels)."""
+    return asyncio.run(_run(broker, tmp_path_factory.mktemp("elastic-deployed"),
+                            "elastic-gang", policy="rules: {}\n", processes=["worker"]))
+
+
+def test_an_elastic_job_running_above_its_minimum_is_no_half_placed_gang(
+        elastic_run: Run) -> None:
+    """An elastic PyTorchJob (minReplicas 2 of 6) trains with the four workers that found
+    room for 40 minutes while two wait: no finding, no requeue asked (the rule once took the
+    six replicas for the gang's size). The rigid JobSet beside it, two of its four workers
+    holding their GPUs for 20 minutes, is still found."""
+    truth = elastic_run.truth
+    starts: dict[str, list[float]] = {}
+    for pod in truth.pods:
+        if pod.gang:
+            starts.setdefault(pod.gang, []).append(pod.started_at)
+    window = gang.GangSettings().window_s
+    elastic, rigid = sorted(starts["ml-elastic/elastic"]), sorted(starts["ml-rigid/rigid"])
+    assert elastic[3] == elastic[0] and elastic[4] - elastic[0] > window + 600
+    assert rigid[1] == rigid[0] and rigid[2] - rigid[0] > window + 120
+    firing = [f for f in elastic_run.findings if f.kind == gang.KIND and f.state == "firing"]
+    (finding,) = firing
+    assert finding.labels["gang"] == "JobSet/rigid"
+    assert finding.evidence is not None and finding.evidence.values["gang_size"] == 4
+    # The waiting workers get their start estimates (info), nothing else names the job.
+    assert {f.kind for f in elastic_run.findings if f.subject.pod is not None
+            and f.subject.pod.namespace == "ml-elastic"} <= {"queue_start_eta"}
+
+
+@pytest.fixture(scope="module")
 def budget_run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
     """Five hours in 10 s; the team comes from the pods' labels in the API."""
     # Paced, as a live fleet arrives: replayed as fast as it goes, the worker read a node's

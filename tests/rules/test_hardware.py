@@ -216,6 +216,20 @@ def test_thermal_reason_bits_count_but_power_brake_does_not() -> None:
     assert feed(hardware.HwTrack(), power) == []
 
 
+def test_a_busy_gpu_held_at_its_max_operating_temperature_is_no_slowdown() -> None:
+    """SW thermal slowdown (0x20) is the driver trimming the clocks so that the GPU stays at
+    its max operating temperature: an H100 SXM under full load sits at 87 °C with the bit set
+    for as long as the load lasts, below its slowdown temperature (89 °C). An hour of it is no
+    finding; the HW bit, or the slowdown temperature, on top of it still is."""
+    at_target = [(T0 + i * 30, dev(temp_c=87.0, clock_event_reasons=0x20)) for i in range(120)]
+    assert feed(hardware.HwTrack(), at_target) == []
+    clamped = [(T0 + i * 30, dev(temp_c=87.0, clock_event_reasons=0x20 | 0x40))
+               for i in range(12)]
+    assert len(firing(feed(hardware.HwTrack(), clamped))) == 1
+    past = [(T0 + i * 30, dev(temp_c=89.0, clock_event_reasons=0x20)) for i in range(12)]
+    assert len(firing(feed(hardware.HwTrack(), past))) == 1
+
+
 def test_short_thermal_spike_does_not_fire() -> None:
     spike = [(T0 + i * 30, dev(temp_c=95.0 if 3 <= i < 12 else 60.0)) for i in range(40)]
     assert feed(hardware.HwTrack(), spike) == []

@@ -33,12 +33,13 @@ def server(uuid: str) -> PodRef:
     return PodRef(namespace="serving", name=f"vllm-{uuid.lower()}", uid=f"u-{uuid}")
 
 
-def allocation(uuid: str, kind: str = "inference") -> PodAllocation:
-    pod = server(uuid) if kind == "inference" else PodRef(namespace="ml", name="train",
-                                                          uid="u-train")
+def allocation(uuid: str, kind: str = "inference", owner: str = "Job") -> PodAllocation:
+    pod = server(uuid) if kind == "inference" else PodRef(namespace="ml", name=f"train-{uuid}",
+                                                          uid=f"u-train-{uuid}")
     return PodAllocation(ts=T0 - 3600, node="n1", pod=pod, phase="running", gpus=1,
                          device_ids=[uuid], started_at=T0 - 3600, workload_kind=kind,
-                         owner_kind="ReplicaSet", owner_name=pod.name)
+                         owner_kind="Deployment" if kind == "inference" else owner,
+                         owner_name=pod.name)
 
 
 def device(uuid: str, util: float, used_mib: float | None = None) -> DeviceSample:
@@ -48,13 +49,14 @@ def device(uuid: str, util: float, used_mib: float | None = None) -> DeviceSampl
                         mem_used_bytes=int(used * MIB), mem_total_bytes=total_mib * MIB)
 
 
-def run(extra: list[str], used_extra: float, days: int) -> Counter[tuple[str, str | None]]:
+def run(extra: list[str], used_extra: float, days: int,
+        owners: dict[str, str] | None = None) -> Counter[tuple[str, str | None]]:
     join = NodeJoin(RuleSettings(policy=load_policy(REPO / "deploy" / "base" / "policy.yaml")))
     state = NodeState()
     kinds = {uuid: "inference" for uuid in GPUS} | {uuid: "batch" for uuid in extra}
     out = []
     for uuid, kind in kinds.items():
-        out += join.on_allocation(state, allocation(uuid, kind))
+        out += join.on_allocation(state, allocation(uuid, kind, (owners or {}).get(uuid, "Job")))
     bursts = [0.0, 0.0, 0.0, 35.0, 0.0, 8.0]
     utils = ([bursts[i % len(bursts)] for i in range(DAY_TICKS)] + [0.0] * NIGHT_TICKS) * days
     for i, util in enumerate(utils):
@@ -74,3 +76,12 @@ def test_a_training_job_at_the_edge_of_its_memory_is_still_found() -> None:
     # 78 of 79.6 GiB for days: the high-memory rule still judges batch pods' devices.
     found = run(["GPU-train"], 78 * 1024, days=1)
     assert found == Counter({("gpu_memory_high", "GPU-train"): 1})
+
+
+def test_tensorflow_and_jax_jobs_pools_are_not_judged_a_job_at_the_edge_is() -> None:
+    # TensorFlow maps all of an H100 but its MinSystemMemory (1.5 GiB on compute capability
+    # 8+); a JAXJob at XLA_PYTHON_CLIENT_MEM_FRACTION 0.95 reads as much. A Job (PyTorch's
+    # caching allocator grows to what it needs) at that level is still told.
+    owners = {"GPU-tf": "TFJob", "GPU-jax": "JAXJob", "GPU-job": "Job"}
+    found = run(list(owners), 81559 - 1536, days=1, owners=owners)
+    assert found == Counter({("gpu_memory_high", "GPU-job"): 1})

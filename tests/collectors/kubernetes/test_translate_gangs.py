@@ -55,6 +55,11 @@ def test_sizes_count_gpu_members_only() -> None:
         "pytorchReplicaSpecs": {"Master": {"replicas": 1, "template": _template(True)},
                                 "Worker": {"replicas": 7, "template": _template(True)}}}}
     assert kube.gang_size_of("pytorchjobs", pytorch) == ("PyTorchJob/llm", 8)
+    # An elastic one (torchrun --nnodes=2:6) trains once 2 workers have joined.
+    elastic = {"kind": "PyTorchJob", "metadata": {"name": "el"}, "spec": {
+        "elasticPolicy": {"rdzvBackend": "c10d", "minReplicas": 2, "maxReplicas": 6},
+        "pytorchReplicaSpecs": {"Worker": {"replicas": 6, "template": _template(True)}}}}
+    assert kube.gang_size_of("pytorchjobs", elastic) == ("PyTorchJob/el", 2)
     # An MPIJob's launcher asks for no GPU: it never shows up as a member.
     mpi = {"kind": "MPIJob", "metadata": {"name": "hpc"}, "spec": {
         "mpiReplicaSpecs": {"Launcher": {"replicas": 1, "template": _template(False)},
