@@ -40,6 +40,7 @@ from gpusteward.sandbox.kube_objects import (
     gpu_node,
     gpu_pod,
     resource_claim,
+    resource_claim_template,
     resource_slice,
     rfc3339,
 )
@@ -140,17 +141,37 @@ def pod_for(workload: Workload, cluster_queue: str, dra: bool = False) -> dict[s
         (reference,) = pod["metadata"]["ownerReferences"]
         reference.update(apiVersion="apps/v1", uid=f"{kind.lower()}-{owner_name}")
     if dra:
-        claim_pod(pod, {"gpu": dra_claim_name(workload.name)})
+        claim_pod(pod, {"gpu": dra_claim_name(workload.name)},
+                  templates={"gpu": dra_template_name(workload.name)})
     return pod
 
 
-def claim_for(workload: Workload, pod: dict[str, Any]) -> dict[str, Any]:
-    """The claim the resourceclaim controller makes from the pod's template: MIG devices
-    of the workload's profile (NVIDIA's ``mig.nvidia.com`` class), else whole GPUs."""
+def dra_template_name(workload: str) -> str:
+    """The ResourceClaimTemplate a workload's pod names (its owner's, in a real cluster)."""
+    return f"{workload}-gpu"
+
+
+def _dra_request(workload: Workload) -> dict[str, Any]:
+    """What the workload's claim asks for: MIG devices of its profile (NVIDIA's
+    ``mig.nvidia.com`` class, the profile chosen by a selector), else whole GPUs."""
     mig = workload.spec.mig
+    if len(mig) > 1:
+        raise ValueError(f"{workload.name}: one MIG profile per DRA claim here, not {mig}")
+    profile = next(iter(mig), None)
+    return {"device_class": "mig.nvidia.com" if mig else "gpu.nvidia.com",
+            "count": sum(mig.values()) if mig else workload.spec.gpus, "profile": profile}
+
+
+def template_for(workload: Workload) -> dict[str, Any]:
+    """The ResourceClaimTemplate the workload's pod names, made before the pod."""
+    return resource_claim_template(dra_template_name(workload.name), workload.namespace,
+                                   **_dra_request(workload))
+
+
+def claim_for(workload: Workload, pod: dict[str, Any]) -> dict[str, Any]:
+    """The claim the resourceclaim controller makes from the pod's template."""
     return resource_claim(dra_claim_name(workload.name), workload.namespace, owner=pod,
-                          device_class="mig.nvidia.com" if mig else "gpu.nvidia.com",
-                          count=sum(mig.values()) if mig else workload.spec.gpus)
+                          **_dra_request(workload))
 
 
 def _resources(workload: Workload) -> dict[str, str]:
@@ -325,6 +346,7 @@ class KubeMirrorPublisher:
             pod = pod_for(workload, self.cluster.scenario.cluster_queue, dra)
             self._create_owners(workload)
             if dra:
+                self.api.create(template_for(workload))
                 self.api.create(claim_for(workload, pod))
             if dra and event.phase in ("bound", "running"):
                 self._allocate(workload, pod)
@@ -346,6 +368,7 @@ class KubeMirrorPublisher:
         dra = self.cluster.scenario.asks_through_dra(workload.spec)
         pod = pod_for(workload, cluster_queue, dra)
         if dra:  # the resourceclaim controller makes the pod's claim from its template
+            self.api.create(template_for(workload))
             self.api.create(claim_for(workload, pod))
         self.api.create(pod)
 

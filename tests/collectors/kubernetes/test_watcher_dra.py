@@ -27,10 +27,12 @@ from gpusteward.sandbox.kube_objects import (
     gpu_node,
     gpu_pod,
     resource_claim,
+    resource_claim_template,
     resource_slice,
     start,
+    workload,
 )
-from gpusteward.schema import NodeInventory, NodeSummary, PodAllocation
+from gpusteward.schema import NodeInventory, NodeSummary, PodAllocation, QueueEvent
 from gpusteward.streams.node import NodeJoin, NodeState
 
 from .conftest import RunningWatcher, WatcherFactory, wait_until
@@ -93,6 +95,12 @@ def holdings(events: list[Any]) -> dict[str, tuple[str, int, dict[str, int], lis
     """Pod name -> (phase, GPUs, MIG devices, device ids) of its last allocation event."""
     return {e.pod.name: (e.phase, e.gpus, dict(e.mig), list(e.device_ids)) for e in events
             if isinstance(e, PodAllocation)}
+
+
+def waits(events: list[Any]) -> list[tuple[str, str, int, dict[str, int]]]:
+    """(name, state, GPUs, MIG devices) of the pods' queue events."""
+    return [(e.name, e.state, e.gpus, dict(e.mig)) for e in events
+            if isinstance(e, QueueEvent) and e.kind == "pod"]
 
 
 def unresolved(watcher: RunningWatcher, namespace: str = "team-a") -> float:
@@ -164,13 +172,17 @@ def test_a_claim_allocated_after_its_pod_was_seen_bound_completes_the_pod(
     pod = claim_pod(gpu_pod("nb", uid="u-nb", owner=("StatefulSet", "nb")),
                     {"gpu": "nb-gpu-q2r8t"})
     claim = resource_claim("nb-gpu-q2r8t", "team-a", owner=pod)
+    mark = len(watcher.events)
     kube_api.create(claim)
     kube_api.create(pod)
-    mark = len(watcher.events)
-    assert watcher.new_events(mark) == []  # waiting for DRA devices: not on the queue
+    assert waits(watcher.new_events(mark)) == [("nb", "pending", 1, {})]
 
+    mark = len(watcher.events)
     kube_api.mutate("Pod", "nb", lambda p: bind(p, "n1"), "team-a")
-    assert watcher.new_events(mark) == []  # bound, but what it holds is not known yet
+    # Bound: no longer waiting, but what it holds is not known yet.
+    assert [(type(e).__name__, getattr(e, "state", None)) for e in watcher.new_events(mark)
+            ] == [("QueueEvent", "admitted")]
+    mark = len(watcher.events)
     kube_api.mutate("ResourceClaim", "nb-gpu-q2r8t",
                     lambda c: allocate(c, "n1", ["gpu-3"], [pod]), "team-a",
                     "resource.k8s.io")
@@ -183,7 +195,8 @@ def test_a_claim_allocated_after_its_pod_was_seen_bound_completes_the_pod(
                     "resource.k8s.io")
     kube_api.delete("ResourceClaim", "nb-gpu-q2r8t", "team-a", "resource.k8s.io")
     kube_api.delete("Pod", "nb", "team-a")
-    assert [(e.phase, e.gpus, list(e.device_ids)) for e in watcher.new_events(mark)] == [
+    assert [(e.phase, e.gpus, list(e.device_ids)) for e in watcher.new_events(mark)
+            if isinstance(e, PodAllocation)] == [
         ("running", 1, [UUIDS[3]]), ("finished", 1, [UUIDS[3]]),
         ("deleted", 1, [UUIDS[3]])]
     assert unresolved(watcher) == 0
@@ -250,6 +263,76 @@ def test_only_claims_it_cannot_resolve_are_said_once_per_pod(
                      "with pod ray-head only"]
 
 
+def test_pods_waiting_for_dra_gpus_are_queued_with_what_their_claims_ask(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """A pod waiting for GPUs through claims waits like one asking ``nvidia.com/gpu``: it is
+    on the queue topic with what its claims' requests ask (two GPUs; one 3g.40gb MIG device
+    chosen by its profile selector), read from the claim made for it or, before the
+    resourceclaim controller made it, from its template; another driver's request (a NIC)
+    asks for no GPU. Once bound and allocated it is admitted and holds its devices."""
+    kube_api.create(dra_node("n1", gpus=4))
+    kube_api.create(h100_slice())
+    kube_api.create(resource_claim_template("train-gpus", "team-a", count=2))
+    kube_api.create(resource_claim_template("mig-slice", "team-a",
+                                            device_class="mig.nvidia.com",
+                                            profile="3g.40gb"))
+    kube_api.create(resource_claim_template("nic", "team-a",
+                                            device_class="sriov.nvidia.com"))
+    train = claim_pod(gpu_pod("train-0", uid="u-train", resources={}),
+                      {"gpu": "train-0-gpu-7x2kq", "nic": "train-0-nic-p9w4d"},
+                      templates={"gpu": "train-gpus", "nic": "nic"})
+    kube_api.create(resource_claim("train-0-gpu-7x2kq", "team-a", owner=train, count=2))
+    kube_api.create(train)
+    # The controller has not made its claim yet: its template says what it asks.
+    infer = claim_pod(gpu_pod("infer", uid="u-infer", resources={},
+                              owner=("ReplicaSet", "infer-5d8f9c")),
+                      {"gpu": None}, templates={"gpu": "mig-slice"})
+    kube_api.create(infer)
+    watcher = start_watcher()
+    assert waits(watcher.events) == [("infer", "pending", 0, {"3g.40gb": 1}),
+                                     ("train-0", "pending", 2, {})]
+
+    mark = len(watcher.events)
+    kube_api.mutate("ResourceClaim", "train-0-gpu-7x2kq",
+                    lambda c: allocate(c, "n1", ["gpu-0", "gpu-1"], [train]), "team-a",
+                    "resource.k8s.io")
+    kube_api.mutate("Pod", "train-0", lambda p: bind(p, "n1"), "team-a")
+    new = watcher.new_events(mark)
+    assert waits(new) == [("train-0", "admitted", 2, {})]
+    assert holdings(new) == {"train-0": ("bound", 2, {}, UUIDS[:2])}
+
+
+def test_a_pod_seen_before_its_claim_template_is_queued_once_the_template_comes(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """Templates and pods are watched apart: a pod read before the template it names is
+    queued as soon as the template is read."""
+    kube_api.create(dra_node("n1", gpus=4))
+    kube_api.create(h100_slice())
+    watcher = start_watcher()
+    mark = len(watcher.events)
+    kube_api.create(claim_pod(gpu_pod("train-0", uid="u-train", resources={}),
+                              {"gpu": None}, templates={"gpu": "train-gpus"}))
+    assert watcher.new_events(mark) == []
+    kube_api.create(resource_claim_template("train-gpus", "team-a", count=2))
+    assert waits(watcher.new_events(mark)) == [("train-0", "pending", 2, {})]
+
+
+def test_a_kueue_workload_of_dra_pods_asks_what_its_template_claims_ask(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """A Kueue Workload whose pod template asks for GPUs through a claim template waits
+    for them like one asking ``nvidia.com/gpu``: per pod set and in all."""
+    kube_api.create(resource_claim_template("train-gpus", "team-a", count=2))
+    pending = workload("wl", gpus=0, count=3)
+    (pod_set,) = pending["spec"]["podSets"]
+    pod_set["template"]["spec"]["resourceClaims"] = [
+        {"name": "gpu", "resourceClaimTemplateName": "train-gpus"}]
+    kube_api.create(pending)
+    watcher = start_watcher()
+    (event,) = [e for e in watcher.events if isinstance(e, QueueEvent)]
+    assert (event.kind, event.state, event.gpus) == ("workload", "pending", 6)
+    assert [(s.count, s.gpus) for s in event.pod_sets] == [(3, 2)]
+
+
 def test_a_cluster_without_dra_v1_is_watched_without_it_until_it_is_served(
         caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     """Before Kubernetes 1.34 resource.k8s.io/v1 is not served: the watcher says so in one
@@ -257,7 +340,8 @@ def test_a_cluster_without_dra_v1_is_watched_without_it_until_it_is_served(
     each DRA pod unresolved; once the cluster serves it (an upgrade), the next resync
     watches claims and completes the pods, without a restart."""
     caplog.set_level(logging.INFO, "gpusteward.collectors.kubernetes.watcher")
-    dra = {"resourceclaims.resource.k8s.io", "resourceslices.resource.k8s.io"}
+    dra = {"resourceclaims.resource.k8s.io", "resourceclaimtemplates.resource.k8s.io",
+           "resourceslices.resource.k8s.io"}
     with KubeApiServer(bookmark_interval_s=0.05, absent=dra) as api:
         from gpusteward.collectors.kubernetes import KubeWatchSettings
 
