@@ -24,9 +24,10 @@ node's capacity: no device plugin advertises ``nvidia.com/gpu`` there. Pure,
 like the translator that uses it.
 
 What is left out, deliberately: a device allocated for admin access
-(``adminAccess``: monitoring, not a hold); a claim shared by several pods is
-reported with the first pod it is reserved for only, so a GPU is never
-counted twice.
+(``adminAccess``: monitoring, not a hold). A claim shared by several pods counts
+its devices with the first pod it is reserved for only, so a GPU is never
+counted twice; the others are reported holding a share of it (no GPU of their
+own), so the worker knows their owners when it judges them on the device.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ class Held:
     """(profile, count), sorted."""
     device_ids: tuple[str, ...] = ()
     """GPU and MIG uuids, in the allocation's order."""
+    share: bool = False
+    """A share of a claim whose devices count with another pod (the first it is reserved
+    for): the pod holds no GPU of its own, but is one of the devices' holders."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,8 +317,8 @@ class DraIndex:
         (held, None): resolved for good (a claim reserved for a pod keeps its allocation
         until the pod is done). (None, None): not yet: the claim is not seen, not allocated
         or not reserved for the pod. (None, reason): allocated to the pod, but a device is
-        not in any slice or says no uuid or no type this index knows. (Held(), reason): a
-        claim shared with other pods, reported with the first of them.
+        not in any slice or says no uuid or no type this index knows. (Held(share=True),
+        None): a claim shared with other pods, whose devices count with the first of them.
         """
         claim = self.claims.get(claim_name)
         if claim is None or not claim.allocated:
@@ -324,9 +328,7 @@ class DraIndex:
         if not mine:
             return None, None
         if mine[0] > 0:
-            first = claim.consumers[0][1]
-            return Held(), (f"claim {claim_name} is shared by {len(claim.consumers)} pods: "
-                            f"its devices are reported with pod {first} only")
+            return Held(share=bool(claim.results)), None
         gpus, ids = 0, []
         mig: dict[str, int] = {}
         for key in claim.results:

@@ -744,7 +744,8 @@ class Translator:
             dra.said = True
             self.dra_unresolved.append((base.pod.namespace, base.pod.name, reasons))
         gpus, mig, device_ids = self._holding(memo, base.node)
-        if not gpus and not mig and memo.last is None:
+        if not gpus and not mig and memo.last is None and not any(
+                held.share for held in dra.held.values()):
             return None
         return msgspec.structs.replace(base, gpus=gpus, mig=mig, device_ids=device_ids)
 

@@ -227,12 +227,14 @@ def test_a_slice_published_late_completes_the_pods_waiting_for_it(
     assert unresolved(watcher) == 1
 
 
-def test_only_claims_it_cannot_resolve_are_said_once_per_pod(
+def test_a_shared_claim_counts_its_gpu_once_and_reports_every_pod(
         kube_api: KubeApiServer, start_watcher: WatcherFactory,
         caplog: pytest.LogCaptureFixture) -> None:
     """A claim shared by two pods counts its GPU once, with the first pod it is reserved
-    for (the other is said); an admin-access claim (a monitoring agent's) holds nothing
-    and is no fault; another driver's devices are not GPUs and no fault either."""
+    for; the other holds a share of it (no GPU of its own), so the worker knows its owner
+    when the node names it among the GPU's holders; an admin-access claim (a monitoring
+    agent's) holds nothing and is no fault; another driver's devices are not GPUs and no
+    fault either."""
     caplog.set_level(logging.WARNING, "gpusteward.collectors.kubernetes.watcher")
     kube_api.create(dra_node("n1", gpus=4))
     kube_api.create(h100_slice())
@@ -249,18 +251,18 @@ def test_only_claims_it_cannot_resolve_are_said_once_per_pod(
         kube_api.create(obj)
 
     watcher = start_watcher()
-    assert holdings(watcher.events) == {"ray-head": ("running", 1, {}, [UUIDS[0]])}
+    assert holdings(watcher.events) == {"ray-head": ("running", 1, {}, [UUIDS[0]]),
+                                        "ray-worker": ("running", 0, {}, [])}
+    worker = next(e for e in watcher.events
+                  if isinstance(e, PodAllocation) and e.pod.name == "ray-worker")
+    assert (worker.owner_kind, worker.owner_name) == ("Job", "train")
     assert summary(watcher, "n1").gpus_free == 3
     mark = len(watcher.events)
     kube_api.mutate("Pod", "ray-worker", lambda p: p["status"].update(podIP="10.0.0.9"),
                     "team-a")
     assert watcher.new_events(mark) == []
-    assert unresolved(watcher) == 1
-    lines = [r.getMessage() for r in caplog.records if "Dynamic Resource" in r.getMessage()]
-    assert lines == ["pod team-a/ray-worker gets devices through Dynamic Resource Allocation "
-                     "that the watcher cannot resolve to GPUs, so they may go unreported: "
-                     "claim team-a/shared-gpu is shared by 2 pods: its devices are reported "
-                     "with pod ray-head only"]
+    assert unresolved(watcher) == 0
+    assert not [r for r in caplog.records if "Dynamic Resource" in r.getMessage()]
 
 
 def test_pods_waiting_for_dra_gpus_are_queued_with_what_their_claims_ask(
