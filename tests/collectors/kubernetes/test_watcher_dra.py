@@ -32,7 +32,17 @@ from gpusteward.sandbox.kube_objects import (
     start,
     workload,
 )
-from gpusteward.schema import NodeInventory, NodeSummary, PodAllocation, QueueEvent
+from gpusteward.schema import (
+    DeviceHolder,
+    DeviceSample,
+    Finding,
+    NodeInventory,
+    NodeSample,
+    NodeSummary,
+    PodAllocation,
+    PodRef,
+    QueueEvent,
+)
 from gpusteward.streams.node import NodeJoin, NodeState
 
 from .conftest import RunningWatcher, WatcherFactory, wait_until
@@ -317,6 +327,51 @@ def test_a_pod_seen_before_its_claim_template_is_queued_once_the_template_comes(
     assert watcher.new_events(mark) == []
     kube_api.create(resource_claim_template("train-gpus", "team-a", count=2))
     assert waits(watcher.new_events(mark)) == [("train-0", "pending", 2, {})]
+
+
+def test_a_shared_claim_is_idle_for_all_its_pods_or_for_none(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """The worker's node join, fed the watcher's events for two pods sharing one claim and
+    the samples the NVML collector publishes for such a GPU (``shared``, each pod's own
+    activity in ``holders``): the idle pod is not idle while its neighbour keeps the GPU
+    busy (the claim would stay allocated were it reclaimed); once both are idle, both are
+    found, each with its owner (which decides what a reclaim does)."""
+    kube_api.create(dra_node("n1", gpus=4))
+    kube_api.create(h100_slice())
+    head = running_pod("ray-head", "n1", {"gpu": "shared-gpu"}, uid="u-head",
+                       from_template=False, owner=("ReplicaSet", "ray-5d8f9c"))
+    worker = running_pod("ray-worker", "n1", {"gpu": "shared-gpu"}, uid="u-worker",
+                         from_template=False)
+    shared = resource_claim("shared-gpu", "team-a")
+    allocate(shared, "n1", ["gpu-0"], [head, worker])
+    for obj in (shared, head, worker):
+        kube_api.create(obj)
+    watcher = start_watcher()
+    join, state = NodeJoin(), NodeState()
+    for event in watcher.events:
+        if isinstance(event, (PodAllocation, NodeInventory)):
+            join.on_allocation(state, event)
+    started = max(e.started_at or 0.0 for e in watcher.events if isinstance(e, PodAllocation))
+
+    def idle_found(since: float, until: float, worker_activity: float) -> dict[str, str]:
+        found: dict[str, str] = {}
+        for ts in range(int(since), int(until), 60):
+            sample = NodeSample(ts=float(ts), node="n1", source="nvml", devices=[DeviceSample(
+                uuid=UUIDS[0], index=0, model=H100, util_pct=worker_activity,
+                mem_used_bytes=30 << 30, mem_total_bytes=80 << 30, attribution="shared",
+                pod=PodRef("team-a", "ray-head"), holders=[
+                    DeviceHolder(pod=PodRef("team-a", "ray-head"), activity_pct=0.0),
+                    DeviceHolder(pod=PodRef("team-a", "ray-worker"),
+                                 activity_pct=worker_activity)])])
+            for out in join.on_sample(state, sample):
+                if isinstance(out, Finding) and out.kind == "idle_holder" and \
+                        out.state == "firing" and out.subject.pod is not None:
+                    found[out.subject.pod.name] = out.labels.get("owner", "")
+        return found
+
+    assert idle_found(started, started + 3 * 3600, 90.0) == {}
+    assert idle_found(started + 3 * 3600, started + 5 * 3600, 0.0) == {
+        "ray-head": "ReplicaSet/ray-5d8f9c", "ray-worker": "Job/train"}
 
 
 def test_a_kueue_workload_of_dra_pods_asks_what_its_template_claims_ask(
