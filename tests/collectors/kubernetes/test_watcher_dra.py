@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from gpusteward.collectors.kubernetes import dra
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_objects import (
     allocate,
@@ -273,6 +274,30 @@ def test_a_shared_claim_counts_its_gpu_once_and_reports_every_pod(
     assert watcher.new_events(mark) == []
     assert unresolved(watcher) == 0
     assert not [r for r in caplog.records if "Dynamic Resource" in r.getMessage()]
+
+
+def _request(**exactly: Any) -> dict[str, Any]:
+    return {"name": "r", "exactly": {"deviceClassName": "gpu.nvidia.com", **exactly}}
+
+
+@pytest.mark.parametrize(("requests", "asked"), [
+    ([_request()], {"nvidia.com/gpu": 1}),                          # count defaults to 1
+    ([_request(count=2), _request(count=1)], {"nvidia.com/gpu": 3}),
+    ([_request(allocationMode="All")], {"nvidia.com/gpu": 1}),      # every one: at least one
+    ([_request(deviceClassName="mig.nvidia.com", count=2, selectors=[{"cel": {
+        "expression": 'device.attributes["gpu.nvidia.com"].profile == "1g.10gb+me"'}}])],
+     {"nvidia.com/mig-1g.10gb.me": 2}),
+    ([_request(deviceClassName="mig.nvidia.com")], {}),              # no profile named
+    ([{"name": "r", "firstAvailable": [                              # the first choice
+        {"name": "big", "deviceClassName": "gpu.nvidia.com", "count": 2},
+        {"name": "small", "deviceClassName": "gpu.nvidia.com", "count": 1}]}],
+     {"nvidia.com/gpu": 2}),
+    ([_request(adminAccess=True)], {}),                               # monitoring, no ask
+    ([_request(deviceClassName="sriov.example.com")], {}),
+])
+def test_what_a_claims_device_requests_ask_for(requests: list[dict[str, Any]],
+                                               asked: dict[str, int]) -> None:
+    assert dra.requested({"requests": requests}) == asked
 
 
 def test_pods_waiting_for_dra_gpus_are_queued_with_what_their_claims_ask(
