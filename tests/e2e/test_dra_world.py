@@ -57,11 +57,11 @@ class Run:
     queue: list[QueueEvent]
 
 
-async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
+async def _run(broker: EmbeddedBroker, workdir: Path, scenario: str = "dra-gpus") -> Run:
     manifests = deployment.Manifests.from_overlay(OVERLAY)
-    spec = scenarios.load("dra-gpus").model_copy(update={"acceleration": 0.0})
+    spec = scenarios.load(scenario).model_copy(update={"acceleration": 0.0})
     cluster = SimulatedCluster(spec)
-    local = deployment.Local(broker.bootstrap, workdir, topic_prefix="e2e-dra",
+    local = deployment.Local(broker.bootstrap, workdir, topic_prefix=f"e2e-{scenario}",
                              kubeconfig=workdir / "kubeconfig")
     settings = manifests.launch("collector", local).settings()
     await kafka.ensure_topics(settings)
@@ -168,4 +168,35 @@ def test_pods_waiting_for_dra_gpus_are_queued_and_breach_their_queue_slo(run: Ru
     assert subjects(queue.WAIT_KIND) == set(waiting)
     assert all(run.truth.end_ts - since > slo for since in waiting.values())
     assert set(waiting) <= subjects(eta.KIND)
+
+
+@pytest.fixture(scope="module")
+def shared_run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return asyncio.run(_run(broker, tmp_path_factory.mktemp("dra-shared"),
+                            "dra-shared-claim"))
+
+
+def test_a_shared_claim_is_idle_for_all_its_pods_or_for_none(shared_run: Run) -> None:
+    """Two notebooks share one L4 through one claim, each one's use read from its
+    processes. The claim is one allocation, given back only once both are gone: the idle
+    notebook is no idle holder while its neighbour keeps the GPU busy (reclaiming it would
+    free nothing); once both are idle, both are found, each with its owner (the watcher
+    reports the claim's second pod too), so each is reclaimed through its own."""
+    truth = shared_run.truth
+    pods = {p.pod.rsplit("-", 1)[0]: p for p in truth.pods}
+    assert set(pods) == {"nb-idle", "nb-busy"}
+    busy_idle_from = min(p.start for p in truth.idle_periods if p.pod == pods["nb-busy"].pod)
+    found = {f.subject.pod.name.rsplit("-", 1)[0]: f for f in shared_run.findings
+             if f.kind == "idle_holder" and f.state == "firing" and f.subject.pod}
+    assert {pod: f.starts_at >= busy_idle_from for pod, f in found.items()} == {
+        "nb-idle": True, "nb-busy": True}
+    assert all(f.labels.get("owner", "").startswith("Notebook/") for f in found.values())
+    (device,) = {d for p in truth.pods for d in p.devices}
+    shared = [d for s in shared_run.samples if s.source == "nvml" for d in s.devices
+              if d.uuid == device and len(d.holders) == 2]
+    assert shared and {d.attribution for d in shared} == {"shared"}
+    # each pod's own use is still read (and goes into its rollup rows)
+    assert any(h.activity_pct and h.activity_pct >= 40 for d in shared for h in d.holders)
+    (summary,) = {s.node: s for s in shared_run.summaries}.values()
+    assert (summary.gpus_total, summary.gpus_free) == (1, 0)  # the GPU counted once
 
