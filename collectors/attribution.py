@@ -101,6 +101,14 @@ class DeviceOwners:
     unnamed: tuple[str, ...] = ()
     """DRA devices of the watched drivers (``driver pool/device``) whose name says no GPU or
     MIG device this module knows: held, but credited to no device."""
+    one_claim: frozenset[tuple[PodRef, ...]] = frozenset()
+    """The holders of each device that several pods hold through one ResourceClaim (and
+    nothing else), as :meth:`gpu_holders` lists them."""
+
+    def through_one_claim(self, holders: list[PodRef]) -> bool:
+        """Whether ``holders`` (several) hold their device through one shared claim: one
+        allocation, which the driver gives back only once all of them are done."""
+        return len(holders) > 1 and tuple(holders) in self.one_claim
 
     def __len__(self) -> int:
         return len(self.by_key)
@@ -197,6 +205,8 @@ def owners_from_response(response: api_pb2.ListPodResourcesResponse,
     extra, drivers = frozenset(extra_resources), frozenset(dra_drivers)
     held: list[tuple[tuple[str, str, str], list[str]]] = []
     unnamed: list[str] = []
+    claims: dict[str, set[str | None]] = {}
+    """Device key -> the claims it is held through (None: a device plugin's id)."""
     for pod in response.pod_resources:
         for container in pod.containers:
             holder = (pod.namespace, pod.name, container.name)
@@ -204,7 +214,9 @@ def owners_from_response(response: api_pb2.ListPodResourcesResponse,
                 if not is_gpu_resource(devices.resource_name, extra):
                     continue
                 for device_id in devices.device_ids:
-                    held.append((holder, device_keys(device_id)))
+                    keys = device_keys(device_id)
+                    held.append((holder, keys))
+                    claims.setdefault(keys[-1], set()).add(None)
             for claim in container.dynamic_resources:
                 for device in claim.claim_resources:
                     if device.driver_name not in drivers:
@@ -212,6 +224,8 @@ def owners_from_response(response: api_pb2.ListPodResourcesResponse,
                     key = dra_device_key(device.device_name)
                     if key is not None:
                         held.append((holder, [key]))
+                        claims.setdefault(key, set()).add(
+                            f"{claim.claim_namespace}/{claim.claim_name}")
                     elif not _DRA_VFIO.match(device.device_name):  # no NVML device: not held here
                         unnamed.append(f"{device.driver_name} {device.pool_name}/"
                                        f"{device.device_name}")
@@ -222,7 +236,10 @@ def owners_from_response(response: api_pb2.ListPodResourcesResponse,
             holders = by_key.setdefault(key, [])
             if ref not in holders:  # several replicas (::0, ::1) of one GPU to one pod
                 holders.append(ref)
-    return DeviceOwners(by_key, tuple(sorted(set(unnamed))))
+    one_claim = frozenset(tuple(by_key[key]) for key, through in claims.items()
+                          if len(through) == 1 and None not in through
+                          and len(by_key.get(key, ())) > 1)
+    return DeviceOwners(by_key, tuple(sorted(set(unnamed))), one_claim)
 
 
 # --- per-process attribution ------------------------------------------------------------

@@ -118,7 +118,8 @@ Attribution = Literal["device", "process", "shared"]
 readings are its own; ``process``, the readings of each holder are its own processes'
 (NVML per-process, or dcgm-exporter's per-pod ``vgpu`` series); ``shared``, several pods
 hold the device and the source cannot split its readings between them (dcgm-exporter
-without per-pod series)."""
+without per-pod series), or they hold it through one DRA ResourceClaim: one allocation,
+idle for all of them or for none, whatever each one's own readings in ``holders`` say."""
 
 
 class DeviceSample(msgspec.Struct, omit_defaults=True):

@@ -200,7 +200,9 @@ class MinuteFold:
     def add_share(self, bucket: dict[str, Minute], device: DeviceSample, share: DeviceHolder,
                   ts: float, who: Attribution | None) -> bool:
         """Count one holder's share of a device several pods hold, in a row of its own."""
-        split = device.attribution == "process" and share.activity_pct is not None
+        # A holder's own readings where the source split them, whether or not the device is
+        # judged as one (pods sharing a DRA claim: ``shared`` with their own readings).
+        split = share.activity_pct is not None
         first = share is device.holders[0]
         own = msgspec.structs.replace(
             device, pod=share.pod, holders=[],

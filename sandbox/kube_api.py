@@ -157,6 +157,7 @@ RESOURCES: tuple[Resource, ...] = (
     # devices and the drivers' slices that publish them. A cluster before 1.34 serves no
     # resource.k8s.io/v1: ``absent`` leaves both out.
     Resource(DRA_GROUP, "resourceclaims", "ResourceClaim", True, ("v1",)),
+    Resource(DRA_GROUP, "resourceclaimtemplates", "ResourceClaimTemplate", True, ("v1",)),
     Resource(DRA_GROUP, "resourceslices", "ResourceSlice", False, ("v1",)),
 )
 _BY_KIND = {(r.group, r.kind): r for r in RESOURCES}

@@ -21,7 +21,10 @@ a pod asks through a claim template, the resourceclaim controller's claim
 (``<pod>-gpu-<suffix>``) is created with it and named in its status; the
 scheduler allocates the claim to the simulator's devices and reserves it for
 the pod before binding; the claim is released once the pod is done and
-deleted with it.
+deleted with it. On a DRA node group whose one GPU is shared (``replicas``),
+its pods name one claim made beforehand (``<node group>-gpu``), as NVIDIA's
+driver time-slices a GPU among a claim's pods: allocated with the first pod,
+reserved for each pod as it is bound, released by each as it ends.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from gpusteward.sandbox.kube_objects import (
     gpu_node,
     gpu_pod,
     resource_claim,
+    resource_claim_template,
     resource_slice,
     rfc3339,
 )
@@ -119,13 +123,15 @@ def node_slice(node: SimNode) -> dict[str, Any]:
     return resource_slice(node.name, devices)
 
 
-def pod_for(workload: Workload, cluster_queue: str, dra: bool = False) -> dict[str, Any]:
+def pod_for(workload: Workload, cluster_queue: str, dra: bool = False,
+            shared_claim: str | None = None) -> dict[str, Any]:
     """The pod a controller would create for a simulated workload (pending, no node).
 
     A gang member is a pod of its JobSet's Job (``<jobset>-workers-0``), labelled with
     the JobSet's name as the JobSet controller labels it; the scenario's pod labels (a
     team) are carried as they are. With ``dra`` it asks for its GPUs through a claim
-    template (named in its status, as the resourceclaim controller does at once).
+    template (named in its status, as the resourceclaim controller does at once), or
+    through ``shared_claim``, made beforehand, where given.
     """
     kind, label = _OWNERS[workload.spec.kind]
     owner_name = f"{workload.name}-{_HASH}" if kind == "ReplicaSet" else workload.name
@@ -150,18 +156,45 @@ def pod_for(workload: Workload, cluster_queue: str, dra: bool = False) -> dict[s
         (reference,) = pod["metadata"]["ownerReferences"]
         reference.update(apiVersion="kubeflow.org/v1" if kind in _TRAINING_JOBS else "apps/v1",
                          uid=f"{kind.lower()}-{owner_name}")
-    if dra:
-        claim_pod(pod, {"gpu": dra_claim_name(workload.name)})
+    if dra and shared_claim is not None:
+        claim_pod(pod, {"gpu": shared_claim}, from_template=False)
+    elif dra:
+        claim_pod(pod, {"gpu": dra_claim_name(workload.name)},
+                  templates={"gpu": dra_template_name(workload.name)})
     return pod
 
 
-def claim_for(workload: Workload, pod: dict[str, Any]) -> dict[str, Any]:
-    """The claim the resourceclaim controller makes from the pod's template: MIG devices
-    of the workload's profile (NVIDIA's ``mig.nvidia.com`` class), else whole GPUs."""
+def dra_shared_claim_name(node_group: str) -> str:
+    """The claim the pods sharing a DRA node group's one GPU all name."""
+    return f"{node_group}-gpu"
+
+
+def dra_template_name(workload: str) -> str:
+    """The ResourceClaimTemplate a workload's pod names (its owner's, in a real cluster)."""
+    return f"{workload}-gpu"
+
+
+def _dra_request(workload: Workload) -> dict[str, Any]:
+    """What the workload's claim asks for: MIG devices of its profile (NVIDIA's
+    ``mig.nvidia.com`` class, the profile chosen by a selector), else whole GPUs."""
     mig = workload.spec.mig
+    if len(mig) > 1:
+        raise ValueError(f"{workload.name}: one MIG profile per DRA claim here, not {mig}")
+    profile = next(iter(mig), None)
+    return {"device_class": "mig.nvidia.com" if mig else "gpu.nvidia.com",
+            "count": sum(mig.values()) if mig else workload.spec.gpus, "profile": profile}
+
+
+def template_for(workload: Workload) -> dict[str, Any]:
+    """The ResourceClaimTemplate the workload's pod names, made before the pod."""
+    return resource_claim_template(dra_template_name(workload.name), workload.namespace,
+                                   **_dra_request(workload))
+
+
+def claim_for(workload: Workload, pod: dict[str, Any]) -> dict[str, Any]:
+    """The claim the resourceclaim controller makes from the pod's template."""
     return resource_claim(dra_claim_name(workload.name), workload.namespace, owner=pod,
-                          device_class="mig.nvidia.com" if mig else "gpu.nvidia.com",
-                          count=sum(mig.values()) if mig else workload.spec.gpus)
+                          **_dra_request(workload))
 
 
 def _resources(workload: Workload) -> dict[str, str]:
@@ -232,9 +265,10 @@ def node_for(event: NodeInventory, dra: bool = False) -> dict[str, Any]:
         labels["nvidia.com/gpu.product"] = event.gpu_product.replace(" ", "-")
     if event.spot:
         labels["karpenter.sh/capacity-type"] = "spot"
-    if event.gpu_replicas > 1:
+    if event.gpu_replicas > 1 and not dra:
         # As the GPU Operator labels a node whose device plugin shares its GPUs; the
-        # capacity is then the replicas, gpu.count the physical GPUs.
+        # capacity is then the replicas, gpu.count the physical GPUs. NVIDIA's DRA driver
+        # shares a GPU among the pods of one claim instead: no replicas are advertised.
         labels["nvidia.com/gpu.replicas"] = str(event.gpu_replicas)
         labels["nvidia.com/gpu.sharing-strategy"] = event.gpu_sharing or "time-slicing"
     # MIG devices as the device plugin advertises them under ``mixed`` (the simulator
@@ -332,19 +366,22 @@ class KubeMirrorPublisher:
         # Looked up only in a world with DRA nodes: it scans every simulated workload.
         workload = self._workload(namespace, name) if self._any_dra else None
         dra = workload is not None and self.cluster.scenario.asks_through_dra(workload.spec)
+        shared = self._shared_claim(workload) if dra and workload is not None else None
         if event.phase == "deleted":
             self.api.delete("Pod", name, namespace=namespace)
-            if dra:  # owned by the pod: the garbage collector deletes it
+            if shared is not None:
+                self._release(shared, namespace, name)
+            elif dra:  # owned by the pod: the garbage collector deletes it
                 self.api.delete("ResourceClaim", dra_claim_name(name), namespace, DRA_GROUP)
             return
         try:
             pod = self.api.get("Pod", name, namespace=namespace)
         except KeyError:  # first seen placed: created, bound and started at once
             workload = workload or self._workload(namespace, name)
-            pod = pod_for(workload, self.cluster.scenario.cluster_queue, dra)
+            pod = pod_for(workload, self.cluster.scenario.cluster_queue, dra, shared)
             self._create_owners(workload)
             if dra:
-                self.api.create(claim_for(workload, pod))
+                self._make_claim(workload, pod, shared)
             if dra and event.phase in ("bound", "running"):
                 self._allocate(workload, pod)
             bind_and_start(pod, event)
@@ -355,28 +392,67 @@ class KubeMirrorPublisher:
             self._allocate(workload, pod)  # the scheduler, before it binds the pod
         self.api.mutate("Pod", name, lambda pod: bind_and_start(pod, event),
                         namespace=namespace)
-        if dra and event.phase == "finished":
+        if shared is not None and event.phase == "finished":
+            self._release(shared, namespace, name)
+        elif dra and event.phase == "finished":
             # The resourceclaim controller releases the claim of a pod that is done.
             self.api.mutate("ResourceClaim", dra_claim_name(name),
                             lambda claim: claim.update(status={}), namespace, DRA_GROUP)
 
+    def _shared_claim(self, workload: Workload) -> str | None:
+        group = self.cluster.scenario.shared_dra_group(workload.spec)
+        return None if group is None else dra_shared_claim_name(group)
+
+    def _make_claim(self, workload: Workload, pod: dict[str, Any],
+                    shared: str | None) -> None:
+        """The pod's claim: the shared one, made once, or the resourceclaim controller's
+        from the pod's template."""
+        if shared is None:
+            self.api.create(template_for(workload))
+            self.api.create(claim_for(workload, pod))
+            return
+        try:
+            self.api.get("ResourceClaim", shared, workload.namespace, DRA_GROUP)
+        except KeyError:
+            self.api.create(resource_claim(shared, workload.namespace))
+
+    def _release(self, claim: str, namespace: str, pod: str) -> None:
+        """The scheduler's reservation of a shared claim for ``pod`` ends; the claim is
+        deallocated once it is reserved for no pod."""
+        def release(obj: dict[str, Any]) -> None:
+            status = obj.get("status") or {}
+            kept = [c for c in status.get("reservedFor") or [] if c.get("name") != pod]
+            obj["status"] = {**status, "reservedFor": kept} if kept else {}
+
+        self.api.mutate("ResourceClaim", claim, release, namespace, DRA_GROUP)
+
     def _create_pod(self, workload: Workload, cluster_queue: str) -> None:
         self._create_owners(workload)
         dra = self.cluster.scenario.asks_through_dra(workload.spec)
-        pod = pod_for(workload, cluster_queue, dra)
+        shared = self._shared_claim(workload) if dra else None
+        pod = pod_for(workload, cluster_queue, dra, shared)
         if dra:  # the resourceclaim controller makes the pod's claim from its template
-            self.api.create(claim_for(workload, pod))
+            self._make_claim(workload, pod, shared)
         self.api.create(pod)
 
     def _allocate(self, workload: Workload, pod: dict[str, Any]) -> None:
-        """Allocate the pod's claim to the devices the simulator placed it on."""
+        """Allocate the pod's claim to the devices the simulator placed it on (a shared
+        claim once, then reserved for each of its pods too)."""
         assert workload.node is not None
         node = workload.node
         names = dra_device_names(node)
-
-        claim = dra_claim_name(workload.name)
-        if self.api.get("ResourceClaim", claim, workload.namespace, DRA_GROUP)["status"].get(
-                "allocation"):
+        shared = self._shared_claim(workload)
+        claim = shared or dra_claim_name(workload.name)
+        status = self.api.get("ResourceClaim", claim, workload.namespace,
+                              DRA_GROUP)["status"]
+        if status.get("allocation"):
+            reserved = status.get("reservedFor") or []
+            if shared is not None and all(c.get("name") != workload.name for c in reserved):
+                consumer = {"resource": "pods", "name": workload.name,
+                            "uid": pod["metadata"].get("uid", "")}
+                self.api.mutate("ResourceClaim", claim, lambda c: c["status"].update(
+                    reservedFor=[*c["status"].get("reservedFor", []), consumer]),
+                    workload.namespace, DRA_GROUP)
             return
         self.api.mutate("ResourceClaim", claim, lambda c: allocate(
             c, node.name, [names[d.uuid] for d in workload.devices], [pod]),

@@ -8,6 +8,7 @@ live in ``tests/data/kube/``.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 Obj = dict[str, Any]
@@ -132,8 +133,33 @@ def resource_slice(node: str, devices: list[Obj], driver: str = NVIDIA_DRA_DRIVE
                      "devices": devices}}
 
 
+def device_requests(device_class: str = NVIDIA_DRA_DRIVER, count: int = 1,
+                    profile: str | None = None) -> Obj:
+    """A claim's ``spec.devices``: ``count`` devices of ``device_class``, MIG devices of
+    ``profile`` chosen by a CEL selector as NVIDIA's examples do."""
+    exactly: Obj = {"deviceClassName": device_class, "allocationMode": "ExactCount",
+                    "count": count}
+    if profile is not None:
+        exactly["selectors"] = [{"cel": {"expression": f"device.attributes["
+                                         f"'{NVIDIA_DRA_DRIVER}'].profile == '{profile}'"}}]
+    return {"requests": [{"name": "gpu", "exactly": exactly}]}
+
+
+def resource_claim_template(name: str, namespace: str, *,
+                            device_class: str = NVIDIA_DRA_DRIVER, count: int = 1,
+                            profile: str | None = None) -> Obj:
+    """A ResourceClaimTemplate: the claim the resourceclaim controller makes for each pod
+    naming it."""
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": name, "namespace": namespace,
+                         "uid": f"template-{namespace}-{name}",
+                         "creationTimestamp": "2026-11-20T09:00:00Z"},
+            "spec": {"spec": {"devices": device_requests(device_class, count, profile)}}}
+
+
 def resource_claim(name: str, namespace: str, *, device_class: str = NVIDIA_DRA_DRIVER,
-                   count: int = 1, owner: Obj | None = None) -> Obj:
+                   count: int = 1, owner: Obj | None = None,
+                   profile: str | None = None) -> Obj:
     """A ResourceClaim, unallocated; from a template when ``owner`` (its pod) is given, as
     the resourceclaim controller makes it (``<pod>-<claim>-<suffix>``, owned by the pod)."""
     meta: Obj = {"name": name, "namespace": namespace, "uid": f"claim-{namespace}-{name}",
@@ -145,9 +171,7 @@ def resource_claim(name: str, namespace: str, *, device_class: str = NVIDIA_DRA_
                                     "uid": owner["metadata"].get("uid", ""),
                                     "controller": True, "blockOwnerDeletion": True}]
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": meta,
-            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                "deviceClassName": device_class, "allocationMode": "ExactCount",
-                "count": count}}]}},
+            "spec": {"devices": device_requests(device_class, count, profile)},
             "status": {}}
 
 
@@ -170,18 +194,22 @@ def allocate(claim: Obj, node: str, devices: list[str], pods: list[Obj],
                          "uid": pod["metadata"].get("uid", "")} for pod in pods]}
 
 
-def claim_pod(pod: Obj, claims: dict[str, str], from_template: bool = True) -> Obj:
+def claim_pod(pod: Obj, claims: Mapping[str, str | None], from_template: bool = True,
+              templates: dict[str, str] | None = None) -> Obj:
     """``pod`` asking for its devices through DRA claims (``{claim name in the pod: the
-    ResourceClaim's name}``) instead of extended resources: from templates, named in its
-    status by the resourceclaim controller, or (``from_template=False``) claims made
-    beforehand, named in its spec."""
+    ResourceClaim's name}``) instead of extended resources: from templates (``templates``:
+    claim name in the pod -> template, ``<claim name>-template`` by default), named in its
+    status by the resourceclaim controller (not yet where the name is None), or
+    (``from_template=False``) claims made beforehand, named in its spec."""
     spec = pod["spec"]
     spec["resourceClaims"] = [
-        {"name": entry, "resourceClaimTemplateName": f"{entry}-template"} if from_template
+        {"name": entry, "resourceClaimTemplateName": (templates or {}).get(
+            entry, f"{entry}-template")} if from_template
         else {"name": entry, "resourceClaimName": made} for entry, made in claims.items()]
     for container in spec["containers"]:
         container["resources"] = {"claims": [{"name": entry} for entry in claims]}
-    if from_template:
-        pod["status"]["resourceClaimStatuses"] = [
-            {"name": entry, "resourceClaimName": made} for entry, made in claims.items()]
+    made_claims = [{"name": entry, "resourceClaimName": made}
+                   for entry, made in claims.items() if made is not None]
+    if from_template and made_claims:
+        pod["status"]["resourceClaimStatuses"] = made_claims
     return pod

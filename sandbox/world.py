@@ -74,6 +74,7 @@ from gpusteward.sandbox.kube_mirror import (
     KubeMirrorPublisher,
     dra_claim_name,
     dra_device_names,
+    dra_shared_claim_name,
     mig_placements,
 )
 from gpusteward.sandbox.kubelet import Assignment, KubeletPodResources
@@ -166,6 +167,9 @@ class NodeGpus:
         self.assignments: list[Assignment] = []
         self.dra_names = dra_device_names(node) if node.dra else None
         """GPU or MIG uuid -> its DRA device name, on a node whose GPUs DRA hands out."""
+        self.group = node.group
+        self.shared = node.dra and any(gpu.replicas > 1 for gpu in node.gpus)
+        """Its pods share its one GPU through one claim (see :mod:`.kube_mirror`)."""
         self.kubelet = KubeletPodResources(socket_dir / f"{node.name}.sock",
                                            lambda: self.assignments)
         self.publisher = _CountingPublisher(publisher)
@@ -263,9 +267,16 @@ class NodeGpus:
         node the pod's claim and the device's DRA name (no uuid)."""
         if self.dra_names is None or device.pod is None:
             return _assignment(device, resource)
+        name = self.dra_names[device.uuid]
+        if len(device.holders) > 1:  # its pods share one claim (the node's one GPU)
+            claim = dra_shared_claim_name(self.group)
+            return [Assignment(share.pod.namespace, share.pod.name, "main", resource, name,
+                               claim=claim, pool=self.name)
+                    for share in device.holders if share.pod is not None]
         pod = device.pod
-        return [Assignment(pod.namespace, pod.name, "main", resource,
-                           self.dra_names[device.uuid], claim=dra_claim_name(pod.name),
+        claim = (dra_shared_claim_name(self.group) if self.shared
+                 else dra_claim_name(pod.name))
+        return [Assignment(pod.namespace, pod.name, "main", resource, name, claim=claim,
                            pool=self.name)]
 
     def _processes(self, device: DeviceSample) -> list[FakeProcess]:

@@ -24,13 +24,15 @@ node's capacity: no device plugin advertises ``nvidia.com/gpu`` there. Pure,
 like the translator that uses it.
 
 What is left out, deliberately: a device allocated for admin access
-(``adminAccess``: monitoring, not a hold); a claim shared by several pods is
-reported with the first pod it is reserved for only, so a GPU is never
-counted twice.
+(``adminAccess``: monitoring, not a hold). A claim shared by several pods counts
+its devices with the first pod it is reserved for only, so a GPU is never
+counted twice; the others are reported holding a share of it (no GPU of their
+own), so the worker knows their owners when it judges them on the device.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from gpusteward.collectors.kubernetes.reflector import Delta, Obj
@@ -40,8 +42,9 @@ DRA_GROUP = "resource.k8s.io"
 DRA_VERSION = "v1"
 """The GA version (Kubernetes 1.34). Clusters before it serve only v1beta1/v1beta2
 (or nothing): the watcher then runs without claims and says so."""
-DRA_RESOURCES = ("resourceslices", "resourceclaims")
-"""In the order they are listed: a claim's devices are looked up in the slices."""
+DRA_RESOURCES = ("resourceslices", "resourceclaimtemplates", "resourceclaims")
+"""In the order they are listed: a claim's devices are looked up in the slices; a waiting
+pod's requests are read from its claims, or from the templates they are made from."""
 
 DeviceKey = tuple[str, str, str]
 """(driver, pool, device name): how a claim's allocation names a device."""
@@ -50,6 +53,14 @@ GPU_TYPES = frozenset({"gpu", "vfio"})
 """NVIDIA driver device types that are a whole physical GPU (``vfio``: passed through
 to a virtual machine)."""
 MIG_TYPE = "mig"
+
+GPU_CLASSES = frozenset({"gpu.nvidia.com", "vfio.gpu.nvidia.com"})
+"""The DeviceClasses NVIDIA's DRA driver installs for whole GPUs: what a request naming one
+asks for, before any device is allocated."""
+MIG_CLASS = "mig.nvidia.com"
+"""NVIDIA's DeviceClass of MIG devices; the profile is chosen by a CEL selector on the
+``profile`` attribute (``device.attributes['gpu.nvidia.com'].profile == '3g.40gb'``)."""
+_PROFILE_SELECTED = re.compile(r"""profile\W*==\s*["']([^"']+)["']""")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +83,9 @@ class Held:
     """(profile, count), sorted."""
     device_ids: tuple[str, ...] = ()
     """GPU and MIG uuids, in the allocation's order."""
+    share: bool = False
+    """A share of a claim whose devices count with another pod (the first it is reserved
+    for): the pod holds no GPU of its own, but is one of the devices' holders."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +97,8 @@ class Claim:
     """The allocated devices of the watched drivers, admin access left out."""
     consumers: tuple[tuple[str | None, str], ...]
     """(uid, name) of the pods it is reserved for, in the API's order."""
+    asked: tuple[tuple[str, int], ...] = ()
+    """What its device requests ask for (:func:`requested`), as (resource, count)."""
 
 
 def attribute(device: Obj, name: str, driver: str) -> str | None:
@@ -107,6 +123,37 @@ def capacity_name(device: DraDevice) -> str | None:
     if device.type == MIG_TYPE and device.profile:
         return MIG_RESOURCE_PREFIX + device.profile.replace("+", ".")
     return None
+
+
+def requested(devices: Obj | None) -> dict[str, int]:
+    """What a claim's (or a template's) ``spec.devices`` asks for, named as the device plugin
+    names it (``nvidia.com/gpu``, ``nvidia.com/mig-<profile>``): what a waiting pod needs,
+    before the scheduler picked any device. A request of NVIDIA's GPU classes asks for
+    ``count`` GPUs, one of its MIG class for ``count`` devices of the profile its selector
+    names; ``allocationMode: All`` (every matching device of a node, at least one) counts
+    one; of a prioritized list (``firstAvailable``) the first choice counts. Admin access,
+    other classes and a MIG request naming no one profile ask for nothing this can tell."""
+    asked: dict[str, int] = {}
+    for request in (devices or {}).get("requests") or []:
+        wanted: Obj = request.get("exactly") or next(iter(request.get("firstAvailable") or []),
+                                                     {})
+        if wanted.get("adminAccess"):
+            continue
+        count = 1 if wanted.get("allocationMode") == "All" else int(wanted.get("count", 1))
+        device_class = wanted.get("deviceClassName")
+        if device_class in GPU_CLASSES:
+            resource = "nvidia.com/gpu"
+        elif device_class == MIG_CLASS:
+            profiles = {found for selector in wanted.get("selectors") or []
+                        for found in _PROFILE_SELECTED.findall(
+                            (selector.get("cel") or {}).get("expression", ""))}
+            if len(profiles) != 1:
+                continue
+            resource = MIG_RESOURCE_PREFIX + profiles.pop().replace("+", ".")
+        else:
+            continue
+        asked[resource] = asked.get(resource, 0) + count
+    return asked
 
 
 def pod_claims(pod: Obj) -> list[str]:
@@ -137,6 +184,10 @@ class DraIndex:
     """``namespace/name`` -> the claim."""
     claim_names: dict[str, str] = field(default_factory=dict)
     """A claim's object key -> its ``namespace/name`` (a relist reports deletions by key)."""
+    templates: dict[str, dict[str, int]] = field(default_factory=dict)
+    """``namespace/name`` of a ResourceClaimTemplate -> what its claims ask for."""
+    template_names: dict[str, str] = field(default_factory=dict)
+    """A template's object key -> its ``namespace/name``."""
     slice_nodes: dict[str, str] = field(default_factory=dict)
     """A node-local slice's object key -> its node."""
     node_slices: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
@@ -212,12 +263,51 @@ class DraIndex:
         results = ((allocation or {}).get("devices") or {}).get("results") or []
         self.claims[name] = Claim(
             allocated=allocation is not None,
+            asked=tuple(requested((delta.obj.get("spec") or {}).get("devices")).items()),
             results=tuple((r["driver"], r.get("pool", ""), r["device"]) for r in results
                           if r.get("driver") in self.drivers and not r.get("adminAccess")),
             consumers=tuple((c.get("uid"), c.get("name", ""))
                             for c in status.get("reservedFor") or []
                             if c.get("resource") == "pods" and not c.get("apiGroup")))
         return name
+
+    def on_template(self, delta: Delta) -> None:
+        """Keep a ResourceClaimTemplate's change: what the claims made from it ask for."""
+        if delta.type == "DELETED" or delta.obj is None:
+            name = self.template_names.pop(delta.key, None)
+            if name is not None:
+                self.templates.pop(name, None)
+            return
+        meta = delta.obj["metadata"]
+        name = self.template_names[delta.key] = f"{meta.get('namespace', '')}/{meta['name']}"
+        claim_spec = (delta.obj.get("spec") or {}).get("spec") or {}
+        self.templates[name] = requested(claim_spec.get("devices"))
+
+    def asked(self, namespace: str, spec: Obj, status: Obj | None = None
+              ) -> dict[str, int] | None:
+        """What the claims a pod spec (a pod's, or a workload's pod template) names ask for,
+        added up: a claim's own requests where it is seen (named in the spec, or made from
+        a template and named in the pod's ``status``), else its template's. None while a
+        claim or template named is not seen."""
+        made = {entry.get("name"): entry.get("resourceClaimName")
+                for entry in (status or {}).get("resourceClaimStatuses") or []}
+        total: dict[str, int] = {}
+        for entry in spec.get("resourceClaims") or []:
+            name = entry.get("resourceClaimName") or made.get(entry.get("name"))
+            claim = self.claims.get(f"{namespace}/{name}") if name else None
+            if claim is not None:
+                asked = dict(claim.asked)
+            elif entry.get("resourceClaimName"):
+                return None
+            else:
+                template = self.templates.get(
+                    f"{namespace}/{entry.get('resourceClaimTemplateName')}")
+                if template is None:
+                    return None
+                asked = template
+            for resource, count in asked.items():
+                total[resource] = total.get(resource, 0) + count
+        return total
 
     def resolve(self, claim_name: str, uid: str | None, pod: str) -> tuple[Held | None,
                                                                               str | None]:
@@ -227,8 +317,8 @@ class DraIndex:
         (held, None): resolved for good (a claim reserved for a pod keeps its allocation
         until the pod is done). (None, None): not yet: the claim is not seen, not allocated
         or not reserved for the pod. (None, reason): allocated to the pod, but a device is
-        not in any slice or says no uuid or no type this index knows. (Held(), reason): a
-        claim shared with other pods, reported with the first of them.
+        not in any slice or says no uuid or no type this index knows. (Held(share=True),
+        None): a claim shared with other pods, whose devices count with the first of them.
         """
         claim = self.claims.get(claim_name)
         if claim is None or not claim.allocated:
@@ -238,9 +328,7 @@ class DraIndex:
         if not mine:
             return None, None
         if mine[0] > 0:
-            first = claim.consumers[0][1]
-            return Held(), (f"claim {claim_name} is shared by {len(claim.consumers)} pods: "
-                            f"its devices are reported with pod {first} only")
+            return Held(share=bool(claim.results)), None
         gpus, ids = 0, []
         mig: dict[str, int] = {}
         for key in claim.results:

@@ -49,8 +49,10 @@ a node is followed the same way once bound (admitted, finished, deleted).
 
 Dynamic Resource Allocation (:mod:`.dra`): a bound pod's ResourceClaims of
 the watched drivers add their GPUs and MIG devices to what it holds, named by
-uuid in ``device_ids``; a pod waiting only for DRA devices is not queued; a
-node advertising no GPU resource counts what its ResourceSlices publish.
+uuid in ``device_ids``; a pod (or a Kueue workload's pod set) waiting for DRA
+devices asks for what its claims' device requests (or their templates') ask, as
+if it requested ``nvidia.com/gpu`` or ``nvidia.com/mig-<profile>``; a node
+advertising no GPU resource counts what its ResourceSlices publish.
 
 MIG: under the ``mixed`` strategy a pod's ``nvidia.com/mig-<profile>``
 requests become ``mig={profile: count}``; under ``single`` the node
@@ -438,6 +440,10 @@ class Translator:
     dra_waiting: dict[str, None] = field(default_factory=dict)
     """Keys of the bound pods with a claim not resolved yet: what a claim's or a slice's
     news may complete."""
+    dra_unread: dict[str, Obj] = field(default_factory=dict)
+    """Pods waiting with a claim or template not seen yet, by key: read again when one
+    comes. Usually empty (claims and templates are listed before pods, and made before
+    their pods)."""
     dra_unresolved: list[tuple[str, str, list[str]]] = field(default_factory=list)
     """(namespace, pod, reasons) of the pods with a claim the watcher cannot resolve, once
     per pod, for the watcher to report (and clear)."""
@@ -462,9 +468,13 @@ class Translator:
                     if inventory is not None:
                         out += self._node_event(msgspec.structs.replace(inventory, ts=ts))
                 return out + self._dra_refresh(list(self.dra_waiting), ts)
+            if delta.resource == "resourceclaimtemplates":
+                self.dra.on_template(delta)
+                return self._dra_reread(ts)
             claim = self.dra.on_claim(delta)
-            return self._dra_refresh([key for key in self.claim_pods.get(claim or "", ())
-                                      if key in self.dra_waiting], ts)
+            return self._dra_reread(ts) + self._dra_refresh(
+                [key for key in self.claim_pods.get(claim or "", ())
+                 if key in self.dra_waiting], ts)
         # A gang resource's reflector is named plural.group (two groups serve podgroups).
         plural = delta.resource.partition(".")[0]
         if plural in GANG_RESOURCES:
@@ -609,6 +619,7 @@ class Translator:
             for claim in memo.dra.claims if memo.dra is not None else ():
                 _unindex(self.claim_pods, claim, delta.key)
             self.dra_waiting.pop(delta.key, None)
+            self.dra_unread.pop(delta.key, None)
             out: list[Emitted] = []
             last_queued = memo.queued or memo.member
             if last_queued is not None:
@@ -622,9 +633,23 @@ class Translator:
         resources = gpu_resources(spec)
         node = spec.get("nodeName")
         claimed = bool(spec.get("resourceClaims"))
-        # Not a GPU pod (nothing of it concerns the fleet), or one whose DRA devices, if any,
-        # are known only once it is bound: a pod waiting for DRA devices is not on the queue.
-        if not resources and not (claimed and node):
+        # What it waits for: its extended resources and what its DRA claims ask for (their
+        # requests, or their templates' while no claim is made), read like them. A bound
+        # pod's DRA holding is its claims' allocation instead (below).
+        asked = resources
+        self.dra_unread.pop(delta.key, None)
+        if claimed:
+            namespace = pod["metadata"].get("namespace", "")
+            dra_asked = self.dra.asked(namespace, spec, pod.get("status"))
+            if dra_asked is None and not node and self.dra_watched:
+                self.dra_unread[delta.key] = pod  # until its claim or template is seen
+            if dra_asked:
+                asked = dict(resources)
+                for resource, count in dra_asked.items():
+                    asked[resource] = asked.get(resource, 0) + count
+        # Not a GPU pod (nothing of it concerns the fleet); a bound pod with claims may hold
+        # GPUs through them whatever they asked.
+        if not asked and not (claimed and node):
             return []
         if memo is None:
             memo = self.pods[delta.key] = _PodMemo()
@@ -638,7 +663,7 @@ class Translator:
         out = []
         if not node:
             state: WorkloadState = "finished" if phase in ("Succeeded", "Failed") else "pending"
-            queued = self._pending_pod(pod, resources, ts, state)
+            queued = self._pending_pod(pod, asked, ts, state)
             # A pod Kueue holds at its admission gate waits as its Workload, which reports
             # it; once let through, its own wait for a node starts then, not at creation.
             if any(g.get("name") == KUEUE_ADMISSION_GATE for g in spec.get("schedulingGates")
@@ -652,13 +677,13 @@ class Translator:
                 out.append(queued)
             memo.queued = queued
             return out
-        if resources and (memo.queued is not None or memo.member is not None
-                          or memo.gang is not None):
+        if asked and (memo.queued is not None or memo.member is not None
+                      or memo.gang is not None):
             # A pod that waited is followed on the queue topic to its end (how long work
             # runs is the history the start ETAs need), and so is a gang member even when
             # first seen already bound (the gang rule needs every member).
             scheduled = _conditions(status).get("PodScheduled", {})
-            base = memo.queued or memo.member or self._pending_pod(pod, resources, ts,
+            base = memo.queued or memo.member or self._pending_pod(pod, asked, ts,
                                                                    "admitted")
             left: WorkloadState = "finished" if phase in ("Succeeded", "Failed") \
                 else "admitted"
@@ -737,7 +762,8 @@ class Translator:
             dra.said = True
             self.dra_unresolved.append((base.pod.namespace, base.pod.name, reasons))
         gpus, mig, device_ids = self._holding(memo, base.node)
-        if not gpus and not mig and memo.last is None:
+        if not gpus and not mig and memo.last is None and not any(
+                held.share for held in dra.held.values()):
             return None
         return msgspec.structs.replace(base, gpus=gpus, mig=mig, device_ids=device_ids)
 
@@ -750,6 +776,14 @@ class Translator:
                 continue
             base = msgspec.structs.replace(memo.dra.base, ts=ts)
             out += self._emitted(key, memo, self._with_dra(key, memo, base))
+        return out
+
+    def _dra_reread(self, ts: float) -> list[Emitted]:
+        """Waiting pods whose claims' requests were not known, read again now that a claim
+        or a template came (a pod seen before its claim: they are watched apart)."""
+        out: list[Emitted] = []
+        for key, pod in list(self.dra_unread.items()):
+            out += self._pod(Delta("pods", "MODIFIED", key, pod), ts)
         return out
 
     def _gpus_and_mig(self, resources: dict[str, int], node: str | None
@@ -858,7 +892,11 @@ class Translator:
         pod_sets: list[PodSet] = []
         for pod_set in spec.get("podSets") or []:
             count = int(pod_set.get("count", 1))
-            per_pod = gpu_resources((pod_set.get("template") or {}).get("spec") or {})
+            template = (pod_set.get("template") or {}).get("spec") or {}
+            per_pod = gpu_resources(template)
+            if template.get("resourceClaims"):
+                for name, value in (self.dra.asked(namespace, template) or {}).items():
+                    per_pod[name] = per_pod.get(name, 0) + value
             if not per_pod or count < 1:
                 continue
             for name, value in per_pod.items():

@@ -64,7 +64,7 @@ Kubeflow training jobs (replica counts). Each is watched where its CRD is served
 
 POOL_SIZE = 32
 """HTTP connections kept to the API server: each reflector holds one through its watch
-(up to 12: nodes, pods, Kueue's two, six gang kinds, DRA's two), and the client's default
+(up to 13: nodes, pods, Kueue's two, six gang kinds, DRA's three), and the client's default
 (five per CPU) is 10 on a two-CPU node, where the surplus were dropped, with a warning,
 at every watch's end."""
 
@@ -181,6 +181,7 @@ class KubeWatcher:
 
         api = client.ResourceV1Api(self.client)
         return {"resourceslices": api.list_resource_slice,
+                "resourceclaimtemplates": api.list_resource_claim_template_for_all_namespaces,
                 "resourceclaims": api.list_resource_claim_for_all_namespaces}
 
     def discover_gangs(self) -> dict[str, tuple[str, str, str]]:

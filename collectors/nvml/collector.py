@@ -249,7 +249,10 @@ class NvmlCollector:
 
         By processes when they were read (each holder its own activity and memory); else by
         PodResources alone: one pod holds the device, or several share it and nothing here
-        can split its readings between them.
+        can split its readings between them. Pods that hold it through one shared DRA claim
+        keep their own readings, but the device is ``shared``: the claim is one allocation,
+        given back only when all its pods are done, so no one of them is idle on it while
+        another uses it.
         """
         device.pod = candidates[0] if candidates else None
         if processes is not None and self.cgroups is not None:
@@ -262,7 +265,8 @@ class NvmlCollector:
                     found.unallocated_pods)
             if found.holders:
                 device.holders = found.holders
-                device.attribution = "process"
+                device.attribution = "shared" if self._owners.through_one_claim(
+                    candidates) else "process"
                 named = [h.pod for h in found.holders if h.pod is not None]
                 device.pod = named[0] if named else device.pod
                 return

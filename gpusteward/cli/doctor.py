@@ -84,8 +84,8 @@ NAMESPACE = "gpusteward"
 NVML collector, which calls no API and runs in ``gpusteward-node``)."""
 
 # ClusterRole gpusteward-watcher: it lists and watches. The gang kinds are watched only
-# where their CRDs are installed, and DRA's claims and slices only where resource.k8s.io/v1
-# is served, but granted always.
+# where their CRDs are installed, and DRA's claims, templates and slices only where
+# resource.k8s.io/v1 is served, but granted always.
 WATCHER_NEEDS = (*_perms("get list watch", "pods"), *_perms("get list watch", "nodes"),
                  *_perms("get list watch", "workloads", KUEUE),
                  *_perms("get list watch", "localqueues", KUEUE),
@@ -94,7 +94,7 @@ WATCHER_NEEDS = (*_perms("get list watch", "pods"), *_perms("get list watch", "n
                  *_perms("get list watch", "jobsets", "jobset.x-k8s.io"),
                  *(p for kind in ("pytorchjobs", "mpijobs", "tfjobs")
                    for p in _perms("get list watch", kind, "kubeflow.org")),
-                 *(p for kind in ("resourceclaims", "resourceslices")
+                 *(p for kind in ("resourceclaims", "resourceclaimtemplates", "resourceslices")
                    for p in _perms("get list watch", kind, "resource.k8s.io")))
 # ClusterRole gpusteward-remediation-execute, which the remediation-execute component binds
 # for `act --execute`: every verb of remediation/kubernetes.py (its module docstring lists

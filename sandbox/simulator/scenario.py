@@ -210,7 +210,13 @@ class Scenario(BaseModel):
             if workload.node_group is not None and workload.node_group not in prefixes:
                 raise ValueError(f"workload group {workload.group!r} asks for unknown node "
                                  f"group {workload.node_group!r}")
-            kinds = {g.allocation for g in self._candidates(workload)}
+            candidates = self._candidates(workload)
+            shared = [g for g in candidates if g.allocation == "dra" and g.replicas > 1]
+            if shared and (len(candidates) > 1 or shared[0].count * shared[0].gpus > 1):
+                raise ValueError(f"workload group {workload.group!r}: a DRA node group whose "
+                                 "GPU is shared (replicas) is one node of one GPU, its pods' "
+                                 "one claim, and the group's only node group")
+            kinds = {g.allocation for g in candidates}
             if len(kinds) > 1:
                 raise ValueError(f"workload group {workload.group!r} may run on device-plugin "
                                  "and DRA nodes alike, and its pod must ask one way: give it "
@@ -221,6 +227,16 @@ class Scenario(BaseModel):
         """The node groups a workload may run on: its node_group, MIG nodes for MIG."""
         return [g for g in self.nodes if workload.node_group in (None, g.prefix)
                 and bool(g.mig_layout) == bool(workload.mig)]
+
+    def shared_dra_group(self, workload: WorkloadGroup) -> str | None:
+        """The node group whose one GPU the workload's pods share through one ResourceClaim
+        (a DRA node group with replicas: NVIDIA's DRA driver time-slices a GPU among the
+        pods of one claim, made beforehand); None for pods with claims of their own."""
+        candidates = self._candidates(workload)
+        if len(candidates) == 1 and candidates[0].allocation == "dra" and \
+                candidates[0].replicas > 1:
+            return candidates[0].prefix
+        return None
 
     def asks_through_dra(self, workload: WorkloadGroup) -> bool:
         """Whether the workload's pods get their GPUs through DRA claims."""

@@ -34,6 +34,7 @@ EXPECTED: dict[str, set[tuple[str, str, str]]] = {
                                 ("jobset.x-k8s.io", "jobsets"), ("kubeflow.org", "pytorchjobs"),
                                 ("kubeflow.org", "mpijobs"), ("kubeflow.org", "tfjobs"),
                                 ("resource.k8s.io", "resourceclaims"),
+                                ("resource.k8s.io", "resourceclaimtemplates"),
                                 ("resource.k8s.io", "resourceslices"))
         for verb in ("get", "list", "watch")
     },

@@ -98,22 +98,25 @@ def test_the_fold_fills_rollup_fields_in_the_schema_order() -> None:
     assert Rollup.__struct_fields__[len(rollup.ROLLUP_FIELDS):] == ("schema",)
 
 
-def _shared(attribution: str, ts: float) -> DeviceSample:
+def _shared(attribution: str, ts: float, readings: bool = True) -> DeviceSample:
+    """A device two pods hold, with their own readings where the source split them."""
     return DeviceSample(
         uuid="GPU-1", index=0, model="NVIDIA A100-SXM4-80GB", util_pct=50.0,
         mem_used_bytes=30 << 30, clock_event_reasons=0x20, attribution=attribution,  # type: ignore[arg-type]
         holders=[DeviceHolder(pod=PodRef("ml", "a"), activity_pct=40.0,
-                              mem_used_bytes=20 << 30),
+                              mem_used_bytes=20 << 30) if readings
+                 else DeviceHolder(pod=PodRef("ml", "a")),
                  DeviceHolder(pod=PodRef("ml", "b"), activity_pct=10.0,
-                              mem_used_bytes=10 << 30)])
+                              mem_used_bytes=10 << 30) if readings
+                 else DeviceHolder(pod=PodRef("ml", "b"))])
 
 
-def _shared_rows(attribution: str) -> dict[str | None, Rollup]:
+def _shared_rows(attribution: str, readings: bool = True) -> dict[str | None, Rollup]:
     fold, track = rollup.MinuteFold(lateness_s=0), rollup.RollupTrack()
     for ts in (T0, T0 + 30):
         bucket = fold.bucket(track, ts)
         assert bucket is not None
-        device = _shared(attribution, ts)
+        device = _shared(attribution, ts, readings)
         for share in device.holders:
             assert share.pod is not None
             fold.add_share(bucket, device, share, ts, rollup.attribution(share.pod))
@@ -134,20 +137,29 @@ def test_a_shared_device_gives_each_holder_a_row_with_its_share() -> None:
 
 
 def test_a_shared_device_that_cannot_be_split_spreads_the_device_evenly() -> None:
-    rows = _shared_rows("shared")
+    rows = _shared_rows("shared", readings=False)
     assert [(rows[p].gpu_fraction, rows[p].util_mean) for p in "ab"] == [(0.5, 50.0)] * 2
 
 
+def test_pods_sharing_one_dra_claim_keep_their_own_activity_in_their_rows() -> None:
+    """Pods holding a GPU through one DRA claim are judged on the device as one (``shared``),
+    but the NVML collector read each one's processes: its row says its own use."""
+    rows = _shared_rows("shared")
+    assert [(rows[p].gpu_fraction, rows[p].util_mean) for p in "ab"] == [(0.5, 80.0),
+                                                                         (0.5, 20.0)]
+
+
 @given(activities=st.lists(st.floats(0, 100), min_size=2, max_size=8),
-       attribution=st.sampled_from(["process", "shared"]))
-def test_holder_rows_add_up_to_the_device(activities: list[float], attribution: str) -> None:
+       attribution=st.sampled_from(["process", "shared"]), readings=st.booleans())
+def test_holder_rows_add_up_to_the_device(activities: list[float], attribution: str,
+                                          readings: bool) -> None:
     """Whatever the holders do, their rows' shares make the whole GPU, and their used GPU
     time (share x util) is their own activity where it was split, else the device's."""
     device_util = min(100.0, sum(activities))
     device = DeviceSample(
         uuid="GPU-1", index=0, model="NVIDIA A100-SXM4-80GB", util_pct=device_util,
         attribution=attribution,  # type: ignore[arg-type]
-        holders=[DeviceHolder(pod=PodRef("ml", f"p{i}"), activity_pct=a)
+        holders=[DeviceHolder(pod=PodRef("ml", f"p{i}"), activity_pct=a if readings else None)
                  for i, a in enumerate(activities)])
     fold, track = rollup.MinuteFold(lateness_s=0), rollup.RollupTrack()
     bucket = fold.bucket(track, T0)
@@ -159,5 +171,4 @@ def test_holder_rows_add_up_to_the_device(activities: list[float], attribution: 
     assert len(rows) == len(activities)
     assert sum(r.gpu_fraction for r in rows) == pytest.approx(1.0)
     used = sum(r.gpu_fraction * (r.util_mean or 0) for r in rows)
-    assert used == pytest.approx(sum(activities) if attribution == "process" else device_util,
-                                 abs=1e-6)
+    assert used == pytest.approx(sum(activities) if readings else device_util, abs=1e-6)

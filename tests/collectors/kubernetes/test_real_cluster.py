@@ -32,7 +32,8 @@ pytestmark = [
     pytest.mark.cluster,
     pytest.mark.skipif(KUBECONFIG is None, reason=(
         "needs a real Kubernetes cluster: set GPUSTEWARD_TEST_KUBECONFIG to a kubeconfig "
-        "that may list and watch pods, nodes, resourceclaims and resourceslices")),
+        "that may list and watch pods, nodes, resourceclaims, resourceclaimtemplates and "
+        "resourceslices")),
 ]
 
 

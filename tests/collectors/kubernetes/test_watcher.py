@@ -372,7 +372,8 @@ def test_runs_without_kueue() -> None:
                 # No Kueue reflector; the gang and DRA resources the double serves are
                 # watched.
                 assert set(watcher.watcher.reflectors) == {
-                    "nodes", "pods", "resourceslices", "resourceclaims",
+                    "nodes", "pods", "resourceslices", "resourceclaimtemplates",
+                    "resourceclaims",
                     *watcher.watcher.gang_versions}
                 assert not any("kueue" in name for name in watcher.watcher.reflectors)
                 assert [brief(e) for e in watcher.events] == [

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from gpusteward.collectors.kubernetes import dra
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_objects import (
     allocate,
@@ -27,10 +28,22 @@ from gpusteward.sandbox.kube_objects import (
     gpu_node,
     gpu_pod,
     resource_claim,
+    resource_claim_template,
     resource_slice,
     start,
+    workload,
 )
-from gpusteward.schema import NodeInventory, NodeSummary, PodAllocation
+from gpusteward.schema import (
+    DeviceHolder,
+    DeviceSample,
+    Finding,
+    NodeInventory,
+    NodeSample,
+    NodeSummary,
+    PodAllocation,
+    PodRef,
+    QueueEvent,
+)
 from gpusteward.streams.node import NodeJoin, NodeState
 
 from .conftest import RunningWatcher, WatcherFactory, wait_until
@@ -93,6 +106,12 @@ def holdings(events: list[Any]) -> dict[str, tuple[str, int, dict[str, int], lis
     """Pod name -> (phase, GPUs, MIG devices, device ids) of its last allocation event."""
     return {e.pod.name: (e.phase, e.gpus, dict(e.mig), list(e.device_ids)) for e in events
             if isinstance(e, PodAllocation)}
+
+
+def waits(events: list[Any]) -> list[tuple[str, str, int, dict[str, int]]]:
+    """(name, state, GPUs, MIG devices) of the pods' queue events."""
+    return [(e.name, e.state, e.gpus, dict(e.mig)) for e in events
+            if isinstance(e, QueueEvent) and e.kind == "pod"]
 
 
 def unresolved(watcher: RunningWatcher, namespace: str = "team-a") -> float:
@@ -164,13 +183,17 @@ def test_a_claim_allocated_after_its_pod_was_seen_bound_completes_the_pod(
     pod = claim_pod(gpu_pod("nb", uid="u-nb", owner=("StatefulSet", "nb")),
                     {"gpu": "nb-gpu-q2r8t"})
     claim = resource_claim("nb-gpu-q2r8t", "team-a", owner=pod)
+    mark = len(watcher.events)
     kube_api.create(claim)
     kube_api.create(pod)
-    mark = len(watcher.events)
-    assert watcher.new_events(mark) == []  # waiting for DRA devices: not on the queue
+    assert waits(watcher.new_events(mark)) == [("nb", "pending", 1, {})]
 
+    mark = len(watcher.events)
     kube_api.mutate("Pod", "nb", lambda p: bind(p, "n1"), "team-a")
-    assert watcher.new_events(mark) == []  # bound, but what it holds is not known yet
+    # Bound: no longer waiting, but what it holds is not known yet.
+    assert [(type(e).__name__, getattr(e, "state", None)) for e in watcher.new_events(mark)
+            ] == [("QueueEvent", "admitted")]
+    mark = len(watcher.events)
     kube_api.mutate("ResourceClaim", "nb-gpu-q2r8t",
                     lambda c: allocate(c, "n1", ["gpu-3"], [pod]), "team-a",
                     "resource.k8s.io")
@@ -183,7 +206,8 @@ def test_a_claim_allocated_after_its_pod_was_seen_bound_completes_the_pod(
                     "resource.k8s.io")
     kube_api.delete("ResourceClaim", "nb-gpu-q2r8t", "team-a", "resource.k8s.io")
     kube_api.delete("Pod", "nb", "team-a")
-    assert [(e.phase, e.gpus, list(e.device_ids)) for e in watcher.new_events(mark)] == [
+    assert [(e.phase, e.gpus, list(e.device_ids)) for e in watcher.new_events(mark)
+            if isinstance(e, PodAllocation)] == [
         ("running", 1, [UUIDS[3]]), ("finished", 1, [UUIDS[3]]),
         ("deleted", 1, [UUIDS[3]])]
     assert unresolved(watcher) == 0
@@ -214,12 +238,14 @@ def test_a_slice_published_late_completes_the_pods_waiting_for_it(
     assert unresolved(watcher) == 1
 
 
-def test_only_claims_it_cannot_resolve_are_said_once_per_pod(
+def test_a_shared_claim_counts_its_gpu_once_and_reports_every_pod(
         kube_api: KubeApiServer, start_watcher: WatcherFactory,
         caplog: pytest.LogCaptureFixture) -> None:
     """A claim shared by two pods counts its GPU once, with the first pod it is reserved
-    for (the other is said); an admin-access claim (a monitoring agent's) holds nothing
-    and is no fault; another driver's devices are not GPUs and no fault either."""
+    for; the other holds a share of it (no GPU of its own), so the worker knows its owner
+    when the node names it among the GPU's holders; an admin-access claim (a monitoring
+    agent's) holds nothing and is no fault; another driver's devices are not GPUs and no
+    fault either."""
     caplog.set_level(logging.WARNING, "gpusteward.collectors.kubernetes.watcher")
     kube_api.create(dra_node("n1", gpus=4))
     kube_api.create(h100_slice())
@@ -236,18 +262,157 @@ def test_only_claims_it_cannot_resolve_are_said_once_per_pod(
         kube_api.create(obj)
 
     watcher = start_watcher()
-    assert holdings(watcher.events) == {"ray-head": ("running", 1, {}, [UUIDS[0]])}
+    assert holdings(watcher.events) == {"ray-head": ("running", 1, {}, [UUIDS[0]]),
+                                        "ray-worker": ("running", 0, {}, [])}
+    worker = next(e for e in watcher.events
+                  if isinstance(e, PodAllocation) and e.pod.name == "ray-worker")
+    assert (worker.owner_kind, worker.owner_name) == ("Job", "train")
     assert summary(watcher, "n1").gpus_free == 3
     mark = len(watcher.events)
     kube_api.mutate("Pod", "ray-worker", lambda p: p["status"].update(podIP="10.0.0.9"),
                     "team-a")
     assert watcher.new_events(mark) == []
-    assert unresolved(watcher) == 1
-    lines = [r.getMessage() for r in caplog.records if "Dynamic Resource" in r.getMessage()]
-    assert lines == ["pod team-a/ray-worker gets devices through Dynamic Resource Allocation "
-                     "that the watcher cannot resolve to GPUs, so they may go unreported: "
-                     "claim team-a/shared-gpu is shared by 2 pods: its devices are reported "
-                     "with pod ray-head only"]
+    assert unresolved(watcher) == 0
+    assert not [r for r in caplog.records if "Dynamic Resource" in r.getMessage()]
+
+
+def _request(**exactly: Any) -> dict[str, Any]:
+    return {"name": "r", "exactly": {"deviceClassName": "gpu.nvidia.com", **exactly}}
+
+
+@pytest.mark.parametrize(("requests", "asked"), [
+    ([_request()], {"nvidia.com/gpu": 1}),                          # count defaults to 1
+    ([_request(count=2), _request(count=1)], {"nvidia.com/gpu": 3}),
+    ([_request(allocationMode="All")], {"nvidia.com/gpu": 1}),      # every one: at least one
+    ([_request(deviceClassName="mig.nvidia.com", count=2, selectors=[{"cel": {
+        "expression": 'device.attributes["gpu.nvidia.com"].profile == "1g.10gb+me"'}}])],
+     {"nvidia.com/mig-1g.10gb.me": 2}),
+    ([_request(deviceClassName="mig.nvidia.com")], {}),              # no profile named
+    ([{"name": "r", "firstAvailable": [                              # the first choice
+        {"name": "big", "deviceClassName": "gpu.nvidia.com", "count": 2},
+        {"name": "small", "deviceClassName": "gpu.nvidia.com", "count": 1}]}],
+     {"nvidia.com/gpu": 2}),
+    ([_request(adminAccess=True)], {}),                               # monitoring, no ask
+    ([_request(deviceClassName="sriov.example.com")], {}),
+])
+def test_what_a_claims_device_requests_ask_for(requests: list[dict[str, Any]],
+                                               asked: dict[str, int]) -> None:
+    assert dra.requested({"requests": requests}) == asked
+
+
+def test_pods_waiting_for_dra_gpus_are_queued_with_what_their_claims_ask(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """A pod waiting for GPUs through claims waits like one asking ``nvidia.com/gpu``: it is
+    on the queue topic with what its claims' requests ask (two GPUs; one 3g.40gb MIG device
+    chosen by its profile selector), read from the claim made for it or, before the
+    resourceclaim controller made it, from its template; another driver's request (a NIC)
+    asks for no GPU. Once bound and allocated it is admitted and holds its devices."""
+    kube_api.create(dra_node("n1", gpus=4))
+    kube_api.create(h100_slice())
+    kube_api.create(resource_claim_template("train-gpus", "team-a", count=2))
+    kube_api.create(resource_claim_template("mig-slice", "team-a",
+                                            device_class="mig.nvidia.com",
+                                            profile="3g.40gb"))
+    kube_api.create(resource_claim_template("nic", "team-a",
+                                            device_class="sriov.nvidia.com"))
+    train = claim_pod(gpu_pod("train-0", uid="u-train", resources={}),
+                      {"gpu": "train-0-gpu-7x2kq", "nic": "train-0-nic-p9w4d"},
+                      templates={"gpu": "train-gpus", "nic": "nic"})
+    kube_api.create(resource_claim("train-0-gpu-7x2kq", "team-a", owner=train, count=2))
+    kube_api.create(train)
+    # The controller has not made its claim yet: its template says what it asks.
+    infer = claim_pod(gpu_pod("infer", uid="u-infer", resources={},
+                              owner=("ReplicaSet", "infer-5d8f9c")),
+                      {"gpu": None}, templates={"gpu": "mig-slice"})
+    kube_api.create(infer)
+    watcher = start_watcher()
+    assert waits(watcher.events) == [("infer", "pending", 0, {"3g.40gb": 1}),
+                                     ("train-0", "pending", 2, {})]
+
+    mark = len(watcher.events)
+    kube_api.mutate("ResourceClaim", "train-0-gpu-7x2kq",
+                    lambda c: allocate(c, "n1", ["gpu-0", "gpu-1"], [train]), "team-a",
+                    "resource.k8s.io")
+    kube_api.mutate("Pod", "train-0", lambda p: bind(p, "n1"), "team-a")
+    new = watcher.new_events(mark)
+    assert waits(new) == [("train-0", "admitted", 2, {})]
+    assert holdings(new) == {"train-0": ("bound", 2, {}, UUIDS[:2])}
+
+
+def test_a_pod_seen_before_its_claim_template_is_queued_once_the_template_comes(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """Templates and pods are watched apart: a pod read before the template it names is
+    queued as soon as the template is read."""
+    kube_api.create(dra_node("n1", gpus=4))
+    kube_api.create(h100_slice())
+    watcher = start_watcher()
+    mark = len(watcher.events)
+    kube_api.create(claim_pod(gpu_pod("train-0", uid="u-train", resources={}),
+                              {"gpu": None}, templates={"gpu": "train-gpus"}))
+    assert watcher.new_events(mark) == []
+    kube_api.create(resource_claim_template("train-gpus", "team-a", count=2))
+    assert waits(watcher.new_events(mark)) == [("train-0", "pending", 2, {})]
+
+
+def test_a_shared_claim_is_idle_for_all_its_pods_or_for_none(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """The worker's node join, fed the watcher's events for two pods sharing one claim and
+    the samples the NVML collector publishes for such a GPU (``shared``, each pod's own
+    activity in ``holders``): the idle pod is not idle while its neighbour keeps the GPU
+    busy (the claim would stay allocated were it reclaimed); once both are idle, both are
+    found, each with its owner (which decides what a reclaim does)."""
+    kube_api.create(dra_node("n1", gpus=4))
+    kube_api.create(h100_slice())
+    head = running_pod("ray-head", "n1", {"gpu": "shared-gpu"}, uid="u-head",
+                       from_template=False, owner=("ReplicaSet", "ray-5d8f9c"))
+    worker = running_pod("ray-worker", "n1", {"gpu": "shared-gpu"}, uid="u-worker",
+                         from_template=False)
+    shared = resource_claim("shared-gpu", "team-a")
+    allocate(shared, "n1", ["gpu-0"], [head, worker])
+    for obj in (shared, head, worker):
+        kube_api.create(obj)
+    watcher = start_watcher()
+    join, state = NodeJoin(), NodeState()
+    for event in watcher.events:
+        if isinstance(event, (PodAllocation, NodeInventory)):
+            join.on_allocation(state, event)
+    started = max(e.started_at or 0.0 for e in watcher.events if isinstance(e, PodAllocation))
+
+    def idle_found(since: float, until: float, worker_activity: float) -> dict[str, str]:
+        found: dict[str, str] = {}
+        for ts in range(int(since), int(until), 60):
+            sample = NodeSample(ts=float(ts), node="n1", source="nvml", devices=[DeviceSample(
+                uuid=UUIDS[0], index=0, model=H100, util_pct=worker_activity,
+                mem_used_bytes=30 << 30, mem_total_bytes=80 << 30, attribution="shared",
+                pod=PodRef("team-a", "ray-head"), holders=[
+                    DeviceHolder(pod=PodRef("team-a", "ray-head"), activity_pct=0.0),
+                    DeviceHolder(pod=PodRef("team-a", "ray-worker"),
+                                 activity_pct=worker_activity)])])
+            for out in join.on_sample(state, sample):
+                if isinstance(out, Finding) and out.kind == "idle_holder" and \
+                        out.state == "firing" and out.subject.pod is not None:
+                    found[out.subject.pod.name] = out.labels.get("owner", "")
+        return found
+
+    assert idle_found(started, started + 3 * 3600, 90.0) == {}
+    assert idle_found(started + 3 * 3600, started + 5 * 3600, 0.0) == {
+        "ray-head": "ReplicaSet/ray-5d8f9c", "ray-worker": "Job/train"}
+
+
+def test_a_kueue_workload_of_dra_pods_asks_what_its_template_claims_ask(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """A Kueue Workload whose pod template asks for GPUs through a claim template waits
+    for them like one asking ``nvidia.com/gpu``: per pod set and in all."""
+    kube_api.create(resource_claim_template("train-gpus", "team-a", count=2))
+    pending = workload("wl", gpus=0, count=3)
+    (pod_set,) = pending["spec"]["podSets"]
+    pod_set["template"]["spec"]["resourceClaims"] = [
+        {"name": "gpu", "resourceClaimTemplateName": "train-gpus"}]
+    kube_api.create(pending)
+    watcher = start_watcher()
+    (event,) = [e for e in watcher.events if isinstance(e, QueueEvent)]
+    assert (event.kind, event.state, event.gpus) == ("workload", "pending", 6)
+    assert [(s.count, s.gpus) for s in event.pod_sets] == [(3, 2)]
 
 
 def test_a_cluster_without_dra_v1_is_watched_without_it_until_it_is_served(
@@ -257,7 +422,8 @@ def test_a_cluster_without_dra_v1_is_watched_without_it_until_it_is_served(
     each DRA pod unresolved; once the cluster serves it (an upgrade), the next resync
     watches claims and completes the pods, without a restart."""
     caplog.set_level(logging.INFO, "gpusteward.collectors.kubernetes.watcher")
-    dra = {"resourceclaims.resource.k8s.io", "resourceslices.resource.k8s.io"}
+    dra = {"resourceclaims.resource.k8s.io", "resourceclaimtemplates.resource.k8s.io",
+           "resourceslices.resource.k8s.io"}
     with KubeApiServer(bookmark_interval_s=0.05, absent=dra) as api:
         from gpusteward.collectors.kubernetes import KubeWatchSettings
 

@@ -129,7 +129,11 @@ def test_dra_devices_are_credited_to_their_pods(socket_path, publisher, caplog):
 
 def test_dra_holders_are_split_by_their_processes(socket_path, publisher):
     """With the host's /proc, a DRA GPU's processes name their pods: one pod alone on its
-    GPU is named with its uid, a GPU shared through one claim is split by pod uid."""
+    GPU is named with its uid, a GPU shared through one claim is split by pod uid, each
+    holder with its own activity, but the device stays ``shared``: the claim is one
+    allocation, given back only once both pods are done, so the idle pod is not idle on a
+    GPU its neighbour keeps busy (the worker judges a shared device idle for all its
+    holders or for none)."""
     sample, _ = _tick(KUBELET, socket_path, publisher, proc_root=str(PROC))
     devices = {d.uuid: d for d in sample.devices}
 
@@ -137,7 +141,7 @@ def test_dra_holders_are_split_by_their_processes(socket_path, publisher):
     assert (whole.attribution, whole.holders[0].pod) == ("process", PodRef(
         namespace="ml", name="train-dra", uid=UID(6), container="trainer"))
     shared = devices[GPU(3)]
-    assert shared.attribution == "process"
+    assert shared.attribution == "shared"
     assert [(h.pod_uid, h.activity_pct) for h in shared.holders] == [(UID(1), 80.0),
                                                                       (UID(2), 0.0)]
     assert shared.pod == PodRef(namespace="nb", name="busy", container="jupyter")
