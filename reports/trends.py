@@ -30,13 +30,15 @@ def change_pct(now: float | None, before: float | None) -> float | None:
     return 100 * (now - before) / before
 
 
-def _team_values(data: dict[str, Any]) -> dict[str, dict[str, float | int]]:
-    found = data.get("findings", {}).get("per_team", {})
-    out: dict[str, dict[str, float | int]] = {
+def _team_values(data: dict[str, Any]) -> dict[str, dict[str, float | int | None]]:
+    found = data.get("findings", {})
+    # A week reported without the findings store knows no team's findings: None, not 0.
+    stored = found.get("stored", True)
+    out: dict[str, dict[str, float | int | None]] = {
         row["team"]: {m: float(row[m]) for m in TEAM_METRICS if m in row}
            for row in data.get("teams", [])}
     for team, values in out.items():
-        values["findings"] = int(found.get(team, 0))
+        values["findings"] = int(found.get("per_team", {}).get(team, 0)) if stored else None
     return out
 
 
