@@ -137,7 +137,7 @@ def recommend(need: pl.DataFrame, settings: ReportSettings,
             # Idle all week: fewer GPUs, a MIG slice or a cheaper model would still be held
             # for nothing, so none is advised, not even as an alternative.
             out.append(Recommendation(
-                name, team, "give_back", f"{held:.1f} x {row['gpu_model']}", "release the GPU",
+                name, team, "give_back", _held(row), "release the GPU",
                 hours * hourly, hours, points,
                 f"p{settings.percentile:g} activity "
                 f"{percentile_activity_pct(row):.1f}% is below the idle threshold "
