@@ -97,17 +97,36 @@ def week_of(ts: float) -> Week:
     return parse_week(f"{year}-W{number:02d}")
 
 
+_MEMORY_SUFFIX = re.compile(r"[\s\-_]\d+\s*GB$", re.IGNORECASE)
+
+
+def _product(name: str) -> str:
+    """A model's name without vendor or memory size: the driver calls an L4 ``NVIDIA L4``
+    and a T4 ``Tesla T4``, the price table ``L4-24GB`` and ``T4-16GB``."""
+    return mig_geometry._squash(_MEMORY_SUFFIX.sub("", name.strip())).removeprefix("TESLA")
+
+
 def canonical_models(models: list[str], settings: ReportSettings,
                      geometries: Mapping[str, mig_geometry.Geometry]) -> dict[str, str]:
-    """Driver product names mapped to the keys of the price table and MIG geometries."""
+    """Driver product names mapped to the keys of the price table and MIG geometries.
+
+    A model without MIG is found in the price table by its name, else by its product
+    alone when one key has it (``NVIDIA L40S`` is ``L40S-48GB``); else it keeps its name
+    and is priced at ``default_hourly_usd``."""
     priced = {mig_geometry._squash(name): name for name in settings.gpu_models}
+    products: dict[str, list[str]] = {}
+    for name in settings.gpu_models:
+        products.setdefault(_product(name), []).append(name)
     mapping: dict[str, str] = {}
     for model in models:
         found = mig_geometry.find(geometries, model)
         if found is not None:
             mapping[model] = found.model
+        elif (exact := priced.get(mig_geometry._squash(model))) is not None:
+            mapping[model] = exact
         else:
-            mapping[model] = priced.get(mig_geometry._squash(model), model)
+            same = products.get(_product(model), [])
+            mapping[model] = same[0] if len(same) == 1 else model
     return mapping
 
 

@@ -18,7 +18,7 @@ saving it would have made this week at the settings' prices:
 - ``give_back``: the workload's p95 activity (relative to what it holds, as
   the idle rule reads it) stays under the idle threshold: it held GPUs for
   nothing, and no smaller GPU fixes that (saving: everything it was
-  allocated);
+  allocated; it is the only advice such a workload gets);
 - ``fewer_gpus``: a multi-GPU workload whose need rounds up to fewer GPUs;
 - ``mig_profile``: a whole-GPU workload whose per-device need fits a MIG
   profile of its model (saving: the GPU-hours it held less the profile's
@@ -134,13 +134,15 @@ def recommend(need: pl.DataFrame, settings: ReportSettings,
                f"{settings.headroom_pct:g}% headroom over {points} min")
         held = row["gpus_held"]
         if idle_all_week(row, settings):
-            # Idle all week: a MIG slice or a cheaper model would still be held for nothing.
+            # Idle all week: fewer GPUs, a MIG slice or a cheaper model would still be held
+            # for nothing, so none is advised, not even as an alternative.
             out.append(Recommendation(
-                name, team, "give_back", f"{held:.1f} x {row['gpu_model']}", "release the GPU",
+                name, team, "give_back", _held(row), "release the GPU",
                 hours * hourly, hours, points,
                 f"p{settings.percentile:g} activity "
                 f"{percentile_activity_pct(row):.1f}% is below the idle threshold "
                 f"({settings.idle_threshold_pct:g}%) over {points} min"))
+            continue
         if not row["uses_mig"] and held > 1:
             mem_gpus = 0
             if row["device_mem_total"]:

@@ -9,7 +9,9 @@ Two weeks are comparable only when neither misses a day of rollups nor has its
 data stop early (rollups not yet stored when it was reported): a week
 whose sink was down for two days shows less idle time because it saw less,
 not because anyone gave a GPU back (:func:`comparability`; the report then
-shows both weeks' figures without arrows).
+shows both weeks' figures without arrows). Nor are two weeks measured with
+another idle threshold or another price of a model they used: the same
+fleet doing the same would show other idle hours or costs.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ def change_pct(now: float | None, before: float | None) -> float | None:
     return 100 * (now - before) / before
 
 
-def _team_values(data: dict[str, Any]) -> dict[str, dict[str, float | int]]:
-    found = data.get("findings", {}).get("per_team", {})
-    out: dict[str, dict[str, float | int]] = {
+def _team_values(data: dict[str, Any]) -> dict[str, dict[str, float | int | None]]:
+    found = data.get("findings", {})
+    # A week reported without the findings store knows no team's findings: None, not 0.
+    stored = found.get("stored", True)
+    out: dict[str, dict[str, float | int | None]] = {
         row["team"]: {m: float(row[m]) for m in TEAM_METRICS if m in row}
            for row in data.get("teams", [])}
     for team, values in out.items():
-        values["findings"] = int(found.get(team, 0))
+        values["findings"] = int(found.get("per_team", {}).get(team, 0)) if stored else None
     return out
 
 
@@ -120,8 +124,35 @@ def comparability(data: dict[str, Any], previous: dict[str, Any] | None
         ends = week.get("data_ends")
         if ends:
             reasons.append(f"no data {which} from {ends['after']} to {ends['until']}")
+    reasons.extend(_measured_otherwise(data, previous))
     return {"comparable": not reasons,
             "not_comparable": "; ".join(reasons) if reasons else None}
+
+
+def _measured_otherwise(data: dict[str, Any], previous: dict[str, Any]) -> list[str]:
+    """Settings that changed what the figures measure between the two weeks: another idle
+    threshold counts other minutes idle, another price of a model either week used costs
+    the same hours otherwise (a week kept without its settings is taken as measured alike)."""
+    now, before = data.get("settings") or {}, previous.get("settings") or {}
+    reasons = []
+    threshold, threshold_before = (now.get("idle_threshold_pct"),
+                                   before.get("idle_threshold_pct"))
+    if None not in (threshold, threshold_before) and threshold != threshold_before:
+        reasons.append(f"idle threshold {threshold_before:g}% in {previous['week']}, "
+                       f"{threshold:g}% this week")
+    prices, prices_before = now.get("hourly_usd") or {}, before.get("hourly_usd") or {}
+    used = sorted({w["gpu_model"] for week in (data, previous)
+                   for w in week.get("workloads", []) if w.get("gpu_model")})
+    for model in used:
+        price, price_before = prices.get(model), prices_before.get(model)
+        if price != price_before:
+            reasons.append(f"{model} {_price(price_before)} in {previous['week']}, "
+                           f"{_price(price)} this week")
+    return reasons
+
+
+def _price(hourly_usd: float | None) -> str:
+    return "the default price" if hourly_usd is None else f"${hourly_usd:g}/h"
 
 
 def totals(data: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:

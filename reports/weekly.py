@@ -361,8 +361,15 @@ def _read(folder: Path, schema: dict[str, Any]) -> pl.DataFrame:
 
 
 def _fragmentation_part(frame: pl.LazyFrame, shape_gpus: int) -> pl.LazyFrame:
-    """Per hour: free whole GPUs summed over its minutes, those a request can use, minutes."""
+    """Per hour: free whole GPUs summed over its minutes, those a request can use, minutes.
+
+    A MIG-enabled GPU is no whole GPU a request can have, though the NVML collector
+    reads it beside its instances (a row of kind ``gpu`` no pod holds): the minutes it
+    has instances it is left out."""
+    partitioned = (frame.filter(pl.col("kind") == "mig")
+                   .select("ts", pl.col("parent_uuid").alias("uuid")).unique())
     per_node = (frame.filter(pl.col("kind") == "gpu")
+                .join(partitioned, on=["ts", "uuid"], how="anti")
                 # The node's code, not its name: the name is not kept, and codes group faster.
                 .group_by("ts", pl.col("node").to_physical())
                 .agg((~pl.col("allocated")).sum().alias("free")))

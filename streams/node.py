@@ -352,7 +352,8 @@ class _Holders:
     (DESIGN.md, decision 4): the kubelet's PodResources API, and so the NVML collector's
     attribution, carries no uid, while the watcher's allocations do. Built once per sample
     from the handful of pods a node holds; a holding whose pod ended at or before the
-    sample does not hold anything at its time.
+    sample does not hold anything at its time, nor do the device ids of one that started
+    after it.
     """
 
     __slots__ = ("_by_name", "_live", "by_device", "expired")
@@ -370,8 +371,13 @@ class _Holders:
                 if ts - ended_at > linger_s:
                     self.expired.append(key)
                 continue
-            for uuid in holding.devices:
-                self.by_device[uuid] = holding
+            # An allocation read ahead of the samples (a worker catching up reads the small
+            # allocations topic first) holds its devices only from its start: until then
+            # they are the pod's before it. The collector's attribution still finds it by
+            # name, should the node's clock run behind the start the API server stamped.
+            if holding.started_at <= ts:
+                for uuid in holding.devices:
+                    self.by_device[uuid] = holding
             self._live.append(holding)
 
     def _names(self) -> dict[tuple[str, str], list[Holding]]:

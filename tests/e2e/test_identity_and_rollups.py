@@ -109,10 +109,12 @@ def _sink(settings: Settings, store: Path, log: Path) -> subprocess.Popen[bytes]
             start_new_session=True, preexec_fn=die_with_parent)
 
 
-async def _run(broker: EmbeddedBroker, work: Path) -> Run:
-    settings = broker.settings().model_copy(update={"topic_prefix": "e2e-identity"})
+async def _run(broker: EmbeddedBroker, work: Path, scenario: Scenario = SCENARIO,
+               prefix: str = "e2e-identity") -> Run:
+    """``scenario`` through the worker and the rollup sink, and the report of its week."""
+    settings = broker.settings().model_copy(update={"topic_prefix": prefix})
     await kafka.ensure_topics(settings)
-    cluster = SimulatedCluster(SCENARIO)
+    cluster = SimulatedCluster(scenario)
     publisher = Recording(KafkaPublisher(settings))
     await publisher.inner.start()
     store = work / "rollups"
@@ -135,7 +137,7 @@ async def _run(broker: EmbeddedBroker, work: Path) -> Run:
     decode = msgspec.json.Decoder(Finding).decode
     findings = [decode(r.value) for r in
                 await kafka.read_all(settings, topics.FINDINGS.name(settings))]
-    week = compute.week_of(SCENARIO.start_ts)
+    week = compute.week_of(scenario.start_ts)
     report = build.build(store, week, ReportSettings()).data
     return Run(truth, publisher.samples, findings, report)
 

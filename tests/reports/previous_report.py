@@ -54,8 +54,12 @@ def fault_table(frame: pl.DataFrame) -> pl.DataFrame:
 
 
 def fragmentation_table(frame: pl.DataFrame, shape_gpus: int) -> pl.DataFrame:
-    """Per hour: free whole GPUs and the share of them no ``shape_gpus``-GPU request fits."""
+    """Per hour: free whole GPUs (a MIG-enabled GPU is none) and the share of them no
+    ``shape_gpus``-GPU request fits."""
+    partitioned = frame.filter(pl.col("kind") == "mig").select(
+        "ts", pl.col("parent_uuid").alias("uuid")).unique()
     per_node = (frame.filter(pl.col("kind") == "gpu")
+                .join(partitioned, on=["ts", "uuid"], how="anti")
                 .group_by("ts", "node").agg((~pl.col("allocated")).sum().alias("free")))
     per_minute = per_node.group_by("ts").agg(
         pl.col("free").sum().alias("free"),

@@ -6,11 +6,13 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner, Result
 
 from gpusteward.cli import app
 from gpusteward.cli.report import NO_DATA_EXIT
-from gpusteward.reports import compute, store
+from gpusteward.reports import archive, compute, store
+from gpusteward.reports.settings import ReportSettings
 from gpusteward.sandbox import rollups as synthetic
 
 
@@ -112,3 +114,51 @@ def test_replay_without_a_week_puts_the_queue_on_last_week_behind_the_clock(
     assert isinstance(first, float) and isinstance(last, float)
     assert first >= last_week.start
     assert last < last_week.end + 60 < time.time()
+
+
+def test_a_week_at_other_prices_or_idle_threshold_is_not_compared(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CronJob's command twice, the archive kept: the same fleet doing the same two
+    weeks, the second reported after a price change (or another idle threshold), must not
+    show an idle cost 'up 100 %' in red as if the teams idled twice as much."""
+    before = archive.previous_week(WEEK)
+    rollups, kept = tmp_path / "rollups", tmp_path / "archive"
+    for week in (before, WEEK):
+        store.write(rollups, synthetic.week_of_rollups(week.start, gpus=2, workloads=2,
+                                                       teams=1, seed=7))
+    monkeypatch.setenv("GPUSTEWARD_REPORT__ARCHIVE_DIR", str(kept))
+
+    def report(week: compute.Week, out: Path) -> dict:
+        result = CliRunner().invoke(app, ["report", "--week", week.label, "--rollups",
+                                          str(rollups), "--queue", str(out / "no-queue"),
+                                          "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        data: dict = json.loads((out / "report.json").read_text())
+        return data
+
+    last = report(before, tmp_path / "before")
+    (model,) = {w["gpu_model"] for w in last["workloads"]}
+    price = ReportSettings().gpu_models[model].hourly_usd
+    same = report(WEEK, tmp_path / "same")
+    assert same["trends"]["comparable"] is True  # the control: like with like
+
+    monkeypatch.setenv(f"GPUSTEWARD_REPORT__GPU_MODELS__{model}__HOURLY_USD", str(2 * price))
+    repriced = report(WEEK, tmp_path / "repriced")
+    # The same idle hours at twice the price: the change is the price's alone.
+    assert repriced["totals"]["idle_gpu_hours"] == pytest.approx(
+        last["totals"]["idle_gpu_hours"])
+    assert repriced["totals"]["idle_cost_usd"] == pytest.approx(
+        2 * last["totals"]["idle_cost_usd"])
+    assert repriced["trends"]["comparable"] is False
+    assert f"{model} ${price:g}/h in {before.label}, ${2 * price:g}/h this week" in \
+        repriced["trends"]["not_comparable"]
+    markdown = (tmp_path / "repriced" / "report.md").read_text()
+    assert "▲" not in markdown and f"Not comparable with {before.label}" in markdown
+
+    monkeypatch.delenv(f"GPUSTEWARD_REPORT__GPU_MODELS__{model}__HOURLY_USD")
+    monkeypatch.setenv("GPUSTEWARD_REPORT__IDLE_THRESHOLD_PCT", "50")
+    stricter = report(WEEK, tmp_path / "stricter")
+    assert stricter["totals"]["idle_gpu_hours"] > last["totals"]["idle_gpu_hours"]
+    assert stricter["trends"]["comparable"] is False
+    assert f"idle threshold 5% in {before.label}, 50% this week" in \
+        stricter["trends"]["not_comparable"]

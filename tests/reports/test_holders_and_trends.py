@@ -307,3 +307,26 @@ def test_holders_equal_a_whole_week_computation_of_their_episodes(
         expected["longest_episode_h"].to_list(), rel=1e-12)
     assert got["idle_gpu_hours"].to_list() == pytest.approx(
         expected["idle_gpu_hours"].to_list(), rel=1e-9)
+
+
+def test_finding_counts_compare_only_when_both_weeks_kept_them(
+        weeks: tuple[build.Report, build.Report, Path], tmp_path: Path) -> None:
+    """Last week's report read the findings store, this week's ran without one (the
+    findings sink's folder not mounted): vision's finding episodes are not known this week,
+    and must not read as 2 -> 0, a green 'better' arrow."""
+    _, _, kept = weeks
+    rollups, found, archived = kept.parent / "rollups", tmp_path / "findings", tmp_path / "kept"
+    store.write(found, findings.frame([
+        _idle_finding("nb-alice-0", 1, BEFORE.start + 21 * HOUR, "execute"),
+        _idle_finding("nb-bob-0", 1, BEFORE.start + 2 * 86400 + HOUR, "execute")]),
+        findings.SCHEMA)
+    settings = ReportSettings()
+    before = build.build(rollups, BEFORE, settings, findings_dir=found)
+    assert before.data["findings"]["per_team"]["vision"] == 2  # the control
+    render.write(before, archive.folder(archived, BEFORE))
+    now = build.build(rollups, WEEK, settings, previous=archive.previous(archived, WEEK))
+    assert now.data["findings"]["stored"] is False
+    (vision,) = [r for r in now.data["trends"]["teams"] if r["team"] == "vision"]
+    assert (vision["findings"], vision["findings_before"]) == (None, 2)
+    for text in (render.markdown(now), render.html(now)):
+        assert "▼ -100%" not in text

@@ -113,6 +113,12 @@ def test_the_report_credits_each_holder_its_share_and_counts_physical_gpus(
         assert team["used_gpu_hours"] == pytest.approx(util / 100 * hours), ns
         assert team["idle_gpu_hours"] == pytest.approx(0.25 * hours if util < 5 else 0.0), ns
     assert teams["train"]["allocated_gpu_hours"] == pytest.approx(hours)
+    # The idle notebook is told to give back the quarter of an L4 it holds: what it holds
+    # (not "0.2 x", a quarter rounded), and what that quarter cost at the L4's price.
+    (idle,) = [r for r in report.data["recommendations"] if r["team"] == "idle"]
+    l4 = ReportSettings().gpu_models["L4-24GB"].hourly_usd
+    assert (idle["kind"], idle["current"]) == ("give_back", "0.25 x L4-24GB")
+    assert idle["saving_usd"] == pytest.approx(0.25 * hours * l4)
     totals = report.data["totals"]
     assert totals["allocated_gpu_hours"] == pytest.approx(2 * hours)
     assert (totals["devices"], totals["gpus"], totals["nodes"]) == (2, 2, 1)
