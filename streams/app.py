@@ -46,7 +46,14 @@ from gpusteward.health import Health
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary, Rollup
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import FleetSettings, register_fleet_agent
-from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings, deleted_since
+from gpusteward.streams.node import (
+    NodeDeletion,
+    NodeJoin,
+    NodeState,
+    Output,
+    RuleSettings,
+    deleted_since,
+)
 from gpusteward.streams.outputs import (
     Departures,
     OutputTopics,
@@ -484,7 +491,7 @@ class NodeStates:
         checkpoint. Cleared at every rebalance, when the table is the truth."""
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(NodeState).decode
-        self._decode_deletion = msgspec.msgpack.Decoder(_Deletion).decode
+        self._decode_deletion = msgspec.msgpack.Decoder(NodeDeletion).decode
         self.dropped: list[Undecodable] = []
         """Table values this build could not decode, dropped for a fresh state in whole or
         in part (:func:`.outputs.restore`), until the caller reports them."""
@@ -582,18 +589,9 @@ class NodeStates:
         """When a stored node state says its node was deleted; None if it was not (or the
         state does not decode: its next record reports it)."""
         try:
-            return deleted_since(self._decode_deletion(stored))  # type: ignore[arg-type]
+            return deleted_since(self._decode_deletion(stored))
         except msgspec.DecodeError:
             return None
-
-
-class _Deletion(msgspec.Struct):
-    """The fields of a stored :class:`NodeState` that say whether and when its node was
-    deleted: read for every node of the table after a rebalance, the rest skipped."""
-
-    deleted: bool = False
-    deleted_at: float | None = None
-    last_summary_ts: float | None = None
 
 
 async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeStates,

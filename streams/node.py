@@ -260,7 +260,16 @@ class NodeState(msgspec.Struct):
     :data:`MAX_WAITING_XIDS`."""
 
 
-def deleted_since(state: NodeState) -> float | None:
+class NodeDeletion(msgspec.Struct):
+    """The fields of a stored :class:`NodeState` that say whether and when its node was
+    deleted: read for every node of the table after a rebalance, the rest skipped."""
+
+    deleted: bool = False
+    deleted_at: float | None = None
+    last_summary_ts: float | None = None
+
+
+def deleted_since(state: NodeState | NodeDeletion) -> float | None:
     """When the node was deleted, if it is: the event time of its deletion; for a state
     written before that was kept, its last summary's (a tombstone at or after the
     deletion). None while the node exists."""
