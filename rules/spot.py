@@ -136,6 +136,9 @@ class SpotNodeTrack(msgspec.Struct):
     open_since: float | None = None
     open_taint: str | None = None
     requeued: list[str] = []
+    deleted_at: float | None = None
+    """Event time of the inventory that said the node was deleted (the first, if read
+    again); None while it exists. The worker removes the track some time after."""
 
 
 def _pod_key(pod: PodRef) -> str:
@@ -155,6 +158,10 @@ def on_inventory(track: SpotNodeTrack, event: NodeInventory,
     if track.inventory_ts is not None and event.ts < track.inventory_ts:
         return []
     track.inventory_ts = event.ts
+    if not event.deleted:
+        track.deleted_at = None
+    elif track.deleted_at is None:
+        track.deleted_at = event.ts
     taint = None if event.deleted else _termination_taint(event, settings)
     track.spot = event.spot or taint in SPOT_NOTICE_TAINTS
     if taint is not None and (track.spot or not settings.spot_only):

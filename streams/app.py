@@ -25,6 +25,7 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
+    Iterable,
     Mapping,
     Sequence,
 )
@@ -45,8 +46,16 @@ from gpusteward.health import Health
 from gpusteward.schema import AllocationEvent, HwEvent, NodeSample, NodeSummary, Rollup
 from gpusteward.settings import Settings
 from gpusteward.streams.fleet import FleetSettings, register_fleet_agent
-from gpusteward.streams.node import NodeJoin, NodeState, Output, RuleSettings
+from gpusteward.streams.node import (
+    NodeDeletion,
+    NodeJoin,
+    NodeState,
+    Output,
+    RuleSettings,
+    deleted_since,
+)
 from gpusteward.streams.outputs import (
+    Departures,
     OutputTopics,
     Undecodable,
     each_batch,
@@ -396,10 +405,15 @@ def create_app(
         "node-state", partitions=kafka.node_partitions, key_type=bytes, value_type=bytes,
         use_partitioner=True,
     )
-    states = NodeStates(state_table, join.settings.checkpoint_interval_s)
+    # A deleted node's state leaves the table once its partition's samples are
+    # forget_deleted_s past the deletion (NodeStates.sweep).
+    departures = Departures(join.settings.forget_deleted_s, kafka.node_partitions)
+    states = NodeStates(state_table, join.settings.checkpoint_interval_s, departures,
+                        join.forget)
 
     def forget_live_states(sender: Any, *args: Any, **kwargs: Any) -> None:
         states.live.clear()
+        departures.forget()
 
     # mode's signal type asks for a positional-only sender that no def can spell here.
     app.on_partitions_revoked.connect(forget_live_states)  # type: ignore[arg-type]
@@ -425,7 +439,8 @@ def create_app(
     def apply(to_write: dict[bytes, bytes], event: Any) -> list[Output]:
         decode, handler = by_topic[event.message.topic]
         try:
-            return states.apply(to_write, handler, decode(event.value, event.key))
+            return states.apply(to_write, handler, decode(event.value, event.key),
+                                event.message.partition)
         finally:
             if states.dropped:
                 outputs_to.drop_states(state_table, event.message.partition, states.dropped)
@@ -457,24 +472,36 @@ def create_app(
 class NodeStates:
     """The worker's node states: those of its nodes decoded, over the changelog-backed table
     (msgpack-encoded :class:`NodeState` bytes by node name: the changelog carries exactly
-    these)."""
+    these).
 
-    def __init__(self, table: Any, checkpoint_s: float) -> None:
+    With ``departures``, the states of nodes deleted from the cluster are indexed as they
+    are applied, and :meth:`sweep` removes them once their partition's samples are past the
+    grace, after ``forget`` (the join's) gave what is due before (the node's last rollup
+    minutes)."""
+
+    def __init__(self, table: Any, checkpoint_s: float,
+                 departures: Departures | None = None,
+                 forget: Callable[[NodeState, str], list[Output]] | None = None) -> None:
         self.table = table
         self.checkpoint_s = checkpoint_s
+        self.departures = departures
+        self.forget = forget
         self.live: dict[bytes, tuple[NodeState, float]] = {}
         """Decoded states of this worker's nodes, with the event time of their last
         checkpoint. Cleared at every rebalance, when the table is the truth."""
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(NodeState).decode
+        self._decode_deletion = msgspec.msgpack.Decoder(NodeDeletion).decode
         self.dropped: list[Undecodable] = []
         """Table values this build could not decode, dropped for a fresh state in whole or
         in part (:func:`.outputs.restore`), until the caller reports them."""
 
-    def apply(self, to_write: dict[bytes, bytes], handler: Callable[[NodeState, Any], list[Output]],
-              record: Any) -> list[Output]:
+    def apply(self, to_write: dict[bytes, bytes],
+              handler: Callable[[NodeState, Any], list[Output]],
+              record: Any, partition: int | None = None) -> list[Output]:
         """Apply one decoded record to its node; nodes due for a checkpoint go to
-        ``to_write``, encoded (written once the batch's findings and actions are delivered)."""
+        ``to_write``, encoded (written once the batch's findings and actions are delivered).
+        ``partition``: the record's, for the index of deleted nodes (none without)."""
         node = record.node.encode()
         entry = self.live.get(node)
         if entry is None:
@@ -519,7 +546,52 @@ class NodeStates:
                 self.live[node] = (self._decode(encoded), checkpointed_at)
             raise
         self.live[node] = (state, checkpointed_at)
+        departures = self.departures
+        if departures is not None and partition is not None:
+            if isinstance(record, NodeSample):  # a sample: one check unless its node is gone
+                departures.advance(partition, record.ts)
+                if state.deleted:
+                    departures.note(partition, node, deleted_since(state))
+            else:  # an inventory may delete the node, or create it again
+                departures.note(partition, node, deleted_since(state))
         return outputs
+
+    def sweep(self, to_remove: set[bytes], partitions: Iterable[int]) -> list[Output]:
+        """Remove the states of the nodes of ``partitions`` deleted at least the grace ago
+        (:class:`.outputs.Departures`): each goes to ``to_remove``, removed from the table (a
+        tombstone on the changelog, so no restart or recovery brings it back) as the batch's
+        states are written, once the outputs returned here (its open rollup minutes) are
+        published.
+        ``partitions``: of records this worker holds (still of its generation)."""
+        departures, forget = self.departures, self.forget
+        if departures is None or forget is None:
+            return []
+        if not departures.known:  # after a rebalance: the table is recovered by now
+            departures.rebuild(self.table.items(), self._deleted_at)
+        out: list[Output] = []
+        for partition in partitions:
+            for node in departures.due(partition):
+                entry = self.live.get(node)
+                if entry is not None:
+                    state: NodeState | None = entry[0]
+                else:
+                    state = restore(self._decode, node, self.table.get(node), self.dropped,
+                                    NodeState)
+                if state is not None:
+                    if deleted_since(state) is None:
+                        continue  # created again: kept
+                    out += forget(state, node.decode())
+                self.live.pop(node, None)
+                to_remove.add(node)
+        return out
+
+    def _deleted_at(self, stored: bytes) -> float | None:
+        """When a stored node state says its node was deleted; None if it was not (or the
+        state does not decode: its next record reports it)."""
+        try:
+            return deleted_since(self._decode_deletion(stored))
+        except msgspec.DecodeError:
+            return None
 
 
 async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeStates,
@@ -548,11 +620,14 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
     """
     started = outputs_to.consumed_each(events)
     writes: dict[bytes, bytes] = {}
+    gone: set[bytes] = set()
     todo: list[Any] = []
     try:
         async with one_batch:
             todo = current(events)
             outputs = await outputs_to.guarded_each(todo, "node-join", partial(apply, writes))
+            # Nodes deleted long enough ago, of the partitions this batch shows held.
+            outputs += states.sweep(gone, {event.message.partition for event in todo})
             await outputs_to.emit_then_checkpoint(outputs, None)
             if len(current(todo)) < len(todo):
                 # A rebalance came while the batch published: the same, written nowhere.
@@ -561,14 +636,16 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
                 todo = []
                 for node in writes:
                     states.live.pop(node, None)
-            elif writes:
-                _checkpoint(states.table, writes)
+            elif writes or gone:
+                _checkpoint(states.table, writes, gone)
     except BaseException:
         # Stopped, or a delivery or a changelog write failed (a record's own failure is its
         # dead letter): nothing of the batch is acknowledged, the first event included.
         events[0].message.incref()
         for node in writes:  # not checkpointed: re-processing starts from the last
             states.live.pop(node, None)
+        if states.departures is not None:  # the nodes swept are still in the table
+            states.departures.known = False
         raise
     first = events[0]
     if not todo or todo[0] is not first:
@@ -580,10 +657,13 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
         outputs_to.processed(started, len(todo))
 
 
-def _checkpoint(table: Any, writes: dict[bytes, bytes]) -> None:
-    """Write the batch's encoded node states to the changelog-backed table."""
+def _checkpoint(table: Any, writes: dict[bytes, bytes], gone: Iterable[bytes] = ()) -> None:
+    """Write the batch's encoded node states to the changelog-backed table, and remove the
+    ``gone`` nodes' (a tombstone on the changelog)."""
     for node, state in writes.items():
         table[node] = state
+    for node in gone:
+        table.pop(node, None)
 
 
 def _node(record: NodeSample | HwEvent) -> str:

@@ -90,6 +90,7 @@ from gpusteward.schema import (
 )
 from gpusteward.settings import Settings
 from gpusteward.streams.outputs import (
+    Departures,
     OutputTopics,
     Undecodable,
     crash_unread,
@@ -121,6 +122,13 @@ class FleetSettings:
     checkpoint_interval_s: float = 30.0
     """Event-time seconds between two changelog writes of the fleet state when nothing
     was emitted."""
+    spot_forget_deleted_s: float = 3600.0
+    """Event-time seconds after a node's deletion that the ``fleet-spot`` agent keeps its
+    track, measured on the allocation records of the node's partition (other nodes':
+    a deleted node's own stop with its pods' deletions); then the track is removed from
+    the table and its changelog. 1 h, as the node join's ``forget_deleted_s``: a late pod
+    event of the node (the pod garbage collector's, seconds after the node) finds its
+    track; one read later would start a track afresh."""
 
 
 class FleetState(msgspec.Struct):
@@ -339,6 +347,13 @@ class SpotJoin:
         return spot_rules.on_pod(track, event, self.settings)
 
 
+class _SpotDeletion(msgspec.Struct):
+    """Of a stored spot track, when its node was deleted: read for every track of the table
+    after a rebalance, the rest skipped."""
+
+    deleted_at: float | None = None
+
+
 class _Snapshot:
     """Whether the fleet agent's live state holds records due a checkpoint that are not
     written yet."""
@@ -502,12 +517,25 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         recent.clear()
         snapshot.due = False
 
+    # Deleted nodes' spot tracks, removed once their partition's allocation records are
+    # spot_forget_deleted_s past the deletion (as the node join's states).
+    spot_departures = Departures(evaluator.settings.spot_forget_deleted_s,
+                                 kafka.node_partitions)
+    decode_spot_deletion = msgspec.msgpack.Decoder(_SpotDeletion).decode
+
+    def spot_deleted_at(stored: bytes) -> float | None:
+        try:
+            return decode_spot_deletion(stored).deleted_at
+        except msgspec.DecodeError:  # its next record reports it
+            return None
+
     def forget_live_state(sender: Any, *args: Any, **kwargs: Any) -> None:
         # A rebalance: what was not written belongs to records not acknowledged, which its
         # seek delivers again, perhaps to another worker that restores the tables from the
         # changelog. Kept and written with the batch's end, as this did until 2026-11-26,
         # it reached the changelog after the new owner had read it.
         forget_unwritten()
+        spot_departures.forget()
 
     # mode's signal type asks for a positional-only sender that no def can spell here.
     app.on_partitions_revoked.connect(forget_live_state)  # type: ignore[arg-type]
@@ -644,8 +672,10 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         await each_batch(app, stream, lambda events: fleet_batch(
             events, outputs_to, apply_fleet, write_checkpoint, forget_unwritten, current))
 
-    async def apply_spot(event: Any) -> tuple[list[FleetOutput], bytes, bytes] | None:
-        """What to publish, and the node's track to write once it is delivered."""
+    async def apply_spot(event: Any) -> tuple[list[FleetOutput], bytes, bytes,
+                                              spot_rules.SpotNodeTrack, float] | None:
+        """What to publish, and the node's track to write once it is delivered (encoded and
+        as it is), and the record's event time."""
         try:
             alloc = alloc_edge(event.value, event.key)
         except Rejected:
@@ -660,7 +690,19 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             track = spot_rules.SpotNodeTrack()
         # A failure leaves the table as it was: the track is written only when whole.
         outputs = spot_join.on_allocation(track, alloc)
-        return outputs, node, encode_msgpack(track)
+        return outputs, node, encode_msgpack(track), track, alloc.ts
+
+    def sweep_spot(partition: int, node: bytes, deleted_at: float | None, ts: float) -> None:
+        """Note the record's node and time in the index of deleted nodes, and remove the
+        tracks of its partition (held: the record is still of this worker's generation)
+        deleted long enough ago; the table writes them to the changelog partition of the
+        record being handled, theirs."""
+        if not spot_departures.known:  # after a rebalance: the table is recovered by now
+            spot_departures.rebuild(spot_table.items(), spot_deleted_at)
+        spot_departures.note(partition, node, deleted_at)
+        spot_departures.advance(partition, ts)
+        for gone in spot_departures.due(partition):
+            spot_table.pop(gone, None)
 
     @app.agent(allocations, name="fleet-spot")
     async def fleet_spot(stream: Any) -> None:
@@ -668,13 +710,14 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             try:
                 applied = await outputs_to.guarded(event, "fleet-spot", apply_spot)
                 if applied is not None:
-                    outputs, node, track = applied
+                    outputs, node, encoded, track, ts = applied
                     # The track says what was reported: written once its findings are
                     # delivered, unless a rebalance took the record back meanwhile (its
                     # seek delivers it again, perhaps to the node's new owner).
                     await outputs_to.emit_then_checkpoint(outputs, None)
                     if still_current(app, [event]):
-                        spot_table[node] = track
+                        spot_table[node] = encoded
+                        sweep_spot(event.message.partition, node, track.deleted_at, ts)
                     else:
                         event.message.incref()  # the stream's acknowledgement must not count
             except Exception as error:  # a delivery failed: read it again after a restart

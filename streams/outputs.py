@@ -20,13 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar, get_args, get_origin
 
 import faust
 import msgspec
 
-from gpusteward import edge, topics
+from gpusteward import edge, kafka, topics
 from gpusteward.metrics import observe_many
 from gpusteward.schema import Action, Finding, NodeSummary, Rollup, Subject
 from gpusteward.settings import Settings
@@ -134,6 +134,80 @@ def _struct_values(field_type: Any) -> type | None:
             and isinstance(args[1], type) and issubclass(args[1], msgspec.Struct):
         return args[1]
     return None
+
+
+class Departures:
+    """The keys of a node-keyed table whose node was deleted from the cluster, by partition,
+    with the event time of the deletion: what :meth:`due` says to remove once the
+    partition's own records are ``grace_s`` past it.
+
+    A deleted node sends no more records, so its removal is driven by the records of the
+    other nodes of its partition (:meth:`advance`): they were published after the deleted
+    node's last ones, on the same partition, so once they are that far past the deletion
+    the node's late records have been read. And only the partitions of records the caller
+    holds are swept, so the worker removes keys of its own partitions only, through the same
+    write as its states (after the batch's outputs are delivered).
+
+    Kept in memory only: cleared at every rebalance (:meth:`forget`), and rebuilt from the
+    table (:meth:`rebuild`) before the next sweep, once the table is recovered.
+    """
+
+    def __init__(self, grace_s: float, partitions: int) -> None:
+        self.grace_s = grace_s
+        self.partitions = list(range(partitions))
+        self.left: dict[int, dict[bytes, float]] = {}
+        """By partition, the deleted nodes' keys and when they were deleted."""
+        self.newest: dict[int, float] = {}
+        """By partition, the newest event time of the records that drive the sweep."""
+        self.known = False
+        """Whether :attr:`left` holds every deleted node of the table (rebuilt since the
+        last rebalance)."""
+
+    def partition_of(self, key: bytes) -> int:
+        """The partition of a node's key: that of its records and its changelog record."""
+        return kafka.node_partitioner(key, self.partitions, self.partitions)
+
+    def note(self, partition: int, key: bytes, deleted_at: float | None) -> None:
+        """``key``'s node was deleted at ``deleted_at``; None: it exists (again)."""
+        if deleted_at is not None:
+            self.left.setdefault(partition, {})[key] = deleted_at
+        elif partition in self.left:
+            self.left[partition].pop(key, None)
+
+    def advance(self, partition: int, ts: float) -> None:
+        newest = self.newest.get(partition)
+        if newest is None or ts > newest:
+            self.newest[partition] = ts
+
+    def due(self, partition: int) -> list[bytes]:
+        """The keys of ``partition`` deleted at least ``grace_s`` before its newest record,
+        taken out of the index (the caller removes them from the table)."""
+        left, newest = self.left.get(partition), self.newest.get(partition)
+        if not left or newest is None:
+            return []
+        horizon = newest - self.grace_s
+        gone = [key for key, deleted_at in left.items() if deleted_at <= horizon]
+        for key in gone:
+            del left[key]
+        return gone
+
+    def rebuild(self, items: Iterable[tuple[bytes, bytes]],
+                deleted_at: Callable[[bytes], float | None]) -> None:
+        """Index the deleted nodes among a table's ``items`` (key, stored value);
+        ``deleted_at`` reads a stored value (None: the node exists, or the value does not
+        decode, which its next record reports)."""
+        self.left.clear()
+        for key, value in items:
+            when = deleted_at(value)
+            if when is not None:
+                self.note(self.partition_of(key), key, when)
+        self.known = True
+
+    def forget(self) -> None:
+        """A rebalance: the table is the truth again, and the partitions may be others."""
+        self.left.clear()
+        self.newest.clear()
+        self.known = False
 
 
 class RawSchema(faust.Schema):

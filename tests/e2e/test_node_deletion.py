@@ -23,7 +23,7 @@ import json
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import pytest
@@ -35,14 +35,16 @@ from gpusteward.collectors.kubernetes import KubeWatcher, KubeWatchSettings, api
 from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.rules import eta
 from gpusteward.rules import fragmentation as frag
+from gpusteward.rules import spot as spot_rules
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.kube_objects import gpu_node, gpu_pod, rfc3339
 from gpusteward.sandbox.pipeline import WorkerProcess
-from gpusteward.schema import DeviceSample, Finding, NodeSample, NodeSummary, PodRef
+from gpusteward.schema import DeviceSample, Finding, NodeSample, NodeSummary, PodRef, Rollup
 from gpusteward.settings import Settings
 from gpusteward.status import StatusFold
 from gpusteward.streams.app import worker_group
-from gpusteward.streams.fleet import fleet_group
+from gpusteward.streams.fleet import FleetSettings, fleet_group
+from gpusteward.streams.node import NodeState, RuleSettings
 from tests.alerting.conftest import free_port, start_alertmanager, stop_alertmanager
 from tests.alerting.test_consumer_edge import consume_all
 
@@ -84,17 +86,32 @@ class _Clock:
         self.now = T0
 
 
+class _Deployed(NamedTuple):
+    api: KubeApiServer
+    publisher: KafkaPublisher
+    caught_up: Callable[[], Awaitable[None]]
+    """Waits until the worker has read all the watcher and the publisher sent."""
+    restart_worker: Callable[[], None]
+    """Stops the worker (SIGTERM) and starts another in its place, ready."""
+
+
 @contextlib.asynccontextmanager
 async def _deployed(settings: Settings, tmp_path: Path, nodes: list[dict[str, Any]],
-                    clock: _Clock) -> AsyncIterator[tuple[KubeApiServer, KafkaPublisher,
-                                                           Callable[[], Awaitable[None]]]]:
+                    clock: _Clock) -> AsyncIterator[_Deployed]:
     """The deployed worker, a publisher for the collectors' samples, and the Kubernetes
-    watcher on an API double holding ``nodes``; yields the double, the publisher and a
-    wait until the worker has read all they sent. The watcher stops and the publisher is
+    watcher on an API double holding ``nodes``. The watcher stops and the publisher is
     flushed when the block ends, the worker (checked alive) after."""
     await kafka.ensure_topics(settings)
     worker = WorkerProcess(settings, tmp_path / "worker.log")
     worker.start()
+
+    def restart_worker() -> None:
+        nonlocal worker
+        worker.stop()
+        worker = WorkerProcess(settings, tmp_path / "worker.log")
+        worker.start()
+        worker.wait_ready(90)
+
     publisher = KafkaPublisher(settings)
     await publisher.start()
     stop = asyncio.Event()
@@ -109,7 +126,7 @@ async def _deployed(settings: Settings, tmp_path: Path, nodes: list[dict[str, An
             async def caught_up() -> None:
                 await _caught_up(settings, api, watcher, publisher)
 
-            yield api, publisher, caught_up
+            yield _Deployed(api, publisher, caught_up, restart_worker)
             stop.set()
             await watching
             await publisher.flush()
@@ -128,7 +145,8 @@ def test_a_deleted_node_leaves_the_fleet_and_counts_again_when_re_added(
 
     async def main() -> tuple[list[Finding], list[NodeSummary]]:
         nodes = [gpu_node(node, gpus=gpus) for node, gpus in GPUS.items()]
-        async with _deployed(settings, tmp_path, nodes, clock) as (api, publisher, caught_up):
+        async with _deployed(settings, tmp_path, nodes, clock) as (api, publisher, caught_up,
+                                                                   _):
 
             async def pages(names: tuple[str, ...], steps: int) -> None:
                 for _ in range(steps):
@@ -241,7 +259,8 @@ def test_the_findings_of_a_deleted_node_resolve_and_its_alerts_end(
 
     async def main() -> list[Finding]:
         nodes = [gpu_node(REPAIRED, gpus=2), gpu_node(KEPT, gpus=1)]
-        async with _deployed(settings, tmp_path, nodes, clock) as (api, publisher, caught_up):
+        async with _deployed(settings, tmp_path, nodes, clock) as (api, publisher, caught_up,
+                                                                   _):
             api.create(gpu_pod(NOTEBOOK.name, NOTEBOOK.namespace, node=REPAIRED,
                                uid="uid-nb", phase="Running", created=rfc3339(clock.now)))
             await caught_up()
@@ -302,3 +321,181 @@ def test_the_findings_of_a_deleted_node_resolve_and_its_alerts_end(
         assert {a["labels"]["node"] for a in sink.firing.values()} == {KEPT}
     finally:
         stop_alertmanager(alertmanager)
+
+
+REPLACED = ("old-0", "old-1", "old-2", "old-3")
+"""Nodes an autoscaler replaces under new names."""
+REPLACEMENTS = ("new-0", "new-1", "new-2", "new-3")
+NB_ON_OLD = PodRef(namespace="team-a", name="nb-old")
+"""A pod on old-0, deleted after its node (the pod garbage collector's way)."""
+MINUTE_S = 60.0
+
+
+def _covering(settings: Settings) -> list[str]:
+    """Names of small nodes that stay, one on each node partition: each partition's samples
+    then move on, as a fleet's many nodes do."""
+    partitions = list(range(settings.kafka.node_partitions))
+    names: dict[int, str] = {}
+    for i in range(1000):
+        name = f"keep-{i}"
+        names.setdefault(kafka.node_partitioner(name.encode(), partitions, partitions), name)
+        if len(names) == len(partitions):
+            return sorted(names.values())
+    raise AssertionError("no names cover the partitions")
+
+
+def _fleet_page(node: str, ts: float, dbe: bool = False) -> NodeSample:
+    """A node's page: 4 GPUs (1 on the ``keep-`` nodes), a double-bit ECC error on the
+    first GPU of old-1 and keep-0 (one finding each), or where ``dbe`` says."""
+    gpus = 1 if node.startswith("keep-") else 4
+    dbe = dbe or node in ("old-1", "keep-0")
+    return NodeSample(ts=ts, node=node, source="dcgm", devices=[
+        DeviceSample(uuid=f"GPU-{node}-{i}", index=i, model=MODEL, util_pct=50.0, temp_c=40.0,
+                     mem_total_bytes=80 << 30,
+                     ecc_dbe_volatile=int(i == 0 and dbe))
+        for i in range(gpus)])
+
+
+def _live_states(records: list[Any], kind: type[Any] = NodeState) -> dict[str, Any]:
+    """The per-node states a changelog holds: the last record of each key, a tombstone
+    (None) removing it, as compaction and a restarted worker's recovery read it."""
+    last: dict[str, bytes | None] = {}
+    for record in records:
+        last[record.key.decode()] = record.value
+    return {node: msgspec.msgpack.decode(value, type=kind)
+            for node, value in last.items() if value is not None}
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(420)
+def test_deleted_nodes_leave_the_worker_state_after_a_grace_and_a_restart_keeps_them_gone(
+        settings: Settings, tmp_path: Path) -> None:
+    """An autoscaler replaces four nodes under new names. Once each partition's samples are
+    ``forget_deleted_s`` (1 h) past a deletion, the deleted node's state leaves the worker's
+    table: its changelog's live keys are the live nodes only, a restarted worker recovers
+    none of them (and removes, once its grace passes, a node deleted before the restart),
+    and a node created again under a deleted name starts afresh. Nothing is lost on the
+    way: the deleted nodes' findings resolved at the deletion, a late sample read after it
+    is folded into its minute and judged by no rule, and every minute a deleted node sent
+    samples for has its rollup rows, its last ones included (they were never emitted
+    before: no later sample of the node closed them).
+
+    Before, every deleted node stayed in the table and on the changelog for good."""
+    clock = _Clock()
+    keep = _covering(settings)
+    changelog = f"{worker_group(settings)}-node-state-changelog"
+    spot_changelog = f"{worker_group(settings)}-fleet-spot-changelog"
+    grace = RuleSettings().forget_deleted_s
+    assert FleetSettings().spot_forget_deleted_s == grace
+    phases: dict[str, float] = {}
+    paged: dict[str, set[float]] = {}
+
+    async def main() -> tuple[dict[str, NodeState], dict[str, NodeState], list[Finding],
+                              list[Rollup], set[str], set[str]]:
+        nodes = [gpu_node(n, gpus=1) for n in keep] + [gpu_node(n, gpus=4) for n in REPLACED]
+        async with _deployed(settings, tmp_path, nodes, clock) as deployed:
+            api, publisher, caught_up = deployed.api, deployed.publisher, deployed.caught_up
+            api.create(gpu_pod(NB_ON_OLD.name, NB_ON_OLD.namespace, node="old-0",
+                               resources={"nvidia.com/gpu": "4"}, uid="uid-nb-old",
+                               phase="Running", created=rfc3339(clock.now)))
+            await caught_up()
+
+            async def send(node: str, ts: float, dbe: bool = False) -> None:
+                await publisher.sample(_fleet_page(node, ts, dbe))
+                paged.setdefault(node, set()).add(ts - ts % MINUTE_S)
+
+            async def relabel(touch: str) -> None:
+                """A label put on each node that stays: an allocation record on each
+                partition (the spot agent's records: its sweep moves on with them)."""
+                for node in keep:
+                    api.update(gpu_node(node, gpus=1, labels={"touched": touch}))
+                await caught_up()
+
+            async def pages(names: list[str], steps: int) -> None:
+                for _ in range(steps):
+                    for node in names:
+                        await send(node, clock.now)
+                    clock.now += MINUTE_S
+                await caught_up()
+
+            await pages([*keep, *REPLACED], 5)
+            phases["deleted"] = deleted = clock.now
+            for node in REPLACED:
+                api.delete("Node", node)
+            api.delete("Pod", NB_ON_OLD.name, NB_ON_OLD.namespace)  # its node is gone
+            for node in REPLACEMENTS:
+                api.create(gpu_node(node, gpus=4))
+            await caught_up()
+            # old-2's last page, read after its deletion, in the minute of its page before,
+            # with a double-bit ECC error: a deleted node's sample is judged by no rule.
+            await send("old-2", deleted - 30, dbe=True)
+            await pages([*keep, *REPLACEMENTS], 40)
+            phases["new-3 deleted"] = clock.now
+            api.delete("Node", "new-3")
+            await caught_up()
+            await pages([*keep, *REPLACEMENTS[:3]], 23)  # deleted + 63 min: past the grace
+            assert clock.now - MINUTE_S >= deleted + grace
+            await relabel("1")
+            phases["re-added"] = clock.now
+            api.create(gpu_node("old-0", gpus=4))
+            await caught_up()
+            await pages([*keep, *REPLACEMENTS[:3], "old-0"], 3)
+            before_restart = _live_states(await kafka.read_all(settings, changelog))
+            spot_before = set(_live_states(await kafka.read_all(settings, spot_changelog),
+                                           spot_rules.SpotNodeTrack))
+
+            deployed.restart_worker()
+            await pages([*keep, *REPLACEMENTS[:3], "old-0"], 40)
+            assert clock.now - MINUTE_S >= phases["new-3 deleted"] + grace
+            await relabel("2")
+            after = _live_states(await kafka.read_all(settings, changelog))
+            spot_after = set(_live_states(await kafka.read_all(settings, spot_changelog),
+                                          spot_rules.SpotNodeTrack))
+
+        async def read(spec: topics.TopicSpec, kind: Any) -> list[Any]:
+            records = await kafka.read_all(settings, spec.name(settings))
+            return [msgspec.json.decode(r.value or b"", type=kind) for r in records]
+
+        return before_restart, after, await read(topics.FINDINGS, Finding), \
+            await read(topics.ROLLUPS, Rollup), spot_before, spot_after
+
+    before_restart, after, findings, rollups, spot_before, spot_after = asyncio.run(main())
+    deleted, re_added = phases["deleted"], phases["re-added"]
+    live = {*keep, *REPLACEMENTS[:3], "old-0"}
+    # The table holds the live nodes, and new-3 only while its deletion is within the grace.
+    assert set(before_restart) == live | {"new-3"}, sorted(before_restart)
+    assert before_restart["new-3"].deleted
+    # The restarted worker brought none back, and removed new-3 once its grace had passed.
+    assert set(after) == live, sorted(after)
+    # old-0, created again under its name, started afresh: none of its old pod, devices of
+    # its own, its old minutes gone (emitted when it was removed).
+    fresh = after["old-0"]
+    assert not fresh.deleted and fresh.deleted_at is None and not fresh.pods, fresh.pods
+    assert set(fresh.devices) == {f"GPU-old-0-{i}" for i in range(4)}
+    assert all(minute >= re_added - MINUTE_S for minute in fresh.rollups.minutes)
+    # The spot agent's tracks the same way (driven by its partitions' allocation records).
+    assert spot_before == live | {"new-3"}, sorted(spot_before)
+    assert spot_after == live, sorted(spot_after)
+
+    # Findings: old-1's resolved at its deletion, keep-0's still open, none of old-2's late
+    # page (a deleted node's sample is judged by no rule), none of old-0 created again.
+    about = {node: [(f.kind, f.state, f.ts) for f in findings if f.subject.node == node]
+             for node in ("old-1", "keep-0", "old-2", "old-0")}
+    assert [(k, s) for k, s, _ in about["old-1"]] == [("ecc_dbe", "firing"),
+                                                      ("ecc_dbe", "resolved")], about
+    assert about["old-1"][1][2] == deleted
+    assert [(k, s) for k, s, _ in about["keep-0"]] == [("ecc_dbe", "firing")], about
+    assert about["old-2"] == [] and about["old-0"] == [], about
+
+    # Rollups: every minute each node sent samples for has a row per GPU, the replaced
+    # nodes' last minutes included; old-2's late page counted in its minute.
+    for node in (*REPLACED, "new-3"):
+        rows = [r for r in rollups if r.node == node and r.ts < re_added]
+        paged[node] = {minute for minute in paged[node] if minute < re_added}
+        by_device: dict[str, set[float]] = {}
+        for row in rows:
+            by_device.setdefault(row.uuid, set()).add(row.ts)
+        assert by_device == {f"GPU-{node}-{i}": paged[node] for i in range(4)}, (
+            node, sorted(paged[node] - by_device.get(f"GPU-{node}-0", set())))
+    last_of_old_2 = [r for r in rollups if r.node == "old-2" and r.ts == deleted - MINUTE_S]
+    assert {r.samples for r in last_of_old_2} == {2}, last_of_old_2

@@ -15,10 +15,11 @@ from gpusteward.schema import (
     NodeSample,
     PodAllocation,
     PodRef,
+    Rollup,
 )
 from gpusteward.streams.app import NodeStates
 from gpusteward.streams.node import NodeJoin, NodeState, Output
-from gpusteward.streams.outputs import salvage
+from gpusteward.streams.outputs import Departures, salvage
 
 T0 = 1_763_683_200.0
 POD = PodRef("ml", "train-0", uid="uid-1")
@@ -211,3 +212,54 @@ def test_a_node_an_earlier_release_checkpointed_is_deleted_and_created_again_afr
         again += states.apply(writes, join.on_sample, scenario_sample(tick))
     assert [(o.kind, o.state) for o in again if isinstance(o, Finding)] == [
         ("ecc_dbe", "firing")]
+
+
+def test_deleted_nodes_leave_once_their_partitions_samples_pass_the_grace() -> None:
+    """Two nodes of one partition deleted, one of them created again within the grace, and
+    a third of the partition sending samples: past the grace (measured on those samples),
+    the sweep removes the node still deleted (a tombstone on the changelog), with
+    its open rollup minutes, and keeps the one created again; before it, nothing goes, and a
+    late sample of the deleted node is folded as a deleted node's."""
+    departures = Departures(grace_s=3600.0, partitions=8)
+    partition = departures.partition_of(b"gone")
+    kept, driver = [name for name in (f"n{i}" for i in range(1000))
+                    if departures.partition_of(name.encode()) == partition][:2]
+    join = NodeJoin()
+    table: dict[bytes, bytes] = {}
+    states = NodeStates(table, 30.0, departures, join.forget)
+
+    def page(node: str, ts: float) -> NodeSample:
+        return NodeSample(ts=ts, node=node, source="t", devices=[
+            DeviceSample(uuid=f"GPU-{node}", index=0, model="NVIDIA H100 80GB HBM3",
+                         util_pct=50.0)])
+
+    def batch(*records: NodeSample | NodeInventory) -> tuple[list[Output], set[bytes]]:
+        writes: dict[bytes, bytes] = {}
+        gone: set[bytes] = set()
+        out: list[Output] = []
+        for record in records:
+            handler = join.on_sample if isinstance(record, NodeSample) else join.on_allocation
+            out += states.apply(writes, handler, record, partition)
+        out += states.sweep(gone, [partition])
+        table.update(writes)  # as the batch's checkpoint writes them
+        for node in gone:
+            del table[node]
+        return out, gone
+
+    batch(*(page(node, T0 + 30 * i) for i in range(3) for node in ("gone", kept, driver)))
+    batch(NodeInventory(ts=T0 + 90, node="gone", deleted=True),
+          NodeInventory(ts=T0 + 90, node=kept, deleted=True))
+    batch(NodeInventory(ts=T0 + 120, node=kept))
+    late, _ = batch(page("gone", T0 + 80))  # read after its deletion: folded, not judged
+    assert not [o for o in late if isinstance(o, Finding)]
+    _, gone = batch(page(driver, T0 + 90 + 3599))
+    assert not gone and b"gone" in table  # within the grace
+    out, gone = batch(page(driver, T0 + 90 + 3600))
+    assert gone == {b"gone"} and b"gone" not in table and b"gone" not in states.live
+    assert {kept.encode(), driver.encode()} <= set(table)
+    last = {(o.ts, o.samples) for o in out if isinstance(o, Rollup) and o.node == "gone"}
+    assert last == {(T0, 2), (T0 + 60, 2)}, last  # its open minutes, the late sample in one
+    # A worker that restarts (the index rebuilt from the table) finds nothing more to remove.
+    restarted = NodeStates(dict(table), 30.0, Departures(3600.0, 8), join.forget)
+    assert restarted.sweep(set(), [partition]) == []
+    assert restarted.departures is not None and not restarted.departures.left.get(partition)
