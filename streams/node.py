@@ -118,8 +118,9 @@ class DeviceState(msgspec.Struct):
     """Per-holder state of a device several pods hold, by pod key (uid, or namespace/name):
     the state of the ``per_holder`` runners for that holder's share."""
     index: int | None = None
-    """A physical GPU's index (minor number) when it was first seen; None for a MIG device
-    and for a GPU first seen by a build before this field."""
+    """A physical GPU's index (minor number) in its first sample, -1 for a MIG device; None
+    until the device's first sample (a hardware event may come first) and in a state from
+    a build before this field (set at the device's next sample)."""
     out_of_service: bool | None = None
     """Whether a runner's health check finds the device out of service (:func:`_sick`);
     None: to be asked again, after a hook reported something on the device or an event
@@ -633,11 +634,14 @@ class NodeJoin:
         judging = not state.deleted
         for device in sample.devices:
             dev = state.devices.get(device.uuid)
-            if dev is None:
-                dev = state.devices[device.uuid] = DeviceState()
+            if dev is None or dev.index is None:  # once per device
+                if dev is None:
+                    dev = state.devices[device.uuid] = DeviceState()
                 if device.kind == "gpu":
                     dev.index = device.index
                     out += self._replaced(state, device, sample)
+                else:
+                    dev.index = -1
             shared = len(device.holders) > 1
             # A device out of service (lost, an uncorrectable error, a fatal XID) is not
             # judged for its holders: a pod idle on a dead GPU is the fault's consequence,

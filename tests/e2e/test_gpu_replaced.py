@@ -62,6 +62,8 @@ def test_a_replaced_gpu_resolves_its_findings_and_a_missing_one_does_not(
                 for node, uuids in gpus.items():
                     await publisher.sample(page(node, ts, uuids))
                 ts += STEP_S
+            await publisher.flush()
+            await kafka.wait_consumed(settings, worker_group(settings), node_topics, 90)
             for node, uuids in gpus.items():
                 await publisher.hw_event(HwEvent(ts=lost_at, node=node, kind="xid",
                                                  uuid=uuids[0], xid=79,

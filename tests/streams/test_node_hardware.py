@@ -499,3 +499,40 @@ def test_app_xids_read_ahead_of_the_nodes_samples_wait_for_them_to_name_the_hold
     assert (info.severity, info.labels["workload"]) == ("info", "ml-a/Job/train")
     assert info.evidence is not None and info.evidence.values["count"] == 5
     assert not state.waiting_xids
+
+
+def _gpus(ts: float, uuids: list[str]) -> NodeSample:
+    return NodeSample(ts=ts, node="n1", source="nvml", devices=[
+        DeviceSample(uuid=uuid, index=i, model="NVIDIA A100-SXM4-80GB", util_pct=0.0,
+                     temp_c=40.0, mem_used_bytes=0, mem_total_bytes=80 << 30)
+        for i, uuid in enumerate(uuids)])
+
+
+@pytest.mark.parametrize("fault_first", [False, True])
+def test_a_gpu_replaced_at_its_index_takes_its_findings_and_asks_with_it(
+        fault_first: bool) -> None:
+    # The fault may be read before the node's first sample (a worker catching up reads the
+    # small hardware-events topic first): the GPU's state, made by the event, learns its
+    # index from the first sample that shows it.
+    join, state, out = NodeJoin(), NodeState(), []
+    lost = HwEvent(ts=T0 + 15, node="n1", kind="xid", uuid="GPU-0", xid=79)
+    if fault_first:
+        out += join.on_hw_event(state, lost)
+    out += join.on_sample(state, _gpus(T0, ["GPU-0", "GPU-1"]))
+    if not fault_first:
+        out += join.on_hw_event(state, lost)
+    ts = T0 + 30
+    while ts < T0 + 1800:  # GPU-1 alone: GPU-0 stays lost, its drain asked again
+        out += join.on_sample(state, _gpus(ts, ["GPU-1"]))
+        ts += 30
+    out += join.on_sample(state, _gpus(ts, ["GPU-new", "GPU-1"]))
+    replaced = ts
+    while ts < T0 + 5400:
+        ts += 30
+        out += join.on_sample(state, _gpus(ts, ["GPU-new", "GPU-1"]))
+    found = [(f.kind, f.state, f.ts) for f in findings(out)]
+    assert found == [("gpu_lost", "firing", T0 + 15), ("gpu_lost", "resolved", replaced)]
+    assert [a.ts for a in actions(out) if a.verb == "drain"] == [T0 + 15, T0 + 630,
+                                                                T0 + 1230]
+    assert sorted(state.devices) == ["GPU-1", "GPU-new"]
+    assert not state.findings and not state.asks
