@@ -7,7 +7,9 @@ exactly as first sent: the resolved record of an episode carries severity
 instead of ending the first. A resolved finding ends its alert by re-posting
 the firing labels with ``endsAt`` set to the finding's end. An episode re-issued at
 another severity (the idle rule's warning after its notice) is a new label set, so its
-alert replaces the old one: the old is ended in the same post.
+alert replaces the old one: the old is ended in the same post. Several clusters may share
+one Alertmanager: each pipeline's ``GPUSTEWARD_CLUSTER`` is its alerts' ``cluster`` label,
+so same-named nodes in two clusters are two alerts, never one that either may end.
 
 Firing alerts are posted with ``endsAt`` a few resend intervals ahead (as
 Prometheus does), and :meth:`AlertmanagerSink.refresh` re-posts them before
@@ -17,10 +19,11 @@ alert stays pending and the next refresh posts it again; after a failure the sin
 makes no request to that Alertmanager for a quarter of the resend interval (15 s), so
 that one that hangs costs one timeout per 15 s, not one per finding. When a resolved
 finding arrives for an episode this process never saw fire (it restarted),
-the sink asks Alertmanager for the active alerts with that fingerprint and
-ends those. On start the consumer hands the sink the findings still open on the topic
-(:meth:`AlertmanagerSink.restore`), which it keeps alive from its first refresh: without
-them a restart let every open alert lapse at ``endsAt``, announced as resolved.
+the sink asks Alertmanager for the active alerts with that fingerprint (and its
+cluster label) and ends those. On start the consumer hands the sink the findings still
+open on the topic (:meth:`AlertmanagerSink.restore`), which it keeps alive from its first
+refresh: without them a restart let every open alert lapse at ``endsAt``, announced as
+resolved.
 
 An HA Alertmanager's replicas gossip silences and the notification log, not alerts, so
 every alert goes to every replica (:func:`parse_targets`: a comma-separated list, and
@@ -57,8 +60,11 @@ def rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
 
 
-def alert_labels(finding: Finding) -> dict[str, str]:
-    """The identifying labels of a finding's alert."""
+def alert_labels(finding: Finding, cluster: str = "") -> dict[str, str]:
+    """The identifying labels of a finding's alert; ``cluster`` (``GPUSTEWARD_CLUSTER``), when
+    set, is its ``cluster`` label: a finding's fingerprint names its kind, node, device and
+    pod only, so two clusters with the same node names sharing one Alertmanager would
+    otherwise post the same label set, one alert, and each end the other's."""
     labels = {
         "alertname": f"GpuSteward{''.join(p.title() for p in finding.kind.split('_'))}",
         "kind": finding.kind,
@@ -66,6 +72,8 @@ def alert_labels(finding: Finding) -> dict[str, str]:
         "fingerprint": finding.fingerprint,
         "source": "gpusteward",
     }
+    if cluster:
+        labels["cluster"] = cluster
     subject = finding.subject
     if subject.node:
         labels["node"] = subject.node
@@ -211,7 +219,7 @@ class AlertmanagerSink:
     def __init__(self, url: str, *, resend_interval_s: float = 60.0,
                  lifetime_intervals: float = 4.0, generator_url: str = "",
                  timeout_s: float = 10.0, clock: Any = time.time,
-                 resolve: Any = None) -> None:
+                 resolve: Any = None, cluster: str = "") -> None:
         """``url``: the Alertmanager base URLs, comma-separated (:func:`parse_targets`:
         ``http://alertmanager:9093``, ``dns+http://alertmanager-operated.monitoring:9093``);
         a list that cannot be used raises :class:`ConfigError`.
@@ -222,9 +230,12 @@ class AlertmanagerSink:
         uses 4); ``generator_url``: a link to where the finding can be seen
         (a dashboard); the fingerprint is appended as ``?fingerprint=``; ``resolve``: an
         async ``(host, port) -> [address]`` for ``dns+`` entries (default: the system
-        resolver's A and AAAA records).
+        resolver's A and AAAA records); ``cluster``: the ``cluster`` label of every alert,
+        and the only cluster whose alerts it ends after a restart (empty: no label, and it
+        ends only alerts without one).
         """
         self.targets = parse_targets(url)
+        self.cluster = cluster
         self.resend_interval_s = resend_interval_s
         self.lifetime_s = resend_interval_s * lifetime_intervals
         self.generator_url = generator_url
@@ -296,7 +307,8 @@ class AlertmanagerSink:
 
     def _alert(self, finding: Finding) -> dict[str, Any]:
         """A firing finding's alert, without ``endsAt``."""
-        return {"labels": alert_labels(finding), "annotations": alert_annotations(finding),
+        return {"labels": alert_labels(finding, self.cluster),
+                "annotations": alert_annotations(finding),
                 "startsAt": rfc3339(finding.starts_at),
                 "generatorURL": self._generator(finding)}
 
@@ -485,7 +497,8 @@ class AlertmanagerSink:
     async def _active_alerts_for(self, finding: Finding, ends_at: float) -> list[dict[str, Any]]:
         """Every replica's active alerts for ``finding``'s fingerprint, ended at
         ``ends_at``: a replica may hold an alert another lost in a restart."""
-        fallback = [{"labels": alert_labels(finding), "annotations": alert_annotations(finding),
+        fallback = [{"labels": alert_labels(finding, self.cluster),
+                     "annotations": alert_annotations(finding),
                      "startsAt": rfc3339(finding.starts_at), "endsAt": rfc3339(ends_at),
                      "generatorURL": self._generator(finding)}]
         now = self.clock()
@@ -505,10 +518,13 @@ class AlertmanagerSink:
 
     async def _active_on(self, replica: Replica, finding: Finding
                          ) -> list[dict[str, Any]] | None:
-        """``replica``'s active alerts with ``finding``'s fingerprint; None if it did not
-        answer."""
-        params = {"filter": f'fingerprint="{finding.fingerprint}"', "silenced": "true",
-                  "inhibited": "true"}
+        """``replica``'s active alerts with ``finding``'s fingerprint and this sink's
+        ``cluster`` label (none when it has no cluster: ``cluster=""`` matches an absent
+        label); None if it did not answer. Another cluster's alert with the same fingerprint
+        (the same node names) is not this finding's to end."""
+        params = [("filter", f'fingerprint="{finding.fingerprint}"'),
+                  ("filter", f'cluster="{_quoted(self.cluster)}"'),
+                  ("silenced", "true"), ("inhibited", "true")]
         try:
             async with self._client().get(f"{replica.url}/api/v2/alerts", params=params,
                                           **self._request(replica)) as response:
@@ -522,6 +538,11 @@ class AlertmanagerSink:
                         without_url(str(error), replica.url, keep_path=True) or "timed out")
             return None
         return active
+
+
+def _quoted(value: str) -> str:
+    """``value`` inside an Alertmanager matcher's double quotes."""
+    return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
 async def _addresses(host: str, port: int) -> list[str]:

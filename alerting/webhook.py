@@ -77,16 +77,26 @@ def _where(finding: Finding) -> str:
     return " ".join(part for part in parts if part)
 
 
-def slack_message(finding: Finding) -> dict[str, Any]:
-    """The Slack-compatible body for ``finding``.
+def _head(head: str, cluster: str) -> str:
+    """A message's leading ``[FIRING critical]``, with the cluster where one is named:
+    ``[FIRING critical] prod-east:`` (a channel several clusters post to)."""
+    return f"[{head}] {cluster}:" if cluster else f"[{head}]"
+
+
+def slack_message(finding: Finding, cluster: str = "") -> dict[str, Any]:
+    """The Slack-compatible body for ``finding``; ``cluster`` (``GPUSTEWARD_CLUSTER``), when
+    set, leads the text and is a field, and rides along beside the finding as
+    ``gpusteward_cluster``.
 
     An idle holder's message says what its owner's Event says (:func:`owner_notice`): what
     was seen, what happens next and how to keep the GPU, not only the finding's summary."""
     firing = finding.state == "firing"
-    head = f"FIRING {finding.severity}" if firing else "RESOLVED"
-    text = slack_escape(f"[{head}] {finding.kind}: {owner_notice(finding) or finding.summary}")
+    head = _head(f"FIRING {finding.severity}" if firing else "RESOLVED", cluster)
+    text = slack_escape(f"{head} {finding.kind}: {owner_notice(finding) or finding.summary}")
     fields: list[dict[str, Any]] = [{"title": "kind", "value": finding.kind, "short": True},
                                    {"title": "state", "value": finding.state, "short": True}]
+    if cluster:
+        fields.insert(0, {"title": "cluster", "value": cluster, "short": True})
     subject = finding.subject
     if subject.node:
         fields.append({"title": "node", "value": subject.node, "short": True})
@@ -99,7 +109,7 @@ def slack_message(finding: Finding) -> dict[str, Any]:
         fields.append({"title": "runbook", "value": finding.runbook, "short": False})
     for field in fields:
         field["value"] = slack_escape(str(field["value"]))
-    return {
+    message = {
         "text": text[:TEXT_LIMIT],
         "attachments": [{
             "color": COLOURS[finding.severity] if firing else RESOLVED_COLOUR,
@@ -109,14 +119,18 @@ def slack_message(finding: Finding) -> dict[str, Any]:
         }],
         "gpusteward": msgspec.to_builtins(finding),
     }
+    if cluster:
+        message["gpusteward_cluster"] = cluster
+    return message
 
 
-def digest_message(findings: list[Finding]) -> dict[str, Any]:
+def digest_message(findings: list[Finding], cluster: str = "") -> dict[str, Any]:
     """One message for a burst of findings: the counts by state, severity and kind, then a
     line per finding as long as the text allows, and how many more there were.
 
     The data rides along under ``gpusteward.findings`` (id, kind, severity, state and
-    subject of each), the whole findings stay on the topic and in Alertmanager."""
+    subject of each, and ``cluster`` where set), the whole findings stay on the topic and
+    in Alertmanager."""
     firing = [f for f in findings if f.state == "firing"]
     worst = max((f.severity for f in firing), key=_RANK.__getitem__, default=None)
     counts = Counter((f.state, f.severity, f.kind) for f in findings)
@@ -124,7 +138,7 @@ def digest_message(findings: list[Finding]) -> dict[str, Any]:
         f"{n} {kind} {'resolved' if state == 'resolved' else severity}"
         for (state, severity, kind), n in sorted(
             counts.items(), key=lambda item: (item[0][0], -_RANK[item[0][1]], -item[1])))
-    head = f"[FIRING {worst}]" if worst else "[RESOLVED]"
+    head = _head(f"FIRING {worst}" if worst else "RESOLVED", cluster)
     text = slack_escape(f"{head} {len(findings)} findings at once "
                         f"({len(firing)} firing, {len(findings) - len(firing)} resolved): "
                         f"{tally}")
@@ -146,7 +160,8 @@ def digest_message(findings: list[Finding]) -> dict[str, Any]:
             "fallback": text.partition("\n")[0],
             "fields": [{"title": "findings", "value": str(len(findings)), "short": True}],
         }],
-        "gpusteward": {"digest": True, "findings": [
+        "gpusteward": {"digest": True, **({"cluster": cluster} if cluster else {}),
+                       "findings": [
             {"id": f.id, "kind": f.kind, "severity": f.severity, "state": f.state,
              "subject": msgspec.to_builtins(f.subject)} for f in findings]},
     }
@@ -165,10 +180,12 @@ class WebhookSink:
 
     def __init__(self, url: str, *, attempts: int = 3, backoff_s: float = 0.5,
                  timeout_s: float = 10.0, min_severity: str = "info",
-                 min_interval_s: float = MIN_INTERVAL_S) -> None:
+                 min_interval_s: float = MIN_INTERVAL_S, cluster: str = "") -> None:
         """``min_severity``: findings below it (info < warning < critical) are not sent.
-        ``min_interval_s``: least seconds between two posts (Slack's rate)."""
+        ``min_interval_s``: least seconds between two posts (Slack's rate). ``cluster``:
+        the cluster every message names (empty: none named)."""
         self.url = url
+        self.cluster = cluster
         self.shown = shown_url(url)
         """Where log lines say the messages go: the path and query are the credential."""
         self.attempts = attempts
@@ -196,9 +213,9 @@ class WebhookSink:
         wanted = self._wanted(findings)
         if not wanted:
             return
-        messages = ([Kept(digest_message(wanted), tuple(map(news, wanted)))]
+        messages = ([Kept(digest_message(wanted, self.cluster), tuple(map(news, wanted)))]
                     if len(wanted) > DIGEST_OVER
-                    else [Kept(slack_message(f), (news(f),)) for f in wanted])
+                    else [Kept(slack_message(f, self.cluster), (news(f),)) for f in wanted])
         for kept in messages:
             # Behind messages kept from a failure: in order, and a receiver that is down
             # costs the refresh one timeout rather than every new finding its retries.

@@ -36,6 +36,19 @@ def host_ports(servers: str) -> str:
     return servers
 
 
+def cluster_name(name: str) -> str:
+    """``name`` without surrounding blanks; a ValueError for a control character (a newline
+    would break the chat message and the Alertmanager label it becomes) or more than 63
+    characters (Kubernetes' longest name segment; a label value longer than that is a
+    mistake, not a cluster)."""
+    name = name.strip()
+    if any(not character.isprintable() for character in name):
+        raise ValueError(f"{name!r} holds a control character")
+    if len(name) > 63:
+        raise ValueError(f"{name[:20]!r}... is {len(name)} characters long; 63 at most")
+    return name
+
+
 def not_a_file(path: Path) -> Path:
     """``path`` when it is a folder or does not exist yet (it will be created); a
     ValueError when a file (or anything else) is there, checked before any work that would
@@ -273,6 +286,18 @@ class Settings(BaseSettings):
     topic_prefix: str = Field(
         "gpusteward",
         description="Prefix of every topic name; change it to run two pipelines on one cluster.",
+    )
+    cluster: Annotated[str, AfterValidator(cluster_name)] = Field(
+        "",
+        description=(
+            "Name of the Kubernetes cluster this pipeline watches, for people and systems that "
+            "see several: the `cluster` label of every Alertmanager alert (an identifying "
+            "label, so two clusters' alerts on same-named nodes never merge, and one "
+            "cluster's resolutions end none of the other's), the chat messages and the weekly "
+            "report's title and summary. Read by `gpusteward alerts` and `gpusteward report`. "
+            "Empty (the default): no label and no name shown, as for a single cluster; set it "
+            "on every cluster whose alerts share an Alertmanager."
+        ),
     )
     max_event_ahead_s: float = Field(
         900.0,

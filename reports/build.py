@@ -59,8 +59,8 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
           geometries: Mapping[str, mig_geometry.Geometry] | None = None,
           step: Step | None = None, rows: weekly.Rows | None = None,
           policy: Policy | None = None, findings_dir: Path | None = None,
-          previous: dict[str, Any] | None = None, results_dir: Path | None = None
-          ) -> Report:
+          previous: dict[str, Any] | None = None, results_dir: Path | None = None,
+          cluster: str = "") -> Report:
     """The report for ``week`` from the rollup store at ``directory``.
 
     ``queue`` is the week's queue events, or the folder of their store. ``step``
@@ -69,7 +69,9 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     defaults): queue SLOs and, unless ``settings`` set it, the idle threshold come
     from it. ``findings_dir`` is the findings store (who was told, who reclaimed;
     None: not kept), ``results_dir`` the executor's audit records (whether a reclaim
-    was carried out; None: not kept), ``previous`` last week's report JSON for the trends.
+    was carried out; None: not kept), ``previous`` last week's report JSON for the trends,
+    ``cluster`` the cluster's name (``GPUSTEWARD_CLUSTER``; empty: none) the title and the
+    summary give.
     Raises
     :class:`store.StoreError` for files another version wrote; days without files
     are listed in ``missing_days``.
@@ -117,6 +119,7 @@ def build(directory: Path, week: compute.Week, settings: ReportSettings,
     }
     data: dict[str, Any] = {
         "week": week.label,
+        "cluster": cluster or None,
         "start": week.start,
         "end": week.end,
         "missing_days": [day.isoformat() for day in missing],

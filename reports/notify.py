@@ -22,7 +22,8 @@ TOP = 5
 def summary(data: dict[str, Any], link: str | None = None) -> str:
     """The Markdown summary of one report's JSON document."""
     totals = data["totals"]
-    lines = [f"*GPU report {data['week']}*: {totals['gpus']} GPUs, "
+    cluster = f"{data['cluster']} " if data.get("cluster") else ""
+    lines = [f"*GPU report {cluster}{data['week']}*: {totals['gpus']} GPUs, "
              f"{totals['allocated_gpu_hours']:,.0f} GPU-h allocated, "
              f"{totals['used_gpu_hours']:,.0f} used, {totals['idle_gpu_hours']:,.0f} idle "
              f"(${totals['idle_cost_usd']:,.0f}); advised saving "

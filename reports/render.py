@@ -358,14 +358,21 @@ HTML_SECTIONS: list[Section] = [html_missing, html_headline, html_idle_holders, 
 """The page's sections in reading order; add a section by adding its function here."""
 
 
+def where_and_when(data: Data) -> str:
+    """``week 2026-W47``, or ``prod-east, week 2026-W47`` where the cluster is named
+    (``GPUSTEWARD_CLUSTER``): one reader may get several clusters' reports."""
+    week = f"week {data['week']}"
+    return f"{data['cluster']}, {week}" if data.get("cluster") else week
+
+
 def html(report: Report) -> str:
     data = {**report.data, "mig_parted_yaml": report.mig_parted_yaml}
     figures = charts_for(data)
     return "\n".join([
         "<!doctype html><html><head><meta charset='utf-8'>",
-        f"<title>gpusteward weekly report {escape(data['week'])}</title>",
+        f"<title>gpusteward weekly report {escape(where_and_when(data))}</title>",
         f"<style>{CSS}</style></head><body>",
-        f"<h1>GPU right-sizing report, week {escape(data['week'])}</h1>",
+        f"<h1>GPU right-sizing report, {escape(where_and_when(data))}</h1>",
         *(section(data, figures) for section in HTML_SECTIONS),
         "</body></html>"])
 
@@ -467,7 +474,7 @@ MD_SECTIONS: list[Callable[[Data], str]] = [md_missing, md_headline, md_idle_hol
 
 def markdown(report: Report) -> str:
     data = {**report.data, "mig_parted_yaml": report.mig_parted_yaml}
-    return "\n".join([f"# GPU right-sizing report, week {data['week']}", "",
+    return "\n".join([f"# GPU right-sizing report, {where_and_when(data)}", "",
                       *(section(data) for section in MD_SECTIONS)])
 
 

@@ -38,6 +38,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
     }
     if kafka.group_instance_id is not None:
         env["GPUSTEWARD_KAFKA__GROUP_INSTANCE_ID"] = kafka.group_instance_id
+    if settings.cluster:
+        env["GPUSTEWARD_CLUSTER"] = settings.cluster
     return env
 
 

@@ -36,6 +36,8 @@ def gpusteward(tmp_path, *argv: str, **env: str) -> subprocess.CompletedProcess[
     (["collect", "dcgm"], "GPUSTEWARD_COLLECT__INTERVAL_S", "0", "greater than 0"),
     (["sink", "rollups"], "GPUSTEWARD_REPORT__RETENTION_DAYS", "abc", "valid integer"),
     (["watch"], "GPUSTEWARD_KUBE__RESYNC_PERIOD_S", "soon", "valid number"),
+    (["alerts"], "GPUSTEWARD_CLUSTER", "x" * 64, "63 at most"),
+    (["report"], "GPUSTEWARD_CLUSTER", "prod-east" * 8, "63 at most"),
 ])
 def test_an_invalid_value_ends_the_process_with_one_line_naming_the_variable(
         tmp_path, argv, variable, value, says):

@@ -124,10 +124,11 @@ def alerts(
     settings = kafka_settings(bootstrap)
     sinks: list[AlertSink] = [ConsoleSink()]
     try:
-        sinks += [AlertmanagerSink(alertmanager)] if alertmanager else []
+        sinks += ([AlertmanagerSink(alertmanager, cluster=settings.cluster)]
+                  if alertmanager else [])
     except ConfigError as error:
         raise typer.BadParameter(str(error), param_hint="--alertmanager") from error
-    sinks += [WebhookSink(webhook)] if webhook else []
+    sinks += [WebhookSink(webhook, cluster=settings.cluster)] if webhook else []
     run_consumer(settings, lambda stop: FindingsConsumer(settings, sinks).run(stop))
 
 

@@ -54,9 +54,12 @@ def report(
     from gpusteward.errors import TemporaryError
     from gpusteward.reports import archive, build, compute, notify, render, store
     from gpusteward.reports.settings import ReportSettings
+    from gpusteward.settings import Settings
     from gpusteward.streams.policy_file import policy_from_env
 
     settings = ReportSettings()
+    # GPUSTEWARD_CLUSTER, the one setting of the pipeline's the report reads (no Kafka).
+    cluster = Settings().cluster
     # The live rules' policy: the report judges queues and idleness as the alerts do.
     policy = policy_from_env()
     directory = rollups or settings.rollup_dir
@@ -87,7 +90,8 @@ def report(
                                  queue=queue_dir if queue_dir.is_dir() else None, step=step,
                                  rows=rows, policy=policy, findings_dir=findings_dir,
                                  results_dir=results_dir,
-                                 previous=archive.previous(settings.archive_dir, chosen))
+                                 previous=archive.previous(settings.archive_dir, chosen),
+                                 cluster=cluster)
         except store.StoreError as error:
             console.print(f"[red]{error}[/]")
             raise typer.Exit(1) from error

@@ -71,34 +71,39 @@ _SERVING = ("metrics", "health_port")
 _SOURCES = ("dcgm_url", "prometheus_url", "prometheus_nodes", "pod_labels", "nvml",
             "fake_nvml")
 
+# GPUSTEWARD_CLUSTER names the cluster in alerts and chat (``alerts``) and in the weekly
+# report (``report``); no other process uses it.
+_CLUSTER = ("cluster",)
+_ALL_BUT_CLUSTER = tuple(name for name in Settings.model_fields if name not in _CLUSTER)
+
 # What each command reads besides its click options' envvars, keyed by its leading
 # words (the longest key that starts a command wins). From gpusteward/cli/.
 READS: dict[tuple[str, ...], tuple[Model | str, ...]] = {
     # worker(): kafka_settings(); streams/app.py: policy_from_env().
-    ("worker",): (model(Settings), POLICY_ENV),
+    ("worker",): (model(Settings, *_CLUSTER), POLICY_ENV),
     ("alerts",): (model(Settings),),
     # act(): kafka_settings() and RemediationSettings().
-    ("act",): (model(Settings), model(RemediationSettings)),
+    ("act",): (model(Settings, *_CLUSTER), model(RemediationSettings)),
     # sink(): kafka_settings() and ReportSettings(); the rollup sink also the policy.
-    ("sink",): (model(Settings), model(ReportSettings)),
-    ("sink", "rollups"): (model(Settings), model(ReportSettings), POLICY_ENV),
-    # report(): ReportSettings() and policy_from_env(); no Kafka.
-    ("report",): (model(ReportSettings), POLICY_ENV),
+    ("sink",): (model(Settings, *_CLUSTER), model(ReportSettings)),
+    ("sink", "rollups"): (model(Settings, *_CLUSTER), model(ReportSettings), POLICY_ENV),
+    # report(): ReportSettings(), policy_from_env() and Settings().cluster; no Kafka.
+    ("report",): (model(ReportSettings), POLICY_ENV, model(Settings, *_ALL_BUT_CLUSTER)),
     # watch(): KubeWatchEnvSettings(), then Settings() for Kafka, /metrics and health.
-    ("watch",): (model(Settings), model(KubeWatchEnvSettings)),
+    ("watch",): (model(Settings, *_CLUSTER), model(KubeWatchEnvSettings)),
     ("collect", "nvml"): (
-        model(Settings, *_SERVING),
+        model(Settings, *_SERVING, *_CLUSTER),
         model(CollectSettings, *(s for s in _SOURCES if s not in ("nvml", "fake_nvml")))),
     ("collect", "dcgm"): (
-        model(Settings, *_SERVING),
+        model(Settings, *_SERVING, *_CLUSTER),
         model(CollectSettings, *(s for s in _SOURCES if s != "dcgm_url"))),
     ("collect", "prometheus"): (
-        model(Settings, *_SERVING),
+        model(Settings, *_SERVING, *_CLUSTER),
         model(CollectSettings, *(s for s in _SOURCES if s not in (
             "prometheus_url", "prometheus_nodes", "pod_labels")))),
-    ("simulate",): (model(Settings, *_SERVING),),
+    ("simulate",): (model(Settings, *_SERVING, *_CLUSTER),),
     # doctor(): kafka_settings(); what else it checks, it takes from its options' envvars.
-    ("doctor",): (model(Settings, *_SERVING),),
+    ("doctor",): (model(Settings, *_SERVING, *_CLUSTER),),
     ("broker",): (),
 }
 

@@ -89,6 +89,21 @@ def test_summary_posted_and_the_week_kept(hook: Hook, rollups: Path, tmp_path: P
     assert text.endswith(f"Full report: https://reports.example/gpu/{WEEK.label}/report.html")
 
 
+def test_the_cluster_is_named_in_the_summary_and_the_title(
+        hook: Hook, rollups: Path, tmp_path: Path) -> None:
+    """Several clusters' reports in one channel: GPUSTEWARD_CLUSTER says whose each is."""
+    out = tmp_path / "out"
+    code, output = _run(rollups, out, {"GPUSTEWARD_REPORT__WEBHOOK_URL": hook.url,
+                                       "GPUSTEWARD_CLUSTER": "prod-east"})
+    assert code == 0, output
+    (post,) = hook.posts
+    assert post["text"].startswith(f"*GPU report prod-east {WEEK.label}*: ")
+    title = f"GPU right-sizing report, prod-east, week {WEEK.label}"
+    assert (out / "report.md").read_text().startswith(f"# {title}\n")
+    assert f"<h1>{title}</h1>" in (out / "report.html").read_text()
+    assert json.loads((out / "report.json").read_text())["cluster"] == "prod-east"
+
+
 def test_a_refused_post_fails_the_job_after_writing_the_files(
         hook: Hook, rollups: Path, tmp_path: Path) -> None:
     hook.status = 404
