@@ -19,7 +19,9 @@ merge patch (as kubectl sends), custom objects a JSON merge patch.
 What each verb does, and the API permissions it needs:
 
 - ``cordon``: ``spec.unschedulable=true`` plus annotations with the reason
-  and the action's idempotency key (get, patch nodes);
+  and the action's idempotency key (get, patch nodes); a node that carries the key
+  but was uncordoned since is refused (someone undid this action: a retry or re-ask
+  must not undo their decision), and so is a drain's, and a taint someone removed;
 - ``taint``: adds ``gpusteward.io/<key>`` with NoSchedule or NoExecute and
   the action's idempotency key in ``gpusteward.io/tainted-by``, so a replay
   reports its own taint ``executed`` as cordon does (get, patch nodes); the
@@ -290,11 +292,18 @@ class KubernetesBackend:
         record) reports it executed, so the circuit breaker counts the node it disrupted."""
         node = _require(action.target.node, "cordon needs a node")
         current = await self._node(node)
+        ours = _annotations(current).get(CORDONED_BY) == action.idempotency_key
         if current.get("spec", {}).get("unschedulable"):
-            annotations = current.get("metadata", {}).get("annotations") or {}
-            if annotations.get(CORDONED_BY) == action.idempotency_key:
+            if ours:
                 return "executed", f"cordoned {node} (by an earlier try of this action)"
             return "skipped", f"{node} is already cordoned"
+        if ours:
+            # `kubectl uncordon` keeps the annotations: someone undid this very action (an
+            # admin after a repair, or who judged the node fit), and a re-ask or a retry of
+            # a drain that failed must not undo their decision.
+            return "refused", (f"{node} was cordoned by this action ({CORDONED_BY}) and "
+                               "uncordoned since by someone else: left schedulable. Cordon "
+                               "it by hand if it should be out of service")
         await self._patch_node(node, {
             "metadata": {"annotations": {CORDON_ANNOTATION: action.reason[:250],
                                          CORDONED_BY: action.idempotency_key}},
@@ -317,11 +326,16 @@ class KubernetesBackend:
         for _attempt in range(5):
             current = await self._node(node)
             taints = list(current.get("spec", {}).get("taints") or [])
+            ours = _annotations(current).get(TAINTED_BY) == action.idempotency_key
             if any(t.get("key") == key and t.get("effect") == effect for t in taints):
-                if _annotations(current).get(TAINTED_BY) == action.idempotency_key:
+                if ours:
                     return "executed", (f"tainted {node} with {key}:{effect} (by an earlier "
                                         "try of this action)")
                 return "skipped", f"{node} already has taint {key}:{effect}"
+            if ours:  # as a cordon undone: someone removed this action's taint since
+                return "refused", (f"{node} was tainted {key}:{effect} by this action "
+                                   f"({TAINTED_BY}) and the taint was removed since by someone "
+                                   "else: left untainted. Taint it by hand if it should be")
             taints.append({"key": key, "value": value, "effect": effect,
                            "timeAdded": _now_rfc3339()})
             version = current.get("metadata", {}).get("resourceVersion")
@@ -418,7 +432,9 @@ class KubernetesBackend:
 
     async def drain(self, action: Action) -> tuple[Outcome, str]:
         node = _require(action.target.node, "drain needs a node")
-        cordon_outcome, _ = await self.cordon(action)
+        cordon_outcome, cordon_detail = await self.cordon(action)
+        if cordon_outcome == "refused":  # uncordoned since this drain cordoned it
+            return "refused", f"{cordon_detail}; no pod evicted"
         left: list[str] = []
         to_evict: list[tuple[str, str]] = []
         for pod in await self._pods_on(node):

@@ -24,6 +24,7 @@ from gpusteward.schema import (
     Taint,
 )
 from gpusteward.settings import Settings
+from tests.remediation.test_executor_edge import RecordingProducer
 from tests.remediation.cluster import admitted_workload, node, pdb, pod, pods, writes
 from tests.remediation.test_reclaim import REPO, granted, rbac_triples
 
@@ -550,3 +551,45 @@ def test_no_reminder_where_the_warnings_event_lasts_until_the_reclaim() -> None:
     and a reminder would be a second Event for nothing."""
     assert [a.verb for a in _idle_ladder("batch")] == ["notify_owner", "notify_owner",
                                                        "requeue"]
+
+
+def test_a_node_an_admin_uncordoned_is_not_cordoned_or_drained_again_by_a_re_ask(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """A drain blocked by a PodDisruptionBudget fails with its node cordoned; the worker asks
+    again every reask_s while the fault's finding stays open, and a failed key is tried
+    again. An admin who looked at the node and uncordoned it (``kubectl uncordon``: the
+    annotations stay) had that undone by the next re-ask, which cordoned it and evicted what
+    had been scheduled there since. The same for a cordon or taint asked again after the
+    executor forgot its key (the audit topic's retention) and replayed after a crash."""
+    drainable_node(kube, budget_allowed=0)
+    executor = Executor(Settings(), KubernetesBackend(kube_settings), execute=True,
+                        remediation=RemediationSettings(enabled_rules={"ecc_dbe"},
+                                                        max_action_age_s=None))
+    producer = RecordingProducer()
+    drain = action("drain", node_name="gpu-1")
+
+    def handle(asked: Action) -> Any:
+        return asyncio.run(executor._handle(producer, msgspec.json.encode(asked), key=b"gpu-1"))
+
+    assert handle(drain).outcome == "failed"  # serve-0's budget allows no disruption
+    kube.patch("Node", "gpu-1", {"spec": {"unschedulable": False}})  # kubectl uncordon
+    kube.load(pod("ml-dave", "train-1", "gpu-1"))  # scheduled there since
+    evicted = len(evictions(kube))
+    again = handle(msgspec.structs.replace(drain, reask=1, ts=1600.0))
+    assert again.outcome == "refused", again.detail
+    assert "uncordoned since by someone else: left schedulable" in again.detail
+    assert not kube.get("Node", "gpu-1")["spec"].get("unschedulable")
+    assert len(evictions(kube)) == evicted and ("ml-dave", "train-1") in pods(kube)
+
+    backend = KubernetesBackend(kube_settings)
+    kube.load(node("gpu-2"))
+    assert run(backend, action("cordon", node_name="gpu-2"))[0] == "executed"
+    kube.patch("Node", "gpu-2", {"spec": {"unschedulable": False}})
+    assert run(backend, action("cordon", node_name="gpu-2"))[0] == "refused"
+    assert not kube.get("Node", "gpu-2")["spec"].get("unschedulable")
+    taint = action("taint", node_name="gpu-2", key="gpu-reset-required")
+    assert run(backend, taint)[0] == "executed"
+    kube.patch("Node", "gpu-2", {"spec": {"taints": []}})  # kubectl taint ... -
+    outcome, detail = run(backend, taint)
+    assert outcome == "refused" and "the taint was removed since by someone else" in detail
+    assert kube.get("Node", "gpu-2")["spec"]["taints"] == []
