@@ -133,6 +133,8 @@ from gpusteward.schema import Action, Outcome, PodRef
 log = logging.getLogger(__name__)
 
 TAINT_PREFIX = "gpusteward.io/"
+DEFAULT_TAINT_KEY = "gpusteward.io/unhealthy"
+"""The key of a taint action that names none."""
 MIG_CONFIG_LABEL = "nvidia.com/mig.config"
 NOTICE_ANNOTATION = "gpusteward.io/notice"
 CORDON_ANNOTATION = "gpusteward.io/cordon-reason"
@@ -316,7 +318,7 @@ class KubernetesBackend:
         same action that finds its taint reports it executed, as a cordon does; a taint
         someone else set is skipped."""
         node = _require(action.target.node, "taint needs a node")
-        key = action.params.get("key", "gpusteward.io/unhealthy")
+        key = action.params.get("key", DEFAULT_TAINT_KEY)
         if not key.startswith(TAINT_PREFIX):
             key = TAINT_PREFIX + key
         effect = action.params.get("effect", "NoSchedule")
