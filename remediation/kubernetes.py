@@ -147,6 +147,10 @@ MIG_CONFIG_BY = "gpusteward.io/mig-config-by"
 REQUEUE_ANNOTATION = "gpusteward.io/requeued-by"
 """The idempotency key of the action that requeued a Kueue workload."""
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+NODE_CLOCK_SLACK_S = 60.0
+"""How much later than an action's event time its node may have been created and still be
+the node it is about (a collector's clock a little behind the API server's); a node of the
+same name created later is another one (``KubeSettings.refuse_newer_nodes``)."""
 KUEUE_GROUP = "kueue.x-k8s.io"
 NOTEBOOK_GROUP = "kubeflow.org"
 NOTEBOOK_STOPPED = "kubeflow-resource-stopped"
@@ -201,6 +205,13 @@ class KubeSettings(BaseModel):
         "`kubectl drain` without --delete-emptydir-data: the volume's data is lost with the "
         "pod; the drain leaves it and names it in its detail.")
     request_timeout_s: float = Field(30.0, gt=0, description="Per API request, seconds.")
+    refuse_newer_nodes: bool = Field(
+        False, description="Whether cordon, taint, drain and set_mig_config refuse a node "
+        "created after their action was asked for (Action.ts, with NODE_CLOCK_SLACK_S of "
+        "slack): the node was deleted and re-created under the same name since, another "
+        "machine (or the same one repaired) than the one whose fault asked. Needs event time "
+        "on the cluster's clock, so `gpusteward act` switches it on unless max_action_age_s "
+        "is null (a simulation whose event time is no wall clock).")
 
 
 def _mapped(error: Exception) -> ApiError:
@@ -276,6 +287,20 @@ class KubernetesBackend:
         await self._call(self.core.patch_node, name, body, _content_type=STRATEGIC,
                          _preload_content=False)
 
+    def _newer_node(self, current: dict[str, Any], action: Action) -> str | None:
+        """Why ``current`` is not the node ``action`` is about (created after it was asked
+        for), or None."""
+        created = current.get("metadata", {}).get("creationTimestamp")
+        if not self.settings.refuse_newer_nodes or not created:
+            return None
+        created_at = datetime.fromisoformat(created).timestamp()
+        if created_at <= action.ts + NODE_CLOCK_SLACK_S:
+            return None
+        return (f"node {current['metadata'].get('name')} was created at {created}, after this "
+                f"action was asked for ({rfc3339(action.ts)}): it was deleted and re-created "
+                "under the same name since, another machine or one repaired, not the one whose "
+                "fault asked. Left alone; its own faults will ask afresh")
+
     async def gpu_node_count(self) -> int | None:
         """Nodes with GPUs: allocatable ``nvidia.com/gpu`` or the GPU feature-discovery label."""
         count = 0
@@ -294,6 +319,9 @@ class KubernetesBackend:
         record) reports it executed, so the circuit breaker counts the node it disrupted."""
         node = _require(action.target.node, "cordon needs a node")
         current = await self._node(node)
+        newer = self._newer_node(current, action)
+        if newer:
+            return "refused", newer
         ours = _annotations(current).get(CORDONED_BY) == action.idempotency_key
         if current.get("spec", {}).get("unschedulable"):
             if ours:
@@ -327,6 +355,9 @@ class KubernetesBackend:
         value = action.params.get("value", action.rule)
         for _attempt in range(5):
             current = await self._node(node)
+            newer = self._newer_node(current, action)
+            if newer:
+                return "refused", newer
             taints = list(current.get("spec", {}).get("taints") or [])
             ours = _annotations(current).get(TAINTED_BY) == action.idempotency_key
             if any(t.get("key") == key and t.get("effect") == effect for t in taints):
@@ -360,6 +391,9 @@ class KubernetesBackend:
         if not config:
             return "failed", "set_mig_config needs params.config (a mig-parted config name)"
         current = await self._node(node)
+        newer = self._newer_node(current, action)
+        if newer:
+            return "refused", newer
         labels = current.get("metadata", {}).get("labels") or {}
         if labels.get(MIG_CONFIG_LABEL) == config:
             if _annotations(current).get(MIG_CONFIG_BY) == action.idempotency_key:
@@ -435,7 +469,7 @@ class KubernetesBackend:
     async def drain(self, action: Action) -> tuple[Outcome, str]:
         node = _require(action.target.node, "drain needs a node")
         cordon_outcome, cordon_detail = await self.cordon(action)
-        if cordon_outcome == "refused":  # uncordoned since this drain cordoned it
+        if cordon_outcome == "refused":  # uncordoned since this drain cordoned it, or new
             return "refused", f"{cordon_detail}; no pod evicted"
         left: list[str] = []
         to_evict: list[tuple[str, str]] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -593,3 +594,30 @@ def test_a_node_an_admin_uncordoned_is_not_cordoned_or_drained_again_by_a_re_ask
     outcome, detail = run(backend, taint)
     assert outcome == "refused" and "the taint was removed since by someone else" in detail
     assert kube.get("Node", "gpu-2")["spec"]["taints"] == []
+
+
+def test_a_node_re_created_under_the_same_name_since_the_action_is_left_alone(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """A cordon and a drain asked for gpu-1's double-bit ECC error ten minutes ago wait in
+    the actions topic (the executor was down); meanwhile the faulty machine's Node was
+    deleted and a repaired or new one joined under the same name (bare metal keeps host
+    names). The finding resolved with the deletion, but the backlog cordoned and drained
+    the new machine, evicting the work just scheduled there."""
+    faulty, older = node("gpu-1"), node("gpu-2")
+    for obj in (faulty, older):
+        obj["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+    kube.load([faulty, older])
+    kube.delete("Node", "gpu-1")
+    kube.load([node("gpu-1"), pod("ml-bob", "serve-0", "gpu-1")])  # joined again just now
+    backend = KubernetesBackend(kube_settings.model_copy(update={"refuse_newer_nodes": True}))
+    asked_at = time.time() - 600
+    for verb in ("cordon", "drain", "taint"):
+        outcome, detail = run(backend, msgspec.structs.replace(
+            action(verb, node_name="gpu-1"), ts=asked_at))
+        assert outcome == "refused", (verb, detail)
+        assert "deleted and re-created under the same name since" in detail
+    assert not kube.get("Node", "gpu-1")["spec"].get("unschedulable")
+    assert evictions(kube) == [] and ("ml-bob", "serve-0") in pods(kube)
+    # A node older than the action is the one it is about: acted on as ever.
+    assert run(backend, msgspec.structs.replace(
+        action("cordon", node_name="gpu-2"), ts=asked_at))[0] == "executed"
