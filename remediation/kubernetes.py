@@ -75,6 +75,9 @@ What each verb does, and the API permissions it needs:
   Operator's MIG manager applies, and the action's key in
   ``gpusteward.io/mig-config-by`` (get, patch nodes); the executor only lets it
   through when policy allows.
+- the node verbs refuse a node created after their action was asked for, with
+  ``refuse_newer_nodes`` (the CLI's default where event time is the clock): one deleted
+  and re-created under the same name since is another machine;
 - the breaker's fleet size: list nodes.
 
 Every API call goes through :meth:`KubernetesBackend._call`, which turns the
