@@ -56,7 +56,8 @@ What each verb does, and the API permissions it needs:
   (get, patch notebooks.kubeflow.org); a Deployment (Pod -> ReplicaSet ->
   Deployment; get replicasets) or a StatefulSet is scaled to zero with its
   replicas kept in ``gpusteward.io/reclaimed-replicas``, in one patch with a
-  resourceVersion precondition (get, patch deployments/statefulsets); a Job's
+  resourceVersion precondition (get, patch deployments/statefulsets), unless a KEDA
+  ScaledObject keeps it above zero and would undo it (refused; list scaledobjects); a Job's
   pod or a Kueue workload is requeued as above; a pod without a controller
   is deleted only when ``params.delete_bare_pod`` is true. Each reclaim
   leaves a Warning Event on the object, saying how to undo it;
@@ -156,6 +157,8 @@ the node it is about (a collector's clock a little behind the API server's); a n
 same name created later is another one (``KubeSettings.refuse_newer_nodes``)."""
 KUEUE_GROUP = "kueue.x-k8s.io"
 NOTEBOOK_GROUP = "kubeflow.org"
+KEDA_GROUP = "keda.sh"
+KEDA_PAUSED_REPLICAS = "autoscaling.keda.sh/paused-replicas"
 NOTEBOOK_STOPPED = "kubeflow-resource-stopped"
 """Kubeflow's notebook controller scales a Notebook's StatefulSet to zero while it is set."""
 RECLAIMED_REPLICAS = "gpusteward.io/reclaimed-replicas"
@@ -722,8 +725,41 @@ class KubernetesBackend:
         return "executed", (f"stopped Notebook {namespace}/{name} ({NOTEBOOK_STOPPED}); its "
                             f"volumes are kept; undo with `{undo}`")
 
+    async def _autoscaler_floor(self, kind: str, namespace: str, name: str) -> str | None:
+        """Why an autoscaler would undo a scale of ``kind``/``name`` to zero, or None.
+
+        KEDA's operator scales its target back up to ``minReplicaCount`` (or to its
+        paused-replicas annotation) within its polling interval: the GPUs would not be
+        given back, the owner told of a reclaim that did not last, and the next idle
+        episode would climb the ladder again. A HorizontalPodAutoscaler does not scale a
+        target at zero replicas, so it is no fight; a cluster without KEDA serves no
+        ScaledObjects (404)."""
+        try:
+            found = await self._json(self.custom.list_namespaced_custom_object, KEDA_GROUP,
+                                     "v1alpha1", namespace, "scaledobjects")
+        except NotFound:
+            return None
+        for scaled in found.get("items", []):
+            target = scaled.get("spec", {}).get("scaleTargetRef") or {}
+            if target.get("name") != name or target.get("kind", "Deployment") != kind:
+                continue
+            paused = _annotations(scaled).get(KEDA_PAUSED_REPLICAS)
+            floor = paused if paused is not None else str(
+                scaled.get("spec", {}).get("minReplicaCount", 0))
+            if floor.strip() not in ("0", ""):
+                which = (f"{KEDA_PAUSED_REPLICAS}={paused}" if paused is not None
+                         else f"minReplicaCount {floor}")
+                return (f"{kind} {namespace}/{name} is scaled by KEDA ScaledObject "
+                        f"{scaled['metadata']['name']} ({which}), which would scale it back "
+                        "up at once: the GPUs would not be given back. Set its minReplicaCount "
+                        "to 0, or exempt the workload from idle detection")
+        return None
+
     async def _scale_to_zero(self, kind: str, namespace: str, name: str, reason: str
                              ) -> tuple[Outcome, str]:
+        fight = await self._autoscaler_floor(kind, namespace, name)
+        if fight:
+            return "refused", fight
         for _attempt in range(5):
             owner = await self._json(self._read(kind), name, namespace)
             replicas = owner.get("spec", {}).get("replicas", 1)

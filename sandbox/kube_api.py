@@ -145,6 +145,9 @@ RESOURCES: tuple[Resource, ...] = (
     Resource("apps", "replicasets", "ReplicaSet", True, ("v1",)),
     Resource("apps", "statefulsets", "StatefulSet", True, ("v1",)),
     Resource(NOTEBOOK_GROUP, "notebooks", "Notebook", True, ("v1beta1", "v1")),
+    # KEDA's autoscaler of a Deployment or StatefulSet, which a reclaim's scale to zero
+    # would fight when it keeps replicas above zero.
+    Resource("keda.sh", "scaledobjects", "ScaledObject", True, ("v1alpha1",)),
     # The objects that state a gang's size (the watcher's optional resources): the
     # coscheduling plugin's and Volcano's PodGroups, JobSets, Kubeflow training jobs.
     Resource("scheduling.x-k8s.io", "podgroups", "PodGroup", True, ("v1alpha1",)),
