@@ -37,7 +37,8 @@ What each verb does, and the API permissions it needs:
   drain. A 429 (a PodDisruptionBudget forbids it now), and any other
   temporary error of an eviction but a 500 (a 503, a timeout: the API server
   restarting), is retried with backoff until ``drain_timeout_s``, after which
-  the drain reports ``failed`` with the pods left and why; a 500 (several
+  the drain reports ``failed`` with the pods left and why, and each pod a budget kept
+  gets a Warning Event telling its owner (create events); a 500 (several
   budgets select the pod, a misconfiguration) is reported at once. Pods are
   never deleted directly;
 - ``requeue``: a Kueue workload is deactivated (``spec.active=false``, the
@@ -479,6 +480,7 @@ class KubernetesBackend:
             return "refused", f"{cordon_detail}; no pod evicted"
         left: list[str] = []
         to_evict: list[tuple[str, str]] = []
+        uids: dict[str, str | None] = {}
         for pod in await self._pods_on(node):
             meta = pod["metadata"]
             why = self._leave_reason(pod)
@@ -486,6 +488,7 @@ class KubernetesBackend:
                 left.append(f"{meta['namespace']}/{meta['name']} ({why})")
             else:
                 to_evict.append((meta["namespace"], meta["name"]))
+                uids[f"{meta['namespace']}/{meta['name']}"] = meta.get("uid")
         deadline = time.monotonic() + self.settings.drain_timeout_s
         backoff = self.settings.eviction_backoff_s
         evicted: list[str] = []
@@ -526,9 +529,37 @@ class KubernetesBackend:
             problems += [f"{ref}: {why}" for ref, why in errors.items()]
             timed = (f" after {self.settings.drain_timeout_s:g} s"
                      if blocked or unavailable else "")
+            if blocked:
+                told = await self._tell_blocked(node, action, blocked, uids)
+                problems.append(f"told the owners of {told} of {len(blocked)} blocked pod(s) "
+                                "(Warning event GpuStewardDrainBlocked)")
             return "failed", f"drain incomplete{timed}: {summary}; not evicted: " + "; ".join(
                 problems)
         return "executed", summary
+
+    async def _tell_blocked(self, node: str, action: Action, blocked: dict[str, str],
+                            uids: dict[str, str | None]) -> int:
+        """A Warning Event on each pod a PodDisruptionBudget kept on the draining node, so
+        its owner learns why the node is drained and that the drain waits on their budget
+        (``kubectl describe pod``); how many were told. An Event that cannot be made is
+        logged, and does not change the drain's outcome."""
+        told = 0
+        for ref, why in blocked.items():
+            namespace, name = ref.split("/", 1)
+            try:
+                await self._event(namespace, k8s.V1ObjectReference(
+                    api_version="v1", kind="Pod", name=name, namespace=namespace,
+                    uid=uids.get(ref)), "GpuStewardDrainBlocked",
+                    f"Node {node} is being drained by gpusteward ({action.reason[:300]}); this "
+                    f"pod's PodDisruptionBudget allows no eviction now ({why[:200]}). The node "
+                    "takes no new pods; the drain is tried again while the fault lasts. Let "
+                    "the budget allow a disruption (another replica elsewhere) or move the "
+                    "work off the node.")
+                told += 1
+            except ApiError as error:
+                log.warning("cannot tell the owner of %s that its budget blocks the drain of "
+                            "%s: %s", ref, node, error)
+        return told
 
     # -- pods: requeue, notify -------------------------------------------------------------
 

@@ -154,6 +154,23 @@ def test_a_pdb_that_blocks_an_eviction_is_retried_then_reported_never_forced(
     assert not [r for r in kube.requests if r.method == "DELETE"]
 
 
+def test_the_owner_of_a_pod_whose_budget_blocks_a_drain_is_told(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """The drain failed and was tried again every re-ask while the fault lasted, the node
+    cordoned under the pod: the audit said so, but the pod's owner, the one who can let the
+    budget allow an eviction, heard nothing."""
+    drainable_node(kube, budget_allowed=0)
+    outcome, detail = run(KubernetesBackend(kube_settings), action("drain", node_name="gpu-1"))
+    assert outcome == "failed" and "told the owners of 1 of 1 blocked pod(s)" in detail
+    (event,) = [e for e in kube.objects("Event") if e["reason"] == "GpuStewardDrainBlocked"]
+    assert event["type"] == "Warning"
+    assert event["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "name": "serve-0",
+                                       "namespace": "ml-bob", "uid": "uid-ml-bob-serve-0"}
+    assert event["message"].startswith("Node gpu-1 is being drained by gpusteward (ECC DBE on "
+                                       "GPU-1); this pod's PodDisruptionBudget allows no "
+                                       "eviction now")
+
+
 def test_a_drain_goes_on_once_the_pdb_allows_it(
         kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     drainable_node(kube, budget_allowed=0)
