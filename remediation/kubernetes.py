@@ -47,7 +47,9 @@ What each verb does, and the API permissions it needs:
   workload is left inactive and how to resume it; one found inactive by someone
   else is left so; the pod
   of a plain Job is deleted so the Job controller recreates it (delete
-  pods); a pod without a controller is refused, deleting it would lose it;
+  pods; get jobs): not when the Job is gone, suspended or finished since (skipped: nothing
+  would recreate it), nor when one more failure passes its backoffLimit (refused: the Job
+  would fail for good); a pod without a controller is refused, deleting it would lose it;
 - ``requeue`` with ``params.reason`` ``idle-reclaim`` (the idle rule's last
   ladder step) reclaims the GPUs of an idle pod by its owner, reversibly,
   after reading the live pod again (get pods): a ``gpusteward.io/keep-until``
@@ -247,6 +249,7 @@ class KubernetesBackend:
         self.api_client = api_client
         self.core = k8s.CoreV1Api(api_client)
         self.apps = k8s.AppsV1Api(api_client)
+        self.batch = k8s.BatchV1Api(api_client)
         self.custom = k8s.CustomObjectsApi(api_client)
         self._sleep = sleep
         self._left_inactive: set[str] = set()
@@ -674,13 +677,47 @@ class KubernetesBackend:
             kind = controller.get("kind") if controller else "no controller"
             return "refused", (f"{ref.namespace}/{ref.name} is not a Kueue workload or a Job's "
                                f"pod ({kind}); deleting it could lose the work")
+        job_name = controller.get("name", "")
+        stays = await self._job_refusal(ref, job_name)
+        if stays:
+            return stays
         try:
             await self._call(self.core.delete_namespaced_pod, ref.name, ref.namespace,
                              _preload_content=False)
         except NotFound:
             return "skipped", f"pod {ref.namespace}/{ref.name} is already gone"
         return "executed", (f"deleted pod {ref.namespace}/{ref.name}; Job "
-                            f"{controller.get('name')} recreates it elsewhere")
+                            f"{job_name} recreates it elsewhere")
+
+    async def _job_refusal(self, ref: PodRef, job_name: str) -> tuple[Outcome, str] | None:
+        """Why deleting a Job's pod would not requeue it, as the Job is now, or None.
+
+        The Job controller recreates a deleted pod only while the Job runs: one deleted or
+        suspended since the rule asked stops its pods itself and starts none, and one whose
+        failures reached its backoffLimit fails for good at one more (a deleted running pod
+        counts as failed): a requeue that kills the job is no requeue."""
+        where = f"Job {ref.namespace}/{job_name}"
+        try:
+            job = await self._json(self.batch.read_namespaced_job, job_name, ref.namespace)
+        except NotFound:
+            return "skipped", (f"{where} is gone: nothing would recreate pod {ref.name}; left "
+                               "to the garbage collector")
+        if job["metadata"].get("deletionTimestamp"):
+            return "skipped", (f"{where} is being deleted: nothing would recreate pod "
+                               f"{ref.name}; left to the garbage collector")
+        spec, status = job.get("spec", {}), job.get("status", {})
+        if spec.get("suspend"):
+            return "skipped", (f"{where} is suspended: its controller stops its pods and "
+                               "starts none until it is resumed; left as it is")
+        if any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+               for c in status.get("conditions") or []):
+            return "skipped", f"{where} has finished: nothing would recreate pod {ref.name}"
+        limit, failed = spec.get("backoffLimit", 6), status.get("failed", 0)
+        if spec.get("backoffLimitPerIndex") is None and failed + 1 > limit:
+            return "refused", (f"{where} has failed {failed} time(s) and its backoffLimit is "
+                               f"{limit}: deleting pod {ref.name} counts as one more failure, "
+                               "and the Job would fail for good instead of running it again")
+        return None
 
     # -- reclaim by owner kind, and restore ----------------------------------------------
 

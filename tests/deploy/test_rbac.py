@@ -59,7 +59,7 @@ EXECUTE: set[tuple[str, str, str]] = {
     ("apps", "deployments", "get"), ("apps", "deployments", "patch"),
     ("apps", "statefulsets", "get"), ("apps", "statefulsets", "patch"),
     ("kubeflow.org", "notebooks", "get"), ("kubeflow.org", "notebooks", "patch"),
-    ("keda.sh", "scaledobjects", "list"),
+    ("keda.sh", "scaledobjects", "list"), ("batch", "jobs", "get"),
 }
 
 

@@ -25,8 +25,8 @@ from gpusteward.schema import (
     Taint,
 )
 from gpusteward.settings import Settings
+from tests.remediation.cluster import admitted_workload, job, node, pdb, pod, pods, writes
 from tests.remediation.test_executor_edge import RecordingProducer
-from tests.remediation.cluster import admitted_workload, node, pdb, pod, pods, writes
 from tests.remediation.test_reclaim import REPO, granted, rbac_triples
 
 
@@ -309,6 +309,8 @@ def test_every_requeue_the_spot_rule_asks_for_the_backend_carries_out(
             ts=1.0, node="spot-1", pod=PodRef("ml", name, uid=f"uid-ml-{name}"),
             phase="running", gpus=1, owner_kind=owner, owner_name=owner.lower()), settings)
         live.append(pod("ml", name, "spot-1", owner_kind=controller, owner_name=owner.lower()))
+        if controller == "Job":
+            live.append(job("ml", owner.lower()))
     kube.load(live)
     finding, *requeues = spot.on_inventory(track, NodeInventory(
         ts=10.0, node="spot-1", gpu_count=8, spot=True,
@@ -344,6 +346,7 @@ def test_a_drain_leaves_the_pods_of_namespaces_the_deny_patterns_match(
 def test_requeue_of_a_plain_job_pod_deletes_it_and_a_bare_pod_is_refused(
         kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     kube.load([pod("ml-erin", "job-x-1", "gpu-1", owner_kind="Job", owner_name="job-x"),
+               job("ml-erin", "job-x"),
                pod("ml-erin", "bare", "gpu-1", owner_kind=None)])
     backend = KubernetesBackend(kube_settings)
     outcome, detail = run(backend, action("requeue", pod_ref=PodRef("ml-erin", "job-x-1")))
@@ -396,9 +399,33 @@ def test_a_notice_to_a_pod_replaced_under_the_same_name_is_refused(
     assert run(backend, live)[0] == "executed"
 
 
+def test_a_job_pod_is_requeued_only_while_its_job_would_run_it_again(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """The spot rule or the idle ladder asked to requeue a Job's pod; since, the owner
+    suspended the Job or deleted it, or it finished, and nothing would recreate the pod;
+    or the Job has used its retries, and a deleted running pod counts as one more
+    failure: a training Job with backoffLimit 0 (a JobSet's child, whose failure fails the
+    JobSet) was failed for good by a "requeue" that said "Job recreates it elsewhere"."""
+    cases = {"suspended": (job("ml", "suspended", suspend=True), "skipped", "is suspended"),
+             "last-try": (job("ml", "last-try", backoffLimit=0), "refused",
+                          "has failed 0 time(s) and its backoffLimit is 0"),
+             "gone": (None, "skipped", "is gone: nothing would recreate pod gone-0"),
+             "running": (job("ml", "running"), "executed", "Job running recreates it")}
+    for name, (owner, _, _) in cases.items():
+        kube.load(pod("ml", f"{name}-0", "spot-1", owner_kind="Job", owner_name=name))
+        if owner is not None:
+            kube.load(owner)
+    backend = KubernetesBackend(kube_settings)
+    for name, (_, outcome, words) in cases.items():
+        done, detail = run(backend, action("requeue", pod_ref=PodRef("ml", f"{name}-0")))
+        assert (done, words in detail) == (outcome, True), (name, detail)
+    assert {n for _, n in pods(kube)} == {"suspended-0", "last-try-0", "gone-0"}
+
+
 def test_a_requeue_of_a_pod_replaced_under_the_same_name_is_refused(
         kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     kube.load([pod("ml-erin", "job-x-1", "gpu-1", owner_kind="Job", owner_name="job-x"),
+               job("ml-erin", "job-x"),
                pod("ml-dave", "train-0", "gpu-1", owner_kind="Job",
                    annotations={"kueue.x-k8s.io/workload": "job-train-abc12"}),
                admitted_workload("ml-dave", "job-train-abc12")])
@@ -476,7 +503,8 @@ def test_every_request_of_the_node_pod_and_kueue_verbs_is_granted_to_the_executo
                pod("ml-dave", "train-0", "gpu-2", owner_kind="Job",
                    annotations={"kueue.x-k8s.io/workload": "job-train-abc12"}),
                admitted_workload("ml-dave", "job-train-abc12"),
-               pod("ml-erin", "job-x-1", "gpu-2", owner_kind="Job", owner_name="job-x")])
+               pod("ml-erin", "job-x-1", "gpu-2", owner_kind="Job", owner_name="job-x"),
+               job("ml-erin", "job-x")])
     backend = KubernetesBackend(kube_settings)
     done = [run(backend, action("drain", node_name="gpu-1")),
             run(backend, action("taint", node_name="gpu-2", key="xid-79")),
