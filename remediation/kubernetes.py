@@ -19,7 +19,9 @@ merge patch (as kubectl sends), custom objects a JSON merge patch.
 What each verb does, and the API permissions it needs:
 
 - ``cordon``: ``spec.unschedulable=true`` plus annotations with the reason
-  and the action's idempotency key (get, patch nodes);
+  and the action's idempotency key (get, patch nodes); a node that carries the key
+  but was uncordoned since is refused (someone undid this action: a retry or re-ask
+  must not undo their decision), and so is a drain's, and a taint someone removed;
 - ``taint``: adds ``gpusteward.io/<key>`` with NoSchedule or NoExecute and
   the action's idempotency key in ``gpusteward.io/tainted-by``, so a replay
   reports its own taint ``executed`` as cordon does (get, patch nodes); the
@@ -35,7 +37,8 @@ What each verb does, and the API permissions it needs:
   drain. A 429 (a PodDisruptionBudget forbids it now), and any other
   temporary error of an eviction but a 500 (a 503, a timeout: the API server
   restarting), is retried with backoff until ``drain_timeout_s``, after which
-  the drain reports ``failed`` with the pods left and why; a 500 (several
+  the drain reports ``failed`` with the pods left and why, and each pod a budget kept
+  gets a Warning Event telling its owner (create events); a 500 (several
   budgets select the pod, a misconfiguration) is reported at once. Pods are
   never deleted directly;
 - ``requeue``: a Kueue workload is deactivated (``spec.active=false``, the
@@ -44,7 +47,9 @@ What each verb does, and the API permissions it needs:
   workload is left inactive and how to resume it; one found inactive by someone
   else is left so; the pod
   of a plain Job is deleted so the Job controller recreates it (delete
-  pods); a pod without a controller is refused, deleting it would lose it;
+  pods; get jobs): not when the Job is gone, suspended or finished since (skipped: nothing
+  would recreate it), nor when one more failure passes its backoffLimit (refused: the Job
+  would fail for good); a pod without a controller is refused, deleting it would lose it;
 - ``requeue`` with ``params.reason`` ``idle-reclaim`` (the idle rule's last
   ladder step) reclaims the GPUs of an idle pod by its owner, reversibly,
   after reading the live pod again (get pods): a ``gpusteward.io/keep-until``
@@ -54,7 +59,8 @@ What each verb does, and the API permissions it needs:
   (get, patch notebooks.kubeflow.org); a Deployment (Pod -> ReplicaSet ->
   Deployment; get replicasets) or a StatefulSet is scaled to zero with its
   replicas kept in ``gpusteward.io/reclaimed-replicas``, in one patch with a
-  resourceVersion precondition (get, patch deployments/statefulsets); a Job's
+  resourceVersion precondition (get, patch deployments/statefulsets), unless a KEDA
+  ScaledObject keeps it above zero and would undo it (refused; list scaledobjects); a Job's
   pod or a Kueue workload is requeued as above; a pod without a controller
   is deleted only when ``params.delete_bare_pod`` is true. Each reclaim
   leaves a Warning Event on the object, saying how to undo it;
@@ -73,6 +79,9 @@ What each verb does, and the API permissions it needs:
   Operator's MIG manager applies, and the action's key in
   ``gpusteward.io/mig-config-by`` (get, patch nodes); the executor only lets it
   through when policy allows.
+- the node verbs refuse a node created after their action was asked for, with
+  ``refuse_newer_nodes`` (the CLI's default where event time is the clock): one deleted
+  and re-created under the same name since is another machine;
 - the breaker's fleet size: list nodes.
 
 Every API call goes through :meth:`KubernetesBackend._call`, which turns the
@@ -131,6 +140,8 @@ from gpusteward.schema import Action, Outcome, PodRef
 log = logging.getLogger(__name__)
 
 TAINT_PREFIX = "gpusteward.io/"
+DEFAULT_TAINT_KEY = "gpusteward.io/unhealthy"
+"""The key of a taint action that names none."""
 MIG_CONFIG_LABEL = "nvidia.com/mig.config"
 NOTICE_ANNOTATION = "gpusteward.io/notice"
 CORDON_ANNOTATION = "gpusteward.io/cordon-reason"
@@ -143,8 +154,14 @@ MIG_CONFIG_BY = "gpusteward.io/mig-config-by"
 REQUEUE_ANNOTATION = "gpusteward.io/requeued-by"
 """The idempotency key of the action that requeued a Kueue workload."""
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+NODE_CLOCK_SLACK_S = 60.0
+"""How much later than an action's event time its node may have been created and still be
+the node it is about (a collector's clock a little behind the API server's); a node of the
+same name created later is another one (``KubeSettings.refuse_newer_nodes``)."""
 KUEUE_GROUP = "kueue.x-k8s.io"
 NOTEBOOK_GROUP = "kubeflow.org"
+KEDA_GROUP = "keda.sh"
+KEDA_PAUSED_REPLICAS = "autoscaling.keda.sh/paused-replicas"
 NOTEBOOK_STOPPED = "kubeflow-resource-stopped"
 """Kubeflow's notebook controller scales a Notebook's StatefulSet to zero while it is set."""
 RECLAIMED_REPLICAS = "gpusteward.io/reclaimed-replicas"
@@ -197,6 +214,13 @@ class KubeSettings(BaseModel):
         "`kubectl drain` without --delete-emptydir-data: the volume's data is lost with the "
         "pod; the drain leaves it and names it in its detail.")
     request_timeout_s: float = Field(30.0, gt=0, description="Per API request, seconds.")
+    refuse_newer_nodes: bool = Field(
+        False, description="Whether cordon, taint, drain and set_mig_config refuse a node "
+        "created after their action was asked for (Action.ts, with NODE_CLOCK_SLACK_S of "
+        "slack): the node was deleted and re-created under the same name since, another "
+        "machine (or the same one repaired) than the one whose fault asked. Needs event time "
+        "on the cluster's clock, so `gpusteward act` switches it on unless max_action_age_s "
+        "is null (a simulation whose event time is no wall clock).")
 
 
 def _mapped(error: Exception) -> ApiError:
@@ -225,6 +249,7 @@ class KubernetesBackend:
         self.api_client = api_client
         self.core = k8s.CoreV1Api(api_client)
         self.apps = k8s.AppsV1Api(api_client)
+        self.batch = k8s.BatchV1Api(api_client)
         self.custom = k8s.CustomObjectsApi(api_client)
         self._sleep = sleep
         self._left_inactive: set[str] = set()
@@ -272,6 +297,20 @@ class KubernetesBackend:
         await self._call(self.core.patch_node, name, body, _content_type=STRATEGIC,
                          _preload_content=False)
 
+    def _newer_node(self, current: dict[str, Any], action: Action) -> str | None:
+        """Why ``current`` is not the node ``action`` is about (created after it was asked
+        for), or None."""
+        created = current.get("metadata", {}).get("creationTimestamp")
+        if not self.settings.refuse_newer_nodes or not created:
+            return None
+        created_at = datetime.fromisoformat(created).timestamp()
+        if created_at <= action.ts + NODE_CLOCK_SLACK_S:
+            return None
+        return (f"node {current['metadata'].get('name')} was created at {created}, after this "
+                f"action was asked for ({rfc3339(action.ts)}): it was deleted and re-created "
+                "under the same name since, another machine or one repaired, not the one whose "
+                "fault asked. Left alone; its own faults will ask afresh")
+
     async def gpu_node_count(self) -> int | None:
         """Nodes with GPUs: allocatable ``nvidia.com/gpu`` or the GPU feature-discovery label."""
         count = 0
@@ -290,11 +329,21 @@ class KubernetesBackend:
         record) reports it executed, so the circuit breaker counts the node it disrupted."""
         node = _require(action.target.node, "cordon needs a node")
         current = await self._node(node)
+        newer = self._newer_node(current, action)
+        if newer:
+            return "refused", newer
+        ours = _annotations(current).get(CORDONED_BY) == action.idempotency_key
         if current.get("spec", {}).get("unschedulable"):
-            annotations = current.get("metadata", {}).get("annotations") or {}
-            if annotations.get(CORDONED_BY) == action.idempotency_key:
+            if ours:
                 return "executed", f"cordoned {node} (by an earlier try of this action)"
             return "skipped", f"{node} is already cordoned"
+        if ours:
+            # `kubectl uncordon` keeps the annotations: someone undid this very action (an
+            # admin after a repair, or who judged the node fit), and a re-ask or a retry of
+            # a drain that failed must not undo their decision.
+            return "refused", (f"{node} was cordoned by this action ({CORDONED_BY}) and "
+                               "uncordoned since by someone else: left schedulable. Cordon "
+                               "it by hand if it should be out of service")
         await self._patch_node(node, {
             "metadata": {"annotations": {CORDON_ANNOTATION: action.reason[:250],
                                          CORDONED_BY: action.idempotency_key}},
@@ -307,7 +356,7 @@ class KubernetesBackend:
         same action that finds its taint reports it executed, as a cordon does; a taint
         someone else set is skipped."""
         node = _require(action.target.node, "taint needs a node")
-        key = action.params.get("key", "gpusteward.io/unhealthy")
+        key = action.params.get("key", DEFAULT_TAINT_KEY)
         if not key.startswith(TAINT_PREFIX):
             key = TAINT_PREFIX + key
         effect = action.params.get("effect", "NoSchedule")
@@ -316,12 +365,20 @@ class KubernetesBackend:
         value = action.params.get("value", action.rule)
         for _attempt in range(5):
             current = await self._node(node)
+            newer = self._newer_node(current, action)
+            if newer:
+                return "refused", newer
             taints = list(current.get("spec", {}).get("taints") or [])
+            ours = _annotations(current).get(TAINTED_BY) == action.idempotency_key
             if any(t.get("key") == key and t.get("effect") == effect for t in taints):
-                if _annotations(current).get(TAINTED_BY) == action.idempotency_key:
+                if ours:
                     return "executed", (f"tainted {node} with {key}:{effect} (by an earlier "
                                         "try of this action)")
                 return "skipped", f"{node} already has taint {key}:{effect}"
+            if ours:  # as a cordon undone: someone removed this action's taint since
+                return "refused", (f"{node} was tainted {key}:{effect} by this action "
+                                   f"({TAINTED_BY}) and the taint was removed since by someone "
+                                   "else: left untainted. Taint it by hand if it should be")
             taints.append({"key": key, "value": value, "effect": effect,
                            "timeAdded": _now_rfc3339()})
             version = current.get("metadata", {}).get("resourceVersion")
@@ -344,6 +401,9 @@ class KubernetesBackend:
         if not config:
             return "failed", "set_mig_config needs params.config (a mig-parted config name)"
         current = await self._node(node)
+        newer = self._newer_node(current, action)
+        if newer:
+            return "refused", newer
         labels = current.get("metadata", {}).get("labels") or {}
         if labels.get(MIG_CONFIG_LABEL) == config:
             if _annotations(current).get(MIG_CONFIG_BY) == action.idempotency_key:
@@ -418,9 +478,12 @@ class KubernetesBackend:
 
     async def drain(self, action: Action) -> tuple[Outcome, str]:
         node = _require(action.target.node, "drain needs a node")
-        cordon_outcome, _ = await self.cordon(action)
+        cordon_outcome, cordon_detail = await self.cordon(action)
+        if cordon_outcome == "refused":  # uncordoned since this drain cordoned it, or new
+            return "refused", f"{cordon_detail}; no pod evicted"
         left: list[str] = []
         to_evict: list[tuple[str, str]] = []
+        uids: dict[str, str | None] = {}
         for pod in await self._pods_on(node):
             meta = pod["metadata"]
             why = self._leave_reason(pod)
@@ -428,6 +491,7 @@ class KubernetesBackend:
                 left.append(f"{meta['namespace']}/{meta['name']} ({why})")
             else:
                 to_evict.append((meta["namespace"], meta["name"]))
+                uids[f"{meta['namespace']}/{meta['name']}"] = meta.get("uid")
         deadline = time.monotonic() + self.settings.drain_timeout_s
         backoff = self.settings.eviction_backoff_s
         evicted: list[str] = []
@@ -468,9 +532,37 @@ class KubernetesBackend:
             problems += [f"{ref}: {why}" for ref, why in errors.items()]
             timed = (f" after {self.settings.drain_timeout_s:g} s"
                      if blocked or unavailable else "")
+            if blocked:
+                told = await self._tell_blocked(node, action, blocked, uids)
+                problems.append(f"told the owners of {told} of {len(blocked)} blocked pod(s) "
+                                "(Warning event GpuStewardDrainBlocked)")
             return "failed", f"drain incomplete{timed}: {summary}; not evicted: " + "; ".join(
                 problems)
         return "executed", summary
+
+    async def _tell_blocked(self, node: str, action: Action, blocked: dict[str, str],
+                            uids: dict[str, str | None]) -> int:
+        """A Warning Event on each pod a PodDisruptionBudget kept on the draining node, so
+        its owner learns why the node is drained and that the drain waits on their budget
+        (``kubectl describe pod``); how many were told. An Event that cannot be made is
+        logged, and does not change the drain's outcome."""
+        told = 0
+        for ref, why in blocked.items():
+            namespace, name = ref.split("/", 1)
+            try:
+                await self._event(namespace, k8s.V1ObjectReference(
+                    api_version="v1", kind="Pod", name=name, namespace=namespace,
+                    uid=uids.get(ref)), "GpuStewardDrainBlocked",
+                    f"Node {node} is being drained by gpusteward ({action.reason[:300]}); this "
+                    f"pod's PodDisruptionBudget allows no eviction now ({why[:200]}). The node "
+                    "takes no new pods; the drain is tried again while the fault lasts. Let "
+                    "the budget allow a disruption (another replica elsewhere) or move the "
+                    "work off the node.")
+                told += 1
+            except ApiError as error:
+                log.warning("cannot tell the owner of %s that its budget blocks the drain of "
+                            "%s: %s", ref, node, error)
+        return told
 
     # -- pods: requeue, notify -------------------------------------------------------------
 
@@ -585,13 +677,47 @@ class KubernetesBackend:
             kind = controller.get("kind") if controller else "no controller"
             return "refused", (f"{ref.namespace}/{ref.name} is not a Kueue workload or a Job's "
                                f"pod ({kind}); deleting it could lose the work")
+        job_name = controller.get("name", "")
+        stays = await self._job_refusal(ref, job_name)
+        if stays:
+            return stays
         try:
             await self._call(self.core.delete_namespaced_pod, ref.name, ref.namespace,
                              _preload_content=False)
         except NotFound:
             return "skipped", f"pod {ref.namespace}/{ref.name} is already gone"
         return "executed", (f"deleted pod {ref.namespace}/{ref.name}; Job "
-                            f"{controller.get('name')} recreates it elsewhere")
+                            f"{job_name} recreates it elsewhere")
+
+    async def _job_refusal(self, ref: PodRef, job_name: str) -> tuple[Outcome, str] | None:
+        """Why deleting a Job's pod would not requeue it, as the Job is now, or None.
+
+        The Job controller recreates a deleted pod only while the Job runs: one deleted or
+        suspended since the rule asked stops its pods itself and starts none, and one whose
+        failures reached its backoffLimit fails for good at one more (a deleted running pod
+        counts as failed): a requeue that kills the job is no requeue."""
+        where = f"Job {ref.namespace}/{job_name}"
+        try:
+            job = await self._json(self.batch.read_namespaced_job, job_name, ref.namespace)
+        except NotFound:
+            return "skipped", (f"{where} is gone: nothing would recreate pod {ref.name}; left "
+                               "to the garbage collector")
+        if job["metadata"].get("deletionTimestamp"):
+            return "skipped", (f"{where} is being deleted: nothing would recreate pod "
+                               f"{ref.name}; left to the garbage collector")
+        spec, status = job.get("spec", {}), job.get("status", {})
+        if spec.get("suspend"):
+            return "skipped", (f"{where} is suspended: its controller stops its pods and "
+                               "starts none until it is resumed; left as it is")
+        if any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+               for c in status.get("conditions") or []):
+            return "skipped", f"{where} has finished: nothing would recreate pod {ref.name}"
+        limit, failed = spec.get("backoffLimit", 6), status.get("failed", 0)
+        if spec.get("backoffLimitPerIndex") is None and failed + 1 > limit:
+            return "refused", (f"{where} has failed {failed} time(s) and its backoffLimit is "
+                               f"{limit}: deleting pod {ref.name} counts as one more failure, "
+                               "and the Job would fail for good instead of running it again")
+        return None
 
     # -- reclaim by owner kind, and restore ----------------------------------------------
 
@@ -667,8 +793,41 @@ class KubernetesBackend:
         return "executed", (f"stopped Notebook {namespace}/{name} ({NOTEBOOK_STOPPED}); its "
                             f"volumes are kept; undo with `{undo}`")
 
+    async def _autoscaler_floor(self, kind: str, namespace: str, name: str) -> str | None:
+        """Why an autoscaler would undo a scale of ``kind``/``name`` to zero, or None.
+
+        KEDA's operator scales its target back up to ``minReplicaCount`` (or to its
+        paused-replicas annotation) within its polling interval: the GPUs would not be
+        given back, the owner told of a reclaim that did not last, and the next idle
+        episode would climb the ladder again. A HorizontalPodAutoscaler does not scale a
+        target at zero replicas, so it is no fight; a cluster without KEDA serves no
+        ScaledObjects (404)."""
+        try:
+            found = await self._json(self.custom.list_namespaced_custom_object, KEDA_GROUP,
+                                     "v1alpha1", namespace, "scaledobjects")
+        except NotFound:
+            return None
+        for scaled in found.get("items", []):
+            target = scaled.get("spec", {}).get("scaleTargetRef") or {}
+            if target.get("name") != name or target.get("kind", "Deployment") != kind:
+                continue
+            paused = _annotations(scaled).get(KEDA_PAUSED_REPLICAS)
+            floor = paused if paused is not None else str(
+                scaled.get("spec", {}).get("minReplicaCount", 0))
+            if floor.strip() not in ("0", ""):
+                which = (f"{KEDA_PAUSED_REPLICAS}={paused}" if paused is not None
+                         else f"minReplicaCount {floor}")
+                return (f"{kind} {namespace}/{name} is scaled by KEDA ScaledObject "
+                        f"{scaled['metadata']['name']} ({which}), which would scale it back "
+                        "up at once: the GPUs would not be given back. Set its minReplicaCount "
+                        "to 0, or exempt the workload from idle detection")
+        return None
+
     async def _scale_to_zero(self, kind: str, namespace: str, name: str, reason: str
                              ) -> tuple[Outcome, str]:
+        fight = await self._autoscaler_floor(kind, namespace, name)
+        if fight:
+            return "refused", fight
         for _attempt in range(5):
             owner = await self._json(self._read(kind), name, namespace)
             replicas = owner.get("spec", {}).get("replicas", 1)

@@ -144,7 +144,13 @@ RESOURCES: tuple[Resource, ...] = (
     Resource("apps", "deployments", "Deployment", True, ("v1",)),
     Resource("apps", "replicasets", "ReplicaSet", True, ("v1",)),
     Resource("apps", "statefulsets", "StatefulSet", True, ("v1",)),
+    # A Job's pod is requeued by deleting it; the backend reads the Job first (gone,
+    # suspended, finished, or at its backoffLimit: no requeue).
+    Resource("batch", "jobs", "Job", True, ("v1",)),
     Resource(NOTEBOOK_GROUP, "notebooks", "Notebook", True, ("v1beta1", "v1")),
+    # KEDA's autoscaler of a Deployment or StatefulSet, which a reclaim's scale to zero
+    # would fight when it keeps replicas above zero.
+    Resource("keda.sh", "scaledobjects", "ScaledObject", True, ("v1alpha1",)),
     # The objects that state a gang's size (the watcher's optional resources): the
     # coscheduling plugin's and Volcano's PodGroups, JobSets, Kubeflow training jobs.
     Resource("scheduling.x-k8s.io", "podgroups", "PodGroup", True, ("v1alpha1",)),

@@ -224,9 +224,10 @@ def owners_for(workload: Workload, gang_size: int = 0) -> list[dict[str, Any]]:
     A notebook is a Kubeflow Notebook whose controller runs a one-replica StatefulSet;
     an inference server a Deployment with its ReplicaSet. Reclaim acts on these (stop
     the Notebook, scale the Deployment to zero), so they must exist. A batch pod's Job
-    is not served by the double: the pod names it, and Job reclaim deletes the pod. A
-    gang member's JobSet states the gang's size (``gang_size`` workers of one GPU
-    shape), which is how the watcher learns it.
+    is a Job, which a requeue reads before it deletes the pod (a Kubeflow training job's
+    controller is not served: the pod names it). A gang member's JobSet states the
+    gang's size (``gang_size`` workers of one GPU shape), which is how the watcher learns
+    it; its pods' Job is the JobSet's child.
     """
     name, namespace = workload.name, workload.namespace
     if workload.spec.gang:
@@ -239,15 +240,22 @@ def owners_for(workload: Workload, gang_size: int = 0) -> list[dict[str, Any]]:
                                "maxReplicas": gang_size},
                                "pytorchReplicaSpecs": {"Worker": {
                                    "replicas": gang_size, "template": template}}})]
-        return [_owned("JobSet", "jobset.x-k8s.io/v1alpha2", workload.spec.group, namespace,
-                       None, {"replicatedJobs": [{"name": "workers", "replicas": 1, "template": {
-                           "spec": {"parallelism": gang_size, "completions": gang_size,
-                                    "template": template}}}]})]
+        jobset = _owned("JobSet", "jobset.x-k8s.io/v1alpha2", workload.spec.group, namespace,
+                        None, {"replicatedJobs": [{"name": "workers", "replicas": 1, "template": {
+                            "spec": {"parallelism": gang_size, "completions": gang_size,
+                                     "template": template}}}]})
+        return [jobset, _owned("Job", "batch/v1", f"{workload.spec.group}-workers-0",
+                               namespace, jobset, {"parallelism": gang_size,
+                                                   "completions": gang_size,
+                                                   "template": template})]
     if workload.spec.kind == "notebook":
         notebook = _owned("Notebook", "kubeflow.org/v1", name, namespace, None,
                           {"template": {"spec": {"containers": [{"name": name}]}}})
         return [notebook, _owned("StatefulSet", "apps/v1", name, namespace, notebook,
                                  {"replicas": 1, "serviceName": name})]
+    if workload.spec.kind == "batch" and workload.spec.owner == "Job":
+        return [_owned("Job", "batch/v1", name, namespace, None, {"template": {
+            "spec": {"containers": [{"name": name}]}}})]
     if workload.spec.kind == "inference":
         deployment = _owned("Deployment", "apps/v1", name, namespace, None, {"replicas": 1})
         return [deployment, _owned("ReplicaSet", "apps/v1", f"{name}-{_HASH}", namespace,

@@ -192,7 +192,8 @@ def act(
         chosen = _kubernetes_backend(KubeSettings(
             kubeconfig=kubeconfig, deny_namespaces=policy.deny_namespaces,
             drain_bare_pods=policy.drain_bare_pods,
-            drain_emptydir_pods=policy.drain_emptydir_pods))
+            drain_emptydir_pods=policy.drain_emptydir_pods,
+            refuse_newer_nodes=policy.max_action_age_s is not None))
     elif backend == "none":
         chosen = remediation.NoBackend()
     else:

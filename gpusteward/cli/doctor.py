@@ -107,7 +107,9 @@ EXECUTE_NEEDS = (*_perms("patch", "nodes"), *_perms("create", "pods", subresourc
                  *_perms("get", "replicasets", "apps"),
                  *_perms("get patch", "deployments", "apps"),
                  *_perms("get patch", "statefulsets", "apps"),
-                 *_perms("get patch", "notebooks", "kubeflow.org"))
+                 *_perms("get patch", "notebooks", "kubeflow.org"),
+                 *_perms("get", "jobs", "batch"),
+                 *_perms("list", "scaledobjects", "keda.sh"))
 EXECUTE_WRITES = tuple(p for p in EXECUTE_NEEDS if p.verb not in ("get", "list", "watch"))
 """What lets the executor change the cluster: what a dry run's account must not hold."""
 

@@ -206,7 +206,8 @@ def test_nvml_collector_runs_on_gpu_nodes_with_the_pod_resources_socket(render):
     pod = pod_spec(collector)
     assert collector["kind"] == "DaemonSet"
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert {t["key"] for t in pod["tolerations"]} == {"nvidia.com/gpu"}
+    assert {t["key"] for t in pod["tolerations"]} == {
+        "nvidia.com/gpu", "gpusteward.io/gpu-reset-required", "gpusteward.io/unhealthy"}
     host = {v["hostPath"]["path"]: v for v in pod["volumes"] if "hostPath" in v}
     assert set(host) == {"/var/lib/kubelet/pod-resources", "/proc"}
     socket = host["/var/lib/kubelet/pod-resources"]
@@ -751,3 +752,23 @@ def test_every_credential_comes_from_a_secret(rendered):
         "GPUSTEWARD_REPORT__WEBHOOK_URL": {"name": "gpusteward-report", "key": "webhook-url",
                                            "optional": True}}
     assert "GPUSTEWARD_WEBHOOK_URL" in read_by(["alerts"])
+
+
+def _tolerates(pod: dict[str, Any], key: str, effect: str) -> bool:
+    """Whether one of the pod's tolerations matches the taint, as Kubernetes matches them."""
+    return any(t.get("key") in (None, key) and t.get("effect") in (None, effect)
+               and (t.get("operator") == "Exists" or t.get("key") == key)
+               for t in pod.get("tolerations") or [])
+
+
+def test_the_collector_tolerates_every_taint_remediation_sets(rendered):
+    """A DaemonSet's new pod stays off a node with a NoSchedule taint it does not tolerate:
+    after a rollout (an upgrade) or an eviction, a node gpusteward tainted for a GPU reset
+    lost its collector, so nothing saw the reset that should end the finding and its taint."""
+    from gpusteward.remediation.kubernetes import DEFAULT_TAINT_KEY
+    from gpusteward.rules.xid import RESET_TAINT
+
+    pod = pod_spec(rendered.component("collector"))
+    for key in (RESET_TAINT["key"], DEFAULT_TAINT_KEY):
+        for effect in ("NoSchedule", "NoExecute"):
+            assert _tolerates(pod, key, effect), (rendered.variant, key, effect)

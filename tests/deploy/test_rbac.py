@@ -47,7 +47,8 @@ EXPECTED: dict[str, set[tuple[str, str, str]]] = {
 # evict, deactivate/requeue; reads before writes, pods of a node to drain, GPU-node count
 # for the breaker, owner notices, deleting a plain Job's pod to requeue it, and reclaiming
 # an idle pod's GPUs through its owner (the owner chain read, Deployments/StatefulSets
-# scaled, Notebooks stopped; restored by `act --restore`).
+# scaled, Notebooks stopped, KEDA ScaledObjects read so as not to fight one; restored by
+# `act --restore`).
 EXECUTE: set[tuple[str, str, str]] = {
     ("", "nodes", "get"), ("", "nodes", "list"), ("", "nodes", "patch"),
     ("", "pods/eviction", "create"),
@@ -58,6 +59,7 @@ EXECUTE: set[tuple[str, str, str]] = {
     ("apps", "deployments", "get"), ("apps", "deployments", "patch"),
     ("apps", "statefulsets", "get"), ("apps", "statefulsets", "patch"),
     ("kubeflow.org", "notebooks", "get"), ("kubeflow.org", "notebooks", "patch"),
+    ("keda.sh", "scaledobjects", "list"), ("batch", "jobs", "get"),
 }
 
 

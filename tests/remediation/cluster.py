@@ -38,6 +38,15 @@ def pod(namespace: str, name: str, node_name: str, *, owner_kind: str | None = "
     return obj
 
 
+def job(namespace: str, name: str, **spec: Any) -> Obj:
+    """A running Job (backoffLimit 6 unless ``spec`` says otherwise), whose pods a requeue
+    deletes."""
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": name, "namespace": namespace, "uid": f"owner-{name}"},
+            "spec": {"template": {"spec": {"containers": [{"name": name}]}}, **spec},
+            "status": {"active": 1}}
+
+
 def pdb(namespace: str, name: str, match_labels: dict[str, str], allowed: int) -> Obj:
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": {"name": name, "namespace": namespace},

@@ -87,3 +87,22 @@ def test_act_gives_the_kubernetes_backend_the_drain_policy(
     assert CliRunner().invoke(cli.app, args).exit_code == 3
     assert [(k.drain_bare_pods, k.drain_emptydir_pods) for k in given] == [
         (False, False), (True, False)]
+
+
+def test_act_refuses_re_created_nodes_where_event_time_is_the_clock(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node action older than its node (deleted and re-created since) is refused where
+    actions' event time is the cluster's clock: always, but where max_action_age_s is null
+    (the simulation, whose event time runs on a past date)."""
+    given: list[KubeSettings] = []
+
+    def backend(kube: KubeSettings) -> None:
+        given.append(kube)
+        raise typer.Exit(3)
+
+    monkeypatch.setattr(cli, "_kubernetes_backend", backend)
+    args = ["act", "--execute", "--backend", "kubernetes"]
+    assert CliRunner().invoke(cli.app, args).exit_code == 3
+    monkeypatch.setenv("GPUSTEWARD_REMEDIATION__MAX_ACTION_AGE_S", "null")
+    assert CliRunner().invoke(cli.app, args).exit_code == 3
+    assert [k.refuse_newer_nodes for k in given] == [True, False]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,8 @@ from gpusteward.schema import (
     Taint,
 )
 from gpusteward.settings import Settings
-from tests.remediation.cluster import admitted_workload, node, pdb, pod, pods, writes
+from tests.remediation.cluster import admitted_workload, job, node, pdb, pod, pods, writes
+from tests.remediation.test_executor_edge import RecordingProducer
 from tests.remediation.test_reclaim import REPO, granted, rbac_triples
 
 
@@ -150,6 +152,23 @@ def test_a_pdb_that_blocks_an_eviction_is_retried_then_reported_never_forced(
     assert ("ml-bob", "serve-0") in pods(kube)
     assert ("ml-alice", "notebook-0") not in pods(kube)
     assert not [r for r in kube.requests if r.method == "DELETE"]
+
+
+def test_the_owner_of_a_pod_whose_budget_blocks_a_drain_is_told(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """The drain failed and was tried again every re-ask while the fault lasted, the node
+    cordoned under the pod: the audit said so, but the pod's owner, the one who can let the
+    budget allow an eviction, heard nothing."""
+    drainable_node(kube, budget_allowed=0)
+    outcome, detail = run(KubernetesBackend(kube_settings), action("drain", node_name="gpu-1"))
+    assert outcome == "failed" and "told the owners of 1 of 1 blocked pod(s)" in detail
+    (event,) = [e for e in kube.objects("Event") if e["reason"] == "GpuStewardDrainBlocked"]
+    assert event["type"] == "Warning"
+    assert event["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "name": "serve-0",
+                                       "namespace": "ml-bob", "uid": "uid-ml-bob-serve-0"}
+    assert event["message"].startswith("Node gpu-1 is being drained by gpusteward (ECC DBE on "
+                                       "GPU-1); this pod's PodDisruptionBudget allows no "
+                                       "eviction now")
 
 
 def test_a_drain_goes_on_once_the_pdb_allows_it(
@@ -290,6 +309,8 @@ def test_every_requeue_the_spot_rule_asks_for_the_backend_carries_out(
             ts=1.0, node="spot-1", pod=PodRef("ml", name, uid=f"uid-ml-{name}"),
             phase="running", gpus=1, owner_kind=owner, owner_name=owner.lower()), settings)
         live.append(pod("ml", name, "spot-1", owner_kind=controller, owner_name=owner.lower()))
+        if controller == "Job":
+            live.append(job("ml", owner.lower()))
     kube.load(live)
     finding, *requeues = spot.on_inventory(track, NodeInventory(
         ts=10.0, node="spot-1", gpu_count=8, spot=True,
@@ -325,6 +346,7 @@ def test_a_drain_leaves_the_pods_of_namespaces_the_deny_patterns_match(
 def test_requeue_of_a_plain_job_pod_deletes_it_and_a_bare_pod_is_refused(
         kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     kube.load([pod("ml-erin", "job-x-1", "gpu-1", owner_kind="Job", owner_name="job-x"),
+               job("ml-erin", "job-x"),
                pod("ml-erin", "bare", "gpu-1", owner_kind=None)])
     backend = KubernetesBackend(kube_settings)
     outcome, detail = run(backend, action("requeue", pod_ref=PodRef("ml-erin", "job-x-1")))
@@ -377,9 +399,33 @@ def test_a_notice_to_a_pod_replaced_under_the_same_name_is_refused(
     assert run(backend, live)[0] == "executed"
 
 
+def test_a_job_pod_is_requeued_only_while_its_job_would_run_it_again(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """The spot rule or the idle ladder asked to requeue a Job's pod; since, the owner
+    suspended the Job or deleted it, or it finished, and nothing would recreate the pod;
+    or the Job has used its retries, and a deleted running pod counts as one more
+    failure: a training Job with backoffLimit 0 (a JobSet's child, whose failure fails the
+    JobSet) was failed for good by a "requeue" that said "Job recreates it elsewhere"."""
+    cases = {"suspended": (job("ml", "suspended", suspend=True), "skipped", "is suspended"),
+             "last-try": (job("ml", "last-try", backoffLimit=0), "refused",
+                          "has failed 0 time(s) and its backoffLimit is 0"),
+             "gone": (None, "skipped", "is gone: nothing would recreate pod gone-0"),
+             "running": (job("ml", "running"), "executed", "Job running recreates it")}
+    for name, (owner, _, _) in cases.items():
+        kube.load(pod("ml", f"{name}-0", "spot-1", owner_kind="Job", owner_name=name))
+        if owner is not None:
+            kube.load(owner)
+    backend = KubernetesBackend(kube_settings)
+    for name, (_, outcome, words) in cases.items():
+        done, detail = run(backend, action("requeue", pod_ref=PodRef("ml", f"{name}-0")))
+        assert (done, words in detail) == (outcome, True), (name, detail)
+    assert {n for _, n in pods(kube)} == {"suspended-0", "last-try-0", "gone-0"}
+
+
 def test_a_requeue_of_a_pod_replaced_under_the_same_name_is_refused(
         kube: KubeApiServer, kube_settings: KubeSettings) -> None:
     kube.load([pod("ml-erin", "job-x-1", "gpu-1", owner_kind="Job", owner_name="job-x"),
+               job("ml-erin", "job-x"),
                pod("ml-dave", "train-0", "gpu-1", owner_kind="Job",
                    annotations={"kueue.x-k8s.io/workload": "job-train-abc12"}),
                admitted_workload("ml-dave", "job-train-abc12")])
@@ -457,7 +503,8 @@ def test_every_request_of_the_node_pod_and_kueue_verbs_is_granted_to_the_executo
                pod("ml-dave", "train-0", "gpu-2", owner_kind="Job",
                    annotations={"kueue.x-k8s.io/workload": "job-train-abc12"}),
                admitted_workload("ml-dave", "job-train-abc12"),
-               pod("ml-erin", "job-x-1", "gpu-2", owner_kind="Job", owner_name="job-x")])
+               pod("ml-erin", "job-x-1", "gpu-2", owner_kind="Job", owner_name="job-x"),
+               job("ml-erin", "job-x")])
     backend = KubernetesBackend(kube_settings)
     done = [run(backend, action("drain", node_name="gpu-1")),
             run(backend, action("taint", node_name="gpu-2", key="xid-79")),
@@ -550,3 +597,72 @@ def test_no_reminder_where_the_warnings_event_lasts_until_the_reclaim() -> None:
     and a reminder would be a second Event for nothing."""
     assert [a.verb for a in _idle_ladder("batch")] == ["notify_owner", "notify_owner",
                                                        "requeue"]
+
+
+def test_a_node_an_admin_uncordoned_is_not_cordoned_or_drained_again_by_a_re_ask(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """A drain blocked by a PodDisruptionBudget fails with its node cordoned; the worker asks
+    again every reask_s while the fault's finding stays open, and a failed key is tried
+    again. An admin who looked at the node and uncordoned it (``kubectl uncordon``: the
+    annotations stay) had that undone by the next re-ask, which cordoned it and evicted what
+    had been scheduled there since. The same for a cordon or taint asked again after the
+    executor forgot its key (the audit topic's retention) and replayed after a crash."""
+    drainable_node(kube, budget_allowed=0)
+    executor = Executor(Settings(), KubernetesBackend(kube_settings), execute=True,
+                        remediation=RemediationSettings(enabled_rules={"ecc_dbe"},
+                                                        max_action_age_s=None))
+    producer = RecordingProducer()
+    drain = action("drain", node_name="gpu-1")
+
+    def handle(asked: Action) -> Any:
+        return asyncio.run(executor._handle(producer, msgspec.json.encode(asked), key=b"gpu-1"))
+
+    assert handle(drain).outcome == "failed"  # serve-0's budget allows no disruption
+    kube.patch("Node", "gpu-1", {"spec": {"unschedulable": False}})  # kubectl uncordon
+    kube.load(pod("ml-dave", "train-1", "gpu-1"))  # scheduled there since
+    evicted = len(evictions(kube))
+    again = handle(msgspec.structs.replace(drain, reask=1, ts=1600.0))
+    assert again.outcome == "refused", again.detail
+    assert "uncordoned since by someone else: left schedulable" in again.detail
+    assert not kube.get("Node", "gpu-1")["spec"].get("unschedulable")
+    assert len(evictions(kube)) == evicted and ("ml-dave", "train-1") in pods(kube)
+
+    backend = KubernetesBackend(kube_settings)
+    kube.load(node("gpu-2"))
+    assert run(backend, action("cordon", node_name="gpu-2"))[0] == "executed"
+    kube.patch("Node", "gpu-2", {"spec": {"unschedulable": False}})
+    assert run(backend, action("cordon", node_name="gpu-2"))[0] == "refused"
+    assert not kube.get("Node", "gpu-2")["spec"].get("unschedulable")
+    taint = action("taint", node_name="gpu-2", key="gpu-reset-required")
+    assert run(backend, taint)[0] == "executed"
+    kube.patch("Node", "gpu-2", {"spec": {"taints": []}})  # kubectl taint ... -
+    outcome, detail = run(backend, taint)
+    assert outcome == "refused" and "the taint was removed since by someone else" in detail
+    assert kube.get("Node", "gpu-2")["spec"]["taints"] == []
+
+
+def test_a_node_re_created_under_the_same_name_since_the_action_is_left_alone(
+        kube: KubeApiServer, kube_settings: KubeSettings) -> None:
+    """A cordon and a drain asked for gpu-1's double-bit ECC error ten minutes ago wait in
+    the actions topic (the executor was down); meanwhile the faulty machine's Node was
+    deleted and a repaired or new one joined under the same name (bare metal keeps host
+    names). The finding resolved with the deletion, but the backlog cordoned and drained
+    the new machine, evicting the work just scheduled there."""
+    faulty, older = node("gpu-1"), node("gpu-2")
+    for obj in (faulty, older):
+        obj["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+    kube.load([faulty, older])
+    kube.delete("Node", "gpu-1")
+    kube.load([node("gpu-1"), pod("ml-bob", "serve-0", "gpu-1")])  # joined again just now
+    backend = KubernetesBackend(kube_settings.model_copy(update={"refuse_newer_nodes": True}))
+    asked_at = time.time() - 600
+    for verb in ("cordon", "drain", "taint"):
+        outcome, detail = run(backend, msgspec.structs.replace(
+            action(verb, node_name="gpu-1"), ts=asked_at))
+        assert outcome == "refused", (verb, detail)
+        assert "deleted and re-created under the same name since" in detail
+    assert not kube.get("Node", "gpu-1")["spec"].get("unschedulable")
+    assert evictions(kube) == [] and ("ml-bob", "serve-0") in pods(kube)
+    # A node older than the action is the one it is about: acted on as ever.
+    assert run(backend, msgspec.structs.replace(
+        action("cordon", node_name="gpu-2"), ts=asked_at))[0] == "executed"

@@ -122,10 +122,12 @@ RESTORABLE: dict[str, Callable[..., Owned]] = {
 
 
 def job(api: KubeApiServer, annotations: dict[str, str] | None = None) -> Owned:
-    # The backend never reads the Job (its controller recreates the pod), so the double
-    # need not serve batch/v1: the owner reference is enough.
-    owner = {"apiVersion": "batch/v1", "kind": "Job",
-             "metadata": {"name": "train-alice", "namespace": NS, "uid": "uid-job-train-alice"}}
+    # The backend reads the Job (running, not at its backoffLimit) before deleting its pod.
+    owner = api.create({"apiVersion": "batch/v1", "kind": "Job",
+                        "metadata": {"name": "train-alice", "namespace": NS,
+                                     "uid": "uid-job-train-alice"},
+                        "spec": {"template": {"spec": {"containers": [{"name": "train"}]}}},
+                        "status": {"active": 1}})
     api.create(_pod("train-alice-5hq9v", owner, annotations))
     return Owned("train-alice-5hq9v", "Job", "train-alice")
 
@@ -206,6 +208,28 @@ def test_reclaim_stops_the_owner_and_restore_starts_it_again(
         assert replicas(kube_api, owned) == (2 if kind == "Deployment" else 1)
     # Nothing left to restore, and restore never touches what gpusteward did not stop.
     assert asyncio.run(backend.restore(owned.kind, NS, owned.name))[0] == "refused"
+
+
+def test_a_deployment_keda_keeps_above_zero_is_not_scaled_down_to_a_fight(
+        kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
+    """KEDA's operator scales its target back to minReplicaCount within its polling
+    interval: the reclaim was audited executed and the owner told their GPUs were taken,
+    while a new pod held them again at once (and its next idle episode climbed the ladder
+    again). An autoscaler that lets it rest at zero is no fight."""
+    owned = deployment(kube_api)
+    for name, target in (("other", "serve-bob"), ("serve-alice", "serve-alice")):
+        kube_api.create({"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+                         "metadata": {"name": name, "namespace": NS},
+                         "spec": {"scaleTargetRef": {"name": target}, "minReplicaCount": 1}})
+    outcome, detail = act(backend, reclaim(owned.pod))
+    assert outcome == "refused", detail
+    assert "KEDA ScaledObject serve-alice (minReplicaCount 1)" in detail
+    assert replicas(kube_api, owned) == 2 and not events_about(kube_api, "Deployment",
+                                                                 owned.name)
+    kube_api.patch("ScaledObject", "serve-alice", {"spec": {"minReplicaCount": 0}}, NS,
+                   "keda.sh")
+    assert act(backend, reclaim(owned.pod))[0] == "executed"
+    assert replicas(kube_api, owned) == 0
 
 
 def test_restore_keeps_a_scale_someone_made_since(kube_api: KubeApiServer,
@@ -478,7 +502,7 @@ def test_the_execute_component_grants_what_reclaim_and_restore_use(
     # Every grant on the owner kinds is used by these verbs, and only the execute
     # component gives them to the executor: a dry-run executor cannot scale or stop
     # anything (the watcher's read-only grants on gang kinds are its own role's).
-    owner_groups = {"apps", "kubeflow.org"}
+    owner_groups = {"apps", "kubeflow.org", "keda.sh", "batch"}
     assert {t for t in execute if t[0] in owner_groups} == {t for t in used
                                                              if t[0] in owner_groups}
     # The shipped dry run's account holds no role at all.

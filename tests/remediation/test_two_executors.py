@@ -30,7 +30,7 @@ from gpusteward.rules.idle import RECLAIM_REASON
 from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.schema import Action, ActionResult, PodRef, Subject
 from gpusteward.settings import Settings
-from tests.remediation.cluster import cordoned, node, pod, publish_actions
+from tests.remediation.cluster import cordoned, job, node, pod, publish_actions
 
 Scenario = Callable[["Pair"], Awaitable[None]]
 
@@ -180,7 +180,7 @@ def test_a_trip_by_one_executor_stops_the_other_and_a_reset_reaches_both(
 def test_an_owner_notice_one_executor_delivered_lets_the_other_reclaim_after_the_lead(
         kube: KubeApiServer, kube_settings: KubeSettings, settings: Settings) -> None:
     kube.load([node("gpu-1"), pod("ml-alice", "serve-0", "gpu-1", owner_kind="Job",
-                                  owner_name="serve")])
+                                  owner_name="serve"), job("ml-alice", "serve")])
     policy = RemediationSettings(enabled_rules={"idle_holder"}, min_notice_s=1.0)
     target = Subject(node="gpu-1", pod=PodRef("ml-alice", "serve-0", "uid-ml-alice-serve-0"))
     notice = Action(idempotency_key="f1/notify_owner", verb="notify_owner", target=target,
