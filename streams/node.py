@@ -632,6 +632,9 @@ class NodeJoin:
         # A deleted node's samples (read late, or its collector's last) are folded into the
         # rollups but judged by no rule: a finding opened now would have nothing to resolve it.
         judging = not state.deleted
+        unknown = devices.get(_UNKNOWN_GPU)
+        if unknown is not None and unknown.hw.lost is not None and judging:  # almost never
+            out += self._unknown_back(state, sample, unknown)
         for device in sample.devices:
             dev = state.devices.get(device.uuid)
             if dev is None or dev.index is None:  # once per device
@@ -774,6 +777,36 @@ class NodeJoin:
             del state.devices[uuid]
             state.rollups.last_dbe.pop(uuid, None)
             state.summary_dirty = True
+        return out
+
+    @staticmethod
+    def _unknown_back(state: NodeState, sample: NodeSample, unknown: DeviceState
+                      ) -> list[Output]:
+        """Whether ``sample`` ends the loss of a GPU filed without a UUID (the NVML collector
+        could not read it at its start, so no sample of its own will ever answer): it does
+        when every GPU of the node answers (``gpu_count``) and one of them is a GPU the node's
+        samples had not shown since the loss (new to the node, or silent until now), read
+        before the sample's devices update their state. Otherwise the loss, and its drain
+        asked again every ``reask_s``, outlived the GPU's repair for ever. A node under MIG
+        reconfiguration leaves it to :meth:`_reconfig`, which settles its reset's losses."""
+        lost = unknown.hw.lost
+        if lost is None or sample.ts <= lost.since or state.mig_reconfig_since is not None:
+            return []
+        answering = [device.uuid for device in sample.devices
+                     if device.kind == "gpu" and hardware.answers(device)]
+        if len(answering) < max(1, state.gpu_count):
+            return []
+        back = [uuid for uuid in answering
+                if (dev := state.devices.get(uuid)) is None or dev.hw.last_ts is None
+                or dev.hw.last_ts < lost.since]
+        if not back:
+            return []
+        out: list[Output] = list(hardware.lost_over(
+            unknown.hw, node=sample.node, uuid=_UNKNOWN_GPU, ts=sample.ts,
+            why=f"all {len(answering)} GPUs of the node answer, {', '.join(back)} not read "
+                "since the loss"))
+        unknown.out_of_service = None
+        state.summary_dirty = True
         return out
 
     def _forget_old_layout(self, state: NodeState, sample: NodeSample) -> None:
