@@ -153,7 +153,7 @@ class _Prepared:
     costs as much as some rules' whole fast path.
     """
 
-    __slots__ = ("checks", "plans", "resolved")
+    __slots__ = ("checks", "plans", "resolved", "unwatched")
 
     def __init__(self, resolved: policies.Resolved, workload_kind: str | None) -> None:
         self.resolved = resolved
@@ -176,6 +176,12 @@ class _Prepared:
                              runner.unhealthy) for runner, _ in resolved.device
                             if runner.unhealthy is not None)
         """(state name, typed field, state type, check) of every runner with a health check."""
+        self.unwatched = tuple((runner, runner.on_unwatched) for runner, settings
+                               in resolved.device if runner.on_unwatched is not None
+                               and runner.watches is not None
+                               and not runner.watches(settings, workload_kind))
+        """(runner, its ``on_unwatched`` hook) of every runner a holder of this kind is left
+        out of."""
 
 
 class OpenFinding(msgspec.Struct):
@@ -667,6 +673,8 @@ class NodeJoin:
                 held = held_cache.get(id(holding))
                 if held is None or held[0] is not holding or held[1] != pool:
                     held = self._prepare_holding(holding, pool)
+                    if held[2].unwatched and judging:  # once per holding
+                        out += self._unwatched(state, holding, held[2], node, ts)
                 plans, holder = held[2].plans, held[3]
             elif device.pod is not None and dev.attributed_since is not None:
                 # Attributed by the collector but no allocation seen yet: count from first sight.
@@ -943,6 +951,21 @@ class NodeJoin:
                 if own.attributed_since is not None:
                     own.attributed_since -= step
             dev.out_of_service = None
+        return out
+
+    @staticmethod
+    def _unwatched(state: NodeState, holding: Holding, prepared: _Prepared, node: str,
+                   ts: float) -> list[Output]:
+        """The episodes that the runners a holding of its kind is left out of (``watches``)
+        have open on its devices, closed: opened under a policy that judged its kind (the
+        worker restarted with one that does not), nothing would judge them again while the
+        pod holds the devices, for weeks for a server."""
+        out: list[Output] = []
+        for uuid in holding.devices:
+            dev = state.devices.get(uuid)
+            if dev is not None:
+                for runner, hook in prepared.unwatched:
+                    out += hook(track_of(dev, runner), node, uuid, ts)
         return out
 
     def _on_shares(self, state: NodeState, holders: _Holders, dev: DeviceState,
