@@ -638,9 +638,8 @@ class NodeJoin:
         # A deleted node's samples (read late, or its collector's last) are folded into the
         # rollups but judged by no rule: a finding opened now would have nothing to resolve it.
         judging = not state.deleted
-        unknown = devices.get(_UNKNOWN_GPU)
-        if unknown is not None and unknown.hw.lost is not None and judging:  # almost never
-            out += self._unknown_back(state, sample, unknown)
+        if _UNKNOWN_GPU in devices and judging:  # almost never: a loss without a uuid
+            out += self._unknown_back(state, sample, devices[_UNKNOWN_GPU])
         for device in sample.devices:
             dev = state.devices.get(device.uuid)
             if dev is None or dev.index is None:  # once per device
