@@ -526,14 +526,6 @@ def _sick(dev: DeviceState, checks: tuple[tuple[str, bool, type, Any], ...]) -> 
     return sick
 
 
-def _same_pod(a: PodRef, b: PodRef) -> bool:
-    """One pod: by uid where both have one (a pod restarted under its name is another),
-    else by namespace and name."""
-    if a.uid is not None and b.uid is not None:
-        return a.uid == b.uid
-    return (a.namespace, a.name) == (b.namespace, b.name)
-
-
 def _idle_holder(holding: Holding) -> idle.Holder:
     """The idle rule's view of a holding: who, since when, and what owns it (the owner and
     queue decide what a reclaim does and whether a waiting workload could use the GPU)."""
@@ -621,7 +613,7 @@ class NodeJoin:
             state.behind_since = state.behind_last = None  # the clock came back: no step
         holders = _Holders(state.pods, sample.ts, self.settings.rollup_lateness_s)
         if holders.expired:  # once per pod, when the node's samples are past its end
-            self._expire(state, holders.expired)
+            out += self._expire(state, holders, sample.node, sample.ts)
         pool = state.pool
         node_prepared = self._prepare(None, None, pool)
         node_plans, checks = node_prepared.plans, node_prepared.checks
@@ -1158,23 +1150,7 @@ class NodeJoin:
             holding = state.pods.get(key)
             if holding is not None and holding.ended_at is None:
                 holding.ended_at = event.ts
-                releases = [(runner, runner.on_release) for runner, _ in
-                            self.policy.resolve(None, None, state.pool).device
-                            if runner.on_release is not None]
-                for uuid in holding.devices:
-                    dev = state.devices.get(uuid)
-                    if dev is not None:
-                        for runner, release in releases:
-                            out += release(track_of(dev, runner), event.node, uuid, event.ts)
-                keys = _share_keys(state, holding, key)
-                for uuid, dev in state.devices.items():  # its shares of shared devices
-                    for share_key in keys:
-                        share = dev.shares.pop(share_key, None)
-                        if share is not None:
-                            for runner, release in releases:
-                                if runner.per_holder:
-                                    out += release(track_of(share, runner), event.node, uuid,
-                                                   event.ts)
+                out += self._release(state, holding, key, event.node, event.ts)
                 state.summary_dirty = True
         elif event.phase in ("bound", "running"):
             known = state.pods.get(key)
@@ -1195,19 +1171,47 @@ class NodeJoin:
             self._note(state, out)
         return out + self._maybe_summary(state, event.node, event.ts)
 
-    def _expire(self, state: NodeState, expired: list[str]) -> None:
-        """Forget the ended holdings the node's samples are well past, and their shares of
-        shared devices: those late samples made again after the pod's end was released
-        (the worker read the end ahead of them). Otherwise a time-sliced GPU's state kept
-        one share per pod that ever ran on it, on every changelog write of the node."""
-        for key in expired:
+    def _release(self, state: NodeState, holding: Holding, key: str, node: str, ts: float,
+                 held: dict[str, Holding] | None = None) -> list[Output]:
+        """Run the release hooks on the devices ``holding`` (``state.pods[key]``) let go of,
+        but those another pod holds now (in ``held``, by device id), and on its shares of
+        shared devices, which leave the state."""
+        releases = [(runner, runner.on_release) for runner, _ in
+                    self.policy.resolve(None, None, state.pool).device
+                    if runner.on_release is not None]
+        out: list[Output] = []
+        for uuid in holding.devices:
+            dev = state.devices.get(uuid)
+            if dev is not None and (held is None or uuid not in held):
+                for runner, release in releases:
+                    out += release(track_of(dev, runner), node, uuid, ts)
+        keys = _share_keys(state, holding, key)
+        for uuid, dev in state.devices.items():  # its shares of shared devices
+            if dev.shares:
+                for share_key in keys:
+                    share = dev.shares.pop(share_key, None)
+                    if share is not None:
+                        for runner, release in releases:
+                            if runner.per_holder:
+                                out += release(track_of(share, runner), node, uuid, ts)
+        return out
+
+    def _expire(self, state: NodeState, holders: _Holders, node: str, ts: float
+                ) -> list[Output]:
+        """Forget the ended holdings the node's samples are (at ``ts``) well past, releasing
+        their devices once more: a worker that read a pod's end ahead of its last samples
+        (catching up, it reads the small allocations topic first) released them before
+        those samples, which then judged the devices as the pod's again, and an episode
+        they opened (an idle notebook's last 30 min) had nothing left to close it: it fired
+        for ever. A device another pod holds now is left to that pod's (its run goes on).
+        Their shares of shared devices go too: otherwise a time-sliced GPU's state kept one
+        share per pod that ever ran on it, on every changelog write of the node."""
+        out: list[Output] = []
+        for key in holders.expired:
             holding = state.pods.pop(key)
             self._held.pop(id(holding), None)
-            keys = _share_keys(state, holding, key)
-            for dev in state.devices.values():
-                if dev.shares:
-                    for share_key in keys:
-                        dev.shares.pop(share_key, None)
+            out += self._release(state, holding, key, node, ts, holders.by_device)
+        return out
 
     def _who(self, holding: Holding | None, attributed: PodRef | None
              ) -> rollup.Attribution | None:
@@ -1289,7 +1293,7 @@ class NodeJoin:
         if holding is None and device.pod is not None:
             holding = holders.find(device.pod)
         elif (holding is not None and dev.vacated_by is not None
-              and _same_pod(dev.vacated_by, holding.pod)):
+              and idle.same_pod(dev.vacated_by, holding.pod)):
             # The collector saw this pod leave the device; the allocation's end has not
             # arrived yet (it is on another topic, and a worker catching up can read the
             # samples ahead of it). The device is judged as held by no one meanwhile, so

@@ -285,3 +285,42 @@ def test_the_join_caches_nothing_of_a_replaced_holding() -> None:
         join.on_allocation(state, allocation("running", T0 + i))
         join.on_sample(state, node_sample(T0 + i + 0.5, 50.0))
     assert [held[0] for held in join._held.values()] == list(state.pods.values())
+
+
+def test_an_idle_episode_opened_by_samples_read_after_its_pods_end_resolves() -> None:
+    """A worker catching up reads the small allocations topic first: a notebook's start
+    and its deletion 3 h later, and (``then``) the next pod to hold its GPU, before the
+    node's samples of those hours. The end releases the GPU with nothing open; the
+    notebook's last idle hours, read after, open its idle episode; nothing closed it then:
+    it fired for ever, listed as an idle hold in the summaries, or (a next pod on the GPU)
+    climbed its ladder with that pod's name, to a reclaim of a pod never judged idle. It
+    resolves at the first sample past the end: the pod released the GPU."""
+    nxt = PodRef(namespace="ml-a", name="train-b", uid="uid-b")
+    for then in (None, nxt):
+        join, state = NodeJoin(), NodeState()
+        out = join.on_allocation(state, allocation("running", T0))
+        end = T0 + 3 * 3600
+        out += join.on_allocation(state, allocation("deleted", end))
+        if then is not None:
+            out += join.on_allocation(state, PodAllocation(
+                ts=end + 30, node="n1", pod=then, phase="running", gpus=1,
+                device_ids=["GPU-1"], started_at=end + 30, workload_kind="batch"))
+        ts = T0
+        while ts < end + 9 * 3600:  # idle throughout, the next pod too
+            out += join.on_sample(state, node_sample(ts, 0.0, POD if ts < end else then))
+            ts += 30
+        idle = [(f.state, f.subject.pod, f.ts) for f in findings(out)
+                if f.kind == "idle_holder"]
+        # Closed at the first sample past the end that names the next pod, else once the
+        # samples are past the end by rollup_lateness_s (60 s).
+        closed = end if then is not None else end + 90
+        assert idle[:2] == [("firing", POD, T0 + 2400), ("resolved", POD, closed)], then
+        assert next(f.summary for f in findings(out) if f.state == "resolved") == (
+            "ml-a/nb-a: the pod released the GPU")
+        # The next pod is judged on its own: its window from its start (and its grace).
+        assert {(state, pod) for state, pod, _ in idle[2:]} == (
+            set() if then is None else {("firing", nxt)}), then  # its ladder's steps
+        assert all(a.target.pod in (None, nxt) or a.ts < end for a in out
+                   if not isinstance(a, (Finding, NodeSummary, Rollup)))
+        last = [o for o in out if isinstance(o, NodeSummary)][-1]
+        assert [hold.pod for hold in last.idle] == ([] if then is None else [nxt])
