@@ -673,6 +673,8 @@ class NodeJoin:
                 holder = idle.Holder(device.pod, dev.attributed_since)
             else:
                 plans, holder = node_plans, None
+                if dev.attributed_since == ts and judging and dev.vacated_by is not None:
+                    out += self._vacated(state, dev, device.uuid, holders, node, ts)
             if bucket is not None and not shared:  # a shared device: a row per holder
                 who = holding.who if holding is not None else None
                 fold.add(bucket, device, ts, who or self._who(holding, device.pod))
@@ -1170,6 +1172,22 @@ class NodeJoin:
         if out:
             self._note(state, out)
         return out + self._maybe_summary(state, event.node, event.ts)
+
+    def _vacated(self, state: NodeState, dev: DeviceState, uuid: str, holders: _Holders,
+                 node: str, ts: float) -> list[Output]:
+        """The collector saw the device's pod leave it (its sample at ``ts`` attributes the
+        device to no one): a pod no allocation holds (the watcher never reported it, or
+        not yet) has let the device go, and nothing else would ever say so, so its
+        devices' rules are released as at a pod's end. One an allocation holds keeps it
+        (a container restarting) until its end releases it."""
+        left = dev.vacated_by
+        if left is None or holders.find(left) is not None:
+            return []
+        out: list[Output] = []
+        for runner, _ in self.policy.resolve(None, None, state.pool).device:
+            if runner.on_release is not None:
+                out += runner.on_release(track_of(dev, runner), node, uuid, ts)
+        return out
 
     def _release(self, state: NodeState, holding: Holding, key: str, node: str, ts: float,
                  held: dict[str, Holding] | None = None) -> list[Output]:
