@@ -243,8 +243,14 @@ def _team(state: BudgetState, team: str, since: float, now: float,
 def evaluate(state: BudgetState, fleet: FleetView, now: float, settings: BudgetSettings
              ) -> Sequence[Finding]:
     """Roll weeks over and project each team's week from what it holds now."""
+    out: list[Finding] = []
+    for team, track in state.teams.items():
+        if team not in settings.budgets_gpu_h and (track.crossed or track.projected_id):
+            # The policy (the worker restarted with another) sets the team no budget any
+            # more: nothing judges its week again, so its findings would fire for ever.
+            out += _close_week(team, track, now, f"team {team}: no weekly budget set any more")
     if not settings.budgets_gpu_h:
-        return []
+        return out
     held: dict[str, float] = {}
     for node, level in list(state.nodes.items()):
         if level.ts < now - settings.watermark_lag_s:
@@ -257,7 +263,6 @@ def evaluate(state: BudgetState, fleet: FleetView, now: float, settings: BudgetS
         # projection and raise it again under a new id.
         for team, gpus in level.held.items():
             held[team] = held.get(team, 0.0) + gpus
-    out: list[Finding] = []
     for team, budget in settings.budgets_gpu_h.items():
         track = _team(state, team, now, now, out)
         track.held = held.get(team, 0.0)
@@ -345,18 +350,20 @@ def _projection(team: str, track: TeamTrack, budget: float, now: float,
     return []
 
 
-def _close_week(team: str, track: TeamTrack, now: float) -> list[Finding]:
+def _close_week(team: str, track: TeamTrack, now: float, why: str | None = None
+                ) -> list[Finding]:
+    """Resolve the team's open findings at ``now``: a new budget week, or ``why``."""
+    why = why or f"team {team}: a new budget week"
     out = []
     for name, fid in track.crossed.items():
         closing = resolved(fid, fingerprint(KIND, team, name), KIND, _subject(team),
-                           f"team {team}: a new budget week", track.week_start, now)
+                           why, track.week_start, now)
         closing.labels = _labels(team)
         out.append(closing)
     track.crossed = {}
     if track.projected_id is not None and track.projected_since is not None:
         closing = resolved(track.projected_id, fingerprint(PROJECTED_KIND, team),
-                           PROJECTED_KIND, _subject(team), f"team {team}: a new budget week",
-                           track.projected_since, now)
+                           PROJECTED_KIND, _subject(team), why, track.projected_since, now)
         closing.labels = _labels(team)
         out.append(closing)
         track.projected_id = track.projected_since = track.projected_crossing = None

@@ -679,6 +679,17 @@ def answers(device: DeviceSample) -> bool:
             or (device.mem_used_bytes or 0) > 0 or (device.util_pct or 0.0) > 0)
 
 
+def lost_over(track: HwTrack, *, node: str, uuid: str, ts: float, why: str) -> Out:
+    """Close the ``gpu_lost`` episode of ``track`` (opened before ``ts``) for ``why``: how a
+    loss filed without a UUID (``GPU-unknown``, no sample of its own to answer) ends once the
+    node join sees its GPU back among the node's samples."""
+    lost = track.lost
+    if lost is None or ts <= lost.since:
+        return []
+    track.lost = None
+    return [_close(lost, GPU_LOST_KIND, node, uuid, ts, why)]
+
+
 def observe_lost(track: HwTrack, *, node: str, uuid: str, ts: float, detail: str,
                  settings: HardwareSettings) -> Out:
     """A GPU-lost event: open an episode (drain the node) unless one is open."""

@@ -440,6 +440,14 @@ def activity_pct(sample: DeviceSample) -> float | None:
     return sample.util_pct if sample.util_pct is not None else sample.engine_active_pct
 
 
+def same_pod(a: PodRef, b: PodRef) -> bool:
+    """One pod: by uid where both have one (a pod restarted under its name is another),
+    else by namespace and name (the collector's attribution carries no uid)."""
+    if a.uid is not None and b.uid is not None:
+        return a.uid == b.uid
+    return (a.namespace, a.name) == (b.namespace, b.name)
+
+
 def _subject(node: str, uuid: str, pod: PodRef) -> Subject:
     return Subject(node=node, device=uuid, pod=pod)
 
@@ -484,6 +492,12 @@ def observe(
     if holder is None:
         return out
     if track.open_id is not None:
+        assert track.open_pod is not None
+        if not same_pod(holder.pod, track.open_pod):
+            # Another pod holds the device: the episode's pod let it go, though its end was
+            # read ahead of the samples that opened the episode (a worker catching up). Its
+            # ladder must not climb with the next pod's name.
+            return [_close(track, node, sample.uuid, ts, "the pod released the GPU")]
         # The owner may exempt the pod as the notice says (a label), or the policy its
         # namespace, while the episode is open: it closes, and the ladder climbs no further.
         why = settings.exemption(holder)

@@ -62,9 +62,14 @@ def judges_kind(settings: Any, workload_kind: str | None) -> bool:
     return workload_kind is None or workload_kind not in exempt
 
 
-def releaser(kind: str) -> ReleaseHook:
-    """The release hook of memory rule ``kind``: a holder let the device go, so the rule's
-    state starts afresh (its run, its window's points) and an open episode closes."""
+UNWATCHED = "is of a workload kind the rule leaves alone now"
+"""Why an episode closes when the policy leaves its holder's kind alone (``on_unwatched``)."""
+
+
+def releaser(kind: str, why: str = "released the GPU") -> ReleaseHook:
+    """The release hook of memory rule ``kind``: a holder let the device go (or, with
+    ``why`` :data:`UNWATCHED`, is no longer judged), so the rule's state starts afresh (its
+    run, its window's points) and an open episode closes."""
 
     def release(track: Any, node: str, uuid: str, ts: float) -> Out:
         episode: Episode | None = track.open
@@ -75,7 +80,7 @@ def releaser(kind: str) -> ReleaseHook:
             return []
         return [resolved(episode.id, episode.fingerprint, kind,
                          Subject(node=node, device=uuid, pod=episode.pod),
-                         f"{uuid} on {node}: {_named(episode.pod)} released the GPU", episode.since,
+                         f"{uuid} on {node}: {_named(episode.pod)} {why}", episode.since,
                          max(ts, episode.since))]
 
     return release

@@ -21,6 +21,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.memory import (
+    UNWATCHED,
     Out,
     SustainTrack,
     clock_step,
@@ -115,4 +116,5 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
 
 RUNNER = DeviceRunner(state=STATE, state_type=SustainTrack, settings_from=own_settings(KIND),
                       on_sample=observe, on_release=releaser(KIND),
+                      on_unwatched=releaser(KIND, UNWATCHED),
                       on_clock_step=clock_step, watches=watches)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.memory import (
     GIB,
+    UNWATCHED,
     Out,
     SustainTrack,
     clock_step,
@@ -124,4 +125,5 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
 
 RUNNER = DeviceRunner(state=STATE, state_type=SustainTrack, settings_from=own_settings(KIND),
                       on_sample=observe, on_release=releaser(KIND),
+                      on_unwatched=releaser(KIND, UNWATCHED),
                       on_clock_step=clock_step, watches=watches)

@@ -87,6 +87,12 @@ class DeviceRunner:
     events_without_uuid: frozenset[str] = frozenset()
     """Event kinds that count even without a device UUID (filed under ``GPU-unknown``)."""
     on_release: ReleaseHook | None = None
+    on_unwatched: ReleaseHook | None = None
+    """Called on the device's state when the node join finds the device held by a pod whose
+    kind ``watches`` leaves out, once per holding (and policy resolution), never per sample:
+    the rule closes an episode it opened under a policy that judged that kind (the worker
+    restarted with one that does not), which nothing would judge again while the pod holds
+    the device."""
     on_clock_step: ClockStepHook | None = None
     """Called on the device's state when its node's collector clock stepped back and the
     join takes the new clock: the rule forgets its runs and windows, as after a gap longer

@@ -305,9 +305,10 @@ class FleetEvaluator:
         try:
             advice = mig_observed.advise(self.geometries, live_nodes(state), state.mig,
                                          now=slot, window_s=window_s)
-            out: list[FleetOutput] = list(mig_layout.advice_findings(
-                advice, ts=slot, window_start=slot - window_s,
-                period=_period(window_s), source="the weekly report"))
+            out: list[FleetOutput] = list(mig_observed.supersede(
+                state.mig, mig_layout.advice_findings(
+                    advice, ts=slot, window_start=slot - window_s,
+                    period=_period(window_s), source="the weekly report"), slot))
         except (mig_geometry.GeometryError, RuntimeError) as error:
             # A failed search must not stop the fleet rules: say so, try next interval.
             log.warning("MIG layout advice at %.0f failed: %s", slot, error)

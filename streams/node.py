@@ -153,7 +153,7 @@ class _Prepared:
     costs as much as some rules' whole fast path.
     """
 
-    __slots__ = ("checks", "plans", "resolved")
+    __slots__ = ("checks", "plans", "resolved", "unwatched")
 
     def __init__(self, resolved: policies.Resolved, workload_kind: str | None) -> None:
         self.resolved = resolved
@@ -176,6 +176,12 @@ class _Prepared:
                              runner.unhealthy) for runner, _ in resolved.device
                             if runner.unhealthy is not None)
         """(state name, typed field, state type, check) of every runner with a health check."""
+        self.unwatched = tuple((runner, runner.on_unwatched) for runner, settings
+                               in resolved.device if runner.on_unwatched is not None
+                               and runner.watches is not None
+                               and not runner.watches(settings, workload_kind))
+        """(runner, its ``on_unwatched`` hook) of every runner a holder of this kind is left
+        out of."""
 
 
 class OpenFinding(msgspec.Struct):
@@ -520,14 +526,6 @@ def _sick(dev: DeviceState, checks: tuple[tuple[str, bool, type, Any], ...]) -> 
     return sick
 
 
-def _same_pod(a: PodRef, b: PodRef) -> bool:
-    """One pod: by uid where both have one (a pod restarted under its name is another),
-    else by namespace and name."""
-    if a.uid is not None and b.uid is not None:
-        return a.uid == b.uid
-    return (a.namespace, a.name) == (b.namespace, b.name)
-
-
 def _idle_holder(holding: Holding) -> idle.Holder:
     """The idle rule's view of a holding: who, since when, and what owns it (the owner and
     queue decide what a reclaim does and whether a waiting workload could use the GPU)."""
@@ -615,7 +613,7 @@ class NodeJoin:
             state.behind_since = state.behind_last = None  # the clock came back: no step
         holders = _Holders(state.pods, sample.ts, self.settings.rollup_lateness_s)
         if holders.expired:  # once per pod, when the node's samples are past its end
-            self._expire(state, holders.expired)
+            out += self._expire(state, holders, sample.node, sample.ts)
         pool = state.pool
         node_prepared = self._prepare(None, None, pool)
         node_plans, checks = node_prepared.plans, node_prepared.checks
@@ -632,6 +630,8 @@ class NodeJoin:
         # A deleted node's samples (read late, or its collector's last) are folded into the
         # rollups but judged by no rule: a finding opened now would have nothing to resolve it.
         judging = not state.deleted
+        if _UNKNOWN_GPU in devices and judging:  # almost never: a loss without a uuid
+            out += self._unknown_back(state, sample, devices[_UNKNOWN_GPU])
         for device in sample.devices:
             dev = state.devices.get(device.uuid)
             if dev is None or dev.index is None:  # once per device
@@ -664,6 +664,8 @@ class NodeJoin:
                 held = held_cache.get(id(holding))
                 if held is None or held[0] is not holding or held[1] != pool:
                     held = self._prepare_holding(holding, pool)
+                    if held[2].unwatched and judging:  # once per holding
+                        out += self._unwatched(state, holding, held[2], node, ts)
                 plans, holder = held[2].plans, held[3]
             elif device.pod is not None and dev.attributed_since is not None:
                 # Attributed by the collector but no allocation seen yet: count from first sight.
@@ -671,6 +673,8 @@ class NodeJoin:
                 holder = idle.Holder(device.pod, dev.attributed_since)
             else:
                 plans, holder = node_plans, None
+                if dev.attributed_since == ts and judging and dev.vacated_by is not None:
+                    out += self._vacated(state, dev, device.uuid, holders, node, ts)
             if bucket is not None and not shared:  # a shared device: a row per holder
                 who = holding.who if holding is not None else None
                 fold.add(bucket, device, ts, who or self._who(holding, device.pod))
@@ -774,6 +778,36 @@ class NodeJoin:
             del state.devices[uuid]
             state.rollups.last_dbe.pop(uuid, None)
             state.summary_dirty = True
+        return out
+
+    @staticmethod
+    def _unknown_back(state: NodeState, sample: NodeSample, unknown: DeviceState
+                      ) -> list[Output]:
+        """Whether ``sample`` ends the loss of a GPU filed without a UUID (the NVML collector
+        could not read it at its start, so no sample of its own will ever answer): it does
+        when every GPU of the node answers (``gpu_count``) and one of them is a GPU the node's
+        samples had not shown since the loss (new to the node, or silent until now), read
+        before the sample's devices update their state. Otherwise the loss, and its drain
+        asked again every ``reask_s``, outlived the GPU's repair for ever. A node under MIG
+        reconfiguration leaves it to :meth:`_reconfig`, which settles its reset's losses."""
+        lost = unknown.hw.lost
+        if lost is None or sample.ts <= lost.since or state.mig_reconfig_since is not None:
+            return []
+        answering = [device.uuid for device in sample.devices
+                     if device.kind == "gpu" and hardware.answers(device)]
+        if len(answering) < max(1, state.gpu_count):
+            return []
+        back = [uuid for uuid in answering
+                if (dev := state.devices.get(uuid)) is None or dev.hw.last_ts is None
+                or dev.hw.last_ts < lost.since]
+        if not back:
+            return []
+        out: list[Output] = list(hardware.lost_over(
+            unknown.hw, node=sample.node, uuid=_UNKNOWN_GPU, ts=sample.ts,
+            why=f"all {len(answering)} GPUs of the node answer, {', '.join(back)} not read "
+                "since the loss"))
+        unknown.out_of_service = None
+        state.summary_dirty = True
         return out
 
     def _forget_old_layout(self, state: NodeState, sample: NodeSample) -> None:
@@ -910,6 +944,21 @@ class NodeJoin:
                 if own.attributed_since is not None:
                     own.attributed_since -= step
             dev.out_of_service = None
+        return out
+
+    @staticmethod
+    def _unwatched(state: NodeState, holding: Holding, prepared: _Prepared, node: str,
+                   ts: float) -> list[Output]:
+        """The episodes that the runners a holding of its kind is left out of (``watches``)
+        have open on its devices, closed: opened under a policy that judged its kind (the
+        worker restarted with one that does not), nothing would judge them again while the
+        pod holds the devices, for weeks for a server."""
+        out: list[Output] = []
+        for uuid in holding.devices:
+            dev = state.devices.get(uuid)
+            if dev is not None:
+                for runner, hook in prepared.unwatched:
+                    out += hook(track_of(dev, runner), node, uuid, ts)
         return out
 
     def _on_shares(self, state: NodeState, holders: _Holders, dev: DeviceState,
@@ -1103,23 +1152,7 @@ class NodeJoin:
             holding = state.pods.get(key)
             if holding is not None and holding.ended_at is None:
                 holding.ended_at = event.ts
-                releases = [(runner, runner.on_release) for runner, _ in
-                            self.policy.resolve(None, None, state.pool).device
-                            if runner.on_release is not None]
-                for uuid in holding.devices:
-                    dev = state.devices.get(uuid)
-                    if dev is not None:
-                        for runner, release in releases:
-                            out += release(track_of(dev, runner), event.node, uuid, event.ts)
-                keys = _share_keys(state, holding, key)
-                for uuid, dev in state.devices.items():  # its shares of shared devices
-                    for share_key in keys:
-                        share = dev.shares.pop(share_key, None)
-                        if share is not None:
-                            for runner, release in releases:
-                                if runner.per_holder:
-                                    out += release(track_of(share, runner), event.node, uuid,
-                                                   event.ts)
+                out += self._release(state, holding, key, event.node, event.ts)
                 state.summary_dirty = True
         elif event.phase in ("bound", "running"):
             known = state.pods.get(key)
@@ -1140,19 +1173,63 @@ class NodeJoin:
             self._note(state, out)
         return out + self._maybe_summary(state, event.node, event.ts)
 
-    def _expire(self, state: NodeState, expired: list[str]) -> None:
-        """Forget the ended holdings the node's samples are well past, and their shares of
-        shared devices: those late samples made again after the pod's end was released
-        (the worker read the end ahead of them). Otherwise a time-sliced GPU's state kept
-        one share per pod that ever ran on it, on every changelog write of the node."""
-        for key in expired:
+    def _vacated(self, state: NodeState, dev: DeviceState, uuid: str, holders: _Holders,
+                 node: str, ts: float) -> list[Output]:
+        """The collector saw the device's pod leave it (its sample at ``ts`` attributes the
+        device to no one): a pod no allocation holds (the watcher never reported it, or
+        not yet) has let the device go, and nothing else would ever say so, so its
+        devices' rules are released as at a pod's end. One an allocation holds keeps it
+        (a container restarting) until its end releases it."""
+        left = dev.vacated_by
+        if left is None or holders.find(left) is not None:
+            return []
+        out: list[Output] = []
+        for runner, _ in self.policy.resolve(None, None, state.pool).device:
+            if runner.on_release is not None:
+                out += runner.on_release(track_of(dev, runner), node, uuid, ts)
+        return out
+
+    def _release(self, state: NodeState, holding: Holding, key: str, node: str, ts: float,
+                 held: dict[str, Holding] | None = None) -> list[Output]:
+        """Run the release hooks on the devices ``holding`` (``state.pods[key]``) let go of,
+        but those another pod holds now (in ``held``, by device id), and on its shares of
+        shared devices, which leave the state."""
+        releases = [(runner, runner.on_release) for runner, _ in
+                    self.policy.resolve(None, None, state.pool).device
+                    if runner.on_release is not None]
+        out: list[Output] = []
+        for uuid in holding.devices:
+            dev = state.devices.get(uuid)
+            if dev is not None and (held is None or uuid not in held):
+                for runner, release in releases:
+                    out += release(track_of(dev, runner), node, uuid, ts)
+        keys = _share_keys(state, holding, key)
+        for uuid, dev in state.devices.items():  # its shares of shared devices
+            if dev.shares:
+                for share_key in keys:
+                    share = dev.shares.pop(share_key, None)
+                    if share is not None:
+                        for runner, release in releases:
+                            if runner.per_holder:
+                                out += release(track_of(share, runner), node, uuid, ts)
+        return out
+
+    def _expire(self, state: NodeState, holders: _Holders, node: str, ts: float
+                ) -> list[Output]:
+        """Forget the ended holdings the node's samples are (at ``ts``) well past, releasing
+        their devices once more: a worker that read a pod's end ahead of its last samples
+        (catching up, it reads the small allocations topic first) released them before
+        those samples, which then judged the devices as the pod's again, and an episode
+        they opened (an idle notebook's last 30 min) had nothing left to close it: it fired
+        for ever. A device another pod holds now is left to that pod's (its run goes on).
+        Their shares of shared devices go too: otherwise a time-sliced GPU's state kept one
+        share per pod that ever ran on it, on every changelog write of the node."""
+        out: list[Output] = []
+        for key in holders.expired:
             holding = state.pods.pop(key)
             self._held.pop(id(holding), None)
-            keys = _share_keys(state, holding, key)
-            for dev in state.devices.values():
-                if dev.shares:
-                    for share_key in keys:
-                        dev.shares.pop(share_key, None)
+            out += self._release(state, holding, key, node, ts, holders.by_device)
+        return out
 
     def _who(self, holding: Holding | None, attributed: PodRef | None
              ) -> rollup.Attribution | None:
@@ -1234,7 +1311,7 @@ class NodeJoin:
         if holding is None and device.pod is not None:
             holding = holders.find(device.pod)
         elif (holding is not None and dev.vacated_by is not None
-              and _same_pod(dev.vacated_by, holding.pod)):
+              and idle.same_pod(dev.vacated_by, holding.pod)):
             # The collector saw this pod leave the device; the allocation's end has not
             # arrived yet (it is on another topic, and a worker catching up can read the
             # samples ahead of it). The device is judged as held by no one meanwhile, so

@@ -55,10 +55,11 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
+from gpusteward.rules.findings import resolved
 from gpusteward.rules.mig import geometry as mig_geometry
 from gpusteward.rules.mig import layout
 from gpusteward.rules.mig.geometry import Geometry, GeometryError, Layout
-from gpusteward.schema import NodeSummary, QueueEvent
+from gpusteward.schema import Finding, NodeSummary, QueueEvent, Subject
 
 
 class MigWorkload(msgspec.Struct, array_like=True):
@@ -74,6 +75,14 @@ class MigWorkload(msgspec.Struct, array_like=True):
     """When it finished or was deleted; None while it still wants its devices."""
 
 
+class Advised(msgspec.Struct):
+    """A pool's advice finding, open until :func:`supersede` resolves it."""
+
+    id: str
+    fingerprint: str
+    since: float
+
+
 class MigObservation(msgspec.Struct):
     """What the fleet agent has seen of MIG demand and layouts."""
 
@@ -86,6 +95,34 @@ class MigObservation(msgspec.Struct):
     """Workloads whose entry changed or was dropped since the caller last looked: the
     fleet agent keeps workloads in a table of their own (one record per workload), not in
     its checkpoint, which is written on every queue event."""
+    advised: dict[str, Advised] = {}
+    """Pool -> its last advice finding, while open."""
+
+
+def supersede(observation: MigObservation, advice: list[Finding], ts: float
+              ) -> list[Finding]:
+    """The pools' advice ``advice`` (one interval's, at ``ts``) preceded by the resolution
+    of each pool's earlier advice it does not repeat: superseded by the pool's new one, or
+    no longer advised. An interval's advice is a finding of its own (its id from the
+    window's start) that nothing else resolves: the last one of a pool whose layout was
+    applied, or whose demand left, fired for ever. A resolution goes before the firing of
+    the same pool's new advice, so a consumer batch holding both nets them to the new one
+    (the alerting sinks keep one alert per fingerprint, which is the pool's)."""
+    advised = observation.advised
+    now = {finding.labels.get("pool", ""): finding for finding in advice}
+    out: list[Finding] = []
+    for pool, last in list(advised.items()):
+        new = now.get(pool)
+        if new is not None and new.id == last.id:
+            continue  # the same interval advised again (a restart re-ran it)
+        why = ("superseded by the advice of the next interval" if new is not None
+               else "no MIG layout change advised any more")
+        out.append(resolved(last.id, last.fingerprint, layout.KIND, Subject(node=None),
+                            f"pool {pool}: {why}", last.since, max(ts, last.since)))
+        del advised[pool]
+    for pool, finding in now.items():
+        advised[pool] = Advised(finding.id, finding.fingerprint, finding.starts_at)
+    return out + advice
 
 
 def on_queue(observation: MigObservation, key: str, event: QueueEvent) -> None:

@@ -9,6 +9,11 @@ for ever and its drain was asked again every 10 min, on a node its admin had put
 service. Now the new GPU at that index resolves the old one's findings and the asks stop.
 A GPU that is only missing (the node rebooted without it, the others' indices shifted)
 keeps its finding.
+
+A GPU the NVML collector cannot read when it starts has no uuid: its loss is filed under
+``GPU-unknown``, which no sample ever shows answering, so it fired for ever too and its
+drain was asked every 10 min after the repair. Now every GPU of the node answering again,
+one not read since the loss, resolves it; a node whose GPU stays unreadable keeps it.
 """
 
 from __future__ import annotations
@@ -115,3 +120,79 @@ def test_a_replaced_gpu_resolves_its_findings_and_a_missing_one_does_not(
     every = 600.0
     assert drains["fixed"] == [lost_at + k * every for k in range(6)]  # none from back_at
     assert drains["missing"] == [lost_at + k * every for k in range(12)]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_a_gpu_lost_unreadable_at_start_resolves_once_the_node_reads_every_gpu(
+        settings: Settings, tmp_path: Path) -> None:
+    node_topics = [t.name(settings) for t in (topics.SAMPLES, topics.HW_EVENTS,
+                                               topics.ALLOCATIONS)]
+    gpus = {node: [f"GPU-{node}-{i}" for i in range(4)] for node in ("fixed", "still")}
+    lost_at = T0 + 10 * STEP_S  # the node rebooted: its collector cannot read GPU 3
+    back_at = lost_at + 3600  # an hour later ``fixed`` is repaired and reads all four
+
+    def without_3(node: str, ts: float) -> NodeSample:
+        sample = page(node, ts, gpus[node])
+        return msgspec.structs.replace(sample, devices=sample.devices[:3])
+
+    async def main() -> tuple[list[Finding], list[Action]]:
+        await kafka.ensure_topics(settings)
+        worker = WorkerProcess(settings, tmp_path / "worker.log")
+        worker.start()
+        publisher = KafkaPublisher(settings)
+        await publisher.start()
+        try:
+            ts = T0
+            while ts < lost_at:
+                for node, uuids in gpus.items():
+                    await publisher.sample(page(node, ts, uuids))
+                ts += STEP_S
+            # The collector's first tick after the reboot, as it publishes it: the sample of
+            # the GPUs it could read and the loss of the one it could not (no uuid).
+            for node in gpus:
+                await publisher.sample(without_3(node, ts))
+                await publisher.hw_event(HwEvent(
+                    ts=ts, node=node, kind="gpu_lost", source="nvml",
+                    detail="GPU 3 unreadable at start: NVMLError_GpuIsLost"))
+            await publisher.flush()
+            # Read as it happens, before the hour after it (the worker reads the two topics
+            # at their own paces: a backlog could read the loss after later samples).
+            await kafka.wait_consumed(settings, worker_group(settings), node_topics, 90)
+            ts += STEP_S
+            while ts < back_at:
+                for node in gpus:
+                    await publisher.sample(without_3(node, ts))
+                ts += STEP_S
+            while ts < back_at + 3600:
+                await publisher.sample(page("fixed", ts, gpus["fixed"]))
+                await publisher.sample(without_3("still", ts))
+                ts += STEP_S
+            await publisher.flush()
+            await kafka.wait_consumed(settings, worker_group(settings), node_topics, 90)
+            assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
+
+            async def read(spec: topics.TopicSpec, kind: Any) -> list[Any]:
+                records = await kafka.read_all(settings, spec.name(settings))
+                return [msgspec.json.decode(r.value or b"", type=kind) for r in records]
+
+            return await read(topics.FINDINGS, Finding), await read(topics.ACTIONS, Action)
+        finally:
+            await publisher.stop()
+            worker.stop()
+
+    findings, actions = asyncio.run(main())
+    lost = {(f.subject.node, f.subject.device, f.state, f.ts) for f in findings
+            if f.kind == "gpu_lost"}
+    assert lost == {("fixed", "GPU-unknown", "firing", lost_at),
+                    ("still", "GPU-unknown", "firing", lost_at),
+                    ("fixed", "GPU-unknown", "resolved", back_at)}
+    [ended] = [f for f in findings if f.kind == "gpu_lost" and f.state == "resolved"]
+    assert ended.summary == ("GPU-unknown on fixed: all 4 GPUs of the node answer, "
+                             "GPU-fixed-3 not read since the loss")
+    drains = {node: sorted(a.ts for a in actions
+                           if a.verb == "drain" and a.target.node == node)
+              for node in gpus}
+    every = 600.0
+    assert drains["fixed"] == [lost_at + k * every for k in range(6)]  # none from back_at
+    assert drains["still"] == [lost_at + k * every for k in range(12)]

@@ -105,7 +105,7 @@ def test_restarted_worker_republishes_the_same_id() -> None:
     assert [f.id for f in first] == [f.id for f in again] and len(first) == 1
     # The next interval is another episode, with another id.
     for record in records(start + HOUR):
-        nxt = advice(run(ev, state, record))
+        nxt = [f for f in advice(run(ev, state, record)) if f.state == "firing"]
         if nxt:
             assert nxt[0].id != first[0].id
             break
@@ -122,3 +122,41 @@ def test_no_demand_no_advice() -> None:
     # strength of a queue that may not report MIG requests at all.
     assert advice(out) == []
     assert state.mig.last_slot == 2 * HOUR
+
+
+def test_a_pools_advice_resolves_once_it_is_no_longer_advised() -> None:
+    """Each interval's advice is a finding of its own (its id from the window's start):
+    the next interval's for the pool supersedes it, and it resolves just before that one
+    fires (Alertmanager and chat keep one alert per pool, the sink nets the two in a batch);
+    once no interval advises the pool (the reranker that wanted 2g.20gb is gone from the
+    window), the last advice resolves. None resolved ever before: the last advice, "relabel
+    1 node(s)", fired for ever after the layout was applied or the demand left, and every
+    superseded one stayed open for the alerting consumer, which restores open findings."""
+    ev, state = evaluator(), FleetState()
+    start = 100 * HOUR
+    out: list[FleetOutput] = []
+    for record in records(start) + records(start + HOUR)[7:]:  # the same demand 2 h
+        out += run(ev, state, record)
+    for i in range(7):  # every workload finishes
+        name = "rerank" if i == 6 else f"chat-{i}"
+        out += run(ev, state, msgspec.structs.replace(
+            request(name, start + 2 * HOUR + 30, "1g.10gb"), state="finished"))
+    for t in range(60, int(3 * HOUR), 60):  # three more hours of the nodes' summaries
+        out += run(ev, state, summary("a100-1g-1", start + 2 * HOUR + t, {"1g.10gb": 8}))
+    # A restart after it all: the state goes through the changelog encoding.
+    state = msgspec.msgpack.decode(msgspec.msgpack.encode(state), type=FleetState)
+    for t in range(0, int(2 * HOUR), 600):
+        out += run(ev, state, summary("a100-1g-1", start + 5 * HOUR + t, {"1g.10gb": 8}))
+    found = [(f.state, f.ts, f.starts_at) for f in advice(out)]
+    # The third interval still saw the demand's last 30 s; the fourth saw none.
+    assert found == [("firing", start + HOUR, start),
+                     ("resolved", start + 2 * HOUR, start),
+                     ("firing", start + 2 * HOUR, start + HOUR),
+                     ("resolved", start + 3 * HOUR, start + HOUR),
+                     ("firing", start + 3 * HOUR, start + 2 * HOUR),
+                     ("resolved", start + 4 * HOUR, start + 2 * HOUR)]
+    first, superseded, *_, last, gone = advice(out)
+    assert (superseded.id, gone.id) == (first.id, last.id)
+    assert superseded.summary == ("pool A100-80GB: superseded by the advice of the next "
+                                  "interval")
+    assert gone.summary == "pool A100-80GB: no MIG layout change advised any more"

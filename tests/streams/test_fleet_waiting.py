@@ -151,3 +151,38 @@ def test_node_summary_lists_idle_holds_and_team_holdings() -> None:
     assert (hold.device, hold.pod, hold.gpus, hold.ladder_step) == ("GPU-1", pod, 1, 1)
     # Idle counted from the end of the start-up grace.
     assert hold.idle_since == T0 + 600
+
+
+def test_a_team_budget_removed_from_the_policy_resolves_its_findings() -> None:
+    """Team llm crossed its budget (and its projection was open for vision's): the policy
+    the worker restarts with sets neither team a budget any more (every budget gone, or
+    another team's only). Nothing evaluated those teams again, so their findings fired for
+    ever, past every week's end. They resolve at the first evaluation under that policy,
+    saying why."""
+    for left in ({}, {"other": 1000}):
+        before = Policy(rules={budget.KIND: {"budgets_gpu_h": {"llm": 50, "vision": 300}}})
+        evaluator, state = FleetEvaluator(FleetSettings(policy=before)), FleetState()
+        out: list[FleetOutput] = []
+        t = 0
+        while t < 3 * 3600:
+            out += evaluator.on_summary(state, summary("n0", T0 + t, free=0, total=64,
+                                                       held={"llm": 32, "vision": 32}))
+            t += 60
+        opened = {(f.kind, f.labels["team"]) for f in out
+                  if isinstance(f, Finding) and f.state == "firing"}
+        assert {(budget.KIND, "llm"), (budget.PROJECTED_KIND, "vision")} <= opened
+        state = msgspec.msgpack.decode(msgspec.msgpack.encode(state), type=FleetState)
+        after = Policy(rules={budget.KIND: {"budgets_gpu_h": left}})
+        evaluator = FleetEvaluator(FleetSettings(policy=after))
+        restarted = T0 + t
+        out = []
+        while t < 9 * 86400:  # past the week's end
+            out += evaluator.on_summary(state, summary("n0", T0 + t, free=0, total=64,
+                                                       held={"llm": 32, "vision": 32}))
+            t += 600
+        closed = [f for f in out if isinstance(f, Finding) and f.labels.get("team") != "other"]
+        assert sorted((f.kind, f.labels["team"], f.state, f.ts) for f in closed) == sorted(
+            [(budget.KIND, "llm", "resolved", restarted)] * 2  # 75 % (info) and 100 %
+            + [(budget.PROJECTED_KIND, "vision", "resolved", restarted)]), left
+        assert {f.summary for f in closed} == {"team llm: no weekly budget set any more",
+                                               "team vision: no weekly budget set any more"}

@@ -536,3 +536,66 @@ def test_a_gpu_replaced_at_its_index_takes_its_findings_and_asks_with_it(
                                                                 T0 + 1230]
     assert sorted(state.devices) == ["GPU-1", "GPU-new"]
     assert not state.findings and not state.asks
+
+
+def _nvml(ts: float, indices: list[int]) -> NodeSample:
+    """The NVML collector's sample of a node whose GPUs at ``indices`` it could read (one it
+    cannot read at its start is left out, its index with it)."""
+    return NodeSample(ts=ts, node="n1", source="nvml", devices=[
+        DeviceSample(uuid=f"GPU-{i}", index=i, model="NVIDIA A100-SXM4-80GB", util_pct=0.0,
+                     temp_c=40.0, mem_used_bytes=0, mem_total_bytes=80 << 30)
+        for i in indices])
+
+
+UNREADABLE = HwEvent(ts=T0, node="n1", kind="gpu_lost", source="nvml",
+                     detail="GPU 3 unreadable at start: NVMLError_GpuIsLost")
+
+
+@pytest.mark.parametrize("how", ["inventory", "event_first", "no_inventory", "plugin_down"])
+def test_a_gpu_lost_without_uuid_resolves_once_every_gpu_answers_again(how: str) -> None:
+    """The NVML collector started with GPU 3 unreadable (no UUID to file its loss under):
+    drained, asked again while the node runs on 3 GPUs. Repaired and rebooted, all 4
+    answer: the loss resolves and its drain is asked no more (it was asked every 10 min for
+    ever, since no sample of ``GPU-unknown`` ever answers). While GPU 3 stays unreadable the
+    loss stays open, whatever the node's inventory says it has (4, nothing yet, or 0 while
+    its device plugin is down) and whichever of the event and the samples is read first."""
+    join, state, out = NodeJoin(RuleSettings(reask_s=600)), NodeState(), []
+    if how in ("inventory", "event_first"):
+        out += join.on_allocation(state, NodeInventory(
+            ts=T0 - 60, node="n1", gpu_product="NVIDIA A100-SXM4-80GB", gpu_count=4,
+            capacity={"nvidia.com/gpu": 4}, allocatable={"nvidia.com/gpu": 4}))
+    elif how == "plugin_down":
+        out += join.on_allocation(state, NodeInventory(
+            ts=T0 - 60, node="n1", capacity={"nvidia.com/gpu": 0},
+            allocatable={"nvidia.com/gpu": 0}))
+    if how == "event_first":  # a worker catching up reads the hardware events first
+        out += join.on_hw_event(state, UNREADABLE)
+        out += join.on_sample(state, _nvml(T0, [0, 1, 2]))
+    else:
+        out += join.on_sample(state, _nvml(T0, [0, 1, 2]))
+        out += join.on_hw_event(state, UNREADABLE)
+    ts = T0
+    while ts < T0 + 1800:  # GPU 3 unreadable for half an hour
+        ts += 30
+        out += join.on_sample(state, _nvml(ts, [0, 1, 2]))
+        if ts == T0 + 900:  # a worker restart: the node's state comes from the changelog
+            state = msgspec.msgpack.Decoder(NodeState).decode(msgspec.msgpack.encode(state))
+            join = NodeJoin(RuleSettings(reask_s=600))
+    assert [(f.kind, f.state) for f in findings(out)] == [("gpu_lost", "firing")]
+    back = ts + 300  # repaired: the node rebooted, its collector reads every GPU
+    ts = back
+    while ts < back + 3600:
+        out += join.on_sample(state, _nvml(ts, [0, 1, 2, 3]))
+        ts += 30
+    found = [(f.kind, f.state, f.subject.device, f.ts) for f in findings(out)]
+    assert found == [("gpu_lost", "firing", "GPU-unknown", T0),
+                     ("gpu_lost", "resolved", "GPU-unknown", back)]
+    assert findings(out)[-1].summary == ("GPU-unknown on n1: all 4 GPUs of the node answer, "
+                                         "GPU-3 not read since the loss")
+    assert [a.ts for a in actions(out) if a.verb == "drain"] == [T0, T0 + 600, T0 + 1200,
+                                                                T0 + 1800]
+    assert not state.findings and not state.asks
+    (summary,) = [o for o in join.on_allocation(state, NodeInventory(
+        ts=ts, node="n1", gpu_count=4, capacity={"nvidia.com/gpu": 4}))
+        if isinstance(o, NodeSummary)]
+    assert summary.healthy

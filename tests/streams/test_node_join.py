@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from gpusteward.rules.policy import parse_policy
 from gpusteward.schema import (
@@ -285,3 +286,74 @@ def test_the_join_caches_nothing_of_a_replaced_holding() -> None:
         join.on_allocation(state, allocation("running", T0 + i))
         join.on_sample(state, node_sample(T0 + i + 0.5, 50.0))
     assert [held[0] for held in join._held.values()] == list(state.pods.values())
+
+
+@pytest.mark.parametrize("attributed", [True, False])
+@pytest.mark.parametrize("then", [None, PodRef(namespace="ml-a", name="train-b", uid="uid-b")])
+def test_an_idle_episode_opened_by_samples_read_after_its_pods_end_resolves(
+        then: PodRef | None, attributed: bool) -> None:
+    """A worker catching up reads the small allocations topic first: a notebook's start
+    and its deletion 3 h later, and (``then``) the next pod to hold its GPU, before the
+    node's samples of those hours. The end releases the GPU with nothing open; the
+    notebook's last idle hours, read after, open its idle episode; nothing closed it then:
+    it fired for ever, listed as an idle hold in the summaries, or (a next pod on the GPU)
+    climbed its ladder with that pod's name, to a reclaim of a pod never judged idle. It
+    resolves at the first sample past the end that attributes the GPU to another pod or to
+    none, or that the next pod's allocation holds; from a source that attributes nothing,
+    with no next pod, once the samples are rollup_lateness_s (60 s) past the end."""
+    join, state = NodeJoin(), NodeState()
+    out = join.on_allocation(state, allocation("running", T0))
+    end = T0 + 3 * 3600
+    out += join.on_allocation(state, allocation("deleted", end))
+    if then is not None:
+        out += join.on_allocation(state, PodAllocation(
+            ts=end + 30, node="n1", pod=then, phase="running", gpus=1,
+            device_ids=["GPU-1"], started_at=end + 30, workload_kind="batch"))
+    ts = T0
+    while ts < end + 9 * 3600:  # idle throughout, the next pod too
+        pod = (POD if ts < end else then) if attributed else None
+        out += join.on_sample(state, node_sample(ts, 0.0, pod))
+        ts += 30
+    idle = [(f.state, f.subject.pod, f.ts) for f in findings(out) if f.kind == "idle_holder"]
+    closed = end if attributed else end + 90 if then is None else end + 30
+    assert idle[:2] == [("firing", POD, T0 + 2400), ("resolved", POD, closed)]
+    assert next(f.summary for f in findings(out) if f.state == "resolved") == (
+        "ml-a/nb-a: the pod released the GPU")
+    # The next pod is judged on its own: its window from its start (and its grace).
+    assert {(state, pod) for state, pod, _ in idle[2:]} == (
+        set() if then is None else {("firing", then)})  # its ladder's steps
+    assert all(a.target.pod in (None, then) or a.ts < end for a in out
+               if not isinstance(a, (Finding, NodeSummary, Rollup)))
+    last = [o for o in out if isinstance(o, NodeSummary)][-1]
+    assert [hold.pod for hold in last.idle] == ([] if then is None else [then])
+
+
+def test_an_idle_pod_no_allocation_holds_lets_go_when_the_collector_sees_it_leave() -> None:
+    """A pod the collector attributes the GPU to, with no allocation (the watcher never
+    reported it: down, or the pod came and went before it looked), is judged idle from
+    first sight. When it goes, no allocation's end will ever say so: its episode fired for
+    ever, the GPU listed as an idle hold. It resolves at the first sample that attributes
+    the GPU to no one. A pod an allocation holds keeps its episode while its container
+    restarts (the collector sees it leave and come back): its end releases the GPU."""
+    bare = PodRef(namespace="ml-a", name="nb-a")  # as the collector names it: no uid
+    for allocated in (False, True):
+        join, state = NodeJoin(), NodeState()
+        out = join.on_allocation(state, allocation("running", T0)) if allocated else []
+        ts = T0
+        while ts < T0 + 10 * 3600:
+            gone = T0 + 3 * 3600 <= ts < T0 + 3 * 3600 + 120  # 2 min unattributed
+            if not allocated:
+                gone = ts >= T0 + 3 * 3600
+            out += join.on_sample(state, node_sample(ts, 0.0, None if gone else bare))
+            ts += 30
+        idle = [(f.state, f.ts, f.summary) for f in findings(out) if f.kind == "idle_holder"]
+        if allocated:  # one episode throughout, climbing its ladder
+            assert {(s, f) for s, f, _ in idle} == {("firing", T0 + 2400), *(
+                ("firing", f) for s, f, _ in idle[1:])} and idle[0][0] == "firing"
+            assert all(s == "firing" for s, _, _ in idle)
+            assert state.findings
+        else:
+            assert idle == [("firing", T0 + 2400, idle[0][2]),
+                            ("resolved", T0 + 3 * 3600, "ml-a/nb-a: the pod released the GPU")]
+            last = [o for o in out if isinstance(o, NodeSummary)][-1]
+            assert last.idle == [] and not state.findings
