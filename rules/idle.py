@@ -363,6 +363,11 @@ class Holder(msgspec.Struct, frozen=True):
     queue: str | None = None
     owner_kind: str | None = None
     owner_name: str | None = None
+    exempt: str | None = None
+    """What exempts the pod under the settings its device is judged with (a namespace, a
+    label, an annotation: :meth:`IdleSettings.exemption`), worked out once per holding by
+    the node join, so that an open episode checks it per sample for the price of an
+    attribute; None: not exempt (or not worked out, for a holder made elsewhere)."""
 
 
 def _finding_labels(holder: Holder, sample: DeviceSample, settings: IdleSettings,
@@ -500,9 +505,9 @@ def observe(
             return [_close(track, node, sample.uuid, ts, "the pod released the GPU")]
         # The owner may exempt the pod as the notice says (a label), or the policy its
         # namespace, while the episode is open: it closes, and the ladder climbs no further.
-        why = settings.exemption(holder)
-        if why is not None:
-            return [_close(track, node, sample.uuid, ts, f"exempt from idle detection ({why})")]
+        if holder.exempt is not None:
+            return [_close(track, node, sample.uuid, ts,
+                           f"exempt from idle detection ({holder.exempt})")]
         return _climb(track, node, sample, holder, ts, settings, eff)
     counted_from = max(track.below_since, holder.started_at + eff.grace_s)
     if ts - counted_from < eff.window_s or settings.exempt(holder):

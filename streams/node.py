@@ -526,12 +526,20 @@ def _sick(dev: DeviceState, checks: tuple[tuple[str, bool, type, Any], ...]) -> 
     return sick
 
 
-def _idle_holder(holding: Holding) -> idle.Holder:
+def _idle_holder(holding: Holding, resolved: policies.Resolved | None = None
+                 ) -> idle.Holder:
     """The idle rule's view of a holding: who, since when, and what owns it (the owner and
-    queue decide what a reclaim does and whether a waiting workload could use the GPU)."""
-    return idle.Holder(holding.pod, holding.started_at, holding.workload_kind, holding.labels,
-                       holding.annotations, holding.queue, holding.owner_kind,
-                       holding.owner_name)
+    queue decide what a reclaim does and whether a waiting workload could use the GPU),
+    and, with the ``resolved`` settings its devices are judged with, what exempts it."""
+    holder = idle.Holder(holding.pod, holding.started_at, holding.workload_kind,
+                         holding.labels, holding.annotations, holding.queue,
+                         holding.owner_kind, holding.owner_name)
+    settings = None if resolved is None else resolved.rules.get(idle.KIND)
+    if isinstance(settings, idle.IdleSettings):
+        exempt = settings.exemption(holder)
+        if exempt is not None:
+            holder = msgspec.structs.replace(holder, exempt=exempt)
+    return holder
 
 
 def _share_view(device: DeviceSample, share: DeviceHolder) -> DeviceSample:
@@ -587,10 +595,10 @@ class NodeJoin:
         """What a device ``holding`` holds runs, and the idle rule's holder; cached."""
         if len(self._held) >= _CACHE_LIMIT:
             self._held.clear()
-        found = self._held[id(holding)] = (
-            holding, pool,
-            self._prepare(holding.pod.namespace, holding.queue, pool, holding.workload_kind),
-            _idle_holder(holding))
+        prepared = self._prepare(holding.pod.namespace, holding.queue, pool,
+                                 holding.workload_kind)
+        found = self._held[id(holding)] = (holding, pool, prepared,
+                                           _idle_holder(holding, prepared.resolved))
         return found
 
     def on_sample(self, state: NodeState, sample: NodeSample) -> list[Output]:
@@ -985,8 +993,9 @@ class NodeJoin:
                 own = dev.shares[key] = DeviceState(attributed=share.pod, attributed_since=ts)
             view = _share_view(device, share)
             if holding is not None:
-                steps = self.policy.resolve(holding.pod.namespace, holding.queue, pool).samples
-                holder: idle.Holder | None = _idle_holder(holding)
+                resolved = self.policy.resolve(holding.pod.namespace, holding.queue, pool)
+                steps = resolved.samples
+                holder: idle.Holder | None = _idle_holder(holding, resolved)
             elif share.pod is not None and own.attributed_since is not None:
                 steps = self.policy.resolve(share.pod.namespace, None, pool).samples
                 holder = idle.Holder(share.pod, own.attributed_since)
