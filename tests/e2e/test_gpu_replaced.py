@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
@@ -31,6 +30,7 @@ from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.schema import Action, DeviceSample, Finding, HwEvent, NodeSample
 from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
+from tests.e2e.records import decoded
 
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 STEP_S = 30.0
@@ -96,11 +96,8 @@ def test_a_replaced_gpu_resolves_its_findings_and_a_missing_one_does_not(
             await kafka.wait_consumed(settings, worker_group(settings), node_topics, 90)
             assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
 
-            async def read(spec: topics.TopicSpec, kind: Any) -> list[Any]:
-                records = await kafka.read_all(settings, spec.name(settings))
-                return [msgspec.json.decode(r.value or b"", type=kind) for r in records]
-
-            return await read(topics.FINDINGS, Finding), await read(topics.ACTIONS, Action)
+            return (await decoded(settings, topics.FINDINGS, Finding),
+                    await decoded(settings, topics.ACTIONS, Action))
         finally:
             await publisher.stop()
             worker.stop()
@@ -172,11 +169,8 @@ def test_a_gpu_lost_unreadable_at_start_resolves_once_the_node_reads_every_gpu(
             await kafka.wait_consumed(settings, worker_group(settings), node_topics, 90)
             assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
 
-            async def read(spec: topics.TopicSpec, kind: Any) -> list[Any]:
-                records = await kafka.read_all(settings, spec.name(settings))
-                return [msgspec.json.decode(r.value or b"", type=kind) for r in records]
-
-            return await read(topics.FINDINGS, Finding), await read(topics.ACTIONS, Action)
+            return (await decoded(settings, topics.FINDINGS, Finding),
+                    await decoded(settings, topics.ACTIONS, Action))
         finally:
             await publisher.stop()
             worker.stop()

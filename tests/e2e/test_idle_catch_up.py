@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
-import msgspec
 import pytest
 
 from gpusteward import kafka, topics
@@ -34,6 +32,7 @@ from gpusteward.schema import (
 )
 from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
+from tests.e2e.records import decoded
 
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z: the notebooks start
 END = T0 + 3 * 3600  # and are deleted
@@ -91,13 +90,9 @@ def test_an_idle_episode_read_after_its_pods_end_resolves(settings: Settings,
             await kafka.wait_consumed(settings, worker_group(settings), node_topics, 90)
             assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
 
-            async def read(spec: topics.TopicSpec, kind: Any) -> list[Any]:
-                records = await kafka.read_all(settings, spec.name(settings))
-                return [msgspec.json.decode(r.value or b"", type=kind) for r in records
-                        if r.value is not None]
-
-            return (await read(topics.FINDINGS, Finding), await read(topics.ACTIONS, Action),
-                    await read(topics.NODE_SUMMARIES, NodeSummary))
+            return (await decoded(settings, topics.FINDINGS, Finding),
+                    await decoded(settings, topics.ACTIONS, Action),
+                    await decoded(settings, topics.NODE_SUMMARIES, NodeSummary))
         finally:
             await publisher.stop()
             worker.stop()

@@ -13,7 +13,6 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 
 from gpusteward import kafka, topics
@@ -26,6 +25,7 @@ from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.schema import Action, DeviceSample, Finding, NodeSample, PodRef
 from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
+from tests.e2e.records import decoded
 
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z: the pods start
 STEP_S = 240.0  # one sample per 4 min: within the rule's max_gap_s
@@ -102,11 +102,8 @@ def test_an_exemption_label_added_while_idle_closes_the_episode_and_stops_the_la
                 await watching
             assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
 
-            async def read(spec: topics.TopicSpec, kind: Any) -> list[Any]:
-                records = await kafka.read_all(settings, spec.name(settings))
-                return [msgspec.json.decode(r.value or b"", type=kind) for r in records]
-
-            return await read(topics.FINDINGS, Finding), await read(topics.ACTIONS, Action)
+            return (await decoded(settings, topics.FINDINGS, Finding),
+                    await decoded(settings, topics.ACTIONS, Action))
         finally:
             await publisher.stop()
             worker.stop()

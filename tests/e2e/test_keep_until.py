@@ -8,7 +8,6 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 
 from gpusteward import kafka, topics
@@ -29,6 +28,7 @@ from gpusteward.schema import (
 )
 from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
+from tests.e2e.records import decoded
 
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z: the pods start
 STEP_S = 240.0  # one sample per 4 min: within the rule's max_gap_s
@@ -85,12 +85,9 @@ def test_keep_until_holds_the_idle_ladder_until_its_time(settings: Settings,
             await kafka.wait_consumed(settings, worker_group(settings), node_topics, 90)
             assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
 
-            async def read(spec: topics.TopicSpec, kind: Any) -> list[Any]:
-                records = await kafka.read_all(settings, spec.name(settings))
-                return [msgspec.json.decode(r.value or b"", type=kind) for r in records]
-
-            return (await read(topics.FINDINGS, Finding), await read(topics.ACTIONS, Action),
-                    await read(topics.ALLOCATIONS, AllocationEvent))
+            return (await decoded(settings, topics.FINDINGS, Finding),
+                    await decoded(settings, topics.ACTIONS, Action),
+                    await decoded(settings, topics.ALLOCATIONS, AllocationEvent))
         finally:
             await publisher.stop()
             worker.stop()

@@ -1,0 +1,17 @@
+"""What the deployed processes published, read back decoded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from gpusteward import kafka, topics
+from gpusteward.settings import Settings
+
+
+async def decoded(settings: Settings, spec: topics.TopicSpec, kind: Any) -> list[Any]:
+    """Every record on ``spec``'s topic, decoded as ``kind`` (tombstones left out)."""
+    decode = msgspec.json.Decoder(kind).decode
+    return [decode(r.value) for r in await kafka.read_all(settings, spec.name(settings))
+            if r.value is not None]
