@@ -19,6 +19,7 @@ one not read since the loss, resolves it; a node whose GPU stays unreadable keep
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -45,15 +46,16 @@ def page(node: str, ts: float, uuids: list[str]) -> NodeSample:
         for i, uuid in enumerate(uuids)])
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(180)
-def test_a_replaced_gpu_resolves_its_findings_and_a_missing_one_does_not(
-        settings: Settings, tmp_path: Path) -> None:
+Publish = Callable[[KafkaPublisher, Callable[[], Awaitable[None]]], Awaitable[None]]
+"""What a test sends, given the publisher and a step that waits until the worker has read
+all that was published."""
+
+
+def run(settings: Settings, tmp_path: Path, publish: Publish
+        ) -> tuple[list[Finding], list[Action]]:
+    """Run ``publish`` against the deployed worker; the findings and actions it published."""
     node_topics = [t.name(settings) for t in (topics.SAMPLES, topics.HW_EVENTS,
                                                topics.ALLOCATIONS)]
-    gpus = {node: [f"GPU-{node}-{i}" for i in range(8)] for node in ("fixed", "missing")}
-    lost_at = T0 + 10 * STEP_S
-    back_at = lost_at + 3600  # an hour later both nodes report again
 
     async def main() -> tuple[list[Finding], list[Action]]:
         await kafka.ensure_topics(settings)
@@ -61,48 +63,64 @@ def test_a_replaced_gpu_resolves_its_findings_and_a_missing_one_does_not(
         worker.start()
         publisher = KafkaPublisher(settings)
         await publisher.start()
-        try:
-            ts = T0
-            while ts < lost_at:
-                for node, uuids in gpus.items():
-                    await publisher.sample(page(node, ts, uuids))
-                ts += STEP_S
-            await publisher.flush()
-            await kafka.wait_consumed(settings, worker_group(settings), node_topics, 90)
-            for node, uuids in gpus.items():
-                await publisher.hw_event(HwEvent(ts=lost_at, node=node, kind="xid",
-                                                 uuid=uuids[0], xid=79,
-                                                 detail="GPU has fallen off the bus"))
-            await publisher.flush()
-            # The fault is read before the repair, as it is when it happens (the worker reads
-            # the two topics at their own paces: a backlog could put the repair first).
-            await kafka.wait_consumed(settings, worker_group(settings), node_topics, 90)
-            # Both run without their GPU 0 (the other seven keep their indices until a
-            # reboot), then come back: ``fixed`` with a new GPU in its slot, ``missing``
-            # rebooted without it, its GPUs enumerated again from 0.
-            while ts < back_at:
-                for node, uuids in gpus.items():
-                    sample = page(node, ts, uuids)
-                    await publisher.sample(msgspec.structs.replace(
-                        sample, devices=sample.devices[1:]))
-                ts += STEP_S
-            after = {"fixed": ["GPU-fixed-new", *gpus["fixed"][1:]],
-                     "missing": gpus["missing"][1:]}
-            while ts < back_at + 3600:
-                for node, uuids in after.items():
-                    await publisher.sample(page(node, ts, uuids))
-                ts += STEP_S
-            await publisher.flush()
-            await kafka.wait_consumed(settings, worker_group(settings), node_topics, 90)
-            assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
 
+        async def consumed() -> None:
+            await publisher.flush()
+            await kafka.wait_consumed(settings, worker_group(settings), node_topics, 90)
+
+        try:
+            await publish(publisher, consumed)
+            await consumed()
+            assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
             return (await decoded(settings, topics.FINDINGS, Finding),
                     await decoded(settings, topics.ACTIONS, Action))
         finally:
             await publisher.stop()
             worker.stop()
 
-    findings, actions = asyncio.run(main())
+    return asyncio.run(main())
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_a_replaced_gpu_resolves_its_findings_and_a_missing_one_does_not(
+        settings: Settings, tmp_path: Path) -> None:
+    gpus = {node: [f"GPU-{node}-{i}" for i in range(8)] for node in ("fixed", "missing")}
+    lost_at = T0 + 10 * STEP_S
+    back_at = lost_at + 3600  # an hour later both nodes report again
+
+    async def publish(publisher: KafkaPublisher,
+                      consumed: Callable[[], Awaitable[None]]) -> None:
+        ts = T0
+        while ts < lost_at:
+            for node, uuids in gpus.items():
+                await publisher.sample(page(node, ts, uuids))
+            ts += STEP_S
+        await consumed()
+        for node, uuids in gpus.items():
+            await publisher.hw_event(HwEvent(ts=lost_at, node=node, kind="xid",
+                                             uuid=uuids[0], xid=79,
+                                             detail="GPU has fallen off the bus"))
+        # The fault is read before the repair, as it is when it happens (the worker reads
+        # the two topics at their own paces: a backlog could put the repair first).
+        await consumed()
+        # Both run without their GPU 0 (the other seven keep their indices until a
+        # reboot), then come back: ``fixed`` with a new GPU in its slot, ``missing``
+        # rebooted without it, its GPUs enumerated again from 0.
+        while ts < back_at:
+            for node, uuids in gpus.items():
+                sample = page(node, ts, uuids)
+                await publisher.sample(msgspec.structs.replace(
+                    sample, devices=sample.devices[1:]))
+            ts += STEP_S
+        after = {"fixed": ["GPU-fixed-new", *gpus["fixed"][1:]],
+                 "missing": gpus["missing"][1:]}
+        while ts < back_at + 3600:
+            for node, uuids in after.items():
+                await publisher.sample(page(node, ts, uuids))
+            ts += STEP_S
+
+    findings, actions = run(settings, tmp_path, publish)
     lost = {(f.subject.node, f.state, f.ts) for f in findings if f.kind == "gpu_lost"}
     assert lost == {("fixed", "firing", lost_at), ("missing", "firing", lost_at),
                     ("fixed", "resolved", back_at)}
@@ -123,8 +141,6 @@ def test_a_replaced_gpu_resolves_its_findings_and_a_missing_one_does_not(
 @pytest.mark.timeout(180)
 def test_a_gpu_lost_unreadable_at_start_resolves_once_the_node_reads_every_gpu(
         settings: Settings, tmp_path: Path) -> None:
-    node_topics = [t.name(settings) for t in (topics.SAMPLES, topics.HW_EVENTS,
-                                               topics.ALLOCATIONS)]
     gpus = {node: [f"GPU-{node}-{i}" for i in range(4)] for node in ("fixed", "still")}
     lost_at = T0 + 10 * STEP_S  # the node rebooted: its collector cannot read GPU 3
     back_at = lost_at + 3600  # an hour later ``fixed`` is repaired and reads all four
@@ -133,49 +149,34 @@ def test_a_gpu_lost_unreadable_at_start_resolves_once_the_node_reads_every_gpu(
         sample = page(node, ts, gpus[node])
         return msgspec.structs.replace(sample, devices=sample.devices[:3])
 
-    async def main() -> tuple[list[Finding], list[Action]]:
-        await kafka.ensure_topics(settings)
-        worker = WorkerProcess(settings, tmp_path / "worker.log")
-        worker.start()
-        publisher = KafkaPublisher(settings)
-        await publisher.start()
-        try:
-            ts = T0
-            while ts < lost_at:
-                for node, uuids in gpus.items():
-                    await publisher.sample(page(node, ts, uuids))
-                ts += STEP_S
-            # The collector's first tick after the reboot, as it publishes it: the sample of
-            # the GPUs it could read and the loss of the one it could not (no uuid).
+    async def publish(publisher: KafkaPublisher,
+                      consumed: Callable[[], Awaitable[None]]) -> None:
+        ts = T0
+        while ts < lost_at:
+            for node, uuids in gpus.items():
+                await publisher.sample(page(node, ts, uuids))
+            ts += STEP_S
+        # The collector's first tick after the reboot, as it publishes it: the sample of
+        # the GPUs it could read and the loss of the one it could not (no uuid).
+        for node in gpus:
+            await publisher.sample(without_3(node, ts))
+            await publisher.hw_event(HwEvent(
+                ts=ts, node=node, kind="gpu_lost", source="nvml",
+                detail="GPU 3 unreadable at start: NVMLError_GpuIsLost"))
+        # Read as it happens, before the hour after it (the worker reads the two topics
+        # at their own paces: a backlog could read the loss after later samples).
+        await consumed()
+        ts += STEP_S
+        while ts < back_at:
             for node in gpus:
                 await publisher.sample(without_3(node, ts))
-                await publisher.hw_event(HwEvent(
-                    ts=ts, node=node, kind="gpu_lost", source="nvml",
-                    detail="GPU 3 unreadable at start: NVMLError_GpuIsLost"))
-            await publisher.flush()
-            # Read as it happens, before the hour after it (the worker reads the two topics
-            # at their own paces: a backlog could read the loss after later samples).
-            await kafka.wait_consumed(settings, worker_group(settings), node_topics, 90)
             ts += STEP_S
-            while ts < back_at:
-                for node in gpus:
-                    await publisher.sample(without_3(node, ts))
-                ts += STEP_S
-            while ts < back_at + 3600:
-                await publisher.sample(page("fixed", ts, gpus["fixed"]))
-                await publisher.sample(without_3("still", ts))
-                ts += STEP_S
-            await publisher.flush()
-            await kafka.wait_consumed(settings, worker_group(settings), node_topics, 90)
-            assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
+        while ts < back_at + 3600:
+            await publisher.sample(page("fixed", ts, gpus["fixed"]))
+            await publisher.sample(without_3("still", ts))
+            ts += STEP_S
 
-            return (await decoded(settings, topics.FINDINGS, Finding),
-                    await decoded(settings, topics.ACTIONS, Action))
-        finally:
-            await publisher.stop()
-            worker.stop()
-
-    findings, actions = asyncio.run(main())
+    findings, actions = run(settings, tmp_path, publish)
     lost = {(f.subject.node, f.subject.device, f.state, f.ts) for f in findings
             if f.kind == "gpu_lost"}
     assert lost == {("fixed", "GPU-unknown", "firing", lost_at),
