@@ -6,19 +6,27 @@ Skipped where NVML cannot be initialised (no library, no driver, no GPU).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import os
+import secrets
+import subprocess
+import sys
+import uuid
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pynvml
 import pytest
 
+from gpusteward.collectors.attribution import PodResourcesClient
 from gpusteward.collectors.nvml import NvmlCollector
 from gpusteward.collectors.nvml.events import EventListener
 from gpusteward.collectors.podresources import api_pb2
-from gpusteward.schema import PodRef
+from gpusteward.schema import NodeSample, PodRef
 from gpusteward.settings import Settings
 
-from .conftest import Kubelet, container, kubelet_pod, run_collect_nvml
+from .conftest import Kubelet, container, kubelet_pod, run_collect_nvml, serve_kubelet
 
 pytestmark = pytest.mark.gpu
 
@@ -157,3 +165,104 @@ def test_collect_nvml_process_on_the_real_driver(gpu_count, settings: Settings,
     assert sorted(gpus) == sorted(uuids)
     assert gpus[uuids[0]].pod == PodRef(namespace="ml", name="train-0", container="trainer")
     assert all(gpus[uuid].pod is None for uuid in uuids[1:])
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+GIB = 1 << 30
+CUDA_PROGRAM = """
+import sys, time, torch
+held = torch.empty(int(sys.argv[2]) << 20, dtype=torch.uint8, device="cuda")
+a = torch.randn(4096, 4096, device="cuda")
+torch.cuda.synchronize()
+print("ready", flush=True)
+while True:
+    if sys.argv[1] == "busy":
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+    else:
+        time.sleep(0.2)
+"""
+
+
+@contextmanager
+def pod_process(uid: str, mode: str, mib: int) -> Iterator[subprocess.Popen[str]]:
+    """A CUDA program (``busy``: matrix products without pause; ``idle``: holding ``mib`` MiB
+    and its context, no work) running in a cgroup named as the kubelet's systemd driver names a
+    pod's container, under a slice of the test's own (never the node's kubepods.slice)."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("needs PyTorch (with CUDA) to run a program on the GPU")
+    if not (CGROUP_ROOT / "cgroup.controllers").exists():
+        pytest.skip(f"no cgroup v2 at {CGROUP_ROOT} to run a process in a pod's cgroup")
+    pod = (CGROUP_ROOT / "gpusteward-test.slice" / "kubepods.slice"
+           / f"kubepods-besteffort-pod{uid.replace('-', '_')}.slice")
+    scope = pod / f"cri-containerd-{secrets.token_hex(32)}.scope"
+    try:
+        scope.mkdir(parents=True)
+    except OSError as e:
+        pytest.skip(f"cannot make a pod's cgroup here: {e}")
+    procs = scope / "cgroup.procs"
+    process = subprocess.Popen(
+        [sys.executable, "-c", CUDA_PROGRAM, mode, str(mib)], stdout=subprocess.PIPE,
+        text=True, preexec_fn=lambda: procs.write_text(str(os.getpid())))
+    try:
+        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+        for directory in (scope, pod, pod.parent, pod.parent.parent):
+            try:
+                directory.rmdir()
+            except OSError:  # another pod's cgroup is still in it
+                break
+
+
+def test_a_time_sliced_real_gpu_is_split_between_the_pods_running_on_it(
+        gpu_count, publisher, socket_path: Path) -> None:
+    """Two pods time-slicing GPU 0, each a real CUDA process in its pod's cgroup: the busy one
+    and the idle one are told apart by the driver's per-process readings, each with its own
+    activity and memory, as the idle rule needs to find the idle pod and only it."""
+    pynvml.nvmlInit()
+    try:
+        gpu = str(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0)))
+    finally:
+        pynvml.nvmlShutdown()
+    busy_uid, idle_uid = str(uuid.uuid4()), str(uuid.uuid4())
+    kubelet = Kubelet(api_pb2.ListPodResourcesResponse(pod_resources=[
+        kubelet_pod("nb", "busy", container("jupyter", "nvidia.com/gpu", f"{gpu}::0")),
+        kubelet_pod("nb", "idle", container("jupyter", "nvidia.com/gpu", f"{gpu}::1"))]))
+
+    async def scenario() -> tuple[list[NodeSample], NvmlCollector]:
+        server = await serve_kubelet(kubelet, socket_path)
+        collector = NvmlCollector(
+            pynvml, "gpu-test", publisher, interval_s=1, event_wait_ms=200, proc_root="/proc",
+            pod_resources=PodResourcesClient(str(socket_path), timeout_s=2))
+        collector.open()
+        try:
+            samples = []
+            for _ in range(3):
+                await asyncio.sleep(1)
+                samples.append(await collector.tick())
+            return samples, collector
+        finally:
+            collector.close()
+            assert collector.pod_resources is not None
+            await collector.pod_resources.close()
+            await server.stop(None)
+
+    with ExitStack() as pods:
+        pods.enter_context(pod_process(busy_uid, "busy", 2048))
+        pods.enter_context(pod_process(idle_uid, "idle", 1024))
+        samples, collector = asyncio.run(scenario())
+    device = next(d for d in samples[-1].devices if d.uuid == gpu)
+    assert device.attribution == "process"
+    holders = {h.pod_uid: h for h in device.holders}
+    assert set(holders) == {busy_uid, idle_uid}
+    busy, idle = holders[busy_uid], holders[idle_uid]
+    assert (busy.processes, idle.processes) == (1, 1)
+    assert busy.activity_pct is not None and busy.activity_pct > 30
+    assert idle.activity_pct is not None and idle.activity_pct < 5
+    assert busy.mem_used_bytes is not None and busy.mem_used_bytes >= 2 * GIB
+    assert idle.mem_used_bytes is not None and GIB <= idle.mem_used_bytes < 2 * GIB
+    assert _source_errors(collector) == {}
