@@ -11,6 +11,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -19,12 +20,16 @@ from pathlib import Path
 import pynvml
 import pytest
 
+from gpusteward import kafka, topics
 from gpusteward.collectors.attribution import PodResourcesClient
 from gpusteward.collectors.nvml import NvmlCollector
 from gpusteward.collectors.nvml.events import EventListener
 from gpusteward.collectors.podresources import api_pb2
-from gpusteward.schema import NodeSample, PodRef
+from gpusteward.collectors.transport.publisher import KafkaPublisher
+from gpusteward.sandbox.pipeline import WorkerProcess
+from gpusteward.schema import Finding, NodeSample, PodAllocation, PodRef
 from gpusteward.settings import Settings
+from tests.e2e.records import decoded
 
 from .conftest import Kubelet, container, kubelet_pod, run_collect_nvml, serve_kubelet
 
@@ -218,20 +223,30 @@ def pod_process(uid: str, mode: str, mib: int) -> Iterator[subprocess.Popen[str]
                 break
 
 
+def _first_gpu() -> str:
+    pynvml.nvmlInit()
+    try:
+        return str(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0)))
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _time_slicing_kubelet(gpu: str) -> Kubelet:
+    """The kubelet of a node whose GPU ``gpu`` is time-sliced: one replica each to two
+    notebooks, ``nb/busy`` and ``nb/idle``."""
+    return Kubelet(api_pb2.ListPodResourcesResponse(pod_resources=[
+        kubelet_pod("nb", "busy", container("jupyter", "nvidia.com/gpu", f"{gpu}::0")),
+        kubelet_pod("nb", "idle", container("jupyter", "nvidia.com/gpu", f"{gpu}::1"))]))
+
+
 def test_a_time_sliced_real_gpu_is_split_between_the_pods_running_on_it(
         gpu_count, publisher, socket_path: Path) -> None:
     """Two pods time-slicing GPU 0, each a real CUDA process in its pod's cgroup: the busy one
     and the idle one are told apart by the driver's per-process readings, each with its own
     activity and memory, as the idle rule needs to find the idle pod and only it."""
-    pynvml.nvmlInit()
-    try:
-        gpu = str(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0)))
-    finally:
-        pynvml.nvmlShutdown()
+    gpu = _first_gpu()
     busy_uid, idle_uid = str(uuid.uuid4()), str(uuid.uuid4())
-    kubelet = Kubelet(api_pb2.ListPodResourcesResponse(pod_resources=[
-        kubelet_pod("nb", "busy", container("jupyter", "nvidia.com/gpu", f"{gpu}::0")),
-        kubelet_pod("nb", "idle", container("jupyter", "nvidia.com/gpu", f"{gpu}::1"))]))
+    kubelet = _time_slicing_kubelet(gpu)
 
     async def scenario() -> tuple[list[NodeSample], NvmlCollector]:
         server = await serve_kubelet(kubelet, socket_path)
@@ -266,3 +281,77 @@ def test_a_time_sliced_real_gpu_is_split_between_the_pods_running_on_it(
     assert busy.mem_used_bytes is not None and busy.mem_used_bytes >= 2 * GIB
     assert idle.mem_used_bytes is not None and GIB <= idle.mem_used_bytes < 2 * GIB
     assert _source_errors(collector) == {}
+
+
+@pytest.mark.e2e
+def test_an_idle_pod_on_a_real_gpu_is_found_by_the_deployed_worker(
+        gpu_count, settings: Settings, socket_path: Path, tmp_path: Path) -> None:
+    """The deployed path on a real GPU: ``gpusteward collect nvml`` as the DaemonSet runs it
+    (the real driver, the host's /proc, a kubelet double) and ``gpusteward worker`` (a
+    policy file whose idle window is 15 s) on the embedded broker, with the watcher's
+    allocation records for two notebooks time-slicing GPU 0, each a real CUDA program in its
+    pod's cgroup: the idle one is found idle, under its name, and the busy one is not."""
+    gpu, node = _first_gpu(), "gpu-node-real"
+    uids = {"busy": str(uuid.uuid4()), "idle": str(uuid.uuid4())}
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("rules:\n  idle_holder:\n    window_s: 15\n    grace_s: 0\n")
+    kubelet = _time_slicing_kubelet(gpu)
+    env = {**os.environ, "GPUSTEWARD_TOPIC_PREFIX": settings.topic_prefix,
+           "GPUSTEWARD_COLLECT__NVML__POD_RESOURCES_SOCKET": str(socket_path),
+           "GPUSTEWARD_COLLECT__NVML__PROC_ROOT": "/proc"}
+    command = [str(Path(sys.executable).parent / "gpusteward"), "collect", "nvml",
+               "--node", node, "--interval", "1", "--metrics-port", "0",
+               "--bootstrap", settings.kafka.bootstrap_servers, "--loglevel", "warning"]
+
+    def idle_found(findings: list[Finding]) -> list[Finding]:
+        return [f for f in findings if f.kind == "idle_holder" and f.state == "firing"]
+
+    async def publish_allocations() -> None:
+        await kafka.ensure_topics(settings)
+        publisher = KafkaPublisher(settings)
+        await publisher.start()
+        try:
+            now = time.time()
+            for name, uid in uids.items():
+                await publisher.allocation(PodAllocation(
+                    ts=now, node=node, pod=PodRef(namespace="nb", name=name, uid=uid),
+                    phase="running", gpus=1, started_at=now - 3600, workload_kind="notebook",
+                    owner_kind="StatefulSet", owner_name=name))
+            await publisher.flush()
+        finally:
+            await publisher.stop()
+
+    async def collect_until_found() -> list[Finding]:
+        server = await serve_kubelet(kubelet, socket_path)
+        collector = await asyncio.create_subprocess_exec(*command, env=env)
+        try:
+            deadline = time.monotonic() + 90
+            findings: list[Finding] = []
+            while time.monotonic() < deadline and not idle_found(findings):
+                await asyncio.sleep(2)
+                assert collector.returncode is None, "the collector exited"
+                findings = await decoded(settings, topics.FINDINGS, Finding)
+            await asyncio.sleep(10)  # time for the busy pod to be found too, were it wrongly
+            return await decoded(settings, topics.FINDINGS, Finding)
+        finally:
+            collector.terminate()
+            await collector.wait()
+            await server.stop(None)
+
+    asyncio.run(publish_allocations())
+    with ExitStack() as running:
+        running.enter_context(pod_process(uids["busy"], "busy", 2048))
+        running.enter_context(pod_process(uids["idle"], "idle", 1024))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(os.environ, "GPUSTEWARD_POLICY_FILE", str(policy))
+            worker = WorkerProcess(settings, tmp_path / "worker.log")
+            worker.start()
+        try:
+            worker.wait_ready(120)
+            findings = asyncio.run(collect_until_found())
+        finally:
+            worker.stop()
+    found = idle_found(findings)
+    assert [(f.subject.pod.namespace, f.subject.pod.name, f.subject.device)
+            for f in found if f.subject.pod is not None] == [("nb", "idle", gpu)], findings
+    assert all(f.subject.pod is not None for f in found)
