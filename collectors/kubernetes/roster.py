@@ -146,6 +146,11 @@ class Roster:
             except msgspec.DecodeError:
                 self.unreadable += 1
                 continue
+            if event.uid is None:
+                # Written before queue events carried the uid the reflectors key objects
+                # by: it could not be matched with the list, and a false deletion would end
+                # a wait that goes on. Left alone, as before the read-back.
+                continue
             entity = _queue_entity(event.kind, event.uid, event.namespace, event.name)
             if entity is None:
                 continue

@@ -56,8 +56,10 @@ def test_the_last_record_of_each_object_counts_and_a_deletion_ends_it() -> None:
         (b"other", _queued("w1", "admitted", cluster_queue="other")),  # one workload
         (b"cq", _queued("w2", "pending")),
         (b"cq", _queued("w2", "deleted")),
+        # Without the uid the reflectors key workloads by: never matched, never said gone.
+        (b"cq", msgspec.structs.replace(_queued("w3", "pending"), uid=None)),
     ))
-    assert len(read) == 3 and read.unreadable == 1 and read.records == 14
+    assert len(read) == 3 and read.unreadable == 1 and read.records == 15
     assert read.resources() == {"pods", "nodes", "workloads"}
 
     def nothing_exists(entity: roster.Entity) -> bool:
