@@ -182,3 +182,29 @@ class WatcherMetrics(CollectorMetrics):
             "growing means it is not keeping up.",
             registry=self.registry,
         )
+        self.readback_failures = Counter(
+            "gpusteward_watch_readback_failures_total",
+            "Read-backs of the watcher's own topics at start that failed, by reason (the "
+            "error's type: TimeoutError past readback_timeout_s, TooManyKeys past "
+            "readback_max_keys). The watcher carries on without it: objects deleted while "
+            "no watcher ran are not reported gone.",
+            ["reason"], registry=self.registry,
+        )
+        self.readback_objects = Gauge(
+            "gpusteward_watch_readback_objects",
+            "Live objects (pods, nodes, workloads) the read-back at start found on the "
+            "watcher's topics; -1 until it has, and when it failed.",
+            registry=self.registry,
+        )
+        self.readback_objects.set(-1)
+        self.readback_seconds = Gauge(
+            "gpusteward_watch_readback_seconds",
+            "How long the read-back at start took, seconds.",
+            registry=self.registry,
+        )
+        self.found_gone = Counter(
+            "gpusteward_watch_found_gone_total",
+            "Objects the watcher's topics held live and its first list did not have (deleted "
+            "while no watcher ran), reported gone at start, by resource.",
+            ["resource"], registry=self.registry,
+        )

@@ -368,6 +368,51 @@ async def read_each(settings: Settings, topic: str,
         await reader.stop()
 
 
+async def read_to_end(settings: Settings, topic_names: Iterable[str],
+                      fold: Callable[[list[ConsumerRecord]], object],
+                      timeout_s: float) -> int:
+    """Every record of ``topic_names`` from their start up to their end offsets as found at
+    the call (:func:`true_end_offsets`), and none after: a topic its caller writes to
+    meanwhile is read to where it stood, however busy. A topic that does not exist reads
+    as empty.
+
+    Each fetched batch is handed to ``fold`` and not kept. Raises TimeoutError when the
+    whole read (connecting included) takes longer than ``timeout_s``; returns how many
+    records were read. :func:`read_each` reads on until the topic is quiet instead.
+    """
+    reader = consumer(settings, group_id=None, fetch_max_wait_ms=max(
+        settings.kafka.fetch_max_wait_ms, READ_ALL_FETCH_WAIT_MS))
+    try:
+        async with asyncio.timeout(timeout_s):
+            await reader.start()
+            assigned: list[TopicPartition] = []
+            for name in topic_names:
+                assigned += await topic_partitions(reader, name)
+            if not assigned:
+                return 0
+            ends = await true_end_offsets(reader, assigned)
+            left = {tp for tp in assigned if ends[tp] > 0}
+            if not left:
+                return 0
+            reader.assign(sorted(left))
+            await reader.seek_to_beginning(*left)
+            read = 0
+            while left:
+                batch = await reader.getmany(*left, timeout_ms=300)
+                for tp, messages in batch.items():
+                    kept = [m for m in messages if m.offset < ends[tp]]
+                    if kept:
+                        fold(kept)
+                        read += len(kept)
+                    if messages and messages[-1].offset + 1 >= ends[tp]:
+                        left.discard(tp)
+                if not batch:  # an end compacted away leaves nothing to fetch up to it
+                    left = {tp for tp in left if await reader.position(tp) < ends[tp]}
+            return read
+    finally:
+        await reader.stop()
+
+
 async def true_end_offsets(reader: AIOKafkaConsumer,
                            partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
     """The offset after the last record of each partition, read rather than trusted.

@@ -9,7 +9,9 @@ data:
 - :mod:`.translate`: API objects -> schema events (pure, emits only changes);
 - :mod:`.watcher`: :class:`KubeWatcher`, which composes the reflectors and the
   translator on an asyncio loop and publishes;
-- :mod:`.settings`: :class:`KubeWatchSettings`, shared by all three.
+- :mod:`.roster`: what the watcher's own topics last said of each object, read back at
+  start to report what was deleted while no watcher ran;
+- :mod:`.settings`: :class:`KubeWatchSettings`, shared by all of them.
 """
 
 from gpusteward.collectors.kubernetes.settings import KubeWatchSettings

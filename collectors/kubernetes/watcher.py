@@ -16,6 +16,12 @@ Kueue, the gang objects and DRA are optional: a cluster without their CRD
 without them (one log line), and they are looked for again at every resync,
 so installing the CRD or upgrading the cluster later needs no restart. A gang resource's
 reflector is named ``plural.group`` (two groups serve ``podgroups``).
+
+Given a ``read_back`` (:func:`.roster.read`, on Kafka), it reads back at start, beside its
+first lists, what it or the watcher before it last published of each pod, workload and
+node, and once a resource's first list is published it publishes the deletion of each
+object read back that the list does not have (deleted while no watcher ran). A read-back
+that fails is logged and counted, and the watcher carries on without it.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gpusteward import edge
@@ -37,6 +43,7 @@ from gpusteward.collectors.kubernetes.reflector import (
     node_key,
     object_key,
 )
+from gpusteward.collectors.kubernetes.roster import Entity, Roster, entity_of
 from gpusteward.collectors.kubernetes.settings import KubeWatchSettings
 from gpusteward.collectors.kubernetes.translate import (
     KUEUE_GROUP,
@@ -45,7 +52,7 @@ from gpusteward.collectors.kubernetes.translate import (
 )
 from gpusteward.collectors.metrics import WatcherMetrics
 from gpusteward.collectors.transport.publisher import Publisher
-from gpusteward.schema import NodeInventory, QueueEvent
+from gpusteward.schema import NodeInventory, PodAllocation, QueueEvent
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +67,11 @@ GANG_SOURCES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 """(plural, group, versions in order of preference) of the objects that state a gang's
 size: the coscheduling plugin's and Volcano's PodGroups (``minMember``), JobSets and the
 Kubeflow training jobs (replica counts). Each is watched where its CRD is served."""
+
+
+READ_BACK = ("pods", "workloads", "nodes")
+"""The resources whose objects deleted while no watcher ran are found by the read-back, in
+the order their deletions are published (a node's pods before the node)."""
 
 
 POOL_SIZE = 32
@@ -100,7 +112,8 @@ class KubeWatcher:
     def __init__(self, client: Any, publisher: Publisher,
                  settings: KubeWatchSettings | None = None,
                  clock: Callable[[], float] = time.time,
-                 metrics: WatcherMetrics | None = None) -> None:
+                 metrics: WatcherMetrics | None = None,
+                 read_back: Callable[[], Awaitable[Roster]] | None = None) -> None:
         self.client = client
         self.publisher = publisher
         self.settings = settings or KubeWatchSettings()
@@ -133,6 +146,17 @@ class KubeWatcher:
         """Deltas handed over by the reflectors and not yet published."""
         self._threads: list[threading.Thread] = []
         self._consumer: asyncio.Task[None]
+        self.read_back = read_back
+        """Reads back what the watcher's topics hold (:func:`.roster.read`); None: no
+        read-back (publishing to stdout, or tests of the watch alone)."""
+        self._reading: asyncio.Task[Roster | None] | None = None
+        self._unreconciled: set[str] = set()
+        """Resources whose objects read back are not yet compared with their first list."""
+        self._published_entities: set[Entity] = set()
+        """Objects of an unreconciled resource this process has published: present, or
+        deleted under its watch, whatever their first list says."""
+        self.found_gone = 0
+        """Objects read back that the first lists did not have, reported gone."""
 
     def _list_calls(self) -> dict[str, ListCall]:
         from kubernetes import client
@@ -252,6 +276,9 @@ class KubeWatcher:
             return reflector
 
         consumer = self._consumer = asyncio.create_task(self._consume(queue))
+        if self.read_back is not None:
+            self._unreconciled = set(READ_BACK)
+            self._reading = asyncio.create_task(self._read_roster(self.read_back))
         try:
             # Order matters for the first pass: nodes need their DRA slices' devices, pods
             # their node's MIG strategy and their claims, workloads their LocalQueue's
@@ -266,6 +293,7 @@ class KubeWatcher:
             if "gangs" in self.settings.resources:
                 await self._start_gangs(start, queue, stop)
             await self._drain(queue)
+            await self._reconcile()
             self.synced.set()
             kueue_check = loop.time() + self.settings.resync_period_s
             stopped = asyncio.ensure_future(stop.wait())
@@ -287,9 +315,14 @@ class KubeWatcher:
                         if "claims" in self.settings.resources and \
                                 not self.translator.dra_watched:
                             await self._start_dra(start, queue, stop)
+                        if self._unreconciled:  # Kueue's first list, now served
+                            await self._reconcile()
             finally:
                 stopped.cancel()
         finally:
+            if self._reading is not None:
+                self._reading.cancel()
+                await asyncio.gather(self._reading, return_exceptions=True)
             self._stop.set()
             for reflector in self.reflectors.values():
                 reflector.stop()
@@ -304,6 +337,68 @@ class KubeWatcher:
             await asyncio.gather(consumer, return_exceptions=True)
             if not failed:
                 await self.publisher.flush()
+
+    async def _read_roster(self, read_back: Callable[[], Awaitable[Roster]]
+                           ) -> Roster | None:
+        """The roster, or None (logged and counted) when it cannot be read."""
+        started = time.monotonic()
+        try:
+            roster = await read_back()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._unreconciled.clear()
+            self._published_entities.clear()
+            self.metrics.readback_failures.labels(type(e).__name__).inc()
+            what = (f"not done within readback_timeout_s ({self.settings.readback_timeout_s:g} "
+                    "s)" if isinstance(e, TimeoutError) else brief_error(e))
+            log.warning("reading back what the watcher published failed (%s): carrying on "
+                        "without it, so pods, workloads and nodes deleted while no watcher "
+                        "ran are not reported gone", what)
+            return None
+        seconds = time.monotonic() - started
+        self.metrics.readback_seconds.set(seconds)
+        self.metrics.readback_objects.set(len(roster))
+        log.info("read back %d live objects (%d records, %d unreadable) in %.1f s",
+                 len(roster), roster.records, roster.unreadable, seconds)
+        return roster
+
+    async def _reconcile(self) -> None:
+        """Publish the deletion of each object read back that the first list of its
+        resource (published by now) does not have; resources not listed yet (Kueue not
+        served) wait for their first list."""
+        if not self._unreconciled or self._reading is None:
+            return
+        roster = await self._reading  # bounded by readback_timeout_s
+        if roster is None:
+            return
+        now = self.clock()
+        published = self._published_entities
+        for resource in READ_BACK:
+            reflector = self.reflectors.get(resource)
+            if resource not in self._unreconciled or reflector is None or \
+                    not reflector.synced.is_set():
+                continue
+            known = reflector.known  # the reflector's thread writes it: look keys up only
+
+            def exists(entity: Entity, known: dict[str, str] = known) -> bool:
+                return entity in published or entity[1] in known
+
+            gone = roster.gone(resource, exists, now)
+            self._unreconciled.discard(resource)
+            for event in gone:
+                await self._send(event)
+            if gone:
+                named = sorted({entity[1] for event in gone
+                                if (entity := entity_of(event)) is not None})
+                self.found_gone += len(named)
+                self.metrics.found_gone.labels(resource).inc(len(named))
+                log.info("%s: %d deleted while no watcher ran, reported gone: %s%s",
+                         resource, len(named), ", ".join(named[:5]),
+                         ", ..." if len(named) > 5 else "")
+                await self.publisher.flush()
+        # Only the objects of resources still unreconciled (Kueue's, not served yet) matter.
+        self._published_entities = {e for e in published if e[0] in self._unreconciled}
 
     async def _start_kueue(self, start: Callable[[str, ListCall], Reflector],
                            queue: asyncio.Queue[list[Delta]], stop: asyncio.Event) -> None:
@@ -413,19 +508,25 @@ class KubeWatcher:
         delivered = sum(r.stats.deltas for r in list(self.reflectors.values()))
         return float(max(0, delivered - self.processed))
 
+    async def _send(self, event: PodAllocation | NodeInventory | QueueEvent) -> None:
+        if isinstance(event, QueueEvent):
+            await self.publisher.queue(event)
+            kind = "queue"
+        else:
+            await self.publisher.allocation(event)
+            kind = "node_inventory" if isinstance(event, NodeInventory) else "pod_allocation"
+        self._published_as[kind].inc()
+        self.published += 1
+        if self._unreconciled:
+            entity = entity_of(event)
+            if entity is not None and entity[0] in self._unreconciled:
+                self._published_entities.add(entity)
+
     async def _publish(self, deltas: list[Delta], queue: asyncio.Queue[list[Delta]]) -> None:
         try:
             for delta in deltas:
                 for event in self._translated(delta):
-                    if isinstance(event, QueueEvent):
-                        await self.publisher.queue(event)
-                        kind = "queue"
-                    else:
-                        await self.publisher.allocation(event)
-                        kind = ("node_inventory" if isinstance(event, NodeInventory)
-                                else "pod_allocation")
-                    self._published_as[kind].inc()
-                    self.published += 1
+                    await self._send(event)
                 self.processed += 1
             if queue.empty():
                 await self.publisher.flush()

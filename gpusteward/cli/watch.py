@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import sys
 from typing import Annotated, Any
@@ -90,7 +91,7 @@ def watch(
 
 
 async def _main(kube: KubeWatchSettings, bootstrap: str | None, stdout: bool) -> None:
-    from gpusteward.collectors.kubernetes import KubeWatcher, api_client
+    from gpusteward.collectors.kubernetes import KubeWatcher, api_client, roster
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -124,7 +125,10 @@ async def _main(kube: KubeWatchSettings, bootstrap: str | None, stdout: bool) ->
                       if port else None)
     beating = asyncio.create_task(health.heartbeat(state, ready=lambda: publisher.healthy))
     try:
-        await KubeWatcher(client, publisher, kube, metrics=watcher_metrics).run(stop)
+        # What it (or the watcher before it) published, read back to report the objects
+        # deleted while no watcher ran.
+        await KubeWatcher(client, publisher, kube, metrics=watcher_metrics,
+                          read_back=functools.partial(roster.read, settings, kube)).run(stop)
     finally:
         beating.cancel()
         if server is not None:
