@@ -296,7 +296,10 @@ def owner_notice(finding: Finding) -> str | None:
     pod, values = finding.subject.pod, finding.evidence.values if finding.evidence else {}
     if finding.kind != KIND or finding.state != "firing" or pod is None:
         return None
-    where = f"GPU {finding.subject.device} on node {finding.subject.node}"
+    devices = int(values.get("devices", 1))
+    where = (f"GPU {finding.subject.device}" if devices == 1 else
+             f"all {devices} of its GPUs ({finding.subject.device} and {devices - 1} more)")
+    where += f" on node {finding.subject.node}"
     peak = values.get("max_activity_pct")
     seen = (f"Pod {pod.namespace}/{pod.name} has held {where} below "
             f"{values.get('threshold_pct', 0):g} % activity"
@@ -368,6 +371,13 @@ class Holder(msgspec.Struct, frozen=True):
     label, an annotation: :meth:`IdleSettings.exemption`), worked out once per holding by
     the node join, so that an open episode checks it per sample for the price of an
     attribute; None: not exempt (or not worked out, for a holder made elsewhere)."""
+    siblings: Any = None
+    """For a pod holding several devices of the node: ``siblings(uuid)``, the node join's
+    ``[(uuid, IdleTrack)]`` of the pod's devices other than ``uuid``. The pod is idle only
+    while every one of them is (one busy GPU of a training job is work, not an idle hold,
+    and reclaiming the pod would stop that work), and its episode is one, on the device
+    that first saw the whole pod idle. None: the pod holds one device (or its others are
+    not known here)."""
 
 
 def _finding_labels(holder: Holder, sample: DeviceSample, settings: IdleSettings,
@@ -396,17 +406,20 @@ def _finding_labels(holder: Holder, sample: DeviceSample, settings: IdleSettings
 
 
 def _ladder_values(max_activity_pct: float, eff: Effective, step: int, step_ts: float,
-                   held: float | None, idle_since: float, settings: IdleSettings
-                   ) -> dict[str, float]:
+                   held: float | None, idle_since: float, settings: IdleSettings,
+                   devices: int = 1) -> dict[str, float]:
     """The evidence values of a ladder finding, with what the owner's notice needs.
 
     ``next_step_at``: when the ladder's next step is due if the device stays idle (absent
     when none follows); a hold moves it to the hold's end at the earliest, since the ladder
     climbs on the first sample after it. ``keep_until_limit``: the latest time a
     keep-until annotation is honoured for this episode (absent when annotations are
-    ignored)."""
+    ignored). ``devices``: how many devices of the node the idle pod holds, when more
+    than one (its episode is one, on one of them)."""
     values = {"max_activity_pct": max_activity_pct, "threshold_pct": eff.threshold_pct,
               "ladder_step": float(step)}
+    if devices > 1:
+        values["devices"] = float(devices)
     wait = eff.warn_after_s if step == 1 else eff.reclaim_after_s if (
         step == 2 and eff.reclaim) else None
     if wait is not None:
@@ -455,6 +468,26 @@ def same_pod(a: PodRef, b: PodRef) -> bool:
 
 def _subject(node: str, uuid: str, pod: PodRef) -> Subject:
     return Subject(node=node, device=uuid, pod=pod)
+
+
+def _recent(track: IdleTrack, ts: float, settings: IdleSettings) -> bool:
+    """Whether the device's last reading is recent enough to say anything (a gap longer than
+    ``max_gap_s`` is no evidence either way)."""
+    return track.last_ts is not None and ts - track.last_ts <= settings.max_gap_s
+
+
+def _busy_sibling(track: IdleTrack, others: list[tuple[str, IdleTrack]], ts: float,
+                  settings: IdleSettings) -> str | None:
+    """The first of a pod's other devices whose last reading was busy, or None; their idle
+    peaks are folded into ``track``'s, the peak the pod's episode reports."""
+    for uuid, other in others:
+        if not _recent(other, ts, settings):
+            continue
+        if other.below_since is None:
+            return uuid
+        if other.below_max_pct > track.below_max_pct:
+            track.below_max_pct = other.below_max_pct
+    return None
 
 
 def observe(
@@ -508,21 +541,47 @@ def observe(
         if holder.exempt is not None:
             return [_close(track, node, sample.uuid, ts,
                            f"exempt from idle detection ({holder.exempt})")]
-        return _climb(track, node, sample, holder, ts, settings, eff)
+        devices = 1
+        if holder.siblings is not None:
+            others = holder.siblings(sample.uuid)
+            busy = _busy_sibling(track, others, ts, settings)
+            if busy is not None:
+                return [_close(track, node, sample.uuid, ts,
+                               f"the pod is using {busy}, another of its devices")]
+            devices += len(others)
+        return _climb(track, node, sample, holder, ts, settings, eff, devices)
     counted_from = max(track.below_since, holder.started_at + eff.grace_s)
     if ts - counted_from < eff.window_s or settings.exempt(holder):
         return out
+    pod_devices = [sample.uuid]
+    if holder.siblings is not None:  # a pod of several devices: idle only if all of them are
+        others = holder.siblings(sample.uuid)
+        for _, other in others:
+            if other.open_id is not None and other.open_pod is not None and same_pod(
+                    other.open_pod, holder.pod):
+                return out  # the pod's episode is open on another of its devices
+        if _busy_sibling(track, others, ts, settings) is not None:
+            return out
+        for _, other in others:  # the pod's idle run is its devices' shortest
+            if other.below_since is not None and _recent(other, ts, settings):
+                counted_from = max(counted_from, other.below_since)
+        if ts - counted_from < eff.window_s:
+            return out
+        pod_devices += sorted(uuid for uuid, _ in others)
     fp = fingerprint(KIND, node, sample.uuid, holder.pod.namespace, holder.pod.name)
     fid = finding_id(fp, counted_from)
     subject = _subject(node, sample.uuid, holder.pod)
     idle_min = (ts - counted_from) / 60
     held = kept_until(holder.annotations, counted_from, settings.keep_until_max_s)
     held = held if held is not None and held > ts else None
-    values = _ladder_values(track.below_max_pct, eff, 1, ts, held, counted_from, settings)
+    values = _ladder_values(track.below_max_pct, eff, 1, ts, held, counted_from, settings,
+                            len(pod_devices))
+    what = (sample.uuid if len(pod_devices) == 1 else
+            f"{len(pod_devices)} devices ({', '.join(pod_devices)})")
     finding = Finding(
         id=fid, fingerprint=fp, kind=KIND, severity="info", state="firing",
         subject=subject,
-        summary=f"{holder.pod.namespace}/{holder.pod.name} has held {sample.uuid} on {node} "
+        summary=f"{holder.pod.namespace}/{holder.pod.name} has held {what} on {node} "
         f"for {idle_min:.0f} min below {eff.threshold_pct:g} % activity"
         + (f"; {_held(held)}" if held is not None else ""),
         starts_at=counted_from, ts=ts,
@@ -545,7 +604,8 @@ def observe(
 
 
 def _climb(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts: float,
-           settings: IdleSettings, eff: Effective) -> list[Finding | Action]:
+           settings: IdleSettings, eff: Effective, devices: int = 1
+           ) -> list[Finding | Action]:
     """The next ladder step of an open episode, once its wait has passed with no break."""
     stage_ts = track.stage_ts
     if stage_ts is None or track.stage >= 3 or track.below_since is None:
@@ -559,7 +619,8 @@ def _climb(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts
     assert track.open_id and track.open_fingerprint and track.open_since is not None
     held = kept_until(holder.annotations, track.open_since, settings.keep_until_max_s)
     idle_h = (ts - track.open_since) / 3600
-    summary = (f"{holder.pod.namespace}/{holder.pod.name} has held {sample.uuid} on {node} "
+    what = sample.uuid if devices == 1 else f"{sample.uuid} and {devices - 1} more devices"
+    summary = (f"{holder.pod.namespace}/{holder.pod.name} has held {what} on {node} "
                f"idle for {idle_h:.1f} h")
     if held is not None and held > ts:
         # Left alone while the hold lasts: no notice, no reclaim. The next step comes once
@@ -570,7 +631,8 @@ def _climb(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts
         current = "info" if track.stage == 1 else "warning"
         assert track.stage_ts is not None
         return [_ladder_finding(track, node, sample, holder, ts, settings, eff, current,
-                                f"{summary}; {_held(held)}", track.stage, track.stage_ts, held)]
+                                f"{summary}; {_held(held)}", track.stage, track.stage_ts, held,
+                                devices)]
     # A gap since the last step restarted the idle run: the wait counts from its new start.
     waited_from = max(stage_ts, track.below_since)
     if ts - waited_from < wait:
@@ -579,12 +641,12 @@ def _climb(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts
                 and ts >= waited_from + wait - settings.remind_before_s):
             track.reminded = True
             return [_reminder(track, node, sample, holder, ts, settings, eff, waited_from,
-                              summary)]
+                              summary, devices)]
         return []
     if step == "reclaim":
         summary += ": reclaiming it"
     finding = _ladder_finding(track, node, sample, holder, ts, settings, eff, severity,
-                              summary, track.stage + 1, ts, None)
+                              summary, track.stage + 1, ts, None, devices)
     subject = finding.subject
     track.stage, track.stage_ts = track.stage + 1, ts
     if step == "warn":
@@ -605,12 +667,12 @@ def _climb(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts
 
 def _reminder(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts: float,
               settings: IdleSettings, eff: Effective, waited_from: float,
-              summary: str) -> Action:
+              summary: str, devices: int) -> Action:
     """The owner's last notice before the reclaim: the warning's words, the reclaim time
     as it now stands, under a key of its own (one Event per episode, whatever redelivers
     it)."""
     warned = _ladder_finding(track, node, sample, holder, ts, settings, eff, "warning",
-                             summary, 2, waited_from, None)
+                             summary, 2, waited_from, None, devices)
     action = action_for(warned, "notify_owner", warned.subject,
                         f"Reminder: {owner_notice(warned) or warned.summary}")
     action.idempotency_key = f"{warned.id}/notify_owner/remind"
@@ -619,12 +681,13 @@ def _reminder(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder,
 
 def _ladder_finding(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder,
                     ts: float, settings: IdleSettings, eff: Effective, severity: str,
-                    summary: str, step: int, step_ts: float, held: float | None) -> Finding:
+                    summary: str, step: int, step_ts: float, held: float | None,
+                    devices: int) -> Finding:
     """The open episode's finding, re-issued at ladder ``step`` (reached at ``step_ts``)."""
     assert track.open_id and track.open_fingerprint and track.open_since is not None
     assert track.below_since is not None
     values = _ladder_values(track.below_max_pct, eff, step, step_ts, held, track.open_since,
-                            settings)
+                            settings, devices)
     return Finding(
         id=track.open_id, fingerprint=track.open_fingerprint, kind=KIND,
         severity=severity,  # type: ignore[arg-type]

@@ -518,6 +518,19 @@ def _out_of_service(dev: DeviceState, checks: tuple[tuple[str, bool, type, Any],
     return False
 
 
+def _several(holding: Holding) -> bool:
+    """Whether the pod holds more than one device of the node."""
+    return (holding.gpus > 1 or len(holding.devices) > 1
+            or (bool(holding.mig) and holding.gpus + sum(holding.mig.values()) > 1))
+
+
+def _pod_devices(state: NodeState, pod: PodRef, ids: list[str]) -> list[str]:
+    """The node's devices ``pod`` holds: by its allocation's device ids, else as the
+    collector attributes them (device-plugin GPUs, whose ids the API server does not know)."""
+    return [uuid for uuid, dev in state.devices.items()
+            if uuid in ids or (dev.attributed is not None and idle.same_pod(dev.attributed, pod))]
+
+
 def _sick(dev: DeviceState, checks: tuple[tuple[str, bool, type, Any], ...]) -> bool:
     """Whether ``dev`` is out of service, asked of the health checks only when not known."""
     sick = dev.out_of_service
@@ -526,14 +539,21 @@ def _sick(dev: DeviceState, checks: tuple[tuple[str, bool, type, Any], ...]) -> 
     return sick
 
 
-def _idle_holder(holding: Holding, resolved: policies.Resolved | None = None
-                 ) -> idle.Holder:
+def _idle_holder(holding: Holding, resolved: policies.Resolved | None = None,
+                 state: NodeState | None = None) -> idle.Holder:
     """The idle rule's view of a holding: who, since when, and what owns it (the owner and
     queue decide what a reclaim does and whether a waiting workload could use the GPU),
-    and, with the ``resolved`` settings its devices are judged with, what exempts it."""
+    and, with the ``resolved`` settings its devices are judged with, what exempts it; with
+    the node's ``state``, for a pod of several devices, how to find its others."""
+    siblings = None
+    if state is not None and _several(holding):
+        def siblings(uuid: str) -> list[tuple[str, idle.IdleTrack]]:
+            return [(other, state.devices[other].idle)
+                    for other in _pod_devices(state, holding.pod, holding.devices)
+                    if other != uuid]
     holder = idle.Holder(holding.pod, holding.started_at, holding.workload_kind,
                          holding.labels, holding.annotations, holding.queue,
-                         holding.owner_kind, holding.owner_name)
+                         holding.owner_kind, holding.owner_name, siblings=siblings)
     settings = None if resolved is None else resolved.rules.get(idle.KIND)
     if isinstance(settings, idle.IdleSettings):
         exempt = settings.exemption(holder)
@@ -590,7 +610,7 @@ class NodeJoin:
             found = self._prepared[key] = _Prepared(resolved, workload_kind)
         return found
 
-    def _prepare_holding(self, holding: Holding, pool: str | None
+    def _prepare_holding(self, holding: Holding, pool: str | None, state: NodeState
                          ) -> tuple[Holding, str | None, _Prepared, idle.Holder]:
         """What a device ``holding`` holds runs, and the idle rule's holder; cached."""
         if len(self._held) >= _CACHE_LIMIT:
@@ -598,7 +618,7 @@ class NodeJoin:
         prepared = self._prepare(holding.pod.namespace, holding.queue, pool,
                                  holding.workload_kind)
         found = self._held[id(holding)] = (holding, pool, prepared,
-                                           _idle_holder(holding, prepared.resolved))
+                                           _idle_holder(holding, prepared.resolved, state))
         return found
 
     def on_sample(self, state: NodeState, sample: NodeSample) -> list[Output]:
@@ -671,7 +691,7 @@ class NodeJoin:
             if holding is not None:
                 held = held_cache.get(id(holding))
                 if held is None or held[0] is not holding or held[1] != pool:
-                    held = self._prepare_holding(holding, pool)
+                    held = self._prepare_holding(holding, pool, state)
                     if held[2].unwatched and judging:  # once per holding
                         out += self._unwatched(state, holding, held[2], node, ts)
                 plans, holder = held[2].plans, held[3]
@@ -1408,11 +1428,17 @@ class NodeJoin:
             holding = state.pods.get(_pod_key(track.open_pod))
             if holding is not None and holding.ended_at is not None:
                 continue  # let go: lingering for late samples only
-            mig = uuid.startswith("MIG-")
-            profile = next(iter(holding.mig), None) if mig and holding is not None else None
-            holds.append(IdleHold(
-                device=uuid, pod=track.open_pod, idle_since=track.open_since,
-                gpus=0 if mig else 1, mig_profile=profile,
-                workload_kind=holding.workload_kind if holding is not None else None,
-                kept_until=track.held_until, ladder_step=track.stage))
+            # A pod of several devices has one episode, on one of them: reclaiming it frees
+            # them all.
+            devices = [uuid] if holding is None or not _several(holding) else [uuid, *(
+                other for other in _pod_devices(state, holding.pod, holding.devices)
+                if other != uuid and state.devices[other].idle.open_id is None)]
+            for device in devices:
+                mig = device.startswith("MIG-")
+                profile = next(iter(holding.mig), None) if mig and holding is not None else None
+                holds.append(IdleHold(
+                    device=device, pod=track.open_pod, idle_since=track.open_since,
+                    gpus=0 if mig else 1, mig_profile=profile,
+                    workload_kind=holding.workload_kind if holding is not None else None,
+                    kept_until=track.held_until, ladder_step=track.stage))
         return holds

@@ -55,6 +55,8 @@ SW_THERMAL = 0x20
 """NVML clock-event bit SwThermalSlowdown: the clocks trimmed to hold the thermal target."""
 
 GIB = 1 << 30
+CONTEXT_BYTES = 500 << 20
+"""What a GPU a process opened but runs nothing on holds: its CUDA context."""
 
 
 class IdlePeriod(msgspec.Struct):
@@ -704,6 +706,9 @@ class SimulatedCluster:
             elif holder is not None and holder.started_at is not None:
                 util = holder.utilisation(now - holder.started_at)
                 mem = holder.memory_reading(now - holder.started_at)
+                used = holder.spec.gpus_used
+                if used is not None and gpu not in holder.devices[:used]:
+                    util, mem = 0.0, CONTEXT_BYTES  # asked for, never used by its code
             else:
                 util, mem = 0.0, 0
             gpu.last_util = util

@@ -99,6 +99,10 @@ class WorkloadGroup(BaseModel):
         None, description="Prefix of the node group the workloads must run on (a "
         "nodeSelector); None: any node that fits.")
     phases: list[Phase] = Field(min_length=1)
+    gpus_used: int | None = Field(
+        None, ge=0, description="Of its whole GPUs, how many its code uses (the first placed): "
+        "the others read 0 % and hold the CUDA context's memory only (a job that asks more "
+        "GPUs than it runs on). None: all of them.")
     repeat: bool = Field(False, description="Cycle through the phases instead of ending idle.")
     gang: bool = Field(
         False, description="The group's workloads are one gang (the workers of one JobSet, "

@@ -19,66 +19,21 @@ pod's controller, as in a cluster.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from pathlib import Path
 
-import msgspec
 import pytest
 
-from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
-from gpusteward.collectors.transport.publisher import KafkaPublisher
-from gpusteward.sandbox.pipeline import WorkerProcess
-from gpusteward.sandbox.simulator import scenario as scenarios
-from gpusteward.sandbox.simulator.engine import SimulatedCluster
-from gpusteward.sandbox.world import World
-from gpusteward.schema import Action, Finding, NodeSample
-from gpusteward.streams.app import worker_group
+from tests.e2e.world_run import WorldRun, run_in_world
 
 pytestmark = pytest.mark.e2e
 
 
-@dataclass
-class Run:
-    samples: list[NodeSample]
-    findings: list[Finding]
-    actions: list[Action]
-
-
-async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
-    settings = broker.settings().model_copy(update={"topic_prefix": "e2e-llm-serving"})
-    await kafka.ensure_topics(settings)
-    spec = scenarios.load("llm-serving").model_copy(update={"acceleration": 0.0})
-    cluster = SimulatedCluster(spec)
-    worker = WorkerProcess(settings, workdir / "worker.log")
-    worker.start()
-    publisher = KafkaPublisher(settings)
-    await publisher.start()
-    try:
-        async with World(cluster, publisher, workdir) as world:
-            await cluster.run(world)
-            await world.settle()
-        names = [t.name(settings) for t in (topics.SAMPLES, topics.ALLOCATIONS)]
-        await kafka.wait_consumed(settings, worker_group(settings), names, timeout_s=120)
-        assert worker.alive
-    finally:
-        worker.stop()
-        await publisher.stop()
-
-    async def read(topic: topics.TopicSpec) -> list[bytes]:
-        return [r.value for r in await kafka.read_all(settings, topic.name(settings))]
-
-    return Run([msgspec.json.decode(v, type=NodeSample) for v in await read(topics.SAMPLES)],
-               [msgspec.json.decode(v, type=Finding) for v in await read(topics.FINDINGS)],
-               [msgspec.json.decode(v, type=Action) for v in await read(topics.ACTIONS)])
-
-
 @pytest.fixture(scope="module")
-def run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return asyncio.run(_run(broker, tmp_path_factory.mktemp("llm-serving")))
+def run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> WorldRun:
+    return asyncio.run(run_in_world(broker, "llm-serving", tmp_path_factory.mktemp("llm")))
 
 
-def test_the_collector_read_the_servers_reserved_memory(run: Run) -> None:
+def test_the_collector_read_the_servers_reserved_memory(run: WorldRun) -> None:
     """The world is what the scenario says: vLLM's share read through NVML, over 90 % of
     each GPU, under 2 GiB free on the L4 and the T4, at every reading."""
     used: dict[str, list[float]] = {}
@@ -99,14 +54,14 @@ def test_the_collector_read_the_servers_reserved_memory(run: Run) -> None:
                for d in pair)
 
 
-def test_no_memory_finding_or_notice_names_a_healthy_server(run: Run) -> None:
+def test_no_memory_finding_or_notice_names_a_healthy_server(run: WorldRun) -> None:
     memory = [f for f in run.findings if f.kind.startswith("gpu_memory_") and f.subject.pod]
     assert not [f for f in memory if f.subject.pod and f.subject.pod.name.startswith("vllm-")]
     assert not [a for a in run.actions
                 if a.target.pod is not None and a.target.pod.name.startswith("vllm-")]
 
 
-def test_the_starved_server_and_the_training_job_at_the_edge_are_found(run: Run) -> None:
+def test_the_starved_server_and_the_training_job_at_the_edge_are_found(run: WorldRun) -> None:
     firing = {(f.kind, f.subject.pod.name) for f in run.findings
               if f.state == "firing" and f.kind.startswith("gpu_memory_") and f.subject.pod}
     assert firing == {("gpu_memory_low_free", "starved-svc-d"),
@@ -116,7 +71,7 @@ def test_the_starved_server_and_the_training_job_at_the_edge_are_found(run: Run)
     assert notified == {"starved-svc-d", "train-svc-e"}
 
 
-def test_tensorflow_and_jax_training_pools_raise_no_memory_finding(run: Run) -> None:
+def test_tensorflow_and_jax_training_pools_raise_no_memory_finding(run: WorldRun) -> None:
     """The TFJob's and the JAXJob's GPUs read over 95 % used at every sample (the pools
     TensorFlow and JAX reserve), as the Job's at the edge does; only the Job is told (the
     test above), and nothing names the two."""

@@ -20,17 +20,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from pathlib import Path
 
-import msgspec
 import pytest
 
-from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
-from gpusteward.collectors.transport.publisher import KafkaPublisher
-from gpusteward.sandbox.pipeline import WorkerProcess
-from gpusteward.sandbox.simulator import scenario as scenarios
-from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
+from gpusteward.sandbox.simulator.engine import GroundTruth
 from gpusteward.sandbox.world import World
 from gpusteward.schema import (
     AllocationEvent,
@@ -40,7 +34,7 @@ from gpusteward.schema import (
     NodeSummary,
     QueueEvent,
 )
-from gpusteward.streams.app import worker_group
+from tests.e2e.world_run import WorldRun, run_in_world
 
 pytestmark = pytest.mark.e2e
 
@@ -72,50 +66,42 @@ class _Recording:
 
 @dataclass
 class Run:
-    truth: GroundTruth
+    world: WorldRun
     uids: dict[str, str]
     """Pod uid -> namespace/name."""
     simulated: list[NodeSample]
-    published: list[NodeSample]
-    findings: list[Finding]
-    summaries: list[NodeSummary]
+    """What the simulator published: the truth of each reading."""
 
+    @property
+    def truth(self) -> GroundTruth:
+        return self.world.truth
 
-async def _run(broker: EmbeddedBroker, workdir: Path) -> Run:
-    settings = broker.settings().model_copy(update={"topic_prefix": "e2e-shared-world"})
-    await kafka.ensure_topics(settings)
-    spec = scenarios.load("shared-gpus").model_copy(update={"acceleration": 0.0})
-    cluster = SimulatedCluster(spec)
-    worker = WorkerProcess(settings, workdir / "worker.log")
-    worker.start()
-    publisher = KafkaPublisher(settings)
-    await publisher.start()
-    try:
-        async with World(cluster, publisher, workdir) as world:
-            recording = _Recording(world)
-            truth = await cluster.run(recording)
-            await world.settle()
-        names = [t.name(settings) for t in (topics.SAMPLES, topics.ALLOCATIONS)]
-        await kafka.wait_consumed(settings, worker_group(settings), names, timeout_s=120)
-        assert worker.alive
-    finally:
-        worker.stop()
-        await publisher.stop()
+    @property
+    def published(self) -> list[NodeSample]:
+        return self.world.samples
 
-    async def read(topic: topics.TopicSpec) -> list[bytes]:
-        return [r.value for r in await kafka.read_all(settings, topic.name(settings))]
+    @property
+    def findings(self) -> list[Finding]:
+        return self.world.findings
 
-    uids = {w.uid: f"{w.namespace}/{w.name}" for w in (*cluster.running, *cluster.finished)}
-    return Run(truth, uids, recording.samples,
-               [msgspec.json.decode(v, type=NodeSample) for v in await read(topics.SAMPLES)],
-               [msgspec.json.decode(v, type=Finding) for v in await read(topics.FINDINGS)],
-               [msgspec.json.decode(v, type=NodeSummary)
-                for v in await read(topics.NODE_SUMMARIES)])
+    @property
+    def summaries(self) -> list[NodeSummary]:
+        return self.world.summaries
 
 
 @pytest.fixture(scope="module")
 def run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return asyncio.run(_run(broker, tmp_path_factory.mktemp("shared-world")))
+    recordings: list[_Recording] = []
+
+    def recording(world: World) -> _Recording:
+        recordings.append(_Recording(world))
+        return recordings[-1]
+
+    world = asyncio.run(run_in_world(broker, "shared-gpus",
+                                     tmp_path_factory.mktemp("shared-world"), recording))
+    cluster = world.cluster
+    uids = {w.uid: f"{w.namespace}/{w.name}" for w in (*cluster.running, *cluster.finished)}
+    return Run(world, uids, recordings[0].samples)
 
 
 def _firing(run: Run, kind: str) -> list[Finding]:

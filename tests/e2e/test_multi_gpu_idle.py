@@ -1,0 +1,81 @@
+"""Pods of several GPUs are judged as pods, through the production collectors and the
+deployed worker (the ``multi-gpu-idle`` world: device-plugin GPUs, so the worker learns
+which GPUs a pod holds from the collector's kubelet attribution, not from the API server).
+
+A 4-GPU training job whose code runs on one GPU was reported idle on the other three, with
+a notice per GPU at each ladder step and, after two and a half hours, three reclaims of a
+job doing its work; a 4-GPU job that hung was four idle episodes, four notices per step,
+four reclaims. Now the first is no idle holder at all (the weekly report's right-sizing
+tells its owner it asks too much), and the second is one episode: one notice per step, one
+reclaim, every GPU it frees offered to the fleet agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gpusteward.broker import EmbeddedBroker
+from gpusteward.rules import idle
+from tests.e2e.world_run import WorldRun, run_in_world
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def run(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> WorldRun:
+    return asyncio.run(run_in_world(broker, "multi-gpu-idle",
+                                    tmp_path_factory.mktemp("multi-gpu")))
+
+
+def _pods(run: WorldRun) -> dict[str, list[str]]:
+    """The world's pods by name prefix (``one-of-four``, ``hung``): their GPUs."""
+    return {p.pod.rsplit("-", 1)[0]: p.devices for p in run.truth.pods}
+
+
+def test_the_world_is_what_the_scenario_says(run: WorldRun) -> None:
+    devices = _pods(run)
+    assert sorted(devices) == ["hung", "one-of-four"] and all(
+        len(gpus) == 4 for gpus in devices.values())
+    used = devices["one-of-four"][0]
+    readings = {(d.uuid, d.pod.name.rsplit("-", 1)[0]): d.util_pct or 0.0
+                for s in run.samples for d in s.devices if d.pod is not None}
+    assert readings[(used, "one-of-four")] > 80
+    assert {readings[(uuid, "one-of-four")] for uuid in devices["one-of-four"][1:]} == {0.0}
+
+
+def test_a_job_using_one_of_its_gpus_is_no_idle_holder(run: WorldRun) -> None:
+    named = [f for f in run.findings if f.kind == idle.KIND and f.subject.pod is not None
+             and f.subject.pod.name.startswith("one-of-four")]
+    assert named == []
+    assert not [a for a in run.actions if a.target.pod is not None
+                and a.target.pod.name.startswith("one-of-four")]
+
+
+def test_a_hung_job_is_one_idle_episode_one_notice_per_step_and_one_reclaim(
+        run: WorldRun) -> None:
+    found = [f for f in run.findings if f.kind == idle.KIND and f.subject.pod is not None
+             and f.subject.pod.name.startswith("hung")]
+    assert len({f.id for f in found}) == 1
+    steps = sorted({int(f.evidence.values["ladder_step"]) for f in found
+                    if f.state == "firing" and f.evidence is not None})
+    assert steps == [1, 2, 3]  # the scenario runs past the batch ladder's reclaim
+    first = next(f for f in found if f.state == "firing")
+    assert first.evidence is not None and first.evidence.values["devices"] == 4.0
+    assert all(uuid in first.summary for uuid in _pods(run)["hung"])
+    actions = [a for a in run.actions if a.target.pod is not None
+               and a.target.pod.name.startswith("hung")]
+    notices = [a for a in actions if a.verb == "notify_owner"]
+    # The notice and the warning (a batch job's reclaim comes an hour after the warning:
+    # no reminder between them); the last step is the reclaim.
+    assert len({a.idempotency_key for a in notices}) == 2
+    assert "all 4 of its GPUs" in notices[0].reason
+    assert len({a.idempotency_key for a in actions if a.verb == "requeue"}) == 1
+
+
+def test_the_hung_job_offers_all_its_gpus_to_the_fleet(run: WorldRun) -> None:
+    gpus = set(_pods(run)["hung"])
+    offered = [{h.device for h in s.idle if h.pod.name.startswith("hung")}
+               for s in run.summaries]
+    assert gpus in offered
