@@ -407,7 +407,8 @@ class IdleHold(msgspec.Struct, frozen=True, omit_defaults=True):
     idle_since: Timestamp
     """Start of the idle episode (after the start-up grace), Unix seconds."""
     gpus: Count = 0
-    """Whole GPUs it frees when reclaimed (1 for a GPU device, 0 for a MIG device)."""
+    """Whole GPUs it frees when reclaimed: 1 for a GPU device, all of them for a pod of
+    several (one hold, on the device its idle episode is on), 0 for a MIG device."""
     mig_profile: Name | None = None
     """The MIG profile it frees, for a MIG device."""
     workload_kind: Name | None = None

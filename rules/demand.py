@@ -33,7 +33,8 @@ workload that fits without reclaims included: it will start on that room
 when admitted, and two workloads counting the same free GPUs would be told
 they need fewer reclaims than they do.
 The node join's only part is to say which devices are idle in the summary it
-already sends.
+already sends: one hold per idle pod, with all the whole GPUs reclaiming it frees (a pod
+of several GPUs is idle only while all of them are, and is one episode of the idle rule).
 
 The short ladder counts from the start of the idle episode: a notice naming
 the waiting workloads and how long they have waited once the device has

@@ -1429,16 +1429,19 @@ class NodeJoin:
             if holding is not None and holding.ended_at is not None:
                 continue  # let go: lingering for late samples only
             # A pod of several devices has one episode, on one of them: reclaiming it frees
-            # them all.
+            # them all, its whole GPUs in this hold, each MIG device in one of its own.
             devices = [uuid] if holding is None or not _several(holding) else [uuid, *(
                 other for other in _pod_devices(state, holding.pod, holding.devices)
                 if other != uuid and state.devices[other].idle.open_id is None)]
+            gpus = sum(not device.startswith("MIG-") for device in devices)
             for device in devices:
                 mig = device.startswith("MIG-")
+                if not mig and device != uuid:
+                    continue
                 profile = next(iter(holding.mig), None) if mig and holding is not None else None
                 holds.append(IdleHold(
                     device=device, pod=track.open_pod, idle_since=track.open_since,
-                    gpus=0 if mig else 1, mig_profile=profile,
+                    gpus=0 if mig else gpus, mig_profile=profile,
                     workload_kind=holding.workload_kind if holding is not None else None,
                     kept_until=track.held_until, ladder_step=track.stage))
         return holds

@@ -74,8 +74,8 @@ def test_a_hung_job_is_one_idle_episode_one_notice_per_step_and_one_reclaim(
     assert len({a.idempotency_key for a in actions if a.verb == "requeue"}) == 1
 
 
-def test_the_hung_job_offers_all_its_gpus_to_the_fleet(run: WorldRun) -> None:
-    gpus = set(_pods(run)["hung"])
-    offered = [{h.device for h in s.idle if h.pod.name.startswith("hung")}
-               for s in run.summaries]
-    assert gpus in offered
+def test_the_hung_job_is_offered_to_waiting_work_as_the_four_gpus_it_frees(
+        run: WorldRun) -> None:
+    offered = {(h.device, h.gpus) for s in run.summaries for h in s.idle
+               if h.pod.name.startswith("hung")}
+    assert len(offered) == 1 and offered.pop() in {(uuid, 4) for uuid in _pods(run)["hung"]}
