@@ -276,7 +276,8 @@ def test_a_revoked_webhook_is_said_once_and_not_retried(
         caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> list[dict[str, Any]]:
         runner, url, received = await receiver([410] * 20)
-        sink = WebhookSink(url, min_interval_s=0.0)
+        # A message per finding (no budget: digest_every_s 0), each refused for good.
+        sink = WebhookSink(url, min_interval_s=0.0, digest_every_s=0.0)
         for n in range(20):
             await sink.deliver(Finding(id=f"g-{n}", fingerprint=f"g-{n}", kind="ecc_dbe",
                                        severity="critical", state="firing",
@@ -295,3 +296,40 @@ def test_a_revoked_webhook_is_said_once_and_not_retried(
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, errors
     assert "answered 410" in errors[0] and "revoked or its URL is wrong" in errors[0]
+
+
+def test_a_storm_that_trickles_in_node_by_node_is_ten_messages_then_a_digest_a_window(
+        ) -> None:
+    """A bad driver rolling out breaks one node's eight GPUs at a time: each consumer batch
+    holds eight findings, under the old per-batch digest threshold, so every node was eight
+    messages. Now at most ten findings per window get messages of their own, the rest are gathered
+    (held back from the commit) and posted as one digest per window."""
+    def node_down(node: int) -> list[Finding]:
+        return [Finding(id=f"dbe-{node}-{gpu}", fingerprint=f"dbe-{node}-{gpu}",
+                        kind="ecc_dbe", severity="critical", state="firing",
+                        subject=Subject(node=f"gpu-node-{node}", device=f"GPU-{gpu}"),
+                        summary="uncorrectable ECC error", starts_at=T0, ts=T0)
+                for gpu in range(8)]
+
+    async def main() -> tuple[list[dict[str, Any]], int, int]:
+        runner, url, received = await receiver([])
+        sink = WebhookSink(url, min_interval_s=0.0, digest_every_s=1.0)
+        for node in range(6):
+            await sink.deliver_many(node_down(node))
+            await sink.refresh()
+        held = len(sink.holding())
+        before = len(received)
+        await asyncio.sleep(1.0)
+        await sink.refresh()
+        await sink.close()
+        await runner.cleanup()
+        return received, held, before
+
+    received, held, before = asyncio.run(main())
+    named = [i for m in received for i in _ids(m)]
+    assert sorted(named) == sorted(f"dbe-{n}-{g}" for n in range(6) for g in range(8))
+    # The first node's eight on their own; the second's would pass ten: one digest at once;
+    # the next four nodes' within the window: one digest when it is over.
+    assert [len(_ids(m)) for m in received] == [1] * 8 + [8, 32]
+    assert received[-1]["text"].startswith("[FIRING critical] 32 findings at once")
+    assert (held, before) == (32, 9)  # gathered, not sent, not committed past
