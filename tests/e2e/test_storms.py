@@ -75,7 +75,7 @@ class Storm:
     """Alertmanager's alerts at the end."""
 
 
-async def _run(broker: EmbeddedBroker, workdir: Path) -> Storm:
+async def _run(broker: EmbeddedBroker, workdir: Path, scenario: Scenario) -> Storm:
     chat: list[dict[str, Any]] = []
 
     async def hook(request: web.Request) -> web.Response:
@@ -88,7 +88,7 @@ async def _run(broker: EmbeddedBroker, workdir: Path) -> Storm:
     port = free_port()
     alertmanager = start_alertmanager(workdir / "alertmanager", port=port)
     manifests = deployment.Manifests.from_overlay(OVERLAY)
-    local = deployment.Local(broker.bootstrap, workdir, topic_prefix="storm",
+    local = deployment.Local(broker.bootstrap, workdir, topic_prefix=scenario.name,
                              kubeconfig=workdir / "kubeconfig",
                              extra_env={
                                  "GPUSTEWARD_WEBHOOK_URL": f"{base}/services/T0/B0/token",
@@ -99,7 +99,7 @@ async def _run(broker: EmbeddedBroker, workdir: Path) -> Storm:
     await publisher.start()
     processes: list[deployment.Process] = []
     try:
-        cluster = SimulatedCluster(rollout())
+        cluster = SimulatedCluster(scenario)
         world = World(cluster, publisher, workdir)
         processes = list(deployment.start(manifests, ["worker", "alerts", "remediation"],
                                           local))
@@ -133,7 +133,7 @@ def _alerts(alertmanager: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def storm(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Storm:
-    return asyncio.run(_run(broker, tmp_path_factory.mktemp("storm")))
+    return asyncio.run(_run(broker, tmp_path_factory.mktemp("storm"), rollout()))
 
 
 def _named(message: dict[str, Any]) -> list[str]:
@@ -187,3 +187,38 @@ def test_alertmanager_holds_one_alert_per_finding(storm: Storm) -> None:
     by_node = Counter(a["labels"].get("node") for a in storm.alerts
                       if a["labels"]["alertname"] == "GpuStewardEccDbe")
     assert by_node == {f"gpu-{n}": GPUS for n in range(1, BAD + 1)}
+
+
+FLAPS = 10
+
+
+def flapping() -> Scenario:
+    """Two busy 2-GPU nodes for two hours; from 10 min on, one GPU is thermally throttled
+    for 7 minutes out of every 10 (a GPU hovering at its limit under a job with a periodic
+    load: eval, checkpoints)."""
+    return Scenario.model_validate({
+        "name": "thermal-flap", "seed": 3, "duration_s": 7200, "sample_interval_s": 60,
+        "acceleration": 0,
+        "nodes": [{"prefix": "gpu", "count": 2, "gpu_model": "NVIDIA H100 80GB HBM3",
+                   "gpus": 2, "mem_gib": 80}],
+        "users": ["alice", "bob"],
+        "workloads": [{"group": "train", "count": 2, "kind": "batch", "gpus": 2,
+                       "mem_gib": [40, 70], "phases": [{"util": [70, 99]}]}],
+        "faults": [{"kind": "thermal", "node": "gpu-1", "gpu": 0, "at_s": 600 + k * 600,
+                    "for_s": 420} for k in range(FLAPS)],
+    })
+
+
+@pytest.mark.timeout(600)
+def test_a_gpu_hovering_at_its_thermal_limit_is_one_episode_not_one_per_crossing(
+        broker: EmbeddedBroker, tmp_path: Path) -> None:
+    """Before, three cool minutes (more than clear_s, 120 s) closed the episode and the next
+    five hot ones opened another: ten episodes in two hours, each a firing and a resolved
+    message in chat and an alert that fired and resolved at Alertmanager. The rule's
+    hysteresis now outlasts such dips."""
+    flap = asyncio.run(_run(broker, tmp_path, flapping()))
+    thermal = [f for f in flap.findings if f.kind == "thermal_slowdown"]
+    assert len({f.id for f in thermal}) == 1, [(f.state, f.starts_at) for f in thermal]
+    assert [f.state for f in thermal] == ["firing", "resolved"]
+    named = [i for message in flap.chat for i in _named(message)]
+    assert len(named) == 2
