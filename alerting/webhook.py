@@ -10,13 +10,16 @@ A chat channel is read by people, so the sink is shaped by what they can read an
 what Slack allows (about one message per second per webhook, then 429 with
 ``Retry-After``):
 
-- at most :data:`DIGEST_OVER` findings per :data:`DIGEST_EVERY_S` get a message of their
-  own; past that (a fleet-wide incident, or one that trickles in node by node as a bad
-  driver rolls out), the findings are gathered and posted as one digest, counts by kind
-  and a line per finding up to the text limit, at most one digest per
-  :data:`DIGEST_EVERY_S` while they keep coming (before, only a single consumer batch of
-  more than ten was a digest: a rollout that broke a node's eight GPUs every minute posted
-  eight messages a minute for as long as it ran);
+- the findings of one kind, state and severity on one node's devices in a consumer batch
+  are one message (a node whose eight GPUs report a double-bit error at once is one
+  message, not eight); a pod's finding is a message of its own, its owner's text;
+- at most :data:`DIGEST_OVER` messages per :data:`DIGEST_EVERY_S`; past that (a fleet-wide
+  incident, or one that trickles in node by node as a bad driver rolls out), the findings
+  are gathered and posted as one digest, counts by kind and a line per finding up to the
+  text limit, at most one digest per :data:`DIGEST_EVERY_S` while they keep coming
+  (before, only a single consumer batch of more than ten was a digest: a rollout that
+  broke a node's eight GPUs every minute posted eight messages a minute for as long as it
+  ran);
 - messages are sent at most one per :data:`MIN_INTERVAL_S`, and a 429's ``Retry-After``
   is waited out before the next request (up to :data:`MAX_RETRY_AFTER_S`; a longer one
   keeps the message for later without holding the consumer);
@@ -57,9 +60,9 @@ COLOURS = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 RESOLVED_COLOUR = "#2ca02c"
 
 DIGEST_OVER = 10
-"""Most findings per :data:`DIGEST_EVERY_S` sent as messages of their own; the ones past it
-are gathered into one digest message: a channel reads ten messages, not a thousand (and
-Slack takes about one a second)."""
+"""Most messages per :data:`DIGEST_EVERY_S` (one per finding, or per node's findings of one
+kind); the findings past it are gathered into one digest message: a channel reads ten
+messages, not a thousand (and Slack takes about one a second)."""
 DIGEST_EVERY_S = 60.0
 """Least seconds between two digests, and the window of :data:`DIGEST_OVER`: while findings
 keep coming past the budget, the channel gets one digest a minute, whatever their rate."""
@@ -205,8 +208,8 @@ class WebhookSink:
         self.min_interval_s = min_interval_s
         self.digest_every_s = digest_every_s
         self.unsent: list[Kept] = []
-        self._singles: deque[float] = deque()
-        """Monotonic time of each message of one finding sent within ``digest_every_s``."""
+        self._sent: deque[float] = deque()
+        """Monotonic time of each message (not digest) sent within ``digest_every_s``."""
         self._gathered: list[Finding] = []
         """Findings past the budget, for the next digest."""
         self._digest_at = 0.0
@@ -227,22 +230,29 @@ class WebhookSink:
         await self.deliver_many([finding])
 
     async def deliver_many(self, findings: list[Finding]) -> None:
-        """Send a consumer batch's new findings: one message each while the budget lasts
-        (:data:`DIGEST_OVER` per ``digest_every_s``), else gathered into a digest, posted at
-        once when no digest went out within ``digest_every_s``, otherwise when that is over
-        (by :meth:`refresh`)."""
+        """Send a consumer batch's new findings: a message per finding, or per node's
+        findings of one kind, while the budget lasts (:data:`DIGEST_OVER` per
+        ``digest_every_s``), else gathered into a digest, posted at once when no digest went
+        out within ``digest_every_s``, otherwise when that is over (by :meth:`refresh`)."""
         wanted = self._wanted(findings)
         if not wanted:
             return
         now = time.monotonic()
-        while self._singles and now - self._singles[0] >= self.digest_every_s:
-            self._singles.popleft()
+        while self._sent and now - self._sent[0] >= self.digest_every_s:
+            self._sent.popleft()
+        by_node: dict[tuple[str, ...], list[Finding]] = {}
+        for finding in wanted:
+            # A node's devices together; a pod's finding alone (its text is its owner's).
+            subject = finding.subject
+            where = subject.node if subject.node and subject.pod is None else finding.id
+            by_node.setdefault((finding.state, finding.severity, finding.kind, where),
+                               []).append(finding)
         storming = bool(self._gathered) or (self._last_digest is not None
                                             and now - self._last_digest < self.digest_every_s)
-        if not storming and len(self._singles) + len(wanted) <= DIGEST_OVER:
-            for finding in wanted:
-                self._singles.append(now)
-                await self._post(Kept(slack_message(finding, self.cluster), (news(finding),)))
+        if not storming and len(self._sent) + len(by_node) <= DIGEST_OVER:
+            for group in by_node.values():
+                self._sent.append(now)
+                await self._post(self._message(group))
             return
         if not self._gathered:
             self._digest_at = (now if self._last_digest is None
@@ -257,9 +267,12 @@ class WebhookSink:
             return
         gathered, self._gathered = self._gathered, []
         self._last_digest = time.monotonic()
-        await self._post(Kept(digest_message(gathered, self.cluster)
-                              if len(gathered) > 1 else slack_message(gathered[0], self.cluster),
-                              tuple(map(news, gathered))))
+        await self._post(self._message(gathered))
+
+    def _message(self, findings: list[Finding]) -> Kept:
+        """One finding's message, or a digest of several."""
+        return Kept(digest_message(findings, self.cluster) if len(findings) > 1
+                    else slack_message(findings[0], self.cluster), tuple(map(news, findings)))
 
     async def _post(self, kept: Kept) -> None:
         # Behind messages kept from a failure: in order, and a receiver that is down costs
