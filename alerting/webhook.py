@@ -10,9 +10,16 @@ A chat channel is read by people, so the sink is shaped by what they can read an
 what Slack allows (about one message per second per webhook, then 429 with
 ``Retry-After``):
 
-- a consumer batch of more than :data:`DIGEST_OVER` new findings (a fleet-wide incident)
-  is one digest message, counts by kind and a line per finding up to the text limit, not
-  a message per finding;
+- the findings of one kind, state and severity on one node's devices in a consumer batch
+  are one message (a node whose eight GPUs report a double-bit error at once is one
+  message, not eight); a pod's finding is a message of its own, its owner's text;
+- at most :data:`DIGEST_OVER` messages per :data:`DIGEST_EVERY_S`; past that (a fleet-wide
+  incident, or one that trickles in node by node as a bad driver rolls out), the findings
+  are gathered and posted as one digest, counts by kind and a line per finding up to the
+  text limit, at most one digest per :data:`DIGEST_EVERY_S` while they keep coming
+  (before, only a single consumer batch of more than ten was a digest: a rollout that
+  broke a node's eight GPUs every minute posted eight messages a minute for as long as it
+  ran);
 - messages are sent at most one per :data:`MIN_INTERVAL_S`, and a 429's ``Retry-After``
   is waited out before the next request (up to :data:`MAX_RETRY_AFTER_S`; a longer one
   keeps the message for later without holding the consumer);
@@ -34,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -53,8 +60,12 @@ COLOURS = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 RESOLVED_COLOUR = "#2ca02c"
 
 DIGEST_OVER = 10
-"""More new findings than this in one consumer batch are sent as one digest message: a
-channel reads ten messages, not a thousand (and Slack takes about one a second)."""
+"""Most messages per :data:`DIGEST_EVERY_S` (one per finding, or per node's findings of one
+kind); the findings past it are gathered into one digest message: a channel reads ten
+messages, not a thousand (and Slack takes about one a second)."""
+DIGEST_EVERY_S = 60.0
+"""Least seconds between two digests, and the window of :data:`DIGEST_OVER`: while findings
+keep coming past the budget, the channel gets one digest a minute, whatever their rate."""
 TEXT_LIMIT = 40_000
 """Slack truncates a message's ``text`` beyond 40,000 characters; a digest stops before."""
 MIN_INTERVAL_S = 1.0
@@ -180,10 +191,12 @@ class WebhookSink:
 
     def __init__(self, url: str, *, attempts: int = 3, backoff_s: float = 0.5,
                  timeout_s: float = 10.0, min_severity: str = "info",
-                 min_interval_s: float = MIN_INTERVAL_S, cluster: str = "") -> None:
+                 min_interval_s: float = MIN_INTERVAL_S, cluster: str = "",
+                 digest_every_s: float = DIGEST_EVERY_S) -> None:
         """``min_severity``: findings below it (info < warning < critical) are not sent.
         ``min_interval_s``: least seconds between two posts (Slack's rate). ``cluster``:
-        the cluster every message names (empty: none named)."""
+        the cluster every message names (empty: none named). ``digest_every_s``: the
+        window of the message budget and the least time between two digests."""
         self.url = url
         self.cluster = cluster
         self.shown = shown_url(url)
@@ -193,7 +206,15 @@ class WebhookSink:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.min_rank = _RANK[min_severity]
         self.min_interval_s = min_interval_s
+        self.digest_every_s = digest_every_s
         self.unsent: list[Kept] = []
+        self._sent: deque[float] = deque()
+        """Monotonic time of each message (not digest) sent within ``digest_every_s``."""
+        self._gathered: list[Finding] = []
+        """Findings past the budget, for the next digest."""
+        self._digest_at = 0.0
+        """Monotonic time at which the gathered findings are posted."""
+        self._last_digest: float | None = None
         self._session: aiohttp.ClientSession | None = None
         self._next_post = 0.0
         """Monotonic time before which no post is made (the pace, or a ``Retry-After``)."""
@@ -209,29 +230,69 @@ class WebhookSink:
         await self.deliver_many([finding])
 
     async def deliver_many(self, findings: list[Finding]) -> None:
-        """Send a consumer batch's new findings: one message each, or one digest."""
+        """Send a consumer batch's new findings: a message per finding, or per node's
+        findings of one kind, while the budget lasts (:data:`DIGEST_OVER` per
+        ``digest_every_s``), else gathered into a digest, posted at once when no digest went
+        out within ``digest_every_s``, otherwise when that is over (by :meth:`refresh`)."""
         wanted = self._wanted(findings)
         if not wanted:
             return
-        messages = ([Kept(digest_message(wanted, self.cluster), tuple(map(news, wanted)))]
-                    if len(wanted) > DIGEST_OVER
-                    else [Kept(slack_message(f, self.cluster), (news(f),)) for f in wanted])
-        for kept in messages:
-            # Behind messages kept from a failure: in order, and a receiver that is down
-            # costs the refresh one timeout rather than every new finding its retries.
-            if self.unsent or not await self._send(kept.message):
-                self.unsent.append(kept)
+        now = time.monotonic()
+        while self._sent and now - self._sent[0] >= self.digest_every_s:
+            self._sent.popleft()
+        by_node: dict[tuple[str, ...], list[Finding]] = {}
+        for finding in wanted:
+            # A node's devices together; a pod's finding alone (its text is its owner's).
+            subject = finding.subject
+            where = subject.node if subject.node and subject.pod is None else finding.id
+            by_node.setdefault((finding.state, finding.severity, finding.kind, where),
+                               []).append(finding)
+        storming = bool(self._gathered) or (self._last_digest is not None
+                                            and now - self._last_digest < self.digest_every_s)
+        if not storming and len(self._sent) + len(by_node) <= DIGEST_OVER:
+            for group in by_node.values():
+                self._sent.append(now)
+                await self._post(self._message(group))
+            return
+        if not self._gathered:
+            self._digest_at = (now if self._last_digest is None
+                               else max(now, self._last_digest + self.digest_every_s))
+        self._gathered.extend(wanted)
+        await self._post_gathered()
+
+    async def _post_gathered(self, force: bool = False) -> None:
+        """Post the gathered findings as one digest (one message if only one) when due, or
+        at once with ``force``."""
+        if not self._gathered or (not force and time.monotonic() < self._digest_at):
+            return
+        gathered, self._gathered = self._gathered, []
+        self._last_digest = time.monotonic()
+        await self._post(self._message(gathered))
+
+    def _message(self, findings: list[Finding]) -> Kept:
+        """One finding's message, or a digest of several."""
+        return Kept(digest_message(findings, self.cluster) if len(findings) > 1
+                    else slack_message(findings[0], self.cluster), tuple(map(news, findings)))
+
+    async def _post(self, kept: Kept) -> None:
+        # Behind messages kept from a failure: in order, and a receiver that is down costs
+        # the refresh one timeout rather than every new finding its retries.
+        if self.unsent or not await self._send(kept.message):
+            self.unsent.append(kept)
 
     def holding(self) -> set[News]:
         """:func:`~gpusteward.alerting.consumer.news` of every finding whose message is
         kept, not sent yet: the consumer commits no further than the oldest of their
         records, so none is lost to a restart."""
-        return {key for kept in self.unsent for key in kept.findings}
+        return ({key for kept in self.unsent for key in kept.findings}
+                | {news(finding) for finding in self._gathered})
 
     async def refresh(self, force: bool = False) -> None:
         """Try the messages that could not be sent earlier, oldest first, as far as the
         pace and a ``Retry-After`` allow now (the consumer calls it every poll, so a backlog
-        drains at the webhook's rate without holding it); ``force`` waits its turn."""
+        drains at the webhook's rate without holding it); ``force`` waits its turn. The
+        gathered findings are posted once their digest is due (with ``force``, now)."""
+        await self._post_gathered(force)
         while self.unsent:
             if not force and time.monotonic() < self._next_post:
                 return
@@ -240,11 +301,11 @@ class WebhookSink:
             self.unsent.pop(0)
 
     async def close(self) -> None:
-        if self.unsent:
-            log.warning("webhook %s: %d message(s) not sent as the process stops; the "
-                        "consumer committed no further than their findings, so the next "
-                        "start reads them again and sends them", self.shown,
-                        len(self.unsent))
+        if self.unsent or self._gathered:
+            log.warning("webhook %s: %d message(s) and %d finding(s) gathered for a digest "
+                        "not sent as the process stops; the consumer committed no further "
+                        "than their findings, so the next start reads them again and sends "
+                        "them", self.shown, len(self.unsent), len(self._gathered))
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -7,8 +7,9 @@ records one outcome on the audit topic (``action-results``):
   action's rule is not enabled for execution (:class:`RemediationSettings`
   ``enabled_rules``), or the action asked only for a dry run; the audit says
   what would have happened;
-- ``skipped``: the idempotency key was already executed (a redelivery), or
-  the backend found the effect already in place (the node was cordoned);
+- ``skipped``: the idempotency key was already executed (a redelivery), the
+  backend found the effect already in place (the node was cordoned), or another
+  key drained the node within ``drain_interval_s`` (one drain per GPU finding);
 - ``refused``: a guard said no: the target is on a deny-list, MIG relabels
   are not allowed by policy, the action is older than ``max_action_age_s``
   (a backlog replayed after an outage; such a refusal of an action that would
@@ -159,11 +160,18 @@ _STALE_PREFIXES = ("stale: ", "asked for at ")
 """How the details of the age guard's refusals start (:meth:`Executor._age_refusal`)."""
 
 
+DRAINED_PREFIX = "drained with "
+"""How the detail of a drain skipped for another key's drain of its node starts."""
+
+
 def _decision(outcome: Outcome, detail: str) -> str:
     """What a re-ask's decision must differ in from its key's last to be audited again: the
-    outcome and its detail, a refusal as stale (or skewed) whatever the age it names."""
+    outcome and its detail, a refusal as stale (or skewed) whatever the age it names, a
+    drain skipped for another key's drain of its node whatever the key and time it names."""
     if outcome == "refused" and detail.startswith(_STALE_PREFIXES):
         return "refused: stale"
+    if outcome == "skipped" and detail.startswith(DRAINED_PREFIX):
+        return "skipped: drained with another key"
     return f"{outcome}: {detail}"
 
 
@@ -276,6 +284,15 @@ class RemediationSettings(BaseSettings):
     allow_mig_config: bool = Field(
         False, description="Whether set_mig_config may relabel nodes (it restarts the GPU "
         "Operator's MIG manager on the node and evicts its GPU pods).")
+    drain_interval_s: float = Field(
+        300.0, ge=0,
+        description="Least seconds between two drains of one node, whatever the keys asking: "
+        "the worker asks for a drain per GPU finding (eight for a node whose GPUs all fell "
+        "off the bus) and again every reask_s (10 min) while they stay open, and each drain "
+        "a PodDisruptionBudget blocks waits drain_timeout_s (4 min) and tells the blocked "
+        "pods' owners. A drain of a node drained (executed or failed) within this is skipped, "
+        "audited as such. 5 min, half of reask_s: each round of re-asks drains once. 0: "
+        "every key drains.")
     retry_attempts: int = Field(
         5, ge=1, description="Most tries of one action whose backend calls fail with a "
         "temporary error (503, 429, timeout), the first included; 1 never retries. Five tries "
@@ -481,6 +498,9 @@ class Executor:
         self.decided: dict[str, str] = {}
         """Idempotency key of a node action (the verbs the worker asks for again) -> its
         last final decision (:func:`_decision`), to tell a re-ask that changes nothing."""
+        self.drained: dict[str, tuple[float, str]] = {}
+        """Node -> when (executor's clock) and under which key it was last drained (executed
+        or failed: the backend was asked), for ``drain_interval_s``."""
         self.notified: dict[str, float] = {}
         """Finding -> when (executor's clock) its first owner notice was delivered (executed,
         or found already there)."""
@@ -545,6 +565,8 @@ class Executor:
             self.decided[key] = _decision(outcome, detail)
         if node and _disrupted(verb, outcome, attempt):
             self.breaker.record(node, ts)
+        if node and verb == "drain" and outcome in ("executed", "failed"):
+            self.drained[node] = max((ts, key), self.drained.get(node, (ts, key)))
         if reclaim and _may_have_acted(outcome, attempt):
             self.breaker.record_reclaim(key, ts)
         if verb == "notify_owner" and outcome in ("executed", "skipped") and NOTICE_KEY in key:
@@ -562,6 +584,7 @@ class Executor:
             self.executed_keys.discard(key)
             self.decided.pop(key, None)
         self.notified = {episode: ts for episode, ts in self.notified.items() if ts >= cutoff}
+        self.drained = {node: at for node, at in self.drained.items() if at[0] >= cutoff}
         self._forget_at = len(self._heard) + FORGET_EVERY
 
     # -- deciding --------------------------------------------------------------------------
@@ -629,6 +652,19 @@ class Executor:
             return "refused", stale
         if _is_reclaim(action):
             return self._notice_verdict(action, now)
+        if action.verb == "drain" and action.target.node in self.drained:
+            drained_at, by = self.drained[action.target.node]
+            if by != action.idempotency_key and \
+                    now - drained_at < self.remediation.drain_interval_s:
+                # The node's other GPU findings ask for the same drain: one blocked drain
+                # per GPU would hold the executor drain_timeout_s each and tell the blocked
+                # pods' owners once per GPU.
+                return "skipped", (
+                    f"{DRAINED_PREFIX}{by} at {rfc3339(drained_at)}, "
+                    f"{now - drained_at:.0f} s ago: node {action.target.node} is drained at "
+                    f"most once per drain_interval_s={self.remediation.drain_interval_s:g} s "
+                    "whatever the findings asking; a later re-ask drains it again if pods "
+                    "are left")
         return None
 
     def _age_refusal(self, action: Action, now: float) -> str | None:

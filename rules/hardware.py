@@ -266,9 +266,12 @@ class ThermalSettings(BaseModel):
     window_s: float = Field(300, gt=0, description="Seconds the GPU must stay thermally "
                             "throttled, at every sample, before the rule fires (5 min: a "
                             "transient spike under a burst of load does not count).")
-    clear_s: float = Field(120, ge=0, description="Seconds without thermal throttling that close "
+    clear_s: float = Field(600, ge=0, description="Seconds without thermal throttling that close "
                            "an open episode (hysteresis: a GPU hovering at its limit gives one "
-                           "episode, not one per crossing).")
+                           "episode, not one per crossing). 10 min, twice window_s: a job whose "
+                           "load dips for a few minutes (eval, checkpoints) cools the GPU that "
+                           "long; at 2 min such a GPU opened and closed an episode every cycle, "
+                           "each a chat message and an alert firing and resolving.")
     max_gap_s: float = Field(150, gt=0, description="A gap between samples longer than this "
                              "restarts the run: no observations means no evidence. 150 s: one "
                              "missed reading of a collector polling every 60 s is no gap.")

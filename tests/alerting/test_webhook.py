@@ -276,7 +276,8 @@ def test_a_revoked_webhook_is_said_once_and_not_retried(
         caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> list[dict[str, Any]]:
         runner, url, received = await receiver([410] * 20)
-        sink = WebhookSink(url, min_interval_s=0.0)
+        # A message per finding (no budget: digest_every_s 0), each refused for good.
+        sink = WebhookSink(url, min_interval_s=0.0, digest_every_s=0.0)
         for n in range(20):
             await sink.deliver(Finding(id=f"g-{n}", fingerprint=f"g-{n}", kind="ecc_dbe",
                                        severity="critical", state="firing",
@@ -295,3 +296,62 @@ def test_a_revoked_webhook_is_said_once_and_not_retried(
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, errors
     assert "answered 410" in errors[0] and "revoked or its URL is wrong" in errors[0]
+
+
+def test_a_storm_that_trickles_in_is_ten_messages_then_a_digest_a_window() -> None:
+    """A bad driver rolling out breaks eight nodes' GPU at a time: each consumer batch holds
+    eight findings, under the old per-batch digest threshold, so every batch was eight
+    messages. Now at most ten messages per window, the rest are gathered (held back from
+    the commit) and posted as one digest per window."""
+    def batch(k: int) -> list[Finding]:
+        return [Finding(id=f"dbe-{node}", fingerprint=f"dbe-{node}", kind="ecc_dbe",
+                        severity="critical", state="firing",
+                        subject=Subject(node=f"gpu-node-{node}", device="GPU-0"),
+                        summary="uncorrectable ECC error", starts_at=T0, ts=T0)
+                for node in range(8 * k, 8 * k + 8)]
+
+    async def main() -> tuple[list[dict[str, Any]], int, int]:
+        runner, url, received = await receiver([])
+        sink = WebhookSink(url, min_interval_s=0.0, digest_every_s=1.0)
+        for k in range(6):
+            await sink.deliver_many(batch(k))
+            await sink.refresh()
+        held = len(sink.holding())
+        before = len(received)
+        await asyncio.sleep(1.0)
+        await sink.refresh()
+        await sink.close()
+        await runner.cleanup()
+        return received, held, before
+
+    received, held, before = asyncio.run(main())
+    named = [i for m in received for i in _ids(m)]
+    assert sorted(named) == sorted(f"dbe-{node}" for node in range(48))
+    # The first batch a message each; the second would pass ten: one digest at once; the
+    # next four within the window: one digest when it is over.
+    assert [len(_ids(m)) for m in received] == [1] * 8 + [8, 32]
+    assert received[-1]["text"].startswith("[FIRING critical] 32 findings at once")
+    assert (held, before) == (32, 9)  # gathered, not sent, not committed past
+
+
+def test_a_nodes_gpus_failing_together_are_one_message() -> None:
+    """Eight GPUs of one node with the same fault in one batch: one message naming the
+    eight, not eight; another node's finding its own."""
+    node = [Finding(id=f"lost-{gpu}", fingerprint=f"lost-{gpu}", kind="gpu_lost",
+                    severity="critical", state="firing",
+                    subject=Subject(node="gpu-node-1", device=f"GPU-{gpu}"),
+                    summary="GPU fallen off the bus", starts_at=T0, ts=T0) for gpu in range(8)]
+    other = finding()
+
+    async def main() -> list[dict[str, Any]]:
+        runner, url, received = await receiver([])
+        sink = WebhookSink(url, min_interval_s=0.0)
+        await sink.deliver_many([*node, other])
+        await sink.close()
+        await runner.cleanup()
+        return received
+
+    received = asyncio.run(main())
+    assert [_ids(m) for m in received] == [[f.id for f in node], [other.id]]
+    assert received[0]["text"].startswith("[FIRING critical] 8 findings at once")
+    assert "gpu-node-1 GPU-7" in received[0]["text"]

@@ -240,7 +240,7 @@ def test_hovering_at_the_limit_is_one_episode() -> None:
     readings = [(T0 + i * 30, dev(temp_c=95.0)) for i in range(20)]
     # Dips shorter than clear_s do not end the episode.
     readings += [(T0 + 600 + i * 30, dev(temp_c=95.0 if i % 3 else 80.0)) for i in range(40)]
-    readings += [(T0 + 1800 + i * 30, dev(temp_c=60.0)) for i in range(10)]
+    readings += [(T0 + 1800 + i * 30, dev(temp_c=60.0)) for i in range(25)]  # > clear_s
     out = feed(track, readings)
     assert len(firing(out)) == 1 and len(resolved(out)) == 1
 

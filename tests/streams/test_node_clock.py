@@ -134,13 +134,13 @@ def test_a_thermal_episode_goes_on_across_the_step_and_a_new_one_is_found_after_
     back = T0 + 1770 - STEP + 30
     hot, refused = feed(join, state, [_hot(back + i * 30, 95.0) for i in range(40)])
     assert refused == 10 and not findings(hot)  # still hot: the same episode, unresolved
-    cool, _ = feed(join, state, [_hot(back + 1200 + i * 30, 50.0) for i in range(5)])
-    (resolved,) = findings(cool)  # clear_s (120 s) of cool samples on the new clock
+    cool, _ = feed(join, state, [_hot(back + 1200 + i * 30, 50.0) for i in range(21)])
+    (resolved,) = findings(cool)  # clear_s (600 s) of cool samples on the new clock
     assert resolved.state == "resolved" and resolved.id == firing.id
-    again, _ = feed(join, state, [_hot(back + 1500 + i * 30, 95.0) for i in range(11)])
+    again, _ = feed(join, state, [_hot(back + 1900 + i * 30, 95.0) for i in range(11)])
     (second,) = findings(again)  # window_s (300 s) of hot samples: a new episode
     assert second.state == "firing" and second.id != firing.id
-    assert second.starts_at == back + 1500
+    assert second.starts_at == back + 1900
 
 
 def test_a_hardware_event_from_a_clock_stepped_back_is_refused_naming_the_jump() -> None:

@@ -80,7 +80,7 @@ def test_thermal_episode_survives_the_changelog_and_closes_once() -> None:
     for i in range(15, 40):
         out += join.on_sample(state, sample(T0 + i * 30, temp=95.0))
     assert findings(out) == []
-    for i in range(40, 50):
+    for i in range(40, 61):  # clear_s, 600 s, of cool samples
         out += join.on_sample(state, sample(T0 + i * 30, temp=60.0))
     (closed,) = findings(out)
     assert closed.state == "resolved" and closed.id == fired.id
