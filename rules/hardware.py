@@ -8,7 +8,9 @@ same id). Repeated samples inside an episode emit nothing.
 - **Error-counter bursts** (``ecc_sbe_rate``, ``pcie_replay``,
   ``nvlink_errors``, ``nvlink_crc_errors``): the counters are cumulative since the driver
   loaded; an episode opens when their increments within ``window_s`` reach
-  ``threshold`` and closes after ``window_s`` with no increment. A counter
+  ``threshold`` and closes after ``clear_s`` with no increment (30 min, 1 h for the
+  SBE rate: longer than the pause between a flaky link's recurring bursts, so such
+  a link is one episode, not one per burst). A counter
   that goes down was reset with the GPU: it is the new baseline. NVLink replay and
   recovery errors (``nvlink_errors``) are the link's real trouble; its CRC errors are routine
   on a healthy link (link training, a slow trickle) and count only at DCGM's failing rate,
@@ -148,8 +150,14 @@ class CounterBurstSettings(BaseModel):
 
     threshold: int = Field(100, ge=1, description="Counter increments within window_s that "
                            "open an episode.")
-    window_s: float = Field(3600, gt=0, description="Sliding window, seconds of event time; "
-                            "also the quiet time with no increment that closes the episode.")
+    window_s: float = Field(3600, gt=0, description="Sliding window, seconds of event time.")
+    clear_s: float = Field(1800, ge=0, description="Seconds with no increment that close an "
+                           "open episode (hysteresis: a counter bursting again and again is one "
+                           "episode, not one per burst). 30 min, six times the 5-min windows: a "
+                           "marginal link bursts every few minutes (every 10 under a job's "
+                           "periodic all-reduce); when the quiet time was window_s such a link "
+                           "opened and closed an episode per burst, ten in two hours, each a "
+                           "chat message and an alert firing and resolving.")
 
 
 class SbeRateSettings(CounterBurstSettings):
@@ -159,6 +167,10 @@ class SbeRateSettings(CounterBurstSettings):
                            "open an episode (100 per hour: far above the background rate of a "
                            "healthy GPU, which is near zero).")
     window_s: float = Field(3600, gt=0, description="Sliding window, seconds (1 h).")
+    clear_s: float = Field(3600, ge=0, description="Seconds with no correctable error that close "
+                           "an open episode. 1 h, the window: errors bursting again within the "
+                           "hour are one episode already, and an hour's quiet is a rate judged "
+                           "over an hour back to zero.")
 
 
 class PcieReplaySettings(CounterBurstSettings):
@@ -475,9 +487,9 @@ def _counter(track: CounterTrack, value: int, kind: str, node: str, uuid: str, t
     if last is not None and value < last:
         track.increments = []  # the GPU was reset: a new baseline
     if track.open is not None and (track.last_increment_ts is None
-                                   or ts - track.last_increment_ts >= settings.window_s):
+                                   or ts - track.last_increment_ts >= settings.clear_s):
         out.append(_close(track.open, kind, node, uuid, ts,
-                          f"no {kind.replace('_', ' ')} increase for {settings.window_s:g} s"))
+                          f"no {kind.replace('_', ' ')} increase for {settings.clear_s:g} s"))
         track.open = None
         track.increments = []
 

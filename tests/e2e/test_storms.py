@@ -222,3 +222,45 @@ def test_a_gpu_hovering_at_its_thermal_limit_is_one_episode_not_one_per_crossing
     assert [f.state for f in thermal] == ["firing", "resolved"]
     named = [i for message in flap.chat for i in _named(message)]
     assert len(named) == 2
+
+
+BURSTS = 10
+
+
+def bursting() -> Scenario:
+    """Two busy 2-GPU nodes for 2 h 20 min; from 10 min on, for 1 h 40 min, one GPU's PCIe
+    link replays in bursts every 10 minutes (60 replays a sample for 2 minutes: a marginal
+    link, or a riser that acts up under a job's periodic all-reduce), and another GPU's NVLink
+    replay errors burst alongside; then 40 quiet minutes."""
+    return Scenario.model_validate({
+        "name": "counter-flap", "seed": 3, "duration_s": 8400, "sample_interval_s": 60,
+        "acceleration": 0,
+        "nodes": [{"prefix": "gpu", "count": 2, "gpu_model": "NVIDIA H100 80GB HBM3",
+                   "gpus": 2, "mem_gib": 80}],
+        "users": ["alice", "bob"],
+        "workloads": [{"group": "train", "count": 2, "kind": "batch", "gpus": 2,
+                       "mem_gib": [40, 70], "phases": [{"util": [70, 99]}]}],
+        "faults": [
+            *({"kind": "pcie_replay", "node": "gpu-1", "gpu": 0, "at_s": 600 + k * 600,
+               "for_s": 120, "count": 60} for k in range(BURSTS)),
+            *({"kind": "nvlink_errors", "node": "gpu-2", "gpu": 1, "at_s": 600 + k * 600,
+               "for_s": 120, "count": 10} for k in range(BURSTS)),
+        ],
+    })
+
+
+@pytest.mark.timeout(600)
+def test_a_link_bursting_every_ten_minutes_is_one_episode_not_one_per_burst(
+        broker: EmbeddedBroker, tmp_path: Path) -> None:
+    """Before, an error-counter episode closed after window_s (5 min for PCIe replays and
+    NVLink errors) without an increase: a link bursting every 10 minutes was an episode per
+    burst, each a firing and a resolved message in chat and an alert that fired and resolved
+    at Alertmanager. Now the quiet time that closes one (clear_s, 30 min) outlasts the pause
+    between bursts: one episode per link, closed once the link has been quiet that long."""
+    flap = asyncio.run(_run(broker, tmp_path, bursting()))
+    for kind in ("pcie_replay", "nvlink_errors"):
+        found = [f for f in flap.findings if f.kind == kind]
+        assert len({f.id for f in found}) == 1, (kind, [(f.state, f.ts) for f in found])
+        assert [f.state for f in found] == ["firing", "resolved"], kind
+    named = [i for message in flap.chat for i in _named(message)]
+    assert len(named) == 4, [m["text"][:80] for m in flap.chat]

@@ -60,7 +60,7 @@ def test_sbe_burst_opens_one_episode_and_quiet_closes_it() -> None:
     assert finding.evidence is not None and finding.evidence.values["increase"] == 120
     assert finding.runbook
     assert not [o for o in out if isinstance(o, Action)]
-    # No increase for the whole window closes the episode, once.
+    # No increase for clear_s (1 h) after the last one, at T0 + 570, closes the episode, once.
     quiet = [(T0 + 600 + i * 60, dev(ecc_sbe_volatile=760)) for i in range(70)]
     out = feed(track, quiet)
     (closing,) = resolved(out)
@@ -99,6 +99,44 @@ def test_pcie_and_nvlink_bursts() -> None:
     assert len(firing(out)) == 2
 
 
+@pytest.mark.parametrize(("kind", "field", "per_sample", "every_s"), [
+    ("pcie_replay", "pcie_replay", 60, 600), ("nvlink_errors", "nvlink_errors", 10, 600),
+    ("nvlink_crc_errors", "nvlink_crc_errors", 18_000, 600)])
+def test_a_counter_bursting_again_and_again_is_one_episode(
+        kind: str, field: str, per_sample: int, every_s: int) -> None:
+    """Bursts of two readings every 10 min for two hours under the shipped policy: one
+    episode, closed once, clear_s after the last burst. Before, the quiet time was window_s
+    (5 min): an episode per burst."""
+    track, counter, readings = hardware.HwTrack(), 0, []
+    for tick in range(int((2 * 3600 + every_s) // 60)):
+        if tick % (every_s // 60) in (1, 2):
+            counter += per_sample
+        readings.append((T0 + 60 * tick, dev(**{field: counter})))
+    out = feed(track, readings)
+    assert [f.kind for f in firing(out)] == [kind] and resolved(out) == []
+    last_increase = max(ts for (_, before), (ts, d) in itertools.pairwise(readings)
+                        if getattr(d, field) > getattr(before, field))
+    clear_s = {"pcie_replay": SETTINGS.pcie, "nvlink_errors": SETTINGS.nvlink,
+               "nvlink_crc_errors": SETTINGS.nvlink_crc}[kind].clear_s
+    quiet = [(readings[-1][0] + 60 * i, dev(**{field: counter}))
+             for i in range(1, int(clear_s // 60) + 2 * every_s // 60)]
+    (closing,) = resolved(feed(track, quiet))
+    assert closing.id == firing(out)[0].id
+    assert closing.ends_at == last_increase + clear_s
+    assert f"increase for {clear_s:g} s" in closing.summary
+
+
+def test_a_shorter_clear_s_closes_between_bursts() -> None:
+    """clear_s is the policy's to set: at window_s (the old quiet time) each burst of a link
+    bursting every 10 minutes is its own episode again."""
+    s = hardware.HardwareSettings(pcie=hardware.PcieReplaySettings(clear_s=300))
+    readings = [(T0 + 60 * tick, dev(pcie_replay=60 * sum(1 for t in range(tick + 1)
+                                                        if t % 10 in (1, 2))))
+                for tick in range(60)]
+    out = feed(hardware.HwTrack(), readings, s)
+    assert len(firing(out)) == len(resolved(out)) == 6
+
+
 def test_nvlink_crc_errors_are_judged_on_their_own_rate() -> None:
     """CRC errors are routine on a healthy link: a jump of 412 between two readings and a
     trickle of 2 a minute raise nothing; 200 a second (DCGM fails a link at 100) opens one
@@ -113,7 +151,7 @@ def test_nvlink_crc_errors_are_judged_on_their_own_rate() -> None:
     assert finding.kind == "nvlink_crc_errors" and finding.ts == start + 150
     # The trickle's last few count too: they are in the window.
     assert "30003 in 270 s (threshold 30000 per 300 s)" in finding.summary
-    quiet = [(start + 180 + 60 * i, dev(nvlink_crc_errors=652 + 3000 * 11)) for i in range(6)]
+    quiet = [(start + 180 + 60 * i, dev(nvlink_crc_errors=652 + 3000 * 11)) for i in range(31)]
     (closing,) = resolved(feed(track, quiet))
     assert closing.id == finding.id and closing.kind == "nvlink_crc_errors"
 
@@ -334,7 +372,7 @@ def test_counter_fires_only_when_the_window_holds_the_threshold(
         raw: list[tuple[int, int]], jitter: list[int]) -> None:
     """A burst finding at ts means the accepted increments in (ts - window, ts] reach the
     threshold; at most one episode is open at a time, and it resolves only after a quiet
-    window. Delivery is jittered: late and duplicate samples (carrying the counter value of
+    clear_s. Delivery is jittered: late and duplicate samples (carrying the counter value of
     their own time) are mixed in."""
     s = SETTINGS.sbe
     # The GPU's true cumulative counter by tick, from the increments at each tick.
@@ -367,7 +405,7 @@ def test_counter_fires_only_when_the_window_holds_the_threshold(
                 assert sum(i for t, i in increments if ts - s.window_s < t <= ts) >= s.threshold
             else:
                 assert finding.id == open_id
-                assert all(t <= ts - s.window_s for t, _ in increments)
+                assert all(t <= ts - s.clear_s for t, _ in increments)
                 open_id = None
 
 
