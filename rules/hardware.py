@@ -8,9 +8,10 @@ same id). Repeated samples inside an episode emit nothing.
 - **Error-counter bursts** (``ecc_sbe_rate``, ``pcie_replay``,
   ``nvlink_errors``, ``nvlink_crc_errors``): the counters are cumulative since the driver
   loaded; an episode opens when their increments within ``window_s`` reach
-  ``threshold`` and closes after ``clear_s`` with no increment (30 min, 1 h for the
-  SBE rate: longer than the pause between a flaky link's recurring bursts, so such
-  a link is one episode, not one per burst). A counter
+  ``threshold`` and closes after ``clear_s`` with no burst (no window at the threshold
+  again; 30 min, 1 h for the SBE rate: longer than the pause between a flaky link's
+  recurring bursts, so such a link is one episode, not one per burst, while a trickle
+  below the threshold does not hold it open). A counter
   that goes down was reset with the GPU: it is the new baseline. NVLink replay and
   recovery errors (``nvlink_errors``) are the link's real trouble; its CRC errors are routine
   on a healthy link (link training, a slow trickle) and count only at DCGM's failing rate,
@@ -151,10 +152,12 @@ class CounterBurstSettings(BaseModel):
     threshold: int = Field(100, ge=1, description="Counter increments within window_s that "
                            "open an episode.")
     window_s: float = Field(3600, gt=0, description="Sliding window, seconds of event time.")
-    clear_s: float = Field(1800, ge=0, description="Seconds with no increment that close an "
-                           "open episode (hysteresis: a counter bursting again and again is one "
-                           "episode, not one per burst). 30 min, six times the 5-min windows: a "
-                           "marginal link bursts every few minutes (every 10 under a job's "
+    clear_s: float = Field(1800, ge=0, description="Seconds without a burst (the counter's "
+                           "window at the threshold again) that close an open episode; a "
+                           "trickle below the threshold does not hold it open (hysteresis: a "
+                           "counter bursting again and again is one episode, not one per "
+                           "burst). 30 min, six times the 5-min windows: a marginal link "
+                           "bursts every few minutes (every 10 under a job's "
                            "periodic all-reduce); when the quiet time was window_s such a link "
                            "opened and closed an episode per burst, ten in two hours, each a "
                            "chat message and an alert firing and resolving.")
@@ -167,10 +170,9 @@ class SbeRateSettings(CounterBurstSettings):
                            "open an episode (100 per hour: far above the background rate of a "
                            "healthy GPU, which is near zero).")
     window_s: float = Field(3600, gt=0, description="Sliding window, seconds (1 h).")
-    clear_s: float = Field(3600, ge=0, description="Seconds with no correctable error that close "
-                           "an open episode. 1 h, the window: errors bursting again within the "
-                           "hour are one episode already, and an hour's quiet is a rate judged "
-                           "over an hour back to zero.")
+    clear_s: float = Field(3600, ge=0, description="Seconds without the threshold's rate of "
+                           "correctable errors that close an open episode. 1 h, the window: "
+                           "errors bursting again within the hour are one episode already.")
 
 
 class PcieReplaySettings(CounterBurstSettings):
@@ -463,33 +465,38 @@ def _counter(track: CounterTrack, value: int, kind: str, node: str, uuid: str, t
         # it, so it is no evidence of a burst. It becomes the new baseline.
         last = None
     if last is not None and value > last:
-        track.last_increment_ts = ts
-        if track.open is not None:
-            return  # the episode goes on; only the time of the last increase matters now
-        # Below the threshold every kept increase is >= 1, so fewer than `threshold` are kept.
+        # Kept for the window only (each increase >= 1: with no episode open, fewer than
+        # `threshold` are kept; with one open, the readings of one window at most).
         track.increments.append((ts - (since_last or 0.0), value - last))
         horizon = ts - settings.window_s
         if track.increments[0][0] <= horizon:
             track.increments = [i for i in track.increments if i[0] > horizon]
         total = sum(i[1] for i in track.increments)
+        if track.open is None:
+            track.last_increment_ts = ts
+            if total >= settings.threshold:
+                start = track.increments[0][0]
+                finding = _finding(
+                    kind, "warning", node, uuid, start, ts,
+                    f"{kind.replace('_', ' ')} on {uuid} ({node}): {total} in "
+                    f"{ts - start:.0f} s (threshold {settings.threshold} per "
+                    f"{settings.window_s:g} s)", len(track.increments),
+                    {"increase": float(total), "threshold": float(settings.threshold)})
+                track.open = Episode(finding.id, finding.fingerprint, start)
+                out.append(finding)
+            return
         if total >= settings.threshold:
-            start = track.increments[0][0]
-            finding = _finding(
-                kind, "warning", node, uuid, start, ts,
-                f"{kind.replace('_', ' ')} on {uuid} ({node}): {total} in "
-                f"{ts - start:.0f} s (threshold {settings.threshold} per "
-                f"{settings.window_s:g} s)", len(track.increments),
-                {"increase": float(total), "threshold": float(settings.threshold)})
-            track.open = Episode(finding.id, finding.fingerprint, start)
-            track.increments = []
-            out.append(finding)
-        return
+            # The episode goes on while the counter still bursts (its window at the
+            # threshold again); a trickle below it, routine for CRC errors on a healthy
+            # link, does not hold it open: clear_s counts from the last burst.
+            track.last_increment_ts = ts
+            return
     if last is not None and value < last:
         track.increments = []  # the GPU was reset: a new baseline
     if track.open is not None and (track.last_increment_ts is None
                                    or ts - track.last_increment_ts >= settings.clear_s):
         out.append(_close(track.open, kind, node, uuid, ts,
-                          f"no {kind.replace('_', ' ')} increase for {settings.clear_s:g} s"))
+                          f"no {kind.replace('_', ' ')} burst for {settings.clear_s:g} s"))
         track.open = None
         track.increments = []
 

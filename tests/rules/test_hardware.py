@@ -123,7 +123,7 @@ def test_a_counter_bursting_again_and_again_is_one_episode(
     (closing,) = resolved(feed(track, quiet))
     assert closing.id == firing(out)[0].id
     assert closing.ends_at == last_increase + clear_s
-    assert f"increase for {clear_s:g} s" in closing.summary
+    assert f"burst for {clear_s:g} s" in closing.summary
 
 
 def test_a_shorter_clear_s_closes_between_bursts() -> None:
@@ -371,8 +371,8 @@ def test_the_thermal_property_saw_episodes_open_and_close() -> None:
 def test_counter_fires_only_when_the_window_holds_the_threshold(
         raw: list[tuple[int, int]], jitter: list[int]) -> None:
     """A burst finding at ts means the accepted increments in (ts - window, ts] reach the
-    threshold; at most one episode is open at a time, and it resolves only after a quiet
-    clear_s. Delivery is jittered: late and duplicate samples (carrying the counter value of
+    threshold; at most one episode is open at a time, and it resolves only after clear_s
+    without a burst. Delivery is jittered: late and duplicate samples (carrying the counter value of
     their own time) are mixed in."""
     s = SETTINGS.sbe
     # The GPU's true cumulative counter by tick, from the increments at each tick.
@@ -389,12 +389,19 @@ def test_counter_fires_only_when_the_window_holds_the_threshold(
     track = hardware.HwTrack()
     last: int | None = None
     increments: list[tuple[float, int]] = []
+    bursting: list[float] = []
+    """When the window, as the rule reads it (an increase spans the time since the reading
+    before), held the threshold."""
+    spans: list[tuple[float, int]] = []
     open_id: str | None = None
     for tick in delivered:
         ts = T0 + tick * 60.0
         if last is None or tick > last:
             if last is not None and value_at[tick] > value_at[last]:
                 increments.append((ts, value_at[tick] - value_at[last]))
+                spans.append((T0 + last * 60.0, value_at[tick] - value_at[last]))
+                if sum(i for t, i in spans if t > ts - s.window_s) >= s.threshold:
+                    bursting.append(ts)
             last = tick
         out = feed(track, [(ts, dev(ecc_sbe_volatile=value_at[tick]))])
         for finding in (o for o in out if isinstance(o, Finding)):
@@ -404,8 +411,10 @@ def test_counter_fires_only_when_the_window_holds_the_threshold(
                 open_id = finding.id
                 assert sum(i for t, i in increments if ts - s.window_s < t <= ts) >= s.threshold
             else:
+                # Quiet clear_s: no burst (a window at the threshold) since; a trickle below
+                # the threshold does not hold an episode open.
                 assert finding.id == open_id
-                assert all(t <= ts - s.clear_s for t, _ in increments)
+                assert all(t <= ts - s.clear_s for t in bursting)
                 open_id = None
 
 
@@ -487,3 +496,23 @@ def test_retired_pages_threshold_is_a_validated_policy_setting() -> None:
     with pytest.raises(policy.PolicyError) as caught:
         policy.parse_policy("rules:\n  retired_pages:\n    threshold: 0\n", "p.yaml")
     assert caught.value.lines()[0].startswith("p.yaml:3: rules.retired_pages.threshold")
+
+
+def test_a_trickle_below_the_threshold_does_not_hold_an_episode_open() -> None:
+    """NVLink CRC errors trickle on a healthy link: after a storm, a few a minute must not keep
+    its episode open for ever (any increase used to restart the quiet time)."""
+    s = SETTINGS.nvlink_crc
+    track, counter, readings = hardware.HwTrack(), 0, []
+    for tick in range(3):  # a storm: 30,000 in two minutes, the threshold
+        readings.append((T0 + 60 * tick, dev(nvlink_crc_errors=counter)))
+        counter += 15_000
+    storm_end = T0 + 60 * 3
+    readings.append((storm_end, dev(nvlink_crc_errors=counter)))
+    for tick in range(1, int(2 * s.clear_s // 60)):  # then 5 a minute, for twice clear_s
+        counter += 5
+        readings.append((storm_end + 60 * tick, dev(nvlink_crc_errors=counter)))
+    out = feed(track, readings)
+    (opened,) = firing(out)
+    (closing,) = resolved(out)
+    assert closing.id == opened.id
+    assert closing.ends_at <= storm_end + s.window_s + s.clear_s
