@@ -514,5 +514,5 @@ def test_a_trickle_below_the_threshold_does_not_hold_an_episode_open() -> None:
     out = feed(track, readings)
     (opened,) = firing(out)
     (closing,) = resolved(out)
-    assert closing.id == opened.id
+    assert closing.id == opened.id and closing.ends_at is not None
     assert closing.ends_at <= storm_end + s.window_s + s.clear_s
