@@ -192,21 +192,26 @@ def test_alertmanager_holds_one_alert_per_finding(storm: Storm) -> None:
 FLAPS = 10
 
 
-def flapping() -> Scenario:
-    """Two busy 2-GPU nodes for two hours; from 10 min on, one GPU is thermally throttled
-    for 7 minutes out of every 10 (a GPU hovering at its limit under a job with a periodic
-    load: eval, checkpoints)."""
+def two_busy_nodes(name: str, duration_s: float, faults: list[dict[str, Any]]) -> Scenario:
+    """Two busy 2-GPU nodes (one 2-GPU training job on each) with ``faults``."""
     return Scenario.model_validate({
-        "name": "thermal-flap", "seed": 3, "duration_s": 7200, "sample_interval_s": 60,
+        "name": name, "seed": 3, "duration_s": duration_s, "sample_interval_s": 60,
         "acceleration": 0,
         "nodes": [{"prefix": "gpu", "count": 2, "gpu_model": "NVIDIA H100 80GB HBM3",
                    "gpus": 2, "mem_gib": 80}],
         "users": ["alice", "bob"],
         "workloads": [{"group": "train", "count": 2, "kind": "batch", "gpus": 2,
                        "mem_gib": [40, 70], "phases": [{"util": [70, 99]}]}],
-        "faults": [{"kind": "thermal", "node": "gpu-1", "gpu": 0, "at_s": 600 + k * 600,
-                    "for_s": 420} for k in range(FLAPS)],
+        "faults": faults,
     })
+
+
+def flapping() -> Scenario:
+    """Two hours; from 10 min on, one GPU is thermally throttled for 7 minutes out of every
+    10 (a GPU hovering at its limit under a job with a periodic load: eval, checkpoints)."""
+    return two_busy_nodes("thermal-flap", 7200, [
+        {"kind": "thermal", "node": "gpu-1", "gpu": 0, "at_s": 600 + k * 600, "for_s": 420}
+        for k in range(FLAPS)])
 
 
 @pytest.mark.timeout(600)
@@ -228,25 +233,15 @@ BURSTS = 10
 
 
 def bursting() -> Scenario:
-    """Two busy 2-GPU nodes for 2 h 20 min; from 10 min on, for 1 h 40 min, one GPU's PCIe
-    link replays in bursts every 10 minutes (60 replays a sample for 2 minutes: a marginal
-    link, or a riser that acts up under a job's periodic all-reduce), and another GPU's NVLink
-    replay errors burst alongside; then 40 quiet minutes."""
-    return Scenario.model_validate({
-        "name": "counter-flap", "seed": 3, "duration_s": 8400, "sample_interval_s": 60,
-        "acceleration": 0,
-        "nodes": [{"prefix": "gpu", "count": 2, "gpu_model": "NVIDIA H100 80GB HBM3",
-                   "gpus": 2, "mem_gib": 80}],
-        "users": ["alice", "bob"],
-        "workloads": [{"group": "train", "count": 2, "kind": "batch", "gpus": 2,
-                       "mem_gib": [40, 70], "phases": [{"util": [70, 99]}]}],
-        "faults": [
-            *({"kind": "pcie_replay", "node": "gpu-1", "gpu": 0, "at_s": 600 + k * 600,
-               "for_s": 120, "count": 60} for k in range(BURSTS)),
-            *({"kind": "nvlink_errors", "node": "gpu-2", "gpu": 1, "at_s": 600 + k * 600,
-               "for_s": 120, "count": 10} for k in range(BURSTS)),
-        ],
-    })
+    """2 h 20 min; from 10 min on, for 1 h 40 min, one GPU's PCIe link replays in bursts
+    every 10 minutes (60 replays a sample for 2 minutes: a marginal link, or a riser that acts
+    up under a job's periodic all-reduce), and another GPU's NVLink replay errors burst
+    alongside; then 40 quiet minutes."""
+    return two_busy_nodes("counter-flap", 8400, [
+        *({"kind": "pcie_replay", "node": "gpu-1", "gpu": 0, "at_s": 600 + k * 600,
+           "for_s": 120, "count": 60} for k in range(BURSTS)),
+        *({"kind": "nvlink_errors", "node": "gpu-2", "gpu": 1, "at_s": 600 + k * 600,
+           "for_s": 120, "count": 10} for k in range(BURSTS))])
 
 
 @pytest.mark.timeout(600)
