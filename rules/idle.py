@@ -556,15 +556,14 @@ def observe(
     pod_devices = [sample.uuid]
     if holder.siblings is not None:  # a pod of several devices: idle only if all of them are
         others = holder.siblings(sample.uuid)
+        if _busy_sibling(track, others, ts, settings) is not None:
+            return out
         for _, other in others:
             if other.open_id is not None and other.open_pod is not None and same_pod(
                     other.open_pod, holder.pod):
                 return out  # the pod's episode is open on another of its devices
-        if _busy_sibling(track, others, ts, settings) is not None:
-            return out
-        for _, other in others:  # the pod's idle run is its devices' shortest
             if other.below_since is not None and _recent(other, ts, settings):
-                counted_from = max(counted_from, other.below_since)
+                counted_from = max(counted_from, other.below_since)  # its shortest idle run
         if ts - counted_from < eff.window_s:
             return out
         pod_devices += sorted(uuid for uuid, _ in others)

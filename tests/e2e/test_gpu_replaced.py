@@ -51,6 +51,18 @@ Publish = Callable[[KafkaPublisher, Callable[[], Awaitable[None]]], Awaitable[No
 all that was published."""
 
 
+async def healthy_until(publisher: KafkaPublisher, gpus: dict[str, list[str]],
+                        end: float) -> float:
+    """Every node reading all its GPUs, a sample every STEP_S from T0 until ``end``; the time
+    of the next sample."""
+    ts = T0
+    while ts < end:
+        for node, uuids in gpus.items():
+            await publisher.sample(page(node, ts, uuids))
+        ts += STEP_S
+    return ts
+
+
 def run(settings: Settings, tmp_path: Path, publish: Publish
         ) -> tuple[list[Finding], list[Action]]:
     """Run ``publish`` against the deployed worker; the findings and actions it published."""
@@ -91,11 +103,7 @@ def test_a_replaced_gpu_resolves_its_findings_and_a_missing_one_does_not(
 
     async def publish(publisher: KafkaPublisher,
                       consumed: Callable[[], Awaitable[None]]) -> None:
-        ts = T0
-        while ts < lost_at:
-            for node, uuids in gpus.items():
-                await publisher.sample(page(node, ts, uuids))
-            ts += STEP_S
+        ts = await healthy_until(publisher, gpus, lost_at)
         await consumed()
         for node, uuids in gpus.items():
             await publisher.hw_event(HwEvent(ts=lost_at, node=node, kind="xid",
@@ -151,11 +159,7 @@ def test_a_gpu_lost_unreadable_at_start_resolves_once_the_node_reads_every_gpu(
 
     async def publish(publisher: KafkaPublisher,
                       consumed: Callable[[], Awaitable[None]]) -> None:
-        ts = T0
-        while ts < lost_at:
-            for node, uuids in gpus.items():
-                await publisher.sample(page(node, ts, uuids))
-            ts += STEP_S
+        ts = await healthy_until(publisher, gpus, lost_at)
         # The collector's first tick after the reboot, as it publishes it: the sample of
         # the GPUs it could read and the loss of the one it could not (no uuid).
         for node in gpus:
