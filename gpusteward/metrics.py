@@ -122,7 +122,8 @@ class PipelineMetrics:
             "verb and outcome: not audited again, nor counted in gpusteward_actions_total.",
             ["verb", "outcome"], registry=r)
         self.breaker_open = Gauge(
-            "gpusteward_breaker_open", "1 while the remediation circuit breaker is open.",
+            "gpusteward_breaker_open",
+            "1 while a circuit of the remediation breaker (node actions, idle reclaims) is open.",
             ["group"], registry=r)
         self.sink_bytes = Counter(
             "gpusteward_sink_written_bytes_total", "Bytes of Parquet files the sink wrote, by "

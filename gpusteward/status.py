@@ -46,6 +46,7 @@ ETA_KIND = "queue_start_eta"
 # part of the action-results contract, see docs/alerting-remediation.md).
 BREAKER_TRIP_PREFIX = "breaker/trip/"
 BREAKER_RESET_PREFIX = "breaker/reset/"
+BREAKER_CIRCUITS = ("nodes", "reclaims")
 TEAM_LABELS = ("team", "gpusteward.io/team", "app.kubernetes.io/part-of")
 """Pod labels naming the owning team, first match wins; else the namespace (as the report)."""
 RECENT_ACTIONS = 20
@@ -104,6 +105,8 @@ class BreakerStatus(msgspec.Struct):
     open: bool = False
     since: float | None = None
     reason: str = ""
+    circuits: list[str] = []
+    """The open circuits: ``nodes`` (node-disrupting actions), ``reclaims`` (idle reclaims)."""
 
 
 class QueueStatus(msgspec.Struct):
@@ -189,7 +192,19 @@ class StatusFold:
     def result(self, result: ActionResult) -> None:
         key = result.idempotency_key
         if key.startswith(BREAKER_TRIP_PREFIX):
-            self.breaker = BreakerStatus(open=True, since=result.ts, reason=result.detail)
+            # The circuit the record names; one from before the split stopped both.
+            named = key.removeprefix(BREAKER_TRIP_PREFIX).partition("/")[0]
+            circuits = [named] if named in BREAKER_CIRCUITS else list(BREAKER_CIRCUITS)
+            known = self.breaker
+            if known.open:  # another circuit trips: the breaker has been open since the first
+                added = [c for c in circuits if c not in known.circuits]
+                if added:
+                    self.breaker = BreakerStatus(
+                        open=True, since=known.since, reason=f"{known.reason}; {result.detail}",
+                        circuits=known.circuits + added)
+            else:
+                self.breaker = BreakerStatus(open=True, since=result.ts, reason=result.detail,
+                                             circuits=circuits)
             return
         if key.startswith(BREAKER_RESET_PREFIX):
             self.breaker = BreakerStatus(open=False, since=result.ts, reason=result.detail)

@@ -48,16 +48,18 @@ taken) for the age, and with the executor's own audit times for the notice: an
 owner notice counts from when it was delivered, not from when the rule asked
 for it, so a replayed backlog cannot notify and reclaim back to back.
 
-The breaker counts distinct nodes disrupted (cordon, taint, drain, MIG
-relabel) in a sliding window and refuses a new node once the window holds
-``breaker_max_nodes`` nodes or ``breaker_max_fraction`` of the GPU nodes; it
-counts idle reclaims in the same window and refuses one more once the window
-holds ``breaker_max_reclaims`` or ``breaker_max_reclaims_per_node`` per GPU
-node (telemetry reporting 0 % activity fleet-wide would otherwise stop every
-notebook in one pass). When it trips it stays open, refusing every
-node-disrupting action and every reclaim, until an operator resets it
-(``gpusteward act --reset-breaker``); it publishes a ``remediation_breaker``
-finding so someone is told.
+The breaker has two circuits over one sliding window. ``nodes`` counts distinct
+nodes disrupted (cordon, taint, drain, MIG relabel) and refuses a new node once
+the window holds ``breaker_max_nodes`` nodes or ``breaker_max_fraction`` of the
+GPU nodes; ``reclaims`` counts idle reclaims and refuses one more once the
+window holds ``breaker_max_reclaims`` or ``breaker_max_reclaims_per_node`` per
+GPU node (telemetry reporting 0 % activity fleet-wide would otherwise stop
+every notebook in one pass). A tripped circuit stays open, refusing what it
+counts, until an operator resets the breaker (``gpusteward act
+--reset-breaker``), and publishes a ``remediation_breaker`` finding so someone
+is told. The circuits trip apart: an idle storm (a holiday, telemetry at 0 %)
+must not leave a failing GPU uncordoned until someone resets the breaker, nor
+a driver roll-out's cordons stop the reclaims of idle notebooks.
 
 State survives restarts through the audit topic alone: on start the executor
 reads it and rebuilds the executed idempotency keys, the owners notified and
@@ -126,6 +128,12 @@ NODE_DISRUPTING = frozenset({"cordon", "taint", "drain", "set_mig_config"})
 BREAKER_KIND = REMEDIATION_BREAKER
 BREAKER_TRIP_PREFIX = "breaker/trip/"
 BREAKER_RESET_PREFIX = "breaker/reset/"
+NODES_CIRCUIT, RECLAIMS_CIRCUIT = "nodes", "reclaims"
+CIRCUITS = (NODES_CIRCUIT, RECLAIMS_CIRCUIT)
+"""The breaker's circuits: node-disrupting actions, idle reclaims (see the module's text).
+A trip record names its circuit (``breaker/trip/<circuit>/<ms>``); one written before
+the circuits were split (``breaker/trip/<ms>``) stopped both, and is read so."""
+_CIRCUIT_WORDS = {NODES_CIRCUIT: "node actions", RECLAIMS_CIRCUIT: "idle reclaims"}
 MAX_AUDIT_DETAIL = TEXT_MAX
 """Longest detail an audit record carries (the schema's free text)."""
 NOTICE_KEY = "/notify_owner"
@@ -173,6 +181,13 @@ def _decision(outcome: Outcome, detail: str) -> str:
     if outcome == "skipped" and detail.startswith(DRAINED_PREFIX):
         return "skipped: drained with another key"
     return f"{outcome}: {detail}"
+
+
+def tripped_circuits(key: str) -> tuple[str, ...]:
+    """The circuits a breaker trip record of idempotency ``key`` opened: the one it names,
+    or both for a record written before the circuits were split (it stopped both)."""
+    named = key.removeprefix(BREAKER_TRIP_PREFIX).partition("/")[0]
+    return (named,) if named in CIRCUITS else CIRCUITS
 
 
 def _is_reclaim(action: Action) -> bool:
@@ -383,7 +398,8 @@ def matches(name: str | None, patterns: set[str]) -> bool:
 
 
 class CircuitBreaker:
-    """Counts distinct nodes disrupted per window; trips open and stays open until reset."""
+    """Counts distinct nodes disrupted and idle reclaims per window; each circuit trips open
+    on its own and stays open until reset."""
 
     def __init__(self, settings: RemediationSettings) -> None:
         self.settings = settings
@@ -391,12 +407,16 @@ class CircuitBreaker:
         """Node -> when it was last disrupted, within the window."""
         self.reclaimed: dict[str, float] = {}
         """Idempotency key of an idle reclaim -> when it was carried out, within the window."""
-        self.tripped_at: float | None = None
-        self.trip_reason = ""
+        self.tripped: dict[str, tuple[float, str]] = {}
+        """Open circuit -> (when it tripped, why)."""
 
     @property
     def open(self) -> bool:
-        return self.tripped_at is not None
+        """Whether any circuit is open."""
+        return bool(self.tripped)
+
+    def is_open(self, circuit: str) -> bool:
+        return circuit in self.tripped
 
     def limit(self, gpu_nodes: int | None) -> int:
         """Most distinct nodes per window for a fleet of ``gpu_nodes`` GPU nodes."""
@@ -417,40 +437,46 @@ class CircuitBreaker:
         self.disrupted = {n: ts for n, ts in self.disrupted.items() if ts > horizon}
         self.reclaimed = {k: ts for k, ts in self.reclaimed.items() if ts > horizon}
 
-    def _refuse_open(self) -> tuple[bool, str]:
-        return False, (f"circuit breaker open since {time.ctime(self.tripped_at)}: "
-                       f"{self.trip_reason}; reset with `gpusteward act --reset-breaker`")
+    def _refuse_open(self, circuit: str) -> tuple[bool, str]:
+        since, reason = self.tripped[circuit]
+        return False, (f"circuit breaker ({_CIRCUIT_WORDS[circuit]}) open since "
+                       f"{time.ctime(since)}: {reason}; reset with `gpusteward act "
+                       "--reset-breaker`")
 
     def admits(self, node: str, now: float, gpu_nodes: int | None) -> tuple[bool, str]:
-        """Whether disrupting ``node`` now is allowed; trips the breaker when it is not."""
-        if self.open:
-            return self._refuse_open()
+        """Whether disrupting ``node`` now is allowed; trips the nodes circuit when it is not."""
+        if self.is_open(NODES_CIRCUIT):
+            return self._refuse_open(NODES_CIRCUIT)
         self._expire(now)
         if node in self.disrupted:
             return True, ""
         limit = self.limit(gpu_nodes)
         if len(self.disrupted) + 1 > limit:
             fleet = f" of {gpu_nodes} GPU nodes" if gpu_nodes else ""
-            self.trip(now, f"{len(self.disrupted)} nodes{fleet} already disrupted in the last "
-                           f"{self.settings.breaker_window_s:g} s (limit {limit}); refused {node}")
-            return False, f"circuit breaker tripped: {self.trip_reason}"
+            return self._trip_refusing(now, NODES_CIRCUIT, (
+                f"{len(self.disrupted)} nodes{fleet} already disrupted in the last "
+                f"{self.settings.breaker_window_s:g} s (limit {limit}); refused {node}"))
         return True, ""
 
     def admits_reclaim(self, key: str, now: float, gpu_nodes: int | None) -> tuple[bool, str]:
-        """Whether the idle reclaim ``key`` may go ahead now; trips the breaker when not."""
-        if self.open:
-            return self._refuse_open()
+        """Whether the idle reclaim ``key`` may go ahead now; trips the reclaims circuit
+        when not."""
+        if self.is_open(RECLAIMS_CIRCUIT):
+            return self._refuse_open(RECLAIMS_CIRCUIT)
         self._expire(now)
         if key in self.reclaimed:  # a retry of one already counted
             return True, ""
         limit = self.reclaim_limit(gpu_nodes)
         if len(self.reclaimed) + 1 > limit:
             fleet = f" on {gpu_nodes} GPU nodes" if gpu_nodes else ""
-            self.trip(now, f"{len(self.reclaimed)} idle reclaims{fleet} already in the last "
-                           f"{self.settings.breaker_window_s:g} s (limit {limit}); refused "
-                           f"{key}")
-            return False, f"circuit breaker tripped: {self.trip_reason}"
+            return self._trip_refusing(now, RECLAIMS_CIRCUIT, (
+                f"{len(self.reclaimed)} idle reclaims{fleet} already in the last "
+                f"{self.settings.breaker_window_s:g} s (limit {limit}); refused {key}"))
         return True, ""
+
+    def _trip_refusing(self, now: float, circuit: str, reason: str) -> tuple[bool, str]:
+        self.trip(now, reason, circuit)
+        return False, f"circuit breaker ({_CIRCUIT_WORDS[circuit]}) tripped: {reason}"
 
     def record(self, node: str, ts: float) -> None:
         self.disrupted[node] = max(ts, self.disrupted.get(node, 0.0))
@@ -458,11 +484,13 @@ class CircuitBreaker:
     def record_reclaim(self, key: str, ts: float) -> None:
         self.reclaimed[key] = max(ts, self.reclaimed.get(key, 0.0))
 
-    def trip(self, now: float, reason: str) -> None:
-        self.tripped_at, self.trip_reason = now, reason
+    def trip(self, now: float, reason: str, circuit: str) -> None:
+        """Open ``circuit``; one already open stays open since its first trip."""
+        self.tripped.setdefault(circuit, (now, reason))
 
     def reset(self) -> None:
-        self.tripped_at, self.trip_reason = None, ""
+        """Close every circuit and forget the window's counts (an operator's reset)."""
+        self.tripped.clear()
         self.disrupted.clear()
         self.reclaimed.clear()
 
@@ -538,8 +566,9 @@ class Executor:
         """Fold one audit record (ours or another executor's) into the executor's state."""
         key = result.idempotency_key
         if key.startswith(BREAKER_TRIP_PREFIX):
-            if not self.breaker.open:  # open since the first trip, whoever tripped it
-                self.breaker.trip(result.ts, result.detail)
+            # Open since its first trip, whoever tripped it.
+            for circuit in tripped_circuits(key):
+                self.breaker.trip(result.ts, result.detail, circuit)
         elif key.startswith(BREAKER_RESET_PREFIX):
             self.breaker.reset()
         else:
@@ -749,8 +778,9 @@ class Executor:
         if handler is None:
             return "refused", f"backend {self.backend.name} cannot {action.verb}", None, 1
         if action.verb in NODE_DISRUPTING or _is_reclaim(action):
-            was_open = self.breaker.open
-            if action.verb in NODE_DISRUPTING:
+            circuit = NODES_CIRCUIT if action.verb in NODE_DISRUPTING else RECLAIMS_CIRCUIT
+            was_open = self.breaker.is_open(circuit)
+            if circuit == NODES_CIRCUIT:
                 admitted, why = self.breaker.admits(action.target.node or "", now,
                                                     await self._gpu_nodes())
             else:
@@ -758,7 +788,8 @@ class Executor:
                                                             await self._gpu_nodes())
             if not admitted:
                 if not was_open:
-                    self._pending_findings.append(self._breaker_finding("firing", now))
+                    self._pending_findings.append(
+                        self._breaker_finding("firing", now, circuit))
                 return "refused", why, None, 1
         policy = self.remediation
         backoff, waited = policy.retry_backoff_s, 0.0
@@ -793,27 +824,40 @@ class Executor:
                 why = _error_text(error)
                 return "failed", why, why, attempt
 
-    def _breaker_finding(self, state: str, now: float) -> Finding:
-        fp = fingerprint(BREAKER_KIND, self.settings.topic_prefix)
-        opened = self.breaker.tripped_at if self.breaker.tripped_at is not None else now
+    def _breaker_finding(self, state: str, now: float, circuit: str) -> Finding:
+        """The ``remediation_breaker`` finding of ``circuit``: one alert per circuit (the
+        nodes circuit's keeps the fingerprint of the breaker before the split, so a finding
+        open then is resolved by the next reset)."""
+        fp = (fingerprint(BREAKER_KIND, self.settings.topic_prefix) if circuit == NODES_CIRCUIT
+              else fingerprint(BREAKER_KIND, self.settings.topic_prefix, circuit))
+        opened, reason = self.breaker.tripped.get(circuit, (now, ""))
+        words = _CIRCUIT_WORDS[circuit]
+        stopped = ("Node-disrupting remediation (cordon, taint, drain, MIG relabel) is "
+                   "stopped; idle reclaims go on under their own limit. Check why so many "
+                   "nodes were flagged at once (a driver roll-out, a bad rule, bad telemetry)"
+                   if circuit == NODES_CIRCUIT else
+                   "Idle reclaims are stopped; cordons and drains of failing GPUs go on under "
+                   "their own limit. Check why so many GPUs were found idle at once (a "
+                   "holiday, a bad rule, bad telemetry such as 0 % activity fleet-wide)")
         return Finding(
             id=finding_id(fp, opened), fingerprint=fp, kind=BREAKER_KIND,
             severity="critical" if state == "firing" else "info",
             state=state,  # type: ignore[arg-type]
             subject=Subject(), starts_at=opened, ts=now,
             ends_at=now if state == "resolved" else None,
-            summary=(f"remediation circuit breaker tripped: {self.breaker.trip_reason}"
-                     if state == "firing" else "remediation circuit breaker reset"),
-            runbook="Node-disrupting remediation and idle reclaims are stopped. Check why so "
-                    "many nodes were flagged or GPUs found idle at once (a driver roll-out, a "
-                    "bad rule, bad telemetry such as 0 % activity fleet-wide), then run "
-                    "`gpusteward act --reset-breaker`.",
+            summary=(f"remediation circuit breaker ({words}) tripped: {reason}"
+                     if state == "firing" else f"remediation circuit breaker ({words}) reset"),
+            runbook=f"{stopped}, then run `gpusteward act --reset-breaker`.",
+            labels={"circuit": circuit},
         )
 
-    def breaker_record(self, kind: str, detail: str, now: float) -> ActionResult:
-        """The audit record of a breaker transition (``trip`` or ``reset``)."""
+    def breaker_record(self, kind: str, detail: str, now: float,
+                       circuit: str | None = None) -> ActionResult:
+        """The audit record of a breaker transition: ``trip`` of ``circuit``, or ``reset``
+        (of every circuit)."""
+        where = f"{circuit}/" if circuit is not None else ""
         return ActionResult(
-            idempotency_key=f"breaker/{kind}/{round(now * 1000)}", verb="cordon",
+            idempotency_key=f"breaker/{kind}/{where}{round(now * 1000)}", verb="cordon",
             target=Subject(), outcome="refused" if kind == "trip" else "executed",
             detail=detail, actor=self.actor, ts=now,
         )
@@ -891,11 +935,12 @@ class Executor:
                     result = self._decode_result(message.value, message.key)
                 except edge.Rejected:
                     continue  # counted where the history is read
-                was_open = self.breaker.open
+                was_open = set(self.breaker.tripped)
                 self.apply_audit(result)
-                if was_open != self.breaker.open:
+                if was_open != set(self.breaker.tripped):
                     log.warning("circuit breaker %s: %s",
-                                "open" if self.breaker.open else "reset", result.detail)
+                                ", ".join(sorted(self.breaker.tripped)) + " open"
+                                if self.breaker.open else "reset", result.detail)
 
     async def _catch_up(self, audit: Any) -> None:
         """Fold the audit topic up to its end as it is now, within ``CATCH_UP_S``.
@@ -933,7 +978,7 @@ class Executor:
                 # About to act: first what the other executors decided up to now (a key
                 # they carried out, a node they disrupted, a notice they delivered, a trip).
                 await self._catch_up(self._audit)
-            was_open = self.breaker.open
+            was_open = set(self.breaker.tripped)
             last = self.decided.get(action.idempotency_key)
             done = action.idempotency_key in self.executed_keys
 
@@ -943,7 +988,7 @@ class Executor:
                 self.metrics.actions.labels(record.verb, record.outcome).inc()
 
             result = await self.decide(action, audit_attempt)
-            if (action.reask and last is not None and self.breaker.open == was_open
+            if (action.reask and last is not None and set(self.breaker.tripped) == was_open
                     and not _may_have_acted(result.outcome, result.attempt)
                     and (done or _decision(result.outcome, result.detail) == last)):
                 # Asked again while its finding stays open, and decided as before: the audit
@@ -973,10 +1018,11 @@ class Executor:
             self.metrics.dead_letters.labels(source, type(error).__name__).inc()
             return None
         log.info("%s %s: %s", result.outcome, action.idempotency_key, result.detail)
-        if self.breaker.open and not was_open:
-            trip = self.breaker_record("trip", self.breaker.trip_reason, result.ts)
-            await producer.send(self._audit_topic, self._encode(trip),
-                                key=trip.idempotency_key.encode())
+        for circuit, (_, reason) in self.breaker.tripped.items():
+            if circuit not in was_open:
+                trip = self.breaker_record("trip", reason, result.ts, circuit)
+                await producer.send(self._audit_topic, self._encode(trip),
+                                    key=trip.idempotency_key.encode())
         await producer.send(self._audit_topic, self._encode(result),
                             key=action.idempotency_key.encode())
         for finding in self._pending_findings:
@@ -1031,7 +1077,7 @@ async def reset_breaker(settings: Settings, operator: str, reason: str = "") -> 
     executor = Executor(settings, NoBackend(), actor=f"{operator}")
     await executor.load_history()
     now = time.time()
-    was_open = executor.breaker.open
+    was_open = sorted(executor.breaker.tripped)
     record = executor.breaker_record("reset", f"reset by {operator}"
                                      + (f": {reason}" if reason else ""), now)
     producer = kafka.producer(settings)
@@ -1039,8 +1085,8 @@ async def reset_breaker(settings: Settings, operator: str, reason: str = "") -> 
     try:
         await producer.send_and_wait(executor._audit_topic, executor._encode(record),
                                      key=record.idempotency_key.encode())
-        if was_open:
-            closing = executor._breaker_finding("resolved", now)
+        for circuit in was_open:
+            closing = executor._breaker_finding("resolved", now, circuit)
             await producer.send_and_wait(topics.FINDINGS.name(settings),
                                          executor._encode(closing),
                                          key=closing.fingerprint.encode())

@@ -19,6 +19,7 @@ from gpusteward.schema import (
 )
 from gpusteward.settings import Settings
 from gpusteward.status import (
+    BREAKER_CIRCUITS,
     BREAKER_RESET_PREFIX,
     BREAKER_TRIP_PREFIX,
     ETA_KIND,
@@ -119,12 +120,19 @@ def test_actions_pending_until_a_final_result_and_retries_counted():
 def test_breaker_follows_trip_and_reset_records():
     assert (BREAKER_TRIP_PREFIX, BREAKER_RESET_PREFIX) == (executor.BREAKER_TRIP_PREFIX,
                                                            executor.BREAKER_RESET_PREFIX)
+    assert BREAKER_CIRCUITS == executor.CIRCUITS
     fold = fleet()
-    fold.result(result(f"{BREAKER_TRIP_PREFIX}1", "refused", ts=500))
-    assert fold.snapshot(NOW).breaker.open
-    assert fold.snapshot(NOW).breaker.since == 500
-    fold.result(result(f"{BREAKER_RESET_PREFIX}2", "executed", ts=600))
+    fold.result(result(f"{BREAKER_TRIP_PREFIX}reclaims/1", "refused", ts=500))
+    breaker = fold.snapshot(NOW).breaker
+    assert (breaker.open, breaker.since, breaker.circuits) == (True, 500, ["reclaims"])
+    fold.result(result(f"{BREAKER_TRIP_PREFIX}nodes/2", "refused", ts=550))
+    breaker = fold.snapshot(NOW).breaker
+    assert (breaker.since, breaker.circuits) == (500, ["reclaims", "nodes"])
+    fold.result(result(f"{BREAKER_RESET_PREFIX}3", "executed", ts=600))
     assert not fold.snapshot(NOW).breaker.open
+    # A trip recorded before the circuits were split stopped both.
+    fold.result(result(f"{BREAKER_TRIP_PREFIX}4", "refused", ts=700))
+    assert fold.snapshot(NOW).breaker.circuits == ["nodes", "reclaims"]
 
 
 def test_queue_waits_count_pending_workloads_only():

@@ -183,7 +183,8 @@ def render(status: FleetStatus) -> Group:
                         a.detail)
     breaker = status.breaker
     parts += [pools, teams, findings, actions, Text(
-        f"remediation breaker: OPEN since {_clock(breaker.since or status.ts)}: {breaker.reason}"
+        f"remediation breaker: OPEN ({', '.join(breaker.circuits)}) since "
+        f"{_clock(breaker.since or status.ts)}: {breaker.reason}"
         if breaker.open else "remediation breaker: closed",
         style="bold red" if breaker.open else "green")]
     if status.queues:

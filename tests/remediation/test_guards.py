@@ -82,7 +82,8 @@ def test_the_breaker_counts_distinct_nodes_in_its_window_and_stays_open() -> Non
     assert breaker.admits("c", 120, None) == (True, "")  # "a" left the window at 100
     breaker.record("c", 120)
     admitted, why = breaker.admits("d", 130, None)
-    assert not admitted and why.startswith("circuit breaker tripped: 2 nodes already")
+    assert not admitted
+    assert why.startswith("circuit breaker (node actions) tripped: 2 nodes already")
     assert breaker.open
     assert not breaker.admits("b", 10_000, None)[0]  # open until reset, whatever the time
     breaker.reset()
@@ -166,7 +167,7 @@ def test_the_breaker_counts_nodes_a_failed_or_retried_action_disrupted() -> None
         act("drain", node="gpu-3", key="c/drain"))]
     assert [(r.outcome, r.attempt) for r in results] == [("failed", 1), ("skipped", 2),
                                                           ("refused", 1)]
-    assert results[2].detail.startswith("circuit breaker tripped: 2 nodes")
+    assert results[2].detail.startswith("circuit breaker (node actions) tripped: 2 nodes")
     assert backend.cordoned == {"gpu-1", "gpu-2"}
     restarted = executor()
     for result in results:
@@ -338,9 +339,10 @@ def test_a_reclaim_waits_min_notice_s_after_the_owner_was_told() -> None:
 
 def test_reclaims_past_the_window_limit_trip_the_breaker() -> None:
     """Telemetry reporting 0 % activity fleet-wide asks to reclaim every GPU at once: on a
-    10-node fleet the 11th reclaim in the window trips the breaker, which is audited, tells
-    someone (the remediation_breaker finding) and refuses every disruptive action until
-    reset, after a restart too."""
+    10-node fleet the 11th reclaim in the window trips the breaker's reclaims circuit, which
+    is audited, tells someone (the remediation_breaker finding) and refuses every reclaim
+    until reset, after a restart too. A failing GPU is still cordoned meanwhile: the storm
+    that stopped the reclaims must not stop hardware remediation."""
     clock = Clock(NOW)
     backend = Owners()
     executor = acting(clock, backend, fleet_gpu_nodes=10)
@@ -351,27 +353,64 @@ def test_reclaims_past_the_window_limit_trip_the_breaker() -> None:
     clock.now = NOW + 3600
     outcomes = [handle(executor, producer, reclaim(e, NOW + 3600)) for e in episodes]
     assert [r.outcome for r in outcomes] == ["executed"] * 10 + ["refused"] * 2
-    assert outcomes[10].detail == ("circuit breaker tripped: 10 idle reclaims on 10 GPU nodes "
-                                   "already in the last 600 s (limit 10); refused ep10/requeue")
-    assert outcomes[11].detail.startswith("circuit breaker open since")
+    assert outcomes[10].detail == ("circuit breaker (idle reclaims) tripped: 10 idle reclaims "
+                                   "on 10 GPU nodes already in the last 600 s (limit 10); "
+                                   "refused ep10/requeue")
+    assert outcomes[11].detail.startswith("circuit breaker (idle reclaims) open since")
     assert len([v for v, _ in backend.done if v == "requeue"]) == 10
 
     audit = producer.on("gpusteward.action-results.v1", ActionResult)
     trips = [r for r in audit if r.idempotency_key.startswith("breaker/trip/")]
-    assert [t.detail for t in trips] == [executor.breaker.trip_reason]
+    assert [t.idempotency_key.split("/")[2] for t in trips] == ["reclaims"]
+    assert [t.detail for t in trips] == [executor.breaker.tripped["reclaims"][1]]
     (alarm,) = producer.on("gpusteward.findings.v1", Finding)
     assert (alarm.kind, alarm.state, alarm.severity) == ("remediation_breaker", "firing",
                                                          "critical")
+    assert alarm.labels == {"circuit": "reclaims"}
     assert "10 idle reclaims" in alarm.summary and "reclaims are stopped" in alarm.runbook
-    # Open: a cordon is refused as well, and a restarted executor reads it all back.
-    assert handle(executor, producer, act("cordon", key="x/cordon")).outcome == "refused"
+    # A GPU failing now is cordoned: the nodes circuit is closed.
+    cordon = msgspec.structs.replace(act("cordon", key="x/cordon"), ts=clock.now)
+    assert handle(executor, producer, cordon).outcome == "executed"
+    # A restarted executor reads it all back: reclaims stopped, cordons not.
     restarted = acting(clock, fleet_gpu_nodes=10)
     for record in producer.on("gpusteward.action-results.v1", ActionResult):
         restarted.apply_audit(record)
-    assert restarted.breaker.open and len(restarted.breaker.reclaimed) == 10
+    assert sorted(restarted.breaker.tripped) == ["reclaims"]
+    assert len(restarted.breaker.reclaimed) == 10
+    assert list(restarted.breaker.disrupted) == ["gpu-1"]  # 1 of 10 nodes: the nodes limit
+    again = msgspec.structs.replace(act("cordon", key="x2/cordon"), ts=clock.now)
+    assert asyncio.run(restarted.decide(again)).outcome == "executed"
+    assert asyncio.run(restarted.decide(reclaim("ep11", NOW + 3601))).outcome == "refused"
     restarted.breaker.reset()
     clock.now = NOW + 3600 + 601  # the window passed: reclaims go on
     assert asyncio.run(restarted.decide(reclaim("ep11", NOW + 4201))).outcome == "executed"
+
+
+def test_a_cordon_storm_stops_cordons_not_idle_reclaims() -> None:
+    """A driver roll-out flags node after node: the nodes circuit trips at its limit and
+    says so once, while the ladder's reclaim of a notebook idle for hours goes on."""
+    clock = Clock(NOW)
+    executor = acting(clock, Owners(), fleet_gpu_nodes=20, breaker_max_nodes=2)
+    producer = RecordingProducer()
+    cordons = [handle(executor, producer, msgspec.structs.replace(
+        act("cordon", key=f"n{i}/cordon", node=f"gpu-{i}"), ts=NOW)) for i in range(4)]
+    assert [r.outcome for r in cordons] == ["executed"] * 2 + ["refused"] * 2
+    assert sorted(executor.breaker.tripped) == ["nodes"]
+    handle(executor, producer, notice("ep", NOW))
+    clock.now = NOW + 3600
+    assert handle(executor, producer, reclaim("ep", NOW + 3600)).outcome == "executed"
+    (alarm,) = producer.on("gpusteward.findings.v1", Finding)
+    assert alarm.labels == {"circuit": "nodes"} and "(node actions)" in alarm.summary
+
+
+def test_a_trip_recorded_before_the_circuits_were_split_stops_both() -> None:
+    """An audit topic written by the build before the split holds ``breaker/trip/<ms>``:
+    read back, it stops cordons and reclaims alike until a reset, as it did."""
+    executor = acting(Clock(NOW), fleet_gpu_nodes=10)
+    executor.apply_audit(_audited(f"breaker/trip/{NOW * 1000:.0f}", "cordon", "refused"))
+    assert sorted(executor.breaker.tripped) == ["nodes", "reclaims"]
+    executor.apply_audit(_audited(f"breaker/reset/{NOW * 1000 + 1:.0f}", "cordon", "executed"))
+    assert not executor.breaker.open
 
 
 def test_the_reclaim_limit_follows_the_fleet_and_counts_only_idle_reclaims() -> None:

@@ -111,9 +111,9 @@ def test_a_storm_on_half_the_fleet_cordons_no_more_than_the_breaker_allows(
     # 10 % of 40 GPU nodes (counted through the API) = 4 per window.
     assert [r.outcome for r in results] == ["executed"] * 4 + ["refused"] * 16
     assert cordoned(kube) == names[:4]
-    assert "circuit breaker tripped: 4 nodes of 40 GPU nodes already disrupted" in \
+    assert "circuit breaker (node actions) tripped: 4 nodes of 40 GPU nodes already disrupted" in \
         results[4].detail
-    assert all("circuit breaker open" in r.detail for r in results[5:])
+    assert all("circuit breaker (node actions) open" in r.detail for r in results[5:])
     # Open until reset: even an action on an already-cordoned node's drain is refused.
     [later] = decide_all(executor, [dbe_cordon(names[30])])
     assert later.outcome == "refused"
