@@ -400,7 +400,9 @@ class QueueEvent(msgspec.Struct):
 
 
 class IdleHold(msgspec.Struct, frozen=True, omit_defaults=True):
-    """A device of the node whose holder the idle rule has an open episode on."""
+    """A device of the node whose holder the idle rule has an open episode on: what
+    demand-aware reclaim may offer to waiting work (one member of a gang is left out:
+    reclaiming it would stop the whole gang)."""
 
     device: Name
     pod: PodRef

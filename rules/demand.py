@@ -5,7 +5,8 @@ at 30 min, warn 4 h later, reclaim 8 h after that. That is right when
 nobody needs the GPU and far too slow when someone waits for it. This rule
 joins both sides, which only the fleet agent sees: the node summaries list
 each node's devices held by pods the idle rule has an open episode on
-(:class:`~gpusteward.schema.IdleHold`; an exempt pod never opens one), and
+(:class:`~gpusteward.schema.IdleHold`; an exempt pod never opens one, and one member of
+a gang is not listed: reclaiming it would stop the whole gang), and
 the queue state holds the pending demand with its shape (whole GPUs on one
 node, or MIG devices by profile; for a Kueue Workload of several pods, its pod
 sets, each pod needing room on some node) and its age. Room is what the

@@ -311,10 +311,10 @@ def owner_notice(finding: Finding) -> str | None:
     if step >= 3:
         then = f"Reclaim now: {_reclaim_effect(finding, reclaim)}."
     elif next_at is None:
-        then = ("Next: nothing more; this workload kind is never reclaimed, and the notice "
+        then = (f"Next: nothing more; {_never_reclaimed(finding, reclaim)}, and the notice "
                 "stays until the GPU is used or released.")
     elif step == 1:
-        after = ("this workload kind is never reclaimed" if reclaim == "off" else
+        after = (_never_reclaimed(finding, reclaim) if reclaim in ("off", "gang") else
                  f"then a reclaim: {_reclaim_effect(finding, reclaim)}")
         then = f"Next: if it stays idle, a warning at {rfc3339(next_at)}; {after}."
     else:
@@ -332,6 +332,15 @@ def owner_notice(finding: Finding) -> str | None:
     return f"{seen} {then} {keep}"
 
 
+def _never_reclaimed(finding: Finding, reclaim: str) -> str:
+    """Why the ladder of the finding's holder ends without a reclaim."""
+    if reclaim == "gang":
+        gang = finding.labels.get("gang", "its gang")
+        return (f"the pod is one member of {gang}, which is never reclaimed for one idle "
+                "member: that would stop the whole gang")
+    return "this workload kind is never reclaimed"
+
+
 def _reclaim_effect(finding: Finding, reclaim: str) -> str:
     """What the reclaim step does to this holder, per owner kind (as the backend does it)."""
     if reclaim == "dry_run":
@@ -340,6 +349,8 @@ def _reclaim_effect(finding: Finding, reclaim: str) -> str:
         return "refused: the pod has no controller and policy does not allow deleting it"
     if reclaim == "off":
         return "never done for this workload kind"
+    if reclaim == "gang":
+        return f"not done: {_never_reclaimed(finding, reclaim)}"
     owner_kind, _, owner_name = finding.labels.get("owner", "").partition("/")
     if not owner_name:
         return "the pod is deleted (no controller owns it)"
@@ -371,6 +382,12 @@ class Holder(msgspec.Struct, frozen=True):
     label, an annotation: :meth:`IdleSettings.exemption`), worked out once per holding by
     the node join, so that an open episode checks it per sample for the price of an
     attribute; None: not exempt (or not worked out, for a holder made elsewhere)."""
+    gang: str | None = None
+    """The gang the pod is one member of (``<Kind>/<name>`` in its namespace: a JobSet, a
+    PyTorchJob, a PodGroup, a Kueue pod group; the watcher's ``PodAllocation.gang``), or
+    None. A gang member is told as any holder but never reclaimed on its own: the reclaim
+    of one pod (a Kueue workload requeued, a JobSet's pod deleted) stops every member,
+    the busy ones on other nodes too, and this node's join sees only its own members."""
     siblings: Any = None
     """For a pod holding several devices of the node: ``siblings(uuid)``, the node join's
     ``[(uuid, IdleTrack)]`` of the pod's devices other than ``uuid``. The pod is idle only
@@ -385,8 +402,9 @@ def _finding_labels(holder: Holder, sample: DeviceSample, settings: IdleSettings
     """What the finding says about the holder, for routing and the owner's notice.
 
     ``reclaim`` says what the ladder's last step will do with this holder, so the notice can
-    tell the owner: ``execute``, ``dry_run`` (audited only), ``off`` (never for this kind)
-    or ``refused`` (a pod no controller owns, which policy does not let the backend delete).
+    tell the owner: ``execute``, ``dry_run`` (audited only), ``off`` (never for this kind),
+    ``gang`` (one member of a gang, never reclaimed on its own; ``gang`` names it) or
+    ``refused`` (a pod no controller owns, which policy does not let the backend delete).
     It does not change within an episode, so it is safe among the alert's identifying labels.
     """
     labels = {"workload_kind": holder.workload_kind or "unknown", "model": sample.model}
@@ -396,6 +414,8 @@ def _finding_labels(holder: Holder, sample: DeviceSample, settings: IdleSettings
         labels["owner"] = f"{holder.owner_kind or 'Pod'}/{holder.owner_name}"
     if not eff.reclaim:
         labels["reclaim"] = "off"
+    elif holder.gang is not None:
+        labels["reclaim"], labels["gang"] = "gang", holder.gang
     elif not settings.reclaim_execute:
         labels["reclaim"] = "dry_run"
     elif holder.owner_name is None and not settings.reclaim_bare_pods:
@@ -407,7 +427,7 @@ def _finding_labels(holder: Holder, sample: DeviceSample, settings: IdleSettings
 
 def _ladder_values(max_activity_pct: float, eff: Effective, step: int, step_ts: float,
                    held: float | None, idle_since: float, settings: IdleSettings,
-                   devices: int = 1) -> dict[str, float]:
+                   devices: int = 1, reclaims: bool = True) -> dict[str, float]:
     """The evidence values of a ladder finding, with what the owner's notice needs.
 
     ``next_step_at``: when the ladder's next step is due if the device stays idle (absent
@@ -415,13 +435,14 @@ def _ladder_values(max_activity_pct: float, eff: Effective, step: int, step_ts: 
     climbs on the first sample after it. ``keep_until_limit``: the latest time a
     keep-until annotation is honoured for this episode (absent when annotations are
     ignored). ``devices``: how many devices of the node the idle pod holds, when more
-    than one (its episode is one, on one of them)."""
+    than one (its episode is one, on one of them). ``reclaims``: whether the ladder ends
+    in a reclaim for this holder (:func:`_reclaims`)."""
     values = {"max_activity_pct": max_activity_pct, "threshold_pct": eff.threshold_pct,
               "ladder_step": float(step)}
     if devices > 1:
         values["devices"] = float(devices)
     wait = eff.warn_after_s if step == 1 else eff.reclaim_after_s if (
-        step == 2 and eff.reclaim) else None
+        step == 2 and reclaims) else None
     if wait is not None:
         values["next_step_at"] = max(step_ts + wait, held or 0.0)
     if held is not None:
@@ -574,7 +595,7 @@ def observe(
     held = kept_until(holder.annotations, counted_from, settings.keep_until_max_s)
     held = held if held is not None and held > ts else None
     values = _ladder_values(track.below_max_pct, eff, 1, ts, held, counted_from, settings,
-                            len(pod_devices))
+                            len(pod_devices), _reclaims(eff, holder))
     what = (sample.uuid if len(pod_devices) == 1 else
             f"{len(pod_devices)} devices ({', '.join(pod_devices)})")
     finding = Finding(
@@ -611,7 +632,7 @@ def _climb(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder, ts
         return []
     if track.stage == 1:
         wait, step, severity = eff.warn_after_s, "warn", "warning"
-    elif eff.reclaim:
+    elif _reclaims(eff, holder):
         wait, step, severity = eff.reclaim_after_s, "reclaim", "warning"
     else:
         return []
@@ -678,6 +699,12 @@ def _reminder(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder,
     return action
 
 
+def _reclaims(eff: Effective, holder: Holder) -> bool:
+    """Whether the ladder ends in a reclaim for ``holder``: not for a kind never reclaimed,
+    nor for one member of a gang (:attr:`Holder.gang`)."""
+    return eff.reclaim and holder.gang is None
+
+
 def _ladder_finding(track: IdleTrack, node: str, sample: DeviceSample, holder: Holder,
                     ts: float, settings: IdleSettings, eff: Effective, severity: str,
                     summary: str, step: int, step_ts: float, held: float | None,
@@ -686,7 +713,7 @@ def _ladder_finding(track: IdleTrack, node: str, sample: DeviceSample, holder: H
     assert track.open_id and track.open_fingerprint and track.open_since is not None
     assert track.below_since is not None
     values = _ladder_values(track.below_max_pct, eff, step, step_ts, held, track.open_since,
-                            settings, devices)
+                            settings, devices, _reclaims(eff, holder))
     return Finding(
         id=track.open_id, fingerprint=track.open_fingerprint, kind=KIND,
         severity=severity,  # type: ignore[arg-type]

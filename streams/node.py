@@ -88,6 +88,9 @@ class Holding(msgspec.Struct):
     annotations: dict[str, str] = {}
     owner_kind: str | None = None
     owner_name: str | None = None
+    gang: str | None = None
+    """The gang the pod is one member of (:attr:`.idle.Holder.gang`); None for a pod that
+    works alone, a gang of one included."""
     who: rollup.Attribution | None = None
     """The pod's columns in the rollups, made once from the fields above."""
     ended_at: float | None = None
@@ -553,7 +556,8 @@ def _idle_holder(holding: Holding, resolved: policies.Resolved | None = None,
                     if other != uuid]
     holder = idle.Holder(holding.pod, holding.started_at, holding.workload_kind,
                          holding.labels, holding.annotations, holding.queue,
-                         holding.owner_kind, holding.owner_name, siblings=siblings)
+                         holding.owner_kind, holding.owner_name, gang=holding.gang,
+                         siblings=siblings)
     settings = None if resolved is None else resolved.rules.get(idle.KIND)
     if isinstance(settings, idle.IdleSettings):
         exempt = settings.exemption(holder)
@@ -1195,6 +1199,7 @@ class NodeJoin:
                 workload_kind=event.workload_kind, queue=event.queue,
                 labels=dict(event.labels), annotations=dict(event.annotations),
                 owner_kind=event.owner_kind, owner_name=event.owner_name,
+                gang=event.gang if event.gang_size != 1 else None,
             )
             rollup.reattribute(state.rollups, self._holding_who(holding))
             state.summary_dirty = True
@@ -1426,8 +1431,10 @@ class NodeJoin:
             if track.open_id is None or track.open_pod is None or track.open_since is None:
                 continue
             holding = state.pods.get(_pod_key(track.open_pod))
-            if holding is not None and holding.ended_at is not None:
-                continue  # let go: lingering for late samples only
+            if holding is not None and (holding.ended_at is not None or holding.gang is not None):
+                # Let go (lingering for late samples only), or one member of a gang, which
+                # is not reclaimed on its own: reclaiming it would stop the whole gang.
+                continue
             # A pod of several devices has one episode, on one of them: reclaiming it frees
             # them all, its whole GPUs in this hold, each MIG device in one of its own.
             devices = [uuid] if holding is None or not _several(holding) else [uuid, *(
