@@ -177,6 +177,8 @@ class StatusFold:
         self.pods: dict[str, PodAllocation] = {}
         self.workloads: dict[str, QueueEvent] = {}
         self.breaker = BreakerStatus()
+        self._tripped: dict[str, tuple[float, str]] = {}
+        """Open breaker circuit -> (when it tripped, why)."""
 
     # -- folding ---------------------------------------------------------------------------
 
@@ -189,25 +191,28 @@ class StatusFold:
     def action(self, action: Action) -> None:
         self.actions.setdefault(action.idempotency_key, action)
 
+    def _breaker_record(self, key: str, result: ActionResult) -> None:
+        """Fold a breaker trip or reset: each circuit is open from its first trip to the
+        next reset of it."""
+        # The circuit a record names; one that names none is about both.
+        named = key.split("/")[2] if key.count("/") >= 3 else ""
+        for circuit in [named] if named in BREAKER_CIRCUITS else BREAKER_CIRCUITS:
+            if key.startswith(BREAKER_TRIP_PREFIX):
+                self._tripped.setdefault(circuit, (result.ts, result.detail))
+            else:
+                self._tripped.pop(circuit, None)
+        if not self._tripped:
+            self.breaker = BreakerStatus(open=False, since=result.ts, reason=result.detail)
+            return
+        open_ = sorted(self._tripped.items(), key=lambda item: item[1][0])
+        self.breaker = BreakerStatus(
+            open=True, since=open_[0][1][0], reason="; ".join(why for _, (_, why) in open_),
+            circuits=[circuit for circuit, _ in open_])
+
     def result(self, result: ActionResult) -> None:
         key = result.idempotency_key
-        if key.startswith(BREAKER_TRIP_PREFIX):
-            # The circuit the record names; one from before the split stopped both.
-            named = key.removeprefix(BREAKER_TRIP_PREFIX).partition("/")[0]
-            circuits = [named] if named in BREAKER_CIRCUITS else list(BREAKER_CIRCUITS)
-            known = self.breaker
-            if known.open:  # another circuit trips: the breaker has been open since the first
-                added = [c for c in circuits if c not in known.circuits]
-                if added:
-                    self.breaker = BreakerStatus(
-                        open=True, since=known.since, reason=f"{known.reason}; {result.detail}",
-                        circuits=known.circuits + added)
-            else:
-                self.breaker = BreakerStatus(open=True, since=result.ts, reason=result.detail,
-                                             circuits=circuits)
-            return
-        if key.startswith(BREAKER_RESET_PREFIX):
-            self.breaker = BreakerStatus(open=False, since=result.ts, reason=result.detail)
+        if key.startswith((BREAKER_TRIP_PREFIX, BREAKER_RESET_PREFIX)):
+            self._breaker_record(key, result)
             return
         self.attempts[key] = max(self.attempts.get(key, 0), result.attempt)
         if result.outcome != "retrying":

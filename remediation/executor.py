@@ -55,11 +55,12 @@ GPU nodes; ``reclaims`` counts idle reclaims and refuses one more once the
 window holds ``breaker_max_reclaims`` or ``breaker_max_reclaims_per_node`` per
 GPU node (telemetry reporting 0 % activity fleet-wide would otherwise stop
 every notebook in one pass). A tripped circuit stays open, refusing what it
-counts, until an operator resets the breaker (``gpusteward act
---reset-breaker``), and publishes a ``remediation_breaker`` finding so someone
-is told. The circuits trip apart: an idle storm (a holiday, telemetry at 0 %)
-must not leave a failing GPU uncordoned until someone resets the breaker, nor
-a driver roll-out's cordons stop the reclaims of idle notebooks.
+counts, until an operator resets it or the whole breaker (``gpusteward act
+--reset-breaker [--circuit nodes|reclaims]``), and publishes a
+``remediation_breaker`` finding so someone is told. The circuits trip apart:
+an idle storm (a holiday, telemetry at 0 %) must not leave a failing GPU
+uncordoned until someone resets the breaker, nor a driver roll-out's cordons
+stop the reclaims of idle notebooks.
 
 State survives restarts through the audit topic alone: on start the executor
 reads it and rebuilds the executed idempotency keys, the owners notified and
@@ -131,8 +132,9 @@ BREAKER_RESET_PREFIX = "breaker/reset/"
 NODES_CIRCUIT, RECLAIMS_CIRCUIT = "nodes", "reclaims"
 CIRCUITS = (NODES_CIRCUIT, RECLAIMS_CIRCUIT)
 """The breaker's circuits: node-disrupting actions, idle reclaims (see the module's text).
-A trip record names its circuit (``breaker/trip/<circuit>/<ms>``); one written before
-the circuits were split (``breaker/trip/<ms>``) stopped both, and is read so."""
+A trip or reset record names its circuit (``breaker/trip/<circuit>/<ms>``,
+``breaker/reset/<circuit>/<ms>``); one that names none (a trip written before the circuits
+were split, a reset of the whole breaker) is about both."""
 _CIRCUIT_WORDS = {NODES_CIRCUIT: "node actions", RECLAIMS_CIRCUIT: "idle reclaims"}
 MAX_AUDIT_DETAIL = TEXT_MAX
 """Longest detail an audit record carries (the schema's free text)."""
@@ -183,10 +185,10 @@ def _decision(outcome: Outcome, detail: str) -> str:
     return f"{outcome}: {detail}"
 
 
-def tripped_circuits(key: str) -> tuple[str, ...]:
-    """The circuits a breaker trip record of idempotency ``key`` opened: the one it names,
-    or both for a record written before the circuits were split (it stopped both)."""
-    named = key.removeprefix(BREAKER_TRIP_PREFIX).partition("/")[0]
+def breaker_circuits(key: str) -> tuple[str, ...]:
+    """The circuits a breaker trip or reset record of idempotency ``key`` is about: the one
+    it names, or both (a trip written before the circuits were split stopped both)."""
+    named = key.split("/")[2] if key.count("/") >= 3 else ""
     return (named,) if named in CIRCUITS else CIRCUITS
 
 
@@ -441,7 +443,7 @@ class CircuitBreaker:
         since, reason = self.tripped[circuit]
         return False, (f"circuit breaker ({_CIRCUIT_WORDS[circuit]}) open since "
                        f"{time.ctime(since)}: {reason}; reset with `gpusteward act "
-                       "--reset-breaker`")
+                       f"--reset-breaker --circuit {circuit}`")
 
     def admits(self, node: str, now: float, gpu_nodes: int | None) -> tuple[bool, str]:
         """Whether disrupting ``node`` now is allowed; trips the nodes circuit when it is not."""
@@ -488,11 +490,15 @@ class CircuitBreaker:
         """Open ``circuit``; one already open stays open since its first trip."""
         self.tripped.setdefault(circuit, (now, reason))
 
-    def reset(self) -> None:
-        """Close every circuit and forget the window's counts (an operator's reset)."""
-        self.tripped.clear()
-        self.disrupted.clear()
-        self.reclaimed.clear()
+    def reset(self, circuit: str | None = None) -> None:
+        """Close ``circuit`` (None: every circuit) and forget what it counted in the window
+        (an operator's reset)."""
+        if circuit in (None, NODES_CIRCUIT):
+            self.tripped.pop(NODES_CIRCUIT, None)
+            self.disrupted.clear()
+        if circuit in (None, RECLAIMS_CIRCUIT):
+            self.tripped.pop(RECLAIMS_CIRCUIT, None)
+            self.reclaimed.clear()
 
 
 Attempt = Callable[[ActionResult], Awaitable[None]]
@@ -567,10 +573,11 @@ class Executor:
         key = result.idempotency_key
         if key.startswith(BREAKER_TRIP_PREFIX):
             # Open since its first trip, whoever tripped it.
-            for circuit in tripped_circuits(key):
+            for circuit in breaker_circuits(key):
                 self.breaker.trip(result.ts, result.detail, circuit)
         elif key.startswith(BREAKER_RESET_PREFIX):
-            self.breaker.reset()
+            for circuit in breaker_circuits(key):
+                self.breaker.reset(circuit)
         else:
             # The record does not say why a requeue was asked for; a requeue of an episode
             # whose owner was notified is a reclaim (only the idle ladders notify and then
@@ -847,14 +854,14 @@ class Executor:
             ends_at=now if state == "resolved" else None,
             summary=(f"remediation circuit breaker ({words}) tripped: {reason}"
                      if state == "firing" else f"remediation circuit breaker ({words}) reset"),
-            runbook=f"{stopped}, then run `gpusteward act --reset-breaker`.",
+            runbook=f"{stopped}, then run `gpusteward act --reset-breaker --circuit {circuit}`.",
             labels={"circuit": circuit},
         )
 
     def breaker_record(self, kind: str, detail: str, now: float,
                        circuit: str | None = None) -> ActionResult:
-        """The audit record of a breaker transition: ``trip`` of ``circuit``, or ``reset``
-        (of every circuit)."""
+        """The audit record of a breaker transition, ``trip`` or ``reset``, of ``circuit``
+        (a reset of None: of every circuit)."""
         where = f"{circuit}/" if circuit is not None else ""
         return ActionResult(
             idempotency_key=f"breaker/{kind}/{where}{round(now * 1000)}", verb="cordon",
@@ -1068,8 +1075,10 @@ async def restore(settings: Settings, backend: Any, target: str, operator: str) 
     return record
 
 
-async def reset_breaker(settings: Settings, operator: str, reason: str = "") -> ActionResult:
-    """Record a breaker reset on the audit topic and resolve the breaker finding.
+async def reset_breaker(settings: Settings, operator: str, reason: str = "",
+                        circuit: str | None = None) -> ActionResult:
+    """Record a reset of the breaker's ``circuit`` (None: both) on the audit topic and
+    resolve the breaker findings of the circuits it closes.
 
     Running executors follow the audit topic and close their breaker when
     they read it; executors that start later read it with the history.
@@ -1077,9 +1086,11 @@ async def reset_breaker(settings: Settings, operator: str, reason: str = "") -> 
     executor = Executor(settings, NoBackend(), actor=f"{operator}")
     await executor.load_history()
     now = time.time()
-    was_open = sorted(executor.breaker.tripped)
+    if circuit is not None and circuit not in CIRCUITS:
+        raise ValueError(f"no breaker circuit {circuit!r}: one of {', '.join(CIRCUITS)}")
+    was_open = [c for c in sorted(executor.breaker.tripped) if circuit in (None, c)]
     record = executor.breaker_record("reset", f"reset by {operator}"
-                                     + (f": {reason}" if reason else ""), now)
+                                     + (f": {reason}" if reason else ""), now, circuit)
     producer = kafka.producer(settings)
     await producer.start()
     try:

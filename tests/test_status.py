@@ -128,6 +128,10 @@ def test_breaker_follows_trip_and_reset_records():
     fold.result(result(f"{BREAKER_TRIP_PREFIX}nodes/2", "refused", ts=550))
     breaker = fold.snapshot(NOW).breaker
     assert (breaker.since, breaker.circuits) == (500, ["reclaims", "nodes"])
+    # A reset of one circuit leaves the other open, with its own reason and time.
+    fold.result(result(f"{BREAKER_RESET_PREFIX}reclaims/3", "executed", ts=560))
+    breaker = fold.snapshot(NOW).breaker
+    assert (breaker.open, breaker.since, breaker.circuits) == (True, 550, ["nodes"])
     fold.result(result(f"{BREAKER_RESET_PREFIX}3", "executed", ts=600))
     assert not fold.snapshot(NOW).breaker.open
     # A trip recorded before the circuits were split stopped both.

@@ -150,6 +150,9 @@ def act(
     reset_breaker: Annotated[bool, typer.Option(
         "--reset-breaker", help="Record a circuit-breaker reset on the audit topic and exit.")
     ] = False,
+    circuit: Annotated[str | None, typer.Option(
+        help="With --reset-breaker: reset only this circuit, nodes (cordon, taint, drain, MIG "
+        "relabel) or reclaims (idle reclaims); both by default.")] = None,
     restore: Annotated[str | None, typer.Option(
         "--restore", metavar="KIND/NAMESPACE/NAME",
         help="Undo a reclaim and exit: start a stopped Notebook, scale a Deployment or "
@@ -163,7 +166,10 @@ def act(
 
     settings = kafka_settings(bootstrap)
     if reset_breaker:
-        record = asyncio.run(remediation.reset_breaker(settings, operator))
+        try:
+            record = asyncio.run(remediation.reset_breaker(settings, operator, circuit=circuit))
+        except ValueError as error:
+            raise typer.BadParameter(str(error)) from error
         typer.echo(f"circuit breaker reset recorded ({record.idempotency_key})")
         return
     if restore is not None:

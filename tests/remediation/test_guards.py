@@ -405,11 +405,16 @@ def test_a_cordon_storm_stops_cordons_not_idle_reclaims() -> None:
 
 def test_a_trip_recorded_before_the_circuits_were_split_stops_both() -> None:
     """An audit topic written by the build before the split holds ``breaker/trip/<ms>``:
-    read back, it stops cordons and reclaims alike until a reset, as it did."""
+    read back, it stops cordons and reclaims alike until a reset, as it did; a reset may
+    name one circuit."""
     executor = acting(Clock(NOW), fleet_gpu_nodes=10)
     executor.apply_audit(_audited(f"breaker/trip/{NOW * 1000:.0f}", "cordon", "refused"))
     assert sorted(executor.breaker.tripped) == ["nodes", "reclaims"]
-    executor.apply_audit(_audited(f"breaker/reset/{NOW * 1000 + 1:.0f}", "cordon", "executed"))
+    # An operator resets one circuit (--circuit reclaims): cordons stay stopped.
+    executor.apply_audit(_audited(f"breaker/reset/reclaims/{NOW * 1000 + 1:.0f}", "cordon",
+                                  "executed"))
+    assert sorted(executor.breaker.tripped) == ["nodes"]
+    executor.apply_audit(_audited(f"breaker/reset/{NOW * 1000 + 2:.0f}", "cordon", "executed"))
     assert not executor.breaker.open
 
 

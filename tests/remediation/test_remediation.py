@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable
 
 import msgspec
+import pytest
 
 from gpusteward import kafka, topics
 from gpusteward.remediation.executor import (
@@ -235,6 +236,10 @@ def test_the_loop_audits_retries_and_keeps_breaker_and_keys_across_a_restart_unt
     assert sorted(r.outcome for r in again) == ["refused"] * 9 + ["skipped"] * 2
     assert len(writes(kube)) == writes_before
 
+    # A reset of the other circuit (idle reclaims, not open) resolves nothing.
+    asyncio.run(reset_breaker(settings, "bob", "reclaims only", circuit="reclaims"))
+    with pytest.raises(ValueError, match="no breaker circuit 'cordons'"):
+        asyncio.run(reset_breaker(settings, "bob", circuit="cordons"))
     # An explicit reset closes it: the next executor cordons again and the finding resolves.
     asyncio.run(reset_breaker(settings, "alice", "driver roll-out finished"))
     after = asyncio.run(run_until(executor("g3"), settings, [encode(dbe_cordon(names[16]))],
@@ -242,6 +247,10 @@ def test_the_loop_audits_retries_and_keeps_breaker_and_keys_across_a_restart_unt
     assert [r.outcome for r in after].count("executed") == 2  # limit 2 again after the reset
     states = [f.state for f in decode_all(settings, topics.FINDINGS.name(settings), Finding)]
     assert states[:2] == ["firing", "resolved"]
+    resets = [r.idempotency_key.rpartition("/")[0] for r in decode_all(
+        settings, topics.ACTION_RESULTS.name(settings), ActionResult)
+        if r.idempotency_key.startswith("breaker/reset/")]
+    assert resets == ["breaker/reset/reclaims", "breaker/reset"]
 
 
 def test_no_backend_refuses_and_dry_run_only_describes() -> None:
