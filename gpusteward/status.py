@@ -42,11 +42,22 @@ from gpusteward.schema import (
 IDLE_KIND = "idle_holder"
 ETA_KIND = "queue_start_eta"
 """The start-ETA findings (rules/eta.py's KIND: the core reads the contract, not rules)."""
-# The audit topic's breaker records (the remediation executor writes them; the keys are
-# part of the action-results contract, see docs/alerting-remediation.md).
+# The audit topic's breaker records (the remediation executor writes them, with these
+# names; the keys are part of the action-results contract, see
+# docs/alerting-remediation.md).
 BREAKER_TRIP_PREFIX = "breaker/trip/"
 BREAKER_RESET_PREFIX = "breaker/reset/"
 BREAKER_CIRCUITS = ("nodes", "reclaims")
+"""The breaker's circuits: node-disrupting actions, idle reclaims. A trip or reset record
+names its circuit (``breaker/trip/<circuit>/<ms>``, ``breaker/reset/<circuit>/<ms>``); one
+that names none (a trip written before the circuits were split, a reset of the whole
+breaker) is about both."""
+
+
+def breaker_circuits(key: str) -> tuple[str, ...]:
+    """The circuits the breaker trip or reset record of idempotency ``key`` is about."""
+    named = key.split("/")[2] if key.count("/") >= 3 else ""
+    return (named,) if named in BREAKER_CIRCUITS else BREAKER_CIRCUITS
 TEAM_LABELS = ("team", "gpusteward.io/team", "app.kubernetes.io/part-of")
 """Pod labels naming the owning team, first match wins; else the namespace (as the report)."""
 RECENT_ACTIONS = 20
@@ -194,9 +205,7 @@ class StatusFold:
     def _breaker_record(self, key: str, result: ActionResult) -> None:
         """Fold a breaker trip or reset: each circuit is open from its first trip to the
         next reset of it."""
-        # The circuit a record names; one that names none is about both.
-        named = key.split("/")[2] if key.count("/") >= 3 else ""
-        for circuit in [named] if named in BREAKER_CIRCUITS else BREAKER_CIRCUITS:
+        for circuit in breaker_circuits(key):
             if key.startswith(BREAKER_TRIP_PREFIX):
                 self._tripped.setdefault(circuit, (result.ts, result.detail))
             else:

@@ -121,20 +121,15 @@ from gpusteward.schema import (
     Subject,
 )
 from gpusteward.settings import Settings
+from gpusteward.status import BREAKER_CIRCUITS as CIRCUITS
+from gpusteward.status import BREAKER_RESET_PREFIX, BREAKER_TRIP_PREFIX, breaker_circuits
 
 log = logging.getLogger(__name__)
 
 NODE_DISRUPTING = frozenset({"cordon", "taint", "drain", "set_mig_config"})
 """Verbs that take capacity away from a node: what the circuit breaker counts."""
 BREAKER_KIND = REMEDIATION_BREAKER
-BREAKER_TRIP_PREFIX = "breaker/trip/"
-BREAKER_RESET_PREFIX = "breaker/reset/"
-NODES_CIRCUIT, RECLAIMS_CIRCUIT = "nodes", "reclaims"
-CIRCUITS = (NODES_CIRCUIT, RECLAIMS_CIRCUIT)
-"""The breaker's circuits: node-disrupting actions, idle reclaims (see the module's text).
-A trip or reset record names its circuit (``breaker/trip/<circuit>/<ms>``,
-``breaker/reset/<circuit>/<ms>``); one that names none (a trip written before the circuits
-were split, a reset of the whole breaker) is about both."""
+NODES_CIRCUIT, RECLAIMS_CIRCUIT = CIRCUITS
 _CIRCUIT_WORDS = {NODES_CIRCUIT: "node actions", RECLAIMS_CIRCUIT: "idle reclaims"}
 MAX_AUDIT_DETAIL = TEXT_MAX
 """Longest detail an audit record carries (the schema's free text)."""
@@ -183,13 +178,6 @@ def _decision(outcome: Outcome, detail: str) -> str:
     if outcome == "skipped" and detail.startswith(DRAINED_PREFIX):
         return "skipped: drained with another key"
     return f"{outcome}: {detail}"
-
-
-def breaker_circuits(key: str) -> tuple[str, ...]:
-    """The circuits a breaker trip or reset record of idempotency ``key`` is about: the one
-    it names, or both (a trip written before the circuits were split stopped both)."""
-    named = key.split("/")[2] if key.count("/") >= 3 else ""
-    return (named,) if named in CIRCUITS else CIRCUITS
 
 
 def _is_reclaim(action: Action) -> bool:
@@ -862,9 +850,10 @@ class Executor:
                        circuit: str | None = None) -> ActionResult:
         """The audit record of a breaker transition, ``trip`` or ``reset``, of ``circuit``
         (a reset of None: of every circuit)."""
+        prefix = BREAKER_TRIP_PREFIX if kind == "trip" else BREAKER_RESET_PREFIX
         where = f"{circuit}/" if circuit is not None else ""
         return ActionResult(
-            idempotency_key=f"breaker/{kind}/{where}{round(now * 1000)}", verb="cordon",
+            idempotency_key=f"{prefix}{where}{round(now * 1000)}", verb="cordon",
             target=Subject(), outcome="refused" if kind == "trip" else "executed",
             detail=detail, actor=self.actor, ts=now,
         )

@@ -349,8 +349,6 @@ def _reclaim_effect(finding: Finding, reclaim: str) -> str:
         return "refused: the pod has no controller and policy does not allow deleting it"
     if reclaim == "off":
         return "never done for this workload kind"
-    if reclaim == "gang":
-        return f"not done: {_never_reclaimed(finding, reclaim)}"
     owner_kind, _, owner_name = finding.labels.get("owner", "").partition("/")
     if not owner_name:
         return "the pod is deleted (no controller owns it)"

@@ -492,19 +492,25 @@ class Translator:
         return []
 
     def _gang_size(self, gang: str, size: int, ts: float) -> list[Emitted]:
-        """Learn a gang's size; send its members' latest queue events again with it."""
+        """Learn a gang's size; send its members' latest queue events and the allocations
+        of those holding GPUs again with it (the node join tells a gang of one, reclaimed
+        as a lone pod, from a member, reclaimed only with its gang: a first list reads the
+        pods before the objects that state the sizes)."""
         if self.gang_sizes.get(gang) == size:
             return []
         self.gang_sizes[gang] = size
         out: list[Emitted] = []
         for key in self.gang_pods.get(gang, ()):
             memo = self.pods[key]
-            for attr in ("queued", "member"):
+            for attr in ("queued", "member", "last"):
                 event = getattr(memo, attr)
-                if event is not None and event.gang_size != size:
-                    event = msgspec.structs.replace(event, ts=ts, gang_size=size)
-                    setattr(memo, attr, event)
-                    out.append(event)
+                if event is None or event.gang_size == size or (
+                        isinstance(event, PodAllocation)
+                        and event.phase not in ("bound", "running")):
+                    continue  # an allocation that ended holds nothing: not sent again
+                event = msgspec.structs.replace(event, ts=ts, gang_size=size)
+                setattr(memo, attr, event)
+                out.append(event)
         return out
 
     # nodes

@@ -238,6 +238,7 @@ def test_the_loop_audits_retries_and_keeps_breaker_and_keys_across_a_restart_unt
 
     # A reset of the other circuit (idle reclaims, not open) resolves nothing.
     asyncio.run(reset_breaker(settings, "bob", "reclaims only", circuit="reclaims"))
+    assert decode_all(settings, topics.FINDINGS.name(settings), Finding) == [breaker]
     with pytest.raises(ValueError, match="no breaker circuit 'cordons'"):
         asyncio.run(reset_breaker(settings, "bob", circuit="cordons"))
     # An explicit reset closes it: the next executor cordons again and the finding resolves.
@@ -245,8 +246,10 @@ def test_the_loop_audits_retries_and_keeps_breaker_and_keys_across_a_restart_unt
     after = asyncio.run(run_until(executor("g3"), settings, [encode(dbe_cordon(names[16]))],
                                   12))
     assert [r.outcome for r in after].count("executed") == 2  # limit 2 again after the reset
-    states = [f.state for f in decode_all(settings, topics.FINDINGS.name(settings), Finding)]
-    assert states[:2] == ["firing", "resolved"]
+    states = [(f.state, f.labels.get("circuit"))
+              for f in decode_all(settings, topics.FINDINGS.name(settings), Finding)]
+    # The reset of the reclaims circuit resolved nothing: the one resolution is the nodes'.
+    assert states[:2] == [("firing", "nodes"), ("resolved", "nodes")]
     resets = [r.idempotency_key.rpartition("/")[0] for r in decode_all(
         settings, topics.ACTION_RESULTS.name(settings), ActionResult)
         if r.idempotency_key.startswith("breaker/reset/")]

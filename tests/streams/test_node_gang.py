@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
+
 from gpusteward.rules import idle
 from gpusteward.schema import (
     Action,
@@ -25,16 +27,23 @@ T0 = 1_000_000.0
 POD = PodRef(namespace="ml", name="train-worker-3", uid="u-worker-3")
 
 
-def _idle_for(hours: float, *, gang: str | None, gang_size: int | None) -> list[Output]:
-    """A JobSet worker's pod (one GPU) idle for ``hours``, samples every 30 s."""
+def _idle_for(hours: float, *, gang: str | None, gang_size: int | None,
+              learnt_size: int | None = None) -> list[Output]:
+    """A JobSet worker's pod (one GPU) idle for ``hours``, samples every 30 s; with
+    ``learnt_size``, its allocation is sent again with that size after a minute, as the
+    watcher does once it reads the gang's object after the pod."""
     join = NodeJoin(RuleSettings(policy=load_policy(REPO / "deploy" / "base" / "policy.yaml")))
     state = NodeState()
-    out = join.on_allocation(state, PodAllocation(
+    allocation = PodAllocation(
         ts=T0, node="n1", pod=POD, phase="running", gpus=1, device_ids=["GPU-0"],
         started_at=T0 - 3600, workload_kind="batch", owner_kind="Job",
-        owner_name="train-worker", gang=gang, gang_size=gang_size))
+        owner_name="train-worker", gang=gang, gang_size=gang_size)
+    out = join.on_allocation(state, allocation)
     ts = T0
     while ts < T0 + hours * 3600:
+        if learnt_size is not None and ts == T0 + 60:
+            out += join.on_allocation(state, msgspec.structs.replace(
+                allocation, ts=ts, gang_size=learnt_size))
         out += join.on_sample(state, NodeSample(ts=ts, node="n1", source="test", devices=[
             DeviceSample(uuid="GPU-0", index=0, model="NVIDIA H100 80GB HBM3", util_pct=0.0,
                          temp_c=40.0, pod=POD)]))
@@ -62,8 +71,10 @@ def test_a_gang_member_idle_is_told_but_never_reclaimed_on_its_own() -> None:
 
 
 def test_a_pod_that_works_alone_is_reclaimed_at_the_end_of_its_ladder() -> None:
-    for gang, size in ((None, None), ("JobSet/solo", 1)):
-        out = _idle_for(8, gang=gang, gang_size=size)
+    # Alone, a gang of one, and a gang of one whose size the watcher learnt after the pod.
+    for gang, size, learnt in ((None, None, None), ("JobSet/solo", 1, None),
+                               ("JobSet/solo", None, 1)):
+        out = _idle_for(8, gang=gang, gang_size=size, learnt_size=learnt)
         (reclaim,) = _actions(out, "requeue")
         assert reclaim.params["reason"] == idle.RECLAIM_REASON
         summaries = [o for o in out if isinstance(o, NodeSummary)]

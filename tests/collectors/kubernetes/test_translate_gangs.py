@@ -83,6 +83,32 @@ def test_sizes_count_gpu_members_only() -> None:
     assert kube.workload_gang(single) == (None, None)
 
 
+def test_a_running_member_read_before_its_gang_gets_its_allocation_sent_again() -> None:
+    """A first list reads the pods before the JobSets and training jobs: a member already
+    running is reported without its gang's size, so the node join could not tell a gang
+    of one (reclaimed as a lone pod) from a member (never reclaimed on its own). The
+    allocation is sent again once the size is learnt; an ended one is not."""
+    translator = kube.Translator()
+    owner = ("PyTorchJob", "solo")
+    first = translator.apply(Delta("pods", "ADDED", "s0",
+                                   pod("s0", owner=owner, node="n1", phase="Running")), 1.0)
+    [held] = [e for e in first if isinstance(e, PodAllocation)]
+    assert (held.gang, held.gang_size) == ("PyTorchJob/solo", None)
+    job: dict[str, Any] = {
+        "kind": "PyTorchJob", "metadata": {"name": "solo", "namespace": "ml"}, "spec": {
+            "pytorchReplicaSpecs": {"Worker": {"replicas": 1, "template": _template(True)}}}}
+    resent = translator.apply(Delta("pytorchjobs", "ADDED", "ml/solo", job), 2.0)
+    [again] = [e for e in resent if isinstance(e, PodAllocation)]
+    assert (again.pod, again.phase, again.gang, again.gang_size, again.ts) == (
+        held.pod, "running", "PyTorchJob/solo", 1, 2.0)
+    # Finished, then the size changes: the ended allocation is not sent again.
+    translator.apply(Delta("pods", "MODIFIED", "s0",
+                           pod("s0", owner=owner, node="n1", phase="Succeeded")), 3.0)
+    job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = 2
+    later = translator.apply(Delta("pytorchjobs", "MODIFIED", "ml/solo", job), 4.0)
+    assert [e for e in later if isinstance(e, PodAllocation)] == []
+
+
 def test_member_is_followed_on_the_queue_and_gets_the_size_learnt_later() -> None:
     translator = kube.Translator()
     owner = ("PyTorchJob", "llm")
