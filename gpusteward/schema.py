@@ -418,6 +418,9 @@ class IdleHold(msgspec.Struct, frozen=True, omit_defaults=True):
     """Until when a ``gpusteward.io/keep-until`` annotation holds it (Unix seconds)."""
     ladder_step: Annotated[int, Meta(ge=0, le=3)] = 1
     """The idle rule's ladder step: 1 notified, 2 warned, 3 reclaim asked."""
+    gang: Name | None = None
+    """The gang the pod is one member of (:attr:`PodAllocation.gang`), in
+    :attr:`NodeSummary.idle_gangs` only."""
 
 
 class NodeSummary(msgspec.Struct):
@@ -447,6 +450,11 @@ class NodeSummary(msgspec.Struct):
     idle: Annotated[list[IdleHold], Meta(max_length=4096)] = []
     """Devices held by pods the idle rule finds idle (open, not exempt episodes): what the
     fleet agent may reclaim for waiting work (demand-aware reclaim)."""
+    idle_gangs: Annotated[list[IdleHold], Meta(max_length=4096)] = []
+    """The same for pods that are one member of a gang (:attr:`IdleHold.gang`), never
+    offered to waiting work: reclaiming one would stop the whole gang. The fleet agent's
+    gang rule suspends a gang once every member is idle. A list of its own, so that a
+    fleet agent of an earlier build (a rolling upgrade) offers none of them."""
     held_by_team: Annotated[dict[Name, GpuShare], Meta(max_length=1024)] = {}
     """GPUs held on the node by team (whole-GPU equivalents; a MIG device counts its share
     of compute slices), for team GPU-hour budgets."""

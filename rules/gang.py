@@ -22,6 +22,20 @@ pod) and refuses otherwise. The action is a dry run unless
 ``requeue_execute``. The episode resolves when the gang is whole, has no
 member placed any more, or ends.
 
+A gang all of whose placed members are idle (``gang_idle``) is the fleet's
+to judge: each node's join tells and warns the owner of its idle members but
+never reclaims one (that would stop the whole gang, its busy members on other
+nodes too), and sends their idle holds in its summary apart
+(``NodeSummary.idle_gangs``). When every placed member of a whole gang (none
+pending, none finished) has an idle hold, the rule raises one finding for the
+gang and tells its owner (a ``notify_owner`` on one member pod); if the gang
+stays idle for ``idle_reclaim_after_s`` after that it asks to suspend the whole
+gang (``requeue`` with ``params.reason`` idle-reclaim and ``params.gang``: the
+backend suspends a JobSet or training job, or leaves its Kueue workload
+inactive, with ``gpusteward act --restore`` to resume it), a dry run unless
+``idle_reclaim_execute``, and never while a member's ``keep-until`` holds. The
+episode resolves when a member works again, or the gang is no longer whole.
+
 Events for a member at or before the last one applied for it (by time, then
 lifecycle order) are ignored, as in :mod:`.queue`.
 """
@@ -35,8 +49,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.budget import mig_gpus
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
+from gpusteward.rules.idle import RECLAIM_REASON, rfc3339
 from gpusteward.rules.registry import FleetRunner
-from gpusteward.schema import Action, Evidence, Finding, PodRef, QueueEvent, Subject
+from gpusteward.schema import (
+    Action,
+    Evidence,
+    Finding,
+    IdleHold,
+    NodeSummary,
+    PodRef,
+    QueueEvent,
+    Subject,
+)
 
 KIND = "gang_partial"
 REQUEUE_REASON = "gang-partial"
@@ -47,6 +71,16 @@ RUNBOOK = (
     "makes progress. Requeue the whole gang (Kueue: deactivate and reactivate the workload), "
     "then enable gang scheduling (Kueue waitForPodsReady, the coscheduling plugin or "
     "Volcano) so that the gang is placed all at once or not at all."
+)
+
+IDLE_KIND = "gang_idle"
+
+IDLE_RUNBOOK = (
+    "Every member of the gang has held its GPUs idle: the whole job is hung, waiting for "
+    "input, or done without exiting. Check its logs; stop it if it is done, or exempt its "
+    "pods (label gpusteward.io/idle-exempt=true, or a gpusteward.io/keep-until annotation) "
+    "if it must keep them. Suspended by gpusteward, it is resumed with `gpusteward act "
+    "--restore <Kind>/<namespace>/<name>`."
 )
 
 _PENDING = ("pending", "evicted", "requeued")
@@ -77,6 +111,22 @@ class GangSettings(BaseModel):
         86400, gt=0,
         description="Seconds after its last event a gang with no member left is forgotten "
         "(a day: later duplicates of its events are ignored as stale until then).",
+    )
+    idle_reclaim: bool = Field(
+        True, description="Ask to suspend a gang all of whose placed members stay idle "
+        "for idle_reclaim_after_s after its owner was told (gang_idle): a JobSet or training "
+        "job suspended, a Kueue workload left inactive (a dry run unless "
+        "idle_reclaim_execute). False: the owner is told, nothing more.",
+    )
+    idle_reclaim_after_s: float = Field(
+        7200, gt=0,
+        description="Seconds from the gang_idle notice (every placed member idle, each "
+        "already told by the idle rule) to the suspension: 2 h, the batch ladder's notice to "
+        "reclaim.",
+    )
+    idle_reclaim_execute: bool = Field(
+        False, description="False marks the suspension dry_run: audited, never carried out. "
+        "It stops every member of the job, so it is switched on by choice.",
     )
 
 
@@ -109,6 +159,14 @@ class Gang(msgspec.Struct):
     """Members deleted before they finished, with their last event's position."""
     partial_since: float | None = None
     open_id: str | None = None
+    idle_since: float | None = None
+    """When the last of its placed members went idle, while all of them are."""
+    idle_id: str | None = None
+    """The open ``gang_idle`` finding."""
+    idle_told: float | None = None
+    """When the ``gang_idle`` finding fired and its owner notice was asked for."""
+    idle_reclaimed: bool = False
+    """The suspension of this idle episode was asked for."""
 
 
 class GangState(msgspec.Struct):
@@ -196,15 +254,123 @@ def _update(gang: Gang, ts: float) -> list[Finding | Action]:
 
 def evaluate(state: GangState, fleet: object, now: float, settings: GangSettings
              ) -> Sequence[Finding | Action]:
-    """Raise what has stayed partial for the window; forget gangs long ended."""
+    """Raise what has stayed partial for the window, and what is idle as a whole; forget
+    gangs long ended."""
     out: list[Finding | Action] = []
+    idle = _idle_members(getattr(fleet, "nodes", ()))
     for key, gang in list(state.gangs.items()):
         if all(m.ended for m in gang.members.values()) and \
                 now - gang.last_ts > settings.forget_after_s:
             del state.gangs[key]
             continue
         out += _judge(gang, now, settings)
+        out += _judge_idle(gang, idle.get(key, {}), now, settings)
     return out
+
+
+def _idle_members(nodes: Sequence[NodeSummary]) -> dict[str, dict[str, IdleHold]]:
+    """``namespace/gang`` -> member pod name -> its idle hold, from the nodes' summaries."""
+    found: dict[str, dict[str, IdleHold]] = {}
+    for summary in nodes:
+        for hold in summary.idle_gangs:
+            if hold.gang is not None:
+                key = f"{hold.pod.namespace}/{hold.gang}"
+                found.setdefault(key, {}).setdefault(hold.pod.name, hold)
+    return found
+
+
+def _judge_idle(gang: Gang, holds: dict[str, IdleHold], now: float, settings: GangSettings
+                ) -> list[Finding | Action]:
+    """The gang's ``gang_idle`` episode: opened (with the owner's notice) once every placed
+    member of the whole gang is idle, the suspension asked ``idle_reclaim_after_s`` after
+    the notice, resolved when that is no longer so."""
+    placed = [name for name, m in gang.members.items() if m.placed_since is not None]
+    _, pending, needed = _counts(gang)
+    whole = bool(placed) and len(placed) >= needed and not pending and not any(
+        m.ended for m in gang.members.values())
+    if not (whole and all(name in holds for name in placed)):
+        if gang.idle_id is None:
+            return []
+        why = ("a member works again" if whole else "it ended" if any(
+            m.ended for m in gang.members.values()) else "it is no longer placed whole")
+        assert gang.idle_since is not None
+        out: list[Finding | Action] = [resolved(
+            gang.idle_id, fingerprint(IDLE_KIND, gang.namespace, gang.name), IDLE_KIND,
+            _subject(gang), f"gang {gang.namespace}/{gang.name} is no longer idle: {why}",
+            gang.idle_since, now)]
+        gang.idle_since = gang.idle_id = gang.idle_told = None
+        gang.idle_reclaimed = False
+        return out
+    members = [holds[name] for name in sorted(placed)]
+    held = max((h.kept_until for h in members if h.kept_until is not None and h.kept_until > now),
+               default=None)
+    if gang.idle_id is None:
+        gang.idle_since = max(hold.idle_since for hold in members)
+        gang.idle_id = finding_id(fingerprint(IDLE_KIND, gang.namespace, gang.name),
+                                  gang.idle_since)
+        if held is not None:  # left alone while a member's keep-until holds: no notice
+            return [_idle_finding(gang, members, now, settings, held=held)]
+    if gang.idle_told is None:
+        if held is not None:
+            return []
+        gang.idle_told = now
+        finding = _idle_finding(gang, members, now, settings)
+        return [finding, action_for(finding, "notify_owner", _member(gang, members),
+                                    finding.summary)]
+    if gang.idle_reclaimed or not settings.idle_reclaim or held is not None or \
+            now - gang.idle_told < settings.idle_reclaim_after_s:
+        return []  # a member's keep-until holds the gang: asked once it ends
+    gang.idle_reclaimed = True
+    finding = _idle_finding(gang, members, now, settings, reclaim=True)
+    action = action_for(finding, "requeue", _member(gang, members), finding.summary)
+    action.dry_run = not settings.idle_reclaim_execute
+    action.params = {"reason": RECLAIM_REASON, "gang": gang.name,
+                     "idle_since": repr(gang.idle_since)}
+    return [finding, action]
+
+
+def _member(gang: Gang, members: list[IdleHold]) -> Subject:
+    """The member pod a gang's notice and suspension name (the first by name): the
+    backend finds the gang's object from it, and checks it is still a member."""
+    return Subject(queue=gang.queue, pod=members[0].pod)
+
+
+def _restore_name(gang: Gang) -> str:
+    """``Kind/namespace/name`` of the gang's object, as ``act --restore`` takes it."""
+    kind, _, name = gang.name.partition("/")
+    return f"{kind}/{gang.namespace}/{name}"
+
+
+def _idle_finding(gang: Gang, members: list[IdleHold], now: float, settings: GangSettings,
+                  *, reclaim: bool = False, held: float | None = None) -> Finding:
+    assert gang.idle_id is not None and gang.idle_since is not None
+    told = now if gang.idle_told is None else gang.idle_told
+    gpus = sum(hold.gpus for hold in members)
+    where = f"{gang.name} in {gang.namespace}"
+    if held is not None:
+        then = (f"left alone until {rfc3339(held)}, while a member's keep-until annotation "
+                "holds")
+    elif reclaim:
+        then = "suspending it" if settings.idle_reclaim_execute else \
+            "its suspension is recorded as a dry run (idle_reclaim_execute is off)"
+    elif settings.idle_reclaim:
+        then = (f"the whole gang is suspended at {rfc3339(now + settings.idle_reclaim_after_s)}"
+                " unless a member works again first"
+                + ("" if settings.idle_reclaim_execute else " (a dry run: recorded only)")
+                + f"; resume it with `gpusteward act --restore {_restore_name(gang)}`")
+    else:
+        then = "nothing more is done (idle_reclaim is off)"
+    summary = (f"All {len(members)} members of gang {where} have held their GPUs ({gpus:g}) "
+               f"idle since {rfc3339(gang.idle_since)}: {then}")
+    return Finding(
+        id=gang.idle_id, fingerprint=fingerprint(IDLE_KIND, gang.namespace, gang.name),
+        kind=IDLE_KIND, severity="warning", state="firing", subject=_subject(gang),
+        summary=summary, starts_at=gang.idle_since, ts=now,
+        evidence=Evidence(window_start=gang.idle_since, window_end=now,
+                          values={"members_idle": float(len(members)), "gpus_idle": gpus,
+                                  "reclaim_at": told + settings.idle_reclaim_after_s}),
+        runbook=IDLE_RUNBOOK, labels={"queue": gang.queue, "gang": gang.name},
+    )
 
 
 def _judge(gang: Gang, now: float, settings: GangSettings, *, late: bool = False

@@ -337,7 +337,8 @@ def _never_reclaimed(finding: Finding, reclaim: str) -> str:
     if reclaim == "gang":
         gang = finding.labels.get("gang", "its gang")
         return (f"the pod is one member of {gang}, which is never reclaimed for one idle "
-                "member: that would stop the whole gang")
+                "member (that would stop the whole gang) but judged as a whole once every "
+                "member is idle (gang_idle)")
     return "this workload kind is never reclaimed"
 
 

@@ -1390,6 +1390,7 @@ class NodeJoin:
             # placed there now would run, whatever allocatable still says.
             schedulable, mig_free = 0, {}
             replicas_free = 0 if replicas_free is not None else None
+        holds, gang_holds = self._idle_holds(state)
         teams: dict[str, float] = {}
         for held in holding:  # by the team the rollups name (team budgets count it)
             team = (held.who or self._holding_who(held)).team
@@ -1405,7 +1406,7 @@ class NodeJoin:
             cordoned=state.cordoned, spot=state.spot, gpu_replicas=state.gpu_replicas,
             replicas_free=replicas_free,
             mig_free={profile: n for profile, n in mig_free.items() if n > 0},
-            pool=state.pool, idle=self._idle_holds(state),
+            pool=state.pool, idle=holds, idle_gangs=gang_holds,
             held_by_team={team: gpus for team, gpus in teams.items() if gpus > 0},
             clock_steps=state.clock_steps,
         )]
@@ -1420,35 +1421,38 @@ class NodeJoin:
         return True
 
     @staticmethod
-    def _idle_holds(state: NodeState) -> list[IdleHold]:
+    def _idle_holds(state: NodeState) -> tuple[list[IdleHold], list[IdleHold]]:
         """The devices the idle rule has an open episode on: the fleet agent's input for
-        demand-aware reclaim (it matches them with the demand waiting fleet-wide)."""
+        demand-aware reclaim (it matches them with the demand waiting fleet-wide), and,
+        apart, those of gang members, for its gang rule (one member is not reclaimed on its
+        own: reclaiming it would stop the whole gang)."""
         holds: list[IdleHold] = []
+        gang_holds: list[IdleHold] = []
         if state.mig_config_state in reconfig.RECONFIGURING:
-            return holds  # its pods are being evicted: nothing to reclaim
+            return holds, gang_holds  # its pods are being evicted: nothing to reclaim
         for uuid, dev in state.devices.items():
             track = dev.idle
             if track.open_id is None or track.open_pod is None or track.open_since is None:
                 continue
             holding = state.pods.get(_pod_key(track.open_pod))
-            if holding is not None and (holding.ended_at is not None or holding.gang is not None):
-                # Let go (lingering for late samples only), or one member of a gang, which
-                # is not reclaimed on its own: reclaiming it would stop the whole gang.
-                continue
+            if holding is not None and holding.ended_at is not None:
+                continue  # let go (lingering for late samples only)
             # A pod of several devices has one episode, on one of them: reclaiming it frees
             # them all, its whole GPUs in this hold, each MIG device in one of its own.
             devices = [uuid] if holding is None or not _several(holding) else [uuid, *(
                 other for other in _pod_devices(state, holding.pod, holding.devices)
                 if other != uuid and state.devices[other].idle.open_id is None)]
             gpus = sum(not device.startswith("MIG-") for device in devices)
+            gang = holding.gang if holding is not None else None
+            into = holds if gang is None else gang_holds
             for device in devices:
                 mig = device.startswith("MIG-")
                 if not mig and device != uuid:
                     continue
                 profile = next(iter(holding.mig), None) if mig and holding is not None else None
-                holds.append(IdleHold(
+                into.append(IdleHold(
                     device=device, pod=track.open_pod, idle_since=track.open_since,
                     gpus=0 if mig else gpus, mig_profile=profile,
                     workload_kind=holding.workload_kind if holding is not None else None,
-                    kept_until=track.held_until, ladder_step=track.stage))
-        return holds
+                    kept_until=track.held_until, ladder_step=track.stage, gang=gang))
+        return holds, gang_holds
