@@ -125,6 +125,11 @@ class PipelineMetrics:
             "gpusteward_breaker_open",
             "1 while a circuit of the remediation breaker (node actions, idle reclaims) is open.",
             ["group"], registry=r)
+        self.breaker_circuit_open = Gauge(
+            "gpusteward_breaker_circuit_open",
+            "1 while the remediation breaker's circuit is open: nodes (cordons, taints, drains, "
+            "MIG relabels refused) or reclaims (idle reclaims refused).",
+            ["group", "circuit"], registry=r)
         self.sink_bytes = Counter(
             "gpusteward_sink_written_bytes_total", "Bytes of Parquet files the sink wrote, by "
             "topic.", ["topic"], registry=r)

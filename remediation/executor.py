@@ -895,6 +895,9 @@ class Executor:
                         await deliveries.delivered()
                         await consumer.commit()
                     self.metrics.breaker_open.labels(self.group_id).set(int(self.breaker.open))
+                    for circuit in CIRCUITS:
+                        self.metrics.breaker_circuit_open.labels(self.group_id, circuit).set(
+                            int(self.breaker.is_open(circuit)))
         finally:
             if server is not None:
                 server.stop()

@@ -206,8 +206,13 @@ def test_the_loop_audits_retries_and_keeps_breaker_and_keys_across_a_restart_unt
                         group_id=group, remediation=policy)
 
     storm = [encode(dbe_cordon(n)) for n in names[:10]]
-    first = asyncio.run(run_until(executor("g1"), settings, [*storm, b"{not json"], 10))
+    tripped = executor("g1")
+    first = asyncio.run(run_until(tripped, settings, [*storm, b"{not json"], 10))
     assert [r.outcome for r in first].count("executed") == 2
+    gauge = tripped.metrics.registry.get_sample_value
+    assert gauge("gpusteward_breaker_open", {"group": "g1"}) == 1
+    assert [gauge("gpusteward_breaker_circuit_open", {"group": "g1", "circuit": circuit})
+            for circuit in ("nodes", "reclaims")] == [1, 0]
     assert cordoned(kube) == names[:2]
 
     audit = decode_all(settings, topics.ACTION_RESULTS.name(settings), ActionResult)
