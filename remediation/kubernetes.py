@@ -66,6 +66,19 @@ What each verb does, and the API permissions it needs:
   leaves a Warning Event on the object, saying how to undo it;
   :meth:`KubernetesBackend.restore` (``gpusteward act --restore
   KIND/NAMESPACE/NAME``) undoes the first two;
+- ``requeue`` with ``params.reason`` ``idle-reclaim`` and ``params.gang`` (the fleet rule's
+  reclaim of a gang every member of which is idle, sent on one member pod) suspends the
+  whole gang, before ``params.workload`` or the pod's Kueue annotation is read (a requeue
+  would start it again at once): the live pod is read (get pods) and must still be a
+  member of that gang (:func:`gpusteward.owners.pod_gang`), not kept or exempt; a gang
+  admitted by Kueue has its Workload deactivated and left inactive (get, patch workloads),
+  so Kueue evicts it and suspends its job; otherwise a JobSet gets ``spec.suspend=true``
+  (get, patch jobsets.jobset.x-k8s.io), a Kubeflow training job
+  ``spec.runPolicy.suspend=true`` (get, patch pytorchjobs, tfjobs, mpijobs, xgboostjobs,
+  paddlejobs, jaxjobs.kubeflow.org), each with the action's key in
+  ``gpusteward.io/suspended-by``; a pod group is refused (nothing would start its pods
+  again). A Warning Event on the JobSet or job says how to undo it: :meth:`restore` resumes
+  only what carries that key;
 - ``notify_owner``: a Warning Event on the pod (create events) and a
   ``gpusteward.io/notice`` annotation (patch pods), both the action's reason: for an idle
   holder, the rule's owner notice (``rules.idle.owner_notice``), the words the chat message
