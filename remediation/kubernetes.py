@@ -173,7 +173,8 @@ NODE_CLOCK_SLACK_S = 60.0
 the node it is about (a collector's clock a little behind the API server's); a node of the
 same name created later is another one (``KubeSettings.refuse_newer_nodes``)."""
 KUEUE_GROUP = "kueue.x-k8s.io"
-NOTEBOOK_GROUP = "kubeflow.org"
+KUBEFLOW_GROUP = "kubeflow.org"
+NOTEBOOK_GROUP = KUBEFLOW_GROUP
 KEDA_GROUP = "keda.sh"
 KEDA_PAUSED_REPLICAS = "autoscaling.keda.sh/paused-replicas"
 NOTEBOOK_STOPPED = "kubeflow-resource-stopped"
@@ -211,7 +212,7 @@ TRAINING_JOBS = ("PyTorchJob", "TFJob", "MPIJob", "XGBoostJob", "PaddleJob", "JA
 """Kubeflow training-operator jobs (kubeflow.org/v1), suspended by ``spec.runPolicy.suspend``."""
 SUSPENDABLE_GANGS: dict[str, Suspension] = {
     "JobSet": Suspension(JOBSET_GROUP, ("v1alpha2",), "jobsets", ("suspend",), True),
-    **{kind: Suspension(NOTEBOOK_GROUP,
+    **{kind: Suspension(KUBEFLOW_GROUP,
                         # The standalone MPI operator serves MPIJob at v2beta1 only.
                         ("v1", "v2beta1") if kind == "MPIJob" else ("v1",),
                         f"{kind.lower()}s", ("runPolicy", "suspend"), True)
@@ -994,12 +995,13 @@ class KubernetesBackend:
             return "refused", stays
         kind, _, name = gang.partition("/")
         if kind not in SUSPENDABLE_GANGS:
+            why = ("nothing would start its pods again once stopped, so stopping them would "
+                   "end its work for good" if kind == "PodGroup" else
+                   f"gpusteward knows no switch of a {kind} that stops it reversibly")
             return "refused", (
                 f"gang {gang} in {ref.namespace} is a {kind}, which gpusteward cannot suspend: "
-                "only a JobSet or a Kubeflow training job "
-                f"({', '.join(TRAINING_JOBS)}) is stopped whole and started again on resume; "
-                f"stopping a {kind}'s pods would end its work for good. Ask its owner to stop "
-                "it")
+                f"{why}; it suspends a JobSet or a Kubeflow training job "
+                f"({', '.join(TRAINING_JOBS)}) only. Ask its owner to stop it")
         annotations, labels = meta.get("annotations") or {}, meta.get("labels") or {}
         workload = annotations.get(KUEUE_WORKLOAD) or labels.get(KUEUE_WORKLOAD)
         if workload:

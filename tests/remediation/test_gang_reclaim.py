@@ -236,8 +236,21 @@ def test_a_pod_group_gang_is_refused(group_label: str, kube_api: KubeApiServer,
                       {"kueue.x-k8s.io/workload": "pg-1"})
     outcome, detail = act(backend, reclaim(pod, "PodGroup/pg"))
     assert outcome == "refused"
-    assert "gang PodGroup/pg in ml-alice is a PodGroup, which gpusteward cannot suspend" in detail
-    assert "Ask its owner to stop it" in detail
+    assert detail.startswith("gang PodGroup/pg in ml-alice is a PodGroup, which gpusteward "
+                             "cannot suspend: nothing would start its pods again")
+    assert detail.endswith("Ask its owner to stop it")
+    assert writes(kube_api) == []
+
+
+def test_a_gang_of_a_kind_without_a_known_switch_is_refused(
+        kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
+    trainer = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+               "metadata": {"name": "tj", "uid": "uid-tj"}}
+    pod = _member(kube_api, "tj-node-0-0", trainer)
+    outcome, detail = act(backend, reclaim(pod, "TrainJob/tj"))
+    assert outcome == "refused"
+    assert detail.startswith("gang TrainJob/tj in ml-alice is a TrainJob, which gpusteward "
+                             "cannot suspend: gpusteward knows no switch of a TrainJob")
     assert writes(kube_api) == []
 
 
