@@ -242,6 +242,16 @@ def test_a_pod_group_gang_is_refused(group_label: str, kube_api: KubeApiServer,
     assert writes(kube_api) == []
 
 
+def test_a_jobset_queued_by_kueue_whose_pod_names_no_workload_is_not_suspended(
+        kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
+    """Kueue owns a queued JobSet's spec.suspend: one suspended behind its back would be
+    started again, the owner told their GPUs were given back while they were not."""
+    pod = jobset(kube_api, labels={"kueue.x-k8s.io/queue-name": "research"})
+    outcome, detail = act(backend, reclaim(pod, "JobSet/train"))
+    assert outcome == "refused" and "is queued by Kueue (LocalQueue research)" in detail
+    assert writes(kube_api) == []
+
+
 def test_a_gang_of_a_kind_without_a_known_switch_is_refused(
         kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
     trainer = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
