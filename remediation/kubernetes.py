@@ -66,6 +66,19 @@ What each verb does, and the API permissions it needs:
   leaves a Warning Event on the object, saying how to undo it;
   :meth:`KubernetesBackend.restore` (``gpusteward act --restore
   KIND/NAMESPACE/NAME``) undoes the first two;
+- ``requeue`` with ``params.reason`` ``idle-reclaim`` and ``params.gang`` (the fleet rule's
+  reclaim of a gang every member of which is idle, sent on one member pod) suspends the
+  whole gang, before ``params.workload`` or the pod's Kueue annotation is read (a requeue
+  would start it again at once): the live pod is read (get pods) and must still be a
+  member of that gang (:func:`gpusteward.owners.pod_gang`), not kept or exempt; a gang
+  admitted by Kueue has its Workload deactivated and left inactive (get, patch workloads),
+  so Kueue evicts it and suspends its job; otherwise a JobSet gets ``spec.suspend=true``
+  (get, patch jobsets.jobset.x-k8s.io), a Kubeflow training job
+  ``spec.runPolicy.suspend=true`` (get, patch pytorchjobs, tfjobs, mpijobs, xgboostjobs,
+  paddlejobs, jaxjobs.kubeflow.org), each with the action's key in
+  ``gpusteward.io/suspended-by``; a pod group is refused (nothing would start its pods
+  again). A Warning Event on the JobSet or job says how to undo it: :meth:`restore` resumes
+  only what carries that key;
 - ``notify_owner``: a Warning Event on the pod (create events) and a
   ``gpusteward.io/notice`` annotation (patch pods), both the action's reason: for an idle
   holder, the rule's owner notice (``rules.idle.owner_notice``), the words the chat message
@@ -103,7 +116,7 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
@@ -127,6 +140,7 @@ from gpusteward.errors import (
     api_error,
     cut,
 )
+from gpusteward.owners import pod_gang, top_owner
 from gpusteward.remediation.executor import matches
 from gpusteward.rules.idle import (
     KEEP_UNTIL_ANNOTATION,
@@ -159,7 +173,8 @@ NODE_CLOCK_SLACK_S = 60.0
 the node it is about (a collector's clock a little behind the API server's); a node of the
 same name created later is another one (``KubeSettings.refuse_newer_nodes``)."""
 KUEUE_GROUP = "kueue.x-k8s.io"
-NOTEBOOK_GROUP = "kubeflow.org"
+KUBEFLOW_GROUP = "kubeflow.org"
+NOTEBOOK_GROUP = KUBEFLOW_GROUP
 KEDA_GROUP = "keda.sh"
 KEDA_PAUSED_REPLICAS = "autoscaling.keda.sh/paused-replicas"
 NOTEBOOK_STOPPED = "kubeflow-resource-stopped"
@@ -167,7 +182,45 @@ NOTEBOOK_STOPPED = "kubeflow-resource-stopped"
 RECLAIMED_REPLICAS = "gpusteward.io/reclaimed-replicas"
 RECLAIMED_AT = "gpusteward.io/reclaimed-at"
 RECLAIMED_BECAUSE = "gpusteward.io/reclaim-reason"
-RESTORABLE = ("Notebook", "Deployment", "StatefulSet")
+SUSPENDED_BY = "gpusteward.io/suspended-by"
+"""The idempotency key of the gang reclaim that suspended a JobSet or training job, or left
+its Kueue workload inactive: ``restore`` resumes only what carries it."""
+KUEUE_WORKLOAD = "kueue.x-k8s.io/workload"
+"""The annotation (or label) naming the Kueue Workload that admitted a pod."""
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+class Suspension(NamedTuple):
+    """Where a kind keeps the switch that stops all its pods at once, reversibly."""
+
+    group: str
+    versions: tuple[str, ...]
+    """API versions to read it at, in order (a cluster serves one of them)."""
+    plural: str
+    field: tuple[str, ...]
+    """The switch's path under ``spec``."""
+    stopped: bool
+    """The switch's value that stops the pods (its default is the other)."""
+
+    @property
+    def path(self) -> str:
+        return ".".join(("spec", *self.field))
+
+
+JOBSET_GROUP = "jobset.x-k8s.io"
+TRAINING_JOBS = ("PyTorchJob", "TFJob", "MPIJob", "XGBoostJob", "PaddleJob", "JAXJob")
+"""Kubeflow training-operator jobs (kubeflow.org/v1), suspended by ``spec.runPolicy.suspend``."""
+SUSPENDABLE_GANGS: dict[str, Suspension] = {
+    "JobSet": Suspension(JOBSET_GROUP, ("v1alpha2",), "jobsets", ("suspend",), True),
+    **{kind: Suspension(KUBEFLOW_GROUP,
+                        # The standalone MPI operator serves MPIJob at v2beta1 only.
+                        ("v1", "v2beta1") if kind == "MPIJob" else ("v1",),
+                        f"{kind.lower()}s", ("runPolicy", "suspend"), True)
+       for kind in TRAINING_JOBS},
+}
+"""Gang kinds a gang reclaim suspends whole; their controllers delete the pods of a
+suspended job and create them again once it is resumed."""
+RESTORABLE = ("Notebook", "Deployment", "StatefulSet", *SUSPENDABLE_GANGS, "Workload")
 """Owner kinds a reclaim stops reversibly, and ``restore`` starts again."""
 STRATEGIC = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
@@ -584,6 +637,10 @@ class KubernetesBackend:
                          body, _content_type=MERGE)
 
     async def requeue(self, action: Action) -> tuple[Outcome, str]:
+        if action.params.get("gang") and action.params.get("reason") == RECLAIM_REASON:
+            # Before params.workload or the pod's Kueue annotation is read: a gang's
+            # reclaim stops it, where a requeue would start it again at once.
+            return await self._suspend_gang(action)
         pod_ref = action.target.pod
         workload = action.params.get("workload")
         if pod_ref is None and workload is None:
@@ -600,8 +657,7 @@ class KubernetesBackend:
                 return "refused", replaced
             labels = pod["metadata"].get("labels") or {}
             annotations = pod["metadata"].get("annotations") or {}
-            workload = (annotations.get("kueue.x-k8s.io/workload")
-                        or labels.get("kueue.x-k8s.io/workload"))
+            workload = annotations.get(KUEUE_WORKLOAD) or labels.get(KUEUE_WORKLOAD)
         if pod is not None and pod_ref is not None and (
                 action.params.get("reason") == RECLAIM_REASON):
             kept = _keep_until_refusal(pod, action) or _exempt_refusal(pod, action)
@@ -854,12 +910,15 @@ class KubernetesBackend:
         return "failed", f"{kind} {namespace}/{name} kept changing under the scale-down"
 
     async def restore(self, kind: str, namespace: str, name: str) -> tuple[Outcome, str]:
-        """Undo a reclaim: start a stopped Notebook, scale a Deployment/StatefulSet back."""
+        """Undo a reclaim: start a stopped Notebook, scale a Deployment/StatefulSet back,
+        resume a suspended gang (its JobSet or training job, or its Kueue Workload)."""
         if kind not in RESTORABLE:
             return "refused", f"cannot restore a {kind}: one of {', '.join(RESTORABLE)}"
         try:
             if kind == "Notebook":
                 return await self._restore_notebook(namespace, name)
+            if kind in SUSPENDABLE_GANGS or kind == "Workload":
+                return await self._resume(kind, namespace, name)
             return await self._restore_replicas(kind, namespace, name)
         except NotFound:
             return "failed", f"{kind} {namespace}/{name} does not exist"
@@ -902,6 +961,154 @@ class KubernetesBackend:
         await self._owner_event(owner, "GpuStewardRestored",
                                 f"Scaled back to {kept} by gpusteward act --restore.")
         return "executed", f"scaled {kind} {namespace}/{name} back to {kept}"
+
+    # -- gangs: suspend a whole idle gang, and resume it -----------------------------------
+
+    async def _suspend_gang(self, action: Action) -> tuple[Outcome, str]:
+        """Give back the GPUs of a gang every member of which is idle, by suspending it whole.
+
+        One member's reclaim would stop the gang anyway (its peers wait on it), so the
+        fleet rule asks for the gang through one placed member pod; that pod is read again
+        first, as a single pod's reclaim reads it. A gang admitted by Kueue is stopped
+        through its Workload, left inactive (``spec.active=false``): Kueue evicts it and
+        suspends its JobSet or job, and would unsuspend one suspended behind its back.
+        Otherwise a JobSet gets ``spec.suspend``, a Kubeflow training job
+        ``spec.runPolicy.suspend``; their controllers delete the pods and create them
+        again on resume. A pod group has no such switch: its pods, once deleted, are
+        started again by nothing, so it is refused."""
+        ref = action.target.pod
+        gang = action.params.get("gang", "")
+        if ref is None:
+            return "failed", f"a reclaim of gang {gang} needs one of its member pods"
+        try:
+            pod = await self._pod(ref)
+        except NotFound:
+            return "skipped", f"pod {ref.namespace}/{ref.name} is already gone"
+        meta = pod["metadata"]
+        live, _size = pod_gang(meta, *top_owner(meta))
+        stays = _replaced(pod, ref) or (
+            None if live == gang else
+            f"pod {ref.namespace}/{ref.name} is no longer a member of {gang} (its gang is now "
+            f"{live or 'none'}): the gang found idle is not the one this pod is in") or (
+            _keep_until_refusal(pod, action) or _exempt_refusal(pod, action))
+        if stays:
+            return "refused", stays
+        kind, _, name = gang.partition("/")
+        if kind not in SUSPENDABLE_GANGS:
+            why = ("nothing would start its pods again once stopped, so stopping them would "
+                   "end its work for good" if kind == "PodGroup" else
+                   f"gpusteward knows no switch of a {kind} that stops it reversibly")
+            return "refused", (
+                f"gang {gang} in {ref.namespace} is a {kind}, which gpusteward cannot suspend: "
+                f"{why}; it suspends a JobSet or a Kubeflow training job "
+                f"({', '.join(TRAINING_JOBS)}) only. Ask its owner to stop it")
+        annotations, labels = meta.get("annotations") or {}, meta.get("labels") or {}
+        workload = annotations.get(KUEUE_WORKLOAD) or labels.get(KUEUE_WORKLOAD)
+        if workload:
+            return await self._suspend(
+                "Workload", ref.namespace, workload, action,
+                f"Kueue workload {ref.namespace}/{workload} of {gang}")
+        return await self._suspend(kind, ref.namespace, name, action, gang)
+
+    def _suspension(self, kind: str) -> Suspension:
+        if kind == "Workload":
+            return Suspension(KUEUE_GROUP, (self.settings.kueue_version,), "workloads",
+                              ("active",), False)
+        return SUSPENDABLE_GANGS[kind]
+
+    async def _suspendable(self, kind: str, namespace: str, name: str
+                           ) -> tuple[dict[str, Any], str]:
+        """The object and the API version it was read at (the first one served)."""
+        how = self._suspension(kind)
+        for version in how.versions[:-1]:
+            try:
+                return await self._json(self.custom.get_namespaced_custom_object, how.group,
+                                        version, namespace, how.plural, name), version
+            except NotFound:
+                continue
+        version = how.versions[-1]
+        return await self._json(self.custom.get_namespaced_custom_object, how.group, version,
+                                namespace, how.plural, name), version
+
+    async def _patch_suspendable(self, kind: str, version: str, namespace: str, name: str,
+                                 body: dict[str, Any]) -> None:
+        how = self._suspension(kind)
+        await self._call(self.custom.patch_namespaced_custom_object, how.group, version,
+                         namespace, how.plural, name, body, _content_type=MERGE)
+
+    async def _suspend(self, kind: str, namespace: str, name: str, action: Action, what: str
+                       ) -> tuple[Outcome, str]:
+        """Flip ``kind``'s switch to stopped, naming the action beside it; what restore needs.
+
+        The action's key (``gpusteward.io/suspended-by``) makes a replay after a crash
+        between the patch and its audit record ``executed``, not a second patch; one found
+        stopped by anyone else is left so, and one this action stopped that runs again was
+        resumed by someone since, whose decision a retry must not undo. The patch carries
+        the resourceVersion read, so a concurrent change is a conflict, read again."""
+        how, key = self._suspension(kind), action.idempotency_key
+        where = f"{kind} {namespace}/{name}"
+        undo = f"gpusteward act --restore {kind}/{namespace}/{name}"
+        for _attempt in range(5):
+            try:
+                obj, version = await self._suspendable(kind, namespace, name)
+            except NotFound:
+                return "skipped", f"{where} ({what}) is already gone"
+            by = _annotations(obj).get(SUSPENDED_BY)
+            if _switch(obj, how) == how.stopped:
+                if by == key:
+                    return "executed", (f"{where} was suspended by an earlier try of this action "
+                                        f"(its audit record was lost); undo with `{undo}`")
+                whom = f"by gpusteward action {by}" if by else "not by gpusteward"
+                return "skipped", f"{where} is already suspended ({how.path}), {whom}: left so"
+            if by == key:
+                return "refused", (f"{where} was suspended by this action and resumed since: a "
+                                   "retry must not undo that")
+            queue = (obj["metadata"].get("labels") or {}).get(KUEUE_QUEUE_LABEL)
+            if kind != "Workload" and queue:
+                return "refused", (f"{where} is queued by Kueue (LocalQueue {queue}), but its "
+                                   "pod names no Workload: Kueue would undo a suspension made "
+                                   "behind its back; stop its Workload instead (`kueuectl "
+                                   "stop workload`)")
+            try:
+                await self._patch_suspendable(kind, version, namespace, name, {
+                    "metadata": {"resourceVersion": obj["metadata"].get("resourceVersion"),
+                                 "annotations": {SUSPENDED_BY: key,
+                                                 RECLAIMED_AT: _now_rfc3339(),
+                                                 RECLAIMED_BECAUSE: action.reason[:250]}},
+                    "spec": _switched(how, how.stopped)})
+            except Conflict:
+                continue
+            switched = f"{how.path}={json.dumps(how.stopped)}"
+            done = (f"deactivated {what} and left it inactive ({switched}): Kueue evicts it "
+                    "and suspends its pods") if kind == "Workload" else (
+                f"suspended {what} whole ({switched})")
+            await self._owner_event(_told(obj), "GpuStewardReclaimed",
+                                    f"Suspended to give back idle GPUs, every pod of "
+                                    f"{action.params.get('gang')} being idle: {done}. "
+                                    f"{action.reason[:500]}. Resume it with `{undo}`.")
+            return "executed", f"{done}; undo with `{undo}`"
+        return "failed", f"{where} kept changing under the suspension"
+
+    async def _resume(self, kind: str, namespace: str, name: str) -> tuple[Outcome, str]:
+        """Undo a gang reclaim: flip the switch back on what gpusteward suspended only."""
+        how = self._suspension(kind)
+        where = f"{kind} {namespace}/{name}"
+        obj, version = await self._suspendable(kind, namespace, name)
+        if SUSPENDED_BY not in _annotations(obj):
+            return "refused", (f"{where} was not suspended by gpusteward (no {SUSPENDED_BY}): "
+                               "left as it is")
+        stopped = _switch(obj, how) == how.stopped
+        body: dict[str, Any] = {"metadata": {
+            "resourceVersion": obj["metadata"].get("resourceVersion"),
+            "annotations": {SUSPENDED_BY: None, RECLAIMED_AT: None, RECLAIMED_BECAUSE: None}}}
+        if stopped:
+            body["spec"] = _switched(how, not how.stopped)
+        await self._patch_suspendable(kind, version, namespace, name, body)
+        if not stopped:
+            return "skipped", f"{where} was already resumed; removed {SUSPENDED_BY}"
+        await self._owner_event(_told(obj), "GpuStewardRestored",
+                                "Resumed by gpusteward act --restore.")
+        return "executed", f"resumed {where} ({how.path}={json.dumps(not how.stopped)})"
 
     async def _owner_event(self, obj: dict[str, Any], reason: str, message: str) -> None:
         """A Warning Event on ``obj``, where its owner looks (kubectl describe)."""
@@ -966,6 +1173,33 @@ class KubernetesBackend:
 
 def _annotations(obj: dict[str, Any]) -> dict[str, str]:
     return obj.get("metadata", {}).get("annotations") or {}
+
+
+def _switch(obj: dict[str, Any], how: Suspension) -> bool:
+    """The value of ``obj``'s suspend (or active) switch, its default where unset."""
+    value: Any = obj.get("spec") or {}
+    for part in how.field:
+        value = value.get(part) if isinstance(value, dict) else None
+    return (not how.stopped) if value is None else bool(value)
+
+
+def _switched(how: Suspension, value: bool) -> dict[str, Any]:
+    """The ``spec`` of a merge patch that sets ``how``'s switch to ``value``."""
+    body: dict[str, Any] = {how.field[-1]: value}
+    for part in reversed(how.field[:-1]):
+        body = {part: body}
+    return body
+
+
+def _told(obj: dict[str, Any]) -> dict[str, Any]:
+    """Where a suspension's owner looks: a Kueue Workload's JobSet or job (its controller,
+    for which Kueue made it), any other object itself."""
+    owner = _controller(obj) if obj.get("kind") == "Workload" else None
+    if owner is None:
+        return obj
+    return {"apiVersion": owner.get("apiVersion"), "kind": owner.get("kind"),
+            "metadata": {"name": owner.get("name"), "namespace": obj["metadata"]["namespace"],
+                         "uid": owner.get("uid")}}
 
 
 def _replaced(pod: dict[str, Any], ref: PodRef) -> str | None:

@@ -159,6 +159,11 @@ RESOURCES: tuple[Resource, ...] = (
     Resource(KUBEFLOW_GROUP, "pytorchjobs", "PyTorchJob", True, ("v1",)),
     Resource(KUBEFLOW_GROUP, "mpijobs", "MPIJob", True, ("v1", "v2beta1")),
     Resource(KUBEFLOW_GROUP, "tfjobs", "TFJob", True, ("v1",)),
+    # Training jobs that state no gang size the watcher reads, but that a gang reclaim
+    # suspends (spec.runPolicy.suspend) as it does the three above.
+    Resource(KUBEFLOW_GROUP, "xgboostjobs", "XGBoostJob", True, ("v1",)),
+    Resource(KUBEFLOW_GROUP, "paddlejobs", "PaddleJob", True, ("v1",)),
+    Resource(KUBEFLOW_GROUP, "jaxjobs", "JAXJob", True, ("v1",)),
     # Dynamic Resource Allocation, GA in Kubernetes 1.34: the claims that hand pods their
     # devices and the drivers' slices that publish them. A cluster before 1.34 serves no
     # resource.k8s.io/v1: ``absent`` leaves both out.

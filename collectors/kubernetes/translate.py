@@ -73,6 +73,7 @@ import msgspec
 from gpusteward.collectors.kubernetes.dra import DRA_RESOURCES, DraIndex, Held, pod_claims
 from gpusteward.collectors.kubernetes.reflector import Delta, Obj
 from gpusteward.collectors.kubernetes.settings import KubeWatchSettings
+from gpusteward.owners import pod_gang, quantity, top_owner
 from gpusteward.schema import (
     KUEUE_GATED,
     MIG_RESOURCE_PREFIX,
@@ -137,14 +138,6 @@ BATCH_OWNERS = frozenset({"Job", "CronJob", "JobSet", "RayJob", "RayCluster", "P
 INFERENCE_OWNERS = frozenset({"Deployment", "StatefulSet", "InferenceService",
                               "KnativeService", "LeaderWorkerSet"})
 
-LABEL_KUEUE_POD_GROUP = "kueue.x-k8s.io/pod-group-name"
-ANNOTATION_KUEUE_POD_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
-POD_GROUP_LABELS = ("scheduling.x-k8s.io/pod-group", "pod-group.scheduling.sigs.k8s.io")
-"""Labels of the scheduler-plugins coscheduling PodGroup (current and legacy)."""
-ANNOTATION_VOLCANO_GROUP = "scheduling.k8s.io/group-name"
-GANG_OWNERS = frozenset({"JobSet", "PyTorchJob", "MPIJob", "TFJob", "XGBoostJob", "PaddleJob",
-                         "JAXJob", "TrainJob"})
-"""Top owners whose GPU pods form a gang (all-or-nothing distributed training)."""
 GANG_RESOURCES = frozenset({"podgroups", "jobsets", "pytorchjobs", "mpijobs", "tfjobs"})
 """Resources whose objects state a gang's size (see :func:`gang_size_of`)."""
 
@@ -154,14 +147,6 @@ def parse_time(value: str | None) -> float | None:
     if not value:
         return None
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-
-
-def quantity(value: object) -> int:
-    """An extended-resource quantity (always an integer count) as int."""
-    try:
-        return int(str(value))
-    except ValueError:
-        return int(float(str(value)))
 
 
 def mig_profile(resource: str) -> str | None:
@@ -220,26 +205,6 @@ def single_strategy_profile(labels: dict[str, str]) -> str | None:
     return product_profile(labels.get(LABEL_PRODUCT))
 
 
-def top_owner(meta: Obj) -> tuple[str | None, str | None]:
-    """(kind, name) of the top of a pod's owner chain, from its controller ref and labels."""
-    labels = meta.get("labels") or {}
-    refs = meta.get("ownerReferences") or []
-    ref = next((r for r in refs if r.get("controller")), refs[0] if refs else None)
-    if ref is None:
-        return None, None
-    kind, name = ref.get("kind"), ref.get("name")
-    if kind == "ReplicaSet" and (hash_ := labels.get("pod-template-hash")) and \
-            name.endswith("-" + hash_):
-        return "Deployment", name[: -len(hash_) - 1]
-    if kind == "Job" and (jobset := labels.get("jobset.sigs.k8s.io/jobset-name")):
-        return "JobSet", jobset
-    if kind == "RayCluster" and labels.get("ray.io/originated-from-crd") == "RayJob":
-        return "RayJob", labels.get("ray.io/originated-from-cr-name", name)
-    if kind == "StatefulSet" and (notebook := labels.get("notebook-name")):
-        return "Notebook", notebook
-    return kind, name
-
-
 def workload_kind(labels: dict[str, str], owner_kind: str | None, label: str) -> str | None:
     stated = labels.get(label)
     if stated in WORKLOAD_KINDS:
@@ -293,23 +258,6 @@ def workload_state(conditions: dict[str, Obj]) -> tuple[WorkloadState, str | Non
         return "requeued", conditions["Requeued"].get("reason")
     reserved = conditions.get("QuotaReserved", {})
     return "pending", reserved.get("reason")
-
-
-def pod_gang(meta: Obj, owner_kind: str | None, owner_name: str | None
-             ) -> tuple[str | None, int | None]:
-    """(gang, size stated on the pod) of a pod, or (None, None) when it is no gang member."""
-    labels: dict[str, str] = meta.get("labels") or {}
-    annotations: dict[str, str] = meta.get("annotations") or {}
-    if group := labels.get(LABEL_KUEUE_POD_GROUP):
-        count = annotations.get(ANNOTATION_KUEUE_POD_GROUP_COUNT)
-        return f"PodGroup/{group}", quantity(count) if count else None
-    group = next((labels[k] for k in POD_GROUP_LABELS if labels.get(k)), None) or \
-        annotations.get(ANNOTATION_VOLCANO_GROUP)
-    if group:
-        return f"PodGroup/{group}", None
-    if owner_kind in GANG_OWNERS and owner_name:
-        return f"{owner_kind}/{owner_name}", None
-    return None, None
 
 
 def _gpu_template(template: Obj | None) -> bool:

@@ -156,7 +156,9 @@ def act(
     restore: Annotated[str | None, typer.Option(
         "--restore", metavar="KIND/NAMESPACE/NAME",
         help="Undo a reclaim and exit: start a stopped Notebook, scale a Deployment or "
-        "StatefulSet back to its replicas before (needs --backend kubernetes; audited).")
+        "StatefulSet back to its replicas before, resume a suspended gang (a JobSet, a "
+        "PyTorchJob, TFJob, MPIJob, XGBoostJob, PaddleJob or JAXJob, or a Kueue Workload left "
+        "inactive) (needs --backend kubernetes; audited).")
     ] = None,
     operator: Annotated[str, typer.Option(help="Who resets the breaker or restores (for the "
                                                 "audit).")] = "operator",

@@ -96,6 +96,9 @@ WATCHER_NEEDS = (*_perms("get list watch", "pods"), *_perms("get list watch", "n
                    for p in _perms("get list watch", kind, "kubeflow.org")),
                  *(p for kind in ("resourceclaims", "resourceclaimtemplates", "resourceslices")
                    for p in _perms("get list watch", kind, "resource.k8s.io")))
+TRAINING_JOB_RESOURCES = ("pytorchjobs", "tfjobs", "mpijobs", "xgboostjobs", "paddlejobs",
+                          "jaxjobs")
+"""The Kubeflow training jobs a gang reclaim suspends (remediation.kubernetes.TRAINING_JOBS)."""
 # ClusterRole gpusteward-remediation-execute, which the remediation-execute component binds
 # for `act --execute`: every verb of remediation/kubernetes.py (its module docstring lists
 # them by action). The shipped dry run (`act --dry-run`, no backend) calls no API, and its
@@ -108,6 +111,9 @@ EXECUTE_NEEDS = (*_perms("patch", "nodes"), *_perms("create", "pods", subresourc
                  *_perms("get patch", "deployments", "apps"),
                  *_perms("get patch", "statefulsets", "apps"),
                  *_perms("get patch", "notebooks", "kubeflow.org"),
+                 *_perms("get patch", "jobsets", "jobset.x-k8s.io"),
+                 *(p for kind in TRAINING_JOB_RESOURCES
+                   for p in _perms("get patch", kind, "kubeflow.org")),
                  *_perms("get", "jobs", "batch"),
                  *_perms("list", "scaledobjects", "keda.sh"))
 EXECUTE_WRITES = tuple(p for p in EXECUTE_NEEDS if p.verb not in ("get", "list", "watch"))

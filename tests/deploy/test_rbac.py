@@ -47,8 +47,8 @@ EXPECTED: dict[str, set[tuple[str, str, str]]] = {
 # evict, deactivate/requeue; reads before writes, pods of a node to drain, GPU-node count
 # for the breaker, owner notices, deleting a plain Job's pod to requeue it, and reclaiming
 # an idle pod's GPUs through its owner (the owner chain read, Deployments/StatefulSets
-# scaled, Notebooks stopped, KEDA ScaledObjects read so as not to fight one; restored by
-# `act --restore`).
+# scaled, Notebooks stopped, KEDA ScaledObjects read so as not to fight one, JobSets and
+# training jobs suspended; restored by `act --restore`).
 EXECUTE: set[tuple[str, str, str]] = {
     ("", "nodes", "get"), ("", "nodes", "list"), ("", "nodes", "patch"),
     ("", "pods/eviction", "create"),
@@ -59,6 +59,11 @@ EXECUTE: set[tuple[str, str, str]] = {
     ("apps", "deployments", "get"), ("apps", "deployments", "patch"),
     ("apps", "statefulsets", "get"), ("apps", "statefulsets", "patch"),
     ("kubeflow.org", "notebooks", "get"), ("kubeflow.org", "notebooks", "patch"),
+    # A whole idle gang suspended, and resumed.
+    ("jobset.x-k8s.io", "jobsets", "get"), ("jobset.x-k8s.io", "jobsets", "patch"),
+    *{("kubeflow.org", jobs, verb)
+      for jobs in ("pytorchjobs", "tfjobs", "mpijobs", "xgboostjobs", "paddlejobs", "jaxjobs")
+      for verb in ("get", "patch")},
     ("keda.sh", "scaledobjects", "list"), ("batch", "jobs", "get"),
 }
 

@@ -28,7 +28,11 @@ import yaml
 
 from gpusteward import kafka, topics
 from gpusteward.remediation.executor import Executor, RemediationSettings
-from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
+from gpusteward.remediation.kubernetes import (
+    SUSPENDABLE_GANGS,
+    KubernetesBackend,
+    KubeSettings,
+)
 from gpusteward.reports import findings
 from gpusteward.rules.idle import IdleSettings, rfc3339
 from gpusteward.sandbox.kube_api import KubeApiServer
@@ -496,13 +500,22 @@ def test_the_execute_component_grants_what_reclaim_and_restore_use(
     assert act(backend, reclaim(job(kube_api).pod))[0] == "executed"
     kube_api.create(_pod("bare-pod", None))
     assert act(backend, reclaim("bare-pod", delete_bare_pod="true"))[0] == "executed"
+    for kind in SUSPENDABLE_GANGS:  # a whole idle gang suspended, and resumed
+        how = SUSPENDABLE_GANGS[kind]
+        gang = kube_api.create({"apiVersion": f"{how.group}/{how.versions[0]}", "kind": kind,
+                                "metadata": {"name": f"{how.plural}-1", "namespace": NS},
+                                "spec": {}})
+        kube_api.create(_pod(f"{how.plural}-1-0", gang))
+        assert act(backend, reclaim(f"{how.plural}-1-0", gang=f"{kind}/{how.plural}-1"))[
+            0] == "executed", kind
+        assert asyncio.run(backend.restore(kind, NS, f"{how.plural}-1"))[0] == "executed"
     used = rbac_triples(kube_api)
     execute = granted(REPO / "deploy/components/remediation-execute/rbac.yaml")
     assert used <= execute, used - execute
     # Every grant on the owner kinds is used by these verbs, and only the execute
     # component gives them to the executor: a dry-run executor cannot scale or stop
     # anything (the watcher's read-only grants on gang kinds are its own role's).
-    owner_groups = {"apps", "kubeflow.org", "keda.sh", "batch"}
+    owner_groups = {"apps", "kubeflow.org", "keda.sh", "batch", "jobset.x-k8s.io"}
     assert {t for t in execute if t[0] in owner_groups} == {t for t in used
                                                              if t[0] in owner_groups}
     # The shipped dry run's account holds no role at all.
