@@ -42,6 +42,7 @@ lifecycle order) are ignored, as in :mod:`.queue`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import msgspec
@@ -49,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.budget import mig_gpus
 from gpusteward.rules.findings import action_for, finding_id, fingerprint, resolved
-from gpusteward.rules.idle import RECLAIM_REASON, rfc3339
+from gpusteward.rules.idle import RECLAIM_REASON, IdleSettings, rfc3339
 from gpusteward.rules.registry import FleetRunner
 from gpusteward.schema import (
     Action,
@@ -82,6 +83,12 @@ IDLE_RUNBOOK = (
     "if it must keep them. Suspended by gpusteward, it is resumed with `gpusteward act "
     "--restore <Kind>/<namespace>/<name>`."
 )
+
+_EXEMPT = json.dumps(IdleSettings().exempt_params, sort_keys=True)
+"""The idle rule's shipped exemptions, which the backend checks on the member pod once more
+before the suspension (``params.exempt``): a pod labelled exempt after the rule asked (the
+runbook's way) is not suspended. A member exempt under the policy never has an idle hold,
+so its gang is never found idle."""
 
 _PENDING = ("pending", "evicted", "requeued")
 _ENDED = ("finished", "deleted")
@@ -325,7 +332,7 @@ def _judge_idle(gang: Gang, holds: dict[str, IdleHold], now: float, settings: Ga
     action = action_for(finding, "requeue", _member(gang, members), finding.summary)
     action.dry_run = not settings.idle_reclaim_execute
     action.params = {"reason": RECLAIM_REASON, "gang": gang.name,
-                     "idle_since": repr(gang.idle_since)}
+                     "idle_since": repr(gang.idle_since), "exempt": _EXEMPT}
     return [finding, action]
 
 
@@ -336,7 +343,10 @@ def _member(gang: Gang, members: list[IdleHold]) -> Subject:
 
 
 def _restore_name(gang: Gang) -> str:
-    """``Kind/namespace/name`` of the gang's object, as ``act --restore`` takes it."""
+    """``Kind/namespace/name`` of what the suspension stops, as ``act --restore`` takes it:
+    the Kueue Workload of a gang Kueue admits (left inactive), else the gang's object."""
+    if gang.workload is not None:
+        return f"Workload/{gang.namespace}/{gang.workload}"
     kind, _, name = gang.name.partition("/")
     return f"{kind}/{gang.namespace}/{name}"
 

@@ -333,8 +333,7 @@ def test_the_executor_suspends_a_gang_only_after_its_owner_was_told(
     pod = jobset(kube_api)
     clock = [time.time()]
     executor = Executor(Settings(), backend, execute=True, clock=lambda: clock[0],
-                        # "*": the gang rule's name is registered with the rule itself.
-                        remediation=RemediationSettings(enabled_rules={"*"}))
+                        remediation=RemediationSettings(enabled_rules={"gang_idle"}))
     refused = asyncio.run(executor.decide(reclaim(pod, "JobSet/train")))
     assert refused.outcome == "refused" and "the owner was not told first" in refused.detail
     assert "suspend" not in kube_api.get("JobSet", "train", NS, JOBSET)["spec"]

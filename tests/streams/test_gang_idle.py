@@ -6,6 +6,7 @@ into the fleet evaluator, under the shipped policy, as the worker runs them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from gpusteward.rules import gang, idle
@@ -83,6 +84,8 @@ def test_a_gang_all_idle_is_told_once_then_suspended_as_a_whole() -> None:
     assert suspend.verb == "requeue" and suspend.dry_run
     assert suspend.params["reason"] == idle.RECLAIM_REASON and suspend.params["gang"] == GANG
     assert "workload" not in suspend.params  # a requeue of the workload would restart it
+    # The backend checks the member pod once more against the idle rule's exemptions.
+    assert json.loads(suspend.params["exempt"])["labels"] == {"gpusteward.io/idle-exempt": "true"}
     assert suspend.ts - told.ts >= 7200 and suspend.ts - told.ts < 7200 + 60
     # The episode starts when the last member went idle (each member's own episode).
     assert firing[0].starts_at == max(f.starts_at for f in firing)
