@@ -71,7 +71,9 @@ What each verb does, and the API permissions it needs:
   whole gang, before ``params.workload`` or the pod's Kueue annotation is read (a requeue
   would start it again at once): the live pod is read (get pods) and must still be a
   member of that gang (:func:`gpusteward.owners.pod_gang`), not kept or exempt; a gang
-  admitted by Kueue has its Workload deactivated and left inactive (get, patch workloads),
+  admitted by Kueue (``params.gang_workload``, the Workload the watcher saw own it, else the
+  one the pod names) has that Workload, once it is checked to belong to the gang,
+  deactivated and left inactive (get, patch workloads),
   so Kueue evicts it and suspends its job; otherwise a JobSet gets ``spec.suspend=true``
   (get, patch jobsets.jobset.x-k8s.io), a Kubeflow training job
   ``spec.runPolicy.suspend=true`` (get, patch pytorchjobs, tfjobs, mpijobs, xgboostjobs,
@@ -1003,7 +1005,10 @@ class KubernetesBackend:
                 f"{why}; it suspends a JobSet or a Kubeflow training job "
                 f"({', '.join(TRAINING_JOBS)}) only. Ask its owner to stop it")
         annotations, labels = meta.get("annotations") or {}, meta.get("labels") or {}
-        workload = annotations.get(KUEUE_WORKLOAD) or labels.get(KUEUE_WORKLOAD)
+        # The Workload the watcher saw admit the gang (its owner reference names the gang's
+        # object: Kueue's pods need not name it), else the one the pod names.
+        workload = (action.params.get("gang_workload") or annotations.get(KUEUE_WORKLOAD)
+                    or labels.get(KUEUE_WORKLOAD))
         if workload:
             return await self._suspend(
                 "Workload", ref.namespace, workload, action,
@@ -1054,6 +1059,12 @@ class KubernetesBackend:
             except NotFound:
                 return "skipped", f"{where} ({what}) is already gone"
             by = _annotations(obj).get(SUSPENDED_BY)
+            owner = _controller(obj) if kind == "Workload" else None
+            gang = action.params.get("gang")
+            if owner is not None and f"{owner.get('kind')}/{owner.get('name')}" != gang:
+                return "refused", (f"{where} belongs to {owner.get('kind')} "
+                                   f"{owner.get('name')}, not to {gang}: another job's "
+                                   "workload is left alone")
             if _switch(obj, how) == how.stopped:
                 if by == key:
                     return "executed", (f"{where} was suspended by an earlier try of this action "

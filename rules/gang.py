@@ -333,6 +333,11 @@ def _judge_idle(gang: Gang, holds: dict[str, IdleHold], now: float, settings: Ga
     action.dry_run = not settings.idle_reclaim_execute
     action.params = {"reason": RECLAIM_REASON, "gang": gang.name,
                      "idle_since": repr(gang.idle_since), "exempt": _EXEMPT}
+    if gang.workload is not None:
+        # The Kueue Workload the watcher saw admit it (by its owner reference): what is
+        # left inactive, since Kueue's pods need not name it. Not params.workload, which
+        # asks for a requeue (a restart).
+        action.params["gang_workload"] = gang.workload
     return [finding, action]
 
 

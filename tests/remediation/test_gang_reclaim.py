@@ -252,6 +252,33 @@ def test_a_jobset_queued_by_kueue_whose_pod_names_no_workload_is_not_suspended(
     assert writes(kube_api) == []
 
 
+def test_a_kueue_gang_whose_pods_name_no_workload_is_stopped_through_the_one_watched(
+        kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
+    """Kueue's JobSet pods carry its queue labels, not the Workload's name: the rule names
+    the Workload the watcher saw own the gang (``params.gang_workload``), and the backend
+    leaves that one inactive once it checks the Workload belongs to the gang."""
+    pod = kueue_jobset(kube_api)
+    kube_api.patch("Pod", pod, {"metadata": {"annotations": {
+        "kueue.x-k8s.io/workload": None}}}, NS)
+    outcome, detail = act(backend, reclaim(pod, "JobSet/train",
+                                           gang_workload="jobset-train-1a2b3"))
+    assert outcome == "executed", detail
+    assert [b["spec"]["active"] for b in patches(kube_api, "workloads")] == [False]
+    assert patches(kube_api, "jobsets") == []
+    # A Workload of another job, named by mistake, is left alone.
+    other = kube_api.create({
+        "apiVersion": f"{JOBSET}/v1alpha2", "kind": "JobSet",
+        "metadata": {"name": "eval", "namespace": NS}, "spec": {}})
+    kube_api.create({"apiVersion": f"{KUEUE_GROUP}/v1beta1", "kind": "Workload",
+                     "metadata": {"name": "jobset-eval-9z8y7", "namespace": NS,
+                                  "ownerReferences": [_ref(other)]},
+                     "spec": {"active": True, "queueName": "research", "podSets": []}})
+    outcome, detail = act(backend, reclaim(pod, "JobSet/train", key="g2/requeue/train",
+                                           gang_workload="jobset-eval-9z8y7"))
+    assert outcome == "refused" and "belongs to JobSet eval, not to JobSet/train" in detail
+    assert len(patches(kube_api, "workloads")) == 1
+
+
 def test_a_gang_of_a_kind_without_a_known_switch_is_refused(
         kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
     trainer = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",

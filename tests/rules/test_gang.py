@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gpusteward.rules import gang as g
-from gpusteward.schema import Action, Finding, QueueEvent, WorkloadState
+from gpusteward.schema import (
+    Action,
+    Finding,
+    IdleHold,
+    NodeSummary,
+    PodRef,
+    QueueEvent,
+    WorkloadState,
+)
 
 SETTINGS = g.GangSettings()
 
@@ -148,3 +158,26 @@ def test_judged_on_the_next_event_when_no_evaluation_fell_in_the_window() -> Non
     assert isinstance(firing, Finding) and firing.ts == 60 + SETTINGS.window_s
     assert isinstance(closing, Finding) and closing.state == "resolved"
     assert g.evaluate(state, None, 3000, SETTINGS) == []
+
+
+def test_an_idle_gang_kueue_admits_is_suspended_through_its_workload() -> None:
+    """The watcher's Workload event names the gang's Workload: the notice says to restore
+    that, and the suspension names it (``gang_workload``, not ``workload``: a requeue)."""
+    state = g.GangState()
+    events = [member(i, "admitted", 0, size=2) for i in range(2)] + [QueueEvent(
+        ts=0, name="jobset-pretrain-4f5g6", namespace="ml", cluster_queue="train",
+        state="admitted", kind="workload", gang="JobSet/pretrain", gang_size=2)]
+    for event in events:
+        g.on_queue(state, event, SETTINGS)
+    holds = [IdleHold(device=f"GPU-{i}", pod=PodRef(namespace="ml", name=f"pretrain-w-{i}"),
+                      idle_since=600.0, gpus=8, gang="JobSet/pretrain") for i in range(2)]
+    fleet = SimpleNamespace(nodes=[NodeSummary(ts=900, node=f"n{i}", gpu_model=None,
+                                               gpus_total=8, gpus_free=0,
+                                               idle_gangs=[holds[i]]) for i in range(2)])
+    out = list(g.evaluate(state, fleet, 900, SETTINGS))
+    (told,) = [o for o in out if isinstance(o, Action)]
+    assert "gpusteward act --restore Workload/ml/jobset-pretrain-4f5g6" in told.reason
+    out = list(g.evaluate(state, fleet, 900 + SETTINGS.idle_reclaim_after_s, SETTINGS))
+    (suspend,) = [o for o in out if isinstance(o, Action)]
+    assert suspend.params["gang_workload"] == "jobset-pretrain-4f5g6"
+    assert "workload" not in suspend.params
