@@ -50,6 +50,10 @@ async def run_in_world(broker: EmbeddedBroker, scenario: str, workdir: Path,
             await world.settle()
         names = [t.name(settings) for t in (topics.SAMPLES, topics.ALLOCATIONS)]
         await kafka.wait_consumed(settings, worker_group(settings), names, timeout_s=120)
+        # Then the fleet agent (in the worker's group) must have read the node summaries the
+        # join wrote meanwhile, and the queue: its findings come last.
+        names = [t.name(settings) for t in (topics.NODE_SUMMARIES, topics.QUEUE)]
+        await kafka.wait_consumed(settings, worker_group(settings), names, timeout_s=120)
         assert worker.alive, f"the worker died; its log is {workdir / 'worker.log'}"
     finally:
         worker.stop()
