@@ -201,6 +201,7 @@ def on_queue(state: GangState, event: QueueEvent, settings: GangSettings
     # event, so judge it before the event changes it.
     out = _judge(gang, event.ts, settings, late=True)
     gang.last_ts = max(gang.last_ts, event.ts)
+    resized = bool(event.gang_size) and event.gang_size != gang.size
     if event.gang_size:
         gang.size = event.gang_size
     if event.kind == "workload":
@@ -210,7 +211,9 @@ def on_queue(state: GangState, event: QueueEvent, settings: GangSettings
     member = gang.members.get(event.name)
     last = member.last if member is not None else gang.deleted.get(event.name)
     if last is not None and position <= last:
-        return out
+        # An event already applied, sent again with the size the watcher learnt since (an
+        # elastic job's minimum): the member is as it was, the gang may not be partial.
+        return out + _update(gang, event.ts) if resized else out
     if member is None:
         member = gang.members[event.name] = Member(last=position)
     member.last = position

@@ -205,6 +205,7 @@ def test_an_elastic_job_running_above_its_minimum_is_no_half_placed_gang(
     assert elastic[3] == elastic[0] and elastic[4] - elastic[0] > window + 600
     assert rigid[1] == rigid[0] and rigid[2] - rigid[0] > window + 120
     firing = [f for f in elastic_run.findings if f.kind == gang.KIND and f.state == "firing"]
+    assert len(firing) == 1, [(f.id, f.ts, f.summary) for f in firing]
     (finding,) = firing
     assert finding.labels["gang"] == "JobSet/rigid"
     assert finding.evidence is not None and finding.evidence.values["gang_size"] == 4

@@ -181,3 +181,18 @@ def test_an_idle_gang_kueue_admits_is_suspended_through_its_workload() -> None:
     (suspend,) = [o for o in out if isinstance(o, Action)]
     assert suspend.params["gang_workload"] == "jobset-pretrain-4f5g6"
     assert "workload" not in suspend.params
+
+
+def test_a_size_learnt_on_an_event_already_applied_ends_the_partial_run() -> None:
+    """An elastic job (minimum 2) seen as 4 placed of 6 members before the watcher read its
+    object: the size comes on the members' events sent again, which may be no newer than
+    the ones applied (the object's event time behind the pods'). Before, the size was kept
+    but the gang stayed partial from then on, and a finding "4 of 2 members" and a requeue
+    of a job training as it should came after the window (seen under load in
+    tests/e2e/test_waiting_deployed.py)."""
+    events = [member(i, "pending", 0, size=None, gang="PyTorchJob/elastic") for i in range(6)]
+    events += [member(i, "admitted", 60, size=None, gang="PyTorchJob/elastic")
+               for i in range(4)]
+    events += [member(i, "admitted", 60, size=2, gang="PyTorchJob/elastic") for i in range(4)]
+    _, out = run(events, until=3600)
+    assert out == []
