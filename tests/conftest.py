@@ -27,17 +27,6 @@ KUBE_FIXTURES = Path(__file__).resolve().parent / "data" / "kube"
 _prefixes = itertools.count(1)
 
 
-_FIRST = ("/e2e/", "/test_emit_order.py", "/test_prometheus_ha.py", "/test_webhook_restart.py")
-"""Files of tests that run for tens of seconds each (whole worlds, processes killed)."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The long files first, each file's order kept: ``make test``'s two workers take files
-    in this order (``--dist loadfile``), so they end together on short ones rather than one
-    waiting a minute for the other's last world."""
-    items.sort(key=lambda item: not any(part in str(item.path) for part in _FIRST))
-
-
 @pytest.fixture(autouse=True)
 def fresh_registry() -> Iterator[None]:
     """Every test starts from the shipped rules: one that registers a rule loses it after."""
