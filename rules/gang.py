@@ -378,7 +378,7 @@ def _idle_finding(gang: Gang, members: list[IdleHold], now: float, settings: Gan
                 + f"; resume it with `gpusteward act --restore {_restore_name(gang)}`")
     else:
         then = "nothing more is done (idle_reclaim is off)"
-    summary = (f"All {len(members)} members of gang {where} have held their GPUs ({gpus:g}) "
+    summary = (f"All {len(members)} members of gang {where} have held their {gpus:g} GPUs "
                f"idle since {rfc3339(gang.idle_since)}: {then}")
     return Finding(
         id=gang.idle_id, fingerprint=fingerprint(IDLE_KIND, gang.namespace, gang.name),
