@@ -4,6 +4,7 @@ API-server double, ``gpusteward worker`` as a child process with the shipped pol
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,18 +34,29 @@ class WorldRun:
 
 
 async def run_in_world(broker: EmbeddedBroker, scenario: str, workdir: Path,
-                       publish: Callable[[World], Any] = lambda world: world) -> WorldRun:
-    """Run ``scenario`` (as fast as it goes) in the world, on topics of its own; the
-    simulator publishes to ``publish(world)`` (a recorder around the world, say)."""
+                       publish: Callable[[World], Any] = lambda world: world,
+                       wall_s: float | None = None) -> WorldRun:
+    """Run ``scenario`` in the world, on topics of its own: as fast as it goes, or paced
+    over ``wall_s`` seconds as a live cluster, with the worker ready before it starts; the
+    simulator publishes to ``publish(world)`` (a recorder around the world, say).
+
+    Paced where a test needs the watcher's events (queue, allocations) read before the
+    samples of the same time: as fast as it goes, the collectors publish the whole day
+    while the watcher still reads the API, and the fleet agent's clock is at the day's end
+    by the time it learns of the pods (the rules judge a time only once)."""
     settings = broker.settings().model_copy(update={"topic_prefix": f"e2e-{scenario}"})
     await kafka.ensure_topics(settings)
-    spec = scenarios.load(scenario).model_copy(update={"acceleration": 0.0})
+    spec = scenarios.load(scenario)
+    spec = spec.model_copy(update={"acceleration": 0.0 if wall_s is None
+                                   else spec.duration_s / wall_s})
     cluster = SimulatedCluster(spec)
     worker = WorkerProcess(settings, workdir / "worker.log")
     worker.start()
     publisher = KafkaPublisher(settings)
     await publisher.start()
     try:
+        if wall_s is not None:
+            await asyncio.to_thread(worker.wait_ready)
         async with World(cluster, publisher, workdir) as world:
             truth = await cluster.run(publish(world))
             await world.settle()
