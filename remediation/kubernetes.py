@@ -657,9 +657,7 @@ class KubernetesBackend:
             replaced = _replaced(pod, pod_ref)
             if replaced:
                 return "refused", replaced
-            labels = pod["metadata"].get("labels") or {}
-            annotations = pod["metadata"].get("annotations") or {}
-            workload = annotations.get(KUEUE_WORKLOAD) or labels.get(KUEUE_WORKLOAD)
+            workload = _kueue_workload(pod["metadata"])
         if pod is not None and pod_ref is not None and (
                 action.params.get("reason") == RECLAIM_REASON):
             kept = _keep_until_refusal(pod, action) or _exempt_refusal(pod, action)
@@ -1004,11 +1002,9 @@ class KubernetesBackend:
                 f"gang {gang} in {ref.namespace} is a {kind}, which gpusteward cannot suspend: "
                 f"{why}; it suspends a JobSet or a Kubeflow training job "
                 f"({', '.join(TRAINING_JOBS)}) only. Ask its owner to stop it")
-        annotations, labels = meta.get("annotations") or {}, meta.get("labels") or {}
         # The Workload the watcher saw admit the gang (its owner reference names the gang's
         # object: Kueue's pods need not name it), else the one the pod names.
-        workload = (action.params.get("gang_workload") or annotations.get(KUEUE_WORKLOAD)
-                    or labels.get(KUEUE_WORKLOAD))
+        workload = action.params.get("gang_workload") or _kueue_workload(meta)
         if workload:
             return await self._suspend(
                 "Workload", ref.namespace, workload, action,
@@ -1184,6 +1180,12 @@ class KubernetesBackend:
 
 def _annotations(obj: dict[str, Any]) -> dict[str, str]:
     return obj.get("metadata", {}).get("annotations") or {}
+
+
+def _kueue_workload(meta: dict[str, Any]) -> str | None:
+    """The Kueue Workload a pod names (annotation, or label), if any."""
+    return ((meta.get("annotations") or {}).get(KUEUE_WORKLOAD)
+            or (meta.get("labels") or {}).get(KUEUE_WORKLOAD))
 
 
 def _switch(obj: dict[str, Any], how: Suspension) -> bool:

@@ -296,13 +296,13 @@ def _judge_idle(gang: Gang, holds: dict[str, IdleHold], now: float, settings: Ga
     the notice, resolved when that is no longer so."""
     placed = [name for name, m in gang.members.items() if m.placed_since is not None]
     _, pending, needed = _counts(gang)
-    whole = bool(placed) and len(placed) >= needed and not pending and not any(
-        m.ended for m in gang.members.values())
+    ended = any(m.ended for m in gang.members.values())
+    whole = bool(placed) and len(placed) >= needed and not pending and not ended
     if not (whole and all(name in holds for name in placed)):
         if gang.idle_id is None:
             return []
-        why = ("a member works again" if whole else "it ended" if any(
-            m.ended for m in gang.members.values()) else "it is no longer placed whole")
+        why = ("a member works again" if whole else "it ended" if ended
+               else "it is no longer placed whole")
         assert gang.idle_since is not None
         out: list[Finding | Action] = [resolved(
             gang.idle_id, fingerprint(IDLE_KIND, gang.namespace, gang.name), IDLE_KIND,
