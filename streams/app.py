@@ -26,6 +26,7 @@ from collections.abc import (
     Awaitable,
     Callable,
     Iterable,
+    Iterator,
     Mapping,
     Sequence,
 )
@@ -406,13 +407,16 @@ def create_app(
         use_partitioner=True,
     )
     # A deleted node's state leaves the table once its partition's samples are
-    # forget_deleted_s past the deletion (NodeStates.sweep).
+    # forget_deleted_s past the deletion, and a silent node's actions are asked for again
+    # by them (NodeStates.sweep).
     departures = Departures(join.settings.forget_deleted_s, kafka.node_partitions)
     states = NodeStates(state_table, join.settings.checkpoint_interval_s, departures,
-                        join.forget)
+                        join.forget, join.reask_due)
 
     def forget_live_states(sender: Any, *args: Any, **kwargs: Any) -> None:
         states.live.clear()
+        states.asking.clear()
+        states.first_due.clear()
         departures.forget()
 
     # mode's signal type asks for a positional-only sender that no def can spell here.
@@ -477,18 +481,31 @@ class NodeStates:
     With ``departures``, the states of nodes deleted from the cluster are indexed as they
     are applied, and :meth:`sweep` removes them once their partition's samples are past the
     grace, after ``forget`` (the join's) gave what is due before (the node's last rollup
-    minutes)."""
+    minutes). So are the nodes with node actions to ask for again: a sample past one's due
+    asks for it (``reask``, the join's), for a node whose own samples stopped
+    (:meth:`_reask`)."""
 
     def __init__(self, table: Any, checkpoint_s: float,
                  departures: Departures | None = None,
-                 forget: Callable[[NodeState, str], list[Output]] | None = None) -> None:
+                 forget: Callable[[NodeState, str], list[Output]] | None = None,
+                 reask: Callable[[NodeState, str, float], list[Output]] | None = None
+                 ) -> None:
         self.table = table
         self.checkpoint_s = checkpoint_s
         self.departures = departures
         self.forget = forget
+        self.reask = reask
         self.live: dict[bytes, tuple[NodeState, float]] = {}
         """Decoded states of this worker's nodes, with the event time of their last
         checkpoint. Cleared at every rebalance, when the table is the truth."""
+        self.asking: dict[int, dict[bytes, float]] = {}
+        """By partition, the nodes with node actions to ask for again and when the next is
+        due, as last seen (each state says for sure): what :meth:`_reask` looks at. Cleared
+        at every rebalance with :attr:`live`, and filled again from the table with the
+        index of deleted nodes (:meth:`sweep`)."""
+        self.first_due: dict[int, float] = {}
+        """By partition, the earliest due of :attr:`asking` (or earlier): one test per
+        sample."""
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(NodeState).decode
         self._decode_deletion = msgspec.msgpack.Decoder(NodeDeletion).decode
@@ -554,7 +571,18 @@ class NodeStates:
                     departures.note(partition, node, deleted_since(state))
             else:  # an inventory may delete the node, or create it again
                 departures.note(partition, node, deleted_since(state))
+            if state.asks_due is not None:  # almost never: a node action still asked for
+                self._asking(partition, node, state.asks_due)
+            first = self.first_due.get(partition)
+            if first is not None and record.ts >= first and isinstance(record, NodeSample):
+                outputs = outputs + self._reask(to_write, partition, record.ts)
         return outputs
+
+    def _asking(self, partition: int, node: bytes, due: float) -> None:
+        self.asking.setdefault(partition, {})[node] = due
+        first = self.first_due.get(partition)
+        if first is None or due < first:
+            self.first_due[partition] = due
 
     def sweep(self, to_remove: set[bytes], partitions: Iterable[int]) -> list[Output]:
         """Remove the states of the nodes of ``partitions`` deleted at least the grace ago
@@ -567,16 +595,11 @@ class NodeStates:
         if departures is None or forget is None:
             return []
         if not departures.known:  # after a rebalance: the table is recovered by now
-            departures.rebuild(self.table.items(), self._deleted_at)
+            departures.rebuild(self._index(self.table.items()))
         out: list[Output] = []
         for partition in partitions:
             for node in departures.due(partition):
-                entry = self.live.get(node)
-                if entry is not None:
-                    state: NodeState | None = entry[0]
-                else:
-                    state = restore(self._decode, node, self.table.get(node), self.dropped,
-                                    NodeState)
+                state = self._state(node)
                 if state is not None:
                     if deleted_since(state) is None:
                         continue  # created again: kept
@@ -585,13 +608,66 @@ class NodeStates:
                 to_remove.add(node)
         return out
 
-    def _deleted_at(self, stored: bytes) -> float | None:
-        """When a stored node state says its node was deleted; None if it was not (or the
-        state does not decode: its next record reports it)."""
-        try:
-            return deleted_since(self._decode_deletion(stored))
-        except msgspec.DecodeError:
-            return None
+    def _reask(self, to_write: dict[bytes, bytes], partition: int, clock: float
+               ) -> list[Output]:
+        """The node actions of ``partition``'s nodes due by ``clock``, a sample of any of its
+        nodes, asked for again (:meth:`.NodeJoin.reask_due`). A node's own samples ask for its
+        actions (:meth:`.NodeJoin.on_sample`); this asks for those of a node whose samples
+        stopped while its fault holds (its driver hung, its collector crashed), as long as
+        another node of its partition sends samples. Per sample, not per batch, so a
+        catch-up asks as often as a live worker. The index is a hint, each state says
+        when its asks are due: a node re-asked keeps its index entry until it is looked at
+        again, so one whose batch failed (its state unwritten) is asked for again."""
+        asking = self.asking[partition]
+        out: list[Output] = []
+        for node in [node for node, due in asking.items() if due <= clock]:
+            state = self._state(node)
+            if state is None or state.asks_due is None:
+                del asking[node]
+                continue
+            entry = self.live.get(node)
+            asked = self.reask(state, node.decode(), clock) if self.reask is not None else []
+            if asked:
+                out += asked
+                to_write[node] = self._encode(state)
+                self.live[node] = (state, clock)
+            else:
+                self.live[node] = (state, entry[1] if entry is not None else -1.0)
+                if state.asks_due is not None:
+                    asking[node] = state.asks_due
+        first = min(asking.values(), default=None)
+        if first is None:
+            del self.first_due[partition]
+        else:
+            self.first_due[partition] = first if first > clock else clock + 1.0
+        return out
+
+    def _state(self, node: bytes) -> NodeState | None:
+        """The node's state, live or from the table (None: not in it, or undecodable)."""
+        entry = self.live.get(node)
+        if entry is not None:
+            return entry[0]
+        return restore(self._decode, node, self.table.get(node), self.dropped, NodeState)
+
+    def _index(self, items: Iterable[tuple[bytes, bytes]]
+               ) -> Iterator[tuple[bytes, float | None]]:
+        """Each stored state's node and when it was deleted (None: it was not, or the state
+        does not decode: its next record reports it), noting on the way those with node
+        actions to ask for again (:attr:`asking`; what this batch applied stays)."""
+        departures = self.departures
+        assert departures is not None
+        for key, stored in items:
+            try:
+                fields = self._decode_deletion(stored)
+            except msgspec.DecodeError:
+                yield key, None
+                continue
+            when = deleted_since(fields)
+            if fields.asks_due is not None and when is None:
+                partition = departures.partition_of(key)
+                if key not in self.asking.get(partition, {}):  # what this batch applied stays
+                    self._asking(partition, key, fields.asks_due)
+            yield key, when
 
 
 async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeStates,

@@ -699,7 +699,8 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         deleted long enough ago; the table writes them to the changelog partition of the
         record being handled, theirs."""
         if not spot_departures.known:  # after a rebalance: the table is recovered by now
-            spot_departures.rebuild(spot_table.items(), spot_deleted_at)
+            spot_departures.rebuild((key, spot_deleted_at(stored))
+                                    for key, stored in spot_table.items())
         spot_departures.note(partition, node, deleted_at)
         spot_departures.advance(partition, ts)
         for gone in spot_departures.due(partition):

@@ -251,7 +251,8 @@ class NodeState(msgspec.Struct):
     asks: dict[str, Action] = {}
     """The node actions (:data:`REASKED_VERBS`) of the node's open hardware findings, by
     idempotency key, each as last asked for: asked for again every ``reask_s`` while its
-    finding stays open (:meth:`NodeJoin._reask`), forgotten when it resolves."""
+    finding stays open (:meth:`NodeJoin._reask`; by its partition's clock when the node's
+    own samples stopped, :meth:`NodeJoin.reask_due`), forgotten when it resolves."""
     asks_due: float | None = None
     """Event time from which the next of ``asks`` is due; None with none."""
     deleted: bool = False
@@ -275,11 +276,13 @@ class NodeState(msgspec.Struct):
 
 class NodeDeletion(msgspec.Struct):
     """The fields of a stored :class:`NodeState` that say whether and when its node was
-    deleted: read for every node of the table after a rebalance, the rest skipped."""
+    deleted, and when its asks are due again: read for every node of the table after a
+    rebalance, the rest skipped."""
 
     deleted: bool = False
     deleted_at: float | None = None
     last_summary_ts: float | None = None
+    asks_due: float | None = None
 
 
 def deleted_since(state: NodeState | NodeDeletion) -> float | None:
@@ -926,6 +929,23 @@ class NodeJoin:
                 out.append(again)
                 due.append(ts + every)
         state.asks_due = min(due) if due else None
+        return out
+
+    def reask_due(self, state: NodeState, node: str, ts: float) -> list[Output]:
+        """The node's asks due by ``ts``, the clock of its partition (the newest sample of any
+        node of it), asked for again as its own sample would ask for them: a node whose
+        collector stopped (its driver hung, the collector crashed) sends no sample, and its
+        fault, whose node action the executor may have refused, holds all the same. A
+        deleted node asks for nothing."""
+        due = state.asks_due
+        if due is None or ts < due or state.deleted:
+            return []
+        out = self._reask(state, ts)
+        if out:
+            log.info("node %s: %d node action(s) asked again at its partition's event time "
+                     "%.0f; its own newest sample is of %s", node, len(out), ts,
+                     "never" if state.rollups.watermark is None
+                     else f"{state.rollups.watermark:.0f}")
         return out
 
     def _behind(self, state: NodeState, ts: float) -> bool:

@@ -191,14 +191,12 @@ class Departures:
             del left[key]
         return gone
 
-    def rebuild(self, items: Iterable[tuple[bytes, bytes]],
-                deleted_at: Callable[[bytes], float | None]) -> None:
-        """Index the deleted nodes among a table's ``items`` (key, stored value);
-        ``deleted_at`` reads a stored value (None: the node exists, or the value does not
-        decode, which its next record reports)."""
+    def rebuild(self, deletions: Iterable[tuple[bytes, float | None]]) -> None:
+        """Index the deleted nodes of a table from each of its keys and when its stored value
+        says the node was deleted (None: it exists, or the value does not decode, which its
+        next record reports)."""
         self.left.clear()
-        for key, value in items:
-            when = deleted_at(value)
+        for key, when in deletions:
             if when is not None:
                 self.note(self.partition_of(key), key, when)
         self.known = True

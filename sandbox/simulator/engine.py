@@ -350,6 +350,9 @@ class SimulatedCluster:
                     dra=group.allocation == "dra")
         self.gangs: dict[str, int] = {}
         """namespace/JobSet name -> members, for the gangs' events and the truth."""
+        self.silent_from = {fault.node: self.start + fault.at_s for fault in scenario.faults
+                            if fault.kind == "collector_down"}
+        """Node -> when its collector stops sending (``collector_down``)."""
         self.workloads = self._make_workloads()
         self.queue: list[Workload] = []
         self.running: list[Workload] = []
@@ -434,7 +437,7 @@ class SimulatedCluster:
         await self._reclaim_spot_nodes(publisher, now)
         await self._schedule(publisher, now)
         for node in self.nodes.values():
-            if not node.gone:
+            if not node.gone and not self._silent(node.name, now):
                 await publisher.sample(self._sample(node, now))
         if self.on_tick:
             self.on_tick(self)
@@ -494,6 +497,8 @@ class SimulatedCluster:
                 if starts_now:
                     await self._spot_notice(publisher, fault.node, fault.taint, now)
                 continue
+            if fault.kind == "collector_down":
+                continue  # step() sends nothing of the node from then on
             gpu = self.nodes[fault.node].gpus[fault.gpu]
             if fault.kind == "ecc_dbe":
                 if not starts_now:
@@ -502,7 +507,7 @@ class SimulatedCluster:
                 self.truth.faults.append(FaultRecord(fault.kind, fault.node, gpu.uuid, now))
                 if not fault.urgent_event:
                     continue
-                await publisher.hw_event(HwEvent(
+                await self._hw_event(publisher, HwEvent(
                     ts=now, node=fault.node, kind="ecc_dbe", uuid=gpu.uuid, count=gpu.dbe,
                     detail="volatile double-bit ECC error", source="simulator",
                 ))
@@ -517,11 +522,20 @@ class SimulatedCluster:
                     gpu.remap_failure = True
                 self.truth.faults.append(FaultRecord(fault.kind, fault.node, gpu.uuid, now))
                 if fault.urgent_event:
-                    await publisher.hw_event(HwEvent(
+                    await self._hw_event(publisher, HwEvent(
                         ts=now, node=fault.node, kind=fault.kind,
                         uuid=gpu.uuid, detail=f"simulated {fault.kind}", source="simulator"))
             else:
                 self._ongoing(fault, gpu, fault_ts, now)
+
+    def _silent(self, node: str, now: float) -> bool:
+        since = self.silent_from.get(node)
+        return since is not None and now >= since
+
+    async def _hw_event(self, publisher: Publisher, event: HwEvent) -> None:
+        """Send an urgent hardware event, as the node's collector does unless it is down."""
+        if not self._silent(event.node, event.ts):
+            await publisher.hw_event(event)
 
     async def _xid(self, publisher: Publisher, fault: Fault, gpu: SimGpu, now: float,
                    interval: float) -> None:
@@ -541,7 +555,7 @@ class SimulatedCluster:
                     "xid", fault.node, gpu.uuid, event_ts, xid=fault.xid,
                     workload=None if holder is None else "/".join(
                         (holder.namespace, self._owner_kind(holder), self._owner_name(holder)))))
-                await publisher.hw_event(HwEvent(
+                await self._hw_event(publisher, HwEvent(
                     ts=event_ts, node=fault.node, kind="xid", uuid=gpu.uuid, xid=fault.xid,
                     detail=f"Xid {fault.xid} (simulated)", source="simulator"))
 

@@ -129,6 +129,7 @@ class WorkloadGroup(BaseModel):
 FaultKind = Literal[
     "ecc_dbe", "xid", "sbe_burst", "pcie_replay", "nvlink_errors", "nvlink_crc_errors",
     "thermal", "thermal_target", "gpu_lost", "remap_failure", "spot_termination",
+    "collector_down",
 ]
 
 
@@ -143,7 +144,9 @@ class Fault(BaseModel):
     GPU above its slowdown temperature, with the thermal clock-event bits, for ``for_s``;
     ``thermal_target`` holds it at its max operating temperature (87 °C, an H100 SXM's),
     its clocks trimmed by SW thermal slowdown (0x20) alone, for ``for_s``: no fault, a busy
-    GPU in a warm rack keeping itself at its thermal target.
+    GPU in a warm rack keeping itself at its thermal target. ``collector_down``: from
+    ``at_s`` the node's collector sends nothing more, neither samples nor events (a hung
+    driver takes NVML with it), while its kubelet and pods go on and the node takes work.
     """
 
     model_config = ConfigDict(extra="forbid")

@@ -25,7 +25,7 @@ from gpusteward.sandbox.kube_api import KubeApiServer
 from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.sandbox.simulator.engine import SimulatedCluster
 from gpusteward.sandbox.simulator.scenario import Scenario
-from gpusteward.schema import Action, ActionResult
+from gpusteward.schema import Action, ActionResult, NodeSample
 from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
 from tests.remediation.cluster import cordoned, node
@@ -39,21 +39,27 @@ REASK_S = 600.0
 FAULTY = "h100-1"
 
 
-def scenario() -> Scenario:
+def scenario(nodes: int = 3, faulty: str = FAULTY, silent_at_s: float | None = None
+             ) -> Scenario:
     """Two hours of three one-GPU nodes whose event time ends now: a DBE on h100-1 at 10 min
     that lasts (the node keeps taking work until it is cordoned), and two notebooks left
-    idle, whose owner notices must not be asked again."""
+    idle, whose owner notices must not be asked again. With ``silent_at_s``, the faulty
+    node's collector sends nothing from then on."""
+    faults: list[dict[str, object]] = [{"kind": "ecc_dbe", "node": faulty, "gpu": 0,
+                                        "at_s": 600}]
+    if silent_at_s is not None:
+        faults.append({"kind": "collector_down", "node": faulty, "at_s": silent_at_s})
     return Scenario.model_validate({
         "name": "dbe-while-the-executor-is-down", "seed": 5,
         "start_ts": time.time() - HOURS * 3600 - INTERVAL_S,
         "duration_s": HOURS * 3600, "sample_interval_s": INTERVAL_S, "acceleration": 0,
-        "nodes": [{"prefix": "h100", "count": 3, "gpu_model": "NVIDIA H100 80GB HBM3",
+        "nodes": [{"prefix": "h100", "count": nodes, "gpu_model": "NVIDIA H100 80GB HBM3",
                    "gpus": 1, "mem_gib": 80}],
         "users": ["alice", "bob"],
         "workloads": [{"group": "nb", "count": 2, "kind": "notebook", "mem_gib": [10, 20],
                        "phases": [{"for_s": [300, 300], "util": [30, 60]},
                                   {"util": [0, 1]}]}],
-        "faults": [{"kind": "ecc_dbe", "node": FAULTY, "gpu": 0, "at_s": 600}],
+        "faults": faults,
     })
 
 
@@ -107,13 +113,13 @@ async def _execute(executor: Executor, settings: Settings, stop: asyncio.Event) 
     await running
 
 
-def _kube(kube_api: KubeApiServer, kubeconfig: Path) -> KubernetesBackend:
-    kube_api.load(node(f"h100-{i}", gpus=1) for i in (1, 2, 3))
+def _kube(kube_api: KubeApiServer, kubeconfig: Path, nodes: int = 3) -> KubernetesBackend:
+    kube_api.load(node(f"h100-{i}", gpus=1) for i in range(1, nodes + 1))
     return KubernetesBackend(KubeSettings(kubeconfig=str(kubeconfig), request_timeout_s=5))
 
 
-def _cordons(records: list) -> list:
-    return [r for r in records if r.verb == "cordon" and r.target.node == FAULTY]
+def _cordons(records: list, faulty: str = FAULTY) -> list:
+    return [r for r in records if r.verb == "cordon" and r.target.node == faulty]
 
 
 def test_a_cordon_refused_as_stale_is_carried_out_when_the_worker_asks_again(
@@ -196,3 +202,40 @@ def test_in_dry_run_the_re_asks_add_no_audit_record_across_an_executor_restart(
     audit = _cordons(asyncio.run(_read(settings, topics.ACTION_RESULTS, ActionResult)))
     assert [r.outcome for r in audit] == ["dry_run"]
     assert cordoned(kube_api) == []
+
+
+def test_a_node_whose_collector_stopped_is_cordoned_by_the_re_asks_of_its_partition(
+        broker: EmbeddedBroker, tmp_path: Path, kube_api: KubeApiServer,
+        kubeconfig: Path) -> None:
+    """As above, but the faulty node's collector stops a minute after the DBE (a hung driver
+    takes NVML with it) while its kubelet goes on taking pods. Its cordon is asked for again
+    every 10 min all the same, driven by the samples of the other nodes of its partition,
+    and the executor back after two hours cordons it. Before, a node that sent no sample
+    was asked nothing more: the stale refusal was the last word and the node kept taking
+    work."""
+    faulty, silent_at_s = "h100-2", 660.0
+    partition = kafka.node_partitioner(faulty.encode(), list(range(8)), list(range(8)))
+    assert [f"h100-{i}" for i in range(1, 7) if f"h100-{i}" != faulty and kafka.node_partitioner(
+        f"h100-{i}".encode(), list(range(8)), list(range(8))) == partition], \
+        "another node shares the faulty node's partition"
+    settings = _fresh(broker, "e2e-reask-silent")
+    assert settings.kafka.node_partitions == 8
+    asyncio.run(kafka.ensure_topics(settings))
+    world = SimulatedCluster(scenario(6, faulty, silent_at_s))
+    asyncio.run(_simulate(settings, tmp_path, world))
+    executor = Executor(settings, _kube(kube_api, kubeconfig, 6), execute=True,
+                        group_id="back-after-2h",
+                        remediation=RemediationSettings(enabled_rules={"ecc_dbe"}))
+    (go := asyncio.Event()).set()
+    asyncio.run(_execute(executor, settings, go))
+
+    samples = asyncio.run(_read(settings, topics.SAMPLES, NodeSample))
+    assert max(s.ts for s in samples if s.node == faulty) < world.start + silent_at_s
+    asked = _cordons(asyncio.run(_read(settings, topics.ACTIONS, Action)), faulty)
+    assert [a.reask for a in asked] == list(range(len(asked)))
+    assert len(asked) == int((HOURS * 3600 - 600) // REASK_S) + 1
+    assert {round(b.ts - a.ts) for a, b in itertools.pairwise(asked)} == {REASK_S}
+    assert all(a.ts > world.start + silent_at_s for a in asked[1:])
+    audit = _cordons(asyncio.run(_read(settings, topics.ACTION_RESULTS, ActionResult)), faulty)
+    assert [r.outcome for r in audit] == ["refused", "executed"]
+    assert cordoned(kube_api) == [faulty]

@@ -9,6 +9,7 @@ import pytest
 
 from gpusteward.edge import Rejected
 from gpusteward.schema import (
+    Action,
     DeviceSample,
     Finding,
     NodeInventory,
@@ -263,3 +264,63 @@ def test_deleted_nodes_leave_once_their_partitions_samples_pass_the_grace() -> N
     restarted = NodeStates(dict(table), 30.0, Departures(3600.0, 8), join.forget)
     assert restarted.sweep(set(), [partition]) == []
     assert restarted.departures is not None and not restarted.departures.left.get(partition)
+
+
+def test_a_silent_nodes_cordon_is_asked_again_by_its_partitions_samples() -> None:
+    """A node with a double-bit ECC error sends no sample after it (its driver hung, its
+    collector with it), while its kubelet still takes pods. Its cordon, which the executor
+    may have refused (its breaker open, its API call failed), is asked for again every
+    reask_s of its partition's clock, the other nodes' samples, under its key and with its
+    state written. A worker restarted with the index read from the table does the same; the
+    node's own samples, back, go on from there without asking twice; once the node is
+    cordoned, nothing is asked. Before, a silent node was asked nothing more."""
+    departures = Departures(grace_s=3600.0, partitions=8)
+    partition = departures.partition_of(b"silent")
+    driver = next(name for name in (f"n{i}" for i in range(1000))
+                  if departures.partition_of(name.encode()) == partition)
+    join = NodeJoin()
+    table: dict[bytes, bytes] = {}
+    states = NodeStates(table, 30.0, departures, join.forget, join.reask_due)
+
+    def page(node: str, ts: float, dbe: int = 0) -> NodeSample:
+        return NodeSample(ts=ts, node=node, source="t", devices=[
+            DeviceSample(uuid=f"GPU-{node}", index=0, model="NVIDIA H100 80GB HBM3",
+                         util_pct=50.0, temp_c=60.0, ecc_dbe_volatile=dbe)])
+
+    def batch(states: NodeStates, *records: NodeSample | NodeInventory) -> list[Action]:
+        writes: dict[bytes, bytes] = {}
+        out: list[Output] = []
+        for record in records:
+            handler = join.on_sample if isinstance(record, NodeSample) else join.on_allocation
+            out += states.apply(writes, handler, record, partition)
+        out += states.sweep(set(), [partition])
+        table.update(writes)  # as the batch's checkpoint writes them
+        return [o for o in out if isinstance(o, Action) and o.verb == "cordon"]
+
+    def driven(states: NodeStates, start: float, end: float) -> list[Action]:
+        return [a for ts in range(int(start), int(end) + 1, 30)
+                for a in batch(states, page(driver, T0 + ts))]
+
+    batch(states, page("silent", T0), page(driver, T0))
+    [first] = batch(states, page("silent", T0 + 30, dbe=1), page(driver, T0 + 30))
+    assert first.reask == 0 and first.target.node == "silent"
+    assert not driven(states, 60, 600)  # within reask_s of the ask
+    again = driven(states, 630, 1200)
+    assert [(a.reask, a.ts, a.idempotency_key) for a in again] == [
+        (1, T0 + 630, first.idempotency_key)]
+    assert msgspec.msgpack.decode(table[b"silent"], type=NodeState).asks_due == T0 + 1230
+
+    # A worker restarted: its index comes from the table, read at the end of its first
+    # batch (at 1200 s), so a later one asks.
+    restarted = NodeStates(dict(table), 30.0, Departures(3600.0, 8), join.forget,
+                           join.reask_due)
+    table = restarted.table
+    assert [(a.reask, a.ts) for a in driven(restarted, 1200, 1260)] == [(2, T0 + 1230)]
+    # The node's own samples again: the next ask is due 600 s after the last.
+    assert not batch(restarted, page("silent", T0 + 1235, dbe=1))
+    assert [(a.reask, a.ts) for a in batch(restarted, page("silent", T0 + 1830, dbe=1))] == [
+        (3, T0 + 1830)]
+    # Cordoned (the executor carried it out): silent again, it is asked nothing more.
+    batch(restarted, NodeInventory(ts=T0 + 1840, node="silent", gpu_count=1,
+                                   unschedulable=True))
+    assert not driven(restarted, 1860, 4000)
