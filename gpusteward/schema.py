@@ -261,6 +261,11 @@ class PodAllocation(msgspec.Struct, tag="pod"):
     gang_size: Count | None = None
     """Members the gang needs to run (PodGroup ``minMember``, Kueue pod-set counts, replica
     counts of the GPU replicas); None: not known (yet)."""
+    images: Annotated[list[Text], Meta(max_length=64)] = []
+    """The images of the pod's containers that ask for GPUs (every app container's where
+    none does: a pod whose GPUs come from a resource claim), as its spec names them: how
+    the memory rules know a framework that reserves its memory pool when it starts
+    (``exempt_images``); empty from a watcher before 2026-11-27."""
 
 
 class NodeInventory(msgspec.Struct, tag="node"):

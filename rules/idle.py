@@ -387,6 +387,9 @@ class Holder(msgspec.Struct, frozen=True):
     None. A gang member is told as any holder but never reclaimed on its own: the reclaim
     of one pod (a Kueue workload requeued, a JobSet's pod deleted) stops every member,
     the busy ones on other nodes too, and this node's join sees only its own members."""
+    images: tuple[str, ...] = ()
+    """The images of the pod's GPU containers (``PodAllocation.images``): what the memory
+    rules' ``exempt_images`` match."""
     siblings: Any = None
     """For a pod holding several devices of the node: ``siblings(uuid)``, the node join's
     ``[(uuid, IdleTrack)]`` of the pod's devices other than ``uuid``. The pod is idle only

@@ -22,7 +22,10 @@ close.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import fnmatch
+import functools
+import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -97,6 +100,31 @@ def clock_step(track: SustainTrack, step: float) -> None:
     track.samples, track.peak = 0, 0.0
     if track.open is not None:
         track.open.since -= step
+
+
+ImageMatch = Callable[[tuple[str, ...]], "str | None"]
+
+
+def image_matcher(patterns: Sequence[str]) -> ImageMatch:
+    """A test of a pod's GPU container images against ``patterns`` (shell globs on the whole
+    image reference as the pod spec names it: ``*`` matches across ``/``, ``[:@]`` either a
+    tag or a digest): the first image matched, or None. Remembered per set of images, so
+    a holder's every sample costs one look-up."""
+    if not patterns:
+        return lambda images: None
+    regex = re.compile("|".join(fnmatch.translate(pattern) for pattern in patterns))
+
+    @functools.lru_cache(maxsize=1024)
+    def match(images: tuple[str, ...]) -> str | None:
+        return next((image for image in images if regex.match(image)), None)
+
+    return match
+
+
+def images_of(holder: object) -> tuple[str, ...]:
+    """The holder's GPU container images (``idle.Holder.images``); none for no holder."""
+    images: tuple[str, ...] = getattr(holder, "images", ())
+    return images
 
 
 def free_bytes(sample: DeviceSample) -> int | None:

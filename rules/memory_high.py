@@ -9,7 +9,8 @@ memory left after the weights) reserve their KV cache when they start and
 hold it whatever the load, so every one of them reads 90 % or more at every
 sample, healthy; whether a server is short of memory is the low-free rule's
 question. Nor is a TensorFlow or JAX training job (``exempt_owner_kinds``: pods of
-Kubeflow's TFJob and JAXJob): both frameworks reserve their memory pool when the
+Kubeflow's TFJob and JAXJob; ``exempt_images``: pods of their images under another
+owner): both frameworks reserve their memory pool when the
 first operation runs (TensorFlow nearly all of the GPU, JAX 75 % of it or
 ``XLA_PYTHON_CLIENT_MEM_FRACTION``) and allocate inside it, so the used memory NVML
 reads is the pool's configured size, not the job's need, and says nothing of how near
@@ -18,13 +19,18 @@ an out-of-memory error it is. Episodes follow :func:`gpusteward.rules.memory.sus
 
 from __future__ import annotations
 
+import functools
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.memory import (
     UNWATCHED,
+    ImageMatch,
     Out,
     SustainTrack,
     clock_step,
+    image_matcher,
+    images_of,
     judges_kind,
     pod_of,
     releaser,
@@ -42,6 +48,17 @@ RUNBOOK = (
     "The GPU's memory has stayed nearly full: one larger batch or sequence away from an "
     "out-of-memory error. Reduce the batch, enable activation checkpointing, or move to a "
     "device with more memory.")
+
+
+POOL_IMAGES = (
+    "*tensorflow/tensorflow[:@]*",
+    "nvcr.io/nvidia/tensorflow[:@]*",
+    "nvcr.io/nvidia/jax[:@]*",
+    "ghcr.io/nvidia/jax[:@]*",
+)
+"""Images of TensorFlow and JAX, which reserve their memory pool when they start: Docker
+Hub's ``tensorflow/tensorflow`` (``*-gpu`` tags), NGC's TensorFlow and JAX containers and
+the JAX toolbox's (``ghcr.io/nvidia/jax``)."""
 
 
 class HighMemorySettings(BaseModel):
@@ -76,7 +93,22 @@ class HighMemorySettings(BaseModel):
         "when it starts and JAX preallocates 75 % of it (XLA_PYTHON_CLIENT_MEM_FRACTION), "
         "so their devices read the pool's configured size, not the job's need. Empty: the "
         "owner exempts none.")
+    exempt_images: list[str] = Field(
+        default_factory=lambda: list(POOL_IMAGES),
+        description="Images of the holder's GPU containers whose devices the rule does not "
+        "judge: shell globs on the whole reference as the pod spec names it (* matches "
+        "across /; [:@] a tag or a digest). TensorFlow's and JAX's own and NVIDIA's images "
+        "by default, for TensorFlow or JAX run under another owner than a TFJob or JAXJob "
+        "(a Job, a JobSet, an MPIJob): their pool reads the same. An image built from them "
+        "keeps its own name: add it. Empty: images exempt none.")
     notify: bool = Field(True, description="Notify the pod's owner when an episode opens.")
+
+
+    @functools.cached_property
+    def image_exemption(self) -> ImageMatch:
+        """The first of a holder's images ``exempt_images`` matches, or None (a plain
+        instance attribute once read, as ``IdleSettings.effective_by_kind``)."""
+        return image_matcher(self.exempt_images)
 
 
 watches = judges_kind
@@ -95,7 +127,8 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
         return []
     if not watches(settings, getattr(holder, "workload_kind", None)):
         return []  # the node join does not call it for these; a direct caller gets the same
-    pooled = getattr(holder, "owner_kind", None) in settings.exempt_owner_kinds
+    pooled = (getattr(holder, "owner_kind", None) in settings.exempt_owner_kinds
+              or settings.image_exemption(images_of(holder)) is not None)
     if pooled and track.open is None:
         return []  # a preallocating framework's pool (an episode opened before, under
         # another policy, is cleared below as if the memory had fallen)

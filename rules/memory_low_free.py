@@ -10,21 +10,29 @@ of the device's memory, whichever is lower: LLM servers reserve their KV
 cache at start (vLLM's ``gpu_memory_utilization`` 0.9 leaves a tenth of the
 device free and holds the rest whatever the load), and a tenth of a 24 GiB
 L4, a 16 GiB T4 or a 10 GiB MIG slice is below 2 GiB: a fixed 2 GiB floor
-called every healthy server on them short of memory. Episodes follow
+called every healthy server on them short of memory. Servers whose reserve is a share
+of what the weights leave, or all of it (TensorRT-LLM, TGI, TensorFlow Serving), read a
+low, flat free memory for their life, healthy: they are known by the images of their GPU
+containers (``exempt_images``) and not judged. Episodes follow
 :func:`gpusteward.rules.memory.sustain`.
 """
 
 from __future__ import annotations
+
+import functools
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.memory import (
     GIB,
     UNWATCHED,
+    ImageMatch,
     Out,
     SustainTrack,
     clock_step,
     free_bytes,
+    image_matcher,
+    images_of,
     pod_of,
     releaser,
     sustain,
@@ -39,6 +47,17 @@ STATE = "mem_low_free"
 RUNBOOK = (
     "The serving pod's GPU is nearly out of free memory: lower the server's memory fraction "
     "or KV-cache size, the batch or the context length, or give it a larger GPU.")
+
+
+RESERVING_IMAGES = (
+    "nvcr.io/nvidia/tritonserver[:@]*trtllm*",
+    "nvcr.io/nvidia/tensorrt-llm/*",
+    "ghcr.io/huggingface/text-generation-inference[:@]*",
+    "*tensorflow/serving[:@]*",
+)
+"""Images of servers whose free memory is what their reserve leaves: Triton's TensorRT-LLM
+images (``<release>-trtllm-python-py3``), TensorRT-LLM's release containers, Hugging Face
+TGI and TensorFlow Serving (``*-gpu`` tags)."""
 
 
 class LowFreeMemorySettings(BaseModel):
@@ -72,7 +91,21 @@ class LowFreeMemorySettings(BaseModel):
         "inference; no other name is accepted). Empty: every device, held or not. Inference "
         "by default: training fills memory on purpose, a server needs headroom for the next "
         "request.")
+    exempt_images: list[str] = Field(
+        default_factory=lambda: list(RESERVING_IMAGES),
+        description="Images of the holder's GPU containers whose devices the rule does not "
+        "judge: shell globs on the whole reference as the pod spec names it (* matches "
+        "across /; [:@] a tag or a digest). Servers that reserve a share of what the "
+        "weights leave, or all of it, by default: TensorRT-LLM (its own and Triton's trtllm "
+        "images), Hugging Face TGI, TensorFlow Serving; their free memory is the reserve's "
+        "remainder, low and flat at every sample, healthy. An image built from them keeps "
+        "its own name: add it. Empty: images exempt none.")
     notify: bool = Field(True, description="Notify the pod's owner when an episode opens.")
+
+    @functools.cached_property
+    def image_exemption(self) -> ImageMatch:
+        """The first of a holder's images ``exempt_images`` matches, or None."""
+        return image_matcher(self.exempt_images)
 
 
 def watches(settings: LowFreeMemorySettings, workload_kind: str | None) -> bool:
@@ -95,6 +128,9 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
         if track.last_ts is None or ts > track.last_ts:
             track.last_ts, track.since, track.samples = ts, None, 0
         return []
+    reserving = settings.image_exemption(images_of(holder)) is not None
+    if reserving and track.open is None:
+        return []  # its reserve's remainder (an episode opened under another policy clears)
 
     def describe(run: SustainTrack, now: float) -> tuple[str, dict[str, float]]:
         return (f"{sample.uuid} on {node} has had less than {floor / GIB:g} GiB free for "
@@ -102,7 +138,8 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
                 {"min_free_bytes": run.peak, "floor_bytes": float(floor)})
 
     return sustain(track, kind=KIND, node=node, sample=sample, ts=ts,
-                   holds=None if free is None else free < floor, value=float(free or 0),
+                   holds=None if free is None else free < floor and not reserving,
+                   value=float(free or 0),
                    window_s=settings.window_s, clear_s=settings.clear_s,
                    max_gap_s=settings.max_gap_s, notify=settings.notify,
                    pod=pod_of(sample, getattr(holder, "pod", None)), higher_is_worse=False,

@@ -152,6 +152,8 @@ def pod_for(workload: Workload, cluster_queue: str, dra: bool = False,
                   resources=_resources(workload),
                   labels=labels, owner=(kind, owner_name), uid=workload.uid,
                   created=rfc3339(workload.arrive))
+    if workload.spec.image:
+        pod["spec"]["containers"][0]["image"] = workload.spec.image
     if kind != "Job":  # the pod's controller is one of owners_for's objects
         (reference,) = pod["metadata"]["ownerReferences"]
         reference.update(apiVersion="kubeflow.org/v1" if kind in _TRAINING_JOBS else "apps/v1",

@@ -190,6 +190,23 @@ def gpu_resources(spec: Obj) -> dict[str, int]:
     return {k: v for k, v in total.items() if v > 0}
 
 
+def gpu_images(spec: Obj) -> list[str]:
+    """The images of a pod spec's containers that ask for GPUs or MIG devices (sidecars
+    included), in order, once each; every app container's where none does (a pod whose
+    GPUs come from a resource claim)."""
+    containers = (spec.get("containers") or []) + [
+        init for init in spec.get("initContainers") or []
+        if init.get("restartPolicy") == "Always"]
+
+    def asks(container: Obj) -> bool:
+        resources = container.get("resources") or {}
+        return any(k == GPU or k.startswith(MIG_PREFIX)
+                   for part in ("requests", "limits") for k in resources.get(part) or {})
+
+    chosen = [c for c in containers if asks(c)] or spec.get("containers") or []
+    return list(dict.fromkeys(str(c["image"]) for c in chosen if c.get("image")))[:64]
+
+
 @dataclass
 class NodeView:
     """What the translator keeps of a node to interpret the pods on it."""
@@ -774,6 +791,7 @@ class Translator:
             priority_class=spec.get("priorityClassName"),
             labels=_interned(labels), annotations=annotations,
             spot_tolerant=spot_tolerant(spec), gang=gang, gang_size=gang_size,
+            images=gpu_images(spec),
         )
 
     def _pending_pod(self, pod: Obj, resources: dict[str, int], ts: float,

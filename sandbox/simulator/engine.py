@@ -690,6 +690,7 @@ class SimulatedCluster:
             owner_name=self._owner_name(workload),
             queue=self.scenario.cluster_queue, labels=dict(workload.spec.labels),
             gang=gang, gang_size=size,
+            images=[workload.spec.image] if workload.spec.image else [],
         )
 
     def _queue_event(self, workload: Workload, state: str, now: float) -> QueueEvent:

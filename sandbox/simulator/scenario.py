@@ -121,6 +121,9 @@ class WorkloadGroup(BaseModel):
     labels: dict[str, str] = Field(
         default_factory=dict, description="Pod labels (e.g. team, gpusteward.io/idle-exempt), "
         "as the watcher reports them.")
+    image: str | None = Field(
+        None, description="The image of the pod's GPU container (the world's pod spec, the "
+        "simulator's allocations); None: a PyTorch image.")
     owner: Literal["Job", "TFJob", "JAXJob", "PyTorchJob"] = Field(
         "Job", description="The controller of a batch workload's pods that is not a gang: a "
         "Job, or one of Kubeflow's training jobs (which the framework it runs follows from).")

@@ -13,7 +13,9 @@ short of memory, and the two sharing an H100 that they over-committed it); the s
 has really run out and the training job living at the edge of its GPU's memory are found,
 and only they. A TFJob and a JAXJob read as full as that job (TensorFlow's and JAX's memory
 pools, reserved when they start) and are not told: their owner is the watcher's, from the
-pod's controller, as in a cluster.
+pod's controller, as in a cluster. Nor is TensorFlow under a plain Job, nor a Triton server
+running TensorRT-LLM with 0.5 GiB free (its KV cache takes 0.9 of what the engine leaves):
+the watcher reads their images from the pod spec.
 """
 
 from __future__ import annotations
@@ -84,3 +86,27 @@ def test_tensorflow_and_jax_training_pools_raise_no_memory_finding(run: WorldRun
                 and f.subject.pod.name in pooled]
     assert not [a for a in run.actions if a.target.pod is not None
                 and a.target.pod.name in pooled]
+
+
+def test_frameworks_known_by_their_images_raise_no_memory_finding(run: WorldRun) -> None:
+    """TensorFlow under a plain Job (98 % used) and TensorRT-LLM under Triton on an L4 (0.5
+    GiB free) read as the job at the edge and the starved server do at every sample; their
+    images, which the watcher read from the pod specs, say whose pools they are, and
+    nothing names them. Before 2026-11-27 the first was told its GPU was nearly full and
+    the second that it was short of memory, for as long as they ran."""
+    readings: dict[str, list[tuple[int, int]]] = {}
+    for sample in run.samples:
+        for d in sample.devices:
+            if d.pod is not None and d.pod.name.startswith(("tf-job-", "trtllm-")):
+                readings.setdefault(d.pod.name, []).append(
+                    (d.mem_used_bytes or 0, d.mem_total_bytes or 1))
+    assert len(readings) == 2 and min(len(r) for r in readings.values()) >= 30
+    for name, reads in readings.items():
+        if name.startswith("tf-job-"):
+            assert min(used / total for used, total in reads) > 0.95
+        else:
+            assert max(total - used for used, total in reads) < 1 << 30
+    assert not [f for f in run.findings if f.kind.startswith("gpu_memory_") and f.subject.pod
+                and f.subject.pod.name in readings]
+    assert not [a for a in run.actions if a.target.pod is not None
+                and a.target.pod.name in readings]

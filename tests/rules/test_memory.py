@@ -72,6 +72,31 @@ def test_low_free_leaves_a_server_with_vllms_default_reserve_alone(total_gib: fl
     assert len(findings(_low_free([total_gib - 0.3] * 60, total_gib=total_gib))) == 1
 
 
+def test_low_free_leaves_servers_whose_images_say_they_reserve_what_weights_leave() -> None:
+    """TensorRT-LLM under Triton keeps 0.9 of what its engine leaves as KV cache: 0.7 GiB
+    free on an 80 GiB H100, flat, healthy. Its image exempts it (tag or digest); an
+    episode opened under a policy that did not closes as if the memory were free again;
+    the same image judged with exempt_images emptied, or a server of another image, is
+    found."""
+    trt = "nvcr.io/nvidia/tritonserver:24.08-trtllm-python-py3"
+    pinned = "ghcr.io/huggingface/text-generation-inference@sha256:" + "a" * 64
+    for image in (trt, pinned, "docker.io/tensorflow/serving:2.17.0-gpu"):
+        holder = msgspec.structs.replace(INFERENCE, images=("busybox:1", image))
+        assert findings(_low_free([79.3] * 60, holder=holder)) == [], image
+    server = msgspec.structs.replace(INFERENCE, images=(trt,))
+    assert len(findings(_low_free([79.3] * 60, holder=server, exempt_images=[]))) == 1
+    other = msgspec.structs.replace(INFERENCE, images=("vllm/vllm-openai:v0.6.3",))
+    assert len(findings(_low_free([79.3] * 60, holder=other))) == 1
+    track, cfg = SustainTrack(), memory_low_free.LowFreeMemorySettings(exempt_images=[])
+    out: list = []
+    for i in range(10):
+        out += memory_low_free.observe(track, "n1", device(79.3), T0 + i * 10, cfg, server)
+    cfg = memory_low_free.LowFreeMemorySettings()
+    for i in range(10, 50):
+        out += memory_low_free.observe(track, "n1", device(79.3), T0 + i * 10, cfg, server)
+    assert [f.state for f in findings(out)] == ["firing", "resolved"]
+
+
 def test_low_free_gives_one_episode_then_resolves_after_clear() -> None:
     out = _low_free([78.5] * 20 + [77.0] + [78.5] * 5 + [60.0] * 40)
     firing = [f for f in findings(out) if f.state == "firing"]
@@ -104,6 +129,11 @@ def test_high_use_leaves_llm_servers_alone_and_judges_training() -> None:
 
     assert run(INFERENCE) == []
     assert not memory_high.watches(memory_high.HighMemorySettings(), "inference")
+    # TensorFlow or JAX under a plain Job: its image says whose pool it is.
+    for image in ("tensorflow/tensorflow:2.17.0-gpu", "nvcr.io/nvidia/jax:24.04-py3"):
+        assert run(msgspec.structs.replace(TRAINING, images=(image,))) == [], image
+    assert len(run(msgspec.structs.replace(TRAINING, images=("nvcr.io/nvidia/pytorch:24.05",
+                                                              )))) == 1
     assert len(run(TRAINING)) == 1
     assert len(run(INFERENCE, exempt_kinds=[])) == 1
     with pytest.raises(ValueError, match="unknown workload kind"):

@@ -33,13 +33,14 @@ def server(uuid: str) -> PodRef:
     return PodRef(namespace="serving", name=f"vllm-{uuid.lower()}", uid=f"u-{uuid}")
 
 
-def allocation(uuid: str, kind: str = "inference", owner: str = "Job") -> PodAllocation:
+def allocation(uuid: str, kind: str = "inference", owner: str = "Job",
+               image: str = "vllm/vllm-openai:v0.6.3") -> PodAllocation:
     pod = server(uuid) if kind == "inference" else PodRef(namespace="ml", name=f"train-{uuid}",
                                                           uid=f"u-train-{uuid}")
     return PodAllocation(ts=T0 - 3600, node="n1", pod=pod, phase="running", gpus=1,
                          device_ids=[uuid], started_at=T0 - 3600, workload_kind=kind,
                          owner_kind="Deployment" if kind == "inference" else owner,
-                         owner_name=pod.name)
+                         owner_name=pod.name, images=[image])
 
 
 def device(uuid: str, util: float, used_mib: float | None = None) -> DeviceSample:
@@ -50,13 +51,16 @@ def device(uuid: str, util: float, used_mib: float | None = None) -> DeviceSampl
 
 
 def run(extra: list[str], used_extra: float, days: int,
-        owners: dict[str, str] | None = None) -> Counter[tuple[str, str | None]]:
+        owners: dict[str, str] | None = None, images: dict[str, str] | None = None
+        ) -> Counter[tuple[str, str | None]]:
     join = NodeJoin(RuleSettings(policy=load_policy(REPO / "deploy" / "base" / "policy.yaml")))
     state = NodeState()
     kinds = {uuid: "inference" for uuid in GPUS} | {uuid: "batch" for uuid in extra}
     out = []
     for uuid, kind in kinds.items():
-        out += join.on_allocation(state, allocation(uuid, kind, (owners or {}).get(uuid, "Job")))
+        out += join.on_allocation(state, allocation(
+            uuid, kind, (owners or {}).get(uuid, "Job"),
+            (images or {}).get(uuid, "nvcr.io/nvidia/pytorch:24.05-py3")))
     bursts = [0.0, 0.0, 0.0, 35.0, 0.0, 8.0]
     utils = ([bursts[i % len(bursts)] for i in range(DAY_TICKS)] + [0.0] * NIGHT_TICKS) * days
     for i, util in enumerate(utils):
@@ -85,3 +89,45 @@ def test_tensorflow_and_jax_jobs_pools_are_not_judged_a_job_at_the_edge_is() -> 
     owners = {"GPU-tf": "TFJob", "GPU-jax": "JAXJob", "GPU-job": "Job"}
     found = run(list(owners), 81559 - 1536, days=1, owners=owners)
     assert found == Counter({("gpu_memory_high", "GPU-job"): 1})
+
+
+def test_tensorflow_and_jax_under_another_owner_are_known_by_their_images() -> None:
+    # The same pools under a plain Job: the pod's image says what framework holds them. A
+    # PyTorch image at that level is still told.
+    images = {"GPU-tf": "tensorflow/tensorflow:2.17.0-gpu",
+              "GPU-jax": "ghcr.io/nvidia/jax:maxtext-2024-11-01",
+              "GPU-job": "nvcr.io/nvidia/pytorch:24.05-py3"}
+    found = run(list(images), 81559 - 1536, days=1, images=images)
+    assert found == Counter({("gpu_memory_high", "GPU-job"): 1})
+
+
+def test_servers_that_reserve_what_the_weights_leave_are_known_by_their_images() -> None:
+    """TensorRT-LLM's KV cache takes 0.9 of what its engine leaves: an 8B FP16 model on a
+    24 GiB L4 leaves about 0.5 GiB free; TensorFlow Serving maps all of an H100 but 1.5 GiB.
+    Both read a flat, low free memory at every sample, healthy, and their images exempt
+    them from the low-free rule. A vLLM server with 0.2 GiB free, out of the share it
+    reserves, is still found; so is a TensorRT-LLM image of one's own name."""
+    join = NodeJoin(RuleSettings(policy=load_policy(REPO / "deploy" / "base" / "policy.yaml")))
+    state = NodeState()
+    servers = {  # uuid -> (model, memory MiB, used MiB, image)
+        "GPU-trt": ("NVIDIA L4", 23034, 23034 - 512,
+                    "nvcr.io/nvidia/tritonserver:24.08-trtllm-python-py3"),
+        "GPU-tgi": ("NVIDIA L4", 23034, 23034 - 400,
+                    "ghcr.io/huggingface/text-generation-inference:2.4.0"),
+        "GPU-tfs": ("NVIDIA H100 80GB HBM3", 81559, 81559 - 1536, "tensorflow/serving:2.17.0-gpu"),
+        "GPU-own": ("NVIDIA L4", 23034, 23034 - 512, "registry.example.com/llm/trt-8b:3"),
+        "GPU-vllm": ("NVIDIA H100 80GB HBM3", 81559, 81559 - 200, "vllm/vllm-openai:v0.6.3"),
+    }
+    out = []
+    for uuid, (_, _, _, image) in servers.items():
+        out += join.on_allocation(state, allocation(uuid, image=image))
+    for i in range(240):  # two hours at 30 s
+        devices = [DeviceSample(uuid=uuid, index=0, model=model, util_pct=40.0, temp_c=62.0,
+                                mem_used_bytes=used * MIB, mem_total_bytes=total * MIB)
+                   for uuid, (model, total, used, _) in servers.items()]
+        out += join.on_sample(state, NodeSample(ts=T0 + i * STEP, node="n1", source="test",
+                                                devices=devices))
+    found = Counter((o.kind, o.subject.device) for o in out
+                    if isinstance(o, Finding) and o.state == "firing")
+    assert found == Counter({("gpu_memory_low_free", "GPU-own"): 1,
+                             ("gpu_memory_low_free", "GPU-vllm"): 1})

@@ -62,6 +62,22 @@ def test_effective_requests_follow_the_init_container_rule() -> None:
     assert kube.gpu_resources({"containers": [{"resources": {"limits": {"cpu": "1"}}}]}) == {}
 
 
+def test_the_images_of_a_pod_are_those_of_its_gpu_containers() -> None:
+    gpu = {"limits": {"nvidia.com/gpu": "1"}}
+    spec = {
+        "initContainers": [{"image": "busybox:1.36"},  # done before the rest start
+                           {"image": "profiler:2", "restartPolicy": "Always",
+                            "resources": {"requests": {"nvidia.com/mig-1g.10gb": "1"}}}],
+        "containers": [{"image": "tensorflow/tensorflow:2.17.0-gpu", "resources": gpu},
+                       {"image": "envoy:1.31"},
+                       {"image": "tensorflow/tensorflow:2.17.0-gpu", "resources": gpu}],
+    }
+    assert kube.gpu_images(spec) == ["tensorflow/tensorflow:2.17.0-gpu", "profiler:2"]
+    # GPUs from a resource claim: no container names a GPU resource, all of them may use it.
+    claimed = {"containers": [{"image": "jax:1"}, {"image": "sidecar:1"}, {"name": "no-image"}]}
+    assert kube.gpu_images(claimed) == ["jax:1", "sidecar:1"]
+
+
 def test_mig_profile_names() -> None:
     assert kube.mig_profile("nvidia.com/mig-3g.40gb") == "3g.40gb"
     assert kube.mig_profile("nvidia.com/mig-1g.10gb.me") == "1g.10gb+me"

@@ -63,7 +63,7 @@ def test_first_list_reports_fleet_as_the_gpu_operator_labels_it(
         phase="running", gpus=4, started_at=1795165200.0, owner_kind="Job",
         owner_name="train-llm", workload_kind="batch", queue="team-a-lq",
         priority_class="batch-low", labels=train.labels, annotations={"team": "llm"},
-        spot_tolerant=True,
+        spot_tolerant=True, images=["nvcr.io/nvidia/pytorch:25.01-py3"],
     )
     owners = {name: (e.owner_kind, e.owner_name, e.workload_kind) for name, e in pods.items()}
     assert owners == {

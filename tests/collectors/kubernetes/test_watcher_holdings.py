@@ -64,6 +64,29 @@ def test_a_sidecar_holding_a_gpu_counts_beside_the_app_containers(
     assert free_gpus(watcher, "n1") == 1
 
 
+def test_a_pods_gpu_container_images_reach_the_rules_that_know_frameworks_by_them(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """A Triton server running TensorRT-LLM beside a metrics exporter: the allocation names
+    the image of the container that holds the GPU, not the exporter's, and the node join
+    hands it to the rules (the low-free rule leaves that server's reserve alone)."""
+    kube_api.create(gpu_node("n1", gpus=8))
+    pod = gpu_pod("llm", node="n1", phase="Running")
+    triton = "nvcr.io/nvidia/tritonserver:24.08-trtllm-python-py3"
+    pod["spec"]["containers"] = [
+        {**container("server", 1), "image": triton},
+        {"name": "metrics", "image": "quay.io/prometheus/node-exporter:v1.8.2"},
+    ]
+    kube_api.create(pod)
+    watcher = start_watcher()
+
+    [allocation] = [e for e in watcher.events if isinstance(e, PodAllocation)]
+    assert allocation.images == [triton]
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, allocation)
+    [holding] = state.pods.values()
+    assert holding.images == [triton]
+
+
 def test_a_gpu_that_leaves_allocatable_is_not_offered_as_free(
         kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
     """The device plugin reports a failed GPU unhealthy: the kubelet keeps it in
