@@ -210,10 +210,14 @@ class Suspension(NamedTuple):
 
 
 JOBSET_GROUP = "jobset.x-k8s.io"
+TRAINER_GROUP = "trainer.kubeflow.org"
 TRAINING_JOBS = ("PyTorchJob", "TFJob", "MPIJob", "XGBoostJob", "PaddleJob", "JAXJob")
 """Kubeflow training-operator jobs (kubeflow.org/v1), suspended by ``spec.runPolicy.suspend``."""
 SUSPENDABLE_GANGS: dict[str, Suspension] = {
     "JobSet": Suspension(JOBSET_GROUP, ("v1alpha2",), "jobsets", ("suspend",), True),
+    # Kubeflow Trainer's TrainJob runs as a JobSet it owns and keeps in step with its own
+    # spec.suspend: its JobSet is suspended through it (_suspend, _resume).
+    "TrainJob": Suspension(TRAINER_GROUP, ("v1alpha1",), "trainjobs", ("suspend",), True),
     **{kind: Suspension(KUBEFLOW_GROUP,
                         # The standalone MPI operator serves MPIJob at v2beta1 only.
                         ("v1", "v2beta1") if kind == "MPIJob" else ("v1",),
@@ -1055,6 +1059,8 @@ class KubernetesBackend:
             except NotFound:
                 return "skipped", f"{where} ({what}) is already gone"
             by = _annotations(obj).get(SUSPENDED_BY)
+            if kind == "JobSet" and (manager := _controller(obj)) is not None:
+                return await self._suspend_managed(obj, manager, action, what)
             owner = _controller(obj) if kind == "Workload" else None
             gang = action.params.get("gang")
             if owner is not None and f"{owner.get('kind')}/{owner.get('name')}" != gang:
@@ -1096,11 +1102,34 @@ class KubernetesBackend:
             return "executed", f"{done}; undo with `{undo}`"
         return "failed", f"{where} kept changing under the suspension"
 
+    async def _suspend_managed(self, jobset: dict[str, Any], manager: dict[str, Any],
+                               action: Action, what: str) -> tuple[Outcome, str]:
+        """A JobSet another controller owns: a TrainJob's is suspended through the TrainJob,
+        whose controller sets its JobSet's ``spec.suspend`` from its own (one set on the
+        JobSet alone would be set back, and the gang started again); any other owner's is
+        refused, its controller being free to undo a suspension it did not make."""
+        meta = jobset["metadata"]
+        namespace = meta.get("namespace", "")
+        kind, name = manager.get("kind", ""), manager.get("name", "")
+        if kind == "TrainJob" and str(manager.get("apiVersion", "")).startswith(
+                f"{TRAINER_GROUP}/"):
+            return await self._suspend("TrainJob", namespace, name, action,
+                                       f"TrainJob {namespace}/{name} of {what}")
+        return "refused", (f"JobSet {namespace}/{meta.get('name')} ({what}) is managed by "
+                           f"{kind} {name}, whose controller may undo a suspension of the "
+                           f"JobSet behind its back: gpusteward suspends a JobSet only "
+                           "alone or under a TrainJob. Ask its owner to stop it")
+
     async def _resume(self, kind: str, namespace: str, name: str) -> tuple[Outcome, str]:
-        """Undo a gang reclaim: flip the switch back on what gpusteward suspended only."""
+        """Undo a gang reclaim: flip the switch back on what gpusteward suspended only (a
+        TrainJob's JobSet: on the TrainJob, as it was suspended)."""
         how = self._suspension(kind)
         where = f"{kind} {namespace}/{name}"
         obj, version = await self._suspendable(kind, namespace, name)
+        manager = _controller(obj) if kind == "JobSet" else None
+        if (manager is not None and manager.get("kind") == "TrainJob"
+                and SUSPENDED_BY not in _annotations(obj)):
+            return await self._resume("TrainJob", namespace, manager.get("name", ""))
         if SUSPENDED_BY not in _annotations(obj):
             return "refused", (f"{where} was not suspended by gpusteward (no {SUSPENDED_BY}): "
                                "left as it is")

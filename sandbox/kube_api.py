@@ -164,6 +164,8 @@ RESOURCES: tuple[Resource, ...] = (
     Resource(KUBEFLOW_GROUP, "xgboostjobs", "XGBoostJob", True, ("v1",)),
     Resource(KUBEFLOW_GROUP, "paddlejobs", "PaddleJob", True, ("v1",)),
     Resource(KUBEFLOW_GROUP, "jaxjobs", "JAXJob", True, ("v1",)),
+    # Kubeflow Trainer's TrainJob, which owns the JobSet its pods run in.
+    Resource("trainer.kubeflow.org", "trainjobs", "TrainJob", True, ("v1alpha1",)),
     # Dynamic Resource Allocation, GA in Kubernetes 1.34: the claims that hand pods their
     # devices and the drivers' slices that publish them. A cluster before 1.34 serves no
     # resource.k8s.io/v1: ``absent`` leaves both out.
@@ -229,6 +231,37 @@ class Fault:
 Controller = Callable[["KubeApiServer", Obj | None, Obj], None]
 """Runs after a write of the kind it watches, with the object before (None when created)
 and after; it may write through the server's test hooks, as a controller would."""
+
+
+TRAINER_GROUP = "trainer.kubeflow.org"
+
+
+def trainjob_suspension(api: KubeApiServer, before: Obj | None, after: Obj) -> None:
+    """What Kubeflow Trainer's TrainJob controller does with the JobSet it runs as (same
+    name, owned by the TrainJob): it keeps the JobSet's ``spec.suspend`` at the TrainJob's
+    own (default false), after a write of either. Add it for both kinds."""
+    meta = after["metadata"]
+    namespace = meta.get("namespace", "")
+    if after.get("kind") == "TrainJob":
+        trainjob, name = after, meta["name"]
+    else:
+        owner = next((o for o in meta.get("ownerReferences") or []
+                      if o.get("controller") and o.get("kind") == "TrainJob"), None)
+        if owner is None:
+            return
+        name = owner["name"]
+        try:
+            trainjob = api.get("TrainJob", name, namespace, TRAINER_GROUP)
+        except KeyError:
+            return
+    wanted = bool(trainjob.get("spec", {}).get("suspend", False))
+    try:
+        jobset = api.get("JobSet", name, namespace, "jobset.x-k8s.io")
+    except KeyError:
+        return
+    if bool(jobset.get("spec", {}).get("suspend", False)) != wanted:
+        api.mutate("JobSet", name, lambda obj: obj.setdefault("spec", {}).update(
+            suspend=wanted), namespace, "jobset.x-k8s.io")
 
 
 def kueue_deactivation(api: KubeApiServer, before: Obj | None, after: Obj) -> None:

@@ -112,6 +112,7 @@ EXECUTE_NEEDS = (*_perms("patch", "nodes"), *_perms("create", "pods", subresourc
                  *_perms("get patch", "statefulsets", "apps"),
                  *_perms("get patch", "notebooks", "kubeflow.org"),
                  *_perms("get patch", "jobsets", "jobset.x-k8s.io"),
+                 *_perms("get patch", "trainjobs", "trainer.kubeflow.org"),
                  *(p for kind in TRAINING_JOB_RESOURCES
                    for p in _perms("get patch", kind, "kubeflow.org")),
                  *_perms("get", "jobs", "batch"),

@@ -61,6 +61,7 @@ EXECUTE: set[tuple[str, str, str]] = {
     ("kubeflow.org", "notebooks", "get"), ("kubeflow.org", "notebooks", "patch"),
     # A whole idle gang suspended, and resumed.
     ("jobset.x-k8s.io", "jobsets", "get"), ("jobset.x-k8s.io", "jobsets", "patch"),
+    ("trainer.kubeflow.org", "trainjobs", "get"), ("trainer.kubeflow.org", "trainjobs", "patch"),
     *{("kubeflow.org", jobs, verb)
       for jobs in ("pytorchjobs", "tfjobs", "mpijobs", "xgboostjobs", "paddlejobs", "jaxjobs")
       for verb in ("get", "patch")},

@@ -22,13 +22,20 @@ import pytest
 from gpusteward.remediation.executor import Executor, RemediationSettings
 from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
 from gpusteward.rules.idle import rfc3339
-from gpusteward.sandbox.kube_api import KUEUE_GROUP, KubeApiServer, kueue_deactivation
+from gpusteward.sandbox.kube_api import (
+    KUEUE_GROUP,
+    TRAINER_GROUP,
+    KubeApiServer,
+    kueue_deactivation,
+    trainjob_suspension,
+)
 from gpusteward.schema import Action, PodRef, Subject
 from gpusteward.settings import Settings
 
 NS = "ml-alice"
 JOBSET = "jobset.x-k8s.io"
 KUBEFLOW = "kubeflow.org"
+TRAINER = TRAINER_GROUP
 Obj = dict[str, Any]
 
 
@@ -279,15 +286,67 @@ def test_a_kueue_gang_whose_pods_name_no_workload_is_stopped_through_the_one_wat
     assert len(patches(kube_api, "workloads")) == 1
 
 
-def test_a_gang_of_a_kind_without_a_known_switch_is_refused(
+def trainjob(api: KubeApiServer) -> str:
+    """Kubeflow Trainer's TrainJob ``tj``, run as the JobSet ``tj`` it owns (2 nodes of 8
+    GPUs), with the trainer's controller keeping the JobSet's suspend at the TrainJob's;
+    returns its first member pod (a gang ``JobSet/tj`` to the watcher)."""
+    api.add_controller("TrainJob", trainjob_suspension, group=TRAINER)
+    api.add_controller("JobSet", trainjob_suspension, group=JOBSET)
+    owner = api.create({"apiVersion": f"{TRAINER}/v1alpha1", "kind": "TrainJob",
+                        "metadata": {"name": "tj", "namespace": NS},
+                        "spec": {"runtimeRef": {"name": "torch-distributed"},
+                                 "trainer": {"numNodes": 2}}})
+    runs_as = api.create({
+        "apiVersion": f"{JOBSET}/v1alpha2", "kind": "JobSet",
+        "metadata": {"name": "tj", "namespace": NS, "ownerReferences": [_ref(owner)]},
+        "spec": {"replicatedJobs": [{"name": "node", "replicas": 2}]}})
+    job = api.create({"apiVersion": "batch/v1", "kind": "Job",
+                      "metadata": {"name": "tj-node-0", "namespace": NS,
+                                   "ownerReferences": [_ref(runs_as)]},
+                      "spec": {"template": {"spec": {"containers": [{"name": "node"}]}}},
+                      "status": {"active": 1}})
+    return _member(api, "tj-node-0-0-q4w8e", job, {"jobset.sigs.k8s.io/jobset-name": "tj"})
+
+
+def test_a_trainjobs_gang_is_suspended_through_its_trainjob(
         kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
-    trainer = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
-               "metadata": {"name": "tj", "uid": "uid-tj"}}
-    pod = _member(kube_api, "tj-node-0-0", trainer)
-    outcome, detail = act(backend, reclaim(pod, "TrainJob/tj"))
+    """The trainer keeps its JobSet's spec.suspend at the TrainJob's: a JobSet suspended
+    alone is set running again, its gang started anew, and no GPU given back. The gang (a
+    JobSet to the watcher, whose pods name it) is suspended through its TrainJob, and the
+    restore the owner's notice names (the JobSet) resumes the TrainJob. Before, the JobSet
+    was patched."""
+    pod = trainjob(kube_api)
+    outcome, detail = act(backend, reclaim(pod, "JobSet/tj"))
+    assert outcome == "executed", detail
+    undo = f"gpusteward act --restore TrainJob/{NS}/tj"
+    assert detail == (f"suspended TrainJob {NS}/tj of JobSet/tj whole (spec.suspend=true); "
+                      f"undo with `{undo}`")
+    assert patches(kube_api, "jobsets") == []
+    live = kube_api.get("TrainJob", "tj", NS, TRAINER)
+    assert live["spec"]["suspend"] is True
+    assert gpusteward_annotations(live)["gpusteward.io/suspended-by"] == "g1/requeue/train"
+    assert kube_api.get("JobSet", "tj", NS, JOBSET)["spec"]["suspend"] is True  # the trainer's
+    (event,) = events_about(kube_api, "TrainJob", "tj")
+    assert f"Resume it with `{undo}`" in event["message"]
+    # A replay patches nothing more.
+    assert act(backend, reclaim(pod, "JobSet/tj"))[0] == "executed"
+    assert len(patches(kube_api, "trainjobs")) == 1
+
+    outcome, detail = restore(backend, f"JobSet/{NS}/tj")
+    assert (outcome, detail) == ("executed", f"resumed TrainJob {NS}/tj (spec.suspend=false)")
+    assert kube_api.get("JobSet", "tj", NS, JOBSET)["spec"]["suspend"] is False
+    assert not gpusteward_annotations(kube_api.get("TrainJob", "tj", NS, TRAINER))
+
+
+def test_a_jobset_another_controller_manages_is_refused(
+        kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
+    pod = jobset(kube_api)
+    kube_api.mutate("JobSet", "train", lambda obj: obj["metadata"].update(ownerReferences=[{
+        "apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "name": "nightly",
+        "uid": "uid-wf", "controller": True}]), NS, JOBSET)
+    outcome, detail = act(backend, reclaim(pod, "JobSet/train"))
     assert outcome == "refused"
-    assert detail.startswith("gang TrainJob/tj in ml-alice is a TrainJob, which gpusteward "
-                             "cannot suspend: gpusteward knows no switch of a TrainJob")
+    assert detail.startswith(f"JobSet {NS}/train (JobSet/train) is managed by Workflow nightly")
     assert writes(kube_api) == []
 
 
