@@ -407,8 +407,8 @@ def create_app(
         use_partitioner=True,
     )
     # A deleted node's state leaves the table once its partition's samples are
-    # forget_deleted_s past the deletion, and a silent node's actions are asked for again
-    # by them (NodeStates.sweep).
+    # forget_deleted_s past the deletion (NodeStates.sweep), and a silent node's node
+    # actions are asked for again by them (NodeStates._reask).
     departures = Departures(join.settings.forget_deleted_s, kafka.node_partitions)
     states = NodeStates(state_table, join.settings.checkpoint_interval_s, departures,
                         join.forget, join.reask_due)
