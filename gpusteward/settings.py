@@ -299,6 +299,18 @@ class Settings(BaseSettings):
             "on every cluster whose alerts share an Alertmanager."
         ),
     )
+    quiet_partition_s: float = Field(
+        120.0,
+        gt=0,
+        description=(
+            "Seconds of the stream worker's own clock without any record of a node-topic "
+            "partition it holds after which that partition counts as quiet: the hardware "
+            "node actions (cordon, taint, drain) still asked for of its nodes, whose "
+            "collectors have stopped, are asked for again by the newest sample of the "
+            "worker's other partitions. Twice the longest sample interval a collector is "
+            "set to (60 s), so a partition with one live node is never taken for quiet."
+        ),
+    )
     max_event_ahead_s: float = Field(
         900.0,
         gt=0,

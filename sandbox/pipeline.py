@@ -35,6 +35,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
         "GPUSTEWARD_KAFKA__REBALANCE_TIMEOUT_S": str(kafka.rebalance_timeout_s),
         "GPUSTEWARD_KAFKA__SESSION_TIMEOUT_S": str(kafka.session_timeout_s),
         "GPUSTEWARD_HEALTH_PORT": str(settings.health_port),
+        "GPUSTEWARD_QUIET_PARTITION_S": str(settings.quiet_partition_s),
     }
     if kafka.group_instance_id is not None:
         env["GPUSTEWARD_KAFKA__GROUP_INSTANCE_ID"] = kafka.group_instance_id

@@ -20,11 +20,13 @@ and idempotency keys; consumers deduplicate on them.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
     Awaitable,
     Callable,
+    Collection,
     Iterable,
     Iterator,
     Mapping,
@@ -411,7 +413,10 @@ def create_app(
     # actions are asked for again by them (NodeStates._reask).
     departures = Departures(join.settings.forget_deleted_s, kafka.node_partitions)
     states = NodeStates(state_table, join.settings.checkpoint_interval_s, departures,
-                        join.forget, join.reask_due)
+                        join.forget, join.reask_due, held=lambda: {
+                            tp.partition for tp in app.consumer.assignment()
+                            if tp.topic == samples_name},
+                        quiet_s=settings.quiet_partition_s)
 
     def forget_live_states(sender: Any, *args: Any, **kwargs: Any) -> None:
         states.live.clear()
@@ -483,18 +488,31 @@ class NodeStates:
     grace, after ``forget`` (the join's) gave what is due before (the node's last rollup
     minutes). So are the nodes with node actions to ask for again: a sample past one's due
     asks for it (``reask``, the join's), for a node whose own samples stopped
-    (:meth:`_reask`)."""
+    (:meth:`_reask`); in a partition no node of which sends anything, the newest sample of
+    the worker's other partitions does (:meth:`reask_quiet`)."""
 
     def __init__(self, table: Any, checkpoint_s: float,
                  departures: Departures | None = None,
                  forget: Callable[[NodeState, str], list[Output]] | None = None,
-                 reask: Callable[[NodeState, str, float], list[Output]] | None = None
-                 ) -> None:
+                 reask: Callable[[NodeState, str, float], list[Output]] | None = None,
+                 held: Callable[[], Collection[int]] | None = None,
+                 quiet_s: float = 120.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.table = table
         self.checkpoint_s = checkpoint_s
         self.departures = departures
         self.forget = forget
         self.reask = reask
+        self.held = held
+        """The node topics' partitions this worker holds now (:meth:`reask_quiet`); None:
+        every partition it indexed."""
+        self.quiet_s = quiet_s
+        """Seconds of ``monotonic`` without a record after which a partition is quiet
+        (``Settings.quiet_partition_s``)."""
+        self.monotonic = monotonic
+        self.heard: dict[int, float] = {}
+        """By partition, when (``monotonic``) a batch last held a record of it."""
+        self.started = monotonic()
         self.live: dict[bytes, tuple[NodeState, float]] = {}
         """Decoded states of this worker's nodes, with the event time of their last
         checkpoint. Cleared at every rebalance, when the table is the truth."""
@@ -642,6 +660,30 @@ class NodeStates:
             self.first_due[partition] = first if first > clock else clock + 1.0
         return out
 
+    def reask_quiet(self, to_write: dict[bytes, bytes], partitions: Iterable[int]
+                    ) -> list[Output]:
+        """After a batch holding records of ``partitions``: the node actions due in the
+        partitions this worker holds that no batch has had a record of for ``quiet_s`` (of
+        the process's clock, not event time: nothing arrives from them at all), asked for
+        again by the newest sample of the others. A silent
+        node alone in its partition (a small cluster) has no neighbour's sample to ask
+        by. A worker catching up reads every partition it holds, so this waits for a
+        partition that is quiet, not behind."""
+        now = self.monotonic()
+        for partition in partitions:
+            self.heard[partition] = now
+        departures = self.departures
+        if not self.first_due or departures is None or not departures.newest:
+            return []
+        clock = max(departures.newest.values())
+        held = self.held() if self.held is not None else None
+        out: list[Output] = []
+        for partition, first in list(self.first_due.items()):
+            if (first <= clock and (held is None or partition in held)
+                    and now - self.heard.get(partition, self.started) > self.quiet_s):
+                out += self._reask(to_write, partition, clock)
+        return out
+
     def _state(self, node: bytes) -> NodeState | None:
         """The node's state, live or from the table (None: not in it, or undecodable)."""
         entry = self.live.get(node)
@@ -703,7 +745,10 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
             todo = current(events)
             outputs = await outputs_to.guarded_each(todo, "node-join", partial(apply, writes))
             # Nodes deleted long enough ago, of the partitions this batch shows held.
-            outputs += states.sweep(gone, {event.message.partition for event in todo})
+            partitions = {event.message.partition for event in todo}
+            outputs += states.sweep(gone, partitions)
+            if todo:
+                outputs += states.reask_quiet(writes, partitions)
             await outputs_to.emit_then_checkpoint(outputs, None)
             if len(current(todo)) < len(todo):
                 # A rebalance came while the batch published: the same, written nowhere.

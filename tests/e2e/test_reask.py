@@ -39,8 +39,8 @@ REASK_S = 600.0
 FAULTY = "h100-1"
 
 
-def scenario(nodes: int = 3, faulty: str = FAULTY, silent_at_s: float | None = None
-             ) -> Scenario:
+def scenario(nodes: int = 3, faulty: str = FAULTY, silent_at_s: float | None = None,
+             acceleration: float = 0) -> Scenario:
     """Two hours of three one-GPU nodes whose event time ends now: a DBE on h100-1 at 10 min
     that lasts (the node keeps taking work until it is cordoned), and two notebooks left
     idle, whose owner notices must not be asked again. With ``silent_at_s``, the faulty
@@ -52,7 +52,8 @@ def scenario(nodes: int = 3, faulty: str = FAULTY, silent_at_s: float | None = N
     return Scenario.model_validate({
         "name": "dbe-while-the-executor-is-down", "seed": 5,
         "start_ts": time.time() - HOURS * 3600 - INTERVAL_S,
-        "duration_s": HOURS * 3600, "sample_interval_s": INTERVAL_S, "acceleration": 0,
+        "duration_s": HOURS * 3600, "sample_interval_s": INTERVAL_S,
+        "acceleration": acceleration,
         "nodes": [{"prefix": "h100", "count": nodes, "gpu_model": "NVIDIA H100 80GB HBM3",
                    "gpus": 1, "mem_gib": 80}],
         "users": ["alice", "bob"],
@@ -237,6 +238,38 @@ def test_a_node_whose_collector_stopped_is_still_asked_to_be_cordoned(
     assert all(a.ts > world.start + silent_at_s for a in asked[1:])
     assert len(asked) == int((HOURS * 3600 - 600) // REASK_S) + 1
     assert {round(b.ts - a.ts) for a, b in itertools.pairwise(asked)} == {REASK_S}
+    audit = _cordons(asyncio.run(_read(settings, topics.ACTION_RESULTS, ActionResult)), faulty)
+    assert [r.outcome for r in audit] == ["refused", "executed"]
+    assert cordoned(kube_api) == [faulty]
+
+
+def test_a_silent_node_alone_in_its_partition_is_asked_by_the_workers_other_partitions(
+        broker: EmbeddedBroker, tmp_path: Path, kube_api: KubeApiServer,
+        kubeconfig: Path) -> None:
+    """A small cluster: the faulty h100-1 is the only node of its partition, so no
+    neighbour's sample asks for its cordon once its collector stops. When the worker has
+    had no record of that partition for quiet_partition_s of its own clock (3 s here, the
+    world paced at 4 min a second; 2 min by default), the newest sample of its other
+    partitions asks, and the executor back after two hours cordons the node."""
+    faulty, silent_at_s = "h100-1", 660.0
+    partition = {f"h100-{i}": kafka.node_partitioner(f"h100-{i}".encode(), list(range(8)),
+                                                      list(range(8))) for i in (1, 2, 3)}
+    assert list(partition.values()).count(partition[faulty]) == 1, partition
+    settings = _fresh(broker, "e2e-reask-alone").model_copy(update={"quiet_partition_s": 3.0})
+    asyncio.run(kafka.ensure_topics(settings))
+    world = SimulatedCluster(scenario(3, faulty, silent_at_s, acceleration=240))
+    asyncio.run(_simulate(settings, tmp_path, world))
+    executor = Executor(settings, _kube(kube_api, kubeconfig), execute=True,
+                        group_id="back-after-2h",
+                        remediation=RemediationSettings(enabled_rules={"ecc_dbe"}))
+    (go := asyncio.Event()).set()
+    asyncio.run(_execute(executor, settings, go))
+
+    asked = _cordons(asyncio.run(_read(settings, topics.ACTIONS, Action)), faulty)
+    assert [a.reask for a in asked] == list(range(len(asked)))
+    assert len(asked) >= 3, [round(a.ts - world.start) for a in asked]
+    assert all(a.ts > world.start + silent_at_s for a in asked[1:])
+    assert min(round(b.ts - a.ts) for a, b in itertools.pairwise(asked)) >= REASK_S
     audit = _cordons(asyncio.run(_read(settings, topics.ACTION_RESULTS, ActionResult)), faulty)
     assert [r.outcome for r in audit] == ["refused", "executed"]
     assert cordoned(kube_api) == [faulty]

@@ -324,3 +324,54 @@ def test_a_silent_nodes_cordon_is_asked_again_by_its_partitions_samples() -> Non
     batch(restarted, NodeInventory(ts=T0 + 1840, node="silent", gpu_count=1,
                                    unschedulable=True))
     assert not driven(restarted, 1860, 4000)
+
+
+def test_a_silent_node_alone_in_its_partition_is_asked_by_the_workers_other_partitions() -> None:
+    """A small cluster: the silent node is its partition's only node, so no neighbour's
+    sample passes its due. Once no batch has had a record of its partition for
+    quiet_s of the process's clock, its cordon is asked for again by the newest
+    sample of the worker's other partitions. A partition merely behind is read at every
+    batch and never taken for quiet; one the worker no longer holds is left to its new
+    owner."""
+    departures = Departures(grace_s=3600.0, partitions=8)
+    partition = departures.partition_of(b"silent")
+    driver = next(name for name in (f"n{i}" for i in range(1000))
+                  if departures.partition_of(name.encode()) != partition)
+    join = NodeJoin()
+    held = {partition, departures.partition_of(driver.encode())}
+    wall = [0.0]
+    states = NodeStates({}, 30.0, departures, join.forget, join.reask_due,
+                        held=lambda: held, monotonic=lambda: wall[0])
+
+    def batch(*records: NodeSample) -> list[Action]:
+        writes: dict[bytes, bytes] = {}
+        out: list[Output] = []
+        partitions = {departures.partition_of(r.node.encode()) for r in records}
+        for record in records:
+            out += states.apply(writes, join.on_sample, record,
+                                departures.partition_of(record.node.encode()))
+        out += states.reask_quiet(writes, partitions)
+        states.table.update(writes)
+        wall[0] += 30.0  # a live worker: a batch of samples every 30 s
+        return [o for o in out if isinstance(o, Action) and o.verb == "cordon"]
+
+    def page(node: str, ts: float, dbe: int = 0) -> NodeSample:
+        return NodeSample(ts=ts, node=node, source="t", devices=[
+            DeviceSample(uuid=f"GPU-{node}", index=0, model="NVIDIA H100 80GB HBM3",
+                         util_pct=50.0, temp_c=60.0, ecc_dbe_volatile=dbe)])
+
+    [first] = batch(page("silent", T0, dbe=1), page(driver, T0))
+    assert first.reask == 0
+    asked = [(a.reask, a.ts) for ts in range(30, 1300, 30) for a in batch(page(driver, T0 + ts))]
+    assert asked == [(1, T0 + 600), (2, T0 + 1200)]
+    assert msgspec.msgpack.decode(states.table[b"silent"], type=NodeState).asks_due \
+        == T0 + 1800
+    # Taken by another worker: asked nothing here.
+    held.discard(partition)
+    assert not [a for ts in range(1300, 2500, 30) for a in batch(page(driver, T0 + ts))]
+    # Held again, its node's samples back but far behind the other partition's: read in
+    # every batch, the partition is not quiet, and its node's own clock asks.
+    held.add(partition)
+    again = [(a.reask, a.ts) for k in range(40) for a in batch(
+        page("silent", T0 + 1230 + 30 * k, dbe=1), page(driver, T0 + 2500 + 30 * k))]
+    assert again == [(3, T0 + 1800), (4, T0 + 2400)]
