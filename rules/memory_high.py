@@ -47,7 +47,9 @@ STATE = "mem_high"
 RUNBOOK = (
     "The GPU's memory has stayed nearly full: one larger batch or sequence away from an "
     "out-of-memory error. Reduce the batch, enable activation checkpointing, or move to a "
-    "device with more memory.")
+    "device with more memory. If the framework reserves its pool when it starts (TensorFlow, "
+    "JAX) in an image of your own, ask the platform team to add the image to the policy's "
+    "gpu_memory_high.exempt_images.")
 
 
 POOL_IMAGES = (

@@ -46,7 +46,10 @@ STATE = "mem_low_free"
 """Its per-device state: a field of the node join's device state."""
 RUNBOOK = (
     "The serving pod's GPU is nearly out of free memory: lower the server's memory fraction "
-    "or KV-cache size, the batch or the context length, or give it a larger GPU.")
+    "or KV-cache size, the batch or the context length, or give it a larger GPU. If the "
+    "server reserves what its weights leave when it starts (TensorRT-LLM, TGI, TensorFlow "
+    "Serving) in an image of your own, ask the platform team to add the image to the "
+    "policy's gpu_memory_low_free.exempt_images.")
 
 
 RESERVING_IMAGES = (
