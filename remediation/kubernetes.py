@@ -890,6 +890,15 @@ class KubernetesBackend:
             return "refused", fight
         for _attempt in range(5):
             owner = await self._json(self._read(kind), name, namespace)
+            manager = _controller(owner)
+            if manager is not None:
+                # A KServe InferenceService, a Knative Revision or an operator of one's own
+                # keeps its Deployment's replicas: a scale-down would be set back, the
+                # GPUs held again, and the owner told they were given back.
+                return "refused", (f"{kind} {namespace}/{name} is managed by "
+                                   f"{manager.get('kind')} {manager.get('name')}, whose "
+                                   "controller may undo a scale-down: ask its owner to scale "
+                                   f"the {manager.get('kind')} down")
             replicas = owner.get("spec", {}).get("replicas", 1)
             if replicas == 0:
                 return "skipped", f"{kind} {namespace}/{name} is already scaled to 0"

@@ -236,6 +236,27 @@ def test_a_deployment_keda_keeps_above_zero_is_not_scaled_down_to_a_fight(
     assert replicas(kube_api, owned) == 0
 
 
+def test_a_deployment_another_controller_manages_is_not_scaled_down(
+        kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
+    """A KServe InferenceService (or a Knative Revision) owns its Deployment and keeps its
+    replicas: a scale to zero would be set back, the GPUs held again at once and the owner
+    told they were given back. Refused, nothing written; the same Deployment on its own is
+    scaled down."""
+    owned = deployment(kube_api)
+    kube_api.mutate("Deployment", owned.name, lambda obj: obj["metadata"].update(
+        ownerReferences=[{"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
+                          "name": "llm", "uid": "uid-isvc", "controller": True}]), NS, "apps")
+    outcome, detail = act(backend, reclaim(owned.pod))
+    assert (outcome, detail) == ("refused", (
+        f"Deployment {NS}/serve-alice is managed by InferenceService llm, whose controller "
+        "may undo a scale-down: ask its owner to scale the InferenceService down"))
+    assert replicas(kube_api, owned) == 2 and writes(kube_api) == []
+    kube_api.mutate("Deployment", owned.name,
+                    lambda obj: obj["metadata"].pop("ownerReferences"), NS, "apps")
+    assert act(backend, reclaim(owned.pod))[0] == "executed"
+    assert replicas(kube_api, owned) == 0
+
+
 def test_restore_keeps_a_scale_someone_made_since(kube_api: KubeApiServer,
                                                   backend: KubernetesBackend) -> None:
     owned = deployment(kube_api)
