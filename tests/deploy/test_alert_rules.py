@@ -215,6 +215,27 @@ UNIT_TESTS: list[dict[str, Any]] = [
         ],
     },
     {
+        # A collector crash-looping (a scrape answered every fifth minute) and one up all
+        # along: only the first is down for most of a quarter hour.
+        "interval": "1m",
+        "input_series": [
+            {"series": 'up{namespace="gpusteward-node", pod="c-9", container="collector"}',
+             "values": "1x10 0 0 0 0 1 0 0 0 0 1 0 0 0 0 1 0 0 0 0 1 0 0 0 0 1"},
+            {"series": 'up{namespace="gpusteward-node", pod="c-8", container="collector"}',
+             "values": "1x40"},
+        ],
+        "alert_rule_test": [
+            {"eval_time": "15m", "alertname": "GpustewardCollectorDown", "exp_alerts": []},
+            {"eval_time": "30m", "alertname": "GpustewardCollectorDown", "exp_alerts": [{
+                "exp_labels": {"severity": "warning", "namespace": "gpusteward-node",
+                               "pod": "c-9", "container": "collector"},
+                "exp_annotations": _described(
+                    "GpustewardCollectorDown",
+                    "collector c-9 has been down for most of 15 minutes")}]},
+            {"eval_time": "30m", "alertname": "GpustewardProcessDown", "exp_alerts": []},
+        ],
+    },
+    {
         # A sink down (container "sink", deploy/base/sinks.yaml) for half an hour.
         "interval": "1m",
         "input_series": [
@@ -283,7 +304,8 @@ def test_every_rule_names_series_some_process_exports():
     alerts = {rule["alert"] for group in groups for rule in group["rules"]}
     assert {"GpustewardConsumerBehind", "GpustewardDeadLetters",
             "GpustewardRemediationBreakerOpen", "GpustewardActionsStale", "GpustewardProcessDown",
-            "GpustewardCollectorSilent", "GpustewardWatcherSilent"} <= alerts
+            "GpustewardCollectorSilent", "GpustewardCollectorDown",
+            "GpustewardWatcherSilent"} <= alerts
     for group in groups:
         for rule in group["rules"]:
             named = set(re.findall(r"\bgpusteward_\w+", rule["expr"]))
