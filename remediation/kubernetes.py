@@ -1072,7 +1072,7 @@ class KubernetesBackend:
                 return await self._suspend_managed(obj, manager, action, what)
             owner = _controller(obj) if kind == "Workload" else None
             gang = action.params.get("gang")
-            if owner is not None and f"{owner.get('kind')}/{owner.get('name')}" != gang:
+            if owner is not None and not _admits(owner, gang):
                 return "refused", (f"{where} belongs to {owner.get('kind')} "
                                    f"{owner.get('name')}, not to {gang}: another job's "
                                    "workload is left alone")
@@ -1240,6 +1240,13 @@ def _switched(how: Suspension, value: bool) -> dict[str, Any]:
     for part in reversed(how.field[:-1]):
         body = {part: body}
     return body
+
+
+def _admits(owner: dict[str, Any], gang: str | None) -> bool:
+    """Whether a Kueue Workload of this controller admits ``gang``: its own object, or, for a
+    TrainJob, the JobSet of its name its pods run in (the watcher's name for the gang)."""
+    kind, name = owner.get("kind"), owner.get("name")
+    return gang in (f"{kind}/{name}", f"JobSet/{name}" if kind == "TrainJob" else None)
 
 
 def _told(obj: dict[str, Any]) -> dict[str, Any]:

@@ -320,6 +320,10 @@ def workload_gang(workload: Obj) -> tuple[str | None, int | None]:
                if _gpu_template(pod_set.get("template")))
     if owner is None or size < 2:
         return None, None
+    if owner.get("kind") == "TrainJob":
+        # Kubeflow Trainer runs a TrainJob as the JobSet of its name, whose pods name the
+        # JobSet (pod_gang): that is the gang this Workload admits.
+        return f"JobSet/{owner.get('name')}", size
     return f"{owner.get('kind')}/{owner.get('name')}", size
 
 

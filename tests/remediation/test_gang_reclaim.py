@@ -338,6 +338,31 @@ def test_a_trainjobs_gang_is_suspended_through_its_trainjob(
     assert not gpusteward_annotations(kube_api.get("TrainJob", "tj", NS, TRAINER))
 
 
+def test_a_kueue_admitted_trainjobs_gang_is_stopped_through_its_workload(
+        kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
+    """Kueue admits a TrainJob through a Workload the TrainJob owns; its pods name the
+    JobSet it runs as. The watcher hands the Workload over with the gang (``gang_workload``),
+    and the Workload, owned by the TrainJob of the JobSet's name, is left inactive: Kueue
+    suspends the TrainJob. Nothing else is patched."""
+    pod = trainjob(kube_api)
+    owner = kube_api.get("TrainJob", "tj", NS, TRAINER)
+    kube_api.create({"apiVersion": f"{KUEUE_GROUP}/v1beta1", "kind": "Workload",
+                     "metadata": {"name": "trainjob-tj-5c6d7", "namespace": NS,
+                                  "ownerReferences": [_ref(owner)]},
+                     "spec": {"active": True, "queueName": "research", "podSets": []},
+                     "status": {"admission": {"clusterQueue": "research",
+                                              "podSetAssignments": []},
+                                "conditions": [{"type": "Admitted", "status": "True"}]}})
+    outcome, detail = act(backend, reclaim(pod, "JobSet/tj", gang_workload="trainjob-tj-5c6d7"))
+    assert outcome == "executed", detail
+    assert "left it inactive (spec.active=false)" in detail
+    assert kube_api.get("Workload", "trainjob-tj-5c6d7", NS, KUEUE_GROUP)["spec"]["active"] \
+        is False
+    assert patches(kube_api, "trainjobs") == [] and patches(kube_api, "jobsets") == []
+    (event,) = events_about(kube_api, "TrainJob", "tj")
+    assert f"gpusteward act --restore Workload/{NS}/trainjob-tj-5c6d7" in event["message"]
+
+
 def test_a_jobset_another_controller_manages_is_refused(
         kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
     pod = jobset(kube_api)

@@ -77,6 +77,11 @@ def test_sizes_count_gpu_members_only() -> None:
         "spec": {"podSets": [{"name": "w", "count": 8, "template": _template(True)},
                              {"name": "d", "count": 1, "template": _template(False)}]}}
     assert kube.workload_gang(workload) == ("JobSet/pt", 8)
+    # Kueue admits a TrainJob, whose pods run in the JobSet of its name and name that.
+    trainjob = {"metadata": {"name": "wl", "ownerReferences": [
+        {"kind": "TrainJob", "name": "tj", "controller": True}]},
+        "spec": {"podSets": [{"name": "node", "count": 2, "template": _template(True)}]}}
+    assert kube.workload_gang(trainjob) == ("JobSet/tj", 2)
     single = {"metadata": {"name": "wl", "ownerReferences": [
         {"kind": "Job", "name": "j", "controller": True}]},
         "spec": {"podSets": [{"name": "main", "count": 1, "template": _template(True)}]}}
