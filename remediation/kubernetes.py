@@ -811,10 +811,7 @@ class KubernetesBackend:
                 kind, name = "Deployment", parent["name"]
             elif parent is not None and parent["kind"] == "Notebook":
                 return await self._stop_notebook(ref.namespace, parent["name"], action.reason)
-            elif parent is not None:
-                return "refused", (f"StatefulSet {ref.namespace}/{name} is managed by "
-                                   f"{parent['kind']} {parent['name']}, which would undo a "
-                                   "scale-down")
+            # A Deployment or StatefulSet another controller owns is refused there.
             return await self._scale_to_zero(kind, ref.namespace, name, action.reason)
         return "refused", (f"{ref.namespace}/{ref.name} is owned by {kind} {name}: gpusteward "
                            "reclaims Notebooks, Deployments, StatefulSets, Jobs and Kueue "
@@ -892,9 +889,9 @@ class KubernetesBackend:
             owner = await self._json(self._read(kind), name, namespace)
             manager = _controller(owner)
             if manager is not None:
-                # A KServe InferenceService, a Knative Revision or an operator of one's own
-                # keeps its Deployment's replicas: a scale-down would be set back, the
-                # GPUs held again, and the owner told they were given back.
+                # A KServe InferenceService, a Knative Revision, a LeaderWorkerSet or an
+                # operator of one's own keeps its replicas: a scale-down would be set back,
+                # the GPUs held again, and the owner told they were given back.
                 return "refused", (f"{kind} {namespace}/{name} is managed by "
                                    f"{manager.get('kind')} {manager.get('name')}, whose "
                                    "controller may undo a scale-down: ask its owner to scale "
@@ -1119,11 +1116,11 @@ class KubernetesBackend:
         refused, its controller being free to undo a suspension it did not make."""
         meta = jobset["metadata"]
         namespace = meta.get("namespace", "")
+        trainjob = _trainjob_of(jobset)
+        if trainjob is not None:
+            return await self._suspend("TrainJob", namespace, trainjob, action,
+                                       f"TrainJob {namespace}/{trainjob} of {what}")
         kind, name = manager.get("kind", ""), manager.get("name", "")
-        if kind == "TrainJob" and str(manager.get("apiVersion", "")).startswith(
-                f"{TRAINER_GROUP}/"):
-            return await self._suspend("TrainJob", namespace, name, action,
-                                       f"TrainJob {namespace}/{name} of {what}")
         return "refused", (f"JobSet {namespace}/{meta.get('name')} ({what}) is managed by "
                            f"{kind} {name}, whose controller may undo a suspension of the "
                            f"JobSet behind its back: gpusteward suspends a JobSet only "
@@ -1135,10 +1132,9 @@ class KubernetesBackend:
         how = self._suspension(kind)
         where = f"{kind} {namespace}/{name}"
         obj, version = await self._suspendable(kind, namespace, name)
-        manager = _controller(obj) if kind == "JobSet" else None
-        if (manager is not None and manager.get("kind") == "TrainJob"
-                and SUSPENDED_BY not in _annotations(obj)):
-            return await self._resume("TrainJob", namespace, manager.get("name", ""))
+        trainjob = _trainjob_of(obj) if kind == "JobSet" else None
+        if trainjob is not None and SUSPENDED_BY not in _annotations(obj):
+            return await self._resume("TrainJob", namespace, trainjob)
         if SUSPENDED_BY not in _annotations(obj):
             return "refused", (f"{where} was not suspended by gpusteward (no {SUSPENDED_BY}): "
                                "left as it is")
@@ -1240,6 +1236,15 @@ def _switched(how: Suspension, value: bool) -> dict[str, Any]:
     for part in reversed(how.field[:-1]):
         body = {part: body}
     return body
+
+
+def _trainjob_of(jobset: dict[str, Any]) -> str | None:
+    """The TrainJob (Kubeflow Trainer's) a JobSet runs, when one controls it."""
+    manager = _controller(jobset)
+    if manager is None or manager.get("kind") != "TrainJob" or not str(
+            manager.get("apiVersion", "")).startswith(f"{TRAINER_GROUP}/"):
+        return None
+    return str(manager.get("name", ""))
 
 
 def _admits(owner: dict[str, Any], gang: str | None) -> bool:

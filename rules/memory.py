@@ -102,29 +102,27 @@ def clock_step(track: SustainTrack, step: float) -> None:
         track.open.since -= step
 
 
-ImageMatch = Callable[[tuple[str, ...]], "str | None"]
-
-
-def image_matcher(patterns: Sequence[str]) -> ImageMatch:
-    """A test of a pod's GPU container images against ``patterns`` (shell globs on the whole
-    image reference as the pod spec names it: ``*`` matches across ``/``, ``[:@]`` either a
-    tag or a digest): the first image matched, or None. Remembered per set of images, so
-    a holder's every sample costs one look-up."""
-    if not patterns:
-        return lambda images: None
-    regex = re.compile("|".join(fnmatch.translate(pattern) for pattern in patterns))
-
-    @functools.lru_cache(maxsize=1024)
-    def match(images: tuple[str, ...]) -> str | None:
-        return next((image for image in images if regex.match(image)), None)
-
-    return match
-
-
-def images_of(holder: object) -> tuple[str, ...]:
-    """The holder's GPU container images (``idle.Holder.images``); none for no holder."""
+def exempt_image(patterns: Sequence[str], holder: object) -> str | None:
+    """The first of the holder's GPU container images (``idle.Holder.images``) one of
+    ``patterns`` matches (a rule's ``exempt_images``: shell globs on the whole image
+    reference as the pod spec names it, ``*`` matching across ``/``, ``[:@]`` a tag or a
+    digest), or None. Asked only of a sample whose condition holds; each set of patterns
+    is compiled once and each set of images matched once."""
     images: tuple[str, ...] = getattr(holder, "images", ())
-    return images
+    if not images or not patterns:
+        return None
+    return _matched(tuple(patterns), images)
+
+
+@functools.lru_cache(maxsize=1024)
+def _matched(patterns: tuple[str, ...], images: tuple[str, ...]) -> str | None:
+    regex = _compiled(patterns)
+    return next((image for image in images if regex.match(image)), None)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(patterns: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile("|".join(fnmatch.translate(pattern) for pattern in patterns))
 
 
 def free_bytes(sample: DeviceSample) -> int | None:

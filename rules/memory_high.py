@@ -19,18 +19,14 @@ an out-of-memory error it is. Episodes follow :func:`gpusteward.rules.memory.sus
 
 from __future__ import annotations
 
-import functools
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.memory import (
     UNWATCHED,
-    ImageMatch,
     Out,
     SustainTrack,
     clock_step,
-    image_matcher,
-    images_of,
+    exempt_image,
     judges_kind,
     pod_of,
     releaser,
@@ -106,11 +102,6 @@ class HighMemorySettings(BaseModel):
     notify: bool = Field(True, description="Notify the pod's owner when an episode opens.")
 
 
-    @functools.cached_property
-    def image_exemption(self) -> ImageMatch:
-        """The first of a holder's images ``exempt_images`` matches, or None (a plain
-        instance attribute once read, as ``IdleSettings.effective_by_kind``)."""
-        return image_matcher(self.exempt_images)
 
 
 watches = judges_kind
@@ -130,7 +121,7 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
     if not watches(settings, getattr(holder, "workload_kind", None)):
         return []  # the node join does not call it for these; a direct caller gets the same
     pooled = (getattr(holder, "owner_kind", None) in settings.exempt_owner_kinds
-              or settings.image_exemption(images_of(holder)) is not None)
+              or exempt_image(settings.exempt_images, holder) is not None)
     if pooled and track.open is None:
         return []  # a preallocating framework's pool (an episode opened before, under
         # another policy, is cleared below as if the memory had fallen)

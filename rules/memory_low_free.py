@@ -19,20 +19,16 @@ containers (``exempt_images``) and not judged. Episodes follow
 
 from __future__ import annotations
 
-import functools
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.memory import (
     GIB,
     UNWATCHED,
-    ImageMatch,
     Out,
     SustainTrack,
     clock_step,
+    exempt_image,
     free_bytes,
-    image_matcher,
-    images_of,
     pod_of,
     releaser,
     sustain,
@@ -105,10 +101,6 @@ class LowFreeMemorySettings(BaseModel):
         "its own name: add it. Empty: images exempt none.")
     notify: bool = Field(True, description="Notify the pod's owner when an episode opens.")
 
-    @functools.cached_property
-    def image_exemption(self) -> ImageMatch:
-        """The first of a holder's images ``exempt_images`` matches, or None."""
-        return image_matcher(self.exempt_images)
 
 
 def watches(settings: LowFreeMemorySettings, workload_kind: str | None) -> bool:
@@ -131,7 +123,7 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
         if track.last_ts is None or ts > track.last_ts:
             track.last_ts, track.since, track.samples = ts, None, 0
         return []
-    reserving = settings.image_exemption(images_of(holder)) is not None
+    reserving = exempt_image(settings.exempt_images, holder) is not None
     if reserving and track.open is None:
         return []  # its reserve's remainder (an episode opened under another policy clears)
 

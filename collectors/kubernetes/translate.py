@@ -154,17 +154,20 @@ def mig_profile(resource: str) -> str | None:
     return mig_resource_profile(resource)
 
 
+def _container_gpus(container: Obj) -> dict[str, int]:
+    """The GPU and MIG resources one container names (a limit stands for a missing
+    request, as the API server defaults it)."""
+    resources = container.get("resources") or {}
+    merged = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+    return {k: quantity(v) for k, v in merged.items() if k == GPU or k.startswith(MIG_PREFIX)}
+
+
 def gpu_resources(spec: Obj) -> dict[str, int]:
     """The effective GPU and MIG requests of a pod spec, as the scheduler computes them
     (``PodRequests`` in k8s.io/component-helpers): the app containers' sum plus every
     sidecar's (an init container with ``restartPolicy: Always`` runs beside them), or more
     when an init container needs more, counted with the sidecars started before it."""
-
-    def of(container: Obj) -> dict[str, int]:
-        resources = container.get("resources") or {}
-        merged = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
-        return {k: quantity(v) for k, v in merged.items()
-                if k == GPU or k.startswith(MIG_PREFIX)}
+    of = _container_gpus
 
     def add(into: dict[str, int], more: dict[str, int]) -> None:
         for name, count in more.items():
@@ -197,13 +200,7 @@ def gpu_images(spec: Obj) -> list[str]:
     containers = (spec.get("containers") or []) + [
         init for init in spec.get("initContainers") or []
         if init.get("restartPolicy") == "Always"]
-
-    def asks(container: Obj) -> bool:
-        resources = container.get("resources") or {}
-        return any(k == GPU or k.startswith(MIG_PREFIX)
-                   for part in ("requests", "limits") for k in resources.get(part) or {})
-
-    chosen = [c for c in containers if asks(c)] or spec.get("containers") or []
+    chosen = [c for c in containers if _container_gpus(c)] or spec.get("containers") or []
     return list(dict.fromkeys(str(c["image"]) for c in chosen if c.get("image")))[:64]
 
 

@@ -257,6 +257,19 @@ def test_a_deployment_another_controller_manages_is_not_scaled_down(
     assert replicas(kube_api, owned) == 0
 
 
+def test_a_statefulset_another_controller_than_a_notebook_manages_is_not_scaled_down(
+        kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
+    owned = statefulset(kube_api)
+    kube_api.mutate("StatefulSet", owned.name, lambda obj: obj["metadata"].update(
+        ownerReferences=[{"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
+                          "name": "vllm", "uid": "uid-lws", "controller": True}]), NS, "apps")
+    outcome, detail = act(backend, reclaim(owned.pod))
+    assert (outcome, detail) == ("refused", (
+        f"StatefulSet {NS}/vllm-alice is managed by LeaderWorkerSet vllm, whose controller "
+        "may undo a scale-down: ask its owner to scale the LeaderWorkerSet down"))
+    assert replicas(kube_api, owned) == 1 and writes(kube_api) == []
+
+
 def test_restore_keeps_a_scale_someone_made_since(kube_api: KubeApiServer,
                                                   backend: KubernetesBackend) -> None:
     owned = deployment(kube_api)
