@@ -236,38 +236,32 @@ def test_a_deployment_keda_keeps_above_zero_is_not_scaled_down_to_a_fight(
     assert replicas(kube_api, owned) == 0
 
 
-def test_a_deployment_another_controller_manages_is_not_scaled_down(
-        kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
-    """A KServe InferenceService (or a Knative Revision) owns its Deployment and keeps its
-    replicas: a scale to zero would be set back, the GPUs held again at once and the owner
-    told they were given back. Refused, nothing written; the same Deployment on its own is
-    scaled down."""
-    owned = deployment(kube_api)
-    kube_api.mutate("Deployment", owned.name, lambda obj: obj["metadata"].update(
-        ownerReferences=[{"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
-                          "name": "llm", "uid": "uid-isvc", "controller": True}]), NS, "apps")
+@pytest.mark.parametrize(("make", "manager"), [
+    (deployment, ("serving.kserve.io/v1beta1", "InferenceService", "llm")),
+    (statefulset, ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "vllm")),
+], ids=["deployment-of-an-inferenceservice", "statefulset-of-a-leaderworkerset"])
+def test_an_owner_another_controller_manages_is_not_scaled_down(
+        kube_api: KubeApiServer, backend: KubernetesBackend,
+        make: Callable[[KubeApiServer], Owned], manager: tuple[str, str, str]) -> None:
+    """A KServe InferenceService (or a Knative Revision, a LeaderWorkerSet) owns its
+    Deployment or StatefulSet and keeps its replicas: a scale to zero would be set back, the
+    GPUs held again at once and the owner told they were given back. Refused, nothing
+    written; the same object on its own is scaled down."""
+    owned = make(kube_api)
+    before = replicas(kube_api, owned)
+    api_version, kind, name = manager
+    kube_api.mutate(owned.kind, owned.name, lambda obj: obj["metadata"].update(
+        ownerReferences=[{"apiVersion": api_version, "kind": kind, "name": name,
+                          "uid": f"uid-{name}", "controller": True}]), NS, "apps")
     outcome, detail = act(backend, reclaim(owned.pod))
     assert (outcome, detail) == ("refused", (
-        f"Deployment {NS}/serve-alice is managed by InferenceService llm, whose controller "
-        "may undo a scale-down: ask its owner to scale the InferenceService down"))
-    assert replicas(kube_api, owned) == 2 and writes(kube_api) == []
-    kube_api.mutate("Deployment", owned.name,
+        f"{owned.kind} {NS}/{owned.name} is managed by {kind} {name}, whose controller "
+        f"may undo a scale-down: ask its owner to scale the {kind} down"))
+    assert replicas(kube_api, owned) == before and writes(kube_api) == []
+    kube_api.mutate(owned.kind, owned.name,
                     lambda obj: obj["metadata"].pop("ownerReferences"), NS, "apps")
     assert act(backend, reclaim(owned.pod))[0] == "executed"
     assert replicas(kube_api, owned) == 0
-
-
-def test_a_statefulset_another_controller_than_a_notebook_manages_is_not_scaled_down(
-        kube_api: KubeApiServer, backend: KubernetesBackend) -> None:
-    owned = statefulset(kube_api)
-    kube_api.mutate("StatefulSet", owned.name, lambda obj: obj["metadata"].update(
-        ownerReferences=[{"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
-                          "name": "vllm", "uid": "uid-lws", "controller": True}]), NS, "apps")
-    outcome, detail = act(backend, reclaim(owned.pod))
-    assert (outcome, detail) == ("refused", (
-        f"StatefulSet {NS}/vllm-alice is managed by LeaderWorkerSet vllm, whose controller "
-        "may undo a scale-down: ask its owner to scale the LeaderWorkerSet down"))
-    assert replicas(kube_api, owned) == 1 and writes(kube_api) == []
 
 
 def test_restore_keeps_a_scale_someone_made_since(kube_api: KubeApiServer,
