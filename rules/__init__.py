@@ -23,6 +23,7 @@ from gpusteward.rules import (
     memory_leak,
     memory_low_free,
     memory_overcommit,
+    silent,
     xid,
 )
 from gpusteward.rules import eta as fleet_eta
@@ -74,6 +75,8 @@ REGISTRY = Registry([
          summary="mig-manager reported nvidia.com/mig.config.state=failed: the node is not "
          "in the MIG layout its nvidia.com/mig.config asks for (one warning, resolved by a "
          "success)."),
+    # Per node, in the node join on its partition's clock (a node sends nothing).
+    Rule(silent.KIND, silent.NodeSilentSettings, "node"),
     # Per node, beside the node join (the fleet agent's ``fleet-spot``, partitioned by node).
     Rule(fleet_spot.KIND, fleet_spot.SpotSettings, "node"),
     # Fleet-wide, run by the fleet agent (streams/fleet.py).

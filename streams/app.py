@@ -410,18 +410,17 @@ def create_app(
     )
     # A deleted node's state leaves the table once its partition's samples are
     # forget_deleted_s past the deletion (NodeStates.sweep), and a silent node's node
-    # actions are asked for again by them (NodeStates._reask).
+    # actions are asked for again by them (NodeStates._reask) and its silence told
+    # (NodeStates._silences).
     departures = Departures(join.settings.forget_deleted_s, kafka.node_partitions)
     states = NodeStates(state_table, join.settings.checkpoint_interval_s, departures,
-                        join.forget, join.reask_due, held=lambda: {
+                        join.forget, join.reask_due, join.silence, held=lambda: {
                             tp.partition for tp in app.consumer.assignment()
                             if tp.topic == samples_name},
                         quiet_s=settings.quiet_partition_s)
 
     def forget_live_states(sender: Any, *args: Any, **kwargs: Any) -> None:
-        states.live.clear()
-        states.asking.clear()
-        states.first_due.clear()
+        states.forget_live()
         departures.forget()
 
     # mode's signal type asks for a positional-only sender that no def can spell here.
@@ -478,6 +477,11 @@ def create_app(
     return app
 
 
+SILENCE_CHECK_S = 60.0
+"""Seconds of a partition's event time between its looks for silent nodes (a look reads
+every node of the partition: 156 of a 1,250-node fleet's 8 partitions)."""
+
+
 class NodeStates:
     """The worker's node states: those of its nodes decoded, over the changelog-backed table
     (msgpack-encoded :class:`NodeState` bytes by node name: the changelog carries exactly
@@ -489,12 +493,15 @@ class NodeStates:
     minutes). So are the nodes with node actions to ask for again: a sample past one's due
     asks for it (``reask``, the join's), for a node whose own samples stopped
     (:meth:`_reask`); in a partition no node of which sends anything, the newest sample of
-    the worker's other partitions does (:meth:`reask_quiet`)."""
+    the worker's other partitions does (:meth:`quiet`). The same clocks tell the nodes of
+    the partition whose own samples stopped or never came (``silence``, the join's), every
+    :data:`SILENCE_CHECK_S` of it (:meth:`_silences`)."""
 
     def __init__(self, table: Any, checkpoint_s: float,
                  departures: Departures | None = None,
                  forget: Callable[[NodeState, str], list[Output]] | None = None,
                  reask: Callable[[NodeState, str, float], list[Output]] | None = None,
+                 silence: Callable[[NodeState, str, float], list[Output]] | None = None,
                  held: Callable[[], Collection[int]] | None = None,
                  quiet_s: float = 120.0,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
@@ -503,8 +510,9 @@ class NodeStates:
         self.departures = departures
         self.forget = forget
         self.reask = reask
+        self.silence = silence
         self.held = held
-        """The node topics' partitions this worker holds now (:meth:`reask_quiet`); None:
+        """The node topics' partitions this worker holds now (:meth:`quiet`); None:
         every partition it indexed."""
         self.quiet_s = quiet_s
         """Seconds of ``monotonic`` without a record after which a partition is quiet
@@ -524,6 +532,11 @@ class NodeStates:
         self.first_due: dict[int, float] = {}
         """By partition, the earliest due of :attr:`asking` (or earlier): one test per
         sample."""
+        self.members: dict[int, set[bytes]] = {}
+        """By partition, the nodes with a state: those in the table after a rebalance
+        (:meth:`sweep`), and those applied since. What :meth:`_silences` looks at."""
+        self.look_due: dict[int, float] = {}
+        """By partition, the event time of its next look for silent nodes."""
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(NodeState).decode
         self._decode_deletion = msgspec.msgpack.Decoder(NodeDeletion).decode
@@ -540,6 +553,8 @@ class NodeStates:
         node = record.node.encode()
         entry = self.live.get(node)
         if entry is None:
+            if partition is not None:
+                self.members.setdefault(partition, set()).add(node)
             stored = restore(self._decode, node, self.table.get(node), self.dropped,
                              NodeState)
             entry = (stored if stored is not None else NodeState(), -1.0)
@@ -591,10 +606,22 @@ class NodeStates:
                 departures.note(partition, node, deleted_since(state))
             if state.asks_due is not None:  # almost never: a node action still asked for
                 self._asking(partition, node, state.asks_due)
-            first = self.first_due.get(partition)
-            if first is not None and record.ts >= first and isinstance(record, NodeSample):
-                outputs = outputs + self._reask(to_write, partition, record.ts)
+            if isinstance(record, NodeSample):
+                first = self.first_due.get(partition)
+                if first is not None and record.ts >= first:
+                    outputs = outputs + self._reask(to_write, partition, record.ts)
+                look = self.look_due.get(partition)
+                if look is None or record.ts >= look:  # every SILENCE_CHECK_S of the partition
+                    outputs = outputs + self._silences(to_write, partition, record.ts)
         return outputs
+
+    def forget_live(self) -> None:
+        """At a rebalance: what is known of the worker's nodes goes, the table is the truth."""
+        self.live.clear()
+        self.asking.clear()
+        self.first_due.clear()
+        self.members.clear()
+        self.look_due.clear()
 
     def _asking(self, partition: int, node: bytes, due: float) -> None:
         self.asking.setdefault(partition, {})[node] = due
@@ -617,6 +644,7 @@ class NodeStates:
         out: list[Output] = []
         for partition in partitions:
             for node in departures.due(partition):
+                self.members.get(partition, set()).discard(node)
                 state = self._state(node)
                 if state is not None:
                     if deleted_since(state) is None:
@@ -660,28 +688,58 @@ class NodeStates:
             self.first_due[partition] = first if first > clock else clock + 1.0
         return out
 
-    def reask_quiet(self, to_write: dict[bytes, bytes], partitions: Iterable[int]
-                    ) -> list[Output]:
-        """After a batch holding records of ``partitions``: the node actions due in the
-        partitions this worker holds that no batch has had a record of for ``quiet_s`` (of
-        the process's clock, not event time: nothing arrives from them at all), asked for
-        again by the newest sample of the others. A silent
-        node alone in its partition (a small cluster) has no neighbour's sample to ask
-        by. A worker catching up reads every partition it holds, so this waits for a
-        partition that is quiet, not behind."""
+    def quiet(self, to_write: dict[bytes, bytes], partitions: Iterable[int]) -> list[Output]:
+        """After a batch holding records of ``partitions``: in the partitions this worker
+        holds that no batch has had a record of for ``quiet_s`` (of the process's clock, not
+        event time: nothing arrives from them at all), the node actions due asked for again
+        and the silent nodes told, by the newest sample of the others. A silent node alone
+        in its partition (a small cluster) has no neighbour's sample to go by. A worker
+        catching up reads every partition it holds, so this waits for a partition that is
+        quiet, not behind."""
         now = self.monotonic()
         for partition in partitions:
             self.heard[partition] = now
         departures = self.departures
-        if not self.first_due or departures is None or not departures.newest:
+        if departures is None or not departures.newest:
             return []
         clock = max(departures.newest.values())
         held = self.held() if self.held is not None else None
         out: list[Output] = []
-        for partition, first in list(self.first_due.items()):
-            if (first <= clock and (held is None or partition in held)
-                    and now - self.heard.get(partition, self.started) > self.quiet_s):
+        for partition in self.first_due.keys() | self.members.keys():
+            if ((held is not None and partition not in held)
+                    or now - self.heard.get(partition, self.started) <= self.quiet_s):
+                continue
+            first = self.first_due.get(partition)
+            if first is not None and first <= clock:
                 out += self._reask(to_write, partition, clock)
+            look = self.look_due.get(partition)
+            if look is None or look <= clock:
+                out += self._silences(to_write, partition, clock)
+        return out
+
+    def _silences(self, to_write: dict[bytes, bytes], partition: int, clock: float
+                  ) -> list[Output]:
+        """The nodes of ``partition`` silent by ``clock`` (a sample of any of its nodes, or
+        of the worker's other partitions when none of its nodes sends anything), told once
+        each (:meth:`.NodeJoin.silence`); the next look :data:`SILENCE_CHECK_S` later."""
+        self.look_due[partition] = clock + SILENCE_CHECK_S
+        if self.silence is None:
+            return []
+        nodes = self.members.get(partition, set())
+        out: list[Output] = []
+        for node in list(nodes):
+            entry = self.live.get(node)
+            state = entry[0] if entry is not None else self._state(node)
+            if state is None:
+                nodes.discard(node)
+                continue
+            told = self.silence(state, node.decode(), clock)
+            if told:
+                out += told
+                to_write[node] = self._encode(state)
+                self.live[node] = (state, clock)
+            elif entry is None:
+                self.live[node] = (state, -1.0)
         return out
 
     def _state(self, node: bytes) -> NodeState | None:
@@ -705,6 +763,7 @@ class NodeStates:
                 yield key, None
                 continue
             when = deleted_since(fields)
+            self.members.setdefault(departures.partition_of(key), set()).add(key)
             if fields.asks_due is not None and when is None:
                 partition = departures.partition_of(key)
                 if key not in self.asking.get(partition, {}):  # what this batch applied stays
@@ -748,7 +807,7 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
             partitions = {event.message.partition for event in todo}
             outputs += states.sweep(gone, partitions)
             if todo:
-                outputs += states.reask_quiet(writes, partitions)
+                outputs += states.quiet(writes, partitions)
             await outputs_to.emit_then_checkpoint(outputs, None)
             if len(current(todo)) < len(todo):
                 # A rebalance came while the batch published: the same, written nowhere.

@@ -45,7 +45,7 @@ from typing import Any
 import msgspec
 
 from gpusteward.edge import Rejected
-from gpusteward.rules import budget, ecc, hardware, idle, memory, memory_leak, rollup
+from gpusteward.rules import budget, ecc, hardware, idle, memory, memory_leak, rollup, silent
 from gpusteward.rules import policy as policies
 from gpusteward.rules import xid as xid_rule
 from gpusteward.rules.findings import resolved
@@ -269,6 +269,14 @@ class NodeState(msgspec.Struct):
     """The findings open on the node, by id, as its rules emitted them (a firing one adds,
     its resolution takes it out; :meth:`NodeJoin._note`): what the node's deletion resolves.
     Empty in a state written before it was kept: the findings open then are not known."""
+    expected_from: float | None = None
+    """Event time from which the node is expected to send samples: its first inventory, or
+    the last that let it take pods again (uncordoned, ready, out of MIG reconfiguration,
+    created again). A silence (:mod:`gpusteward.rules.silent`) counts from it or the node's
+    newest sample, whichever is later."""
+    silent: hardware.Episode | None = None
+    """The open ``node_silent`` episode: no sample of the node for ``silent_after_s`` of its
+    partition's event time (:meth:`NodeJoin.silence`); closed by its next sample."""
     waiting_xids: list[HwEvent] = []
     """Application-class XIDs read before the node's samples reached their time, with no
     allocation holding their GPU then (:meth:`NodeJoin._waits`): judged at the first sample
@@ -285,6 +293,13 @@ class NodeDeletion(msgspec.Struct):
     deleted_at: float | None = None
     last_summary_ts: float | None = None
     asks_due: float | None = None
+
+
+def _excused(state: NodeState) -> bool:
+    """A node whose silence is not told: deleted, taking no new pods (cordoned, not ready),
+    or under MIG reconfiguration (mig-manager stops the GPUs' clients, the collector too)."""
+    return (state.deleted or state.cordoned
+            or state.mig_config_state in reconfig.RECONFIGURING)
 
 
 def deleted_since(state: NodeState | NodeDeletion) -> float | None:
@@ -667,6 +682,11 @@ class NodeJoin:
         # A deleted node's samples (read late, or its collector's last) are folded into the
         # rollups but judged by no rule: a finding opened now would have nothing to resolve it.
         judging = not state.deleted
+        if state.silent is not None:  # almost never: the node's first sample after a silence
+            out.append(silent.closed(state.silent, node, ts,
+                                     f"GPU samples again, {(ts - state.silent.since) / 60:.0f}"
+                                     " min after the last"))
+            state.silent = None
         if _UNKNOWN_GPU in devices and judging:  # almost never: a loss without a uuid
             out += self._unknown_back(state, sample, devices[_UNKNOWN_GPU])
         for device in sample.devices:
@@ -950,6 +970,29 @@ class NodeJoin:
                      else f"{state.rollups.watermark:.0f}")
         return out
 
+    def silence(self, state: NodeState, node: str, ts: float) -> list[Output]:
+        """The ``node_silent`` finding of a node with GPUs none of whose samples has come for
+        ``silent_after_s`` by ``ts``, the clock of its partition (:class:`NodeStates`), or since
+        its first inventory if none ever came. Nothing for a node told already, deleted,
+        taking no new pods, or under MIG reconfiguration (mig-manager stops the GPUs'
+        clients), nor where the node's pool turns the rule off."""
+        if (state.silent is not None or _excused(state)
+                or not (state.gpu_count or state.devices)):
+            return []
+        settings = self._prepare(None, None, state.pool).resolved.of(
+            silent.KIND, silent.NodeSilentSettings)
+        last, expected = state.rollups.watermark, state.expected_from
+        since = max(last if last is not None else -1.0,
+                    expected if expected is not None else -1.0)
+        if not settings.enabled or since < 0 or ts - since < settings.silent_after_s:
+            return []
+        finding, state.silent = silent.opened(
+            node, since, ts, state.gpu_count or len(state.devices), since == last, settings)
+        out: list[Output] = [finding]
+        self._note(state, out)
+        log.warning("%s", finding.summary)
+        return out
+
     def _behind(self, state: NodeState, ts: float) -> bool:
         """Count a sample too far back in the node's run of them; True once the run has
         kept to its own clock for ``clock_step_after_s``. A sample more than
@@ -1111,6 +1154,7 @@ class NodeJoin:
         return self._on_pod(state, event)
 
     def _on_inventory(self, state: NodeState, event: NodeInventory) -> list[Output]:
+        excused = _excused(state)
         state.gpu_model = event.gpu_product or state.gpu_model
         if _states_gpu_count(event):
             state.gpu_count = event.gpu_count  # 0 included: the node has lost its GPUs
@@ -1150,6 +1194,8 @@ class NodeJoin:
             self._note(state, out)
         if event.deleted:
             out += self._gone(state, event.node, event.ts)
+        if state.expected_from is None or (excused and not _excused(state)):
+            state.expected_from = event.ts
         return out + self._maybe_summary(state, event.node, event.ts)
 
     @staticmethod
@@ -1166,6 +1212,7 @@ class NodeJoin:
             for finding_id, open_ in state.findings.items()]
         state.findings, state.devices = {}, {}
         state.asks, state.asks_due = {}, None  # nothing left to act on
+        state.silent = None
         return out
 
     def forget(self, state: NodeState, node: str) -> list[Output]:

@@ -18,6 +18,7 @@ faults, scheduling, samples) is one ordered loop over one state.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 import uuid as uuidlib
@@ -350,9 +351,12 @@ class SimulatedCluster:
                     dra=group.allocation == "dra")
         self.gangs: dict[str, int] = {}
         """namespace/JobSet name -> members, for the gangs' events and the truth."""
-        self.silent_from = {fault.node: self.start + fault.at_s for fault in scenario.faults
-                            if fault.kind == "collector_down"}
-        """Node -> when its collector stops sending (``collector_down``)."""
+        self.silent_from = {
+            fault.node: (self.start + fault.at_s,
+                         self.start + fault.at_s + fault.for_s if fault.for_s else math.inf)
+            for fault in scenario.faults if fault.kind == "collector_down"}
+        """Node -> when its collector stops sending and when it sends again
+        (``collector_down``)."""
         self.workloads = self._make_workloads()
         self.queue: list[Workload] = []
         self.running: list[Workload] = []
@@ -529,8 +533,8 @@ class SimulatedCluster:
                 self._ongoing(fault, gpu, fault_ts, now)
 
     def _silent(self, node: str, now: float) -> bool:
-        since = self.silent_from.get(node)
-        return since is not None and now >= since
+        silent = self.silent_from.get(node)
+        return silent is not None and silent[0] <= now < silent[1]
 
     async def _hw_event(self, publisher: Publisher, event: HwEvent) -> None:
         """Send an urgent hardware event, as the node's collector does unless it is down."""

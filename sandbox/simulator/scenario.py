@@ -148,8 +148,9 @@ class Fault(BaseModel):
     ``thermal_target`` holds it at its max operating temperature (87 °C, an H100 SXM's),
     its clocks trimmed by SW thermal slowdown (0x20) alone, for ``for_s``: no fault, a busy
     GPU in a warm rack keeping itself at its thermal target. ``collector_down``: from
-    ``at_s`` the node's collector sends nothing more, neither samples nor events (a hung
-    driver takes NVML with it), while its kubelet and pods go on and the node takes work.
+    ``at_s`` the node's collector sends nothing, neither samples nor events (a hung
+    driver takes NVML with it, or no collector runs there), while its kubelet and pods go
+    on and the node takes work; for ``for_s`` if given, else to the end.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -174,7 +175,8 @@ class Fault(BaseModel):
     xid: int | None = Field(None, description="The XID number of an xid fault.")
     count: int = Field(1, ge=1, description="XID events to send, or counter increase per sample.")
     every_s: float = Field(60.0, gt=0, description="Seconds between repeated XID events.")
-    for_s: float = Field(0.0, ge=0, description="How long a burst or thermal fault lasts.")
+    for_s: float = Field(0.0, ge=0, description="How long a burst, thermal fault or "
+                         "collector_down lasts (collector_down: 0 is to the end).")
 
     @model_validator(mode="after")
     def _xid_has_a_number(self) -> Fault:

@@ -350,7 +350,7 @@ def test_a_silent_node_alone_in_its_partition_is_asked_by_the_workers_other_part
         for record in records:
             out += states.apply(writes, join.on_sample, record,
                                 departures.partition_of(record.node.encode()))
-        out += states.reask_quiet(writes, partitions)
+        out += states.quiet(writes, partitions)
         states.table.update(writes)
         wall[0] += 30.0  # a live worker: a batch of samples every 30 s
         return [o for o in out if isinstance(o, Action) and o.verb == "cordon"]
@@ -375,3 +375,129 @@ def test_a_silent_node_alone_in_its_partition_is_asked_by_the_workers_other_part
     again = [(a.reask, a.ts) for k in range(40) for a in batch(
         page("silent", T0 + 1230 + 30 * k, dbe=1), page(driver, T0 + 2500 + 30 * k))]
     assert again == [(3, T0 + 1800), (4, T0 + 2400)]
+
+
+def _silent_findings(out: list[Output]) -> list[tuple[str, str, float]]:
+    return [(o.subject.node or "", o.state, o.ts) for o in out
+            if isinstance(o, Finding) and o.kind == "node_silent"]
+
+
+def test_a_node_whose_samples_stop_or_never_come_is_told_by_its_partitions_clock() -> None:
+    """Four nodes of one partition, each with a GPU in its inventory: ``driver`` sends
+    samples every 30 s; ``stops`` sends until 300 s (its collector crashed); ``never`` has
+    had no collector (left out by the DaemonSet); ``cordoned`` sends nothing either but
+    takes no pods. By the partition's clock, ``stops`` is told once 600 s after its last
+    sample and ``never`` 600 s after its inventory, each once, with the state written (a
+    restarted worker does not tell them again); ``cordoned`` never. ``stops``'s sample back
+    resolves its finding under the same id. Before, nothing said a node had gone silent."""
+    departures = Departures(grace_s=3600.0, partitions=8)
+    partition = departures.partition_of(b"stops")
+    names = iter(name for name in (f"n{i}" for i in range(1000))
+                 if departures.partition_of(name.encode()) == partition)
+    driver, never, cordoned = next(names), next(names), next(names)
+    join = NodeJoin()
+    table: dict[bytes, bytes] = {}
+
+    def page(node: str, ts: float) -> NodeSample:
+        return NodeSample(ts=ts, node=node, source="t", devices=[
+            DeviceSample(uuid=f"GPU-{node}", index=0, model="NVIDIA H100 80GB HBM3",
+                         util_pct=50.0, temp_c=60.0)])
+
+    def batch(states: NodeStates, *records: NodeSample | NodeInventory) -> list[Output]:
+        writes: dict[bytes, bytes] = {}
+        out: list[Output] = []
+        for record in records:
+            handler = join.on_sample if isinstance(record, NodeSample) else join.on_allocation
+            out += states.apply(writes, handler, record, partition)
+        out += states.sweep(set(), [partition])
+        table.update(writes)
+        return out
+
+    states = NodeStates(table, 30.0, departures, join.forget, join.reask_due, join.silence)
+    batch(states, *(NodeInventory(ts=T0, node=n, gpu_count=1, unschedulable=n == cordoned)
+                    for n in (driver, "stops", never, cordoned)))
+    told: list[tuple[str, str, float]] = []
+    for ts in range(0, 1200, 30):
+        told += _silent_findings(batch(states, page(driver, T0 + ts),
+                                       *([page("stops", T0 + ts)] if ts <= 300 else [])))
+    assert told == [(never, "firing", T0 + 600), ("stops", "firing", T0 + 900)]
+    stored = msgspec.msgpack.decode(table[b"stops"], type=NodeState)
+    assert stored.silent is not None and stored.silent.since == T0 + 300
+
+    restarted = NodeStates(dict(table), 30.0, Departures(3600.0, 8), join.forget,
+                           join.reask_due, join.silence)
+    table = restarted.table
+    again = [f for ts in range(1200, 2400, 30)
+             for f in _silent_findings(batch(restarted, page(driver, T0 + ts)))]
+    assert again == []
+    back = batch(restarted, page("stops", T0 + 2400))
+    [closed] = [o for o in back if isinstance(o, Finding) and o.kind == "node_silent"]
+    assert closed.state == "resolved" and closed.id == stored.silent.id
+    assert msgspec.msgpack.decode(table[b"stops"], type=NodeState).silent is None
+
+
+def test_a_node_let_take_pods_again_is_given_the_whole_grace() -> None:
+    """A node cordoned for two hours without a collector (a repair), then uncordoned: it is
+    told only silent_after_s after the uncordon, not at once for the two hours; so is one
+    out of a MIG reconfiguration. A deleted node's open silence resolves."""
+    join = NodeJoin()
+    state = NodeState()
+    join.on_allocation(state, NodeInventory(ts=T0, node="n1", gpu_count=8, unschedulable=True))
+    assert not join.silence(state, "n1", T0 + 7200)
+    join.on_allocation(state, NodeInventory(ts=T0 + 7200, node="n1", gpu_count=8))
+    assert not join.silence(state, "n1", T0 + 7200 + 599)
+    [told] = join.silence(state, "n1", T0 + 7200 + 600)
+    assert isinstance(told, Finding) and told.starts_at == T0 + 7200
+    assert "8 GPUs" in told.summary and told.labels["sampled_before"] == "false"
+    assert not join.silence(state, "n1", T0 + 7200 + 900)  # told once
+
+    gone = join.on_allocation(state, NodeInventory(ts=T0 + 8000, node="n1", deleted=True))
+    assert [(f.id, f.state) for f in gone if isinstance(f, Finding)] == [(told.id, "resolved")]
+
+    mig = NodeState()
+    join.on_allocation(mig, NodeInventory(ts=T0, node="n2", gpu_count=8,
+                                          mig_config_state="pending"))
+    assert not join.silence(mig, "n2", T0 + 3600)
+    join.on_allocation(mig, NodeInventory(ts=T0 + 3600, node="n2", gpu_count=8,
+                                          mig_config_state="success"))
+    assert not join.silence(mig, "n2", T0 + 3600 + 599)
+    assert join.silence(mig, "n2", T0 + 3600 + 600)
+
+
+def test_a_silent_node_alone_in_its_partition_is_told_by_the_workers_other_partitions() -> None:
+    """The silent node is its partition's only node: once no batch has had a record of the
+    partition for quiet_s of the process's clock, the newest sample of the worker's other
+    partitions tells it; not while the partition is merely behind."""
+    departures = Departures(grace_s=3600.0, partitions=8)
+    partition = departures.partition_of(b"silent")
+    driver = next(name for name in (f"n{i}" for i in range(1000))
+                  if departures.partition_of(name.encode()) != partition)
+    join = NodeJoin()
+    wall = [0.0]
+    states = NodeStates({}, 30.0, departures, join.forget, join.reask_due, join.silence,
+                        monotonic=lambda: wall[0])
+
+    def batch(*records: NodeSample) -> list[Output]:
+        writes: dict[bytes, bytes] = {}
+        out: list[Output] = []
+        partitions = {departures.partition_of(r.node.encode()) for r in records}
+        for record in records:
+            out += states.apply(writes, join.on_sample, record,
+                                departures.partition_of(record.node.encode()))
+        out += states.quiet(writes, partitions)
+        states.table.update(writes)
+        wall[0] += 30.0
+        return out
+
+    def page(node: str, ts: float) -> NodeSample:
+        return NodeSample(ts=ts, node=node, source="t", devices=[
+            DeviceSample(uuid=f"GPU-{node}", index=0, model="NVIDIA H100 80GB HBM3",
+                         util_pct=50.0, temp_c=60.0)])
+
+    batch(page("silent", T0), page(driver, T0))
+    # Behind: its samples still come, an hour older than the other partition's.
+    assert not [f for k in range(1, 40) for f in _silent_findings(batch(
+        page("silent", T0 + 30 * k), page(driver, T0 + 3600 + 30 * k)))]
+    told = [f for ts in range(4800, 6000, 30) for f in _silent_findings(batch(
+        page(driver, T0 + ts)))]
+    assert len(told) == 1 and told[0][:2] == ("silent", "firing")

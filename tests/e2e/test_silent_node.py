@@ -1,0 +1,95 @@
+"""A node whose collector stops, or never runs, is told through the deployed worker.
+
+The simulator's world (six one-GPU nodes, notebooks placed on them) drives the
+real stream worker, a child process, on the embedded broker. Two nodes of one
+partition send nothing for a while, their kubelets and pods going on: h100-5's
+collector stops at 20 min and is back at 60; h100-6 has none for the whole
+two hours (left out by the DaemonSet). A third node of that partition, h100-2,
+sends all along: its samples are the partition's clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gpusteward import kafka, topics
+from gpusteward.broker import EmbeddedBroker
+from gpusteward.collectors.transport.publisher import KafkaPublisher
+from gpusteward.sandbox.pipeline import WorkerProcess
+from gpusteward.sandbox.simulator.engine import SimulatedCluster
+from gpusteward.sandbox.simulator.scenario import Scenario
+from gpusteward.schema import Finding
+from gpusteward.streams.app import worker_group
+from gpusteward.streams.outputs import Departures
+
+pytestmark = pytest.mark.e2e
+
+INTERVAL_S = 60.0
+HOURS = 2
+SILENT_AFTER_S = 600.0
+"""The shipped policy's ``node_silent.silent_after_s``."""
+
+
+def test_a_node_whose_collector_stops_or_never_runs_is_told_once_and_resolved(
+        broker: EmbeddedBroker, tmp_path: Path) -> None:
+    partitions = Departures(3600.0, 8).partition_of
+    assert partitions(b"h100-5") == partitions(b"h100-6") == partitions(b"h100-2")
+    start = time.time() - HOURS * 3600 - INTERVAL_S
+    world = SimulatedCluster(Scenario.model_validate({
+        "name": "silent-nodes", "seed": 7, "start_ts": start,
+        "duration_s": HOURS * 3600, "sample_interval_s": INTERVAL_S,
+        "nodes": [{"prefix": "h100", "count": 6, "gpu_model": "NVIDIA H100 80GB HBM3",
+                   "gpus": 1, "mem_gib": 80}],
+        "users": ["alice", "bob"],
+        "workloads": [{"group": "nb", "count": 4, "kind": "notebook",
+                       "phases": [{"util": [30, 60]}]}],
+        "faults": [{"kind": "collector_down", "node": "h100-5", "at_s": 1200, "for_s": 2400},
+                   {"kind": "collector_down", "node": "h100-6", "at_s": 0}],
+    }))
+    settings = broker.settings().model_copy(update={"topic_prefix": "e2e-silent"})
+
+    async def run() -> list[Finding]:
+        await kafka.ensure_topics(settings)
+        publisher = KafkaPublisher(settings)
+        await publisher.start()
+        worker = WorkerProcess(settings, tmp_path / "worker.log")
+        worker.start()
+        try:
+            await world.run(publisher)
+            await kafka.wait_consumed(
+                settings, worker_group(settings),
+                [t.name(settings) for t in (topics.SAMPLES, topics.ALLOCATIONS)],
+                timeout_s=180)
+            assert worker.alive
+        finally:
+            worker.stop()
+            await publisher.stop()
+        decode = msgspec.json.Decoder(Finding).decode
+        return [decode(r.value) for r in await kafka.read_all(
+            settings, topics.FINDINGS.name(settings))]
+
+    silent = [f for f in asyncio.run(run()) if f.kind == "node_silent"]
+    by_node = {node: [(f.state, f.starts_at, f.ts) for f in silent if f.subject.node == node]
+               for node in {f.subject.node for f in silent}}
+    assert set(by_node) == {"h100-5", "h100-6"}, by_node  # no false alarm on the others
+
+    # Its last sample at 19 min (the next tick is the first it misses); told within a look
+    # (60 s of the partition's clock) of silent_after_s, resolved by its first sample back.
+    [(state, since, told), (closed, closed_since, back)] = by_node["h100-5"]
+    assert (state, closed) == ("firing", "resolved") and since == closed_since
+    assert since == start + 1200 - INTERVAL_S
+    assert since + SILENT_AFTER_S <= told <= since + SILENT_AFTER_S + 60 + INTERVAL_S
+    assert back == start + 3600
+    assert len({f.id for f in silent if f.subject.node == "h100-5"}) == 1
+
+    # Never a sample: told silent_after_s after its inventory, once, open at the end.
+    [(state, since, told)] = by_node["h100-6"]
+    assert state == "firing" and since == start
+    assert since + SILENT_AFTER_S <= told <= since + SILENT_AFTER_S + 60 + INTERVAL_S
+    [finding] = [f for f in silent if f.subject.node == "h100-6"]
+    assert finding.labels["sampled_before"] == "false" and finding.severity == "warning"
