@@ -144,6 +144,8 @@ RESOURCES: tuple[Resource, ...] = (
     Resource("apps", "deployments", "Deployment", True, ("v1",)),
     Resource("apps", "replicasets", "ReplicaSet", True, ("v1",)),
     Resource("apps", "statefulsets", "StatefulSet", True, ("v1",)),
+    # The collector's DaemonSet, which ``doctor`` reads for why a GPU node has no collector.
+    Resource("apps", "daemonsets", "DaemonSet", True, ("v1",)),
     # A Job's pod is requeued by deleting it; the backend reads the Job first (gone,
     # suspended, finished, or at its backoffLimit: no requeue).
     Resource("batch", "jobs", "Job", True, ("v1",)),

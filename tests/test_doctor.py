@@ -19,9 +19,11 @@ from gpusteward import kafka
 from gpusteward.broker import free_port
 from gpusteward.cli import app
 from gpusteward.cli.doctor import (
+    COLLECTOR_NAMESPACE,
     COMPONENTS,
     NAMESPACE,
     Check,
+    check_collectors,
     check_kafka,
     check_rbac,
     diagnose,
@@ -39,6 +41,31 @@ STOCK_PAGE = (RESEARCH / "dcgm_exporter_metrics.txt").read_text()
 BASE_RBAC = ROOT / "deploy" / "base" / "rbac.yaml"
 EXECUTE_RBAC = ROOT / "deploy" / "components" / "remediation-execute" / "rbac.yaml"
 REMEDIATION_USER, _ = service_account_user(NAMESPACE, "gpusteward-remediation")
+COLLECTOR_DAEMONSET = next(
+    doc for doc in yaml.safe_load_all((ROOT / "deploy" / "base" / "collector-nvml.yaml")
+                                      .read_text()) if doc and doc["kind"] == "DaemonSet")
+
+
+def gpu_node(name: str, gpus: int = 8, labels: dict[str, str] | None = None,
+             taints: list[dict[str, str]] | None = None, gfd: bool = True) -> dict[str, Any]:
+    """A node as the device plugin and (``gfd``) GPU Feature Discovery leave it."""
+    present = {"nvidia.com/gpu.present": "true"} if gpus and gfd else {}
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {
+        **present, **(labels or {})}},
+        "spec": {"taints": taints or []},
+        "status": {"capacity": {"cpu": "96", **({"nvidia.com/gpu": str(gpus)} if gpus else {})}}}
+
+
+def collector_pod(node: str, ready: bool = True, waiting: str | None = None
+                  ) -> dict[str, Any]:
+    """The DaemonSet's pod on ``node``, running (ready or not, ``waiting`` for a reason)."""
+    status: dict[str, Any] = {"name": "collector", "ready": ready, "state": (
+        {"waiting": {"reason": waiting}} if waiting else {"running": {}})}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": f"gpusteward-collector-{node}", "namespace": COLLECTOR_NAMESPACE,
+        "labels": COLLECTOR_DAEMONSET["spec"]["template"]["metadata"]["labels"]},
+        "spec": {"nodeName": node}, "status": {"phase": "Running",
+                                               "containerStatuses": [status]}}
 
 
 def grant_as_deployed(api: KubeApiServer, *manifests: Path,
@@ -94,6 +121,8 @@ def test_doctor_passes_against_the_sandbox(
     assert f"{settings.topic_prefix}.findings" in before[1].detail
     asyncio.run(kafka.ensure_topics(settings))
     grant_as_deployed(kube_api, BASE_RBAC)
+    kube_api.load([gpu_node("gpu-1"), gpu_node("gpu-2"), gpu_node("cpu-1", gpus=0),
+                   COLLECTOR_DAEMONSET, collector_pod("gpu-1"), collector_pod("gpu-2")])
     checks = asyncio.run(diagnose(
         settings, kubeconfig=str(kubeconfig), dcgm_url=full_exporter.url,
         kubelet_socket=kubelet_socket, policy=str(ROOT / "rules" / "policy.yaml")))
@@ -103,7 +132,8 @@ def test_doctor_passes_against_the_sandbox(
         "no DCGM field feeds it: the check must not claim it is covered"
     assert [c.name for c in checks] == [
         "kafka", "kafka topics", "kubernetes", "rbac watcher", "rbac remediation",
-        "dcgm-exporter", "kubelet socket", "policy"]
+        "collectors", "dcgm-exporter", "kubelet socket", "policy"]
+    assert checks[5].detail == "a collector is ready on each of the 2 GPU nodes"
     # Asked about each component's account (with the groups its token carries), never
     # about the caller.
     asked = subject_reviews(kube_api)
@@ -258,3 +288,51 @@ def test_a_kubeconfig_that_is_not_there_is_named(tmp_path: Path) -> None:
     assert result.output.splitlines()[0] == (
         f"FAIL  kubernetes: cannot load the Kubernetes configuration from {missing} (no such "
         "file); correct --kubeconfig or GPUSTEWARD_KUBE__KUBECONFIG")
+
+
+def test_gpu_nodes_without_a_ready_collector_are_named_with_why(
+        kubeconfig: Path, kube_api: KubeApiServer) -> None:
+    """A GPU node no collector runs on sends no sample: every rule is blind to it. Doctor
+    names each, with what keeps the shipped DaemonSet's pod off it or what its pod is
+    doing; a cordoned node and the GPU Operator's taint are no fault (the DaemonSet
+    controller and the manifest tolerate them)."""
+    client = kube_client(str(kubeconfig))
+    empty = check_collectors(client, 5)
+    assert empty.ok and empty.detail.endswith("nothing to collect yet")
+    kube_api.load([
+        gpu_node("ok-1"), collector_pod("ok-1"),
+        gpu_node("cordoned", taints=[{"key": "node.kubernetes.io/unschedulable",
+                                       "effect": "NoSchedule"}]), collector_pod("cordoned"),
+        gpu_node("operator-taint", taints=[{"key": "nvidia.com/gpu", "value": "present",
+                                             "effect": "NoSchedule"}]),
+        collector_pod("operator-taint"),
+        # A device plugin without GPU Feature Discovery (GKE's, EKS's plain plugin).
+        gpu_node("gke-1", labels={"cloud.google.com/gke-accelerator": "nvidia-l4"}, gfd=False),
+        gpu_node("dedicated", taints=[{"key": "dedicated", "value": "ml",
+                                       "effect": "NoSchedule"}]),
+        gpu_node("crashing"), collector_pod("crashing", ready=False,
+                                            waiting="CrashLoopBackOff"),
+        gpu_node("cpu-1", gpus=0)])
+    absent = check_collectors(client, 5)
+    assert not absent.ok and absent.detail.startswith(
+        f"no collector DaemonSet in {COLLECTOR_NAMESPACE} (labels ")
+    assert "for the 6 GPU nodes" in absent.detail and "--skip collectors" in absent.detail
+
+    kube_api.load(COLLECTOR_DAEMONSET)
+    found = check_collectors(client, 5)
+    assert not found.ok
+    assert found.detail == (
+        "3 of 6 GPU nodes run no ready collector, so no rule sees their GPUs: "
+        "crashing (pod gpusteward-collector-crashing Running/CrashLoopBackOff); "
+        "dedicated (taint dedicated=ml:NoSchedule not tolerated by the DaemonSet); "
+        "gke-1 (lacks the label nvidia.com/gpu.present=true the DaemonSet selects). Fix the "
+        "DaemonSet's nodeSelector or tolerations (a patch of deploy/base/collector-nvml.yaml), "
+        "or the pod (its logs)")
+
+    result = CliRunner().invoke(app, [
+        "doctor", "--skip", "kafka", "--skip", "policy", "--kubeconfig", str(kubeconfig)])
+    assert "FAIL  collectors: 3 of 6 GPU nodes run no ready collector" in result.output
+    skipped = CliRunner().invoke(app, [
+        "doctor", "--skip", "kafka", "--skip", "policy", "--skip", "collectors",
+        "--kubeconfig", str(kubeconfig)])
+    assert "collectors" not in skipped.output

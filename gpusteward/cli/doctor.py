@@ -3,8 +3,9 @@
 A first install fails in ways the processes report late and far apart: the
 worker waits for a broker at a wrong address, the watcher is refused a list
 it has no RBAC for, a stock dcgm-exporter leaves the hardware counters off so
-the hardware rules stay silent, the NVML collector finds no kubelet socket, a
-policy typo stops the worker. Each check here is one small function that
+the hardware rules stay silent, the NVML collector finds no kubelet socket, the
+collector DaemonSet's selector or tolerations leave GPU nodes out (the rules never see
+them), a policy typo stops the worker. Each check here is one small function that
 returns a :class:`Check` (name, ok, what was found or what to fix), asking
 the real thing the way the process will: the Kafka admin client and the
 topic contract, SubjectAccessReviews about each component's service account
@@ -135,7 +136,7 @@ remediation-execute component lets it act. tests/deploy/test_rbac.py keeps each 
 what the rendered manifests grant."""
 DEFAULT_COMPONENTS = ("watcher", "remediation")
 
-CHECKS = ("kafka", "kube", "dcgm", "kubelet", "policy")
+CHECKS = ("kafka", "kube", "collectors", "dcgm", "kubelet", "policy")
 
 
 async def check_kafka(settings: Settings, timeout_s: float) -> list[Check]:
@@ -336,9 +337,133 @@ def check_policy(path: str | None) -> Check:
     return Check("policy", True, f"{path} loads" if path else "no file named: the defaults")
 
 
+COLLECTOR_NAMESPACE = "gpusteward-node"
+"""The namespace of deploy/'s collector DaemonSet (``gpusteward-collector``)."""
+COLLECTOR_SELECTOR = "app.kubernetes.io/name=gpusteward,app.kubernetes.io/component=collector"
+GPU_PRESENT_LABEL = "nvidia.com/gpu.present"
+DAEMONSET_TOLERATED = ("node.kubernetes.io/",)
+"""Taints the DaemonSet controller tolerates for every pod it makes (not ready,
+unreachable, pressure, unschedulable)."""
+SHOWN = 5
+"""Nodes named in a failed collectors check; the rest are counted."""
+
+
+def _items(list_call: Any, *args: Any, timeout_s: float, **query: str) -> list[Any]:
+    """The items of a list call, from the API server's raw JSON: a list of 10,000 nodes is
+    read without building the client's models of it."""
+    response = list_call(*args, **query, _preload_content=False, _request_timeout=timeout_s)
+    found: list[Any] = json.loads(response.data)["items"]
+    return found
+
+
+def gpu_count(node: dict[str, Any]) -> int:
+    """GPUs and MIG devices the node advertises; 1 for a node GPU Feature Discovery says has
+    GPUs but whose GPUs are not resources (DRA)."""
+    capacity = node.get("status", {}).get("capacity") or {}
+    advertised = sum(int(v) for k, v in capacity.items()
+                     if k == "nvidia.com/gpu" or k.startswith("nvidia.com/mig-")
+                     if str(v).isdigit())
+    labels = node.get("metadata", {}).get("labels") or {}
+    return advertised or int(labels.get(GPU_PRESENT_LABEL) == "true")
+
+
+def _tolerates(tolerations: list[dict[str, Any]], taint: dict[str, Any]) -> bool:
+    for toleration in tolerations:
+        key, effect = toleration.get("key"), toleration.get("effect")
+        if key and key != taint.get("key"):
+            continue
+        if effect and effect != taint.get("effect"):
+            continue
+        if (toleration.get("operator") or "Equal") == "Exists" or (
+                toleration.get("value") or "") == (taint.get("value") or ""):
+            return True
+    return False
+
+
+def _why_none(node: dict[str, Any], pod: dict[str, Any] | None,
+              template: dict[str, Any]) -> str:
+    """Why ``node`` runs no ready collector: its pod's state, or what keeps the DaemonSet's
+    pod off it (``template``: the DaemonSet's pod spec)."""
+    if pod is not None:
+        phase = pod.get("status", {}).get("phase", "?")
+        waiting = [s["state"]["waiting"].get("reason", "waiting") for s in
+                   pod.get("status", {}).get("containerStatuses") or []
+                   if (s.get("state") or {}).get("waiting")]
+        state = "/".join([phase, *waiting]) if waiting else (
+            phase if phase != "Running" else "Running, not ready")
+        return f"pod {pod['metadata']['name']} {state}"
+    labels = node.get("metadata", {}).get("labels") or {}
+    lacking = [f"{k}={v}" for k, v in (template.get("nodeSelector") or {}).items()
+               if labels.get(k) != v]
+    if lacking:
+        return f"lacks the label {', '.join(lacking)} the DaemonSet selects"
+    kept_off = [f"{t.get('key')}{'=' + t['value'] if t.get('value') else ''}:{t.get('effect')}"
+                for t in node.get("spec", {}).get("taints") or []
+                if t.get("effect") in ("NoSchedule", "NoExecute")
+                and not str(t.get("key", "")).startswith(DAEMONSET_TOLERATED)
+                and not _tolerates(template.get("tolerations") or [], t)]
+    if kept_off:
+        return f"taint {', '.join(kept_off)} not tolerated by the DaemonSet"
+    return "no pod yet (a rollout under way, or node affinity)"
+
+
+def check_collectors(client: Any, timeout_s: float,
+                     namespace: str = COLLECTOR_NAMESPACE) -> Check:
+    """Every node with GPUs runs a ready collector pod: a node without one sends no sample,
+    and every rule is blind to its GPUs (the worker tells it, ``node_silent``, 10 min
+    after it could; this says so at install, with why)."""
+    from kubernetes import client as k8s
+
+    core, apps = k8s.CoreV1Api(client), k8s.AppsV1Api(client)
+    try:
+        nodes = _items(core.list_node, timeout_s=timeout_s)
+        pods = _items(core.list_namespaced_pod, namespace, timeout_s=timeout_s,
+                      label_selector=COLLECTOR_SELECTOR)
+        daemonsets = _items(apps.list_namespaced_daemon_set, namespace, timeout_s=timeout_s,
+                            label_selector=COLLECTOR_SELECTOR)
+    except Exception as error:  # reported as the check's failure
+        return Check("collectors", False, f"cannot list nodes, and pods and daemonsets in "
+                     f"{namespace} ({_cut(error)}); run doctor as someone who may, or "
+                     "--skip collectors")
+    gpu_nodes = [n for n in nodes if gpu_count(n) > 0]
+    if not gpu_nodes:
+        return Check("collectors", True, "no node advertises GPUs (nvidia.com/gpu, "
+                     f"nvidia.com/mig-*, {GPU_PRESENT_LABEL}=true): nothing to collect yet")
+    if not daemonsets:
+        return Check("collectors", False, f"no collector DaemonSet in {namespace} (labels "
+                     f"{COLLECTOR_SELECTOR}) for the {len(gpu_nodes)} GPU nodes: apply "
+                     "deploy/ (docs/deploy.md); where samples come from the Prometheus "
+                     "collector instead, --skip collectors")
+    template = daemonsets[0].get("spec", {}).get("template", {}).get("spec", {})
+    on: dict[str, dict[str, Any]] = {}
+    for pod in pods:
+        node = pod.get("spec", {}).get("nodeName")
+        if node and (node not in on or _ready(pod)):
+            on[node] = pod
+    missing = [(n, on.get(n["metadata"]["name"])) for n in gpu_nodes
+               if not _ready(on.get(n["metadata"]["name"]))]
+    if not missing:
+        return Check("collectors", True, f"a collector is ready on each of the "
+                     f"{len(gpu_nodes)} GPU nodes")
+    named = [f"{n['metadata']['name']} ({_why_none(n, pod, template)})"
+             for n, pod in missing[:SHOWN]]
+    more = f"; and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""
+    return Check("collectors", False, f"{len(missing)} of {len(gpu_nodes)} GPU nodes run no "
+                 f"ready collector, so no rule sees their GPUs: {'; '.join(named)}{more}. Fix "
+                 "the DaemonSet's nodeSelector or tolerations (a patch of "
+                 "deploy/base/collector-nvml.yaml), or the pod (its logs)")
+
+
+def _ready(pod: dict[str, Any] | None) -> bool:
+    if pod is None or pod.get("status", {}).get("phase") != "Running":
+        return False
+    statuses = pod["status"].get("containerStatuses") or []
+    return bool(statuses) and all(s.get("ready") for s in statuses)
+
+
 async def diagnose(settings: Settings, *, kubeconfig: str | None = None,
                    components: Iterable[str] = DEFAULT_COMPONENTS, namespace: str = NAMESPACE,
-                   dcgm_url: str | None = None,
+                   collector_namespace: str = COLLECTOR_NAMESPACE, dcgm_url: str | None = None,
                    kubelet_socket: str | None = None, policy: str | None = None,
                    skip: Iterable[str] = (), timeout_s: float = 5.0) -> list[Check]:
     """Every check not skipped, in the order a first run meets them."""
@@ -358,6 +483,9 @@ async def diagnose(settings: Settings, *, kubeconfig: str | None = None,
                 for component in components:
                     found.append(await asyncio.to_thread(check_rbac, client, component,
                                                          timeout_s, namespace))
+                if "collectors" not in skipped:
+                    found.append(await asyncio.to_thread(check_collectors, client, timeout_s,
+                                                         collector_namespace))
     if "dcgm" not in skipped and dcgm_url:
         found.append(await check_dcgm(dcgm_url, timeout_s))
     if "kubelet" not in skipped and kubelet_socket:
@@ -396,6 +524,9 @@ def doctor(
     namespace: Annotated[str, typer.Option(
         "--namespace", help="The namespace the components' service accounts are in.")
     ] = NAMESPACE,
+    collector_namespace: Annotated[str, typer.Option(
+        "--collector-namespace", help="The namespace of the collector DaemonSet.")
+    ] = COLLECTOR_NAMESPACE,
     dcgm_url: Annotated[str | None, typer.Option(
         envvar="GPUSTEWARD_COLLECT__DCGM_URL",
         help="dcgm-exporter's /metrics to check for the counters the rules need.")] = None,
@@ -409,8 +540,9 @@ def doctor(
     timeout_s: Annotated[float, typer.Option(
         "--timeout", help="Seconds each remote check may take.")] = 5.0,
 ) -> None:
-    """Check Kafka and its topics, Kubernetes access and RBAC, dcgm-exporter's counters, the
-    kubelet socket and the policy file; say what to fix, exit 1 on any fault."""
+    """Check Kafka and its topics, Kubernetes access and RBAC, a collector on every GPU node,
+    dcgm-exporter's counters, the kubelet socket and the policy file; say what to fix, exit 1
+    on any fault."""
     components = component or list(DEFAULT_COMPONENTS)
     unknown = sorted(set(components) - set(COMPONENTS)) + sorted(set(skip or ()) - set(CHECKS))
     if unknown:
@@ -419,8 +551,8 @@ def doctor(
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # the verdict says it once
     checks = asyncio.run(diagnose(
         kafka_settings(bootstrap), kubeconfig=kubeconfig, components=components,
-        namespace=namespace, dcgm_url=dcgm_url, kubelet_socket=kubelet_socket, policy=policy,
-        skip=skip or (), timeout_s=timeout_s))
+        namespace=namespace, collector_namespace=collector_namespace, dcgm_url=dcgm_url,
+        kubelet_socket=kubelet_socket, policy=policy, skip=skip or (), timeout_s=timeout_s))
     for check in checks:
         typer.echo(f"{'ok  ' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
     faults = [c.name for c in checks if not c.ok]

@@ -118,3 +118,31 @@ def test_dra_gpus_are_reported_by_the_uuids_the_slices_publish() -> None:
             reported[(event.pod.namespace, event.pod.name)] = set(event.device_ids)
     expected = _expected(watcher.client)
     assert {pod: reported.get(pod) for pod in expected} == expected
+
+
+def test_doctor_counts_the_real_clusters_gpu_nodes_and_their_collectors() -> None:
+    """``doctor``'s collectors check reads the server's own Node and Pod JSON: the GPU nodes
+    it counts are those the client's typed models show advertising nvidia.com/gpu or MIG
+    devices, or labelled by GPU Feature Discovery; every node it names is one of them."""
+    from kubernetes import client as k8s
+
+    from gpusteward.cli.doctor import check_collectors
+
+    api = api_client(KubeWatchSettings(kubeconfig=KUBECONFIG))
+    gpu_nodes = {
+        n.metadata.name for n in k8s.CoreV1Api(api).list_node().items
+        if any(k == "nvidia.com/gpu" or k.startswith("nvidia.com/mig-")
+               for k, v in (n.status.capacity or {}).items() if v != "0")
+        or (n.metadata.labels or {}).get("nvidia.com/gpu.present") == "true"}
+    check = check_collectors(api, 30)
+    assert not check.detail.startswith("cannot list"), check.detail
+    if not gpu_nodes:
+        assert check.ok and check.detail.endswith("nothing to collect yet")
+    elif check.ok:
+        assert check.detail.endswith(f"each of the {len(gpu_nodes)} GPU nodes")
+    elif not check.detail.startswith("no collector DaemonSet"):
+        assert f" of {len(gpu_nodes)} GPU nodes run no ready collector" in check.detail
+        named = {part.split(" (", 1)[0] for part in
+                 check.detail.split(": ", 1)[1].rsplit(". Fix", 1)[0].split("; ")
+                 if not part.startswith("and ")}
+        assert named <= gpu_nodes, named - gpu_nodes
