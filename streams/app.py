@@ -61,6 +61,7 @@ from gpusteward.streams.outputs import (
     Departures,
     OutputTopics,
     Undecodable,
+    crash_unread,
     each_batch,
     raw_topic,
     restore,
@@ -473,6 +474,10 @@ def create_app(
     app.agent(raw_topic(app, hw_name, partitions=kafka.node_partitions),
               name="node-join-hw")(node_join)
 
+    @app.timer(interval=max(1.0, settings.quiet_partition_s / 4))
+    async def quiet_partitions() -> None:
+        await quiet_pass(app, outputs_to, states, one_batch)
+
     register_fleet_agent(app, settings, FleetSettings(policy=policy))
     return app
 
@@ -689,26 +694,28 @@ class NodeStates:
         return out
 
     def quiet(self, to_write: dict[bytes, bytes], partitions: Iterable[int]) -> list[Output]:
-        """After a batch holding records of ``partitions``: in the partitions this worker
-        holds that no batch has had a record of for ``quiet_s`` (of the process's clock, not
-        event time: nothing arrives from them at all), the node actions due asked for again
-        and the silent nodes told, by the newest sample of the others. A silent node alone
-        in its partition (a small cluster) has no neighbour's sample to go by. A worker
-        catching up reads every partition it holds, so this waits for a partition that is
-        quiet, not behind."""
+        """After a batch holding records of ``partitions``, and between batches (``()``, the
+        worker's timer): in the partitions this worker holds that no batch has had a record
+        of for ``quiet_s`` (of the process's clock, not event time: nothing arrives from
+        them at all), the node actions due asked for again and the silent nodes told, by
+        :meth:`clock`. A silent node alone in its partition (a small cluster) has no
+        neighbour's sample to go by, and a worker whose every partition is quiet has no
+        batch. A worker catching up reads every partition it holds, so this waits for a
+        partition that is quiet, not behind."""
         now = self.monotonic()
         for partition in partitions:
             self.heard[partition] = now
-        departures = self.departures
-        if departures is None or not departures.newest:
+        if self.departures is None:
             return []
-        clock = max(departures.newest.values())
         held = self.held() if self.held is not None else None
+        quiet = [partition for partition in self.first_due.keys() | self.members.keys()
+                 if (held is None or partition in held)
+                 and now - self.heard.get(partition, self.started) > self.quiet_s]
+        clock = self.clock(now, quiet) if quiet else None
+        if clock is None:
+            return []
         out: list[Output] = []
-        for partition in self.first_due.keys() | self.members.keys():
-            if ((held is not None and partition not in held)
-                    or now - self.heard.get(partition, self.started) <= self.quiet_s):
-                continue
+        for partition in quiet:
             first = self.first_due.get(partition)
             if first is not None and first <= clock:
                 out += self._reask(to_write, partition, clock)
@@ -716,6 +723,25 @@ class NodeStates:
             if look is None or look <= clock:
                 out += self._silences(to_write, partition, clock)
         return out
+
+    def clock(self, now: float, quiet: Iterable[int] = ()) -> float | None:
+        """The event time now, as this worker can tell: the newest sample of each partition
+        moved on by the process's time since a batch last held a record of it (collectors
+        sample in real time), the latest of them; for a ``quiet`` partition with no sample
+        since the rebalance, the newest its nodes' states hold, moved on since the worker
+        started. A partition read in this batch counts as it is. None: nothing known."""
+        departures = self.departures
+        assert departures is not None
+        known = dict(departures.newest)
+        for partition in quiet:
+            if partition not in known:
+                stored = [state.rollups.watermark for node in self.members.get(partition, ())
+                          if (state := self._state(node)) is not None
+                          and state.rollups.watermark is not None]
+                if stored:
+                    known[partition] = max(stored)
+        return max((ts + max(0.0, now - self.heard.get(partition, self.started))
+                    for partition, ts in known.items()), default=None)
 
     def _silences(self, to_write: dict[bytes, bytes], partition: int, clock: float
                   ) -> list[Output]:
@@ -835,6 +861,37 @@ async def join_batch(events: list[Any], outputs_to: OutputTopics, states: NodeSt
             event.ack()
     if todo:
         outputs_to.processed(started, len(todo))
+
+
+async def quiet_pass(app: Any, outputs_to: OutputTopics, states: NodeStates,
+                     one_batch: asyncio.Lock) -> None:
+    """Between batches, every ``quiet_partition_s / 4``: what :meth:`NodeStates.quiet` asks
+    for in the partitions no record came from. A worker none of whose partitions sends
+    anything (a small cluster whose one node of this worker's went silent, as many workers
+    as partitions) has no batch to do it after. Its outputs are published and the states
+    they changed written as a batch's are; a rebalance meanwhile writes nothing (the
+    partitions' new owner asks again)."""
+    if not app.flow_control.is_active():
+        return
+    generation = app.consumer_generation_id
+    writes: dict[bytes, bytes] = {}
+    async with one_batch:
+        states.sweep(set(), ())  # after a rebalance: the index of the table's nodes
+        outputs = states.quiet(writes, ())
+        if not outputs:
+            return
+        try:
+            await outputs_to.emit_then_checkpoint(outputs, None)
+        except Exception as error:
+            for node in writes:
+                states.live.pop(node, None)
+            await crash_unread(app, error)
+            raise
+        if app.flow_control.is_active() and app.consumer_generation_id == generation:
+            _checkpoint(states.table, writes)
+        else:
+            for node in writes:
+                states.live.pop(node, None)
 
 
 def _checkpoint(table: Any, writes: dict[bytes, bytes], gone: Iterable[bytes] = ()) -> None:

@@ -93,3 +93,58 @@ def test_a_node_whose_collector_stops_or_never_runs_is_told_once_and_resolved(
     assert since + SILENT_AFTER_S <= told <= since + SILENT_AFTER_S + 60 + INTERVAL_S
     [finding] = [f for f in silent if f.subject.node == "h100-6"]
     assert finding.labels["sampled_before"] == "false" and finding.severity == "warning"
+
+
+def test_a_worker_with_no_batch_left_tells_a_silent_node_by_its_timer(
+        broker: EmbeddedBroker, tmp_path: Path) -> None:
+    """h100-1 is alone in its partition and its collector stopped 15 min before now; h100-2,
+    in another partition, sends until now. The worker reads the world's backlog in a second
+    or two, during which no partition is quiet, and then gets no batch at all: only its
+    timer, between batches, can tell h100-1, by h100-2's newest sample moved on by the
+    worker's own time. Before, nothing was asked or told after the last batch."""
+    partitions = Departures(3600.0, 8).partition_of
+    assert partitions(b"h100-1") != partitions(b"h100-2")
+    start = time.time() - 1200 - 30
+    world = SimulatedCluster(Scenario.model_validate({
+        "name": "silent-after-the-last-batch", "seed": 11, "start_ts": start,
+        "duration_s": 1200, "sample_interval_s": 30,
+        "nodes": [{"prefix": "h100", "count": 2, "gpu_model": "NVIDIA H100 80GB HBM3",
+                   "gpus": 1, "mem_gib": 80}],
+        "users": ["alice"],
+        "workloads": [{"group": "nb", "count": 1, "kind": "notebook",
+                       "phases": [{"util": [30, 60]}]}],
+        "faults": [{"kind": "collector_down", "node": "h100-1", "at_s": 300}],
+    }))
+    settings = broker.settings().model_copy(update={"topic_prefix": "e2e-silent-timer",
+                                                    "quiet_partition_s": 3.0})
+
+    async def run() -> list[Finding]:
+        await kafka.ensure_topics(settings)
+        publisher = KafkaPublisher(settings)
+        await publisher.start()
+        worker = WorkerProcess(settings, tmp_path / "worker.log")
+        worker.start()
+        decode = msgspec.json.Decoder(Finding).decode
+        try:
+            await world.run(publisher)
+            await kafka.wait_consumed(
+                settings, worker_group(settings),
+                [t.name(settings) for t in (topics.SAMPLES, topics.ALLOCATIONS)],
+                timeout_s=180)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                found = [decode(r.value) for r in await kafka.read_all(
+                    settings, topics.FINDINGS.name(settings))]
+                if any(f.kind == "node_silent" for f in found):
+                    break
+                await asyncio.sleep(1)
+            assert worker.alive
+        finally:
+            worker.stop()
+            await publisher.stop()
+        return found
+
+    silent = [f for f in asyncio.run(run()) if f.kind == "node_silent"]
+    assert [(f.subject.node, f.state, f.starts_at) for f in silent] == [
+        ("h100-1", "firing", start + 300 - 30)]
+    assert silent[0].ts >= start + 1200  # the worker's clock: past the world's last sample

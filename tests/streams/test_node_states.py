@@ -501,3 +501,55 @@ def test_a_silent_node_alone_in_its_partition_is_told_by_the_workers_other_parti
     told = [f for ts in range(4800, 6000, 30) for f in _silent_findings(batch(
         page(driver, T0 + ts)))]
     assert len(told) == 1 and told[0][:2] == ("silent", "firing")
+
+
+def test_a_worker_whose_every_partition_is_quiet_goes_by_its_own_clock() -> None:
+    """A small cluster: the worker's one node, alone in the one partition it holds, gets a
+    double-bit ECC error and its collector stops. No batch comes to the worker at all, so
+    its timer (``quiet`` between batches) goes by the partition's newest sample moved on by
+    the process's time: the cordon is asked again at reask_s, the node told at
+    silent_after_s, each once. Restarted, with nothing read since, the worker starts from
+    the newest sample its nodes' states hold. Before, such a worker never asked again."""
+    departures = Departures(grace_s=3600.0, partitions=8)
+    partition = departures.partition_of(b"alone")
+    join = NodeJoin()
+    wall = [0.0]
+    table: dict[bytes, bytes] = {}
+
+    def page(ts: float, dbe: int = 0) -> NodeSample:
+        return NodeSample(ts=ts, node="alone", source="t", devices=[
+            DeviceSample(uuid="GPU-alone", index=0, model="NVIDIA H100 80GB HBM3",
+                         util_pct=50.0, temp_c=60.0, ecc_dbe_volatile=dbe)])
+
+    def states_now() -> NodeStates:
+        return NodeStates(table, 30.0, Departures(3600.0, 8), join.forget, join.reask_due,
+                          join.silence, held=lambda: {partition}, monotonic=lambda: wall[0])
+
+    def timer(states: NodeStates, until_s: float) -> list[tuple[str, float]]:
+        """Timer passes every 30 s of the process's clock, as quiet_pass runs them."""
+        seen: list[tuple[str, float]] = []
+        while wall[0] < until_s:
+            wall[0] += 30.0
+            writes: dict[bytes, bytes] = {}
+            states.sweep(set(), ())
+            out = states.quiet(writes, ())
+            table.update(writes)
+            seen += [(o.verb, o.ts) for o in out if isinstance(o, Action)]
+            seen += [(o.kind, o.ts) for o in out if isinstance(o, Finding)]
+        return seen
+
+    states = states_now()
+    for ts, dbe in ((T0, 0), (T0 + 30, 1)):
+        writes: dict[bytes, bytes] = {}
+        states.apply(writes, join.on_sample, page(ts, dbe), partition)
+        states.quiet(writes, {partition})
+        table.update(writes)
+    assert timer(states, 100.0) == []  # not quiet yet
+    assert timer(states, 1000.0) == [("cordon", T0 + 630), ("node_silent", T0 + 660)]
+    assert timer(states, 1300.0) == [("cordon", T0 + 1230)]
+
+    # Its newest sample is at T0 + 30 and the next ask due at T0 + 1830: it has no better
+    # clock than that sample, so it asks 1,800 s of its own time after it started.
+    restarted = states_now()
+    assert timer(restarted, 1300.0 + 1770.0) == []
+    assert timer(restarted, 1300.0 + 1800.0) == [("cordon", T0 + 1830)]
