@@ -129,11 +129,14 @@ def test_doctor_counts_the_real_clusters_gpu_nodes_and_their_collectors() -> Non
     from gpusteward.cli.doctor import check_collectors
 
     api = api_client(KubeWatchSettings(kubeconfig=KUBECONFIG))
-    gpu_nodes = {
-        n.metadata.name for n in k8s.CoreV1Api(api).list_node().items
+    gpu_nodes: set[str] = set()
+    for node in k8s.CoreV1Api(api).list_node().items:
+        assert node.metadata is not None and node.metadata.name is not None
+        capacity = (node.status.capacity if node.status is not None else None) or {}
         if any(k == "nvidia.com/gpu" or k.startswith("nvidia.com/mig-")
-               for k, v in (n.status.capacity or {}).items() if v != "0")
-        or (n.metadata.labels or {}).get("nvidia.com/gpu.present") == "true"}
+               for k, v in capacity.items() if v != "0") or (
+                node.metadata.labels or {}).get("nvidia.com/gpu.present") == "true":
+            gpu_nodes.add(node.metadata.name)
     check = check_collectors(api, 30)
     assert not check.detail.startswith("cannot list"), check.detail
     if not gpu_nodes:
