@@ -395,8 +395,9 @@ class World:
         try:
             if self.dcgm_pages is not None:
                 await self.dcgm_pages.start()
-            for node in self.nodes.values():
-                await node.start()
+            for name, node in self.nodes.items():
+                if not self.cluster.collector_absent(name):  # else none ever runs there
+                    await node.start()
             kube = KubeWatchSettings(kubeconfig=str(self.kubeconfig))
             self._client = api_client(kube)
             cluster = self.cluster

@@ -532,6 +532,12 @@ class SimulatedCluster:
             else:
                 self._ongoing(fault, gpu, fault_ts, now)
 
+    def collector_absent(self, node: str) -> bool:
+        """No collector runs on ``node`` for the whole world (``collector_down`` from the start
+        to the end: a DaemonSet that leaves the node out)."""
+        silent = self.silent_from.get(node)
+        return silent is not None and silent[0] <= self.start and silent[1] == math.inf
+
     def _silent(self, node: str, now: float) -> bool:
         silent = self.silent_from.get(node)
         return silent is not None and silent[0] <= now < silent[1]

@@ -1,11 +1,12 @@
 """A node whose collector stops, or never runs, is told through the deployed worker.
 
-The simulator's world (six one-GPU nodes, notebooks placed on them) drives the
-real stream worker, a child process, on the embedded broker. Two nodes of one
-partition send nothing for a while, their kubelets and pods going on: h100-5's
-collector stops at 20 min and is back at 60; h100-6 has none for the whole
-two hours (left out by the DaemonSet). A third node of that partition, h100-2,
-sends all along: its samples are the partition's clock.
+The ``silent-nodes`` world (six one-GPU nodes, notebooks placed on them) runs
+through the production collectors and watcher into the real stream worker, a
+child process, on the embedded broker. Two nodes of one partition send nothing
+for a while, their kubelets and pods going on: h100-5's collector stops at 20
+min and is back at 60; h100-6 has none for the whole two hours (left out by
+the DaemonSet). A third node of that partition, h100-2, sends all along: its
+samples are the partition's clock. Then a worker that gets no batch at all.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from gpusteward.sandbox.simulator.scenario import Scenario
 from gpusteward.schema import Finding
 from gpusteward.streams.app import worker_group
 from gpusteward.streams.outputs import Departures
+from tests.e2e.world_run import run_in_world
 
 pytestmark = pytest.mark.e2e
 
@@ -37,43 +39,18 @@ SILENT_AFTER_S = 600.0
 
 def test_a_node_whose_collector_stops_or_never_runs_is_told_once_and_resolved(
         broker: EmbeddedBroker, tmp_path: Path) -> None:
+    """The ``silent-nodes`` world through the production NVML collectors (fake NVML and
+    kubelet per node), the watcher on the API-server double and the deployed worker:
+    h100-5's collector stops ticking at 20 min and is back at 60, h100-6's never ticks.
+    Each is told once, silent_after_s (within a look of the partition's clock) after its
+    last sample or its inventory; h100-5 resolved by its first sample back; no other node
+    told."""
     partitions = Departures(3600.0, 8).partition_of
     assert partitions(b"h100-5") == partitions(b"h100-6") == partitions(b"h100-2")
-    start = time.time() - HOURS * 3600 - INTERVAL_S
-    world = SimulatedCluster(Scenario.model_validate({
-        "name": "silent-nodes", "seed": 7, "start_ts": start,
-        "duration_s": HOURS * 3600, "sample_interval_s": INTERVAL_S,
-        "nodes": [{"prefix": "h100", "count": 6, "gpu_model": "NVIDIA H100 80GB HBM3",
-                   "gpus": 1, "mem_gib": 80}],
-        "users": ["alice", "bob"],
-        "workloads": [{"group": "nb", "count": 4, "kind": "notebook",
-                       "phases": [{"util": [30, 60]}]}],
-        "faults": [{"kind": "collector_down", "node": "h100-5", "at_s": 1200, "for_s": 2400},
-                   {"kind": "collector_down", "node": "h100-6", "at_s": 0}],
-    }))
-    settings = broker.settings().model_copy(update={"topic_prefix": "e2e-silent"})
-
-    async def run() -> list[Finding]:
-        await kafka.ensure_topics(settings)
-        publisher = KafkaPublisher(settings)
-        await publisher.start()
-        worker = WorkerProcess(settings, tmp_path / "worker.log")
-        worker.start()
-        try:
-            await world.run(publisher)
-            await kafka.wait_consumed(
-                settings, worker_group(settings),
-                [t.name(settings) for t in (topics.SAMPLES, topics.ALLOCATIONS)],
-                timeout_s=180)
-            assert worker.alive
-        finally:
-            worker.stop()
-            await publisher.stop()
-        decode = msgspec.json.Decoder(Finding).decode
-        return [decode(r.value) for r in await kafka.read_all(
-            settings, topics.FINDINGS.name(settings))]
-
-    silent = [f for f in asyncio.run(run()) if f.kind == "node_silent"]
+    run = asyncio.run(run_in_world(broker, "silent-nodes", tmp_path))
+    start = run.cluster.start
+    assert not [s for s in run.samples if s.node == "h100-6"]
+    silent = [f for f in run.findings if f.kind == "node_silent"]
     by_node = {node: [(f.state, f.starts_at, f.ts) for f in silent if f.subject.node == node]
                for node in {f.subject.node for f in silent}}
     assert set(by_node) == {"h100-5", "h100-6"}, by_node  # no false alarm on the others
@@ -87,12 +64,14 @@ def test_a_node_whose_collector_stops_or_never_runs_is_told_once_and_resolved(
     assert back == start + 3600
     assert len({f.id for f in silent if f.subject.node == "h100-5"}) == 1
 
-    # Never a sample: told silent_after_s after its inventory, once, open at the end.
+    # Never a sample: told silent_after_s after the watcher's inventory, once, open at the
+    # end, naming its one GPU.
     [(state, since, told)] = by_node["h100-6"]
-    assert state == "firing" and since == start
+    assert state == "firing" and start <= since <= start + INTERVAL_S
     assert since + SILENT_AFTER_S <= told <= since + SILENT_AFTER_S + 60 + INTERVAL_S
     [finding] = [f for f in silent if f.subject.node == "h100-6"]
     assert finding.labels["sampled_before"] == "false" and finding.severity == "warning"
+    assert "its 1 GPU takes work" in finding.summary
 
 
 def test_a_worker_with_no_batch_left_tells_a_silent_node_by_its_timer(
