@@ -266,6 +266,13 @@ class PodAllocation(msgspec.Struct, tag="pod"):
     none does: a pod whose GPUs come from a resource claim), as its spec names them: how
     the memory rules know a framework that reserves its memory pool when it starts
     (``exempt_images``); empty from a watcher before 2026-11-27."""
+    memory_grows: bool = False
+    """The environment of one of those containers turns its framework's memory pool off
+    (:data:`gpusteward.collectors.kubernetes.translate.MEMORY_GROWS`: TensorFlow's allow
+    growth, JAX's preallocation off): the memory it uses is what it holds, so its image or
+    owner does not exempt it from ``gpu_memory_high``. False where the spec does not say (a
+    value from a ConfigMap or Secret, which the watcher does not read), and from a watcher
+    before 2026-11-28."""
 
 
 class NodeInventory(msgspec.Struct, tag="node"):

@@ -390,6 +390,9 @@ class Holder(msgspec.Struct, frozen=True):
     images: tuple[str, ...] = ()
     """The images of the pod's GPU containers (``PodAllocation.images``): what the memory
     rules' ``exempt_images`` match."""
+    memory_grows: bool = False
+    """Its framework takes memory as it needs it (``PodAllocation.memory_grows``): no pool
+    to exempt."""
     siblings: Any = None
     """For a pod holding several devices of the node: ``siblings(uuid)``, the node join's
     ``[(uuid, IdleTrack)]`` of the pod's devices other than ``uuid``. The pod is idle only

@@ -14,7 +14,10 @@ owner): both frameworks reserve their memory pool when the
 first operation runs (TensorFlow nearly all of the GPU, JAX 75 % of it or
 ``XLA_PYTHON_CLIENT_MEM_FRACTION``) and allocate inside it, so the used memory NVML
 reads is the pool's configured size, not the job's need, and says nothing of how near
-an out-of-memory error it is. Episodes follow :func:`gpusteward.rules.memory.sustain`.
+an out-of-memory error it is. Unless its container's environment turns the pool off
+(``TF_FORCE_GPU_ALLOW_GROWTH=true``, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``: the
+watcher's ``memory_grows``): then the memory in use is the job's, and it is judged.
+Episodes follow :func:`gpusteward.rules.memory.sustain`.
 """
 
 from __future__ import annotations
@@ -89,8 +92,10 @@ class HighMemorySettings(BaseModel):
         description="Top owner kinds of the holder whose devices the rule does not judge. "
         "Kubeflow's TFJob and JAXJob by default: TensorFlow maps nearly all of a GPU's memory "
         "when it starts and JAX preallocates 75 % of it (XLA_PYTHON_CLIENT_MEM_FRACTION), "
-        "so their devices read the pool's configured size, not the job's need. Empty: the "
-        "owner exempts none.")
+        "so their devices read the pool's configured size, not the job's need. A pod whose "
+        "GPU container sets TF_FORCE_GPU_ALLOW_GROWTH=true or "
+        "XLA_PYTHON_CLIENT_PREALLOCATE=false in its spec has no pool and is judged all the "
+        "same. Empty: the owner exempts none.")
     exempt_images: list[str] = Field(
         default_factory=lambda: list(POOL_IMAGES),
         description="Images of the holder's GPU containers whose devices the rule does not "
@@ -98,7 +103,8 @@ class HighMemorySettings(BaseModel):
         "across /; [:@] a tag or a digest). TensorFlow's and JAX's own and NVIDIA's images "
         "by default, for TensorFlow or JAX run under another owner than a TFJob or JAXJob "
         "(a Job, a JobSet, an MPIJob): their pool reads the same. An image built from them "
-        "keeps its own name: add it. Empty: images exempt none.")
+        "keeps its own name: add it. A pool turned off in the container's environment is "
+        "judged (as for exempt_owner_kinds). Empty: images exempt none.")
     notify: bool = Field(True, description="Notify the pod's owner when an episode opens.")
 
 
@@ -120,8 +126,9 @@ def observe(track: SustainTrack, node: str, sample: DeviceSample, ts: float,
         return []
     if not watches(settings, getattr(holder, "workload_kind", None)):
         return []  # the node join does not call it for these; a direct caller gets the same
-    pooled = (getattr(holder, "owner_kind", None) in settings.exempt_owner_kinds
-              or exempt_image(settings.exempt_images, holder) is not None)
+    pooled = not getattr(holder, "memory_grows", False) and (
+        getattr(holder, "owner_kind", None) in settings.exempt_owner_kinds
+        or exempt_image(settings.exempt_images, holder) is not None)
     if pooled and track.open is None:
         return []  # a preallocating framework's pool (an episode opened before, under
         # another policy, is cleared below as if the memory had fallen)

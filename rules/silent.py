@@ -35,11 +35,12 @@ RUNBOOK = (
     "No GPU sample has come from this node for the time the finding says, or none ever did, "
     "while Kubernetes still lists it with GPUs and it takes pods: gpusteward sees none of its "
     "GPUs' faults, idle holders or memory. Look for the collector pod on the node "
-    "(`kubectl -n gpusteward get pods -o wide --field-selector spec.nodeName=NODE`): none "
+    "(`kubectl -n gpusteward-node get pods -o wide --field-selector spec.nodeName=NODE`): none "
     "there means the DaemonSet's nodeSelector or tolerations leave the node out (a new pool, a "
-    "custom taint); one crash-looping or stuck usually means the driver is hung (`nvidia-smi` "
-    "on the node hangs or fails): cordon the node and restart it. `gpusteward doctor` checks "
-    "the collector's settings. The finding resolves at the node's next sample.")
+    "custom taint, a device plugin without GPU Feature Discovery's nvidia.com/gpu.present "
+    "label; `gpusteward doctor` names every such node and why); one crash-looping or stuck "
+    "usually means the driver is hung (`nvidia-smi` on the node hangs or fails): cordon the "
+    "node and restart it. The finding resolves at the node's next sample.")
 
 
 class NodeSilentSettings(BaseModel):

@@ -154,6 +154,9 @@ def pod_for(workload: Workload, cluster_queue: str, dra: bool = False,
                   created=rfc3339(workload.arrive))
     if workload.spec.image:
         pod["spec"]["containers"][0]["image"] = workload.spec.image
+    if workload.spec.env:
+        pod["spec"]["containers"][0]["env"] = [{"name": name, "value": value}
+                                               for name, value in workload.spec.env.items()]
     if kind != "Job":  # the pod's controller is one of owners_for's objects
         (reference,) = pod["metadata"]["ownerReferences"]
         reference.update(apiVersion="kubeflow.org/v1" if kind in _TRAINING_JOBS else "apps/v1",

@@ -93,6 +93,8 @@ class Holding(msgspec.Struct):
     works alone, a gang of one included."""
     images: list[str] = []
     """The images of its GPU containers (``PodAllocation.images``)."""
+    memory_grows: bool = False
+    """``PodAllocation.memory_grows``."""
     who: rollup.Attribution | None = None
     """The pod's columns in the rollups, made once from the fields above."""
     ended_at: float | None = None
@@ -577,7 +579,8 @@ def _idle_holder(holding: Holding, resolved: policies.Resolved | None = None,
     holder = idle.Holder(holding.pod, holding.started_at, holding.workload_kind,
                          holding.labels, holding.annotations, holding.queue,
                          holding.owner_kind, holding.owner_name, gang=holding.gang,
-                         siblings=siblings, images=tuple(holding.images))
+                         siblings=siblings, images=tuple(holding.images),
+                         memory_grows=holding.memory_grows)
     settings = None if resolved is None else resolved.rules.get(idle.KIND)
     if isinstance(settings, idle.IdleSettings):
         exempt = settings.exemption(holder)
@@ -1269,7 +1272,7 @@ class NodeJoin:
                 labels=dict(event.labels), annotations=dict(event.annotations),
                 owner_kind=event.owner_kind, owner_name=event.owner_name,
                 gang=event.gang if event.gang_size != 1 else None,
-                images=list(event.images),
+                images=list(event.images), memory_grows=event.memory_grows,
             )
             rollup.reattribute(state.rollups, self._holding_who(holding))
             state.summary_dirty = True

@@ -193,15 +193,35 @@ def gpu_resources(spec: Obj) -> dict[str, int]:
     return {k: v for k, v in total.items() if v > 0}
 
 
-def gpu_images(spec: Obj) -> list[str]:
-    """The images of a pod spec's containers that ask for GPUs or MIG devices (sidecars
-    included), in order, once each; every app container's where none does (a pod whose
-    GPUs come from a resource claim)."""
+def _gpu_containers(spec: Obj) -> list[Obj]:
+    """A pod spec's containers that ask for GPUs or MIG devices (sidecars included), in
+    order; every app container where none does (a pod whose GPUs come from a resource
+    claim)."""
     containers = (spec.get("containers") or []) + [
         init for init in spec.get("initContainers") or []
         if init.get("restartPolicy") == "Always"]
-    chosen = [c for c in containers if _container_gpus(c)] or spec.get("containers") or []
-    return list(dict.fromkeys(str(c["image"]) for c in chosen if c.get("image")))[:64]
+    return [c for c in containers if _container_gpus(c)] or spec.get("containers") or []
+
+
+def gpu_images(spec: Obj) -> list[str]:
+    """The images of a pod spec's GPU containers (:func:`_gpu_containers`), once each."""
+    return list(dict.fromkeys(str(c["image"]) for c in _gpu_containers(spec)
+                              if c.get("image")))[:64]
+
+
+MEMORY_GROWS = {"TF_FORCE_GPU_ALLOW_GROWTH": "true", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
+"""Environment values with which TensorFlow or JAX take GPU memory as they need it instead
+of reserving a pool at start (compared without case)."""
+
+
+def memory_grows(spec: Obj) -> bool:
+    """Whether a GPU container's environment (its literal values) turns its framework's
+    memory pool off (:data:`MEMORY_GROWS`)."""
+    return any(str(env.get("value", "")).strip().lower() == MEMORY_GROWS[env.get("name", "")]
+               for container in _gpu_containers(spec)
+               for env in container.get("env") or []
+               if env.get("name") in MEMORY_GROWS)
 
 
 @dataclass
@@ -792,7 +812,7 @@ class Translator:
             priority_class=spec.get("priorityClassName"),
             labels=_interned(labels), annotations=annotations,
             spot_tolerant=spot_tolerant(spec), gang=gang, gang_size=gang_size,
-            images=gpu_images(spec),
+            images=gpu_images(spec), memory_grows=memory_grows(spec),
         )
 
     def _pending_pod(self, pod: Obj, resources: dict[str, int], ts: float,

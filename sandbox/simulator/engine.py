@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from gpusteward.collectors.kubernetes.translate import memory_grows
 from gpusteward.collectors.transport.publisher import Publisher
 from gpusteward.rules.budget import mig_gpus
 from gpusteward.sandbox.simulator.scenario import Fault, Phase, Scenario, WorkloadGroup
@@ -701,6 +702,8 @@ class SimulatedCluster:
             queue=self.scenario.cluster_queue, labels=dict(workload.spec.labels),
             gang=gang, gang_size=size,
             images=[workload.spec.image] if workload.spec.image else [],
+            memory_grows=memory_grows({"containers": [{"env": [
+                {"name": name, "value": value} for name, value in workload.spec.env.items()]}]}),
         )
 
     def _queue_event(self, workload: Workload, state: str, now: float) -> QueueEvent:

@@ -124,6 +124,9 @@ class WorkloadGroup(BaseModel):
     image: str | None = Field(
         None, description="The image of the pod's GPU container (the world's pod spec, the "
         "simulator's allocations); None: a PyTorch image.")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="The environment of the pod's GPU container (the "
+        "world's pod spec; the simulator's allocations say memory_grows from it).")
     owner: Literal["Job", "TFJob", "JAXJob", "PyTorchJob"] = Field(
         "Job", description="The controller of a batch workload's pods that is not a gang: a "
         "Job, or one of Kubeflow's training jobs (which the framework it runs follows from).")

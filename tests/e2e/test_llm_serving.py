@@ -63,14 +63,18 @@ def test_no_memory_finding_or_notice_names_a_healthy_server(run: WorldRun) -> No
                 if a.target.pod is not None and a.target.pod.name.startswith("vllm-")]
 
 
-def test_the_starved_server_and_the_training_job_at_the_edge_are_found(run: WorldRun) -> None:
+def test_the_starved_server_and_the_training_jobs_at_the_edge_are_found(run: WorldRun) -> None:
+    """The server out of memory, the Job at the edge of it, and the TFJob whose pod spec
+    turns TensorFlow's pool off (TF_FORCE_GPU_ALLOW_GROWTH=true, read by the watcher): its
+    78 GiB are its own, so neither its owner nor its image exempts it."""
     firing = {(f.kind, f.subject.pod.name) for f in run.findings
               if f.state == "firing" and f.kind.startswith("gpu_memory_") and f.subject.pod}
     assert firing == {("gpu_memory_low_free", "starved-svc-d"),
-                      ("gpu_memory_high", "train-svc-e")}
+                      ("gpu_memory_high", "train-svc-e"),
+                      ("gpu_memory_high", "tf-grow-svc-b")}
     notified = {a.target.pod.name for a in run.actions
                 if a.verb == "notify_owner" and a.target.pod is not None}
-    assert notified == {"starved-svc-d", "train-svc-e"}
+    assert notified == {"starved-svc-d", "train-svc-e", "tf-grow-svc-b"}
 
 
 def test_tensorflow_and_jax_training_pools_raise_no_memory_finding(run: WorldRun) -> None:

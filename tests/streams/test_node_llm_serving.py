@@ -34,13 +34,13 @@ def server(uuid: str) -> PodRef:
 
 
 def allocation(uuid: str, kind: str = "inference", owner: str = "Job",
-               image: str = "vllm/vllm-openai:v0.6.3") -> PodAllocation:
+               image: str = "vllm/vllm-openai:v0.6.3", grows: bool = False) -> PodAllocation:
     pod = server(uuid) if kind == "inference" else PodRef(namespace="ml", name=f"train-{uuid}",
                                                           uid=f"u-train-{uuid}")
     return PodAllocation(ts=T0 - 3600, node="n1", pod=pod, phase="running", gpus=1,
                          device_ids=[uuid], started_at=T0 - 3600, workload_kind=kind,
                          owner_kind="Deployment" if kind == "inference" else owner,
-                         owner_name=pod.name, images=[image])
+                         owner_name=pod.name, images=[image], memory_grows=grows)
 
 
 def device(uuid: str, util: float, used_mib: float | None = None) -> DeviceSample:
@@ -51,8 +51,8 @@ def device(uuid: str, util: float, used_mib: float | None = None) -> DeviceSampl
 
 
 def run(extra: list[str], used_extra: float, days: int,
-        owners: dict[str, str] | None = None, images: dict[str, str] | None = None
-        ) -> Counter[tuple[str, str | None]]:
+        owners: dict[str, str] | None = None, images: dict[str, str] | None = None,
+        grows: frozenset[str] = frozenset()) -> Counter[tuple[str, str | None]]:
     join = NodeJoin(RuleSettings(policy=load_policy(REPO / "deploy" / "base" / "policy.yaml")))
     state = NodeState()
     kinds = {uuid: "inference" for uuid in GPUS} | {uuid: "batch" for uuid in extra}
@@ -60,7 +60,7 @@ def run(extra: list[str], used_extra: float, days: int,
     for uuid, kind in kinds.items():
         out += join.on_allocation(state, allocation(
             uuid, kind, (owners or {}).get(uuid, "Job"),
-            (images or {}).get(uuid, "nvcr.io/nvidia/pytorch:24.05-py3")))
+            (images or {}).get(uuid, "nvcr.io/nvidia/pytorch:24.05-py3"), uuid in grows))
     bursts = [0.0, 0.0, 0.0, 35.0, 0.0, 8.0]
     utils = ([bursts[i % len(bursts)] for i in range(DAY_TICKS)] + [0.0] * NIGHT_TICKS) * days
     for i, util in enumerate(utils):
@@ -99,6 +99,18 @@ def test_tensorflow_and_jax_under_another_owner_are_known_by_their_images() -> N
               "GPU-job": "nvcr.io/nvidia/pytorch:24.05-py3"}
     found = run(list(images), 81559 - 1536, days=1, images=images)
     assert found == Counter({("gpu_memory_high", "GPU-job"): 1})
+
+
+def test_tensorflow_or_jax_told_to_grow_are_judged_as_any_job() -> None:
+    # TF_FORCE_GPU_ALLOW_GROWTH=true or XLA_PYTHON_CLIENT_PREALLOCATE=false in the spec (the
+    # watcher's memory_grows): no pool, the memory in use is the job's, and a job at the edge
+    # of it is told, whatever its owner or image. Before, the exemption hid it.
+    owners = {"GPU-tf": "TFJob", "GPU-jax": "Job"}
+    images = {"GPU-tf": "tensorflow/tensorflow:2.17.0-gpu",
+              "GPU-jax": "ghcr.io/nvidia/jax:maxtext-2024-11-01"}
+    found = run(list(owners), 81559 - 1536, days=1, owners=owners, images=images,
+                grows=frozenset(owners))
+    assert found == Counter({("gpu_memory_high", "GPU-tf"): 1, ("gpu_memory_high", "GPU-jax"): 1})
 
 
 def test_servers_that_reserve_what_the_weights_leave_are_known_by_their_images() -> None:

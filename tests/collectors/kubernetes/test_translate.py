@@ -78,6 +78,29 @@ def test_the_images_of_a_pod_are_those_of_its_gpu_containers() -> None:
     assert kube.gpu_images(claimed) == ["jax:1", "sidecar:1"]
 
 
+def test_a_framework_told_to_grow_its_memory_is_known_by_its_gpu_containers_environment(
+        ) -> None:
+    gpu = {"limits": {"nvidia.com/gpu": "1"}}
+
+    def spec(*env: dict[str, object], on_gpu: bool = True) -> dict[str, object]:
+        return {"containers": [{"image": "tensorflow/tensorflow:2.17.0-gpu",
+                                "resources": gpu if on_gpu else {}, "env": list(env)},
+                               {"image": "envoy:1.31", "resources": {} if on_gpu else gpu}]}
+
+    assert kube.memory_grows(spec({"name": "TF_FORCE_GPU_ALLOW_GROWTH", "value": "true"}))
+    assert kube.memory_grows(spec({"name": "TF_FORCE_GPU_ALLOW_GROWTH", "value": "True"}))
+    assert kube.memory_grows(spec({"name": "XLA_PYTHON_CLIENT_PREALLOCATE", "value": "false"}))
+    assert kube.memory_grows(spec({"name": "XLA_PYTHON_CLIENT_ALLOCATOR", "value": "platform"}))
+    # A pool kept, or a value the watcher cannot read (a ConfigMap's), or another container's.
+    assert not kube.memory_grows(spec({"name": "TF_FORCE_GPU_ALLOW_GROWTH", "value": "false"}))
+    assert not kube.memory_grows(spec({"name": "XLA_PYTHON_CLIENT_MEM_FRACTION", "value": ".5"}))
+    assert not kube.memory_grows(spec({"name": "TF_FORCE_GPU_ALLOW_GROWTH",
+                                       "valueFrom": {"configMapKeyRef": {"name": "tf"}}}))
+    assert not kube.memory_grows(spec({"name": "TF_FORCE_GPU_ALLOW_GROWTH", "value": "true"},
+                                      on_gpu=False))
+    assert not kube.memory_grows(spec())
+
+
 def test_mig_profile_names() -> None:
     assert kube.mig_profile("nvidia.com/mig-3g.40gb") == "3g.40gb"
     assert kube.mig_profile("nvidia.com/mig-1g.10gb.me") == "1g.10gb+me"

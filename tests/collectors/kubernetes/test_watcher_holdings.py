@@ -85,6 +85,29 @@ def test_a_pods_gpu_container_images_reach_the_rules_that_know_frameworks_by_the
     join.on_allocation(state, allocation)
     [holding] = state.pods.values()
     assert holding.images == [triton]
+    assert not allocation.memory_grows and not holding.memory_grows
+
+
+def test_a_gpu_containers_memory_growth_reaches_the_high_memory_rule(
+        kube_api: KubeApiServer, start_watcher: WatcherFactory) -> None:
+    """TensorFlow told to grow its memory (TF_FORCE_GPU_ALLOW_GROWTH=true in the GPU
+    container's spec): the allocation and the holding say so, so its image does not exempt
+    it from the high-memory rule."""
+    kube_api.create(gpu_node("n1", gpus=8))
+    pod = gpu_pod("tf", node="n1", phase="Running")
+    pod["spec"]["containers"] = [{**container("trainer", 1),
+                                  "image": "tensorflow/tensorflow:2.17.0-gpu",
+                                  "env": [{"name": "TF_FORCE_GPU_ALLOW_GROWTH",
+                                           "value": "true"}]}]
+    kube_api.create(pod)
+    watcher = start_watcher()
+
+    [allocation] = [e for e in watcher.events if isinstance(e, PodAllocation)]
+    assert allocation.memory_grows
+    join, state = NodeJoin(), NodeState()
+    join.on_allocation(state, allocation)
+    [holding] = state.pods.values()
+    assert holding.memory_grows
 
 
 def test_a_gpu_that_leaves_allocatable_is_not_offered_as_free(
