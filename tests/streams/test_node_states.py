@@ -31,6 +31,44 @@ def _sample(ts: float) -> NodeSample:
         DeviceSample(uuid="GPU-0", index=0, model="NVIDIA H100 80GB HBM3", util_pct=50.0)])
 
 
+def _page(node: str, ts: float, dbe: int = 0) -> NodeSample:
+    """A one-GPU node's sample (``dbe`` double-bit ECC errors so far)."""
+    return NodeSample(ts=ts, node=node, source="t", devices=[
+        DeviceSample(uuid=f"GPU-{node}", index=0, model="NVIDIA H100 80GB HBM3",
+                     util_pct=50.0, temp_c=60.0, ecc_dbe_volatile=dbe)])
+
+
+def _partition_batch(states: NodeStates, join: NodeJoin, partition: int,
+                     *records: NodeSample | NodeInventory) -> list[Output]:
+    """One batch of records of ``partition`` through the join, its sweep, and the states
+    written to the table as the batch's checkpoint writes them."""
+    writes: dict[bytes, bytes] = {}
+    out: list[Output] = []
+    for record in records:
+        handler = join.on_sample if isinstance(record, NodeSample) else join.on_allocation
+        out += states.apply(writes, handler, record, partition)
+    out += states.sweep(set(), [partition])
+    states.table.update(writes)
+    return out
+
+
+def _live_batch(states: NodeStates, join: NodeJoin, wall: list[float],
+                *records: NodeSample) -> list[Output]:
+    """One batch of a live worker (samples of any partitions, then its quiet-partition
+    pass, the states written); its clock moves 30 s, a batch of samples every 30 s."""
+    departures = states.departures
+    assert departures is not None
+    writes: dict[bytes, bytes] = {}
+    out: list[Output] = []
+    for record in records:
+        out += states.apply(writes, join.on_sample, record,
+                            departures.partition_of(record.node.encode()))
+    out += states.quiet(writes, {departures.partition_of(r.node.encode()) for r in records})
+    states.table.update(writes)
+    wall[0] += 30.0
+    return out
+
+
 def _breaks(state: NodeState, record: NodeSample) -> list[Output]:
     state.gpu_model = "half-changed"
     raise ZeroDivisionError("a rule's bug")
@@ -229,11 +267,6 @@ def test_deleted_nodes_leave_once_their_partitions_samples_pass_the_grace() -> N
     table: dict[bytes, bytes] = {}
     states = NodeStates(table, 30.0, departures, join.forget)
 
-    def page(node: str, ts: float) -> NodeSample:
-        return NodeSample(ts=ts, node=node, source="t", devices=[
-            DeviceSample(uuid=f"GPU-{node}", index=0, model="NVIDIA H100 80GB HBM3",
-                         util_pct=50.0)])
-
     def batch(*records: NodeSample | NodeInventory) -> tuple[list[Output], set[bytes]]:
         writes: dict[bytes, bytes] = {}
         gone: set[bytes] = set()
@@ -247,15 +280,15 @@ def test_deleted_nodes_leave_once_their_partitions_samples_pass_the_grace() -> N
             del table[node]
         return out, gone
 
-    batch(*(page(node, T0 + 30 * i) for i in range(3) for node in ("gone", kept, driver)))
+    batch(*(_page(node, T0 + 30 * i) for i in range(3) for node in ("gone", kept, driver)))
     batch(NodeInventory(ts=T0 + 90, node="gone", deleted=True),
           NodeInventory(ts=T0 + 90, node=kept, deleted=True))
     batch(NodeInventory(ts=T0 + 120, node=kept))
-    late, _ = batch(page("gone", T0 + 80))  # read after its deletion: folded, not judged
+    late, _ = batch(_page("gone", T0 + 80))  # read after its deletion: folded, not judged
     assert not [o for o in late if isinstance(o, Finding)]
-    _, gone = batch(page(driver, T0 + 90 + 3599))
+    _, gone = batch(_page(driver, T0 + 90 + 3599))
     assert not gone and b"gone" in table  # within the grace
-    out, gone = batch(page(driver, T0 + 90 + 3600))
+    out, gone = batch(_page(driver, T0 + 90 + 3600))
     assert gone == {b"gone"} and b"gone" not in table and b"gone" not in states.live
     assert {kept.encode(), driver.encode()} <= set(table)
     last = {(o.ts, o.samples) for o in out if isinstance(o, Rollup) and o.node == "gone"}
@@ -282,27 +315,16 @@ def test_a_silent_nodes_cordon_is_asked_again_by_its_partitions_samples() -> Non
     table: dict[bytes, bytes] = {}
     states = NodeStates(table, 30.0, departures, join.forget, join.reask_due)
 
-    def page(node: str, ts: float, dbe: int = 0) -> NodeSample:
-        return NodeSample(ts=ts, node=node, source="t", devices=[
-            DeviceSample(uuid=f"GPU-{node}", index=0, model="NVIDIA H100 80GB HBM3",
-                         util_pct=50.0, temp_c=60.0, ecc_dbe_volatile=dbe)])
-
     def batch(states: NodeStates, *records: NodeSample | NodeInventory) -> list[Action]:
-        writes: dict[bytes, bytes] = {}
-        out: list[Output] = []
-        for record in records:
-            handler = join.on_sample if isinstance(record, NodeSample) else join.on_allocation
-            out += states.apply(writes, handler, record, partition)
-        out += states.sweep(set(), [partition])
-        table.update(writes)  # as the batch's checkpoint writes them
-        return [o for o in out if isinstance(o, Action) and o.verb == "cordon"]
+        return [o for o in _partition_batch(states, join, partition, *records)
+                if isinstance(o, Action) and o.verb == "cordon"]
 
     def driven(states: NodeStates, start: float, end: float) -> list[Action]:
         return [a for ts in range(int(start), int(end) + 1, 30)
-                for a in batch(states, page(driver, T0 + ts))]
+                for a in batch(states, _page(driver, T0 + ts))]
 
-    batch(states, page("silent", T0), page(driver, T0))
-    [first] = batch(states, page("silent", T0 + 30, dbe=1), page(driver, T0 + 30))
+    batch(states, _page("silent", T0), _page(driver, T0))
+    [first] = batch(states, _page("silent", T0 + 30, dbe=1), _page(driver, T0 + 30))
     assert first.reask == 0 and first.target.node == "silent"
     assert not driven(states, 60, 600)  # within reask_s of the ask
     again = driven(states, 630, 1200)
@@ -317,8 +339,8 @@ def test_a_silent_nodes_cordon_is_asked_again_by_its_partitions_samples() -> Non
     table = restarted.table
     assert [(a.reask, a.ts) for a in driven(restarted, 1200, 1260)] == [(2, T0 + 1230)]
     # The node's own samples again: the next ask is due 600 s after the last.
-    assert not batch(restarted, page("silent", T0 + 1235, dbe=1))
-    assert [(a.reask, a.ts) for a in batch(restarted, page("silent", T0 + 1830, dbe=1))] == [
+    assert not batch(restarted, _page("silent", T0 + 1235, dbe=1))
+    assert [(a.reask, a.ts) for a in batch(restarted, _page("silent", T0 + 1830, dbe=1))] == [
         (3, T0 + 1830)]
     # Cordoned (the executor carried it out): silent again, it is asked nothing more.
     batch(restarted, NodeInventory(ts=T0 + 1840, node="silent", gpu_count=1,
@@ -344,36 +366,23 @@ def test_a_silent_node_alone_in_its_partition_is_asked_by_the_workers_other_part
                         held=lambda: held, monotonic=lambda: wall[0])
 
     def batch(*records: NodeSample) -> list[Action]:
-        writes: dict[bytes, bytes] = {}
-        out: list[Output] = []
-        partitions = {departures.partition_of(r.node.encode()) for r in records}
-        for record in records:
-            out += states.apply(writes, join.on_sample, record,
-                                departures.partition_of(record.node.encode()))
-        out += states.quiet(writes, partitions)
-        states.table.update(writes)
-        wall[0] += 30.0  # a live worker: a batch of samples every 30 s
-        return [o for o in out if isinstance(o, Action) and o.verb == "cordon"]
+        return [o for o in _live_batch(states, join, wall, *records)
+                if isinstance(o, Action) and o.verb == "cordon"]
 
-    def page(node: str, ts: float, dbe: int = 0) -> NodeSample:
-        return NodeSample(ts=ts, node=node, source="t", devices=[
-            DeviceSample(uuid=f"GPU-{node}", index=0, model="NVIDIA H100 80GB HBM3",
-                         util_pct=50.0, temp_c=60.0, ecc_dbe_volatile=dbe)])
-
-    [first] = batch(page("silent", T0, dbe=1), page(driver, T0))
+    [first] = batch(_page("silent", T0, dbe=1), _page(driver, T0))
     assert first.reask == 0
-    asked = [(a.reask, a.ts) for ts in range(30, 1300, 30) for a in batch(page(driver, T0 + ts))]
+    asked = [(a.reask, a.ts) for ts in range(30, 1300, 30) for a in batch(_page(driver, T0 + ts))]
     assert asked == [(1, T0 + 600), (2, T0 + 1200)]
     assert msgspec.msgpack.decode(states.table[b"silent"], type=NodeState).asks_due \
         == T0 + 1800
     # Taken by another worker: asked nothing here.
     held.discard(partition)
-    assert not [a for ts in range(1300, 2500, 30) for a in batch(page(driver, T0 + ts))]
+    assert not [a for ts in range(1300, 2500, 30) for a in batch(_page(driver, T0 + ts))]
     # Held again, its node's samples back but far behind the other partition's: read in
     # every batch, the partition is not quiet, and its node's own clock asks.
     held.add(partition)
     again = [(a.reask, a.ts) for k in range(40) for a in batch(
-        page("silent", T0 + 1230 + 30 * k, dbe=1), page(driver, T0 + 2500 + 30 * k))]
+        _page("silent", T0 + 1230 + 30 * k, dbe=1), _page(driver, T0 + 2500 + 30 * k))]
     assert again == [(3, T0 + 1800), (4, T0 + 2400)]
 
 
@@ -398,28 +407,16 @@ def test_a_node_whose_samples_stop_or_never_come_is_told_by_its_partitions_clock
     join = NodeJoin()
     table: dict[bytes, bytes] = {}
 
-    def page(node: str, ts: float) -> NodeSample:
-        return NodeSample(ts=ts, node=node, source="t", devices=[
-            DeviceSample(uuid=f"GPU-{node}", index=0, model="NVIDIA H100 80GB HBM3",
-                         util_pct=50.0, temp_c=60.0)])
-
     def batch(states: NodeStates, *records: NodeSample | NodeInventory) -> list[Output]:
-        writes: dict[bytes, bytes] = {}
-        out: list[Output] = []
-        for record in records:
-            handler = join.on_sample if isinstance(record, NodeSample) else join.on_allocation
-            out += states.apply(writes, handler, record, partition)
-        out += states.sweep(set(), [partition])
-        table.update(writes)
-        return out
+        return _partition_batch(states, join, partition, *records)
 
     states = NodeStates(table, 30.0, departures, join.forget, join.reask_due, join.silence)
     batch(states, *(NodeInventory(ts=T0, node=n, gpu_count=1, unschedulable=n == cordoned)
                     for n in (driver, "stops", never, cordoned)))
     told: list[tuple[str, str, float]] = []
     for ts in range(0, 1200, 30):
-        told += _silent_findings(batch(states, page(driver, T0 + ts),
-                                       *([page("stops", T0 + ts)] if ts <= 300 else [])))
+        told += _silent_findings(batch(states, _page(driver, T0 + ts),
+                                       *([_page("stops", T0 + ts)] if ts <= 300 else [])))
     assert told == [(never, "firing", T0 + 600), ("stops", "firing", T0 + 900)]
     stored = msgspec.msgpack.decode(table[b"stops"], type=NodeState)
     assert stored.silent is not None and stored.silent.since == T0 + 300
@@ -428,9 +425,9 @@ def test_a_node_whose_samples_stop_or_never_come_is_told_by_its_partitions_clock
                            join.reask_due, join.silence)
     table = restarted.table
     again = [f for ts in range(1200, 2400, 30)
-             for f in _silent_findings(batch(restarted, page(driver, T0 + ts)))]
+             for f in _silent_findings(batch(restarted, _page(driver, T0 + ts)))]
     assert again == []
-    back = batch(restarted, page("stops", T0 + 2400))
+    back = batch(restarted, _page("stops", T0 + 2400))
     [closed] = [o for o in back if isinstance(o, Finding) and o.kind == "node_silent"]
     assert closed.state == "resolved" and closed.id == stored.silent.id
     assert msgspec.msgpack.decode(table[b"stops"], type=NodeState).silent is None
@@ -478,28 +475,14 @@ def test_a_silent_node_alone_in_its_partition_is_told_by_the_workers_other_parti
                         monotonic=lambda: wall[0])
 
     def batch(*records: NodeSample) -> list[Output]:
-        writes: dict[bytes, bytes] = {}
-        out: list[Output] = []
-        partitions = {departures.partition_of(r.node.encode()) for r in records}
-        for record in records:
-            out += states.apply(writes, join.on_sample, record,
-                                departures.partition_of(record.node.encode()))
-        out += states.quiet(writes, partitions)
-        states.table.update(writes)
-        wall[0] += 30.0
-        return out
+        return _live_batch(states, join, wall, *records)
 
-    def page(node: str, ts: float) -> NodeSample:
-        return NodeSample(ts=ts, node=node, source="t", devices=[
-            DeviceSample(uuid=f"GPU-{node}", index=0, model="NVIDIA H100 80GB HBM3",
-                         util_pct=50.0, temp_c=60.0)])
-
-    batch(page("silent", T0), page(driver, T0))
+    batch(_page("silent", T0), _page(driver, T0))
     # Behind: its samples still come, an hour older than the other partition's.
     assert not [f for k in range(1, 40) for f in _silent_findings(batch(
-        page("silent", T0 + 30 * k), page(driver, T0 + 3600 + 30 * k)))]
+        _page("silent", T0 + 30 * k), _page(driver, T0 + 3600 + 30 * k)))]
     told = [f for ts in range(4800, 6000, 30) for f in _silent_findings(batch(
-        page(driver, T0 + ts)))]
+        _page(driver, T0 + ts)))]
     assert len(told) == 1 and told[0][:2] == ("silent", "firing")
 
 
@@ -515,11 +498,6 @@ def test_a_worker_whose_every_partition_is_quiet_goes_by_its_own_clock() -> None
     join = NodeJoin()
     wall = [0.0]
     table: dict[bytes, bytes] = {}
-
-    def page(ts: float, dbe: int = 0) -> NodeSample:
-        return NodeSample(ts=ts, node="alone", source="t", devices=[
-            DeviceSample(uuid="GPU-alone", index=0, model="NVIDIA H100 80GB HBM3",
-                         util_pct=50.0, temp_c=60.0, ecc_dbe_volatile=dbe)])
 
     def states_now() -> NodeStates:
         return NodeStates(table, 30.0, Departures(3600.0, 8), join.forget, join.reask_due,
@@ -541,7 +519,7 @@ def test_a_worker_whose_every_partition_is_quiet_goes_by_its_own_clock() -> None
     states = states_now()
     for ts, dbe in ((T0, 0), (T0 + 30, 1)):
         writes: dict[bytes, bytes] = {}
-        states.apply(writes, join.on_sample, page(ts, dbe), partition)
+        states.apply(writes, join.on_sample, _page("alone", ts, dbe), partition)
         states.quiet(writes, {partition})
         table.update(writes)
     assert timer(states, 100.0) == []  # not quiet yet
