@@ -448,8 +448,10 @@ def create_app(
     def apply(to_write: dict[bytes, bytes], event: Any) -> list[Output]:
         decode, handler = by_topic[event.message.topic]
         try:
+            message = event.message
             return states.apply(to_write, handler, decode(event.value, event.key),
-                                event.message.partition)
+                                message.partition,
+                                message.offset if message.topic == samples_name else None)
         finally:
             if states.dropped:
                 outputs_to.drop_states(state_table, event.message.partition, states.dropped)
@@ -480,6 +482,22 @@ def create_app(
 
     register_fleet_agent(app, settings, FleetSettings(policy=policy))
     return app
+
+
+def _replayed(state: NodeState, sample: NodeSample, partition: int, offset: int) -> bool:
+    """Whether ``sample`` (at ``offset`` of ``partition``) is one ``state`` has applied: read
+    again from the last committed offset after a rebalance or a restart, while the state was
+    written after it. Applied again, a catch-up's replay of one node's samples, far behind its
+    newest, was refused as a clock gone back (dead letters) until the join took it for a new
+    clock (its episodes moved back). Its event time must be no newer than the node's newest
+    sample too, so a samples topic created again (offsets from 0) is read as new. Otherwise
+    the sample's place is noted as the newest applied."""
+    if partition == state.sample_partition and offset <= state.sample_offset:
+        newest = state.rollups.watermark
+        if newest is not None and sample.ts <= newest:
+            return True
+    state.sample_partition, state.sample_offset = partition, offset
+    return False
 
 
 SILENCE_CHECK_S = 60.0
@@ -551,10 +569,13 @@ class NodeStates:
 
     def apply(self, to_write: dict[bytes, bytes],
               handler: Callable[[NodeState, Any], list[Output]],
-              record: Any, partition: int | None = None) -> list[Output]:
+              record: Any, partition: int | None = None,
+              offset: int | None = None) -> list[Output]:
         """Apply one decoded record to its node; nodes due for a checkpoint go to
         ``to_write``, encoded (written once the batch's findings and actions are delivered).
-        ``partition``: the record's, for the index of deleted nodes (none without)."""
+        ``partition``: the record's, for the index of deleted nodes (none without).
+        ``offset``: a sample's, in the samples topic: one the state has applied already is
+        skipped (:attr:`.NodeState.sample_offset`)."""
         node = record.node.encode()
         entry = self.live.get(node)
         if entry is None:
@@ -564,6 +585,10 @@ class NodeStates:
                              NodeState)
             entry = (stored if stored is not None else NodeState(), -1.0)
         state, checkpointed_at = entry
+        if offset is not None and partition is not None and _replayed(state, record,
+                                                                       partition, offset):
+            self.live[node] = (state, checkpointed_at)
+            return []
         try:
             outputs = handler(state, record)
             # Write the changelog when the state matters for recovery (a rule emitted a

@@ -279,6 +279,14 @@ class NodeState(msgspec.Struct):
     silent: hardware.Episode | None = None
     """The open ``node_silent`` episode: no sample of the node for ``silent_after_s`` of its
     partition's event time (:meth:`NodeJoin.silence`); closed by its next sample."""
+    sample_partition: int = -1
+    sample_offset: int = -1
+    """Where in the samples topic the newest sample applied to this state was (partition,
+    offset): a sample read again at or before it, and no newer than the node's newest
+    sample, was applied already (a replay from the last committed offset after a rebalance
+    or a restart: the state was written after it, the offsets are committed later) and is
+    skipped (:meth:`gpusteward.streams.app.NodeStates.apply`). -1: none known (a state
+    written before 2026-11-28, or tests)."""
     waiting_xids: list[HwEvent] = []
     """Application-class XIDs read before the node's samples reached their time, with no
     allocation holding their GPU then (:meth:`NodeJoin._waits`): judged at the first sample

@@ -531,3 +531,41 @@ def test_a_worker_whose_every_partition_is_quiet_goes_by_its_own_clock() -> None
     restarted = states_now()
     assert timer(restarted, 1300.0 + 1770.0) == []
     assert timer(restarted, 1300.0 + 1800.0) == [("cordon", T0 + 1830)]
+
+
+def test_a_replay_of_samples_the_state_applied_is_skipped() -> None:
+    """One node's backlog read fast (10 s of event time per sample): the state is written
+    after sample 99, the offsets are committed later, and a rebalance reads the partition
+    again from offset 0. Those samples, applied already, are skipped: before, the first 30
+    (over clock_back_s behind the node's newest) were refused as a clock gone back, dead
+    letters, until the join took them for a new clock and moved the node's episodes back.
+    A samples topic created again (offsets from 0, newer event times) is read as new."""
+    departures = Departures(grace_s=3600.0, partitions=8)
+    partition = departures.partition_of(b"n1")
+    join = NodeJoin()
+    table: dict[bytes, bytes] = {}
+
+    def read(states: NodeStates, ticks: range, first_offset: int = 0) -> list[Output]:
+        writes: dict[bytes, bytes] = {}
+        out: list[Output] = []
+        for offset, tick in enumerate(ticks, start=first_offset):
+            out += states.apply(writes, join.on_sample, scenario_sample(tick), partition,
+                                offset)
+        table.update(writes)
+        return out
+
+    first = NodeStates(table, 30.0, departures, join.forget)
+    read(first, range(500, 600))
+    # The rebalance: a new generation of the worker's states, from the table.
+    again = NodeStates(table, 30.0, Departures(3600.0, 8), join.forget)
+    assert read(again, range(500, 600)) == []
+    state = again.live[b"n1"][0]
+    assert state.clock_steps == 0 and (state.sample_partition, state.sample_offset) == (
+        partition, 99)
+    # On from where it was.
+    read(again, range(600, 620), 100)
+    assert again.live[b"n1"][0].rollups.watermark == scenario_sample(619).ts
+    # The topic created again: offset 0, but a newer sample: applied.
+    read(again, range(700, 701))
+    state = again.live[b"n1"][0]
+    assert state.sample_offset == 0 and state.rollups.watermark == scenario_sample(700).ts
