@@ -983,8 +983,9 @@ class NodeJoin:
 
     def silence(self, state: NodeState, node: str, ts: float) -> list[Output]:
         """The ``node_silent`` finding of a node with GPUs none of whose samples has come for
-        ``silent_after_s`` by ``ts``, the clock of its partition (:class:`NodeStates`), or since
-        its first inventory if none ever came. Nothing for a node told already, deleted,
+        ``silent_after_s`` by ``ts``, the clock of its partition (:class:`NodeStates`), counted
+        from its newest sample or from when it was expected to send (``expected_from``),
+        whichever is later. Nothing for a node told already, deleted,
         taking no new pods, or under MIG reconfiguration (mig-manager stops the GPUs'
         clients), nor where the node's pool turns the rule off."""
         if (state.silent is not None or _excused(state)
