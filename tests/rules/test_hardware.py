@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gpusteward.rules import hardware
-from gpusteward.schema import Action, DeviceSample, Finding
+from gpusteward.schema import Action, DeviceSample, Finding, HwEvent
 
 T0 = 1_000_000.0
 SETTINGS = hardware.HardwareSettings()
@@ -516,3 +516,80 @@ def test_a_trickle_below_the_threshold_does_not_hold_an_episode_open() -> None:
     (closing,) = resolved(out)
     assert closing.id == opened.id and closing.ends_at is not None
     assert closing.ends_at <= storm_end + s.window_s + s.clear_s
+
+
+# A step of one GPU's life: a sample, most often a calm one (every counter as before, cool,
+# no flag) after 30 s, an hour or a day; else one with a counter up a little, up a lot or
+# unread, a flag, heat, a recovery action or retired pages; an XID, a loss or a clock step.
+_CALM: dict[str, Any] = {"kind": "sample", "sbe": "same", "pcie": "same", "nvlink": "same",
+                         "crc": "same", "flag": None, "temp": 50.0, "reasons": 0,
+                         "recovery": None, "retired": None}
+_COUNTER = st.sampled_from(["same", "same", "same", "+1", "+500", "none"])
+_CALM_STEP = st.builds(lambda dt: {**_CALM, "dt": dt}, st.sampled_from([30, 30, 3600, 90_000]))
+_STEP = st.one_of(
+    _CALM_STEP, _CALM_STEP, _CALM_STEP,
+    st.fixed_dictionaries({
+        "kind": st.just("sample"), "dt": st.sampled_from([30, 30, 30, 0, -60, 400]),
+        "sbe": _COUNTER, "pcie": _COUNTER, "nvlink": _COUNTER,
+        "crc": st.sampled_from(["absent", "same", "same", "+200"]),
+        "flag": st.sampled_from([None, None, "remap_pending", "remap_failure",
+                                 "retired_pages_pending"]),
+        "temp": st.sampled_from([50.0, 50.0, 95.0, None]),
+        "reasons": st.sampled_from([0, 0, 0x40, 0x20]),
+        "recovery": st.sampled_from([None, None, 0, 1]),
+        "retired": st.sampled_from([None, None, 3]),
+    }),
+    st.fixed_dictionaries({"kind": st.just("xid"), "dt": st.sampled_from([1, 10]),
+                           "xid": st.sampled_from([13, 48, 62, 74, 79, 94, 119])}),
+    st.fixed_dictionaries({"kind": st.just("lost"), "dt": st.just(1)}),
+    st.fixed_dictionaries({"kind": st.just("clock_step"), "dt": st.just(0)}),
+)
+
+
+def _live(track: hardware.HwTrack, steps: list[dict[str, Any]], *,
+          calm: bool) -> list[list[Finding | Action]]:
+    """What each step of ``steps`` gave on ``track``; without ``calm`` every sample takes the
+    whole path (the track's :attr:`~hardware.HwTrack.calm` forgotten before it)."""
+    counts = {"sbe": 0, "pcie": 0, "nvlink": 0, "crc": 0}
+    ts, out = T0, list[list[Finding | Action]]()
+    for step in steps:
+        ts += step["dt"]
+        if step["kind"] == "clock_step":
+            hardware.clock_step(track, 600.0)
+            ts -= 600.0
+            out.append([])
+            continue
+        if step["kind"] != "sample":
+            event = HwEvent(ts=ts, node="n1", kind="xid" if step["kind"] == "xid" else "gpu_lost",
+                            uuid="GPU-1", xid=step.get("xid"))
+            hook = hardware.RUNNER.events[event.kind]
+            out.append(hook(track, event, "GPU-1", SETTINGS, None))
+            continue
+        reading: dict[str, Any] = {}
+        for name in counts:
+            change = step[name]
+            counts[name] += {"+1": 1, "+500": 500, "+200": 200}.get(change, 0)
+            reading[name] = None if change in ("none", "absent") else counts[name]
+        fields: dict[str, Any] = {
+            "ecc_sbe_volatile": reading["sbe"], "pcie_replay": reading["pcie"],
+            "nvlink_errors": reading["nvlink"], "nvlink_crc_errors": reading["crc"],
+            "temp_c": step["temp"], "clock_event_reasons": step["reasons"],
+            "recovery_action": step["recovery"], "retired_pages_sbe": step["retired"]}
+        if step["flag"] is not None:
+            fields[step["flag"]] = True
+        if not calm:
+            track.calm = None
+        out.append(hardware.observe_sample(track, "n1", dev(**fields), ts, SETTINGS))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_STEP, min_size=1, max_size=40))
+def test_the_calm_path_is_the_whole_path_in_short(steps: list[dict[str, Any]]) -> None:
+    """A calm GPU's sample (:attr:`hardware.HwTrack.calm`) skips the rules' state, so it must
+    give what the whole path gives, and leave the same state behind, whatever came before:
+    bursts, unread counters, flags, heat, XIDs, losses, clock steps."""
+    short, whole = hardware.HwTrack(), hardware.HwTrack()
+    assert _live(short, steps, calm=True) == _live(whole, steps, calm=False)
+    short.calm = whole.calm = None
+    assert short == whole
