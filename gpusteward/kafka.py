@@ -239,6 +239,15 @@ def node_partitioner(key: bytes | None, all_partitions: list[int],
     return int(DefaultPartitioner()(key, all_partitions, available))
 
 
+BATCH_BYTES = 256 * 1024
+"""Most bytes a high-volume producer (a collector's publisher, the stream worker) gathers
+for one partition between two requests; aiokafka's default is 16 KiB. aiokafka keeps one
+request in flight per broker, and a send to a partition whose batch is full waits until that
+request is answered: at 16 KiB the worker draining a backlog waited so about 3,700 times a
+run, 3 s in all (``make bench``'s worker). A real Kafka takes a batch of up to its
+``message.max.bytes`` (1 MiB by default)."""
+
+
 def producer(settings: Settings, **overrides: object) -> AIOKafkaProducer:
     """A producer with leader acks and no linger; no idempotence (see module doc).
 

@@ -108,7 +108,7 @@ class KafkaPublisher:
                 # aiokafka fails a batch after this long (its TTL is the same value), so a
                 # hung broker resolves every flight within about twice this.
                 request_timeout_ms=int(options.delivery_timeout_s * 1000),
-                max_batch_size=256 * 1024,
+                max_batch_size=kafka.BATCH_BYTES,
             )
 
         self._make_producer = make_producer
