@@ -296,8 +296,8 @@ PRODUCER_BUFFER_MAX = 4096
 """Changelog writes Faust's producer buffer holds before the delivery of records waits for
 it to drain (Faust's own bound is 100). A batch checkpoints up to :data:`.outputs.BATCH_MAX`
 node states at once, and each of the two agents checkpoints its own batches: at 100 the
-worker draining ``make bench``'s backlog stopped delivering records about 35 times a run,
-0.6-0.9 s in all (at 1,024, once: a restarted worker checkpoints every node it reads
+worker draining ``make bench``'s backlog stopped delivering records 30-38 times a run,
+0.6-1.3 s in all (at 1,024, once: a restarted worker checkpoints every node it reads
 first). A commit flushes the buffer first either way, so no committed offset passes a state
 not written. The price is memory while the broker is slow: up to 4,096 states waiting,
 about 90 MiB at a busy 8-GPU node's 22 KiB, against the manifests' 2 GiB limit."""
