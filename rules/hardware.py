@@ -420,8 +420,9 @@ class HwTrack(msgspec.Struct, omit_defaults=True):
     """The SBE, PCIe replay, NVLink and NVLink CRC counters' last readings, kept while
     nothing the rules above follow is under way (no episode open on a counter, the
     temperature or an XID class, no run of hot samples, no counter unread since its last
-    reading): a sample with these readings, no flag raised and no heat then changes nothing
-    but ``last_ts`` (and the CRC counter's ``read_ts``), and :func:`observe_sample` touches
+    reading): a sample with these readings, no flag raised, no heat and retired pages (if
+    read) below the threshold then changes nothing but ``last_ts`` (and the CRC counter's
+    ``read_ts``), and :func:`observe_sample` touches
     no other object of the track. None: to be worked out at the next sample."""
 
     def unhealthy(self) -> bool:
@@ -644,8 +645,9 @@ def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
             and track.lost is None and not device.remap_failure
             and track.remap_failure is None and not device.remap_pending
             and track.remap_pending is None and not device.retired_pages_pending
-            and track.retired_pending is None and device.retired_pages_sbe is None
-            and device.retired_pages_dbe is None
+            and track.retired_pending is None
+            and ((device.retired_pages_sbe is None and device.retired_pages_dbe is None)
+                 or _few_retired(track, device, settings))
             and (device.recovery_action is None
                  or device.recovery_action == track.recovery_value)
             and not _heat(device, settings.thermal)):
@@ -711,6 +713,14 @@ def observe_sample(track: HwTrack, node: str, device: DeviceSample, ts: float,
         out += xid_rule.expire(track.xid, node=node, uuid=uuid, ts=ts, settings=settings.xid)
     track.calm = _calm(track)
     return out
+
+
+def _few_retired(track: HwTrack, device: DeviceSample, settings: HardwareSettings) -> bool:
+    """Whether the retired pages a sample read (pre-Ampere GPUs) leave ``track`` as it is:
+    fewer than the threshold, with no episode open."""
+    return (track.retired_pages is None
+            and (device.retired_pages_sbe or 0) + (device.retired_pages_dbe or 0)
+            < settings.retired_pages.threshold)
 
 
 def _heat(device: DeviceSample, settings: ThermalSettings) -> bool:

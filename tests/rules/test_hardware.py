@@ -524,8 +524,12 @@ def test_a_trickle_below_the_threshold_does_not_hold_an_episode_open() -> None:
 _CALM: dict[str, Any] = {"kind": "sample", "sbe": "same", "pcie": "same", "nvlink": "same",
                          "crc": "same", "flag": None, "temp": 50.0, "reasons": 0,
                          "recovery": None, "retired": None}
+_CALM_PRE_AMPERE = {**_CALM, "retired": 3}  # a V100's NVML reads its retired pages
+_RETIRING = {**_CALM, "retired": 60}  # ... up to the threshold
 _COUNTER = st.sampled_from(["same", "same", "same", "+1", "+500", "none"])
-_CALM_STEP = st.builds(lambda dt: {**_CALM, "dt": dt}, st.sampled_from([30, 30, 3600, 90_000]))
+_CALM_STEP = st.builds(lambda calm, dt: {**calm, "dt": dt},
+                       st.sampled_from([_CALM, _CALM, _CALM_PRE_AMPERE, _RETIRING]),
+                       st.sampled_from([30, 30, 3600, 90_000]))
 _STEP = st.one_of(
     _CALM_STEP, _CALM_STEP, _CALM_STEP,
     st.fixed_dictionaries({
@@ -537,7 +541,7 @@ _STEP = st.one_of(
         "temp": st.sampled_from([50.0, 50.0, 95.0, None]),
         "reasons": st.sampled_from([0, 0, 0x40, 0x20]),
         "recovery": st.sampled_from([None, None, 0, 1]),
-        "retired": st.sampled_from([None, None, 3]),
+        "retired": st.sampled_from([None, None, 3, 3, 60]),
     }),
     st.fixed_dictionaries({"kind": st.just("xid"), "dt": st.sampled_from([1, 10]),
                            "xid": st.sampled_from([13, 48, 62, 74, 79, 94, 119])}),
@@ -583,8 +587,20 @@ def _live(track: hardware.HwTrack, steps: list[dict[str, Any]], *,
     return out
 
 
-@settings(max_examples=300, deadline=None)
+def _calm_after(*steps: dict[str, Any], dt: float = 30) -> list[dict[str, Any]]:
+    """A calm sample, ``steps``, then a calm sample ``dt`` later."""
+    return [{**_CALM, "dt": 30}, *steps, {**_CALM, "dt": dt}]
+
+
+@settings(max_examples=600, deadline=None)
 @given(st.lists(_STEP, min_size=1, max_size=40))
+# Each way the short path could miss a change, once for certain: an XID episode to expire,
+# a loss to resolve, counters a clock step forgot, retired pages at the threshold and back.
+@example(_calm_after({"kind": "xid", "xid": 62, "dt": 1}, dt=90_000))
+@example(_calm_after({"kind": "lost", "dt": 1}))
+@example(_calm_after({"kind": "clock_step", "dt": 0}))
+@example(_calm_after({**_RETIRING, "dt": 30}))
+@example(_calm_after({**_RETIRING, "dt": 30}, {**_CALM_PRE_AMPERE, "dt": 30}))
 def test_the_calm_path_is_the_whole_path_in_short(steps: list[dict[str, Any]]) -> None:
     """A calm GPU's sample (:attr:`hardware.HwTrack.calm`) skips the rules' state, so it must
     give what the whole path gives, and leave the same state behind, whatever came before:
