@@ -464,15 +464,15 @@ def create_app(
     one_batch = asyncio.Lock()
 
     def apply(to_write: dict[bytes, bytes], event: Any) -> list[Output]:
-        decode, handler = by_topic[event.message.topic]
+        message = event.message
+        decode, handler = by_topic[message.topic]
         try:
-            message = event.message
             return states.apply(to_write, handler, decode(event.value, event.key),
                                 message.partition,
                                 message.offset if message.topic == samples_name else None)
         finally:
             if states.dropped:
-                outputs_to.drop_states(state_table, event.message.partition, states.dropped)
+                outputs_to.drop_states(state_table, message.partition, states.dropped)
 
     async def node_join(stream: Any) -> None:
         # Records are handled in batches, each record still validated and, if it fails,
