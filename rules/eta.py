@@ -25,8 +25,9 @@ turn and its GPUs coincide. Where there is no history yet (no workload of
 the queue has finished) or a workload asks for MIG devices, the estimate
 falls back to the **naive** one: position divided by the queue's admission
 rate over the window; both figures are in the evidence. A workload that no
-single node could ever hold gets no estimate (``stranded_capacity`` says
-why).
+single node could ever hold (a pod asking more GPUs than any node has) gets
+no estimate, and takes no place ahead of others: nothing that ends frees room
+for it (``stranded_capacity`` says why). One it had is resolved.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpusteward.rules.findings import finding_id, fingerprint, moved_enough
-from gpusteward.rules.fragmentation import FleetView
+from gpusteward.rules.fragmentation import FleetView, unplaceable
 from gpusteward.rules.registry import FleetRunner
 from gpusteward.schema import Evidence, Finding, PodRef, QueueEvent, Subject
 
@@ -167,7 +168,8 @@ def on_queue(state: EtaState, event: QueueEvent, settings: EtaSettings) -> list[
     return out
 
 
-def _close(state: EtaState, key: str, ts: float, *, started: bool) -> list[Finding]:
+def _close(state: EtaState, key: str, ts: float, *, started: bool,
+           why: str = "left the queue") -> list[Finding]:
     estimate = state.estimates.pop(key, None)
     if estimate is None:
         return []
@@ -183,7 +185,7 @@ def _close(state: EtaState, key: str, ts: float, *, started: bool) -> list[Findi
         id=estimate.open_id, fingerprint=fingerprint(KIND, key), kind=KIND, severity="info",
         state="resolved", subject=_subject(key, estimate.queue),
         summary=f"{key} " + (f"started {_against(ts - estimate.eta)}"
-                             if started else "left the queue"),
+                             if started else why),
         starts_at=estimate.since, ts=ts, ends_at=ts,
         evidence=Evidence(window_start=estimate.since, window_end=ts, values=values),
         runbook=RUNBOOK, labels={"queue": estimate.queue},
@@ -217,9 +219,10 @@ def expected_end(running: Running, durations: Sequence[float], now: float) -> fl
     return now + age / 2
 
 
-def estimates(state: EtaState, fleet: FleetView, now: float, settings: EtaSettings
-              ) -> dict[str, tuple[float | None, float | None, int]]:
-    """Per pending workload: (ETA, naive ETA, position in its queue)."""
+def estimates(state: EtaState, fleet: FleetView, now: float, settings: EtaSettings,
+              nowhere: Collection[str] = ()) -> dict[str, tuple[float | None, float | None, int]]:
+    """Per pending workload but those ``nowhere`` (no node could ever hold them): (ETA,
+    naive ETA, position in its queue)."""
     usable = [s for s in fleet.nodes if s.healthy and not s.cordoned]
     largest = max((s.gpus_total for s in usable), default=0)
     # The summaries may trail the queue (the agent reads both as they come): what the queue
@@ -239,6 +242,8 @@ def estimates(state: EtaState, fleet: FleetView, now: float, settings: EtaSettin
     out: dict[str, tuple[float | None, float | None, int]] = {}
     clock, blocked = now, False
     for key, wait in order:
+        if key in nowhere:
+            continue
         position = positions.get(wait.queue, 0)
         positions[wait.queue] = position + 1
         naive = _naive(state, wait.queue, position, now, settings)
@@ -276,7 +281,12 @@ def evaluate(state: EtaState, fleet: FleetView, now: float, settings: EtaSetting
     out: list[Finding] = []
     if not fleet.nodes:
         return out  # no node known yet (the queue read ahead of the first summaries)
-    for key, (eta, naive, position) in estimates(state, fleet, now, settings).items():
+    nowhere = unplaceable(fleet.pending, fleet.nodes).keys() & state.pending.keys()
+    for key in nowhere & state.estimates.keys():
+        out += _close(state, key, now, started=False,
+                      why="gets no estimate: no node of the fleet can hold it")
+    for key, (eta, naive, position) in estimates(state, fleet, now, settings,
+                                                 nowhere).items():
         if eta is None or not math.isfinite(eta):
             continue
         wait = state.pending[key]

@@ -23,7 +23,10 @@ Two measures over the fleet's free capacity, both pure functions:
   the scheduler is about to place never raises it. A workload of several
   pods (a Kueue Workload's pod sets) needs a node for each pod, not one node
   for all; on a node whose GPUs are shared (time-slicing, MPS) a request
-  counts in replicas, as the device plugin hands them out.
+  counts in replicas, as the device plugin hands them out. A workload with a pod
+  that asks more whole GPUs than any node of the fleet has, free or not, is
+  stranded too, whatever is free (:func:`fits_no_node`): it can never start
+  as it is, and waiting for the fleet to drain will not change that.
 
 The FGD computation sorts each node's free shares once and answers every
 shape with a bisection, and caches per distinct free vector: a fleet of
@@ -60,7 +63,10 @@ STRANDED_RUNBOOK = (
     "The pending workload would fit in the fleet's free GPUs added together, but not on any "
     "single node (or, for MIG, not in any node's free slices). Consolidate or preempt small "
     "holders on one node, change the MIG layout of a node towards the requested profile, "
-    "or split the workload if it can run across nodes."
+    "or split the workload if it can run across nodes. Where the labels say no node has as "
+    "many GPUs as one of its pods asks for, nothing the fleet frees will place it: ask for "
+    "at most the largest node's GPUs per pod (more pods, or a smaller job), or add nodes "
+    "that large."
 )
 
 
@@ -310,10 +316,45 @@ def request_room(summary: NodeSummary) -> int:
     return summary.gpus_free
 
 
+def capacity(summary: NodeSummary) -> int:
+    """How many ``nvidia.com/gpu`` one pod could get on a node with nothing else on it: its
+    GPUs, or on shared GPUs their replicas (the ceiling of :func:`request_room`)."""
+    return summary.gpus_total * max(1, summary.gpu_replicas)
+
+
+def fits_no_node(demand: Demand, largest: int) -> dict[str, float] | None:
+    """Why no node could ever hold one of ``demand``'s pods (the figures for the evidence),
+    where ``largest`` is the largest :func:`capacity` of the fleet's nodes, free or not,
+    cordoned or not: a pod asks for more whole GPUs. None when every pod fits some node,
+    when no node is known yet (``largest`` 0), and for MIG requests (a node's MIG layout
+    can change)."""
+    asked = max((p.gpus for p in demand.pods if not p.mig), default=0)
+    if not largest or asked <= largest:
+        return None
+    return {"requested_gpus_per_pod": float(asked), "largest_node_gpus": float(largest)}
+
+
+def unplaceable(pending: Mapping[str, Demand], nodes: Sequence[NodeSummary]
+                ) -> dict[str, dict[str, float]]:
+    """The ``pending`` workloads no node of ``nodes`` could ever hold, with why
+    (:func:`fits_no_node`). Runs every evaluation: the nodes are looked at only while no node
+    is found that holds the largest pod asked for."""
+    asked = max((p.gpus for demand in pending.values() for p in demand.pods if not p.mig),
+                default=0)
+    if not asked or any(capacity(s) >= asked for s in nodes):
+        return {}
+    largest = max(map(capacity, nodes), default=0)
+    return {key: why for key, demand in pending.items()
+            if (why := fits_no_node(demand, largest)) is not None}
+
+
 class FreeView:
     """The schedulable free capacity of the fleet, summed once per evaluation."""
 
     def __init__(self, summaries: Iterable[NodeSummary]) -> None:
+        summaries = list(summaries)
+        self.capacity = max(map(capacity, summaries), default=0)
+        """The largest node's :func:`capacity`, cordoned and unhealthy nodes included."""
         self.usable = [s for s in summaries if s.healthy and not s.cordoned]
         self.largest = max((request_room(s) for s in self.usable), default=0)
         self.total = sum(request_room(s) for s in self.usable)
@@ -375,9 +416,13 @@ def stranded_reason(demand: Demand, fleet: FreeView | Iterable[NodeSummary]
     """Why ``demand`` is stranded (the figures for the evidence), or None when it is not.
 
     Stranded: the fleet's free capacity adds up to what it asks for (MIG devices of any
-    profile), but its pods cannot each be given a node with room for them.
+    profile), but its pods cannot each be given a node with room for them; or one of its
+    pods asks for more GPUs than any node has (:func:`fits_no_node`), whatever is free.
     """
     view = fleet if isinstance(fleet, FreeView) else FreeView(fleet)
+    never = fits_no_node(demand, view.capacity)
+    if never is not None:
+        return never
     pods = sum(p.count for p in demand.pods)
     several = {"pods": float(pods)} if pods > 1 else {}
     if demand.mig:
@@ -428,6 +473,16 @@ def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
         namespace, _, name = key.partition("/")
         shape = _shape(demand)
         labels = {"shape": shape, "namespace": namespace, "name": name}
+        if "largest_node_gpus" in reason:
+            largest = int(reason["largest_node_gpus"])
+            summary = (f"{key} waits for {shape}: no node of the fleet has "
+                       f"{int(reason['requested_gpus_per_pod'])} GPUs (the largest has "
+                       f"{largest}), so it can never start as it is")
+            labels["advice"] = (f"ask for at most {largest} GPUs per pod, or add a node "
+                                "that large")
+        else:
+            summary = (f"{key} waits for {shape}: the fleet has the capacity free, but no "
+                       "node has it in that shape")
         if demand.mig:
             # MIG layout advice: the free slices are there, in the wrong profiles.
             free = ", ".join(f"{k.removeprefix('free_mig_')} x{v:g}" for k, v in reason.items()
@@ -437,9 +492,7 @@ def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
         out.append(Finding(
             id=episode.open_id, fingerprint=fp, kind=STRANDED_KIND, severity="warning",
             state="firing", subject=_stranded_subject(key, demand.queue),
-            summary=f"{key} waits for {shape}: the fleet has the capacity free, but no "
-            f"node has it in that shape",
-            starts_at=episode.since, ts=ts,
+            summary=summary, starts_at=episode.since, ts=ts,
             evidence=Evidence(window_start=episode.since, window_end=ts,
                               samples=episode.evaluations, values=reason),
             runbook=STRANDED_RUNBOOK, labels=labels,

@@ -214,18 +214,37 @@ def summarize(console: Console, truth: GroundTruth, state: DemoState,
         console.print(f"queue wait, with gpusteward acting: {queue}; the same day unattended: "
                       f"{QueueWait.of(baseline)}")
     console.print(f"pods still pending: {', '.join(truth.pending) or '-'}")
+    # A workload no node can hold is told as such, and is promised no start.
+    nowhere = {_pod_key(f) for f in state.findings
+               if f.kind == "stranded_capacity" and f.state == "firing"
+               and f.evidence is not None and "largest_node_gpus" in f.evidence.values}
+    promised = {_pod_key(f) for f in state.findings
+                if f.kind == "queue_start_eta" and f.state == "firing"}
+    unplaceable = set(truth.unplaceable)
+    if unplaceable:
+        console.print(f"fits no node ({len(unplaceable)}): {', '.join(sorted(unplaceable))}; "
+                      f"told so: {', '.join(sorted(unplaceable & nowhere)) or '-'}; "
+                      f"given a start estimate: {', '.join(sorted(unplaceable & promised)) or '-'}")
     console.print(f"findings: {len(state.findings)}, executor decisions: {len(state.results)}")
     expected_idle = sorted(_expected_idle_pods(truth))
     kinds = {f"{p.namespace}/{p.pod}": p.kind for p in truth.pods}
     agree = (idle_pods == expected_idle and cordoned == faulty
              and set(reclaimed) <= set(idle_pods)
-             and all(kinds[pod] == "notebook" for pod in reclaimed))
+             and all(kinds[pod] == "notebook" for pod in reclaimed)
+             and unplaceable <= nowhere and not unplaceable & promised)
     if agree:
         console.print("[green]matches the simulator's ground truth: every injected idle holder "
-                      "and faulty GPU found, only idle notebooks reclaimed, no false alarm[/]")
+                      "and faulty GPU found, only idle notebooks reclaimed, every workload that "
+                      "fits no node told so and promised no start, no false alarm[/]")
     else:
-        console.print(f"[red]differs from ground truth: idle {expected_idle}, faulty {faulty}[/]")
+        console.print(f"[red]differs from ground truth: idle {expected_idle}, faulty {faulty}, "
+                      f"fitting no node {sorted(unplaceable)}[/]")
     return agree
+
+
+def _pod_key(finding: Finding) -> str | None:
+    pod = finding.subject.pod
+    return None if pod is None else f"{pod.namespace}/{pod.name}"
 
 
 def _expected_idle_pods(truth: GroundTruth, window_s: float = 1800, grace_s: float = 600

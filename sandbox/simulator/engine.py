@@ -175,6 +175,9 @@ class GroundTruth(msgspec.Struct):
     interruptions: list[InterruptionRecord] = []
     pending_since: dict[str, float] = {}
     """namespace/name -> arrival of every workload still pending at the end."""
+    unplaceable: list[str] = []
+    """namespace/name of every workload still pending at the end that asks for more whole
+    GPUs than any node of the scenario has: it could never start."""
     reclaims: list[ReclaimRecord] = []
     gangs: dict[str, int] = {}
     """namespace/JobSet name -> members, of every gang in the scenario (its members are the
@@ -838,6 +841,9 @@ class SimulatedCluster:
                        and isinstance(w.devices[0], SimGpu)]
         truth.pending = sorted(f"{w.namespace}/{w.name}" for w in self.queue)
         truth.pending_since = {f"{w.namespace}/{w.name}": w.arrive for w in self.queue}
+        largest = max(sum(not g.mig for g in node.gpus) for node in self.nodes.values())
+        truth.unplaceable = sorted(f"{w.namespace}/{w.name}" for w in self.queue
+                                   if not w.spec.mig and w.spec.gpus > largest)
         return truth
 
     def _leak(self, workload: Workload) -> LeakRecord:

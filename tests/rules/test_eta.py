@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpusteward.rules import eta as e
-from gpusteward.rules.fragmentation import FleetView
+from gpusteward.rules.fragmentation import Demand, FleetView
 from gpusteward.schema import Finding, NodeSummary, QueueEvent, WorkloadState
 
 SETTINGS = e.EtaSettings()
@@ -74,6 +74,34 @@ def test_free_capacity_starts_now_and_unplaceable_shapes_get_no_release_eta() ->
     out = e.estimates(state, fleet(1, total=2), 200, SETTINGS)
     assert out["ml/now"][0] == 200
     assert out["ml/huge"][0] == out["ml/huge"][1]  # 3 GPUs fit no 2-GPU node: naive only
+
+
+def test_a_workload_no_node_can_hold_gets_no_estimate_and_takes_no_place() -> None:
+    """A pod asking for more GPUs than any node has can never start: no estimate (the demo's
+    2-GPU job on one-GPU nodes was told "expected to start in 8 min" for six hours), and the
+    workloads behind it are not counted behind it."""
+    state = with_history([1200.0] * 3)
+    apply(state, ev("ddp", "pending", 100, gpus=2), ev("a", "pending", 200))
+    nodes = fleet(0, total=1, nodes=4).nodes
+    pending = {"ml/ddp": Demand("ml/ddp", "q", gpus=2), "ml/a": Demand("ml/a", "q", gpus=1)}
+    (only,) = e.evaluate(state, FleetView(nodes=nodes, pending=pending, shape_counts={}),
+                         1000, SETTINGS)
+    assert only.subject.pod is not None and only.subject.pod.name == "a"
+    assert only.evidence is not None and only.evidence.values["position"] == 0
+    # One that had an estimate, when the only node that could hold it goes: resolved.
+    state = with_history([1200.0] * 3)
+    apply(state, ev("w", "pending", 100, gpus=2))
+    big = fleet(0, total=2).nodes
+    wants = {"ml/w": Demand("ml/w", "q", gpus=2)}
+    (published,) = e.evaluate(state, FleetView(nodes=big, pending=wants, shape_counts={}),
+                              1000, SETTINGS)
+    assert published.state == "firing"
+    (closed,) = e.evaluate(state, FleetView(nodes=nodes, pending=wants, shape_counts={}),
+                           1100, SETTINGS)
+    assert closed.id == published.id and closed.state == "resolved"
+    assert closed.summary == "ml/w gets no estimate: no node of the fleet can hold it"
+    assert e.evaluate(state, FleetView(nodes=nodes, pending=wants, shape_counts={}), 1200,
+                      SETTINGS) == []
 
 
 def test_naive_is_position_over_admission_rate() -> None:

@@ -376,5 +376,41 @@ def test_a_request_on_shared_gpus_counts_in_replicas() -> None:
     # Wholly free shared GPUs too: 1 GPU x 4 replicas is room for 4, not 1.
     idle = [_summary(n, 1, total=1, gpu_replicas=4, replicas_free=4) for n in "ab"]
     assert frag.stranded_reason(Demand("ml/big", "serving", gpus=4), idle) is None
+    # 8 replicas are more than either node has at all: it fits no node, whatever is free.
     assert frag.stranded_reason(Demand("ml/huge", "serving", gpus=8), idle) == {
-        "fleet_free_gpus": 8.0, "largest_node_free_gpus": 4.0, "requested_gpus": 8.0}
+        "requested_gpus_per_pod": 8.0, "largest_node_gpus": 4.0}
+    assert frag.stranded_reason(Demand("ml/big", "serving", gpus=3), [
+        _summary(n, 0, total=2, gpu_replicas=2, replicas_free=2) for n in "ab"]) == {
+        "fleet_free_gpus": 4.0, "largest_node_free_gpus": 2.0, "requested_gpus": 3.0}
+
+
+def test_a_pod_larger_than_every_node_is_stranded_whatever_is_free() -> None:
+    """The demo's 2-GPU job on one-GPU nodes: the fleet is busy, so its free GPUs never add
+    up to the request, yet no amount of waiting places it. It is told, as stranded."""
+    busy = [_summary(f"a100-{i}", 0, total=1) for i in range(8)]
+    track = frag.StrandedTrack()
+    demand = {"ml-ivan/ddp-ivan": Demand("ml-ivan/ddp-ivan", "research", gpus=2)}
+    out = []
+    for t in range(0, 600, 30):
+        out += frag.observe_stranded(track, demand, busy, ts=t, settings=SETTINGS)
+    (firing,) = out
+    assert firing.state == "firing" and firing.ts == SETTINGS.stranded_window_s
+    assert firing.evidence and firing.evidence.values == {"requested_gpus_per_pod": 2.0,
+                                                          "largest_node_gpus": 1.0}
+    assert firing.summary == ("ml-ivan/ddp-ivan waits for 2 GPUs on one node: no node of the "
+                              "fleet has 2 GPUs (the largest has 1), so it can never start as "
+                              "it is")
+    assert firing.labels["advice"] == "ask for at most 1 GPUs per pod, or add a node that large"
+    # A node that large joins (cordoned, busy: it could still hold it one day): resolved.
+    (closed,) = frag.observe_stranded(
+        track, demand, [*busy, _summary("h100-1", 0, total=8, cordoned=True)], ts=630,
+        settings=SETTINGS)
+    assert closed.state == "resolved" and closed.id == firing.id
+    # A pod of a workload of several: each pod must fit some node.
+    pods = Demand("ml/ddp", "q", gpus=4, pod_sets=(PodSet(count=2, gpus=2),))
+    assert frag.stranded_reason(pods, busy) == {"requested_gpus_per_pod": 2.0,
+                                                "largest_node_gpus": 1.0}
+    assert frag.stranded_reason(Demand("ml/one", "q", gpus=1), busy) is None
+    # MIG layouts change, and no fleet known says nothing.
+    assert frag.stranded_reason(Demand("ml/m", "q", mig={"7g.80gb": 2}), busy) is None
+    assert frag.stranded_reason(demand["ml-ivan/ddp-ivan"], []) is None
