@@ -546,7 +546,13 @@ def observe(
     if activity >= eff.threshold_pct:
         track.below_since, track.below_samples, track.below_max_pct = None, 0, 0.0
         if track.open_id is not None:
-            out.append(_close(track, node, sample.uuid, ts, "the pod is using the GPU again"))
+            # Busy under another pod (the episode's pod stopped, its GPU given to waiting
+            # work before its end was read): that pod did not use it again, it let it go.
+            moved = (holder is not None and track.open_pod is not None
+                     and not same_pod(holder.pod, track.open_pod))
+            out.append(_close(track, node, sample.uuid, ts,
+                              "the pod released the GPU" if moved
+                              else "the pod is using the GPU again"))
         return out
     if track.below_since is None or gap:
         track.below_since, track.below_samples, track.below_max_pct = ts, 0, 0.0

@@ -59,6 +59,22 @@ def test_busy_again_resolves_the_same_episode() -> None:
     assert resolved[0].id == firing[0].id and resolved[0].ends_at == START + 3030
 
 
+def test_busy_under_another_pod_resolves_as_released_not_as_used_again() -> None:
+    """The demo's reclaimed notebooks: stopped, their GPU given to a waiting job, whose busy
+    samples came before the notebook's end was read. The notebook did not use it again."""
+    track = idle.IdleTrack()
+    feed(track, every(30, START, START + 3000, 0.5))
+    job = idle.Holder(PodRef(namespace="ml-rupert", name="sweep-rupert", uid="u2"), START + 3010)
+    (closing,) = feed(track, [(START + 3030, 90.0)], holder=job)
+    assert isinstance(closing, Finding) and closing.state == "resolved"
+    assert closing.subject.pod == POD
+    assert closing.summary == "ml-alice/nb-alice: the pod released the GPU"
+    (again,) = [o for o in feed(idle.IdleTrack(), [*every(30, START, START + 3000, 0.5),
+                                                   (START + 3030, 90.0)])
+                if isinstance(o, Finding) and o.state == "resolved"]
+    assert again.summary == "ml-alice/nb-alice: the pod is using the GPU again"
+
+
 def test_release_resolves() -> None:
     track = idle.IdleTrack()
     feed(track, every(30, START, START + 3000, 0.5))
