@@ -83,6 +83,15 @@ def test_demo_summary_matches_ground_truth(settings: Settings, tmp_path: Path) -
         assert reclaimed and reclaimed <= set(truth.notified)
         assert sum(r.gpu_hours_given_back for r in truth.reclaims) > 0
         assert demo.QueueWait.of(truth).mean_min < demo.QueueWait.of(baseline).mean_min
+        # Each reclaimed notebook's alert resolves as the pod letting its GPU go (the job that
+        # got the GPU is busy on it), not as the notebook "using the GPU again".
+        for name in reclaimed:
+            namespace, _, pod = name.partition("/")
+            closed = [f.summary for f in state.findings
+                      if f.kind == "idle_holder" and f.state == "resolved" and f.subject.pod
+                      and (f.subject.pod.namespace, f.subject.pod.name) == (namespace, pod)]
+            assert closed and all(s.endswith("the pod released the GPU") for s in closed), (
+                name, closed)
         return (await _topic(settings, topics.ALLOCATIONS, AllocationEvent),
                 await _topic(settings, topics.QUEUE, QueueEvent),
                 await _topic(settings, topics.SAMPLES, NodeSample))
