@@ -25,22 +25,32 @@ from gpusteward.kafka import wait_for_broker
 from gpusteward.settings import KafkaSettings, Settings
 
 
+_given: set[int] = set()
+"""Ports :func:`free_port` returned in this process: nothing listens on one until its
+server starts, so a probe alone would hand it out twice."""
+
+
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now, from below the kernel's
-    ephemeral range. A port from that range (what binding port 0 gives) can be taken before
-    its server binds it by any outgoing connection, and the Kafka clients beside it open
-    many: CI saw a sandbox sink's probe port "already in use"."""
+    """A TCP port that nothing listens on right now (on any address: the servers given one
+    bind them all), from below the kernel's ephemeral range, and that this process has not
+    handed out before. A port from that range (what binding port 0 gives) can be taken
+    before its server binds it by any outgoing connection, and the Kafka clients beside it
+    open many: CI saw a sandbox sink's probe port "already in use". A port handed out twice
+    (two servers of one demo) would fail the same way."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
     for _ in range(100):
         port = random.randrange(10_000, max(low, 10_001))
+        if port in _given:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             try:
-                probe.bind(("127.0.0.1", port))
+                probe.bind(("", port))
             except OSError:
                 continue
+            _given.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))

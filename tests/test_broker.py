@@ -197,3 +197,12 @@ def test_an_embedded_broker_never_starts_on_a_taken_port() -> None:
         taken.listen()
         with pytest.raises(PortInUse, match=f"127.0.0.1:{port} is in use"):
             EmbeddedBroker(port).start()
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing listens on a port until its server starts: two containers of one demo given
+    the same one would have the second fail with "address already in use"."""
+    draws = iter([20_001, 20_001, 20_002])
+    monkeypatch.setattr("gpusteward.broker.random.randrange", lambda *_: next(draws))
+    monkeypatch.setattr("gpusteward.broker._given", set())
+    assert [free_port(), free_port()] == [20_001, 20_002]
