@@ -380,10 +380,13 @@ class SimulatedCluster:
         made: list[Workload] = []
         next_user = 0
         for spec in scenario.workloads:
-            for _ in range(spec.count):
+            for number in range(spec.count):
                 user = users[next_user % len(users)]
                 next_user += 1
-                name = f"{spec.group}-{user}"
+                # A group of more workloads than users goes round the users again: its
+                # second round is "<group>-<user>-2", so no two pods share a name and uid.
+                again = number // len(users)
+                name = f"{spec.group}-{user}" + (f"-{again + 1}" if again else "")
                 rng = random.Random(f"{scenario.seed}:{name}")
                 timeline: list[tuple[float, float | None, Phase]] = []
                 offset = 0.0

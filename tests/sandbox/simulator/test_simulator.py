@@ -174,3 +174,13 @@ def test_simulated_nvlink_crc_errors_reach_the_node_join_apart_from_replays() ->
                       if isinstance(o, Finding) and o.kind.startswith("nvlink")
                       and o.state == "firing"}
     assert fired == {("nvlink_crc_errors", "a100-2"), ("nvlink_errors", "a100-3")}
+
+
+@pytest.mark.parametrize("name", scenarios.builtin_names())
+def test_no_two_workloads_share_a_pod_identity(name: str) -> None:
+    """A group of more workloads than users went round the users again under the same
+    names: spot-batch ran two ml-bob/train-bob pods with one uid, which the demo's API
+    double refused (a pod of that name already existed) and a real cluster would too."""
+    workloads = SimulatedCluster(scenarios.load(name)).workloads
+    assert len({(w.namespace, w.name) for w in workloads}) == len(workloads)
+    assert len({w.uid for w in workloads}) == len(workloads)
