@@ -38,6 +38,7 @@ from rich.table import Table
 from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
 from gpusteward.collectors.transport.publisher import KafkaPublisher
+from gpusteward.rules import REGISTRY, ecc, hardware
 from gpusteward.sandbox import deployment
 from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
@@ -198,6 +199,13 @@ def summarize(console: Console, truth: GroundTruth, state: DemoState,
                         if f.kind == "idle_holder" and f.state == "firing" and f.subject.pod})
     cordoned = sorted({r.target.node or "" for r in state.results
                        if r.verb == "cordon" and r.outcome == "executed"})
+    # Nodes told of as faulty: a hardware rule's finding on one of their GPUs. Which of them
+    # are also cordoned is the policy's choice (the local overlay enables ECC DBE cordons
+    # only; the other hardware actions are dry runs).
+    told = {f.subject.node for f in state.findings
+            if f.state == "firing" and f.kind in _HARDWARE_KINDS}
+    acted = {r.target.node for r in state.results if r.outcome == "executed"
+             and r.verb in ("cordon", "drain", "taint")}
     faulty = sorted({f.node for f in truth.faults})
     reclaimed = sorted(f"{r.namespace}/{r.pod}" for r in truth.reclaims)
     given_back = sum(r.gpu_hours_given_back for r in truth.reclaims)
@@ -208,7 +216,16 @@ def summarize(console: Console, truth: GroundTruth, state: DemoState,
     console.print(f"owners told: {', '.join(sorted(set(truth.notified))) or '-'}")
     console.print(f"notebooks reclaimed ({len(reclaimed)}): {', '.join(reclaimed) or '-'}; "
                   f"GPU-hours given back: {given_back:.1f}")
+    if faulty:
+        console.print(f"nodes with injected GPU faults ({len(faulty)}): {', '.join(faulty)}; "
+                      f"told: {len(told & set(faulty))}")
     console.print(f"nodes cordoned ({len(cordoned)}): {', '.join(cordoned) or '-'}")
+    reclaimed_spot = sorted({r.node for r in truth.interruptions})
+    spot_told = {f.subject.node for f in state.findings
+                 if f.kind == "spot_interruption" and f.state == "firing"}
+    if reclaimed_spot:
+        console.print(f"spot nodes taken back ({len(reclaimed_spot)}): "
+                      f"{', '.join(reclaimed_spot)}; told: {len(spot_told & set(reclaimed_spot))}")
     queue = QueueWait.of(truth)
     if baseline is not None:
         console.print(f"queue wait, with gpusteward acting: {queue}; the same day unattended: "
@@ -228,18 +245,26 @@ def summarize(console: Console, truth: GroundTruth, state: DemoState,
     console.print(f"findings: {len(state.findings)}, executor decisions: {len(state.results)}")
     expected_idle = sorted(_expected_idle_pods(truth))
     kinds = {f"{p.namespace}/{p.pod}": p.kind for p in truth.pods}
-    agree = (idle_pods == expected_idle and cordoned == faulty
+    agree = (idle_pods == expected_idle and set(faulty) <= told and acted <= set(faulty)
+             and set(reclaimed_spot) <= spot_told
              and set(reclaimed) <= set(idle_pods)
              and all(kinds[pod] == "notebook" for pod in reclaimed)
              and unplaceable <= nowhere and not unplaceable & promised)
     if agree:
         console.print("[green]matches the simulator's ground truth: every injected idle holder "
-                      "and faulty GPU found, only idle notebooks reclaimed, every workload that "
-                      "fits no node told so and promised no start, no false alarm[/]")
+                      "and faulty GPU found, no healthy node acted on, every spot node taken "
+                      "back told, only idle notebooks reclaimed, every workload that fits no node told so and promised no "
+                      "start, no false alarm[/]")
     else:
         console.print(f"[red]differs from ground truth: idle {expected_idle}, faulty {faulty}, "
                       f"fitting no node {sorted(unplaceable)}[/]")
     return agree
+
+
+_HARDWARE_KINDS = frozenset(kind for name in REGISTRY
+                            if REGISTRY[name].device in (hardware.RUNNER, ecc.RUNNER)
+                            for kind in REGISTRY[name].emits)
+"""The finding kinds of the hardware rules (ECC, XID, counters, losses, heat)."""
 
 
 def _pod_key(finding: Finding) -> str | None:

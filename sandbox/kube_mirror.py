@@ -293,6 +293,10 @@ def node_for(event: NodeInventory, dra: bool = False) -> dict[str, Any]:
                     resources={} if dra else resources)
     if event.unschedulable:
         node["spec"]["unschedulable"] = True
+    if event.taints:  # a spot node's termination notice, a cordon's taint
+        node["spec"]["taints"] = [{"key": t.key, "effect": t.effect,
+                                   **({"value": t.value} if t.value is not None else {})}
+                                  for t in event.taints]
     return node
 
 
@@ -366,11 +370,24 @@ class KubeMirrorPublisher:
         try:
             current = self.api.get("Node", event.node)
         except KeyError:
+            if event.deleted:
+                return
             self.api.create(node)
             if dra:  # the DRA driver's kubelet plugin publishes the node's devices
                 assert simulated is not None
                 self.api.create(node_slice(simulated))
             return
+        if event.deleted:  # a reclaimed spot node: the cloud took it, Karpenter deletes it
+            self.api.delete("Node", event.node)
+            return
+        # What the executor wrote stays (a cordon, its gpusteward.io/ taints): the simulated
+        # cluster learns of it at its next tick, and an inventory sent before must not undo it.
+        spec, kept = node["spec"], current.get("spec") or {}
+        if kept.get("unschedulable"):
+            spec["unschedulable"] = True
+        ours = [t for t in kept.get("taints") or [] if t["key"].startswith("gpusteward.io/")]
+        if ours:
+            spec["taints"] = [*spec.get("taints", []), *ours]
         node["metadata"] = {**current["metadata"], "labels": node["metadata"]["labels"]}
         self.api.update(node)
 
