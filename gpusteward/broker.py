@@ -24,7 +24,6 @@ from gpusteward.errors import ConfigError
 from gpusteward.kafka import wait_for_broker
 from gpusteward.settings import KafkaSettings, Settings
 
-
 _given: set[int] = set()
 """Ports :func:`free_port` returned in this process: nothing listens on one until its
 server starts, so a probe alone would hand it out twice."""

@@ -253,8 +253,8 @@ def summarize(console: Console, truth: GroundTruth, state: DemoState,
     if agree:
         console.print("[green]matches the simulator's ground truth: every injected idle holder "
                       "and faulty GPU found, no healthy node acted on, every spot node taken "
-                      "back told, only idle notebooks reclaimed, every workload that fits no node told so and promised no "
-                      "start, no false alarm[/]")
+                      "back told, only idle notebooks reclaimed, every workload that fits no "
+                      "node told so and promised no start, no false alarm[/]")
     else:
         console.print(f"[red]differs from ground truth: idle {expected_idle}, faulty {faulty}, "
                       f"fitting no node {sorted(unplaceable)}[/]")
