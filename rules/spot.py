@@ -238,7 +238,7 @@ def _finding(track: SpotNodeTrack, node: str, fp: str, ts: float,
         id=track.open_id, fingerprint=fp, kind=KIND, severity="critical", state="firing",
         subject=Subject(node=node),
         summary=f"spot node {node} is being reclaimed ({track.open_taint}): "
-        f"{len(requeued)} pods requeued, {len(left)} left to their controller to recreate "
+        f"{len(requeued)} to requeue, {len(left)} left to their controller to recreate "
         f"({_owners(left)}), {len(stuck)} need a decision",
         starts_at=track.open_since, ts=ts,
         evidence=Evidence(window_start=track.open_since, window_end=ts,

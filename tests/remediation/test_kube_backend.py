@@ -326,7 +326,7 @@ def test_every_requeue_the_spot_rule_asks_for_the_backend_carries_out(
     left = {f"ml/{o.lower()}-0" for o in live_controller if live_controller[o] != "Job"}
     assert set(finding.labels["left_to_controller"].split(",")) == left
     assert {("ml", n.split("/")[1]) for n in left} <= pods(kube)
-    assert ("3 pods requeued, 8 left to their controller to recreate (JAXJob ml/jaxjob, "
+    assert ("3 to requeue, 8 left to their controller to recreate (JAXJob ml/jaxjob, "
             "MPIJob ml/mpijob, PaddleJob ml/paddlejob, PyTorchJob ml/pytorchjob, RayCluster "
             "ml/raycluster and 3 more), 0 need a decision") in finding.summary
 

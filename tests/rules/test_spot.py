@@ -67,7 +67,7 @@ def test_operator_pods_without_a_kueue_workload_are_left_to_their_controller() -
     assert isinstance(finding, Finding)
     assert [a.target.pod.name for a in actions if isinstance(a, Action) and a.target.pod] == [
         "job-0"]
-    assert (": 1 pods requeued, 3 left to their controller to recreate (JAXJob ml/jax-0-owner, "
+    assert (": 1 to requeue, 3 left to their controller to recreate (JAXJob ml/jax-0-owner, "
             "PyTorchJob ml/worker-1-owner, RayCluster ml/ray-w-owner), 0 need a decision"
             ) in finding.summary
     assert finding.labels["left_to_controller"] == "ml/jax-0,ml/ray-w,ml/worker-1"
@@ -84,7 +84,7 @@ def test_an_operator_pod_of_a_kueue_workload_is_requeued_through_it() -> None:
                 SETTINGS)
     finding, action = spot.on_inventory(track, inv(10, ITN), SETTINGS)
     assert isinstance(action, Action) and action.verb == "requeue"
-    assert isinstance(finding, Finding) and ": 1 pods requeued, 0 left" in finding.summary
+    assert isinstance(finding, Finding) and ": 1 to requeue, 0 left" in finding.summary
 
 
 def test_kubeflow_trainer_and_training_operator_kinds_are_restartable() -> None:
