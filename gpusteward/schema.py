@@ -482,6 +482,10 @@ class NodeSummary(msgspec.Struct):
     node created again under its name. A consumer that ignores the field counts no GPU of
     it either. Every summary the node join sends for the node until then is one, so a
     redelivered or late one keeps it out."""
+    mig_total: Annotated[dict[Name, Int64], Meta(max_length=1024)] = {}
+    """MIG devices the node's layout offers by profile (its allocatable ``nvidia.com/mig-*``),
+    held or not: what a MIG request could ever get there without a layout change. Empty on
+    a node without MIG and from a build before this field (then not known)."""
 
 
 def summary_follows(summary: NodeSummary, ts: float, clock_steps: int) -> bool:

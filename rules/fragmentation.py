@@ -322,16 +322,38 @@ def capacity(summary: NodeSummary) -> int:
     return summary.gpus_total * max(1, summary.gpu_replicas)
 
 
-def fits_no_node(demand: Demand, largest: int) -> dict[str, float] | None:
-    """Why no node could ever hold one of ``demand``'s pods (the figures for the evidence),
-    where ``largest`` is the largest :func:`capacity` of the fleet's nodes, free or not,
-    cordoned or not: a pod asks for more whole GPUs. None when every pod fits some node,
-    when no node is known yet (``largest`` 0), and for MIG requests (a node's MIG layout
-    can change)."""
+def fits_no_node(demand: Demand, largest: int,
+                 layouts: Sequence[Mapping[str, int]] | None = None) -> dict[str, float] | None:
+    """Why no node could ever hold one of ``demand``'s pods as the fleet is (the figures for
+    the evidence), where ``largest`` is the largest :func:`capacity` of the fleet's nodes,
+    free or not, cordoned or not: a pod asks for more whole GPUs. With ``layouts`` (every
+    MIG node's ``mig_total``, None where not known), a pod asking for MIG devices no node's
+    layout offers together: only a layout change places it. None when every pod fits some
+    node, and when no node is known yet (``largest`` 0 and no layout)."""
     asked = max((p.gpus for p in demand.pods if not p.mig), default=0)
-    if not largest or asked <= largest:
+    if largest and asked > largest:
+        return {"requested_gpus_per_pod": float(asked), "largest_node_gpus": float(largest)}
+    if not layouts:
         return None
-    return {"requested_gpus_per_pod": float(asked), "largest_node_gpus": float(largest)}
+    for pod in demand.pods:
+        if pod.mig and not any(all(layout.get(p, 0) >= n for p, n in pod.mig.items())
+                               for layout in layouts):
+            return {"requested_mig_devices_per_pod": float(sum(pod.mig.values())),
+                    **{f"offered_mig_{p}": float(sum(layout.get(p, 0) for layout in layouts))
+                       for p in sorted(pod.mig)}}
+    return None
+
+
+def mig_layouts(nodes: Iterable[NodeSummary]) -> list[Mapping[str, int]] | None:
+    """Every MIG node's layout (``mig_total``); None when a MIG node's is not known (its
+    summary from an earlier build) or no node has MIG."""
+    layouts: list[Mapping[str, int]] = []
+    for summary in nodes:
+        if summary.mig_total:
+            layouts.append(summary.mig_total)
+        elif summary.mig_free:
+            return None
+    return layouts or None
 
 
 def unplaceable(pending: Mapping[str, Demand], nodes: Sequence[NodeSummary]
@@ -339,13 +361,15 @@ def unplaceable(pending: Mapping[str, Demand], nodes: Sequence[NodeSummary]
     """The ``pending`` workloads no node of ``nodes`` could ever hold, with why
     (:func:`fits_no_node`). Runs every evaluation: the nodes are looked at only while no node
     is found that holds the largest pod asked for."""
-    asked = max((p.gpus for demand in pending.values() for p in demand.pods if not p.mig),
-                default=0)
-    if not asked or any(capacity(s) >= asked for s in nodes):
+    pods = [p for demand in pending.values() for p in demand.pods]
+    asked = max((p.gpus for p in pods if not p.mig), default=0)
+    mig = any(p.mig for p in pods)
+    if not mig and (not asked or any(capacity(s) >= asked for s in nodes)):
         return {}
     largest = max(map(capacity, nodes), default=0)
+    layouts = mig_layouts(nodes) if mig else None
     return {key: why for key, demand in pending.items()
-            if (why := fits_no_node(demand, largest)) is not None}
+            if (why := fits_no_node(demand, largest, layouts)) is not None}
 
 
 class FreeView:
@@ -355,6 +379,8 @@ class FreeView:
         summaries = list(summaries)
         self.capacity = max(map(capacity, summaries), default=0)
         """The largest node's :func:`capacity`, cordoned and unhealthy nodes included."""
+        self.layouts = mig_layouts(summaries)
+        """Every MIG node's layout, cordoned and unhealthy nodes included (:func:`mig_layouts`)."""
         self.usable = [s for s in summaries if s.healthy and not s.cordoned]
         self.largest = max((request_room(s) for s in self.usable), default=0)
         self.total = sum(request_room(s) for s in self.usable)
@@ -420,8 +446,10 @@ def stranded_reason(demand: Demand, fleet: FreeView | Iterable[NodeSummary]
     pods asks for more GPUs than any node has (:func:`fits_no_node`), whatever is free.
     """
     view = fleet if isinstance(fleet, FreeView) else FreeView(fleet)
-    never = fits_no_node(demand, view.capacity)
+    never = fits_no_node(demand, view.capacity, view.layouts)
     if never is not None:
+        if demand.mig:  # for the layout advice: the slices free now, by profile
+            never |= {f"free_mig_{p}": float(n) for p, n in sorted(view.mig_by_profile.items())}
         return never
     pods = sum(p.count for p in demand.pods)
     several = {"pods": float(pods)} if pods > 1 else {}
@@ -473,7 +501,10 @@ def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
         namespace, _, name = key.partition("/")
         shape = _shape(demand)
         labels = {"shape": shape, "namespace": namespace, "name": name}
-        if "largest_node_gpus" in reason:
+        if "requested_mig_devices_per_pod" in reason:
+            summary = (f"{key} waits for {shape}: no node's MIG layout offers it, so it can "
+                       "never start until a layout changes")
+        elif "largest_node_gpus" in reason:
             largest = int(reason["largest_node_gpus"])
             summary = (f"{key} waits for {shape}: no node of the fleet has "
                        f"{int(reason['requested_gpus_per_pod'])} GPUs (the largest has "
@@ -488,7 +519,7 @@ def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
             free = ", ".join(f"{k.removeprefix('free_mig_')} x{v:g}" for k, v in reason.items()
                              if k.startswith("free_mig_") and k != "free_mig_devices")
             labels["advice"] = (f"repartition a MIG node with idle slices ({free}) to offer "
-                                f"{shape}")
+                                f"{shape}" if free else f"repartition a MIG node to offer {shape}")
         out.append(Finding(
             id=episode.open_id, fingerprint=fp, kind=STRANDED_KIND, severity="warning",
             state="firing", subject=_stranded_subject(key, demand.queue),

@@ -22,6 +22,7 @@ import math
 import random
 import time
 import uuid as uuidlib
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -177,7 +178,8 @@ class GroundTruth(msgspec.Struct):
     """namespace/name -> arrival of every workload still pending at the end."""
     unplaceable: list[str] = []
     """namespace/name of every workload still pending at the end that asks for more whole
-    GPUs than any node of the scenario has: it could never start."""
+    GPUs than any node of the scenario has, or for MIG devices no node's layout offers
+    together: it could never start."""
     reclaims: list[ReclaimRecord] = []
     gangs: dict[str, int] = {}
     """namespace/JobSet name -> members, of every gang in the scenario (its members are the
@@ -845,8 +847,12 @@ class SimulatedCluster:
         truth.pending = sorted(f"{w.namespace}/{w.name}" for w in self.queue)
         truth.pending_since = {f"{w.namespace}/{w.name}": w.arrive for w in self.queue}
         largest = max(sum(not g.mig for g in node.gpus) for node in self.nodes.values())
-        truth.unplaceable = sorted(f"{w.namespace}/{w.name}" for w in self.queue
-                                   if not w.spec.mig and w.spec.gpus > largest)
+        layouts = [Counter(m.profile for g in node.gpus for m in g.mig)
+                   for node in self.nodes.values()]
+        truth.unplaceable = sorted(
+            f"{w.namespace}/{w.name}" for w in self.queue
+            if (not any(all(layout[p] >= n for p, n in w.spec.mig.items())
+                        for layout in layouts) if w.spec.mig else w.spec.gpus > largest))
         return truth
 
     def _leak(self, workload: Workload) -> LeakRecord:

@@ -124,6 +124,7 @@ def test_demo_summary_matches_ground_truth(settings: Settings, tmp_path: Path) -
     ("spot-batch", lambda truth: truth.interruptions),
     ("faulty-fleet", lambda truth: truth.faults),
     ("queue-pressure", lambda truth: truth.unplaceable),
+    ("mig-inference", lambda truth: truth.unplaceable),
 ])
 def test_the_other_stories_as_deployed_match_their_ground_truth(
         settings: Settings, tmp_path: Path, name: str,
@@ -132,8 +133,10 @@ def test_the_other_stories_as_deployed_match_their_ground_truth(
     API double and kubelet sockets carry what the simulator does (a spot node's taint and
     its deletion, faulty GPUs, a job no node can hold). Each story happened (``story``) and
     the summary agrees with the ground truth: before, spot-batch crashed the world (two pods
-    of one name), its interruptions never reached the watcher (no taint on the Node), and
-    faulty-fleet's summary called every fault the policy leaves to a dry run missed."""
+    of one name), its interruptions never reached the watcher (no taint on the Node),
+    faulty-fleet's summary called every fault the policy leaves to a dry run missed, and
+    the job no node can hold (queue-pressure's 3 GPUs, mig-inference's 2g.20gb slice) was
+    given a start estimate."""
     scenario = scenarios.load(name)
     cluster = SimulatedCluster(scenario.model_copy(
         update={"acceleration": scenario.duration_s / WALL_S}))

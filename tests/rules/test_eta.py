@@ -104,6 +104,19 @@ def test_a_workload_no_node_can_hold_gets_no_estimate_and_takes_no_place() -> No
                       SETTINGS) == []
 
 
+def test_a_mig_workload_no_layout_offers_gets_no_estimate() -> None:
+    """mig-inference's reranker was told "expected to start in 5 min" (the naive figure) for
+    a profile no node's layout has."""
+    state = with_history([1200.0] * 3)
+    apply(state, ev("rerank", "pending", 100))
+    state.pending["ml/rerank"].mig = {"2g.20gb": 1}
+    nodes = [NodeSummary(ts=0, node="a", gpu_model="A100", gpus_total=0, gpus_free=0,
+                         mig_free={"1g.10gb": 3}, mig_total={"1g.10gb": 7})]
+    pending = {"ml/rerank": Demand("ml/rerank", "q", mig={"2g.20gb": 1})}
+    assert e.evaluate(state, FleetView(nodes=nodes, pending=pending, shape_counts={}), 1000,
+                      SETTINGS) == []
+
+
 def test_naive_is_position_over_admission_rate() -> None:
     state = e.EtaState()
     for i in range(6):  # six admissions in the last hour: 6/h

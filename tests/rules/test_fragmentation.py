@@ -384,6 +384,39 @@ def test_a_request_on_shared_gpus_counts_in_replicas() -> None:
         "fleet_free_gpus": 4.0, "largest_node_free_gpus": 2.0, "requested_gpus": 3.0}
 
 
+def test_mig_demand_no_layout_offers_is_stranded_whatever_is_free() -> None:
+    """mig-inference's reranker asks for a 2g.20gb slice no node's layout has: only a layout
+    change places it, free slices or not. A layout not known (a summary from a build
+    before ``mig_total``) judges nothing."""
+    fleet = [_summary("a", 0, mig_free={"1g.10gb": 3}, mig_total={"1g.10gb": 7}),
+             _summary("b", 0, mig_total={"3g.40gb": 2})]
+    rerank = Demand("ml/rerank", "prod", mig={"2g.20gb": 1})
+    assert frag.stranded_reason(rerank, fleet) == {
+        "requested_mig_devices_per_pod": 1.0, "offered_mig_2g.20gb": 0.0,
+        "free_mig_1g.10gb": 3.0}
+    track = frag.StrandedTrack()
+    out = []
+    for t in range(0, 600, 30):
+        out += frag.observe_stranded(track, {"ml/rerank": rerank}, fleet, ts=t,
+                                     settings=SETTINGS)
+    (firing,) = out
+    assert firing.summary == ("ml/rerank waits for 1x 2g.20gb: no node's MIG layout offers "
+                              "it, so it can never start until a layout changes")
+    assert firing.labels["advice"] == ("repartition a MIG node with idle slices (1g.10gb x3) "
+                                       "to offer 1x 2g.20gb")
+    # Offered by b's layout, both held, while 1g.10gb slices sit free: stranded as before
+    # (the free slices in other profiles), not as never placeable.
+    assert frag.stranded_reason(Demand("ml/embed", "prod", mig={"3g.40gb": 1}), fleet) == {
+        "free_mig_devices": 3.0, "requested_mig_devices": 1.0, "free_mig_1g.10gb": 3.0}
+    # Two 3g.40gb in one pod: b's layout has them together.
+    assert frag.fits_no_node(Demand("ml/two", "prod", mig={"3g.40gb": 2}), 0,
+                             frag.mig_layouts(fleet)) is None
+    unknown = [_summary("a", 0, mig_free={"1g.10gb": 3}), *fleet[1:]]
+    assert frag.mig_layouts(unknown) is None
+    assert frag.stranded_reason(rerank, unknown) == {
+        "free_mig_devices": 3.0, "requested_mig_devices": 1.0, "free_mig_1g.10gb": 3.0}
+
+
 def test_a_pod_larger_than_every_node_is_stranded_whatever_is_free() -> None:
     """The demo's 2-GPU job on one-GPU nodes: the fleet is busy, so its free GPUs never add
     up to the request, yet no amount of waiting places it. It is told, as stranded."""

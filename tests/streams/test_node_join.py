@@ -96,6 +96,7 @@ def test_a_deleted_mig_node_offers_no_mig_device() -> None:
         deleted=True))
     summaries = [o for o in first + gone if isinstance(o, NodeSummary)]
     assert [s.mig_free for s in summaries] == [{"1g.10gb": 7}, {}]
+    assert [s.mig_total for s in summaries] == [{"1g.10gb": 7}, {}]
 
 
 def test_a_deleted_node_sends_tombstones_until_it_is_created_again() -> None:

@@ -40,6 +40,7 @@ def test_single_strategy_node_offers_its_free_mig_devices(
     summary = _summary(watcher.new_events(0))
     # Five MIG devices free, no whole GPU: nothing offered before.
     assert (summary.gpus_free, summary.mig_free) == (0, {"1g.5gb": 5})
+    assert summary.mig_total == {"1g.5gb": 7}  # what its layout offers, held or not
 
 
 def test_single_strategy_media_profile_reads_as_its_profile(
