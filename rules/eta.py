@@ -25,9 +25,10 @@ turn and its GPUs coincide. Where there is no history yet (no workload of
 the queue has finished) or a workload asks for MIG devices, the estimate
 falls back to the **naive** one: position divided by the queue's admission
 rate over the window; both figures are in the evidence. A workload that no
-single node could ever hold (a pod asking more GPUs than any node has) gets
-no estimate, and takes no place ahead of others: nothing that ends frees room
-for it (``stranded_capacity`` says why). One it had is resolved.
+single node could ever hold (a pod asking more GPUs than any node has, or
+MIG devices no node's layout offers) gets no estimate, and takes no place
+ahead of others: nothing that ends frees room for it (``stranded_capacity``
+says why). One it had is resolved.
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ Two measures over the fleet's free capacity, both pure functions:
   pods (a Kueue Workload's pod sets) needs a node for each pod, not one node
   for all; on a node whose GPUs are shared (time-slicing, MPS) a request
   counts in replicas, as the device plugin hands them out. A workload with a pod
-  that asks more whole GPUs than any node of the fleet has, free or not, is
-  stranded too, whatever is free (:func:`fits_no_node`): it can never start
-  as it is, and waiting for the fleet to drain will not change that.
+  that asks more whole GPUs than any node of the fleet has, free or not, or MIG
+  devices no node's layout offers together, is stranded too, whatever is free
+  (:func:`fits_no_node`): it can never start as the fleet is, and waiting for
+  it to drain will not change that.
 
 The FGD computation sorts each node's free shares once and answers every
 shape with a bisection, and caches per distinct free vector: a fleet of
@@ -443,7 +444,8 @@ def stranded_reason(demand: Demand, fleet: FreeView | Iterable[NodeSummary]
 
     Stranded: the fleet's free capacity adds up to what it asks for (MIG devices of any
     profile), but its pods cannot each be given a node with room for them; or one of its
-    pods asks for more GPUs than any node has (:func:`fits_no_node`), whatever is free.
+    pods asks for more GPUs than any node has, or MIG devices no node's layout offers
+    (:func:`fits_no_node`), whatever is free.
     """
     view = fleet if isinstance(fleet, FreeView) else FreeView(fleet)
     never = fits_no_node(demand, view.capacity, view.layouts)

@@ -199,9 +199,9 @@ def summarize(console: Console, truth: GroundTruth, state: DemoState,
                         if f.kind == "idle_holder" and f.state == "firing" and f.subject.pod})
     cordoned = sorted({r.target.node or "" for r in state.results
                        if r.verb == "cordon" and r.outcome == "executed"})
-    # Nodes told of as faulty: a hardware rule's finding on one of their GPUs. Which of them
-    # are also cordoned is the policy's choice (the local overlay enables ECC DBE cordons
-    # only; the other hardware actions are dry runs).
+    # Nodes told of as faulty: a hardware rule's finding on one of their GPUs, on exactly the
+    # nodes given a fault. Which of them are also cordoned is the policy's choice (the local
+    # overlay enables ECC DBE cordons only; the other hardware actions are dry runs).
     told = {f.subject.node for f in state.findings
             if f.state == "firing" and f.kind in _HARDWARE_KINDS}
     acted = {r.target.node for r in state.results if r.outcome == "executed"
@@ -245,7 +245,7 @@ def summarize(console: Console, truth: GroundTruth, state: DemoState,
     console.print(f"findings: {len(state.findings)}, executor decisions: {len(state.results)}")
     expected_idle = sorted(_expected_idle_pods(truth))
     kinds = {f"{p.namespace}/{p.pod}": p.kind for p in truth.pods}
-    agree = (idle_pods == expected_idle and set(faulty) <= told and acted <= set(faulty)
+    agree = (idle_pods == expected_idle and told == set(faulty) and acted <= set(faulty)
              and set(reclaimed_spot) <= spot_told
              and set(reclaimed) <= set(idle_pods)
              and all(kinds[pod] == "notebook" for pod in reclaimed)

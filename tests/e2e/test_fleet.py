@@ -219,7 +219,12 @@ def test_mig_demand_no_layout_offers_is_stranded_and_nothing_else(mig_run: Run) 
             if f.subject.pod} == unoffered
     (finding,) = firing
     assert finding.evidence is not None
-    assert finding.evidence.values["free_mig_devices"] >= 1
+    # No node's layout offers the profile at all: told as never placeable until a layout
+    # changes, with the slices free meanwhile for the advice.
+    values = finding.evidence.values
+    assert (values["requested_mig_devices_per_pod"], values["offered_mig_2g.20gb"]) == (1, 0)
+    assert sum(v for k, v in values.items() if k.startswith("free_mig_")) >= 1
+    assert "no node's MIG layout offers it" in finding.summary
     assert finding.labels["shape"] == "1x 2g.20gb"
     arrived = mig_run.truth.pending_since["ml-svc-a/rerank-svc-a"]
     assert arrived <= finding.starts_at <= arrived + 120
