@@ -6,6 +6,7 @@ unix socket, the policy loader."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import socket
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -336,3 +337,26 @@ def test_gpu_nodes_without_a_ready_collector_are_named_with_why(
         "doctor", "--skip", "kafka", "--skip", "policy", "--skip", "collectors",
         "--kubeconfig", str(kubeconfig)])
     assert "collectors" not in skipped.output
+
+
+def test_each_collector_daemonset_is_asked_why_a_node_has_none(
+        kubeconfig: Path, kube_api: KubeApiServer) -> None:
+    """A fleet may run a collector DaemonSet per node pool (a second for dedicated H100s, its
+    own selector and tolerations). A node is explained by all of them: one that would place
+    a pod there means no pod yet, not the first DaemonSet's taint or label."""
+    h100 = copy.deepcopy(COLLECTOR_DAEMONSET)
+    h100["metadata"]["name"] = "gpusteward-collector-h100"
+    h100["spec"]["template"]["spec"]["nodeSelector"] = {"pool": "h100"}
+    h100["spec"]["template"]["spec"]["tolerations"] = [{"key": "dedicated",
+                                                        "operator": "Exists"}]
+    dedicated = [{"key": "dedicated", "value": "ml", "effect": "NoSchedule"}]
+    kube_api.load([COLLECTOR_DAEMONSET, h100,
+                   gpu_node("ml-1", taints=dedicated),
+                   gpu_node("h100-1", labels={"pool": "h100"}, taints=dedicated)])
+    found = check_collectors(kube_client(str(kubeconfig)), 5)
+    assert found.detail.startswith(
+        "2 of 2 GPU nodes run no ready collector, so no rule sees their GPUs: "
+        "h100-1 (no pod yet (a rollout under way, or node affinity)); "
+        "ml-1 (taint dedicated=ml:NoSchedule not tolerated by DaemonSet "
+        "gpusteward-collector; lacks the label pool=h100 DaemonSet gpusteward-collector-h100 "
+        "selects). "), found.detail

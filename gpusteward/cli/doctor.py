@@ -381,9 +381,9 @@ def _tolerates(tolerations: list[dict[str, Any]], taint: dict[str, Any]) -> bool
 
 
 def _why_none(node: dict[str, Any], pod: dict[str, Any] | None,
-              template: dict[str, Any]) -> str:
-    """Why ``node`` runs no ready collector: its pod's state, or what keeps the DaemonSet's
-    pod off it (``template``: the DaemonSet's pod spec)."""
+              daemonsets: list[dict[str, Any]]) -> str:
+    """Why ``node`` runs no ready collector: its pod's state, or what keeps each collector
+    DaemonSet's pod off it (a fleet may run one per node pool, each selecting its own)."""
     if pod is not None:
         phase = pod.get("status", {}).get("phase", "?")
         waiting = [s["state"]["waiting"].get("reason", "waiting") for s in
@@ -392,19 +392,33 @@ def _why_none(node: dict[str, Any], pod: dict[str, Any] | None,
         state = "/".join([phase, *waiting]) if waiting else (
             phase if phase != "Running" else "Running, not ready")
         return f"pod {pod['metadata']['name']} {state}"
+    reasons = []
+    for daemonset in daemonsets:
+        template = daemonset.get("spec", {}).get("template", {}).get("spec", {})
+        why = _kept_off(node, template, "the DaemonSet" if len(daemonsets) == 1 else
+                        f"DaemonSet {daemonset.get('metadata', {}).get('name', '?')}")
+        if why is None:
+            return "no pod yet (a rollout under way, or node affinity)"
+        reasons.append(why)
+    return "; ".join(reasons)
+
+
+def _kept_off(node: dict[str, Any], template: dict[str, Any], which: str) -> str | None:
+    """What keeps the pod of a DaemonSet (``which``, in words; its pod spec ``template``) off
+    ``node``: its nodeSelector, or a taint it does not tolerate. None when nothing does."""
     labels = node.get("metadata", {}).get("labels") or {}
     lacking = [f"{k}={v}" for k, v in (template.get("nodeSelector") or {}).items()
                if labels.get(k) != v]
     if lacking:
-        return f"lacks the label {', '.join(lacking)} the DaemonSet selects"
+        return f"lacks the label {', '.join(lacking)} {which} selects"
     kept_off = [f"{t.get('key')}{'=' + t['value'] if t.get('value') else ''}:{t.get('effect')}"
                 for t in node.get("spec", {}).get("taints") or []
                 if t.get("effect") in ("NoSchedule", "NoExecute")
                 and not str(t.get("key", "")).startswith(DAEMONSET_TOLERATED)
                 and not _tolerates(template.get("tolerations") or [], t)]
     if kept_off:
-        return f"taint {', '.join(kept_off)} not tolerated by the DaemonSet"
-    return "no pod yet (a rollout under way, or node affinity)"
+        return f"taint {', '.join(kept_off)} not tolerated by {which}"
+    return None
 
 
 def check_collectors(client: Any, timeout_s: float,
@@ -434,7 +448,6 @@ def check_collectors(client: Any, timeout_s: float,
                      f"{COLLECTOR_SELECTOR}) for the {len(gpu_nodes)} GPU nodes: apply "
                      "deploy/ (docs/deploy.md); where samples come from the Prometheus "
                      "collector instead, --skip collectors")
-    template = daemonsets[0].get("spec", {}).get("template", {}).get("spec", {})
     on: dict[str, dict[str, Any]] = {}
     for pod in pods:
         node = pod.get("spec", {}).get("nodeName")
@@ -445,7 +458,7 @@ def check_collectors(client: Any, timeout_s: float,
     if not missing:
         return Check("collectors", True, f"a collector is ready on each of the "
                      f"{len(gpu_nodes)} GPU nodes")
-    named = [f"{n['metadata']['name']} ({_why_none(n, pod, template)})"
+    named = [f"{n['metadata']['name']} ({_why_none(n, pod, daemonsets)})"
              for n, pod in missing[:SHOWN]]
     more = f"; and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""
     return Check("collectors", False, f"{len(missing)} of {len(gpu_nodes)} GPU nodes run no "
