@@ -126,7 +126,8 @@ class FragmentationSettings(BaseModel):
     stranded_window_s: float = Field(
         300, gt=0,
         description="Seconds a pending workload must stay stranded (fits the fleet's total "
-        "free capacity but no node) before a finding: 5 min lets the scheduler act first.",
+        "free capacity but no node, or no node at all as the fleet is) before a finding: "
+        "5 min lets the scheduler act first, and the summaries of nodes just started arrive.",
     )
     default_shapes: dict[RequestShape, Popularity] = Field(
         default_factory=lambda: {"1x1000": 1.0},
