@@ -347,8 +347,10 @@ def fits_no_node(demand: Demand, largest: int,
 
 
 def mig_layouts(nodes: Iterable[NodeSummary]) -> list[Mapping[str, int]] | None:
-    """Every MIG node's layout (``mig_total``); None when a MIG node's is not known (its
-    summary from an earlier build) or no node has MIG."""
+    """Every MIG node's layout (``mig_total``); None when no node has MIG, or when a MIG
+    node's is not known: its summary comes from an earlier build and shows free slices. One
+    from an earlier build with every slice held reads as a node without MIG until its next
+    summary (a rolling upgrade's first ``summary_interval_s``)."""
     layouts: list[Mapping[str, int]] = []
     for summary in nodes:
         if summary.mig_total:

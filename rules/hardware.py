@@ -422,8 +422,8 @@ class HwTrack(msgspec.Struct, omit_defaults=True):
     temperature or an XID class, no run of hot samples, no counter unread since its last
     reading): a sample with these readings, no flag raised, no heat and retired pages (if
     read) below the threshold then changes nothing but ``last_ts`` (and the CRC counter's
-    ``read_ts``), and :func:`observe_sample` touches
-    no other object of the track. None: to be worked out at the next sample."""
+    ``read_ts``), and :func:`observe_sample` touches no other object of the track. None: to
+    be worked out at the next sample."""
 
     def unhealthy(self) -> bool:
         """True while an episode that takes the GPU out of service is open."""

@@ -202,7 +202,20 @@ def test_an_embedded_broker_never_starts_on_a_taken_port() -> None:
 def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing listens on a port until its server starts: two containers of one demo given
     the same one would have the second fail with "address already in use"."""
-    draws = iter([20_001, 20_001, 20_002])
+    first, second = _unused_ports(2)  # fixed numbers might be taken on the machine
+    draws = iter([first, first, second])
     monkeypatch.setattr("gpusteward.broker.random.randrange", lambda *_: next(draws))
     monkeypatch.setattr("gpusteward.broker._given", set())
-    assert [free_port(), free_port()] == [20_001, 20_002]
+    assert [free_port(), free_port()] == [first, second]
+
+
+def _unused_ports(count: int) -> list[int]:
+    """Ports nothing listens on now (the kernel's choice, each held until all are chosen)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
