@@ -117,8 +117,8 @@ class FleetSettings:
     and queue SLOs move on the scale of minutes, and 30 s keeps detection within one
     sample interval of the usual collectors."""
     node_stale_s: float = 600.0
-    """A node whose last summary is older than this (event-time seconds) has left the fleet:
-    ten summary intervals of the node join's default."""
+    """A node not heard from while the summaries moved on this far (event-time seconds, the
+    newest summary's) has left the fleet: ten summary intervals of the node join's default."""
     checkpoint_interval_s: float = 30.0
     """Event-time seconds between two changelog writes of the fleet state when nothing
     was emitted."""
@@ -139,6 +139,11 @@ class FleetState(msgspec.Struct):
     in the checkpointed value, which stays small however large the fleet."""
     departed: list[str] = []
     """Nodes dropped as stale since the caller last looked (to delete from that table)."""
+    heard: dict[str, float] = {}
+    """The summaries' clock when each node's latest summary came, as the staleness of a node
+    is judged: a node join behind on some partitions (a worker catching up) sends its nodes'
+    summaries late, and those nodes are still there. Not checkpointed: after a restart, a node
+    not heard from yet counts as heard at its summary's own time."""
     queue: queue_rules.QueueState = msgspec.field(default_factory=queue_rules.QueueState)
     stranded: frag.StrandedTrack = msgspec.field(default_factory=frag.StrandedTrack)
     fragmentation: frag.FragmentationTrack = msgspec.field(
@@ -210,6 +215,7 @@ class FleetEvaluator:
             # (:func:`live_nodes`), so that an older summary redelivered after it does
             # not bring the node back; it goes as any node does, once stale.
             state.nodes[summary.node] = summary
+            state.heard[summary.node] = max(summary.ts, state.summary_clock or summary.ts)
         if state.nodes[summary.node].deleted:
             state.mig.instances.pop(summary.node, None)
         else:
@@ -264,9 +270,14 @@ class FleetEvaluator:
     def evaluate(self, state: FleetState, now: float) -> list[FleetOutput]:
         """Run every fleet runner of the registry at event time ``now``."""
         state.last_evaluation = now
-        horizon = now - self.settings.node_stale_s
-        for node in [n for n, s in state.nodes.items() if s.ts < horizon]:
+        # Staleness is judged on the summaries' own clock, not the queue's: a node join
+        # behind the queue (catching up) has not lost the fleet's nodes.
+        seen = now if state.summary_clock is None else state.summary_clock
+        horizon = seen - self.settings.node_stale_s
+        for node in [n for n, s in state.nodes.items()
+                     if state.heard.get(n, s.ts) < horizon]:
             del state.nodes[node]
+            state.heard.pop(node, None)
             state.departed.append(node)
         fleet = frag.FleetView(
             nodes=live_nodes(state),
@@ -453,9 +464,10 @@ def register_fleet_agent(app: faust.App, settings: Settings,
 
     def encode_state(state: FleetState) -> bytes:
         """The fleet state's changelog value: without the nodes' summaries and the MIG
-        workloads, which have tables of their own (one record per key)."""
+        workloads, which have tables of their own (one record per key), nor when each node
+        was heard from."""
         return encode_msgpack(msgspec.structs.replace(
-            state, nodes={}, departed=[], mig=msgspec.structs.replace(
+            state, nodes={}, departed=[], heard={}, mig=msgspec.structs.replace(
                 state.mig, workloads={}, touched=[])))
 
     # The edges of the fleet's inputs (bounds, key, depth: gpusteward.edge).

@@ -199,6 +199,10 @@ def test_unplaceable_ddp_job_is_stranded_and_nothing_else(queue_run: Run) -> Non
     # No node has three GPUs at all: it is told as never placeable, however much is free.
     assert finding.evidence.values == {"requested_gpus_per_pod": 3, "largest_node_gpus": 2}
     assert "so it can never start as it is" in finding.summary
+    # Judged from its arrival: the nodes stay in the fleet's view while the node join is
+    # behind the queue (it reads hours of samples while the queue's day is read at once).
+    arrived = queue_run.truth.pending_since["ml-wes/ddp-wes"]
+    assert arrived <= finding.starts_at <= arrived + 120
 
 
 def test_mig_demand_no_layout_offers_is_stranded_and_nothing_else(mig_run: Run) -> None:

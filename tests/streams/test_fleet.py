@@ -53,6 +53,32 @@ def test_stale_nodes_leave_the_fleet() -> None:
     assert set(state.nodes) == {"stays"}
 
 
+def test_nodes_summarised_late_stay_in_the_fleet() -> None:
+    """A node join behind on a partition (a worker catching up) sends its nodes' summaries
+    late, and a queue watcher ahead of the node join moves the fleet's clock on: neither
+    means the nodes left. Were they dropped, a job no node can hold would read as fitting
+    the empty fleet, and its stranded finding would resolve and fire again."""
+    evaluator = FleetEvaluator()
+    state = FleetState()
+    out = evaluator.on_queue(state, QueueEvent(ts=3600, name="ddp", namespace="ml",
+                                               cluster_queue="research", state="pending",
+                                               created_at=3600, gpus=3))
+    for t in range(3600, 7200, 30):
+        # The node join is 20 minutes behind the queue, and on one partition an hour.
+        out += evaluator.on_summary(state, summary("ahead", t - 1200, free=2, total=2))
+        out += evaluator.on_summary(state, summary("behind", t - 3600, free=2, total=2))
+        out += evaluator.on_queue(state, QueueEvent(ts=t, name=f"j{t}", namespace="ml",
+                                                    cluster_queue="research",
+                                                    state="finished", created_at=t, gpus=1))
+        assert set(state.nodes) == {"ahead", "behind"}
+    stranded = [f.state for f in findings(out) if f.kind == frag.STRANDED_KIND]
+    assert stranded == ["firing"]
+    # Once its summaries stop while the others' go on, the node has left.
+    for t in range(6000, 7800, 30):
+        evaluator.on_summary(state, summary("ahead", t, free=2, total=2))
+    assert set(state.nodes) == {"ahead"}
+
+
 def test_a_deleted_node_leaves_the_view_at_once_and_stays_out_under_redelivery() -> None:
     """The tombstone takes the node out of every fleet figure; the same tombstone again, or
     an older summary of the node redelivered after it, changes nothing; a later summary
