@@ -21,10 +21,12 @@ The estimate plays the queue forward on the fleet's capacity:
   since they were sent: the agent may read the queue ahead of them).
 
 Workloads are placed in order as GPUs free up; a workload's ETA is when its
-turn and its GPUs coincide. Where there is no history yet (no workload of
-the queue has finished) or a workload asks for MIG devices, the estimate
-falls back to the **naive** one: position divided by the queue's admission
-rate over the window; both figures are in the evidence. A workload that no
+turn and its GPUs coincide. MIG devices are counted the same way, each
+profile on its own: a MIG workload waits for the slices of its profiles that
+running MIG workloads hold. Where there is no history yet (no workload of
+the queue has finished), the estimate falls back to the **naive** one:
+position divided by the queue's admission rate over the window; both figures
+are in the evidence. A workload that no
 single node could ever hold (a pod asking more GPUs than any node has, or
 MIG devices no node's layout offers) gets no estimate, and takes no place
 ahead of others: nothing that ends frees room for it (``stranded_capacity``
@@ -44,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpusteward.rules.findings import finding_id, fingerprint, moved_enough
 from gpusteward.rules.fragmentation import FleetView, unplaceable
 from gpusteward.rules.registry import FleetRunner
-from gpusteward.schema import Evidence, Finding, PodRef, QueueEvent, Subject
+from gpusteward.schema import Evidence, Finding, NodeSummary, PodRef, QueueEvent, Subject
 
 KIND = "queue_start_eta"
 
@@ -96,6 +98,8 @@ class Running(msgspec.Struct):
     queue: str
     gpus: int
     admitted_at: float
+    mig: dict[str, int] = {}
+    """MIG devices it holds, by profile."""
 
 
 class Pending(msgspec.Struct):
@@ -153,7 +157,8 @@ def on_queue(state: EtaState, event: QueueEvent, settings: EtaSettings) -> list[
     elif event.state == "admitted":
         waited = state.pending.pop(key, None)
         admitted_at = event.ts if event.admitted_at is None else event.admitted_at
-        state.running[key] = Running(queue=queue, gpus=event.gpus, admitted_at=admitted_at)
+        state.running[key] = Running(queue=queue, gpus=event.gpus, admitted_at=admitted_at,
+                                     mig=dict(event.mig))
         if waited is not None:
             times = state.admissions.setdefault(queue, [])
             bisect.insort(times, admitted_at)
@@ -220,43 +225,111 @@ def expected_end(running: Running, durations: Sequence[float], now: float) -> fl
     return now + age / 2
 
 
+GPUS = "nvidia.com/gpu"
+"""The whole GPUs' key among the resources :func:`estimates` counts; the others are MIG
+profiles."""
+
+
+def _counts(gpus: int, mig: dict[str, int]) -> dict[str, int]:
+    """Whole GPUs and MIG devices by profile, as the resources :func:`estimates` counts."""
+    if not mig:
+        return {GPUS: gpus} if gpus > 0 else {}
+    return {r: n for r, n in ((GPUS, gpus), *mig.items()) if n > 0}
+
+
+def available_now(state: EtaState, usable: Sequence[NodeSummary], *, mig: bool = True
+                  ) -> dict[str, int]:
+    """Whole GPUs, and with ``mig`` MIG devices by profile, free on the ``usable`` nodes
+    (healthy, uncordoned), less what the queue admitted since their summaries: the agent
+    reads both as they come, and the summaries may trail the queue. MIG devices are
+    corrected so only where every MIG node's layout is known (``mig_total``; not from an
+    earlier build)."""
+    held = sum(run.gpus for run in state.running.values())
+    available = {GPUS: max(0, min(sum(s.gpus_free for s in usable),
+                                  sum(s.gpus_total for s in usable) - held))}
+    if not mig:
+        return available
+    free: dict[str, int] = {}
+    room: dict[str, int] = {}
+    layouts = True
+    for summary in usable:
+        if summary.mig_free or summary.mig_total:
+            layouts = layouts and bool(summary.mig_total)
+            for profile, count in summary.mig_free.items():
+                free[profile] = free.get(profile, 0) + count
+            for profile, count in summary.mig_total.items():
+                room[profile] = room.get(profile, 0) + count
+    if layouts:
+        for run in state.running.values():
+            for profile, count in run.mig.items():
+                room[profile] = room.get(profile, 0) - count
+    for profile, count in free.items():
+        available[profile] = max(0, min(count, room.get(profile, 0))) if layouts else count
+    return available
+
+
 def estimates(state: EtaState, fleet: FleetView, now: float, settings: EtaSettings,
               nowhere: Collection[str] = ()) -> dict[str, tuple[float | None, float | None, int]]:
     """Per pending workload but those ``nowhere`` (no node could ever hold them): (ETA,
-    naive ETA, position in its queue)."""
+    naive ETA, position in its queue).
+
+    Each resource (whole GPUs, each MIG profile) has its own timeline: the running
+    workloads' expected releases of it, taken in queue order. A workload's ETA is when
+    every resource it asks for is there for it; one that no known release frees enough of
+    falls back to the naive figure, and so does every later one asking for that resource.
+    """
     usable = [s for s in fleet.nodes if s.healthy and not s.cordoned]
     largest = max((s.gpus_total for s in usable), default=0)
-    # The summaries may trail the queue (the agent reads both as they come): what the queue
-    # has admitted since is taken off too.
-    running = sum(run.gpus for run in state.running.values())
-    available = max(0, min(sum(s.gpus_free for s in usable),
-                           sum(s.gpus_total for s in usable) - running))
-    releases: list[tuple[float, int]] = []
+    available = available_now(state, usable,
+                              mig=any(wait.mig for wait in state.pending.values()))
+    releases: dict[str, list[tuple[float, int]]] = {}
     for run in state.running.values():
         end = expected_end(run, state.durations.get(run.queue, ()), now)
-        if end is not None and run.gpus > 0:
-            releases.append((max(end, now), run.gpus))
-    releases.sort()
+        if end is not None:
+            for resource, count in _counts(run.gpus, run.mig).items():
+                releases.setdefault(resource, []).append((max(end, now), count))
+    for timeline in releases.values():
+        timeline.sort(reverse=True)  # the next release last, to pop
+    clocks: dict[str, float] = {}
+
+    def take(resource: str, count: int) -> float | None:
+        """When ``count`` of ``resource`` are there, its next releases taken as needed; None
+        when no known release frees enough."""
+        have, clock = available.get(resource, 0), clocks.get(resource, now)
+        timeline = releases.get(resource)
+        while have < count and timeline:
+            end, freed = timeline.pop()
+            have += freed
+            if end > clock:
+                clock = end
+        available[resource], clocks[resource] = have, clock
+        return clock if have >= count else None
+
+    blocked: set[str] = set()
     order = sorted(state.pending.items(),
                    key=lambda kv: (-kv[1].priority, kv[1].since, kv[0]))
     positions: dict[str, int] = {}
     out: dict[str, tuple[float | None, float | None, int]] = {}
-    clock, blocked = now, False
     for key, wait in order:
         if key in nowhere:
             continue
         position = positions.get(wait.queue, 0)
         positions[wait.queue] = position + 1
         naive = _naive(state, wait.queue, position, now, settings)
+        need = _counts(wait.gpus, wait.mig)
         eta: float | None = None
-        if not wait.mig and 0 < wait.gpus <= largest and not blocked:
-            while available < wait.gpus and releases:
-                end, gpus = releases.pop(0)
-                clock, available = max(clock, end), available + gpus
-            if available >= wait.gpus:
-                eta, available = clock, available - wait.gpus
-            else:
-                blocked = True  # no known release frees enough: the rest fall back too
+        if need and wait.gpus <= largest and blocked.isdisjoint(need):
+            eta = now
+            for resource, count in need.items():
+                ready = take(resource, count)
+                if ready is None:  # no known release frees enough: the rest fall back too
+                    blocked.add(resource)
+                    eta = None
+                    break
+                eta = max(eta, ready)
+            if eta is not None:
+                for resource, count in need.items():
+                    available[resource] -= count
         out[key] = (eta if eta is not None else naive, naive, position)
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -115,6 +116,41 @@ def test_a_mig_workload_no_layout_offers_gets_no_estimate() -> None:
     pending = {"ml/rerank": Demand("ml/rerank", "q", mig={"2g.20gb": 1})}
     assert e.evaluate(state, FleetView(nodes=nodes, pending=pending, shape_counts={}), 1000,
                       SETTINGS) == []
+
+
+def mig_ev(name: str, state: WorkloadState, ts: float, profile: str) -> QueueEvent:
+    return msgspec.structs.replace(ev(name, state, ts, gpus=0), mig={profile: 1})
+
+
+def test_a_mig_workload_waits_for_the_slices_of_its_profile_to_be_released() -> None:
+    """A MIG workload got only the naive figure. It now waits for the slices of its profile
+    the running MIG workloads hold, each profile on its own timeline: a whole-GPU job that
+    no release frees room for does not hold it back, nor does one of another profile."""
+    state = with_history([1200.0] * 3)
+    apply(state, mig_ev("svc", "pending", 5000, "3g.40gb"),
+          mig_ev("svc", "admitted", 5000, "3g.40gb"),
+          mig_ev("small", "pending", 5000, "1g.10gb"),
+          mig_ev("small", "admitted", 5000, "1g.10gb"),
+          ev("big", "pending", 5050, gpus=2),
+          mig_ev("w3", "pending", 5100, "3g.40gb"), mig_ev("w1", "pending", 5200, "1g.10gb"),
+          mig_ev("w3b", "pending", 5300, "3g.40gb"))
+    # One A100 in two 3g.40gb slices, one held by svc and one free; one GPU in seven 1g.10gb,
+    # all held (six by workloads the queue does not show). The whole GPUs are all held.
+    nodes = [NodeSummary(ts=0, node="mig", gpu_model="A100", gpus_total=0, gpus_free=0,
+                         mig_free={"3g.40gb": 1}, mig_total={"3g.40gb": 2}),
+             NodeSummary(ts=0, node="mig7", gpu_model="A100", gpus_total=0, gpus_free=0,
+                         mig_free={}, mig_total={"1g.10gb": 7}),
+             NodeSummary(ts=0, node="whole", gpu_model="A100", gpus_total=2, gpus_free=0)]
+    out = e.estimates(state, FleetView(nodes=nodes, pending={}, shape_counts={}), 5400,
+                      SETTINGS)
+    assert out["ml/w3"][0] == 5400  # the free slice
+    assert out["ml/w3b"][0] == 5000 + 1200  # svc's, at its expected end
+    assert out["ml/w1"][0] == 5000 + 1200  # small's, though the 2-GPU job has no release
+    assert out["ml/big"][0] == out["ml/big"][1]
+    # A summary read before svc's admission shows its slice free too: what the queue
+    # admitted since is taken off, where the layouts are known.
+    trailing = [msgspec.structs.replace(nodes[0], mig_free={"3g.40gb": 2}), *nodes[1:]]
+    assert e.available_now(state, trailing)["3g.40gb"] == 1
 
 
 def test_naive_is_position_over_admission_rate() -> None:
