@@ -9,7 +9,7 @@ from gpusteward.rules import fragmentation as frag
 from gpusteward.rules import queue as queue_rules
 from gpusteward.rules import spot as spot_rules
 from gpusteward.rules.eta import EtaState
-from gpusteward.schema import Finding, NodeSummary, PodRef, QueueEvent
+from gpusteward.schema import Finding, NodeSummary, PodRef, QueueEvent, WorkloadState
 from gpusteward.streams.fleet import FleetEvaluator, FleetOutput, FleetState
 from gpusteward.streams.outputs import Undecodable, restore
 
@@ -98,6 +98,37 @@ def test_a_deleted_node_leaves_the_view_at_once_and_stays_out_under_redelivery()
     assert state.nodes["gone"].deleted
     evaluator.on_summary(state, summary("gone", 120, free=8))
     assert evaluator.fragmentation(state).nodes == 2
+
+
+def test_a_mig_pod_s_start_estimate_waits_for_the_slice_a_running_pod_holds() -> None:
+    """Through the fleet agent: MIG pods' admissions and ends teach the ETA their run times
+    and which slices they hold; a pod waiting for the only 3g.40gb slice, held, is expected
+    when its holder is expected to end, not at the naive figure."""
+    evaluator = FleetEvaluator()
+    state = FleetState()
+
+    def mig(name: str, state_: WorkloadState, ts: float) -> QueueEvent:
+        return QueueEvent(ts=ts, name=name, namespace="ml", cluster_queue="serve",
+                          state=state_, created_at=ts, mig={"3g.40gb": 1})
+
+    node = NodeSummary(ts=0, node="a100", gpu_model="A100", gpus_total=0, gpus_free=0,
+                       mig_free={"3g.40gb": 1}, mig_total={"3g.40gb": 1})
+    out = evaluator.on_summary(state, node)
+    for i in range(3):  # each ran 20 min
+        out += evaluator.on_queue(state, mig(f"old{i}", "pending", i * 1200))
+        out += evaluator.on_queue(state, mig(f"old{i}", "admitted", i * 1200))
+        out += evaluator.on_queue(state, mig(f"old{i}", "finished", (i + 1) * 1200))
+    out += evaluator.on_queue(state, mig("svc", "pending", 3600))
+    out += evaluator.on_queue(state, mig("svc", "admitted", 3600))
+    out += evaluator.on_queue(state, mig("next", "pending", 3660))
+    # The node's summary still shows the slice free: svc's admission came after it.
+    for t in range(3600, 4200, 30):
+        out += evaluator.on_summary(state, msgspec.structs.replace(node, ts=t))
+    (estimate,) = [f for f in findings(out) if f.kind == "queue_start_eta"
+                   and f.state == "firing"]
+    assert estimate.subject.pod is not None and estimate.subject.pod.name == "next"
+    assert estimate.evidence is not None
+    assert estimate.evidence.values["eta_ts"] == 3600 + 1200
 
 
 def test_queue_wait_breach_through_the_evaluator() -> None:
