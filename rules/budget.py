@@ -252,8 +252,11 @@ def evaluate(state: BudgetState, fleet: FleetView, now: float, settings: BudgetS
     if not settings.budgets_gpu_h:
         return out
     held: dict[str, float] = {}
+    # Measured on the summaries' own clock, as the watermark is: the fleet's follows the
+    # queue, which a node join catching up trails by its backlog.
+    newest = max((level.ts for level in state.nodes.values()), default=now)
     for node, level in list(state.nodes.items()):
-        if level.ts < now - settings.watermark_lag_s:
+        if level.ts < newest - settings.watermark_lag_s:
             del state.nodes[node]  # left the fleet long ago
             continue
         # What holds GPUs now: each node's last level, however far its summaries trail

@@ -370,6 +370,9 @@ def evaluate(state: DemandReclaimState, fleet: FleetView, now: float,
                                 _subject(ended.node, ended.hold),
                                 f"{ended.hold.pod.namespace}/{ended.hold.pod.name} no "
                                 "longer blocks waiting work", ended.since, now))
+    # A holder's idleness is known up to its node's summary: with the node join behind the
+    # queue (a worker catching up), the fleet's clock runs ahead of what was seen of it.
+    seen = {s.node: s.ts for s in fleet.nodes} if blockers else {}
     for key, (node, hold, demands) in sorted(blockers.items()):
         episode = state.episodes.get(key)
         if episode is None:
@@ -377,14 +380,14 @@ def evaluate(state: DemandReclaimState, fleet: FleetView, now: float,
             episode = state.episodes[key] = Blocking(since=now, node=node, hold=hold,
                                                      open_id=finding_id(fp, now))
         episode.hold = hold
-        idle_s = now - hold.idle_since
+        idle_s = min(now, seen.get(node, now)) - hold.idle_since
         if episode.stage == 0 and idle_s >= settings.notify_after_s:
-            finding = _finding(key, episode, demands, now, "warning", 1)
+            finding = _finding(key, episode, demands, now, idle_s, "warning", 1)
             episode.stage = 1
             out += [finding, action_for(finding, "notify_owner", finding.subject,
                                         finding.summary)]
         if episode.stage == 1 and settings.reclaim and idle_s >= settings.reclaim_after_s:
-            finding = _finding(key, episode, demands, now, "warning", 2)
+            finding = _finding(key, episode, demands, now, idle_s, "warning", 2)
             episode.stage = 2
             action = action_for(finding, "requeue", finding.subject,
                                 finding.summary + ": reclaiming it")
@@ -396,7 +399,7 @@ def evaluate(state: DemandReclaimState, fleet: FleetView, now: float,
     return out
 
 
-def _finding(key: str, episode: Blocking, demands: list[Demand], now: float,
+def _finding(key: str, episode: Blocking, demands: list[Demand], now: float, idle_s: float,
              severity: str, step: int) -> Finding:
     hold = episode.hold
     waited = {d.key: now - (now if d.since is None else d.since) for d in demands}
@@ -408,11 +411,11 @@ def _finding(key: str, episode: Blocking, demands: list[Demand], now: float,
         severity=severity,  # type: ignore[arg-type]
         state="firing", subject=_subject(episode.node, hold),
         summary=f"{hold.pod.namespace}/{hold.pod.name} has held {hold.device} on "
-        f"{episode.node} idle for {(now - hold.idle_since) / 60:.0f} min while {waits} "
+        f"{episode.node} idle for {idle_s / 60:.0f} min while {waits} "
         "could start on it",
         starts_at=episode.since, ts=now,
         evidence=Evidence(window_start=hold.idle_since, window_end=now,
-                          values={"idle_s": now - hold.idle_since,
+                          values={"idle_s": idle_s,
                                   "longest_wait_s": longest, "waiting": float(len(demands)),
                                   "ladder_step": float(step)}),
         runbook=RUNBOOK,

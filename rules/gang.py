@@ -267,33 +267,41 @@ def evaluate(state: GangState, fleet: object, now: float, settings: GangSettings
     """Raise what has stayed partial for the window, and what is idle as a whole; forget
     gangs long ended."""
     out: list[Finding | Action] = []
-    idle = _idle_members(getattr(fleet, "nodes", ()))
+    idle, seen = _idle_members(getattr(fleet, "nodes", ()))
     for key, gang in list(state.gangs.items()):
         if all(m.ended for m in gang.members.values()) and \
                 now - gang.last_ts > settings.forget_after_s:
             del state.gangs[key]
             continue
         out += _judge(gang, now, settings)
-        out += _judge_idle(gang, idle.get(key, {}), now, settings)
+        out += _judge_idle(gang, idle.get(key, {}), now, settings,
+                           seen=min(now, seen.get(key, now)))
     return out
 
 
-def _idle_members(nodes: Sequence[NodeSummary]) -> dict[str, dict[str, IdleHold]]:
-    """``namespace/gang`` -> member pod name -> its idle hold, from the nodes' summaries."""
+def _idle_members(nodes: Sequence[NodeSummary]
+                  ) -> tuple[dict[str, dict[str, IdleHold]], dict[str, float]]:
+    """``namespace/gang`` -> member pod name -> its idle hold, from the nodes' summaries;
+    and per gang, the time of the oldest of those summaries: its members are known idle up
+    to then."""
     found: dict[str, dict[str, IdleHold]] = {}
+    seen: dict[str, float] = {}
     for summary in nodes:
         for hold in summary.idle_gangs:
             if hold.gang is not None:
                 key = f"{hold.pod.namespace}/{hold.gang}"
                 found.setdefault(key, {}).setdefault(hold.pod.name, hold)
-    return found
+                seen[key] = min(summary.ts, seen.get(key, summary.ts))
+    return found, seen
 
 
-def _judge_idle(gang: Gang, holds: dict[str, IdleHold], now: float, settings: GangSettings
-                ) -> list[Finding | Action]:
+def _judge_idle(gang: Gang, holds: dict[str, IdleHold], now: float, settings: GangSettings,
+                seen: float | None = None) -> list[Finding | Action]:
     """The gang's ``gang_idle`` episode: opened (with the owner's notice) once every placed
     member of the whole gang is idle, the suspension asked ``idle_reclaim_after_s`` after
-    the notice, resolved when that is no longer so."""
+    the notice, as the members' summaries (``seen``: the time of the oldest; default
+    ``now``) show them still idle then, resolved when that is no longer so. With the node
+    join behind the queue, the fleet's clock runs ahead of what was seen of the gang."""
     placed = [name for name, m in gang.members.items() if m.placed_since is not None]
     _, pending, needed = _counts(gang)
     ended = any(m.ended for m in gang.members.values())
@@ -328,7 +336,7 @@ def _judge_idle(gang: Gang, holds: dict[str, IdleHold], now: float, settings: Ga
         return [finding, action_for(finding, "notify_owner", _member(gang, members),
                                     finding.summary)]
     if gang.idle_reclaimed or not settings.idle_reclaim or held is not None or \
-            now - gang.idle_told < settings.idle_reclaim_after_s:
+            (now if seen is None else seen) - gang.idle_told < settings.idle_reclaim_after_s:
         return []  # a member's keep-until holds the gang: asked once it ends
     gang.idle_reclaimed = True
     finding = _idle_finding(gang, members, now, settings, reclaim=True)

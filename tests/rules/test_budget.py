@@ -124,6 +124,19 @@ def test_a_node_whose_summaries_trail_the_others_still_holds_its_gpus() -> None:
     assert abs(state.teams["llm"].held - 64) < 1e-9
 
 
+def test_nodes_summarised_behind_the_queue_still_hold_their_gpus() -> None:
+    """The fleet's clock follows the queue, which a node join catching up trails by its
+    backlog (two hours here): its nodes have not let their GPUs go."""
+    settings = b.BudgetSettings(budgets_gpu_h={"llm": 100})
+    state = b.BudgetState()
+    out: list[Finding] = []
+    for t in range(0, 3600, 300):
+        out += b.on_summary(state, summary(MONDAY + t, {"llm": 64}), settings)
+        out += b.evaluate(state, EMPTY, MONDAY + t + 2 * 3600, settings)
+    assert [(f.kind, f.state) for f in out] == [(b.PROJECTED_KIND, "firing")]
+    assert abs(state.teams["llm"].held - 64) < 1e-9
+
+
 def test_mig_devices_count_their_share_of_a_gpu() -> None:
     assert b.mig_gpus({"3g.40gb": 2, "1g.10gb": 1}) == 7 / 7
 

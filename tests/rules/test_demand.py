@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
@@ -38,16 +40,34 @@ def job(gpus: int = 2, since: float = 0, key: str = "ml/train-2gpu",
 
 def run(fleet_at: dict[float, FleetView], until: float, step: float = 60,
         settings: d.DemandReclaimSettings = SETTINGS) -> list[Finding | Action]:
-    """Evaluate every ``step``; the fleet view changes at the times given."""
+    """Evaluate every ``step``; the fleet view changes at the times given, and its node
+    summaries are of each evaluation's time (the node join keeps up)."""
     state = d.DemandReclaimState()
     out: list[Finding | Action] = []
     times = sorted(fleet_at)
     t = 0.0
     while t <= until:
         current = fleet_at[max(x for x in times if x <= t)]
+        current = dataclasses.replace(current, nodes=[msgspec.structs.replace(s, ts=t)
+                                                      for s in current.nodes])
         out += d.evaluate(state, current, t, settings)
         t += step
     return out
+
+
+def test_idleness_counts_only_as_far_as_the_node_s_summaries_saw_it() -> None:
+    """With the node join behind (a worker catching up), the fleet's clock follows the
+    queue, hours past the node's last summary: the notebook was seen idle for 40 min, and
+    may have woken since. It is not reclaimed as idle for hours."""
+    state = d.DemandReclaimState()
+    seen = msgspec.structs.replace(node("a", 0, [hold(0), hold(1)]), ts=2400)
+    out: list[Finding | Action] = []
+    for t in range(0, 4 * 3600, 60):
+        out += d.evaluate(state, view([seen], job()), t, SETTINGS)
+    assert {a.verb for a in out if isinstance(a, Action)} == {"notify_owner"}
+    told = [f for f in out if isinstance(f, Finding)]
+    assert {f.subject.device for f in told} == {"GPU-0", "GPU-1"} and len(told) == 2
+    assert all(f.evidence is not None and f.evidence.values["idle_s"] == 1800 for f in told)
 
 
 def test_two_idle_notebooks_reclaimed_on_the_short_ladder_for_a_waiting_2_gpu_job() -> None:
