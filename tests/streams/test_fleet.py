@@ -22,12 +22,16 @@ def summary(node: str, ts: float, free: int, total: int = 8) -> NodeSummary:
     return NodeSummary(ts=ts, node=node, gpu_model="H100", gpus_total=total, gpus_free=free)
 
 
+def ddp(ts: float, gpus: int) -> QueueEvent:
+    """A DDP job asking ``gpus`` GPUs on one node, pending from ``ts``."""
+    return QueueEvent(ts=ts, name="ddp", namespace="ml", cluster_queue="research",
+                      state="pending", created_at=ts, gpus=gpus)
+
+
 def test_stranded_ddp_job_and_fragmented_fleet() -> None:
     evaluator = FleetEvaluator()
     state = FleetState()
-    out = evaluator.on_queue(state, QueueEvent(ts=0, name="ddp", namespace="ml",
-                                               cluster_queue="research", state="pending",
-                                               created_at=0, gpus=8))
+    out = evaluator.on_queue(state, ddp(0, gpus=8))
     for t in range(0, 1200, 60):
         for i in range(4):
             out += evaluator.on_summary(state, summary(f"n{i}", t, free=3))
@@ -60,9 +64,7 @@ def test_nodes_summarised_late_stay_in_the_fleet() -> None:
     the empty fleet, and its stranded finding would resolve and fire again."""
     evaluator = FleetEvaluator()
     state = FleetState()
-    out = evaluator.on_queue(state, QueueEvent(ts=3600, name="ddp", namespace="ml",
-                                               cluster_queue="research", state="pending",
-                                               created_at=3600, gpus=3))
+    out = evaluator.on_queue(state, ddp(3600, gpus=3))
     for t in range(3600, 7200, 30):
         # The node join is 20 minutes behind the queue, and on one partition an hour.
         out += evaluator.on_summary(state, summary("ahead", t - 1200, free=2, total=2))
