@@ -346,6 +346,11 @@ def fits_no_node(demand: Demand, largest: int,
     return None
 
 
+NEVER_PLACEABLE = frozenset({"largest_node_gpus", "requested_mig_devices_per_pod"})
+"""Evidence keys of :func:`fits_no_node`: a stranded workload's finding with one of them
+says it can never start as the fleet is."""
+
+
 def mig_layouts(nodes: Iterable[NodeSummary]) -> list[Mapping[str, int]] | None:
     """Every MIG node's layout (``mig_total``); None when no node has MIG, or when a MIG
     node's is not known: its summary comes from an earlier build and shows free slices. One

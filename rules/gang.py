@@ -296,10 +296,10 @@ def _idle_members(nodes: Sequence[NodeSummary]
 
 
 def _judge_idle(gang: Gang, holds: dict[str, IdleHold], now: float, settings: GangSettings,
-                seen: float | None = None) -> list[Finding | Action]:
+                seen: float) -> list[Finding | Action]:
     """The gang's ``gang_idle`` episode: opened (with the owner's notice) once every placed
     member of the whole gang is idle, the suspension asked ``idle_reclaim_after_s`` after
-    the notice, as the members' summaries (``seen``: the time of the oldest; default
+    the notice, as the members' summaries (``seen``: the time of the oldest, at most
     ``now``) show them still idle then, resolved when that is no longer so. With the node
     join behind the queue, the fleet's clock runs ahead of what was seen of the gang."""
     placed = [name for name, m in gang.members.items() if m.placed_since is not None]
@@ -336,7 +336,7 @@ def _judge_idle(gang: Gang, holds: dict[str, IdleHold], now: float, settings: Ga
         return [finding, action_for(finding, "notify_owner", _member(gang, members),
                                     finding.summary)]
     if gang.idle_reclaimed or not settings.idle_reclaim or held is not None or \
-            (now if seen is None else seen) - gang.idle_told < settings.idle_reclaim_after_s:
+            seen - gang.idle_told < settings.idle_reclaim_after_s:
         return []  # a member's keep-until holds the gang: asked once it ends
     gang.idle_reclaimed = True
     finding = _idle_finding(gang, members, now, settings, reclaim=True)

@@ -39,6 +39,7 @@ from gpusteward import kafka, topics
 from gpusteward.broker import EmbeddedBroker
 from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.rules import REGISTRY, ecc, hardware
+from gpusteward.rules.fragmentation import NEVER_PLACEABLE
 from gpusteward.sandbox import deployment
 from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
@@ -234,7 +235,7 @@ def summarize(console: Console, truth: GroundTruth, state: DemoState,
     # A workload no node can hold is told as such, and is promised no start.
     nowhere = {_pod_key(f) for f in state.findings
                if f.kind == "stranded_capacity" and f.state == "firing"
-               and f.evidence is not None and not _NOWHERE_KEYS.isdisjoint(f.evidence.values)}
+               and f.evidence is not None and not NEVER_PLACEABLE.isdisjoint(f.evidence.values)}
     promised = {_pod_key(f) for f in state.findings
                 if f.kind == "queue_start_eta" and f.state == "firing"}
     unplaceable = set(truth.unplaceable)
@@ -265,10 +266,6 @@ _HARDWARE_KINDS = frozenset(kind for name in REGISTRY
                             if REGISTRY[name].device in (hardware.RUNNER, ecc.RUNNER)
                             for kind in REGISTRY[name].emits)
 """The finding kinds of the hardware rules (ECC, XID, counters, losses, heat)."""
-
-
-_NOWHERE_KEYS = frozenset({"largest_node_gpus", "requested_mig_devices_per_pod"})
-"""Evidence that a stranded workload fits no node as the fleet is (fragmentation.fits_no_node)."""
 
 
 def _pod_key(finding: Finding) -> str | None:
