@@ -486,6 +486,12 @@ class NodeSummary(msgspec.Struct):
     """MIG devices the node's layout offers by profile (its allocatable ``nvidia.com/mig-*``),
     held or not: what a MIG request could ever get there without a layout change. Empty on
     a node without MIG and from a build before this field (then not known)."""
+    mig_changing: bool = False
+    """mig-manager is changing the node's MIG layout (``nvidia.com/mig.config.state``
+    ``pending`` or ``rebooting``): ``mig_total`` is the layout being replaced, and what the
+    node will offer is known only once its allocatable changes. Meanwhile a MIG request that
+    no layout offers is not told it can never start (:func:`.rules.fragmentation.mig_layouts`).
+    False from a build before 2026-11-28."""
 
 
 def summary_follows(summary: NodeSummary, ts: float, clock_steps: int) -> bool:

@@ -352,12 +352,15 @@ says it can never start as the fleet is."""
 
 
 def mig_layouts(nodes: Iterable[NodeSummary]) -> list[Mapping[str, int]] | None:
-    """Every MIG node's layout (``mig_total``); None when no node has MIG, or when a MIG
-    node's is not known: its summary comes from an earlier build and shows free slices. One
+    """Every MIG node's layout (``mig_total``); None when no node has MIG, or when a node's
+    is not known: mig-manager is changing it (``mig_changing``: the node may offer any
+    profile next), or its summary comes from an earlier build and shows free slices. One
     from an earlier build with every slice held reads as a node without MIG until its next
     summary (a rolling upgrade's first ``summary_interval_s``)."""
     layouts: list[Mapping[str, int]] = []
     for summary in nodes:
+        if summary.mig_changing:
+            return None
         if summary.mig_total:
             layouts.append(summary.mig_total)
         elif summary.mig_free:

@@ -1489,6 +1489,7 @@ class NodeJoin:
             replicas_free=replicas_free,
             mig_free={profile: n for profile, n in mig_free.items() if n > 0},
             mig_total={profile: n for profile, n in state.mig_allocatable.items() if n > 0},
+            mig_changing=state.mig_config_state in reconfig.RECONFIGURING,
             pool=state.pool, idle=holds, idle_gangs=gang_holds,
             held_by_team={team: gpus for team, gpus in teams.items() if gpus > 0},
             clock_steps=state.clock_steps,

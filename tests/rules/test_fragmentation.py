@@ -413,6 +413,10 @@ def test_mig_demand_no_layout_offers_is_stranded_whatever_is_free() -> None:
                              frag.mig_layouts(fleet)) is None
     unknown = [_summary("a", 0, mig_free={"1g.10gb": 3}), *fleet[1:]]
     assert frag.mig_layouts(unknown) is None
+    # b's layout being changed by mig-manager: what it will offer is not known either.
+    changing = [fleet[0], msgspec.structs.replace(fleet[1], mig_changing=True)]
+    assert frag.mig_layouts(changing) is None
+    assert frag.stranded_reason(rerank, changing) == frag.stranded_reason(rerank, unknown)
     assert frag.stranded_reason(rerank, unknown) == {
         "free_mig_devices": 3.0, "requested_mig_devices": 1.0, "free_mig_1g.10gb": 3.0}
 

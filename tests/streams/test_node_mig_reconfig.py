@@ -17,7 +17,17 @@ import msgspec
 import pytest
 
 from gpusteward.edge import Rejected
-from gpusteward.schema import Action, DeviceSample, Finding, HwEvent, NodeInventory, NodeSample
+from gpusteward.schema import (
+    Action,
+    DeviceSample,
+    Finding,
+    HwEvent,
+    NodeInventory,
+    NodeSample,
+    NodeSummary,
+    QueueEvent,
+)
+from gpusteward.streams.fleet import FleetEvaluator, FleetState
 from gpusteward.streams.node import NodeJoin, NodeState, RuleSettings
 
 T0 = 1_000_000.0
@@ -212,3 +222,41 @@ def test_a_collector_clock_stepped_back_moves_the_grace_with_it() -> None:
         drains += [a.ts for a in out if isinstance(a, Action) and a.verb == "drain"]
     assert state.clock_steps == 1 and len(drains) == 1
     assert T0 + 660 - step <= drains[0] <= T0 + 660 - step + 60  # the step as measured
+
+
+def test_a_layout_being_changed_tells_no_mig_request_it_can_never_start() -> None:
+    """While mig-manager changes the node's layout, its summaries say so, and the fleet
+    agent does not tell a pod asking for a profile the old layout lacks that it can never
+    start: the new layout may offer it. A failed change leaves the old layout, and then it
+    does, after the stranded window."""
+    join, state = NodeJoin(), NodeState()
+    fleet, view = FleetEvaluator(), FleetState()
+
+    def mig_inventory(ts: float, mig_state: str) -> NodeInventory:
+        return msgspec.structs.replace(inventory(ts, mig_state), allocatable={
+            "nvidia.com/gpu": 0, "nvidia.com/mig-1g.10gb": 14})
+
+    def run(start: float, end: float) -> list[Finding]:
+        found: list[Any] = []
+        for ts in range(int(start), int(end), 30):
+            for output in join.on_sample(state, sample(ts)):
+                if isinstance(output, NodeSummary):
+                    summaries.append(output)
+                    found += fleet.on_summary(view, output)
+        return [f for f in found if isinstance(f, Finding) and f.kind == "stranded_capacity"]
+
+    summaries: list[NodeSummary] = []
+    join.on_allocation(state, mig_inventory(T0, "success"))
+    fleet.on_queue(view, QueueEvent(ts=T0, name="rerank", namespace="ml",
+                                    cluster_queue="serve", state="pending", created_at=T0,
+                                    mig={"2g.20gb": 1}))
+    join.on_allocation(state, mig_inventory(T0 + 10, "pending"))
+    assert run(T0 + 30, T0 + 1230) == []  # 20 min of reconfiguration
+    assert summaries and all(s.mig_changing and s.mig_total == {"1g.10gb": 14}
+                             for s in summaries)
+    join.on_allocation(state, mig_inventory(T0 + 1230, "failed"))
+    (never,) = run(T0 + 1230, T0 + 1800)
+    assert not summaries[-1].mig_changing
+    assert never.evidence is not None and never.evidence.values[
+        "requested_mig_devices_per_pod"] == 1
+    assert never.starts_at >= T0 + 1230 and never.ts - never.starts_at >= 300
