@@ -12,7 +12,7 @@ executor see on the output topics:
 - the loss and the XID as findings marked with the state, and no cordon, taint or drain;
   both resolved once the state reads success and the GPU answers;
 - no idle finding or reclaim for the evicted pod;
-- node summaries with nothing free during the window;
+- node summaries with nothing free during the window, saying the layout is changing;
 - one ``mig_config_failed`` warning for the failure, resolved by the next success;
 - the GPU still silent ``mig_settle_s`` (5 min) after the third success: its loss raised
   again saying so, and one drain.
@@ -225,12 +225,14 @@ def test_mig_reconfiguration_end_to_end(settings: Settings, tmp_path: Path) -> N
 
     begin, end = phases["window"]
     during = [s for s in summaries if s.node == NODE and begin <= s.ts < end]
-    assert during and all(s.gpus_free == 0 and not s.mig_free and not s.idle for s in during), \
-        [(s.ts, s.gpus_free, s.mig_free, s.idle) for s in during]
+    assert during and all(s.gpus_free == 0 and not s.mig_free and not s.idle
+                          and s.mig_changing for s in during), \
+        [(s.ts, s.gpus_free, s.mig_free, s.idle, s.mig_changing) for s in during]
     # The node after the second success, as the third reconfiguration began (the summary
     # the pending brings is stamped by the watcher).
     third = next(i for i, s in enumerate(summaries)
                  if s.ts == silent_start - WATCHER_BEHIND_S)
     assert summaries[third - 1].gpus_free == 1 and summaries[third - 1].healthy, \
         summaries[third - 1]
+    assert not summaries[third - 1].mig_changing and summaries[third].mig_changing
     assert not summaries[-1].healthy, summaries[-1]  # GPU 1 lost, the node drained
