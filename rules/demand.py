@@ -305,10 +305,16 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
     for node in nodes:
         _keep_open(views, id(node), node.released())
 
+    unplaced: set[tuple[tuple[int, int, tuple[tuple[str, int], ...]], ...]] = set()
+    """The shapes no placement found in ``views`` as they are: a queue that waits because its
+    workloads fit nowhere holds many of one shape, each else a scan of the whole fleet.
+    Emptied whenever ``views`` changes."""
+
     def use(spent: dict[int, Room], reclaimed: Sequence[tuple[_Node, IdleHold]] = ()) -> None:
         """Take what a placement uses from the free room offered to the next workload (the
         room a reclaimed holder gives is used first; a holder reclaimed for one workload
         is not offered again)."""
+        unplaced.clear()
         for key, room in spent.items():
             node = by_id[key]
             holds = [h for n, h in reclaimed if n is node]
@@ -320,13 +326,15 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
 
     out: dict[str, tuple[str, IdleHold, list[Demand]]] = {}
     for demand in waiting:
-        placed = placement(demand.pods, list(views.values()))
+        shape = tuple((p.count, p.gpus, tuple(sorted(p.mig.items()))) for p in demand.pods)
+        placed = None if shape in unplaced else placement(demand.pods, list(views.values()))
         if placed is not None:
             # It fits without any reclaim: it waits for quota or the scheduler, and the room
             # it would start on is not the next workload's.
             keys = list(views)
             use({keys[i]: r for i, r in placed.items()})
             continue
+        unplaced.add(shape)
         if sum(p.count for p in demand.pods) > 1:
             across = _reclaims_across(demand, nodes, views)
             if across is None:
@@ -352,6 +360,7 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
         else:
             node.free_gpus = 0
         _keep_open(views, id(node), node.released())
+        unplaced.clear()
     return out
 
 

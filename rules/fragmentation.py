@@ -412,30 +412,34 @@ class Room(NamedTuple):
     mig: dict[str, int] = {}
 
 
+_NO_ROOM = Room()
+
+
 def placement(pods: Iterable[PodSet], nodes: Sequence[NodeSummary]) -> dict[int, Room] | None:
     """Where each pod finds a node with room for it, taking what it uses (first fit, in the
     order of ``nodes``, largest pods first: for pods of one shape this finds a placement
     whenever one exists): the room taken on the nodes it uses, by their position in
     ``nodes``, or None when some pod finds none."""
     taken: dict[int, Room] = {}
-    open_nodes = [i for i, s in enumerate(nodes) if request_room(s) > 0 or s.mig_free]
-    free_gpus = [request_room(nodes[i]) for i in open_nodes]
-    free_mig = [dict(nodes[i].mig_free) for i in open_nodes]
     for pod_set in sorted(pods, key=lambda p: (-p.gpus, -sum(p.mig.values()))):
-        left = pod_set.count
-        for i, mig in enumerate(free_mig):
-            room = [free_gpus[i] // pod_set.gpus] if pod_set.gpus else []
-            room += [mig.get(p, 0) // n for p, n in pod_set.mig.items() if n]
-            count = min(left, *room) if room else left
+        left, gpus = pod_set.count, pod_set.gpus
+        asked = [(p, n) for p, n in pod_set.mig.items() if n]
+        # Each node's room is worked out only as the scan reaches it: a pod usually fits one
+        # of the first, and the fleet agent places every waiting workload each evaluation.
+        for i, summary in enumerate(nodes):
+            free = request_room(summary)
+            if free <= 0 and not summary.mig_free:
+                continue
+            used = taken.get(i, _NO_ROOM)
+            count = min(left, (free - used.gpus) // gpus) if gpus else left
+            for p, n in asked:
+                count = min(count, (summary.mig_free.get(p, 0) - used.mig.get(p, 0)) // n)
             if count <= 0:
                 continue
-            free_gpus[i] -= count * pod_set.gpus
-            used = taken.get(open_nodes[i], Room())
             used_mig = dict(used.mig)
             for p, n in pod_set.mig.items():
-                mig[p] = mig.get(p, 0) - count * n
                 used_mig[p] = used_mig.get(p, 0) + count * n
-            taken[open_nodes[i]] = Room(used.gpus + count * pod_set.gpus, used_mig)
+            taken[i] = Room(used.gpus + count * gpus, used_mig)
             left -= count
             if not left:
                 break
