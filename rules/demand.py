@@ -306,9 +306,9 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
         _keep_open(views, id(node), node.released())
 
     unplaced: set[tuple[tuple[int, int, tuple[tuple[str, int], ...]], ...]] = set()
-    """The shapes no placement found in ``views`` as they are: a queue that waits because its
-    workloads fit nowhere holds many of one shape, each else a scan of the whole fleet.
-    Emptied whenever ``views`` changes."""
+    """The shapes no placement found in ``views`` as they are: a queue that waits because
+    nothing fits holds many workloads of a few shapes, and each would scan the whole fleet
+    again. Emptied whenever ``views`` changes."""
 
     def use(spent: dict[int, Room], reclaimed: Sequence[tuple[_Node, IdleHold]] = ()) -> None:
         """Take what a placement uses from the free room offered to the next workload (the
