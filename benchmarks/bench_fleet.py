@@ -8,9 +8,11 @@ evaluation on a 10,000-GPU fleet (1,250 nodes x 8 GPUs) in four forms:
   a realistic mix (1, 2, 4 and 8 GPUs);
 - a whole evaluation (FGD, stranded demand for 200 pending workloads, queue
   SLO tick, start estimates, demand-aware reclaim) as the agent runs it;
-- the same for a full, fragmented fleet (0-3 GPUs free per node) and 1,000
-  workloads of 4 and 8 GPUs that fit no node, waiting an hour: the evaluation
-  runs in the worker's event loop, beside the node join's urgent path;
+- the same for a full, fragmented fleet (0-2 GPUs free per node, an idle
+  holder of one GPU on each) and 1,000 workloads of 4 and 8 GPUs (half of them
+  of 2-4 such pods) that fit no node even with every holder reclaimed, waiting
+  an hour: the evaluation runs in the worker's event loop, beside the node
+  join's urgent path;
 - the FGD measure over 1,250 nodes whose GPUs are each partly allocated
   (per-GPU milli, all nodes distinct, the 24 request shapes of the Alibaba
   trace's mix): the worst case for the per-free-vector cache.
@@ -28,7 +30,7 @@ from collections.abc import Callable, Sequence
 from figures import Figure
 
 from gpusteward.rules import fragmentation as frag
-from gpusteward.schema import NodeSummary, QueueEvent
+from gpusteward.schema import IdleHold, NodeSummary, PodRef, PodSet, QueueEvent
 from gpusteward.streams.fleet import FleetEvaluator, FleetState
 
 NODES, GPUS = 1250, 8
@@ -47,21 +49,27 @@ def _median_ms(work: Callable[[], object]) -> float:
 
 def _fleet(rng: random.Random, free: Sequence[int] = (0, 0, 0, 1, 2, 3, 4, 8),
            pending: int = 200, sizes: Sequence[int] = (1, 1, 1, 2, 4, 8),
-           waited_s: float = 0.0) -> tuple[FleetEvaluator, FleetState]:
+           waited_s: float = 0.0, stuck: bool = False) -> tuple[FleetEvaluator, FleetState]:
     """The fleet's summaries, each node with one of ``free`` GPUs free, and ``pending``
-    workloads of one of ``sizes`` GPUs waiting since ``waited_s`` before the summaries."""
+    workloads of one of ``sizes`` GPUs waiting since ``waited_s`` before the summaries.
+    ``stuck``: each node also has an idle holder of one GPU, and half the workloads are
+    of several pods (reclaims are looked for, and found to be of no use)."""
     evaluator = FleetEvaluator()
     state = FleetState()
     for i in range(NODES):
+        idle = [IdleHold(device=f"GPU-{i}-0", pod=PodRef("ml", f"nb-{i}"),
+                         idle_since=START - 7200, gpus=1)] if stuck else []
         state.nodes[f"h100-{i}"] = NodeSummary(
             ts=START, node=f"h100-{i}", gpu_model="NVIDIA H100 80GB HBM3", gpus_total=GPUS,
-            gpus_free=rng.choice(free), cordoned=rng.random() < 0.01,
+            gpus_free=rng.choice(free), cordoned=rng.random() < 0.01, idle=idle,
         )
     for i in range(pending):
         ts = START - waited_s + i
+        gpus = rng.choice(sizes)
+        pods = [PodSet(count=rng.randint(2, 4), gpus=gpus)] if stuck and i % 2 else []
         evaluator.on_queue(state, QueueEvent(ts=ts, name=f"job-{i}", namespace="ml",
                                              cluster_queue="research", state="pending",
-                                             created_at=ts, gpus=rng.choice(sizes)))
+                                             created_at=ts, gpus=gpus, pod_sets=pods))
     return evaluator, state
 
 
@@ -83,9 +91,10 @@ def run() -> list[Figure]:
     evaluate_ms = _evaluation_ms(evaluator, state)
     assert len(state.nodes) == NODES and len(state.queue.waiting) == 200
     # A full, fragmented fleet and a queue of work that fits no node, waiting an hour: each
-    # evaluation tries to place every workload (demand-aware reclaim).
-    evaluator, state = _fleet(rng, free=(0, 1, 2, 3), pending=1000, sizes=(4, 8),
-                              waited_s=3600.0)
+    # evaluation tries to place every workload, and to reclaim idle holders for it
+    # (demand-aware reclaim).
+    evaluator, state = _fleet(rng, free=(0, 1, 2), pending=1000, sizes=(4, 8),
+                              waited_s=3600.0, stuck=True)
     stuck_ms = _evaluation_ms(evaluator, state)
     assert len(state.nodes) == NODES and len(state.queue.waiting) == 1000
     shapes = frag.popularity(
@@ -100,7 +109,8 @@ def run() -> list[Figure]:
         Figure("FGD over 1,250 node summaries (whole-GPU free counts)", fgd_ms, "ms"),
         Figure("whole fleet evaluation (FGD + stranded for 200 pending + queue SLOs)",
                evaluate_ms, "ms"),
-        Figure("whole fleet evaluation, 1,000 pending that fit no node, fragmented fleet",
+        Figure("whole fleet evaluation, 1,000 pending that fit no node, an idle holder on "
+               "every node",
                stuck_ms, "ms"),
         Figure("FGD over 1,250 distinct partly-allocated nodes, 24 shapes (worst case)",
                partial_ms, "ms"),

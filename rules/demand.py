@@ -305,16 +305,17 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
     for node in nodes:
         _keep_open(views, id(node), node.released())
 
-    unplaced: set[tuple[tuple[int, int, tuple[tuple[str, int], ...]], ...]] = set()
-    """The shapes no placement found in ``views`` as they are: a queue that waits because
-    nothing fits holds many workloads of a few shapes, and each would scan the whole fleet
-    again. Emptied whenever ``views`` changes."""
+    stuck: set[tuple[object, ...]] = set()
+    """The shapes that found neither room nor a reclaim in the fleet as it is: a queue that
+    waits because nothing fits holds many workloads of a few shapes, and each would scan the
+    whole fleet and its holders again for the same answer. Emptied whenever the room or the
+    holders change."""
 
     def use(spent: dict[int, Room], reclaimed: Sequence[tuple[_Node, IdleHold]] = ()) -> None:
         """Take what a placement uses from the free room offered to the next workload (the
         room a reclaimed holder gives is used first; a holder reclaimed for one workload
         is not offered again)."""
-        unplaced.clear()
+        stuck.clear()
         for key, room in spent.items():
             node = by_id[key]
             holds = [h for n, h in reclaimed if n is node]
@@ -326,18 +327,20 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
 
     out: dict[str, tuple[str, IdleHold, list[Demand]]] = {}
     for demand in waiting:
-        shape = tuple((p.count, p.gpus, tuple(sorted(p.mig.items()))) for p in demand.pods)
-        placed = None if shape in unplaced else placement(demand.pods, list(views.values()))
+        shape = demand.request
+        if shape in stuck:
+            continue
+        placed = placement(demand.pods, list(views.values()))
         if placed is not None:
             # It fits without any reclaim: it waits for quota or the scheduler, and the room
             # it would start on is not the next workload's.
             keys = list(views)
             use({keys[i]: r for i, r in placed.items()})
             continue
-        unplaced.add(shape)
         if sum(p.count for p in demand.pods) > 1:
             across = _reclaims_across(demand, nodes, views)
             if across is None:
+                stuck.add(shape)
                 continue
             reclaimed, spent = across
             for node, hold in reclaimed:
@@ -347,6 +350,7 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
             continue
         options = [(need, node) for node in nodes if (need := _needed(demand, node))]
         if not options:
+            stuck.add(shape)
             continue
         (count, profile), node = min(options, key=lambda o: (o[0][0], o[1].summary.node))
         taken = [h for h in node.holds if (h.mig_profile == profile if profile
@@ -360,7 +364,7 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
         else:
             node.free_gpus = 0
         _keep_open(views, id(node), node.released())
-        unplaced.clear()
+        stuck.clear()
     return out
 
 

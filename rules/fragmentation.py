@@ -296,6 +296,13 @@ class Demand(msgspec.Struct, frozen=True):
         """Its pods' shapes: each pod needs room on one node."""
         return self.pod_sets or (PodSet(count=1, gpus=self.gpus, mig=self.mig),)
 
+    @property
+    def request(self) -> tuple[object, ...]:
+        """What it asks for, as a key: workloads with the same one fit the same nodes, so a
+        queue of many alike is judged once per evaluation."""
+        return (self.gpus, tuple(sorted(self.mig.items())),
+                *((p.count, p.gpus, tuple(sorted(p.mig.items()))) for p in self.pods))
+
 
 class StrandedEpisode(msgspec.Struct):
     since: float
@@ -503,8 +510,12 @@ def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
     for key in list(track.episodes):
         if key not in pending:
             out += _close_stranded(track, key, ts, "the workload left the queue")
+    reasons: dict[tuple[object, ...], dict[str, float] | None] = {}
     for key, demand in pending.items():
-        reason = stranded_reason(demand, view)
+        request = demand.request
+        if request not in reasons:
+            reasons[request] = stranded_reason(demand, view)
+        reason = reasons[request]
         if reason is None:
             if key in track.episodes:
                 out += _close_stranded(track, key, ts, "the workload fits a node again")
@@ -542,7 +553,7 @@ def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
             state="firing", subject=_stranded_subject(key, demand.queue),
             summary=summary, starts_at=episode.since, ts=ts,
             evidence=Evidence(window_start=episode.since, window_end=ts,
-                              samples=episode.evaluations, values=reason),
+                              samples=episode.evaluations, values=dict(reason)),
             runbook=STRANDED_RUNBOOK, labels=labels,
         ))
     return out
