@@ -155,6 +155,19 @@ class KafkaSettings(BaseModel):
         ),
     )
 
+    max_message_bytes: int = Field(
+        1_000_000,
+        ge=16_384,
+        le=100_000_000,
+        description=(
+            "Largest record the stream worker sends, in bytes: at most the brokers' "
+            "message.max.bytes (1 MiB by default) and the changelog topics' "
+            "max.message.bytes. The fleet agent writes a state larger than half of it "
+            "in parts (about 140 bytes per workload the queue follows: 1 MB at about 7,000 "
+            "running GPU pods); a larger record would be refused and stop the worker."
+        ),
+    )
+
     @model_validator(mode="after")
     def _sasl_is_complete(self) -> KafkaSettings:
         # Caught here, at start, rather than as an opaque authentication failure later.

@@ -34,6 +34,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
         "GPUSTEWARD_KAFKA__NODE_PARTITIONS": str(kafka.node_partitions),
         "GPUSTEWARD_KAFKA__REBALANCE_TIMEOUT_S": str(kafka.rebalance_timeout_s),
         "GPUSTEWARD_KAFKA__SESSION_TIMEOUT_S": str(kafka.session_timeout_s),
+        "GPUSTEWARD_KAFKA__MAX_MESSAGE_BYTES": str(kafka.max_message_bytes),
         "GPUSTEWARD_HEALTH_PORT": str(settings.health_port),
         "GPUSTEWARD_QUIET_PARTITION_S": str(settings.quiet_partition_s),
     }

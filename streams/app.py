@@ -391,7 +391,9 @@ def create_app(
         # No linger: the node join publishes a batch's outputs without yielding, so they
         # leave in one request anyway; a linger would only delay an urgent action.
         producer_linger=0.0,
-        producer_max_batch_size=BATCH_BYTES,
+        # A broker refuses a batch over its message.max.bytes, not only a record.
+        producer_max_batch_size=min(BATCH_BYTES, kafka.max_message_bytes),
+        producer_max_request_size=kafka.max_message_bytes,
         web_enabled=web_port is not None,
         web_port=web_port or 6066,
         datadir=datadir or f"/tmp/{app_id}-data",

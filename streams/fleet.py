@@ -366,6 +366,76 @@ class _SpotDeletion(msgspec.Struct):
     deleted_at: float | None = None
 
 
+class _Parts(msgspec.Struct, array_like=True, frozen=True):
+    """The head of a value written in parts (:func:`in_parts`): a msgpack array, which no
+    earlier build reads as a fleet state (a map), so one reports it rather than taking it
+    for an empty state."""
+
+    generation: int
+    count: int
+    size: int
+
+    def keys(self, key: bytes) -> list[bytes]:
+        return [b"%s/%d/%d" % (key, self.generation, i) for i in range(self.count)]
+
+
+_decode_parts = msgspec.msgpack.Decoder(_Parts).decode
+_encode_parts = msgspec.msgpack.Encoder().encode
+
+
+def in_parts(key: bytes, value: bytes, keys: Iterable[bytes], limit: int
+             ) -> list[tuple[bytes, bytes | None]]:
+    """The table writes, in order, that store ``value`` under ``key`` in records of at most
+    ``limit`` bytes (a broker refuses a record over its ``message.max.bytes``, and the
+    worker stopped): ``value`` itself when it fits; else its parts under keys of a new
+    generation (``key/<generation>/<i>``), then under ``key`` the head naming them. Then
+    the deletion of every part of ``keys`` (the table's) that the head does not name.
+
+    The head comes after its parts on the one-partition changelog, and a recovery reads a
+    prefix of it: the head it ends with names parts it has read, and the parts of the head
+    before stay until the new head is written."""
+    prefix = key + b"/"
+    old = [k for k in keys if k.startswith(prefix)]
+    writes: list[tuple[bytes, bytes | None]] = []
+    if len(value) <= limit:
+        writes.append((key, value))
+    else:
+        generation = 1 + max((_generation(k) for k in old), default=0)
+        head = _Parts(generation, -(-len(value) // limit), len(value))
+        parts = head.keys(key)
+        writes += [(k, value[i * limit:(i + 1) * limit]) for i, k in enumerate(parts)]
+        writes.append((key, _encode_parts(head)))
+        old = [k for k in old if k not in parts]
+    return writes + [(k, None) for k in old]
+
+
+def _generation(key: bytes) -> int:
+    try:
+        return int(key.split(b"/")[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def joined(key: bytes, stored: bytes | None, get: Callable[[bytes], bytes | None]
+           ) -> bytes | None:
+    """The value stored under ``key`` (:func:`in_parts`): ``stored`` itself, or the parts its
+    head names (``get`` reads one). msgspec.DecodeError when a part is missing."""
+    if stored is None:
+        return None
+    try:
+        head = _decode_parts(stored)
+    except msgspec.DecodeError:
+        return stored  # whole (or not a state at all: its decoding says so)
+    parts = [get(k) for k in head.keys(key)]
+    value = b"".join(p for p in parts if p is not None)
+    if len(value) != head.size:
+        missing = sum(p is None for p in parts)
+        raise msgspec.DecodeError(
+            f"written in {head.count} parts (generation {head.generation}, {head.size} bytes), "
+            f"{missing} of them missing, {len(value)} bytes found")
+    return value
+
+
 class _Snapshot:
     """Whether the fleet agent's live state holds records due a checkpoint that are not
     written yet."""
@@ -477,6 +547,9 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     alloc_edge = Edge[AllocationEvent](AllocationEvent, key_of=topics.allocation_key,
                                        limits=limits)
     state_key = b"fleet"
+    # The fleet state's records stay well under the largest the brokers take: its value
+    # grows with the workloads the queue follows (about 1 MB at 7,000 running GPU pods).
+    part_bytes = kafka.max_message_bytes // 2
     dropped: list[Undecodable] = []
     """Table values this build could not decode, until reported (:func:`.outputs.restore`)."""
     # The decoded fleet state and the event time of its last checkpoint; dropped on every
@@ -510,7 +583,9 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         and the fleet state if any of them was due a checkpoint."""
         writes: dict[tuple[Any, bytes], bytes | None] = {}
         if snapshot.due and state_key in live:
-            writes[fleet_table, state_key] = encode_state(live[state_key][0])
+            for key, value in in_parts(state_key, encode_state(live[state_key][0]),
+                                       fleet_table.keys(), part_bytes):
+                writes[fleet_table, key] = value
         writes.update(recent)
         for (table, key), value in writes.items():
             if value is None:
@@ -578,6 +653,11 @@ def register_fleet_agent(app: faust.App, settings: Settings,
             return kept
 
         stored = fleet_table.get(state_key)
+        try:
+            stored = joined(state_key, stored, fleet_table.get)
+        except msgspec.DecodeError as error:
+            dropped.append(Undecodable(state_key, stored or b"", error))
+            stored = None
         fleet_values = [] if stored is None else [(state_key, stored)]
         loaded = (restored(fleet_table, decode_fleet, fleet_values, FleetState)
                   .get(state_key.decode()) or FleetState())

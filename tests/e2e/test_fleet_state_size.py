@@ -1,0 +1,124 @@
+"""The fleet agent's state at a 10,000-GPU cluster's queue, on the embedded broker.
+
+The fleet agent checkpoints its state (the queue, every rule's tracks) to a changelog. Its
+size grows with the workloads the queue follows, and at about 7,000 running GPU pods it
+passed the largest record a producer sends by default (1,000,000 bytes, under Kafka's
+``message.max.bytes``): the producer refused it and the worker stopped, and every worker
+of the group that took the partition over stopped the same way. Now the state is written
+in parts; these drive a real worker through such a queue, kill it, and check that the
+next one resumes with the whole queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gpusteward import kafka, topics
+from gpusteward.broker import EmbeddedBroker
+from gpusteward.collectors.transport.publisher import KafkaPublisher
+from gpusteward.rules import queue as queue_rules
+from gpusteward.sandbox.pipeline import WorkerProcess
+from gpusteward.schema import Finding, PodRef, QueueEvent
+from gpusteward.settings import Settings
+from gpusteward.streams.fleet import FleetState, fleet_group, joined
+
+pytestmark = pytest.mark.e2e
+
+RUNNING = 9_000
+"""Running GPU pods: a 10,000-GPU cluster of mostly 1-GPU pods."""
+
+
+def _pod(name: str, state: str, ts: float, created: float, queue: str = "research",
+         gpus: int = 1) -> QueueEvent:
+    return QueueEvent(ts=ts, name=name, namespace="ml",
+                      cluster_queue=queue, state=state,  # type: ignore[arg-type]
+                      created_at=created, admitted_at=ts if state == "admitted" else None,
+                      gpus=gpus, kind="pod")
+
+
+async def _publish(settings: Settings, events: list[QueueEvent]) -> None:
+    publisher = KafkaPublisher(settings)
+    await publisher.start()
+    try:
+        for event in events:
+            await publisher.queue(event)
+        await publisher.flush()
+    finally:
+        await publisher.stop()
+
+
+async def _consumed(settings: Settings, worker: WorkerProcess) -> None:
+    try:
+        await kafka.wait_consumed(settings, fleet_group(settings),
+                                  [topics.QUEUE.name(settings)], timeout_s=90)
+    finally:
+        assert worker.alive, f"the worker stopped; its log is {worker.log_path}"
+
+
+async def _stored_state(settings: Settings) -> tuple[FleetState, int, int]:
+    """The fleet state as a recovery reads it from the changelog, the largest record, and
+    the parts it is in."""
+    table: dict[bytes, bytes | None] = {}
+    records = await kafka.read_all(
+        settings, f"{fleet_group(settings)}-fleet-state-changelog")
+    for record in records:
+        table[record.key] = record.value
+    value = joined(b"fleet", table.get(b"fleet"), table.get)
+    assert value is not None
+    parts = sum(1 for k, v in table.items() if k.startswith(b"fleet/") and v is not None)
+    return (msgspec.msgpack.decode(value, type=FleetState),
+            max(len(r.value or b"") for r in records), parts)
+
+
+def test_a_queue_of_9000_running_pods_neither_stops_the_worker_nor_is_lost_on_restart(
+        broker: EmbeddedBroker, tmp_path: Path) -> None:
+    settings = broker.settings().model_copy(update={"topic_prefix": "e2e-big-queue"})
+    t0 = time.time() - 3 * 3600
+    rng = random.Random(5)
+    # One production pod waits from the start: its 10-minute SLO is passed only after the
+    # restart, so its finding needs the queue the first worker checkpointed.
+    late = _pod("serving-late", "pending", t0, t0, queue="prod-serving")
+    events = [late]
+    for i in range(RUNNING):
+        created = t0 + 1 + i * 300 / RUNNING
+        gpus = rng.choice((1, 1, 1, 2, 4, 8))
+        events += [_pod(f"train-{i}", "pending", created, created, gpus=gpus),
+                   _pod(f"train-{i}", "admitted", created + 2, created, gpus=gpus)]
+
+    async def run() -> list[Finding]:
+        await kafka.ensure_topics(settings)
+        worker = WorkerProcess(settings, tmp_path / "worker.log")
+        worker.start()
+        try:
+            await asyncio.to_thread(worker.wait_ready)
+            await _publish(settings, events)
+            await _consumed(settings, worker)
+            state, largest, parts = await _stored_state(settings)
+            assert largest <= settings.kafka.max_message_bytes
+            assert parts >= 2, "the state fitted one record: the test no longer shows parts"
+            assert len(state.queue.last_event) == RUNNING + 1
+            assert list(state.queue.waiting) == ["ml/serving-late"]
+            worker.kill()
+            worker.start()
+            await asyncio.to_thread(worker.wait_ready)
+            # Event time moves on past the waiting pod's SLO (and 9,000 pods end).
+            after = t0 + 900
+            await _publish(settings, [_pod(f"train-{i}", "finished", after + i * 0.01,
+                                           t0 + 1, gpus=1) for i in range(RUNNING)])
+            await _consumed(settings, worker)
+        finally:
+            worker.stop()
+        decode = msgspec.json.Decoder(Finding).decode
+        return [decode(r.value) for r in
+                await kafka.read_all(settings, topics.FINDINGS.name(settings))]
+
+    findings = asyncio.run(run())
+    waits = [f for f in findings if f.kind == queue_rules.WAIT_KIND and f.state == "firing"]
+    assert [(f.subject.queue, f.subject.pod) for f in waits] == [
+        ("prod-serving", PodRef(namespace="ml", name="serving-late"))], waits
