@@ -500,13 +500,19 @@ def stranded_reason(demand: Demand, fleet: FreeView | Iterable[NodeSummary]
 
 def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
                      summaries: Sequence[NodeSummary], *, ts: float,
-                     settings: FragmentationSettings) -> list[Finding]:
+                     settings: FragmentationSettings, seen: float | None = None
+                     ) -> list[Finding]:
     """Evaluate every pending workload against the fleet's free capacity at ``ts``.
 
     A workload that left the queue, or that is no longer stranded, closes its episode.
+    An episode is timed by the summaries that show it (``seen``, their time, where the
+    queue has run ahead of them: :attr:`FleetView.seen`), not by ``ts``: it starts no
+    earlier than the workload's wait, and fires once the summaries have shown it for
+    ``stranded_window_s``.
     """
     out: list[Finding] = []
     view = FreeView(summaries)
+    seen = ts if seen is None else min(ts, seen)
     for key in list(track.episodes):
         if key not in pending:
             out += _close_stranded(track, key, ts, "the workload left the queue")
@@ -518,11 +524,14 @@ def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
         reason = reasons[request]
         if reason is None:
             if key in track.episodes:
-                out += _close_stranded(track, key, ts, "the workload fits a node again")
+                out += _close_stranded(track, key, seen, "the workload fits a node again")
             continue
-        episode = track.episodes.setdefault(key, StrandedEpisode(since=ts, queue=demand.queue))
+        episode = track.episodes.get(key)
+        if episode is None:
+            since = seen if demand.since is None else max(seen, demand.since)
+            episode = track.episodes[key] = StrandedEpisode(since=since, queue=demand.queue)
         episode.evaluations += 1
-        if episode.open_id is not None or ts - episode.since < settings.stranded_window_s:
+        if episode.open_id is not None or seen - episode.since < settings.stranded_window_s:
             continue
         fp = fingerprint(STRANDED_KIND, key)
         episode.open_id = finding_id(fp, episode.since)
@@ -552,7 +561,7 @@ def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
             id=episode.open_id, fingerprint=fp, kind=STRANDED_KIND, severity="warning",
             state="firing", subject=_stranded_subject(key, demand.queue),
             summary=summary, starts_at=episode.since, ts=ts,
-            evidence=Evidence(window_start=episode.since, window_end=ts,
+            evidence=Evidence(window_start=episode.since, window_end=max(seen, episode.since),
                               samples=episode.evaluations, values=dict(reason)),
             runbook=STRANDED_RUNBOOK, labels=labels,
         ))
@@ -599,6 +608,10 @@ class FleetView:
     """Workloads waiting in the queue, by workload key."""
     shape_counts: Mapping[str, int]
     """Observed request shapes ('<gpus>x<milli>'), one count per workload that queued."""
+    seen: float | None = None
+    """Event time the summaries have reached (the newest one's); None: the evaluation's. A
+    worker catching up reads the queue's one partition ahead of the node join's summaries,
+    and the nodes' state is known only as of this."""
 
 
 def shapes(shape_counts: Mapping[str, float], settings: FragmentationSettings
@@ -620,7 +633,8 @@ def _evaluate_fragmentation(track: FragmentationTrack, fleet: FleetView, now: fl
 
 def _evaluate_stranded(track: StrandedTrack, fleet: FleetView, now: float,
                        settings: FragmentationSettings) -> list[Finding]:
-    return observe_stranded(track, fleet.pending, list(fleet.nodes), ts=now, settings=settings)
+    return observe_stranded(track, fleet.pending, list(fleet.nodes), ts=now, settings=settings,
+                            seen=fleet.seen)
 
 
 RUNNERS = (FleetRunner("fragmentation", FragmentationTrack, _evaluate_fragmentation),

@@ -284,7 +284,7 @@ class FleetEvaluator:
             pending={key: frag.Demand(key=key, queue=w.queue, gpus=w.gpus, mig=w.mig,
                                       since=w.pending_since, pod_sets=tuple(w.pod_sets))
                      for key, w in state.queue.waiting.items()},
-            shape_counts=state.shape_counts)
+            shape_counts=state.shape_counts, seen=state.summary_clock)
         out: list[FleetOutput] = []
         for runner, settings in self._runners:
             out += runner.evaluate(_track(state, runner), fleet, now, settings)

@@ -81,6 +81,36 @@ def test_nodes_summarised_late_stay_in_the_fleet() -> None:
     assert set(state.nodes) == {"ahead"}
 
 
+def test_a_stranded_episode_is_timed_by_the_summaries_that_show_it() -> None:
+    """A worker starting on a backlog reads the queue (one small partition) ahead of its
+    node join's summaries: here the queue's clock is an hour ahead of the first summary, and
+    stays so. The nodes are known only as of the summaries: a job no node can hold, queued 2
+    minutes in, is stranded from then (not from the queue's clock, an hour later), and fires
+    once the summaries have shown it so for the window."""
+    evaluator = FleetEvaluator()
+    state = FleetState()
+    out = evaluator.on_queue(state, ddp(120, gpus=3))
+    for t in range(150, 3600, 30):  # the queue's first hour, read before any summary
+        out += evaluator.on_queue(state, QueueEvent(ts=t, name=f"j{t}", namespace="ml",
+                                                    cluster_queue="research",
+                                                    state="finished", created_at=t, gpus=1))
+    window = frag.FragmentationSettings().stranded_window_s
+    fired: list[Finding] = []
+    for t in range(60, 1200, 30):  # then the summaries from the start, the queue ahead
+        out += evaluator.on_summary(state, summary("n0", t, free=2, total=2))
+        out += evaluator.on_queue(state, QueueEvent(ts=t + 3600, name=f"k{t}", namespace="ml",
+                                                    cluster_queue="research",
+                                                    state="finished", created_at=t, gpus=1))
+        fired = [f for f in findings(out) if f.kind == frag.STRANDED_KIND]
+        if t < 120 + window:
+            assert fired == [], t
+    (finding,) = fired
+    assert finding.state == "firing"
+    assert 120 <= finding.starts_at <= 150
+    assert finding.evidence is not None
+    assert 120 + window <= finding.evidence.window_end <= 120 + window + 60
+
+
 def test_a_deleted_node_leaves_the_view_at_once_and_stays_out_under_redelivery() -> None:
     """The tombstone takes the node out of every fleet figure; the same tombstone again, or
     an older summary of the node redelivered after it, changes nothing; a later summary
