@@ -234,8 +234,13 @@ class FragmentationTrack(msgspec.Struct):
 
 
 def observe_fleet(track: FragmentationTrack, report: FragmentationReport, *, ts: float,
-                  settings: FragmentationSettings) -> list[Finding]:
-    """Fold one fleet evaluation into ``track``; fire after ``window_s`` above threshold."""
+                  settings: FragmentationSettings, seen: float | None = None
+                  ) -> list[Finding]:
+    """Fold one fleet evaluation into ``track``; fire after ``window_s`` above threshold.
+
+    The window is timed by the summaries the report is made of (``seen``, their time:
+    :attr:`FleetView.seen`), not by ``ts`` where the queue has run ahead of them."""
+    seen = ts if seen is None else min(ts, seen)
     fp = fingerprint(KIND, "fleet")
     subject = Subject()
     free_gpus = report.unallocated_milli / WHOLE
@@ -246,14 +251,14 @@ def observe_fleet(track: FragmentationTrack, report: FragmentationReport, *, ts:
             return []
         closing = resolved(track.open_id, fp, KIND, subject,
                            f"fragmentation ratio back to {report.ratio:.2f}",
-                           track.open_since, ts)
+                           track.open_since, max(seen, track.open_since))
         track.open_id = track.open_since = None
         return [closing]
     if track.above_since is None:
-        track.above_since = ts
+        track.above_since = seen
     track.evaluations += 1
     track.max_ratio = max(track.max_ratio, report.ratio)
-    if track.open_id is not None or ts - track.above_since < settings.window_s:
+    if track.open_id is not None or seen - track.above_since < settings.window_s:
         return []
     track.open_id, track.open_since = finding_id(fp, track.above_since), track.above_since
     blocking = sorted(report.by_shape.items(), key=lambda kv: -kv[1])
@@ -264,7 +269,7 @@ def observe_fleet(track: FragmentationTrack, report: FragmentationReport, *, ts:
         f"the observed request shapes cannot use",
         starts_at=track.above_since, ts=ts,
         evidence=Evidence(
-            window_start=track.above_since, window_end=ts, samples=track.evaluations,
+            window_start=track.above_since, window_end=seen, samples=track.evaluations,
             values={"ratio": report.ratio, "max_ratio": track.max_ratio,
                     "fragmented_gpus": report.fragmented_milli / WHOLE,
                     "unallocated_gpus": free_gpus, "nodes": float(report.nodes)},
@@ -595,7 +600,7 @@ def _close_stranded(track: StrandedTrack, key: str, ts: float, why: str) -> list
         return []
     fp = fingerprint(STRANDED_KIND, key)
     return [resolved(episode.open_id, fp, STRANDED_KIND, _stranded_subject(key, episode.queue),
-                     f"{key}: {why}", episode.since, ts)]
+                     f"{key}: {why}", episode.since, max(ts, episode.since))]
 
 
 @dataclass(frozen=True)
@@ -628,7 +633,7 @@ def _evaluate_fragmentation(track: FragmentationTrack, fleet: FleetView, now: fl
         return []
     report = cluster_fragmentation((free_milli(s) for s in fleet.nodes),
                                    shapes(fleet.shape_counts, settings))
-    return observe_fleet(track, report, ts=now, settings=settings)
+    return observe_fleet(track, report, ts=now, settings=settings, seen=fleet.seen)
 
 
 def _evaluate_stranded(track: StrandedTrack, fleet: FleetView, now: float,

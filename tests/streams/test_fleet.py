@@ -111,6 +111,40 @@ def test_a_stranded_episode_is_timed_by_the_summaries_that_show_it() -> None:
     assert 120 + window <= finding.evidence.window_end <= 120 + window + 60
 
 
+def test_fragmentation_seen_briefly_by_summaries_behind_the_queue_does_not_fire() -> None:
+    """The fleet's fragmentation must last its window (15 min) in the summaries that show
+    it. With the queue read ahead of the summaries and faster (a worker catching up), 20
+    minutes of the queue's clock passed while the summaries showed three minutes of a
+    fragmented fleet: on the queue's clock that fired. The same fleet fragmented for the
+    whole window fires, from when the summaries first showed it."""
+    evaluator = FleetEvaluator()
+    state = FleetState()
+    settings = frag.FragmentationSettings()
+    out = evaluator.on_queue(state, ddp(0, gpus=8))  # the observed shape: 8 GPUs
+    for t in range(30, 3600, 30):  # the queue's first hour, read before any summary
+        out += evaluator.on_queue(state, QueueEvent(ts=t, name=f"j{t}", namespace="ml",
+                                                    cluster_queue="research",
+                                                    state="finished", created_at=t, gpus=8))
+
+    def minute(t: int, free: int) -> list[FleetOutput]:
+        got = []
+        for i in range(4):
+            got += evaluator.on_summary(state, summary(f"n{i}", t, free=free))
+        # The queue reads ten minutes for each minute of summaries.
+        return got + evaluator.on_queue(state, QueueEvent(
+            ts=10 * t + 3600, name=f"k{t}", namespace="ml", cluster_queue="research",
+            state="finished", created_at=t, gpus=8))
+
+    for t in range(0, 1200, 60):  # fragmented for 3 minutes of the summaries' time only
+        out += minute(t, free=3 if 300 <= t < 480 else 0)
+    assert [f for f in findings(out) if f.kind == frag.KIND] == []
+    for t in range(1200, 1200 + int(settings.window_s) + 120, 60):
+        out += minute(t, free=3)
+    (fired,) = [f for f in findings(out) if f.kind == frag.KIND]
+    assert fired.starts_at == 1200
+    assert fired.evidence is not None and fired.evidence.window_end >= 1200 + settings.window_s
+
+
 def test_a_deleted_node_leaves_the_view_at_once_and_stays_out_under_redelivery() -> None:
     """The tombstone takes the node out of every fleet figure; the same tombstone again, or
     an older summary of the node redelivered after it, changes nothing; a later summary
