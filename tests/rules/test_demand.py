@@ -270,3 +270,30 @@ def test_holders_past_the_last_place_a_pod_can_take_are_not_offered() -> None:
     # Eight 1-GPU holders, 8-GPU workers: all eight, none cut by counting holders.
     ones = d._node(node("c", 0, [hold(i) for i in range(10, 19)], total=9), now=0)
     assert len(d._useful(ones, [PodSet(count=1, gpus=8)])) == 8
+
+
+@given(st.lists(st.tuples(st.integers(0, 8), st.lists(st.sampled_from([1, 1, 2, 4]),
+                                                        max_size=3)), min_size=1, max_size=12),
+       st.lists(st.tuples(st.integers(0, 11), st.integers(0, 8), st.booleans()), max_size=20),
+       st.integers(0, 9))
+def test_the_node_needing_fewest_reclaims_is_found_as_a_scan_of_every_node_finds_it(
+        shapes: list[tuple[int, list[int]]], changes: list[tuple[int, int, bool]],
+        gpus: int) -> None:
+    """The match keeps the nodes with holders filed by their room; whatever the match has
+    taken from them, the node it picks for a one-pod workload is the one a scan of every
+    node with :func:`_needed` picks (fewest reclaims, then the name)."""
+    nodes = [d._Node(node(f"n{i % 3}-{i}", free, []), free, {},
+                     [msgspec.structs.replace(hold(10 * i + j), gpus=g)
+                      for j, g in enumerate(sizes)])
+             for i, (free, sizes) in enumerate(shapes)]
+    by_room = d._ByRoom(nodes)
+    for which, free, drop in changes:
+        n = nodes[which % len(nodes)]
+        n.free_gpus = min(n.free_gpus, free)  # the match only takes room
+        if drop and n.holds:
+            n.holds.pop(0)
+        by_room.moved(n)
+        options = [(need, x) for x in nodes if (need := d._needed(job(gpus), x))]
+        expected = min(options, key=lambda o: (o[0][0], o[1].summary.node)) if options \
+            else None
+        assert by_room.fewest(gpus) == expected
