@@ -162,19 +162,15 @@ def hold_key(node: str, hold: IdleHold) -> str:
     return f"{node}/{hold.device}/{hold.pod.namespace}/{hold.pod.name}"
 
 
-def _needed(demand: Demand, node: _Node) -> tuple[int, str | None] | None:
-    """(devices to reclaim, MIG profile) for ``demand`` on ``node``, or None when its idle
-    holders cannot make it fit."""
-    if demand.mig:
-        if len(demand.mig) != 1:
-            return None  # several profiles at once: rare, and no single reclaim answers it
-        profile, count = next(iter(demand.mig.items()))
-        short = count - node.free_mig.get(profile, 0)
-        available = sum(h.mig_profile == profile for h in node.holds)
-        return (short, profile) if 0 < short <= available else None
-    short = demand.gpus - node.free_gpus
-    available = sum(h.gpus for h in node.holds)
-    return (short, None) if 0 < short <= available and demand.gpus > 0 else None
+def _needed_mig(demand: Demand, node: _Node) -> tuple[int, str | None] | None:
+    """(MIG devices to reclaim, their profile) for the MIG pod ``demand`` on ``node``, or
+    None when its idle holders cannot make it fit. Whole-GPU pods: :meth:`_ByRoom.fewest`."""
+    if len(demand.mig) != 1:
+        return None  # several profiles at once: rare, and no single reclaim answers it
+    profile, count = next(iter(demand.mig.items()))
+    short = count - node.free_mig.get(profile, 0)
+    available = sum(h.mig_profile == profile for h in node.holds)
+    return (short, profile) if 0 < short <= available else None
 
 
 def _frees(hold: IdleHold, pods: Sequence[PodSet]) -> bool:
@@ -294,8 +290,9 @@ class _ByRoom:
         self.filed[id(node)] = new
 
     def fewest(self, gpus: int) -> tuple[tuple[int, str | None], _Node] | None:
-        """As :func:`_needed` over every node, the least reclaims first, then the node's name:
-        ((devices to reclaim, None), node) for a pod of ``gpus`` whole GPUs, or None."""
+        """The node where a pod of ``gpus`` whole GPUs needs the fewest reclaims (more than
+        its free GPUs, at most what its holders free), then the first by name: ((GPUs to
+        reclaim, None), node), or None."""
         if gpus <= 0:
             return None
         found = [(gpus - free, _name(group[0]), group[0])
@@ -313,14 +310,6 @@ def _name(node: _Node) -> str:
 
 def _room_key(node: _Node) -> tuple[int, int]:
     return node.free_gpus, sum(h.gpus for h in node.holds)
-
-
-def _keep_open(views: dict[int, NodeSummary], key: int, view: NodeSummary) -> None:
-    """Keep ``view`` in ``views`` only while it has room (the placement skips the others)."""
-    if request_room(view) > 0 or any(view.mig_free.values()):
-        views[key] = view
-    else:
-        views.pop(key, None)
 
 
 def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
@@ -355,12 +344,16 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
     workload of more GPUs than any offers is not placed on them."""
 
     def keep_open(key: int, view: NodeSummary) -> None:
+        """Keep ``view`` in ``views`` only while it has room (the placement skips the
+        others), in its place (first fit follows the order), and ``rooms`` counting it."""
         old = views.get(key)
         if old is not None:
             rooms[request_room(old)] -= 1
-        _keep_open(views, key, view)
-        if key in views:
-            rooms[request_room(views[key])] += 1
+        if request_room(view) > 0 or any(view.mig_free.values()):
+            views[key] = view
+            rooms[request_room(view)] += 1
+        else:
+            views.pop(key, None)
 
     for node in nodes:
         keep_open(id(node), node.released())
@@ -415,7 +408,7 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
             use(spent, reclaimed)
             continue
         if demand.mig:
-            options = [(need, node) for node in nodes if (need := _needed(demand, node))]
+            options = [(need, node) for node in nodes if (need := _needed_mig(demand, node))]
             chosen = min(options, key=lambda o: (o[0][0], _name(o[1]))) if options else None
         else:
             chosen = by_room.fewest(demand.gpus)

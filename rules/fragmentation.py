@@ -233,6 +233,12 @@ class FragmentationTrack(msgspec.Struct):
     open_since: float | None = None
 
 
+def summaries_time(ts: float, seen: float | None) -> float:
+    """The time an evaluation at ``ts`` knows the nodes as of: the summaries' (``seen``:
+    :attr:`FleetView.seen`), never past ``ts``; ``ts`` itself where not given."""
+    return ts if seen is None else min(ts, seen)
+
+
 def observe_fleet(track: FragmentationTrack, report: FragmentationReport, *, ts: float,
                   settings: FragmentationSettings, seen: float | None = None
                   ) -> list[Finding]:
@@ -240,7 +246,7 @@ def observe_fleet(track: FragmentationTrack, report: FragmentationReport, *, ts:
 
     The window is timed by the summaries the report is made of (``seen``, their time:
     :attr:`FleetView.seen`), not by ``ts`` where the queue has run ahead of them."""
-    seen = ts if seen is None else min(ts, seen)
+    seen = summaries_time(ts, seen)
     fp = fingerprint(KIND, "fleet")
     subject = Subject()
     free_gpus = report.unallocated_milli / WHOLE
@@ -517,7 +523,7 @@ def observe_stranded(track: StrandedTrack, pending: Mapping[str, Demand],
     """
     out: list[Finding] = []
     view = FreeView(summaries)
-    seen = ts if seen is None else min(ts, seen)
+    seen = summaries_time(ts, seen)
     for key in list(track.episodes):
         if key not in pending:
             out += _close_stranded(track, key, ts, "the workload left the queue")

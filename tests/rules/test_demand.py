@@ -281,7 +281,8 @@ def test_the_node_needing_fewest_reclaims_is_found_as_a_scan_of_every_node_finds
         gpus: int) -> None:
     """The match keeps the nodes with holders filed by their room; whatever the match has
     taken from them, the node it picks for a one-pod workload is the one a scan of every
-    node with :func:`_needed` picks (fewest reclaims, then the name)."""
+    node picks: the fewest GPUs to reclaim (more than its free GPUs, at most what its
+    holders free), then the name."""
     nodes = [d._Node(node(f"n{i % 3}-{i}", free, []), free, {},
                      [msgspec.structs.replace(hold(10 * i + j), gpus=g)
                       for j, g in enumerate(sizes)])
@@ -293,7 +294,7 @@ def test_the_node_needing_fewest_reclaims_is_found_as_a_scan_of_every_node_finds
         if drop and n.holds:
             n.holds.pop(0)
         by_room.moved(n)
-        options = [(need, x) for x in nodes if (need := d._needed(job(gpus), x))]
-        expected = min(options, key=lambda o: (o[0][0], o[1].summary.node)) if options \
-            else None
+        options = [(gpus - x.free_gpus, x.summary.node, x) for x in nodes
+                   if gpus > 0 and 0 < gpus - x.free_gpus <= sum(h.gpus for h in x.holds)]
+        expected = None if not options else ((min(options)[0], None), min(options)[2])
         assert by_room.fewest(gpus) == expected
