@@ -15,7 +15,12 @@ evaluation on a 10,000-GPU fleet (1,250 nodes x 8 GPUs) in four forms:
   join's urgent path;
 - the FGD measure over 1,250 nodes whose GPUs are each partly allocated
   (per-GPU milli, all nodes distinct, the 24 request shapes of the Alibaba
-  trace's mix): the worst case for the per-free-vector cache.
+  trace's mix): the worst case for the per-free-vector cache;
+- the fleet state's checkpoint after one admission, with the queue following
+  9,000 running 1-GPU pods of eight queues: the bytes it puts on the changelog
+  (chunks that changed and the head: ``streams/stored.py``) against the whole
+  state, which every batch with a queue event wrote until 2026-11-28, and the
+  CPU the checkpoint takes.
 
 Pure CPU, no broker; the median of repeated runs.
 """
@@ -27,11 +32,13 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+import msgspec
 from figures import Figure
 
 from gpusteward.rules import fragmentation as frag
 from gpusteward.schema import IdleHold, NodeSummary, PodRef, PodSet, QueueEvent
 from gpusteward.streams.fleet import FleetEvaluator, FleetState
+from gpusteward.streams.stored import in_chunks
 
 NODES, GPUS = 1250, 8
 START = 1_763_683_200.0
@@ -84,6 +91,34 @@ def _evaluation_ms(evaluator: FleetEvaluator, state: FleetState) -> float:
     return _median_ms(whole)
 
 
+def _checkpoint(running: int = 9_000) -> tuple[float, float, float]:
+    """KB of changelog per admission's checkpoint, KB of the whole state, ms of CPU."""
+    evaluator, state = FleetEvaluator(), FleetState()
+    table: dict[bytes, bytes] = {}
+    written, times = [], []
+    for i in range(running + REPEATS):
+        ts = START + i
+        for event in ("pending", "admitted"):
+            evaluator.on_queue(state, QueueEvent(
+                ts=ts + (event == "admitted"), name=f"job-{i:05d}", namespace="ml",
+                cluster_queue=f"research-{i % 8}", state=event,
+                created_at=ts, admitted_at=ts + 1 if event == "admitted" else None, gpus=1,
+                kind="pod"), queue_caught_up=True)
+        if i + 1 < running:
+            continue
+        started = time.process_time()
+        writes = in_chunks(b"fleet", state, list(table), 500_000)
+        times.append((time.process_time() - started) * 1000)
+        for key, value in writes:
+            if value is None:
+                table.pop(key, None)
+            else:
+                table[key] = value
+        written.append(sum(len(value or b"") for _, value in writes) / 1024)
+    whole = len(msgspec.msgpack.encode(state)) / 1024
+    return statistics.median(written[1:]), whole, statistics.median(times[1:])
+
+
 def run() -> list[Figure]:
     rng = random.Random(1)
     evaluator, state = _fleet(rng)
@@ -105,6 +140,7 @@ def run() -> list[Figure]:
     partial = [[rng.choice([0, 0, 1000, rng.randint(1, 999)]) for _ in range(GPUS)]
                for _ in range(NODES)]
     partial_ms = _median_ms(lambda: frag.cluster_fragmentation(partial, shapes))
+    written_kb, whole_kb, checkpoint_ms = _checkpoint()
     return [
         Figure("FGD over 1,250 node summaries (whole-GPU free counts)", fgd_ms, "ms"),
         Figure("whole fleet evaluation (FGD + stranded for 200 pending + queue SLOs)",
@@ -114,4 +150,10 @@ def run() -> list[Figure]:
                stuck_ms, "ms"),
         Figure("FGD over 1,250 distinct partly-allocated nodes, 24 shapes (worst case)",
                partial_ms, "ms"),
+        Figure("fleet state checkpoint after one admission, 9,000 running pods: changelog",
+               written_kb, "KiB"),
+        Figure("the same state whole (every such checkpoint until 2026-11-28)", whole_kb,
+               "KiB"),
+        Figure("fleet state checkpoint after one admission, 9,000 running pods: CPU",
+               checkpoint_ms, "ms"),
     ]

@@ -12,7 +12,8 @@ Two Faust agents, added to the worker app by :func:`register_fleet_agent`:
   of its state (the queue rules' state, the open episodes) is one msgpack
   value in another, written with every batch holding a queue event and
   whenever a rule emits something, and otherwise every
-  ``checkpoint_interval_s`` of event time. All of it is written after the
+  ``checkpoint_interval_s`` of event time; its per-workload maps in chunks,
+  of which a write sends those that changed (:mod:`.stored`). All of it is written after the
   findings and actions of the records it holds are delivered.
   A restarted worker resumes with every queue event it applied and at most
   that much of summaries to re-learn (re-processing republishes the same
@@ -99,6 +100,7 @@ from gpusteward.streams.outputs import (
     restore,
     still_current,
 )
+from gpusteward.streams.stored import in_chunks, joined
 
 log = logging.getLogger(__name__)
 
@@ -366,76 +368,6 @@ class _SpotDeletion(msgspec.Struct):
     deleted_at: float | None = None
 
 
-class _Parts(msgspec.Struct, array_like=True, frozen=True):
-    """The head of a value written in parts (:func:`in_parts`): a msgpack array, which no
-    earlier build reads as a fleet state (a map), so one reports it rather than taking it
-    for an empty state."""
-
-    generation: int
-    count: int
-    size: int
-
-    def keys(self, key: bytes) -> list[bytes]:
-        return [b"%s/%d/%d" % (key, self.generation, i) for i in range(self.count)]
-
-
-_decode_parts = msgspec.msgpack.Decoder(_Parts).decode
-_encode_parts = msgspec.msgpack.Encoder().encode
-
-
-def in_parts(key: bytes, value: bytes, keys: Iterable[bytes], limit: int
-             ) -> list[tuple[bytes, bytes | None]]:
-    """The table writes, in order, that store ``value`` under ``key`` in records of at most
-    ``limit`` bytes (a broker refuses a record over its ``message.max.bytes``, and the
-    worker stopped): ``value`` itself when it fits; else its parts under keys of a new
-    generation (``key/<generation>/<i>``), then under ``key`` the head naming them. Then
-    the deletion of every part of ``keys`` (the table's) that the head does not name.
-
-    The head comes after its parts on the one-partition changelog, and a recovery reads a
-    prefix of it: the head it ends with names parts it has read, and the parts of the head
-    before stay until the new head is written."""
-    prefix = key + b"/"
-    old = [k for k in keys if k.startswith(prefix)]
-    writes: list[tuple[bytes, bytes | None]] = []
-    if len(value) <= limit:
-        writes.append((key, value))
-    else:
-        generation = 1 + max((_generation(k) for k in old), default=0)
-        head = _Parts(generation, -(-len(value) // limit), len(value))
-        parts = head.keys(key)
-        writes += [(k, value[i * limit:(i + 1) * limit]) for i, k in enumerate(parts)]
-        writes.append((key, _encode_parts(head)))
-        old = [k for k in old if k not in parts]
-    return writes + [(k, None) for k in old]
-
-
-def _generation(key: bytes) -> int:
-    try:
-        return int(key.split(b"/")[1])
-    except (IndexError, ValueError):
-        return 0
-
-
-def joined(key: bytes, stored: bytes | None, get: Callable[[bytes], bytes | None]
-           ) -> bytes | None:
-    """The value stored under ``key`` (:func:`in_parts`): ``stored`` itself, or the parts its
-    head names (``get`` reads one). msgspec.DecodeError when a part is missing."""
-    if stored is None:
-        return None
-    try:
-        head = _decode_parts(stored)
-    except msgspec.DecodeError:
-        return stored  # whole (or not a state at all: its decoding says so)
-    parts = [get(k) for k in head.keys(key)]
-    value = b"".join(p for p in parts if p is not None)
-    if len(value) != head.size:
-        missing = sum(p is None for p in parts)
-        raise msgspec.DecodeError(
-            f"written in {head.count} parts (generation {head.generation}, {head.size} bytes), "
-            f"{missing} of them missing, {len(value)} bytes found")
-    return value
-
-
 class _Snapshot:
     """Whether the fleet agent's live state holds records due a checkpoint that are not
     written yet."""
@@ -532,13 +464,13 @@ def register_fleet_agent(app: faust.App, settings: Settings,
     decode_mig_workload = msgspec.msgpack.Decoder(mig_observed.MigWorkload).decode
     decode_summary = msgspec.json.Decoder(NodeSummary).decode
 
-    def encode_state(state: FleetState) -> bytes:
-        """The fleet state's changelog value: without the nodes' summaries and the MIG
-        workloads, which have tables of their own (one record per key), nor when each node
-        was heard from."""
-        return encode_msgpack(msgspec.structs.replace(
+    def stored_state(state: FleetState) -> FleetState:
+        """What of the fleet state its changelog value holds: not the nodes' summaries and
+        the MIG workloads, which have tables of their own (one record per key), nor when
+        each node was heard from."""
+        return msgspec.structs.replace(
             state, nodes={}, departed=[], heard={}, mig=msgspec.structs.replace(
-                state.mig, workloads={}, touched=[])))
+                state.mig, workloads={}, touched=[]))
 
     # The edges of the fleet's inputs (bounds, key, depth: gpusteward.edge).
     limits = Limits(max_future_s=settings.max_event_ahead_s)
@@ -583,8 +515,8 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         and the fleet state if any of them was due a checkpoint."""
         writes: dict[tuple[Any, bytes], bytes | None] = {}
         if snapshot.due and state_key in live:
-            for key, value in in_parts(state_key, encode_state(live[state_key][0]),
-                                       fleet_table.keys(), part_bytes):
+            for key, value in in_chunks(state_key, stored_state(live[state_key][0]),
+                                        fleet_table.keys(), part_bytes):
                 writes[fleet_table, key] = value
         writes.update(recent)
         for (table, key), value in writes.items():

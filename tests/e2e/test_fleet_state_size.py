@@ -5,8 +5,9 @@ size grows with the workloads the queue follows, and at about 7,000 running GPU 
 passed the largest record a producer sends by default (1,000,000 bytes, under Kafka's
 ``message.max.bytes``): the producer refused it and the worker stopped, and every worker
 of the group that took the partition over stopped the same way. Now the state is written
-in parts; these drive a real worker through such a queue, kill it, and check that the
-next one resumes with the whole queue.
+in chunks (``streams/stored.py``), and one admission writes the few that change, not the
+whole state, a megabyte per queue event until 2026-11-28. These drive a real worker through
+such a queue, kill it, and check that the next one resumes with the whole queue.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from gpusteward.rules import queue as queue_rules
 from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.schema import Finding, PodRef, QueueEvent
 from gpusteward.settings import Settings
-from gpusteward.streams.fleet import FleetState, fleet_group, joined
+from gpusteward.streams.fleet import FleetState, fleet_group
+from gpusteward.streams.stored import joined
 
 pytestmark = pytest.mark.e2e
 
@@ -61,9 +63,9 @@ async def _consumed(settings: Settings, worker: WorkerProcess) -> None:
         assert worker.alive, f"the worker stopped; its log is {worker.log_path}"
 
 
-async def _stored_state(settings: Settings) -> tuple[FleetState, int, int]:
-    """The fleet state as a recovery reads it from the changelog, the largest record, and
-    the parts it is in."""
+async def _stored_state(settings: Settings) -> tuple[FleetState, list[bytes | None], int]:
+    """The fleet state as a recovery reads it from the changelog, the changelog's values in
+    order, and the chunks the state is in."""
     table: dict[bytes, bytes | None] = {}
     records = await kafka.read_all(
         settings, f"{fleet_group(settings)}-fleet-state-changelog")
@@ -71,9 +73,9 @@ async def _stored_state(settings: Settings) -> tuple[FleetState, int, int]:
         table[record.key] = record.value
     value = joined(b"fleet", table.get(b"fleet"), table.get)
     assert value is not None
-    parts = sum(1 for k, v in table.items() if k.startswith(b"fleet/") and v is not None)
-    return (msgspec.msgpack.decode(value, type=FleetState),
-            max(len(r.value or b"") for r in records), parts)
+    chunks = sum(1 for k, v in table.items() if k.startswith(b"fleet/c/") and v is not None)
+    return (msgspec.msgpack.decode(value, type=FleetState), [r.value for r in records],
+            chunks)
 
 
 def test_a_queue_of_9000_running_pods_neither_stops_the_worker_nor_is_lost_on_restart(
@@ -99,11 +101,20 @@ def test_a_queue_of_9000_running_pods_neither_stops_the_worker_nor_is_lost_on_re
             await asyncio.to_thread(worker.wait_ready)
             await _publish(settings, events)
             await _consumed(settings, worker)
-            state, largest, parts = await _stored_state(settings)
-            assert largest <= settings.kafka.max_message_bytes
-            assert parts >= 2, "the state fitted one record: the test no longer shows parts"
+            state, values, chunks = await _stored_state(settings)
+            assert max(len(v or b"") for v in values) <= settings.kafka.max_message_bytes
+            assert chunks >= 2, "the state was written whole: the test no longer shows chunks"
             assert len(state.queue.last_event) == RUNNING + 1
             assert list(state.queue.waiting) == ["ml/serving-late"]
+            # One more admission: a checkpoint or two of what changed, not the whole state.
+            whole = len(msgspec.msgpack.encode(state))
+            await _publish(settings, [_pod("one-more", "pending", t0 + 400, t0 + 400),
+                                      _pod("one-more", "admitted", t0 + 402, t0 + 400)])
+            await _consumed(settings, worker)
+            state, after_one, _ = await _stored_state(settings)
+            assert "ml/one-more" in state.queue.last_event
+            written = sum(len(v or b"") for v in after_one[len(values):])
+            assert 0 < written < whole / 10, (written, whole)
             worker.kill()
             worker.start()
             await asyncio.to_thread(worker.wait_ready)
