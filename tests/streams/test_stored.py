@@ -33,6 +33,19 @@ def _read(table: dict[bytes, bytes]) -> bytes | None:
     return joined(KEY, table.get(KEY), table.get)
 
 
+def _checkpoint(table: dict[bytes, bytes], writes: list[tuple[bytes, bytes | None]],
+                limit: int, before: bytes | None, value: bytes) -> None:
+    """Apply a checkpoint's ``writes`` to ``table``, having read it back cut at every point:
+    the state ``before`` it or its ``value``, and no record over ``limit``."""
+    assert all(v is None or len(v) <= limit for _, v in writes)
+    for cut in range(len(writes) + 1):
+        crashed = dict(table)
+        _apply(crashed, writes[:cut])
+        assert _read(crashed) in (before, value)
+    _apply(table, writes)
+    assert _read(table) == value
+
+
 def test_every_prefix_of_a_checkpoint_reads_as_the_state_before_or_after_it() -> None:
     rng = random.Random(11)
     limit = 64
@@ -41,14 +54,7 @@ def test_every_prefix_of_a_checkpoint_reads_as_the_state_before_or_after_it() ->
     for _ in range(300):
         # States around the limit: whole, in two parts, in many; and back again.
         value = rng.randbytes(rng.choice((0, 10, 63, 64, 65, 128, 129, 700, 2_000)))
-        writes = in_parts(KEY, value, list(table), limit)
-        assert all(v is None or len(v) <= limit for _, v in writes)
-        for cut in range(len(writes) + 1):
-            crashed = dict(table)
-            _apply(crashed, writes[:cut])
-            assert _read(crashed) in (before, value)
-        _apply(table, writes)
-        assert _read(table) == value
+        _checkpoint(table, in_parts(KEY, value, list(table), limit), limit, before, value)
         # Nothing of earlier checkpoints stays: the head and its parts only.
         parts = -(-len(value) // limit) if len(value) > limit else 0
         assert len(table) == 1 + parts
@@ -148,14 +154,7 @@ def test_every_prefix_of_a_chunked_checkpoint_reads_as_the_state_before_or_after
         state = {"queue": {"jobs": jobs, "clock": serial}, "admissions": admissions,
                  "small": [1, 2]}
         value = msgspec.msgpack.encode(state)
-        writes = in_chunks(KEY, state, list(table), limit)
-        assert all(v is None or len(v) <= limit for _, v in writes)
-        for cut in range(len(writes) + 1):
-            crashed = dict(table)
-            _apply(crashed, writes[:cut])
-            assert _read(crashed) in (before, value)
-        _apply(table, writes)
-        assert _read(table) == value
+        _checkpoint(table, in_chunks(KEY, state, list(table), limit), limit, before, value)
         before = value
 
 
