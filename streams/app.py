@@ -427,7 +427,7 @@ def create_app(
     # a batch writes the states of nodes of several partitions at its end.
     state_table = app.Table(
         "node-state", partitions=kafka.node_partitions, key_type=bytes, value_type=bytes,
-        use_partitioner=True,
+        use_partitioner=True, extra_topic_configs=topics.COMPACTED_SEGMENTS,
     )
     # A deleted node's state leaves the table once its partition's samples are
     # forget_deleted_s past the deletion (NodeStates.sweep), and a silent node's node

@@ -480,12 +480,12 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                             partitions=topics.ALLOCATIONS.partition_count(settings))
     outputs_to = OutputTopics(app, settings)
 
-    fleet_table = app.Table("fleet-state", partitions=1, key_type=bytes, value_type=bytes)
-    nodes_table = app.Table("fleet-nodes", partitions=1, key_type=bytes, value_type=bytes)
-    mig_table = app.Table("fleet-mig-workloads", partitions=1, key_type=bytes,
-                          value_type=bytes)
-    spot_table = app.Table("fleet-spot", partitions=kafka.node_partitions,
-                           key_type=bytes, value_type=bytes)
+    table = partial(app.Table, key_type=bytes, value_type=bytes,
+                    extra_topic_configs=topics.COMPACTED_SEGMENTS)
+    fleet_table = table("fleet-state", partitions=1)
+    nodes_table = table("fleet-nodes", partitions=1)
+    mig_table = table("fleet-mig-workloads", partitions=1)
+    spot_table = table("fleet-spot", partitions=kafka.node_partitions)
     encode_msgpack = msgspec.msgpack.Encoder().encode
     decode_fleet = msgspec.msgpack.Decoder(FleetState).decode
     decode_track = msgspec.msgpack.Decoder(spot_rules.SpotNodeTrack).decode

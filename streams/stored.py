@@ -3,19 +3,19 @@ write only what changed.
 
 The fleet agent keeps its state (the queue, every fleet rule's tracks) as one msgpack
 value, written with every batch that holds a queue event. Most of it is per workload: at
-9,000 running GPU pods it is 1.6 MB, and one admission rewrote all of it, a megabyte and
+9,000 running GPU pods it is 1.0-1.3 MB, and one admission rewrote all of it, a megabyte and
 more on the changelog per queue event, all of which a recovery on a real Kafka reads
 again until compaction removes it. Two layers keep the records small:
 
 - **Chunks**: every map or list of at least :data:`LARGE` items in the value, found
-  through its maps and Structs, is cut in its own order into
-  chunks, each ending at an item whose key (a map's) or encoding (a list's) hashes to a
-  boundary. An item added, changed or removed changes its own chunk, seldom a
-  neighbour's; the other chunks keep their bytes. A chunk is stored under a key named by
-  a hash of its bytes (``<key>/c/<hash>``), so a chunk that did not change is not written
-  again. The head, under ``<key>``, is the value with those containers emptied and the
-  names of their chunks, in order: joined (:func:`joined`), it gives back the value
-  byte for byte, its maps in their order.
+  through its maps and Structs, is cut in its own order into chunks, each ending at an
+  entry whose key (a map's) or item (a list's) hashes to a boundary. An entry added,
+  changed or removed changes its own chunk, seldom a neighbour's; the other chunks keep
+  their bytes. A chunk is stored under a key named by a hash of its bytes
+  (``<key>/c/<hash>``), so a chunk that did not change is not written again. The head,
+  under ``<key>``, is the value with those containers emptied and the names of their
+  chunks, in order: joined (:func:`joined`), it gives back the value byte for byte, its
+  maps in their order.
 - **Parts** (:func:`in_parts`): a head still over the broker's limit (a record over
   ``message.max.bytes`` is refused, and the worker stopped) is written in parts of a new
   generation (``<key>/<generation>/<i>``), then a head naming them.
@@ -49,7 +49,7 @@ LARGE = 256
 few hundred workloads, tens of KB) the value is written whole, in the format builds before
 2026-11-28 read."""
 _BOUNDARY = 63
-"""An item ends a chunk where the hash of its key (or encoding) has these bits clear: a
+"""An item ends a chunk where the hash of its key (or of itself) has these bits clear: a
 chunk of 64 items on average."""
 _CHUNK_MAX = 512
 """Items after which a chunk ends in any case (items whose hashes have no boundary)."""

@@ -73,7 +73,8 @@ def test_pod_keys_are_partitioned_with_their_node() -> None:
                 == node_partitioner(node.encode(), partitions, partitions))
     spread = {node_partitioner(n.encode(), partitions, partitions) for n in nodes}
     assert len(spread) > 4, "nodes still spread over the partitions"
-    assert topics.ALLOCATIONS.config() == {"cleanup.policy": "compact"}
+    assert topics.ALLOCATIONS.config() == {"cleanup.policy": "compact",
+                                           "segment.ms": "600000", "segment.bytes": "67108864"}
 
 
 class OldDevice(msgspec.Struct):

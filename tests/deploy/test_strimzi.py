@@ -38,7 +38,8 @@ def test_changelog_is_compacted_and_co_partitioned(render):
     rendered = render("production")
     (changelog,) = [t for t in rendered.kind("KafkaTopic")
                     if t["spec"]["topicName"] == FAUST_CHANGELOG]
-    assert changelog["spec"]["config"] == {"cleanup.policy": "compact"}
+    assert {k: str(v) for k, v in changelog["spec"]["config"].items()} == {
+        "cleanup.policy": "compact", **topics.COMPACTED_SEGMENTS}
     assert changelog["spec"]["partitions"] == Settings().kafka.node_partitions
 
 

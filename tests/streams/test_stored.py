@@ -119,7 +119,7 @@ def test_a_fleet_state_in_chunks_reads_back_byte_for_byte() -> None:
 
 
 def test_one_admission_writes_a_few_chunks_not_the_whole_state() -> None:
-    """At 9,000 running pods the state is about 1.6 MB; an admission rewrote all of it."""
+    """At 9,000 running pods the state is about 1 MB; an admission rewrote all of it."""
     evaluator, state = _fleet(9_000)
     table: dict[bytes, bytes] = {}
     _stored(table, state)
