@@ -173,3 +173,15 @@ def test_a_missing_chunk_is_an_error_not_a_shorter_queue() -> None:
     del table[sorted(k for k in table if k.startswith(KEY + b"/c/"))[3]]
     with pytest.raises(msgspec.DecodeError, match=r"chunks, 1 of them missing"):
         _read(table)
+
+
+def test_a_state_the_previous_release_wrote_in_parts_is_read_and_its_parts_go() -> None:
+    _, state = _fleet(3_000)
+    old = msgspec.msgpack.encode(state)
+    table: dict[bytes, bytes] = {}
+    _apply(table, in_parts(KEY, old, [], 100_000))  # how releases before 2026-11-28 wrote it
+    assert any(k.startswith(KEY + b"/1/") for k in table)
+    assert _read(table) == old
+    _stored(table, state, limit=100_000)
+    assert not any(k.startswith(KEY + b"/1/") for k in table)
+    assert _read(table) == old
