@@ -18,6 +18,7 @@ from typing import Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.conn import collect_hosts, create_conn
 from aiokafka.errors import (
     AuthenticationFailedError,
@@ -75,6 +76,24 @@ async def list_topics(settings: Settings) -> list[str]:
         return list(await admin.list_topics())
     finally:
         await admin.close()
+
+
+async def topic_configs(settings: Settings, names: Iterable[str]) -> dict[str, dict[str, str]]:
+    """Each topic's configuration as the broker describes it: a Kafka broker gives every
+    setting (its defaults too), the embedded broker those the topic was created with."""
+    names = list(names)
+    if not names:
+        return {}
+    admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
+    await admin.start()
+    try:
+        responses = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, name) for name in names])
+    finally:
+        await admin.close()
+    return {name: {entry[0]: entry[1] for entry in entries if entry[1] is not None}
+            for response in responses
+            for _, _, _, name, entries in response.resources}
 
 
 async def wait_for_broker(settings: Settings, timeout_s: float = 30.0) -> None:

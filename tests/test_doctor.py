@@ -132,9 +132,9 @@ def test_doctor_passes_against_the_sandbox(
     assert "gpu_recovery_action needs the NVML collector" in dcgm_check.detail, \
         "no DCGM field feeds it: the check must not claim it is covered"
     assert [c.name for c in checks] == [
-        "kafka", "kafka topics", "kubernetes", "rbac watcher", "rbac remediation",
+        "kafka", "kafka topics", "kafka segments", "kubernetes", "rbac watcher", "rbac remediation",
         "collectors", "dcgm-exporter", "kubelet socket", "policy"]
-    assert checks[5].detail == "a collector is ready on each of the 2 GPU nodes"
+    assert checks[6].detail == "a collector is ready on each of the 2 GPU nodes"
     # Asked about each component's account (with the groups its token carries), never
     # about the caller.
     asked = subject_reviews(kube_api)
@@ -149,6 +149,35 @@ def test_doctor_passes_against_the_sandbox(
          ("system:serviceaccounts", "system:serviceaccounts:gpusteward"))
         for name in ("watcher", "remediation")}
     assert not [r for r in kube_api.requests if r.path == ACCESS_REVIEWS]
+
+
+def test_compacted_topics_an_earlier_release_created_are_named_with_the_fix(
+        settings: Settings) -> None:
+    """Kafka never compacts the active segment, 7 days or 1 GiB of it by default: a worker's
+    restart replays all of it. Releases before 2026-11-28 created their topics so."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    from gpusteward import topics
+
+    async def created_as_before() -> None:
+        admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(
+                name, 1, 1, topic_configs={"cleanup.policy": "compact"}) for name in (
+                    topics.ALLOCATIONS.name(settings),
+                    f"{settings.topic_prefix}-worker-node-state-changelog")])
+        finally:
+            await admin.close()
+
+    asyncio.run(created_as_before())
+    asyncio.run(kafka.ensure_topics(settings))  # the others, as this release does
+    segments = asyncio.run(check_kafka(settings, 5))[2]
+    assert segments.name == "kafka segments" and not segments.ok
+    named = segments.detail.split(" keep a segment")[0].split(", ")
+    assert sorted(named) == sorted([topics.ALLOCATIONS.name(settings),
+                                    f"{settings.topic_prefix}-worker-node-state-changelog"])
+    assert "--add-config segment.ms=600000,segment.bytes=67108864" in segments.detail
 
 
 def test_doctor_names_each_fault_of_a_broken_setup(

@@ -161,7 +161,39 @@ async def check_kafka(settings: Settings, timeout_s: float) -> list[Check]:
                                "where the broker forbids that, create them as docs/topics.md "
                                "lists (partitions, compaction)")]
     return [reached, Check("kafka topics", True, f"all {len(topics.ALL)} topics of the "
-                           "contract exist")]
+                           "contract exist"), await check_segments(settings, present)]
+
+
+KAFKA_SEGMENT_DEFAULTS = {"segment.ms": "604800000", "segment.bytes": "1073741824"}
+"""Kafka's own defaults (7 days, 1 GiB), for a broker that does not say."""
+
+
+async def check_segments(settings: Settings, present: set[str]) -> Check:
+    """The compacted topics and the worker's changelogs start a new segment at least as
+    often as ``topics.COMPACTED_SEGMENTS`` says: Kafka never compacts the active one, so
+    a restarted worker replays all of it. Topics an earlier release created keep Kafka's
+    defaults until changed."""
+    from gpusteward import kafka, topics
+
+    names = sorted({spec.name(settings) for spec in topics.ALL if spec.compacted}
+                   | {name for name in present if name.startswith(settings.topic_prefix)
+                      and name.endswith("-changelog")})
+    configs = await kafka.topic_configs(settings, names)
+    wanted = topics.COMPACTED_SEGMENTS
+    late = [name for name in names
+            if any(int(configs.get(name, {}).get(key, KAFKA_SEGMENT_DEFAULTS[key]))
+                   > int(limit) for key, limit in wanted.items())]
+    if late:
+        settings_text = ",".join(f"{key}={value}" for key, value in wanted.items())
+        return Check("kafka segments", False, f"{', '.join(late)} keep a segment active "
+                     "longer (Kafka's defaults: 7 days or 1 GiB), and Kafka never compacts "
+                     "the active segment: a restarted worker replays all of it. Set "
+                     f"{settings_text} on each (kafka-configs.sh --alter --entity-type "
+                     f"topics --entity-name <topic> --add-config {settings_text}, or the "
+                     "KafkaTopic objects)")
+    return Check("kafka segments", True, f"the {len(names)} compacted topics and changelogs "
+                 f"start a segment every {int(wanted['segment.ms']) // 60_000} min or "
+                 f"{int(wanted['segment.bytes']) >> 20} MiB")
 
 
 def kube_client(kubeconfig: str | None, context: str | None = None) -> Any:
