@@ -13,8 +13,8 @@ Two Faust agents, added to the worker app by :func:`register_fleet_agent`:
   value in another, written with every batch holding a queue event and
   whenever a rule emits something, and otherwise every
   ``checkpoint_interval_s`` of event time; its per-workload maps in chunks,
-  of which a write sends those that changed (:mod:`.stored`). All of it is written after the
-  findings and actions of the records it holds are delivered.
+  of which a write sends those that changed (:mod:`.stored`). All of it is
+  written after the findings and actions of the records it holds are delivered.
   A restarted worker resumes with every queue event it applied and at most
   that much of summaries to re-learn (re-processing republishes the same
   ids, which consumers deduplicate).
