@@ -13,8 +13,6 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from gpusteward import kafka, topics
 from gpusteward.sandbox.pipeline import WorkerProcess
@@ -24,19 +22,6 @@ from gpusteward.streams.app import worker_group
 pytestmark = pytest.mark.e2e
 
 CHANGELOGS = ("node-state", "fleet-state", "fleet-nodes", "fleet-mig-workloads", "fleet-spot")
-
-
-async def _configs(settings: Settings, names: list[str]) -> dict[str, dict[str, str]]:
-    admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
-    await admin.start()
-    try:
-        responses = await admin.describe_configs(
-            [ConfigResource(ConfigResourceType.TOPIC, name) for name in names])
-    finally:
-        await admin.close()
-    return {name: {entry[0]: entry[1] for entry in entries}
-            for response in responses
-            for _, _, _, name, entries in response.resources}
 
 
 def test_changelogs_and_compacted_topics_start_a_segment_every_ten_minutes(
@@ -51,7 +36,7 @@ def test_changelogs_and_compacted_topics_start_a_segment_every_ten_minutes(
     group = worker_group(settings)
     names = [f"{group}-{table}-changelog" for table in CHANGELOGS] + [
         spec.name(settings) for spec in topics.ALL if spec.compacted]
-    configs = asyncio.run(_configs(settings, names))
+    configs = asyncio.run(kafka.topic_configs(settings, names))
     expected = {"cleanup.policy": "compact", **topics.COMPACTED_SEGMENTS}
     assert {name: {k: configs[name].get(k) for k in expected} for name in names} == {
         name: expected for name in names}
