@@ -452,12 +452,12 @@ def register_fleet_agent(app: faust.App, settings: Settings,
                             partitions=topics.ALLOCATIONS.partition_count(settings))
     outputs_to = OutputTopics(app, settings)
 
-    table = partial(app.Table, key_type=bytes, value_type=bytes,
-                    extra_topic_configs=topics.COMPACTED_SEGMENTS)
-    fleet_table = table("fleet-state", partitions=1)
-    nodes_table = table("fleet-nodes", partitions=1)
-    mig_table = table("fleet-mig-workloads", partitions=1)
-    spot_table = table("fleet-spot", partitions=kafka.node_partitions)
+    changelogged = partial(app.Table, key_type=bytes, value_type=bytes,
+                           extra_topic_configs=topics.COMPACTED_SEGMENTS)
+    fleet_table = changelogged("fleet-state", partitions=1)
+    nodes_table = changelogged("fleet-nodes", partitions=1)
+    mig_table = changelogged("fleet-mig-workloads", partitions=1)
+    spot_table = changelogged("fleet-spot", partitions=kafka.node_partitions)
     encode_msgpack = msgspec.msgpack.Encoder().encode
     decode_fleet = msgspec.msgpack.Decoder(FleetState).decode
     decode_track = msgspec.msgpack.Decoder(spot_rules.SpotNodeTrack).decode
