@@ -538,7 +538,8 @@ class NodeStates:
     (:meth:`_reask`); in a partition no node of which sends anything, the newest sample of
     the worker's other partitions does (:meth:`quiet`). The same clocks tell the nodes of
     the partition whose own samples stopped or never came (``silence``, the join's), every
-    :data:`SILENCE_CHECK_S` of it (:meth:`_silences`)."""
+    :data:`SILENCE_CHECK_S` of it (:meth:`_silences`), and a node at each of its
+    inventories."""
 
     def __init__(self, table: Any, checkpoint_s: float,
                  departures: Departures | None = None,
@@ -654,6 +655,15 @@ class NodeStates:
                     departures.note(partition, node, deleted_since(state))
             else:  # an inventory may delete the node, or create it again
                 departures.note(partition, node, deleted_since(state))
+                # Judged at once on its partition's clock: an inventory read after that
+                # clock passed its silence (the watcher behind the collectors) might have no
+                # later sample of the partition to look by.
+                clock = departures.newest.get(partition)
+                if clock is not None and self.silence is not None:
+                    told = self.silence(state, record.node, clock)
+                    if told:
+                        outputs = outputs + told
+                        to_write[node] = self._encode(state)
             if state.asks_due is not None:  # almost never: a node action still asked for
                 self._asking(partition, node, state.asks_due)
             if isinstance(record, NodeSample):

@@ -55,8 +55,10 @@ async def run_in_world(broker: EmbeddedBroker, scenario: str, workdir: Path,
     publisher = KafkaPublisher(settings)
     await publisher.start()
     try:
-        if wall_s is not None:
-            await asyncio.to_thread(worker.wait_ready)
+        # Its partitions assigned before the world starts, as a deployed worker's are: one
+        # that joins after the world has run reads the topics' backlogs in an order of its
+        # own, and a node's inventory can come after hours of its partition's samples.
+        await asyncio.to_thread(worker.wait_ready)
         async with World(cluster, publisher, workdir) as world:
             truth = await cluster.run(publish(world))
             await world.settle()

@@ -433,6 +433,31 @@ def test_a_node_whose_samples_stop_or_never_come_is_told_by_its_partitions_clock
     assert msgspec.msgpack.decode(table[b"stops"], type=NodeState).silent is None
 
 
+def test_a_node_whose_inventory_comes_after_its_partitions_last_sample_is_told_at_once(
+        ) -> None:
+    """The watcher behind the collectors: the partition's samples have run two hours past
+    the inventory of a node that never sends, and no sample of the partition comes after
+    the inventory is read. The node is told at its inventory, once, by the partition's
+    clock, its state written. Before, nothing told it until a later sample of the
+    partition."""
+    departures = Departures(grace_s=3600.0, partitions=8)
+    partition = departures.partition_of(b"late")
+    driver = next(name for name in (f"n{i}" for i in range(1000))
+                  if departures.partition_of(name.encode()) == partition)
+    join = NodeJoin()
+    states = NodeStates({}, 30.0, departures, join.forget, join.reask_due, join.silence)
+    for ts in range(0, 7200, 30):
+        _partition_batch(states, join, partition, _page(driver, T0 + ts))
+    inventory = NodeInventory(ts=T0, node="late", gpu_count=1)
+    assert _silent_findings(_partition_batch(states, join, partition, inventory)) == [
+        ("late", "firing", T0 + 7170)]
+    assert msgspec.msgpack.decode(states.table[b"late"], type=NodeState).silent is not None
+    assert not _silent_findings(_partition_batch(states, join, partition, inventory))
+    # Its inventory read in time: told by the partition's clock, not at it.
+    assert not _silent_findings(_partition_batch(
+        states, join, partition, NodeInventory(ts=T0 + 7180, node="early", gpu_count=1)))
+
+
 def test_a_node_let_take_pods_again_is_given_the_whole_grace() -> None:
     """A node cordoned for two hours without a collector (a repair), then uncordoned: it is
     told only silent_after_s after the uncordon, not at once for the two hours; so is one
