@@ -157,6 +157,9 @@ class FleetState(msgspec.Struct):
     summary_clock: float | None = None
     queue_clock: float | None = None
     last_evaluation: float | None = None
+    seen_at_evaluation: float | None = None
+    """The summaries' clock at the last evaluation: while the queue is read ahead of the
+    summaries (a node join catching up), they make an evaluation due as they advance."""
     queue_offset: int = -1
     """Offset of the last queue record applied; checkpointed with the rest so that a
     restarted worker knows whether it has read the queue as far as the state says."""
@@ -260,8 +263,14 @@ class FleetEvaluator:
             return []
         if state.clock is None or max(clocks) > state.clock:
             state.clock = max(clocks)
-        due = (state.last_evaluation is None
-               or state.clock - state.last_evaluation >= self.settings.evaluate_interval_s)
+        interval = self.settings.evaluate_interval_s
+        # Also as the summaries advance behind a queue read ahead, at the same ``now``: the
+        # fleet's view (and the episodes it times by ``seen``) moves on with them, not only
+        # once they pass the queue's last event.
+        due = (state.last_evaluation is None or state.clock - state.last_evaluation >= interval
+               or (state.summary_clock is not None
+                   and (state.seen_at_evaluation is None
+                        or state.summary_clock - state.seen_at_evaluation >= interval)))
         return self.evaluate(state, state.clock) if due else []
 
     def fragmentation(self, state: FleetState) -> frag.FragmentationReport:
@@ -271,7 +280,7 @@ class FleetEvaluator:
 
     def evaluate(self, state: FleetState, now: float) -> list[FleetOutput]:
         """Run every fleet runner of the registry at event time ``now``."""
-        state.last_evaluation = now
+        state.last_evaluation, state.seen_at_evaluation = now, state.summary_clock
         # Staleness is judged on the summaries' own clock, not the queue's: a node join
         # behind the queue (catching up) has not lost the fleet's nodes.
         seen = now if state.summary_clock is None else state.summary_clock

@@ -111,6 +111,30 @@ def test_a_stranded_episode_is_timed_by_the_summaries_that_show_it() -> None:
     assert 120 + window <= finding.evidence.window_end <= 120 + window + 60
 
 
+def test_summaries_behind_a_queue_read_to_its_end_still_time_the_fleet_rules() -> None:
+    """The same, with the queue's whole backlog read before the first summary and no queue
+    event after it: the fleet's clock stays at the queue's last event while the summaries
+    come from the start. Each interval of the summaries' clock is evaluated as it comes, so
+    the job is stranded from its arrival and fires after the window of summaries. Before,
+    nothing was evaluated until the summaries passed the queue's last event (an hour late),
+    and the episode started there."""
+    evaluator = FleetEvaluator()
+    state = FleetState()
+    out = evaluator.on_queue(state, ddp(120, gpus=3))
+    for t in range(150, 3600, 30):
+        out += evaluator.on_queue(state, QueueEvent(ts=t, name=f"j{t}", namespace="ml",
+                                                    cluster_queue="research",
+                                                    state="finished", created_at=t, gpus=1))
+    window = frag.FragmentationSettings().stranded_window_s
+    for t in range(60, 1200, 30):
+        out += evaluator.on_summary(state, summary("n0", t, free=2, total=2))
+    (finding,) = [f for f in findings(out) if f.kind == frag.STRANDED_KIND]
+    assert finding.state == "firing" and 120 <= finding.starts_at <= 180
+    assert finding.evidence is not None
+    assert 120 + window <= finding.evidence.window_end <= 120 + window + 90
+    assert state.clock == 3570  # the queue's rules judged no later than it was read
+
+
 def test_fragmentation_seen_briefly_by_summaries_behind_the_queue_does_not_fire() -> None:
     """The fleet's fragmentation must last its window (15 min) in the summaries that show
     it. With the queue read ahead of the summaries and faster (a worker catching up), 20
