@@ -9,7 +9,8 @@ the Prometheus alerts see collector processes, not the nodes none runs on.
 The node join judges it (:meth:`gpusteward.streams.node.NodeJoin.silence`) on
 the clock of the node's partition: the newest sample of any node of it, or,
 where no node of the partition sends anything, of the worker's other partitions
-(:class:`gpusteward.streams.app.NodeStates`). Skew between workers never
+(:class:`gpusteward.streams.app.NodeStates`), every minute of that clock and at
+each of the node's inventories. Skew between workers never
 counts: one partition is read by one worker, in order. The silence is measured
 from the node's newest sample or from when it was expected to send (its first
 inventory, or the one that let it take pods again), whichever is later. A node
