@@ -25,7 +25,9 @@ from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.sandbox.simulator.engine import SimulatedCluster
 from gpusteward.sandbox.simulator.scenario import Scenario
 from gpusteward.schema import Finding
+from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
+from gpusteward.streams.node import NodeState
 from gpusteward.streams.outputs import Departures
 from tests.e2e.world_run import run_in_world
 
@@ -53,7 +55,11 @@ def test_a_node_whose_collector_stops_or_never_runs_is_told_once_and_resolved(
     silent = [f for f in run.findings if f.kind == "node_silent"]
     by_node = {node: [(f.state, f.starts_at, f.ts) for f in silent if f.subject.node == node]
                for node in {f.subject.node for f in silent}}
-    assert set(by_node) == {"h100-5", "h100-6"}, by_node  # no false alarm on the others
+    # No false alarm on the others. Where one is missing, what the worker's changelog holds
+    # of it says why: no state at all (lost), or a state no look told.
+    assert set(by_node) == {"h100-5", "h100-6"}, (by_node, asyncio.run(_stored(
+        broker.settings().model_copy(update={"topic_prefix": "e2e-silent-nodes"}),
+        {"h100-5", "h100-6"} - set(by_node))))
 
     # Its last sample at 19 min (the next tick is the first it misses); told within a look
     # (60 s of the partition's clock) of silent_after_s, resolved by its first sample back.
@@ -72,6 +78,21 @@ def test_a_node_whose_collector_stops_or_never_runs_is_told_once_and_resolved(
     [finding] = [f for f in silent if f.subject.node == "h100-6"]
     assert finding.labels["sampled_before"] == "false" and finding.severity == "warning"
     assert "its 1 GPU takes work" in finding.summary
+
+
+async def _stored(settings: Settings, nodes: set[str]) -> dict[str, object]:
+    """The last state the worker's changelog holds of each of ``nodes`` (None: none)."""
+    last: dict[str, bytes | None] = dict.fromkeys(nodes)
+    for record in await kafka.read_all(settings,
+                                       f"{worker_group(settings)}-node-state-changelog"):
+        if record.key is not None and record.key.decode() in last:
+            last[record.key.decode()] = record.value
+    decode = msgspec.msgpack.Decoder(NodeState).decode
+    return {node: None if value is None else {
+        field: getattr(state, field)
+        for field in ("gpu_count", "expected_from", "cordoned", "deleted", "silent")}
+        for node, value in last.items()
+        for state in ([decode(value)] if value is not None else [None])}
 
 
 def test_a_worker_with_no_batch_left_tells_a_silent_node_by_its_timer(
