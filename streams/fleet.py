@@ -48,7 +48,8 @@ settings come from the policy by the rule's name.
 The logic lives in :class:`FleetEvaluator` and :class:`SpotJoin`, which do no
 I/O and are tested without a broker. Fleet rules are evaluated on the event
 time carried by the records (the latest seen), at most every
-``evaluate_interval_s``: evaluating FGD on every one of 1,250 summaries a
+``evaluate_interval_s`` of it or of the summaries' own clock (which a queue read
+ahead leaves behind): evaluating FGD on every one of 1,250 summaries a
 minute would be wasted work, since the measure changes slowly.
 
 It stays one module: the fleet agent's state, its single partition and the order in

@@ -55,9 +55,9 @@ async def run_in_world(broker: EmbeddedBroker, scenario: str, workdir: Path,
     publisher = KafkaPublisher(settings)
     await publisher.start()
     try:
-        # Its partitions assigned before the world starts, as a deployed worker's are: one
-        # that joins after the world has run reads the topics' backlogs in an order of its
-        # own, and a node's inventory can come after hours of its partition's samples.
+        # Its partitions assigned before the world starts, as a deployed worker's are (and
+        # as run_scenario's in test_fleet.py): the run tests the worker keeping up with the
+        # world, not how its start-up races the world's first hours.
         await asyncio.to_thread(worker.wait_ready)
         async with World(cluster, publisher, workdir) as world:
             truth = await cluster.run(publish(world))
