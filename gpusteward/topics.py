@@ -114,6 +114,12 @@ ROLLUPS = TopicSpec(
     node_keyed=True, retention_ms=3 * DAY_MS,
 )
 
+def worker_group(settings: Settings) -> str:
+    """The worker's Faust app id, which is also its consumer group (the fleet agents' too)
+    and the prefix of its tables' changelogs (``<group>-<table>-changelog``)."""
+    return f"{settings.topic_prefix}-worker"
+
+
 def allocation_key(event: schema.PodAllocation | schema.NodeInventory) -> str:
     """The compaction key of an allocation event; its node part picks the partition."""
     if isinstance(event, schema.NodeInventory):

@@ -69,11 +69,7 @@ from gpusteward.streams.outputs import (
     still_current,
 )
 from gpusteward.streams.policy_file import policy_from_env
-
-
-def worker_group(settings: Settings) -> str:
-    """The worker's Faust app id, which is also its consumer group."""
-    return f"{settings.topic_prefix}-worker"
+from gpusteward.topics import worker_group
 
 
 def _transport_for(settings: Settings) -> type[faust_aiokafka.Transport]:
@@ -659,11 +655,8 @@ class NodeStates:
                 # clock passed its silence (the watcher behind the collectors) might have no
                 # later sample of the partition to look by.
                 clock = departures.newest.get(partition)
-                if clock is not None and self.silence is not None:
-                    told = self.silence(state, record.node, clock)
-                    if told:
-                        outputs = outputs + told
-                        to_write[node] = self._encode(state)
+                if clock is not None:
+                    outputs = outputs + self._told_silent(to_write, node, state, clock)
             if state.asks_due is not None:  # almost never: a node action still asked for
                 self._asking(partition, node, state.asks_due)
             if isinstance(record, NodeSample):
@@ -814,14 +807,22 @@ class NodeStates:
             if state is None:
                 nodes.discard(node)
                 continue
-            told = self.silence(state, node.decode(), clock)
+            told = self._told_silent(to_write, node, state, clock)
             if told:
                 out += told
-                to_write[node] = self._encode(state)
-                self.live[node] = (state, clock)
             elif entry is None:
                 self.live[node] = (state, -1.0)
         return out
+
+    def _told_silent(self, to_write: dict[bytes, bytes], node: bytes, state: NodeState,
+                     clock: float) -> list[Output]:
+        """The node's silence by ``clock``, if it is to be told now (:meth:`.NodeJoin.silence`),
+        its state then written."""
+        told = self.silence(state, node.decode(), clock) if self.silence is not None else []
+        if told:
+            to_write[node] = self._encode(state)
+            self.live[node] = (state, clock)
+        return told
 
     def _state(self, node: bytes) -> NodeState | None:
         """The node's state, live or from the table (None: not in it, or undecodable)."""

@@ -439,12 +439,8 @@ async def fleet_batch(events: list[Any], outputs_to: OutputTopics,
 
 
 def fleet_group(settings: Settings) -> str:
-    """The consumer group the fleet agents run in: the worker's, since they are in its app.
-
-    The same as ``streams.app.worker_group``, which cannot be imported here: the app
-    module imports this one to register the agents.
-    """
-    return f"{settings.topic_prefix}-worker"
+    """The consumer group the fleet agents run in: the worker's, since they are in its app."""
+    return topics.worker_group(settings)
 
 
 def register_fleet_agent(app: faust.App, settings: Settings,

@@ -154,7 +154,9 @@ def test_doctor_passes_against_the_sandbox(
 def test_compacted_topics_an_earlier_release_created_are_named_with_the_fix(
         settings: Settings) -> None:
     """Kafka never compacts the active segment, 7 days or 1 GiB of it by default: a worker's
-    restart replays all of it. Releases before 2026-11-28 created their topics so."""
+    restart replays all of it. Releases before 2026-11-28 created their topics so. Another
+    pipeline's changelogs on the cluster (a prefix that starts with this one's) are its own
+    business, not named."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     from gpusteward import topics
@@ -166,7 +168,8 @@ def test_compacted_topics_an_earlier_release_created_are_named_with_the_fix(
             await admin.create_topics([NewTopic(
                 name, 1, 1, topic_configs={"cleanup.policy": "compact"}) for name in (
                     topics.ALLOCATIONS.name(settings),
-                    f"{settings.topic_prefix}-worker-node-state-changelog")])
+                    f"{settings.topic_prefix}-worker-node-state-changelog",
+                    f"{settings.topic_prefix}x-worker-node-state-changelog")])
         finally:
             await admin.close()
 

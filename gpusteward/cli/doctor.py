@@ -175,8 +175,9 @@ async def check_segments(settings: Settings, present: set[str]) -> Check:
     defaults until changed."""
     from gpusteward import kafka, topics
 
+    changelogs = f"{topics.worker_group(settings)}-"
     names = sorted({spec.name(settings) for spec in topics.ALL if spec.compacted}
-                   | {name for name in present if name.startswith(settings.topic_prefix)
+                   | {name for name in present if name.startswith(changelogs)
                       and name.endswith("-changelog")})
     configs = await kafka.topic_configs(settings, names)
     wanted = topics.COMPACTED_SEGMENTS

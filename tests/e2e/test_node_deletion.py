@@ -47,6 +47,7 @@ from gpusteward.streams.fleet import FleetSettings, fleet_group
 from gpusteward.streams.node import NodeState, RuleSettings
 from tests.alerting.conftest import free_port, start_alertmanager, stop_alertmanager
 from tests.alerting.test_consumer_edge import consume_all
+from tests.e2e.records import live_states
 
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 STEP_S = 30.0
@@ -356,16 +357,6 @@ def _fleet_page(node: str, ts: float, dbe: bool = False) -> NodeSample:
         for i in range(gpus)])
 
 
-def _live_states(records: list[Any], kind: type[Any] = NodeState) -> dict[str, Any]:
-    """The per-node states a changelog holds: the last record of each key, a tombstone
-    (None) removing it, as compaction and a restarted worker's recovery read it."""
-    last: dict[str, bytes | None] = {}
-    for record in records:
-        last[record.key.decode()] = record.value
-    return {node: msgspec.msgpack.decode(value, type=kind)
-            for node, value in last.items() if value is not None}
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(420)
 def test_deleted_nodes_leave_the_worker_state_after_a_grace_and_a_restart_keeps_them_gone(
@@ -440,17 +431,17 @@ def test_deleted_nodes_leave_the_worker_state_after_a_grace_and_a_restart_keeps_
             api.create(gpu_node("old-0", gpus=4))
             await caught_up()
             await pages([*keep, *REPLACEMENTS[:3], "old-0"], 3)
-            before_restart = _live_states(await kafka.read_all(settings, changelog))
-            spot_before = set(_live_states(await kafka.read_all(settings, spot_changelog),
-                                           spot_rules.SpotNodeTrack))
+            before_restart = live_states(await kafka.read_all(settings, changelog), NodeState)
+            spot_before = set(live_states(await kafka.read_all(settings, spot_changelog),
+                                          spot_rules.SpotNodeTrack))
 
             deployed.restart_worker()
             await pages([*keep, *REPLACEMENTS[:3], "old-0"], 40)
             assert clock.now - MINUTE_S >= phases["new-3 deleted"] + grace
             await relabel("2")
-            after = _live_states(await kafka.read_all(settings, changelog))
-            spot_after = set(_live_states(await kafka.read_all(settings, spot_changelog),
-                                          spot_rules.SpotNodeTrack))
+            after = live_states(await kafka.read_all(settings, changelog), NodeState)
+            spot_after = set(live_states(await kafka.read_all(settings, spot_changelog),
+                                         spot_rules.SpotNodeTrack))
 
         async def read(spec: topics.TopicSpec, kind: Any) -> list[Any]:
             records = await kafka.read_all(settings, spec.name(settings))

@@ -29,6 +29,7 @@ from gpusteward.settings import Settings
 from gpusteward.streams.app import worker_group
 from gpusteward.streams.node import NodeState
 from gpusteward.streams.outputs import Departures
+from tests.e2e.records import live_states
 from tests.e2e.world_run import run_in_world
 
 pytestmark = pytest.mark.e2e
@@ -81,18 +82,13 @@ def test_a_node_whose_collector_stops_or_never_runs_is_told_once_and_resolved(
 
 
 async def _stored(settings: Settings, nodes: set[str]) -> dict[str, object]:
-    """The last state the worker's changelog holds of each of ``nodes`` (None: none)."""
-    last: dict[str, bytes | None] = dict.fromkeys(nodes)
-    for record in await kafka.read_all(settings,
-                                       f"{worker_group(settings)}-node-state-changelog"):
-        if record.key is not None and record.key.decode() in last:
-            last[record.key.decode()] = record.value
-    decode = msgspec.msgpack.Decoder(NodeState).decode
-    return {node: None if value is None else {
-        field: getattr(state, field)
+    """What the worker's changelog holds of each of ``nodes`` (None: no state)."""
+    states = live_states(await kafka.read_all(
+        settings, f"{worker_group(settings)}-node-state-changelog"), NodeState)
+    return {node: None if node not in states else {
+        field: getattr(states[node], field)
         for field in ("gpu_count", "expected_from", "cordoned", "deleted", "silent")}
-        for node, value in last.items()
-        for state in ([decode(value)] if value is not None else [None])}
+        for node in nodes}
 
 
 def test_a_worker_with_no_batch_left_tells_a_silent_node_by_its_timer(
