@@ -906,6 +906,8 @@ class KubeApiServer:
 class _Handler(BaseHTTPRequestHandler):
     api: KubeApiServer
     protocol_version = "HTTP/1.1"
+    generation = 0
+    """The double's :meth:`~KubeApiServer.drop_watches` count when this request came."""
 
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet: tests read :attr:`KubeApiServer.requests` instead."""
@@ -943,6 +945,9 @@ class _Handler(BaseHTTPRequestHandler):
         request = RecordedRequest(method, parts.path, query, content_type,
                                   json.loads(raw) if raw else None)
         api = self.api
+        # A watch breaks at a drop that comes after its request did, even one that comes
+        # before the stream starts, as a connection open at the drop would.
+        self.generation = api._drop_generation
         if api.record_requests:
             with api._cond:
                 api.requests.append(request)
@@ -1088,7 +1093,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         initial: list[bytes] = []
         with api._cond:
-            generation = api._drop_generation
+            generation = self.generation
             requested = query.get("resourceVersion", "")
             if requested in ("", "0"):
                 since = store.rv
