@@ -39,7 +39,7 @@ from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.sandbox.simulator.engine import SimulatedCluster
 from gpusteward.sandbox.simulator.scenario import Scenario
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 
 NODES, GPUS = 1250, 8
 SCALE_OUT = (1, 2, 4, 8)

@@ -120,6 +120,12 @@ def worker_group(settings: Settings) -> str:
     return f"{settings.topic_prefix}-worker"
 
 
+def changelog(settings: Settings, table: str) -> str:
+    """The changelog topic Faust keeps for the worker's ``table`` (``node-state``,
+    ``fleet-state``, ...)."""
+    return f"{worker_group(settings)}-{table}-changelog"
+
+
 def allocation_key(event: schema.PodAllocation | schema.NodeInventory) -> str:
     """The compaction key of an allocation event; its node part picks the partition."""
     if isinstance(event, schema.NodeInventory):

@@ -45,7 +45,7 @@ from gpusteward import health, kafka, topics
 from gpusteward.broker import free_port
 from gpusteward.children import die_with_parent, stop_child
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 
 Obj = dict[str, Any]
 

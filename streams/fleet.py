@@ -466,11 +466,6 @@ async def fleet_batch(events: list[Any], outputs_to: OutputTopics,
         event.ack()
 
 
-def fleet_group(settings: Settings) -> str:
-    """The consumer group the fleet agents run in: the worker's, since they are in its app."""
-    return topics.worker_group(settings)
-
-
 def register_fleet_agent(app: faust.App, settings: Settings,
                          rules: FleetSettings | None = None) -> None:
     """Add the ``fleet`` and ``fleet-spot`` agents and their tables to the worker ``app``."""

@@ -217,7 +217,7 @@ async def _consumed_while_alive(settings: Settings, worker: WorkerProcess, names
                                 timeout_s: float) -> None:
     """:func:`kafka.wait_consumed`, but a worker that died fails it at once."""
     from gpusteward import kafka
-    from gpusteward.streams.app import worker_group
+    from gpusteward.topics import worker_group
 
     waiting = asyncio.create_task(
         kafka.wait_consumed(settings, worker_group(settings), names, timeout_s=timeout_s))

@@ -45,8 +45,8 @@ from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
 from gpusteward.schema import Action, ActionResult, ActionVerb, PodRef, Subject
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
 from gpusteward.streams.outputs import subject_key
+from gpusteward.topics import worker_group
 from tests.chaos import executor_dies, harness
 from tests.remediation import cluster
 

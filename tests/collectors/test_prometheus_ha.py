@@ -44,7 +44,7 @@ from gpusteward.sandbox.dcgm_pages import DcgmPages
 from gpusteward.sandbox.pipeline import WorkerProcess, settings_env
 from gpusteward.schema import Action, DeviceSample, Finding, HwEvent, NodeSample, PodRef
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 from tests.collectors.conftest import prometheus_query
 
 pytestmark = pytest.mark.e2e

@@ -30,7 +30,7 @@ from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
 from gpusteward.schema import Action, DeadLetter, Finding
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 
 START = 1_763_683_200.0  # the faulty-fleet scenario's start
 NODES = [f"h100-{i}" for i in range(1, 7)]

@@ -36,7 +36,7 @@ from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import SimulatedCluster
 from gpusteward.schema import Finding
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 from tests.chaos import harness
 from tests.e2e.test_faulty_fleet import _key
 

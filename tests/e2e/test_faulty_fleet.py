@@ -29,7 +29,7 @@ from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import FaultRecord, GroundTruth, SimulatedCluster
 from gpusteward.schema import Action, Finding, NodeSample
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 
 pytestmark = pytest.mark.e2e
 

@@ -26,7 +26,7 @@ from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
 from gpusteward.schema import Action, Finding, NodeSummary
 from gpusteward.settings import Settings
-from gpusteward.streams.fleet import fleet_group
+from gpusteward.topics import worker_group
 
 pytestmark = pytest.mark.e2e
 
@@ -68,7 +68,7 @@ async def run_scenario(settings: Settings, name: str, log: Path, *,
             worker.kill()
             worker.start()
         truth = await simulating
-        group = fleet_group(settings)
+        group = worker_group(settings)
         node_topics = [t.name(settings) for t in (topics.SAMPLES, topics.ALLOCATIONS)]
         await kafka.wait_consumed(settings, group, node_topics, timeout_s=180)
         fleet_topics = [t.name(settings) for t in (topics.NODE_SUMMARIES, topics.QUEUE)]

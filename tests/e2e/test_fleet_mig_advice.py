@@ -27,7 +27,7 @@ from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import SimulatedCluster
 from gpusteward.schema import Finding
-from gpusteward.streams.fleet import fleet_group
+from gpusteward.topics import worker_group
 
 pytestmark = pytest.mark.e2e
 
@@ -45,7 +45,7 @@ async def _run(broker: EmbeddedBroker, log: Path) -> list[Finding]:
     worker.start()
     try:
         await cluster.run(publisher)
-        group = fleet_group(settings)
+        group = worker_group(settings)
         await kafka.wait_consumed(settings, group, [t.name(settings) for t in (
             topics.SAMPLES, topics.ALLOCATIONS)], timeout_s=180)
         await kafka.wait_consumed(settings, group, [t.name(settings) for t in (

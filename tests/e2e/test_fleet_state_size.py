@@ -27,8 +27,9 @@ from gpusteward.rules import queue as queue_rules
 from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.schema import Finding, PodRef, QueueEvent
 from gpusteward.settings import Settings
-from gpusteward.streams.fleet import FleetState, fleet_group
+from gpusteward.streams.fleet import FleetState
 from gpusteward.streams.stored import joined
+from gpusteward.topics import worker_group
 
 pytestmark = pytest.mark.e2e
 
@@ -57,7 +58,7 @@ async def _publish(settings: Settings, events: list[QueueEvent]) -> None:
 
 async def _consumed(settings: Settings, worker: WorkerProcess) -> None:
     try:
-        await kafka.wait_consumed(settings, fleet_group(settings),
+        await kafka.wait_consumed(settings, worker_group(settings),
                                   [topics.QUEUE.name(settings)], timeout_s=90)
     finally:
         assert worker.alive, f"the worker stopped; its log is {worker.log_path}"
@@ -68,7 +69,7 @@ async def _stored_state(settings: Settings) -> tuple[FleetState, list[bytes | No
     order, and the chunks the state is in."""
     table: dict[bytes, bytes | None] = {}
     records = await kafka.read_all(
-        settings, f"{fleet_group(settings)}-fleet-state-changelog")
+        settings, topics.changelog(settings, "fleet-state"))
     for record in records:
         table[record.key] = record.value
     value = joined(b"fleet", table.get(b"fleet"), table.get)

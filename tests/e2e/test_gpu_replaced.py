@@ -30,7 +30,7 @@ from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.schema import Action, DeviceSample, Finding, HwEvent, NodeSample
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 from tests.e2e.records import decoded
 
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z

@@ -37,7 +37,7 @@ from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
 from gpusteward.sandbox.simulator.scenario import Scenario
 from gpusteward.schema import AllocationEvent, Finding, HwEvent, NodeSample, QueueEvent
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 
 pytestmark = pytest.mark.e2e
 

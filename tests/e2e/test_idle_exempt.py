@@ -24,7 +24,7 @@ from gpusteward.sandbox.kube_objects import gpu_node, gpu_pod, start
 from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.schema import Action, DeviceSample, Finding, NodeSample, PodRef
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 from tests.e2e.records import decoded
 
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z: the pods start

@@ -27,7 +27,7 @@ from gpusteward.schema import (
     PodRef,
 )
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 from tests.e2e.records import decoded
 
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z: the pods start

@@ -34,7 +34,7 @@ from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import SimulatedCluster
 from gpusteward.schema import Finding, NodeSummary
 from gpusteward.settings import Settings
-from gpusteward.streams.fleet import fleet_group
+from gpusteward.topics import worker_group
 
 pytestmark = pytest.mark.e2e
 
@@ -86,7 +86,7 @@ def test_h200_media_slice_counted_and_pool_advised(settings: Settings, tmp_path:
                 stop.set()
                 await watching
             await publisher.flush()
-            group = fleet_group(settings)
+            group = worker_group(settings)
             await kafka.wait_consumed(settings, group, [t.name(settings) for t in (
                 topics.SAMPLES, topics.ALLOCATIONS)], timeout_s=180)
             await kafka.wait_consumed(settings, group, [t.name(settings) for t in (

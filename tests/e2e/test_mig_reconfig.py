@@ -48,7 +48,7 @@ from gpusteward.schema import (
     PodRef,
 )
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z: the pod starts
 STEP_S = 30.0

@@ -42,9 +42,9 @@ from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.schema import DeviceSample, Finding, NodeSample, NodeSummary, PodRef, Rollup
 from gpusteward.settings import Settings
 from gpusteward.status import StatusFold
-from gpusteward.streams.app import worker_group
-from gpusteward.streams.fleet import FleetSettings, fleet_group
+from gpusteward.streams.fleet import FleetSettings
 from gpusteward.streams.node import NodeState, RuleSettings
+from gpusteward.topics import worker_group
 from tests.alerting.conftest import free_port, start_alertmanager, stop_alertmanager
 from tests.alerting.test_consumer_edge import consume_all
 from tests.e2e.records import live_states
@@ -169,7 +169,7 @@ def test_a_deleted_node_leaves_the_fleet_and_counts_again_when_re_added(
             api.create(gpu_node("big", gpus=GPUS["big"]))
             await caught_up()
             await pages(tuple(GPUS), 6)
-            await kafka.wait_consumed(settings, fleet_group(settings), [
+            await kafka.wait_consumed(settings, worker_group(settings), [
                 t.name(settings) for t in (topics.NODE_SUMMARIES, topics.QUEUE)], 120)
 
         async def read(spec: topics.TopicSpec, kind: Any) -> list[Any]:
@@ -374,8 +374,8 @@ def test_deleted_nodes_leave_the_worker_state_after_a_grace_and_a_restart_keeps_
     Before, every deleted node stayed in the table and on the changelog for good."""
     clock = _Clock()
     keep = _covering(settings)
-    changelog = f"{worker_group(settings)}-node-state-changelog"
-    spot_changelog = f"{worker_group(settings)}-fleet-spot-changelog"
+    changelog = topics.changelog(settings, "node-state")
+    spot_changelog = topics.changelog(settings, "fleet-spot")
     grace = RuleSettings().forget_deleted_s
     assert FleetSettings().spot_forget_deleted_s == grace
     phases: dict[str, float] = {}

@@ -27,7 +27,7 @@ from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
 from gpusteward.schema import Action, ActionResult, DeadLetter, Finding
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 
 pytestmark = pytest.mark.e2e
 

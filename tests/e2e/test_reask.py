@@ -27,7 +27,7 @@ from gpusteward.sandbox.simulator.engine import SimulatedCluster
 from gpusteward.sandbox.simulator.scenario import Scenario
 from gpusteward.schema import Action, ActionResult, NodeSample
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 from tests.remediation.cluster import cordoned, node
 
 pytestmark = pytest.mark.e2e

@@ -31,7 +31,7 @@ from gpusteward.sandbox.kubelet import Assignment, KubeletPodResources
 from gpusteward.sandbox.nvml_fake import FakeNvml
 from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.schema import Finding, PodAllocation, PodRef
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 
 pytestmark = pytest.mark.e2e
 

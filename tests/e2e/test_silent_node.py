@@ -26,9 +26,9 @@ from gpusteward.sandbox.simulator.engine import SimulatedCluster
 from gpusteward.sandbox.simulator.scenario import Scenario
 from gpusteward.schema import Finding
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
 from gpusteward.streams.node import NodeState
 from gpusteward.streams.outputs import Departures
+from gpusteward.topics import worker_group
 from tests.e2e.records import live_states
 from tests.e2e.world_run import run_in_world
 
@@ -84,7 +84,7 @@ def test_a_node_whose_collector_stops_or_never_runs_is_told_once_and_resolved(
 async def _stored(settings: Settings, nodes: set[str]) -> dict[str, object]:
     """What the worker's changelog holds of each of ``nodes`` (None: no state)."""
     states = live_states(await kafka.read_all(
-        settings, f"{worker_group(settings)}-node-state-changelog"), NodeState)
+        settings, topics.changelog(settings, "node-state")), NodeState)
     return {node: None if node not in states else {
         field: getattr(states[node], field)
         for field in ("gpu_count", "expected_from", "cordoned", "deleted", "silent")}

@@ -36,7 +36,7 @@ from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
 from gpusteward.schema import ActionResult, Finding
 from gpusteward.settings import MetricsSettings, Settings
 from gpusteward.status import FleetStatus
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 from tests.e2e.test_faulty_fleet import _expected
 
 pytestmark = pytest.mark.e2e

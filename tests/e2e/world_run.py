@@ -18,7 +18,7 @@ from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import GroundTruth, SimulatedCluster
 from gpusteward.sandbox.world import World
 from gpusteward.schema import Action, Finding, NodeSample, NodeSummary
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 from tests.e2e.records import decoded
 
 

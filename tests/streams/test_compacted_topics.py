@@ -17,7 +17,7 @@ import pytest
 from gpusteward import kafka, topics
 from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 
 pytestmark = pytest.mark.e2e
 

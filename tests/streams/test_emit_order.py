@@ -34,7 +34,7 @@ from gpusteward.rules import xid as xid_rule
 from gpusteward.sandbox.pipeline import WorkerProcess, settings_env
 from gpusteward.schema import DeviceSample, Finding, HwEvent, NodeSample, NodeSummary, QueueEvent
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 from tests.streams import killed_between_writes
 
 pytestmark = pytest.mark.e2e

@@ -34,9 +34,9 @@ from gpusteward.children import die_with_parent, stop_child
 from gpusteward.sandbox.pipeline import WorkerProcess, settings_env
 from gpusteward.schema import DeadLetter, Finding, NodeSample, NodeSummary, QueueEvent
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
 from gpusteward.streams.fleet import FleetEvaluator, FleetState
 from gpusteward.streams.node import NodeState
+from gpusteward.topics import worker_group
 from tests.streams import fleet_record_breaks
 from tests.streams.test_node_states import OLD_STATES, scenario_sample
 
@@ -112,7 +112,7 @@ def test_a_fleet_record_that_breaks_half_way_is_rolled_back_and_nothing_else_is(
     finally:
         stop_child(worker, 15.0)
 
-    changelog = f"{worker_group(settings)}-fleet-state-changelog"
+    changelog = topics.changelog(settings, "fleet-state")
     written = asyncio.run(kafka.read_all(settings, changelog))
     assert written, (tmp_path / "worker.log").read_text()
     state = msgspec.msgpack.decode(written[-1].value, type=FleetState)
@@ -245,7 +245,7 @@ def test_a_state_with_one_device_in_another_shape_keeps_the_other_devices_findin
     assert fired_as, "the recorded state holds GPU-0's idle finding open"
     recorded["devices"]["GPU-1"]["idle"] = [recorded["devices"]["GPU-1"]["idle"]]
     stored = msgspec.msgpack.encode(recorded)
-    changelog = f"{worker_group(settings)}-node-state-changelog"
+    changelog = topics.changelog(settings, "node-state")
     asyncio.run(_preload(settings, [(changelog, b"n1", stored)],
                          [scenario_sample(tick) for tick in range(500, 700)]))
 
@@ -273,7 +273,7 @@ def test_a_state_that_is_garbage_still_starts_afresh(
     taken from them; the node starts afresh as it always did, and the dead letter and the
     warning say so."""
     asyncio.run(kafka.ensure_topics(settings))
-    changelog = f"{worker_group(settings)}-node-state-changelog"
+    changelog = topics.changelog(settings, "node-state")
     asyncio.run(_preload(settings, [(changelog, b"n1", garbage)],
                          [scenario_sample(tick) for tick in range(500, 510)]))
 
@@ -305,7 +305,7 @@ def test_a_fleet_state_with_one_field_in_another_shape_keeps_the_queue_s_open_fi
     recorded["fragmentation"] = [recorded["fragmentation"]]
     stored = msgspec.msgpack.encode(recorded)
     asyncio.run(kafka.ensure_topics(settings))
-    changelog = f"{worker_group(settings)}-fleet-state-changelog"
+    changelog = topics.changelog(settings, "fleet-state")
     asyncio.run(_preload(settings, [(changelog, b"fleet", stored)], []))
     admitted = msgspec.structs.replace(_pending("a", 1000), state="admitted")
     asyncio.run(_publish(settings, [admitted]))

@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from gpusteward import health, kafka
+from gpusteward import health, kafka, topics
 from gpusteward.broker import free_port
 from gpusteward.children import stop_child
 from gpusteward.sandbox.pipeline import settings_env
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 from tests.conftest import metrics_page
 from tests.streams import short_liveness_worker
 
@@ -42,7 +42,7 @@ SCRIPT = Path(short_liveness_worker.__file__)
 
 async def _fill_changelog(settings: Settings) -> str:
     """The worker's node-state changelog, created as Faust would and filled with states."""
-    name = f"{worker_group(settings)}-node-state-changelog"
+    name = topics.changelog(settings, "node-state")
     partitions = settings.kafka.node_partitions
     admin = AIOKafkaAdminClient(**settings.kafka.aiokafka_config())
     await admin.start()

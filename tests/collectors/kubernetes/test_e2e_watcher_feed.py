@@ -26,7 +26,7 @@ from gpusteward.sandbox.simulator import scenario as scenarios
 from gpusteward.sandbox.simulator.engine import SimulatedCluster
 from gpusteward.schema import Finding
 from gpusteward.settings import Settings
-from gpusteward.streams.app import worker_group
+from gpusteward.topics import worker_group
 
 
 @pytest.mark.e2e
