@@ -195,11 +195,11 @@ FLAPS = 10
 def two_busy_nodes(name: str, duration_s: float, faults: list[dict[str, Any]]) -> Scenario:
     """Two busy 2-GPU nodes (one 2-GPU training job on each) with ``faults``.
 
-    Paced (a minute's samples every 50 ms), not run flat out: unpaced, minutes of samples
-    reached the broker within milliseconds of the jobs' admissions, and a worker that read
-    four minutes of node summaries before a job's admission told it waiting (once in
-    `make test`: a queue_start_eta firing and resolving beside the link's two messages).
-    On a live cluster the admission comes minutes before those summaries."""
+    Paced (a minute's samples every 50 ms), not run flat out: unpaced, the world publishes
+    its hours faster than the worker reads them, and a worker once read four minutes of
+    node summaries before a job's admission and told the job waiting (in `make test`: a
+    queue_start_eta firing and resolving beside the link's two messages). On a live cluster
+    the admission comes minutes before those summaries."""
     return Scenario.model_validate({
         "name": name, "seed": 3, "duration_s": duration_s, "sample_interval_s": 60,
         "acceleration": 1200,
