@@ -16,10 +16,6 @@ evaluation on a 10,000-GPU fleet (1,250 nodes x 8 GPUs) in four forms:
 - the FGD measure over 1,250 nodes whose GPUs are each partly allocated
   (per-GPU milli, all nodes distinct, the 24 request shapes of the Alibaba
   trace's mix): the worst case for the per-free-vector cache;
-- the event loop's longest stall while the agent evaluates that full,
-  fragmented fleet ten times (a task that sleeps 1 ms measures how late it
-  wakes): the evaluation run in the loop, as until 2026-11-28, and as the
-  agent runs it now, in a thread (``evaluate_due``);
 - the fleet state's checkpoint after one admission, with the queue following
   9,000 running 1-GPU pods of eight queues: the bytes it puts on the changelog
   (chunks that changed and the head: ``streams/stored.py``) against the whole
@@ -31,7 +27,6 @@ Pure CPU, no broker; the median of repeated runs.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import statistics
 import time
@@ -42,7 +37,7 @@ from figures import Figure
 
 from gpusteward.rules import fragmentation as frag
 from gpusteward.schema import IdleHold, NodeSummary, PodRef, PodSet, QueueEvent
-from gpusteward.streams.fleet import FleetEvaluator, FleetState, evaluate_due
+from gpusteward.streams.fleet import FleetEvaluator, FleetState
 from gpusteward.streams.stored import in_chunks
 
 NODES, GPUS = 1250, 8
@@ -96,36 +91,6 @@ def _evaluation_ms(evaluator: FleetEvaluator, state: FleetState) -> float:
     return _median_ms(whole)
 
 
-def _loop_stall_ms(evaluator: FleetEvaluator, state: FleetState, *, in_loop: bool) -> float:
-    """The longest a 1 ms sleep in the event loop overslept during ten evaluations."""
-    stalls: list[float] = []
-
-    async def agent() -> None:
-        done = asyncio.Event()
-
-        async def probe() -> None:
-            while not done.is_set():
-                asked = time.perf_counter()
-                await asyncio.sleep(0.001)
-                stalls.append((time.perf_counter() - asked) * 1000 - 1.0)
-
-        probing = asyncio.create_task(probe())
-        await asyncio.sleep(0.01)
-        for _ in range(10):
-            # Within node_stale_s of the summaries, and an evaluation due.
-            state.clock = (state.clock or START) + evaluator.settings.evaluate_interval_s
-            if in_loop:
-                evaluator.evaluate(state, state.clock)
-                await asyncio.sleep(0)
-            else:
-                await evaluate_due(evaluator, state)
-        done.set()
-        await probing
-
-    asyncio.run(agent())
-    return max(stalls)
-
-
 def _checkpoint(running: int = 9_000) -> tuple[float, float, float]:
     """KB of changelog per admission's checkpoint, KB of the whole state, ms of CPU."""
     evaluator, state = FleetEvaluator(), FleetState()
@@ -166,8 +131,6 @@ def run() -> list[Figure]:
     evaluator, state = _fleet(rng, free=(0, 1, 2), pending=1000, sizes=(4, 8),
                               waited_s=3600.0, stuck=True)
     stuck_ms = _evaluation_ms(evaluator, state)
-    stall_in_loop_ms = _loop_stall_ms(evaluator, state, in_loop=True)
-    stall_ms = _loop_stall_ms(evaluator, state, in_loop=False)
     assert len(state.nodes) == NODES and len(state.queue.waiting) == 1000
     shapes = frag.popularity(
         [frag.Shape(1, m) for m in (1000, 810, 470, 320, 650, 230, 460, 590, 160, 550, 220,
@@ -185,10 +148,6 @@ def run() -> list[Figure]:
         Figure("whole fleet evaluation, 1,000 pending that fit no node, an idle holder on "
                "every node",
                stuck_ms, "ms"),
-        Figure("event loop's longest stall, 10 such evaluations in the loop (until "
-               "2026-11-28)", stall_in_loop_ms, "ms"),
-        Figure("event loop's longest stall, 10 such evaluations as the agent runs them "
-               "(a thread)", stall_ms, "ms"),
         Figure("FGD over 1,250 distinct partly-allocated nodes, 24 shapes (worst case)",
                partial_ms, "ms"),
         Figure("fleet state checkpoint after one admission, 9,000 running pods: changelog",

@@ -50,9 +50,7 @@ I/O and are tested without a broker. Fleet rules are evaluated on the event
 time carried by the records (the latest seen), at most every
 ``evaluate_interval_s`` of it or of the summaries' own clock (which a queue read
 ahead leaves behind): evaluating FGD on every one of 1,250 summaries a
-minute would be wasted work, since the measure changes slowly. An evaluation
-runs in a thread (:func:`evaluate_due`), so that a large queue's does not hold
-up the node join in the same event loop.
+minute would be wasted work, since the measure changes slowly.
 
 It stays one module: the fleet agent's state, its single partition and the order in
 which fleet rules see summaries and queue events belong together.
@@ -214,11 +212,9 @@ class FleetEvaluator:
         return self._geometries
 
     def on_summary(self, state: FleetState, summary: NodeSummary, *,
-                   queue_caught_up: bool = True, evaluate: bool = True) -> list[FleetOutput]:
+                   queue_caught_up: bool = True) -> list[FleetOutput]:
         """Fold a node summary in. ``queue_caught_up``: every queue event published so far
-        has been applied, so the queue state is true up to the summaries' time too.
-        ``evaluate``: False to leave an evaluation it makes due to the caller
-        (:meth:`evaluation_due`)."""
+        has been applied, so the queue state is true up to the summaries' time too."""
         known = state.nodes.get(summary.node)
         if known is None or summary_follows(summary, known.ts, known.clock_steps):
             # A deleted node's tombstone is kept as its latest summary, out of every view
@@ -235,10 +231,10 @@ class FleetEvaluator:
             assert runner.on_summary is not None
             out += runner.on_summary(_track(state, runner), summary, settings)
         state.summary_clock = max(summary.ts, state.summary_clock or summary.ts)
-        return out + self._advance(state, queue_caught_up, evaluate)
+        return out + self._advance(state, queue_caught_up)
 
     def on_queue(self, state: FleetState, event: QueueEvent, *,
-                 queue_caught_up: bool = True, evaluate: bool = True) -> list[FleetOutput]:
+                 queue_caught_up: bool = True) -> list[FleetOutput]:
         key = queue_rules.workload_key(event)
         was_waiting = key in state.queue.waiting
         last = state.queue.last_event.get(key)
@@ -255,10 +251,9 @@ class FleetEvaluator:
             assert runner.on_queue is not None
             out += runner.on_queue(_track(state, runner), event, settings)
         state.queue_clock = max(event.ts, state.queue_clock or event.ts)
-        return out + self._advance(state, queue_caught_up, evaluate)
+        return out + self._advance(state, queue_caught_up)
 
-    def _advance(self, state: FleetState, queue_caught_up: bool, evaluate: bool
-                 ) -> list[FleetOutput]:
+    def _advance(self, state: FleetState, queue_caught_up: bool) -> list[FleetOutput]:
         # The queue rules may only judge a time the queue stream has been read up to: with
         # the queue behind (a worker catching up), a workload that looks pending may have
         # been admitted in a record not read yet. So the clock follows the queue's event
@@ -269,22 +264,15 @@ class FleetEvaluator:
             return []
         if state.clock is None or max(clocks) > state.clock:
             state.clock = max(clocks)
-        now = self.evaluation_due(state) if evaluate else None
-        return [] if now is None else self.evaluate(state, now)
-
-    def evaluation_due(self, state: FleetState) -> float | None:
-        """The event time to evaluate the fleet at now, if an evaluation is due: every
-        ``evaluate_interval_s`` of the clock, and also as the summaries advance behind a
-        queue read ahead, at the same time: the fleet's view (and the episodes it times by
-        ``seen``) moves on with them, not only once they pass the queue's last event."""
-        if state.clock is None:
-            return None
         interval = self.settings.evaluate_interval_s
+        # Also as the summaries advance behind a queue read ahead, at the same ``now``: the
+        # fleet's view (and the episodes it times by ``seen``) moves on with them, not only
+        # once they pass the queue's last event.
         due = (state.last_evaluation is None or state.clock - state.last_evaluation >= interval
                or (state.summary_clock is not None
                    and (state.seen_at_evaluation is None
                         or state.summary_clock - state.seen_at_evaluation >= interval)))
-        return state.clock if due else None
+        return self.evaluate(state, state.clock) if due else []
 
     def fragmentation(self, state: FleetState) -> frag.FragmentationReport:
         settings = self.rules.of(frag.KIND, frag.FragmentationSettings)
@@ -351,22 +339,6 @@ class FleetEvaluator:
         mig_observed.restart_interval(state.mig, slot, live_nodes(state),
                                       forget_before=slot - window_s)
         return out
-
-
-async def evaluate_due(evaluator: FleetEvaluator, state: FleetState) -> list[FleetOutput]:
-    """The fleet evaluation due now, if any, run off the event loop as the MIG advice is.
-
-    On a large queue an evaluation takes tens of ms (1,000 workloads that fit nowhere on a
-    full 1,250-node fleet: 39 ms; a mixed queue of 250: 93 ms); run in the loop it held up
-    the node join and the urgent path that long (the loop's longest stall over ten: 110
-    ms). In a thread the loop takes the GIL back every switch interval (5 ms): 9 ms.
-    Nothing else touches the fleet state meanwhile: the fleet agent awaits this before it
-    takes its next record, and a rebalance meanwhile drops the batch (:func:`fleet_batch`).
-    """
-    now = evaluator.evaluation_due(state)
-    if now is None:
-        return []
-    return await asyncio.to_thread(evaluator.evaluate, state, now)
 
 
 def live_nodes(state: FleetState) -> list[NodeSummary]:
@@ -689,14 +661,11 @@ def register_fleet_agent(app: faust.App, settings: Settings,
         # that fails part-way leaves nothing for a checkpoint to write.
         writes: dict[tuple[Any, bytes], bytes | None] = {}
         if isinstance(record, NodeSummary):
-            outputs = evaluator.on_summary(state, record, queue_caught_up=caught_up,
-                                           evaluate=False)
+            outputs = evaluator.on_summary(state, record, queue_caught_up=caught_up)
             if state.nodes.get(record.node) is record:
                 writes[nodes_table, record.node.encode()] = event.value
         else:
-            outputs = evaluator.on_queue(state, record, queue_caught_up=caught_up,
-                                         evaluate=False)
-        outputs += await evaluate_due(evaluator, state)
+            outputs = evaluator.on_queue(state, record, queue_caught_up=caught_up)
         slot = evaluator.mig_advice_due(state)
         if slot is not None:
             # Seconds of solver time on a large fleet: off the event loop, so the

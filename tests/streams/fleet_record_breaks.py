@@ -4,14 +4,13 @@ Run as a script by ``test_fleet_rollback.py``. ``FleetEvaluator.on_queue`` is wr
 on the workload named ``poison`` it applies the event (the fleet state changes) and then
 raises, as a rule with a bug would part-way. The name of every workload it is given is
 appended to the file named by ``FOLDED_LOG``, so the test sees which records were folded
-again; the thread of every fleet evaluation to ``EVALUATED_LOG``.
+again.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
 from typing import Any
 
 from gpusteward.cli import main
@@ -19,27 +18,19 @@ from gpusteward.streams.fleet import FleetEvaluator
 
 POISON = "poison"
 _on_queue = FleetEvaluator.on_queue
-_evaluate = FleetEvaluator.evaluate
 
 
 def on_queue(self: FleetEvaluator, state: Any, event: Any, *,
-             queue_caught_up: bool = True, evaluate: bool = True) -> Any:
+             queue_caught_up: bool = True) -> Any:
     with open(os.environ["FOLDED_LOG"], "a") as folded:
         folded.write(f"{event.name}\n")
-    out = _on_queue(self, state, event, queue_caught_up=queue_caught_up, evaluate=evaluate)
+    out = _on_queue(self, state, event, queue_caught_up=queue_caught_up)
     if event.name == POISON:
         raise RuntimeError("a fleet rule broke half-way")
     return out
 
 
-def evaluate(self: FleetEvaluator, state: Any, now: float) -> Any:
-    with open(os.environ["EVALUATED_LOG"], "a") as evaluated:
-        evaluated.write(f"{threading.current_thread().name}\n")
-    return _evaluate(self, state, now)
-
-
 if __name__ == "__main__":
     FleetEvaluator.on_queue = on_queue  # type: ignore[method-assign]
-    FleetEvaluator.evaluate = evaluate  # type: ignore[method-assign]
     sys.argv = ["gpusteward", "worker", *sys.argv[1:]]
     main()

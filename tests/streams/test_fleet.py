@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import msgspec
 import pytest
 
@@ -13,7 +10,7 @@ from gpusteward.rules import queue as queue_rules
 from gpusteward.rules import spot as spot_rules
 from gpusteward.rules.eta import EtaState
 from gpusteward.schema import Finding, NodeSummary, PodRef, QueueEvent, WorkloadState
-from gpusteward.streams.fleet import FleetEvaluator, FleetOutput, FleetState, evaluate_due
+from gpusteward.streams.fleet import FleetEvaluator, FleetOutput, FleetState
 from gpusteward.streams.outputs import Undecodable, restore
 
 
@@ -49,44 +46,6 @@ def test_stranded_ddp_job_and_fragmented_fleet() -> None:
     closing += evaluator.on_summary(state, summary("n0", 1330, free=3))
     assert [(f.kind, f.state) for f in findings(closing) if f.kind == frag.STRANDED_KIND] == [
         (frag.STRANDED_KIND, "resolved")]
-
-
-def test_the_agent_evaluates_the_fleet_off_the_event_loop_and_gets_the_same_findings(
-        ) -> None:
-    """On a large queue an evaluation takes tens to hundreds of ms, which in the event loop
-    held up the node join and the urgent path of every node the worker holds."""
-    inline, deferred = FleetEvaluator(), FleetEvaluator()
-    states = FleetState(), FleetState()
-    evaluated_in: list[threading.Thread] = []
-    evaluate = deferred.evaluate
-
-    def noted(state: FleetState, now: float) -> list[FleetOutput]:
-        evaluated_in.append(threading.current_thread())
-        return evaluate(state, now)
-
-    deferred.evaluate = noted  # type: ignore[method-assign]
-
-    async def agent() -> tuple[list[FleetOutput], list[FleetOutput]]:
-        expected = inline.on_queue(states[0], ddp(0, gpus=8))
-        got = deferred.on_queue(states[1], ddp(0, gpus=8), evaluate=False)
-        got += await evaluate_due(deferred, states[1])
-        for t in range(0, 1200, 60):
-            for i in range(4):
-                expected += inline.on_summary(states[0], summary(f"n{i}", t, free=3))
-                got += deferred.on_summary(states[1], summary(f"n{i}", t, free=3),
-                                           evaluate=False)
-                got += await evaluate_due(deferred, states[1])
-        return expected, got
-
-    expected, got = asyncio.run(agent())
-    assert [(f.kind, f.state) for f in findings(got)] == [
-        (f.kind, f.state) for f in findings(expected)]
-    assert {frag.STRANDED_KIND, frag.KIND} <= {f.kind for f in findings(got)}
-    # At the queue's event, at the first summaries (the summaries' clock starts), then once
-    # per evaluate_interval_s of event time (30 s: each minute's summaries); never in the
-    # thread that runs the event loop.
-    assert len(evaluated_in) == 21
-    assert threading.main_thread() not in evaluated_in
 
 
 def test_stale_nodes_leave_the_fleet() -> None:
