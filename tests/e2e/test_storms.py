@@ -193,10 +193,18 @@ FLAPS = 10
 
 
 def two_busy_nodes(name: str, duration_s: float, faults: list[dict[str, Any]]) -> Scenario:
-    """Two busy 2-GPU nodes (one 2-GPU training job on each) with ``faults``."""
+    """Two busy 2-GPU nodes (one 2-GPU training job on each) with ``faults``.
+
+    Paced (a minute's samples every 50 ms), not run flat out: unpaced, the world publishes
+    its hours faster than the worker reads them, and a worker read minutes of node
+    summaries before a job's admission and told the job waiting (twice in `make test` on
+    2026-11-28, once with the fleet evaluation in a thread, once without: a finding since
+    the world's start beside the rule's own messages, a start estimate where the message
+    showed its kind). On a live cluster the admission comes minutes before those
+    summaries."""
     return Scenario.model_validate({
         "name": name, "seed": 3, "duration_s": duration_s, "sample_interval_s": 60,
-        "acceleration": 0,
+        "acceleration": 1200,
         "nodes": [{"prefix": "gpu", "count": 2, "gpu_model": "NVIDIA H100 80GB HBM3",
                    "gpus": 2, "mem_gib": 80}],
         "users": ["alice", "bob"],
