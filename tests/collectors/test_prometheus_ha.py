@@ -182,7 +182,12 @@ async def _run(settings: Settings, prometheus_factory: Callable[..., str],
             await asyncio.sleep(3 * SCRAPE_S)
         finally:
             collector.terminate()
-            collector.wait(10)
+            try:  # a pod's grace period: the publisher's drain alone may take 10 s
+                collector.wait(30)
+            except subprocess.TimeoutExpired:
+                collector.kill()
+                tail = (tmp_path / "collector.log").read_text(errors="replace")[-3000:]
+                raise AssertionError(f"the collector outlived SIGTERM by 30 s:\n{tail}") from None
             await proxy.stop()
         try:
             names = [t.name(settings) for t in (topics.SAMPLES, topics.HW_EVENTS)]
