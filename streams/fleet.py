@@ -267,10 +267,10 @@ class FleetEvaluator:
         if not queue_caught_up and (state.queue_clock is None
                                     or state.queue_clock < state.clock):
             # The summaries moved the clock on while the queue was read to its end, and
-            # queue records from before the clock have come since, not all applied yet:
-            # the queue state is not true at the clock until they are (a job's admission
-            # in the next record must not leave its pending judged minutes late). The
-            # evaluation waits for them; due stays due.
+            # queue records have come since, not all applied yet, perhaps from before the
+            # clock: the queue state is not known true at the clock until they are (a
+            # job's admission in the next record must not leave its pending judged
+            # minutes late). The evaluation waits for them, a batch or so; due stays due.
             return []
         interval = self.settings.evaluate_interval_s
         # Also as the summaries advance behind a queue read ahead, at the same ``now``: the
