@@ -264,9 +264,9 @@ def test_a_queue_read_behind_the_summaries_clock_is_not_judged_until_it_catches_
     for t in range(-60, 720, 30):
         out += evaluator.on_summary(state, summary("n0", t, free=0))
 
-    def api(state: WorkloadState) -> QueueEvent:
+    def api(phase: WorkloadState) -> QueueEvent:
         return QueueEvent(ts=0, name="api", namespace="serve", cluster_queue="prod",
-                          state=state, created_at=0, gpus=1)
+                          state=phase, created_at=0, gpus=1)
 
     out += evaluator.on_queue(state, api("pending"), queue_caught_up=False)
     for t in range(720, 840, 30):
