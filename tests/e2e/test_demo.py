@@ -22,7 +22,6 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,38 +116,6 @@ def test_demo_summary_matches_ground_truth(settings: Settings, tmp_path: Path) -
     assert job.wait(180) == 0, job.log_tail()
     report = json.loads((job.launch.mounts["/reports"] / "report.json").read_text())
     _check_idle_holders(report["idle_holders"], truth, samples)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(("name", "story"), [
-    ("spot-batch", lambda truth: truth.interruptions),
-    ("faulty-fleet", lambda truth: truth.faults),
-    ("queue-pressure", lambda truth: truth.unplaceable),
-    ("mig-inference", lambda truth: truth.unplaceable),
-])
-def test_the_other_stories_as_deployed_match_their_ground_truth(
-        settings: Settings, tmp_path: Path, name: str,
-        story: Callable[[GroundTruth], list[Any]]) -> None:
-    """`gpusteward demo --scenario NAME`: the overlay's processes against the world, whose
-    API double and kubelet sockets carry what the simulator does (a spot node's taint and
-    its deletion, faulty GPUs, a job no node can hold). Each story happened (``story``) and
-    the summary agrees with the ground truth: before, spot-batch crashed the world (two pods
-    of one name), its interruptions never reached the watcher (no taint on the Node),
-    faulty-fleet's summary called every fault the policy leaves to a dry run missed, and
-    the job no node can hold (queue-pressure's 3 GPUs, mig-inference's 2g.20gb slice) was
-    given a start estimate."""
-    scenario = scenarios.load(name)
-    cluster = SimulatedCluster(scenario.model_copy(
-        update={"acceleration": scenario.duration_s / WALL_S}))
-    console = Console(record=True, width=120)
-
-    async def main() -> tuple[GroundTruth, bool]:
-        truth, state = await demo._run(settings, cluster, console, False, tmp_path)
-        return truth, demo.summarize(console, truth, state)
-
-    truth, agree = asyncio.run(main())
-    assert story(truth), "the scenario's story happened"
-    assert agree, console.export_text()[-3000:]
 
 
 def _idle_gpu_hours(truth: GroundTruth, samples: list[NodeSample]) -> dict[str, float]:
