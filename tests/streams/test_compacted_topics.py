@@ -17,7 +17,6 @@ import pytest
 from gpusteward import kafka, topics
 from gpusteward.sandbox.pipeline import WorkerProcess
 from gpusteward.settings import Settings
-from gpusteward.topics import worker_group
 
 pytestmark = pytest.mark.e2e
 
@@ -33,8 +32,7 @@ def test_changelogs_and_compacted_topics_start_a_segment_every_ten_minutes(
         worker.wait_ready()
     finally:
         worker.stop()
-    group = worker_group(settings)
-    names = [f"{group}-{table}-changelog" for table in CHANGELOGS] + [
+    names = [topics.changelog(settings, table) for table in CHANGELOGS] + [
         spec.name(settings) for spec in topics.ALL if spec.compacted]
     configs = asyncio.run(kafka.topic_configs(settings, names))
     expected = {"cleanup.policy": "compact", **topics.COMPACTED_SEGMENTS}

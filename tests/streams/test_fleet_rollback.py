@@ -153,7 +153,7 @@ def test_a_refused_queue_record_alone_in_its_batch_is_checkpointed_as_read(
         asyncio.run(kafka.wait_consumed(settings, group, queue, timeout_s=60))
     finally:
         worker.stop()
-    written = asyncio.run(kafka.read_all(settings, f"{group}-fleet-state-changelog"))
+    written = asyncio.run(kafka.read_all(settings, topics.changelog(settings, "fleet-state")))
     assert written, (tmp_path / "worker.log").read_text()
     state = msgspec.msgpack.decode(written[-1].value, type=FleetState)
     assert state.queue_offset == 1 and set(state.queue.waiting) == {"ml/a"}
@@ -168,8 +168,7 @@ def test_states_a_rollback_cannot_decode_are_dropped_and_the_worker_goes_on(
     dead-lettered. The undecodable states used to dead-letter every record of their key for
     ever: for the fleet state, every queue event and node summary."""
     asyncio.run(kafka.ensure_topics(settings))
-    group = worker_group(settings)
-    changelogs = {table: f"{group}-{table}-changelog"
+    changelogs = {table: topics.changelog(settings, table)
                   for table in ("fleet-state", "fleet-nodes", "node-state")}
     newer_summary = msgspec.json.encode(NodeSummary(ts=T0, node="n2", gpu_model=None, gpus_total=8,
                                                     gpus_free=8, healthy=True))
@@ -187,9 +186,9 @@ def test_states_a_rollback_cannot_decode_are_dropped_and_the_worker_goes_on(
     worker = WorkerProcess(settings, tmp_path / "worker.log")
     worker.start()
     try:
-        asyncio.run(kafka.wait_consumed(settings, group, [topics.QUEUE.name(settings),
-                                                          topics.SAMPLES.name(settings)],
-                                        timeout_s=60))
+        asyncio.run(kafka.wait_consumed(
+            settings, worker_group(settings),
+            [topics.QUEUE.name(settings), topics.SAMPLES.name(settings)], timeout_s=60))
     finally:
         worker.stop()
     log = (tmp_path / "worker.log").read_text()
