@@ -34,13 +34,14 @@ lint: install
 	cd $(LINKTREE) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p gpusteward
 	cd $(LINKTREE) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml $(CURDIR)/tests $(CURDIR)/benchmarks
 
-# Three workers, a test file each at a time (a file's module fixtures stay on one worker,
+# Four workers, a test file each at a time (a file's module fixtures stay on one worker,
 # each worker has its own embedded broker): most end-to-end tests wait on paced worlds,
-# brokers and child processes, so the 2-CPU VM is a third busy with two workers; three
-# take 9.3 min instead of 13.4 (2026-11-27). Then the serial tests alone (see the marker in
+# brokers and child processes, so the 2-CPU VM is a third busy with two workers and still
+# a third idle with three; four took 11.6 min against three's 12.9 (2026-11-29, no test
+# slower by more than the host's spread). Then the serial tests alone (see the marker in
 # pyproject.toml).
 test: install system-deps lint
-	$(BIN)/pytest -n 3 --dist loadfile -m "not serial"
+	$(BIN)/pytest -n 4 --dist loadfile -m "not serial"
 	$(BIN)/pytest -m serial
 
 bench: install

@@ -105,7 +105,7 @@ def test_idle_notebooks_reclaimed_on_the_short_ladder_while_the_job_waits(
     reclaims = [a for a in waiting_run.actions
                 if a.rule == demand.KIND and a.verb == "requeue"]
     assert sorted(f"{a.target.pod.namespace}/{a.target.pod.name}" for a in reclaims
-                  if a.target.pod) == sorted(idle)
+                  if a.target.pod) == sorted(idle), _demand_story(waiting_run)
     for action in reclaims:
         assert action.params["reason"] == RECLAIM_REASON and action.dry_run
         idle_since = float(action.params["idle_since"])
@@ -125,6 +125,22 @@ def test_idle_notebooks_reclaimed_on_the_short_ladder_while_the_job_waits(
                    for a in waiting_run.actions)
     assert not [a for a in waiting_run.actions
                 if a.verb == "requeue" and a.rule != demand.KIND]
+
+
+def _demand_story(run: Run) -> str:
+    """What the pipeline said about the waiting world: its demand findings and, per node,
+    when its summaries carried idle holds (first, last, the holds' idle_since)."""
+    lines = [f"{f.ts - run.truth.start_ts:.0f} s {f.state} {f.summary}"
+             for f in run.findings if f.kind == demand.KIND]
+    holds: dict[str, list[float]] = {}
+    for summary in run.summaries:
+        for hold in summary.idle:
+            holds.setdefault(f"{summary.node} {hold.pod.name} idle since "
+                             f"{hold.idle_since - run.truth.start_ts:.0f}",
+                             []).append(summary.ts - run.truth.start_ts)
+    lines += [f"{key}: in {len(ts)} summaries, {min(ts):.0f}-{max(ts):.0f} s"
+              for key, ts in holds.items()]
+    return "\n".join(lines or ["no demand finding, no idle hold in any summary"])
 
 
 def test_budget_projected_then_crossed_for_the_team_that_burns_it(budget_run: Run) -> None:
