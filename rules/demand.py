@@ -218,8 +218,14 @@ def _reclaims_across(demand: Demand, nodes: list[_Node], views: dict[int, NodeSu
         return room // smallest if bounded else wanted
 
     room = {id(n): n.free_gpus for n in nodes}
-    bound = sum(slots(r) for r in room.values()) + sum(
-        slots(request_room(v)) for key, v in views.items() if key not in room)
+    elsewhere = sum(slots(request_room(v)) for key, v in views.items() if key not in room)
+    if bounded and elsewhere + sum(slots(n.free_gpus + sum(h.gpus for h in n.holds))
+                                   for n in nodes) < wanted:
+        # Not even every holder released makes room for enough of the smallest pods: the
+        # answer of the search below, without ordering the fleet's holders for it (a queue
+        # stuck behind a full fleet asks this of every shape at every evaluation).
+        return None
+    bound = sum(slots(r) for r in room.values()) + elsewhere
     # The nodes as released so far. A node stays in its place even when a release is undone:
     # first fit depends on the order, and the placement kept must be one that was found.
     current = dict(views)

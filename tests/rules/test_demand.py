@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import msgspec
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from gpusteward.rules import demand as d
-from gpusteward.rules.fragmentation import Demand, FleetView
+from gpusteward.rules.fragmentation import Demand, FleetView, placement
 from gpusteward.rules.idle import RECLAIM_REASON
 from gpusteward.schema import Action, Finding, IdleHold, NodeSummary, PodRef, PodSet
 
@@ -250,6 +250,41 @@ def test_finding_only_when_reclaim_lets_a_waiting_workload_start(holds: int, fre
         assert len(firing) == want - free
         verbs = [a.verb for a in out if isinstance(a, Action)]
         assert verbs.count("requeue") == verbs.count("notify_owner") == want - free
+
+
+@given(st.lists(st.tuples(st.integers(0, 8), st.lists(st.sampled_from([1, 1, 2, 4]),
+                                                        max_size=4)), min_size=1, max_size=8),
+       st.lists(st.integers(0, 8), max_size=4),
+       st.integers(2, 8), st.sampled_from([1, 2, 4, 8]))
+def test_a_workload_of_several_pods_finds_reclaims_exactly_when_releasing_every_holder_fits(
+        shapes: list[tuple[int, list[int]]], others: list[int], count: int,
+        gpus: int) -> None:
+    """The search for a workload of several pods that does not fit (and its shortcut: too
+    few places even with every holder released) gives up exactly when the fleet with every
+    useful holder released still cannot place it."""
+    nodes = [d._Node(node(f"n{i}", free, []), free, {},
+                     [msgspec.structs.replace(hold(10 * i + j), gpus=g)
+                      for j, g in enumerate(sizes)])
+             for i, (free, sizes) in enumerate(shapes)]
+    # The room each node offers, by id of the node, as the match keeps it: the nodes without
+    # holders, then those with holders as they are (only those with room).
+    elsewhere = [d._Node(node(f"o{i}", free, [], total=8), free, {})
+                 for i, free in enumerate(others) if free]
+    views = {id(n): n.summary for n in elsewhere}
+    views.update((id(n), n.released()) for n in nodes if n.free_gpus)
+    # Pods of one shape: for them the placement (first fit) finds a place whenever one
+    # exists, so "it cannot place them" is the fleet's answer, not the order's.
+    pods = (PodSet(count=count, gpus=gpus),)
+    demand = Demand(key="ml/ddp", queue="research", gpus=count * gpus, since=0,
+                    pod_sets=pods)
+    # The match asks only for workloads that do not fit as the fleet is.
+    assume(placement(pods, list(views.values())) is None)
+    every = [n.summary for n in elsewhere] + [n.released(d._useful(n, pods)) for n in nodes]
+    found = d._reclaims_across(demand, nodes, views)
+    assert (found is None) == (placement(pods, every) is None)
+    if found is not None:
+        reclaimed, _ = found
+        assert all(h in n.holds for n, h in reclaimed)
 
 
 def _holds_2gpu(*devices: int) -> list[IdleHold]:
