@@ -74,6 +74,52 @@ def test_true_end_offsets_count_every_record_of_the_last_batch(settings: Setting
     assert reported <= true_end  # 1 on the embedded broker (one batch of ten), 10 on Kafka
 
 
+def test_a_fetch_reports_the_end_after_the_last_batch_where_list_offsets_trails(
+        settings: Settings) -> None:
+    """The fleet agent takes the queue for read to its end when the last applied offset
+    reaches the high watermark of the consumer's last fetch (``streams/fleet.py``,
+    ``queue_caught_up``). That watermark is the end after the last record, on the
+    embedded broker too: there only ListOffsets (``end_offsets``) answers the last batch's
+    base offset plus one. Batches of 2-6 records are written while a reader fetches; no
+    fetch may report an end inside a batch."""
+
+    async def main() -> tuple[int, int]:
+        name = f"{settings.topic_prefix}.fetch-ends"
+        await _create_topic(settings, name, partitions=1)
+        tp = TopicPartition(name, 0)
+        producer = kafka.producer(settings, linger_ms=10)
+        reader = kafka.consumer(settings, group_id=None, fetch_max_wait_ms=40)
+        await producer.start()
+        await reader.start()
+        inside: set[int] = set()
+        try:
+            await producer.send_and_wait(name, b"v", partition=0)
+            reader.assign([tp])
+            await reader.seek_to_beginning(tp)
+
+            async def write() -> None:
+                for i in range(60):
+                    sent = [await producer.send(name, b"v", partition=0)
+                            for _ in range(2 + i % 5)]
+                    offsets = [m.offset for m in await asyncio.gather(*sent)]
+                    inside.update(offsets[1:])  # an end there leaves the batch's rest out
+
+            writing = asyncio.create_task(write())
+            fetched = []
+            while not writing.done():
+                await reader.getmany(tp, timeout_ms=20)
+                fetched.append(reader.highwater(tp))
+            await writing
+        finally:
+            await reader.stop()
+            await producer.stop()
+        return sum(end in inside for end in fetched), len(fetched)
+
+    fetch_inside, fetches = asyncio.run(main())
+    assert fetches > 10
+    assert fetch_inside == 0
+
+
 def test_read_all_reads_to_the_end_through_slow_fetches(
         settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     """A history read on start (the executor's keys and breaker) once stopped at the first
