@@ -361,7 +361,7 @@ async def read_each(settings: Settings, topic: str,
 
     Used to rebuild derived state on start (the executor's completed idempotency
     keys and its circuit breaker) and by tests. It reads up to the true end offsets
-    (:func:`true_end_offsets`: the embedded broker's high watermark can trail the last
+    (:func:`true_end_offsets`: the embedded broker's ListOffsets answer can trail the last
     batch) rather than stopping at the first quiet fetch, which a slow broker would have
     turned into a history cut short: a tripped breaker read as closed. Raises TimeoutError
     when the end is not reached within ``READ_ALL_DEADLINE_S``.
