@@ -80,6 +80,42 @@ def _fleet(rng: random.Random, free: Sequence[int] = (0, 0, 0, 1, 2, 3, 4, 8),
     return evaluator, state
 
 
+def _mixed(rng: random.Random, pending: int = 250) -> tuple[FleetEvaluator, FleetState]:
+    """A full fleet, a fifth of it MIG nodes, idle holders (whole GPUs or MIG slices) on 30 %
+    of the nodes, and ``pending`` workloads waiting an hour: a quarter of one pod of 1-4
+    GPUs, a quarter of one MIG slice, half of 2-4 pods of 1-2 GPUs. Half of them (126) find
+    holders to reclaim (282), so the reclaim match searches for each: every reclaim changes
+    the room, and no shape stays memoised as stuck."""
+    evaluator, state = FleetEvaluator(), FleetState()
+    for i in range(NODES):
+        partitioned = i % 5 == 0
+        idle: list[IdleHold] = []
+        if rng.random() < 0.3:
+            idle = [IdleHold(device=f"GPU-{i}-{k}", pod=PodRef("ml", f"nb-{i}-{k}"),
+                             idle_since=START - 9000,
+                             gpus=0 if partitioned else rng.choice([1, 1, 2]),
+                             mig_profile=rng.choice(["1g.10gb", "3g.40gb"]) if partitioned
+                             else None)
+                    for k in range(rng.randint(1, 3))]
+        state.nodes[f"a100-{i}"] = NodeSummary(
+            ts=START, node=f"a100-{i}", gpu_model="NVIDIA A100-SXM4-80GB", gpus_total=GPUS,
+            gpus_free=0 if partitioned else rng.choice([0, 0, 1]), idle=idle,
+            mig_free={"1g.10gb": rng.choice([0, 1])} if partitioned else {},
+            mig_total={"1g.10gb": 7} if partitioned else {})
+    for i in range(pending):
+        ts = START - 3600 + i
+        gpus, mig, pods = rng.choice([1, 2, 4]), dict[str, int](), list[PodSet]()
+        if i % 4 == 1:
+            gpus, mig = 0, {rng.choice(["1g.10gb", "3g.40gb"]): 1}
+        elif i % 4 > 1:
+            count, each = rng.randint(2, 4), rng.choice([1, 2])
+            gpus, pods = count * each, [PodSet(count=count, gpus=each)]
+        evaluator.on_queue(state, QueueEvent(ts=ts, name=f"job-{i}", namespace="ml",
+                                             cluster_queue="research", state="pending",
+                                             created_at=ts, gpus=gpus, mig=mig, pod_sets=pods))
+    return evaluator, state
+
+
 def _evaluation_ms(evaluator: FleetEvaluator, state: FleetState) -> float:
     clock = [START + 300.0]
 
@@ -132,6 +168,9 @@ def run() -> list[Figure]:
                               waited_s=3600.0, stuck=True)
     stuck_ms = _evaluation_ms(evaluator, state)
     assert len(state.nodes) == NODES and len(state.queue.waiting) == 1000
+    evaluator, state = _mixed(rng)
+    mixed_ms = _evaluation_ms(evaluator, state)
+    assert len(state.queue.waiting) == 250
     shapes = frag.popularity(
         [frag.Shape(1, m) for m in (1000, 810, 470, 320, 650, 230, 460, 590, 160, 550, 220,
                                     370, 110, 480, 50, 330, 350, 270, 440, 290, 140)]
@@ -148,6 +187,8 @@ def run() -> list[Figure]:
         Figure("whole fleet evaluation, 1,000 pending that fit no node, an idle holder on "
                "every node",
                stuck_ms, "ms"),
+        Figure("whole fleet evaluation, 250 pending of whole GPUs, MIG slices and several "
+               "pods, half of them finding idle holders to reclaim", mixed_ms, "ms"),
         Figure("FGD over 1,250 distinct partly-allocated nodes, 24 shapes (worst case)",
                partial_ms, "ms"),
         Figure("fleet state checkpoint after one admission, 9,000 running pods: changelog",

@@ -218,14 +218,21 @@ def _reclaims_across(demand: Demand, nodes: list[_Node], views: dict[int, NodeSu
         return room // smallest if bounded else wanted
 
     room = {id(n): n.free_gpus for n in nodes}
-    elsewhere = sum(slots(request_room(v)) for key, v in views.items() if key not in room)
-    if bounded and elsewhere + sum(slots(n.free_gpus + sum(h.gpus for h in n.holds))
-                                   for n in nodes) < wanted:
+    bound = sum(slots(request_room(v)) for key, v in views.items() if key not in room)
+    if bounded:
         # Not even every holder released makes room for enough of the smallest pods: the
         # answer of the search below, without ordering the fleet's holders for it (a queue
-        # stuck behind a full fleet asks this of every shape at every evaluation).
-        return None
-    bound = sum(slots(r) for r in room.values()) + elsewhere
+        # stuck behind a full fleet asks this of every shape at every evaluation). A loop,
+        # not nested sums: it runs over every node with holders for each such workload.
+        most = bound
+        for n in nodes:
+            freed = n.free_gpus
+            for hold in n.holds:
+                freed += hold.gpus
+            most += freed // smallest
+        if most < wanted:
+            return None
+    bound += sum(slots(r) for r in room.values())
     # The nodes as released so far. A node stays in its place even when a release is undone:
     # first fit depends on the order, and the placement kept must be one that was found.
     current = dict(views)
@@ -246,9 +253,11 @@ def _reclaims_across(demand: Demand, nodes: list[_Node], views: dict[int, NodeSu
         bound += slots(room[key])
         current[key] = node.released(released[key])
 
-    # Nodes with the most room first: their holders complete a pod's place soonest.
-    order = [(n, h) for n in sorted(nodes, key=lambda n: (-n.free_gpus, n.summary.node))
-             for h in _useful(n, pods)]
+    # Nodes with the most room first: their holders complete a pod's place soonest. A node's
+    # useful holders are worked out only as the search reaches it (it stops at the first
+    # fit; the nodes' room and holders do not change while it runs).
+    order = ((n, h) for n in sorted(nodes, key=lambda n: (-n.free_gpus, n.summary.node))
+             for h in _useful(n, pods))
     taken: list[tuple[_Node, IdleHold]] = []
     for node, hold in order:
         taken.append((node, hold))
