@@ -373,6 +373,12 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
     for node in nodes:
         keep_open(id(node), node.released())
     by_room = _ByRoom(nodes)
+    by_profile: dict[str, list[_Node]] = {}
+    """The nodes with holders of each MIG profile (holders are only taken away): a MIG pod
+    looks at those, not at every node with holders."""
+    for node in nodes:
+        for held in {h.mig_profile for h in node.holds if h.mig_profile}:
+            by_profile.setdefault(held, []).append(node)
 
     stuck: set[tuple[object, ...]] = set()
     """The shapes that found neither room nor a reclaim in the fleet as it is: a queue that
@@ -423,7 +429,8 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
             use(spent, reclaimed)
             continue
         if demand.mig:
-            options = [(need, node) for node in nodes if (need := _needed_mig(demand, node))]
+            options = [(need, node) for node in by_profile.get(next(iter(demand.mig)), ())
+                       if (need := _needed_mig(demand, node))]
             chosen = min(options, key=lambda o: (o[0][0], _name(o[1]))) if options else None
         else:
             chosen = by_room.fewest(demand.gpus)
