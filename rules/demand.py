@@ -407,9 +407,7 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
         if shape in stuck:
             continue
         pods = demand.pods
-        too_large = (len(pods) == 1 and pods[0].count == 1 and not pods[0].mig
-                     and pods[0].gpus > max((r for r, n in rooms.items() if n), default=0))
-        placed = None if too_large else placement(pods, list(views.values()))
+        placed = None if _no_room(pods, rooms) else placement(pods, list(views.values()))
         if placed is not None:
             # It fits without any reclaim: it waits for quota or the scheduler, and the room
             # it would start on is not the next workload's.
@@ -452,6 +450,24 @@ def match(fleet: FleetView, now: float, settings: DemandReclaimSettings
         by_room.moved(node)
         stuck.clear()
     return out
+
+
+def _no_room(pods: Sequence[PodSet], rooms: Counter[int]) -> bool:
+    """Whether whole-GPU ``pods`` cannot all find room on nodes offering the ``rooms`` counted
+    (how many nodes offer each amount of ``nvidia.com/gpu`` room), without placing them: a
+    node of room r holds at most r // g pods of g GPUs, so too few places for the smallest
+    pods, or one pod larger than any node's room, settles it. False: it may fit."""
+    if any(p.mig for p in pods):
+        return False
+    sizes = [p.gpus for p in pods if p.gpus]
+    if not sizes:
+        return False
+    offered = [r for r, n in rooms.items() if n]
+    if max(sizes) > max(offered, default=0):
+        return True
+    smallest = min(sizes)
+    return (sum(n * (r // smallest) for r, n in rooms.items())
+            < sum(p.count for p in pods if p.gpus))
 
 
 def _subject(node: str, hold: IdleHold) -> Subject:
