@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import msgspec
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from gpusteward.rules import demand as d
+from gpusteward.rules import fragmentation
 from gpusteward.rules.fragmentation import Demand, FleetView, placement
 from gpusteward.rules.idle import RECLAIM_REASON
 from gpusteward.schema import Action, Finding, IdleHold, NodeSummary, PodRef, PodSet
@@ -285,6 +287,20 @@ def test_a_workload_of_several_pods_finds_reclaims_exactly_when_releasing_every_
     if found is not None:
         reclaimed, _ = found
         assert all(h in n.holds for n, h in reclaimed)
+
+
+@given(st.lists(st.integers(0, 8), max_size=12),
+       st.lists(st.tuples(st.integers(1, 4), st.sampled_from([1, 2, 4, 8])), min_size=1,
+                max_size=3))
+def test_a_workload_the_room_tally_rules_out_finds_no_placement(
+        free: list[int], pod_sets: list[tuple[int, int]]) -> None:
+    """The match skips placing a workload on the free room when the tally of the room each
+    node offers rules it out: then no placement exists."""
+    views = [node(f"n{i}", room, [], total=8) for i, room in enumerate(free)]
+    rooms = Counter(fragmentation.request_room(v) for v in views)
+    pods = [PodSet(count=count, gpus=gpus) for count, gpus in pod_sets]
+    if d._no_room(pods, rooms):
+        assert placement(pods, views) is None
 
 
 def _holds_2gpu(*devices: int) -> list[IdleHold]:
