@@ -122,6 +122,12 @@ async def _run(broker: EmbeddedBroker, work: Path, scenario: Scenario = SCENARIO
     worker.start()
     sink = _sink(settings, store, work / "sink.log")
     try:
+        # The world is paced, a live cluster the worker already watches (as test_fleet's
+        # run_scenario). Started before it is ready, a worker under load (make test's four
+        # test workers) once read the whole world's samples before its allocations: a
+        # catch-up whose allocations' partitions start later (docs/reliability.md), not
+        # what this test is about.
+        await asyncio.to_thread(worker.wait_ready)
         truth = await cluster.run(publisher)
         node_topics = [t.name(settings) for t in
                        (topics.SAMPLES, topics.HW_EVENTS, topics.ALLOCATIONS)]
