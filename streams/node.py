@@ -431,9 +431,10 @@ class _Holders:
     after it.
     """
 
-    __slots__ = ("_by_name", "_live", "by_device", "expired")
+    __slots__ = ("_by_name", "_live", "_ts", "by_device", "expired")
 
     def __init__(self, pods: dict[str, Holding], ts: float, linger_s: float) -> None:
+        self._ts = ts
         self.by_device: dict[str, Holding] = {}
         self._live: list[Holding] = []
         self._by_name: dict[tuple[str, str], list[Holding]] | None = None
@@ -473,16 +474,21 @@ class _Holders:
         A uid on both sides decides: a pod restarted under the same name (a new uid) is not
         the old one. Without a uid on one side the name decides, and of two live holdings
         with one name (the old pod's end not seen yet) the later started is the pod, since
-        Kubernetes gives a name to one pod at a time.
+        Kubernetes gives a name to one pod at a time; one that starts after the sample
+        (read ahead of it, as a worker catching up reads allocations) only when none of
+        that name had started by then.
         """
         found: Holding | None = None
+        started = False
         for holding in self._names().get((pod.namespace, pod.name), ()):
             if pod.uid is not None and holding.pod.uid is not None:
                 if holding.pod.uid == pod.uid:
                     return holding
                 continue  # both have uids and they differ: another pod of the same name
-            if found is None or holding.started_at >= found.started_at:
-                found = holding
+            began = holding.started_at <= self._ts
+            if (found is None or began > started
+                    or (began == started and holding.started_at >= found.started_at)):
+                found, started = holding, began
         return found
 
 

@@ -192,6 +192,21 @@ def test_a_pod_restarted_under_the_same_name_is_another_pod() -> None:
     assert after.find(kubelet(POD)).pod == new  # type: ignore[union-attr]
 
 
+def test_a_pod_of_the_same_name_read_ahead_of_the_samples_is_not_yet_the_pod() -> None:
+    """A worker catching up reads a node's allocations before its samples: the pod
+    restarted under the old one's name an hour later is not the one the kubelet names now."""
+    join, state = NodeJoin(), NodeState()
+    new = PodRef(namespace=POD.namespace, name=POD.name, uid="uid-a-2")
+    join.on_allocation(state, watched(POD, "running", T0, kind="batch"))
+    join.on_allocation(state, watched(POD, "finished", T0 + 3000))
+    join.on_allocation(state, watched(new, "running", T0 + 3600, kind="notebook"))
+    assert _Holders(state.pods, T0 + 600, 60).find(kubelet(POD)).pod == POD  # type: ignore[union-attr]
+    assert _Holders(state.pods, T0 + 3600, 60).find(kubelet(POD)).pod == new  # type: ignore[union-attr]
+    # Nothing of that name started yet (the node's clock behind the API server's): the
+    # one read ahead is still the best guess.
+    assert _Holders(state.pods, T0 - 60, 60).find(kubelet(POD)).pod == new  # type: ignore[union-attr]
+
+
 def test_uid_on_both_sides_decides_over_the_name() -> None:
     join, state = NodeJoin(), NodeState()
     join.on_allocation(state, watched(POD, "running", T0))
