@@ -441,6 +441,17 @@ async def read_to_end(settings: Settings, topic_names: Iterable[str],
         await reader.stop()
 
 
+def handed_on(consumer: AIOKafkaConsumer, tp: TopicPartition) -> bool:
+    """Whether ``consumer`` has handed out every record of ``tp`` up to the end its last
+    fetch reported: False before the partition's first fetch, or while records fetched are
+    buffered. Two integers of the fetcher's state, with no await: Faust's worker reads
+    them from its own loop, as it reads ``highwater``."""
+    subscription = consumer._subscription.subscription
+    state = subscription.assignment.state_value(tp) if subscription is not None else None
+    return (state is not None and state.highwater is not None
+            and state.has_valid_position and state.position >= state.highwater)
+
+
 async def true_end_offsets(reader: AIOKafkaConsumer,
                            partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
     """The offset after the last record of each partition, read rather than trusted.

@@ -88,6 +88,11 @@ def _transport_for(settings: Settings) -> type[faust_aiokafka.Transport]:
     the group consumer's assignment is untouched.
     """
 
+    # A topic whose partitions wait for the same partitions of another, its lead.
+    allocations, queue = topics.ALLOCATIONS.name(settings), topics.QUEUE.name(settings)
+    leads = {topics.SAMPLES.name(settings): allocations, topics.HW_EVENTS.name(settings):
+             allocations, topics.NODE_SUMMARIES.name(settings): queue}
+
     class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
         _end_reader: AIOKafkaConsumer | None = None
 
@@ -131,6 +136,47 @@ def _transport_for(settings: Settings) -> type[faust_aiokafka.Transport]:
 
         def _new_consumer_thread(self) -> Any:
             return ConsumerThread(self, loop=self.loop, beacon=self.beacon)
+
+        # Faust calls it with a timeout; its signature is not ours to change.
+        async def _getmany(self, active_partitions: set[TP] | None, timeout: float  # noqa: ASYNC109
+                           ) -> Mapping[TP, list[Any]]:
+            """Faust's fetch, less the partitions that must wait for their lead's records.
+
+            A node's samples and hardware events are judged with its allocations, and the
+            fleet's node summaries with the queue: a partition of the first kind is left
+            out of a fetch while the same partition of its lead topic has records fetched
+            and not yet handed on, or has not been fetched yet. Without it a worker on a
+            backlog judged an hour of a node's samples before reading the allocations
+            that name their pods (the embedded broker fills a fetch response from one
+            partition up to about 5 MB and can starve the others for several fetches).
+            Applying allocations and queue records ahead of the samples is what their
+            rules expect: a pod holds its devices from its start, and its holding
+            outlives its end until the node's samples pass it.
+            """
+            if active_partitions:
+                waiting = self._waiting_for_lead(active_partitions)
+                if waiting:
+                    active_partitions = active_partitions - waiting
+            records: Mapping[TP, list[Any]] = await super()._getmany(active_partitions, timeout)
+            return records
+
+        def _waiting_for_lead(self, active: set[TP]) -> set[TP]:
+            fetcher = self._thread._ensure_consumer()
+            behind: dict[TP, bool] = {}
+            waiting = set()
+            for tp in active:
+                lead_topic = leads.get(tp.topic)
+                if lead_topic is None:
+                    continue
+                lead = TP(lead_topic, tp.partition)
+                if lead not in active:  # paused or not ours: nothing to wait for
+                    continue
+                late = behind.get(lead)
+                if late is None:
+                    late = behind[lead] = not kafka.handed_on(fetcher, lead)
+                if late:
+                    waiting.add(tp)
+            return waiting
 
         async def perform_seek(self) -> None:
             self._seeks += 1

@@ -120,6 +120,41 @@ def test_a_fetch_reports_the_end_after_the_last_batch_where_list_offsets_trails(
     assert fetch_inside == 0
 
 
+def test_a_partition_is_handed_on_once_its_fetched_records_are_all_handed_out(
+        settings: Settings) -> None:
+    """What the worker's samples wait for (``streams/app.py``, ``_getmany``): their node's
+    allocations partition fetched, and every record it fetched handed out."""
+
+    async def main() -> list[bool]:
+        name = f"{settings.topic_prefix}.handed-on"
+        await _create_topic(settings, name, partitions=1)
+        tp = TopicPartition(name, 0)
+        producer = kafka.producer(settings)
+        reader = kafka.consumer(settings, group_id=None)
+        await producer.start()
+        await reader.start()
+        seen = []
+        try:
+            for _ in range(5):
+                await producer.send_and_wait(name, b"v", partition=0)
+            reader.assign([tp])
+            await reader.seek_to_beginning(tp)
+            seen.append(kafka.handed_on(reader, tp))  # not fetched yet
+            assert len((await reader.getmany(tp, timeout_ms=5000, max_records=2))[tp]) == 2
+            seen.append(kafka.handed_on(reader, tp))  # three fetched, not handed out
+            await reader.getmany(tp, timeout_ms=5000)
+            seen.append(kafka.handed_on(reader, tp))
+            await producer.send_and_wait(name, b"v", partition=0)
+            await reader.getmany(tp, timeout_ms=5000)
+            seen.append(kafka.handed_on(reader, tp))  # the new record handed out too
+        finally:
+            await reader.stop()
+            await producer.stop()
+        return seen
+
+    assert asyncio.run(main()) == [False, False, True, True]
+
+
 def test_read_all_reads_to_the_end_through_slow_fetches(
         settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     """A history read on start (the executor's keys and breaker) once stopped at the first
