@@ -123,10 +123,9 @@ async def _run(broker: EmbeddedBroker, work: Path, scenario: Scenario = SCENARIO
     sink = _sink(settings, store, work / "sink.log")
     try:
         # The world is paced, a live cluster the worker already watches (as test_fleet's
-        # run_scenario). Started before it is ready, a worker under load (make test's four
-        # test workers) once read the whole world's samples before its allocations: a
-        # catch-up whose allocations' partitions start later (docs/reliability.md), not
-        # what this test is about.
+        # run_scenario): a worker on a backlog is tests/streams/test_lead_partitions.py's
+        # subject (once, before the worker's samples waited for their allocations, one
+        # started with this world judged an hour of its samples before its allocations).
         await asyncio.to_thread(worker.wait_ready)
         truth = await cluster.run(publisher)
         node_topics = [t.name(settings) for t in
