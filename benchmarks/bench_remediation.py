@@ -22,6 +22,7 @@ from pathlib import Path
 from figures import Figure
 
 from gpusteward.alerting.alertmanager import AlertmanagerSink
+from gpusteward.broker import free_port
 from gpusteward.remediation.executor import Executor, NoBackend, RemediationSettings
 from gpusteward.remediation.kubernetes import KubernetesBackend, KubeSettings
 from gpusteward.sandbox.kube_api import KubeApiServer
@@ -82,11 +83,7 @@ def alertmanager_refresh(alerts: int = 1000) -> list[Figure]:
     binary = shutil.which("/usr/bin/prometheus-alertmanager")
     if binary is None:
         return []
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as directory:
         config = Path(directory) / "am.yml"
         config.write_text("route: {receiver: blackhole}\nreceivers: [{name: blackhole}]\n")

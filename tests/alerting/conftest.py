@@ -10,7 +10,6 @@ installs it).
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -18,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from gpusteward.broker import free_port
 
 ALERTMANAGER = "/usr/bin/prometheus-alertmanager"
 
@@ -28,12 +29,6 @@ route:
 receivers:
   - name: blackhole
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_alertmanager(workdir: Path, host: str = "127.0.0.1", port: int | None = None,

@@ -23,12 +23,13 @@ from typer.testing import CliRunner
 from gpusteward import kafka, topics
 from gpusteward.alerting.alertmanager import AlertmanagerSink, parse_targets
 from gpusteward.alerting.consumer import FindingsConsumer
+from gpusteward.broker import free_port
 from gpusteward.cli import app
 from gpusteward.errors import ConfigError
 from gpusteward.schema import Finding
 from gpusteward.settings import Settings
 
-from .conftest import free_port, start_alertmanager, stop_alertmanager
+from .conftest import start_alertmanager, stop_alertmanager
 from .test_alertmanager import active_alerts, ending, firing, serve_app
 
 HOSTS = ("127.0.0.1", "127.0.0.2")

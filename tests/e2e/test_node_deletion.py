@@ -31,6 +31,7 @@ import pytest
 from gpusteward import kafka, topics
 from gpusteward.alerting.alertmanager import AlertmanagerSink
 from gpusteward.alerting.consumer import FindingsConsumer
+from gpusteward.broker import free_port
 from gpusteward.collectors.kubernetes import KubeWatcher, KubeWatchSettings, api_client
 from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.rules import eta
@@ -45,7 +46,7 @@ from gpusteward.status import StatusFold
 from gpusteward.streams.fleet import FleetSettings
 from gpusteward.streams.node import NodeState, RuleSettings
 from gpusteward.topics import worker_group
-from tests.alerting.conftest import free_port, start_alertmanager, stop_alertmanager
+from tests.alerting.conftest import start_alertmanager, stop_alertmanager
 from tests.alerting.test_consumer_edge import consume_all
 from tests.e2e.records import live_states
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpusteward import kafka, metrics, topics
 from gpusteward.alerting.consumer import FindingsConsumer
-from gpusteward.broker import EmbeddedBroker
+from gpusteward.broker import EmbeddedBroker, free_port
 from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.remediation.executor import Executor, NoBackend
 from gpusteward.sandbox.pipeline import WorkerProcess
@@ -43,12 +42,6 @@ pytestmark = pytest.mark.e2e
 
 NODE_TOPICS = (topics.SAMPLES, topics.HW_EVENTS, topics.ALLOCATIONS)
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _scrape(port: int) -> Samples:
@@ -90,7 +83,7 @@ async def _run(broker: EmbeddedBroker, log_dir: Path) -> Run:
     spec = scenarios.load("faulty-fleet").model_copy(update={"acceleration": 0.0})
     publisher = KafkaPublisher(settings)
     await publisher.start()
-    worker_port = _free_port()
+    worker_port = free_port()
     os.environ["GPUSTEWARD_METRICS__PORT"] = str(worker_port)
     worker = WorkerProcess(settings, log_dir / "worker.log")
     try:
@@ -102,7 +95,7 @@ async def _run(broker: EmbeddedBroker, log_dir: Path) -> Run:
         return settings.model_copy(update={"metrics": MetricsSettings(port=port,
                                                                       addr="127.0.0.1")})
 
-    alerting_port, remediation_port = _free_port(), _free_port()
+    alerting_port, remediation_port = free_port(), free_port()
     alerting = FindingsConsumer(served(alerting_port), [])
     remediation = Executor(served(remediation_port), NoBackend())
     stop = asyncio.Event()

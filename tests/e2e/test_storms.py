@@ -27,14 +27,14 @@ from aiohttp import web
 
 from gpusteward import kafka, topics
 from gpusteward.alerting.webhook import DIGEST_OVER
-from gpusteward.broker import EmbeddedBroker
+from gpusteward.broker import EmbeddedBroker, free_port
 from gpusteward.collectors.transport.publisher import KafkaPublisher
 from gpusteward.sandbox import deployment
 from gpusteward.sandbox.simulator.engine import SimulatedCluster
 from gpusteward.sandbox.simulator.scenario import Scenario
 from gpusteward.sandbox.world import World
 from gpusteward.schema import Action, ActionResult, Finding
-from tests.alerting.conftest import free_port, start_alertmanager, stop_alertmanager
+from tests.alerting.conftest import start_alertmanager, stop_alertmanager
 from tests.alerting.test_alertmanager import serve_app
 from tests.e2e.records import decoded
 
