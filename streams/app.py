@@ -147,36 +147,26 @@ def _transport_for(settings: Settings) -> type[faust_aiokafka.Transport]:
             out of a fetch while the same partition of its lead topic has records fetched
             and not yet handed on, or has not been fetched yet. Without it a worker on a
             backlog judged an hour of a node's samples before reading the allocations
-            that name their pods (the embedded broker fills a fetch response from one
-            partition up to about 5 MB and can starve the others for several fetches).
+            that name their pods (the embedded broker can fill a fetch response with about
+            5 MB of one partition and leave the others out of several fetches in a row).
             Applying allocations and queue records ahead of the samples is what their
             rules expect: a pod holds its devices from its start, and its holding
             outlives its end until the node's samples pass it.
             """
             if active_partitions:
-                waiting = self._waiting_for_lead(active_partitions)
-                if waiting:
-                    active_partitions = active_partitions - waiting
-            records: Mapping[TP, list[Any]] = await super()._getmany(active_partitions, timeout)
-            return records
+                active_partitions = active_partitions - self._waiting_for_lead(active_partitions)
+            return cast(Mapping[TP, list[Any]],
+                        await super()._getmany(active_partitions, timeout))
 
         def _waiting_for_lead(self, active: set[TP]) -> set[TP]:
+            """The ``active`` partitions whose lead is active here and not handed on (a lead
+            paused or not assigned here holds nothing back)."""
             fetcher = self._thread._ensure_consumer()
-            behind: dict[TP, bool] = {}
-            waiting = set()
-            for tp in active:
-                lead_topic = leads.get(tp.topic)
-                if lead_topic is None:
-                    continue
-                lead = TP(lead_topic, tp.partition)
-                if lead not in active:  # paused or not ours: nothing to wait for
-                    continue
-                late = behind.get(lead)
-                if late is None:
-                    late = behind[lead] = not kafka.handed_on(fetcher, lead)
-                if late:
-                    waiting.add(tp)
-            return waiting
+            follows = {tp: TP(leads[tp.topic], tp.partition) for tp in active
+                       if tp.topic in leads}
+            behind = {lead for lead in set(follows.values())
+                      if lead in active and not kafka.handed_on(fetcher, lead)}
+            return {tp for tp, lead in follows.items() if lead in behind}
 
         async def perform_seek(self) -> None:
             self._seeks += 1

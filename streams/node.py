@@ -479,16 +479,15 @@ class _Holders:
         that name had started by then.
         """
         found: Holding | None = None
-        started = False
+        best = (False, 0.0)
         for holding in self._names().get((pod.namespace, pod.name), ()):
             if pod.uid is not None and holding.pod.uid is not None:
                 if holding.pod.uid == pod.uid:
                     return holding
                 continue  # both have uids and they differ: another pod of the same name
-            began = holding.started_at <= self._ts
-            if (found is None or began > started
-                    or (began == started and holding.started_at >= found.started_at)):
-                found, started = holding, began
+            rank = (holding.started_at <= self._ts, holding.started_at)
+            if found is None or rank >= best:
+                found, best = holding, rank
         return found
 
 
